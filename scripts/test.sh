@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: unit, integration, kernel (network namespaces) and end-to-end tests.
-# Needs root: kernel tests create network namespaces and program iptables inside them only.
+# The whole test suite: unit, integration, kernel (network namespaces), end-to-end and
+# Helm chart tests. Needs root: kernel tests create network namespaces and program
+# iptables inside them only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +10,14 @@ if [ "$(id -u)" != 0 ]; then
     exit 1
 fi
 
-# Binaries that the integration tests start as real processes (echo pods, servers).
+# Binaries that the integration and chart tests start as real processes.
 cargo build --workspace --locked --bins
 cargo test --workspace --locked --no-fail-fast
+
+# Python tools for the chart tests live in a virtualenv under target/.
+venv=target/pyenv
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r charts/tandem/tests/requirements.txt
+PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" -m pytest -q charts/tandem/tests

@@ -1,0 +1,83 @@
+{{/* Chart name, truncated to the DNS label limit. */}}
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-qualified base name for every resource. */}}
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Name of one component's resources: <fullname>-<component>. */}}
+{{- define "tandem.componentName" -}}
+{{- printf "%s-%s" (include "tandem.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "tandem.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: tandem
+{{- end }}
+
+{{/* Labels that select one component's pods. */}}
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Full image reference of one component. */}}
+{{- define "tandem.image" -}}
+{{- $ref := printf "%s/%s:%s" .root.Values.image.registry .image.repository (default .root.Chart.AppVersion .root.Values.image.tag) }}
+{{- with .image.digest }}{{ $ref = printf "%s@%s" $ref . }}{{ end }}
+{{- $ref }}
+{{- end }}
+
+{{/* The Secret holding the cloud token, and its key. */}}
+{{- define "tandem.cloudSecretName" -}}
+{{- if .Values.cloud.existingSecret }}
+{{- .Values.cloud.existingSecret }}
+{{- else }}
+{{- include "tandem.componentName" (dict "root" . "component" "cloud") }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.cloudSecretKey" -}}
+{{- if .Values.cloud.existingSecret }}{{ .Values.cloud.existingSecretKey }}{{ else }}token{{ end }}
+{{- end }}
+
+{{/* The cloud API URL: explicit, or the bundled mock's Service. */}}
+{{- define "tandem.cloudURL" -}}
+{{- if .Values.cloud.url }}
+{{- .Values.cloud.url }}
+{{- else if .Values.cloudMock.enabled }}
+{{- printf "http://%s.%s.svc:%d" (include "tandem.componentName" (dict "root" . "component" "cloud-mock")) .Release.Namespace (int .Values.cloudMock.port) }}
+{{- else }}
+{{- fail "cloud.url is required unless cloudMock.enabled is true" }}
+{{- end }}
+{{- end }}
+
+{{/* Container security context shared by the unprivileged components. */}}
+{{- define "tandem.restrictedContainerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
