@@ -1,0 +1,121 @@
+//! Do: the `ip` program, run without blocking the runtime.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use tracing::debug;
+
+use crate::error::CommandError;
+
+#[derive(Debug, Clone)]
+pub(crate) struct IpCommand {
+    program: PathBuf,
+}
+
+impl IpCommand {
+    pub fn new(program: PathBuf) -> Self {
+        Self { program }
+    }
+
+    /// Runs `ip ARGS`; its standard output on success.
+    pub async fn run(&self, args: &[String]) -> Result<String, CommandError> {
+        let command = format!("{} {}", self.program.display(), args.join(" "));
+        debug!(%command, "running");
+        let output = tokio::process::Command::new(&self.program)
+            .args(args)
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output()
+            .await
+            .map_err(|source| CommandError::Spawn {
+                command: command.clone(),
+                source,
+            })?;
+        if output.status.success() {
+            Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        } else {
+            Err(CommandError::Failed {
+                command,
+                status: output.status.to_string(),
+                stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+            })
+        }
+    }
+}
+
+/// `ip` arguments that make `vip` a local /32 address on `device` (idempotent).
+pub(crate) fn add_address_args(vip: Ipv4Addr, device: &str) -> Vec<String> {
+    vec![
+        "-4".to_owned(),
+        "address".to_owned(),
+        "replace".to_owned(),
+        format!("{vip}/32"),
+        "dev".to_owned(),
+        device.to_owned(),
+    ]
+}
+
+pub(crate) fn delete_address_args(vip: Ipv4Addr, device: &str) -> Vec<String> {
+    vec![
+        "-4".to_owned(),
+        "address".to_owned(),
+        "delete".to_owned(),
+        format!("{vip}/32"),
+        "dev".to_owned(),
+        device.to_owned(),
+    ]
+}
+
+/// Whether a failed delete failed only because the thing is already gone.
+pub(crate) fn already_gone(error: &CommandError) -> bool {
+    let stderr = error.stderr();
+    stderr.contains("No such process") || stderr.contains("Cannot assign requested address")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn address_args() {
+        let vip = Ipv4Addr::new(198, 51, 100, 7);
+        assert_eq!(
+            add_address_args(vip, "lo").join(" "),
+            "-4 address replace 198.51.100.7/32 dev lo"
+        );
+        assert_eq!(
+            delete_address_args(vip, "edge0").join(" "),
+            "-4 address delete 198.51.100.7/32 dev edge0"
+        );
+    }
+
+    #[test]
+    fn gone_is_recognised_from_stderr() {
+        let failed = |stderr: &str| CommandError::Failed {
+            command: "ip".to_owned(),
+            status: "exit status: 2".to_owned(),
+            stderr: stderr.to_owned(),
+        };
+        assert!(already_gone(&failed("RTNETLINK answers: No such process")));
+        assert!(already_gone(&failed(
+            "RTNETLINK answers: Cannot assign requested address"
+        )));
+        assert!(!already_gone(&failed(
+            "RTNETLINK answers: Operation not permitted"
+        )));
+    }
+
+    #[tokio::test]
+    async fn failures_carry_stderr_and_missing_programs_are_spawn_errors() {
+        let ip = IpCommand::new(PathBuf::from("ip"));
+        let error = ip
+            .run(&["route".to_owned(), "frobnicate".to_owned()])
+            .await
+            .unwrap_err();
+        assert!(matches!(&error, CommandError::Failed { stderr, .. } if !stderr.is_empty()));
+        let missing = IpCommand::new(PathBuf::from("/nonexistent/ip"));
+        let error = missing.run(&[]).await.unwrap_err();
+        assert!(matches!(error, CommandError::Spawn { .. }));
+    }
+}

@@ -1,0 +1,78 @@
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Whether the data plane realises load balancers at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataPlaneKind {
+    /// Realise every load balancer: proxy-mode ones with sockets on `VIP:port`,
+    /// passthrough ones with kernel routes.
+    Proxy,
+    /// Realise nothing (an API-only mock): no sockets, no probes, health stays unknown.
+    None,
+}
+
+#[derive(Debug, Clone)]
+pub struct DataPlaneConfig {
+    pub mode: DataPlaneKind,
+    /// Time between two health probes of one backend.
+    pub health_interval: Duration,
+    /// Time one probe may take before it counts as failed.
+    pub health_timeout: Duration,
+    /// Consecutive passing probes that turn an unhealthy backend healthy.
+    pub healthy_threshold: u32,
+    /// Consecutive failing probes that turn a healthy backend unhealthy.
+    pub unhealthy_threshold: u32,
+    /// Time allowed to connect to one backend before the next healthy one is tried.
+    pub connect_timeout: Duration,
+    /// A UDP flow with no packet in either direction for this long is forgotten.
+    pub udp_idle_timeout: Duration,
+    /// Most UDP flows one listener tracks; packets of further new flows are dropped.
+    pub udp_max_sessions: usize,
+    /// Add non-loopback proxy-mode VIPs as /32 addresses to `vip_device` (and remove them
+    /// when their load balancer goes). Only for a network namespace the cloud owns (the
+    /// lab's cloud edge): outside one it would change the host.
+    pub manage_vip_addresses: bool,
+    pub vip_device: String,
+    pub passthrough: PassthroughConfig,
+    /// The iproute2 `ip` program.
+    pub ip_program: PathBuf,
+}
+
+/// Settings of passthrough-mode kernel routes.
+#[derive(Debug, Clone)]
+pub struct PassthroughConfig {
+    /// `proto` number that marks routes as ours, so that routes left by an earlier run are
+    /// found and replaced or removed, and routes of anyone else are never touched.
+    pub route_protocol: u8,
+    /// Set `net.ipv4.fib_multipath_hash_policy=1` (L4 hash) before the first route, so that
+    /// ECMP spreads flows, not just source/destination pairs, over the backends.
+    pub set_multipath_hash_policy: bool,
+}
+
+impl Default for PassthroughConfig {
+    fn default() -> Self {
+        Self {
+            route_protocol: 77,
+            set_multipath_hash_policy: true,
+        }
+    }
+}
+
+impl Default for DataPlaneConfig {
+    fn default() -> Self {
+        Self {
+            mode: DataPlaneKind::Proxy,
+            health_interval: Duration::from_secs(1),
+            health_timeout: Duration::from_secs(1),
+            healthy_threshold: 2,
+            unhealthy_threshold: 2,
+            connect_timeout: Duration::from_secs(3),
+            udp_idle_timeout: Duration::from_secs(60),
+            udp_max_sessions: 4096,
+            manage_vip_addresses: false,
+            vip_device: "lo".to_owned(),
+            passthrough: PassthroughConfig::default(),
+            ip_program: PathBuf::from("ip"),
+        }
+    }
+}

@@ -1,0 +1,465 @@
+//! The handle the API server drives: `apply` converges to the desired set.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::{Arc, PoisonError, RwLock};
+
+use prometheus_client::registry::Registry;
+use tokio::net::{TcpListener, UdpSocket};
+use tokio::sync::{Mutex, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::command::{IpCommand, add_address_args, already_gone, delete_address_args};
+use crate::config::{DataPlaneConfig, DataPlaneKind};
+use crate::error::{DataPlaneError, LbFailure, LbFailureReason};
+use crate::health::{HealthTable, ProbeSettings, ProbeTarget, run_checker};
+use crate::metrics::Metrics;
+use crate::plan::{
+    Desired, LbView, ListenerChange, ListenerKey, ListenerRoute, PassthroughRoute, desired_state,
+    lb_backend_health, plan_listeners, plan_set,
+};
+use crate::routes::{RouteManager, WantedRoutes};
+use crate::tcp::{ListenerContext, serve_tcp};
+use crate::udp::{FlowSettings, serve_udp};
+use crate::{BackendHealth, LoadBalancer, Protocol};
+
+/// The mock cloud's data plane. Clones share one data plane.
+///
+/// Proxy mode spreads new TCP connections and new UDP flows round-robin over the backends
+/// that are healthy at that moment; a backend that refuses a TCP connect is skipped for
+/// the next healthy one.
+#[derive(Clone)]
+pub struct DataPlane {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    config: DataPlaneConfig,
+    ip: IpCommand,
+    health: HealthTable,
+    metrics: Metrics,
+    /// What `backend_health` answers from; replaced whole by every `apply`.
+    views: RwLock<HashMap<String, LbView>>,
+    cancel: CancellationToken,
+    running: Mutex<Running>,
+}
+
+impl Drop for Shared {
+    // Dropping the last handle without `shutdown` still frees every socket.
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+#[derive(Default)]
+struct Running {
+    listeners: BTreeMap<ListenerKey, RunningListener>,
+    probes: BTreeMap<ProbeTarget, CancellationToken>,
+    probe_tasks: TaskTracker,
+    next_generation: u64,
+    addresses: BTreeSet<Ipv4Addr>,
+    routes: Option<RunningRoutes>,
+    shut_down: bool,
+}
+
+struct RunningListener {
+    route: ListenerRoute,
+    updates: watch::Sender<Arc<ListenerRoute>>,
+    cancel: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+struct RunningRoutes {
+    wanted: watch::Sender<WantedRoutes>,
+    task: JoinHandle<()>,
+}
+
+impl DataPlane {
+    pub fn new(config: DataPlaneConfig) -> Self {
+        let ip = IpCommand::new(config.ip_program.clone());
+        Self {
+            shared: Arc::new(Shared {
+                config,
+                ip,
+                health: HealthTable::default(),
+                metrics: Metrics::default(),
+                views: RwLock::default(),
+                cancel: CancellationToken::new(),
+                running: Mutex::default(),
+            }),
+        }
+    }
+
+    /// The complete desired set; converges idempotently: starts/stops only what changed.
+    /// An unchanged listener keeps its socket and connections; a listener whose backends or
+    /// source ranges change keeps them too. Load balancers that cannot be realised (port
+    /// taken, conflicting VIP) are reported in `DataPlaneError::Incomplete` after everything
+    /// else converged; the next `apply` retries them.
+    pub async fn apply(&self, desired: Vec<LoadBalancer>) -> Result<(), DataPlaneError> {
+        let shared = &self.shared;
+        let mut running = shared.running.lock().await;
+        if running.shut_down {
+            return Err(DataPlaneError::ShutDown);
+        }
+        let plan = desired_state(&desired, shared.config.manage_vip_addresses);
+        if shared.config.mode == DataPlaneKind::None {
+            let views = plan
+                .views
+                .into_iter()
+                .map(|(id, view)| {
+                    (
+                        id,
+                        LbView {
+                            realised: false,
+                            ..view
+                        },
+                    )
+                })
+                .collect();
+            *shared.views.write().unwrap_or_else(PoisonError::into_inner) = views;
+            return Ok(());
+        }
+        let Desired {
+            listeners,
+            passthrough,
+            probes,
+            addresses,
+            views,
+            rejected,
+        } = plan;
+        let mut failures = rejected;
+        self.converge_probes(&mut running, &probes);
+        let unavailable = self
+            .add_addresses(&mut running, &addresses, &listeners, &mut failures)
+            .await;
+        self.converge_listeners(&mut running, &listeners, &unavailable, &mut failures)
+            .await;
+        self.remove_addresses(&mut running, &addresses).await;
+        self.converge_routes(&mut running, passthrough);
+        *shared.views.write().unwrap_or_else(PoisonError::into_inner) = views;
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            for failure in &failures {
+                warn!(%failure, "load balancer not realised");
+            }
+            Err(DataPlaneError::Incomplete { failures })
+        }
+    }
+
+    /// Health of each backend of `lb_id`, in the load balancer's order: healthy only if
+    /// healthy under every distinct health check of its listeners (no checks: healthy).
+    /// Empty for an unknown id.
+    pub fn backend_health(&self, lb_id: &str) -> Vec<(Ipv4Addr, BackendHealth)> {
+        let views = self
+            .shared
+            .views
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        views.get(lb_id).map_or_else(Vec::new, |view| {
+            lb_backend_health(view, |target| self.shared.health.get(target))
+        })
+    }
+
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        self.shared.metrics.register(registry);
+    }
+
+    /// Stops every listener (closing its connections) and probe, removes passthrough
+    /// routes and managed VIP addresses, and refuses further `apply`s.
+    pub async fn shutdown(&self) {
+        let shared = &self.shared;
+        let mut running = shared.running.lock().await;
+        if running.shut_down {
+            return;
+        }
+        running.shut_down = true;
+        shared.cancel.cancel();
+        for (key, listener) in std::mem::take(&mut running.listeners) {
+            if let Err(error) = listener.task.await {
+                warn!(vip = %key.vip, port = key.port, %error, "listener task failed");
+            }
+        }
+        running.probes.clear();
+        running.probe_tasks.close();
+        running.probe_tasks.wait().await;
+        if let Some(routes) = running.routes.take()
+            && let Err(error) = routes.task.await
+        {
+            warn!(%error, "route manager task failed");
+        }
+        self.remove_addresses(&mut running, &BTreeSet::new()).await;
+        shared
+            .views
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        info!("data plane shut down");
+    }
+
+    fn converge_probes(&self, running: &mut Running, desired: &BTreeSet<ProbeTarget>) {
+        let shared = &self.shared;
+        let current: BTreeSet<ProbeTarget> = running.probes.keys().cloned().collect();
+        let (start, stop) = plan_set(&current, desired);
+        for target in stop {
+            if let Some(cancel) = running.probes.remove(&target) {
+                cancel.cancel();
+            }
+            shared.health.forget(&target);
+        }
+        let settings = ProbeSettings {
+            interval: shared.config.health_interval,
+            timeout: shared.config.health_timeout,
+            healthy_threshold: shared.config.healthy_threshold,
+            unhealthy_threshold: shared.config.unhealthy_threshold,
+        };
+        for target in start {
+            running.next_generation += 1;
+            let generation = running.next_generation;
+            shared.health.track(target.clone(), generation);
+            let cancel = shared.cancel.child_token();
+            running.probe_tasks.spawn(run_checker(
+                target.clone(),
+                generation,
+                shared.health.clone(),
+                settings,
+                shared.metrics.clone(),
+                cancel.clone(),
+            ));
+            running.probes.insert(target, cancel);
+        }
+    }
+
+    /// Adds the VIP addresses new listeners need; returns the VIPs that could not be added.
+    async fn add_addresses(
+        &self,
+        running: &mut Running,
+        desired: &BTreeSet<Ipv4Addr>,
+        listeners: &BTreeMap<ListenerKey, ListenerRoute>,
+        failures: &mut Vec<LbFailure>,
+    ) -> HashSet<Ipv4Addr> {
+        let (add, _) = plan_set(&running.addresses, desired);
+        let mut unavailable = HashSet::new();
+        for vip in add {
+            let args = add_address_args(vip, &self.shared.config.vip_device);
+            match self.shared.ip.run(&args).await {
+                Ok(_) => {
+                    info!(%vip, device = %self.shared.config.vip_device, "VIP address added");
+                    running.addresses.insert(vip);
+                }
+                Err(error) => {
+                    let lb_ids: BTreeSet<&str> = listeners
+                        .iter()
+                        .filter(|(key, _)| key.vip == vip)
+                        .map(|(_, route)| route.lb_id.as_str())
+                        .collect();
+                    let message = error.to_string();
+                    for lb_id in lb_ids {
+                        failures.push(LbFailure {
+                            lb_id: lb_id.to_owned(),
+                            reason: LbFailureReason::AddVip {
+                                vip,
+                                detail: message.clone(),
+                            },
+                        });
+                    }
+                    unavailable.insert(vip);
+                }
+            }
+        }
+        unavailable
+    }
+
+    async fn remove_addresses(&self, running: &mut Running, desired: &BTreeSet<Ipv4Addr>) {
+        let (_, remove) = plan_set(&running.addresses, desired);
+        for vip in remove {
+            let args = delete_address_args(vip, &self.shared.config.vip_device);
+            match self.shared.ip.run(&args).await {
+                Ok(_) => {
+                    info!(%vip, "VIP address removed");
+                    running.addresses.remove(&vip);
+                }
+                Err(error) if already_gone(&error) => {
+                    running.addresses.remove(&vip);
+                }
+                // Kept as ours, so the next apply or shutdown retries.
+                Err(error) => warn!(%vip, %error, "cannot remove VIP address"),
+            }
+        }
+    }
+
+    async fn converge_listeners(
+        &self,
+        running: &mut Running,
+        desired: &BTreeMap<ListenerKey, ListenerRoute>,
+        unavailable: &HashSet<Ipv4Addr>,
+        failures: &mut Vec<LbFailure>,
+    ) {
+        let current: BTreeMap<ListenerKey, ListenerRoute> = running
+            .listeners
+            .iter()
+            .map(|(key, listener)| (*key, listener.route.clone()))
+            .collect();
+        for change in plan_listeners(&current, desired) {
+            match change {
+                ListenerChange::Unbind(key) => {
+                    if let Some(listener) = running.listeners.remove(&key) {
+                        listener.cancel.cancel();
+                        // Wait until the socket is closed, so the address can be reused.
+                        if let Err(error) = listener.task.await {
+                            warn!(vip = %key.vip, port = key.port, %error, "listener task failed");
+                        }
+                        info!(vip = %key.vip, protocol = %key.protocol, port = key.port, "listener closed");
+                    }
+                }
+                ListenerChange::Update(key, route) => {
+                    if let Some(listener) = running.listeners.get_mut(&key) {
+                        listener.updates.send_replace(Arc::new(route.clone()));
+                        listener.route = route;
+                    }
+                }
+                ListenerChange::Bind(key, route) => {
+                    if unavailable.contains(&key.vip) {
+                        continue;
+                    }
+                    let lb_id = route.lb_id.clone();
+                    match self.bind(key, route.clone()).await {
+                        Ok(listener) => {
+                            info!(lb = %lb_id, vip = %key.vip, protocol = %key.protocol, port = key.port, "listening");
+                            running.listeners.insert(key, listener);
+                        }
+                        Err(source) => failures.push(LbFailure {
+                            lb_id,
+                            reason: LbFailureReason::Bind {
+                                protocol: key.protocol,
+                                addr: SocketAddrV4::new(key.vip, key.port),
+                                source,
+                            },
+                        }),
+                    }
+                }
+            }
+        }
+    }
+
+    async fn bind(
+        &self,
+        key: ListenerKey,
+        route: ListenerRoute,
+    ) -> std::io::Result<RunningListener> {
+        let shared = &self.shared;
+        let address = SocketAddrV4::new(key.vip, key.port);
+        let (updates, route_rx) = watch::channel(Arc::new(route.clone()));
+        let context = ListenerContext {
+            route: route_rx,
+            health: shared.health.clone(),
+            metrics: shared.metrics.clone(),
+            connect_timeout: shared.config.connect_timeout,
+        };
+        let cancel = shared.cancel.child_token();
+        let task = match key.protocol {
+            Protocol::Tcp => {
+                let listener = TcpListener::bind(address).await?;
+                tokio::spawn(serve_tcp(listener, context, cancel.clone()))
+            }
+            Protocol::Udp => {
+                let socket = UdpSocket::bind(address).await?;
+                let flows = FlowSettings {
+                    idle_timeout: shared.config.udp_idle_timeout,
+                    max_sessions: shared.config.udp_max_sessions,
+                };
+                tokio::spawn(serve_udp(socket, context, flows, cancel.clone()))
+            }
+        };
+        Ok(RunningListener {
+            route,
+            updates,
+            cancel,
+            task,
+        })
+    }
+
+    fn converge_routes(
+        &self,
+        running: &mut Running,
+        passthrough: BTreeMap<Ipv4Addr, PassthroughRoute>,
+    ) {
+        let wanted: WantedRoutes = Arc::new(passthrough);
+        if let Some(routes) = &running.routes {
+            routes.wanted.send_if_modified(|current| {
+                let modified = **current != *wanted;
+                *current = Arc::clone(&wanted);
+                modified
+            });
+            return;
+        }
+        // Started by the first passthrough load balancer only, so a proxy-only cloud
+        // never runs `ip route`.
+        if wanted.is_empty() {
+            return;
+        }
+        let shared = &self.shared;
+        let (sender, receiver) = watch::channel(wanted);
+        let manager = RouteManager {
+            ip: shared.ip.clone(),
+            settings: shared.config.passthrough.clone(),
+            health: shared.health.clone(),
+            metrics: shared.metrics.clone(),
+            wanted: receiver,
+            retry_delay: shared.config.health_interval,
+        };
+        running.routes = Some(RunningRoutes {
+            wanted: sender,
+            task: tokio::spawn(manager.run(shared.cancel.child_token())),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Listener, Mode};
+
+    fn is_send<T: Send>(_: &T) {}
+
+    #[tokio::test]
+    async fn handle_and_futures_can_cross_threads() {
+        fn shareable<T: Send + Sync + Clone + 'static>() {}
+        shareable::<DataPlane>();
+        let dataplane = DataPlane::new(DataPlaneConfig::default());
+        is_send(&dataplane.apply(Vec::new()));
+        is_send(&dataplane.shutdown());
+    }
+
+    #[tokio::test]
+    async fn kind_none_realises_nothing_and_reports_unknown_health() {
+        let dataplane = DataPlane::new(DataPlaneConfig {
+            mode: DataPlaneKind::None,
+            ..DataPlaneConfig::default()
+        });
+        let backend = Ipv4Addr::new(127, 77, 250, 11);
+        let lb = LoadBalancer {
+            id: "lb-none".to_owned(),
+            vip: Ipv4Addr::new(127, 77, 250, 1),
+            mode: Mode::Proxy,
+            listeners: vec![Listener {
+                protocol: Protocol::Tcp,
+                port: 1,
+                backend_port: 1,
+                health_check: None,
+            }],
+            backends: vec![backend],
+            source_ranges: Vec::new(),
+        };
+        dataplane.apply(vec![lb]).await.unwrap();
+        assert_eq!(
+            dataplane.backend_health("lb-none"),
+            vec![(backend, BackendHealth::Unknown)]
+        );
+        assert!(dataplane.shared.running.lock().await.listeners.is_empty());
+        assert!(dataplane.backend_health("lb-other").is_empty());
+    }
+}

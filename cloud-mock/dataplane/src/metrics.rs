@@ -1,0 +1,204 @@
+//! Data-plane metrics. Labels are bounded sets (protocol, outcome, direction, result):
+//! never load balancer ids or addresses.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::{HealthCheck, Protocol};
+
+/// What became of a new TCP connection or UDP flow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Forwarded,
+    /// The client is outside the load balancer's source ranges.
+    Denied,
+    /// No backend is healthy.
+    NoBackend,
+    /// Every healthy backend refused or timed out.
+    BackendError,
+    /// The UDP flow table of the listener is full.
+    TableFull,
+}
+
+impl Outcome {
+    const fn as_str(self) -> &'static str {
+        match self {
+            Self::Forwarded => "forwarded",
+            Self::Denied => "denied",
+            Self::NoBackend => "no_backend",
+            Self::BackendError => "backend_error",
+            Self::TableFull => "table_full",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ConnectionLabels {
+    protocol: &'static str,
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BytesLabels {
+    protocol: &'static str,
+    /// `in`: client to backend; `out`: backend to client.
+    direction: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ProtocolLabels {
+    protocol: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct HealthCheckLabels {
+    check: &'static str,
+    result: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RouteLabels {
+    result: &'static str,
+}
+
+/// Cheap to clone: every field shares its storage.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Metrics {
+    connections: Family<ConnectionLabels, Counter>,
+    bytes: Family<BytesLabels, Counter>,
+    active: Family<ProtocolLabels, Gauge>,
+    health_checks: Family<HealthCheckLabels, Counter>,
+    route_changes: Family<RouteLabels, Counter>,
+}
+
+impl Metrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "cloud_mock_dataplane_connections",
+            "New TCP connections and UDP flows by protocol and outcome (refused UDP counts datagrams)",
+            self.connections.clone(),
+        );
+        registry.register(
+            "cloud_mock_dataplane_bytes",
+            "Payload bytes forwarded (in: client to backend, out: backend to client); TCP counts at connection end",
+            self.bytes.clone(),
+        );
+        registry.register(
+            "cloud_mock_dataplane_active_connections",
+            "Open TCP connections and tracked UDP flows",
+            self.active.clone(),
+        );
+        registry.register(
+            "cloud_mock_dataplane_health_checks",
+            "Health probes by check kind and result",
+            self.health_checks.clone(),
+        );
+        registry.register(
+            "cloud_mock_dataplane_route_changes",
+            "Passthrough kernel route changes by result",
+            self.route_changes.clone(),
+        );
+    }
+
+    pub fn connection(&self, protocol: Protocol, outcome: Outcome) {
+        self.connections
+            .get_or_create(&ConnectionLabels {
+                protocol: protocol.as_str(),
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    pub fn bytes(&self, protocol: Protocol, client_to_backend: u64, backend_to_client: u64) {
+        for (direction, count) in [("in", client_to_backend), ("out", backend_to_client)] {
+            if count > 0 {
+                self.bytes
+                    .get_or_create(&BytesLabels {
+                        protocol: protocol.as_str(),
+                        direction,
+                    })
+                    .inc_by(count);
+            }
+        }
+    }
+
+    /// Counts one open connection or flow until the guard drops.
+    pub fn open(&self, protocol: Protocol) -> ActiveGuard {
+        let gauge = self
+            .active
+            .get_or_create(&ProtocolLabels {
+                protocol: protocol.as_str(),
+            })
+            .clone();
+        gauge.inc();
+        ActiveGuard(gauge)
+    }
+
+    pub fn health_check(&self, check: &HealthCheck, passed: bool) {
+        let check = match check {
+            HealthCheck::Tcp { .. } => "tcp",
+            HealthCheck::Http { .. } => "http",
+        };
+        let result = if passed { "pass" } else { "fail" };
+        self.health_checks
+            .get_or_create(&HealthCheckLabels { check, result })
+            .inc();
+    }
+
+    pub fn route_change(&self, succeeded: bool) {
+        let result = if succeeded { "ok" } else { "error" };
+        self.route_changes
+            .get_or_create(&RouteLabels { result })
+            .inc();
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct ActiveGuard(Gauge);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::encoding::text::encode;
+
+    use super::*;
+
+    #[test]
+    fn exposition_has_bounded_labels_and_live_gauges() {
+        let metrics = Metrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        metrics.connection(Protocol::Tcp, Outcome::Denied);
+        metrics.bytes(Protocol::Udp, 10, 0);
+        let guard = metrics.open(Protocol::Tcp);
+        let _other = metrics.open(Protocol::Tcp);
+        drop(guard);
+        metrics.health_check(&HealthCheck::Tcp { port: 1 }, false);
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        assert!(text.contains(
+            r#"cloud_mock_dataplane_connections_total{protocol="tcp",outcome="denied"} 1"#
+        ));
+        assert!(
+            text.contains(r#"cloud_mock_dataplane_bytes_total{protocol="udp",direction="in"} 10"#)
+        );
+        assert!(
+            !text.contains(r#"direction="out""#),
+            "zero counts are not created"
+        );
+        assert!(text.contains(r#"cloud_mock_dataplane_active_connections{protocol="tcp"} 1"#));
+        assert!(
+            text.contains(
+                r#"cloud_mock_dataplane_health_checks_total{check="tcp",result="fail"} 1"#
+            )
+        );
+    }
+}

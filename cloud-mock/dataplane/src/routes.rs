@@ -1,0 +1,428 @@
+//! Passthrough mode: a kernel route `VIP/32` with ECMP nexthops over the healthy backends.
+//! Deciding is pure (`desired_routes`, `plan_routes`, `route_args`); `RouteManager` runs
+//! the resulting `ip` commands whenever the desired set or any backend's health changes.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::BackendHealth;
+use crate::command::{IpCommand, already_gone};
+use crate::config::PassthroughConfig;
+use crate::error::CommandError;
+use crate::health::{HealthTable, ProbeTarget};
+use crate::metrics::Metrics;
+use crate::plan::{PassthroughRoute, combined_health};
+
+/// VIP → nexthops (sorted). An empty list means "ours, nexthops unknown" (adopted from
+/// an earlier run); a desired route always has at least one nexthop.
+pub(crate) type RouteTable = BTreeMap<Ipv4Addr, Vec<Ipv4Addr>>;
+
+pub(crate) type WantedRoutes = Arc<BTreeMap<Ipv4Addr, PassthroughRoute>>;
+
+const HASH_POLICY_PATH: &str = "/proc/sys/net/ipv4/fib_multipath_hash_policy";
+const IP_FORWARD_PATH: &str = "/proc/sys/net/ipv4/ip_forward";
+
+/// The routes to install: each VIP over its backends that pass every check; VIPs with
+/// no healthy backend get no route.
+pub(crate) fn desired_routes(
+    wanted: &BTreeMap<Ipv4Addr, PassthroughRoute>,
+    lookup: impl Fn(&ProbeTarget) -> BackendHealth,
+) -> RouteTable {
+    wanted
+        .iter()
+        .filter_map(|(&vip, route)| {
+            let nexthops: Vec<Ipv4Addr> = route
+                .backends
+                .iter()
+                .copied()
+                .filter(|&ip| {
+                    combined_health(&route.checks, |check| {
+                        lookup(&ProbeTarget {
+                            ip,
+                            check: check.clone(),
+                        })
+                    }) == BackendHealth::Healthy
+                })
+                .collect();
+            (!nexthops.is_empty()).then_some((vip, nexthops))
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RouteChange {
+    Replace {
+        vip: Ipv4Addr,
+        nexthops: Vec<Ipv4Addr>,
+    },
+    Delete {
+        vip: Ipv4Addr,
+    },
+}
+
+/// Changes from `installed` to `desired`; deletions first.
+pub(crate) fn plan_routes(installed: &RouteTable, desired: &RouteTable) -> Vec<RouteChange> {
+    let deletes = installed
+        .keys()
+        .filter(|vip| !desired.contains_key(vip))
+        .map(|&vip| RouteChange::Delete { vip });
+    let replaces = desired
+        .iter()
+        .filter(|(vip, nexthops)| installed.get(vip) != Some(nexthops))
+        .map(|(&vip, nexthops)| RouteChange::Replace {
+            vip,
+            nexthops: nexthops.clone(),
+        });
+    deletes.chain(replaces).collect()
+}
+
+/// `ip` arguments for one change; `protocol` marks the route as ours.
+pub(crate) fn route_args(change: &RouteChange, protocol: u8) -> Vec<String> {
+    let mut args: Vec<String> = ["-4", "route"].map(str::to_owned).to_vec();
+    match change {
+        RouteChange::Replace { vip, nexthops } => {
+            args.extend([
+                "replace".to_owned(),
+                format!("{vip}/32"),
+                "proto".to_owned(),
+                protocol.to_string(),
+            ]);
+            if let [single] = nexthops.as_slice() {
+                args.extend(["via".to_owned(), single.to_string()]);
+            } else {
+                for nexthop in nexthops {
+                    args.extend([
+                        "nexthop".to_owned(),
+                        "via".to_owned(),
+                        nexthop.to_string(),
+                        "weight".to_owned(),
+                        "1".to_owned(),
+                    ]);
+                }
+            }
+        }
+        RouteChange::Delete { vip } => {
+            args.extend([
+                "delete".to_owned(),
+                format!("{vip}/32"),
+                "proto".to_owned(),
+                protocol.to_string(),
+            ]);
+        }
+    }
+    args
+}
+
+pub(crate) fn list_args(protocol: u8) -> Vec<String> {
+    ["-4", "route", "show", "proto"]
+        .map(str::to_owned)
+        .into_iter()
+        .chain([protocol.to_string()])
+        .collect()
+}
+
+/// Host-route destinations in `ip route show` output (nexthop lines are indented).
+pub(crate) fn parse_destinations(output: &str) -> Vec<Ipv4Addr> {
+    output
+        .lines()
+        .filter(|line| !line.starts_with(char::is_whitespace))
+        .filter_map(|line| line.split_whitespace().next())
+        .filter_map(|destination| {
+            destination
+                .strip_suffix("/32")
+                .unwrap_or(destination)
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// Wait before the next attempt after `failed_rounds` failed rounds in a row: from `base`
+/// (at least 100 ms) doubling up to 30 s, so a persistent error (no root) does not spin.
+pub(crate) fn retry_after(base: Duration, failed_rounds: u32) -> Duration {
+    let base = base.max(Duration::from_millis(100));
+    let factor = 1_u32 << failed_rounds.saturating_sub(1).min(10);
+    base.saturating_mul(factor).min(Duration::from_secs(30))
+}
+
+pub(crate) struct RouteManager {
+    pub ip: IpCommand,
+    pub settings: PassthroughConfig,
+    pub health: HealthTable,
+    pub metrics: Metrics,
+    pub wanted: watch::Receiver<WantedRoutes>,
+    /// First wait before retrying failed changes; doubles per failed round.
+    pub retry_delay: Duration,
+}
+
+impl RouteManager {
+    /// Converges until cancelled, then removes every route it installed.
+    pub async fn run(mut self, cancel: CancellationToken) {
+        let health_changed = self.health.changed();
+        let mut installed = self.adopt().await;
+        let mut prepared = false;
+        let mut failed_rounds: u32 = 0;
+        loop {
+            let desired = {
+                let wanted = self.wanted.borrow_and_update();
+                desired_routes(&wanted, |target| self.health.get(target))
+            };
+            let changes = plan_routes(&installed, &desired);
+            if !prepared
+                && changes
+                    .iter()
+                    .any(|c| matches!(c, RouteChange::Replace { .. }))
+            {
+                self.prepare_forwarding().await;
+                prepared = true;
+            }
+            let mut failed = false;
+            for change in changes {
+                failed |= !self.execute(&change, &mut installed).await;
+            }
+            failed_rounds = if failed {
+                failed_rounds.saturating_add(1)
+            } else {
+                0
+            };
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = health_changed.notified() => {}
+                changed = self.wanted.changed() => if changed.is_err() { break },
+                () = tokio::time::sleep(retry_after(self.retry_delay, failed_rounds)), if failed => {}
+            }
+        }
+        let vips: Vec<Ipv4Addr> = installed.keys().copied().collect();
+        for vip in vips {
+            self.execute(&RouteChange::Delete { vip }, &mut installed)
+                .await;
+        }
+    }
+
+    /// Routes of ours left by an earlier run, so they are replaced or removed.
+    async fn adopt(&self) -> RouteTable {
+        match self.ip.run(&list_args(self.settings.route_protocol)).await {
+            Ok(output) => {
+                let adopted: RouteTable = parse_destinations(&output)
+                    .into_iter()
+                    .map(|vip| (vip, Vec::new()))
+                    .collect();
+                if !adopted.is_empty() {
+                    info!(
+                        count = adopted.len(),
+                        "adopting passthrough routes of an earlier run"
+                    );
+                }
+                adopted
+            }
+            Err(error) => {
+                warn!(%error, "cannot list passthrough routes of an earlier run");
+                RouteTable::new()
+            }
+        }
+    }
+
+    /// Runs one change and records it in `installed`; false when it failed.
+    async fn execute(&self, change: &RouteChange, installed: &mut RouteTable) -> bool {
+        let args = route_args(change, self.settings.route_protocol);
+        let result: Result<(), CommandError> = match self.ip.run(&args).await {
+            Ok(_) => Ok(()),
+            Err(error) if matches!(change, RouteChange::Delete { .. }) && already_gone(&error) => {
+                Ok(())
+            }
+            Err(error) => Err(error),
+        };
+        self.metrics.route_change(result.is_ok());
+        match (result, change) {
+            (Ok(()), RouteChange::Replace { vip, nexthops }) => {
+                info!(%vip, ?nexthops, "passthrough route installed");
+                installed.insert(*vip, nexthops.clone());
+                true
+            }
+            (Ok(()), RouteChange::Delete { vip }) => {
+                info!(%vip, "passthrough route removed");
+                installed.remove(vip);
+                true
+            }
+            (Err(error), _) => {
+                warn!(%error, "passthrough route change failed; will retry");
+                false
+            }
+        }
+    }
+}
+
+impl RouteManager {
+    /// Before the first route: make ECMP hash on ports too (L4), so flows from one client
+    /// spread over the backends, and warn when this namespace does not forward at all.
+    /// Best effort: routes work without the hash policy, only less evenly.
+    async fn prepare_forwarding(&self) {
+        if self.settings.set_multipath_hash_policy {
+            match tokio::fs::write(HASH_POLICY_PATH, "1").await {
+                Ok(()) => info!("set net.ipv4.fib_multipath_hash_policy=1 (L4 hash)"),
+                Err(error) => warn!(
+                    %error,
+                    "cannot set net.ipv4.fib_multipath_hash_policy=1; ECMP hashes on addresses only"
+                ),
+            }
+        }
+        if let Ok(forwarding) = tokio::fs::read_to_string(IP_FORWARD_PATH).await
+            && forwarding.trim() == "0"
+        {
+            warn!(
+                "net.ipv4.ip_forward is 0 here: packets to passthrough VIPs will not be forwarded"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::HealthCheck;
+
+    fn ip(last: u8) -> Ipv4Addr {
+        Ipv4Addr::new(198, 18, 0, last)
+    }
+
+    fn vip(last: u8) -> Ipv4Addr {
+        Ipv4Addr::new(198, 51, 100, last)
+    }
+
+    fn wanted(checks: Vec<HealthCheck>) -> BTreeMap<Ipv4Addr, PassthroughRoute> {
+        BTreeMap::from([
+            (
+                vip(5),
+                PassthroughRoute {
+                    lb_id: "lb-a".to_owned(),
+                    backends: vec![ip(11), ip(12), ip(13)],
+                    checks: checks.clone(),
+                },
+            ),
+            (
+                vip(6),
+                PassthroughRoute {
+                    lb_id: "lb-b".to_owned(),
+                    backends: vec![ip(13)],
+                    checks,
+                },
+            ),
+        ])
+    }
+
+    #[test]
+    fn routes_follow_health() {
+        let tcp = HealthCheck::Tcp { port: 10256 };
+        let http = HealthCheck::Http {
+            port: 32000,
+            path: "/healthz".to_owned(),
+        };
+        let wanted = wanted(vec![tcp.clone(), http.clone()]);
+        // .11 passes both checks, .12 fails the HTTP one, .13 is not checked yet.
+        let lookup = |target: &ProbeTarget| match (target.ip, &target.check) {
+            (a, _) if a == ip(11) => BackendHealth::Healthy,
+            (a, check) if a == ip(12) && *check == tcp => BackendHealth::Healthy,
+            (a, _) if a == ip(12) => BackendHealth::Unhealthy,
+            _ => BackendHealth::Unknown,
+        };
+        assert_eq!(
+            desired_routes(&wanted, lookup),
+            RouteTable::from([(vip(5), vec![ip(11)])]),
+            "vip 6 has no healthy backend: no route"
+        );
+    }
+
+    #[test]
+    fn unchecked_backends_are_all_nexthops() {
+        assert_eq!(
+            desired_routes(&wanted(vec![]), |_| BackendHealth::Unhealthy),
+            RouteTable::from([
+                (vip(5), vec![ip(11), ip(12), ip(13)]),
+                (vip(6), vec![ip(13)])
+            ])
+        );
+    }
+
+    #[test]
+    fn plan_replaces_changed_and_deletes_gone() {
+        let installed = RouteTable::from([
+            (vip(1), vec![ip(11)]),
+            (vip(2), vec![ip(11), ip(12)]),
+            (vip(3), vec![]),
+            (vip(4), vec![ip(11)]),
+        ]);
+        let desired = RouteTable::from([
+            (vip(2), vec![ip(11), ip(12)]),
+            (vip(3), vec![ip(12)]),
+            (vip(4), vec![ip(12)]),
+            (vip(5), vec![ip(13)]),
+        ]);
+        assert_eq!(
+            plan_routes(&installed, &desired),
+            vec![
+                RouteChange::Delete { vip: vip(1) },
+                RouteChange::Replace {
+                    vip: vip(3),
+                    nexthops: vec![ip(12)]
+                },
+                RouteChange::Replace {
+                    vip: vip(4),
+                    nexthops: vec![ip(12)]
+                },
+                RouteChange::Replace {
+                    vip: vip(5),
+                    nexthops: vec![ip(13)]
+                },
+            ]
+        );
+        assert!(plan_routes(&desired, &desired).is_empty());
+    }
+
+    #[test]
+    fn route_commands() {
+        let ecmp = RouteChange::Replace {
+            vip: vip(5),
+            nexthops: vec![ip(11), ip(12)],
+        };
+        assert_eq!(
+            route_args(&ecmp, 77).join(" "),
+            "-4 route replace 198.51.100.5/32 proto 77 nexthop via 198.18.0.11 weight 1 nexthop via 198.18.0.12 weight 1"
+        );
+        let single = RouteChange::Replace {
+            vip: vip(5),
+            nexthops: vec![ip(11)],
+        };
+        assert_eq!(
+            route_args(&single, 77).join(" "),
+            "-4 route replace 198.51.100.5/32 proto 77 via 198.18.0.11"
+        );
+        assert_eq!(
+            route_args(&RouteChange::Delete { vip: vip(5) }, 200).join(" "),
+            "-4 route delete 198.51.100.5/32 proto 200"
+        );
+        assert_eq!(list_args(77).join(" "), "-4 route show proto 77");
+    }
+
+    #[test]
+    fn retries_back_off() {
+        let second = Duration::from_secs(1);
+        assert_eq!(retry_after(second, 1), second);
+        assert_eq!(retry_after(second, 2), 2 * second);
+        assert_eq!(retry_after(second, 4), 8 * second);
+        assert_eq!(retry_after(second, 40), Duration::from_secs(30));
+        assert_eq!(retry_after(Duration::ZERO, 1), Duration::from_millis(100));
+    }
+
+    #[test]
+    fn destinations_parse_from_route_listing() {
+        let output = "198.51.100.5 proto 77 \n\tnexthop via 198.18.0.11 dev eth0 weight 1 \n\tnexthop via 198.18.0.12 dev eth0 weight 1 \n198.51.100.6 via 198.18.0.11 dev eth0 proto 77 \n198.51.100.7/32 via 198.18.0.11 dev eth0 proto 77 \ndefault via 198.18.0.1 dev eth0 proto 77\n";
+        assert_eq!(parse_destinations(output), vec![vip(5), vip(6), vip(7)]);
+        assert!(parse_destinations("").is_empty());
+    }
+}

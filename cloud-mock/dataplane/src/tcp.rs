@@ -1,0 +1,141 @@
+//! Do: a proxy-mode TCP listener.
+
+use std::net::{SocketAddr, SocketAddrV4};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, warn};
+
+use crate::Protocol;
+use crate::health::HealthTable;
+use crate::metrics::{Metrics, Outcome};
+use crate::plan::{ListenerRoute, source_allowed, try_order};
+
+/// What a listener task needs besides its socket.
+#[derive(Debug, Clone)]
+pub(crate) struct ListenerContext {
+    pub route: watch::Receiver<Arc<ListenerRoute>>,
+    pub health: HealthTable,
+    pub metrics: Metrics,
+    pub connect_timeout: Duration,
+}
+
+/// Accepts until cancelled, then waits for its connections (cancelled too) to end.
+/// New connections go round-robin over the backends healthy at accept time.
+pub(crate) async fn serve_tcp(
+    listener: TcpListener,
+    context: ListenerContext,
+    cancel: CancellationToken,
+) {
+    let connections = TaskTracker::new();
+    let mut turn: usize = 0;
+    loop {
+        let accepted = tokio::select! {
+            () = cancel.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (client, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                warn!(%error, "accept failed");
+                tokio::select! {
+                    () = cancel.cancelled() => break,
+                    () = tokio::time::sleep(Duration::from_millis(50)) => continue,
+                }
+            }
+        };
+        let route = Arc::clone(&context.route.borrow());
+        let SocketAddr::V4(peer) = peer else {
+            reset(client);
+            continue;
+        };
+        if !source_allowed(&route.source_ranges, *peer.ip()) {
+            debug!(lb = %route.lb_id, %peer, "client outside the source ranges");
+            context.metrics.connection(Protocol::Tcp, Outcome::Denied);
+            reset(client);
+            continue;
+        }
+        let healthy = context
+            .health
+            .healthy(&route.backends, route.health_check.as_ref());
+        if healthy.is_empty() {
+            debug!(lb = %route.lb_id, %peer, "no healthy backend");
+            context
+                .metrics
+                .connection(Protocol::Tcp, Outcome::NoBackend);
+            reset(client);
+            continue;
+        }
+        let order: Vec<SocketAddrV4> = try_order(healthy.len(), turn)
+            .map(|i| SocketAddrV4::new(healthy[i], route.backend_port))
+            .collect();
+        turn = turn.wrapping_add(1);
+        connections.spawn(forward(
+            client,
+            order,
+            context.connect_timeout,
+            context.metrics.clone(),
+            cancel.clone(),
+        ));
+    }
+    drop(listener);
+    connections.close();
+    connections.wait().await;
+}
+
+/// Connects to the first backend of `order` that answers and copies both ways until
+/// either side closes or the listener goes.
+async fn forward(
+    mut client: TcpStream,
+    order: Vec<SocketAddrV4>,
+    connect_timeout: Duration,
+    metrics: Metrics,
+    cancel: CancellationToken,
+) {
+    let mut upstream = None;
+    for backend in order {
+        let attempt = tokio::select! {
+            () = cancel.cancelled() => return,
+            attempt = tokio::time::timeout(connect_timeout, TcpStream::connect(backend)) => attempt,
+        };
+        match attempt {
+            Ok(Ok(stream)) => {
+                upstream = Some(stream);
+                break;
+            }
+            Ok(Err(error)) => debug!(%backend, %error, "backend refused, trying the next"),
+            Err(_) => debug!(%backend, "backend connect timed out, trying the next"),
+        }
+    }
+    let Some(mut upstream) = upstream else {
+        metrics.connection(Protocol::Tcp, Outcome::BackendError);
+        reset(client);
+        return;
+    };
+    metrics.connection(Protocol::Tcp, Outcome::Forwarded);
+    let _active = metrics.open(Protocol::Tcp);
+    for stream in [&client, &upstream] {
+        if let Err(error) = stream.set_nodelay(true) {
+            debug!(%error, "cannot set TCP_NODELAY");
+        }
+    }
+    tokio::select! {
+        () = cancel.cancelled() => {}
+        copied = tokio::io::copy_bidirectional(&mut client, &mut upstream) => match copied {
+            Ok((to_backend, to_client)) => metrics.bytes(Protocol::Tcp, to_backend, to_client),
+            Err(error) => debug!(%error, "connection ended with an error"),
+        },
+    }
+}
+
+/// Closes with RST (zero linger) so a refused client learns at once.
+fn reset(stream: TcpStream) {
+    if let Err(error) = stream.set_zero_linger() {
+        debug!(%error, "cannot set SO_LINGER 0");
+    }
+}

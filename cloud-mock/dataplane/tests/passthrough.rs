@@ -1,0 +1,322 @@
+//! Kernel tests (root only): each runs its body inside a fresh network namespace pair
+//! created here (`tdmdp<pid><test><e|n>`: a cloud edge and a node behind a veth), and
+//! always deletes them. Nothing touches the root namespace.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::fs::File;
+use std::net::Ipv4Addr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use cloud_mock_dataplane::{
+    BackendHealth, DataPlane, DataPlaneConfig, HealthCheck, LoadBalancer, Mode, Protocol,
+};
+use nix::sched::{CloneFlags, setns};
+use nix::unistd::Uid;
+
+use support::{greet_on, listener, tcp_hello};
+
+const PREFIX: &str = "tdmdp";
+const NODE_A: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 11);
+const NODE_B: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 12);
+const HEALTH_PORT: u16 = 10256;
+
+fn ip(args: &[&str]) -> String {
+    let output = Command::new("ip").args(args).output().unwrap();
+    assert!(
+        output.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// An edge and a node namespace joined by a veth; deleted on drop, also on panic.
+struct Lab {
+    edge: String,
+    node: String,
+}
+
+impl Lab {
+    fn create(test: char) -> Self {
+        remove_stale_namespaces();
+        let pid = std::process::id();
+        let lab = Self {
+            edge: format!("{PREFIX}{pid}{test}e"),
+            node: format!("{PREFIX}{pid}{test}n"),
+        };
+        ip(&["netns", "add", &lab.edge]);
+        ip(&["netns", "add", &lab.node]);
+        let (edge, node) = (lab.edge.as_str(), lab.node.as_str());
+        ip(&[
+            "-n", edge, "link", "add", "ve", "type", "veth", "peer", "name", "vn", "netns", node,
+        ]);
+        ip(&["-n", edge, "address", "add", "10.77.0.1/24", "dev", "ve"]);
+        ip(&["-n", node, "address", "add", "10.77.0.11/24", "dev", "vn"]);
+        ip(&["-n", node, "address", "add", "10.77.0.12/24", "dev", "vn"]);
+        for (ns, dev) in [(edge, "ve"), (edge, "lo"), (node, "vn"), (node, "lo")] {
+            ip(&["-n", ns, "link", "set", dev, "up"]);
+        }
+        lab
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for name in [&self.edge, &self.node] {
+            let _ = Command::new("ip").args(["netns", "delete", name]).status();
+        }
+    }
+}
+
+/// Namespaces of earlier runs whose process is gone.
+fn remove_stale_namespaces() {
+    for line in ip(&["netns", "list"]).lines() {
+        let Some(name) = line.split_whitespace().next() else {
+            continue;
+        };
+        let Some(rest) = name.strip_prefix(PREFIX) else {
+            continue;
+        };
+        let pid: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        if !pid.is_empty() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = Command::new("ip").args(["netns", "delete", name]).status();
+        }
+    }
+}
+
+/// Runs `body` on a thread inside namespace `name` (threads it starts inherit it).
+fn in_netns<T: Send>(name: &str, body: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|scope| {
+        let thread = scope.spawn(|| {
+            let netns = File::open(format!("/run/netns/{name}")).unwrap();
+            setns(&netns, CloneFlags::CLONE_NEWNET).unwrap();
+            body()
+        });
+        thread
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
+/// Runs the async `body` on a runtime whose every thread lives in namespace `name`.
+fn block_on_in_netns<F: Future<Output = ()>>(name: &str, body: impl FnOnce() -> F + Send) {
+    in_netns(name, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(body());
+    });
+}
+
+fn is_root() -> bool {
+    if Uid::effective().is_root() {
+        return true;
+    }
+    eprintln!("skipped: network-namespace tests need root");
+    false
+}
+
+async fn ip_async(args: &[&str]) -> String {
+    let output = tokio::process::Command::new("ip")
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Polls `ip ARGS` until its output satisfies `condition`; the time it took.
+async fn wait_for_ip(args: &[&str], what: &str, condition: impl Fn(&str) -> bool) -> Duration {
+    let start = Instant::now();
+    loop {
+        let output = ip_async(args).await;
+        if condition(&output) {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "timed out waiting for {what}; last: {output:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn passthrough_lb(vip: Ipv4Addr, check: Option<HealthCheck>) -> LoadBalancer {
+    LoadBalancer {
+        id: "lb-pass".to_owned(),
+        vip,
+        mode: Mode::Passthrough,
+        listeners: vec![listener(Protocol::Tcp, 80, 30080, check)],
+        backends: vec![NODE_A, NODE_B],
+        source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
+    }
+}
+
+#[test]
+fn passthrough_ecmp_route_follows_backend_health() {
+    if !is_root() {
+        return;
+    }
+    let lab = Lab::create('r');
+    // Health endpoints of the two nodes, bound inside the node namespace.
+    let health = in_netns(&lab.node, || {
+        [NODE_A, NODE_B].map(|ip| {
+            let listener = std::net::TcpListener::bind((ip, HEALTH_PORT)).unwrap();
+            listener.set_nonblocking(true).unwrap();
+            listener
+        })
+    });
+    block_on_in_netns(&lab.edge, || async move {
+        // A route of ours left by an earlier run: adopted and removed.
+        ip_async(&[
+            "route",
+            "add",
+            "198.51.100.99/32",
+            "via",
+            "10.77.0.11",
+            "proto",
+            "77",
+        ])
+        .await;
+        let [a, b] = health
+            .map(|l| support::greet_on(tokio::net::TcpListener::from_std(l).unwrap(), "health"));
+        let dataplane = DataPlane::new(DataPlaneConfig {
+            health_interval: Duration::from_millis(100),
+            health_timeout: Duration::from_millis(300),
+            healthy_threshold: 1,
+            unhealthy_threshold: 1,
+            ..DataPlaneConfig::default()
+        });
+        let vip = Ipv4Addr::new(198, 51, 100, 5);
+        let show = ["-4", "route", "show", "198.51.100.5/32"];
+        let lb = passthrough_lb(vip, Some(HealthCheck::Tcp { port: HEALTH_PORT }));
+        dataplane.apply(vec![lb.clone()]).await.unwrap();
+
+        let took = wait_for_ip(&show, "ECMP route over both nodes", |out| {
+            out.contains("nexthop via 10.77.0.11") && out.contains("nexthop via 10.77.0.12")
+        })
+        .await;
+        println!("ECMP route installed {took:?} after apply");
+        assert!(ip_async(&show).await.contains("proto 77"));
+        let policy = tokio::fs::read_to_string("/proc/sys/net/ipv4/fib_multipath_hash_policy")
+            .await
+            .unwrap();
+        assert_eq!(
+            policy.trim(),
+            "1",
+            "L4 multipath hash in the edge namespace"
+        );
+        wait_for_ip(
+            &["-4", "route", "show", "198.51.100.99/32"],
+            "stale route removed",
+            str::is_empty,
+        )
+        .await;
+        assert!(
+            ip_async(&["-4", "address", "show"])
+                .await
+                .find("198.51.100.5")
+                .is_none(),
+            "passthrough binds no VIP"
+        );
+
+        drop(b);
+        let took = wait_for_ip(&show, "route over node a only", |out| {
+            out.contains("via 10.77.0.11")
+                && !out.contains("nexthop")
+                && !out.contains("10.77.0.12")
+        })
+        .await;
+        println!("failing node left the route {took:?} after its health endpoint closed");
+        assert_eq!(
+            dataplane.backend_health("lb-pass"),
+            vec![
+                (NODE_A, BackendHealth::Healthy),
+                (NODE_B, BackendHealth::Unhealthy)
+            ]
+        );
+
+        drop(a);
+        wait_for_ip(&show, "no route without healthy nodes", str::is_empty).await;
+
+        // Without health checks both nodes count as healthy; removing the LB removes the route.
+        dataplane
+            .apply(vec![passthrough_lb(vip, None)])
+            .await
+            .unwrap();
+        wait_for_ip(&show, "route back", |out| {
+            out.contains("nexthop via 10.77.0.12")
+        })
+        .await;
+        dataplane.apply(vec![]).await.unwrap();
+        wait_for_ip(&show, "route removed with its LB", str::is_empty).await;
+
+        // Shutdown removes what is installed.
+        dataplane
+            .apply(vec![passthrough_lb(vip, None)])
+            .await
+            .unwrap();
+        wait_for_ip(&show, "route back", |out| out.contains("nexthop")).await;
+        dataplane.shutdown().await;
+        assert_eq!(ip_async(&show).await, "", "shutdown removes routes");
+    });
+}
+
+#[test]
+fn proxy_mode_manages_non_loopback_vip_addresses() {
+    if !is_root() {
+        return;
+    }
+    let lab = Lab::create('a');
+    let backend = in_netns(&lab.node, || {
+        let listener = std::net::TcpListener::bind((NODE_A, 30080)).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        listener
+    });
+    block_on_in_netns(&lab.edge, || async move {
+        let _backend = greet_on(
+            tokio::net::TcpListener::from_std(backend).unwrap(),
+            "node-a",
+        );
+        let dataplane = DataPlane::new(DataPlaneConfig {
+            manage_vip_addresses: true,
+            ..DataPlaneConfig::default()
+        });
+        let vip = Ipv4Addr::new(198, 51, 100, 9);
+        let lb = LoadBalancer {
+            id: "lb-edge".to_owned(),
+            vip,
+            mode: Mode::Proxy,
+            listeners: vec![listener(Protocol::Tcp, 80, 30080, None)],
+            backends: vec![NODE_A],
+            source_ranges: vec![],
+        };
+        dataplane.apply(vec![lb]).await.unwrap();
+        assert!(
+            ip_async(&["-4", "address", "show", "dev", "lo"])
+                .await
+                .contains("198.51.100.9/32")
+        );
+        // A client inside the edge namespace reaches the node through the VIP.
+        assert_eq!(tcp_hello(None, vip, 80).await.unwrap().1, "node-a");
+        dataplane.apply(vec![]).await.unwrap();
+        assert!(
+            !ip_async(&["-4", "address", "show", "dev", "lo"])
+                .await
+                .contains("198.51.100.9")
+        );
+        dataplane.shutdown().await;
+    });
+}
