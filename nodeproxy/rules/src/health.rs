@@ -1,0 +1,203 @@
+//! What the health-check node ports of externalTrafficPolicy Local Services answer: the
+//! load balancer sends a Service's traffic only to nodes with ready local endpoints.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::{NodeConfig, ProxyState};
+
+/// Headers kube-proxy sets on every health-check answer.
+pub const RESPONSE_HEADERS: &[(&str, &str)] = &[
+    ("Content-Type", "application/json"),
+    ("X-Content-Type-Options", "nosniff"),
+];
+
+/// One health-check server to run: a Service with externalTrafficPolicy Local and its
+/// `healthCheckNodePort`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct HealthCheckService {
+    pub namespace: String,
+    pub name: String,
+    pub port: u16,
+    /// Distinct IPs of ready, non-terminating endpoints of the Service on this node.
+    pub local_endpoints: usize,
+}
+
+/// One entry per Service (not per Service port) with externalTrafficPolicy Local and a
+/// health-check node port, sorted by namespace and name.
+pub fn health_check_services(state: &ProxyState, node: &NodeConfig) -> Vec<HealthCheckService> {
+    let mut services: BTreeMap<(&str, &str), (u16, BTreeSet<Ipv4Addr>)> = BTreeMap::new();
+    for svc in state.services.values() {
+        let Some(port) = svc
+            .health_check_node_port
+            .filter(|_| svc.external_traffic_policy_local)
+        else {
+            continue;
+        };
+        let entry = services
+            .entry((svc.name.namespace.as_str(), svc.name.name.as_str()))
+            .or_insert_with(|| (port, BTreeSet::new()));
+        let local_ready = state
+            .endpoints
+            .get(&svc.name)
+            .into_iter()
+            .flatten()
+            .filter(|ep| {
+                ep.ready
+                    && !ep.terminating
+                    && ep.node_name.as_deref() == Some(node.node_name.as_str())
+            });
+        entry.1.extend(local_ready.map(|ep| ep.ip));
+    }
+    services
+        .into_iter()
+        .map(|((namespace, name), (port, ips))| HealthCheckService {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            port,
+            local_endpoints: ips.len(),
+        })
+        .collect()
+}
+
+impl HealthCheckService {
+    /// 200 when this node has a ready local endpoint, 503 otherwise.
+    pub fn status_code(&self) -> u16 {
+        if self.local_endpoints > 0 { 200 } else { 503 }
+    }
+
+    /// The body, e.g. `{"service": {"namespace": "s2", "name": "local"}, "localEndpoints": 2}`:
+    /// kube-proxy's fields and order, on one line (kube-proxy indents the same JSON over
+    /// several lines).
+    pub fn response_body(&self) -> String {
+        format!(
+            r#"{{"service": {{"namespace": {}, "name": {}}}, "localEndpoints": {}}}"#,
+            json_string(&self.namespace),
+            json_string(&self.name),
+            self.local_endpoints
+        )
+    }
+}
+
+fn json_string(text: &str) -> String {
+    serde_json::Value::from(text).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Endpoint, Protocol, ServicePort, ServicePortName};
+
+    fn port(name: &str, port: &str, local: bool, health: Option<u16>) -> ServicePort {
+        ServicePort {
+            name: ServicePortName {
+                namespace: "s2".into(),
+                name: name.into(),
+                port: port.into(),
+            },
+            protocol: Protocol::Tcp,
+            cluster_ip: Some(Ipv4Addr::new(10, 96, 0, 12)),
+            port: 80,
+            node_port: Some(30082),
+            external_ips: vec![],
+            load_balancer_ingress: vec![],
+            load_balancer_source_ranges: vec![],
+            session_affinity_timeout: None,
+            external_traffic_policy_local: local,
+            health_check_node_port: health,
+        }
+    }
+
+    fn ep(last: u8, port: u16, node: &str, ready: bool, terminating: bool) -> Endpoint {
+        Endpoint {
+            ip: Ipv4Addr::new(10, 244, 1, last),
+            port,
+            ready,
+            terminating,
+            node_name: Some(node.into()),
+        }
+    }
+
+    fn node() -> NodeConfig {
+        NodeConfig {
+            node_name: "node-a".into(),
+            cluster_cidr: None,
+        }
+    }
+
+    #[test]
+    fn counts_distinct_ready_local_ips_across_ports() {
+        let http = port("local", "http", true, Some(32000));
+        let https = port("local", "https", true, Some(32000));
+        let mut state = ProxyState::default();
+        state.endpoints.insert(
+            http.name.clone(),
+            vec![
+                ep(5, 80, "node-a", true, false),
+                ep(6, 80, "node-a", true, false),
+                ep(7, 80, "node-b", true, false),
+            ],
+        );
+        state.endpoints.insert(
+            https.name.clone(),
+            vec![
+                ep(5, 443, "node-a", true, false),
+                ep(8, 443, "node-a", false, false),
+                ep(9, 443, "node-a", true, true),
+            ],
+        );
+        state.services.insert(http.name.clone(), http);
+        state.services.insert(https.name.clone(), https);
+        let services = health_check_services(&state, &node());
+        assert_eq!(
+            services,
+            [HealthCheckService {
+                namespace: "s2".into(),
+                name: "local".into(),
+                port: 32000,
+                local_endpoints: 2
+            }]
+        );
+        assert_eq!(services[0].status_code(), 200);
+        assert_eq!(
+            services[0].response_body(),
+            r#"{"service": {"namespace": "s2", "name": "local"}, "localEndpoints": 2}"#
+        );
+    }
+
+    #[test]
+    fn no_local_endpoints_is_503_and_cluster_policy_gets_no_server() {
+        let mut state = ProxyState::default();
+        let local = port("local", "", true, Some(32001));
+        let cluster = port("cluster", "", false, None);
+        state
+            .endpoints
+            .insert(local.name.clone(), vec![ep(7, 80, "node-b", true, false)]);
+        state.services.insert(local.name.clone(), local);
+        state.services.insert(cluster.name.clone(), cluster);
+        let services = health_check_services(&state, &node());
+        assert_eq!(services.len(), 1);
+        assert_eq!(services[0].local_endpoints, 0);
+        assert_eq!(services[0].status_code(), 503);
+        assert_eq!(
+            services[0].response_body(),
+            r#"{"service": {"namespace": "s2", "name": "local"}, "localEndpoints": 0}"#
+        );
+    }
+
+    #[test]
+    fn body_is_valid_json_for_any_name() {
+        let svc = HealthCheckService {
+            namespace: "a\"b".into(),
+            name: "c\\d".into(),
+            port: 1,
+            local_endpoints: 3,
+        };
+        let parsed: serde_json::Value = serde_json::from_str(&svc.response_body()).unwrap();
+        assert_eq!(parsed["service"]["namespace"], "a\"b");
+        assert_eq!(parsed["service"]["name"], "c\\d");
+        assert_eq!(parsed["localEndpoints"], 3);
+    }
+}

@@ -1,0 +1,20 @@
+//! Pure core of the node proxy: observed Services and endpoints in, the kube-proxy v1.21
+//! iptables ruleset out, plus a packet tracer over that ruleset. No kube, no tokio, no I/O.
+//!
+//! - [`model`]: what the runtime observes (its input), [`ruleset`]: the desired iptables
+//!   state (its output) and the fixed [`ruleset::BASE_JUMPS`];
+//! - [`rules::build`]: the whole ruleset, in the text `iptables-save` prints;
+//! - [`chains`]: kube-proxy's chain names;
+//! - [`trace::trace`]: where a packet goes through that ruleset, and its fate;
+//! - [`health::health_check_services`]: the health-check node port servers and answers;
+//! - [`conntrack::stale_udp_deletions`]: UDP conntrack entries to delete after a change.
+
+pub mod chains;
+pub mod conntrack;
+pub mod health;
+pub mod model;
+pub mod rules;
+pub mod ruleset;
+pub mod trace;
+
+pub use rules::build;

@@ -1,0 +1,115 @@
+//! What the node proxy knows about the cluster, reduced to what the rules depend on.
+//!
+//! The node proxy's runtime converts Kubernetes objects (Services, EndpointSlices, its
+//! Node) into these types; rule generation and tracing work only on them.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::Ipv4Addr;
+
+use ipnet::Ipv4Net;
+use serde::{Deserialize, Serialize};
+
+/// `namespace/name:portname` (or `namespace/name` when the port has no name): kube-proxy's
+/// `ServicePortName`, the unit that gets one KUBE-SVC chain.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortName {
+    pub namespace: String,
+    pub name: String,
+    /// Empty when the Service port has no name.
+    pub port: String,
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.port.is_empty() {
+            write!(f, "{}/{}", self.namespace, self.name)
+        } else {
+            write!(f, "{}/{}:{}", self.namespace, self.name, self.port)
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// Lower-case name as iptables and the chain-name hash use it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
+        }
+    }
+}
+
+/// How a load balancer delivers traffic for an ingress IP (`status.loadBalancer.ingress[].ipMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum IpMode {
+    /// Packets arrive with the LB IP as destination: the node programs KUBE-FW for it.
+    #[default]
+    Vip,
+    /// The LB proxies to node ports: the node must not short-cut the LB IP.
+    Proxy,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LoadBalancerIngress {
+    pub ip: Ipv4Addr,
+    pub ip_mode: IpMode,
+}
+
+/// One port of one Service, with everything from the Service spec and status that the
+/// rules for it depend on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServicePort {
+    pub name: ServicePortName,
+    pub protocol: Protocol,
+    /// None for headless Services (`clusterIP: None`), which get no rules.
+    pub cluster_ip: Option<Ipv4Addr>,
+    pub port: u16,
+    pub node_port: Option<u16>,
+    pub external_ips: Vec<Ipv4Addr>,
+    pub load_balancer_ingress: Vec<LoadBalancerIngress>,
+    pub load_balancer_source_ranges: Vec<Ipv4Net>,
+    /// `sessionAffinity: ClientIP` with its timeout in seconds.
+    pub session_affinity_timeout: Option<u32>,
+    /// `externalTrafficPolicy: Local` (only meaningful for NodePort/LoadBalancer Services).
+    pub external_traffic_policy_local: bool,
+    pub health_check_node_port: Option<u16>,
+}
+
+/// One endpoint of a Service port, from an EndpointSlice.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Endpoint {
+    pub ip: Ipv4Addr,
+    /// The target port resolved from the EndpointSlice port of the same name.
+    pub port: u16,
+    /// `conditions.ready` (unset counts as ready, as in the API).
+    pub ready: bool,
+    /// `conditions.terminating`.
+    pub terminating: bool,
+    /// `nodeName` of the endpoint; compared with [`NodeConfig::node_name`] for "local".
+    pub node_name: Option<String>,
+}
+
+/// Everything the node proxy observes, keyed for deterministic output.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProxyState {
+    pub services: BTreeMap<ServicePortName, ServicePort>,
+    pub endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
+}
+
+/// This node's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeConfig {
+    pub node_name: String,
+    /// `--cluster-cidr`: traffic to cluster IPs from outside it is masqueraded.
+    pub cluster_cidr: Option<Ipv4Net>,
+}

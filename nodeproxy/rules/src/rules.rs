@@ -1,0 +1,662 @@
+//! Observed state in, the whole kube-proxy v1.21 ruleset out (`syncProxyRules`, minus I/O).
+//!
+//! Rule texts are written in the form `iptables-save` prints them (addresses and protocol
+//! first, then the matches in order, expanded targets such as `--set-xmark`), which
+//! `iptables-restore` accepts unchanged: so the desired ruleset can be compared with what
+//! the kernel reports byte for byte.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use ipnet::Ipv4Net;
+
+use crate::chains::{
+    self, DROP_MARK, KUBE_EXTERNAL_SERVICES, KUBE_FIREWALL, KUBE_FORWARD, KUBE_MARK_DROP,
+    KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_SERVICES, MASQUERADE_MARK,
+};
+use crate::model::{Endpoint, IpMode, NodeConfig, Protocol, ProxyState, ServicePort};
+use crate::ruleset::{Ruleset, Table};
+
+const REJECT: &str = "REJECT --reject-with icmp-port-unreachable";
+const LOOPBACK: &str = "127.0.0.0/8";
+
+/// The complete desired ruleset for this node: every chain the node proxy owns in the nat
+/// and filter tables, with all of its rules. Headless Services get no rules; only ready,
+/// non-terminating endpoints are used.
+pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
+    let mut out = RulesetBuilder::with_fixed_chains();
+    for service in state.services.values() {
+        let endpoints = state
+            .endpoints
+            .get(&service.name)
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        out.add_service_port(service, &usable_endpoints(endpoints, node), node);
+    }
+    out.nat(
+        KUBE_SERVICES,
+        RuleText::new()
+            .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
+            .matching("-m addrtype --dst-type LOCAL")
+            .jump(KUBE_NODEPORTS),
+    );
+    out.ruleset
+}
+
+/// An endpoint that gets traffic, and whether it runs on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct UsableEndpoint {
+    addr: SocketAddrV4,
+    local: bool,
+}
+
+/// Ready, non-terminating endpoints, de-duplicated (an endpoint can appear in two
+/// EndpointSlices while they are being rebalanced) and ordered as kube-proxy orders them:
+/// by their `ip:port` text.
+fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec<UsableEndpoint> {
+    let mut usable: BTreeMap<String, UsableEndpoint> = BTreeMap::new();
+    for ep in endpoints.iter().filter(|ep| ep.ready && !ep.terminating) {
+        let addr = SocketAddrV4::new(ep.ip, ep.port);
+        let local = ep.node_name.as_deref() == Some(node.node_name.as_str());
+        usable
+            .entry(addr.to_string())
+            .or_insert(UsableEndpoint { addr, local: false })
+            .local |= local;
+    }
+    usable.into_values().collect()
+}
+
+/// `--probability` for the i-th of n remaining endpoints (1/n), as `iptables-save` prints
+/// it: kube-proxy writes 1/n with 10 decimals, the kernel stores it as a fraction of 2^31,
+/// and iptables prints that fraction with 11 decimals (1/3 → `0.33333333349`).
+pub fn probability(n: usize) -> String {
+    const SCALE: f64 = 2_147_483_648.0; // 0x80000000, libxt_statistic's fixed point
+    let exact = 1.0 / n as f64;
+    let written: f64 = format!("{exact:.10}").parse().unwrap_or(exact);
+    let stored = (written * SCALE).round();
+    format!("{:.11}", stored / SCALE)
+}
+
+/// One rule's text, assembled in `iptables-save` order.
+#[derive(Debug, Default)]
+struct RuleText {
+    source: Option<String>,
+    destination: Option<String>,
+    protocol: Option<Protocol>,
+    matches: Vec<String>,
+}
+
+impl RuleText {
+    fn new() -> Self {
+        Self::default()
+    }
+
+    fn source(mut self, cidr: impl ToString) -> Self {
+        self.source = Some(format!("-s {}", cidr.to_string()));
+        self
+    }
+
+    fn not_source(mut self, cidr: impl ToString) -> Self {
+        self.source = Some(format!("! -s {}", cidr.to_string()));
+        self
+    }
+
+    fn destination(mut self, ip: Ipv4Addr) -> Self {
+        self.destination = Some(format!("-d {ip}/32"));
+        self
+    }
+
+    fn protocol(mut self, protocol: Protocol) -> Self {
+        self.protocol = Some(protocol);
+        self
+    }
+
+    fn comment(self, text: &str) -> Self {
+        self.matching(&format!("-m comment --comment \"{text}\""))
+    }
+
+    fn matching(mut self, text: &str) -> Self {
+        self.matches.push(text.to_owned());
+        self
+    }
+
+    /// `-m tcp --dport N` (the protocol must also be set with [`RuleText::protocol`]).
+    fn dport(self, protocol: Protocol, port: u16) -> Self {
+        self.matching(&format!("-m {} --dport {port}", protocol.as_str()))
+    }
+
+    fn jump(self, target: &str) -> String {
+        let mut text = String::new();
+        let protocol = self.protocol.map(|p| format!("-p {}", p.as_str()));
+        let parts = [self.source, self.destination, protocol]
+            .into_iter()
+            .flatten();
+        for part in parts.chain(self.matches) {
+            let _ = write!(text, "{part} ");
+        }
+        let _ = write!(text, "-j {target}");
+        text
+    }
+}
+
+struct RulesetBuilder {
+    ruleset: Ruleset,
+}
+
+impl RulesetBuilder {
+    /// The chains that exist whatever the Services are, with their fixed rules.
+    fn with_fixed_chains() -> Self {
+        let mut out = Self {
+            ruleset: Ruleset::default(),
+        };
+        for chain in [
+            KUBE_SERVICES,
+            KUBE_EXTERNAL_SERVICES,
+            KUBE_FORWARD,
+            KUBE_NODEPORTS,
+            KUBE_FIREWALL,
+        ] {
+            out.declare(Table::Filter, chain);
+        }
+        for chain in [
+            KUBE_SERVICES,
+            KUBE_NODEPORTS,
+            KUBE_POSTROUTING,
+            KUBE_MARK_MASQ,
+            KUBE_MARK_DROP,
+        ] {
+            out.declare(Table::Nat, chain);
+        }
+
+        let postrouting = [
+            RuleText::new()
+                .matching(&format!("-m mark ! --mark {MASQUERADE_MARK}"))
+                .jump("RETURN"),
+            // Clear the mark so a packet that traverses the stack again is not re-masqueraded.
+            RuleText::new().jump("MARK --set-xmark 0x4000/0x0"),
+            RuleText::new()
+                .comment("kubernetes service traffic requiring SNAT")
+                .jump("MASQUERADE --random-fully"),
+        ];
+        for rule in postrouting {
+            out.nat(KUBE_POSTROUTING, rule);
+        }
+        out.nat(
+            KUBE_MARK_MASQ,
+            RuleText::new().jump(&format!("MARK --set-xmark {MASQUERADE_MARK}")),
+        );
+        out.nat(
+            KUBE_MARK_DROP,
+            RuleText::new().jump(&format!("MARK --set-xmark {DROP_MARK}")),
+        );
+
+        out.filter(
+            KUBE_FIREWALL,
+            RuleText::new()
+                .comment("kubernetes firewall for dropping marked packets")
+                .matching(&format!("-m mark --mark {DROP_MARK}"))
+                .jump("DROP"),
+        );
+        out.add_forward_rules();
+        out
+    }
+
+    /// KUBE-FORWARD exactly as kube-proxy v1.21 writes it: v1.21 no longer restricts the
+    /// two conntrack rules to the cluster CIDR (the reference dump, taken with a cluster
+    /// CIDR set, has none).
+    fn add_forward_rules(&mut self) {
+        let rules = [
+            RuleText::new()
+                .matching("-m conntrack --ctstate INVALID")
+                .jump("DROP"),
+            RuleText::new()
+                .comment("kubernetes forwarding rules")
+                .matching(&format!("-m mark --mark {MASQUERADE_MARK}"))
+                .jump("ACCEPT"),
+            RuleText::new()
+                .comment("kubernetes forwarding conntrack pod source rule")
+                .matching("-m conntrack --ctstate RELATED,ESTABLISHED")
+                .jump("ACCEPT"),
+            RuleText::new()
+                .comment("kubernetes forwarding conntrack pod destination rule")
+                .matching("-m conntrack --ctstate RELATED,ESTABLISHED")
+                .jump("ACCEPT"),
+        ];
+        for rule in rules {
+            self.filter(KUBE_FORWARD, rule);
+        }
+    }
+
+    fn declare(&mut self, table: Table, chain: &str) {
+        self.ruleset
+            .table_mut(table)
+            .chains
+            .entry(chain.to_owned())
+            .or_default();
+    }
+
+    fn push(&mut self, table: Table, chain: &str, rule: String) {
+        let chains = &mut self.ruleset.table_mut(table).chains;
+        // Look up before allocating the key: most pushes go to an existing chain.
+        match chains.get_mut(chain) {
+            Some(rules) => rules.push(rule),
+            None => {
+                chains.insert(chain.to_owned(), vec![rule]);
+            }
+        }
+    }
+
+    fn nat(&mut self, chain: &str, rule: String) {
+        self.push(Table::Nat, chain, rule);
+    }
+
+    fn filter(&mut self, chain: &str, rule: String) {
+        self.push(Table::Filter, chain, rule);
+    }
+
+    fn add_service_port(
+        &mut self,
+        svc: &ServicePort,
+        endpoints: &[UsableEndpoint],
+        node: &NodeConfig,
+    ) {
+        let Some(port) = PortContext::new(svc, endpoints, node) else {
+            return; // headless: DNS only, no proxying
+        };
+        if port.has_endpoints() {
+            self.declare(Table::Nat, &port.chains.service);
+            self.add_endpoint_chains(&port);
+            if port.local_policy {
+                self.declare(Table::Nat, &port.chains.external_local);
+            }
+        }
+        self.add_cluster_ip(&port);
+        self.add_external_ips(&port);
+        self.add_load_balancer_ips(&port);
+        self.add_node_port(&port);
+        self.add_health_check_port(&port);
+        if port.has_endpoints() {
+            let all: Vec<&str> = port.endpoints.iter().map(|ep| ep.chain.as_str()).collect();
+            self.add_balancing_rules(&port, &port.chains.service, &all, |_| port.name.clone());
+            if port.local_policy {
+                self.add_external_local_chain(&port);
+            }
+        }
+    }
+
+    fn add_cluster_ip(&mut self, port: &PortContext) {
+        let capture = || port.capture(port.cluster_ip, "cluster IP");
+        if !port.has_endpoints() {
+            self.filter(
+                KUBE_SERVICES,
+                port.capture(port.cluster_ip, "has no endpoints")
+                    .jump(REJECT),
+            );
+            return;
+        }
+        if let Some(cidr) = port.cluster_cidr {
+            // Off-cluster clients reaching a cluster IP may be sent to another node.
+            self.nat(
+                KUBE_SERVICES,
+                capture().not_source(cidr).jump(KUBE_MARK_MASQ),
+            );
+        }
+        self.nat(KUBE_SERVICES, capture().jump(&port.chains.service));
+    }
+
+    fn add_external_ips(&mut self, port: &PortContext) {
+        for &external_ip in &sorted_unique(&port.svc.external_ips) {
+            if !port.has_endpoints() {
+                let reject = port.capture(external_ip, "has no endpoints").jump(REJECT);
+                self.filter(KUBE_EXTERNAL_SERVICES, reject);
+                continue;
+            }
+            let capture = || port.capture(external_ip, "external IP");
+            if port.local_policy {
+                self.nat(KUBE_SERVICES, capture().jump(&port.chains.external_local));
+                continue;
+            }
+            let masquerade = match port.cluster_cidr {
+                Some(cidr) => capture().not_source(cidr),
+                None => capture(),
+            };
+            self.nat(KUBE_SERVICES, masquerade.jump(KUBE_MARK_MASQ));
+            self.nat(KUBE_SERVICES, capture().jump(&port.chains.service));
+        }
+    }
+
+    fn add_load_balancer_ips(&mut self, port: &PortContext) {
+        for &ingress_ip in &port.vip_ingress {
+            if port.has_endpoints() {
+                let capture = port
+                    .capture(ingress_ip, "loadbalancer IP")
+                    .jump(&port.chains.firewall);
+                self.nat(KUBE_SERVICES, capture);
+            } else {
+                let reject = port.capture(ingress_ip, "has no endpoints").jump(REJECT);
+                self.filter(KUBE_EXTERNAL_SERVICES, reject);
+            }
+        }
+        // kube-proxy v1.21 rewrites the KUBE-FW chain once per ingress IP, repeating its
+        // rules; one copy behaves the same.
+        if port.has_endpoints() && !port.vip_ingress.is_empty() {
+            self.add_firewall_chain(port);
+        }
+    }
+
+    fn add_node_port(&mut self, port: &PortContext) {
+        let Some(node_port) = port.svc.node_port else {
+            return;
+        };
+        let proto = port.svc.protocol;
+        let capture = || {
+            RuleText::new()
+                .protocol(proto)
+                .comment(&port.name)
+                .dport(proto, node_port)
+        };
+        if !port.has_endpoints() {
+            let reject = RuleText::new()
+                .protocol(proto)
+                .comment(&format!("{} has no endpoints", port.name))
+                .matching("-m addrtype --dst-type LOCAL")
+                .dport(proto, node_port)
+                .jump(REJECT);
+            self.filter(KUBE_EXTERNAL_SERVICES, reject);
+        } else if port.local_policy {
+            // Locally generated traffic to a node port would be a martian source after DNAT.
+            self.nat(
+                KUBE_NODEPORTS,
+                capture().source(LOOPBACK).jump(KUBE_MARK_MASQ),
+            );
+            self.nat(KUBE_NODEPORTS, capture().jump(&port.chains.external_local));
+        } else {
+            self.nat(KUBE_NODEPORTS, capture().jump(KUBE_MARK_MASQ));
+            self.nat(KUBE_NODEPORTS, capture().jump(&port.chains.service));
+        }
+    }
+
+    /// Accepted whether or not this node has endpoints, so that the load balancer gets a
+    /// 503 rather than a timeout. Like kube-proxy, once per Service port.
+    fn add_health_check_port(&mut self, port: &PortContext) {
+        let Some(health_port) = port.svc.health_check_node_port else {
+            return;
+        };
+        let accept = RuleText::new()
+            .protocol(Protocol::Tcp)
+            .comment(&format!("{} health check node port", port.name))
+            .dport(Protocol::Tcp, health_port)
+            .jump("ACCEPT");
+        self.filter(KUBE_NODEPORTS, accept);
+    }
+    /// One KUBE-SEP chain per endpoint: masquerade hairpin traffic, then DNAT.
+    fn add_endpoint_chains(&mut self, port: &PortContext) {
+        let proto = port.svc.protocol;
+        for ep in &port.endpoints {
+            let chain = &ep.chain;
+            let hairpin = RuleText::new()
+                .source(format!("{}/32", ep.addr.ip()))
+                .comment(&port.name);
+            self.nat(chain, hairpin.jump(KUBE_MARK_MASQ));
+            let mut dnat = RuleText::new().protocol(proto).comment(&port.name);
+            if port.svc.session_affinity_timeout.is_some() {
+                dnat = dnat.matching(&format!("-m recent --set --name {chain} {RECENT_SOURCE}"));
+            }
+            let dnat = dnat.matching(&format!("-m {}", proto.as_str()));
+            self.nat(
+                chain,
+                dnat.jump(&format!("DNAT --to-destination {}", ep.addr)),
+            );
+        }
+    }
+
+    /// Session-affinity checks, then the statistic cascade: rule i of n matches with
+    /// probability 1/(n-i), the last one always.
+    fn add_balancing_rules(
+        &mut self,
+        port: &PortContext,
+        from_chain: &str,
+        targets: &[&str],
+        comment: impl Fn(usize) -> String,
+    ) {
+        let svc = port.svc;
+        if let Some(timeout) = svc.session_affinity_timeout {
+            for target in targets {
+                let sticky = RuleText::new().comment(&port.name).matching(&format!(
+                    "-m recent --rcheck --seconds {timeout} --reap --name {target} {RECENT_SOURCE}"
+                ));
+                self.nat(from_chain, sticky.jump(target));
+            }
+        }
+        let n = targets.len();
+        for (i, target) in targets.iter().enumerate() {
+            let mut rule = RuleText::new().comment(&comment(i));
+            if i + 1 < n {
+                rule = rule.matching(&format!(
+                    "-m statistic --mode random --probability {}",
+                    probability(n - i)
+                ));
+            }
+            self.nat(from_chain, rule.jump(target));
+        }
+    }
+
+    /// KUBE-FW: masquerade (policy Cluster), let allowed sources through, mark the rest
+    /// for dropping.
+    fn add_firewall_chain(&mut self, port: &PortContext) {
+        let chains = &port.chains;
+        self.declare(Table::Nat, &chains.firewall);
+        let comment = format!("{} loadbalancer IP", port.name);
+        let rule = || RuleText::new().comment(&comment);
+        let allowed_target = if port.local_policy {
+            // Keep the client's source IP: only local endpoints, no masquerade.
+            &chains.external_local
+        } else {
+            self.nat(&chains.firewall, rule().jump(KUBE_MARK_MASQ));
+            &chains.service
+        };
+        let ranges: Vec<Ipv4Net> = port
+            .svc
+            .load_balancer_source_ranges
+            .iter()
+            .map(Ipv4Net::trunc)
+            .collect();
+        if ranges.is_empty() {
+            self.nat(&chains.firewall, rule().jump(allowed_target));
+        }
+        for range in sorted_unique(&ranges) {
+            self.nat(&chains.firewall, rule().source(range).jump(allowed_target));
+        }
+        // Whatever reaches the end was not let through: it must not be DNATed anywhere.
+        self.nat(&chains.firewall, rule().jump(KUBE_MARK_DROP));
+    }
+
+    /// KUBE-XLB: pods and the node itself short-cut to the Service chain; everything else
+    /// goes to local endpoints only, or is dropped when there are none.
+    fn add_external_local_chain(&mut self, port: &PortContext) {
+        let (name, chains) = (&port.name, &port.chains);
+        let xlb = chains.external_local.as_str();
+        if let Some(cidr) = port.cluster_cidr {
+            let redirect = RuleText::new()
+                .source(cidr)
+                .comment("Redirect pods trying to reach external loadbalancer VIP to clusterIP");
+            self.nat(xlb, redirect.jump(&chains.service));
+        }
+        let from_node = |comment: String| {
+            RuleText::new()
+                .comment(&comment)
+                .matching("-m addrtype --src-type LOCAL")
+        };
+        let masquerade = from_node(format!("masquerade LOCAL traffic for {name} LB IP"));
+        self.nat(xlb, masquerade.jump(KUBE_MARK_MASQ));
+        let route = from_node(format!(
+            "route LOCAL traffic for {name} LB IP to service chain"
+        ));
+        self.nat(xlb, route.jump(&chains.service));
+        let local: Vec<&str> = port
+            .endpoints
+            .iter()
+            .filter(|ep| ep.local)
+            .map(|ep| ep.chain.as_str())
+            .collect();
+        if local.is_empty() {
+            let drop = RuleText::new().comment(&format!("{name} has no local endpoints"));
+            self.nat(xlb, drop.jump(KUBE_MARK_DROP));
+        } else {
+            self.add_balancing_rules(port, xlb, &local, |i| {
+                format!("Balancing rule {i} for {name}")
+            });
+        }
+    }
+}
+
+/// A usable endpoint of one Service port, with its KUBE-SEP chain.
+struct PortEndpoint {
+    addr: SocketAddrV4,
+    local: bool,
+    chain: String,
+}
+
+/// Everything the rules of one (non-headless) Service port are derived from.
+struct PortContext<'a> {
+    svc: &'a ServicePort,
+    cluster_ip: Ipv4Addr,
+    /// `namespace/name:port`, the comment on most of its rules.
+    name: String,
+    chains: ServiceChains,
+    endpoints: Vec<PortEndpoint>,
+    /// Ingress IPs the node captures: `ipMode: Proxy` ones are reached through node
+    /// ports only (KEP-1860), so the node must not short-cut them.
+    vip_ingress: Vec<Ipv4Addr>,
+    /// externalTrafficPolicy Local, where it applies: to node ports, external and LB IPs
+    /// (the API refuses Local on a Service that has none of them).
+    local_policy: bool,
+    cluster_cidr: Option<Ipv4Net>,
+}
+
+impl<'a> PortContext<'a> {
+    fn new(svc: &'a ServicePort, endpoints: &[UsableEndpoint], node: &NodeConfig) -> Option<Self> {
+        let cluster_ip = svc.cluster_ip?;
+        let vip_ingress: Vec<Ipv4Addr> = svc
+            .load_balancer_ingress
+            .iter()
+            .filter(|ingress| ingress.ip_mode == IpMode::Vip)
+            .map(|ingress| ingress.ip)
+            .collect();
+        let vip_ingress = sorted_unique(&vip_ingress);
+        let local_policy = svc.external_traffic_policy_local
+            && (svc.node_port.is_some() || !svc.external_ips.is_empty() || !vip_ingress.is_empty());
+        Some(Self {
+            svc,
+            cluster_ip,
+            name: svc.name.to_string(),
+            chains: ServiceChains::for_port(svc),
+            endpoints: endpoints
+                .iter()
+                .map(|ep| PortEndpoint {
+                    addr: ep.addr,
+                    local: ep.local,
+                    chain: chains::endpoint_chain(&svc.name, svc.protocol, ep.addr),
+                })
+                .collect(),
+            vip_ingress,
+            local_policy,
+            cluster_cidr: node.cluster_cidr.map(|cidr| cidr.trunc()),
+        })
+    }
+
+    fn has_endpoints(&self) -> bool {
+        !self.endpoints.is_empty()
+    }
+
+    /// Matches this port's traffic to `ip`, commented "<name> <what>".
+    fn capture(&self, ip: Ipv4Addr, what: &str) -> RuleText {
+        let proto = self.svc.protocol;
+        RuleText::new()
+            .destination(ip)
+            .protocol(proto)
+            .comment(&format!("{} {what}", self.name))
+            .dport(proto, self.svc.port)
+    }
+}
+
+/// `-m recent` options iptables-save adds to every `--set` / `--rcheck`.
+const RECENT_SOURCE: &str = "--mask 255.255.255.255 --rsource";
+
+struct ServiceChains {
+    service: String,
+    firewall: String,
+    external_local: String,
+}
+
+impl ServiceChains {
+    fn for_port(svc: &ServicePort) -> Self {
+        Self {
+            service: chains::service_chain(&svc.name, svc.protocol),
+            firewall: chains::firewall_chain(&svc.name, svc.protocol),
+            external_local: chains::external_local_chain(&svc.name, svc.protocol),
+        }
+    }
+}
+
+fn sorted_unique<T: Ord + Clone>(items: &[T]) -> Vec<T> {
+    let mut items = items.to_vec();
+    items.sort();
+    items.dedup();
+    items
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_are_ordered_as_text_and_deduplicated() {
+        let node = NodeConfig {
+            node_name: "a".into(),
+            cluster_cidr: None,
+        };
+        let ep = |ip: [u8; 4], node: &str| Endpoint {
+            ip: Ipv4Addr::from(ip),
+            port: 80,
+            ready: true,
+            terminating: false,
+            node_name: Some(node.into()),
+        };
+        let endpoints = [
+            ep([10, 0, 0, 5], "b"),
+            ep([10, 0, 0, 10], "b"),
+            ep([10, 0, 0, 5], "a"),
+        ];
+        let usable = usable_endpoints(&endpoints, &node);
+        let order: Vec<String> = usable.iter().map(|ep| ep.addr.to_string()).collect();
+        assert_eq!(order, ["10.0.0.10:80", "10.0.0.5:80"]);
+        assert!(!usable[0].local && usable[1].local);
+    }
+
+    #[test]
+    fn probabilities_are_printed_as_iptables_save_does() {
+        assert_eq!(probability(2), "0.50000000000");
+        assert_eq!(probability(3), "0.33333333349");
+        assert_eq!(probability(4), "0.25000000000");
+        assert_eq!(probability(5), "0.20000000019");
+        assert_eq!(probability(6), "0.16666666651");
+        assert_eq!(probability(10), "0.10000000009");
+    }
+
+    #[test]
+    fn rule_text_orders_addresses_protocol_then_matches() {
+        let rule = RuleText::new()
+            .comment("c")
+            .dport(Protocol::Udp, 53)
+            .protocol(Protocol::Udp)
+            .destination(Ipv4Addr::new(10, 0, 0, 1))
+            .not_source("10.244.0.0/16")
+            .jump("X");
+        assert_eq!(
+            rule,
+            "! -s 10.244.0.0/16 -d 10.0.0.1/32 -p udp -m comment --comment \"c\" -m udp --dport 53 -j X"
+        );
+    }
+}

@@ -1,0 +1,149 @@
+//! The desired iptables state as plain data: tables of chains of rule texts.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Table {
+    Filter,
+    Nat,
+}
+
+impl Table {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Table::Filter => "filter",
+            Table::Nat => "nat",
+        }
+    }
+}
+
+/// The chains the node proxy owns in one table, each with its rules in order. A rule is
+/// the text after `-A CHAIN ` exactly as `iptables-restore` accepts it, e.g.
+/// `-m comment --comment "default/nginx-service:http" -j KUBE-SEP-XZBMABGU65WCSBQV`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TableRules {
+    pub chains: BTreeMap<String, Vec<String>>,
+}
+
+/// The whole desired state of both tables. Jumps from the built-in chains are not in
+/// here: they are the fixed [`BASE_JUMPS`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ruleset {
+    pub filter: TableRules,
+    pub nat: TableRules,
+}
+
+impl Ruleset {
+    pub fn table(&self, table: Table) -> &TableRules {
+        match table {
+            Table::Filter => &self.filter,
+            Table::Nat => &self.nat,
+        }
+    }
+
+    pub fn table_mut(&mut self, table: Table) -> &mut TableRules {
+        match table {
+            Table::Filter => &mut self.filter,
+            Table::Nat => &mut self.nat,
+        }
+    }
+
+    /// One table as a complete `iptables-restore` payload in `iptables-save` layout
+    /// (`*table`, chain declarations, rules, `COMMIT`), without the built-in chains.
+    pub fn restore_payload(&self, table: Table) -> String {
+        let chains = &self.table(table).chains;
+        let mut text = format!("*{}\n", table.as_str());
+        for chain in chains.keys() {
+            let _ = writeln!(text, ":{chain} - [0:0]");
+        }
+        for (chain, rules) in chains {
+            for rule in rules {
+                let _ = writeln!(text, "-A {chain} {rule}");
+            }
+        }
+        text.push_str("COMMIT\n");
+        text
+    }
+}
+
+/// A jump from a built-in chain into one of ours, installed once (prepended, idempotent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BaseJump {
+    pub table: Table,
+    pub builtin_chain: &'static str,
+    /// Rule text after `-A BUILTIN `, ending in `-j OURCHAIN`.
+    pub rule: &'static str,
+}
+
+/// Every jump from a built-in chain the node proxy installs, in the order they must end up
+/// in each built-in chain (the installer prepends in reverse so this order holds).
+///
+/// kube-proxy v1.21's own jumps, plus KUBE-FIREWALL from INPUT, OUTPUT and FORWARD: v1.21
+/// left KUBE-FIREWALL to the kubelet (INPUT/OUTPUT only), so a packet to a non-local LB IP
+/// from outside loadBalancerSourceRanges was forwarded instead of dropped.
+pub const BASE_JUMPS: &[BaseJump] = &[
+    BaseJump {
+        table: Table::Filter,
+        builtin_chain: "INPUT",
+        rule: "-j KUBE-FIREWALL",
+    },
+    BaseJump {
+        table: Table::Filter,
+        builtin_chain: "INPUT",
+        rule: "-m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS",
+    },
+    BaseJump {
+        table: Table::Filter,
+        builtin_chain: "INPUT",
+        rule: "-m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES",
+    },
+    BaseJump {
+        table: Table::Filter,
+        builtin_chain: "FORWARD",
+        rule: "-j KUBE-FIREWALL",
+    },
+    BaseJump {
+        table: Table::Filter,
+        builtin_chain: "FORWARD",
+        rule: "-m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD",
+    },
+    BaseJump {
+        table: Table::Filter,
+        builtin_chain: "FORWARD",
+        rule: "-m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    },
+    BaseJump {
+        table: Table::Filter,
+        builtin_chain: "FORWARD",
+        rule: "-m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES",
+    },
+    BaseJump {
+        table: Table::Filter,
+        builtin_chain: "OUTPUT",
+        rule: "-j KUBE-FIREWALL",
+    },
+    BaseJump {
+        table: Table::Filter,
+        builtin_chain: "OUTPUT",
+        rule: "-m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    },
+    BaseJump {
+        table: Table::Nat,
+        builtin_chain: "PREROUTING",
+        rule: "-m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    },
+    BaseJump {
+        table: Table::Nat,
+        builtin_chain: "OUTPUT",
+        rule: "-m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    },
+    BaseJump {
+        table: Table::Nat,
+        builtin_chain: "POSTROUTING",
+        rule: "-m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING",
+    },
+];

@@ -1,0 +1,113 @@
+//! The reference API state must produce exactly the rules kube-proxy v1.21.2 installed for
+//! it (`tests/data/`, an `iptables-save` dump), byte for byte, plus the KUBE-MARK-DROP and
+//! KUBE-FIREWALL rules that the kubelet used to install and we install ourselves.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use tandem_proxy_rules::build;
+use tandem_proxy_rules::ruleset::{BASE_JUMPS, Table};
+
+const BUILTIN_CHAINS: &[&str] = &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"];
+
+/// One table of an `iptables-save` dump: declared chains, each with its rules in order.
+fn parse_dump(dump: &str, table: &str) -> BTreeMap<String, Vec<String>> {
+    let mut chains = BTreeMap::new();
+    let mut in_table = false;
+    for line in dump.lines() {
+        if let Some(name) = line.strip_prefix('*') {
+            in_table = name == table;
+        } else if !in_table || line == "COMMIT" || line.starts_with('#') {
+            continue;
+        } else if let Some(decl) = line.strip_prefix(':') {
+            let chain = decl.split_whitespace().next().unwrap();
+            chains.entry(chain.to_owned()).or_insert_with(Vec::new);
+        } else {
+            let rest = line
+                .strip_prefix("-A ")
+                .unwrap_or_else(|| panic!("unexpected line {line:?}"));
+            let (chain, rule) = rest.split_once(' ').unwrap();
+            chains.get_mut(chain).unwrap().push(rule.to_owned());
+        }
+    }
+    chains
+}
+
+#[test]
+fn reference_state_produces_the_reference_rules() {
+    let ours = build(&common::reference_state(), &common::node_a());
+    for (table, ours) in [("filter", &ours.filter.chains), ("nat", &ours.nat.chains)] {
+        let mut reference = parse_dump(common::REFERENCE_DUMP, table);
+        reference.remove("KUBE-PROXY-CANARY"); // the runtime's canary, not part of the ruleset
+        for builtin in BUILTIN_CHAINS {
+            reference.remove(*builtin);
+        }
+        let mut ours = ours.clone();
+        // Missing from the reference on purpose (no kubelet on that host): ours has them.
+        match table {
+            "filter" => {
+                let firewall = ours.remove("KUBE-FIREWALL").unwrap();
+                assert_eq!(
+                    firewall,
+                    [
+                        "-m comment --comment \"kubernetes firewall for dropping marked packets\" -m mark --mark 0x8000/0x8000 -j DROP"
+                    ]
+                );
+            }
+            _ => {
+                let mark_drop = std::mem::take(ours.get_mut("KUBE-MARK-DROP").unwrap());
+                assert_eq!(mark_drop, ["-j MARK --set-xmark 0x8000/0x8000"]);
+            }
+        }
+        assert_eq!(ours, reference, "{table} table differs from the reference");
+    }
+}
+
+#[test]
+fn base_jumps_are_the_reference_jumps_plus_kube_firewall() {
+    for (table, name) in [(Table::Filter, "filter"), (Table::Nat, "nat")] {
+        let reference = parse_dump(common::REFERENCE_DUMP, name);
+        for builtin in BUILTIN_CHAINS {
+            let ours: Vec<&str> = BASE_JUMPS
+                .iter()
+                .filter(|jump| jump.table == table && jump.builtin_chain == *builtin)
+                .map(|jump| jump.rule)
+                .filter(|rule| *rule != "-j KUBE-FIREWALL")
+                .collect();
+            let theirs: Vec<&str> = reference
+                .get(*builtin)
+                .map(|rules| rules.iter().map(String::as_str).collect())
+                .unwrap_or_default();
+            assert_eq!(ours, theirs, "{name} {builtin}");
+        }
+    }
+    let firewall_hooks: Vec<&str> = BASE_JUMPS
+        .iter()
+        .filter(|jump| jump.rule == "-j KUBE-FIREWALL")
+        .map(|jump| jump.builtin_chain)
+        .collect();
+    assert_eq!(firewall_hooks, ["INPUT", "FORWARD", "OUTPUT"]);
+}
+
+#[test]
+fn restore_payload_lists_the_reference_rules_in_save_layout() {
+    let ours = build(&common::reference_state(), &common::node_a());
+    let nat = ours.restore_payload(Table::Nat);
+    // Every KUBE-* line the kernel printed (other than the canary) is in our payload verbatim.
+    let mut in_nat = false;
+    for line in common::REFERENCE_DUMP.lines() {
+        if let Some(name) = line.strip_prefix('*') {
+            in_nat = name == "nat";
+        }
+        let ours_line = line.starts_with(":KUBE-") || line.starts_with("-A KUBE-");
+        if in_nat && ours_line && !line.contains("KUBE-PROXY-CANARY") {
+            assert!(
+                nat.lines().any(|l| l == line),
+                "missing from our payload: {line}"
+            );
+        }
+    }
+    assert!(nat.starts_with("*nat\n") && nat.ends_with("COMMIT\n"));
+}

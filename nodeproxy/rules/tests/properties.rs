@@ -1,0 +1,238 @@
+//! Properties of `build` over random cluster states: every jump lands in a declared chain,
+//! no per-Service chain is left unreferenced, output does not depend on input order, and
+//! the traced endpoint probabilities of every Service sum to 1 over exactly its endpoints.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use proptest::prelude::*;
+use tandem_proxy_rules::build;
+use tandem_proxy_rules::chains::PER_SERVICE_PREFIXES;
+use tandem_proxy_rules::model::{
+    Endpoint, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort, ServicePortName,
+};
+use tandem_proxy_rules::ruleset::{BASE_JUMPS, Ruleset, Table};
+use tandem_proxy_rules::trace::{Entry, Packet, TraceRequest, Verdict, trace};
+
+const TERMINAL_TARGETS: &[&str] = &[
+    "ACCEPT",
+    "DROP",
+    "REJECT",
+    "RETURN",
+    "MARK",
+    "DNAT",
+    "MASQUERADE",
+];
+
+fn protocol() -> impl Strategy<Value = Protocol> {
+    prop_oneof![
+        Just(Protocol::Tcp),
+        Just(Protocol::Udp),
+        Just(Protocol::Sctp)
+    ]
+}
+
+fn endpoint() -> impl Strategy<Value = Endpoint> {
+    (
+        1u8..3,
+        1u8..6,
+        prop_oneof![Just(80u16), Just(81)],
+        prop::bool::weighted(0.8),
+        prop::bool::weighted(0.1),
+        0usize..3,
+    )
+        .prop_map(|(subnet, host, port, ready, terminating, node)| Endpoint {
+            ip: Ipv4Addr::new(10, 244, subnet, host),
+            port,
+            ready,
+            terminating,
+            node_name: [Some("node-a".to_owned()), Some("node-b".to_owned()), None][node].clone(),
+        })
+}
+
+/// A Service port and its endpoints; identity fields are filled in by [`state`].
+fn service() -> impl Strategy<Value = (ServicePort, Vec<Endpoint>)> {
+    let ingress = (1u8..4, prop::bool::weighted(0.8)).prop_map(|(host, vip)| LoadBalancerIngress {
+        ip: Ipv4Addr::new(198, 51, 100, host),
+        ip_mode: if vip { IpMode::Vip } else { IpMode::Proxy },
+    });
+    let ranges = prop::collection::vec(
+        prop_oneof![Just("203.0.113.0/24"), Just("192.0.2.128/25")],
+        0..3,
+    );
+    (
+        (
+            protocol(),
+            prop::bool::weighted(0.9),
+            prop::option::of(Just(())),
+            prop::collection::vec(1u8..3, 0..3),
+        ),
+        (
+            prop::collection::vec(ingress, 0..3),
+            ranges,
+            prop::option::of(1u32..20_000),
+            any::<bool>(),
+        ),
+        prop::collection::vec(endpoint(), 0..6),
+    )
+        .prop_map(
+            |(
+                (protocol, has_cluster_ip, node_port, external),
+                (ingress, ranges, affinity, local),
+                endpoints,
+            )| {
+                let service = ServicePort {
+                    name: common::port_name("ns", "placeholder", ""),
+                    protocol,
+                    cluster_ip: has_cluster_ip.then_some(Ipv4Addr::UNSPECIFIED),
+                    port: 0,
+                    node_port: node_port.map(|()| 0),
+                    external_ips: external
+                        .into_iter()
+                        .map(|h| Ipv4Addr::new(192, 0, 2, h))
+                        .collect(),
+                    load_balancer_ingress: ingress,
+                    load_balancer_source_ranges: ranges
+                        .into_iter()
+                        .map(|r| r.parse().unwrap())
+                        .collect(),
+                    session_affinity_timeout: affinity,
+                    external_traffic_policy_local: local,
+                    health_check_node_port: local.then_some(0),
+                };
+                (service, endpoints)
+            },
+        )
+}
+
+/// Up to six Service ports with distinct names, cluster IPs and ports.
+fn state() -> impl Strategy<Value = ProxyState> {
+    prop::collection::vec(service(), 0..6).prop_map(|services| {
+        let mut state = ProxyState::default();
+        for (i, (mut service, endpoints)) in services.into_iter().enumerate() {
+            let index = u8::try_from(i).unwrap();
+            let index16 = u16::from(index);
+            service.name = ServicePortName {
+                namespace: ["a", "b"][i % 2].into(),
+                name: format!("svc{}", i / 2),
+                port: if i % 3 == 0 {
+                    String::new()
+                } else {
+                    format!("p{i}")
+                },
+            };
+            service.cluster_ip = service
+                .cluster_ip
+                .map(|_| Ipv4Addr::new(10, 96, 0, 10 + index));
+            service.port = 8000 + index16;
+            service.node_port = service.node_port.map(|_| 30000 + index16);
+            service.health_check_node_port =
+                service.health_check_node_port.map(|_| 32000 + index16);
+            state.endpoints.insert(service.name.clone(), endpoints);
+            state.services.insert(service.name.clone(), service);
+        }
+        state
+    })
+}
+
+/// `(table, chain, target)` of every `-j` to a chain of ours, including the base jumps.
+fn jumps(ruleset: &Ruleset) -> Vec<(Table, String, String)> {
+    let mut jumps = Vec::new();
+    for table in [Table::Filter, Table::Nat] {
+        for (chain, rules) in &ruleset.table(table).chains {
+            for rule in rules {
+                let target = rule
+                    .split(" -j ")
+                    .nth(1)
+                    .or_else(|| rule.strip_prefix("-j "))
+                    .unwrap();
+                let target = target.split_whitespace().next().unwrap();
+                if !TERMINAL_TARGETS.contains(&target) {
+                    jumps.push((table, chain.clone(), target.to_owned()));
+                }
+            }
+        }
+    }
+    for jump in BASE_JUMPS {
+        let target = jump.rule.rsplit(" ").next().unwrap();
+        jumps.push((jump.table, jump.builtin_chain.to_owned(), target.to_owned()));
+    }
+    jumps
+}
+
+fn reversed_lists(state: &ProxyState) -> ProxyState {
+    let mut state = state.clone();
+    for service in state.services.values_mut() {
+        service.external_ips.reverse();
+        service.load_balancer_ingress.reverse();
+        service.load_balancer_source_ranges.reverse();
+    }
+    for endpoints in state.endpoints.values_mut() {
+        endpoints.reverse();
+    }
+    state
+}
+
+fn usable(state: &ProxyState, name: &ServicePortName) -> BTreeSet<SocketAddrV4> {
+    state.endpoints[name]
+        .iter()
+        .filter(|ep| ep.ready && !ep.terminating)
+        .map(|ep| SocketAddrV4::new(ep.ip, ep.port))
+        .collect()
+}
+
+proptest! {
+    #[test]
+    fn every_jump_target_is_declared_and_every_service_chain_is_used(state in state()) {
+        let ruleset = build(&state, &common::node_a());
+        let jumps = jumps(&ruleset);
+        for (table, chain, target) in &jumps {
+            prop_assert!(
+                ruleset.table(*table).chains.contains_key(target),
+                "{} {chain} jumps to undeclared {target}", table.as_str()
+            );
+        }
+        for table in [Table::Filter, Table::Nat] {
+            for chain in ruleset.table(table).chains.keys() {
+                if PER_SERVICE_PREFIXES.iter().any(|prefix| chain.starts_with(prefix)) {
+                    prop_assert!(
+                        jumps.iter().any(|(t, _, target)| *t == table && target == chain),
+                        "{chain} is declared but nothing jumps to it"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn output_does_not_depend_on_input_order(state in state()) {
+        prop_assert_eq!(build(&state, &common::node_a()), build(&reversed_lists(&state), &common::node_a()));
+    }
+
+    #[test]
+    fn every_service_spreads_over_exactly_its_endpoints(state in state()) {
+        let ruleset = build(&state, &common::node_a());
+        for (name, service) in &state.services {
+            let Some(cluster_ip) = service.cluster_ip else { continue };
+            let packet = Packet { src: Ipv4Addr::new(10, 244, 1, 200), dst: cluster_ip, protocol: service.protocol, dst_port: service.port };
+            let traced = trace(&ruleset, &TraceRequest::new(packet, Entry::FromOutside, [Ipv4Addr::new(198, 18, 0, 11)])).unwrap();
+            let expected = usable(&state, name);
+            if expected.is_empty() {
+                prop_assert_eq!(traced.outcomes.len(), 1);
+                prop_assert_eq!(&traced.outcomes[0].verdict, &Verdict::Reject { table: Table::Filter, chain: "KUBE-SERVICES".into() });
+                continue;
+            }
+            let total: f64 = traced.outcomes.iter().map(|o| o.probability).sum();
+            prop_assert!((total - 1.0).abs() < 1e-6, "probabilities sum to {}", total);
+            let reached: BTreeSet<SocketAddrV4> = traced.outcomes.iter().map(|o| o.dnat.unwrap()).collect();
+            prop_assert_eq!(&reached, &expected);
+            for outcome in &traced.outcomes {
+                let share = 1.0 / expected.len() as f64;
+                prop_assert!((outcome.probability - share).abs() < 1e-6, "uneven share {}", outcome.probability);
+            }
+        }
+    }
+}
