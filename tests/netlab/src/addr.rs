@@ -1,0 +1,133 @@
+//! The address plan of the virtual cluster (DESIGN.md, "The virtual cluster").
+//!
+//! Pure functions only: every address the topology configures comes from here, so tests
+//! and other crates can compute them without a running topology.
+
+use std::net::Ipv4Addr;
+
+use ipnet::Ipv4Net;
+
+use crate::error::NetlabError;
+
+/// Node network shared by the control plane, the nodes and the cloud edge.
+pub const NODE_NETWORK: Ipv4Net = net(Ipv4Addr::new(198, 18, 0, 0), 24);
+/// The cloud edge on the node network: every node's default gateway.
+pub const EDGE_NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
+/// The control-plane namespace (API server relay, controller).
+pub const CONTROL_PLANE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
+/// Port of the API server relay on the control plane (the API server's usual port).
+pub const API_RELAY_PORT: u16 = 6443;
+/// All pod networks together (10.244.N.0/24 on node N).
+pub const POD_SUPERNET: Ipv4Net = net(Ipv4Addr::new(10, 244, 0, 0), 16);
+/// Service cluster IPs (the API server allocates them; nothing is configured here).
+pub const SERVICE_CIDR: Ipv4Net = net(Ipv4Addr::new(10, 96, 0, 0), 16);
+/// Load-balancer VIPs, hosted or routed by the cloud edge.
+pub const VIP_POOL: Ipv4Net = net(Ipv4Addr::new(198, 51, 100, 0), 24);
+/// External clients inside the usual loadBalancerSourceRanges.
+pub const CLIENT_NETWORK_IN_RANGE: Ipv4Net = net(Ipv4Addr::new(203, 0, 113, 0), 24);
+/// External clients outside any source range the tests allow.
+pub const CLIENT_NETWORK_OUT_OF_RANGE: Ipv4Net = net(Ipv4Addr::new(192, 0, 2, 0), 24);
+/// The edge's address on the in-range client network (the clients' gateway).
+pub const EDGE_CLIENT_IN_RANGE_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+/// The edge's address on the out-of-range client network.
+pub const EDGE_CLIENT_OUT_OF_RANGE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+/// Client `c1`, inside the usual source range.
+pub const CLIENT_IN_RANGE_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
+/// Client `c2`, outside any source range.
+pub const CLIENT_OUT_OF_RANGE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+
+/// Most nodes a topology can have: node N uses 198.18.0.(10+N) and 10.244.N.0/24.
+pub const MAX_NODES: usize = 200;
+/// Most pods one node can ever create: pod index i uses 10.244.N.(1+i).
+pub const MAX_POD_INDEX: u32 = 253;
+
+const fn net(addr: Ipv4Addr, prefix: u8) -> Ipv4Net {
+    // Only called with literal, valid prefixes above; `Ipv4Net::new_assert` is const.
+    Ipv4Net::new_assert(addr, prefix)
+}
+
+fn check_node(node: usize) -> Result<u8, NetlabError> {
+    if (1..=MAX_NODES).contains(&node) {
+        u8::try_from(node).map_err(|_| NetlabError::NodeOutOfRange(node))
+    } else {
+        Err(NetlabError::NodeOutOfRange(node))
+    }
+}
+
+/// Node N's address on the node network: 198.18.0.(10+N).
+pub fn node_ip(node: usize) -> Result<Ipv4Addr, NetlabError> {
+    let n = check_node(node)?;
+    Ok(Ipv4Addr::new(198, 18, 0, 10 + n))
+}
+
+/// Node N's pod CIDR: 10.244.N.0/24.
+pub fn pod_cidr(node: usize) -> Result<Ipv4Net, NetlabError> {
+    let n = check_node(node)?;
+    Ok(net(Ipv4Addr::new(10, 244, n, 0), 24))
+}
+
+/// Node N's address on its `cni0` bridge, the pods' gateway: 10.244.N.1.
+pub fn pod_gateway(node: usize) -> Result<Ipv4Addr, NetlabError> {
+    let n = check_node(node)?;
+    Ok(Ipv4Addr::new(10, 244, n, 1))
+}
+
+/// The address of pod index `index` (1-based) on node N: 10.244.N.(1+index).
+pub fn pod_ip(node: usize, index: u32) -> Result<Ipv4Addr, NetlabError> {
+    let n = check_node(node)?;
+    if !(1..=MAX_POD_INDEX).contains(&index) {
+        return Err(NetlabError::PodIndexOutOfRange { node, index });
+    }
+    let host =
+        u8::try_from(index + 1).map_err(|_| NetlabError::PodIndexOutOfRange { node, index })?;
+    Ok(Ipv4Addr::new(10, 244, n, host))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_and_pods_follow_the_design_plan() {
+        assert_eq!(node_ip(1).unwrap(), Ipv4Addr::new(198, 18, 0, 11));
+        assert_eq!(node_ip(3).unwrap(), Ipv4Addr::new(198, 18, 0, 13));
+        assert_eq!(pod_cidr(2).unwrap().to_string(), "10.244.2.0/24");
+        assert_eq!(pod_gateway(2).unwrap(), Ipv4Addr::new(10, 244, 2, 1));
+        assert_eq!(pod_ip(2, 1).unwrap(), Ipv4Addr::new(10, 244, 2, 2));
+        assert_eq!(pod_ip(2, 253).unwrap(), Ipv4Addr::new(10, 244, 2, 254));
+    }
+
+    #[test]
+    fn out_of_range_indices_are_errors() {
+        assert!(node_ip(0).is_err());
+        assert!(node_ip(MAX_NODES + 1).is_err());
+        assert!(pod_ip(1, 0).is_err());
+        assert!(pod_ip(1, MAX_POD_INDEX + 1).is_err());
+    }
+
+    #[test]
+    fn every_node_and_pod_address_is_inside_its_network() {
+        for node in 1..=MAX_NODES {
+            assert!(NODE_NETWORK.contains(&node_ip(node).unwrap()));
+            let cidr = pod_cidr(node).unwrap();
+            assert!(POD_SUPERNET.contains(&cidr));
+            for index in [1, 100, MAX_POD_INDEX] {
+                let ip = pod_ip(node, index).unwrap();
+                assert!(cidr.contains(&ip));
+                assert_ne!(ip, cidr.broadcast());
+                assert_ne!(ip, pod_gateway(node).unwrap());
+            }
+        }
+    }
+
+    #[test]
+    fn client_ranges_do_not_overlap_cluster_ranges() {
+        for cluster in [NODE_NETWORK, POD_SUPERNET, SERVICE_CIDR, VIP_POOL] {
+            for client in [CLIENT_NETWORK_IN_RANGE, CLIENT_NETWORK_OUT_OF_RANGE] {
+                assert!(!cluster.contains(&client) && !client.contains(&cluster));
+            }
+        }
+        assert!(CLIENT_NETWORK_IN_RANGE.contains(&CLIENT_IN_RANGE_IP));
+        assert!(CLIENT_NETWORK_OUT_OF_RANGE.contains(&CLIENT_OUT_OF_RANGE_IP));
+    }
+}

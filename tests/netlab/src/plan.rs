@@ -1,0 +1,342 @@
+//! What a topology consists of, as a list of steps (pure).
+//!
+//! The doing side (`topology.rs`) runs each step with `ip`/`sysctl`; keeping the steps
+//! as data lets the tests check the wiring (names, addresses, routes) without root.
+
+use crate::addr;
+use crate::error::NetlabError;
+use crate::naming::RunPrefix;
+
+/// Interface names inside the namespaces. Every name is per-namespace, so they can be
+/// fixed short words: nothing is ever created in the root namespace.
+pub mod ifname {
+    /// Node-network bridge in the switch namespace.
+    pub const NODE_BRIDGE: &str = "brnode";
+    /// In-range client bridge in the switch namespace.
+    pub const CLIENT_IN_RANGE_BRIDGE: &str = "brc1";
+    /// Out-of-range client bridge in the switch namespace.
+    pub const CLIENT_OUT_OF_RANGE_BRIDGE: &str = "brc2";
+    /// Every host's uplink (and the edge's node-network leg).
+    pub const UPLINK: &str = "eth0";
+    /// The edge's leg on the in-range client network.
+    pub const EDGE_CLIENT_IN_RANGE: &str = "eth1";
+    /// The edge's leg on the out-of-range client network.
+    pub const EDGE_CLIENT_OUT_OF_RANGE: &str = "eth2";
+    /// Where the mock cloud puts VIPs in the edge (proxy mode). The loopback: the
+    /// `dummy` link type needs a kernel module that may not be loaded.
+    pub const EDGE_VIPS: &str = "lo";
+    /// The pod bridge on every node.
+    pub const POD_BRIDGE: &str = "cni0";
+
+    /// The node-side end of pod `index`'s veth.
+    pub fn pod_veth(index: u32) -> String {
+        format!("veth{index}")
+    }
+}
+
+/// One thing to do to the kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// `ip netns add NAME`.
+    AddNetns(String),
+    /// `ip -n NETNS -batch -` with these command lines (without the leading `ip`).
+    Ip {
+        netns: String,
+        commands: Vec<String>,
+    },
+    /// `ip netns exec NETNS sysctl -qew KEY=VALUE...`; unknown keys are ignored so a
+    /// kernel without br_netfilter still works.
+    Sysctl {
+        netns: String,
+        settings: Vec<(String, String)>,
+    },
+}
+
+fn ip(netns: &str, commands: Vec<String>) -> Step {
+    Step::Ip {
+        netns: netns.to_owned(),
+        commands,
+    }
+}
+
+fn sysctl(netns: &str, settings: &[(&str, &str)]) -> Step {
+    Step::Sysctl {
+        netns: netns.to_owned(),
+        settings: settings
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
+    }
+}
+
+/// A veth whose one end is `local` in the switch namespace, enslaved to `bridge`, and
+/// whose other end is `eth0` in `peer_netns`.
+fn switch_port(local: &str, bridge: &str, peer_netns: &str, peer_if: &str) -> Vec<String> {
+    vec![
+        format!("link add {local} type veth peer name {peer_if} netns {peer_netns}"),
+        format!("link set {local} master {bridge}"),
+        format!("link set {local} up"),
+    ]
+}
+
+/// The fixed part of every topology: switch, control plane, edge and the two clients.
+pub fn base(prefix: &RunPrefix) -> Vec<Step> {
+    use ifname::*;
+    let sw = prefix.switch();
+    let cp = prefix.control_plane();
+    let edge = prefix.edge();
+    let c1 = prefix.client(1);
+    let c2 = prefix.client(2);
+    let mut steps: Vec<Step> = [&sw, &cp, &edge, &c1, &c2]
+        .iter()
+        .map(|n| Step::AddNetns((*n).clone()))
+        .collect();
+
+    let mut switch = vec!["link set lo up".to_owned()];
+    for bridge in [
+        NODE_BRIDGE,
+        CLIENT_IN_RANGE_BRIDGE,
+        CLIENT_OUT_OF_RANGE_BRIDGE,
+    ] {
+        switch.push(format!("link add {bridge} type bridge"));
+        switch.push(format!("link set {bridge} up"));
+    }
+    switch.extend(switch_port("cp", NODE_BRIDGE, &cp, UPLINK));
+    switch.extend(switch_port("edge", NODE_BRIDGE, &edge, UPLINK));
+    switch.extend(switch_port(
+        "edgec1",
+        CLIENT_IN_RANGE_BRIDGE,
+        &edge,
+        EDGE_CLIENT_IN_RANGE,
+    ));
+    switch.extend(switch_port(
+        "edgec2",
+        CLIENT_OUT_OF_RANGE_BRIDGE,
+        &edge,
+        EDGE_CLIENT_OUT_OF_RANGE,
+    ));
+    switch.extend(switch_port("c1", CLIENT_IN_RANGE_BRIDGE, &c1, UPLINK));
+    switch.extend(switch_port("c2", CLIENT_OUT_OF_RANGE_BRIDGE, &c2, UPLINK));
+    steps.push(ip(&sw, switch));
+
+    steps.push(ip(
+        &cp,
+        host_uplink(addr::CONTROL_PLANE_IP, 24, addr::EDGE_NODE_IP),
+    ));
+
+    steps.push(sysctl(&edge, &[("net.ipv4.ip_forward", "1")]));
+    steps.push(ip(
+        &edge,
+        vec![
+            format!("link set {EDGE_VIPS} up"),
+            format!("addr add {}/24 dev {UPLINK}", addr::EDGE_NODE_IP),
+            format!("link set {UPLINK} up"),
+            format!(
+                "addr add {}/24 dev {EDGE_CLIENT_IN_RANGE}",
+                addr::EDGE_CLIENT_IN_RANGE_IP
+            ),
+            format!("link set {EDGE_CLIENT_IN_RANGE} up"),
+            format!(
+                "addr add {}/24 dev {EDGE_CLIENT_OUT_OF_RANGE}",
+                addr::EDGE_CLIENT_OUT_OF_RANGE_IP
+            ),
+            format!("link set {EDGE_CLIENT_OUT_OF_RANGE} up"),
+            // The cloud never routes to pod IPs: external clients must go through a VIP or
+            // a node port. `prohibit` answers with an ICMP error, so a client fails fast.
+            format!("route add prohibit {}", addr::POD_SUPERNET),
+        ],
+    ));
+
+    steps.push(ip(
+        &c1,
+        host_uplink(addr::CLIENT_IN_RANGE_IP, 24, addr::EDGE_CLIENT_IN_RANGE_IP),
+    ));
+    steps.push(ip(
+        &c2,
+        host_uplink(
+            addr::CLIENT_OUT_OF_RANGE_IP,
+            24,
+            addr::EDGE_CLIENT_OUT_OF_RANGE_IP,
+        ),
+    ));
+    steps
+}
+
+fn host_uplink(ip: std::net::Ipv4Addr, prefix_len: u8, gateway: std::net::Ipv4Addr) -> Vec<String> {
+    use ifname::UPLINK;
+    vec![
+        "link set lo up".to_owned(),
+        format!("addr add {ip}/{prefix_len} dev {UPLINK}"),
+        format!("link set {UPLINK} up"),
+        format!("route add default via {gateway}"),
+    ]
+}
+
+/// Node `node` of `node_count`: uplink on the node bridge, `cni0`, host-gw routes to the
+/// other nodes' pod CIDRs.
+pub fn node(prefix: &RunPrefix, node: usize, node_count: usize) -> Result<Vec<Step>, NetlabError> {
+    use ifname::*;
+    let name = prefix.node(node);
+    let node_ip = addr::node_ip(node)?;
+    let switch = switch_port(&format!("n{node}"), NODE_BRIDGE, &name, UPLINK);
+    let mut commands = host_uplink(node_ip, 24, addr::EDGE_NODE_IP);
+    commands.extend([
+        format!("link add {POD_BRIDGE} type bridge"),
+        format!("addr add {}/24 dev {POD_BRIDGE}", addr::pod_gateway(node)?),
+        format!("link set {POD_BRIDGE} up"),
+    ]);
+    for other in (1..=node_count).filter(|&o| o != node) {
+        commands.push(format!(
+            "route add {} via {}",
+            addr::pod_cidr(other)?,
+            addr::node_ip(other)?
+        ));
+    }
+    Ok(vec![
+        Step::AddNetns(name.clone()),
+        ip(&prefix.switch(), switch),
+        sysctl(
+            &name,
+            &[
+                ("net.ipv4.ip_forward", "1"),
+                // kube-proxy needs bridged pod traffic to pass netfilter (hairpin, same-node
+                // service traffic); it is per namespace and on by default, made explicit.
+                ("net.bridge.bridge-nf-call-iptables", "1"),
+            ],
+        ),
+        ip(&name, commands),
+    ])
+}
+
+/// Pod `index` on node `node`: a namespace with `eth0` on the node's `cni0`.
+pub fn pod(prefix: &RunPrefix, node: usize, index: u32) -> Result<Vec<Step>, NetlabError> {
+    use ifname::*;
+    let pod = prefix.pod(node, index);
+    let node_ns = prefix.node(node);
+    let veth = pod_veth(index);
+    Ok(vec![
+        Step::AddNetns(pod.clone()),
+        ip(
+            &node_ns,
+            vec![
+                format!("link add {veth} type veth peer name {UPLINK} netns {pod}"),
+                format!("link set {veth} master {POD_BRIDGE}"),
+                // Hairpin lets a pod reach itself through a Service, as kubenet sets it.
+                format!("link set {veth} type bridge_slave hairpin on"),
+                format!("link set {veth} up"),
+            ],
+        ),
+        ip(
+            &pod,
+            host_uplink(addr::pod_ip(node, index)?, 24, addr::pod_gateway(node)?),
+        ),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Kernel limit for interface names (IFNAMSIZ - 1).
+    const MAX_IFNAME_LEN: usize = 15;
+
+    fn all_steps() -> Vec<Step> {
+        let p = RunPrefix::new(4194304, 4000);
+        let mut steps = base(&p);
+        for n in 1..=3 {
+            steps.extend(node(&p, n, 3).unwrap());
+            steps.extend(pod(&p, n, addr::MAX_POD_INDEX).unwrap());
+        }
+        steps
+    }
+
+    fn ip_lines(steps: &[Step]) -> Vec<(String, String)> {
+        steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Ip { netns, commands } => {
+                    Some(commands.iter().map(move |c| (netns.clone(), c.clone())))
+                }
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    #[test]
+    fn every_created_interface_name_fits_the_kernel_limit() {
+        for (_, line) in ip_lines(&all_steps()) {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            if words.starts_with(&["link", "add"]) {
+                assert!(words[2].len() <= MAX_IFNAME_LEN, "{line}");
+                if let Some(i) = words.iter().position(|w| *w == "name") {
+                    assert!(words[i + 1].len() <= MAX_IFNAME_LEN, "{line}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_namespace_is_created_before_use_and_belongs_to_the_run() {
+        let p = RunPrefix::new(4194304, 4000);
+        let mut created = std::collections::HashSet::new();
+        for step in all_steps() {
+            match step {
+                Step::AddNetns(n) => {
+                    assert!(p.owns(&n), "{n}");
+                    assert!(created.insert(n.clone()), "created twice: {n}");
+                }
+                Step::Ip { netns, commands } => {
+                    assert!(created.contains(&netns), "{netns} used before creation");
+                    for c in commands {
+                        if let Some(peer) = c.split(" netns ").nth(1) {
+                            assert!(created.contains(peer), "{peer} used before creation");
+                        }
+                    }
+                }
+                Step::Sysctl { netns, .. } => assert!(created.contains(&netns)),
+            }
+        }
+    }
+
+    #[test]
+    fn nodes_get_host_gw_routes_to_every_other_node() {
+        let p = RunPrefix::new(1, 1);
+        let lines = ip_lines(&node(&p, 2, 3).unwrap());
+        let routes: Vec<&str> = lines
+            .iter()
+            .filter(|(ns, l)| ns == &p.node(2) && l.starts_with("route add 10.244"))
+            .map(|(_, l)| l.as_str())
+            .collect();
+        assert_eq!(
+            routes,
+            [
+                "route add 10.244.1.0/24 via 198.18.0.11",
+                "route add 10.244.3.0/24 via 198.18.0.13"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_edge_forwards_but_prohibits_pod_addresses() {
+        let p = RunPrefix::new(1, 1);
+        let steps = base(&p);
+        assert!(steps.contains(&Step::Sysctl {
+            netns: p.edge(),
+            settings: vec![("net.ipv4.ip_forward".into(), "1".into())]
+        }));
+        let lines = ip_lines(&steps);
+        assert!(lines.contains(&(p.edge(), "route add prohibit 10.244.0.0/16".into())));
+        assert!(lines.contains(&(p.client(1), "route add default via 203.0.113.1".into())));
+        assert!(lines.contains(&(p.client(2), "route add default via 192.0.2.1".into())));
+    }
+
+    #[test]
+    fn pods_use_their_node_bridge_as_gateway() {
+        let p = RunPrefix::new(1, 1);
+        let lines = ip_lines(&pod(&p, 3, 2).unwrap());
+        assert!(lines.contains(&(p.pod(3, 2), "addr add 10.244.3.3/24 dev eth0".into())));
+        assert!(lines.contains(&(p.pod(3, 2), "route add default via 10.244.3.1".into())));
+        assert!(lines.contains(&(p.node(3), "link set veth2 master cni0".into())));
+    }
+}

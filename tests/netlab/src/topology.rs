@@ -1,0 +1,551 @@
+//! The virtual cluster: switch, control plane, nodes with pods, cloud edge, clients.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use ipnet::Ipv4Net;
+
+use crate::addr;
+use crate::cleanup;
+use crate::echo::{DEFAULT_ECHO_PORT, EchoClient, READY_LINE, echo_binary};
+use crate::error::NetlabError;
+use crate::naming::RunPrefix;
+use crate::netns::{ChildGuard, Netns, run_checked};
+use crate::plan::{self, Step, ifname};
+
+/// A namespace with one address: the control plane and the external clients.
+#[derive(Debug, Clone)]
+pub struct Host {
+    pub netns: Netns,
+    pub ip: Ipv4Addr,
+}
+
+/// The cloud edge: gateway of the node network and of both client networks.
+#[derive(Debug, Clone)]
+pub struct Edge {
+    pub netns: Netns,
+    /// 198.18.0.1, the nodes' default gateway.
+    pub node_network_ip: Ipv4Addr,
+    /// Interface where the mock cloud puts VIPs in proxy mode (`lo`).
+    pub vip_interface: String,
+}
+
+/// A node namespace.
+#[derive(Debug, Clone)]
+pub struct Node {
+    /// 1-based.
+    pub index: usize,
+    /// The Kubernetes Node name, also what the pod echo reports as `node`.
+    pub name: String,
+    pub netns: Netns,
+    pub ip: Ipv4Addr,
+    pub pod_cidr: Ipv4Net,
+}
+
+/// A pod namespace on a node.
+#[derive(Debug, Clone)]
+pub struct Pod {
+    /// What the pod echo reports as `pod`, e.g. `n2p1`.
+    pub name: String,
+    /// 1-based index of its node.
+    pub node: usize,
+    pub node_name: String,
+    /// Per-node index, never reused within a topology.
+    pub index: u32,
+    pub netns: Netns,
+    pub ip: Ipv4Addr,
+}
+
+/// Whether and how pods run the echo server.
+#[derive(Debug, Clone)]
+enum EchoSetup {
+    /// Locate `tandem-echo` with [`echo_binary`].
+    Locate,
+    Binary(PathBuf),
+    Off,
+}
+
+/// Builds a [`Topology`]: `Topology::builder().nodes(3).pods_per_node(&[2, 2, 0]).build()`.
+#[derive(Debug, Clone)]
+pub struct TopologyBuilder {
+    nodes: usize,
+    pods_per_node: Option<Vec<u32>>,
+    echo: EchoSetup,
+    http_port: u16,
+    udp_port: u16,
+    handle_signals: bool,
+}
+
+impl TopologyBuilder {
+    /// Number of nodes (default 2).
+    pub fn nodes(mut self, nodes: usize) -> Self {
+        self.nodes = nodes;
+        self
+    }
+
+    /// Pods per node, one entry per node (default: one pod on every node).
+    pub fn pods_per_node(mut self, pods: &[u32]) -> Self {
+        self.pods_per_node = Some(pods.to_vec());
+        self
+    }
+
+    /// The `tandem-echo` binary the pods run (default: [`echo_binary`]).
+    pub fn echo_binary(mut self, binary: impl Into<PathBuf>) -> Self {
+        self.echo = EchoSetup::Binary(binary.into());
+        self
+    }
+
+    /// Pods run nothing; the caller starts its own processes in them.
+    pub fn without_echo(mut self) -> Self {
+        self.echo = EchoSetup::Off;
+        self
+    }
+
+    /// Ports of the pod echo (default 8080 for both).
+    pub fn echo_ports(mut self, http: u16, udp: u16) -> Self {
+        self.http_port = http;
+        self.udp_port = udp;
+        self
+    }
+
+    /// Whether SIGINT/SIGTERM remove the topology and exit the process with 130/143
+    /// (default true). A binary with its own graceful shutdown turns this off and drops
+    /// the topology itself.
+    pub fn handle_signals(mut self, handle: bool) -> Self {
+        self.handle_signals = handle;
+        self
+    }
+
+    /// [`TopologyBuilder::build`] on a blocking thread, for async callers.
+    pub async fn build_async(self) -> Result<Topology, NetlabError> {
+        tokio::task::spawn_blocking(move || self.build())
+            .await
+            .map_err(|e| NetlabError::Io {
+                context: "building the topology".to_owned(),
+                source: std::io::Error::other(e),
+            })?
+    }
+
+    /// Creates every namespace, link, address and route, and starts the pod echoes.
+    /// On error everything created so far is removed.
+    pub fn build(self) -> Result<Topology, NetlabError> {
+        if self.nodes == 0 || self.nodes > addr::MAX_NODES {
+            return Err(NetlabError::NodeOutOfRange(self.nodes));
+        }
+        let pods_per_node = self
+            .pods_per_node
+            .clone()
+            .unwrap_or_else(|| vec![1; self.nodes]);
+        if pods_per_node.len() != self.nodes {
+            return Err(NetlabError::PodsPerNodeMismatch {
+                listed: pods_per_node.len(),
+                nodes: self.nodes,
+            });
+        }
+        let echo_binary = match &self.echo {
+            EchoSetup::Locate => Some(echo_binary()?),
+            EchoSetup::Binary(path) if path.is_file() => Some(path.clone()),
+            EchoSetup::Binary(path) => {
+                return Err(NetlabError::EchoBinaryNotFound {
+                    searched: vec![path.clone()],
+                });
+            }
+            EchoSetup::Off => None,
+        };
+        cleanup::remove_stale_once();
+
+        let prefix = RunPrefix::next_for_this_process();
+        let host = |netns: String, ip| Host {
+            netns: Netns::attach(netns),
+            ip,
+        };
+        // The Topology exists before the first namespace, so an error below drops it and
+        // removes whatever was already created.
+        let mut topology = Topology {
+            switch: Netns::attach(prefix.switch()),
+            control_plane: host(prefix.control_plane(), addr::CONTROL_PLANE_IP),
+            edge: Edge {
+                netns: Netns::attach(prefix.edge()),
+                node_network_ip: addr::EDGE_NODE_IP,
+                vip_interface: ifname::EDGE_VIPS.to_owned(),
+            },
+            client_in_range: host(prefix.client(1), addr::CLIENT_IN_RANGE_IP),
+            client_out_of_range: host(prefix.client(2), addr::CLIENT_OUT_OF_RANGE_IP),
+            nodes: Vec::new(),
+            pods: Vec::new(),
+            next_pod_index: vec![1; self.nodes],
+            echo_binary,
+            http_port: self.http_port,
+            udp_port: self.udp_port,
+            echoes: HashMap::new(),
+            prefix,
+        };
+        cleanup::register(&topology.prefix, self.handle_signals);
+        tracing::info!(prefix = %topology.prefix, nodes = self.nodes, "building topology");
+
+        run_steps(&plan::base(&topology.prefix))?;
+        for index in 1..=self.nodes {
+            run_steps(&plan::node(&topology.prefix, index, self.nodes)?)?;
+            topology.nodes.push(Node {
+                index,
+                name: node_name(index),
+                netns: Netns::attach(topology.prefix.node(index)),
+                ip: addr::node_ip(index)?,
+                pod_cidr: addr::pod_cidr(index)?,
+            });
+        }
+        let mut starting = Vec::new();
+        for (node_pos, &count) in pods_per_node.iter().enumerate() {
+            for _ in 0..count {
+                let pod = topology.create_pod(node_pos + 1)?;
+                if let Some(guard) = topology.start_echo(&pod)? {
+                    starting.push((pod.name.clone(), guard));
+                }
+                topology.pods.push(pod);
+            }
+        }
+        // All echoes start in parallel; then each must say it is listening.
+        for (name, mut guard) in starting {
+            wait_ready(&mut guard)?;
+            topology.echoes.insert(name, guard);
+        }
+        Ok(topology)
+    }
+}
+
+/// The Kubernetes Node name of node `index`.
+pub fn node_name(index: usize) -> String {
+    format!("node-{index}")
+}
+
+fn run_steps(steps: &[Step]) -> Result<(), NetlabError> {
+    for step in steps {
+        run_step(step)?;
+    }
+    Ok(())
+}
+
+fn run_step(step: &Step) -> Result<(), NetlabError> {
+    match step {
+        Step::AddNetns(name) => {
+            let mut cmd = Command::new("ip");
+            cmd.args(["netns", "add", name]);
+            run_checked(cmd).map(drop)
+        }
+        Step::Ip { netns, commands } => {
+            let mut cmd = Command::new("ip");
+            cmd.args(["-n", netns, "-batch", "-"]);
+            run_with_stdin(cmd, &(commands.join("\n") + "\n"))
+        }
+        Step::Sysctl { netns, settings } => {
+            let mut cmd = Netns::attach(netns.as_str()).command("sysctl");
+            cmd.arg("-qew");
+            cmd.args(settings.iter().map(|(k, v)| format!("{k}={v}")));
+            run_checked(cmd).map(drop)
+        }
+    }
+}
+
+fn run_with_stdin(mut cmd: Command, input: &str) -> Result<(), NetlabError> {
+    use std::io::Write;
+    let command = crate::netns::describe(&cmd);
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| NetlabError::Spawn {
+            command: command.clone(),
+            source,
+        })?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(input.as_bytes())
+            .map_err(|source| NetlabError::Io {
+                context: format!("writing to `{command}`"),
+                source,
+            })?;
+    }
+    let output = child.wait_with_output().map_err(|source| NetlabError::Io {
+        context: format!("waiting for `{command}`"),
+        source,
+    })?;
+    crate::netns::checked_stdout(format!("{command} <<< {input:?}"), output).map(drop)
+}
+
+fn wait_ready(guard: &mut ChildGuard) -> Result<(), NetlabError> {
+    let command = guard.command().to_owned();
+    let stdout = guard.child_mut().stdout.take();
+    let mut line = String::new();
+    if let Some(stdout) = stdout {
+        // The echo prints the line right after binding, or exits (EOF) on failure.
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .map_err(|source| NetlabError::Io {
+                context: format!("reading the ready line of `{command}`"),
+                source,
+            })?;
+    }
+    if line.trim() == READY_LINE {
+        Ok(())
+    } else {
+        Err(NetlabError::Io {
+            context: format!("`{command}` did not become ready"),
+            source: std::io::Error::other(format!("first line {line:?}")),
+        })
+    }
+}
+
+/// A running virtual cluster. Dropping it (also while unwinding from a panic) kills every
+/// process inside its namespaces and removes them; so does SIGINT/SIGTERM.
+#[derive(Debug)]
+pub struct Topology {
+    prefix: RunPrefix,
+    switch: Netns,
+    control_plane: Host,
+    edge: Edge,
+    client_in_range: Host,
+    client_out_of_range: Host,
+    nodes: Vec<Node>,
+    pods: Vec<Pod>,
+    next_pod_index: Vec<u32>,
+    echo_binary: Option<PathBuf>,
+    http_port: u16,
+    udp_port: u16,
+    echoes: HashMap<String, ChildGuard>,
+}
+
+impl Topology {
+    pub fn builder() -> TopologyBuilder {
+        TopologyBuilder {
+            nodes: 2,
+            pods_per_node: None,
+            echo: EchoSetup::Locate,
+            http_port: DEFAULT_ECHO_PORT,
+            udp_port: DEFAULT_ECHO_PORT,
+            handle_signals: true,
+        }
+    }
+
+    /// The prefix of every namespace of this topology, e.g. `tdm4242x1`.
+    pub fn prefix(&self) -> &str {
+        self.prefix.as_str()
+    }
+
+    /// The namespace holding the bridges.
+    pub fn switch(&self) -> &Netns {
+        &self.switch
+    }
+
+    /// 198.18.0.2: where the API server relay and the controller run.
+    pub fn control_plane(&self) -> &Host {
+        &self.control_plane
+    }
+
+    /// The cloud edge (198.18.0.1): where the mock cloud runs.
+    pub fn edge(&self) -> &Edge {
+        &self.edge
+    }
+
+    /// Client `c1`, 203.0.113.10: inside the usual source range.
+    pub fn client_in_range(&self) -> &Host {
+        &self.client_in_range
+    }
+
+    /// Client `c2`, 192.0.2.10: outside any source range.
+    pub fn client_out_of_range(&self) -> &Host {
+        &self.client_out_of_range
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    /// Node `index` (1-based).
+    pub fn node(&self, index: usize) -> Result<&Node, NetlabError> {
+        index
+            .checked_sub(1)
+            .and_then(|i| self.nodes.get(i))
+            .ok_or(NetlabError::UnknownNode(index))
+    }
+
+    pub fn pods(&self) -> &[Pod] {
+        &self.pods
+    }
+
+    /// The pods on node `index`.
+    pub fn pods_on(&self, index: usize) -> impl Iterator<Item = &Pod> {
+        self.pods.iter().filter(move |p| p.node == index)
+    }
+
+    pub fn pod(&self, name: &str) -> Result<&Pod, NetlabError> {
+        self.pods
+            .iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| NetlabError::UnknownPod(name.to_owned()))
+    }
+
+    /// Every namespace of the topology.
+    pub fn namespaces(&self) -> Vec<&Netns> {
+        let mut all = vec![
+            &self.switch,
+            &self.control_plane.netns,
+            &self.edge.netns,
+            &self.client_in_range.netns,
+            &self.client_out_of_range.netns,
+        ];
+        all.extend(self.nodes.iter().map(|n| &n.netns));
+        all.extend(self.pods.iter().map(|p| &p.netns));
+        all
+    }
+
+    /// The pod echo's HTTP port.
+    pub fn echo_http_port(&self) -> u16 {
+        self.http_port
+    }
+
+    /// The pod echo's UDP port.
+    pub fn echo_udp_port(&self) -> u16 {
+        self.udp_port
+    }
+
+    /// A client for the echo servers, using the pods' `tandem-echo` binary.
+    pub fn echo_client(&self) -> Result<EchoClient, NetlabError> {
+        match &self.echo_binary {
+            Some(binary) => Ok(EchoClient::new(binary)),
+            None => EchoClient::locate(),
+        }
+    }
+
+    /// Adds a pod on node `node` (running the echo unless built `without_echo`).
+    pub fn add_pod(&mut self, node: usize) -> Result<Pod, NetlabError> {
+        let pod = self.create_pod(node)?;
+        if let Some(mut guard) = self.start_echo(&pod)? {
+            wait_ready(&mut guard)?;
+            self.echoes.insert(pod.name.clone(), guard);
+        }
+        self.pods.push(pod.clone());
+        Ok(pod)
+    }
+
+    /// Removes a pod: its processes die, its namespace and veth go.
+    pub fn remove_pod(&mut self, name: &str) -> Result<Pod, NetlabError> {
+        let pos = self
+            .pods
+            .iter()
+            .position(|p| p.name == name)
+            .ok_or_else(|| NetlabError::UnknownPod(name.to_owned()))?;
+        let pod = self.pods.remove(pos);
+        drop(self.echoes.remove(name));
+        cleanup::remove_netns(pod.netns.name());
+        Ok(pod)
+    }
+
+    fn create_pod(&mut self, node: usize) -> Result<Pod, NetlabError> {
+        let node_name = self.node(node)?.name.clone();
+        let slot = self
+            .next_pod_index
+            .get_mut(node - 1)
+            .ok_or(NetlabError::UnknownNode(node))?;
+        let index = *slot;
+        let ip = addr::pod_ip(node, index)?;
+        *slot += 1;
+        let pod = Pod {
+            name: format!("n{node}p{index}"),
+            node,
+            node_name,
+            index,
+            netns: Netns::attach(self.prefix.pod(node, index)),
+            ip,
+        };
+        run_steps(&plan::pod(&self.prefix, node, index)?)?;
+        Ok(pod)
+    }
+
+    fn start_echo(&self, pod: &Pod) -> Result<Option<ChildGuard>, NetlabError> {
+        let Some(binary) = &self.echo_binary else {
+            return Ok(None);
+        };
+        self.spawn_echo_process(binary, &pod.netns, &pod.name, Some(&pod.node_name))
+            .map(Some)
+    }
+
+    fn spawn_echo_process(
+        &self,
+        binary: &PathBuf,
+        netns: &Netns,
+        name: &str,
+        node: Option<&str>,
+    ) -> Result<ChildGuard, NetlabError> {
+        let mut cmd = netns.command(binary);
+        cmd.args(["--name", name])
+            .args(node.map(|n| ["--node", n]).into_iter().flatten())
+            .args(["--http-port", &self.http_port.to_string()])
+            .args(["--udp-port", &self.udp_port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped());
+        ChildGuard::spawn(cmd)
+    }
+
+    /// Runs an echo server reporting `name` in any namespace of the topology (e.g. a node,
+    /// to check host-network reachability) and waits until it listens.
+    pub fn spawn_echo(&self, netns: &Netns, name: &str) -> Result<ChildGuard, NetlabError> {
+        let binary = match &self.echo_binary {
+            Some(b) => b.clone(),
+            None => echo_binary()?,
+        };
+        let mut guard = self.spawn_echo_process(&binary, netns, name, None)?;
+        wait_ready(&mut guard)?;
+        Ok(guard)
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        tracing::info!(prefix = %self.prefix, "removing topology");
+        self.echoes.clear();
+        cleanup::remove_prefix(&self.prefix);
+        cleanup::unregister(&self.prefix);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn impossible_shapes_are_refused_before_touching_the_kernel() {
+        let build = |b: TopologyBuilder| b.without_echo().build().map(|_| ()).unwrap_err();
+        assert!(matches!(
+            build(Topology::builder().nodes(0)),
+            NetlabError::NodeOutOfRange(0)
+        ));
+        assert!(matches!(
+            build(Topology::builder().nodes(addr::MAX_NODES + 1)),
+            NetlabError::NodeOutOfRange(_)
+        ));
+        assert!(matches!(
+            build(Topology::builder().nodes(2).pods_per_node(&[1])),
+            NetlabError::PodsPerNodeMismatch {
+                listed: 1,
+                nodes: 2
+            }
+        ));
+    }
+
+    #[test]
+    fn a_missing_echo_binary_is_reported_before_building() {
+        let err = Topology::builder()
+            .echo_binary("/nonexistent/tandem-echo")
+            .build()
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(&err, NetlabError::EchoBinaryNotFound { searched } if searched[0].ends_with("tandem-echo")),
+            "{err}"
+        );
+    }
+}
