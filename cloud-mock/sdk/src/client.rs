@@ -1,0 +1,373 @@
+//! The HTTP client: one method per API call, with timeouts, retries and typed errors.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use reqwest::header::{AUTHORIZATION, HeaderMap, RETRY_AFTER};
+use reqwest::{Method, RequestBuilder, StatusCode, Url};
+use serde::de::DeserializeOwned;
+
+use crate::ListFilter;
+use crate::error::Error;
+use crate::types::{ErrorBody, Faults, LoadBalancer, LoadBalancerList, LoadBalancerSpec};
+
+/// Header that makes a create idempotent: a repeated create with the same key returns the
+/// load balancer the first one made.
+pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+
+/// Timeouts and retry policy of a [`Client`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientOptions {
+    /// Bound on one HTTP attempt, connect included.
+    pub timeout: Duration,
+    /// Retries after the first attempt for retryable errors (429, 503, transport).
+    pub max_retries: u32,
+    /// Backoff before the first retry; doubles for each further one.
+    pub initial_backoff: Duration,
+    /// Cap of the doubling backoff (a server's `Retry-After` is honoured even when longer).
+    pub max_backoff: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(10),
+            max_retries: 4,
+            initial_backoff: Duration::from_millis(200),
+            max_backoff: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Typed client of the cloud-mock load-balancer API. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    http: reqwest::Client,
+    base_url: Url,
+    authorization: String,
+    options: ClientOptions,
+}
+
+impl Client {
+    /// A client of the API at `base_url` (like `http://127.0.0.1:8080`), sending `token` as
+    /// a bearer token.
+    pub fn new(
+        base_url: &str,
+        token: impl Into<String>,
+        options: ClientOptions,
+    ) -> Result<Self, Error> {
+        let base_url = Url::parse(base_url).map_err(|err| Error::Invalid {
+            message: format!("base URL {base_url:?}: {err}"),
+        })?;
+        if base_url.cannot_be_a_base() || !matches!(base_url.scheme(), "http" | "https") {
+            return Err(Error::Invalid {
+                message: format!("base URL {base_url} is not an http(s) URL"),
+            });
+        }
+        let http = reqwest::Client::builder()
+            .timeout(options.timeout)
+            .connect_timeout(options.timeout)
+            .build()
+            .map_err(Error::Transport)?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                http,
+                base_url,
+                authorization: format!("Bearer {}", token.into()),
+                options,
+            }),
+        })
+    }
+
+    /// Creates a load balancer. `idempotency_key` makes retries and repeats safe: the
+    /// server answers a repeated key with the load balancer the first create made.
+    #[tracing::instrument(skip(self, spec), fields(name = %spec.name))]
+    pub async fn create_load_balancer(
+        &self,
+        spec: &LoadBalancerSpec,
+        idempotency_key: &str,
+    ) -> Result<LoadBalancer, Error> {
+        let url = self.url(&["v1", "loadbalancers"])?;
+        self.call(|| {
+            self.request(Method::POST, url.clone())
+                .header(IDEMPOTENCY_KEY, idempotency_key)
+                .json(spec)
+        })
+        .await
+    }
+
+    /// The load balancer `id`; [`Error::NotFound`] when there is none.
+    #[tracing::instrument(skip(self))]
+    pub async fn get_load_balancer(&self, id: &str) -> Result<LoadBalancer, Error> {
+        let url = self.url(&["v1", "loadbalancers", id])?;
+        self.call(|| self.request(Method::GET, url.clone())).await
+    }
+
+    /// Every load balancer that carries all of `filter.tags` and, if given, `filter.name`.
+    #[tracing::instrument(skip(self))]
+    pub async fn list_load_balancers(
+        &self,
+        filter: &ListFilter,
+    ) -> Result<Vec<LoadBalancer>, Error> {
+        let url = self.url(&["v1", "loadbalancers"])?;
+        let query = filter.query_pairs();
+        let list: LoadBalancerList = self
+            .call(|| self.request(Method::GET, url.clone()).query(&query))
+            .await?;
+        Ok(list.items)
+    }
+
+    /// Replaces the desired state of `id`, if its version is still `if_match_version`
+    /// ([`Error::Conflict`] otherwise: read it again and retry).
+    #[tracing::instrument(skip(self, spec))]
+    pub async fn update_load_balancer(
+        &self,
+        id: &str,
+        spec: &LoadBalancerSpec,
+        if_match_version: u64,
+    ) -> Result<LoadBalancer, Error> {
+        let url = self.url(&["v1", "loadbalancers", id])?;
+        let version = if_match_version.to_string();
+        self.call(|| {
+            self.request(Method::PUT, url.clone())
+                .header(reqwest::header::IF_MATCH, version.as_str())
+                .json(spec)
+        })
+        .await
+    }
+
+    /// Deletes `id`; succeeds when it is already gone.
+    #[tracing::instrument(skip(self))]
+    pub async fn delete_load_balancer(&self, id: &str) -> Result<(), Error> {
+        let url = self.url(&["v1", "loadbalancers", id])?;
+        match self
+            .execute(|| self.request(Method::DELETE, url.clone()))
+            .await
+        {
+            Ok(_) | Err(Error::NotFound { .. }) => Ok(()),
+            Err(err) => Err(err),
+        }
+    }
+
+    /// Sets the faults the server injects (tests only). [`Faults::default`] clears them.
+    #[tracing::instrument(skip(self))]
+    pub async fn set_faults(&self, faults: &Faults) -> Result<(), Error> {
+        let url = self.url(&["v1", "admin", "faults"])?;
+        self.execute(|| self.request(Method::PUT, url.clone()).json(faults))
+            .await
+            .map(drop)
+    }
+
+    fn url(&self, segments: &[&str]) -> Result<Url, Error> {
+        let mut url = self.inner.base_url.clone();
+        url.path_segments_mut()
+            .map_err(|()| Error::Invalid {
+                message: format!("base URL {} cannot take a path", self.inner.base_url),
+            })?
+            .pop_if_empty()
+            .extend(segments);
+        Ok(url)
+    }
+
+    fn request(&self, method: Method, url: Url) -> RequestBuilder {
+        self.inner
+            .http
+            .request(method, url)
+            .header(AUTHORIZATION, &self.inner.authorization)
+    }
+
+    async fn call<T: DeserializeOwned>(
+        &self,
+        build: impl Fn() -> RequestBuilder,
+    ) -> Result<T, Error> {
+        let body = self.execute(build).await?;
+        serde_json::from_slice(&body).map_err(Error::Decode)
+    }
+
+    /// Sends the request built by `build`, retrying retryable failures with backoff, and
+    /// returns the body of the first successful answer.
+    async fn execute(&self, build: impl Fn() -> RequestBuilder) -> Result<Vec<u8>, Error> {
+        let options = &self.inner.options;
+        let mut attempt = 0;
+        loop {
+            let error = match build().send().await {
+                Ok(response) => {
+                    let status = response.status();
+                    let retry_after = retry_after(response.headers());
+                    let body = response.bytes().await.map_err(Error::Transport)?;
+                    if status.is_success() {
+                        return Ok(body.to_vec());
+                    }
+                    error_from_response(status, retry_after, &body)
+                }
+                Err(err) => Error::Transport(err),
+            };
+            if !error.is_retryable() || attempt >= options.max_retries {
+                return Err(error);
+            }
+            let delay = retry_delay(options, attempt, &error, rand::random::<f64>());
+            tracing::debug!(%error, attempt, ?delay, "retrying cloud API call");
+            tokio::time::sleep(delay).await;
+            attempt += 1;
+        }
+    }
+}
+
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?;
+    value.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
+/// The typed error for a non-success answer.
+pub(crate) fn error_from_response(
+    status: StatusCode,
+    retry_after: Option<Duration>,
+    body: &[u8],
+) -> Error {
+    let message = match serde_json::from_slice::<ErrorBody>(body) {
+        Ok(parsed) => format!("{}: {}", parsed.error.code, parsed.error.message),
+        Err(_) => format!(
+            "HTTP {status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(200)])
+        ),
+    };
+    match status {
+        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => Error::Unauthorized,
+        StatusCode::NOT_FOUND => Error::NotFound { message },
+        StatusCode::CONFLICT | StatusCode::PRECONDITION_FAILED => Error::Conflict { message },
+        StatusCode::TOO_MANY_REQUESTS => Error::RateLimited {
+            retry_after: retry_after.unwrap_or(Duration::from_secs(1)),
+        },
+        status if status.is_server_error() || status == StatusCode::REQUEST_TIMEOUT => {
+            Error::Unavailable { message }
+        }
+        _ => Error::Invalid { message },
+    }
+}
+
+/// How long to wait before retry number `attempt + 1`: the server's `Retry-After` when it
+/// sent one, else exponential backoff with jitter (`jitter` in 0..1 picks a point in the
+/// upper half of the step, so concurrent clients spread out).
+pub(crate) fn retry_delay(
+    options: &ClientOptions,
+    attempt: u32,
+    error: &Error,
+    jitter: f64,
+) -> Duration {
+    if let Error::RateLimited { retry_after } = error {
+        return *retry_after;
+    }
+    let step = options
+        .initial_backoff
+        .saturating_mul(2u32.saturating_pow(attempt))
+        .min(options.max_backoff);
+    step / 2 + step.mul_f64(jitter.clamp(0.0, 1.0) / 2.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options() -> ClientOptions {
+        ClientOptions {
+            timeout: Duration::from_secs(1),
+            max_retries: 5,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(500),
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let unavailable = Error::Unavailable {
+            message: "x".into(),
+        };
+        let full = |attempt| retry_delay(&options(), attempt, &unavailable, 1.0);
+        assert_eq!(full(0), Duration::from_millis(100));
+        assert_eq!(full(1), Duration::from_millis(200));
+        assert_eq!(full(2), Duration::from_millis(400));
+        assert_eq!(full(3), Duration::from_millis(500));
+        assert_eq!(full(40), Duration::from_millis(500));
+        assert_eq!(
+            retry_delay(&options(), 1, &unavailable, 0.0),
+            Duration::from_millis(100)
+        );
+    }
+
+    #[test]
+    fn retry_after_wins_over_backoff() {
+        let limited = Error::RateLimited {
+            retry_after: Duration::from_secs(2),
+        };
+        assert_eq!(
+            retry_delay(&options(), 0, &limited, 0.3),
+            Duration::from_secs(2)
+        );
+    }
+
+    #[test]
+    fn statuses_map_to_typed_errors() {
+        let body = br#"{"error": {"code": "vip-taken", "message": "127.77.0.9 is in use"}}"#;
+        match error_from_response(StatusCode::CONFLICT, None, body) {
+            Error::Conflict { message } => assert!(message.contains("127.77.0.9 is in use")),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(matches!(
+            error_from_response(StatusCode::PRECONDITION_FAILED, None, b"{}"),
+            Error::Conflict { .. }
+        ));
+        assert!(matches!(
+            error_from_response(StatusCode::UNAUTHORIZED, None, b""),
+            Error::Unauthorized
+        ));
+        assert!(matches!(
+            error_from_response(StatusCode::NOT_FOUND, None, b"not json"),
+            Error::NotFound { .. }
+        ));
+        assert!(matches!(
+            error_from_response(StatusCode::BAD_REQUEST, None, b""),
+            Error::Invalid { .. }
+        ));
+        assert!(matches!(
+            error_from_response(StatusCode::SERVICE_UNAVAILABLE, None, b""),
+            Error::Unavailable { .. }
+        ));
+        match error_from_response(
+            StatusCode::TOO_MANY_REQUESTS,
+            Some(Duration::from_secs(3)),
+            b"",
+        ) {
+            Error::RateLimited { retry_after } => assert_eq!(retry_after, Duration::from_secs(3)),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn retry_after_header_is_read_in_seconds() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(retry_after(&headers), None);
+        headers.insert(RETRY_AFTER, "7".parse().unwrap());
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(7)));
+        headers.insert(RETRY_AFTER, "soon".parse().unwrap());
+        assert_eq!(retry_after(&headers), None);
+    }
+
+    #[test]
+    fn urls_escape_ids_and_keep_a_base_path() {
+        let client = Client::new("http://127.0.0.1:9/prefix/", "t", options()).unwrap();
+        assert_eq!(
+            client
+                .url(&["v1", "loadbalancers", "a/b"])
+                .unwrap()
+                .as_str(),
+            "http://127.0.0.1:9/prefix/v1/loadbalancers/a%2Fb"
+        );
+        assert!(Client::new("not a url", "t", options()).is_err());
+        assert!(Client::new("ftp://x", "t", options()).is_err());
+    }
+}

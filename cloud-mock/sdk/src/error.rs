@@ -1,0 +1,76 @@
+//! Typed errors of the client.
+
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("not found: {message}")]
+    NotFound { message: String },
+    /// The requested VIP is taken, or the version sent in `If-Match` is stale.
+    #[error("conflict: {message}")]
+    Conflict { message: String },
+    #[error("rate limited: retry after {retry_after:?}")]
+    RateLimited { retry_after: Duration },
+    #[error("cloud unavailable: {message}")]
+    Unavailable { message: String },
+    /// The request was rejected as invalid; sending it again will not help.
+    #[error("invalid request: {message}")]
+    Invalid { message: String },
+    #[error("unauthorized: the cloud rejected the token")]
+    Unauthorized,
+    #[error("transport: {0}")]
+    Transport(#[source] reqwest::Error),
+    #[error("cannot decode the cloud's answer: {0}")]
+    Decode(#[source] serde_json::Error),
+}
+
+impl Error {
+    /// True for failures that may pass by themselves: rate limits, unavailability and
+    /// transport errors (timeouts, refused connections).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Error::RateLimited { .. } | Error::Unavailable { .. } | Error::Transport(_)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_passing_failures_are_retryable() {
+        assert!(
+            Error::RateLimited {
+                retry_after: Duration::from_secs(1)
+            }
+            .is_retryable()
+        );
+        assert!(
+            Error::Unavailable {
+                message: String::new()
+            }
+            .is_retryable()
+        );
+        assert!(
+            !Error::Conflict {
+                message: String::new()
+            }
+            .is_retryable()
+        );
+        assert!(
+            !Error::NotFound {
+                message: String::new()
+            }
+            .is_retryable()
+        );
+        assert!(
+            !Error::Invalid {
+                message: String::new()
+            }
+            .is_retryable()
+        );
+        assert!(!Error::Unauthorized.is_retryable());
+    }
+}

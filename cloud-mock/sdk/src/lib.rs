@@ -1,0 +1,68 @@
+//! Typed client for the cloud-mock load-balancer API.
+//!
+//! [`Client`] speaks the REST API described by `cloud-mock/openapi.yaml`: timeouts,
+//! retries with exponential backoff that honour `Retry-After`, an `Idempotency-Key` on
+//! every create, `If-Match` on every update, and typed [`Error`]s. It has no dependency on
+//! the server.
+
+mod client;
+mod error;
+mod types;
+
+use std::collections::BTreeMap;
+
+pub use client::{Client, ClientOptions, IDEMPOTENCY_KEY};
+pub use error::Error;
+pub use types::{
+    Backend, BackendHealth, BackendStatus, ErrorBody, ErrorDetail, Faults, HealthCheck,
+    HealthCheckProtocol, Listener, LoadBalancer, LoadBalancerList, LoadBalancerSpec, Mode,
+    Protocol, State,
+};
+
+/// Which load balancers a list returns: those carrying every tag in `tags` (and named
+/// `name`, if given).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ListFilter {
+    pub tags: BTreeMap<String, String>,
+    pub name: Option<String>,
+}
+
+impl ListFilter {
+    /// The query string pairs: `name=N` and one `tag=KEY=VALUE` per tag.
+    pub fn query_pairs(&self) -> Vec<(&'static str, String)> {
+        self.name
+            .iter()
+            .map(|name| ("name", name.clone()))
+            .chain(
+                self.tags
+                    .iter()
+                    .map(|(key, value)| ("tag", format!("{key}={value}"))),
+            )
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filter_becomes_repeated_tag_pairs() {
+        let filter = ListFilter {
+            tags: BTreeMap::from([
+                ("cluster".to_string(), "c1".to_string()),
+                ("svc".to_string(), "a=b".to_string()),
+            ]),
+            name: Some("lb1".into()),
+        };
+        assert_eq!(
+            filter.query_pairs(),
+            vec![
+                ("name", "lb1".to_string()),
+                ("tag", "cluster=c1".to_string()),
+                ("tag", "svc=a=b".to_string()),
+            ]
+        );
+        assert!(ListFilter::default().query_pairs().is_empty());
+    }
+}

@@ -1,0 +1,242 @@
+//! Wire types of the cloud-mock API (JSON, camelCase as Kubernetes writes it).
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+use ipnet::Ipv4Net;
+use serde::{Deserialize, Serialize};
+
+/// The desired state of a load balancer: the body of a create or an update.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LoadBalancerSpec {
+    pub name: String,
+    #[serde(default)]
+    pub tags: BTreeMap<String, String>,
+    pub mode: Mode,
+    /// Requested VIP on create or update; in an answer, the assigned VIP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vip: Option<Ipv4Addr>,
+    pub listeners: Vec<Listener>,
+    pub backends: Vec<Backend>,
+    /// Client CIDRs allowed to reach the VIP; empty allows every source.
+    #[serde(default)]
+    pub source_ranges: Vec<Ipv4Net>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// The cloud terminates the connection on `vip:port` and opens one to `backend:backendPort`.
+    Proxy,
+    /// The cloud routes packets for the VIP to a healthy backend unchanged.
+    Passthrough,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Listener {
+    pub protocol: Protocol,
+    pub port: u16,
+    pub backend_port: u16,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check: Option<HealthCheck>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthCheck {
+    pub protocol: HealthCheckProtocol,
+    pub port: u16,
+    /// Request path of an HTTP check; absent for TCP checks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum HealthCheckProtocol {
+    Tcp,
+    Http,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Backend {
+    pub ip: Ipv4Addr,
+}
+
+/// A load balancer as the cloud reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LoadBalancer {
+    /// Assigned by the cloud, like `lb-3f9a2c1e`.
+    pub id: String,
+    /// The desired state; `spec.vip` is always the assigned VIP.
+    #[serde(flatten)]
+    pub spec: LoadBalancerSpec,
+    pub state: State,
+    /// Increases by one with every accepted change of the spec; send it as `If-Match`.
+    pub version: u64,
+    /// One entry per backend.
+    #[serde(default)]
+    pub health: Vec<BackendStatus>,
+}
+
+impl LoadBalancer {
+    /// The assigned VIP (always present in the cloud's answers).
+    pub fn vip(&self) -> Option<Ipv4Addr> {
+        self.spec.vip
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum State {
+    Provisioning,
+    Active,
+    Deleting,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BackendStatus {
+    pub ip: Ipv4Addr,
+    pub health: BackendHealth,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendHealth {
+    /// Not checked yet, or the listener has no health check configured.
+    Unknown,
+    Healthy,
+    Unhealthy,
+}
+
+/// The answer to a list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadBalancerList {
+    pub items: Vec<LoadBalancer>,
+}
+
+/// Faults the server injects into the load-balancer API, for tests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Faults {
+    /// Share of requests, 0.0 to 1.0, answered with 503.
+    #[serde(default)]
+    pub error_rate: f64,
+    /// Added to every request before it is handled.
+    #[serde(default)]
+    pub latency_ms: u64,
+    /// Token bucket: requests beyond this rate are answered 429 with `Retry-After`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit_per_second: Option<u32>,
+}
+
+/// The JSON error body: `{"error": {"code": "...", "message": "..."}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    pub code: String,
+    pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example_spec() -> LoadBalancerSpec {
+        LoadBalancerSpec {
+            name: "a1b2".into(),
+            tags: BTreeMap::from([("cluster".into(), "c1".into())]),
+            mode: Mode::Proxy,
+            vip: Some(Ipv4Addr::new(127, 77, 0, 9)),
+            listeners: vec![Listener {
+                protocol: Protocol::Tcp,
+                port: 80,
+                backend_port: 30080,
+                health_check: Some(HealthCheck {
+                    protocol: HealthCheckProtocol::Http,
+                    port: 32000,
+                    path: Some("/healthz".into()),
+                }),
+            }],
+            backends: vec![Backend {
+                ip: Ipv4Addr::new(198, 18, 0, 11),
+            }],
+            source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
+        }
+    }
+
+    #[test]
+    fn spec_parses_the_documented_create_body() {
+        let body = r#"{"name": "a1b2", "tags": {"cluster": "c1"}, "mode": "proxy", "vip": "127.77.0.9",
+          "listeners": [{"protocol": "TCP", "port": 80, "backendPort": 30080,
+          "healthCheck": {"protocol": "HTTP", "port": 32000, "path": "/healthz"}}],
+          "backends": [{"ip": "198.18.0.11"}], "sourceRanges": ["203.0.113.0/24"]}"#;
+        let spec: LoadBalancerSpec = serde_json::from_str(body).unwrap();
+        assert_eq!(spec, example_spec());
+    }
+
+    #[test]
+    fn optional_fields_may_be_left_out() {
+        let body = r#"{"name": "x", "mode": "passthrough", "listeners": [{"protocol": "UDP", "port": 53, "backendPort": 30053}], "backends": []}"#;
+        let spec: LoadBalancerSpec = serde_json::from_str(body).unwrap();
+        assert_eq!(spec.mode, Mode::Passthrough);
+        assert!(spec.tags.is_empty() && spec.source_ranges.is_empty() && spec.vip.is_none());
+        assert_eq!(spec.listeners[0].protocol, Protocol::Udp);
+        assert_eq!(spec.listeners[0].health_check, None);
+    }
+
+    #[test]
+    fn load_balancer_flattens_its_spec_and_round_trips() {
+        let lb = LoadBalancer {
+            id: "lb-3f9a2c1e".into(),
+            spec: example_spec(),
+            state: State::Provisioning,
+            version: 1,
+            health: vec![BackendStatus {
+                ip: Ipv4Addr::new(198, 18, 0, 11),
+                health: BackendHealth::Unknown,
+            }],
+        };
+        let json = serde_json::to_value(&lb).unwrap();
+        assert_eq!(json["id"], "lb-3f9a2c1e");
+        assert_eq!(json["vip"], "127.77.0.9");
+        assert_eq!(json["state"], "provisioning");
+        assert_eq!(json["listeners"][0]["backendPort"], 30080);
+        assert_eq!(json["health"][0]["health"], "unknown");
+        assert_eq!(json["sourceRanges"][0], "203.0.113.0/24");
+        let back: LoadBalancer = serde_json::from_value(json).unwrap();
+        assert_eq!(back, lb);
+    }
+
+    #[test]
+    fn faults_use_camel_case() {
+        let faults = Faults {
+            error_rate: 0.5,
+            latency_ms: 20,
+            rate_limit_per_second: Some(3),
+        };
+        let json = serde_json::to_value(&faults).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"errorRate": 0.5, "latencyMs": 20, "rateLimitPerSecond": 3})
+        );
+        let cleared: Faults = serde_json::from_str("{}").unwrap();
+        assert_eq!(cleared, Faults::default());
+    }
+}

@@ -1,0 +1,589 @@
+//! The HTTP API: a route table (also the source of truth the OpenAPI check compares with),
+//! the handlers, and the auth, fault-injection and metrics middleware.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
+use axum::handler::Handler;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{MethodFilter, MethodRouter, on};
+use cloud_mock_dataplane::DataPlane;
+use cloud_mock_sdk::{Faults, ListFilter, LoadBalancerList, LoadBalancerSpec};
+use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use prometheus_client::registry::Registry;
+use tokio::sync::Notify;
+
+use crate::error::ApiError;
+use crate::extract::{JsonBody, MAX_BODY_BYTES};
+use crate::faults::{FaultState, Verdict, validate_faults};
+use crate::lifecycle::now_ms;
+use crate::metrics::Metrics;
+use crate::model::{StoredLoadBalancer, to_wire, wire_health};
+use crate::store::Store;
+use crate::validate::validate_spec;
+
+/// The OpenAPI document of this API, served at `/openapi.yaml`.
+pub const OPENAPI_YAML: &str = include_str!("../openapi.yaml");
+
+const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
+
+/// Everything the handlers share.
+#[derive(Clone)]
+pub struct AppState {
+    pub store: Store,
+    pub dataplane: DataPlane,
+    /// Wakes the lifecycle task after a committed change.
+    pub lifecycle_wake: Arc<Notify>,
+    pub faults: Arc<Mutex<FaultState>>,
+    pub metrics: Metrics,
+    pub registry: Arc<Registry>,
+    pub token: Arc<str>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verb {
+    Get,
+    Post,
+    Put,
+    Delete,
+}
+
+impl Verb {
+    pub fn method(self) -> Method {
+        match self {
+            Verb::Get => Method::GET,
+            Verb::Post => Method::POST,
+            Verb::Put => Method::PUT,
+            Verb::Delete => Method::DELETE,
+        }
+    }
+
+    fn filter(self) -> MethodFilter {
+        match self {
+            Verb::Get => MethodFilter::GET,
+            Verb::Post => MethodFilter::POST,
+            Verb::Put => MethodFilter::PUT,
+            Verb::Delete => MethodFilter::DELETE,
+        }
+    }
+}
+
+/// Who may call a route, and whether injected faults apply to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Public,
+    /// Bearer token required.
+    Token,
+    /// Bearer token required; injected faults apply (the load-balancer API).
+    TokenWithFaults,
+}
+
+pub struct Route {
+    pub path: &'static str,
+    pub verb: Verb,
+    pub access: Access,
+    handler: MethodRouter<AppState>,
+}
+
+fn route<H, T>(path: &'static str, verb: Verb, access: Access, handler: H) -> Route
+where
+    H: Handler<T, AppState>,
+    T: 'static,
+{
+    Route {
+        path,
+        verb,
+        access,
+        handler: on(verb.filter(), handler),
+    }
+}
+
+/// Every route of the API: the router is built from this table, and the OpenAPI test
+/// compares it with `openapi.yaml`.
+pub fn routes() -> Vec<Route> {
+    use Access::{Public, Token, TokenWithFaults};
+    use Verb::{Delete, Get, Post, Put};
+    vec![
+        route("/healthz", Get, Public, healthz),
+        route("/metrics", Get, Public, metrics),
+        route("/openapi.yaml", Get, Public, openapi),
+        route(
+            "/v1/loadbalancers",
+            Get,
+            TokenWithFaults,
+            list_load_balancers,
+        ),
+        route(
+            "/v1/loadbalancers",
+            Post,
+            TokenWithFaults,
+            create_load_balancer,
+        ),
+        route(
+            "/v1/loadbalancers/{id}",
+            Get,
+            TokenWithFaults,
+            get_load_balancer,
+        ),
+        route(
+            "/v1/loadbalancers/{id}",
+            Put,
+            TokenWithFaults,
+            update_load_balancer,
+        ),
+        route(
+            "/v1/loadbalancers/{id}",
+            Delete,
+            TokenWithFaults,
+            delete_load_balancer,
+        ),
+        route("/v1/admin/faults", Get, Token, get_faults),
+        route("/v1/admin/faults", Put, Token, set_faults),
+    ]
+}
+
+pub fn router(state: AppState) -> Router {
+    let mut router = Router::new();
+    for Route {
+        path,
+        access,
+        handler,
+        ..
+    } in routes()
+    {
+        let handler = match access {
+            Access::Public => handler,
+            Access::Token => {
+                handler.route_layer(middleware::from_fn_with_state(state.clone(), require_token))
+            }
+            Access::TokenWithFaults => handler
+                .route_layer(middleware::from_fn_with_state(state.clone(), inject_faults))
+                .route_layer(middleware::from_fn_with_state(state.clone(), require_token)),
+        };
+        router = router.route(path, handler);
+    }
+    router
+        .fallback(no_route)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            record_request,
+        ))
+        .with_state(state)
+}
+
+async fn no_route(method: Method, uri: http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "no-route",
+        format!("no route for {method} {}", uri.path()),
+    )
+}
+
+async fn method_not_allowed(method: Method, uri: http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        format!("{method} is not allowed on {}", uri.path()),
+    )
+}
+
+async fn record_request(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |path| path.as_str().to_owned());
+    let method = request.method().clone();
+    let response = next.run(request).await;
+    state
+        .metrics
+        .request(&route, &method, response.status().as_u16());
+    response
+}
+
+/// Compares in time independent of where the first difference is.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn is_authorized(headers: &HeaderMap, token: &str) -> bool {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .is_some_and(|given| constant_time_eq(given.trim().as_bytes(), token.as_bytes()))
+}
+
+async fn require_token(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if is_authorized(request.headers(), &state.token) {
+        next.run(request).await
+    } else {
+        let mut response = ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "a valid bearer token is required (Authorization: Bearer TOKEN)",
+        )
+        .into_response();
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"cloud-mock\""),
+        );
+        response
+    }
+}
+
+async fn inject_faults(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let verdict = state
+        .faults
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .admit(Instant::now(), rand::random::<f64>());
+    match verdict {
+        Verdict::RateLimited { retry_after_secs } => ApiError {
+            retry_after_secs: Some(retry_after_secs),
+            ..ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate-limited",
+                format!("rate limit exceeded; retry after {retry_after_secs} s"),
+            )
+        }
+        .into_response(),
+        Verdict::Proceed { latency, fail } => {
+            if !latency.is_zero() {
+                tokio::time::sleep(latency).await;
+            }
+            if fail {
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    "injected fault: the cloud is temporarily unavailable",
+                )
+                .into_response()
+            } else {
+                next.run(request).await
+            }
+        }
+    }
+}
+
+async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &state.registry).map_err(|err| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("encoding metrics: {err}"),
+        )
+    })?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/yaml")], OPENAPI_YAML).into_response()
+}
+
+/// The API answer for `stored`, with the data plane's current backend health.
+fn answer(state: &AppState, stored: &StoredLoadBalancer) -> cloud_mock_sdk::LoadBalancer {
+    let observed: Vec<_> = state
+        .dataplane
+        .backend_health(&stored.id)
+        .into_iter()
+        .map(|(ip, health)| (ip, wire_health(health)))
+        .collect();
+    to_wire(stored, &observed)
+}
+
+fn etag(version: u64) -> (header::HeaderName, String) {
+    (header::ETAG, format!("\"{version}\""))
+}
+
+fn path_id(path: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    path.map(|Path(id)| id)
+        .map_err(|rejection| ApiError::bad_request("invalid-path", rejection.body_text()))
+}
+
+/// Parses the list query: `name=N` at most once, `tag=KEY=VALUE` any number of times.
+pub fn parse_list_filter(pairs: &[(String, String)]) -> Result<ListFilter, ApiError> {
+    let mut filter = ListFilter::default();
+    for (key, value) in pairs {
+        match key.as_str() {
+            "name" if filter.name.is_none() => filter.name = Some(value.clone()),
+            "name" => {
+                return Err(ApiError::bad_request(
+                    "invalid-query",
+                    "name may be given once",
+                ));
+            }
+            "tag" => {
+                let Some((tag, tag_value)) = value.split_once('=') else {
+                    return Err(ApiError::bad_request(
+                        "invalid-query",
+                        format!("tag filter {value:?} must look like KEY=VALUE"),
+                    ));
+                };
+                filter.tags.insert(tag.to_owned(), tag_value.to_owned());
+            }
+            other => {
+                return Err(ApiError::bad_request(
+                    "invalid-query",
+                    format!("unknown query parameter {other:?}; use name and tag"),
+                ));
+            }
+        }
+    }
+    Ok(filter)
+}
+
+/// True when `lb` passes `filter`.
+pub fn matches_filter(lb: &StoredLoadBalancer, filter: &ListFilter) -> bool {
+    filter
+        .name
+        .as_ref()
+        .is_none_or(|name| *name == lb.spec.name)
+        && filter
+            .tags
+            .iter()
+            .all(|(key, value)| lb.spec.tags.get(key) == Some(value))
+}
+
+async fn list_load_balancers(
+    State(state): State<AppState>,
+    query: Result<Query<Vec<(String, String)>>, QueryRejection>,
+) -> Result<Json<LoadBalancerList>, ApiError> {
+    let Query(pairs) =
+        query.map_err(|rejection| ApiError::bad_request("invalid-query", rejection.body_text()))?;
+    let filter = parse_list_filter(&pairs)?;
+    let all = state.store.call(Store::list).await?;
+    let items = all
+        .iter()
+        .filter(|lb| matches_filter(lb, &filter))
+        .map(|lb| answer(&state, lb))
+        .collect();
+    Ok(Json(LoadBalancerList { items }))
+}
+
+/// The `Idempotency-Key` header, if sent.
+pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get(cloud_mock_sdk::IDEMPOTENCY_KEY) else {
+        return Ok(None);
+    };
+    match value.to_str() {
+        Ok(key) if !key.is_empty() && key.len() <= MAX_IDEMPOTENCY_KEY_LEN => {
+            Ok(Some(key.to_owned()))
+        }
+        _ => Err(ApiError::bad_request(
+            "invalid-header",
+            format!(
+                "Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_LEN} visible ASCII characters"
+            ),
+        )),
+    }
+}
+
+/// The version in `If-Match` (`3` or `"3"`); required on updates.
+pub fn if_match_version(headers: &HeaderMap) -> Result<u64, ApiError> {
+    let Some(value) = headers.get(header::IF_MATCH) else {
+        return Err(ApiError::new(
+            StatusCode::PRECONDITION_REQUIRED,
+            "precondition-required",
+            "an update needs If-Match with the version it was based on",
+        ));
+    };
+    value
+        .to_str()
+        .ok()
+        .map(|text| text.trim().trim_matches('"'))
+        .and_then(|text| text.parse::<u64>().ok())
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid-header",
+                "If-Match must be the load balancer's version, a whole number",
+            )
+        })
+}
+
+async fn create_load_balancer(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    JsonBody(spec): JsonBody<LoadBalancerSpec>,
+) -> Result<Response, ApiError> {
+    let key = idempotency_key(&headers)?;
+    validate_spec(&spec, state.store.pool())?;
+    let now = now_ms();
+    let created = state
+        .store
+        .call(move |store| store.create(&spec, key.as_deref(), now))
+        .await?;
+    let lb = created.load_balancer;
+    if created.is_new {
+        tracing::info!(lb = %lb.id, vip = ?lb.vip(), name = %lb.spec.name, "load balancer created");
+        state.lifecycle_wake.notify_one();
+    }
+    let location = format!("/v1/loadbalancers/{}", lb.id);
+    let mut response = (
+        StatusCode::CREATED,
+        [etag(lb.version), (header::LOCATION, location)],
+        Json(answer(&state, &lb)),
+    )
+        .into_response();
+    if !created.is_new {
+        response
+            .headers_mut()
+            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    Ok(response)
+}
+
+async fn get_load_balancer(
+    State(state): State<AppState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let id = path_id(path)?;
+    let lookup = id.clone();
+    let lb = state
+        .store
+        .call(move |store| store.get(&lookup))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("load balancer {id} not found")))?;
+    Ok(([etag(lb.version)], Json(answer(&state, &lb))).into_response())
+}
+
+async fn update_load_balancer(
+    State(state): State<AppState>,
+    path: Result<Path<String>, PathRejection>,
+    headers: HeaderMap,
+    JsonBody(spec): JsonBody<LoadBalancerSpec>,
+) -> Result<Response, ApiError> {
+    let id = path_id(path)?;
+    let version = if_match_version(&headers)?;
+    validate_spec(&spec, state.store.pool())?;
+    let lb = state
+        .store
+        .call(move |store| store.update(&id, &spec, version))
+        .await?;
+    if lb.version != version {
+        tracing::info!(lb = %lb.id, version = lb.version, "load balancer updated");
+        state.lifecycle_wake.notify_one();
+    }
+    Ok(([etag(lb.version)], Json(answer(&state, &lb))).into_response())
+}
+
+async fn delete_load_balancer(
+    State(state): State<AppState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let id = path_id(path)?;
+    let now = now_ms();
+    let deleting = state
+        .store
+        .call(move |store| store.mark_deleting(&id, now))
+        .await?;
+    Ok(match deleting {
+        Some(lb) => {
+            tracing::info!(lb = %lb.id, "load balancer deleting");
+            state.lifecycle_wake.notify_one();
+            (StatusCode::ACCEPTED, Json(answer(&state, &lb))).into_response()
+        }
+        None => StatusCode::NO_CONTENT.into_response(),
+    })
+}
+
+async fn get_faults(State(state): State<AppState>) -> Json<Faults> {
+    Json(
+        state
+            .faults
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .faults()
+            .clone(),
+    )
+}
+
+async fn set_faults(
+    State(state): State<AppState>,
+    JsonBody(faults): JsonBody<Faults>,
+) -> Result<Json<Faults>, ApiError> {
+    validate_faults(&faults).map_err(|err| {
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid", err.to_string())
+    })?;
+    tracing::info!(?faults, "fault injection set");
+    state
+        .faults
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .set(faults.clone(), Instant::now());
+    Ok(Json(faults))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_filter_parses_name_and_tags() {
+        let pairs = vec![
+            ("name".to_string(), "web".to_string()),
+            ("tag".to_string(), "cluster=c1".to_string()),
+            ("tag".to_string(), "expr=a=b".to_string()),
+        ];
+        let filter = parse_list_filter(&pairs).unwrap();
+        assert_eq!(filter.name.as_deref(), Some("web"));
+        assert_eq!(filter.tags.get("cluster").map(String::as_str), Some("c1"));
+        assert_eq!(filter.tags.get("expr").map(String::as_str), Some("a=b"));
+
+        let bad = [("tag".to_string(), "novalue".to_string())];
+        assert_eq!(parse_list_filter(&bad).unwrap_err().code, "invalid-query");
+        let unknown = [("colour".to_string(), "red".to_string())];
+        assert_eq!(
+            parse_list_filter(&unknown).unwrap_err().status,
+            StatusCode::BAD_REQUEST
+        );
+    }
+
+    #[test]
+    fn if_match_takes_plain_and_quoted_versions() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(
+            if_match_version(&headers).unwrap_err().status,
+            StatusCode::PRECONDITION_REQUIRED
+        );
+        headers.insert(header::IF_MATCH, "7".parse().unwrap());
+        assert_eq!(if_match_version(&headers).unwrap(), 7);
+        headers.insert(header::IF_MATCH, "\"8\"".parse().unwrap());
+        assert_eq!(if_match_version(&headers).unwrap(), 8);
+        headers.insert(header::IF_MATCH, "*".parse().unwrap());
+        assert_eq!(
+            if_match_version(&headers).unwrap_err().code,
+            "invalid-header"
+        );
+    }
+
+    #[test]
+    fn bearer_token_must_match_exactly() {
+        let mut headers = HeaderMap::new();
+        assert!(!is_authorized(&headers, "s3cret"));
+        headers.insert(header::AUTHORIZATION, "Bearer s3cret".parse().unwrap());
+        assert!(is_authorized(&headers, "s3cret"));
+        headers.insert(header::AUTHORIZATION, "Bearer s3cre".parse().unwrap());
+        assert!(!is_authorized(&headers, "s3cret"));
+        headers.insert(header::AUTHORIZATION, "Basic s3cret".parse().unwrap());
+        assert!(!is_authorized(&headers, "s3cret"));
+    }
+}

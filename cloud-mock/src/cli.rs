@@ -1,0 +1,145 @@
+//! Command-line flags (each with an environment fallback).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind};
+use ipnet::Ipv4Net;
+
+use crate::server::Settings;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DataPlaneArg {
+    /// Realise load balancers: listeners on VIP:port (proxy) or kernel routes (passthrough).
+    Proxy,
+    /// API only: nothing is realised, health stays unknown.
+    None,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Mock cloud: load-balancer REST API, embedded store and a real L4 data plane.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "cloud-mock", version)]
+pub struct Args {
+    /// Address of the REST API (port 0 picks a free one; the log says which).
+    #[arg(long, env = "CLOUD_MOCK_LISTEN", default_value = "127.0.0.1:8780")]
+    pub listen: SocketAddr,
+    /// Directory of the embedded database.
+    #[arg(long, env = "CLOUD_MOCK_DATA_DIR")]
+    pub data_dir: PathBuf,
+    /// Bearer token clients must send.
+    #[arg(long, env = "CLOUD_MOCK_TOKEN", hide_env_values = true)]
+    pub token: String,
+    /// CIDR that VIPs are allocated from (e.g. 127.77.0.0/24: loopback, needs no setup).
+    #[arg(long, env = "CLOUD_MOCK_VIP_POOL")]
+    pub vip_pool: Ipv4Net,
+    #[arg(long, env = "CLOUD_MOCK_DATAPLANE", value_enum, default_value_t = DataPlaneArg::Proxy)]
+    pub dataplane: DataPlaneArg,
+    /// Time a new load balancer stays provisioning (and a deleted one deleting), like
+    /// `500ms`, `2s`, `1m`.
+    #[arg(long, env = "CLOUD_MOCK_PROVISIONING_DELAY", value_parser = parse_duration, default_value = "1s")]
+    pub provisioning_delay: Duration,
+    /// Time between two health probes of one backend.
+    #[arg(long, env = "CLOUD_MOCK_HEALTH_INTERVAL", value_parser = parse_duration, default_value = "1s")]
+    pub health_interval: Duration,
+    /// Add non-loopback VIPs as addresses to --vip-device (only inside a network
+    /// namespace that belongs to the cloud, like the lab's cloud edge).
+    #[arg(long, env = "CLOUD_MOCK_MANAGE_VIP_ADDRESSES")]
+    pub manage_vip_addresses: bool,
+    /// Device that managed VIP addresses are added to.
+    #[arg(long, env = "CLOUD_MOCK_VIP_DEVICE", default_value = "lo")]
+    pub vip_device: String,
+    #[arg(long, env = "CLOUD_MOCK_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+impl Args {
+    pub fn settings(&self) -> Settings {
+        Settings {
+            data_dir: self.data_dir.clone(),
+            token: self.token.clone(),
+            vip_pool: self.vip_pool,
+            provisioning_delay: self.provisioning_delay,
+            dataplane: DataPlaneConfig {
+                mode: match self.dataplane {
+                    DataPlaneArg::Proxy => DataPlaneKind::Proxy,
+                    DataPlaneArg::None => DataPlaneKind::None,
+                },
+                health_interval: self.health_interval,
+                manage_vip_addresses: self.manage_vip_addresses,
+                vip_device: self.vip_device.clone(),
+                ..DataPlaneConfig::default()
+            },
+        }
+    }
+}
+
+/// Parses `250ms`, `2s`, `1m` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration like 500ms, 2s or 1m"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(number)),
+        "" | "s" => Ok(Duration::from_secs(number)),
+        "m" => Ok(Duration::from_secs(number.saturating_mul(60))),
+        _ => Err(format!("{text:?}: unknown unit {unit:?}; use ms, s or m")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn cli_definition_is_valid() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn flags_become_settings() {
+        let args = Args::try_parse_from([
+            "cloud-mock",
+            "--data-dir",
+            "/tmp/x",
+            "--token",
+            "t",
+            "--vip-pool",
+            "127.77.0.0/24",
+            "--dataplane",
+            "none",
+            "--provisioning-delay",
+            "250ms",
+        ])
+        .unwrap();
+        let settings = args.settings();
+        assert_eq!(settings.provisioning_delay, Duration::from_millis(250));
+        assert_eq!(settings.dataplane.mode, DataPlaneKind::None);
+        assert_eq!(settings.vip_pool, "127.77.0.0/24".parse().unwrap());
+        assert!(Args::try_parse_from(["cloud-mock", "--token", "t"]).is_err());
+    }
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
+        assert_eq!(parse_duration("15ms"), Ok(Duration::from_millis(15)));
+        assert!(parse_duration("2h").is_err());
+        assert!(parse_duration("s").is_err());
+    }
+}

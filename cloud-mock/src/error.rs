@@ -1,0 +1,99 @@
+//! API errors: a status, a bounded code and a clear message, answered as
+//! `{"error": {"code": ..., "message": ...}}`.
+
+use axum::Json;
+use axum::response::{IntoResponse, Response};
+use cloud_mock_sdk::{ErrorBody, ErrorDetail};
+use http::{HeaderValue, StatusCode, header};
+
+use crate::store::StoreError;
+use crate::validate::SpecError;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+    pub retry_after_secs: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            retry_after_secs: None,
+        }
+    }
+
+    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code, message)
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not-found", message)
+    }
+}
+
+impl From<SpecError> for ApiError {
+    fn from(err: SpecError) -> Self {
+        match err {
+            SpecError::VipOutsidePool { .. } => {
+                Self::bad_request("vip-outside-pool", err.to_string())
+            }
+            SpecError::Invalid { .. } => {
+                Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid", err.to_string())
+            }
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(err: StoreError) -> Self {
+        let message = err.to_string();
+        match err {
+            StoreError::NotFound { .. } => Self::not_found(message),
+            StoreError::VipTaken { .. } => Self::new(StatusCode::CONFLICT, "vip-taken", message),
+            StoreError::PoolExhausted { .. } => {
+                Self::new(StatusCode::CONFLICT, "pool-exhausted", message)
+            }
+            StoreError::Deleting { .. } => Self::new(StatusCode::CONFLICT, "deleting", message),
+            StoreError::VersionMismatch { .. } => Self::new(
+                StatusCode::PRECONDITION_FAILED,
+                "version-mismatch",
+                format!("{message}; read it again and retry"),
+            ),
+            StoreError::Open { .. }
+            | StoreError::Database(_)
+            | StoreError::Corrupt { .. }
+            | StoreError::Encode(_)
+            | StoreError::Task(_) => {
+                tracing::error!(error = %message, "store failure");
+                Self::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "the store failed; see the server log",
+                )
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: self.code.to_owned(),
+                message: self.message,
+            },
+        };
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(secs) = self.retry_after_secs {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}

@@ -1,0 +1,23 @@
+//! Mock cloud: load-balancer REST API, embedded store and a real L4 data plane.
+//!
+//! Layout: `validate`, `model`, `faults`, `lifecycle::plan_transitions` and the parsing
+//! helpers in `api`/`extract` decide (pure, unit-tested); `store` (redb), `lifecycle`
+//! (the one task driving the data plane) and `api` (axum) do; `server` wires them.
+
+pub mod api;
+pub mod cli;
+mod error;
+mod extract;
+pub mod faults;
+pub mod lifecycle;
+mod metrics;
+pub mod model;
+pub mod openapi;
+pub mod server;
+pub mod store;
+#[cfg(test)]
+mod testutil;
+pub mod validate;
+
+pub use api::{OPENAPI_YAML, routes};
+pub use server::{App, ServeError, Settings, serve};

@@ -1,0 +1,216 @@
+//! The one background task that converges the world to the store: it hands the data plane
+//! every load balancer that is not being deleted, then moves provisioning ones to active
+//! (once realised and the provisioning delay passed) and removes deleting ones (once the
+//! delay passed). It runs at start-up, after every committed change, and when the next
+//! delay expires, so a restart resumes where the last run stopped.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use cloud_mock_dataplane::{DataPlane, DataPlaneError};
+use cloud_mock_sdk::State;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::{Metrics, STATES};
+use crate::model::{StoredLoadBalancer, to_dataplane};
+use crate::store::Store;
+
+/// Wait before retrying after a failed data-plane apply or store access.
+const RETRY_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Unix time in milliseconds.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
+}
+
+/// State changes that are due.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Transitions {
+    pub activate: Vec<String>,
+    pub remove: Vec<String>,
+    /// When the next not-yet-due change falls due (Unix ms).
+    pub next_due_ms: Option<u64>,
+}
+
+/// Decides which lifecycle changes are due at `now_ms`. Load balancers the data plane
+/// could not realise (`unrealised`) stay provisioning.
+pub fn plan_transitions(
+    lbs: &[StoredLoadBalancer],
+    now_ms: u64,
+    delay: Duration,
+    unrealised: &BTreeSet<String>,
+) -> Transitions {
+    let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+    let mut plan = Transitions::default();
+    for lb in lbs {
+        let due = lb.state_since_ms.saturating_add(delay_ms);
+        let target = match lb.state {
+            State::Provisioning if !unrealised.contains(&lb.id) => &mut plan.activate,
+            State::Deleting => &mut plan.remove,
+            State::Provisioning | State::Active => continue,
+        };
+        if due <= now_ms {
+            target.push(lb.id.clone());
+        } else {
+            plan.next_due_ms = Some(plan.next_due_ms.map_or(due, |next| next.min(due)));
+        }
+    }
+    plan
+}
+
+/// Load balancers per state, in the order of [`STATES`].
+fn count_states(lbs: &[StoredLoadBalancer]) -> [i64; 3] {
+    STATES.map(|state| {
+        i64::try_from(lbs.iter().filter(|lb| lb.state == state).count()).unwrap_or(i64::MAX)
+    })
+}
+
+pub struct Lifecycle {
+    store: Store,
+    dataplane: DataPlane,
+    delay: Duration,
+    wake: Arc<Notify>,
+    metrics: Metrics,
+}
+
+impl Lifecycle {
+    pub fn new(
+        store: Store,
+        dataplane: DataPlane,
+        delay: Duration,
+        wake: Arc<Notify>,
+        metrics: Metrics,
+    ) -> Self {
+        Self {
+            store,
+            dataplane,
+            delay,
+            wake,
+            metrics,
+        }
+    }
+
+    /// Runs until `cancel`, then shuts the data plane down.
+    pub async fn run(self, cancel: CancellationToken) {
+        loop {
+            let wait = match self.converge().await {
+                Ok(wait) => wait,
+                Err(error) => {
+                    tracing::error!(%error, "converging load balancers failed; retrying");
+                    Some(RETRY_INTERVAL)
+                }
+            };
+            let sleep = async {
+                match wait {
+                    Some(wait) => tokio::time::sleep(wait).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = self.wake.notified() => {}
+                () = sleep => {}
+            }
+        }
+        self.dataplane.shutdown().await;
+    }
+
+    /// One pass; returns how long to wait at most before the next one.
+    async fn converge(&self) -> Result<Option<Duration>, crate::store::StoreError> {
+        let lbs = self.store.call(Store::list).await?;
+        self.metrics.set_load_balancers(count_states(&lbs));
+        let desired = lbs.iter().filter_map(to_dataplane).collect();
+        let mut retry = None;
+        let unrealised: BTreeSet<String> = match self.dataplane.apply(desired).await {
+            Ok(()) => BTreeSet::new(),
+            Err(DataPlaneError::Incomplete { failures }) => {
+                retry = Some(RETRY_INTERVAL);
+                failures.into_iter().map(|failure| failure.lb_id).collect()
+            }
+            Err(error @ DataPlaneError::ShutDown) => {
+                tracing::warn!(%error, "data plane refused the desired state");
+                return Ok(None);
+            }
+        };
+        let now = now_ms();
+        let plan = plan_transitions(&lbs, now, self.delay, &unrealised);
+        let changed = !plan.activate.is_empty() || !plan.remove.is_empty();
+        for id in plan.activate {
+            tracing::info!(lb = %id, "load balancer active");
+            self.store
+                .call(move |store| store.mark_active(&id, now))
+                .await?;
+        }
+        for id in plan.remove {
+            tracing::info!(lb = %id, "load balancer deleted");
+            self.store.call(move |store| store.remove(&id)).await?;
+        }
+        if changed {
+            // Refresh the per-state gauge and hand the data plane the new set at once.
+            return Ok(Some(Duration::ZERO));
+        }
+        let until_due = plan
+            .next_due_ms
+            .map(|due| Duration::from_millis(due.saturating_sub(now)));
+        Ok(match (until_due, retry) {
+            (Some(due), Some(retry)) => Some(due.min(retry)),
+            (due, retry) => due.or(retry),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tests::spec;
+
+    fn lb(id: &str, state: State, since: u64) -> StoredLoadBalancer {
+        StoredLoadBalancer {
+            id: id.into(),
+            spec: spec(id),
+            state,
+            version: 1,
+            state_since_ms: since,
+            idempotency_key: None,
+        }
+    }
+
+    #[test]
+    fn due_changes_happen_and_the_next_one_is_scheduled() {
+        let lbs = [
+            lb("p-due", State::Provisioning, 0),
+            lb("p-later", State::Provisioning, 900),
+            lb("active", State::Active, 0),
+            lb("d-due", State::Deleting, 500),
+            lb("d-later", State::Deleting, 700),
+        ];
+        let plan = plan_transitions(&lbs, 1500, Duration::from_secs(1), &BTreeSet::new());
+        assert_eq!(plan.activate, vec!["p-due".to_string()]);
+        assert_eq!(plan.remove, vec!["d-due".to_string()]);
+        assert_eq!(plan.next_due_ms, Some(1700));
+    }
+
+    #[test]
+    fn unrealised_load_balancers_stay_provisioning() {
+        let lbs = [lb("p", State::Provisioning, 0)];
+        let unrealised = BTreeSet::from(["p".to_string()]);
+        let plan = plan_transitions(&lbs, 10_000, Duration::ZERO, &unrealised);
+        assert_eq!(plan, Transitions::default());
+    }
+
+    #[test]
+    fn states_are_counted() {
+        let lbs = [
+            lb("a", State::Provisioning, 0),
+            lb("b", State::Active, 0),
+            lb("c", State::Active, 0),
+        ];
+        assert_eq!(count_states(&lbs), [1, 2, 0]);
+    }
+}

@@ -1,0 +1,117 @@
+//! The API server's own Prometheus metrics (the data plane registers its own beside them).
+
+use cloud_mock_sdk::State;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    /// The route template (`/v1/loadbalancers/{id}`) or `unmatched`: bounded.
+    route: String,
+    method: &'static str,
+    status: u16,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
+}
+
+/// Clones share the same series.
+#[derive(Debug, Clone, Default)]
+pub struct Metrics {
+    requests: Family<RequestLabels, Counter>,
+    load_balancers: Family<StateLabels, Gauge>,
+}
+
+pub const STATES: [State; 3] = [State::Provisioning, State::Active, State::Deleting];
+
+fn state_name(state: State) -> &'static str {
+    match state {
+        State::Provisioning => "provisioning",
+        State::Active => "active",
+        State::Deleting => "deleting",
+    }
+}
+
+/// A bounded label for an HTTP method.
+fn method_name(method: &http::Method) -> &'static str {
+    match *method {
+        http::Method::GET => "GET",
+        http::Method::HEAD => "HEAD",
+        http::Method::POST => "POST",
+        http::Method::PUT => "PUT",
+        http::Method::PATCH => "PATCH",
+        http::Method::DELETE => "DELETE",
+        http::Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    }
+}
+
+impl Metrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "cloud_mock_http_requests",
+            "API requests by route template, method and status",
+            self.requests.clone(),
+        );
+        registry.register(
+            "cloud_mock_load_balancers",
+            "Load balancers by lifecycle state",
+            self.load_balancers.clone(),
+        );
+    }
+
+    pub fn request(&self, route: &str, method: &http::Method, status: u16) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.to_owned(),
+                method: method_name(method),
+                status,
+            })
+            .inc();
+    }
+
+    /// Sets the per-state gauge from `counts` (in the order of [`STATES`]).
+    pub fn set_load_balancers(&self, counts: [i64; 3]) {
+        for (state, count) in STATES.into_iter().zip(counts) {
+            self.load_balancers
+                .get_or_create(&StateLabels {
+                    state: state_name(state),
+                })
+                .set(count);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::encoding::text::encode;
+
+    use super::*;
+
+    #[test]
+    fn series_are_exposed_with_bounded_labels() {
+        let metrics = Metrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        metrics.request("/v1/loadbalancers", &http::Method::POST, 201);
+        metrics.request(
+            "unmatched",
+            &http::Method::from_bytes(b"BREW").unwrap(),
+            404,
+        );
+        metrics.set_load_balancers([2, 1, 0]);
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        assert!(text.contains(
+            r#"cloud_mock_http_requests_total{route="/v1/loadbalancers",method="POST",status="201"} 1"#
+        ));
+        assert!(text.contains(r#"method="other",status="404"} 1"#));
+        assert!(text.contains(r#"cloud_mock_load_balancers{state="provisioning"} 2"#));
+        assert!(text.contains(r#"cloud_mock_load_balancers{state="deleting"} 0"#));
+    }
+}

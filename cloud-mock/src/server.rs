@@ -1,0 +1,108 @@
+//! Wiring: store, data plane, lifecycle task and router, and serving them until shutdown.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use cloud_mock_dataplane::{DataPlane, DataPlaneConfig};
+use ipnet::Ipv4Net;
+use prometheus_client::registry::Registry;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{AppState, router};
+use crate::faults::FaultState;
+use crate::lifecycle::Lifecycle;
+use crate::metrics::Metrics;
+use crate::store::{Store, StoreError};
+
+/// Everything the server needs to start.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub data_dir: PathBuf,
+    pub token: String,
+    pub vip_pool: Ipv4Net,
+    pub provisioning_delay: Duration,
+    pub dataplane: DataPlaneConfig,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("serving HTTP: {0}")]
+    Serve(#[source] std::io::Error),
+}
+
+/// The API router and the lifecycle task that goes with it (run it with
+/// [`Lifecycle::run`], or the API answers but nothing ever becomes active).
+pub struct App {
+    pub router: Router,
+    pub lifecycle: Lifecycle,
+}
+
+impl App {
+    pub fn new(settings: &Settings) -> Result<Self, StoreError> {
+        let store = Store::open(&settings.data_dir, settings.vip_pool)?;
+        let dataplane = DataPlane::new(settings.dataplane.clone());
+        let metrics = Metrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        dataplane.register_metrics(&mut registry);
+        let wake = Arc::new(Notify::new());
+        let state = AppState {
+            store: store.clone(),
+            dataplane: dataplane.clone(),
+            lifecycle_wake: wake.clone(),
+            faults: Arc::new(Mutex::new(FaultState::new(Instant::now()))),
+            metrics: metrics.clone(),
+            registry: Arc::new(registry),
+            token: settings.token.as_str().into(),
+        };
+        Ok(Self {
+            router: router(state),
+            lifecycle: Lifecycle::new(store, dataplane, settings.provisioning_delay, wake, metrics),
+        })
+    }
+}
+
+/// Serves the API on `listen` until `cancel`, then stops the lifecycle task and the data
+/// plane. Logs the bound address (useful with port 0).
+pub async fn serve(
+    settings: &Settings,
+    listen: SocketAddr,
+    cancel: CancellationToken,
+) -> Result<(), ServeError> {
+    let App { router, lifecycle } = App::new(settings)?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: listen,
+            source,
+        })?;
+    let local = listener.local_addr().map_err(ServeError::Serve)?;
+    tracing::info!(
+        addr = %local,
+        pool = %settings.vip_pool,
+        data_dir = %settings.data_dir.display(),
+        "cloud-mock listening on {local}"
+    );
+    let lifecycle_task = tokio::spawn(lifecycle.run(cancel.clone()));
+    let served = axum::serve(listener, router)
+        .with_graceful_shutdown(cancel.clone().cancelled_owned())
+        .await
+        .map_err(ServeError::Serve);
+    cancel.cancel();
+    if let Err(error) = lifecycle_task.await {
+        tracing::error!(%error, "lifecycle task failed");
+    }
+    served
+}

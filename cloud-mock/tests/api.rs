@@ -1,0 +1,595 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The API driven in-process through the axum router (tower `oneshot`), with the data
+//! plane off: round trip, idempotency, concurrency control, VIP conflicts, auth, junk
+//! input, and the OpenAPI document against the route table.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use cloud_mock::{App, OPENAPI_YAML, Settings, openapi, routes};
+use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind};
+use http::{Method, Request, StatusCode, header};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+
+const TOKEN: &str = "test-token";
+
+struct TestApp {
+    router: Router,
+    cancel: CancellationToken,
+    data_dir: PathBuf,
+}
+
+impl TestApp {
+    /// An app on its own data dir and VIP pool, with its lifecycle task running.
+    fn start(pool: &str, provisioning_delay: Duration) -> Self {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let data_dir = std::env::temp_dir().join(format!(
+            "cloud-mock-api-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let settings = Settings {
+            data_dir: data_dir.clone(),
+            token: TOKEN.into(),
+            vip_pool: pool.parse().unwrap(),
+            provisioning_delay,
+            dataplane: DataPlaneConfig {
+                mode: DataPlaneKind::None,
+                ..DataPlaneConfig::default()
+            },
+        };
+        let App { router, lifecycle } = App::new(&settings).unwrap();
+        let cancel = CancellationToken::new();
+        tokio::spawn(lifecycle.run(cancel.clone()));
+        Self {
+            router,
+            cancel,
+            data_dir,
+        }
+    }
+
+    async fn send(&self, request: Request<Body>) -> (StatusCode, http::HeaderMap, Value) {
+        let response = self.router.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
+        };
+        (status, headers, body)
+    }
+
+    async fn call(&self, method: Method, uri: &str, body: Option<Value>) -> (StatusCode, Value) {
+        let (status, _, body) = self.send(request(method, uri, body, &[])).await;
+        (status, body)
+    }
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        let _ = std::fs::remove_dir_all(&self.data_dir);
+    }
+}
+
+fn request(
+    method: Method,
+    uri: &str,
+    body: Option<Value>,
+    extra_headers: &[(&str, &str)],
+) -> Request<Body> {
+    let mut builder = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"));
+    for (name, value) in extra_headers {
+        builder = builder.header(*name, *value);
+    }
+    match body {
+        Some(body) => builder
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap(),
+        None => builder.body(Body::empty()).unwrap(),
+    }
+}
+
+fn spec(name: &str) -> Value {
+    json!({
+        "name": name,
+        "tags": {"cluster": "c1", "service": name},
+        "mode": "proxy",
+        "listeners": [{"protocol": "TCP", "port": 80, "backendPort": 30080,
+                       "healthCheck": {"protocol": "HTTP", "port": 32000, "path": "/healthz"}}],
+        "backends": [{"ip": "198.18.0.11"}, {"ip": "198.18.0.12"}],
+        "sourceRanges": ["203.0.113.0/24"]
+    })
+}
+
+fn error_code(body: &Value) -> &str {
+    body["error"]["code"].as_str().unwrap_or("<no error code>")
+}
+
+fn error_message(body: &Value) -> &str {
+    body["error"]["message"]
+        .as_str()
+        .unwrap_or("<no error message>")
+}
+
+async fn wait_for_state(app: &TestApp, id: &str, state: &str) -> Value {
+    for _ in 0..100 {
+        let (status, body) = app
+            .call(Method::GET, &format!("/v1/loadbalancers/{id}"), None)
+            .await;
+        if status == StatusCode::OK && body["state"] == state {
+            return body;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{id} never reached {state}");
+}
+
+#[tokio::test]
+async fn create_get_list_update_delete_round_trip() {
+    let app = TestApp::start("127.77.0.0/28", Duration::from_millis(50));
+
+    let (status, headers, created) = app
+        .send(request(
+            Method::POST,
+            "/v1/loadbalancers",
+            Some(spec("web")),
+            &[],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+    assert!(id.starts_with("lb-") && id.len() == 11, "{id}");
+    assert_eq!(created["vip"], "127.77.0.1");
+    assert_eq!(created["state"], "provisioning");
+    assert_eq!(created["version"], 1);
+    assert_eq!(created["listeners"][0]["backendPort"], 30080);
+    assert_eq!(
+        created["health"],
+        json!([{"ip": "198.18.0.11", "health": "unknown"}, {"ip": "198.18.0.12", "health": "unknown"}])
+    );
+    assert_eq!(headers[header::LOCATION], format!("/v1/loadbalancers/{id}"));
+    assert_eq!(headers[header::ETAG], "\"1\"");
+
+    let active = wait_for_state(&app, &id, "active").await;
+    assert_eq!(
+        active["version"], 1,
+        "state changes do not bump the version"
+    );
+
+    app.call(Method::POST, "/v1/loadbalancers", Some(spec("api")))
+        .await;
+    let (status, list) = app.call(Method::GET, "/v1/loadbalancers", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(list["items"].as_array().unwrap().len(), 2);
+    let (_, filtered) = app
+        .call(
+            Method::GET,
+            "/v1/loadbalancers?tag=service%3Dweb&tag=cluster%3Dc1",
+            None,
+        )
+        .await;
+    let items = filtered["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1);
+    assert_eq!(items[0]["id"], id.as_str());
+    let (_, by_name) = app
+        .call(Method::GET, "/v1/loadbalancers?name=api", None)
+        .await;
+    assert_eq!(by_name["items"][0]["name"], "api");
+    let (_, none) = app
+        .call(Method::GET, "/v1/loadbalancers?tag=cluster%3Dother", None)
+        .await;
+    assert_eq!(none["items"], json!([]));
+
+    let mut changed = spec("web");
+    changed["backends"] = json!([{"ip": "198.18.0.13"}]);
+    let (status, _, updated) = app
+        .send(request(
+            Method::PUT,
+            &format!("/v1/loadbalancers/{id}"),
+            Some(changed),
+            &[("if-match", "1")],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{updated}");
+    assert_eq!(updated["version"], 2);
+    assert_eq!(
+        updated["vip"], "127.77.0.1",
+        "an update without vip keeps it"
+    );
+    assert_eq!(updated["backends"], json!([{"ip": "198.18.0.13"}]));
+
+    let (status, deleting) = app
+        .call(Method::DELETE, &format!("/v1/loadbalancers/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    assert_eq!(deleting["state"], "deleting");
+    let mut gone = false;
+    for _ in 0..100 {
+        let (status, body) = app
+            .call(Method::GET, &format!("/v1/loadbalancers/{id}"), None)
+            .await;
+        if status == StatusCode::NOT_FOUND {
+            assert_eq!(error_code(&body), "not-found");
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(gone, "deleted load balancer never went away");
+    let (status, _) = app
+        .call(Method::DELETE, &format!("/v1/loadbalancers/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "delete is idempotent");
+}
+
+#[tokio::test]
+async fn create_with_the_same_idempotency_key_returns_the_same_load_balancer() {
+    let app = TestApp::start("127.77.0.16/28", Duration::ZERO);
+    let key = [("idempotency-key", "svc-uid-1234")];
+    let (status, _, first) = app
+        .send(request(
+            Method::POST,
+            "/v1/loadbalancers",
+            Some(spec("a")),
+            &key,
+        ))
+        .await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, headers, second) = app
+        .send(request(
+            Method::POST,
+            "/v1/loadbalancers",
+            Some(spec("a")),
+            &key,
+        ))
+        .await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(second["id"], first["id"]);
+    assert_eq!(second["vip"], first["vip"]);
+    let (_, list) = app.call(Method::GET, "/v1/loadbalancers", None).await;
+    assert_eq!(list["items"].as_array().unwrap().len(), 1);
+    let (status, _, other) = app
+        .send(request(
+            Method::POST,
+            "/v1/loadbalancers",
+            Some(spec("a")),
+            &[("idempotency-key", "svc-uid-5678")],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_ne!(other["id"], first["id"]);
+}
+
+#[tokio::test]
+async fn stale_update_is_rejected() {
+    let app = TestApp::start("127.77.0.32/28", Duration::ZERO);
+    let (_, created) = app
+        .call(Method::POST, "/v1/loadbalancers", Some(spec("a")))
+        .await;
+    let uri = format!("/v1/loadbalancers/{}", created["id"].as_str().unwrap());
+    let mut changed = spec("a");
+    changed["listeners"][0]["port"] = json!(8080);
+    let (status, _, _) = app
+        .send(request(
+            Method::PUT,
+            &uri,
+            Some(changed.clone()),
+            &[("if-match", "\"1\"")],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    changed["listeners"][0]["port"] = json!(9090);
+    let (status, _, body) = app
+        .send(request(
+            Method::PUT,
+            &uri,
+            Some(changed.clone()),
+            &[("if-match", "1")],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::PRECONDITION_FAILED, "{body}");
+    assert_eq!(error_code(&body), "version-mismatch");
+    assert!(error_message(&body).contains("version 2"), "{body}");
+    let (status, _, body) = app
+        .send(request(Method::PUT, &uri, Some(changed), &[]))
+        .await;
+    assert_eq!(status, StatusCode::PRECONDITION_REQUIRED, "{body}");
+    let (_, current) = app.call(Method::GET, &uri, None).await;
+    assert_eq!(current["listeners"][0]["port"], 8080);
+}
+
+#[tokio::test]
+async fn requested_vip_taken_is_a_conflict_and_outside_the_pool_is_rejected() {
+    let app = TestApp::start("127.77.0.48/28", Duration::ZERO);
+    let mut wanted = spec("a");
+    wanted["vip"] = json!("127.77.0.57");
+    let (status, created) = app
+        .call(Method::POST, "/v1/loadbalancers", Some(wanted.clone()))
+        .await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(created["vip"], "127.77.0.57");
+    let (status, body) = app
+        .call(Method::POST, "/v1/loadbalancers", Some(wanted))
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(error_code(&body), "vip-taken");
+    assert!(error_message(&body).contains("127.77.0.57"), "{body}");
+
+    let mut outside = spec("b");
+    outside["vip"] = json!("127.78.0.1");
+    let (status, body) = app
+        .call(Method::POST, "/v1/loadbalancers", Some(outside))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(error_code(&body), "vip-outside-pool");
+}
+
+#[tokio::test]
+async fn requests_without_the_token_are_unauthorized() {
+    let app = TestApp::start("127.77.0.64/28", Duration::ZERO);
+    for (method, uri) in [
+        (Method::GET, "/v1/loadbalancers"),
+        (Method::GET, "/v1/loadbalancers/lb-00000000"),
+        (Method::DELETE, "/v1/loadbalancers/lb-00000000"),
+        (Method::PUT, "/v1/admin/faults"),
+    ] {
+        let unauthenticated = Request::builder()
+            .method(method.clone())
+            .uri(uri)
+            .body(Body::empty())
+            .unwrap();
+        let (status, headers, body) = app.send(unauthenticated).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{method} {uri}");
+        assert_eq!(error_code(&body), "unauthorized");
+        assert!(headers.contains_key(header::WWW_AUTHENTICATE));
+        let wrong = Request::builder()
+            .method(method.clone())
+            .uri(uri)
+            .header(header::AUTHORIZATION, "Bearer nope")
+            .body(Body::empty())
+            .unwrap();
+        assert_eq!(app.send(wrong).await.0, StatusCode::UNAUTHORIZED);
+    }
+    let health = Request::get("/healthz").body(Body::empty()).unwrap();
+    assert_eq!(app.send(health).await.0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn junk_input_gets_a_clear_4xx() {
+    let app = TestApp::start("127.77.0.80/28", Duration::ZERO);
+    let raw = |body: Vec<u8>| {
+        Request::post("/v1/loadbalancers")
+            .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body))
+            .unwrap()
+    };
+
+    let (status, _, body) = app.send(raw(b"{\"name\": \"a\",".to_vec())).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(error_code(&body), "malformed-json");
+
+    let (status, _, body) = app.send(raw(vec![0xff, 0xfe, 0x00])).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+
+    let mut wrong_type = spec("a");
+    wrong_type["backends"] = json!("198.18.0.11");
+    let (status, body) = app
+        .call(Method::POST, "/v1/loadbalancers", Some(wrong_type))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(error_code(&body), "invalid-field");
+    assert!(error_message(&body).starts_with("backends: "), "{body}");
+
+    let mut out_of_range = spec("a");
+    out_of_range["listeners"][0]["port"] = json!(65536);
+    let (status, body) = app
+        .call(Method::POST, "/v1/loadbalancers", Some(out_of_range))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        error_message(&body).starts_with("listeners[0].port: "),
+        "{body}"
+    );
+    assert!(error_message(&body).contains("65536"), "{body}");
+
+    let mut negative = spec("a");
+    negative["listeners"][0]["backendPort"] = json!(-1);
+    let (status, body) = app
+        .call(Method::POST, "/v1/loadbalancers", Some(negative))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        error_message(&body).starts_with("listeners[0].backendPort: "),
+        "{body}"
+    );
+
+    let mut zero_port = spec("a");
+    zero_port["listeners"][0]["healthCheck"]["port"] = json!(0);
+    let (status, body) = app
+        .call(Method::POST, "/v1/loadbalancers", Some(zero_port))
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(error_code(&body), "invalid");
+    assert!(
+        error_message(&body)
+            .starts_with("listeners[0].healthCheck.port: must be between 1 and 65535"),
+        "{body}"
+    );
+
+    let mut missing = spec("a");
+    missing.as_object_mut().unwrap().remove("mode");
+    let (status, body) = app
+        .call(Method::POST, "/v1/loadbalancers", Some(missing))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(error_message(&body).contains("mode"), "{body}");
+
+    let huge = vec![b' '; 2 * 1024 * 1024];
+    let (status, _, body) = app.send(raw(huge)).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(error_code(&body), "payload-too-large");
+
+    let text = Request::post("/v1/loadbalancers")
+        .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+        .header(header::CONTENT_TYPE, "text/plain")
+        .body(Body::from(spec("a").to_string()))
+        .unwrap();
+    assert_eq!(app.send(text).await.0, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+
+    let (status, _, body) = app
+        .send(request(
+            Method::POST,
+            "/v1/loadbalancers",
+            Some(spec("a")),
+            &[("idempotency-key", "")],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(error_code(&body), "invalid-header");
+
+    let (status, body) = app
+        .call(Method::GET, "/v1/loadbalancers?tag=novalue", None)
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(error_code(&body), "invalid-query");
+
+    let (status, body) = app.call(Method::PATCH, "/v1/loadbalancers", None).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(error_code(&body), "method-not-allowed");
+    let (status, body) = app.call(Method::GET, "/v2/nothing", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(error_code(&body), "no-route");
+
+    let (status, body) = app
+        .call(
+            Method::PUT,
+            "/v1/admin/faults",
+            Some(json!({"errorRate": 2.0})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(error_message(&body).starts_with("errorRate"), "{body}");
+
+    let (_, list) = app.call(Method::GET, "/v1/loadbalancers", None).await;
+    assert_eq!(list["items"], json!([]), "no junk request created anything");
+}
+
+#[tokio::test]
+async fn faults_inject_rate_limits_and_errors() {
+    let app = TestApp::start("127.77.0.96/28", Duration::ZERO);
+    let (status, _) = app
+        .call(
+            Method::PUT,
+            "/v1/admin/faults",
+            Some(json!({"rateLimitPerSecond": 1})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        app.call(Method::GET, "/v1/loadbalancers", None).await.0,
+        StatusCode::OK
+    );
+    let (status, headers, body) = app
+        .send(request(Method::GET, "/v1/loadbalancers", None, &[]))
+        .await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(headers[header::RETRY_AFTER], "1");
+    assert_eq!(error_code(&body), "rate-limited");
+    // Admin and health routes are never limited, so faults can always be cleared.
+    let (_, faults) = app.call(Method::GET, "/v1/admin/faults", None).await;
+    assert_eq!(faults["rateLimitPerSecond"], 1);
+
+    app.call(
+        Method::PUT,
+        "/v1/admin/faults",
+        Some(json!({"errorRate": 1.0})),
+    )
+    .await;
+    let (status, body) = app.call(Method::GET, "/v1/loadbalancers", None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(error_code(&body), "unavailable");
+
+    app.call(Method::PUT, "/v1/admin/faults", Some(json!({})))
+        .await;
+    assert_eq!(
+        app.call(Method::GET, "/v1/loadbalancers", None).await.0,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn metrics_count_requests_and_load_balancers_by_state() {
+    let app = TestApp::start("127.77.0.112/28", Duration::ZERO);
+    let (_, created) = app
+        .call(Method::POST, "/v1/loadbalancers", Some(spec("a")))
+        .await;
+    wait_for_state(&app, created["id"].as_str().unwrap(), "active").await;
+    let mut text = String::new();
+    for _ in 0..100 {
+        let (_, _, body) = app
+            .send(Request::get("/metrics").body(Body::empty()).unwrap())
+            .await;
+        text = body.as_str().unwrap().to_owned();
+        if text.contains(r#"cloud_mock_load_balancers{state="active"} 1"#) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        text.contains(r#"cloud_mock_http_requests_total{route="/v1/loadbalancers",method="POST",status="201"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"cloud_mock_load_balancers{state="active"} 1"#),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn openapi_document_and_routes_match() {
+    let documented = openapi::operations(OPENAPI_YAML);
+    assert!(documented.len() >= 10, "parsed {documented:?}");
+    let routed: std::collections::BTreeSet<(String, String)> = routes()
+        .iter()
+        .map(|route| (route.path.to_owned(), route.verb.method().to_string()))
+        .collect();
+    assert_eq!(
+        documented, routed,
+        "openapi.yaml and the route table differ"
+    );
+
+    // Every documented operation is really routed: neither the no-route fallback nor 405.
+    let app = TestApp::start("127.77.0.128/28", Duration::ZERO);
+    for (path, method) in &documented {
+        let uri = path.replace("{id}", "lb-00000000");
+        let method = Method::from_bytes(method.as_bytes()).unwrap();
+        let body = matches!(method, Method::POST | Method::PUT).then(|| json!({}));
+        let (status, response) = app.call(method.clone(), &uri, body).await;
+        assert_ne!(status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
+        assert_ne!(error_code(&response), "no-route", "{method} {path}");
+    }
+
+    let (status, headers, body) = app
+        .send(Request::get("/openapi.yaml").body(Body::empty()).unwrap())
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers[header::CONTENT_TYPE], "application/yaml");
+    assert_eq!(body.as_str(), Some(OPENAPI_YAML));
+}
