@@ -1,0 +1,1008 @@
+//! Service defaulting, validation and clusterIP / nodePort allocation, as kube-apiserver's
+//! service REST strategy does them. Pure functions over JSON plus an in-memory allocator;
+//! the store calls them under its lock, which makes allocation race-free.
+
+use std::collections::{BTreeSet, HashSet};
+use std::net::{IpAddr, Ipv4Addr};
+use std::ops::RangeInclusive;
+use std::str::FromStr;
+
+use ipnet::Ipv4Net;
+use serde_json::{Value, json};
+
+use crate::status::FieldError;
+
+/// `--service-node-port-range`, e.g. `30000-32767`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortRange(pub RangeInclusive<u16>);
+
+impl Default for PortRange {
+    fn default() -> Self {
+        Self(30000..=32767)
+    }
+}
+
+impl FromStr for PortRange {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (a, b) = s
+            .split_once('-')
+            .ok_or_else(|| format!("expected A-B, got {s:?}"))?;
+        let a: u16 = a
+            .trim()
+            .parse()
+            .map_err(|e| format!("bad range start {a:?}: {e}"))?;
+        let b: u16 = b
+            .trim()
+            .parse()
+            .map_err(|e| format!("bad range end {b:?}: {e}"))?;
+        if a == 0 || a > b {
+            return Err(format!("empty or invalid port range {s:?}"));
+        }
+        Ok(Self(a..=b))
+    }
+}
+
+impl std::fmt::Display for PortRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.0.start(), self.0.end())
+    }
+}
+
+/// Used cluster IPs and node ports. Dynamic picks start at a random offset and probe
+/// linearly, so concurrent creators do not all contend for the same first free value.
+#[derive(Debug, Clone)]
+pub struct Allocator {
+    ip_range: Ipv4Net,
+    port_range: PortRange,
+    ips: HashSet<Ipv4Addr>,
+    ports: HashSet<u16>,
+}
+
+impl Allocator {
+    pub fn new(ip_range: Ipv4Net, port_range: PortRange) -> Self {
+        Self {
+            ip_range,
+            port_range,
+            ips: HashSet::new(),
+            ports: HashSet::new(),
+        }
+    }
+
+    pub fn ip_range(&self) -> Ipv4Net {
+        self.ip_range
+    }
+
+    pub fn port_range(&self) -> &PortRange {
+        &self.port_range
+    }
+
+    fn ip_in_range(&self, ip: Ipv4Addr) -> bool {
+        self.ip_range.contains(&ip)
+            && ip != self.ip_range.network()
+            && (self.ip_range.prefix_len() >= 31 || ip != self.ip_range.broadcast())
+    }
+
+    fn ip_capacity(&self) -> usize {
+        self.ip_range.hosts().count()
+    }
+
+    fn port_capacity(&self) -> usize {
+        usize::from(self.port_range.0.end() - self.port_range.0.start()) + 1
+    }
+
+    fn allocate_ip(&mut self) -> Option<Ipv4Addr> {
+        let first = u32::from(self.ip_range.network());
+        let size = 1u64 << (32 - u32::from(self.ip_range.prefix_len()));
+        let offset = rand::random_range(0..size);
+        (0..size)
+            .map(|i| Ipv4Addr::from(first.wrapping_add(((offset + i) % size) as u32)))
+            .find(|ip| self.ip_in_range(*ip) && !self.ips.contains(ip))
+            .inspect(|ip| {
+                self.ips.insert(*ip);
+            })
+    }
+
+    fn allocate_port(&mut self) -> Option<u16> {
+        let start = *self.port_range.0.start();
+        let size = self.port_capacity() as u32;
+        let offset = rand::random_range(0..size);
+        (0..size)
+            .map(|i| start + ((offset + i) % size) as u16)
+            .find(|p| !self.ports.contains(p))
+            .inspect(|p| {
+                self.ports.insert(*p);
+            })
+    }
+
+    pub fn ip_used(&self, ip: Ipv4Addr) -> bool {
+        self.ips.contains(&ip)
+    }
+
+    pub fn port_used(&self, port: u16) -> bool {
+        self.ports.contains(&port)
+    }
+}
+
+/// What one Service holds in the allocator.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Held {
+    pub ip: Option<Ipv4Addr>,
+    pub ports: BTreeSet<u16>,
+}
+
+fn needs_cluster_ip(svc_type: &str) -> bool {
+    svc_type != "ExternalName"
+}
+
+fn needs_node_ports(spec: &Value) -> bool {
+    match spec["type"].as_str() {
+        Some("NodePort") => true,
+        Some("LoadBalancer") => spec["allocateLoadBalancerNodePorts"].as_bool() != Some(false),
+        _ => false,
+    }
+}
+
+fn needs_health_check_port(spec: &Value) -> bool {
+    spec["type"] == "LoadBalancer" && spec["externalTrafficPolicy"] == "Local"
+}
+
+/// The allocations a stored Service holds.
+pub fn held(svc: &Value) -> Held {
+    let spec = &svc["spec"];
+    let ip = spec["clusterIP"].as_str().and_then(|s| s.parse().ok());
+    let mut ports: BTreeSet<u16> = spec["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["nodePort"].as_u64())
+        .filter_map(|p| u16::try_from(p).ok())
+        .collect();
+    if let Some(hc) = spec["healthCheckNodePort"]
+        .as_u64()
+        .and_then(|p| u16::try_from(p).ok())
+    {
+        ports.insert(hc);
+    }
+    Held { ip, ports }
+}
+
+/// Returns a deleted Service's allocations to the pool.
+pub fn release(svc: &Value, allocator: &mut Allocator) {
+    let held = held(svc);
+    if let Some(ip) = held.ip {
+        allocator.ips.remove(&ip);
+    }
+    for port in held.ports {
+        allocator.ports.remove(&port);
+    }
+}
+
+fn set(map: &mut Value, key: &str, value: Value) {
+    if let Some(m) = map.as_object_mut() {
+        m.insert(key.to_string(), value);
+    }
+}
+
+fn remove(map: &mut Value, key: &str) {
+    if let Some(m) = map.as_object_mut() {
+        m.remove(key);
+    }
+}
+
+fn default_if_missing(map: &mut Value, key: &str, value: Value) {
+    if map.get(key).is_none_or(Value::is_null) {
+        set(map, key, value);
+    }
+}
+
+/// Copies values the client left out on update from the old object, as the API server's
+/// `patchAllocatedValues` does, then drops fields the new type no longer allows but the
+/// client did not change (`dropTypeDependentFields`).
+fn carry_over(old: &Value, new: &mut Value) {
+    let old_spec = &old["spec"];
+    let Some(spec) = new.get_mut("spec") else {
+        return;
+    };
+    let new_type = spec["type"].as_str().unwrap_or("ClusterIP").to_string();
+    let old_type = old_spec["type"].as_str().unwrap_or("ClusterIP");
+    if needs_cluster_ip(&new_type) && needs_cluster_ip(old_type) {
+        if spec["clusterIP"].as_str().is_none_or(str::is_empty) {
+            set(spec, "clusterIP", old_spec["clusterIP"].clone());
+        }
+        if spec["clusterIPs"].as_array().is_none_or(Vec::is_empty)
+            && !old_spec["clusterIPs"].is_null()
+        {
+            set(spec, "clusterIPs", old_spec["clusterIPs"].clone());
+        }
+    }
+    if !needs_cluster_ip(&new_type) && spec["clusterIP"] == old_spec["clusterIP"] {
+        remove(spec, "clusterIP");
+        remove(spec, "clusterIPs");
+    }
+    let keeps_node_ports = needs_node_ports(spec) || new_type == "LoadBalancer";
+    if let Some(ports) = spec.get_mut("ports").and_then(Value::as_array_mut) {
+        for port in ports {
+            let old_port = old_spec["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|o| {
+                    o["port"] == port["port"]
+                        && o["protocol"].as_str().unwrap_or("TCP")
+                            == port["protocol"].as_str().unwrap_or("TCP")
+                });
+            let Some(old_port) = old_port else { continue };
+            let unset = port["nodePort"].as_u64().is_none_or(|p| p == 0);
+            if keeps_node_ports && unset && !old_port["nodePort"].is_null() {
+                set(port, "nodePort", old_port["nodePort"].clone());
+            } else if !keeps_node_ports && port["nodePort"] == old_port["nodePort"] {
+                remove(port, "nodePort");
+            }
+        }
+    }
+    if needs_health_check_port(spec) {
+        if spec["healthCheckNodePort"].as_u64().is_none_or(|p| p == 0)
+            && !old_spec["healthCheckNodePort"].is_null()
+        {
+            set(
+                spec,
+                "healthCheckNodePort",
+                old_spec["healthCheckNodePort"].clone(),
+            );
+        }
+    } else if spec["healthCheckNodePort"] == old_spec["healthCheckNodePort"] {
+        remove(spec, "healthCheckNodePort");
+    }
+    if new_type != "LoadBalancer"
+        && spec["allocateLoadBalancerNodePorts"] == old_spec["allocateLoadBalancerNodePorts"]
+    {
+        remove(spec, "allocateLoadBalancerNodePorts");
+    }
+    if !matches!(new_type.as_str(), "NodePort" | "LoadBalancer")
+        && spec["externalTrafficPolicy"] == old_spec["externalTrafficPolicy"]
+    {
+        remove(spec, "externalTrafficPolicy");
+    }
+}
+
+/// Fills in the defaults a real API server sets.
+pub fn apply_defaults(svc: &mut Value) {
+    if svc.get("spec").is_none_or(|s| !s.is_object()) {
+        set(svc, "spec", json!({}));
+    }
+    let Some(spec) = svc.get_mut("spec") else {
+        return;
+    };
+    default_if_missing(spec, "type", json!("ClusterIP"));
+    default_if_missing(spec, "sessionAffinity", json!("None"));
+    let svc_type = spec["type"].as_str().unwrap_or_default().to_string();
+    if let Some(ports) = spec.get_mut("ports").and_then(Value::as_array_mut) {
+        for port in ports {
+            default_if_missing(port, "protocol", json!("TCP"));
+            let target = port["port"].clone();
+            default_if_missing(port, "targetPort", target);
+        }
+    }
+    if needs_cluster_ip(&svc_type) {
+        default_if_missing(spec, "ipFamilies", json!(["IPv4"]));
+        default_if_missing(spec, "ipFamilyPolicy", json!("SingleStack"));
+        default_if_missing(spec, "internalTrafficPolicy", json!("Cluster"));
+    }
+    if matches!(svc_type.as_str(), "NodePort" | "LoadBalancer") {
+        default_if_missing(spec, "externalTrafficPolicy", json!("Cluster"));
+    }
+    if svc_type == "LoadBalancer" {
+        default_if_missing(spec, "allocateLoadBalancerNodePorts", json!(true));
+    }
+}
+
+const TYPES: &[&str] = &["ClusterIP", "ExternalName", "LoadBalancer", "NodePort"];
+const PROTOCOLS: &[&str] = &["SCTP", "TCP", "UDP"];
+
+fn is_dns1035_label(s: &str) -> bool {
+    let bytes = s.as_bytes();
+    !s.is_empty()
+        && s.len() <= 63
+        && bytes[0].is_ascii_lowercase()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+        && !s.ends_with('-')
+}
+
+fn is_dns1123_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn is_iana_svc_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 15
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && s.bytes().any(|b| b.is_ascii_lowercase())
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+        && !s.contains("--")
+}
+
+/// Checks a defaulted Service (without allocation state). `old` is the stored object on update.
+pub fn validate(svc: &Value, old: Option<&Value>, allocator: &Allocator) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    let name = svc["metadata"]["name"].as_str().unwrap_or_default();
+    if !is_dns1035_label(name) {
+        errors.push(FieldError::invalid(
+            "metadata.name",
+            name,
+            "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic character, and end with an alphanumeric character",
+        ));
+    }
+    let spec = &svc["spec"];
+    let svc_type = spec["type"].as_str().unwrap_or_default();
+    if !TYPES.contains(&svc_type) {
+        errors.push(FieldError::not_supported(
+            "spec.type",
+            spec["type"].clone(),
+            TYPES,
+        ));
+    }
+    let cluster_ip = spec["clusterIP"].as_str().unwrap_or_default();
+    let headless = cluster_ip == "None";
+    let ports = spec["ports"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    if svc_type == "ExternalName" {
+        let external = spec["externalName"].as_str().unwrap_or_default();
+        if external.is_empty() {
+            errors.push(FieldError::required("spec.externalName", ""));
+        } else if !external
+            .trim_end_matches('.')
+            .split('.')
+            .all(is_dns1123_label)
+        {
+            errors.push(FieldError::invalid(
+                "spec.externalName",
+                external,
+                "must be a DNS-1123 subdomain",
+            ));
+        }
+    } else if ports.is_empty() && !headless {
+        errors.push(FieldError::required("spec.ports", ""));
+    }
+    validate_ports(ports, svc_type, allocator, &mut errors);
+    if !cluster_ip.is_empty() && !headless {
+        match cluster_ip.parse::<Ipv4Addr>() {
+            Err(_) => errors.push(FieldError::invalid("spec.clusterIP", cluster_ip, "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)")),
+            Ok(ip) if !allocator.ip_in_range(ip) => errors.push(FieldError::invalid(
+                "spec.clusterIP",
+                cluster_ip,
+                format!("failed to allocate IP {cluster_ip}: the provided IP ({cluster_ip}) is not in the valid range. The range of valid IPs is {}", allocator.ip_range()),
+            )),
+            Ok(_) => {}
+        }
+    }
+    if headless && svc_type != "ClusterIP" {
+        errors.push(FieldError::invalid(
+            "spec.clusterIP",
+            "None",
+            format!("may not be set to 'None' for {svc_type} services"),
+        ));
+    }
+    if let Some(old) = old {
+        let old_ip = old["spec"]["clusterIP"].as_str().unwrap_or_default();
+        let old_type = old["spec"]["type"].as_str().unwrap_or_default();
+        if !old_ip.is_empty()
+            && old_type != "ExternalName"
+            && svc_type != "ExternalName"
+            && cluster_ip != old_ip
+        {
+            errors.push(FieldError::invalid(
+                "spec.clusterIP",
+                cluster_ip,
+                "field is immutable",
+            ));
+        }
+        let old_class = &old["spec"]["loadBalancerClass"];
+        if old_type == "LoadBalancer"
+            && svc_type == "LoadBalancer"
+            && spec["loadBalancerClass"] != *old_class
+        {
+            errors.push(FieldError::invalid(
+                "spec.loadBalancerClass",
+                spec["loadBalancerClass"].clone(),
+                "may not change once set",
+            ));
+        }
+    }
+    if let Some(ips) = spec["clusterIPs"].as_array() {
+        if ips.len() > 1 {
+            errors.push(FieldError::invalid(
+                "spec.clusterIPs",
+                spec["clusterIPs"].clone(),
+                "this cluster is not configured for dual-stack services",
+            ));
+        } else if let Some(first) = ips.first().and_then(Value::as_str)
+            && !cluster_ip.is_empty()
+            && first != cluster_ip
+        {
+            errors.push(FieldError::invalid(
+                "spec.clusterIPs[0]",
+                first,
+                "must match `spec.clusterIP`",
+            ));
+        }
+    }
+    for (i, range) in spec["loadBalancerSourceRanges"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let field = format!("spec.loadBalancerSourceRanges[{i}]");
+        let text = range.as_str().unwrap_or_default().trim();
+        if text.parse::<ipnet::IpNet>().is_err() {
+            errors.push(FieldError::invalid(
+                field,
+                range.clone(),
+                "must be a list of IP ranges. For example, 10.240.0.0/24,10.250.0.0/24 ",
+            ));
+        } else if svc_type != "LoadBalancer" {
+            errors.push(FieldError::forbidden(
+                field,
+                "may only be used when `type` is 'LoadBalancer'",
+            ));
+        }
+    }
+    for (i, ip) in spec["externalIPs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        if ip.as_str().and_then(|s| s.parse::<IpAddr>().ok()).is_none() {
+            errors.push(FieldError::invalid(
+                format!("spec.externalIPs[{i}]"),
+                ip.clone(),
+                "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)",
+            ));
+        }
+    }
+    if let Some(lb_ip) = spec["loadBalancerIP"].as_str()
+        && !lb_ip.is_empty()
+        && lb_ip.parse::<IpAddr>().is_err()
+    {
+        errors.push(FieldError::invalid(
+            "spec.loadBalancerIP",
+            lb_ip,
+            "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)",
+        ));
+    }
+    if !spec["loadBalancerClass"].is_null() && svc_type != "LoadBalancer" {
+        errors.push(FieldError::forbidden(
+            "spec.loadBalancerClass",
+            "may only be used when `type` is 'LoadBalancer'",
+        ));
+    }
+    check_enum(spec, "sessionAffinity", &["ClientIP", "None"], &mut errors);
+    check_enum(
+        spec,
+        "externalTrafficPolicy",
+        &["Cluster", "Local"],
+        &mut errors,
+    );
+    check_enum(
+        spec,
+        "internalTrafficPolicy",
+        &["Cluster", "Local"],
+        &mut errors,
+    );
+    check_enum(
+        spec,
+        "ipFamilyPolicy",
+        &["PreferDualStack", "RequireDualStack", "SingleStack"],
+        &mut errors,
+    );
+    if spec["ipFamilyPolicy"] == "RequireDualStack" {
+        errors.push(FieldError::invalid(
+            "spec.ipFamilyPolicy",
+            "RequireDualStack",
+            "this cluster is not configured for dual-stack services",
+        ));
+    }
+    for (i, family) in spec["ipFamilies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        if family != "IPv4" {
+            errors.push(FieldError::not_supported(
+                format!("spec.ipFamilies[{i}]"),
+                family.clone(),
+                &["IPv4"],
+            ));
+        }
+    }
+    if let Some(hc) = spec.get("healthCheckNodePort").filter(|v| !v.is_null()) {
+        if !needs_health_check_port(spec) {
+            errors.push(FieldError::invalid(
+                "spec.healthCheckNodePort",
+                hc.clone(),
+                "may only be set when `type` is 'LoadBalancer' and `externalTrafficPolicy` is 'Local'",
+            ));
+        } else {
+            check_node_port_range("spec.healthCheckNodePort", hc, allocator, &mut errors);
+        }
+    }
+    errors
+}
+
+fn check_enum(spec: &Value, key: &str, allowed: &[&'static str], errors: &mut Vec<FieldError>) {
+    if let Some(value) = spec.get(key).filter(|v| !v.is_null())
+        && !value.as_str().is_some_and(|s| allowed.contains(&s))
+    {
+        errors.push(FieldError::not_supported(
+            format!("spec.{key}"),
+            value.clone(),
+            allowed,
+        ));
+    }
+}
+
+fn check_node_port_range(
+    field: &str,
+    value: &Value,
+    allocator: &Allocator,
+    errors: &mut Vec<FieldError>,
+) {
+    let in_range = value
+        .as_u64()
+        .and_then(|p| u16::try_from(p).ok())
+        .is_some_and(|p| allocator.port_range.0.contains(&p));
+    if !in_range {
+        errors.push(FieldError::invalid(
+            field,
+            value.clone(),
+            format!(
+                "provided port is not in the valid range. The range of valid ports is {}",
+                allocator.port_range
+            ),
+        ));
+    }
+}
+
+fn validate_ports(
+    ports: &[Value],
+    svc_type: &str,
+    allocator: &Allocator,
+    errors: &mut Vec<FieldError>,
+) {
+    let mut names = HashSet::new();
+    let mut keys = HashSet::new();
+    let mut node_ports = HashSet::new();
+    for (i, port) in ports.iter().enumerate() {
+        let at = |f: &str| format!("spec.ports[{i}].{f}");
+        match port["name"].as_str().filter(|n| !n.is_empty()) {
+            Some(name) => {
+                if !is_dns1123_label(name) {
+                    errors.push(FieldError::invalid(at("name"), name, "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-'"));
+                }
+                if !names.insert(name.to_string()) {
+                    errors.push(FieldError::duplicate(at("name"), name));
+                }
+            }
+            None if ports.len() > 1 => errors.push(FieldError::required(at("name"), "")),
+            None => {}
+        }
+        let number = port["port"].as_u64().filter(|p| (1..=65535).contains(p));
+        if number.is_none() {
+            errors.push(FieldError::invalid(
+                at("port"),
+                port["port"].clone(),
+                "must be between 1 and 65535, inclusive",
+            ));
+        }
+        let protocol = port["protocol"].as_str().unwrap_or_default();
+        if !PROTOCOLS.contains(&protocol) {
+            errors.push(FieldError::not_supported(
+                at("protocol"),
+                port["protocol"].clone(),
+                PROTOCOLS,
+            ));
+        }
+        if let Some(number) = number
+            && !keys.insert((number, protocol.to_string()))
+        {
+            errors.push(FieldError::duplicate(
+                format!("spec.ports[{i}]"),
+                json!({"port": number, "protocol": protocol}),
+            ));
+        }
+        match &port["targetPort"] {
+            Value::Number(n) if n.as_u64().is_some_and(|p| (1..=65535).contains(&p)) => {}
+            Value::String(s) if is_iana_svc_name(s) => {}
+            Value::Null => {}
+            other => errors.push(FieldError::invalid(
+                at("targetPort"),
+                other.clone(),
+                "must contain a valid port number or IANA service name",
+            )),
+        }
+        if let Some(node_port) = port
+            .get("nodePort")
+            .filter(|v| !v.is_null() && v.as_u64() != Some(0))
+        {
+            if svc_type == "ClusterIP" || svc_type == "ExternalName" {
+                errors.push(FieldError::forbidden(
+                    at("nodePort"),
+                    format!("may not be used when `type` is '{svc_type}'"),
+                ));
+            } else {
+                check_node_port_range(&at("nodePort"), node_port, allocator, errors);
+                if !node_ports.insert((node_port.as_u64(), protocol.to_string())) {
+                    errors.push(FieldError::duplicate(at("nodePort"), node_port.clone()));
+                }
+            }
+        }
+    }
+}
+
+/// Allocates what a validated Service needs, treating what `previous` holds as its own;
+/// releases what it no longer uses. All or nothing: on error the allocator is unchanged.
+pub fn allocate(
+    svc: &mut Value,
+    previous: &Held,
+    allocator: &mut Allocator,
+) -> Result<(), Vec<FieldError>> {
+    let mut errors = Vec::new();
+    let spec_type = svc["spec"]["type"].as_str().unwrap_or_default().to_string();
+    let wants_ip = needs_cluster_ip(&spec_type) && svc["spec"]["clusterIP"] != "None";
+    let requested = held(svc);
+    if let Some(ip) = requested.ip
+        && previous.ip != Some(ip)
+        && allocator.ip_used(ip)
+    {
+        errors.push(FieldError::invalid(
+            "spec.clusterIP",
+            ip.to_string(),
+            format!("failed to allocate IP {ip}: provided IP is already allocated"),
+        ));
+    }
+    let spec = &svc["spec"];
+    for (i, port) in spec["ports"].as_array().into_iter().flatten().enumerate() {
+        if let Some(p) = port["nodePort"]
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok())
+            && !previous.ports.contains(&p)
+            && allocator.port_used(p)
+        {
+            errors.push(FieldError::invalid(
+                format!("spec.ports[{i}].nodePort"),
+                p,
+                "provided port is already allocated",
+            ));
+        }
+    }
+    if let Some(p) = spec["healthCheckNodePort"]
+        .as_u64()
+        .and_then(|p| u16::try_from(p).ok())
+        && !previous.ports.contains(&p)
+        && allocator.port_used(p)
+    {
+        errors.push(FieldError::invalid(
+            "spec.healthCheckNodePort",
+            p,
+            "provided port is already allocated",
+        ));
+    }
+    let missing_ports = if needs_node_ports(spec) {
+        spec["ports"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| p["nodePort"].as_u64().is_none_or(|n| n == 0))
+            .count()
+    } else {
+        0
+    } + usize::from(
+        needs_health_check_port(spec)
+            && spec["healthCheckNodePort"].as_u64().is_none_or(|n| n == 0),
+    );
+    let freed_ports = previous.ports.difference(&requested.ports).count();
+    let new_ports = requested.ports.difference(&previous.ports).count();
+    if allocator.ports.len() + new_ports + missing_ports > allocator.port_capacity() + freed_ports {
+        errors.push(FieldError::invalid(
+            "spec.ports",
+            spec["ports"].clone(),
+            "range for node ports is full",
+        ));
+    }
+    let missing_ip = wants_ip && requested.ip.is_none();
+    if missing_ip && previous.ip.is_none() && allocator.ips.len() >= allocator.ip_capacity() {
+        errors.push(FieldError::invalid(
+            "spec.clusterIP",
+            "",
+            "range for cluster IPs is full",
+        ));
+    }
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+
+    // Commit: free what is dropped, take what is requested, then pick the rest.
+    if let Some(ip) = previous.ip.filter(|ip| requested.ip != Some(*ip)) {
+        allocator.ips.remove(&ip);
+    }
+    for p in previous.ports.difference(&requested.ports) {
+        allocator.ports.remove(p);
+    }
+    if let Some(ip) = requested.ip {
+        allocator.ips.insert(ip);
+    }
+    allocator.ports.extend(requested.ports.iter().copied());
+    let spec = svc.get_mut("spec").ok_or_else(Vec::new)?;
+    if missing_ip && let Some(ip) = allocator.allocate_ip() {
+        set(spec, "clusterIP", json!(ip.to_string()));
+    }
+    if wants_ip {
+        let ip = spec["clusterIP"].clone();
+        set(spec, "clusterIPs", json!([ip]));
+    } else if spec["clusterIP"] == "None" {
+        set(spec, "clusterIPs", json!(["None"]));
+    }
+    if needs_node_ports(spec) {
+        let mut picked = Vec::new();
+        for port in spec["ports"].as_array().into_iter().flatten() {
+            let missing = port["nodePort"].as_u64().is_none_or(|n| n == 0);
+            picked.push(if missing {
+                allocator.allocate_port()
+            } else {
+                None
+            });
+        }
+        if let Some(ports) = spec.get_mut("ports").and_then(Value::as_array_mut) {
+            for (port, pick) in ports.iter_mut().zip(picked) {
+                if let Some(p) = pick {
+                    set(port, "nodePort", json!(p));
+                }
+            }
+        }
+    }
+    if needs_health_check_port(spec)
+        && spec["healthCheckNodePort"].as_u64().is_none_or(|n| n == 0)
+        && let Some(p) = allocator.allocate_port()
+    {
+        set(spec, "healthCheckNodePort", json!(p));
+    }
+    Ok(())
+}
+
+/// Create: defaults, validation, allocation; status starts empty.
+pub fn prepare_create(svc: &mut Value, allocator: &mut Allocator) -> Result<(), Vec<FieldError>> {
+    apply_defaults(svc);
+    let errors = validate(svc, None, allocator);
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    allocate(svc, &Held::default(), allocator)
+}
+
+/// Update: carry allocated values over from `old`, default, validate, re-allocate.
+pub fn prepare_update(
+    old: &Value,
+    svc: &mut Value,
+    allocator: &mut Allocator,
+) -> Result<(), Vec<FieldError>> {
+    carry_over(old, svc);
+    apply_defaults(svc);
+    let errors = validate(svc, Some(old), allocator);
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    allocate(svc, &held(old), allocator)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn allocator() -> Allocator {
+        Allocator::new("10.96.0.0/16".parse().unwrap(), PortRange::default())
+    }
+
+    fn svc(spec: Value) -> Value {
+        json!({"metadata": {"name": "web", "namespace": "default"}, "spec": spec})
+    }
+
+    fn fields(errors: &[FieldError]) -> Vec<(&str, &str)> {
+        errors
+            .iter()
+            .map(|e| (e.field.as_str(), e.reason()))
+            .collect()
+    }
+
+    #[test]
+    fn load_balancer_gets_defaults_ip_and_node_ports() {
+        let mut alloc = allocator();
+        let mut s = svc(
+            json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local", "ports": [{"port": 80}]}),
+        );
+        prepare_create(&mut s, &mut alloc).unwrap();
+        let spec = &s["spec"];
+        let ip: Ipv4Addr = spec["clusterIP"].as_str().unwrap().parse().unwrap();
+        assert!(alloc.ip_range().contains(&ip));
+        assert_eq!(spec["clusterIPs"], json!([ip.to_string()]));
+        assert_eq!(spec["ports"][0]["protocol"], "TCP");
+        assert_eq!(spec["ports"][0]["targetPort"], 80);
+        assert!((30000..=32767).contains(&spec["ports"][0]["nodePort"].as_u64().unwrap()));
+        assert!((30000..=32767).contains(&spec["healthCheckNodePort"].as_u64().unwrap()));
+        assert_eq!(spec["sessionAffinity"], "None");
+        assert_eq!(spec["ipFamilies"], json!(["IPv4"]));
+        assert_eq!(spec["ipFamilyPolicy"], "SingleStack");
+        assert_eq!(spec["internalTrafficPolicy"], "Cluster");
+        assert_eq!(spec["allocateLoadBalancerNodePorts"], true);
+        assert_eq!(alloc.ports.len(), 2);
+    }
+
+    #[test]
+    fn cluster_ip_service_gets_no_node_ports_and_no_traffic_policy() {
+        let mut alloc = allocator();
+        let mut s = svc(json!({"ports": [{"port": 80, "targetPort": "http"}]}));
+        prepare_create(&mut s, &mut alloc).unwrap();
+        assert!(s["spec"]["ports"][0].get("nodePort").is_none());
+        assert!(s["spec"].get("externalTrafficPolicy").is_none());
+        assert!(alloc.ports.is_empty());
+    }
+
+    #[test]
+    fn requested_values_are_honoured_and_collisions_rejected() {
+        let mut alloc = allocator();
+        let mut a = svc(
+            json!({"type": "NodePort", "clusterIP": "10.96.5.5", "ports": [{"port": 80, "nodePort": 30080}]}),
+        );
+        prepare_create(&mut a, &mut alloc).unwrap();
+        assert_eq!(a["spec"]["clusterIP"], "10.96.5.5");
+        assert_eq!(a["spec"]["ports"][0]["nodePort"], 30080);
+        let mut b = svc(
+            json!({"type": "NodePort", "clusterIP": "10.96.5.5", "ports": [{"port": 80, "nodePort": 30080}]}),
+        );
+        let errors = prepare_create(&mut b, &mut alloc).unwrap_err();
+        assert_eq!(
+            fields(&errors),
+            vec![
+                ("spec.clusterIP", "FieldValueInvalid"),
+                ("spec.ports[0].nodePort", "FieldValueInvalid")
+            ]
+        );
+        assert_eq!(alloc.ports.len(), 1, "a failed create allocates nothing");
+        release(&a, &mut alloc);
+        prepare_create(&mut b, &mut alloc).unwrap();
+    }
+
+    #[test]
+    fn invalid_services_list_every_cause() {
+        let alloc = allocator();
+        let mut s = svc(json!({
+            "type": "LoadBalancer",
+            "clusterIP": "10.1.0.1",
+            "loadBalancerSourceRanges": ["10.0.0.0/8", "banana"],
+            "ports": [
+                {"name": "a", "port": 80, "nodePort": 99},
+                {"name": "a", "port": 80},
+                {"port": 70000, "protocol": "ICMP"}
+            ]
+        }));
+        apply_defaults(&mut s);
+        let errors = validate(&s, None, &alloc);
+        let got = fields(&errors);
+        for expected in [
+            ("spec.ports[0].nodePort", "FieldValueInvalid"),
+            ("spec.ports[1].name", "FieldValueDuplicate"),
+            ("spec.ports[1]", "FieldValueDuplicate"),
+            ("spec.ports[2].name", "FieldValueRequired"),
+            ("spec.ports[2].port", "FieldValueInvalid"),
+            ("spec.ports[2].protocol", "FieldValueNotSupported"),
+            ("spec.clusterIP", "FieldValueInvalid"),
+            ("spec.loadBalancerSourceRanges[1]", "FieldValueInvalid"),
+        ] {
+            assert!(got.contains(&expected), "{expected:?} missing from {got:?}");
+        }
+        let unknown = svc(json!({"type": "Bogus", "ports": [{"port": 80, "protocol": "TCP"}]}));
+        assert_eq!(
+            fields(&validate(&unknown, None, &alloc)),
+            vec![("spec.type", "FieldValueNotSupported")]
+        );
+    }
+
+    #[test]
+    fn update_keeps_allocations_and_rejects_cluster_ip_change() {
+        let mut alloc = allocator();
+        let mut old = svc(json!({"type": "LoadBalancer", "ports": [{"port": 80}]}));
+        prepare_create(&mut old, &mut alloc).unwrap();
+        let mut new = svc(
+            json!({"type": "LoadBalancer", "ports": [{"port": 80}, {"port": 81, "name": "b"}]}),
+        );
+        new["spec"]["ports"][0]["name"] = json!("a");
+        prepare_update(&old, &mut new, &mut alloc).unwrap();
+        assert_eq!(new["spec"]["clusterIP"], old["spec"]["clusterIP"]);
+        assert_eq!(
+            new["spec"]["ports"][0]["nodePort"],
+            old["spec"]["ports"][0]["nodePort"]
+        );
+        assert_eq!(alloc.ports.len(), 2);
+
+        let mut changed = new.clone();
+        changed["spec"]["clusterIP"] = json!("10.96.9.9");
+        changed["spec"]["clusterIPs"] = json!(["10.96.9.9"]);
+        let errors = prepare_update(&new, &mut changed, &mut alloc).unwrap_err();
+        assert_eq!(
+            fields(&errors),
+            vec![("spec.clusterIP", "FieldValueInvalid")]
+        );
+
+        let mut to_cluster_ip = new.clone();
+        to_cluster_ip["spec"]["type"] = json!("ClusterIP");
+        prepare_update(&new, &mut to_cluster_ip, &mut alloc).unwrap();
+        assert!(to_cluster_ip["spec"]["ports"][0].get("nodePort").is_none());
+        assert!(
+            alloc.ports.is_empty(),
+            "node ports are released when the type no longer needs them"
+        );
+    }
+
+    #[test]
+    fn port_range_parses() {
+        assert_eq!(
+            "30000-32767".parse::<PortRange>().unwrap(),
+            PortRange::default()
+        );
+        assert!("5-1".parse::<PortRange>().is_err());
+        assert!("x".parse::<PortRange>().is_err());
+    }
+
+    #[test]
+    fn small_range_fills_up_cleanly() {
+        let mut alloc = Allocator::new(
+            "10.96.0.0/29".parse().unwrap(),
+            "30000-30002".parse().unwrap(),
+        );
+        for i in 0..3 {
+            let mut s = svc(json!({"type": "NodePort", "ports": [{"port": 80}]}));
+            s["metadata"]["name"] = json!(format!("s{i}"));
+            prepare_create(&mut s, &mut alloc).unwrap();
+        }
+        let mut full = svc(json!({"type": "NodePort", "ports": [{"port": 80}]}));
+        let errors = prepare_create(&mut full, &mut alloc).unwrap_err();
+        assert_eq!(fields(&errors), vec![("spec.ports", "FieldValueInvalid")]);
+    }
+
+    proptest! {
+        #[test]
+        fn node_ports_stay_unique_and_in_range(count in 1usize..60, ports_per in 1usize..4) {
+            let mut alloc = Allocator::new("10.96.0.0/24".parse().unwrap(), "30000-30200".parse().unwrap());
+            let mut seen = HashSet::new();
+            let mut ips = HashSet::new();
+            for i in 0..count {
+                let ports: Vec<Value> = (0..ports_per).map(|p| json!({"name": format!("p{p}"), "port": 80 + p})).collect();
+                let mut s = svc(json!({"type": "LoadBalancer", "ports": ports}));
+                s["metadata"]["name"] = json!(format!("s{i}"));
+                if prepare_create(&mut s, &mut alloc).is_err() {
+                    break;
+                }
+                for p in s["spec"]["ports"].as_array().unwrap() {
+                    let n = p["nodePort"].as_u64().unwrap();
+                    prop_assert!((30000..=30200).contains(&n));
+                    prop_assert!(seen.insert(n));
+                }
+                prop_assert!(ips.insert(s["spec"]["clusterIP"].as_str().unwrap().to_string()));
+            }
+        }
+    }
+}

@@ -1,0 +1,275 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The real `kubectl` binary against the stand-in: create, get (server-side columns),
+//! patch of the status subresource, get -w streaming, delete.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Service;
+use kube::api::{Api, Patch, PatchParams};
+use serde_json::json;
+use tandem_apiserver::{RunningServer, ServerConfig, spawn};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A scratch directory with the kubeconfig; removed on drop, also when a test panics.
+struct Scratch {
+    dir: PathBuf,
+}
+
+impl Scratch {
+    async fn new(server: &RunningServer, tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("tdm{}-apiserver-{tag}", std::process::id()));
+        tokio::fs::create_dir_all(&dir).await.unwrap();
+        server
+            .write_kubeconfig(&dir.join("kubeconfig"))
+            .await
+            .unwrap();
+        Self { dir }
+    }
+
+    /// kubectl with this kubeconfig and its discovery cache inside the scratch directory
+    /// (not in `$HOME/.kube`).
+    fn kubectl(&self, args: &[&str]) -> Command {
+        let mut command = Command::new("kubectl");
+        command
+            .arg("--kubeconfig")
+            .arg(self.dir.join("kubeconfig"))
+            .arg("--cache-dir")
+            .arg(self.dir.join("cache"))
+            .args(args)
+            .kill_on_drop(true);
+        command
+    }
+
+    /// Runs kubectl to completion; panics with its stderr if it fails.
+    async fn run(&self, args: &[&str]) -> String {
+        let output = tokio::time::timeout(TIMEOUT, self.kubectl(args).output())
+            .await
+            .expect("kubectl timed out")
+            .expect("kubectl is installed");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "kubectl {args:?} failed: {stderr}");
+        assert!(
+            stderr.trim().is_empty(),
+            "kubectl {args:?} complained: {stderr}"
+        );
+        String::from_utf8(output.stdout).unwrap()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+const SERVICE_YAML: &str = "apiVersion: v1
+kind: Service
+metadata:
+  name: web
+  labels:
+    app: web
+spec:
+  type: LoadBalancer
+  selector:
+    app: web
+  ports:
+  - name: http
+    port: 80
+    targetPort: 8080
+  - name: dns
+    port: 53
+    protocol: UDP
+";
+
+fn columns(line: &str) -> Vec<&str> {
+    line.split_whitespace().collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_create_get_patch_watch_delete() {
+    let server = spawn(ServerConfig::default()).await.unwrap();
+    let scratch = Scratch::new(&server, "kubectl").await;
+    let services: Api<Service> = Api::namespaced(server.client().await.unwrap(), "default");
+
+    let manifest = scratch.dir.join("svc.yaml");
+    tokio::fs::write(&manifest, SERVICE_YAML).await.unwrap();
+    let created = scratch
+        .run(&["create", "-f", manifest.to_str().unwrap()])
+        .await;
+    assert_eq!(created.trim(), "service/web created");
+
+    let svc = services.get("web").await.unwrap();
+    let spec = svc.spec.unwrap();
+    let ports = spec.ports.unwrap();
+    let listing = scratch.run(&["get", "svc"]).await;
+    let lines: Vec<&str> = listing.lines().collect();
+    assert_eq!(
+        columns(lines[0]),
+        [
+            "NAME",
+            "TYPE",
+            "CLUSTER-IP",
+            "EXTERNAL-IP",
+            "PORT(S)",
+            "AGE"
+        ]
+    );
+    let row = columns(lines[1]);
+    let port_column = format!(
+        "80:{}/TCP,53:{}/UDP",
+        ports[0].node_port.unwrap(),
+        ports[1].node_port.unwrap()
+    );
+    assert_eq!(
+        row[..5],
+        [
+            "web",
+            "LoadBalancer",
+            spec.cluster_ip.as_deref().unwrap(),
+            "<pending>",
+            port_column.as_str()
+        ]
+    );
+    assert!(row[5].ends_with('s'), "age column {:?}", row[5]);
+
+    let patched = scratch
+        .run(&[
+            "patch",
+            "svc",
+            "web",
+            "--type",
+            "merge",
+            "--subresource",
+            "status",
+            "-p",
+            r#"{"status":{"loadBalancer":{"ingress":[{"ip":"198.51.100.3"}]}}}"#,
+        ])
+        .await;
+    assert_eq!(patched.trim(), "service/web patched");
+    let ingress = services
+        .get("web")
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .load_balancer
+        .unwrap()
+        .ingress
+        .unwrap();
+    assert_eq!(ingress[0].ip.as_deref(), Some("198.51.100.3"));
+    let wide = scratch.run(&["get", "svc", "web", "-o", "wide"]).await;
+    let wide_row = columns(wide.lines().nth(1).unwrap());
+    assert_eq!((wide_row[3], wide_row[6]), ("198.51.100.3", "app=web"));
+
+    // get -w: the initial row, then a row per change, as the change happens.
+    let mut watch = scratch
+        .kubectl(&["get", "svc", "-w"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(watch.stdout.take().unwrap()).lines();
+    let header = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(columns(&header)[0], "NAME");
+    let first = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(first.contains("198.51.100.3"), "{first}");
+    let status = json!({"status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.77"}]}}});
+    services
+        .patch_status("web", &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+    let changed = tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        columns(&changed)[..4],
+        [
+            "web",
+            "LoadBalancer",
+            spec.cluster_ip.as_deref().unwrap(),
+            "198.51.100.77"
+        ]
+    );
+    watch.kill().await.unwrap();
+
+    let deleted = scratch.run(&["delete", "svc", "web"]).await;
+    assert_eq!(deleted.trim(), "service \"web\" deleted");
+    let status = services.get("web").await.unwrap_err();
+    assert!(matches!(status, kube::Error::Api(s) if s.code == 404));
+    let empty = tokio::time::timeout(TIMEOUT, scratch.kubectl(&["get", "svc"]).output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&empty.stderr).trim(),
+        "No resources found in default namespace."
+    );
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_reports_invalid_services_and_reads_nodes() {
+    let server = spawn(ServerConfig::default()).await.unwrap();
+    let scratch = Scratch::new(&server, "invalid").await;
+    let bad = scratch.dir.join("bad.yaml");
+    tokio::fs::write(
+        &bad,
+        SERVICE_YAML.replace(
+            "    targetPort: 8080\n",
+            "    targetPort: 8080\n    nodePort: 99\n",
+        ),
+    )
+    .await
+    .unwrap();
+    let output = tokio::time::timeout(
+        TIMEOUT,
+        scratch
+            .kubectl(&["create", "-f", bad.to_str().unwrap()])
+            .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("is invalid") && stderr.contains("spec.ports[0].nodePort"),
+        "{stderr}"
+    );
+
+    let node = scratch.dir.join("node.json");
+    let body = json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": "node-1", "labels": {"node-role.kubernetes.io/worker": ""}},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}], "nodeInfo": {"kubeletVersion": "v1.34.0"}}
+    });
+    tokio::fs::write(&node, body.to_string()).await.unwrap();
+    scratch.run(&["create", "-f", node.to_str().unwrap()]).await;
+    let nodes = scratch.run(&["get", "nodes"]).await;
+    let lines: Vec<&str> = nodes.lines().collect();
+    assert_eq!(
+        columns(lines[0]),
+        ["NAME", "STATUS", "ROLES", "AGE", "VERSION"]
+    );
+    let row = columns(lines[1]);
+    assert_eq!(
+        (row[0], row[1], row[2], row[4]),
+        ("node-1", "Ready", "worker", "v1.34.0")
+    );
+    server.shutdown().await.unwrap();
+}
