@@ -1,0 +1,217 @@
+//! `tandem-nodeproxy`: flags and wiring; the work is in the library.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use kube::Client;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use prometheus_client::registry::Registry;
+use tandem_nodeproxy::cli::{Cli, ClusterArgs, Command, LogFormat, TraceArgs};
+use tandem_nodeproxy::healthcheck::{self, NodeHealth, ServiceHealthServers};
+use tandem_nodeproxy::metrics::{self, Metrics};
+use tandem_nodeproxy::proxier::{self, Proxier, ProxierConfig};
+use tandem_nodeproxy::sync::Syncer;
+use tandem_nodeproxy::{backend, k8s};
+use tandem_proxy_rules::model::NodeConfig;
+use tandem_proxy_rules::trace::{Entry, Packet, TraceRequest};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    match &cli.command {
+        Some(Command::Trace(args)) => trace(&cli.cluster, args).await,
+        None if cli.proxy.cleanup => cleanup(&cli).await,
+        None => run(cli).await,
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+async fn client(cluster: &ClusterArgs) -> anyhow::Result<Client> {
+    let config = match &cluster.kubeconfig {
+        Some(path) => {
+            let kubeconfig = Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no kubeconfig given and no in-cluster config")?,
+    };
+    Ok(Client::try_from(config)?)
+}
+
+fn node_config(cluster: &ClusterArgs) -> anyhow::Result<NodeConfig> {
+    let Some(node_name) = cluster.node_name.clone() else {
+        bail!("--node-name (or NODE_NAME) is required");
+    };
+    Ok(NodeConfig {
+        node_name,
+        cluster_cidr: cluster.cluster_cidr,
+    })
+}
+
+async fn cleanup(cli: &Cli) -> anyhow::Result<()> {
+    let (backend, reason) = backend::resolve(cli.proxy.iptables_backend).await;
+    tracing::info!(%backend, %reason, "removing all node proxy rules");
+    Syncer::new(backend).cleanup().await?;
+    tracing::info!("cleanup done");
+    Ok(())
+}
+
+async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
+    let node = node_config(cluster)?;
+    let Some(port) = args.port() else {
+        bail!("give the destination port with --dport or --dst IP:PORT");
+    };
+    let client = client(cluster).await?;
+    let shutdown = CancellationToken::new();
+    let dirty = Arc::new(Notify::new());
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry);
+    let (observed, watches) =
+        proxier::watch(client, &node.node_name, dirty, metrics, shutdown.clone());
+    let watching = tokio::spawn(watches);
+    observed.services.wait_until_ready().await?;
+    observed.slices.wait_until_ready().await?;
+    observed.node.wait_until_ready().await?;
+    shutdown.cancel();
+    watching.await?;
+    let conversion = observed.conversion();
+    for skipped in &conversion.skipped {
+        tracing::warn!(%skipped, "invalid value left out of the rules");
+    }
+    let ruleset = tandem_proxy_rules::build(&conversion.state, &node);
+    let local_addrs: Vec<_> = observed
+        .node
+        .state()
+        .iter()
+        .flat_map(|n| k8s::node_addresses(n))
+        .collect();
+    let request = TraceRequest::new(
+        Packet {
+            src: args.src,
+            dst: args.dst.ip,
+            protocol: args.protocol.into(),
+            dst_port: port,
+        },
+        if args.from_node {
+            Entry::Local
+        } else {
+            Entry::FromOutside
+        },
+        local_addrs,
+    );
+    print!("{}", tandem_proxy_rules::trace::trace(&ruleset, &request)?);
+    Ok(())
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let node = node_config(&cli.cluster)?;
+    let client = client(&cli.cluster).await?;
+    let (backend, reason) = backend::resolve(cli.proxy.iptables_backend).await;
+    tracing::info!(%backend, %reason, restore = backend.restore(), "iptables backend chosen");
+
+    let shutdown = CancellationToken::new();
+    tokio::spawn(cancel_on_signal(shutdown.clone()));
+
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry);
+    let sync_period = cli.proxy.sync_period.0;
+    // Healthy while syncs keep succeeding; two periods leave room for one slow sync.
+    let node_health = Arc::new(NodeHealth::new(sync_period * 2));
+
+    let healthz = serve(
+        cli.proxy.healthz_bind_address,
+        healthcheck::healthz_router(Arc::clone(&node_health)),
+        shutdown.clone(),
+    )
+    .await?;
+    let metrics_server = serve(
+        cli.proxy.metrics_bind_address,
+        metrics::router(Arc::new(registry)),
+        shutdown.clone(),
+    )
+    .await?;
+
+    let dirty = Arc::new(Notify::new());
+    let (observed, watches) = proxier::watch(
+        client,
+        &node.node_name,
+        Arc::clone(&dirty),
+        metrics.clone(),
+        shutdown.clone(),
+    );
+    let watching = tokio::spawn(watches);
+    let proxier = Proxier::new(
+        ProxierConfig {
+            node,
+            sync_period,
+            min_sync_period: cli.proxy.min_sync_period.0,
+        },
+        Syncer::new(backend),
+        metrics,
+        node_health,
+        ServiceHealthServers::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), shutdown.clone()),
+    );
+    proxier.run(observed, dirty, shutdown.clone()).await;
+    // The sync loop also ends when the watches die; make everything else stop too.
+    shutdown.cancel();
+    for task in [watching, healthz, metrics_server] {
+        task.await?;
+    }
+    tracing::info!("stopped; iptables rules left in place");
+    Ok(())
+}
+
+async fn serve(
+    address: SocketAddr,
+    app: axum::Router,
+    shutdown: CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .with_context(|| format!("binding {address}"))?;
+    tracing::info!(%address, "serving");
+    Ok(tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await
+        {
+            tracing::error!(%address, %error, "HTTP server failed");
+        }
+    }))
+}
+
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    let mut terminate =
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(signal) => signal,
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM");
+                return;
+            }
+        };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+        () = shutdown.cancelled() => return,
+    }
+    tracing::info!("signal received; shutting down");
+    shutdown.cancel();
+}

@@ -1,0 +1,302 @@
+//! Command-line flags (each with an environment fallback).
+
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use ipnet::Ipv4Net;
+use tandem_proxy_rules::model::Protocol;
+
+use crate::backend::BackendChoice;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "tandem-nodeproxy",
+    version,
+    about = "Node proxy: programs the kube-proxy v1.21 iptables data path for Services"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    #[command(flatten)]
+    pub proxy: ProxyArgs,
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+}
+
+/// How to reach the API server and who this node is (shared by `run` and `trace`).
+#[derive(Debug, Args)]
+pub struct ClusterArgs {
+    /// kubeconfig file; without it the in-cluster config (or the usual defaults) is used.
+    #[arg(long, env = "KUBECONFIG", global = true)]
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name, as in its Node object.
+    #[arg(long, env = "NODE_NAME", global = true)]
+    pub node_name: Option<String>,
+    /// Pod CIDR of the cluster: traffic to cluster IPs from outside it is masqueraded.
+    #[arg(long, env = "CLUSTER_CIDR", global = true)]
+    pub cluster_cidr: Option<Ipv4Net>,
+}
+
+#[derive(Debug, Args)]
+pub struct ProxyArgs {
+    #[arg(long, env = "HEALTHZ_BIND_ADDRESS", default_value = "0.0.0.0:10256")]
+    pub healthz_bind_address: SocketAddr,
+    #[arg(long, env = "METRICS_BIND_ADDRESS", default_value = "127.0.0.1:10249")]
+    pub metrics_bind_address: SocketAddr,
+    /// Periodic full resync (Go duration syntax: 30s, 1m, 500ms).
+    #[arg(long, env = "SYNC_PERIOD", default_value = "30s")]
+    pub sync_period: GoDuration,
+    /// Changes are applied at most this often.
+    #[arg(long, env = "MIN_SYNC_PERIOD", default_value = "1s")]
+    pub min_sync_period: GoDuration,
+    #[arg(long, env = "IPTABLES_BACKEND", value_enum, default_value_t = BackendChoice::Auto)]
+    pub iptables_backend: BackendChoice,
+    /// Remove every rule and chain the node proxy installs, then exit.
+    #[arg(long, env = "CLEANUP")]
+    pub cleanup: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Where a packet goes on this node, traced through the desired ruleset.
+    Trace(TraceArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    #[arg(long, env = "TRACE_SRC")]
+    pub src: Ipv4Addr,
+    /// Destination `IP` (with --dport) or `IP:PORT`.
+    #[arg(long, env = "TRACE_DST")]
+    pub dst: Destination,
+    #[arg(long, env = "TRACE_DPORT")]
+    pub dport: Option<u16>,
+    #[arg(long, alias = "proto", env = "TRACE_PROTOCOL", value_enum, default_value_t = ProtocolArg::Tcp)]
+    pub protocol: ProtocolArg,
+    /// The packet is generated on the node itself (host network) instead of arriving.
+    #[arg(long, env = "TRACE_FROM_NODE")]
+    pub from_node: bool,
+}
+
+impl TraceArgs {
+    /// The destination port from `--dport` or from `--dst IP:PORT`.
+    pub fn port(&self) -> Option<u16> {
+        self.dport.or(self.dst.port)
+    }
+}
+
+/// `IP` or `IP:PORT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Destination {
+    pub ip: Ipv4Addr,
+    pub port: Option<u16>,
+}
+
+impl FromStr for Destination {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.split_once(':') {
+            None => Ok(Self {
+                ip: s.parse().map_err(|e| format!("{s:?}: {e}"))?,
+                port: None,
+            }),
+            Some((ip, port)) => Ok(Self {
+                ip: ip.parse().map_err(|e| format!("{ip:?}: {e}"))?,
+                port: Some(port.parse().map_err(|e| format!("{port:?}: {e}"))?),
+            }),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProtocolArg {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl From<ProtocolArg> for Protocol {
+    fn from(p: ProtocolArg) -> Self {
+        match p {
+            ProtocolArg::Tcp => Protocol::Tcp,
+            ProtocolArg::Udp => Protocol::Udp,
+            ProtocolArg::Sctp => Protocol::Sctp,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// A duration in Go's syntax as kube-proxy's flags take it: `1m30s`, `500ms`, `2h`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GoDuration(pub Duration);
+
+impl FromStr for GoDuration {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut rest = s.trim();
+        if rest == "0" {
+            return Ok(Self(Duration::ZERO));
+        }
+        if rest.is_empty() {
+            return Err("empty duration".into());
+        }
+        let mut total = Duration::ZERO;
+        while !rest.is_empty() {
+            let digits = rest
+                .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+                .ok_or_else(|| format!("{s:?}: missing unit (ms, s, m, h)"))?;
+            let (number, tail) = rest.split_at(digits);
+            let value: f64 = number
+                .parse()
+                .map_err(|_| format!("{s:?}: bad number {number:?}"))?;
+            let unit_len = tail
+                .find(|c: char| c.is_ascii_digit() || c == '.')
+                .unwrap_or(tail.len());
+            let (unit, tail) = tail.split_at(unit_len);
+            let seconds = match unit {
+                "ns" => 1e-9,
+                "us" | "µs" => 1e-6,
+                "ms" => 1e-3,
+                "s" => 1.0,
+                "m" => 60.0,
+                "h" => 3600.0,
+                _ => return Err(format!("{s:?}: unknown unit {unit:?}")),
+            };
+            total +=
+                Duration::try_from_secs_f64(value * seconds).map_err(|e| format!("{s:?}: {e}"))?;
+            rest = tail;
+        }
+        Ok(Self(total))
+    }
+}
+
+impl fmt::Display for GoDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_valid() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn run_flags_parse_with_defaults() {
+        let cli = Cli::try_parse_from([
+            "tandem-nodeproxy",
+            "--kubeconfig",
+            "/tmp/kc",
+            "--node-name",
+            "node-a",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--min-sync-period",
+            "250ms",
+        ])
+        .unwrap();
+        assert!(cli.command.is_none());
+        assert_eq!(cli.cluster.node_name.as_deref(), Some("node-a"));
+        assert_eq!(cli.proxy.sync_period, GoDuration(Duration::from_secs(30)));
+        assert_eq!(
+            cli.proxy.min_sync_period,
+            GoDuration(Duration::from_millis(250))
+        );
+        assert_eq!(
+            cli.proxy.healthz_bind_address,
+            "0.0.0.0:10256".parse().unwrap()
+        );
+        assert_eq!(
+            cli.proxy.metrics_bind_address,
+            "127.0.0.1:10249".parse().unwrap()
+        );
+        assert_eq!(cli.proxy.iptables_backend, BackendChoice::Auto);
+        assert!(!cli.proxy.cleanup);
+    }
+
+    #[test]
+    fn trace_takes_the_port_either_way() {
+        let cli = Cli::try_parse_from([
+            "tandem-nodeproxy",
+            "trace",
+            "--src",
+            "203.0.113.5",
+            "--dst",
+            "198.51.100.20:80",
+            "--proto",
+            "udp",
+        ])
+        .unwrap();
+        let Some(Command::Trace(args)) = cli.command else {
+            panic!("not trace")
+        };
+        assert_eq!(args.port(), Some(80));
+        assert_eq!(args.protocol, ProtocolArg::Udp);
+        let cli = Cli::try_parse_from([
+            "tandem-nodeproxy",
+            "trace",
+            "--src",
+            "203.0.113.5",
+            "--dst",
+            "198.51.100.20",
+            "--dport",
+            "443",
+        ])
+        .unwrap();
+        let Some(Command::Trace(args)) = cli.command else {
+            panic!("not trace")
+        };
+        assert_eq!(
+            (args.dst.ip, args.port(), args.protocol),
+            (Ipv4Addr::new(198, 51, 100, 20), Some(443), ProtocolArg::Tcp)
+        );
+        assert!(
+            Cli::try_parse_from([
+                "tandem-nodeproxy",
+                "trace",
+                "--src",
+                "x",
+                "--dst",
+                "1.2.3.4"
+            ])
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn go_durations_parse() {
+        for (text, expected) in [
+            ("30s", Duration::from_secs(30)),
+            ("1m30s", Duration::from_secs(90)),
+            ("500ms", Duration::from_millis(500)),
+            ("1.5s", Duration::from_millis(1500)),
+            ("2h", Duration::from_secs(7200)),
+            ("0", Duration::ZERO),
+        ] {
+            assert_eq!(
+                text.parse::<GoDuration>(),
+                Ok(GoDuration(expected)),
+                "{text}"
+            );
+        }
+        for bad in ["", "10", "5x", "s", "-1s"] {
+            assert!(bad.parse::<GoDuration>().is_err(), "{bad}");
+        }
+    }
+}

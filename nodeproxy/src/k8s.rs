@@ -1,0 +1,839 @@
+//! Kubernetes objects → [`ProxyState`]: pure conversion, no I/O.
+//!
+//! Bad values (an unparsable CIDR, an IPv6 address, a port out of range) never abort the
+//! conversion: the offending value is left out and reported as a [`Skipped`] entry, so
+//! one bad Service never breaks the rules of the others.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr};
+
+use ipnet::Ipv4Net;
+use k8s_openapi::api::core::v1::{Node, Service, ServicePort as K8sServicePort};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use tandem_proxy_rules::model::{
+    Endpoint, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort, ServicePortName,
+};
+
+/// Label that ties an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// Taint the cluster autoscaler puts on a node it is about to delete (KEP-3836).
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+/// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
+pub const DEFAULT_AFFINITY_TIMEOUT_SECONDS: u32 = 10_800;
+
+/// A value left out of the state, with where it came from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum Skipped {
+    #[error("Service {service}: {field} value {value:?} ignored: {reason}")]
+    ServiceValue {
+        service: String,
+        field: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+    #[error("EndpointSlice {slice}: {field} value {value:?} ignored: {reason}")]
+    SliceValue {
+        slice: String,
+        field: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+}
+
+/// The converted state plus everything that was left out of it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Conversion {
+    pub state: ProxyState,
+    pub skipped: Vec<Skipped>,
+}
+
+/// Build the node proxy's view of the cluster from the Services and EndpointSlices it sees.
+pub fn proxy_state<'a>(
+    services: impl IntoIterator<Item = &'a Service>,
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+) -> Conversion {
+    let mut out = Conversion::default();
+    for service in services {
+        for port in service_ports(service, &mut out.skipped) {
+            out.state.services.insert(port.name.clone(), port);
+        }
+    }
+    let mut endpoints: BTreeMap<ServicePortName, BTreeSet<Endpoint>> = BTreeMap::new();
+    for slice in slices {
+        for (name, endpoint) in slice_endpoints(slice, &mut out.skipped) {
+            if out.state.services.contains_key(&name) {
+                endpoints.entry(name).or_default().insert(endpoint);
+            }
+        }
+    }
+    out.state.endpoints = endpoints
+        .into_iter()
+        .map(|(name, set)| (name, dedup_by_address(set)))
+        .collect();
+    out
+}
+
+/// The same endpoint may sit in two slices while the EndpointSlice controller moves it;
+/// keep one entry per address, preferring the one that is ready and not terminating.
+fn dedup_by_address(set: BTreeSet<Endpoint>) -> Vec<Endpoint> {
+    let mut by_address: BTreeMap<(Ipv4Addr, u16), Endpoint> = BTreeMap::new();
+    for endpoint in set {
+        let key = (endpoint.ip, endpoint.port);
+        let serving = |e: &Endpoint| e.ready && !e.terminating;
+        let better = match by_address.get(&key) {
+            None => true,
+            Some(old) => serving(&endpoint) && !serving(old),
+        };
+        if better {
+            by_address.insert(key, endpoint);
+        }
+    }
+    by_address.into_values().collect()
+}
+
+/// True when the Node is being deleted or drained by the cluster autoscaler: the node's
+/// `/healthz` then answers 503 so load balancers stop sending new connections (KEP-3836).
+pub fn node_is_draining(node: &Node) -> bool {
+    if node.metadata.deletion_timestamp.is_some() {
+        return true;
+    }
+    node.spec
+        .as_ref()
+        .and_then(|spec| spec.taints.as_ref())
+        .is_some_and(|taints| taints.iter().any(|t| t.key == TO_BE_DELETED_TAINT))
+}
+
+/// The node's IPv4 addresses from `status.addresses` (InternalIP and ExternalIP): what
+/// `-m addrtype --dst-type LOCAL` matches on it.
+pub fn node_addresses(node: &Node) -> Vec<Ipv4Addr> {
+    node.status
+        .as_ref()
+        .and_then(|status| status.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|a| matches!(a.type_.as_str(), "InternalIP" | "ExternalIP"))
+        .filter_map(|a| a.address.parse().ok())
+        .collect()
+}
+
+fn service_id(service: &Service) -> (String, String) {
+    (
+        service.metadata.namespace.clone().unwrap_or_default(),
+        service.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
+fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePort> {
+    let (namespace, name) = service_id(service);
+    let id = format!("{namespace}/{name}");
+    let Some(spec) = service.spec.as_ref() else {
+        return Vec::new();
+    };
+    let service_type = spec.type_.as_deref().unwrap_or("ClusterIP");
+    if service_type == "ExternalName" {
+        return Vec::new();
+    }
+    let mut skip = |field: &'static str, value: &str, reason: &'static str| {
+        skipped.push(Skipped::ServiceValue {
+            service: id.clone(),
+            field,
+            value: value.to_owned(),
+            reason,
+        });
+    };
+
+    let Some(cluster_ip) = cluster_ipv4(spec.cluster_ip.as_deref(), spec.cluster_ips.as_deref())
+    else {
+        // Headless, not yet allocated, or IPv6-only: kube-proxy writes nothing for it.
+        if let Some(value) = spec.cluster_ip.as_deref()
+            && !value.is_empty()
+            && value != "None"
+            && value.parse::<IpAddr>().is_err()
+        {
+            skip("spec.clusterIP", value, "not an IP address");
+        }
+        return Vec::new();
+    };
+
+    let is_node_port = matches!(service_type, "NodePort" | "LoadBalancer");
+    let is_load_balancer = service_type == "LoadBalancer";
+
+    let external_ips = spec
+        .external_ips
+        .iter()
+        .flatten()
+        .filter_map(|value| match value.trim().parse::<Ipv4Addr>() {
+            Ok(ip) => Some(ip),
+            Err(_) => {
+                skip("spec.externalIPs", value, "not an IPv4 address");
+                None
+            }
+        })
+        .collect::<Vec<_>>();
+
+    let load_balancer_ingress = if is_load_balancer {
+        service
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|lb| lb.ingress.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|ingress| {
+                // Hostname-only ingress entries have nothing for iptables to match.
+                let value = ingress.ip.as_deref()?;
+                let ip = match value.trim().parse::<Ipv4Addr>() {
+                    Ok(ip) => ip,
+                    Err(_) => {
+                        skip(
+                            "status.loadBalancer.ingress.ip",
+                            value,
+                            "not an IPv4 address",
+                        );
+                        return None;
+                    }
+                };
+                let ip_mode = match ingress.ip_mode.as_deref() {
+                    Some("Proxy") => IpMode::Proxy,
+                    None | Some("VIP") => IpMode::Vip,
+                    Some(other) => {
+                        skip(
+                            "status.loadBalancer.ingress.ipMode",
+                            other,
+                            "unknown mode, using VIP",
+                        );
+                        IpMode::Vip
+                    }
+                };
+                Some(LoadBalancerIngress { ip, ip_mode })
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+
+    let load_balancer_source_ranges = if is_load_balancer {
+        spec.load_balancer_source_ranges
+            .iter()
+            .flatten()
+            .filter_map(|value| match value.trim().parse::<Ipv4Net>() {
+                Ok(net) => Some(net.trunc()),
+                Err(_) => {
+                    skip("spec.loadBalancerSourceRanges", value, "not an IPv4 CIDR");
+                    None
+                }
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+
+    let session_affinity_timeout = match spec.session_affinity.as_deref() {
+        Some("ClientIP") => {
+            let configured = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            Some(match configured {
+                None => DEFAULT_AFFINITY_TIMEOUT_SECONDS,
+                Some(seconds) => match u32::try_from(seconds) {
+                    Ok(seconds) if seconds > 0 => seconds,
+                    _ => {
+                        skip(
+                            "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                            &seconds.to_string(),
+                            "not a positive number, using the default",
+                        );
+                        DEFAULT_AFFINITY_TIMEOUT_SECONDS
+                    }
+                },
+            })
+        }
+        _ => None,
+    };
+
+    let external_traffic_policy_local =
+        is_node_port && spec.external_traffic_policy.as_deref() == Some("Local");
+    let health_check_node_port = if external_traffic_policy_local && is_load_balancer {
+        match spec.health_check_node_port.map(u16::try_from) {
+            None => None,
+            Some(Ok(port)) if port > 0 => Some(port),
+            Some(_) => {
+                skip(
+                    "spec.healthCheckNodePort",
+                    &format!("{:?}", spec.health_check_node_port),
+                    "not a port number",
+                );
+                None
+            }
+        }
+    } else {
+        None
+    };
+
+    let mut ports = Vec::new();
+    for port in spec.ports.iter().flatten() {
+        let port_name = port.name.clone().unwrap_or_default();
+        let Some(protocol) = parse_protocol(port.protocol.as_deref()) else {
+            skip(
+                "spec.ports.protocol",
+                port.protocol.as_deref().unwrap_or_default(),
+                "unknown protocol",
+            );
+            continue;
+        };
+        let Some(service_port) = positive_port(port.port) else {
+            skip(
+                "spec.ports.port",
+                &port.port.to_string(),
+                "not a port number",
+            );
+            continue;
+        };
+        let node_port = node_port(port, is_node_port, &mut skip);
+        ports.push(ServicePort {
+            name: ServicePortName {
+                namespace: namespace.clone(),
+                name: name.clone(),
+                port: port_name,
+            },
+            protocol,
+            cluster_ip: Some(cluster_ip),
+            port: service_port,
+            node_port,
+            external_ips: external_ips.clone(),
+            load_balancer_ingress: load_balancer_ingress.clone(),
+            load_balancer_source_ranges: load_balancer_source_ranges.clone(),
+            session_affinity_timeout,
+            external_traffic_policy_local,
+            health_check_node_port,
+        });
+    }
+    ports
+}
+
+fn node_port(
+    port: &K8sServicePort,
+    is_node_port: bool,
+    skip: &mut impl FnMut(&'static str, &str, &'static str),
+) -> Option<u16> {
+    if !is_node_port {
+        return None;
+    }
+    let value = port.node_port?;
+    let parsed = positive_port(value);
+    if parsed.is_none() {
+        skip(
+            "spec.ports.nodePort",
+            &value.to_string(),
+            "not a port number",
+        );
+    }
+    parsed
+}
+
+/// The Service's IPv4 cluster IP: `clusterIP` when it is IPv4, else the IPv4 entry of
+/// `clusterIPs` (dual-stack Services with IPv6 as primary family).
+fn cluster_ipv4(cluster_ip: Option<&str>, cluster_ips: Option<&[String]>) -> Option<Ipv4Addr> {
+    cluster_ip
+        .into_iter()
+        .chain(cluster_ips.into_iter().flatten().map(String::as_str))
+        .find_map(|value| value.trim().parse::<Ipv4Addr>().ok())
+}
+
+fn parse_protocol(value: Option<&str>) -> Option<Protocol> {
+    match value {
+        None | Some("TCP") => Some(Protocol::Tcp),
+        Some("UDP") => Some(Protocol::Udp),
+        Some("SCTP") => Some(Protocol::Sctp),
+        Some(_) => None,
+    }
+}
+
+fn positive_port(value: i32) -> Option<u16> {
+    u16::try_from(value).ok().filter(|port| *port > 0)
+}
+
+fn slice_endpoints(
+    slice: &EndpointSlice,
+    skipped: &mut Vec<Skipped>,
+) -> Vec<(ServicePortName, Endpoint)> {
+    let namespace = slice.metadata.namespace.clone().unwrap_or_default();
+    let slice_name = slice.metadata.name.clone().unwrap_or_default();
+    let Some(service) = slice
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(SERVICE_NAME_LABEL))
+    else {
+        return Vec::new();
+    };
+    // IPv6 and FQDN slices carry nothing the IPv4 rules can use.
+    if slice.address_type != "IPv4" {
+        return Vec::new();
+    }
+    let id = format!("{namespace}/{slice_name}");
+    let mut skip = |field: &'static str, value: &str, reason: &'static str| {
+        skipped.push(Skipped::SliceValue {
+            slice: id.clone(),
+            field,
+            value: value.to_owned(),
+            reason,
+        });
+    };
+    let mut out = Vec::new();
+    for port in slice.ports.iter().flatten() {
+        let Some(target) = port.port.and_then(positive_port) else {
+            skip(
+                "ports.port",
+                &format!("{:?}", port.port),
+                "not a port number",
+            );
+            continue;
+        };
+        let name = ServicePortName {
+            namespace: namespace.clone(),
+            name: service.clone(),
+            port: port.name.clone().unwrap_or_default(),
+        };
+        for endpoint in &slice.endpoints {
+            // kube-proxy uses the first address; the API allows only one for IPv4 slices.
+            let Some(address) = endpoint.addresses.first() else {
+                continue;
+            };
+            let Ok(ip) = address.trim().parse::<Ipv4Addr>() else {
+                skip("endpoints.addresses", address, "not an IPv4 address");
+                continue;
+            };
+            let conditions = endpoint.conditions.as_ref();
+            out.push((
+                name.clone(),
+                Endpoint {
+                    ip,
+                    port: target,
+                    ready: conditions.and_then(|c| c.ready).unwrap_or(true),
+                    terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
+                    node_name: endpoint.node_name.clone(),
+                },
+            ));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{
+        ClientIPConfig, LoadBalancerIngress as K8sIngress, LoadBalancerStatus, NodeSpec,
+        ServiceSpec, ServiceStatus, SessionAffinityConfig, Taint,
+    };
+    use k8s_openapi::api::discovery::v1::{
+        Endpoint as K8sEndpoint, EndpointConditions, EndpointPort,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+
+    fn meta(namespace: &str, name: &str) -> ObjectMeta {
+        ObjectMeta {
+            namespace: Some(namespace.into()),
+            name: Some(name.into()),
+            ..Default::default()
+        }
+    }
+
+    fn port(
+        name: Option<&str>,
+        protocol: &str,
+        port: i32,
+        node_port: Option<i32>,
+    ) -> K8sServicePort {
+        K8sServicePort {
+            name: name.map(Into::into),
+            protocol: Some(protocol.into()),
+            port,
+            node_port,
+            ..Default::default()
+        }
+    }
+
+    /// The Service of `shared/reference`.
+    fn nginx() -> Service {
+        Service {
+            metadata: meta("default", "nginx-service"),
+            spec: Some(ServiceSpec {
+                type_: Some("LoadBalancer".into()),
+                cluster_ip: Some("10.43.35.197".into()),
+                cluster_ips: Some(vec!["10.43.35.197".into()]),
+                ports: Some(vec![port(Some("http"), "TCP", 80, Some(30166))]),
+                load_balancer_source_ranges: Some(vec!["203.0.113.0/24".into()]),
+                external_traffic_policy: Some("Cluster".into()),
+                session_affinity: Some("None".into()),
+                ..Default::default()
+            }),
+            status: Some(ServiceStatus {
+                load_balancer: Some(LoadBalancerStatus {
+                    ingress: Some(vec![K8sIngress {
+                        ip: Some("198.51.100.20".into()),
+                        ..Default::default()
+                    }]),
+                }),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn endpoint(
+        ip: &str,
+        node: &str,
+        ready: Option<bool>,
+        terminating: Option<bool>,
+    ) -> K8sEndpoint {
+        K8sEndpoint {
+            addresses: vec![ip.into()],
+            conditions: Some(EndpointConditions {
+                ready,
+                serving: ready,
+                terminating,
+            }),
+            node_name: Some(node.into()),
+            ..Default::default()
+        }
+    }
+
+    fn slice(
+        name: &str,
+        service: &str,
+        ports: &[(Option<&str>, i32)],
+        endpoints: Vec<K8sEndpoint>,
+    ) -> EndpointSlice {
+        let mut metadata = meta("default", name);
+        metadata.labels = Some([(SERVICE_NAME_LABEL.to_owned(), service.to_owned())].into());
+        EndpointSlice {
+            metadata,
+            address_type: "IPv4".into(),
+            endpoints,
+            ports: Some(
+                ports
+                    .iter()
+                    .map(|(name, port)| EndpointPort {
+                        name: name.map(Into::into),
+                        port: Some(*port),
+                        protocol: Some("TCP".into()),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+        }
+    }
+
+    fn spn(name: &str, port: &str) -> ServicePortName {
+        ServicePortName {
+            namespace: "default".into(),
+            name: name.into(),
+            port: port.into(),
+        }
+    }
+
+    #[test]
+    fn reference_service_converts_to_the_reference_state() {
+        let services = [nginx()];
+        let slices = [slice(
+            "nginx-abc",
+            "nginx-service",
+            &[(Some("http"), 80)],
+            vec![
+                endpoint("10.244.1.5", "node-a", Some(true), None),
+                endpoint("10.244.2.7", "node-b", None, None),
+            ],
+        )];
+        let out = proxy_state(&services, &slices);
+        assert_eq!(out.skipped, vec![]);
+        let name = spn("nginx-service", "http");
+        let port = &out.state.services[&name];
+        assert_eq!(port.protocol, Protocol::Tcp);
+        assert_eq!(port.cluster_ip, Some(Ipv4Addr::new(10, 43, 35, 197)));
+        assert_eq!(port.port, 80);
+        assert_eq!(port.node_port, Some(30166));
+        assert_eq!(
+            port.load_balancer_ingress,
+            vec![LoadBalancerIngress {
+                ip: Ipv4Addr::new(198, 51, 100, 20),
+                ip_mode: IpMode::Vip
+            }]
+        );
+        assert_eq!(
+            port.load_balancer_source_ranges,
+            vec!["203.0.113.0/24".parse::<Ipv4Net>().unwrap()]
+        );
+        assert_eq!(port.session_affinity_timeout, None);
+        assert!(!port.external_traffic_policy_local);
+        let endpoints = &out.state.endpoints[&name];
+        assert_eq!(endpoints.len(), 2);
+        assert!(
+            endpoints
+                .iter()
+                .all(|e| e.ready && !e.terminating && e.port == 80)
+        );
+        assert_eq!(endpoints[0].node_name.as_deref(), Some("node-a"));
+    }
+
+    #[test]
+    fn bad_values_are_skipped_and_reported_without_losing_the_rest() {
+        let mut service = nginx();
+        let spec = service.spec.as_mut().unwrap();
+        spec.load_balancer_source_ranges = Some(vec![
+            "nonsense".into(),
+            "203.0.113.9/24".into(),
+            "2001:db8::/32".into(),
+        ]);
+        spec.external_ips = Some(vec!["1.2.3.4".into(), "1.2.3".into()]);
+        spec.ports = Some(vec![
+            port(Some("http"), "TCP", 80, Some(30166)),
+            port(Some("bad"), "ICMP", 81, None),
+            port(Some("huge"), "TCP", 70000, None),
+        ]);
+        let out = proxy_state([&service], []);
+        assert_eq!(out.state.services.len(), 1);
+        let port = &out.state.services[&spn("nginx-service", "http")];
+        // Host bits are cleared, as the kernel would store the range.
+        assert_eq!(
+            port.load_balancer_source_ranges,
+            vec!["203.0.113.0/24".parse::<Ipv4Net>().unwrap()]
+        );
+        assert_eq!(port.external_ips, vec![Ipv4Addr::new(1, 2, 3, 4)]);
+        let fields: Vec<_> = out
+            .skipped
+            .iter()
+            .map(|s| match s {
+                Skipped::ServiceValue { field, .. } => *field,
+                Skipped::SliceValue { field, .. } => *field,
+            })
+            .collect();
+        assert_eq!(
+            fields,
+            vec![
+                "spec.externalIPs",
+                "spec.loadBalancerSourceRanges",
+                "spec.loadBalancerSourceRanges",
+                "spec.ports.protocol",
+                "spec.ports.port"
+            ]
+        );
+    }
+
+    #[test]
+    fn headless_external_name_and_ipv6_services_get_no_ports() {
+        let mut headless = nginx();
+        headless.spec.as_mut().unwrap().cluster_ip = Some("None".into());
+        headless.spec.as_mut().unwrap().cluster_ips = Some(vec!["None".into()]);
+        let mut v6 = nginx();
+        v6.metadata.name = Some("v6".into());
+        v6.spec.as_mut().unwrap().cluster_ip = Some("fd00::1".into());
+        v6.spec.as_mut().unwrap().cluster_ips = Some(vec!["fd00::1".into()]);
+        let mut external = nginx();
+        external.metadata.name = Some("ext".into());
+        external.spec.as_mut().unwrap().type_ = Some("ExternalName".into());
+        let out = proxy_state([&headless, &v6, &external], []);
+        assert!(out.state.services.is_empty());
+        assert!(out.skipped.is_empty());
+    }
+
+    #[test]
+    fn dual_stack_with_ipv6_primary_uses_the_ipv4_cluster_ip() {
+        let mut service = nginx();
+        service.spec.as_mut().unwrap().cluster_ip = Some("fd00::1".into());
+        service.spec.as_mut().unwrap().cluster_ips =
+            Some(vec!["fd00::1".into(), "10.43.0.9".into()]);
+        let out = proxy_state([&service], []);
+        assert_eq!(
+            out.state.services[&spn("nginx-service", "http")].cluster_ip,
+            Some(Ipv4Addr::new(10, 43, 0, 9))
+        );
+    }
+
+    #[test]
+    fn session_affinity_timeout_defaults_and_is_read() {
+        let mut service = nginx();
+        service.spec.as_mut().unwrap().session_affinity = Some("ClientIP".into());
+        let out = proxy_state([&service], []);
+        assert_eq!(
+            out.state.services[&spn("nginx-service", "http")].session_affinity_timeout,
+            Some(10_800)
+        );
+        service.spec.as_mut().unwrap().session_affinity_config = Some(SessionAffinityConfig {
+            client_ip: Some(ClientIPConfig {
+                timeout_seconds: Some(60),
+            }),
+        });
+        let out = proxy_state([&service], []);
+        assert_eq!(
+            out.state.services[&spn("nginx-service", "http")].session_affinity_timeout,
+            Some(60)
+        );
+    }
+
+    #[test]
+    fn local_policy_only_for_node_port_and_load_balancer_services() {
+        let mut lb = nginx();
+        lb.spec.as_mut().unwrap().external_traffic_policy = Some("Local".into());
+        lb.spec.as_mut().unwrap().health_check_node_port = Some(32000);
+        let mut cluster_ip = lb.clone();
+        cluster_ip.metadata.name = Some("plain".into());
+        cluster_ip.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
+        let out = proxy_state([&lb, &cluster_ip], []);
+        let lb_port = &out.state.services[&spn("nginx-service", "http")];
+        assert!(lb_port.external_traffic_policy_local);
+        assert_eq!(lb_port.health_check_node_port, Some(32000));
+        let plain = &out.state.services[&spn("plain", "http")];
+        assert!(!plain.external_traffic_policy_local);
+        assert_eq!(plain.health_check_node_port, None);
+        assert_eq!(plain.node_port, None);
+        assert!(plain.load_balancer_ingress.is_empty());
+        assert!(plain.load_balancer_source_ranges.is_empty());
+    }
+
+    #[test]
+    fn proxy_ip_mode_is_read() {
+        let mut service = nginx();
+        service
+            .status
+            .as_mut()
+            .unwrap()
+            .load_balancer
+            .as_mut()
+            .unwrap()
+            .ingress
+            .as_mut()
+            .unwrap()[0]
+            .ip_mode = Some("Proxy".into());
+        let out = proxy_state([&service], []);
+        assert_eq!(
+            out.state.services[&spn("nginx-service", "http")].load_balancer_ingress[0].ip_mode,
+            IpMode::Proxy
+        );
+    }
+
+    #[test]
+    fn endpoints_join_slices_resolve_ports_by_name_and_keep_conditions() {
+        let mut service = nginx();
+        service.spec.as_mut().unwrap().ports = Some(vec![
+            port(Some("http"), "TCP", 80, Some(30166)),
+            port(Some("metrics"), "TCP", 9000, Some(30167)),
+        ]);
+        let slices = [
+            slice(
+                "a",
+                "nginx-service",
+                &[(Some("http"), 8080), (Some("metrics"), 9090)],
+                vec![endpoint("10.244.1.5", "node-a", Some(true), Some(false))],
+            ),
+            slice(
+                "b",
+                "nginx-service",
+                &[(Some("metrics"), 9090), (Some("http"), 8080)],
+                vec![
+                    endpoint("10.244.2.7", "node-b", Some(false), Some(true)),
+                    // Also in slice "a", not ready here: the ready copy wins.
+                    endpoint("10.244.1.5", "node-a", Some(false), Some(false)),
+                ],
+            ),
+            // A slice of another Service and an unlabelled slice contribute nothing here.
+            slice(
+                "c",
+                "other",
+                &[(Some("http"), 1)],
+                vec![endpoint("10.244.3.3", "node-c", None, None)],
+            ),
+        ];
+        let mut unlabelled = slices[0].clone();
+        unlabelled.metadata.labels = None;
+        let out = proxy_state([&service], slices.iter().chain([&unlabelled]));
+        let http = &out.state.endpoints[&spn("nginx-service", "http")];
+        assert_eq!(http.len(), 2);
+        assert_eq!(
+            (http[0].ip, http[0].port, http[0].ready, http[0].terminating),
+            (Ipv4Addr::new(10, 244, 1, 5), 8080, true, false)
+        );
+        assert_eq!(
+            (http[1].ip, http[1].ready, http[1].terminating),
+            (Ipv4Addr::new(10, 244, 2, 7), false, true)
+        );
+        let metrics = &out.state.endpoints[&spn("nginx-service", "metrics")];
+        assert!(metrics.iter().all(|e| e.port == 9090));
+        assert_eq!(out.state.endpoints.len(), 2);
+    }
+
+    #[test]
+    fn unnamed_ports_match_unnamed_slice_ports() {
+        let mut service = nginx();
+        service.spec.as_mut().unwrap().ports = Some(vec![port(None, "UDP", 53, None)]);
+        let mut s = slice(
+            "a",
+            "nginx-service",
+            &[(None, 5353)],
+            vec![endpoint("10.244.1.5", "node-a", None, None)],
+        );
+        s.endpoints.push(K8sEndpoint {
+            addresses: vec!["junk".into()],
+            ..Default::default()
+        });
+        let out = proxy_state([&service], [&s]);
+        let name = spn("nginx-service", "");
+        assert_eq!(out.state.services[&name].protocol, Protocol::Udp);
+        assert_eq!(out.state.endpoints[&name][0].port, 5353);
+        assert_eq!(out.skipped.len(), 1);
+    }
+
+    #[test]
+    fn node_addresses_are_the_ipv4_internal_and_external_ones() {
+        use k8s_openapi::api::core::v1::{NodeAddress, NodeStatus};
+        let address = |type_: &str, address: &str| NodeAddress {
+            type_: type_.into(),
+            address: address.into(),
+        };
+        let node = Node {
+            status: Some(NodeStatus {
+                addresses: Some(vec![
+                    address("InternalIP", "198.18.0.11"),
+                    address("Hostname", "node-a"),
+                    address("ExternalIP", "203.0.113.50"),
+                    address("InternalIP", "fd00::11"),
+                ]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            node_addresses(&node),
+            vec![
+                Ipv4Addr::new(198, 18, 0, 11),
+                Ipv4Addr::new(203, 0, 113, 50)
+            ]
+        );
+    }
+
+    #[test]
+    fn draining_nodes_are_recognised() {
+        let mut node = Node {
+            metadata: meta("", "node-a"),
+            ..Default::default()
+        };
+        assert!(!node_is_draining(&node));
+        node.spec = Some(NodeSpec {
+            taints: Some(vec![Taint {
+                key: TO_BE_DELETED_TAINT.into(),
+                effect: "NoSchedule".into(),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        assert!(node_is_draining(&node));
+        let mut deleted = Node {
+            metadata: meta("", "node-b"),
+            ..Default::default()
+        };
+        deleted.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        assert!(node_is_draining(&deleted));
+    }
+}

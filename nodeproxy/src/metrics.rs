@@ -1,0 +1,203 @@
+//! The node proxy's Prometheus metrics and the `/metrics` router.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use axum::Router;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use tandem_proxy_rules::ruleset::Table;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+pub enum TableLabel {
+    Filter,
+    Nat,
+    Mangle,
+}
+
+impl TableLabel {
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "filter" => Some(TableLabel::Filter),
+            "nat" => Some(TableLabel::Nat),
+            "mangle" => Some(TableLabel::Mangle),
+            _ => None,
+        }
+    }
+}
+
+impl From<Table> for TableLabel {
+    fn from(table: Table) -> Self {
+        match table {
+            Table::Filter => TableLabel::Filter,
+            Table::Nat => TableLabel::Nat,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct TableLabels {
+    pub table: TableLabel,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+pub enum SyncResult {
+    Success,
+    Error,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct SyncLabels {
+    pub result: SyncResult,
+}
+
+/// Everything the node proxy counts. Labels are bounded enums, never object names.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    pub sync_duration: Histogram,
+    pub syncs: Family<SyncLabels, Counter>,
+    pub restore_failures: Family<TableLabels, Counter>,
+    pub rules: Family<TableLabels, Gauge>,
+    pub chains: Family<TableLabels, Gauge>,
+    pub last_sync_timestamp: Gauge<f64, AtomicU64>,
+    pub endpoints_changes: Counter,
+    pub skipped_values: Counter,
+}
+
+impl Metrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self {
+            // 1 ms .. ~65 s
+            sync_duration: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            syncs: Family::default(),
+            restore_failures: Family::default(),
+            rules: Family::default(),
+            chains: Family::default(),
+            last_sync_timestamp: Gauge::default(),
+            endpoints_changes: Counter::default(),
+            skipped_values: Counter::default(),
+        };
+        let registry = registry.sub_registry_with_prefix("tandem_nodeproxy");
+        registry.register(
+            "sync_proxy_rules_duration_seconds",
+            "Duration of one sync of the proxy rules",
+            metrics.sync_duration.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules",
+            "Syncs of the proxy rules by result",
+            metrics.syncs.clone(),
+        );
+        registry.register(
+            "iptables_restore_failures",
+            "iptables-restore runs that failed",
+            metrics.restore_failures.clone(),
+        );
+        registry.register(
+            "iptables_rules",
+            "Rules programmed in our chains",
+            metrics.rules.clone(),
+        );
+        registry.register(
+            "iptables_chains",
+            "Chains programmed",
+            metrics.chains.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules_last_timestamp_seconds",
+            "Unix time of the last successful sync",
+            metrics.last_sync_timestamp.clone(),
+        );
+        registry.register(
+            "endpoints_changes",
+            "EndpointSlice changes seen",
+            metrics.endpoints_changes.clone(),
+        );
+        registry.register(
+            "skipped_values",
+            "Invalid Service or EndpointSlice values left out of the rules",
+            metrics.skipped_values.clone(),
+        );
+        metrics
+    }
+}
+
+/// `GET /metrics` in the OpenMetrics text format.
+pub fn router(registry: Arc<Registry>) -> Router {
+    Router::new().route(
+        "/metrics",
+        get(move || {
+            let registry = Arc::clone(&registry);
+            async move {
+                let mut body = String::new();
+                match prometheus_client::encoding::text::encode(&mut body, &registry) {
+                    Ok(()) => (
+                        StatusCode::OK,
+                        [(
+                            header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        body,
+                    )
+                        .into_response(),
+                    Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                }
+            }
+        }),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    #[tokio::test]
+    async fn metrics_are_served_with_their_names() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        metrics.sync_duration.observe(0.25);
+        metrics
+            .syncs
+            .get_or_create(&SyncLabels {
+                result: SyncResult::Error,
+            })
+            .inc();
+        metrics
+            .rules
+            .get_or_create(&TableLabels {
+                table: Table::Nat.into(),
+            })
+            .set(42);
+        let response = router(Arc::new(registry))
+            .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        let text = String::from_utf8(body.to_vec()).unwrap();
+        assert!(
+            text.contains("tandem_nodeproxy_sync_proxy_rules_duration_seconds_count 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tandem_nodeproxy_sync_proxy_rules_total{result=\"Error\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tandem_nodeproxy_iptables_rules{table=\"Nat\"} 42"),
+            "{text}"
+        );
+    }
+}

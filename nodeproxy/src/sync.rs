@@ -1,0 +1,465 @@
+//! The executor: applies a desired [`Ruleset`] to the kernel with one `iptables-restore` per
+//! changed table, remembering what it applied so the next sync writes only what changed.
+//!
+//! What it applied is forgotten (and the next sync of that table is a full write, see
+//! [`restore::full`]) at start-up, after a restore failure and when a canary chain has
+//! vanished, i.e. someone flushed or deleted our chains.
+
+use std::collections::BTreeMap;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tandem_proxy_rules::ruleset::{BASE_JUMPS, Ruleset, Table, TableRules};
+use tokio::io::AsyncWriteExt;
+use tokio::process::Command;
+
+use crate::backend::Backend;
+use crate::restore::{self, CANARY_CHAIN, Payload, RestoreMode, TableInspection};
+
+/// Seconds `iptables*` wait for the xtables lock (legacy) before failing.
+const LOCK_WAIT_SECONDS: &str = "5";
+/// Payload lines logged on each side of the line a failing restore names.
+const CONTEXT_RADIUS: usize = 3;
+/// The tables the ruleset covers, in the order they are written.
+pub const TABLES: [Table; 2] = [Table::Filter, Table::Nat];
+/// Tables that get a canary chain.
+const CANARY_TABLES: [&str; 3] = ["mangle", "nat", "filter"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("cannot run {program}: {source}")]
+    Spawn {
+        program: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{program} for table {table} failed ({status}): {stderr}{}", context.as_deref().map(|c| format!("\n{c}")).unwrap_or_default())]
+    Restore {
+        program: &'static str,
+        table: String,
+        status: std::process::ExitStatus,
+        stderr: String,
+        /// Payload lines around the line the error names.
+        context: Option<String>,
+    },
+    #[error("{program} {args} failed ({status}): {stderr}")]
+    Command {
+        program: &'static str,
+        args: String,
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+}
+
+/// What one table's restore did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableSync {
+    pub table: Table,
+    pub mode: RestoreMode,
+    /// True for a full write (state was unknown), false for an incremental one.
+    pub full: bool,
+    pub written_chains: usize,
+    pub deleted_chains: usize,
+    pub rules: usize,
+    pub elapsed: Duration,
+    /// The exact payload, kept for tests and debug logs.
+    pub payload: String,
+}
+
+/// Applies rulesets; owns the memory of what is in the kernel.
+#[derive(Debug)]
+pub struct Syncer {
+    backend: Backend,
+    /// What is in the kernel per table, or `None` when unknown.
+    applied: BTreeMap<Table, TableRules>,
+}
+
+impl Syncer {
+    /// A syncer that knows nothing about the kernel yet: its first sync is a full write.
+    pub fn new(backend: Backend) -> Self {
+        Self {
+            backend,
+            applied: BTreeMap::new(),
+        }
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Forget what is applied: the next sync writes every table in full.
+    pub fn forget(&mut self) {
+        self.applied.clear();
+    }
+
+    /// Bring the kernel to `desired`. Tables whose restore fails are forgotten (full write
+    /// next time); the others stay synced. Returns what was written.
+    pub async fn sync(&mut self, desired: &Ruleset) -> Result<Vec<TableSync>, SyncError> {
+        let mut done = Vec::new();
+        let mut first_error = None;
+        for table in TABLES {
+            let wanted = desired.table(table);
+            match self.sync_table(table, wanted).await {
+                Ok(Some(report)) => {
+                    // Cloned only when something changed; an idle sync copies nothing.
+                    self.applied.insert(table, wanted.clone());
+                    done.push(report);
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    self.applied.remove(&table);
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        match first_error {
+            Some(error) => Err(error),
+            None => Ok(done),
+        }
+    }
+
+    async fn sync_table(
+        &self,
+        table: Table,
+        wanted: &TableRules,
+    ) -> Result<Option<TableSync>, SyncError> {
+        let name = table.as_str();
+        let started = Instant::now();
+        let (payload, full) = match self.applied.get(&table) {
+            // The canary is written by full writes only, so incremental diffs ignore it.
+            Some(applied) => match restore::incremental(name, applied, wanted) {
+                Some(payload) => (payload, false),
+                None => return Ok(None),
+            },
+            None => {
+                let inspection = self.inspect(name).await?;
+                if table == Table::Filter {
+                    // The mangle canary goes in with the first full write.
+                    self.restore_noflush_text("mangle", &canary_payload("mangle"))
+                        .await?;
+                }
+                let mut with_canary = wanted.clone();
+                with_canary
+                    .chains
+                    .entry(CANARY_CHAIN.to_owned())
+                    .or_default();
+                (restore::full(name, &inspection, &with_canary), true)
+            }
+        };
+        self.restore(name, &payload).await?;
+        if payload.mode == RestoreMode::NoFlush && full {
+            self.ensure_base_jumps(table).await?;
+        }
+        Ok(Some(TableSync {
+            table,
+            mode: payload.mode,
+            full,
+            written_chains: payload.written_chains,
+            deleted_chains: payload.deleted_chains,
+            rules: payload.rules,
+            elapsed: started.elapsed(),
+            payload: payload.text,
+        }))
+    }
+
+    /// True when every canary chain is still there. When one is missing, everything is
+    /// forgotten so the next sync rewrites all tables, as kube-proxy does after a flush.
+    pub async fn canaries_present(&mut self) -> Result<bool, SyncError> {
+        for table in CANARY_TABLES {
+            let status = Command::new(self.backend.iptables())
+                .args(["-w", LOCK_WAIT_SECONDS, "-t", table, "-S", CANARY_CHAIN])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .await
+                .map_err(|source| SyncError::Spawn {
+                    program: self.backend.iptables(),
+                    source,
+                })?;
+            if !status.success() {
+                tracing::warn!(
+                    table,
+                    "canary chain gone: someone flushed iptables; rewriting all rules"
+                );
+                self.forget();
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// What is in a table, only for full writes and cleanup (never on the hot path).
+    ///
+    /// `iptables-nft-save` of a big table is slow (10-30 s at 2,700 Services, it decodes
+    /// every rule), so on nf_tables the chain names come from `nft list chains ip` (~0.3 s,
+    /// no rules) and the built-in chains' rules from `iptables-nft -S CHAIN` (~15 ms each:
+    /// it fetches only that chain). Without the `nft` CLI, and on legacy (where the save
+    /// is ~1 s), `iptables-save -t TABLE` is used.
+    async fn inspect(&self, table: &str) -> Result<TableInspection, SyncError> {
+        if self.backend == Backend::Nft {
+            match self.run("nft", &["list", "chains", "ip"], None).await {
+                Ok(listing) => return self.inspect_nft(table, &listing).await,
+                Err(error) => {
+                    tracing::debug!(%error, "nft CLI unavailable; inspecting with iptables-nft-save");
+                }
+            }
+        }
+        let output = self.run(self.backend.save(), &["-t", table], None).await?;
+        Ok(restore::parse_save(&output, table))
+    }
+
+    async fn inspect_nft(&self, table: &str, listing: &str) -> Result<TableInspection, SyncError> {
+        let chains = restore::parse_nft_chains(listing, table);
+        let mut save = format!("*{table}\n");
+        for builtin in restore::builtin_chains(table) {
+            if !chains.contains(*builtin) {
+                continue;
+            }
+            let rules = self
+                .run(
+                    self.backend.iptables(),
+                    &["-w", LOCK_WAIT_SECONDS, "-t", table, "-S", builtin],
+                    None,
+                )
+                .await?;
+            save.push_str(&restore::chain_listing_as_save(&rules));
+        }
+        for chain in chains
+            .iter()
+            .filter(|c| !restore::builtin_chains(table).contains(&c.as_str()))
+        {
+            save.push_str(&format!(":{chain} - [0:0]\n"));
+        }
+        Ok(restore::parse_save(&save, table))
+    }
+
+    async fn restore(&self, table: &str, payload: &Payload) -> Result<(), SyncError> {
+        let mut args = vec!["-w", LOCK_WAIT_SECONDS];
+        if payload.mode == RestoreMode::NoFlush {
+            args.push("--noflush");
+        }
+        let program = self.backend.restore();
+        let output = spawn_with_stdin(program, &args, Some(&payload.text)).await?;
+        if output.status.success() {
+            return Ok(());
+        }
+        let stderr = String::from_utf8_lossy(&output.stderr).trim().to_owned();
+        let context = restore::failing_line(&stderr)
+            .map(|line| restore::context_lines(&payload.text, line, CONTEXT_RADIUS));
+        Err(SyncError::Restore {
+            program,
+            table: table.to_owned(),
+            status: output.status,
+            stderr,
+            context,
+        })
+    }
+
+    async fn restore_noflush_text(&self, table: &str, text: &str) -> Result<(), SyncError> {
+        let payload = Payload {
+            mode: RestoreMode::NoFlush,
+            text: text.to_owned(),
+            written_chains: 0,
+            deleted_chains: 0,
+            rules: 0,
+        };
+        self.restore(table, &payload).await
+    }
+
+    /// Make sure the base jumps of `table` exist (`-C`, else `-I` at the top). Prepending
+    /// in reverse keeps [`BASE_JUMPS`] order in a chain that had none of them.
+    async fn ensure_base_jumps(&self, table: Table) -> Result<(), SyncError> {
+        for jump in BASE_JUMPS.iter().rev().filter(|j| j.table == table) {
+            let rule = split_rule(jump.rule);
+            let mut check = vec![
+                "-w",
+                LOCK_WAIT_SECONDS,
+                "-t",
+                table.as_str(),
+                "-C",
+                jump.builtin_chain,
+            ];
+            check.extend(rule.iter().map(String::as_str));
+            let output = spawn_with_stdin(self.backend.iptables(), &check, None).await?;
+            if output.status.success() {
+                continue;
+            }
+            let mut insert = vec![
+                "-w",
+                LOCK_WAIT_SECONDS,
+                "-t",
+                table.as_str(),
+                "-I",
+                jump.builtin_chain,
+                "1",
+            ];
+            insert.extend(rule.iter().map(String::as_str));
+            self.run(self.backend.iptables(), &insert, None).await?;
+        }
+        Ok(())
+    }
+
+    /// `--cleanup`: remove the base jumps and every chain the node proxy owns from mangle,
+    /// nat and filter, leaving everything else alone. Idempotent.
+    pub async fn cleanup(&mut self) -> Result<(), SyncError> {
+        self.forget();
+        for jump in BASE_JUMPS {
+            let rule = split_rule(jump.rule);
+            let mut delete = vec![
+                "-w",
+                LOCK_WAIT_SECONDS,
+                "-t",
+                jump.table.as_str(),
+                "-D",
+                jump.builtin_chain,
+            ];
+            delete.extend(rule.iter().map(String::as_str));
+            // Delete every copy; the loop ends when the rule is not found.
+            while spawn_with_stdin(self.backend.iptables(), &delete, None)
+                .await?
+                .status
+                .success()
+            {}
+        }
+        for table in CANARY_TABLES {
+            let inspection = self.inspect(table).await?;
+            if let Some(text) = restore::cleanup(table, &inspection) {
+                self.restore_noflush_text(table, &text).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn run(
+        &self,
+        program: &'static str,
+        args: &[&str],
+        stdin: Option<&str>,
+    ) -> Result<String, SyncError> {
+        let output = spawn_with_stdin(program, args, stdin).await?;
+        if output.status.success() {
+            return Ok(String::from_utf8_lossy(&output.stdout).into_owned());
+        }
+        Err(SyncError::Command {
+            program,
+            args: args.join(" "),
+            status: output.status,
+            stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+        })
+    }
+}
+
+fn canary_payload(table: &str) -> String {
+    format!("*{table}\n:{CANARY_CHAIN} - [0:0]\nCOMMIT\n")
+}
+
+async fn spawn_with_stdin(
+    program: &'static str,
+    args: &[&str],
+    stdin: Option<&str>,
+) -> Result<std::process::Output, SyncError> {
+    let spawn_error = |source| SyncError::Spawn { program, source };
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(spawn_error)?;
+    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        // A restore that dies early closes its stdin; its exit status tells why.
+        if let Err(error) = pipe.write_all(text.as_bytes()).await {
+            tracing::debug!(program, %error, "writing restore input");
+        }
+        drop(pipe);
+    }
+    child.wait_with_output().await.map_err(spawn_error)
+}
+
+/// Split a rule text into arguments the way a shell would for the quoting `iptables-save`
+/// uses (double quotes around comments, backslash escapes inside them).
+pub fn split_rule(rule: &str) -> Vec<String> {
+    let mut args = Vec::new();
+    let mut current = String::new();
+    let mut in_quotes = false;
+    let mut has_token = false;
+    let mut chars = rule.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => {
+                in_quotes = !in_quotes;
+                has_token = true;
+            }
+            '\\' if in_quotes => {
+                if let Some(next) = chars.next() {
+                    current.push(next);
+                }
+            }
+            c if c.is_whitespace() && !in_quotes => {
+                if has_token {
+                    args.push(std::mem::take(&mut current));
+                    has_token = false;
+                }
+            }
+            c => {
+                current.push(c);
+                has_token = true;
+            }
+        }
+    }
+    if has_token {
+        args.push(current);
+    }
+    args
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_split_like_a_shell() {
+        assert_eq!(
+            split_rule(
+                r#"-m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#
+            ),
+            vec![
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "NEW",
+                "-m",
+                "comment",
+                "--comment",
+                "kubernetes service portals",
+                "-j",
+                "KUBE-SERVICES"
+            ]
+        );
+        assert_eq!(
+            split_rule("  -j   KUBE-FIREWALL "),
+            vec!["-j", "KUBE-FIREWALL"]
+        );
+        assert_eq!(
+            split_rule(r#"--comment "" -j X"#),
+            vec!["--comment", "", "-j", "X"]
+        );
+        assert_eq!(
+            split_rule(r#"--comment "a \"b\"""#),
+            vec!["--comment", "a \"b\""]
+        );
+    }
+
+    #[test]
+    fn canary_payload_declares_only_the_canary() {
+        assert_eq!(
+            canary_payload("mangle"),
+            "*mangle\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n"
+        );
+    }
+}

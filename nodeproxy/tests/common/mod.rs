@@ -1,0 +1,195 @@
+//! Fresh network namespaces for kernel tests (root only), and helpers to read iptables in
+//! them. Each test body runs on its own thread that has entered the namespace, so every
+//! process it spawns (iptables, conntrack) acts inside the namespace only.
+
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::net::Ipv4Addr;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use nix::sched::{CloneFlags, setns};
+use tandem_nodeproxy::backend::Backend;
+use tandem_proxy_rules::model::{
+    Endpoint, IpMode, LoadBalancerIngress, NodeConfig, Protocol, ProxyState, ServicePort,
+    ServicePortName,
+};
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// A network namespace named `tdm<pid>-<n>`, deleted on drop (also when a test panics).
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn new() -> Self {
+        let name = format!(
+            "tdm{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::SeqCst)
+        );
+        let status = Command::new("ip")
+            .args(["netns", "add", &name])
+            .status()
+            .unwrap();
+        assert!(status.success(), "ip netns add {name}");
+        Self { name }
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+/// The backends whose binaries exist on this machine.
+pub fn backends() -> Vec<Backend> {
+    [Backend::Nft, Backend::Legacy]
+        .into_iter()
+        .filter(|b| Command::new(b.iptables()).arg("--version").output().is_ok())
+        .collect()
+}
+
+/// True when running as root (kernel tests are skipped otherwise, with a message).
+pub fn is_root() -> bool {
+    nix::unistd::Uid::effective().is_root()
+}
+
+/// Run `body` on a new thread inside a fresh namespace with a current-thread tokio
+/// runtime; the namespace is deleted afterwards, a panic in `body` fails the caller.
+pub fn in_fresh_netns<F, Fut>(body: F)
+where
+    F: FnOnce(String) -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    let netns = Netns::new();
+    let name = netns.name.clone();
+    let joined = std::thread::spawn(move || {
+        let file = File::open(format!("/run/netns/{name}")).unwrap();
+        setns(&file, CloneFlags::CLONE_NEWNET).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(body(name));
+    })
+    .join();
+    drop(netns);
+    if let Err(panic) = joined {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// Run an iptables-family command in the current namespace; panics on failure.
+pub fn run(program: &str, args: &[&str]) -> String {
+    let output = Command::new(program).args(args).output().unwrap();
+    assert!(
+        output.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// `iptables-save -t TABLE` without comments and counters, so two kernels' outputs compare.
+pub fn save(backend: Backend, table: &str) -> String {
+    normalize(&run(backend.save(), &["-t", table]))
+}
+
+pub fn normalize(save: &str) -> String {
+    save.lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| match (l.starts_with(':'), l.rfind(" [")) {
+            (true, Some(i)) => &l[..i],
+            _ => l,
+        })
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// Lines of a save output that mention a chain.
+pub fn lines_with(save: &str, needle: &str) -> Vec<String> {
+    save.lines()
+        .filter(|l| l.contains(needle))
+        .map(str::to_owned)
+        .collect()
+}
+
+pub fn node() -> NodeConfig {
+    NodeConfig {
+        node_name: "node-a".into(),
+        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
+    }
+}
+
+pub fn spn(namespace: &str, name: &str, port: &str) -> ServicePortName {
+    ServicePortName {
+        namespace: namespace.into(),
+        name: name.into(),
+        port: port.into(),
+    }
+}
+
+pub fn endpoint(ip: [u8; 4], port: u16, node: &str) -> Endpoint {
+    Endpoint {
+        ip: Ipv4Addr::from(ip),
+        port,
+        ready: true,
+        terminating: false,
+        node_name: Some(node.into()),
+    }
+}
+
+/// The API state of `shared/reference`: default/kubernetes without endpoints and the
+/// nginx LoadBalancer Service with source ranges and the given endpoints.
+pub fn reference_state(endpoints: Vec<Endpoint>) -> ProxyState {
+    let kubernetes = ServicePort {
+        name: spn("default", "kubernetes", "https"),
+        protocol: Protocol::Tcp,
+        cluster_ip: Some(Ipv4Addr::new(10, 43, 0, 1)),
+        port: 443,
+        node_port: None,
+        external_ips: vec![],
+        load_balancer_ingress: vec![],
+        load_balancer_source_ranges: vec![],
+        session_affinity_timeout: None,
+        external_traffic_policy_local: false,
+        health_check_node_port: None,
+    };
+    let nginx = ServicePort {
+        name: spn("default", "nginx-service", "http"),
+        protocol: Protocol::Tcp,
+        cluster_ip: Some(Ipv4Addr::new(10, 43, 35, 197)),
+        port: 80,
+        node_port: Some(30166),
+        external_ips: vec![],
+        load_balancer_ingress: vec![LoadBalancerIngress {
+            ip: Ipv4Addr::new(198, 51, 100, 20),
+            ip_mode: IpMode::Vip,
+        }],
+        load_balancer_source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
+        session_affinity_timeout: None,
+        external_traffic_policy_local: false,
+        health_check_node_port: None,
+    };
+    ProxyState {
+        services: [
+            (kubernetes.name.clone(), kubernetes),
+            (nginx.name.clone(), nginx.clone()),
+        ]
+        .into(),
+        endpoints: [(nginx.name, endpoints)].into(),
+    }
+}
+
+pub fn reference_endpoints() -> Vec<Endpoint> {
+    vec![
+        endpoint([10, 244, 1, 5], 80, "node-a"),
+        endpoint([10, 244, 2, 7], 80, "node-b"),
+    ]
+}
