@@ -1,0 +1,196 @@
+//! Command-line flags (each with an environment fallback) and their translation into
+//! [`crate::runtime::Settings`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+use crate::provider::ClusterId;
+use crate::runtime::{LeaderElection, Settings};
+use crate::spec::ClassFilter;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Json,
+    Text,
+}
+
+/// Provisions cloud load balancers for Kubernetes Services of type LoadBalancer.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "tandem-controller", version)]
+pub struct Args {
+    /// Kubeconfig file; the in-cluster config is used when absent.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Base URL of the cloud API.
+    #[arg(long, env = "TANDEM_CLOUD_URL")]
+    pub cloud_url: String,
+    /// File holding the cloud API bearer token.
+    #[arg(long, env = "TANDEM_CLOUD_TOKEN_FILE")]
+    pub cloud_token_file: PathBuf,
+    /// This cluster's id, written as a tag on every LB (1-24 chars of [a-z0-9-]).
+    #[arg(long, env = "TANDEM_CLUSTER_ID")]
+    pub cluster_id: ClusterId,
+    /// The spec.loadBalancerClass this controller implements.
+    #[arg(
+        long,
+        env = "TANDEM_LOAD_BALANCER_CLASS",
+        default_value = "tandem.io/mockcloud"
+    )]
+    pub load_balancer_class: String,
+    /// Also manage Services that set no loadBalancerClass.
+    #[arg(long, env = "TANDEM_CLAIM_UNCLASSED", default_value_t = true, action = clap::ArgAction::Set)]
+    pub claim_unclassed: bool,
+    /// Run only while holding the leader Lease.
+    #[arg(long, env = "TANDEM_LEADER_ELECT")]
+    pub leader_elect: bool,
+    #[arg(
+        long,
+        env = "TANDEM_LEADER_ELECT_NAMESPACE",
+        default_value = "kube-system"
+    )]
+    pub leader_elect_namespace: String,
+    #[arg(
+        long,
+        env = "TANDEM_LEADER_ELECT_LEASE_NAME",
+        default_value = "tandem-controller"
+    )]
+    pub leader_elect_lease_name: String,
+    /// Seconds a lease stays valid without renewal (the hand-over bound).
+    #[arg(long, env = "TANDEM_LEADER_ELECT_LEASE_DURATION", default_value_t = 15)]
+    pub leader_elect_lease_duration: u64,
+    /// Identity in the Lease and in Events; defaults to the host name.
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    #[arg(
+        long,
+        env = "TANDEM_METRICS_BIND_ADDRESS",
+        default_value = "0.0.0.0:8080"
+    )]
+    pub metrics_bind_address: SocketAddr,
+    #[arg(
+        long,
+        env = "TANDEM_HEALTH_BIND_ADDRESS",
+        default_value = "0.0.0.0:8081"
+    )]
+    pub health_bind_address: SocketAddr,
+    /// Services reconciled at once, and LBs updated at once on node changes.
+    #[arg(long, env = "TANDEM_CONCURRENCY", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    pub concurrency: u16,
+    /// Seconds between re-checks of every LB (drift repair).
+    #[arg(long, env = "TANDEM_RESYNC_SECONDS", default_value_t = 300)]
+    pub resync_seconds: u64,
+    /// Seconds between orphan collections.
+    #[arg(long, env = "TANDEM_GC_SECONDS", default_value_t = 300)]
+    pub gc_seconds: u64,
+    /// Milliseconds of quiet after node changes before LBs are updated.
+    #[arg(long, env = "TANDEM_NODE_DEBOUNCE_MS", default_value_t = 1000)]
+    pub node_debounce_ms: u64,
+    /// Cloud API calls per second (shared by all work), and the burst above it.
+    #[arg(long, env = "TANDEM_CLOUD_RATE", default_value_t = 20.0)]
+    pub cloud_rate: f64,
+    #[arg(long, env = "TANDEM_CLOUD_BURST", default_value_t = 40)]
+    pub cloud_burst: u32,
+    /// Seconds one cloud HTTP attempt may take.
+    #[arg(long, env = "TANDEM_CLOUD_TIMEOUT_SECONDS", default_value_t = 10)]
+    pub cloud_timeout_seconds: u64,
+    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+impl Args {
+    pub fn identity(&self) -> String {
+        self.identity
+            .clone()
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| format!("tandem-controller-{}", std::process::id()))
+    }
+
+    pub fn settings(&self, cloud_token: String) -> Settings {
+        let identity = self.identity();
+        Settings {
+            cluster_id: self.cluster_id.clone(),
+            classes: ClassFilter {
+                class: self.load_balancer_class.clone(),
+                claim_unclassed: self.claim_unclassed,
+            },
+            cloud_url: self.cloud_url.clone(),
+            cloud_token,
+            cloud_timeout: Duration::from_secs(self.cloud_timeout_seconds.max(1)),
+            cloud_rate_per_second: self.cloud_rate,
+            cloud_burst: self.cloud_burst,
+            leader_election: self.leader_elect.then(|| LeaderElection {
+                namespace: self.leader_elect_namespace.clone(),
+                lease_name: self.leader_elect_lease_name.clone(),
+                identity: identity.clone(),
+                lease_duration: Duration::from_secs(self.leader_elect_lease_duration),
+            }),
+            metrics_addr: self.metrics_bind_address,
+            health_addr: self.health_bind_address,
+            concurrency: self.concurrency,
+            resync: Duration::from_secs(self.resync_seconds.max(1)),
+            gc_period: Duration::from_secs(self.gc_seconds.max(1)),
+            node_debounce: Duration::from_millis(self.node_debounce_ms),
+            identity,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_valid() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn flags_parse_into_settings() {
+        let args = Args::try_parse_from([
+            "tandem-controller",
+            "--kubeconfig",
+            "/tmp/kc",
+            "--cloud-url",
+            "http://127.0.0.1:1",
+            "--cloud-token-file",
+            "/tmp/t",
+            "--cluster-id",
+            "lab",
+            "--leader-elect",
+            "--identity",
+            "a",
+            "--concurrency",
+            "3",
+            "--log-format",
+            "json",
+        ])
+        .unwrap();
+        let settings = args.settings("tok".into());
+        assert_eq!(settings.cluster_id.as_str(), "lab");
+        assert_eq!(settings.concurrency, 3);
+        assert_eq!(settings.leader_election.unwrap().identity, "a");
+        assert!(settings.classes.claim_unclassed);
+        assert_eq!(args.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn bad_values_are_rejected() {
+        let base = [
+            "tandem-controller",
+            "--cloud-url",
+            "http://x",
+            "--cloud-token-file",
+            "/t",
+        ];
+        let with =
+            |extra: &[&str]| Args::try_parse_from(base.iter().chain(extra.iter()).copied()).is_ok();
+        assert!(with(&["--cluster-id", "ok"]));
+        assert!(!with(&["--cluster-id", "Not_OK"]));
+        assert!(!with(&["--cluster-id", "ok", "--concurrency", "0"]));
+    }
+}

@@ -1,0 +1,162 @@
+//! Orphan collection: LBs tagged with our cluster id whose Service no longer wants one.
+//! LBs of other clusters are never listed, let alone deleted.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Service;
+use kube::ResourceExt;
+use kube::runtime::reflector::Store;
+use tokio_util::sync::CancellationToken;
+
+use crate::provider::{
+    LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
+};
+use crate::reconcile::Context;
+use crate::spec::{ClassFilter, is_load_balancer};
+
+/// UIDs of Services that may own an LB: ours and of type LoadBalancer (including those
+/// being deleted, whose cleanup is the reconciler's job).
+pub fn live_owner_uids(services: &[Arc<Service>], classes: &ClassFilter) -> BTreeSet<String> {
+    services
+        .iter()
+        .filter(|s| classes.class_is_ours(s) && is_load_balancer(s))
+        .filter_map(|s| s.uid())
+        .collect()
+}
+
+/// The LBs to delete: owned by this cluster, and their Service is gone.
+pub fn orphans<'a>(
+    lbs: &'a [ObservedLoadBalancer],
+    live: &BTreeSet<String>,
+) -> Vec<&'a ObservedLoadBalancer> {
+    lbs.iter()
+        .filter(|lb| lb.owner.as_ref().is_some_and(|o| !live.contains(&o.uid)))
+        .collect()
+}
+
+async fn collect_once<P: LoadBalancerProvider>(
+    ctx: &Context<P>,
+    services: &Store<Service>,
+) -> Result<usize, ProviderError> {
+    let lbs = ctx.provider.list_owned(&ctx.cluster_id).await?;
+    // Read the store after listing: a Service created meanwhile is then already visible.
+    let live = live_owner_uids(&services.state(), &ctx.classes);
+    tracing::debug!(owned = lbs.len(), live = live.len(), "orphan collection");
+    let mut collected = 0;
+    for lb in orphans(&lbs, &live) {
+        let Some(owner) = lb.owner.clone() else {
+            continue;
+        };
+        if owner.cluster_id != ctx.cluster_id {
+            continue;
+        }
+        tracing::info!(id = %lb.id, service = %owner.display_name(), "deleting orphaned load balancer");
+        ctx.provider
+            .delete(&LoadBalancerLookup {
+                known_id: Some(lb.id.clone()),
+                owner,
+            })
+            .await?;
+        ctx.metrics.orphans_collected.inc();
+        collected += 1;
+    }
+    Ok(collected)
+}
+
+/// Waits until the store holds a complete list. `Store::wait_until_ready` wakes only the
+/// most recent of several concurrent waiters (the controller waits on the same store), so
+/// poll it again now and then; the readiness it memoizes is seen by the next poll.
+pub async fn wait_ready<K>(store: &Store<K>) -> bool
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    loop {
+        if let Ok(ready) =
+            tokio::time::timeout(Duration::from_millis(250), store.wait_until_ready()).await
+        {
+            return ready.is_ok();
+        }
+    }
+}
+
+/// Collects orphans every `period` until `cancel`; the store must be ready first, or every
+/// LB would look orphaned.
+pub async fn run<P: LoadBalancerProvider>(
+    ctx: Arc<Context<P>>,
+    services: Store<Service>,
+    period: Duration,
+    cancel: CancellationToken,
+) {
+    tokio::select! {
+        _ = cancel.cancelled() => return,
+        ready = wait_ready(&services) => if !ready { return },
+    }
+    tracing::debug!(?period, "orphan collection started");
+    let mut ticker = tokio::time::interval(period);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = ticker.tick() => {
+                match collect_once(&ctx, &services).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(collected = n, "orphan collection done"),
+                    Err(error) => tracing::warn!(%error, "orphan collection failed; retrying next period"),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::{LoadBalancerMode, LoadBalancerPhase, Owner};
+    use crate::spec::tests::service;
+
+    fn lb(uid: &str) -> ObservedLoadBalancer {
+        ObservedLoadBalancer {
+            id: format!("lb-{uid}"),
+            name: uid.into(),
+            owner: Some(Owner {
+                cluster_id: "c".parse().unwrap(),
+                namespace: "default".into(),
+                name: uid.into(),
+                uid: uid.into(),
+            }),
+            phase: LoadBalancerPhase::Active,
+            vip: None,
+            mode: LoadBalancerMode::Proxy,
+            listeners: vec![],
+            backends: Default::default(),
+            source_ranges: vec![],
+        }
+    }
+
+    #[test]
+    fn orphans_are_lbs_without_a_live_service() {
+        let classes = ClassFilter {
+            class: "x".into(),
+            claim_unclassed: true,
+        };
+        let mut cluster_ip = service("b");
+        cluster_ip.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
+        let mut other_class = service("c");
+        other_class.spec.as_mut().unwrap().load_balancer_class = Some("y".into());
+        let services = vec![
+            Arc::new(service("a")),
+            Arc::new(cluster_ip),
+            Arc::new(other_class),
+        ];
+        let live = live_owner_uids(&services, &classes);
+        assert_eq!(live, BTreeSet::from(["uid-a".to_string()]));
+        let mut untagged = lb("uid-z");
+        untagged.owner = None;
+        let lbs = vec![lb("uid-a"), lb("uid-b"), lb("uid-gone"), untagged];
+        let ids: Vec<&str> = orphans(&lbs, &live).iter().map(|l| l.id.as_str()).collect();
+        assert_eq!(ids, vec!["lb-uid-b", "lb-uid-gone"]);
+    }
+}

@@ -1,0 +1,510 @@
+//! The cloud-provider seam: a provider-neutral description of the load balancer a Service
+//! needs, what a provider reports back, and the trait every cloud implements (modelled on
+//! `cloudprovider.LoadBalancer`: get / ensure / update backends / delete). Reconcile logic
+//! only ever talks to [`LoadBalancerProvider`], so adding a cloud touches nothing else.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::future::Future;
+use std::net::Ipv4Addr;
+use std::str::FromStr;
+use std::time::Duration;
+
+use ipnet::Ipv4Net;
+
+/// How the cloud delivers traffic to the nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LoadBalancerMode {
+    /// The LB terminates the connection and forwards to `nodeIP:nodePort`.
+    Proxy,
+    /// The LB routes the VIP to a node unchanged.
+    Passthrough,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum HealthCheckProtocol {
+    Tcp,
+    Http,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HealthCheck {
+    pub protocol: HealthCheckProtocol,
+    pub port: u16,
+    /// Only meaningful for HTTP checks.
+    pub path: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Listener {
+    pub protocol: Protocol,
+    pub port: u16,
+    pub backend_port: u16,
+    pub health_check: Option<HealthCheck>,
+}
+
+/// A validated cluster id: 1..=24 chars of `[a-z0-9-]`, so LB names stay within 63 chars.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ClusterId(String);
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("invalid cluster id {0:?}: want 1 to 24 characters of [a-z0-9-]")]
+pub struct InvalidClusterId(String);
+
+impl FromStr for ClusterId {
+    type Err = InvalidClusterId;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let valid = !s.is_empty()
+            && s.len() <= 24
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if valid {
+            Ok(Self(s.to_owned()))
+        } else {
+            Err(InvalidClusterId(s.to_owned()))
+        }
+    }
+}
+
+impl ClusterId {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ClusterId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Tag keys written on every LB; they prove ownership and drive orphan collection.
+pub const TAG_CLUSTER_ID: &str = "kubernetes.io/cluster-id";
+pub const TAG_SERVICE_NAMESPACE: &str = "kubernetes.io/service-namespace";
+pub const TAG_SERVICE_NAME: &str = "kubernetes.io/service-name";
+pub const TAG_SERVICE_UID: &str = "kubernetes.io/service-uid";
+
+/// The Service (and cluster) an LB belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Owner {
+    pub cluster_id: ClusterId,
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+impl Owner {
+    /// The deterministic LB name: the same Service in the same cluster always maps to the
+    /// same name, so a lost create response can be found again.
+    pub fn load_balancer_name(&self) -> String {
+        let uid: String = self.uid.chars().filter(|c| *c != '-').take(32).collect();
+        format!("k8s-{}-{}", self.cluster_id, uid)
+    }
+
+    pub fn tags(&self) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (TAG_CLUSTER_ID.to_owned(), self.cluster_id.to_string()),
+            (TAG_SERVICE_NAMESPACE.to_owned(), self.namespace.clone()),
+            (TAG_SERVICE_NAME.to_owned(), self.name.clone()),
+            (TAG_SERVICE_UID.to_owned(), self.uid.clone()),
+        ])
+    }
+
+    /// Reads an owner back from LB tags; `None` when any tag is missing or the cluster id is
+    /// malformed (such an LB is never ours).
+    pub fn from_tags(tags: &BTreeMap<String, String>) -> Option<Self> {
+        Some(Self {
+            cluster_id: tags.get(TAG_CLUSTER_ID)?.parse().ok()?,
+            namespace: tags.get(TAG_SERVICE_NAMESPACE)?.clone(),
+            name: tags.get(TAG_SERVICE_NAME)?.clone(),
+            uid: tags.get(TAG_SERVICE_UID)?.clone(),
+        })
+    }
+
+    pub fn display_name(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Everything a provider needs to build the LB for one Service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DesiredLoadBalancer {
+    pub owner: Owner,
+    pub mode: LoadBalancerMode,
+    pub requested_ip: Option<Ipv4Addr>,
+    /// Sorted by (protocol, port).
+    pub listeners: Vec<Listener>,
+    pub backends: BTreeSet<Ipv4Addr>,
+    /// Sorted and deduplicated.
+    pub source_ranges: Vec<Ipv4Net>,
+}
+
+impl DesiredLoadBalancer {
+    pub fn name(&self) -> String {
+        self.owner.load_balancer_name()
+    }
+}
+
+/// Where the provider should look for an existing LB.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadBalancerLookup {
+    /// The id persisted on the Service, if any; tried first.
+    pub known_id: Option<String>,
+    pub owner: Owner,
+}
+
+/// The lifecycle phase a provider reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadBalancerPhase {
+    Provisioning,
+    Active,
+    Deleting,
+}
+
+/// An LB as the cloud reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObservedLoadBalancer {
+    pub id: String,
+    pub name: String,
+    pub owner: Option<Owner>,
+    pub phase: LoadBalancerPhase,
+    pub vip: Option<Ipv4Addr>,
+    pub mode: LoadBalancerMode,
+    pub listeners: Vec<Listener>,
+    pub backends: BTreeSet<Ipv4Addr>,
+    pub source_ranges: Vec<Ipv4Net>,
+}
+
+/// The fields in which an observed LB differs from the desired one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drift {
+    Mode,
+    Listeners,
+    Backends,
+    SourceRanges,
+    Vip,
+    Tags,
+}
+
+impl ObservedLoadBalancer {
+    /// Compares in a canonical order, so listing order in the cloud never counts as drift.
+    pub fn drift(&self, desired: &DesiredLoadBalancer) -> Vec<Drift> {
+        let mut drift = Vec::new();
+        if self.mode != desired.mode {
+            drift.push(Drift::Mode);
+        }
+        if canonical(&self.listeners) != canonical(&desired.listeners) {
+            drift.push(Drift::Listeners);
+        }
+        if self.backends != desired.backends {
+            drift.push(Drift::Backends);
+        }
+        if canonical(&self.source_ranges) != canonical(&desired.source_ranges) {
+            drift.push(Drift::SourceRanges);
+        }
+        if let (Some(requested), Some(vip)) = (desired.requested_ip, self.vip)
+            && requested != vip
+        {
+            drift.push(Drift::Vip);
+        }
+        if self.owner.as_ref() != Some(&desired.owner) {
+            drift.push(Drift::Tags);
+        }
+        drift
+    }
+
+    pub fn is_owned_by_cluster(&self, cluster_id: &ClusterId) -> bool {
+        self.owner
+            .as_ref()
+            .is_some_and(|owner| &owner.cluster_id == cluster_id)
+    }
+}
+
+fn canonical<T: Ord + Clone>(items: &[T]) -> Vec<T> {
+    let mut sorted = items.to_vec();
+    sorted.sort();
+    sorted.dedup();
+    sorted
+}
+
+/// A cloud operation, for metrics and error context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Operation {
+    Get,
+    List,
+    Create,
+    Update,
+    Delete,
+}
+
+impl Operation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Operation::Get => "get",
+            Operation::List => "list",
+            Operation::Create => "create",
+            Operation::Update => "update",
+            Operation::Delete => "delete",
+        }
+    }
+}
+
+impl fmt::Display for Operation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What went wrong talking to a cloud.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum ProviderError {
+    #[error("requested IP {ip} is not available: {message}")]
+    IpUnavailable { ip: Ipv4Addr, message: String },
+    #[error("the cloud rejected the load balancer {operation}: {message}")]
+    Invalid {
+        operation: Operation,
+        message: String,
+    },
+    #[error("load balancer {id} belongs to another cluster; refusing to touch it")]
+    ForeignLoadBalancer { id: String },
+    #[error("cloud rate limit on {operation}; retry after {retry_after:?}")]
+    RateLimited {
+        operation: Operation,
+        retry_after: Duration,
+    },
+    #[error("the cloud refused our credentials on {operation}: {message}")]
+    Unauthorized {
+        operation: Operation,
+        message: String,
+    },
+    #[error("load balancer {id} changed concurrently during {operation}")]
+    Conflict { operation: Operation, id: String },
+    #[error("load balancer {id} not found")]
+    NotFound { id: String },
+    #[error("cloud {operation} failed: {message}")]
+    Unavailable {
+        operation: Operation,
+        message: String,
+    },
+}
+
+impl ProviderError {
+    /// A bounded label for metrics, Events and conditions.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ProviderError::IpUnavailable { .. } => "vip_unavailable",
+            ProviderError::Invalid { .. } => "invalid_request",
+            ProviderError::ForeignLoadBalancer { .. } => "foreign_load_balancer",
+            ProviderError::RateLimited { .. } => "rate_limited",
+            ProviderError::Unauthorized { .. } => "unauthorized",
+            ProviderError::Conflict { .. } => "conflict",
+            ProviderError::NotFound { .. } => "not_found",
+            ProviderError::Unavailable { .. } => "unavailable",
+        }
+    }
+
+    /// Permanent errors will not go away by retrying the same request soon; the Service
+    /// (or the cloud) has to change first. They are still retried, at the slow end of the
+    /// backoff.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            ProviderError::IpUnavailable { .. }
+                | ProviderError::Invalid { .. }
+                | ProviderError::ForeignLoadBalancer { .. }
+                | ProviderError::Unauthorized { .. }
+        )
+    }
+}
+
+/// A cloud that can provide external load balancers (cf. `cloudprovider.LoadBalancer`).
+///
+/// Implementations must be idempotent: every method may be retried after a timeout, and
+/// `ensure` must never create a second LB for the same owner.
+pub trait LoadBalancerProvider: Send + Sync + 'static {
+    /// A short name for logs.
+    fn name(&self) -> &'static str;
+
+    /// Finds the LB of `lookup.owner`, by id first, then by its deterministic name and tags.
+    fn get(
+        &self,
+        lookup: &LoadBalancerLookup,
+    ) -> impl Future<Output = Result<Option<ObservedLoadBalancer>, ProviderError>> + Send;
+
+    /// Creates the LB, or brings an existing one (found as in `get`) to the desired state.
+    /// Returns as soon as the cloud accepted the request; the LB may still be provisioning.
+    fn ensure(
+        &self,
+        desired: &DesiredLoadBalancer,
+        known_id: Option<&str>,
+    ) -> impl Future<Output = Result<ObservedLoadBalancer, ProviderError>> + Send;
+
+    /// Replaces only the backend set of an existing LB; `NotFound` when it is gone.
+    fn update_backends(
+        &self,
+        lookup: &LoadBalancerLookup,
+        backends: &BTreeSet<Ipv4Addr>,
+    ) -> impl Future<Output = Result<ObservedLoadBalancer, ProviderError>> + Send;
+
+    /// Deletes the LB; succeeds when it is already gone.
+    fn delete(
+        &self,
+        lookup: &LoadBalancerLookup,
+    ) -> impl Future<Output = Result<(), ProviderError>> + Send;
+
+    /// Every LB tagged with this cluster's id (for orphan collection).
+    fn list_owned(
+        &self,
+        cluster_id: &ClusterId,
+    ) -> impl Future<Output = Result<Vec<ObservedLoadBalancer>, ProviderError>> + Send;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owner() -> Owner {
+        Owner {
+            cluster_id: "prod-1".parse().unwrap(),
+            namespace: "default".into(),
+            name: "web".into(),
+            uid: "0b6e1b0c-5f0e-4c1f-9d7e-2a3b4c5d6e7f".into(),
+        }
+    }
+
+    fn listener(port: u16) -> Listener {
+        Listener {
+            protocol: Protocol::Tcp,
+            port,
+            backend_port: 30000 + port,
+            health_check: None,
+        }
+    }
+
+    fn desired() -> DesiredLoadBalancer {
+        DesiredLoadBalancer {
+            owner: owner(),
+            mode: LoadBalancerMode::Proxy,
+            requested_ip: None,
+            listeners: vec![listener(80), listener(443)],
+            backends: BTreeSet::from([Ipv4Addr::new(198, 18, 0, 11)]),
+            source_ranges: vec![],
+        }
+    }
+
+    fn observed_from(d: &DesiredLoadBalancer) -> ObservedLoadBalancer {
+        ObservedLoadBalancer {
+            id: "lb-1".into(),
+            name: d.name(),
+            owner: Some(d.owner.clone()),
+            phase: LoadBalancerPhase::Active,
+            vip: Some(Ipv4Addr::new(198, 51, 100, 7)),
+            mode: d.mode,
+            listeners: d.listeners.clone(),
+            backends: d.backends.clone(),
+            source_ranges: d.source_ranges.clone(),
+        }
+    }
+
+    #[test]
+    fn cluster_id_validation() {
+        assert!("a".parse::<ClusterId>().is_ok());
+        assert!("prod-eu-1".parse::<ClusterId>().is_ok());
+        assert!("".parse::<ClusterId>().is_err());
+        assert!("Prod".parse::<ClusterId>().is_err());
+        assert!("a_b".parse::<ClusterId>().is_err());
+        assert!("x".repeat(25).parse::<ClusterId>().is_err());
+    }
+
+    #[test]
+    fn name_is_deterministic_and_bounded() {
+        let name = owner().load_balancer_name();
+        assert_eq!(name, "k8s-prod-1-0b6e1b0c5f0e4c1f9d7e2a3b4c5d6e7f");
+        let mut long = owner();
+        long.cluster_id = "x".repeat(24).parse().unwrap();
+        assert!(long.load_balancer_name().len() <= 63);
+        let mut other = owner();
+        other.uid = "1b6e1b0c-5f0e-4c1f-9d7e-2a3b4c5d6e7f".into();
+        assert_ne!(other.load_balancer_name(), name);
+    }
+
+    #[test]
+    fn tags_round_trip() {
+        assert_eq!(Owner::from_tags(&owner().tags()), Some(owner()));
+        let mut tags = owner().tags();
+        tags.remove(TAG_SERVICE_UID);
+        assert_eq!(Owner::from_tags(&tags), None);
+    }
+
+    #[test]
+    fn no_drift_when_equal_up_to_order() {
+        let d = desired();
+        let mut o = observed_from(&d);
+        o.listeners.reverse();
+        assert!(o.drift(&d).is_empty());
+    }
+
+    #[test]
+    fn drift_detects_each_field() {
+        let d = desired();
+        let mut o = observed_from(&d);
+        o.backends.insert(Ipv4Addr::new(198, 18, 0, 12));
+        o.mode = LoadBalancerMode::Passthrough;
+        o.listeners.pop();
+        o.source_ranges.push("203.0.113.0/24".parse().unwrap());
+        o.owner = None;
+        assert_eq!(
+            o.drift(&d),
+            vec![
+                Drift::Mode,
+                Drift::Listeners,
+                Drift::Backends,
+                Drift::SourceRanges,
+                Drift::Tags
+            ]
+        );
+        let mut d2 = desired();
+        d2.requested_ip = Some(Ipv4Addr::new(198, 51, 100, 9));
+        assert_eq!(observed_from(&desired()).drift(&d2), vec![Drift::Vip]);
+    }
+
+    #[test]
+    fn ownership_by_cluster() {
+        let o = observed_from(&desired());
+        assert!(o.is_owned_by_cluster(&"prod-1".parse().unwrap()));
+        assert!(!o.is_owned_by_cluster(&"prod-2".parse().unwrap()));
+    }
+
+    #[test]
+    fn permanent_errors() {
+        let ip = Ipv4Addr::new(1, 2, 3, 4);
+        assert!(
+            ProviderError::IpUnavailable {
+                ip,
+                message: String::new()
+            }
+            .is_permanent()
+        );
+        assert!(
+            !ProviderError::Unavailable {
+                operation: Operation::Create,
+                message: String::new()
+            }
+            .is_permanent()
+        );
+        assert_eq!(
+            ProviderError::RateLimited {
+                operation: Operation::Get,
+                retry_after: Duration::from_secs(1)
+            }
+            .category(),
+            "rate_limited"
+        );
+    }
+}

@@ -1,0 +1,679 @@
+//! Service → desired load balancer: which Services are ours, and what their LB must look
+//! like (listeners, health checks, mode, source ranges, requested IP), from the Service spec
+//! and its `service.beta.kubernetes.io/mockcloud-load-balancer-*` annotations.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr};
+
+use ipnet::Ipv4Net;
+use k8s_openapi::api::core::v1::Service;
+
+use crate::provider::{
+    ClusterId, DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, Listener, LoadBalancerMode,
+    Owner, Protocol,
+};
+
+pub const ANNOTATION_PREFIX: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-";
+/// The LB id, persisted right after create so a restart finds the LB by id.
+pub const ANNOTATION_LB_ID: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-id";
+pub const ANNOTATION_MODE: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-mode";
+pub const ANNOTATION_HC_PROTOCOL: &str =
+    "service.beta.kubernetes.io/mockcloud-load-balancer-health-check-protocol";
+pub const ANNOTATION_HC_PATH: &str =
+    "service.beta.kubernetes.io/mockcloud-load-balancer-health-check-path";
+pub const ANNOTATION_HC_PORT: &str =
+    "service.beta.kubernetes.io/mockcloud-load-balancer-health-check-port";
+pub const ANNOTATION_REQUESTED_IP: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-ip";
+/// The upstream annotation, honoured when `spec.loadBalancerSourceRanges` is empty.
+pub const ANNOTATION_SOURCE_RANGES: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
+
+const KNOWN_ANNOTATIONS: [&str; 6] = [
+    ANNOTATION_LB_ID,
+    ANNOTATION_MODE,
+    ANNOTATION_HC_PROTOCOL,
+    ANNOTATION_HC_PATH,
+    ANNOTATION_HC_PORT,
+    ANNOTATION_REQUESTED_IP,
+];
+
+/// The node proxy's health server port (kube-proxy's `--healthz-bind-address` default).
+pub const NODE_PROXY_HEALTHZ_PORT: u16 = 10256;
+pub const HEALTHZ_PATH: &str = "/healthz";
+
+/// A Service we cannot turn into an LB; reported as a Warning Event and a condition.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum SpecError {
+    #[error("Service has no metadata.{0}")]
+    MissingMetadata(&'static str),
+    #[error("annotation {annotation}: {value:?} is not valid: {reason}")]
+    BadAnnotation {
+        annotation: String,
+        value: String,
+        reason: &'static str,
+    },
+    #[error(
+        "unknown annotation {0} (known: mode, health-check-protocol, health-check-path, health-check-port, ip)"
+    )]
+    UnknownAnnotation(String),
+    #[error("Service has no ports")]
+    NoPorts,
+    #[error("port {port}: protocol {protocol} is not supported (TCP and UDP are)")]
+    UnsupportedProtocol { port: i32, protocol: String },
+    #[error("port {0} is out of range")]
+    PortOutOfRange(i32),
+    #[error("port {0} has no nodePort allocated (needed in proxy mode)")]
+    MissingNodePort(i32),
+    #[error("externalTrafficPolicy Local but no healthCheckNodePort allocated")]
+    MissingHealthCheckNodePort,
+    #[error("loadBalancerSourceRanges entry {0:?} is not an IPv4 CIDR")]
+    BadSourceRange(String),
+    #[error("requested IP {0:?} is not an IPv4 address")]
+    BadRequestedIp(String),
+    #[error("spec.loadBalancerIP {spec} and annotation {annotation} disagree")]
+    ConflictingRequestedIp {
+        spec: Ipv4Addr,
+        annotation: Ipv4Addr,
+    },
+    #[error("IPv6-only Services are not supported by this cloud")]
+    Ipv6Only,
+}
+
+impl SpecError {
+    pub fn category(&self) -> &'static str {
+        "invalid_configuration"
+    }
+}
+
+/// Which Services this controller manages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClassFilter {
+    /// Our `spec.loadBalancerClass`.
+    pub class: String,
+    /// Whether Services without a class are ours (the default cloud provider's role).
+    pub claim_unclassed: bool,
+}
+
+impl ClassFilter {
+    /// Whether the Service's class names us. Services of other classes are never touched,
+    /// whatever their type.
+    pub fn class_is_ours(&self, svc: &Service) -> bool {
+        match svc
+            .spec
+            .as_ref()
+            .and_then(|s| s.load_balancer_class.as_deref())
+        {
+            None => self.claim_unclassed,
+            Some(class) => class == self.class,
+        }
+    }
+}
+
+pub fn is_load_balancer(svc: &Service) -> bool {
+    svc.spec.as_ref().and_then(|s| s.type_.as_deref()) == Some("LoadBalancer")
+}
+
+pub fn is_being_deleted(svc: &Service) -> bool {
+    svc.metadata.deletion_timestamp.is_some()
+}
+
+/// The LB id persisted on the Service, if any.
+pub fn persisted_id(svc: &Service) -> Option<&str> {
+    svc.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_LB_ID))
+        .map(String::as_str)
+        .filter(|id| !id.is_empty())
+}
+
+pub fn owner_of(svc: &Service, cluster_id: &ClusterId) -> Result<Owner, SpecError> {
+    Ok(Owner {
+        cluster_id: cluster_id.clone(),
+        namespace: svc
+            .metadata
+            .namespace
+            .clone()
+            .ok_or(SpecError::MissingMetadata("namespace"))?,
+        name: svc
+            .metadata
+            .name
+            .clone()
+            .ok_or(SpecError::MissingMetadata("name"))?,
+        uid: svc
+            .metadata
+            .uid
+            .clone()
+            .ok_or(SpecError::MissingMetadata("uid"))?,
+    })
+}
+
+fn annotation<'a>(svc: &'a Service, key: &str) -> Option<&'a str> {
+    svc.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .map(|v| v.trim())
+}
+
+fn bad(annotation: &str, value: &str, reason: &'static str) -> SpecError {
+    SpecError::BadAnnotation {
+        annotation: annotation.to_owned(),
+        value: value.to_owned(),
+        reason,
+    }
+}
+
+fn parse_mode(svc: &Service) -> Result<LoadBalancerMode, SpecError> {
+    match annotation(svc, ANNOTATION_MODE) {
+        None => Ok(LoadBalancerMode::Proxy),
+        Some(v) if v.eq_ignore_ascii_case("proxy") => Ok(LoadBalancerMode::Proxy),
+        Some(v) if v.eq_ignore_ascii_case("passthrough") => Ok(LoadBalancerMode::Passthrough),
+        Some(v) => Err(bad(ANNOTATION_MODE, v, "want proxy or passthrough")),
+    }
+}
+
+fn parse_ipv4(raw: &str) -> Result<Ipv4Addr, SpecError> {
+    match raw.trim().parse::<IpAddr>() {
+        Ok(IpAddr::V4(ip)) => Ok(ip),
+        _ => Err(SpecError::BadRequestedIp(raw.to_owned())),
+    }
+}
+
+/// `spec.loadBalancerIP` (deprecated upstream, still honoured) or our annotation.
+pub fn requested_ip(svc: &Service) -> Result<Option<Ipv4Addr>, SpecError> {
+    let from_spec = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.load_balancer_ip.as_deref())
+        .filter(|v| !v.trim().is_empty())
+        .map(parse_ipv4)
+        .transpose()?;
+    let from_annotation = annotation(svc, ANNOTATION_REQUESTED_IP)
+        .filter(|v| !v.is_empty())
+        .map(parse_ipv4)
+        .transpose()?;
+    match (from_spec, from_annotation) {
+        (Some(spec), Some(annotation)) if spec != annotation => {
+            Err(SpecError::ConflictingRequestedIp { spec, annotation })
+        }
+        (spec, annotation) => Ok(spec.or(annotation)),
+    }
+}
+
+fn source_ranges(svc: &Service) -> Result<Vec<Ipv4Net>, SpecError> {
+    let from_spec: Vec<String> = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.load_balancer_source_ranges.clone())
+        .unwrap_or_default();
+    let raw: Vec<String> = if from_spec.is_empty() {
+        annotation(svc, ANNOTATION_SOURCE_RANGES)
+            .map(|v| {
+                v.split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default()
+    } else {
+        from_spec
+    };
+    let mut ranges = raw
+        .iter()
+        .map(|r| {
+            r.trim()
+                .parse::<Ipv4Net>()
+                .map(|net| net.trunc())
+                .map_err(|_| SpecError::BadSourceRange(r.clone()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    ranges.sort();
+    ranges.dedup();
+    Ok(ranges)
+}
+
+fn health_check(svc: &Service) -> Result<HealthCheck, SpecError> {
+    let spec = svc.spec.as_ref();
+    let local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
+    let default_port = if local {
+        let port = spec
+            .and_then(|s| s.health_check_node_port)
+            .ok_or(SpecError::MissingHealthCheckNodePort)?;
+        u16::try_from(port)
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or(SpecError::PortOutOfRange(port))?
+    } else {
+        NODE_PROXY_HEALTHZ_PORT
+    };
+    let protocol = match annotation(svc, ANNOTATION_HC_PROTOCOL) {
+        None => HealthCheckProtocol::Http,
+        Some(v) if v.eq_ignore_ascii_case("http") => HealthCheckProtocol::Http,
+        Some(v) if v.eq_ignore_ascii_case("tcp") => HealthCheckProtocol::Tcp,
+        Some(v) => return Err(bad(ANNOTATION_HC_PROTOCOL, v, "want http or tcp")),
+    };
+    let port = match annotation(svc, ANNOTATION_HC_PORT) {
+        None => default_port,
+        Some(v) => v
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| bad(ANNOTATION_HC_PORT, v, "want a port number 1-65535"))?,
+    };
+    let path = match (protocol, annotation(svc, ANNOTATION_HC_PATH)) {
+        (HealthCheckProtocol::Http, None) => Some(HEALTHZ_PATH.to_owned()),
+        (HealthCheckProtocol::Http, Some(p)) => {
+            if !p.starts_with('/') || p.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(bad(
+                    ANNOTATION_HC_PATH,
+                    p,
+                    "want an absolute path without spaces",
+                ));
+            }
+            Some(p.to_owned())
+        }
+        (HealthCheckProtocol::Tcp, None) => None,
+        (HealthCheckProtocol::Tcp, Some(p)) => {
+            return Err(bad(
+                ANNOTATION_HC_PATH,
+                p,
+                "a path needs the http health-check protocol",
+            ));
+        }
+    };
+    Ok(HealthCheck {
+        protocol,
+        port,
+        path,
+    })
+}
+
+fn listeners(
+    svc: &Service,
+    mode: LoadBalancerMode,
+    check: &HealthCheck,
+) -> Result<Vec<Listener>, SpecError> {
+    let ports = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.ports.as_ref())
+        .filter(|p| !p.is_empty())
+        .ok_or(SpecError::NoPorts)?;
+    let mut listeners = ports
+        .iter()
+        .map(|p| {
+            let protocol = match p.protocol.as_deref().unwrap_or("TCP") {
+                "TCP" => Protocol::Tcp,
+                "UDP" => Protocol::Udp,
+                other => {
+                    return Err(SpecError::UnsupportedProtocol {
+                        port: p.port,
+                        protocol: other.to_owned(),
+                    });
+                }
+            };
+            let port = u16::try_from(p.port)
+                .ok()
+                .filter(|v| *v != 0)
+                .ok_or(SpecError::PortOutOfRange(p.port))?;
+            // Passthrough routes the VIP to the node unchanged; the node proxy matches the
+            // Service port there, so a Service without node ports still works.
+            let backend_port = match (p.node_port, mode) {
+                (Some(np), _) => u16::try_from(np)
+                    .ok()
+                    .filter(|v| *v != 0)
+                    .ok_or(SpecError::PortOutOfRange(np))?,
+                (None, LoadBalancerMode::Passthrough) => port,
+                (None, LoadBalancerMode::Proxy) => return Err(SpecError::MissingNodePort(p.port)),
+            };
+            Ok(Listener {
+                protocol,
+                port,
+                backend_port,
+                health_check: Some(check.clone()),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    listeners.sort();
+    Ok(listeners)
+}
+
+fn check_annotations(svc: &Service) -> Result<(), SpecError> {
+    let Some(annotations) = svc.metadata.annotations.as_ref() else {
+        return Ok(());
+    };
+    match annotations
+        .keys()
+        .find(|k| k.starts_with(ANNOTATION_PREFIX) && !KNOWN_ANNOTATIONS.contains(&k.as_str()))
+    {
+        Some(unknown) => Err(SpecError::UnknownAnnotation(unknown.clone())),
+        None => Ok(()),
+    }
+}
+
+fn check_ip_families(svc: &Service) -> Result<(), SpecError> {
+    let families = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.ip_families.as_ref())
+        .cloned()
+        .unwrap_or_default();
+    if !families.is_empty() && families.iter().all(|f| f == "IPv6") {
+        return Err(SpecError::Ipv6Only);
+    }
+    Ok(())
+}
+
+/// The LB the Service needs, with the given backends (see [`crate::nodes`]).
+pub fn desired_load_balancer(
+    svc: &Service,
+    cluster_id: &ClusterId,
+    backends: BTreeSet<Ipv4Addr>,
+) -> Result<DesiredLoadBalancer, SpecError> {
+    let owner = owner_of(svc, cluster_id)?;
+    check_annotations(svc)?;
+    check_ip_families(svc)?;
+    let mode = parse_mode(svc)?;
+    let check = health_check(svc)?;
+    Ok(DesiredLoadBalancer {
+        owner,
+        mode,
+        requested_ip: requested_ip(svc)?,
+        listeners: listeners(svc, mode, &check)?,
+        backends,
+        source_ranges: source_ranges(svc)?,
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{ServicePort, ServiceSpec};
+    use kube::api::ObjectMeta;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    pub(crate) fn service(name: &str) -> Service {
+        Service {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("default".into()),
+                uid: Some(format!("uid-{name}")),
+                ..Default::default()
+            },
+            spec: Some(ServiceSpec {
+                type_: Some("LoadBalancer".into()),
+                ports: Some(vec![ServicePort {
+                    name: Some("http".into()),
+                    port: 80,
+                    protocol: Some("TCP".into()),
+                    node_port: Some(30080),
+                    ..Default::default()
+                }]),
+                external_traffic_policy: Some("Cluster".into()),
+                ..Default::default()
+            }),
+            status: None,
+        }
+    }
+
+    fn with_annotation(mut svc: Service, k: &str, v: &str) -> Service {
+        svc.metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(k.into(), v.into());
+        svc
+    }
+
+    fn cluster() -> ClusterId {
+        "test".parse().unwrap()
+    }
+
+    fn desired(svc: &Service) -> Result<DesiredLoadBalancer, SpecError> {
+        desired_load_balancer(svc, &cluster(), BTreeSet::new())
+    }
+
+    #[test]
+    fn default_service_maps_to_proxy_lb_with_node_proxy_health_check() {
+        let d = desired(&service("web")).unwrap();
+        assert_eq!(d.mode, LoadBalancerMode::Proxy);
+        assert_eq!(
+            d.listeners,
+            vec![Listener {
+                protocol: Protocol::Tcp,
+                port: 80,
+                backend_port: 30080,
+                health_check: Some(HealthCheck {
+                    protocol: HealthCheckProtocol::Http,
+                    port: 10256,
+                    path: Some("/healthz".into())
+                })
+            }]
+        );
+        assert_eq!(d.owner.uid, "uid-web");
+        assert_eq!(d.requested_ip, None);
+    }
+
+    #[test]
+    fn local_policy_checks_health_check_node_port() {
+        let mut svc = service("web");
+        let spec = svc.spec.as_mut().unwrap();
+        spec.external_traffic_policy = Some("Local".into());
+        spec.health_check_node_port = Some(32000);
+        let d = desired(&svc).unwrap();
+        assert_eq!(d.listeners[0].health_check.as_ref().unwrap().port, 32000);
+        svc.spec.as_mut().unwrap().health_check_node_port = None;
+        assert_eq!(desired(&svc), Err(SpecError::MissingHealthCheckNodePort));
+    }
+
+    #[test]
+    fn udp_and_tcp_ports_become_listeners_sorted() {
+        let mut svc = service("dns");
+        svc.spec.as_mut().unwrap().ports = Some(vec![
+            ServicePort {
+                port: 53,
+                protocol: Some("UDP".into()),
+                node_port: Some(30053),
+                ..Default::default()
+            },
+            ServicePort {
+                port: 53,
+                protocol: Some("TCP".into()),
+                node_port: Some(30054),
+                ..Default::default()
+            },
+        ]);
+        let d = desired(&svc).unwrap();
+        assert_eq!(
+            d.listeners
+                .iter()
+                .map(|l| (l.protocol, l.port, l.backend_port))
+                .collect::<Vec<_>>(),
+            vec![(Protocol::Tcp, 53, 30054), (Protocol::Udp, 53, 30053)]
+        );
+    }
+
+    #[test]
+    fn sctp_is_rejected() {
+        let mut svc = service("s");
+        svc.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].protocol = Some("SCTP".into());
+        assert!(matches!(
+            desired(&svc),
+            Err(SpecError::UnsupportedProtocol { .. })
+        ));
+    }
+
+    #[test]
+    fn missing_node_port_only_matters_in_proxy_mode() {
+        let mut svc = service("s");
+        svc.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].node_port = None;
+        assert_eq!(desired(&svc), Err(SpecError::MissingNodePort(80)));
+        let svc = with_annotation(svc, ANNOTATION_MODE, "passthrough");
+        let d = desired(&svc).unwrap();
+        assert_eq!(d.mode, LoadBalancerMode::Passthrough);
+        assert_eq!(d.listeners[0].backend_port, 80);
+    }
+
+    #[test]
+    fn annotations_override_health_check() {
+        let svc = with_annotation(service("s"), ANNOTATION_HC_PATH, "/ready");
+        let svc = with_annotation(svc, ANNOTATION_HC_PORT, "8080");
+        let hc = desired(&svc).unwrap().listeners[0]
+            .health_check
+            .clone()
+            .unwrap();
+        assert_eq!((hc.port, hc.path.as_deref()), (8080, Some("/ready")));
+        let svc = with_annotation(service("s"), ANNOTATION_HC_PROTOCOL, "TCP");
+        let hc = desired(&svc).unwrap().listeners[0]
+            .health_check
+            .clone()
+            .unwrap();
+        assert_eq!((hc.protocol, hc.path), (HealthCheckProtocol::Tcp, None));
+    }
+
+    #[test]
+    fn bad_annotations_are_typed_errors() {
+        for (k, v) in [
+            (ANNOTATION_MODE, "bridge"),
+            (ANNOTATION_HC_PROTOCOL, "grpc"),
+            (ANNOTATION_HC_PORT, "0"),
+            (ANNOTATION_HC_PORT, "70000"),
+            (ANNOTATION_HC_PATH, "healthz"),
+        ] {
+            let err = desired(&with_annotation(service("s"), k, v)).unwrap_err();
+            assert!(
+                matches!(&err, SpecError::BadAnnotation { annotation, .. } if annotation == k),
+                "{k}={v}: {err}"
+            );
+        }
+        let svc = with_annotation(service("s"), ANNOTATION_HC_PROTOCOL, "tcp");
+        let svc = with_annotation(svc, ANNOTATION_HC_PATH, "/x");
+        assert!(matches!(
+            desired(&svc),
+            Err(SpecError::BadAnnotation { .. })
+        ));
+        let typo = format!("{ANNOTATION_PREFIX}mdoe");
+        assert_eq!(
+            desired(&with_annotation(service("s"), &typo, "proxy")),
+            Err(SpecError::UnknownAnnotation(typo))
+        );
+    }
+
+    #[test]
+    fn requested_ip_from_spec_or_annotation() {
+        let mut svc = service("s");
+        svc.spec.as_mut().unwrap().load_balancer_ip = Some("198.51.100.10".into());
+        assert_eq!(
+            desired(&svc).unwrap().requested_ip,
+            Some(Ipv4Addr::new(198, 51, 100, 10))
+        );
+        let same = with_annotation(svc.clone(), ANNOTATION_REQUESTED_IP, "198.51.100.10");
+        assert!(desired(&same).is_ok());
+        let other = with_annotation(svc, ANNOTATION_REQUESTED_IP, "198.51.100.11");
+        assert!(matches!(
+            desired(&other),
+            Err(SpecError::ConflictingRequestedIp { .. })
+        ));
+        let annotated = with_annotation(service("s"), ANNOTATION_REQUESTED_IP, "198.51.100.12");
+        assert_eq!(
+            desired(&annotated).unwrap().requested_ip,
+            Some(Ipv4Addr::new(198, 51, 100, 12))
+        );
+        let v6 = with_annotation(service("s"), ANNOTATION_REQUESTED_IP, "2001:db8::1");
+        assert!(matches!(desired(&v6), Err(SpecError::BadRequestedIp(_))));
+    }
+
+    #[test]
+    fn source_ranges_are_parsed_sorted_and_truncated() {
+        let mut svc = service("s");
+        svc.spec.as_mut().unwrap().load_balancer_source_ranges =
+            Some(vec!["203.0.113.7/24".into(), " 10.0.0.0/8".into()]);
+        assert_eq!(
+            desired(&svc).unwrap().source_ranges,
+            vec![
+                "10.0.0.0/8".parse::<Ipv4Net>().unwrap(),
+                "203.0.113.0/24".parse().unwrap()
+            ]
+        );
+        svc.spec.as_mut().unwrap().load_balancer_source_ranges = Some(vec!["nope".into()]);
+        assert_eq!(desired(&svc), Err(SpecError::BadSourceRange("nope".into())));
+        let annotated = with_annotation(
+            service("s"),
+            ANNOTATION_SOURCE_RANGES,
+            "192.0.2.0/24, 198.51.100.0/24",
+        );
+        assert_eq!(desired(&annotated).unwrap().source_ranges.len(), 2);
+    }
+
+    #[test]
+    fn ipv6_only_is_rejected() {
+        let mut svc = service("s");
+        svc.spec.as_mut().unwrap().ip_families = Some(vec!["IPv6".into()]);
+        assert_eq!(desired(&svc), Err(SpecError::Ipv6Only));
+        svc.spec.as_mut().unwrap().ip_families = Some(vec!["IPv4".into(), "IPv6".into()]);
+        assert!(desired(&svc).is_ok());
+    }
+
+    #[test]
+    fn class_filter() {
+        let ours = ClassFilter {
+            class: "tandem.io/mockcloud".into(),
+            claim_unclassed: true,
+        };
+        let mut svc = service("s");
+        assert!(ours.class_is_ours(&svc));
+        svc.spec.as_mut().unwrap().load_balancer_class = Some("tandem.io/mockcloud".into());
+        assert!(ours.class_is_ours(&svc));
+        svc.spec.as_mut().unwrap().load_balancer_class = Some("other.io/lb".into());
+        assert!(!ours.class_is_ours(&svc));
+        let strict = ClassFilter {
+            claim_unclassed: false,
+            ..ours
+        };
+        assert!(!strict.class_is_ours(&service("s")));
+    }
+
+    #[test]
+    fn persisted_id_ignores_empty() {
+        assert_eq!(persisted_id(&service("s")), None);
+        assert_eq!(
+            persisted_id(&with_annotation(service("s"), ANNOTATION_LB_ID, "lb-1")),
+            Some("lb-1")
+        );
+        assert_eq!(
+            persisted_id(&with_annotation(service("s"), ANNOTATION_LB_ID, "")),
+            None
+        );
+    }
+
+    proptest! {
+        // Whatever annotation values users write, the mapping returns (never panics) and is
+        // deterministic.
+        #[test]
+        fn arbitrary_annotations_never_panic(
+            key in prop::sample::select(KNOWN_ANNOTATIONS.to_vec()),
+            value in ".{0,40}",
+        ) {
+            let svc = with_annotation(service("s"), key, &value);
+            let first = desired(&svc);
+            prop_assert_eq!(first, desired(&svc));
+        }
+
+        #[test]
+        fn listener_order_does_not_depend_on_port_order(ports in prop::collection::btree_set(1u16..1000, 1..6)) {
+            let mk = |order: Vec<u16>| {
+                let mut svc = service("s");
+                svc.spec.as_mut().unwrap().ports = Some(order.iter().map(|p| ServicePort {
+                    port: i32::from(*p),
+                    node_port: Some(30000 + i32::from(*p)),
+                    ..Default::default()
+                }).collect());
+                desired(&svc).unwrap().listeners
+            };
+            let forward: Vec<u16> = ports.iter().copied().collect();
+            let backward: Vec<u16> = forward.iter().rev().copied().collect();
+            prop_assert_eq!(mk(forward), mk(backward));
+        }
+    }
+}

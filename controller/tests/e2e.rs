@@ -1,0 +1,598 @@
+//! End-to-end: the API server stand-in + cloud-mock + the real controller binary.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use cloud_mock_sdk as sdk;
+use serde_json::json;
+use support::*;
+
+const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
+const ID_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-id";
+const WAIT: Duration = Duration::from_secs(30);
+
+async fn two_nodes(h: &Harness) {
+    h.add_node("node-1", "198.18.0.11").await;
+    h.add_node("node-2", "198.18.0.12").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn service_lifecycle_create_update_type_change_delete() {
+    let h = Harness::new("lifecycle").await;
+    two_nodes(&h).await;
+    let _controller = h.controller(&[]);
+    let created = h
+        .create_service(lb_service("web", &[(80, "TCP"), (53, "UDP")]))
+        .await;
+    let (svc, lb) = h.wait_served("web").await;
+
+    // Listeners per port, backend port = nodePort, HTTP /healthz on 10256 (Cluster).
+    let node_ports: BTreeSet<(u16, u16)> = svc
+        .spec
+        .as_ref()
+        .unwrap()
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|p| (p.port as u16, p.node_port.unwrap() as u16))
+        .collect();
+    let listeners: BTreeSet<(u16, u16)> = lb
+        .spec
+        .listeners
+        .iter()
+        .map(|l| (l.port, l.backend_port))
+        .collect();
+    assert_eq!(listeners, node_ports);
+    assert!(
+        lb.spec
+            .listeners
+            .iter()
+            .any(|l| l.protocol == sdk::Protocol::Udp)
+    );
+    for l in &lb.spec.listeners {
+        let hc = l.health_check.as_ref().unwrap();
+        assert_eq!(
+            (hc.protocol, hc.port, hc.path.as_deref()),
+            (sdk::HealthCheckProtocol::Http, 10256, Some("/healthz"))
+        );
+    }
+    assert_eq!(backend_ips(&lb), vec!["198.18.0.11", "198.18.0.12"]);
+    assert_eq!(lb.spec.mode, sdk::Mode::Proxy);
+    assert_eq!(
+        lb.spec
+            .tags
+            .get("kubernetes.io/cluster-id")
+            .map(String::as_str),
+        Some(CLUSTER)
+    );
+    assert_eq!(
+        lb.spec.tags.get("kubernetes.io/service-uid"),
+        created.metadata.uid.as_ref()
+    );
+    // Status, annotation, finalizer, condition, Events.
+    let ingress = &svc
+        .status
+        .as_ref()
+        .unwrap()
+        .load_balancer
+        .as_ref()
+        .unwrap()
+        .ingress
+        .as_ref()
+        .unwrap()[0];
+    assert_eq!(ingress.ip_mode.as_deref(), Some("Proxy"));
+    assert_eq!(
+        svc.metadata
+            .annotations
+            .as_ref()
+            .unwrap()
+            .get(ID_ANNOTATION),
+        Some(&lb.id)
+    );
+    assert!(
+        svc.metadata
+            .finalizers
+            .as_ref()
+            .unwrap()
+            .iter()
+            .any(|f| f == FINALIZER)
+    );
+    assert_eq!(
+        condition_reason(&svc).as_deref(),
+        Some("LoadBalancerActive")
+    );
+    let reasons: Vec<String> = h.events_for("web").await.into_iter().map(|e| e.1).collect();
+    assert!(
+        reasons.contains(&"EnsuringLoadBalancer".to_string()),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.contains(&"EnsuredLoadBalancer".to_string()),
+        "{reasons:?}"
+    );
+
+    // Ports, source ranges and externalTrafficPolicy changes reach the LB.
+    h.patch_service(
+        "web",
+        json!({"spec": {
+            "ports": [{"name": "https", "port": 443, "protocol": "TCP"}],
+            "loadBalancerSourceRanges": ["203.0.113.0/24"],
+            "externalTrafficPolicy": "Local",
+        }}),
+    )
+    .await;
+    let updated = h
+        .eventually("LB updated", WAIT, || async {
+            let lb = h.cloud.client.get_load_balancer(&lb.id).await.ok()?;
+            let ok = lb.spec.listeners.len() == 1
+                && lb.spec.listeners[0].port == 443
+                && lb.spec.source_ranges == vec!["203.0.113.0/24".parse().unwrap()];
+            ok.then_some(lb)
+        })
+        .await;
+    let svc = h.get_service("web").await.unwrap();
+    let hcnp = svc.spec.as_ref().unwrap().health_check_node_port.unwrap() as u16;
+    assert_eq!(
+        updated.spec.listeners[0]
+            .health_check
+            .as_ref()
+            .unwrap()
+            .port,
+        hcnp
+    );
+    assert_eq!(
+        h.cloud
+            .for_uid(created.metadata.uid.as_deref().unwrap())
+            .await
+            .len(),
+        1
+    );
+
+    // Type change away from LoadBalancer: LB deleted, finalizer gone, status cleared.
+    h.patch_service("web", json!({"spec": {"type": "ClusterIP", "externalTrafficPolicy": null, "loadBalancerSourceRanges": null}})).await;
+    h.eventually("cleanup after type change", WAIT, || async {
+        let svc = h.get_service("web").await?;
+        let no_finalizer = !svc
+            .metadata
+            .finalizers
+            .clone()
+            .unwrap_or_default()
+            .iter()
+            .any(|f| f == FINALIZER);
+        let cleared = ingress_ip(&svc).is_none() && condition_reason(&svc).is_none();
+        let gone = h
+            .cloud
+            .for_uid(created.metadata.uid.as_deref().unwrap())
+            .await
+            .is_empty();
+        (no_finalizer && cleared && gone).then_some(())
+    })
+    .await;
+
+    // Back to LoadBalancer, then delete: LB gone, then the Service is gone.
+    h.patch_service("web", json!({"spec": {"type": "LoadBalancer"}}))
+        .await;
+    h.wait_served("web").await;
+    h.delete_service("web").await;
+    h.eventually("service and LB gone", WAIT, || async {
+        let gone = h.get_service("web").await.is_none();
+        let lbs = h
+            .cloud
+            .for_uid(created.metadata.uid.as_deref().unwrap())
+            .await;
+        (gone && lbs.is_empty()).then_some(())
+    })
+    .await;
+    let reasons: Vec<String> = h.events_for("web").await.into_iter().map(|e| e.1).collect();
+    assert!(
+        reasons.contains(&"DeletedLoadBalancer".to_string()),
+        "{reasons:?}"
+    );
+    h.shutdown().await;
+}
+
+async fn update_calls(c: &Controller) -> u64 {
+    c.metrics()
+        .await
+        .lines()
+        .filter(|l| l.starts_with("tandem_controller_cloud_calls_total{operation=\"update\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backends_follow_nodes() {
+    let h = Harness::new("nodes").await;
+    two_nodes(&h).await;
+    let controller = h.controller(&["--node-debounce-ms", "1000"]);
+    h.create_service(lb_service("web", &[(80, "TCP")])).await;
+    h.create_service(lb_service("api", &[(8080, "TCP")])).await;
+    let (_, web) = h.wait_served("web").await;
+    let (_, api) = h.wait_served("api").await;
+    let expect = |want: &'static [&'static str]| {
+        let want: Vec<String> = want.iter().map(|s| s.to_string()).collect();
+        let ids = [web.id.clone(), api.id.clone()];
+        let h = &h;
+        async move {
+            h.eventually(&format!("backends {want:?}"), WAIT, || {
+                let want = want.clone();
+                let ids = ids.clone();
+                async move {
+                    for id in &ids {
+                        let lb = h.cloud.client.get_load_balancer(id).await.ok()?;
+                        if backend_ips(&lb) != want {
+                            return None;
+                        }
+                    }
+                    Some(())
+                }
+            })
+            .await
+        }
+    };
+    // A burst of node churn is debounced into few updates per LB, not one per node.
+    let updates_before = update_calls(&controller).await;
+    for i in 3..=7 {
+        h.add_node(&format!("node-{i}"), &format!("198.18.0.1{i}"))
+            .await;
+    }
+    for i in 4..=7 {
+        h.nodes()
+            .delete(&format!("node-{i}"), &kube::api::DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    expect(&["198.18.0.11", "198.18.0.12", "198.18.0.13"]).await;
+    let updates = update_calls(&controller).await - updates_before;
+    assert!(
+        updates <= 4,
+        "{updates} updates for 2 LBs after 9 node changes"
+    );
+    h.patch_node("node-1", json!({"metadata": {"labels": {"node.kubernetes.io/exclude-from-external-load-balancers": "true"}}})).await;
+    expect(&["198.18.0.12", "198.18.0.13"]).await;
+    h.patch_node("node-2", json!({"spec": {"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}})).await;
+    expect(&["198.18.0.13"]).await;
+    // NotReady (and cordoned) stays in: the LB's health check handles it.
+    h.nodes()
+        .patch_status(
+            "node-3",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                json!({"status": {"conditions": [{"type": "Ready", "status": "False"}]}}),
+            ),
+        )
+        .await
+        .unwrap();
+    h.patch_node("node-3", json!({"spec": {"unschedulable": true}}))
+        .await;
+    h.patch_node("node-1", json!({"metadata": {"labels": {"node.kubernetes.io/exclude-from-external-load-balancers": "false"}}})).await;
+    expect(&["198.18.0.11", "198.18.0.13"]).await;
+    h.nodes()
+        .delete("node-1", &kube::api::DeleteParams::default())
+        .await
+        .unwrap();
+    expect(&["198.18.0.13"]).await;
+    let reasons: Vec<String> = h.events_for("web").await.into_iter().map(|e| e.1).collect();
+    assert!(
+        reasons.contains(&"UpdatedLoadBalancer".to_string()),
+        "{reasons:?}"
+    );
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drift_is_repaired() {
+    let h = Harness::new("drift").await;
+    two_nodes(&h).await;
+    let _controller = h.controller(&["--resync-seconds", "2"]);
+    h.create_service(lb_service("web", &[(80, "TCP")])).await;
+    let (svc, lb) = h.wait_served("web").await;
+    let uid = svc.metadata.uid.clone().unwrap();
+    // Changed behind our back: listeners and backends are put right.
+    let mut tampered = lb.spec.clone();
+    tampered.listeners[0].backend_port = 1;
+    tampered.backends.clear();
+    h.cloud
+        .client
+        .update_load_balancer(&lb.id, &tampered, lb.version)
+        .await
+        .unwrap();
+    h.eventually("tampered LB restored", WAIT, || async {
+        let now = h.cloud.client.get_load_balancer(&lb.id).await.ok()?;
+        (now.spec.listeners == lb.spec.listeners && backend_ips(&now) == backend_ips(&lb))
+            .then_some(())
+    })
+    .await;
+    // Deleted behind our back: a new LB is created and the status follows.
+    h.cloud.client.delete_load_balancer(&lb.id).await.unwrap();
+    let (svc, new_lb) = h
+        .eventually("deleted LB recreated", WAIT, || async {
+            let (svc, new_lb) = h.wait_served("web").await;
+            (new_lb.id != lb.id).then_some((svc, new_lb))
+        })
+        .await;
+    assert_eq!(
+        svc.metadata.annotations.unwrap().get(ID_ANNOTATION),
+        Some(&new_lb.id)
+    );
+    assert_eq!(h.cloud.for_uid(&uid).await.len(), 1);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn classes_foreign_lbs_and_orphans() {
+    let h = Harness::new("gc").await;
+    two_nodes(&h).await;
+    // A foreign cluster's LB and an orphan of ours exist before the controller starts.
+    let mut foreign_tags = std::collections::BTreeMap::new();
+    foreign_tags.insert("kubernetes.io/cluster-id".to_string(), "other".to_string());
+    foreign_tags.insert("kubernetes.io/service-uid".to_string(), "x-1".to_string());
+    let spec = |name: &str, tags| sdk::LoadBalancerSpec {
+        name: name.into(),
+        tags,
+        mode: sdk::Mode::Proxy,
+        vip: None,
+        listeners: vec![sdk::Listener {
+            protocol: sdk::Protocol::Tcp,
+            port: 80,
+            backend_port: 30080,
+            health_check: None,
+        }],
+        backends: vec![],
+        source_ranges: vec![],
+    };
+    let foreign = h
+        .cloud
+        .client
+        .create_load_balancer(&spec("k8s-other-x1", foreign_tags), "foreign-1")
+        .await
+        .unwrap();
+    let orphan_tags = [
+        ("kubernetes.io/cluster-id", CLUSTER),
+        ("kubernetes.io/service-namespace", "default"),
+        ("kubernetes.io/service-name", "gone"),
+        ("kubernetes.io/service-uid", "gone-uid"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let orphan = h
+        .cloud
+        .client
+        .create_load_balancer(&spec("k8s-lab-goneuid", orphan_tags), "orphan-1")
+        .await
+        .unwrap();
+    let _controller = h.controller(&["--gc-seconds", "1"]);
+    let mut other = lb_service("other-class", &[(80, "TCP")]);
+    other.spec.as_mut().unwrap().load_balancer_class = Some("example.com/other".into());
+    h.create_service(other).await;
+    h.create_service(lb_service("mine", &[(80, "TCP")])).await;
+    h.wait_served("mine").await;
+    h.eventually("orphan collected", WAIT, || async {
+        h.cloud
+            .client
+            .get_load_balancer(&orphan.id)
+            .await
+            .is_err()
+            .then_some(())
+    })
+    .await;
+    assert!(
+        h.cloud.client.get_load_balancer(&foreign.id).await.is_ok(),
+        "foreign LB touched"
+    );
+    let other = h.get_service("other-class").await.unwrap();
+    assert!(
+        other
+            .metadata
+            .finalizers
+            .clone()
+            .unwrap_or_default()
+            .is_empty()
+    );
+    assert!(ingress_ip(&other).is_none());
+    assert!(
+        h.cloud
+            .for_uid(other.metadata.uid.as_deref().unwrap())
+            .await
+            .is_empty()
+    );
+    assert_eq!(
+        h.cloud.all().await.len(),
+        2,
+        "only the foreign LB and ours remain"
+    );
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_annotations_and_impossible_requests_are_reported() {
+    let h = Harness::new("bad").await;
+    two_nodes(&h).await;
+    let _controller = h.controller(&[]);
+    let mut bad_mode = lb_service("bad-mode", &[(80, "TCP")]);
+    bad_mode.metadata.annotations = Some(
+        [(
+            "service.beta.kubernetes.io/mockcloud-load-balancer-mode".to_string(),
+            "bridge".to_string(),
+        )]
+        .into(),
+    );
+    h.create_service(bad_mode).await;
+    let mut outside = lb_service("outside", &[(80, "TCP")]);
+    outside.spec.as_mut().unwrap().load_balancer_ip = Some("192.0.2.10".into());
+    h.create_service(outside).await;
+    h.create_service(lb_service("good", &[(80, "TCP")])).await;
+    let (_, good_lb) = h.wait_served("good").await;
+    // Request the VIP the good Service holds.
+    let mut taken = lb_service("taken", &[(80, "TCP")]);
+    taken.metadata.annotations = Some(
+        [(
+            "service.beta.kubernetes.io/mockcloud-load-balancer-ip".to_string(),
+            good_lb.vip().unwrap().to_string(),
+        )]
+        .into(),
+    );
+    h.create_service(taken).await;
+    for (name, reason, needle) in [
+        ("bad-mode", "InvalidConfiguration", "bridge"),
+        ("outside", "VIPUnavailable", "192.0.2.10"),
+        (
+            "taken",
+            "VIPUnavailable",
+            &good_lb.vip().unwrap().to_string(),
+        ),
+    ] {
+        h.eventually(&format!("{name} reported"), WAIT, || async {
+            let svc = h.get_service(name).await?;
+            let events = h.events_for(name).await;
+            let warned = events.iter().any(|(t, r, m)| {
+                t == "Warning" && r == "SyncLoadBalancerFailed" && m.contains(needle)
+            });
+            (condition_reason(&svc).as_deref() == Some(reason) && warned).then_some(())
+        })
+        .await;
+    }
+    // The good Service is unaffected and nothing extra was created.
+    h.wait_served("good").await;
+    assert_eq!(h.cloud.all().await.len(), 1);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_converge_without_duplicates() {
+    let h = Harness::new("faults").await;
+    two_nodes(&h).await;
+    h.cloud
+        .set_faults(sdk::Faults {
+            error_rate: 0.3,
+            latency_ms: 2000,
+            rate_limit_per_second: Some(2),
+        })
+        .await;
+    let controller = h.controller(&[]);
+    let names: Vec<String> = (0..6).map(|i| format!("svc-{i}")).collect();
+    for name in &names {
+        h.create_service(lb_service(name, &[(80, "TCP")])).await;
+    }
+    for name in &names {
+        h.eventually(
+            &format!("{name} served under faults"),
+            Duration::from_secs(120),
+            || async {
+                let svc = h.get_service(name).await?;
+                ingress_ip(&svc)?;
+                Some(())
+            },
+        )
+        .await;
+    }
+    h.cloud.set_faults(sdk::Faults::default()).await;
+    let metrics = controller.metrics().await;
+    for outcome in ["rate_limited", "unavailable"] {
+        assert!(
+            metrics.contains(&format!("outcome=\"{outcome}\"")),
+            "no {outcome} call seen:\n{metrics}"
+        );
+    }
+    let lbs = h.cloud.all().await;
+    assert_eq!(lbs.len(), names.len(), "never two LBs for one Service");
+    for name in &names {
+        h.wait_served(name).await;
+    }
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_provisioning_then_restart_gives_exactly_one_lb_each() {
+    let h = Harness::new("sigkill").await;
+    two_nodes(&h).await;
+    let mut first = h.controller(&["--concurrency", "8"]);
+    let names: Vec<String> = (0..50).map(|i| format!("s{i:02}")).collect();
+    for name in &names {
+        h.create_service(lb_service(name, &[(80, "TCP")])).await;
+    }
+    h.eventually("some LBs created", WAIT, || async {
+        (h.cloud.all().await.len() >= 10).then_some(())
+    })
+    .await;
+    first.signal(nix::sys::signal::Signal::SIGKILL);
+    first.wait_exit(Duration::from_secs(10)).await;
+    let restarted = tokio::time::Instant::now();
+    let _second = h.controller(&["--concurrency", "8"]);
+    for name in &names {
+        h.wait_served(name).await;
+    }
+    println!(
+        "50 Services served {:?} after the restart",
+        restarted.elapsed()
+    );
+    assert_eq!(h.cloud.all().await.len(), 50);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_election_only_leader_writes_and_hands_over() {
+    let h = Harness::new("leader").await;
+    two_nodes(&h).await;
+    let args = [
+        "--leader-elect",
+        "--leader-elect-namespace",
+        "default",
+        "--leader-elect-lease-duration",
+        "4",
+    ];
+    let mut a = h.controller(&[&args[..], &["--identity", "replica-a"]].concat());
+    h.create_service(lb_service("first", &[(80, "TCP")])).await;
+    h.wait_served("first").await;
+    let b = h.controller(&[&args[..], &["--identity", "replica-b"]].concat());
+    h.eventually("standby serving metrics", WAIT, || async {
+        reqwest::get(format!("http://{}/readyz", b.metrics_addr))
+            .await
+            .ok()?
+            .status()
+            .is_success()
+            .then_some(())
+    })
+    .await;
+    h.create_service(lb_service("second", &[(80, "TCP")])).await;
+    h.wait_served("second").await;
+    assert_eq!(b.cloud_calls().await, 0, "the standby called the cloud");
+    assert!(a.cloud_calls().await > 0);
+    a.signal(nix::sys::signal::Signal::SIGKILL);
+    a.wait_exit(Duration::from_secs(10)).await;
+    let killed = tokio::time::Instant::now();
+    h.create_service(lb_service("third", &[(80, "TCP")])).await;
+    h.wait_served("third").await;
+    let handover = killed.elapsed();
+    println!("hand-over plus provisioning took {handover:?}");
+    assert!(
+        handover < Duration::from_secs(4 + 6),
+        "hand-over took {handover:?}"
+    );
+    assert!(b.cloud_calls().await > 0);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_shuts_down_cleanly() {
+    let h = Harness::new("sigterm").await;
+    let mut c = h.controller(&[]);
+    h.eventually("controller ready", WAIT, || async {
+        reqwest::get(format!("http://{}/readyz", c.metrics_addr))
+            .await
+            .ok()?
+            .status()
+            .is_success()
+            .then_some(())
+    })
+    .await;
+    c.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = c.wait_exit(Duration::from_secs(10)).await;
+    assert!(status.success(), "{status:?}\n{}", h.logs());
+    h.shutdown().await;
+}
