@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: unit, integration, kernel (network namespaces), end-to-end and
-# Helm chart tests. Needs root: kernel tests create network namespaces and program
-# iptables inside them only.
+# The whole test suite: unit, integration, kernel (network namespaces), end-to-end, API
+# fuzzing and Helm chart tests. Needs root: kernel tests create network namespaces and
+# program iptables inside them only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,14 +10,36 @@ if [ "$(id -u)" != 0 ]; then
     exit 1
 fi
 
+failed=()
+step() {
+    local name=$1
+    shift
+    echo "=== $name"
+    if ! "$@"; then
+        failed+=("$name")
+    fi
+}
+
 # Binaries that the integration and chart tests start as real processes.
 cargo build --workspace --locked --bins
-cargo test --workspace --locked --no-fail-fast
 
-# Python tools for the chart tests live in a virtualenv under target/.
-venv=target/pyenv
-if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
+step "cargo tests" cargo test --workspace --locked --no-fail-fast
+
+# The mock cloud's API fuzzed from its OpenAPI document (schemathesis in its own venv).
+step "cloud-mock API fuzz" env CLOUD_MOCK_BIN="$PWD/target/debug/cloud-mock" \
+    FUZZ_VENV="$PWD/target/pyenv-fuzz" bash cloud-mock/tests/fuzz_openapi.sh
+
+chart_tests() {
+    # Python tools for the chart tests live in a virtualenv under target/.
+    local venv=target/pyenv
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check -r charts/tandem/tests/requirements.txt
+    PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" -m pytest -q charts/tandem/tests
+}
+step "Helm chart tests" chart_tests
+
+if [ ${#failed[@]} -ne 0 ]; then
+    printf 'FAILED: %s\n' "${failed[@]}" >&2
+    exit 1
 fi
-"$venv/bin/pip" install --quiet --disable-pip-version-check -r charts/tandem/tests/requirements.txt
-PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" -m pytest -q charts/tandem/tests
+echo "all tests passed"

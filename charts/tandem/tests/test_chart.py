@@ -170,6 +170,7 @@ def test_checkov_security_scan_passes(tmp_path):
         ({"nodeProxy": {"syncPeriod": "soon"}}, "syncPeriod"),
         ({"log": {"format": "xml"}}, "format"),
         ({"clusterId": "Has Spaces"}, "clusterId"),
+        ({"clusterId": "a-cluster-id-longer-than-24"}, "clusterId"),
         ({"cloud": {"url": "ftp://x"}}, "url"),
         ({"controller": {"metricsPort": 70000}}, "metricsPort"),
     ],

@@ -1,0 +1,444 @@
+//! `tandem-lab`: a virtual cluster with a LoadBalancer Service reachable from an outside
+//! client, through the cloud's load balancer and the node proxy.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+use tandem_lab::lab::{Lab, LabOptions};
+use tandem_lab::report;
+use tandem_lab::scenario::{LbMode, ServicePlan};
+use tandem_netlab::Node;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tandem-lab",
+    version,
+    about = "Tandem's lab: LoadBalancer Services on a virtual cluster of network namespaces"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Nodes in the virtual cluster (pods run on the first two).
+    #[arg(long, global = true, env = "TANDEM_LAB_NODES", default_value_t = 3)]
+    nodes: usize,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Build the lab, show a LoadBalancer Service working in both LB modes, tear it down.
+    Demo,
+    /// Build the lab and keep it running in the background (see `status`, `down`).
+    Up,
+    /// Stop a lab started with `up`.
+    Down,
+    /// Show the lab started with `up` and the commands to poke at it.
+    Status,
+    /// The background process behind `up` (not for direct use).
+    #[command(hide = true)]
+    Serve,
+}
+
+/// What `up` leaves for `status` and `down`.
+#[derive(Debug, Serialize, Deserialize)]
+struct LabState {
+    pid: u32,
+    prefix: String,
+    run_dir: PathBuf,
+    kubeconfig: PathBuf,
+    control_plane: String,
+    client_in_range: String,
+    client_out_of_range: String,
+    nodes: Vec<String>,
+    services: Vec<(String, String)>,
+}
+
+const STATE_FILE: &str = "/run/tandem-lab.json";
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    match cli.command {
+        Command::Demo => with_lab(cli.nodes, |lab| Box::pin(demo(lab))),
+        Command::Serve => {
+            // `down` ends a served lab with SIGTERM: that is its normal end.
+            let served = with_lab(cli.nodes, |lab| Box::pin(serve(lab)));
+            let _ = std::fs::remove_file(STATE_FILE);
+            match served {
+                Err(e) if e.is::<Interrupted>() => Ok(()),
+                other => other,
+            }
+        }
+        Command::Up => up(cli.nodes),
+        Command::Down => down(),
+        Command::Status => status(),
+    }
+}
+
+fn require_root() -> Result<()> {
+    if !nix::unistd::Uid::effective().is_root() {
+        bail!("the lab creates network namespaces: run it as root (sudo)");
+    }
+    Ok(())
+}
+
+type LabFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + 'a>>;
+
+/// Builds the lab, runs `body` on it, and tears it down (also when `body` fails).
+fn with_lab(nodes: usize, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) -> Result<()> {
+    require_root()?;
+    let start = Instant::now();
+    let progress = move |what: &str| println!("[{:>5.1}s] {what}", start.elapsed().as_secs_f64());
+    let options = LabOptions {
+        nodes,
+        pods_per_node: pods_per_node(nodes),
+        ..LabOptions::default()
+    };
+    progress("building the virtual cluster (network namespaces, bridges, veth pairs, pods)");
+    let topology = Lab::build_topology(&options)?;
+    // The runtime is built after entering the control-plane namespace: its threads are there.
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async {
+        let mut lab = tokio::select! {
+            lab = Lab::start(topology, options, &progress) => lab?,
+            signal = interrupted() => return Err(Interrupted(signal).into()),
+        };
+        let result = tokio::select! {
+            result = body(&mut lab) => result,
+            signal = interrupted() => Err(Interrupted(signal).into()),
+        };
+        progress("tearing down: stopping processes, removing namespaces");
+        lab.keep_run_dir = result.is_err();
+        drop(lab);
+        result
+    })
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted by {0}")]
+struct Interrupted(&'static str);
+
+/// Resolves on the first SIGINT or SIGTERM, naming it.
+async fn interrupted() -> &'static str {
+    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+    }
+}
+
+fn pods_per_node(nodes: usize) -> Vec<u32> {
+    (0..nodes).map(|i| if i < 2 { 2 } else { 0 }).collect()
+}
+
+async fn demo(lab: &mut Lab) -> Result<()> {
+    let all_pods: Vec<String> = lab.topology.pods().iter().map(|p| p.name.clone()).collect();
+    let client = lab.topology.client_in_range().clone();
+    let outsider = lab.topology.client_out_of_range().clone();
+    let node = lab.topology.nodes()[0].clone();
+
+    section("1. proxy mode: the cloud proxies VIP:80 to nodeIP:nodePort; nodes DNAT to pods");
+    let mut proxy = ServicePlan::new("web", LbMode::Proxy);
+    proxy.pods = all_pods.clone();
+    lab.create_service(&proxy).await?;
+    let vip = lab
+        .wait_for_ingress(&proxy, Duration::from_secs(60))
+        .await?;
+    show_service_and_lb(lab, &proxy).await?;
+    let http = lab.http_requests(&client, vip, proxy.port, 60).await?;
+    show_spread(
+        &format!("60 HTTP requests from {} to {vip}:80", client.ip),
+        &http,
+    );
+    let udp = lab.udp_requests(&client, vip, proxy.port, 20).await?;
+    show_spread(
+        &format!("20 UDP requests from {} to {vip}:80", client.ip),
+        &udp,
+    );
+    let node_port =
+        node_port(&lab.service(&proxy).await?).context("the Service has no nodePort")?;
+    let title = format!("a request from the cloud to {}:{node_port}", node.ip);
+    show_trace(
+        lab,
+        &node,
+        &title,
+        lab.topology.edge().node_network_ip,
+        node.ip,
+        node_port,
+    )
+    .await?;
+
+    section("2. passthrough mode: the cloud routes the VIP to nodes; nodes take it with KUBE-FW");
+    let mut direct = ServicePlan::new("web-direct", LbMode::Passthrough);
+    direct.pods = all_pods;
+    direct.source_ranges = vec!["203.0.113.0/24".to_owned()];
+    lab.create_service(&direct).await?;
+    let vip = lab
+        .wait_for_ingress(&direct, Duration::from_secs(60))
+        .await?;
+    show_service_and_lb(lab, &direct).await?;
+    let allowed = lab.http_requests(&client, vip, direct.port, 40).await?;
+    show_spread(
+        &format!(
+            "40 HTTP requests from {} (inside loadBalancerSourceRanges)",
+            client.ip
+        ),
+        &allowed,
+    );
+    let denied = lab.http_requests(&outsider, vip, direct.port, 5).await?;
+    show_spread(
+        &format!(
+            "5 HTTP requests from {} (outside loadBalancerSourceRanges)",
+            outsider.ip
+        ),
+        &denied,
+    );
+    show_trace(
+        lab,
+        &node,
+        "the allowed client",
+        client.ip,
+        vip,
+        direct.port,
+    )
+    .await?;
+    show_trace(
+        lab,
+        &node,
+        "the client outside the source ranges",
+        outsider.ip,
+        vip,
+        direct.port,
+    )
+    .await?;
+    Ok(())
+}
+
+fn show_spread(title: &str, spread: &tandem_lab::scenario::Spread) {
+    println!("{}", report::spread(title, spread));
+}
+
+async fn show_trace(
+    lab: &Lab,
+    node: &Node,
+    title: &str,
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    port: u16,
+) -> Result<()> {
+    println!(
+        "KUBE-* chains on {} for {title} (tandem-nodeproxy trace):",
+        node.name
+    );
+    println!(
+        "{}",
+        report::condensed_trace(&lab.trace(node, src, dst, port).await?)
+    );
+    Ok(())
+}
+
+async fn show_service_and_lb(lab: &Lab, plan: &ServicePlan) -> Result<()> {
+    println!("$ kubectl get svc {}", plan.name);
+    let out = lab
+        .topology
+        .control_plane()
+        .netns
+        .exec_async([
+            "kubectl",
+            "--kubeconfig",
+            &lab.kubeconfig.to_string_lossy(),
+            "get",
+            "svc",
+            &plan.name,
+        ])
+        .await?;
+    print!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let svc = lab.service(plan).await?;
+    let id = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get("service.beta.kubernetes.io/mockcloud-load-balancer-id"))
+        .context("the controller wrote no load-balancer id annotation")?;
+    let lb = lab
+        .cloud
+        .get_load_balancer(id)
+        .await
+        .map_err(|e| anyhow::anyhow!("reading {id} from the cloud: {e}"))?;
+    println!("the load balancer in the cloud ({}):", lab.cloud_url);
+    println!("{}", report::load_balancer(&lb));
+    Ok(())
+}
+
+fn node_port(svc: &k8s_openapi::api::core::v1::Service) -> Option<u16> {
+    let port = svc
+        .spec
+        .as_ref()?
+        .ports
+        .as_ref()?
+        .iter()
+        .find(|p| p.protocol.as_deref() == Some("TCP"))?;
+    u16::try_from(port.node_port?).ok()
+}
+
+fn section(title: &str) {
+    println!("\n=== {title}\n");
+}
+
+async fn serve(lab: &mut Lab) -> Result<()> {
+    let mut plan = ServicePlan::new("web", LbMode::Proxy);
+    plan.pods = lab.topology.pods().iter().map(|p| p.name.clone()).collect();
+    lab.create_service(&plan).await?;
+    let vip: Option<Ipv4Addr> = lab
+        .wait_for_ingress(&plan, Duration::from_secs(60))
+        .await
+        .ok();
+    let state = LabState {
+        pid: std::process::id(),
+        prefix: lab.topology.prefix().to_owned(),
+        run_dir: lab.run_dir.clone(),
+        kubeconfig: lab.kubeconfig.clone(),
+        control_plane: lab.topology.control_plane().netns.name().to_owned(),
+        client_in_range: lab.topology.client_in_range().netns.name().to_owned(),
+        client_out_of_range: lab.topology.client_out_of_range().netns.name().to_owned(),
+        nodes: lab
+            .topology
+            .nodes()
+            .iter()
+            .map(|n| n.netns.name().to_owned())
+            .collect(),
+        services: vec![(
+            plan.name.clone(),
+            vip.map(|v| v.to_string()).unwrap_or_default(),
+        )],
+    };
+    std::fs::write(STATE_FILE, serde_json::to_vec_pretty(&state)?)
+        .context("writing the lab state file")?;
+    // Runs until `down` (SIGTERM) or Ctrl-C; with_lab tears the lab down.
+    std::future::pending().await
+}
+
+fn read_state() -> Result<LabState> {
+    let bytes = std::fs::read(STATE_FILE).with_context(|| {
+        format!("no running lab ({STATE_FILE} missing): start one with `tandem-lab up`")
+    })?;
+    serde_json::from_slice(&bytes).context("reading the lab state")
+}
+
+fn up(nodes: usize) -> Result<()> {
+    require_root()?;
+    if let Ok(state) = read_state() {
+        if kill(Pid::from_raw(state.pid as i32), None).is_ok() {
+            bail!(
+                "a lab is already running (pid {}); `tandem-lab down` stops it",
+                state.pid
+            );
+        }
+        let _ = std::fs::remove_file(STATE_FILE);
+    }
+    let exe = std::env::current_exe()?;
+    let log = std::env::temp_dir().join("tandem-lab-up.log");
+    let out = std::fs::File::create(&log)?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(["serve", "--nodes", &nodes.to_string()])
+        .stdin(std::process::Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out);
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let mut child = cmd.spawn().context("starting the lab in the background")?;
+    println!(
+        "starting the lab in the background (progress in {})",
+        log.display()
+    );
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(180) {
+        if let Some(status) = child.try_wait()? {
+            bail!(
+                "the lab failed to start ({status}):\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        if let Ok(state) = read_state() {
+            print_usage(&state);
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    bail!(
+        "the lab did not come up within 180 s; see {}",
+        log.display()
+    )
+}
+
+fn down() -> Result<()> {
+    let state = read_state()?;
+    let pid = Pid::from_raw(state.pid as i32);
+    kill(pid, Signal::SIGTERM).with_context(|| format!("stopping the lab (pid {})", state.pid))?;
+    let start = Instant::now();
+    while kill(pid, None).is_ok() && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    println!("lab {} stopped; namespaces removed", state.prefix);
+    Ok(())
+}
+
+fn status() -> Result<()> {
+    let state = read_state()?;
+    let alive = kill(Pid::from_raw(state.pid as i32), None).is_ok();
+    println!(
+        "lab {} (pid {}, {})",
+        state.prefix,
+        state.pid,
+        if alive { "running" } else { "NOT running" }
+    );
+    print_usage(&state);
+    Ok(())
+}
+
+fn print_usage(state: &LabState) {
+    let kc = state.kubeconfig.display();
+    println!(
+        "\nThe lab is up. Everything runs in network namespaces named {}*:",
+        state.prefix
+    );
+    for (name, vip) in &state.services {
+        println!("  Service default/{name}, LoadBalancer ingress {vip}");
+    }
+    println!("\nkubectl (from the control-plane namespace):");
+    println!(
+        "  ip netns exec {} kubectl --kubeconfig {kc} get svc,nodes",
+        state.control_plane
+    );
+    if let Some((_, vip)) = state.services.first() {
+        println!("a request from the outside client (inside the source ranges):");
+        let echo = tandem_lab::binaries::locate("tandem-echo")
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|_| "tandem-echo".to_owned());
+        println!(
+            "  ip netns exec {} {echo} get http://{vip}/",
+            state.client_in_range
+        );
+    }
+    println!("the node proxy's rules on a node:");
+    if let Some(node) = state.nodes.first() {
+        println!("  ip netns exec {node} iptables -t nat -S | grep KUBE-");
+    }
+    println!("logs: {}/logs", state.run_dir.display());
+    println!("stop it: tandem-lab down");
+}

@@ -1,0 +1,458 @@
+//! The running lab: topology, processes, and the API/cloud clients to drive them.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use k8s_openapi::api::core::v1::Service;
+use kube::api::{Api, DeleteParams, PostParams};
+use tandem_netlab::cluster::{Endpoint, EndpointSliceWriter, LabNode, NodeAgent, NodeAgentConfig};
+use tandem_netlab::{Host, Netns, Node, Topology};
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use crate::binaries;
+use crate::components::Component;
+use crate::netns;
+use crate::scenario::{ServicePlan, Spread};
+
+const API_PORT: u16 = 6443;
+const CLOUD_PORT: u16 = 8080;
+/// The node proxy's health port, which the cloud health-checks (as kube-proxy's 10256).
+pub const NODE_HEALTH_PORT: u16 = 10256;
+pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+pub const VIP_POOL: &str = "198.51.100.0/24";
+
+#[derive(Debug, Clone)]
+pub struct LabOptions {
+    pub nodes: usize,
+    pub pods_per_node: Vec<u32>,
+    pub cluster_id: String,
+    /// Where logs, kubeconfig and the cloud's data go; a fresh temporary directory if None.
+    pub run_dir: Option<PathBuf>,
+}
+
+impl Default for LabOptions {
+    fn default() -> Self {
+        Self {
+            nodes: 3,
+            pods_per_node: vec![2, 2, 0],
+            cluster_id: "lab".to_owned(),
+            run_dir: None,
+        }
+    }
+}
+
+/// A running lab. Dropping it stops every process and removes every namespace.
+pub struct Lab {
+    // Field order is drop order: processes go before the namespaces they run in.
+    components: Vec<Component>,
+    pub topology: Topology,
+    pub run_dir: PathBuf,
+    pub kubeconfig: PathBuf,
+    pub token: String,
+    pub kube: kube::Client,
+    pub cloud: cloud_mock_sdk::Client,
+    pub cloud_url: String,
+    pub options: LabOptions,
+    /// Keep the run directory (logs, kubeconfig, cloud data) when the lab goes; it is kept
+    /// anyway when the lab is dropped during a panic (a failing test).
+    pub keep_run_dir: bool,
+    endpoints: EndpointSliceWriter,
+    /// Stops the node agent (Lease renewals, Ready heartbeats) when the lab goes.
+    _node_agent: DropGuard,
+}
+
+impl Lab {
+    /// Builds the virtual cluster and moves the calling thread into its control-plane
+    /// namespace, so that the tokio runtime the caller builds next (and every socket the
+    /// process opens) lives inside the lab. Call before building the runtime.
+    pub fn build_topology(options: &LabOptions) -> Result<Topology> {
+        let topology = Topology::builder()
+            .nodes(options.nodes)
+            .pods_per_node(&options.pods_per_node)
+            // The lab handles SIGINT/SIGTERM itself: it must stop its processes before the
+            // namespaces go, and the topology's own handler would exit without them.
+            .handle_signals(false)
+            .build()
+            .context("building the virtual cluster (network namespaces)")?;
+        netns::enter(topology.control_plane().netns.name())?;
+        Ok(topology)
+    }
+
+    /// Starts the API server stand-in, the mock cloud, the controller and a node proxy per
+    /// node, registers the Nodes, and waits until each serves.
+    pub async fn start(
+        topology: Topology,
+        options: LabOptions,
+        progress: &dyn Fn(&str),
+    ) -> Result<Self> {
+        let run_dir = match &options.run_dir {
+            Some(dir) => dir.clone(),
+            None => std::env::temp_dir().join(format!("tandem-lab-{}", topology.prefix())),
+        };
+        std::fs::create_dir_all(run_dir.join("logs"))
+            .with_context(|| format!("creating {}", run_dir.display()))?;
+        let logs = run_dir.join("logs");
+        let token = format!("lab-{}", topology.prefix());
+        let kubeconfig = run_dir.join("kubeconfig");
+        let cp = topology.control_plane().clone();
+        let mut components = Vec::new();
+
+        progress("starting the API server stand-in");
+        let api_addr = SocketAddr::from((cp.ip, API_PORT));
+        let mut apiserver = Component::start(
+            &cp.netns,
+            "apiserver",
+            &binaries::locate("tandem-apiserver")?,
+            &[
+                format!("--listen={api_addr}"),
+                format!("--token={token}"),
+                format!("--kubeconfig-out={}", kubeconfig.display()),
+            ],
+            &[],
+            &logs,
+        )?;
+        apiserver
+            .wait_serving(api_addr, Duration::from_secs(20))
+            .await?;
+        components.push(apiserver);
+        let kube = kube_client(&kubeconfig).await?;
+
+        progress("registering the nodes (a kubelet's Node, Lease and Ready heartbeats)");
+        let lab_nodes = topology.nodes().iter().map(LabNode::from).collect();
+        let mut agent = NodeAgent::new(kube.clone(), lab_nodes, NodeAgentConfig::default());
+        agent.register().await.context("registering the nodes")?;
+        let stop_agent = CancellationToken::new();
+        let agent_token = stop_agent.clone();
+        tokio::spawn(async move {
+            if let Err(e) = agent.run(agent_token).await {
+                tracing::error!(error = %e, "node agent stopped");
+            }
+        });
+
+        progress("starting the mock cloud in the cloud edge");
+        let edge = topology.edge().clone();
+        let cloud_addr = SocketAddr::from((edge.node_network_ip, CLOUD_PORT));
+        let cloud_url = format!("http://{cloud_addr}");
+        let token_file = run_dir.join("cloud-token");
+        std::fs::write(&token_file, &token).context("writing the cloud token file")?;
+        let mut cloud = Component::start(
+            &edge.netns,
+            "cloud-mock",
+            &binaries::locate("cloud-mock")?,
+            &[
+                format!("--listen={cloud_addr}"),
+                format!("--data-dir={}", run_dir.join("cloud").display()),
+                format!("--token={token}"),
+                format!("--vip-pool={VIP_POOL}"),
+                "--dataplane=proxy".to_owned(),
+                "--manage-vip-addresses".to_owned(),
+                format!("--vip-device={}", edge.vip_interface),
+                "--provisioning-delay=200ms".to_owned(),
+            ],
+            &[],
+            &logs,
+        )?;
+        cloud
+            .wait_serving(cloud_addr, Duration::from_secs(20))
+            .await?;
+        components.push(cloud);
+        let cloud_client = cloud_mock_sdk::Client::new(
+            &cloud_url,
+            token.clone(),
+            cloud_mock_sdk::ClientOptions::default(),
+        )
+        .map_err(|e| anyhow!("cloud client: {e}"))?;
+
+        progress("starting a node proxy on every node");
+        for node in topology.nodes() {
+            let mut proxy = Component::start(
+                &node.netns,
+                &format!("nodeproxy-{}", node.name),
+                &binaries::locate("tandem-nodeproxy")?,
+                &[
+                    format!("--kubeconfig={}", kubeconfig.display()),
+                    format!("--node-name={}", node.name),
+                    format!("--cluster-cidr={CLUSTER_CIDR}"),
+                    format!("--healthz-bind-address=0.0.0.0:{NODE_HEALTH_PORT}"),
+                    "--metrics-bind-address=127.0.0.1:10249".to_owned(),
+                    "--min-sync-period=200ms".to_owned(),
+                ],
+                &[],
+                &logs,
+            )?;
+            proxy
+                .wait_serving(
+                    SocketAddr::from((node.ip, NODE_HEALTH_PORT)),
+                    Duration::from_secs(20),
+                )
+                .await?;
+            components.push(proxy);
+        }
+
+        progress("starting the controller");
+        let health = SocketAddr::from((cp.ip, 10258));
+        let mut controller = Component::start(
+            &cp.netns,
+            "controller",
+            &binaries::locate("tandem-controller")?,
+            &[
+                format!("--kubeconfig={}", kubeconfig.display()),
+                format!("--cloud-url={cloud_url}"),
+                format!("--cloud-token-file={}", token_file.display()),
+                format!("--cluster-id={}", options.cluster_id),
+                format!("--health-bind-address={health}"),
+                format!(
+                    "--metrics-bind-address={}",
+                    SocketAddr::from((cp.ip, 10257))
+                ),
+            ],
+            &[],
+            &logs,
+        )?;
+        controller
+            .wait_serving(health, Duration::from_secs(20))
+            .await?;
+        components.push(controller);
+
+        Ok(Self {
+            components,
+            topology,
+            run_dir,
+            kubeconfig,
+            token,
+            keep_run_dir: false,
+            endpoints: EndpointSliceWriter::new(kube.clone()),
+            kube,
+            cloud: cloud_client,
+            cloud_url,
+            options,
+            _node_agent: stop_agent.drop_guard(),
+        })
+    }
+
+    pub fn components(&self) -> &[Component] {
+        &self.components
+    }
+
+    /// Creates the Service and the EndpointSlice for its pods.
+    pub async fn create_service(&self, plan: &ServicePlan) -> Result<()> {
+        let services: Api<Service> = Api::namespaced(self.kube.clone(), &plan.namespace);
+        services
+            .create(&PostParams::default(), &plan.service())
+            .await
+            .with_context(|| format!("creating Service {}/{}", plan.namespace, plan.name))?;
+        self.write_endpoints(plan).await
+    }
+
+    /// Makes the Service's EndpointSlice list exactly `plan.pods` (all ready).
+    pub async fn write_endpoints(&self, plan: &ServicePlan) -> Result<()> {
+        let endpoints = plan
+            .pods
+            .iter()
+            .map(|name| self.topology.pod(name).map(Endpoint::ready))
+            .collect::<Result<Vec<_>, _>>()
+            .context("the plan names a pod the topology does not have")?;
+        self.endpoints.sync(&plan.service(), &endpoints).await?;
+        Ok(())
+    }
+
+    pub async fn delete_service(&self, plan: &ServicePlan) -> Result<()> {
+        let services: Api<Service> = Api::namespaced(self.kube.clone(), &plan.namespace);
+        services
+            .delete(&plan.name, &DeleteParams::default())
+            .await?;
+        self.endpoints.delete(&plan.service()).await?;
+        Ok(())
+    }
+
+    pub async fn service(&self, plan: &ServicePlan) -> Result<Service> {
+        let services: Api<Service> = Api::namespaced(self.kube.clone(), &plan.namespace);
+        Ok(services.get(&plan.name).await?)
+    }
+
+    /// Waits until the Service has an ingress IP, and returns it.
+    pub async fn wait_for_ingress(
+        &self,
+        plan: &ServicePlan,
+        timeout: Duration,
+    ) -> Result<Ipv4Addr> {
+        let start = Instant::now();
+        loop {
+            let svc = self.service(plan).await?;
+            if let Some(ip) = ingress_ip(&svc) {
+                return Ok(ip);
+            }
+            if start.elapsed() > timeout {
+                bail!(
+                    "Service {}/{} got no ingress IP within {timeout:?}; check {} (controller.log, cloud-mock.log) and its Events",
+                    plan.namespace,
+                    plan.name,
+                    self.run_dir.join("logs").display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Sends `count` HTTP requests from `client` to `vip:port`, one after another.
+    pub async fn http_requests(
+        &self,
+        client: &Host,
+        vip: Ipv4Addr,
+        port: u16,
+        count: u32,
+    ) -> Result<Spread> {
+        let echo = self
+            .topology
+            .echo_client()
+            .context("the pods run no echo server")?;
+        let replies = echo
+            .http_get_many_async(&client.netns, &format!("http://{vip}:{port}/"), count)
+            .await
+            .context("running the echo client")?;
+        Ok(Spread::from_replies(&replies, self.topology.nodes()))
+    }
+
+    /// Sends `count` UDP requests from `client` to `vip:port`.
+    pub async fn udp_requests(
+        &self,
+        client: &Host,
+        vip: Ipv4Addr,
+        port: u16,
+        count: u32,
+    ) -> Result<Spread> {
+        let echo = self
+            .topology
+            .echo_client()
+            .context("the pods run no echo server")?;
+        let replies = echo
+            .udp_request_many_async(&client.netns, SocketAddr::from((vip, port)), count)
+            .await
+            .context("running the echo client")?;
+        Ok(Spread::from_replies(&replies, self.topology.nodes()))
+    }
+
+    /// `tandem-nodeproxy trace` on a node: where a packet goes there, chain by chain.
+    pub async fn trace(
+        &self,
+        node: &Node,
+        src: Ipv4Addr,
+        dst: Ipv4Addr,
+        dport: u16,
+    ) -> Result<String> {
+        let out = node
+            .netns
+            .tokio_command(binaries::locate("tandem-nodeproxy")?)
+            .args([
+                "trace".to_owned(),
+                format!("--kubeconfig={}", self.kubeconfig.display()),
+                format!("--node-name={}", node.name),
+                format!("--cluster-cidr={CLUSTER_CIDR}"),
+                format!("--src={src}"),
+                format!("--dst={dst}"),
+                format!("--dport={dport}"),
+            ])
+            .output()
+            .await
+            .context("running tandem-nodeproxy trace")?;
+        if !out.status.success() {
+            bail!(
+                "tandem-nodeproxy trace failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Packets counted by the rules of the chains named `chain` (or, when it ends in `-`,
+    /// starting with it, e.g. `KUBE-FW-`) of one table on a node (`iptables -L -v -x`).
+    pub async fn chain_packets(&self, node: &Netns, table: &str, chain: &str) -> Result<u64> {
+        let out = node
+            .exec_async(["iptables", "-w", "-t", table, "-L", "-v", "-x", "-n"])
+            .await
+            .context("reading iptables counters")?;
+        if !out.status.success() {
+            bail!(
+                "iptables -t {table} -L: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(sum_packet_counters(
+            &String::from_utf8_lossy(&out.stdout),
+            chain,
+        ))
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        if self.keep_run_dir || std::thread::panicking() {
+            eprintln!("lab logs kept in {}", self.run_dir.join("logs").display());
+        } else if let Err(e) = std::fs::remove_dir_all(&self.run_dir) {
+            tracing::warn!(error = %e, dir = %self.run_dir.display(), "removing the lab's run directory");
+        }
+    }
+}
+
+/// The first IPv4 ingress address of a Service's status.
+pub fn ingress_ip(svc: &Service) -> Option<Ipv4Addr> {
+    svc.status
+        .as_ref()?
+        .load_balancer
+        .as_ref()?
+        .ingress
+        .as_ref()?
+        .iter()
+        .find_map(|i| i.ip.as_deref()?.parse().ok())
+}
+
+/// Sum of the packet column of the rules of the matching chains in `iptables -L -v -x -n`
+/// output; `chain` ending in `-` matches every chain with that prefix.
+pub fn sum_packet_counters(listing: &str, chain: &str) -> u64 {
+    let matches = |name: &str| {
+        if chain.ends_with('-') {
+            name.starts_with(chain)
+        } else {
+            name == chain
+        }
+    };
+    let mut in_chain = false;
+    let mut total = 0;
+    for line in listing.lines() {
+        if let Some(rest) = line.strip_prefix("Chain ") {
+            in_chain = rest.split_whitespace().next().is_some_and(matches);
+        } else if in_chain
+            && let Some(Ok(packets)) = line.split_whitespace().next().map(str::parse::<u64>)
+        {
+            total += packets;
+        }
+    }
+    total
+}
+
+pub async fn kube_client(kubeconfig: &Path) -> Result<kube::Client> {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig)
+        .with_context(|| format!("reading kubeconfig {}", kubeconfig.display()))?;
+    let config =
+        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+            .await
+            .context("loading kubeconfig")?;
+    Ok(kube::Client::try_from(config)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packet_counters_are_summed_over_matching_chains() {
+        let listing = "Chain PREROUTING (policy ACCEPT 40 packets, 2400 bytes)\n    pkts      bytes target     prot opt in     out     source               destination\n      40     2400 KUBE-SERVICES  all  --  *      *       0.0.0.0/0            0.0.0.0/0\n\nChain KUBE-FW-AAAA (1 references)\n    pkts      bytes target     prot opt in     out     source               destination\n       7      420 KUBE-MARK-MASQ  all  --  *      *       0.0.0.0/0            0.0.0.0/0\n\nChain KUBE-FW-BBBB (1 references)\n    pkts      bytes target     prot opt in     out     source               destination\n       2      120 KUBE-MARK-DROP  all  --  *      *       0.0.0.0/0            0.0.0.0/0\n";
+        assert_eq!(sum_packet_counters(listing, "KUBE-FW-"), 9);
+        assert_eq!(sum_packet_counters(listing, "KUBE-FW-AAAA"), 7);
+        // Policy counters in a built-in chain's header are not rule counters.
+        assert_eq!(sum_packet_counters(listing, "PREROUTING"), 40);
+        assert_eq!(sum_packet_counters(listing, "KUBE-SVC-"), 0);
+    }
+}

@@ -1,0 +1,16 @@
+//! The Tandem lab: a virtual cluster (network namespaces, see `tandem-netlab`) running the
+//! API server stand-in, the mock cloud, the controller and a node proxy per node, with a
+//! LoadBalancer Service reachable from outside clients through both balancers.
+//!
+//! The lab process itself works from inside the control-plane namespace (see
+//! [`netns::enter`]): every packet it sends stays inside the virtual cluster.
+
+pub mod binaries;
+pub mod components;
+pub mod lab;
+pub mod netns;
+pub mod report;
+pub mod scenario;
+
+pub use lab::{Lab, LabOptions};
+pub use scenario::{LbMode, ServicePlan};

@@ -1,0 +1,224 @@
+//! What the lab asks of the cluster (a LoadBalancer Service over some pods) and what it
+//! makes of the answers (how requests spread over nodes and pods). Pure: no I/O here.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr};
+
+use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use tandem_netlab::{EchoReply, Node};
+
+/// The annotation that picks the load balancer's mode in the mock cloud.
+pub const MODE_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-mode";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LbMode {
+    /// The cloud proxies `VIP:port` to `nodeIP:nodePort`.
+    Proxy,
+    /// The cloud routes the VIP to nodes; nodes take it with KUBE-FW.
+    Passthrough,
+}
+
+impl LbMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LbMode::Proxy => "proxy",
+            LbMode::Passthrough => "passthrough",
+        }
+    }
+}
+
+/// A LoadBalancer Service the lab creates, and the pods behind it.
+#[derive(Debug, Clone)]
+pub struct ServicePlan {
+    pub namespace: String,
+    pub name: String,
+    pub mode: LbMode,
+    pub port: u16,
+    /// The pods' port (the echo serves HTTP and UDP on it).
+    pub target_port: u16,
+    pub external_traffic_policy_local: bool,
+    pub source_ranges: Vec<String>,
+    /// Names of the pods (topology pods) that serve it.
+    pub pods: Vec<String>,
+}
+
+impl ServicePlan {
+    pub fn new(name: &str, mode: LbMode) -> Self {
+        Self {
+            namespace: "default".to_owned(),
+            name: name.to_owned(),
+            mode,
+            port: 80,
+            target_port: tandem_netlab::echo::DEFAULT_ECHO_PORT,
+            external_traffic_policy_local: false,
+            source_ranges: Vec::new(),
+            pods: Vec::new(),
+        }
+    }
+
+    /// The selectorless Service: one TCP and one UDP port, both served by the pod echo.
+    pub fn service(&self) -> Service {
+        let port = |name: &str, protocol: &str| ServicePort {
+            name: Some(name.to_owned()),
+            protocol: Some(protocol.to_owned()),
+            port: i32::from(self.port),
+            target_port: Some(IntOrString::Int(i32::from(self.target_port))),
+            ..ServicePort::default()
+        };
+        Service {
+            metadata: ObjectMeta {
+                name: Some(self.name.clone()),
+                namespace: Some(self.namespace.clone()),
+                annotations: Some(BTreeMap::from([(
+                    MODE_ANNOTATION.to_owned(),
+                    self.mode.as_str().to_owned(),
+                )])),
+                ..ObjectMeta::default()
+            },
+            spec: Some(ServiceSpec {
+                type_: Some("LoadBalancer".to_owned()),
+                ports: Some(vec![port("http", "TCP"), port("udp", "UDP")]),
+                external_traffic_policy: Some(
+                    if self.external_traffic_policy_local {
+                        "Local"
+                    } else {
+                        "Cluster"
+                    }
+                    .to_owned(),
+                ),
+                load_balancer_source_ranges: (!self.source_ranges.is_empty())
+                    .then(|| self.source_ranges.clone()),
+                ..ServiceSpec::default()
+            }),
+            status: None,
+        }
+    }
+}
+
+/// How a batch of requests went: answers by pod and by the source address the pods saw.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Spread {
+    pub sent: usize,
+    pub failed: usize,
+    pub errors: BTreeMap<String, usize>,
+    pub by_pod: BTreeMap<String, usize>,
+    /// The source the pod saw: a node's name when the node masqueraded, else the address.
+    pub by_seen_source: BTreeMap<String, usize>,
+}
+
+impl Spread {
+    pub fn from_replies(replies: &[Result<EchoReply, String>], nodes: &[Node]) -> Self {
+        let mut spread = Spread {
+            sent: replies.len(),
+            ..Spread::default()
+        };
+        for reply in replies {
+            match reply {
+                Ok(r) => {
+                    *spread.by_pod.entry(r.pod.clone()).or_default() += 1;
+                    *spread
+                        .by_seen_source
+                        .entry(source_label(r.client.ip(), nodes))
+                        .or_default() += 1;
+                }
+                Err(e) => {
+                    spread.failed += 1;
+                    *spread.errors.entry(e.clone()).or_default() += 1;
+                }
+            }
+        }
+        spread
+    }
+
+    pub fn succeeded(&self) -> usize {
+        self.sent - self.failed
+    }
+
+    /// Nodes that took requests, as seen by the pods (masqueraded sources only).
+    pub fn nodes_seen<'a>(&'a self, nodes: &'a [Node]) -> impl Iterator<Item = &'a str> {
+        self.by_seen_source
+            .keys()
+            .map(String::as_str)
+            .filter(|k| nodes.iter().any(|n| n.name == *k))
+    }
+}
+
+fn source_label(ip: IpAddr, nodes: &[Node]) -> String {
+    match ip {
+        IpAddr::V4(v4) => nodes
+            .iter()
+            .find(|n| n.ip == v4 || node_owns_pod_gateway(n, v4))
+            .map(|n| n.name.clone())
+            .unwrap_or_else(|| v4.to_string()),
+        IpAddr::V6(v6) => v6.to_string(),
+    }
+}
+
+/// A node masquerading towards a local pod uses its cni0 address (the pod CIDR's first).
+fn node_owns_pod_gateway(node: &Node, ip: Ipv4Addr) -> bool {
+    node.pod_cidr.contains(&ip) && u32::from(ip) == u32::from(node.pod_cidr.network()) + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_netlab::Netns;
+
+    fn node(index: usize) -> Node {
+        Node {
+            index,
+            name: format!("node-{index}"),
+            netns: Netns::attach(format!("t-n{index}")),
+            ip: Ipv4Addr::new(198, 18, 0, 10 + index as u8),
+            pod_cidr: format!("10.244.{index}.0/24").parse().unwrap(),
+        }
+    }
+
+    fn reply(pod: &str, client: &str) -> Result<EchoReply, String> {
+        Ok(EchoReply {
+            pod: pod.to_owned(),
+            client: client.parse().unwrap(),
+            node: None,
+        })
+    }
+
+    #[test]
+    fn spread_names_masquerading_nodes_and_keeps_client_addresses() {
+        let nodes = [node(1), node(2)];
+        let replies = [
+            reply("n1p1", "198.18.0.11:4000"),
+            reply("n1p1", "10.244.1.1:4001"),
+            reply("n2p1", "203.0.113.10:4002"),
+            Err("timed out".to_owned()),
+        ];
+        let spread = Spread::from_replies(&replies, &nodes);
+        assert_eq!(spread.sent, 4);
+        assert_eq!(spread.failed, 1);
+        assert_eq!(spread.by_pod["n1p1"], 2);
+        assert_eq!(spread.by_seen_source["node-1"], 2);
+        assert_eq!(spread.by_seen_source["203.0.113.10"], 1);
+        assert_eq!(
+            spread.nodes_seen(&nodes).collect::<Vec<_>>(),
+            vec!["node-1"]
+        );
+    }
+
+    #[test]
+    fn service_is_selectorless_load_balancer_with_tcp_and_udp() {
+        let mut plan = ServicePlan::new("web", LbMode::Passthrough);
+        plan.source_ranges = vec!["203.0.113.0/24".to_owned()];
+        plan.external_traffic_policy_local = true;
+        let svc = plan.service();
+        let spec = svc.spec.unwrap();
+        assert_eq!(spec.type_.as_deref(), Some("LoadBalancer"));
+        assert!(spec.selector.is_none());
+        assert_eq!(spec.external_traffic_policy.as_deref(), Some("Local"));
+        assert_eq!(spec.ports.unwrap().len(), 2);
+        assert_eq!(
+            svc.metadata.annotations.unwrap()[MODE_ANNOTATION],
+            "passthrough"
+        );
+    }
+}

@@ -1,0 +1,396 @@
+//! End to end: client → LB IP → NodePort → pod on the virtual cluster, in both LB modes.
+//! Each test builds its own lab (namespaces with a unique prefix, removed afterwards); they
+//! run one at a time so that the machine's two cores are not shared by several clusters.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::future::Future;
+use std::net::Ipv4Addr;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tandem_lab::lab::{Lab, LabOptions};
+use tandem_lab::scenario::{LbMode, ServicePlan, Spread};
+
+static ONE_LAB_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Builds a lab with `pods_per_node`, runs `body` on it inside the control-plane namespace,
+/// and tears it down.
+fn with_lab<F, Fut>(pods_per_node: &[u32], body: F)
+where
+    F: FnOnce(Lab) -> Fut,
+    Fut: Future<Output = Lab>,
+{
+    let _serial = ONE_LAB_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let options = LabOptions {
+        nodes: pods_per_node.len(),
+        pods_per_node: pods_per_node.to_vec(),
+        ..LabOptions::default()
+    };
+    // The test thread moves into the lab's control-plane namespace (it ends with the test),
+    // and the runtime's threads are born there.
+    let topology = Lab::build_topology(&options).unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let start = Instant::now();
+        let lab = Lab::start(topology, options, &|what| {
+            eprintln!("[{:>5.1}s] {what}", start.elapsed().as_secs_f64())
+        })
+        .await
+        .unwrap();
+        let lab = body(lab).await;
+        drop(lab);
+    });
+}
+
+fn pods(lab: &Lab, nodes: &[usize]) -> Vec<String> {
+    lab.topology
+        .pods()
+        .iter()
+        .filter(|p| nodes.contains(&p.node))
+        .map(|p| p.name.clone())
+        .collect()
+}
+
+/// Requests until they all succeed or `bound` passes; returns how long it took.
+async fn until_all_succeed(lab: &Lab, vip: Ipv4Addr, bound: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let spread = lab
+            .http_requests(lab.topology.client_in_range(), vip, 80, 10)
+            .await
+            .unwrap();
+        if spread.failed == 0 {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < bound,
+            "requests still failing after {bound:?}: {spread:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[test]
+fn proxy_mode_spreads_over_nodes_and_every_pod_and_masquerades() {
+    with_lab(&[2, 2, 0], |lab| async move {
+        let mut plan = ServicePlan::new("web", LbMode::Proxy);
+        plan.pods = pods(&lab, &[1, 2]);
+        lab.create_service(&plan).await.unwrap();
+        let vip = lab
+            .wait_for_ingress(&plan, Duration::from_secs(60))
+            .await
+            .unwrap();
+        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+
+        let spread = lab
+            .http_requests(lab.topology.client_in_range(), vip, 80, 200)
+            .await
+            .unwrap();
+        assert_eq!(spread.failed, 0, "{spread:?}");
+        let nodes: Vec<&str> = spread.nodes_seen(lab.topology.nodes()).collect();
+        assert!(
+            nodes.len() >= 2,
+            "the cloud used only {nodes:?}: {spread:?}"
+        );
+        assert_eq!(spread.by_pod.len(), 4, "not every pod answered: {spread:?}");
+        // Masquerade: every pod saw a node's address, never the client's.
+        assert!(
+            !spread.by_seen_source.contains_key("203.0.113.10"),
+            "{spread:?}"
+        );
+        assert_eq!(spread.by_seen_source.values().sum::<usize>(), 200);
+
+        let udp = lab
+            .udp_requests(lab.topology.client_in_range(), vip, 80, 20)
+            .await
+            .unwrap();
+        assert_eq!(udp.failed, 0, "UDP through the proxy-mode VIP: {udp:?}");
+        lab
+    });
+}
+
+#[test]
+fn passthrough_mode_takes_kube_fw_and_drops_clients_outside_source_ranges() {
+    with_lab(&[2, 2, 0], |lab| async move {
+        let mut plan = ServicePlan::new("direct", LbMode::Passthrough);
+        plan.pods = pods(&lab, &[1, 2]);
+        plan.source_ranges = vec!["203.0.113.0/24".to_owned()];
+        lab.create_service(&plan).await.unwrap();
+        let vip = lab
+            .wait_for_ingress(&plan, Duration::from_secs(60))
+            .await
+            .unwrap();
+        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+
+        let allowed = lab
+            .http_requests(lab.topology.client_in_range(), vip, 80, 50)
+            .await
+            .unwrap();
+        assert_eq!(allowed.failed, 0, "{allowed:?}");
+
+        let mut drops_before = 0;
+        let mut firewall_before = 0;
+        let mut fw_before = 0;
+        for node in lab.topology.nodes() {
+            drops_before += lab
+                .chain_packets(&node.netns, "nat", "KUBE-MARK-DROP")
+                .await
+                .unwrap();
+            firewall_before += lab
+                .chain_packets(&node.netns, "filter", "KUBE-FIREWALL")
+                .await
+                .unwrap();
+            fw_before += lab
+                .chain_packets(&node.netns, "nat", "KUBE-FW-")
+                .await
+                .unwrap();
+        }
+        let denied = lab
+            .http_requests(lab.topology.client_out_of_range(), vip, 80, 5)
+            .await
+            .unwrap();
+        assert_eq!(
+            denied.failed, 5,
+            "a client outside loadBalancerSourceRanges got answers: {denied:?}"
+        );
+        let mut drops = 0;
+        let mut firewall = 0;
+        let mut fw = 0;
+        for node in lab.topology.nodes() {
+            drops += lab
+                .chain_packets(&node.netns, "nat", "KUBE-MARK-DROP")
+                .await
+                .unwrap();
+            firewall += lab
+                .chain_packets(&node.netns, "filter", "KUBE-FIREWALL")
+                .await
+                .unwrap();
+            fw += lab
+                .chain_packets(&node.netns, "nat", "KUBE-FW-")
+                .await
+                .unwrap();
+        }
+        // The packets reached nodes with the VIP as destination and walked KUBE-FW there.
+        assert!(
+            fw > fw_before,
+            "no packet took a KUBE-FW chain ({fw_before} -> {fw})"
+        );
+        assert!(
+            drops > drops_before,
+            "KUBE-MARK-DROP counted nothing ({drops_before} -> {drops})"
+        );
+        assert!(
+            firewall > firewall_before,
+            "KUBE-FIREWALL dropped nothing ({firewall_before} -> {firewall})"
+        );
+
+        let node = &lab.topology.nodes()[0];
+        let trace = lab
+            .trace(node, Ipv4Addr::new(192, 0, 2, 10), vip, 80)
+            .await
+            .unwrap();
+        assert!(
+            trace.contains("KUBE-FW-") && trace.contains("KUBE-MARK-DROP"),
+            "{trace}"
+        );
+        lab
+    });
+}
+
+#[test]
+fn external_traffic_policy_local_uses_only_nodes_with_pods_and_keeps_client_ip() {
+    with_lab(&[2, 0, 0], |lab| async move {
+        let mut plan = ServicePlan::new("local", LbMode::Passthrough);
+        plan.pods = pods(&lab, &[1]);
+        plan.external_traffic_policy_local = true;
+        lab.create_service(&plan).await.unwrap();
+        let vip = lab
+            .wait_for_ingress(&plan, Duration::from_secs(60))
+            .await
+            .unwrap();
+        until_all_succeed(&lab, vip, Duration::from_secs(30)).await;
+
+        let spread = lab
+            .http_requests(lab.topology.client_in_range(), vip, 80, 50)
+            .await
+            .unwrap();
+        assert_eq!(spread.failed, 0, "{spread:?}");
+        // Source IP preserved: the pods saw the outside client itself.
+        assert_eq!(
+            spread.by_seen_source.keys().collect::<Vec<_>>(),
+            vec!["203.0.113.10"],
+            "{spread:?}"
+        );
+
+        // Only the node with local endpoints is healthy in the cloud.
+        let svc = lab.service(&plan).await.unwrap();
+        let id = &svc.metadata.annotations.unwrap()["service.beta.kubernetes.io/mockcloud-load-balancer-id"];
+        let lb = lab.cloud.get_load_balancer(id).await.unwrap();
+        let healthy: Vec<Ipv4Addr> = lb
+            .health
+            .iter()
+            .filter(|h| h.health == cloud_mock_sdk::BackendHealth::Healthy)
+            .map(|h| h.ip)
+            .collect();
+        assert_eq!(healthy, vec![lab.topology.nodes()[0].ip], "{lb:?}");
+        lab
+    });
+}
+
+#[test]
+fn a_failed_node_is_taken_out_and_requests_recover_within_bound() {
+    with_lab(&[2, 2, 0], |lab| async move {
+        let mut plan = ServicePlan::new("web", LbMode::Proxy);
+        plan.pods = pods(&lab, &[1]);
+        lab.create_service(&plan).await.unwrap();
+        let vip = lab
+            .wait_for_ingress(&plan, Duration::from_secs(60))
+            .await
+            .unwrap();
+        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+
+        // Node 2 stops answering: its link to the node network goes down.
+        let failed = &lab.topology.nodes()[1];
+        let out = failed
+            .netns
+            .exec_async(["ip", "link", "set", "eth0", "down"])
+            .await
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let recovered = until_all_succeed(&lab, vip, Duration::from_secs(15)).await;
+        eprintln!("requests all succeed again {recovered:?} after node 2 went down");
+        let spread = lab
+            .http_requests(lab.topology.client_in_range(), vip, 80, 50)
+            .await
+            .unwrap();
+        assert_eq!(spread.failed, 0, "{spread:?}");
+        assert!(
+            !spread.by_seen_source.contains_key(&failed.name),
+            "{spread:?}"
+        );
+        lab
+    });
+}
+
+#[test]
+fn scaling_pods_changes_who_answers_and_deleting_the_service_frees_the_vip() {
+    with_lab(&[1, 1, 0], |mut lab| async move {
+        let mut plan = ServicePlan::new("web", LbMode::Proxy);
+        plan.pods = pods(&lab, &[1, 2]);
+        lab.create_service(&plan).await.unwrap();
+        let vip = lab
+            .wait_for_ingress(&plan, Duration::from_secs(60))
+            .await
+            .unwrap();
+        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+
+        // Scale up: a pod on node 3 joins the EndpointSlice.
+        let new_pod = tokio::task::block_in_place(|| lab.topology.add_pod(3)).unwrap();
+        plan.pods.push(new_pod.name.clone());
+        lab.write_endpoints(&plan).await.unwrap();
+        let start = Instant::now();
+        loop {
+            let spread = lab
+                .http_requests(lab.topology.client_in_range(), vip, 80, 30)
+                .await
+                .unwrap();
+            assert_eq!(
+                spread.failed, 0,
+                "scale-up must not fail requests: {spread:?}"
+            );
+            if spread.by_pod.contains_key(&new_pod.name) {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the new pod never answered: {spread:?}"
+            );
+        }
+
+        // Scale down: the first pod leaves the EndpointSlice, then goes away.
+        let gone = plan.pods.remove(0);
+        lab.write_endpoints(&plan).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::task::block_in_place(|| lab.topology.remove_pod(&gone)).unwrap();
+        let spread: Spread = lab
+            .http_requests(lab.topology.client_in_range(), vip, 80, 50)
+            .await
+            .unwrap();
+        assert!(
+            spread.failed <= 1,
+            "scale-down failed more than 1 of 50 requests: {spread:?}"
+        );
+        assert!(!spread.by_pod.contains_key(&gone), "{spread:?}");
+
+        // Deleting the Service removes the LB from the cloud and frees the VIP.
+        let id = lab
+            .service(&plan)
+            .await
+            .unwrap()
+            .metadata
+            .annotations
+            .unwrap()["service.beta.kubernetes.io/mockcloud-load-balancer-id"]
+            .clone();
+        lab.delete_service(&plan).await.unwrap();
+        let start = Instant::now();
+        while lab.cloud.get_load_balancer(&id).await.is_ok() {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "LB {id} still in the cloud"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let mut again = ServicePlan::new("again", LbMode::Proxy);
+        again.pods = plan.pods.clone();
+        lab.create_service(&again).await.unwrap();
+        let vip_again = lab
+            .wait_for_ingress(&again, Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(
+            vip_again, vip,
+            "the freed VIP is handed out again (lowest free first)"
+        );
+        lab
+    });
+}
+
+#[test]
+fn a_pod_reaching_the_lb_ip_is_served_through_the_kube_fw_short_cut() {
+    with_lab(&[1, 1, 0], |lab| async move {
+        let mut plan = ServicePlan::new("direct", LbMode::Passthrough);
+        plan.pods = pods(&lab, &[2]);
+        lab.create_service(&plan).await.unwrap();
+        let vip = lab
+            .wait_for_ingress(&plan, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let node = &lab.topology.nodes()[0];
+        let fw_chain_before = lab
+            .chain_packets(&node.netns, "nat", "KUBE-FW-")
+            .await
+            .unwrap();
+        let client = lab.topology.pods_on(1).next().unwrap().clone();
+        let echo = lab.topology.echo_client().unwrap();
+        let reply = echo
+            .http_get_async(&client.netns, &format!("http://{vip}:80/"))
+            .await
+            .unwrap();
+        assert!(plan.pods.contains(&reply.pod), "{reply:?}");
+        let fw_chain_after = lab
+            .chain_packets(&node.netns, "nat", "KUBE-FW-")
+            .await
+            .unwrap();
+        assert!(
+            fw_chain_after > fw_chain_before,
+            "the pod's node did not take the LB IP through KUBE-FW"
+        );
+        let trace = lab.trace(node, client.ip, vip, 80).await.unwrap();
+        assert!(trace.contains("KUBE-FW-"), "{trace}");
+        lab
+    });
+}
