@@ -12,6 +12,7 @@ use tandem_netlab::{Host, Netns, Node, Topology};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::binaries;
+use crate::bridge::RelayThread;
 use crate::components::Component;
 use crate::netns;
 use crate::scenario::{ServicePlan, Spread};
@@ -30,6 +31,8 @@ pub struct LabOptions {
     pub cluster_id: String,
     /// Where logs, kubeconfig and the cloud's data go; a fresh temporary directory if None.
     pub run_dir: Option<PathBuf>,
+    /// Run against this real API server (its kubeconfig) instead of the stand-in.
+    pub api_server: Option<PathBuf>,
 }
 
 impl Default for LabOptions {
@@ -39,14 +42,23 @@ impl Default for LabOptions {
             pods_per_node: vec![2, 2, 0],
             cluster_id: "lab".to_owned(),
             run_dir: None,
+            api_server: None,
         }
     }
 }
 
 /// A running lab. Dropping it stops every process and removes every namespace.
+/// A built virtual cluster, before its processes start: see [`Lab::prepare`].
+pub struct Prepared {
+    topology: Topology,
+    run_dir: PathBuf,
+    relay: Option<RelayThread>,
+}
+
 pub struct Lab {
     // Field order is drop order: processes go before the namespaces they run in.
     components: Vec<Component>,
+    relay: Option<RelayThread>,
     pub topology: Topology,
     pub run_dir: PathBuf,
     pub kubeconfig: PathBuf,
@@ -58,16 +70,22 @@ pub struct Lab {
     /// Keep the run directory (logs, kubeconfig, cloud data) when the lab goes; it is kept
     /// anyway when the lab is dropped during a panic (a failing test).
     pub keep_run_dir: bool,
+    /// The loadBalancerClass of the lab's Services on a real API server, so that the lab's
+    /// controller never touches the cluster's own LoadBalancer Services.
+    load_balancer_class: Option<String>,
+    /// Services this lab created (namespace, name), removed by [`Lab::shutdown`].
+    created: std::sync::Mutex<Vec<(String, String)>>,
     endpoints: EndpointSliceWriter,
     /// Stops the node agent (Lease renewals, Ready heartbeats) when the lab goes.
     _node_agent: DropGuard,
 }
 
 impl Lab {
-    /// Builds the virtual cluster and moves the calling thread into its control-plane
-    /// namespace, so that the tokio runtime the caller builds next (and every socket the
-    /// process opens) lives inside the lab. Call before building the runtime.
-    pub fn build_topology(options: &LabOptions) -> Result<Topology> {
+    /// Builds the virtual cluster (and, for a real API server, the relay that brings it in)
+    /// and moves the calling thread into the control-plane namespace, so that the tokio
+    /// runtime the caller builds next, and every socket the process opens, lives inside the
+    /// lab. Call before building the runtime.
+    pub fn prepare(options: &LabOptions) -> Result<Prepared> {
         let topology = Topology::builder()
             .nodes(options.nodes)
             .pods_per_node(&options.pods_per_node)
@@ -76,47 +94,57 @@ impl Lab {
             .handle_signals(false)
             .build()
             .context("building the virtual cluster (network namespaces)")?;
-        netns::enter(topology.control_plane().netns.name())?;
-        Ok(topology)
-    }
-
-    /// Starts the API server stand-in, the mock cloud, the controller and a node proxy per
-    /// node, registers the Nodes, and waits until each serves.
-    pub async fn start(
-        topology: Topology,
-        options: LabOptions,
-        progress: &dyn Fn(&str),
-    ) -> Result<Self> {
         let run_dir = match &options.run_dir {
             Some(dir) => dir.clone(),
             None => std::env::temp_dir().join(format!("tandem-lab-{}", topology.prefix())),
         };
         std::fs::create_dir_all(run_dir.join("logs"))
             .with_context(|| format!("creating {}", run_dir.display()))?;
+        // The relay must start here, in the root namespace, to reach the real server.
+        let relay = match &options.api_server {
+            Some(original) => Some(RelayThread::start(
+                original,
+                &topology.control_plane().netns,
+                &run_dir.join("kubeconfig"),
+            )?),
+            None => None,
+        };
+        netns::enter(topology.control_plane().netns.name())?;
+        Ok(Prepared {
+            topology,
+            run_dir,
+            relay,
+        })
+    }
+
+    /// Starts the API server stand-in (unless a real one is bridged in), the mock cloud,
+    /// the controller and a node proxy per node, registers the Nodes, and waits until each
+    /// serves.
+    pub async fn start(
+        prepared: Prepared,
+        options: LabOptions,
+        progress: &dyn Fn(&str),
+    ) -> Result<Self> {
+        let Prepared {
+            topology,
+            run_dir,
+            relay,
+        } = prepared;
         let logs = run_dir.join("logs");
         let token = format!("lab-{}", topology.prefix());
         let kubeconfig = run_dir.join("kubeconfig");
         let cp = topology.control_plane().clone();
         let mut components = Vec::new();
 
-        progress("starting the API server stand-in");
-        let api_addr = SocketAddr::from((cp.ip, API_PORT));
-        let mut apiserver = Component::start(
-            &cp.netns,
-            "apiserver",
-            &binaries::locate("tandem-apiserver")?,
-            &[
-                format!("--listen={api_addr}"),
-                format!("--token={token}"),
-                format!("--kubeconfig-out={}", kubeconfig.display()),
-            ],
-            &[],
-            &logs,
-        )?;
-        apiserver
-            .wait_serving(api_addr, Duration::from_secs(20))
-            .await?;
-        components.push(apiserver);
+        let load_balancer_class = relay
+            .as_ref()
+            .map(|_| format!("tandem.io/lab-{}", topology.prefix()));
+        if relay.is_some() {
+            progress("using the real API server through the relay at 198.18.0.2:6443");
+        } else {
+            progress("starting the API server stand-in");
+            components.push(start_stand_in(&cp, &token, &kubeconfig, &logs).await?);
+        }
         let kube = kube_client(&kubeconfig).await?;
 
         progress("registering the nodes (a kubelet's Node, Lease and Ready heartbeats)");
@@ -193,21 +221,28 @@ impl Lab {
 
         progress("starting the controller");
         let health = SocketAddr::from((cp.ip, 10258));
+        let mut args = vec![
+            format!("--kubeconfig={}", kubeconfig.display()),
+            format!("--cloud-url={cloud_url}"),
+            format!("--cloud-token-file={}", token_file.display()),
+            format!("--cluster-id={}", options.cluster_id),
+            format!("--health-bind-address={health}"),
+            format!(
+                "--metrics-bind-address={}",
+                SocketAddr::from((cp.ip, 10257))
+            ),
+        ];
+        if let Some(class) = &load_balancer_class {
+            args.extend([
+                format!("--load-balancer-class={class}"),
+                "--claim-unclassed=false".to_owned(),
+            ]);
+        }
         let mut controller = Component::start(
             &cp.netns,
             "controller",
             &binaries::locate("tandem-controller")?,
-            &[
-                format!("--kubeconfig={}", kubeconfig.display()),
-                format!("--cloud-url={cloud_url}"),
-                format!("--cloud-token-file={}", token_file.display()),
-                format!("--cluster-id={}", options.cluster_id),
-                format!("--health-bind-address={health}"),
-                format!(
-                    "--metrics-bind-address={}",
-                    SocketAddr::from((cp.ip, 10257))
-                ),
-            ],
+            &args,
             &[],
             &logs,
         )?;
@@ -218,6 +253,9 @@ impl Lab {
 
         Ok(Self {
             components,
+            relay,
+            load_balancer_class,
+            created: std::sync::Mutex::new(Vec::new()),
             topology,
             run_dir,
             kubeconfig,
@@ -232,6 +270,43 @@ impl Lab {
         })
     }
 
+    /// Stops the lab. On a real API server it first removes what the lab wrote there: its
+    /// Services (waiting for the controller to release their load balancers), their
+    /// EndpointSlices, and its Nodes and Leases. With the stand-in, dropping is enough.
+    pub async fn shutdown(self) -> Result<()> {
+        if self.relay.is_some() {
+            let created =
+                std::mem::take(&mut *self.created.lock().unwrap_or_else(|e| e.into_inner()));
+            for (namespace, name) in created {
+                let mut plan = ServicePlan::new(&name, crate::scenario::LbMode::Proxy);
+                plan.namespace = namespace;
+                if let Err(e) = self.delete_service(&plan).await {
+                    tracing::warn!(error = %e, service = %name, "removing a lab Service from the API server");
+                    continue;
+                }
+                // The controller must release the load balancer and its finalizer while it
+                // still runs, or the Service would stay behind, terminating forever.
+                let services: Api<Service> = Api::namespaced(self.kube.clone(), &plan.namespace);
+                let start = Instant::now();
+                while services.get_opt(&name).await?.is_some() {
+                    if start.elapsed() > Duration::from_secs(60) {
+                        bail!(
+                            "Service {}/{name} was not released within 60 s",
+                            plan.namespace
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+            let lab_nodes = self.topology.nodes().iter().map(LabNode::from).collect();
+            NodeAgent::new(self.kube.clone(), lab_nodes, NodeAgentConfig::default())
+                .unregister()
+                .await
+                .context("removing the lab's Nodes and Leases")?;
+        }
+        Ok(())
+    }
+
     pub fn components(&self) -> &[Component] {
         &self.components
     }
@@ -239,10 +314,18 @@ impl Lab {
     /// Creates the Service and the EndpointSlice for its pods.
     pub async fn create_service(&self, plan: &ServicePlan) -> Result<()> {
         let services: Api<Service> = Api::namespaced(self.kube.clone(), &plan.namespace);
+        let mut service = plan.service();
+        if let (Some(spec), Some(class)) = (service.spec.as_mut(), &self.load_balancer_class) {
+            spec.load_balancer_class = Some(class.clone());
+        }
         services
-            .create(&PostParams::default(), &plan.service())
+            .create(&PostParams::default(), &service)
             .await
             .with_context(|| format!("creating Service {}/{}", plan.namespace, plan.name))?;
+        self.created
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((plan.namespace.clone(), plan.name.clone()));
         self.write_endpoints(plan).await
     }
 
@@ -296,7 +379,7 @@ impl Lab {
         }
     }
 
-    /// Sends `count` HTTP requests from `client` to `vip:port`, one after another.
+    /// Sends `count` HTTP requests from `client` to `vip:port`, each on a new connection.
     pub async fn http_requests(
         &self,
         client: &Host,
@@ -304,18 +387,15 @@ impl Lab {
         port: u16,
         count: u32,
     ) -> Result<Spread> {
-        let echo = self
-            .topology
-            .echo_client()
-            .context("the pods run no echo server")?;
-        let replies = echo
-            .http_get_many_async(&client.netns, &format!("http://{vip}:{port}/"), count)
-            .await
-            .context("running the echo client")?;
-        Ok(Spread::from_replies(&replies, self.topology.nodes()))
+        let url = format!("http://{vip}:{port}/");
+        let replies = self
+            .echo()?
+            .http_get_many_async(&client.netns, &url, count)
+            .await;
+        self.spread(replies)
     }
 
-    /// Sends `count` UDP requests from `client` to `vip:port`.
+    /// Sends `count` UDP requests from `client` to `vip:port`, each from a new source port.
     pub async fn udp_requests(
         &self,
         client: &Host,
@@ -323,14 +403,25 @@ impl Lab {
         port: u16,
         count: u32,
     ) -> Result<Spread> {
-        let echo = self
-            .topology
+        let target = SocketAddr::from((vip, port));
+        let replies = self
+            .echo()?
+            .udp_request_many_async(&client.netns, target, count)
+            .await;
+        self.spread(replies)
+    }
+
+    fn echo(&self) -> Result<tandem_netlab::EchoClient> {
+        self.topology
             .echo_client()
-            .context("the pods run no echo server")?;
-        let replies = echo
-            .udp_request_many_async(&client.netns, SocketAddr::from((vip, port)), count)
-            .await
-            .context("running the echo client")?;
+            .context("the pods run no echo server")
+    }
+
+    fn spread(
+        &self,
+        replies: Result<Vec<Result<tandem_netlab::EchoReply, String>>, tandem_netlab::NetlabError>,
+    ) -> Result<Spread> {
+        let replies = replies.context("running the echo client")?;
         Ok(Spread::from_replies(&replies, self.topology.nodes()))
     }
 
@@ -366,6 +457,15 @@ impl Lab {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// [`Lab::chain_packets`] summed over every node.
+    pub async fn chain_packets_on_all_nodes(&self, table: &str, chain: &str) -> Result<u64> {
+        let mut total = 0;
+        for node in self.topology.nodes() {
+            total += self.chain_packets(&node.netns, table, chain).await?;
+        }
+        Ok(total)
+    }
+
     /// Packets counted by the rules of the chains named `chain` (or, when it ends in `-`,
     /// starting with it, e.g. `KUBE-FW-`) of one table on a node (`iptables -L -v -x`).
     pub async fn chain_packets(&self, node: &Netns, table: &str, chain: &str) -> Result<u64> {
@@ -394,6 +494,32 @@ impl Drop for Lab {
             tracing::warn!(error = %e, dir = %self.run_dir.display(), "removing the lab's run directory");
         }
     }
+}
+
+/// Starts the API server stand-in in the control plane; it writes the lab's kubeconfig.
+async fn start_stand_in(
+    cp: &Host,
+    token: &str,
+    kubeconfig: &Path,
+    logs: &Path,
+) -> Result<Component> {
+    let api_addr = SocketAddr::from((cp.ip, API_PORT));
+    let mut apiserver = Component::start(
+        &cp.netns,
+        "apiserver",
+        &binaries::locate("tandem-apiserver")?,
+        &[
+            format!("--listen={api_addr}"),
+            format!("--token={token}"),
+            format!("--kubeconfig-out={}", kubeconfig.display()),
+        ],
+        &[],
+        logs,
+    )?;
+    apiserver
+        .wait_serving(api_addr, Duration::from_secs(20))
+        .await?;
+    Ok(apiserver)
 }
 
 /// The first IPv4 ingress address of a Service's status.

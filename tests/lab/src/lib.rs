@@ -6,11 +6,12 @@
 //! [`netns::enter`]): every packet it sends stays inside the virtual cluster.
 
 pub mod binaries;
+pub mod bridge;
 pub mod components;
 pub mod lab;
 pub mod netns;
 pub mod report;
 pub mod scenario;
 
-pub use lab::{Lab, LabOptions};
+pub use lab::{Lab, LabOptions, Prepared};
 pub use scenario::{LbMode, ServicePlan};

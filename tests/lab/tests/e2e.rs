@@ -5,6 +5,7 @@
 
 use std::future::Future;
 use std::net::Ipv4Addr;
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -13,37 +14,71 @@ use tandem_lab::scenario::{LbMode, ServicePlan, Spread};
 
 static ONE_LAB_AT_A_TIME: Mutex<()> = Mutex::new(());
 
+/// Set to a kubeconfig to run the whole suite against that (real) API server instead of
+/// the stand-in: `TANDEM_E2E_KUBECONFIG=~/.kube/config cargo test -p tandem-lab --test e2e`.
+const REAL_API_SERVER_ENV: &str = "TANDEM_E2E_KUBECONFIG";
+
 /// Builds a lab with `pods_per_node`, runs `body` on it inside the control-plane namespace,
 /// and tears it down.
 fn with_lab<F, Fut>(pods_per_node: &[u32], body: F)
 where
-    F: FnOnce(Lab) -> Fut,
+    F: FnOnce(Lab) -> Fut + Send + 'static,
+    Fut: Future<Output = Lab>,
+{
+    with_lab_on(
+        pods_per_node,
+        std::env::var_os(REAL_API_SERVER_ENV).map(PathBuf::from),
+        body,
+    );
+}
+
+/// [`with_lab`] against the API server of `api_server` (a kubeconfig), or the stand-in.
+fn with_lab_on<F, Fut>(pods_per_node: &[u32], api_server: Option<PathBuf>, body: F)
+where
+    F: FnOnce(Lab) -> Fut + Send + 'static,
     Fut: Future<Output = Lab>,
 {
     let _serial = ONE_LAB_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let options = LabOptions {
         nodes: pods_per_node.len(),
         pods_per_node: pods_per_node.to_vec(),
+        api_server,
         ..LabOptions::default()
     };
-    // The test thread moves into the lab's control-plane namespace (it ends with the test),
-    // and the runtime's threads are born there.
-    let topology = Lab::build_topology(&options).unwrap();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let start = Instant::now();
-        let lab = Lab::start(topology, options, &|what| {
-            eprintln!("[{:>5.1}s] {what}", start.elapsed().as_secs_f64())
-        })
-        .await
-        .unwrap();
-        let lab = body(lab).await;
-        drop(lab);
+    // The lab's thread moves into the control-plane namespace and its runtime's threads are
+    // born there; the test's own thread stays where it was.
+    let lab_thread = std::thread::spawn(move || {
+        let prepared = Lab::prepare(&options).unwrap();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let start = Instant::now();
+            let progress =
+                |what: &str| eprintln!("[{:>5.1}s] {what}", start.elapsed().as_secs_f64());
+            let lab = Lab::start(prepared, options, &progress).await.unwrap();
+            body(lab).await.shutdown().await.unwrap();
+        });
     });
+    if let Err(panic) = lab_thread.join() {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// Packets counted so far by KUBE-MARK-DROP, filter KUBE-FIREWALL and the KUBE-FW chains,
+/// over all nodes.
+async fn drop_counters(lab: &Lab) -> [u64; 3] {
+    let mut counters = [0; 3];
+    for (slot, (table, chain)) in counters.iter_mut().zip([
+        ("nat", "KUBE-MARK-DROP"),
+        ("filter", "KUBE-FIREWALL"),
+        ("nat", "KUBE-FW-"),
+    ]) {
+        *slot = lab.chain_packets_on_all_nodes(table, chain).await.unwrap();
+    }
+    counters
 }
 
 fn pods(lab: &Lab, nodes: &[usize]) -> Vec<String> {
@@ -132,23 +167,7 @@ fn passthrough_mode_takes_kube_fw_and_drops_clients_outside_source_ranges() {
             .unwrap();
         assert_eq!(allowed.failed, 0, "{allowed:?}");
 
-        let mut drops_before = 0;
-        let mut firewall_before = 0;
-        let mut fw_before = 0;
-        for node in lab.topology.nodes() {
-            drops_before += lab
-                .chain_packets(&node.netns, "nat", "KUBE-MARK-DROP")
-                .await
-                .unwrap();
-            firewall_before += lab
-                .chain_packets(&node.netns, "filter", "KUBE-FIREWALL")
-                .await
-                .unwrap();
-            fw_before += lab
-                .chain_packets(&node.netns, "nat", "KUBE-FW-")
-                .await
-                .unwrap();
-        }
+        let before = drop_counters(&lab).await;
         let denied = lab
             .http_requests(lab.topology.client_out_of_range(), vip, 80, 5)
             .await
@@ -157,23 +176,12 @@ fn passthrough_mode_takes_kube_fw_and_drops_clients_outside_source_ranges() {
             denied.failed, 5,
             "a client outside loadBalancerSourceRanges got answers: {denied:?}"
         );
-        let mut drops = 0;
-        let mut firewall = 0;
-        let mut fw = 0;
-        for node in lab.topology.nodes() {
-            drops += lab
-                .chain_packets(&node.netns, "nat", "KUBE-MARK-DROP")
-                .await
-                .unwrap();
-            firewall += lab
-                .chain_packets(&node.netns, "filter", "KUBE-FIREWALL")
-                .await
-                .unwrap();
-            fw += lab
-                .chain_packets(&node.netns, "nat", "KUBE-FW-")
-                .await
-                .unwrap();
-        }
+        let after = drop_counters(&lab).await;
+        let [
+            (drops_before, drops),
+            (firewall_before, firewall),
+            (fw_before, fw),
+        ] = [0, 1, 2].map(|i| (before[i], after[i]));
         // The packets reached nodes with the VIP as destination and walked KUBE-FW there.
         assert!(
             fw > fw_before,
@@ -393,4 +401,78 @@ fn a_pod_reaching_the_lb_ip_is_served_through_the_kube_fw_short_cut() {
         assert!(trace.contains("KUBE-FW-"), "{trace}");
         lab
     });
+}
+
+/// A stand-in on the host's loopback plays a real API server here: the lab reaches it only
+/// through the relay, exactly as it reaches a remote cluster, and leaves nothing behind.
+#[test]
+fn the_lab_runs_against_an_api_server_outside_it_through_the_relay() {
+    let dir = std::env::temp_dir().join(format!("tandem-e2e-real-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = dir.join("kubeconfig");
+    let apiserver = tandem_lab::binaries::locate("tandem-apiserver").unwrap();
+    let mut server = std::process::Command::new(apiserver)
+        .args(["--listen=127.0.0.1:0", "--token=outside"])
+        .arg(format!("--kubeconfig-out={}", kubeconfig.display()))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !kubeconfig.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the API server wrote no kubeconfig"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    with_lab_on(&[1, 1, 0], Some(kubeconfig.clone()), |lab| async move {
+        let mut plan = ServicePlan::new("relayed", LbMode::Proxy);
+        plan.pods = pods(&lab, &[1, 2]);
+        lab.create_service(&plan).await.unwrap();
+        let vip = lab
+            .wait_for_ingress(&plan, Duration::from_secs(60))
+            .await
+            .unwrap();
+        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+        let svc = lab.service(&plan).await.unwrap();
+        assert!(
+            svc.spec
+                .unwrap()
+                .load_balancer_class
+                .unwrap()
+                .starts_with("tandem.io/lab-"),
+            "on a shared API server the lab's Services carry their own class"
+        );
+        lab
+    });
+
+    // The lab removed what it wrote on that server: its Service and its Nodes.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let kube = tandem_lab::lab::kube_client(&kubeconfig).await.unwrap();
+        let services: kube::Api<k8s_openapi::api::core::v1::Service> =
+            kube::Api::namespaced(kube.clone(), "default");
+        let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(kube);
+        let start = Instant::now();
+        loop {
+            let left = services.get_opt("relayed").await.unwrap();
+            let node_count = nodes.list(&Default::default()).await.unwrap().items.len();
+            if left.is_none() && node_count == 0 {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "left behind: {left:?}, {node_count} nodes"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    let _ = server.kill();
+    let _ = server.wait();
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -27,6 +27,10 @@ struct Cli {
     /// Nodes in the virtual cluster (pods run on the first two).
     #[arg(long, global = true, env = "TANDEM_LAB_NODES", default_value_t = 3)]
     nodes: usize,
+    /// Run against this real API server (its kubeconfig) instead of the stand-in: it is
+    /// relayed into the lab, the lab registers its Nodes there and removes what it wrote.
+    #[arg(long, global = true, env = "TANDEM_LAB_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -68,17 +72,17 @@ fn main() -> Result<()> {
         )
         .init();
     match cli.command {
-        Command::Demo => with_lab(cli.nodes, |lab| Box::pin(demo(lab))),
+        Command::Demo => with_lab(&cli, |lab| Box::pin(demo(lab))),
         Command::Serve => {
             // `down` ends a served lab with SIGTERM: that is its normal end.
-            let served = with_lab(cli.nodes, |lab| Box::pin(serve(lab)));
+            let served = with_lab(&cli, |lab| Box::pin(serve(lab)));
             let _ = std::fs::remove_file(STATE_FILE);
             match served {
                 Err(e) if e.is::<Interrupted>() => Ok(()),
                 other => other,
             }
         }
-        Command::Up => up(cli.nodes),
+        Command::Up => up(&cli),
         Command::Down => down(),
         Command::Status => status(),
     }
@@ -94,22 +98,23 @@ fn require_root() -> Result<()> {
 type LabFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + 'a>>;
 
 /// Builds the lab, runs `body` on it, and tears it down (also when `body` fails).
-fn with_lab(nodes: usize, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) -> Result<()> {
+fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) -> Result<()> {
     require_root()?;
     let start = Instant::now();
     let progress = move |what: &str| println!("[{:>5.1}s] {what}", start.elapsed().as_secs_f64());
     let options = LabOptions {
-        nodes,
-        pods_per_node: pods_per_node(nodes),
+        nodes: cli.nodes,
+        pods_per_node: pods_per_node(cli.nodes),
+        api_server: cli.kubeconfig.clone(),
         ..LabOptions::default()
     };
     progress("building the virtual cluster (network namespaces, bridges, veth pairs, pods)");
-    let topology = Lab::build_topology(&options)?;
+    let prepared = Lab::prepare(&options)?;
     // The runtime is built after entering the control-plane namespace: its threads are there.
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
         let mut lab = tokio::select! {
-            lab = Lab::start(topology, options, &progress) => lab?,
+            lab = Lab::start(prepared, options, &progress) => lab?,
             signal = interrupted() => return Err(Interrupted(signal).into()),
         };
         let result = tokio::select! {
@@ -118,8 +123,8 @@ fn with_lab(nodes: usize, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a
         };
         progress("tearing down: stopping processes, removing namespaces");
         lab.keep_run_dir = result.is_err();
-        drop(lab);
-        result
+        let shutdown = lab.shutdown().await;
+        result.and(shutdown)
     })
 }
 
@@ -341,7 +346,7 @@ fn read_state() -> Result<LabState> {
     serde_json::from_slice(&bytes).context("reading the lab state")
 }
 
-fn up(nodes: usize) -> Result<()> {
+fn up(cli: &Cli) -> Result<()> {
     require_root()?;
     if let Ok(state) = read_state() {
         if kill(Pid::from_raw(state.pid as i32), None).is_ok() {
@@ -356,8 +361,11 @@ fn up(nodes: usize) -> Result<()> {
     let log = std::env::temp_dir().join("tandem-lab-up.log");
     let out = std::fs::File::create(&log)?;
     let mut cmd = std::process::Command::new(exe);
-    cmd.args(["serve", "--nodes", &nodes.to_string()])
-        .stdin(std::process::Stdio::null())
+    cmd.args(["serve", "--nodes", &cli.nodes.to_string()]);
+    if let Some(kubeconfig) = &cli.kubeconfig {
+        cmd.arg("--kubeconfig").arg(kubeconfig);
+    }
+    cmd.stdin(std::process::Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out);
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);

@@ -1,0 +1,82 @@
+//! Running the lab against a real API server: a relay that makes it reachable as
+//! `198.18.0.2:6443` inside the control-plane namespace.
+//!
+//! The relay dials the real server from the namespace its runtime's threads live in, so it
+//! runs on its own thread, started in the root namespace before the lab process moves into
+//! the control plane. No packet goes from the root namespace into the lab: the relay's
+//! listening socket lives in the control plane, and only its upstream side is outside.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use anyhow::{Context, Result, anyhow};
+use kube::config::Kubeconfig;
+use tandem_netlab::{Netns, Relay, addr, plan_relay, write_kubeconfig};
+use tokio::sync::oneshot;
+
+/// The relay thread; stops the relay and joins on drop.
+pub struct RelayThread {
+    /// The kubeconfig for everything inside the lab.
+    pub kubeconfig: PathBuf,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl RelayThread {
+    /// Starts the relay for `original`'s current context, listening in `control_plane`,
+    /// and writes the in-lab kubeconfig to `kubeconfig`. Call from the root namespace.
+    pub fn start(original: &Path, control_plane: &Netns, kubeconfig: &Path) -> Result<Self> {
+        let original = Kubeconfig::read_from(original)
+            .with_context(|| format!("reading {}", original.display()))?;
+        let listen = std::net::SocketAddr::from((addr::CONTROL_PLANE_IP, addr::API_RELAY_PORT));
+        let plan = plan_relay(&original, listen)?;
+        write_kubeconfig(kubeconfig, &plan.kubeconfig)?;
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let (stop_tx, stop_rx) = oneshot::channel();
+        let netns = control_plane.clone();
+        let thread = std::thread::Builder::new()
+            .name("api-relay".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(anyhow!("relay runtime: {e}")));
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    match Relay::start(&netns, listen, plan.upstream).await {
+                        Ok(relay) => {
+                            let _ = ready_tx.send(Ok(()));
+                            let _ = stop_rx.await;
+                            relay.stop().await;
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(anyhow!("starting the API relay: {e}")));
+                        }
+                    }
+                });
+            })?;
+        ready_rx.recv().context("the API relay thread ended")??;
+        Ok(Self {
+            kubeconfig: kubeconfig.to_path_buf(),
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for RelayThread {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
