@@ -2,11 +2,12 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind};
 use ipnet::Ipv4Net;
+
+pub use tandem_common::{GoDuration, LogFormat};
 
 use crate::server::Settings;
 
@@ -16,12 +17,6 @@ pub enum DataPlaneArg {
     Proxy,
     /// API only: nothing is realised, health stays unknown.
     None,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
 }
 
 /// Mock cloud: load-balancer REST API, embedded store and a real L4 data plane.
@@ -43,12 +38,12 @@ pub struct Args {
     #[arg(long, env = "CLOUD_MOCK_DATAPLANE", value_enum, default_value_t = DataPlaneArg::Proxy)]
     pub dataplane: DataPlaneArg,
     /// Time a new load balancer stays provisioning (and a deleted one deleting), like
-    /// `500ms`, `2s`, `1m`.
-    #[arg(long, env = "CLOUD_MOCK_PROVISIONING_DELAY", value_parser = parse_duration, default_value = "1s")]
-    pub provisioning_delay: Duration,
+    /// `500ms`, `2s`, `1m` (Go duration syntax).
+    #[arg(long, env = "CLOUD_MOCK_PROVISIONING_DELAY", default_value = "1s")]
+    pub provisioning_delay: GoDuration,
     /// Time between two health probes of one backend.
-    #[arg(long, env = "CLOUD_MOCK_HEALTH_INTERVAL", value_parser = parse_duration, default_value = "1s")]
-    pub health_interval: Duration,
+    #[arg(long, env = "CLOUD_MOCK_HEALTH_INTERVAL", default_value = "1s")]
+    pub health_interval: GoDuration,
     /// Add non-loopback VIPs as addresses to --vip-device (only inside a network
     /// namespace that belongs to the cloud, like the lab's cloud edge).
     #[arg(long, env = "CLOUD_MOCK_MANAGE_VIP_ADDRESSES")]
@@ -66,13 +61,13 @@ impl Args {
             data_dir: self.data_dir.clone(),
             token: self.token.clone(),
             vip_pool: self.vip_pool,
-            provisioning_delay: self.provisioning_delay,
+            provisioning_delay: self.provisioning_delay.into(),
             dataplane: DataPlaneConfig {
                 mode: match self.dataplane {
                     DataPlaneArg::Proxy => DataPlaneKind::Proxy,
                     DataPlaneArg::None => DataPlaneKind::None,
                 },
-                health_interval: self.health_interval,
+                health_interval: self.health_interval.into(),
                 manage_vip_addresses: self.manage_vip_addresses,
                 vip_device: self.vip_device.clone(),
                 ..DataPlaneConfig::default()
@@ -81,26 +76,10 @@ impl Args {
     }
 }
 
-/// Parses `250ms`, `2s`, `1m` or a bare number of seconds.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: u64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration like 500ms, 2s or 1m"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(number)),
-        "" | "s" => Ok(Duration::from_secs(number)),
-        "m" => Ok(Duration::from_secs(number.saturating_mul(60))),
-        _ => Err(format!("{text:?}: unknown unit {unit:?}; use ms, s or m")),
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use clap::CommandFactory;
 
     use super::*;
@@ -131,15 +110,5 @@ mod tests {
         assert_eq!(settings.dataplane.mode, DataPlaneKind::None);
         assert_eq!(settings.vip_pool, "127.77.0.0/24".parse().unwrap());
         assert!(Args::try_parse_from(["cloud-mock", "--token", "t"]).is_err());
-    }
-
-    #[test]
-    fn durations_parse_with_units() {
-        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
-        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
-        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
-        assert_eq!(parse_duration("15ms"), Ok(Duration::from_millis(15)));
-        assert!(parse_duration("2h").is_err());
-        assert!(parse_duration("s").is_err());
     }
 }

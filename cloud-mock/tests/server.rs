@@ -65,12 +65,13 @@ impl Server {
             .arg(data_dir)
             .env("NO_COLOR", "1")
             .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
             .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        // Logs go to stderr.
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         let addr = tokio::time::timeout(Duration::from_secs(30), async {
             while let Some(line) = lines.next_line().await.unwrap() {
                 if let Some((_, rest)) = line.split_once("listening on ") {

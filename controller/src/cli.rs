@@ -5,17 +5,13 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+
+pub use tandem_common::LogFormat;
 
 use crate::provider::ClusterId;
 use crate::runtime::{LeaderElection, Settings};
 use crate::spec::ClassFilter;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Json,
-    Text,
-}
 
 /// Provisions cloud load balancers for Kubernetes Services of type LoadBalancer.
 #[derive(Debug, Clone, Parser)]

@@ -1,14 +1,14 @@
 //! Command-line flags (each with an environment fallback).
 
-use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use ipnet::Ipv4Net;
 use tandem_proxy_rules::model::Protocol;
+
+pub use tandem_common::{GoDuration, LogFormat};
 
 use crate::backend::BackendChoice;
 
@@ -131,64 +131,10 @@ impl From<ProtocolArg> for Protocol {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
-}
-
-/// A duration in Go's syntax as kube-proxy's flags take it: `1m30s`, `500ms`, `2h`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GoDuration(pub Duration);
-
-impl FromStr for GoDuration {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let mut rest = s.trim();
-        if rest == "0" {
-            return Ok(Self(Duration::ZERO));
-        }
-        if rest.is_empty() {
-            return Err("empty duration".into());
-        }
-        let mut total = Duration::ZERO;
-        while !rest.is_empty() {
-            let digits = rest
-                .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-                .ok_or_else(|| format!("{s:?}: missing unit (ms, s, m, h)"))?;
-            let (number, tail) = rest.split_at(digits);
-            let value: f64 = number
-                .parse()
-                .map_err(|_| format!("{s:?}: bad number {number:?}"))?;
-            let unit_len = tail
-                .find(|c: char| c.is_ascii_digit() || c == '.')
-                .unwrap_or(tail.len());
-            let (unit, tail) = tail.split_at(unit_len);
-            let seconds = match unit {
-                "ns" => 1e-9,
-                "us" | "µs" => 1e-6,
-                "ms" => 1e-3,
-                "s" => 1.0,
-                "m" => 60.0,
-                "h" => 3600.0,
-                _ => return Err(format!("{s:?}: unknown unit {unit:?}")),
-            };
-            total +=
-                Duration::try_from_secs_f64(value * seconds).map_err(|e| format!("{s:?}: {e}"))?;
-            rest = tail;
-        }
-        Ok(Self(total))
-    }
-}
-
-impl fmt::Display for GoDuration {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}", self.0)
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
     use clap::CommandFactory;
 
@@ -277,26 +223,5 @@ mod tests {
             ])
             .is_err()
         );
-    }
-
-    #[test]
-    fn go_durations_parse() {
-        for (text, expected) in [
-            ("30s", Duration::from_secs(30)),
-            ("1m30s", Duration::from_secs(90)),
-            ("500ms", Duration::from_millis(500)),
-            ("1.5s", Duration::from_millis(1500)),
-            ("2h", Duration::from_secs(7200)),
-            ("0", Duration::ZERO),
-        ] {
-            assert_eq!(
-                text.parse::<GoDuration>(),
-                Ok(GoDuration(expected)),
-                "{text}"
-            );
-        }
-        for bad in ["", "10", "5x", "s", "-1s"] {
-            assert!(bad.parse::<GoDuration>().is_err(), "{bad}");
-        }
     }
 }

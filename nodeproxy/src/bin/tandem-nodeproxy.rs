@@ -8,7 +8,7 @@ use clap::Parser;
 use kube::Client;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use prometheus_client::registry::Registry;
-use tandem_nodeproxy::cli::{Cli, ClusterArgs, Command, LogFormat, TraceArgs};
+use tandem_nodeproxy::cli::{Cli, ClusterArgs, Command, TraceArgs};
 use tandem_nodeproxy::healthcheck::{self, NodeHealth, ServiceHealthServers};
 use tandem_nodeproxy::metrics::{self, Metrics};
 use tandem_nodeproxy::proxier::{self, Proxier, ProxierConfig};
@@ -22,23 +22,11 @@ use tokio_util::sync::CancellationToken;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    tandem_common::init_logging(cli.log_format);
     match &cli.command {
         Some(Command::Trace(args)) => trace(&cli.cluster, args).await,
         None if cli.proxy.cleanup => cleanup(&cli).await,
         None => run(cli).await,
-    }
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
     }
 }
 
@@ -128,7 +116,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     tracing::info!(%backend, %reason, restore = backend.restore(), "iptables backend chosen");
 
     let shutdown = CancellationToken::new();
-    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    tandem_common::cancel_on_shutdown_signal(shutdown.clone());
 
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
@@ -196,22 +184,4 @@ async fn serve(
             tracing::error!(%address, %error, "HTTP server failed");
         }
     }))
-}
-
-async fn cancel_on_signal(shutdown: CancellationToken) {
-    let mut terminate =
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(signal) => signal,
-            Err(error) => {
-                tracing::error!(%error, "cannot listen for SIGTERM");
-                return;
-            }
-        };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate.recv() => {}
-        () = shutdown.cancelled() => return,
-    }
-    tracing::info!("signal received; shutting down");
-    shutdown.cancel();
 }

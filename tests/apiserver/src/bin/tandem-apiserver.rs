@@ -5,16 +5,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use tandem_apiserver::{PortRange, ServerConfig, StoreConfig, spawn};
+use tandem_common::LogFormat;
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
-
-/// Kubernetes API server stand-in for the Tandem virtual cluster (plain HTTP, bearer token).
+/// Kubernetes API server stand-in for the Tandem virtual cluster (HTTPS and plain HTTP on
+/// one port, bearer token).
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
@@ -68,32 +64,10 @@ struct Args {
     log_format: LogFormat,
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
-}
-
-async fn terminated() -> anyhow::Result<()> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
-    tokio::select! {
-        result = tokio::signal::ctrl_c() => result.context("waiting for Ctrl-C")?,
-        _ = term.recv() => {}
-    }
-    Ok(())
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    init_logging(args.log_format);
+    tandem_common::init_logging(args.log_format);
     let config = ServerConfig {
         listen: args.listen,
         token: args.token,
@@ -115,8 +89,8 @@ async fn main() -> anyhow::Result<()> {
             .context("writing the kubeconfig")?;
         tracing::info!(path = %path.display(), "kubeconfig written");
     }
-    terminated().await?;
-    tracing::info!("shutting down");
+    let signal = tandem_common::shutdown_signal().await;
+    tracing::info!(signal, "shutting down");
     server.shutdown().await.context("stopping the server")
 }
 

@@ -115,11 +115,11 @@ fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) 
     runtime.block_on(async {
         let mut lab = tokio::select! {
             lab = Lab::start(prepared, options, &progress) => lab?,
-            signal = interrupted() => return Err(Interrupted(signal).into()),
+            signal = tandem_common::shutdown_signal() => return Err(Interrupted(signal).into()),
         };
         let result = tokio::select! {
             result = body(&mut lab) => result,
-            signal = interrupted() => Err(Interrupted(signal).into()),
+            signal = tandem_common::shutdown_signal() => Err(Interrupted(signal).into()),
         };
         progress("tearing down: stopping processes, removing namespaces");
         lab.keep_run_dir = result.is_err();
@@ -131,18 +131,6 @@ fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) 
 #[derive(Debug, thiserror::Error)]
 #[error("interrupted by {0}")]
 struct Interrupted(&'static str);
-
-/// Resolves on the first SIGINT or SIGTERM, naming it.
-async fn interrupted() -> &'static str {
-    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-    else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = tokio::signal::ctrl_c() => "SIGINT",
-    }
-}
 
 fn pods_per_node(nodes: usize) -> Vec<u32> {
     (0..nodes).map(|i| if i < 2 { 2 } else { 0 }).collect()

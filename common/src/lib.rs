@@ -1,0 +1,144 @@
+//! What every Tandem binary does at its edge, written once: the `--log-format` flag and
+//! logging setup, shutdown on SIGINT/SIGTERM, and duration flags in Go's syntax.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+/// `--log-format`: human-readable lines or one JSON object per line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`).
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+/// Resolves on the first SIGINT or SIGTERM and names it. If the SIGTERM handler cannot be
+/// installed, only SIGINT ends it.
+pub async fn shutdown_signal() -> &'static str {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(mut term) => tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = tokio::signal::ctrl_c() => "SIGINT",
+        },
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot handle SIGTERM; only SIGINT stops this process");
+            let _ = tokio::signal::ctrl_c().await;
+            "SIGINT"
+        }
+    }
+}
+
+/// Cancels `token` on SIGINT or SIGTERM: the one shutdown path of a server.
+pub fn cancel_on_shutdown_signal(token: CancellationToken) {
+    tokio::spawn(async move {
+        let signal = shutdown_signal().await;
+        tracing::info!(signal, "shutting down");
+        token.cancel();
+    });
+}
+
+/// A duration in Go's syntax, as kube-proxy's flags take it: `1m30s`, `500ms`, `2h`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GoDuration(pub Duration);
+
+impl FromStr for GoDuration {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut rest = s.trim();
+        if rest == "0" {
+            return Ok(Self(Duration::ZERO));
+        }
+        if rest.is_empty() {
+            return Err("empty duration".into());
+        }
+        let mut total = Duration::ZERO;
+        while !rest.is_empty() {
+            let digits = rest
+                .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+                .ok_or_else(|| format!("{s:?}: missing unit (ms, s, m, h)"))?;
+            let (number, tail) = rest.split_at(digits);
+            let value: f64 = number
+                .parse()
+                .map_err(|_| format!("{s:?}: bad number {number:?}"))?;
+            let unit_len = tail
+                .find(|c: char| c.is_ascii_digit() || c == '.')
+                .unwrap_or(tail.len());
+            let (unit, tail) = tail.split_at(unit_len);
+            let seconds = match unit {
+                "ns" => 1e-9,
+                "us" | "µs" => 1e-6,
+                "ms" => 1e-3,
+                "s" => 1.0,
+                "m" => 60.0,
+                "h" => 3600.0,
+                _ => return Err(format!("{s:?}: unknown unit {unit:?}")),
+            };
+            total +=
+                Duration::try_from_secs_f64(value * seconds).map_err(|e| format!("{s:?}: {e}"))?;
+            rest = tail;
+        }
+        Ok(Self(total))
+    }
+}
+
+impl fmt::Display for GoDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+impl From<GoDuration> for Duration {
+    fn from(d: GoDuration) -> Self {
+        d.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_durations_parse() {
+        for (text, expected) in [
+            ("30s", Duration::from_secs(30)),
+            ("1m30s", Duration::from_secs(90)),
+            ("500ms", Duration::from_millis(500)),
+            ("1.5s", Duration::from_millis(1500)),
+            ("2h", Duration::from_secs(7200)),
+            ("0", Duration::ZERO),
+        ] {
+            assert_eq!(
+                text.parse::<GoDuration>(),
+                Ok(GoDuration(expected)),
+                "{text}"
+            );
+        }
+        for bad in ["", "10", "5x", "s", "-1s"] {
+            assert!(bad.parse::<GoDuration>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn log_format_flag_values() {
+        use clap::ValueEnum;
+        assert_eq!(LogFormat::from_str("json", true), Ok(LogFormat::Json));
+        assert_eq!(LogFormat::from_str("text", true), Ok(LogFormat::Text));
+        assert!(LogFormat::from_str("xml", true).is_err());
+    }
+}
