@@ -56,7 +56,10 @@ pub struct Prepared {
 }
 
 pub struct Lab {
-    // Field order is drop order: processes go before the namespaces they run in.
+    // Field order is drop order: the node agent stops before the API server it talks to,
+    // and processes go before the namespaces they run in.
+    /// Stops the node agent (Lease renewals, Ready heartbeats) when the lab goes.
+    _node_agent: DropGuard,
     components: Vec<Component>,
     relay: Option<RelayThread>,
     pub topology: Topology,
@@ -76,8 +79,6 @@ pub struct Lab {
     /// Services this lab created (namespace, name), removed by [`Lab::shutdown`].
     created: std::sync::Mutex<Vec<(String, String)>>,
     endpoints: EndpointSliceWriter,
-    /// Stops the node agent (Lease renewals, Ready heartbeats) when the lab goes.
-    _node_agent: DropGuard,
 }
 
 impl Lab {

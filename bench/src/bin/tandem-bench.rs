@@ -1,0 +1,94 @@
+//! `tandem-bench`: runs the benchmarks, prints their tables and writes BENCHMARKS.md.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, Result};
+use clap::{Parser, ValueEnum};
+use tandem_bench::report::{Section, markdown};
+use tandem_bench::{BenchOptions, controller, dataplane, nodeproxy};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tandem-bench",
+    version,
+    about = "Tandem's benchmarks: ratios to limits measured in the same run"
+)]
+struct Cli {
+    /// Which benchmarks to run.
+    #[arg(value_enum, default_value_t = Which::All)]
+    which: Which,
+    /// Small scales, to check that the benchmarks run (numbers are not meaningful).
+    #[arg(long, env = "TANDEM_BENCH_QUICK")]
+    quick: bool,
+    /// Where to write the report.
+    #[arg(long, env = "TANDEM_BENCH_OUT", default_value = "BENCHMARKS.md")]
+    out: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Which {
+    All,
+    Nodeproxy,
+    Controller,
+    Dataplane,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    let options = BenchOptions { quick: cli.quick };
+    let mut sections: Vec<Section> = Vec::new();
+    let wanted = |w: Which| cli.which == Which::All || cli.which == w;
+    // One at a time: they must not share the machine's cores with each other.
+    if wanted(Which::Nodeproxy) {
+        sections.extend(nodeproxy::run(&options).context("node proxy benchmark")?);
+    }
+    if wanted(Which::Controller) {
+        sections.extend(controller::run(&options).context("controller benchmark")?);
+    }
+    if wanted(Which::Dataplane) {
+        sections.extend(dataplane::run(&options).context("data plane benchmark")?);
+    }
+    let tables: Vec<String> = sections.iter().map(markdown).collect();
+    for table in &tables {
+        println!("{table}");
+    }
+    let report = format!(
+        "# Benchmarks\n\nEvery figure is compared with a limit measured in the same run on the same machine.\n\n\
+         Machine: {}\n\nReproduce (as root): `cargo build --release --workspace --bins && sudo target/release/tandem-bench {}{}`\n\n{}",
+        machine(),
+        format!("{:?}", cli.which).to_lowercase(),
+        if cli.quick { " --quick" } else { "" },
+        tables.join("\n")
+    );
+    std::fs::write(&cli.out, report).with_context(|| format!("writing {}", cli.out.display()))?;
+    println!("wrote {}", cli.out.display());
+    Ok(())
+}
+
+/// CPU count, kernel, iptables version and date, as the report's header.
+fn machine() -> String {
+    let run = |program: &str, args: &[&str]| {
+        Command::new(program)
+            .args(args)
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .unwrap_or_else(|| "?".to_owned())
+    };
+    format!(
+        "{} CPUs, {} RAM, kernel {}, {}, {}",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0),
+        run("sh", &["-c", "free -g | awk '/Mem:/{print $2\" GiB\"}'"]),
+        run("uname", &["-r"]),
+        run("iptables", &["--version"]),
+        run("date", &["-u", "+%Y-%m-%d"]),
+    )
+}

@@ -1,0 +1,480 @@
+//! The doing half: starts the three components, drives the two phases, reads counters.
+//! Child processes are killed by PID when their handles drop (also on error or panic).
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use cloud_mock_sdk as sdk;
+use futures::{StreamExt as _, TryStreamExt as _};
+use k8s_openapi::api::core::v1::{
+    Event, Node, NodeAddress, NodeCondition, NodeStatus, Service, ServicePort, ServiceSpec,
+};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use serde_json::json;
+use tandem_controller::provider::{TAG_CLUSTER_ID, TAG_SERVICE_UID};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+
+use super::{LB_ITEM, Measured, RouteCounts, Scale, calls_of, counts_delta, parse_request_counts};
+
+const CLOUD_TOKEN: &str = "bench-cloud-token";
+/// VIPs are only bookkeeping here (no data plane): a loopback range large enough for 1,000.
+const VIP_POOL: &str = "127.77.0.0/20";
+const CLUSTER_ID: &str = "bench";
+const NAMESPACE: &str = "default";
+/// Bound on each phase, so a broken controller ends the run instead of hanging it.
+const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
+/// Quiet time after a phase before counters are read, so late calls are counted too.
+const SETTLE: Duration = Duration::from_secs(1);
+/// Creates in flight at once when "creating at once".
+const CREATE_PARALLELISM: usize = 32;
+/// Calls of each kind timed by the cloud probe.
+const PROBE_CALLS: usize = 20;
+
+/// A scratch directory removed on drop.
+struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    fn new() -> anyhow::Result<Self> {
+        let path = std::env::temp_dir().join(format!("tdm-bench-ctl-{}", std::process::id()));
+        std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(Self(path))
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn free_port() -> anyhow::Result<SocketAddr> {
+    let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    Ok(listener.local_addr()?)
+}
+
+/// Spawns `program` with its output in `log`; the child is killed when dropped.
+fn spawn_logged(program: &Path, args: &[String], log: &Path) -> anyhow::Result<Child> {
+    let file = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    Command::new(program)
+        .args(args)
+        .env_remove("KUBECONFIG")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(file.try_clone()?))
+        .stderr(Stdio::from(file))
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", program.display()))
+}
+
+/// `GET path` over plain HTTP/1.0 on loopback: status code and body.
+async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut response))
+        .await
+        .context("reading an HTTP response")??;
+    let text = String::from_utf8_lossy(&response);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .context("HTTP response without a body")?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("HTTP response without a status")?;
+    Ok((status, body.to_owned()))
+}
+
+/// Polls `addr` + `path` until it answers 200, failing if `child` exits or time runs out.
+async fn wait_ok(
+    child: &mut Child,
+    addr: SocketAddr,
+    path: &str,
+    log: &Path,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok((200, _)) = http_get(addr, path).await {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            let tail = std::fs::read_to_string(log).unwrap_or_default();
+            bail!("process exited ({status}) before {path} answered; log:\n{tail}");
+        }
+        if Instant::now() > deadline {
+            bail!("{addr}{path} did not answer 200 within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn cloud_counts(cloud: SocketAddr) -> anyhow::Result<RouteCounts> {
+    let (status, body) = http_get(cloud, "/metrics").await?;
+    if status != 200 {
+        bail!("cloud-mock /metrics answered {status}");
+    }
+    Ok(parse_request_counts(&body))
+}
+
+fn node(name: &str) -> Node {
+    Node {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// Registers a Ready node with an InternalIP, as a kubelet would.
+async fn add_node(nodes: &Api<Node>, index: usize) -> anyhow::Result<()> {
+    let name = format!("bench-node-{index}");
+    nodes.create(&PostParams::default(), &node(&name)).await?;
+    let status = NodeStatus {
+        addresses: Some(vec![NodeAddress {
+            type_: "InternalIP".into(),
+            address: format!("198.18.0.{}", 11 + index),
+        }]),
+        conditions: Some(vec![NodeCondition {
+            type_: "Ready".into(),
+            status: "True".into(),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    };
+    nodes
+        .patch_status(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": status })),
+        )
+        .await?;
+    Ok(())
+}
+
+fn service(name: &str) -> Service {
+    Service {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(NAMESPACE.into()),
+            ..Default::default()
+        },
+        spec: Some(ServiceSpec {
+            type_: Some("LoadBalancer".into()),
+            selector: Some([("app".to_owned(), name.to_owned())].into()),
+            ports: Some(vec![ServicePort {
+                name: Some("http".into()),
+                port: 80,
+                target_port: Some(IntOrString::Int(8080)),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn has_ingress_ip(svc: &Service) -> bool {
+    svc.status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref())
+        .is_some_and(|ingress| ingress.iter().any(|i| i.ip.is_some()))
+}
+
+/// Watches Services until `expected` have an ingress IP; the instant each was first seen.
+/// Sends on `ready` once the initial list is done, so no change is missed.
+async fn watch_ingress(
+    services: Api<Service>,
+    expected: usize,
+    ready: tokio::sync::oneshot::Sender<()>,
+) -> anyhow::Result<HashMap<String, Instant>> {
+    let mut seen = HashMap::new();
+    let mut ready = Some(ready);
+    let mut events =
+        std::pin::pin!(watcher(services, watcher::Config::default()).default_backoff());
+    while let Some(event) = events.next().await {
+        let event = match event {
+            Ok(event) => event,
+            // The watcher resumes by itself (with backoff); a transient error loses nothing.
+            Err(error) => {
+                tracing::warn!(%error, "Service watch error");
+                continue;
+            }
+        };
+        match event {
+            watcher::Event::Apply(svc) | watcher::Event::InitApply(svc) => {
+                if has_ingress_ip(&svc) {
+                    let name = svc.metadata.name.clone().unwrap_or_default();
+                    seen.entry(name).or_insert_with(Instant::now);
+                }
+            }
+            watcher::Event::InitDone => {
+                if let Some(ready) = ready.take() {
+                    let _ = ready.send(());
+                }
+            }
+            watcher::Event::Delete(_) | watcher::Event::Init => {}
+        }
+        if seen.len() >= expected {
+            return Ok(seen);
+        }
+    }
+    bail!(
+        "the Service watch ended after {} of {expected} ingress IPs",
+        seen.len()
+    )
+}
+
+/// Runs both phases against fresh components and returns the raw measurements.
+pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
+    let controller_bin = tandem_lab::binaries::locate("tandem-controller")?;
+    let cloud_bin = tandem_lab::binaries::locate("cloud-mock")?;
+    let scratch = ScratchDir::new()?;
+    let dir = scratch.0.as_path();
+
+    let api = tandem_apiserver::spawn(tandem_apiserver::ServerConfig {
+        // Room for every change of both phases, so no watch is sent 410 Gone mid-run.
+        store: tandem_apiserver::StoreConfig {
+            watch_cache_size: scale.services * 20 + 1000,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .await?;
+    let client = api.client().await?;
+    let kubeconfig = dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).await?;
+
+    let cloud_addr = free_port()?;
+    let cloud_log = dir.join("cloud-mock.log");
+    let cloud_data = dir.join("cloud-data");
+    let mut cloud = spawn_logged(
+        &cloud_bin,
+        &[
+            "--listen".into(),
+            cloud_addr.to_string(),
+            "--data-dir".into(),
+            cloud_data.display().to_string(),
+            "--token".into(),
+            CLOUD_TOKEN.into(),
+            "--vip-pool".into(),
+            VIP_POOL.into(),
+            "--dataplane".into(),
+            "none".into(),
+            "--provisioning-delay".into(),
+            format!("{}ms", scale.provisioning_delay.as_millis()),
+        ],
+        &cloud_log,
+    )?;
+    wait_ok(&mut cloud, cloud_addr, "/healthz", &cloud_log).await?;
+    let cloud_client = sdk::Client::new(
+        &format!("http://{cloud_addr}"),
+        CLOUD_TOKEN,
+        sdk::ClientOptions::default(),
+    )?;
+    cloud_client
+        .set_faults(&sdk::Faults {
+            latency_ms: u64::try_from(scale.cloud_latency.as_millis())?,
+            ..Default::default()
+        })
+        .await?;
+
+    let nodes: Api<Node> = Api::all(client.clone());
+    for index in 0..scale.initial_nodes {
+        add_node(&nodes, index).await?;
+    }
+
+    let token_file = dir.join("cloud-token");
+    std::fs::write(&token_file, CLOUD_TOKEN)?;
+    let controller_addr = free_port()?;
+    let controller_log = dir.join("controller.log");
+    let mut controller = spawn_logged(
+        &controller_bin,
+        &[
+            "--kubeconfig".into(),
+            kubeconfig.display().to_string(),
+            "--cloud-url".into(),
+            format!("http://{cloud_addr}"),
+            "--cloud-token-file".into(),
+            token_file.display().to_string(),
+            "--cluster-id".into(),
+            CLUSTER_ID.into(),
+            "--metrics-bind-address".into(),
+            controller_addr.to_string(),
+            "--health-bind-address".into(),
+            controller_addr.to_string(),
+            "--concurrency".into(),
+            scale.concurrency.to_string(),
+            "--cloud-rate".into(),
+            "100000".into(),
+            "--cloud-burst".into(),
+            "100000".into(),
+            "--cloud-timeout-seconds".into(),
+            "30".into(),
+            "--node-debounce-ms".into(),
+            scale.node_debounce.as_millis().to_string(),
+        ],
+        &controller_log,
+    )?;
+    wait_ok(&mut controller, controller_addr, "/readyz", &controller_log).await?;
+
+    let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
+    let events: Api<Event> = Api::namespaced(client.clone(), NAMESPACE);
+    let store = api.store().clone();
+    let resource_version = || {
+        store
+            .resource_version()
+            .map_err(|e| anyhow::anyhow!("reading the stand-in's resourceVersion: {e:?}"))
+    };
+
+    // Phase 1: every Service created at once.
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    let watch = tokio::spawn(watch_ingress(services.clone(), scale.services, ready_tx));
+    ready_rx
+        .await
+        .context("the Service watch ended before its initial list")?;
+    let counts_before = cloud_counts(cloud_addr).await?;
+    let rv_before = resource_version()?;
+    let events_before = events.list(&ListParams::default()).await?.items.len();
+    let names: Vec<String> = (0..scale.services).map(|i| format!("svc-{i:04}")).collect();
+    let burst_start = Instant::now();
+    let created: Vec<(String, Instant)> = futures::stream::iter(names.iter().cloned())
+        .map(|name| {
+            let services = services.clone();
+            async move {
+                let sent = Instant::now();
+                services
+                    .create(&PostParams::default(), &service(&name))
+                    .await
+                    .with_context(|| format!("creating Service {name}"))?;
+                Ok::<_, anyhow::Error>((name, sent))
+            }
+        })
+        .buffer_unordered(CREATE_PARALLELISM)
+        .try_collect()
+        .await?;
+    let seen = tokio::time::timeout(PHASE_TIMEOUT, watch)
+        .await
+        .with_context(|| {
+            format!(
+                "not every Service had an ingress IP within {PHASE_TIMEOUT:?}; controller log: {}",
+                controller_log.display()
+            )
+        })???;
+    let last_ingress = seen.values().max().copied().unwrap_or(burst_start);
+    let time_to_ingress = created
+        .iter()
+        .filter_map(|(name, sent)| Some(seen.get(name)?.duration_since(*sent)))
+        .collect();
+    tokio::time::sleep(SETTLE).await;
+    let create_cloud_calls = counts_delta(&counts_before, &cloud_counts(cloud_addr).await?);
+    let writes = resource_version()?.saturating_sub(rv_before);
+    let create_api_writes = writes.saturating_sub(scale.services as u64);
+    let create_events = events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .len()
+        .saturating_sub(events_before) as u64;
+
+    // Phase 2: one node added; every LB must be updated once.
+    let counts_before = cloud_counts(cloud_addr).await?;
+    let node_start = Instant::now();
+    add_node(&nodes, scale.initial_nodes).await?;
+    let deadline = node_start + PHASE_TIMEOUT;
+    let node_add_total = loop {
+        let delta = counts_delta(&counts_before, &cloud_counts(cloud_addr).await?);
+        if calls_of(&delta, LB_ITEM, "PUT") >= scale.services as f64 {
+            break node_start.elapsed();
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "fewer than {} backend updates within {PHASE_TIMEOUT:?}; controller log: {}",
+                scale.services,
+                controller_log.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    tokio::time::sleep(scale.node_debounce + SETTLE).await;
+    let node_add_cloud_calls = counts_delta(&counts_before, &cloud_counts(cloud_addr).await?);
+    let new_node_ip = format!("198.18.0.{}", 11 + scale.initial_nodes);
+    let lbs_with_new_node = cloud_client
+        .list_load_balancers(&sdk::ListFilter::default())
+        .await?
+        .iter()
+        .filter(|lb| {
+            lb.spec
+                .backends
+                .iter()
+                .any(|b| b.ip.to_string() == new_node_ip)
+        })
+        .count();
+
+    // The cloud's own cost per call with every LB stored, with the controller stopped so
+    // nothing else is queued: what the controller's calls cost it, apart from the latency.
+    drop(controller);
+    let (cloud_get_mean, cloud_list_mean) = probe_cloud_calls(&cloud_client).await?;
+    drop(cloud);
+    api.shutdown().await?;
+    Ok(Measured {
+        create_total: last_ingress.duration_since(burst_start),
+        time_to_ingress,
+        create_cloud_calls,
+        create_api_writes,
+        create_events,
+        node_add_total,
+        node_add_cloud_calls,
+        lbs_with_new_node,
+        cloud_get_mean,
+        cloud_list_mean,
+    })
+}
+
+/// Mean time of a GET by id and of a LIST by the controller's lookup filter (cluster id
+/// and Service UID tags, and the name), each over up to [`PROBE_CALLS`] LBs in sequence.
+async fn probe_cloud_calls(client: &sdk::Client) -> anyhow::Result<(Duration, Duration)> {
+    let stored = client
+        .list_load_balancers(&sdk::ListFilter::default())
+        .await?;
+    let probed: Vec<&sdk::LoadBalancer> = stored.iter().take(PROBE_CALLS).collect();
+    if probed.is_empty() {
+        bail!("the cloud holds no load balancer to probe");
+    }
+    let mut get_total = Duration::ZERO;
+    let mut list_total = Duration::ZERO;
+    for lb in &probed {
+        let start = Instant::now();
+        client.get_load_balancer(&lb.id).await?;
+        get_total += start.elapsed();
+        let filter = sdk::ListFilter {
+            tags: [TAG_CLUSTER_ID, TAG_SERVICE_UID]
+                .into_iter()
+                .filter_map(|tag| Some((tag.to_owned(), lb.spec.tags.get(tag)?.clone())))
+                .collect(),
+            name: Some(lb.spec.name.clone()),
+        };
+        let start = Instant::now();
+        let found = client.list_load_balancers(&filter).await?;
+        list_total += start.elapsed();
+        if found.len() != 1 {
+            bail!("the lookup filter of {} matched {} LBs", lb.id, found.len());
+        }
+    }
+    let count = u32::try_from(probed.len())?;
+    Ok((get_total / count, list_total / count))
+}

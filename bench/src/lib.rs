@@ -1,0 +1,15 @@
+//! Tandem's benchmarks. Not part of the test suite: `tandem-bench` runs them, prints a
+//! table and writes BENCHMARKS.md. Every figure is a ratio to a limit measured in the same
+//! run (these machines are noisy), next to the target it is held to.
+
+pub mod controller;
+pub mod dataplane;
+pub mod nodeproxy;
+pub mod report;
+
+/// Settings shared by every benchmark.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BenchOptions {
+    /// Small scales, for checking that a benchmark runs; its numbers mean little.
+    pub quick: bool,
+}

@@ -1,0 +1,219 @@
+//! Benchmark: node proxy sync (issue 8).
+//!
+//! For each iptables backend and each scale, in fresh network namespaces: the first sync
+//! through the node proxy's real conversion, rule builder and `Syncer` against a raw
+//! `iptables-restore` of the same payload into another fresh namespace; one endpoint added
+//! and removed against a raw restore of only the changed chains; and the peak RSS of the
+//! real `tandem-nodeproxy` binary against the API server stand-in.
+
+mod cluster;
+mod kernel;
+mod rss;
+mod summary;
+
+use std::time::Duration;
+
+use anyhow::Context;
+use tandem_netlab::RunPrefix;
+use tandem_nodeproxy::backend::Backend;
+
+use crate::BenchOptions;
+use crate::report::Section;
+use cluster::{Scale, ServiceKind};
+use summary::{BackendResult, RssResult, ScaleResult};
+
+/// One scale to measure and how often.
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    scale: Scale,
+    headline: bool,
+    /// First syncs (each with its raw restore), for a median.
+    repetitions: usize,
+    /// Endpoint add/remove pairs after each first sync.
+    rounds: usize,
+}
+
+#[derive(Debug, Clone)]
+struct Plan {
+    scales: Vec<Planned>,
+    rss_scale: Scale,
+    rss_timeout: Duration,
+}
+
+fn plan(quick: bool) -> Plan {
+    let lb = |services| Scale {
+        kind: ServiceKind::LoadBalancer,
+        services,
+        endpoints: 10,
+    };
+    let cip = |services| Scale {
+        kind: ServiceKind::ClusterIp,
+        services,
+        endpoints: 10,
+    };
+    let planned = |scale, headline, repetitions, rounds| Planned {
+        scale,
+        headline,
+        repetitions,
+        rounds,
+    };
+    if quick {
+        return Plan {
+            scales: vec![planned(lb(100), true, 1, 2), planned(cip(300), false, 1, 1)],
+            rss_scale: lb(100),
+            rss_timeout: Duration::from_secs(60),
+        };
+    }
+    Plan {
+        scales: vec![
+            planned(lb(1_000), false, 3, 3),
+            planned(lb(2_700), true, 3, 5),
+            planned(cip(10_000), false, 2, 3),
+        ],
+        rss_scale: lb(2_700),
+        rss_timeout: Duration::from_secs(300),
+    }
+}
+
+pub fn run(options: &BenchOptions) -> anyhow::Result<Vec<Section>> {
+    anyhow::ensure!(
+        nix::unistd::Uid::effective().is_root(),
+        "the node proxy benchmark needs root (network namespaces, iptables)"
+    );
+    if let Err(error) = tandem_netlab::remove_stale_namespaces() {
+        tracing::warn!(%error, "cannot remove namespaces of dead runs");
+    }
+    let binary = tandem_lab::binaries::locate("tandem-nodeproxy")?;
+    let backends = kernel::available_backends();
+    anyhow::ensure!(!backends.is_empty(), "no iptables-restore found");
+    let plan = plan(options.quick);
+    let prefix = RunPrefix::next_for_this_process();
+    let mut results = Vec::new();
+    for backend in backends {
+        let mut scales = Vec::new();
+        for planned in &plan.scales {
+            scales.push(
+                measure_scale(&prefix, backend, planned)
+                    .with_context(|| format!("{backend}, {}", planned.scale.label()))?,
+            );
+        }
+        let rss = measure_rss(&prefix, backend, &binary, &plan)
+            .with_context(|| format!("{backend}, peak RSS"))?;
+        results.push(BackendResult {
+            backend,
+            scales,
+            rss: Some(rss),
+        });
+    }
+    Ok(summary::sections(&results))
+}
+
+fn measure_scale(
+    prefix: &RunPrefix,
+    backend: Backend,
+    planned: &Planned,
+) -> anyhow::Result<ScaleResult> {
+    let generated = cluster::generate(planned.scale)?;
+    let mut runs = Vec::new();
+    let mut raw_first = Vec::new();
+    for repetition in 0..planned.repetitions {
+        eprintln!(
+            "node proxy: {backend}, {}, run {}/{}",
+            planned.scale.label(),
+            repetition + 1,
+            planned.repetitions
+        );
+        // Alternate which goes first, so a drift in the machine's load hits both alike.
+        let ours_first = repetition % 2 == 0;
+        let (run, raw) = if ours_first {
+            let run = kernel::measure_sync(prefix, backend, generated.clone(), planned.rounds)?;
+            let raw = kernel::measure_raw_first(prefix, backend, &run.first.written)?;
+            (run, raw)
+        } else {
+            // The payload does not depend on the run: take it from a previous one.
+            let payload = runs
+                .last()
+                .map(|r: &kernel::SyncRun| r.first.written.clone())
+                .context("no earlier run to take the payload from")?;
+            let raw = kernel::measure_raw_first(prefix, backend, &payload)?;
+            let run = kernel::measure_sync(prefix, backend, generated.clone(), planned.rounds)?;
+            anyhow::ensure!(
+                run.first.written.text == payload.text,
+                "two first syncs of the same cluster wrote different payloads"
+            );
+            (run, raw)
+        };
+        runs.push(run);
+        raw_first.push(raw);
+    }
+    Ok(ScaleResult {
+        scale: planned.scale,
+        headline: planned.headline,
+        runs,
+        raw_first,
+    })
+}
+
+fn measure_rss(
+    prefix: &RunPrefix,
+    backend: Backend,
+    binary: &std::path::Path,
+    plan: &Plan,
+) -> anyhow::Result<RssResult> {
+    eprintln!(
+        "node proxy: {backend}, peak RSS at {}",
+        plan.rss_scale.label()
+    );
+    let empty = rss::measure(prefix, backend, binary, None, plan.rss_timeout)?;
+    let loaded = rss::measure(
+        prefix,
+        backend,
+        binary,
+        Some(cluster::generate(plan.rss_scale)?),
+        plan.rss_timeout,
+    )?;
+    Ok(RssResult {
+        scale: plan.rss_scale,
+        loaded,
+        empty,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_full_plan_covers_the_issue_and_quick_every_path() {
+        let full = plan(false);
+        let labels: Vec<String> = full.scales.iter().map(|p| p.scale.label()).collect();
+        assert_eq!(
+            labels,
+            [
+                "1,000 LoadBalancer × 10",
+                "2,700 LoadBalancer × 10",
+                "10,000 ClusterIP × 10"
+            ]
+        );
+        let headline: Vec<_> = full.scales.iter().filter(|p| p.headline).collect();
+        assert_eq!(headline.len(), 1);
+        assert_eq!(headline[0].scale.services, 2_700);
+        assert_eq!(full.rss_scale.services, 2_700);
+        for plan in [full, plan(true)] {
+            assert!(
+                plan.scales
+                    .iter()
+                    .all(|p| p.repetitions >= 1 && p.rounds >= 1)
+            );
+            assert!(plan.scales.iter().any(|p| p.headline));
+            assert!(
+                plan.scales
+                    .iter()
+                    .any(|p| p.scale.kind == ServiceKind::ClusterIp)
+            );
+            for p in &plan.scales {
+                cluster::generate(p.scale).unwrap();
+            }
+        }
+    }
+}

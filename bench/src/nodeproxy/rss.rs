@@ -1,0 +1,273 @@
+//! Peak RSS of the real `tandem-nodeproxy` binary: in a fresh namespace, against an
+//! in-process API server stand-in bound on the namespace's loopback and loaded with the
+//! cluster, until its first sync (its `/healthz` answers 200); then VmHWM.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+use tandem_apiserver::resources::{ENDPOINT_SLICES, NAMESPACES, NODES, SERVICES};
+use tandem_apiserver::store::{Store, Subresource};
+use tandem_apiserver::{ServerConfig, spawn};
+use tandem_netlab::RunPrefix;
+use tandem_nodeproxy::backend::Backend;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::cluster::{self, Cluster};
+use super::kernel::FreshNetns;
+
+const HEALTHZ: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10256);
+const METRICS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10249);
+const POLL: Duration = Duration::from_millis(50);
+
+/// What one run of the binary showed.
+#[derive(Debug, Clone, Copy)]
+pub struct RssRun {
+    pub peak_mib: f64,
+    /// From spawning the process to its `/healthz` answering 200 (list + first sync).
+    pub to_first_sync: Duration,
+}
+
+/// Run `binary` against `cluster` (an empty cluster for `None`) in a fresh namespace.
+pub fn measure(
+    prefix: &RunPrefix,
+    backend: Backend,
+    binary: &Path,
+    cluster: Option<Cluster>,
+    timeout: Duration,
+) -> anyhow::Result<RssRun> {
+    let netns = FreshNetns::create(prefix)?;
+    let lo = std::process::Command::new("ip")
+        .args(["-n", netns.name(), "link", "set", "lo", "up"])
+        .stdin(Stdio::null())
+        .output()
+        .context("running ip link set lo up")?;
+    if !lo.status.success() {
+        bail!(
+            "bringing lo up in {}: {}",
+            netns.name(),
+            String::from_utf8_lossy(&lo.stderr).trim()
+        );
+    }
+    let workdir = std::env::temp_dir().join(netns.name());
+    std::fs::create_dir_all(&workdir).with_context(|| format!("creating {}", workdir.display()))?;
+    let binary = binary.to_path_buf();
+    let dir = workdir.clone();
+    let result = netns.run(move || run_against_stand_in(backend, binary, cluster, dir, timeout));
+    if let Err(error) = std::fs::remove_dir_all(&workdir) {
+        tracing::warn!(dir = %workdir.display(), %error, "cannot remove the work directory");
+    }
+    result
+}
+
+async fn run_against_stand_in(
+    backend: Backend,
+    binary: PathBuf,
+    cluster: Option<Cluster>,
+    workdir: PathBuf,
+    timeout: Duration,
+) -> anyhow::Result<RssRun> {
+    let server = spawn(ServerConfig::default())
+        .await
+        .context("starting the API server stand-in")?;
+    load(server.store(), cluster.as_ref())?;
+    let kubeconfig = workdir.join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig).await?;
+    let log_path = workdir.join("nodeproxy.log");
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
+    let backend_flag = match backend {
+        Backend::Nft => "nft",
+        Backend::Legacy => "legacy",
+    };
+    let started = Instant::now();
+    let mut child = tokio::process::Command::new(&binary)
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["--node-name", cluster::NODE_NAME])
+        .args(["--cluster-cidr", &cluster::cluster_cidr().to_string()])
+        .args(["--iptables-backend", backend_flag])
+        .args(["--healthz-bind-address", &HEALTHZ.to_string()])
+        .args(["--metrics-bind-address", &METRICS.to_string()])
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", binary.display()))?;
+    let pid = child.id().context("the node proxy exited at once")?;
+    let synced = loop {
+        if let Some(status) = child.try_wait()? {
+            break Err(anyhow::anyhow!("the node proxy exited ({status})"));
+        }
+        if started.elapsed() > timeout {
+            break Err(anyhow::anyhow!("no first sync within {timeout:?}"));
+        }
+        if healthz_status().await == Some(200) {
+            break Ok(started.elapsed());
+        }
+        tokio::time::sleep(POLL).await;
+    };
+    // Read before stopping it: /proc/PID goes with the process.
+    let status = tokio::fs::read_to_string(format!("/proc/{pid}/status")).await;
+    child.start_kill()?;
+    child.wait().await?;
+    server.shutdown().await?;
+    let to_first_sync = match synced {
+        Ok(elapsed) => elapsed,
+        Err(error) => {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            return Err(error.context(format!("node proxy log tail:\n{}", tail.join("\n"))));
+        }
+    };
+    let status = status.context("reading the node proxy's /proc status")?;
+    let peak_kib = vm_hwm_kib(&status).context("no VmHWM in /proc/PID/status")?;
+    Ok(RssRun {
+        peak_mib: peak_kib as f64 / 1024.0,
+        to_first_sync,
+    })
+}
+
+/// Put the namespace, the node, the Services (with their LB status) and the slices in.
+fn load(store: &Store, cluster: Option<&Cluster>) -> anyhow::Result<()> {
+    store.create(
+        NAMESPACES,
+        None,
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": cluster::NAMESPACE}}),
+    )?;
+    store.create(NODES, None, serde_json::to_value(cluster::node())?)?;
+    let Some(cluster) = cluster else {
+        return Ok(());
+    };
+    for service in &cluster.services {
+        let body = serde_json::to_value(service)?;
+        let created = store.create(SERVICES, Some(cluster::NAMESPACE), body.clone())?;
+        if let Some(status) = body.get("status").filter(|s| !s.is_null()) {
+            let name = created["metadata"]["name"].as_str().unwrap_or_default();
+            let mut with_status = created.clone();
+            with_status["status"] = status.clone();
+            store.update(
+                SERVICES,
+                Some(cluster::NAMESPACE),
+                name,
+                with_status,
+                Subresource::Status,
+            )?;
+        }
+    }
+    for slice in &cluster.slices {
+        let body: Value = serde_json::to_value(slice)?;
+        store.create(ENDPOINT_SLICES, Some(cluster::NAMESPACE), body)?;
+    }
+    Ok(())
+}
+
+/// The status code `GET /healthz` answers with, or `None` when nothing answers yet.
+async fn healthz_status() -> Option<u16> {
+    let mut stream = tokio::net::TcpStream::connect(HEALTHZ).await.ok()?;
+    stream
+        .write_all(b"GET /healthz HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .ok()?;
+    let mut response = Vec::new();
+    tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut response))
+        .await
+        .ok()?
+        .ok()?;
+    status_code(&String::from_utf8_lossy(&response))
+}
+
+/// The code of an HTTP status line (`HTTP/1.1 200 OK`).
+fn status_code(response: &str) -> Option<u16> {
+    let line = response.lines().next()?;
+    let mut parts = line.split_whitespace();
+    parts.next().filter(|v| v.starts_with("HTTP/"))?;
+    parts.next()?.parse().ok()
+}
+
+/// `VmHWM:   123456 kB` → 123456.
+fn vm_hwm_kib(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_lines_parse() {
+        assert_eq!(
+            status_code("HTTP/1.1 200 OK\r\ncontent-type: x\r\n\r\n{}"),
+            Some(200)
+        );
+        assert_eq!(
+            status_code("HTTP/1.0 503 Service Unavailable\r\n"),
+            Some(503)
+        );
+        assert_eq!(status_code("garbage 200"), None);
+        assert_eq!(status_code(""), None);
+    }
+
+    #[test]
+    fn peak_rss_comes_from_vm_hwm() {
+        let status = "Name:\ttandem-nodeproxy\nVmPeak:\t  999999 kB\nVmHWM:\t   81234 kB\nVmRSS:\t   70000 kB\n";
+        assert_eq!(vm_hwm_kib(status), Some(81_234));
+        assert_eq!(vm_hwm_kib("VmRSS:\t 1 kB\n"), None);
+    }
+
+    #[test]
+    fn the_stand_in_accepts_the_generated_cluster_with_its_allocations() {
+        let scale = cluster::Scale {
+            kind: cluster::ServiceKind::LoadBalancer,
+            services: 20,
+            endpoints: 3,
+        };
+        let generated = cluster::generate(scale).unwrap();
+        let store = Store::new(&tandem_apiserver::StoreConfig::default());
+        load(&store, Some(&generated)).unwrap();
+        let services = store
+            .list(
+                SERVICES,
+                Some(cluster::NAMESPACE),
+                &Default::default(),
+                None,
+                None,
+            )
+            .unwrap()
+            .items;
+        let typed: Vec<k8s_openapi::api::core::v1::Service> = services
+            .into_iter()
+            .map(|s| serde_json::from_value(s).unwrap())
+            .collect();
+        let slices: Vec<k8s_openapi::api::discovery::v1::EndpointSlice> = store
+            .list(
+                ENDPOINT_SLICES,
+                Some(cluster::NAMESPACE),
+                &Default::default(),
+                None,
+                None,
+            )
+            .unwrap()
+            .items
+            .into_iter()
+            .map(|s| serde_json::from_value(s).unwrap())
+            .collect();
+        // What the binary will see converts to exactly what the in-process sync builds from.
+        let served = tandem_nodeproxy::k8s::proxy_state(&typed, &slices);
+        let direct = tandem_nodeproxy::k8s::proxy_state(&generated.services, &generated.slices);
+        assert!(served.skipped.is_empty(), "{:?}", served.skipped);
+        assert_eq!(served.state, direct.state);
+    }
+}
