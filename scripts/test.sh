@@ -29,12 +29,19 @@ step "cargo tests" cargo test --workspace --locked --no-fail-fast
 step "cloud-mock API fuzz" env CLOUD_MOCK_BIN="$PWD/target/debug/cloud-mock" \
     FUZZ_VENV="$PWD/target/pyenv-fuzz" bash cloud-mock/tests/fuzz_openapi.sh
 
-chart_tests() {
-    # Python tools for the chart tests live in a virtualenv under target/.
-    local venv=target/pyenv
+# A virtualenv under target/ with a requirements file installed.
+venv_with() {
+    local venv=$1 requirements=$2
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check -r charts/tandem/tests/requirements.txt
-    PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" -m pytest -q charts/tandem/tests
+    "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$requirements"
+}
+
+chart_tests() {
+    # checkov's pins clash with pytest's, so it gets a virtualenv of its own.
+    venv_with target/pyenv charts/tandem/tests/requirements.txt &&
+        venv_with target/pyenv-checkov charts/tandem/tests/requirements-checkov.txt &&
+        PATH="$PWD/target/pyenv/bin:$PWD/target/pyenv-checkov/bin:$PATH" \
+            target/pyenv/bin/python -m pytest -q charts/tandem/tests
 }
 step "Helm chart tests" chart_tests
 
