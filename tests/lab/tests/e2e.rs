@@ -90,6 +90,14 @@ fn pods(lab: &Lab, nodes: &[usize]) -> Vec<String> {
         .collect()
 }
 
+/// Creates the Service and its EndpointSlice and waits for its ingress IP.
+async fn create_and_wait_for_ingress(lab: &Lab, plan: &ServicePlan) -> Ipv4Addr {
+    lab.create_service(plan).await.unwrap();
+    lab.wait_for_ingress(plan, Duration::from_secs(60))
+        .await
+        .unwrap()
+}
+
 /// Requests until they all succeed or `bound` passes; returns how long it took.
 async fn until_all_succeed(lab: &Lab, vip: Ipv4Addr, bound: Duration) -> Duration {
     let start = Instant::now();
@@ -114,11 +122,7 @@ fn proxy_mode_spreads_over_nodes_and_every_pod_and_masquerades() {
     with_lab(&[2, 2, 0], |lab| async move {
         let mut plan = ServicePlan::new("web", LbMode::Proxy);
         plan.pods = pods(&lab, &[1, 2]);
-        lab.create_service(&plan).await.unwrap();
-        let vip = lab
-            .wait_for_ingress(&plan, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let vip = create_and_wait_for_ingress(&lab, &plan).await;
         until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
 
         let spread = lab
@@ -154,11 +158,7 @@ fn passthrough_mode_takes_kube_fw_and_drops_clients_outside_source_ranges() {
         let mut plan = ServicePlan::new("direct", LbMode::Passthrough);
         plan.pods = pods(&lab, &[1, 2]);
         plan.source_ranges = vec!["203.0.113.0/24".to_owned()];
-        lab.create_service(&plan).await.unwrap();
-        let vip = lab
-            .wait_for_ingress(&plan, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let vip = create_and_wait_for_ingress(&lab, &plan).await;
         until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
 
         let allowed = lab
@@ -215,11 +215,7 @@ fn external_traffic_policy_local_uses_only_nodes_with_pods_and_keeps_client_ip()
         let mut plan = ServicePlan::new("local", LbMode::Passthrough);
         plan.pods = pods(&lab, &[1]);
         plan.external_traffic_policy_local = true;
-        lab.create_service(&plan).await.unwrap();
-        let vip = lab
-            .wait_for_ingress(&plan, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let vip = create_and_wait_for_ingress(&lab, &plan).await;
         until_all_succeed(&lab, vip, Duration::from_secs(30)).await;
 
         let spread = lab
@@ -254,11 +250,7 @@ fn a_failed_node_is_taken_out_and_requests_recover_within_bound() {
     with_lab(&[2, 2, 0], |lab| async move {
         let mut plan = ServicePlan::new("web", LbMode::Proxy);
         plan.pods = pods(&lab, &[1]);
-        lab.create_service(&plan).await.unwrap();
-        let vip = lab
-            .wait_for_ingress(&plan, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let vip = create_and_wait_for_ingress(&lab, &plan).await;
         until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
 
         // Node 2 stops answering: its link to the node network goes down.
@@ -289,11 +281,7 @@ fn scaling_pods_changes_who_answers_and_deleting_the_service_frees_the_vip() {
     with_lab(&[1, 1, 0], |mut lab| async move {
         let mut plan = ServicePlan::new("web", LbMode::Proxy);
         plan.pods = pods(&lab, &[1, 2]);
-        lab.create_service(&plan).await.unwrap();
-        let vip = lab
-            .wait_for_ingress(&plan, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let vip = create_and_wait_for_ingress(&lab, &plan).await;
         until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
 
         // Scale up: a pod on node 3 joins the EndpointSlice.
@@ -354,11 +342,7 @@ fn scaling_pods_changes_who_answers_and_deleting_the_service_frees_the_vip() {
         }
         let mut again = ServicePlan::new("again", LbMode::Proxy);
         again.pods = plan.pods.clone();
-        lab.create_service(&again).await.unwrap();
-        let vip_again = lab
-            .wait_for_ingress(&again, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let vip_again = create_and_wait_for_ingress(&lab, &again).await;
         assert_eq!(
             vip_again, vip,
             "the freed VIP is handed out again (lowest free first)"
@@ -372,11 +356,7 @@ fn a_pod_reaching_the_lb_ip_is_served_through_the_kube_fw_short_cut() {
     with_lab(&[1, 1, 0], |lab| async move {
         let mut plan = ServicePlan::new("direct", LbMode::Passthrough);
         plan.pods = pods(&lab, &[2]);
-        lab.create_service(&plan).await.unwrap();
-        let vip = lab
-            .wait_for_ingress(&plan, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let vip = create_and_wait_for_ingress(&lab, &plan).await;
         let node = &lab.topology.nodes()[0];
         let fw_chain_before = lab
             .chain_packets(&node.netns, "nat", "KUBE-FW-")
@@ -430,11 +410,7 @@ fn the_lab_runs_against_an_api_server_outside_it_through_the_relay() {
     with_lab_on(&[1, 1, 0], Some(kubeconfig.clone()), |lab| async move {
         let mut plan = ServicePlan::new("relayed", LbMode::Proxy);
         plan.pods = pods(&lab, &[1, 2]);
-        lab.create_service(&plan).await.unwrap();
-        let vip = lab
-            .wait_for_ingress(&plan, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let vip = create_and_wait_for_ingress(&lab, &plan).await;
         until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
         let svc = lab.service(&plan).await.unwrap();
         assert!(
