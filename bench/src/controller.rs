@@ -327,12 +327,11 @@ pub fn sections(scale: &Scale, m: &Measured) -> Section {
         let lists = calls_of(&m.create_cloud_calls, LB_COLLECTION, "GET") / n as f64;
         notes.push(format!(
             "MISSED: {create_calls:.2} cloud calls per Service on the create path (target ≤ \
-             {CREATE_CALLS_TARGET}), {lists:.2} of them LISTs by tag: the mock-cloud provider \
-             lists on every lookup even when the LB id is known (GET + LIST), the first \
-             reconcile looks up twice before its create (provider get, then ensure), and \
-             each reconcile that the controller's own finalizer and LB-id annotation writes \
-             (both part of its re-ensure fingerprint) and its provisioning re-check \
-             trigger pays a lookup again."
+             {CREATE_CALLS_TARGET}), {lists:.2} of them LISTs by tag: the first reconcile \
+             looks the LB up twice before its create (provider get, then ensure, each a \
+             LIST while no id is known), and each reconcile that the controller's own \
+             finalizer and LB-id annotation writes (both part of its re-ensure \
+             fingerprint) and its provisioning re-check trigger pays a GET by id again."
         ));
     }
     Section {

@@ -294,13 +294,13 @@ impl MockCloudProvider {
         }
     }
 
-    /// Every live LB of `owner` (normally one), the persisted id first.
+    /// The live LBs of `owner`: the persisted id's alone when it is live and ours, else
+    /// every one its tags list (normally one).
     async fn find_raw(
         &self,
         lookup: &LoadBalancerLookup,
     ) -> Result<Vec<sdk::LoadBalancer>, ProviderError> {
         let owner = &lookup.owner;
-        let mut found = Vec::new();
         if let Some(id) = lookup.known_id.as_deref()
             && let Some(lb) = self.get_raw(id).await?
         {
@@ -309,7 +309,10 @@ impl MockCloudProvider {
             }
             // An id annotation copied from another Service must not make us adopt its LB.
             if belongs_to(&lb, owner) && lb.state != sdk::State::Deleting {
-                found.push(lb);
+                // The id is written right after the create, so a duplicate could only
+                // have been made before it, when the lookup below ran and found it: with
+                // a known, live id one GET is the whole lookup.
+                return Ok(vec![lb]);
             }
         }
         let filter = sdk::ListFilter {
@@ -324,12 +327,10 @@ impl MockCloudProvider {
             .call(Operation::List, || self.client.list_load_balancers(&filter))
             .await
             .map_err(|e| classify(&e, Operation::List, None, None))?;
-        for lb in listed {
-            if lb.state != sdk::State::Deleting && !found.iter().any(|f| f.id == lb.id) {
-                found.push(lb);
-            }
-        }
-        Ok(found)
+        Ok(listed
+            .into_iter()
+            .filter(|lb| lb.state != sdk::State::Deleting)
+            .collect())
     }
 
     async fn delete_raw(&self, id: &str) -> Result<(), ProviderError> {
