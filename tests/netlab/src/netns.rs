@@ -44,9 +44,8 @@ impl Netns {
         cmd
     }
 
-    /// Runs `argv` inside the namespace to completion and returns its output, whatever its
-    /// exit status.
-    pub fn exec<I, S>(&self, argv: I) -> Result<Output, NetlabError>
+    /// `argv` as a command inside the namespace, with stdin closed.
+    fn argv_command<I, S>(&self, argv: I) -> Result<Command, NetlabError>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
@@ -54,6 +53,17 @@ impl Netns {
         let (program, args) = split_argv(argv)?;
         let mut cmd = self.command(&program);
         cmd.args(&args).stdin(Stdio::null());
+        Ok(cmd)
+    }
+
+    /// Runs `argv` inside the namespace to completion and returns its output, whatever its
+    /// exit status.
+    pub fn exec<I, S>(&self, argv: I) -> Result<Output, NetlabError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut cmd = self.argv_command(argv)?;
         cmd.output().map_err(|source| NetlabError::Spawn {
             command: describe(&cmd),
             source,
@@ -67,10 +77,7 @@ impl Netns {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        let (program, args) = split_argv(argv)?;
-        let mut cmd = self.command(&program);
-        cmd.args(&args);
-        run_checked(cmd)
+        run_checked(self.argv_command(argv)?)
     }
 
     /// [`Netns::exec`] for async code.
@@ -95,10 +102,7 @@ impl Netns {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        let (program, args) = split_argv(argv)?;
-        let mut cmd = self.command(&program);
-        cmd.args(&args).stdin(Stdio::null());
-        ChildGuard::spawn(cmd)
+        ChildGuard::spawn(self.argv_command(argv)?)
     }
 
     /// Runs `f` on a fresh thread that has entered this namespace, and returns its result.
