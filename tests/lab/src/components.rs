@@ -85,11 +85,6 @@ impl Component {
         self.guard.pid()
     }
 
-    /// Whether the process is still running.
-    pub fn is_running(&mut self) -> bool {
-        matches!(self.guard.try_wait(), Ok(None))
-    }
-
     /// Waits until `addr` accepts TCP connections (from the lab's own namespace), failing
     /// early with the log's tail when the process dies.
     pub async fn wait_serving(

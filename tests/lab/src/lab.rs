@@ -60,16 +60,15 @@ pub struct Lab {
     // and processes go before the namespaces they run in.
     /// Stops the node agent (Lease renewals, Ready heartbeats) when the lab goes.
     _node_agent: DropGuard,
-    components: Vec<Component>,
+    /// Held for their drop: it stops the processes.
+    _components: Vec<Component>,
     relay: Option<RelayThread>,
     pub topology: Topology,
     pub run_dir: PathBuf,
     pub kubeconfig: PathBuf,
-    pub token: String,
     pub kube: kube::Client,
     pub cloud: cloud_mock_sdk::Client,
     pub cloud_url: String,
-    pub options: LabOptions,
     /// Keep the run directory (logs, kubeconfig, cloud data) when the lab goes; it is kept
     /// anyway when the lab is dropped during a panic (a failing test).
     pub keep_run_dir: bool,
@@ -253,20 +252,18 @@ impl Lab {
         components.push(controller);
 
         Ok(Self {
-            components,
+            _components: components,
             relay,
             load_balancer_class,
             created: std::sync::Mutex::new(Vec::new()),
             topology,
             run_dir,
             kubeconfig,
-            token,
             keep_run_dir: false,
             endpoints: EndpointSliceWriter::new(kube.clone()),
             kube,
             cloud: cloud_client,
             cloud_url,
-            options,
             _node_agent: stop_agent.drop_guard(),
         })
     }
@@ -306,10 +303,6 @@ impl Lab {
                 .context("removing the lab's Nodes and Leases")?;
         }
         Ok(())
-    }
-
-    pub fn components(&self) -> &[Component] {
-        &self.components
     }
 
     /// Creates the Service and the EndpointSlice for its pods.
