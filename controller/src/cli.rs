@@ -11,7 +11,7 @@ pub use tandem_common::LogFormat;
 
 use crate::provider::ClusterId;
 use crate::runtime::{LeaderElection, Settings};
-use crate::spec::ClassFilter;
+use crate::spec::{ClassFilter, WithoutNodePorts};
 
 /// Provisions cloud load balancers for Kubernetes Services of type LoadBalancer.
 #[derive(Debug, Clone, Parser)]
@@ -39,6 +39,10 @@ pub struct Args {
     /// Also manage Services that set no loadBalancerClass.
     #[arg(long, env = "TANDEM_CLAIM_UNCLASSED", default_value_t = true, action = clap::ArgAction::Set)]
     pub claim_unclassed: bool,
+    /// Services with spec.allocateLoadBalancerNodePorts false and no mode annotation:
+    /// serve them in passthrough mode (which needs no node ports), or refuse them.
+    #[arg(long, env = "TANDEM_WITHOUT_NODE_PORTS", value_enum, default_value_t = WithoutNodePorts::Passthrough)]
+    pub without_node_ports: WithoutNodePorts,
     /// Run only while holding the leader Lease.
     #[arg(long, env = "TANDEM_LEADER_ELECT")]
     pub leader_elect: bool,
@@ -113,6 +117,7 @@ impl Args {
                 class: self.load_balancer_class.clone(),
                 claim_unclassed: self.claim_unclassed,
             },
+            without_node_ports: self.without_node_ports,
             cloud_url: self.cloud_url.clone(),
             cloud_token,
             cloud_timeout: Duration::from_secs(self.cloud_timeout_seconds.max(1)),

@@ -10,18 +10,19 @@ use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 use tokio_util::sync::CancellationToken;
 
+use crate::plan::{Ownership, ownership};
 use crate::provider::{
     LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
 };
 use crate::reconcile::Context;
-use crate::spec::{ClassFilter, is_load_balancer};
+use crate::spec::ClassFilter;
 
-/// UIDs of Services that may own an LB: ours and of type LoadBalancer (including those
-/// being deleted, whose cleanup is the reconciler's job).
+/// UIDs of Services that may own an LB: ours to ensure, or holding our finalizer (their
+/// cleanup is the reconciler's job, whatever their class says now).
 pub fn live_owner_uids(services: &[Arc<Service>], classes: &ClassFilter) -> BTreeSet<String> {
     services
         .iter()
-        .filter(|s| classes.class_is_ours(s) && is_load_balancer(s))
+        .filter(|s| ownership(s, classes) != Ownership::Ignore)
         .filter_map(|s| s.uid())
         .collect()
 }
@@ -120,6 +121,7 @@ mod tests {
     fn lb(uid: &str) -> ObservedLoadBalancer {
         ObservedLoadBalancer {
             id: format!("lb-{uid}"),
+            version: 1,
             name: uid.into(),
             owner: Some(Owner {
                 cluster_id: "c".parse().unwrap(),
@@ -146,13 +148,22 @@ mod tests {
         cluster_ip.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
         let mut other_class = service("c");
         other_class.spec.as_mut().unwrap().load_balancer_class = Some("y".into());
+        // Switched to ClusterIP, so the API server cleared its class; our finalizer says
+        // its LB is still ours to clean up.
+        let mut leaving = service("d");
+        leaving.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
+        leaving.metadata.finalizers = Some(vec![crate::plan::FINALIZER.into()]);
         let services = vec![
             Arc::new(service("a")),
             Arc::new(cluster_ip),
             Arc::new(other_class),
+            Arc::new(leaving),
         ];
         let live = live_owner_uids(&services, &classes);
-        assert_eq!(live, BTreeSet::from(["uid-a".to_string()]));
+        assert_eq!(
+            live,
+            BTreeSet::from(["uid-a".to_string(), "uid-d".to_string()])
+        );
         let mut untagged = lb("uid-z");
         untagged.owner = None;
         let lbs = vec![lb("uid-a"), lb("uid-b"), lb("uid-gone"), untagged];

@@ -1,21 +1,24 @@
 //! Cloud-provider LoadBalancer controller for Kubernetes Services.
 //!
-//! Decide: [`spec`], [`nodes`], [`status`], [`predicate`] and [`ratelimit`] are pure
-//! functions of observed state. Do: [`mockcloud`] (the cloud edge, behind the
-//! [`provider::LoadBalancerProvider`] trait) and [`reconcile`], [`nodesync`], [`gc`],
-//! [`runtime`] (the Kubernetes edge and wiring).
+//! Decide: [`plan`] (the whole decision of a reconcile), [`spec`], [`nodes`], [`status`],
+//! [`triggers`] and [`ratelimit`] are pure functions of observed state. Do: [`mockcloud`]
+//! (the cloud edge, behind the [`provider::LoadBalancerProvider`] trait; [`fake`] is its
+//! in-memory double) and [`reconcile`], [`nodesync`], [`gc`], [`runtime`] (the Kubernetes
+//! edge and wiring).
 
 pub mod cli;
+pub mod fake;
 pub mod gc;
 pub mod http;
 pub mod metrics;
 pub mod mockcloud;
 pub mod nodes;
 pub mod nodesync;
-pub mod predicate;
+pub mod plan;
 pub mod provider;
 pub mod ratelimit;
 pub mod reconcile;
 pub mod runtime;
 pub mod spec;
 pub mod status;
+pub mod triggers;

@@ -171,6 +171,8 @@ pub enum LoadBalancerPhase {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ObservedLoadBalancer {
     pub id: String,
+    /// The cloud's version of the LB: an update is conditional on it (`If-Match`).
+    pub version: u64,
     pub name: String,
     pub owner: Option<Owner>,
     pub phase: LoadBalancerPhase,
@@ -325,34 +327,38 @@ impl ProviderError {
 
 /// A cloud that can provide external load balancers (cf. `cloudprovider.LoadBalancer`).
 ///
-/// Implementations must be idempotent: every method may be retried after a timeout, and
-/// `ensure` must never create a second LB for the same owner.
+/// Reads and writes are separate so a reconcile can observe once, decide, then make exactly
+/// the write it decided on. Implementations must be idempotent: every method may be retried
+/// after a timeout, and `create` must never make a second LB for the same request.
 pub trait LoadBalancerProvider: Send + Sync + 'static {
     /// A short name for logs.
     fn name(&self) -> &'static str;
 
     /// Finds the LB of `lookup.owner`, by id first, then by its deterministic name and tags.
+    /// `ForeignLoadBalancer` when the id names an LB of another cluster.
     fn get(
         &self,
         lookup: &LoadBalancerLookup,
     ) -> impl Future<Output = Result<Option<ObservedLoadBalancer>, ProviderError>> + Send;
 
-    /// Creates the LB, or brings an existing one (found as in `get`) to the desired state.
-    /// Returns as soon as the cloud accepted the request; the LB may still be provisioning.
-    fn ensure(
+    /// Creates the LB. `replaces` names an LB of this Service that vanished, so the create
+    /// is a new request rather than a replay of the first one.
+    /// Returns as soon as the cloud accepted it; the LB may still be provisioning.
+    fn create(
         &self,
         desired: &DesiredLoadBalancer,
-        known_id: Option<&str>,
+        replaces: Option<&str>,
     ) -> impl Future<Output = Result<ObservedLoadBalancer, ProviderError>> + Send;
 
-    /// Replaces only the backend set of an existing LB; `NotFound` when it is gone.
-    fn update_backends(
+    /// Writes `desired` over `current`, conditional on `current.version`; the VIP stays
+    /// unless another is requested. `NotFound` when the LB is gone.
+    fn update(
         &self,
-        lookup: &LoadBalancerLookup,
-        backends: &BTreeSet<Ipv4Addr>,
+        current: &ObservedLoadBalancer,
+        desired: &DesiredLoadBalancer,
     ) -> impl Future<Output = Result<ObservedLoadBalancer, ProviderError>> + Send;
 
-    /// Deletes the LB; succeeds when it is already gone.
+    /// Deletes the LB (found as in `get`); succeeds when it is already gone.
     fn delete(
         &self,
         lookup: &LoadBalancerLookup,
@@ -401,6 +407,7 @@ mod tests {
     fn observed_from(d: &DesiredLoadBalancer) -> ObservedLoadBalancer {
         ObservedLoadBalancer {
             id: "lb-1".into(),
+            version: 1,
             name: d.name(),
             owner: Some(d.owner.clone()),
             phase: LoadBalancerPhase::Active,

@@ -1,7 +1,9 @@
-//! The Service reconciler: the thin layer that performs what the pure modules decide.
+//! The Service reconciler: observe → decide ([`crate::plan`]) → act, the thin layer that
+//! performs a plan.
 //!
-//! Order of effects per Service: finalizer (before any cloud call) → cloud ensure → LB id
-//! annotation (right after create) → Events → status (only when it differs).
+//! Order of effects per Service, always: finalizer added (before any cloud call) → Events
+//! before → the one cloud call → LB id annotation (right after create) → Events after →
+//! status → finalizer and id removed (after a successful cleanup).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -18,28 +20,26 @@ use serde_json::json;
 
 use crate::metrics::Metrics;
 use crate::nodes::eligible_backends;
-use crate::predicate::{
-    EnsurePlan, EventDecision, EventReason, event_after, events_before, plan_ensure,
+use crate::plan::{
+    CloudAction, EventDecision, FINALIZER, Next, Ownership, Plan, PlanError, Seen,
+    may_have_load_balancer, ownership, plan_cleanup, plan_ensure, plan_nothing,
 };
 use crate::provider::{
-    ClusterId, LoadBalancerLookup, LoadBalancerPhase, LoadBalancerProvider, ProviderError,
+    ClusterId, LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
 };
 use crate::ratelimit::service_backoff;
 use crate::spec::{
-    ANNOTATION_LB_ID, ClassFilter, SpecError, desired_load_balancer, is_being_deleted,
-    is_load_balancer, owner_of, persisted_id,
+    ANNOTATION_LB_ID, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of, persisted_id,
 };
-use crate::status::{ConditionReason, DesiredCondition, IngressUpdate, ingress_for, status_patch};
+use crate::status::{IngressUpdate, StatusWrite, status_write};
 
-/// The finalizer of the upstream service controller: our LB outlives no Service.
-pub const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
+/// Our field manager for server-side apply of the status.
+pub const FIELD_MANAGER: &str = "tandem-controller";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
-    #[error("cloud: {0}")]
-    Provider(#[from] ProviderError),
-    #[error("invalid Service: {0}")]
-    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
     #[error("kubernetes API {action}: {source}")]
     Kube {
         action: &'static str,
@@ -51,8 +51,7 @@ pub enum ReconcileError {
 impl ReconcileError {
     pub fn category(&self) -> &'static str {
         match self {
-            ReconcileError::Provider(e) => e.category(),
-            ReconcileError::Spec(e) => e.category(),
+            ReconcileError::Plan(e) => e.category(),
             ReconcileError::Kube { .. } => "kubernetes",
         }
     }
@@ -68,6 +67,7 @@ pub struct Context<P> {
     pub provider: P,
     pub cluster_id: ClusterId,
     pub classes: ClassFilter,
+    pub without_node_ports: WithoutNodePorts,
     pub nodes: Store<Node>,
     pub recorder: Recorder,
     pub metrics: Metrics,
@@ -85,6 +85,7 @@ impl<P: LoadBalancerProvider> Context<P> {
         provider: P,
         cluster_id: ClusterId,
         classes: ClassFilter,
+        without_node_ports: WithoutNodePorts,
         nodes: Store<Node>,
         recorder: Recorder,
         metrics: Metrics,
@@ -95,6 +96,7 @@ impl<P: LoadBalancerProvider> Context<P> {
             provider,
             cluster_id,
             classes,
+            without_node_ports,
             nodes,
             recorder,
             metrics,
@@ -105,7 +107,7 @@ impl<P: LoadBalancerProvider> Context<P> {
     }
 
     /// Records an Event; failures are logged, never fatal (Events are best effort).
-    pub async fn publish(&self, svc: &Service, decision: &EventDecision) {
+    async fn publish(&self, svc: &Service, decision: &EventDecision) {
         let event = Event {
             type_: if decision.reason.is_warning() {
                 EventType::Warning
@@ -135,28 +137,29 @@ impl<P: LoadBalancerProvider> Context<P> {
     }
 }
 
-fn has_finalizer(svc: &Service) -> bool {
-    svc.finalizers().iter().any(|f| f == FINALIZER)
-}
-
 fn api(client: &kube::Client, svc: &Service) -> Api<Service> {
     Api::namespaced(client.clone(), &svc.namespace().unwrap_or_default())
 }
 
-/// Merge patch that carries the resourceVersion, so a concurrent change makes it fail (409)
-/// instead of silently dropping someone else's finalizer.
-async fn set_finalizers(
+/// Whether a metadata patch must fail (409) on a concurrent change: finalizer lists are
+/// written whole, so they are, lest someone else's finalizer be dropped.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Guard {
+    ResourceVersion,
+    None,
+}
+
+/// A metadata merge patch. Returns the Service as written, so the next guarded write
+/// carries the new resourceVersion.
+async fn patch_metadata(
     client: &kube::Client,
     svc: &Service,
-    finalizers: Vec<String>,
-    clear_id: bool,
-) -> Result<(), ReconcileError> {
-    let mut metadata = json!({
-        "finalizers": finalizers,
-        "resourceVersion": svc.resource_version(),
-    });
-    if clear_id && persisted_id(svc).is_some() {
-        metadata["annotations"] = json!({ ANNOTATION_LB_ID: null });
+    mut metadata: serde_json::Value,
+    guard: Guard,
+    action: &'static str,
+) -> Result<Service, ReconcileError> {
+    if guard == Guard::ResourceVersion {
+        metadata["resourceVersion"] = json!(svc.resource_version());
     }
     api(client, svc)
         .patch(
@@ -165,52 +168,221 @@ async fn set_finalizers(
             &Patch::Merge(json!({ "metadata": metadata })),
         )
         .await
-        .map_err(kube_err("patch finalizers"))?;
-    Ok(())
+        .map_err(kube_err(action))
 }
 
-async fn patch_status(
+async fn write_status(
     client: &kube::Client,
     svc: &Service,
-    ingress: &IngressUpdate,
-    condition: Option<&DesiredCondition>,
-) -> Result<bool, ReconcileError> {
-    let Some(patch) = status_patch(svc, ingress, condition, Timestamp::now()) else {
-        return Ok(false);
-    };
-    api(client, svc)
-        .patch_status(
-            &svc.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(patch),
-        )
-        .await
-        .map_err(kube_err("patch status"))?;
-    Ok(true)
+    write: StatusWrite,
+) -> Result<Service, ReconcileError> {
+    let api = api(client, svc);
+    match write {
+        StatusWrite::Apply(body) => api
+            .patch_status(
+                &svc.name_any(),
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(body),
+            )
+            .await
+            .map_err(kube_err("apply status")),
+        StatusWrite::Merge(body) => api
+            .patch_status(
+                &svc.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(body),
+            )
+            .await
+            .map_err(kube_err("patch status")),
+    }
 }
 
-/// Reconciles one Service. Only Services of our class are ever written to.
+/// Observe: the LB of a Service that wants one, asked of the cloud only when one may exist.
+async fn observe<P: LoadBalancerProvider>(
+    svc: &Service,
+    ctx: &Context<P>,
+    owner_known: bool,
+) -> Seen {
+    if !owner_known || !may_have_load_balancer(svc) {
+        return Seen::NotAsked;
+    }
+    let owner = match owner_of(svc, &ctx.cluster_id) {
+        Ok(owner) => owner,
+        Err(_) => return Seen::NotAsked,
+    };
+    let lookup = LoadBalancerLookup {
+        known_id: persisted_id(svc).map(str::to_owned),
+        owner,
+    };
+    match ctx.provider.get(&lookup).await {
+        Ok(Some(lb)) => Seen::Found(lb),
+        Ok(None) => Seen::Missing,
+        Err(error) => Seen::Failed(error),
+    }
+}
+
+/// Observe and decide: the whole plan for one Service.
+pub async fn decide<P: LoadBalancerProvider>(svc: &Service, ctx: &Context<P>) -> Plan {
+    match ownership(svc, &ctx.classes) {
+        Ownership::Ignore => plan_nothing(),
+        Ownership::Cleanup => plan_cleanup(svc, &ctx.cluster_id),
+        Ownership::Ensure => {
+            let backends = eligible_backends(ctx.nodes.state().iter().map(Arc::as_ref));
+            let desired =
+                desired_load_balancer(svc, &ctx.cluster_id, backends, ctx.without_node_ports);
+            let seen = observe(svc, ctx, desired.is_ok()).await;
+            plan_ensure(svc, desired, seen)
+        }
+    }
+}
+
+/// The cloud call of a plan.
+async fn call_cloud<P: LoadBalancerProvider>(
+    action: &CloudAction,
+    ctx: &Context<P>,
+) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
+    match action {
+        CloudAction::None => Ok(None),
+        CloudAction::Create { desired, replaces } => ctx
+            .provider
+            .create(desired, replaces.as_deref())
+            .await
+            .map(Some),
+        CloudAction::Update { current, desired } => {
+            ctx.provider.update(current, desired).await.map(Some)
+        }
+        CloudAction::Delete(lookup) => match ctx.provider.delete(lookup).await {
+            // The persisted id names an LB that is not ours: never touch it, but still
+            // delete what our name and tags find.
+            Err(ProviderError::ForeignLoadBalancer { id }) => {
+                tracing::warn!(%id, "persisted id names a foreign load balancer; ignoring it");
+                let by_owner = LoadBalancerLookup {
+                    known_id: None,
+                    owner: lookup.owner.clone(),
+                };
+                ctx.provider.delete(&by_owner).await.map(|()| None)
+            }
+            other => other.map(|()| None),
+        },
+    }
+}
+
+/// Act: performs `plan` in the fixed order. A failed write stops the sequence; the retry
+/// decides again from what it observes then.
+pub async fn act<P: LoadBalancerProvider>(
+    svc: &Service,
+    plan: &Plan,
+    ctx: &Context<P>,
+) -> Result<Next, ReconcileError> {
+    let mut current = svc.clone();
+    if plan.add_finalizer {
+        let mut finalizers = current.finalizers().to_vec();
+        finalizers.push(FINALIZER.to_owned());
+        current = patch_metadata(
+            &ctx.client,
+            &current,
+            json!({ "finalizers": finalizers }),
+            Guard::ResourceVersion,
+            "add finalizer",
+        )
+        .await?;
+    }
+    for event in &plan.events_before {
+        ctx.publish(&current, event).await;
+    }
+    let result = call_cloud(&plan.cloud, ctx).await;
+    let settled = plan.settle(&current, result);
+    if let Some(id) = &settled.persist_id {
+        current = patch_metadata(
+            &ctx.client,
+            &current,
+            json!({ "annotations": { ANNOTATION_LB_ID: id } }),
+            Guard::None,
+            "persist load balancer id",
+        )
+        .await?;
+    }
+    for event in &settled.events {
+        ctx.publish(&current, event).await;
+    }
+    if let Some((ingress, condition)) = &settled.status
+        && let Some(write) = status_write(&current, ingress, condition.as_ref(), Timestamp::now())
+    {
+        let first_ingress = matches!(ingress, IngressUpdate::Set(_))
+            && current
+                .status
+                .as_ref()
+                .and_then(|s| s.load_balancer.as_ref())
+                .and_then(|l| l.ingress.as_ref())
+                .is_none_or(Vec::is_empty);
+        match write_status(&ctx.client, &current, write).await {
+            Ok(written) => {
+                if first_ingress && let Some(created) = current.creation_timestamp() {
+                    let elapsed = Timestamp::now().duration_since(created.0);
+                    ctx.metrics
+                        .provisioned_after(Duration::try_from(elapsed).unwrap_or_default());
+                }
+                current = written;
+            }
+            // A status write failing must not hide the error the status reports.
+            Err(error) if settled.outcome.is_err() => {
+                tracing::warn!(%error, "cannot report the failure in status");
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    if settled.remove_finalizer {
+        let finalizers: Vec<String> = current
+            .finalizers()
+            .iter()
+            .filter(|f| *f != FINALIZER)
+            .cloned()
+            .collect();
+        let mut metadata = json!({ "finalizers": finalizers });
+        if persisted_id(&current).is_some() && current.metadata.deletion_timestamp.is_none() {
+            metadata["annotations"] = json!({ ANNOTATION_LB_ID: null });
+        }
+        patch_metadata(
+            &ctx.client,
+            &current,
+            metadata,
+            Guard::ResourceVersion,
+            "remove finalizer",
+        )
+        .await?;
+    }
+    Ok(settled.outcome?)
+}
+
+/// Observe → decide → act for one Service; also what node sync and drift repair run.
+#[tracing::instrument(skip_all, fields(service = %ObjectRef::from_obj(svc)))]
+pub async fn sync_service<P: LoadBalancerProvider>(
+    svc: &Service,
+    ctx: &Context<P>,
+) -> Result<Next, ReconcileError> {
+    let plan = decide(svc, ctx).await;
+    act(svc, &plan, ctx).await
+}
+
+/// The kube-runtime reconciler.
 pub async fn reconcile<P: LoadBalancerProvider>(
     svc: Arc<Service>,
     ctx: Arc<Context<P>>,
 ) -> Result<Action, ReconcileError> {
-    if !ctx.classes.class_is_ours(&svc) {
+    if ownership(&svc, &ctx.classes) == Ownership::Ignore {
         return Ok(Action::await_change());
     }
-    let wants_lb = is_load_balancer(&svc) && !is_being_deleted(&svc);
-    let result = if wants_lb {
-        ensure(&svc, &ctx).await
-    } else if has_finalizer(&svc) {
-        cleanup(&svc, &ctx).await
-    } else {
-        Ok(Action::await_change())
-    };
+    let result = sync_service(&svc, &ctx).await;
     ctx.metrics
         .reconciled(result.as_ref().map(drop).map_err(ReconcileError::category));
     if result.is_ok() {
         ctx.clear_failures(&svc);
     }
-    result
+    result.map(|next| match next {
+        Next::Resync => Action::requeue(ctx.resync),
+        Next::Poll => Action::requeue(ctx.provisioning_poll),
+        Next::AwaitChange => Action::await_change(),
+    })
 }
 
 /// Per-Service exponential backoff, 5 s → 300 s.
@@ -223,221 +395,4 @@ pub fn error_policy<P: LoadBalancerProvider>(
     let delay = service_backoff(failures);
     tracing::warn!(service = %ObjectRef::from_obj(svc.as_ref()), %error, failures, ?delay, "reconcile failed");
     Action::requeue(delay)
-}
-
-#[tracing::instrument(skip_all, fields(service = %ObjectRef::from_obj(svc)))]
-async fn ensure<P: LoadBalancerProvider>(
-    svc: &Service,
-    ctx: &Context<P>,
-) -> Result<Action, ReconcileError> {
-    let backends = eligible_backends(ctx.nodes.state().iter().map(Arc::as_ref));
-    let desired = match desired_load_balancer(svc, &ctx.cluster_id, backends) {
-        Ok(desired) => desired,
-        Err(error) => {
-            // No cloud call until the Service changes; the retry only re-reports.
-            ctx.publish(
-                svc,
-                &EventDecision::new(
-                    EventReason::SyncLoadBalancerFailed,
-                    format!("Error syncing load balancer: {error}"),
-                ),
-            )
-            .await;
-            let condition = DesiredCondition {
-                reason: ConditionReason::InvalidConfiguration,
-                message: error.to_string(),
-            };
-            patch_status(&ctx.client, svc, &IngressUpdate::Keep, Some(&condition)).await?;
-            return Err(error.into());
-        }
-    };
-    if !has_finalizer(svc) {
-        let mut finalizers = svc.finalizers().to_vec();
-        finalizers.push(FINALIZER.to_owned());
-        set_finalizers(&ctx.client, svc, finalizers, false).await?;
-    }
-    if desired.backends.is_empty() {
-        ctx.publish(
-            svc,
-            &EventDecision::new(
-                EventReason::UnAvailableLoadBalancer,
-                "There are no available nodes for LoadBalancer",
-            ),
-        )
-        .await;
-    }
-    let known_id = persisted_id(svc).map(str::to_owned);
-    let lookup = LoadBalancerLookup {
-        known_id: known_id.clone(),
-        owner: desired.owner.clone(),
-    };
-    let outcome = async {
-        let observed = ctx.provider.get(&lookup).await?;
-        let drift = observed
-            .as_ref()
-            .map(|o| o.drift(&desired))
-            .unwrap_or_default();
-        let plan = plan_ensure(observed.as_ref(), &drift);
-        if let Some(event) = events_before(&plan) {
-            ctx.publish(svc, &event).await;
-        }
-        let result = match (&plan, observed) {
-            (EnsurePlan::InSync, Some(lb)) => Ok(lb),
-            (EnsurePlan::UpdateBackends, _) => {
-                ctx.provider
-                    .update_backends(&lookup, &desired.backends)
-                    .await
-            }
-            _ => ctx.provider.ensure(&desired, known_id.as_deref()).await,
-        };
-        Ok::<_, ProviderError>((plan, result))
-    }
-    .await;
-    let (plan, result) = match outcome {
-        Ok(planned) => planned,
-        Err(error) => (
-            EnsurePlan::Ensure {
-                reason: String::new(),
-            },
-            Err(error),
-        ),
-    };
-    let lb = match result {
-        Ok(lb) => lb,
-        Err(error) => {
-            let message = error.to_string();
-            if let Some(event) = event_after(&plan, Err(&message)) {
-                ctx.publish(svc, &event).await;
-            }
-            let reason = match error {
-                ProviderError::IpUnavailable { .. } => ConditionReason::VipUnavailable,
-                ProviderError::Invalid { .. } => ConditionReason::InvalidConfiguration,
-                _ => ConditionReason::CloudError,
-            };
-            let condition = DesiredCondition { reason, message };
-            // A status write failing here must not hide the cloud error.
-            if let Err(status_error) =
-                patch_status(&ctx.client, svc, &IngressUpdate::Keep, Some(&condition)).await
-            {
-                tracing::warn!(%status_error, "cannot report cloud error in status");
-            }
-            return Err(error.into());
-        }
-    };
-    if persisted_id(svc) != Some(lb.id.as_str()) {
-        let patch = json!({ "metadata": { "annotations": { ANNOTATION_LB_ID: lb.id } } });
-        api(&ctx.client, svc)
-            .patch(
-                &svc.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(patch),
-            )
-            .await
-            .map_err(kube_err("persist load balancer id"))?;
-    }
-    if let Some(event) = event_after(&plan, Ok(())) {
-        ctx.publish(svc, &event).await;
-    }
-    let (ingress, condition, next) = match (lb.phase, lb.vip) {
-        (LoadBalancerPhase::Active, Some(vip)) => {
-            let condition = if desired.backends.is_empty() {
-                DesiredCondition {
-                    reason: ConditionReason::NoEligibleNodes,
-                    message: "no node is eligible to receive traffic".into(),
-                }
-            } else {
-                DesiredCondition {
-                    reason: ConditionReason::Ready,
-                    message: format!("load balancer {} serves {vip}", lb.id),
-                }
-            };
-            (
-                IngressUpdate::Set(ingress_for(vip, &desired)),
-                condition,
-                Action::requeue(ctx.resync),
-            )
-        }
-        _ => (
-            IngressUpdate::Keep,
-            DesiredCondition {
-                reason: ConditionReason::Provisioning,
-                message: format!("load balancer {} is provisioning", lb.id),
-            },
-            Action::requeue(ctx.provisioning_poll),
-        ),
-    };
-    let first_ingress = matches!(ingress, IngressUpdate::Set(_))
-        && svc
-            .status
-            .as_ref()
-            .and_then(|s| s.load_balancer.as_ref())
-            .and_then(|l| l.ingress.as_ref())
-            .is_none_or(Vec::is_empty);
-    if patch_status(&ctx.client, svc, &ingress, Some(&condition)).await?
-        && first_ingress
-        && let Some(created) = svc.creation_timestamp()
-    {
-        let elapsed = Timestamp::now().duration_since(created.0);
-        ctx.metrics
-            .provisioned_after(Duration::try_from(elapsed).unwrap_or_default());
-    }
-    Ok(next)
-}
-
-#[tracing::instrument(skip_all, fields(service = %ObjectRef::from_obj(svc)))]
-async fn cleanup<P: LoadBalancerProvider>(
-    svc: &Service,
-    ctx: &Context<P>,
-) -> Result<Action, ReconcileError> {
-    let owner = owner_of(svc, &ctx.cluster_id)?;
-    ctx.publish(
-        svc,
-        &EventDecision::new(EventReason::DeletingLoadBalancer, "Deleting load balancer"),
-    )
-    .await;
-    let lookup = LoadBalancerLookup {
-        known_id: persisted_id(svc).map(str::to_owned),
-        owner,
-    };
-    let deleted = match ctx.provider.delete(&lookup).await {
-        // The persisted id names an LB that is not ours: never touch it, but still delete
-        // what our name and tags find.
-        Err(ProviderError::ForeignLoadBalancer { id }) => {
-            tracing::warn!(%id, "persisted id names a foreign load balancer; ignoring it");
-            ctx.provider
-                .delete(&LoadBalancerLookup {
-                    known_id: None,
-                    ..lookup
-                })
-                .await
-        }
-        other => other,
-    };
-    if let Err(error) = deleted {
-        ctx.publish(
-            svc,
-            &EventDecision::new(
-                EventReason::DeleteLoadBalancerFailed,
-                format!("Error deleting load balancer: {error}"),
-            ),
-        )
-        .await;
-        return Err(error.into());
-    }
-    ctx.publish(
-        svc,
-        &EventDecision::new(EventReason::DeletedLoadBalancer, "Deleted load balancer"),
-    )
-    .await;
-    if !is_being_deleted(svc) {
-        patch_status(&ctx.client, svc, &IngressUpdate::Clear, None).await?;
-    }
-    let finalizers = svc
-        .finalizers()
-        .iter()
-        .filter(|f| *f != FINALIZER)
-        .cloned()
-        .collect();
-    set_finalizers(&ctx.client, svc, finalizers, !is_being_deleted(svc)).await?;
-    Ok(Action::await_change())
 }

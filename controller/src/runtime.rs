@@ -14,21 +14,21 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector;
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::utils::PredicateConfig;
 use kube::runtime::watcher::{self, watcher};
 use kube_lease_manager::LeaseManagerBuilder;
 use prometheus_client::registry::Registry;
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::mockcloud::MockCloudProvider;
-use crate::predicate::reensure_fingerprint;
 use crate::provider::{ClusterId, LoadBalancerProvider};
 use crate::ratelimit::SharedTokenBucket;
 use crate::reconcile::{Context, error_policy, reconcile};
-use crate::spec::ClassFilter;
+use crate::spec::{ClassFilter, WithoutNodePorts};
+use crate::triggers::reensure_fingerprint;
 use crate::{gc, http, nodesync};
 
 pub const CONTROLLER_NAME: &str = "tandem-controller";
@@ -107,6 +107,7 @@ pub struct LeaderElection {
 pub struct Settings {
     pub cluster_id: ClusterId,
     pub classes: ClassFilter,
+    pub without_node_ports: WithoutNodePorts,
     pub cloud_url: String,
     pub cloud_token: String,
     pub cloud_timeout: Duration,
@@ -120,6 +121,120 @@ pub struct Settings {
     pub gc_period: Duration,
     pub node_debounce: Duration,
     pub identity: String,
+}
+
+/// Service changes a leader would reconcile, buffered for a leader that falls behind
+/// (one that lags re-reconciles everything from the store).
+const SERVICE_CHANGE_BUFFER: usize = 4096;
+
+/// The watches and caches every replica keeps, leader or standby, so a hand-over starts
+/// with warm stores instead of a relist.
+struct Watches {
+    services: Store<Service>,
+    nodes: Store<Node>,
+    /// Services whose re-ensure fingerprint changed (see [`crate::triggers`]).
+    service_changes: broadcast::Sender<ObjectRef<Service>>,
+    /// Ticks on every node change.
+    node_changes: watch::Receiver<u64>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Watches {
+    fn start(client: &kube::Client, cancel: &CancellationToken) -> Self {
+        let (services, services_writer) = reflector::store::<Service>();
+        let (service_changes, _) = broadcast::channel(SERVICE_CHANGE_BUFFER);
+        let service_stream = watcher(
+            Api::<Service>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(services_writer)
+        .applied_objects()
+        .predicate_filter(
+            |svc: &Service| Some(reensure_fingerprint(svc)),
+            PredicateConfig::default(),
+        );
+        let changes = service_changes.clone();
+        let services_task = tokio::spawn(drive(service_stream, cancel.clone(), move |svc| {
+            // No receiver while standing by: the store is what is kept warm.
+            let _ = changes.send(ObjectRef::from_obj(&svc));
+        }));
+        let (nodes, nodes_writer) = reflector::store::<Node>();
+        let (node_tick, node_changes) = watch::channel(0u64);
+        let node_stream = watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
+            .default_backoff()
+            .reflect(nodes_writer);
+        let nodes_task = tokio::spawn(drive(node_stream, cancel.clone(), move |event| {
+            if matches!(
+                event,
+                watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone
+            ) {
+                node_tick.send_modify(|n| *n = n.wrapping_add(1));
+            }
+        }));
+        Self {
+            services,
+            nodes,
+            service_changes,
+            node_changes,
+            tasks: vec![services_task, nodes_task],
+        }
+    }
+
+    async fn stop(self) {
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+
+    /// Every Service once (the start-up ensure), then each change; a leader that fell
+    /// behind the buffer gets every Service again.
+    fn triggers(&self) -> impl futures::Stream<Item = ObjectRef<Service>> + Send + 'static {
+        let all = |store: &Store<Service>| -> Vec<ObjectRef<Service>> {
+            store
+                .state()
+                .iter()
+                .map(|s| ObjectRef::from_obj(s.as_ref()))
+                .collect()
+        };
+        // Subscribe before the snapshot, so no change falls between the two.
+        let receiver = self.service_changes.subscribe();
+        let initial = all(&self.services);
+        let live = futures::stream::unfold(
+            (receiver, self.services.clone()),
+            move |(mut receiver, store)| async move {
+                let batch = match receiver.recv().await {
+                    Ok(changed) => vec![changed],
+                    Err(broadcast::error::RecvError::Lagged(missed)) => {
+                        tracing::warn!(missed, "fell behind Service changes; reconciling all");
+                        all(&store)
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                };
+                Some((batch, (receiver, store)))
+            },
+        )
+        .flat_map(futures::stream::iter);
+        futures::stream::iter(initial).chain(live)
+    }
+}
+
+/// Polls a watch stream until it ends or `cancel`, handing each item to `on_item`.
+async fn drive<T, S>(stream: S, cancel: CancellationToken, mut on_item: impl FnMut(T) + Send)
+where
+    S: futures::Stream<Item = Result<T, watcher::Error>> + Send,
+{
+    let mut stream = std::pin::pin!(stream);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            item = stream.next() => match item {
+                Some(Ok(item)) => on_item(item),
+                Some(Err(error)) => tracing::warn!(%error, "watch error"),
+                None => return,
+            },
+        }
+    }
 }
 
 /// Runs until `cancel` (clean shutdown, `Ok`) or until leadership is lost or the lease task
@@ -154,6 +269,8 @@ pub async fn run(
     .map_err(RuntimeError::Cloud)?;
     let bucket = SharedTokenBucket::new(settings.cloud_rate_per_second, settings.cloud_burst);
     let provider = MockCloudProvider::new(sdk_client, bucket, metrics.cloud.clone());
+    let watch_cancel = cancel.child_token();
+    let watches = Watches::start(&client, &watch_cancel);
 
     let result = match &settings.leader_election {
         None => {
@@ -162,8 +279,8 @@ pub async fn run(
                 client,
                 provider,
                 &settings,
+                &watches,
                 metrics,
-                ready.clone(),
                 cancel.clone(),
             )
             .await;
@@ -175,6 +292,7 @@ pub async fn run(
                 provider,
                 &settings,
                 election,
+                &watches,
                 metrics,
                 ready.clone(),
                 cancel.clone(),
@@ -182,6 +300,8 @@ pub async fn run(
             .await
         }
     };
+    watch_cancel.cancel();
+    watches.stop().await;
     servers.cancel();
     for task in server_tasks {
         if let Ok(Err(error)) = task.await {
@@ -191,11 +311,13 @@ pub async fn run(
     result
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_elected<P: LoadBalancerProvider>(
     client: kube::Client,
     provider: P,
     settings: &Settings,
     election: &LeaderElection,
+    watches: &Watches,
     metrics: Metrics,
     ready: Arc<AtomicBool>,
     cancel: CancellationToken,
@@ -210,7 +332,7 @@ async fn run_elected<P: LoadBalancerProvider>(
         .await
         .map_err(RuntimeError::Lease)?;
     let (mut leader, mut lease_task) = manager.watch().await;
-    // A standby replica is healthy and ready; it just does not write.
+    // A standby replica is healthy and ready; it watches and caches, it just does not write.
     ready.store(true, Ordering::Release);
     tracing::info!(identity = %election.identity, lease = %election.lease_name, "waiting for leadership");
     loop {
@@ -229,8 +351,8 @@ async fn run_elected<P: LoadBalancerProvider>(
         client,
         provider,
         settings,
+        watches,
         metrics,
-        ready,
         work_cancel.clone(),
     );
     let mut work = std::pin::pin!(work);
@@ -271,19 +393,15 @@ async fn release(
     Ok(())
 }
 
-/// Everything only the leader does. Returns when `cancel` fires.
+/// Everything only the leader does, on the warm stores. Returns when `cancel` fires.
 async fn run_leader<P: LoadBalancerProvider>(
     client: kube::Client,
     provider: P,
     settings: &Settings,
+    watches: &Watches,
     metrics: Metrics,
-    ready: Arc<AtomicBool>,
     cancel: CancellationToken,
 ) {
-    let (nodes, nodes_writer) = reflector::store::<Node>();
-    let node_events = watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
-        .default_backoff()
-        .reflect(nodes_writer);
     let recorder = Recorder::new(
         client.clone(),
         Reporter {
@@ -296,61 +414,54 @@ async fn run_leader<P: LoadBalancerProvider>(
         provider,
         settings.cluster_id.clone(),
         settings.classes.clone(),
-        nodes.clone(),
+        settings.without_node_ports,
+        watches.nodes.clone(),
         recorder,
         metrics,
         settings.resync,
     ));
-    let (services, services_writer) = reflector::store::<Service>();
+    // Decisions need complete lists: every LB would look orphaned, every node set new.
+    tokio::select! {
+        _ = cancel.cancelled() => return,
+        _ = async {
+            gc::wait_ready(&watches.nodes).await;
+            gc::wait_ready(&watches.services).await;
+        } => {}
+    }
     let (retry_tx, retry_rx) = mpsc::unbounded_channel();
     let node_sync = tokio::spawn(nodesync::run(
         ctx.clone(),
-        node_events,
-        services.clone(),
+        watches.node_changes.clone(),
+        watches.services.clone(),
         settings.node_debounce,
         usize::from(settings.concurrency),
         retry_tx,
         cancel.clone(),
     ));
-    tokio::select! {
-        _ = cancel.cancelled() => {
-            let _ = node_sync.await;
-            return;
-        }
-        _ = gc::wait_ready(&nodes) => {}
-    }
     let orphan_gc = tokio::spawn(gc::run(
         ctx.clone(),
-        services.clone(),
+        watches.services.clone(),
         settings.gc_period,
         cancel.clone(),
     ));
-    let service_events = watcher(
-        Api::<Service>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .reflect(services_writer)
-    .applied_objects()
-    .predicate_filter(
-        |svc: &Service| Some(reensure_fingerprint(svc)),
-        PredicateConfig::default(),
-    );
-    ready.store(true, Ordering::Release);
     tracing::info!(cluster = %settings.cluster_id, "controller started");
-    Controller::for_stream(service_events, services)
-        .with_config(controller::Config::default().concurrency(settings.concurrency))
-        .reconcile_on(futures::stream::unfold(retry_rx, |mut rx| async move {
-            rx.recv().await.map(|item| (item, rx))
-        }))
-        .graceful_shutdown_on(cancel.clone().cancelled_owned())
-        .run(reconcile, error_policy, ctx)
-        .for_each(|result| async move {
-            if let Err(error) = result {
-                tracing::debug!(%error, "controller event");
-            }
-        })
-        .await;
+    Controller::for_stream(
+        futures::stream::pending::<Result<Service, watcher::Error>>(),
+        watches.services.clone(),
+    )
+    .with_config(controller::Config::default().concurrency(settings.concurrency))
+    .reconcile_on(watches.triggers())
+    .reconcile_on(futures::stream::unfold(retry_rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }))
+    .graceful_shutdown_on(cancel.clone().cancelled_owned())
+    .run(reconcile, error_policy, ctx)
+    .for_each(|result| async move {
+        if let Err(error) = result {
+            tracing::debug!(%error, "controller event");
+        }
+    })
+    .await;
     cancel.cancel();
     let _ = node_sync.await;
     let _ = orphan_gc.await;

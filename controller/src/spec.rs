@@ -63,6 +63,10 @@ pub enum SpecError {
     PortOutOfRange(i32),
     #[error("port {0} has no nodePort allocated (needed in proxy mode)")]
     MissingNodePort(i32),
+    #[error(
+        "port {0} has no nodePort because spec.allocateLoadBalancerNodePorts is false, and proxy mode forwards to node ports; set annotation {ANNOTATION_MODE}: passthrough to serve it without them"
+    )]
+    NodePortsNotAllocated(i32),
     #[error("externalTrafficPolicy Local but no healthCheckNodePort allocated")]
     MissingHealthCheckNodePort,
     #[error("loadBalancerSourceRanges entry {0:?} is not an IPv4 CIDR")]
@@ -106,6 +110,24 @@ impl ClassFilter {
             Some(class) => class == self.class,
         }
     }
+}
+
+/// What to do with a Service that has `spec.allocateLoadBalancerNodePorts: false` and
+/// does not choose a mode: passthrough needs no node ports, proxy mode does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum WithoutNodePorts {
+    /// Serve it in passthrough mode.
+    Passthrough,
+    /// Refuse it with a condition and an Event (the mode annotation can still ask for
+    /// passthrough).
+    Refuse,
+}
+
+fn allocates_node_ports(svc: &Service) -> bool {
+    svc.spec
+        .as_ref()
+        .and_then(|s| s.allocate_load_balancer_node_ports)
+        != Some(false)
 }
 
 pub fn is_load_balancer(svc: &Service) -> bool {
@@ -163,8 +185,16 @@ fn bad(annotation: &str, value: &str, reason: &'static str) -> SpecError {
     }
 }
 
-fn parse_mode(svc: &Service) -> Result<LoadBalancerMode, SpecError> {
+fn parse_mode(
+    svc: &Service,
+    without_node_ports: WithoutNodePorts,
+) -> Result<LoadBalancerMode, SpecError> {
     match annotation(svc, ANNOTATION_MODE) {
+        None if !allocates_node_ports(svc)
+            && without_node_ports == WithoutNodePorts::Passthrough =>
+        {
+            Ok(LoadBalancerMode::Passthrough)
+        }
         None => Ok(LoadBalancerMode::Proxy),
         Some(v) if v.eq_ignore_ascii_case("proxy") => Ok(LoadBalancerMode::Proxy),
         Some(v) if v.eq_ignore_ascii_case("passthrough") => Ok(LoadBalancerMode::Passthrough),
@@ -325,6 +355,9 @@ fn listeners(
                     .filter(|v| *v != 0)
                     .ok_or(SpecError::PortOutOfRange(np))?,
                 (None, LoadBalancerMode::Passthrough) => port,
+                (None, LoadBalancerMode::Proxy) if !allocates_node_ports(svc) => {
+                    return Err(SpecError::NodePortsNotAllocated(p.port));
+                }
                 (None, LoadBalancerMode::Proxy) => return Err(SpecError::MissingNodePort(p.port)),
             };
             Ok(Listener {
@@ -370,11 +403,12 @@ pub fn desired_load_balancer(
     svc: &Service,
     cluster_id: &ClusterId,
     backends: BTreeSet<Ipv4Addr>,
+    without_node_ports: WithoutNodePorts,
 ) -> Result<DesiredLoadBalancer, SpecError> {
     let owner = owner_of(svc, cluster_id)?;
     check_annotations(svc)?;
     check_ip_families(svc)?;
-    let mode = parse_mode(svc)?;
+    let mode = parse_mode(svc, without_node_ports)?;
     let check = health_check(svc)?;
     Ok(DesiredLoadBalancer {
         owner,
@@ -431,7 +465,46 @@ pub(crate) mod tests {
     }
 
     fn desired(svc: &Service) -> Result<DesiredLoadBalancer, SpecError> {
-        desired_load_balancer(svc, &cluster(), BTreeSet::new())
+        desired_load_balancer(
+            svc,
+            &cluster(),
+            BTreeSet::new(),
+            WithoutNodePorts::Passthrough,
+        )
+    }
+
+    #[test]
+    fn services_without_node_ports_are_passthrough_or_refused_never_port_zero() {
+        let mut svc = service("np");
+        let spec = svc.spec.as_mut().unwrap();
+        spec.allocate_load_balancer_node_ports = Some(false);
+        spec.ports.as_mut().unwrap()[0].node_port = None;
+        let served = desired(&svc).unwrap();
+        assert_eq!(served.mode, LoadBalancerMode::Passthrough);
+        assert_eq!(served.listeners[0].backend_port, 80);
+        let refused =
+            desired_load_balancer(&svc, &cluster(), BTreeSet::new(), WithoutNodePorts::Refuse);
+        assert_eq!(refused, Err(SpecError::NodePortsNotAllocated(80)));
+        let proxy = with_annotation(svc.clone(), ANNOTATION_MODE, "proxy");
+        assert_eq!(desired(&proxy), Err(SpecError::NodePortsNotAllocated(80)));
+        let asked = with_annotation(svc, ANNOTATION_MODE, "passthrough");
+        let asked = desired_load_balancer(
+            &asked,
+            &cluster(),
+            BTreeSet::new(),
+            WithoutNodePorts::Refuse,
+        )
+        .unwrap();
+        assert_eq!(asked.mode, LoadBalancerMode::Passthrough);
+        // Node ports the user still set are used as they are, in either mode.
+        let mut kept = service("kept");
+        kept.spec
+            .as_mut()
+            .unwrap()
+            .allocate_load_balancer_node_ports = Some(false);
+        let kept = desired(&kept).unwrap();
+        assert_eq!(kept.listeners[0].backend_port, 30080);
+        assert!(kept.listeners.iter().all(|l| l.backend_port != 0));
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Service status: `status.loadBalancer.ingress` and the `LoadBalancerReady` condition
-//! explaining why a Service is not served yet. The patch is computed here, purely, and is
-//! `None` when nothing would change, so an idle controller never writes.
+//! explaining why a Service is not served yet. The write is computed here, purely, and is
+//! `None` when nothing would change, so an idle controller never writes. Ingress and our
+//! condition are written with server-side apply under our field manager, so conditions of
+//! other writers are never overwritten; clearing them (cleanup) is a merge patch.
 
 use std::net::Ipv4Addr;
 
@@ -136,13 +138,31 @@ fn merged_conditions(
     merged
 }
 
-/// A merge patch for the status subresource, or `None` when the status already matches.
-pub fn status_patch(
+/// A status write: a server-side apply of the fields we own, or the merge patch that
+/// clears them.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StatusWrite {
+    Apply(Value),
+    Merge(Value),
+}
+
+impl StatusWrite {
+    pub fn body(&self) -> &Value {
+        match self {
+            StatusWrite::Apply(v) | StatusWrite::Merge(v) => v,
+        }
+    }
+}
+
+/// The write that brings the status to `ingress` + `condition`, or `None` when it already
+/// matches. The apply body holds only our fields: the ingress (kept or new) and our
+/// condition; the list of conditions is keyed by type, so the API server keeps the rest.
+pub fn status_write(
     svc: &Service,
     ingress: &IngressUpdate,
     condition: Option<&DesiredCondition>,
     now: Timestamp,
-) -> Option<Value> {
+) -> Option<StatusWrite> {
     let current_ingress = current_ingress(svc);
     let new_ingress = match ingress {
         IngressUpdate::Keep => current_ingress.clone(),
@@ -155,22 +175,40 @@ pub fn status_patch(
     if new_ingress == current_ingress && new_conditions == current_conditions {
         return None;
     }
-    let ingress_value = if new_ingress.is_empty() {
-        Value::Null
+    if matches!(ingress, IngressUpdate::Clear) {
+        let conditions_value = if new_conditions.is_empty() {
+            Value::Null
+        } else {
+            json!(new_conditions)
+        };
+        return Some(StatusWrite::Merge(json!({
+            "status": {
+                "loadBalancer": { "ingress": Value::Null },
+                "conditions": conditions_value,
+            }
+        })));
+    }
+    let ours: Vec<&Condition> = new_conditions
+        .iter()
+        .filter(|c| c.type_ == CONDITION_TYPE)
+        .collect();
+    let load_balancer = if new_ingress.is_empty() {
+        json!({})
     } else {
-        json!(new_ingress)
+        json!({ "ingress": new_ingress })
     };
-    let conditions_value = if new_conditions.is_empty() {
-        Value::Null
-    } else {
-        json!(new_conditions)
-    };
-    Some(json!({
+    Some(StatusWrite::Apply(json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": svc.metadata.name,
+            "namespace": svc.metadata.namespace,
+        },
         "status": {
-            "loadBalancer": { "ingress": ingress_value },
-            "conditions": conditions_value,
+            "loadBalancer": load_balancer,
+            "conditions": ours,
         }
-    }))
+    })))
 }
 
 #[cfg(test)]
@@ -224,14 +262,27 @@ mod tests {
         Timestamp::from_second(secs).unwrap()
     }
 
-    /// Applies our patch the way the API server would (we only ever patch these fields).
-    fn apply(svc: &Service, patch: &Value) -> Service {
+    /// Performs our write the way the API server would: an apply replaces the ingress
+    /// and merges conditions by type; the merge patch replaces both.
+    fn apply(svc: &Service, write: &StatusWrite) -> Service {
         let mut out = svc.clone();
-        let status = &patch["status"];
+        let status = &write.body()["status"];
         let ingress: Option<Vec<LoadBalancerIngress>> =
             serde_json::from_value(status["loadBalancer"]["ingress"].clone()).unwrap();
-        let conditions: Option<Vec<Condition>> =
+        let sent: Option<Vec<Condition>> =
             serde_json::from_value(status["conditions"].clone()).unwrap();
+        let conditions = match write {
+            StatusWrite::Merge(_) => sent,
+            StatusWrite::Apply(_) => {
+                let sent = sent.unwrap_or_default();
+                let mut merged: Vec<Condition> = current_conditions(svc)
+                    .into_iter()
+                    .filter(|c| !sent.iter().any(|s| s.type_ == c.type_))
+                    .collect();
+                merged.extend(sent);
+                Some(merged)
+            }
+        };
         out.status = Some(ServiceStatus {
             load_balancer: Some(LoadBalancerStatus { ingress }),
             conditions,
@@ -253,14 +304,14 @@ mod tests {
     fn patch_only_on_change() {
         let svc = crate::spec::tests::service("web");
         let ingress = IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)));
-        let patch = status_patch(&svc, &ingress, Some(&ready()), t(100)).unwrap();
+        let patch = status_write(&svc, &ingress, Some(&ready()), t(100)).unwrap();
         let updated = apply(&svc, &patch);
         assert_eq!(
-            status_patch(&updated, &ingress, Some(&ready()), t(200)),
+            status_write(&updated, &ingress, Some(&ready()), t(200)),
             None
         );
         assert_eq!(
-            status_patch(&updated, &IngressUpdate::Keep, Some(&ready()), t(200)),
+            status_write(&updated, &IngressUpdate::Keep, Some(&ready()), t(200)),
             None
         );
     }
@@ -274,7 +325,7 @@ mod tests {
         };
         let s1 = apply(
             &svc,
-            &status_patch(&svc, &IngressUpdate::Keep, Some(&provisioning), t(100)).unwrap(),
+            &status_write(&svc, &IngressUpdate::Keep, Some(&provisioning), t(100)).unwrap(),
         );
         // Same status (False), different reason: the reason changes, the time does not.
         let cloud = DesiredCondition {
@@ -283,14 +334,14 @@ mod tests {
         };
         let s2 = apply(
             &s1,
-            &status_patch(&s1, &IngressUpdate::Keep, Some(&cloud), t(200)).unwrap(),
+            &status_write(&s1, &IngressUpdate::Keep, Some(&cloud), t(200)).unwrap(),
         );
         let c2 = &s2.status.as_ref().unwrap().conditions.as_ref().unwrap()[0];
         assert_eq!(c2.reason, "CloudError");
         assert_eq!(c2.last_transition_time, Time(t(100)));
         let s3 = apply(
             &s2,
-            &status_patch(&s2, &IngressUpdate::Keep, Some(&ready()), t(300)).unwrap(),
+            &status_write(&s2, &IngressUpdate::Keep, Some(&ready()), t(300)).unwrap(),
         );
         let c3 = &s3.status.as_ref().unwrap().conditions.as_ref().unwrap()[0];
         assert_eq!(
@@ -327,10 +378,10 @@ mod tests {
                     IngressUpdate::Keep
                 };
                 let condition = DesiredCondition { reason, message: reason.as_str().into() };
-                if let Some(patch) = status_patch(&svc, &ingress, Some(&condition), now) {
+                if let Some(patch) = status_write(&svc, &ingress, Some(&condition), now) {
                     svc = apply(&svc, &patch);
                 }
-                proptest::prop_assert_eq!(status_patch(&svc, &ingress, Some(&condition), now), None);
+                proptest::prop_assert_eq!(status_write(&svc, &ingress, Some(&condition), now), None);
                 let ours = svc.status.as_ref().unwrap().conditions.as_ref().unwrap()[0].clone();
                 if let Some((status, time)) = &last {
                     if *status == ours.status {
@@ -360,10 +411,12 @@ mod tests {
             load_balancer: None,
         });
         let ingress = IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)));
-        let s1 = apply(
-            &svc,
-            &status_patch(&svc, &ingress, Some(&ready()), t(5)).unwrap(),
-        );
+        let write = status_write(&svc, &ingress, Some(&ready()), t(5)).unwrap();
+        // The apply carries our condition only; the other writer's is not ours to send.
+        let sent = write.body()["status"]["conditions"].as_array().unwrap();
+        assert_eq!(sent.len(), 1);
+        assert_eq!(sent[0]["type"], CONDITION_TYPE);
+        let s1 = apply(&svc, &write);
         assert_eq!(
             s1.status
                 .as_ref()
@@ -374,13 +427,17 @@ mod tests {
                 .len(),
             2
         );
-        let patch = status_patch(&s1, &IngressUpdate::Clear, None, t(6)).unwrap();
-        assert_eq!(patch["status"]["loadBalancer"]["ingress"], Value::Null);
+        let patch = status_write(&s1, &IngressUpdate::Clear, None, t(6)).unwrap();
+        assert!(matches!(patch, StatusWrite::Merge(_)));
+        assert_eq!(
+            patch.body()["status"]["loadBalancer"]["ingress"],
+            Value::Null
+        );
         let s2 = apply(&s1, &patch);
         assert_eq!(
             s2.status.as_ref().unwrap().conditions.as_ref().unwrap(),
             &vec![foreign]
         );
-        assert_eq!(status_patch(&s2, &IngressUpdate::Clear, None, t(7)), None);
+        assert_eq!(status_write(&s2, &IngressUpdate::Clear, None, t(7)), None);
     }
 }

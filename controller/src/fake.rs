@@ -1,0 +1,234 @@
+//! `FakeProvider`: an in-memory cloud behind [`LoadBalancerProvider`], for in-process tests
+//! of reconcile (like the fake cloud of k8s.io/cloud-provider's service controller tests).
+//! It records every call, can fail the next call of an operation with a given error, and
+//! creates LBs either provisioning or already active.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::Ipv4Addr;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::provider::{
+    ClusterId, DesiredLoadBalancer, LoadBalancerLookup, LoadBalancerPhase, LoadBalancerProvider,
+    ObservedLoadBalancer, Operation, ProviderError,
+};
+
+/// A call as the fake saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    Get { known_id: Option<String> },
+    Create { replaces: Option<String> },
+    Update { id: String },
+    Delete { known_id: Option<String> },
+    ListOwned,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    lbs: BTreeMap<String, ObservedLoadBalancer>,
+    calls: Vec<Call>,
+    failures: Vec<(Operation, VecDeque<ProviderError>)>,
+    next_id: u32,
+    create_active: bool,
+}
+
+/// Cheap to clone: clones share one cloud.
+#[derive(Debug, Clone, Default)]
+pub struct FakeProvider(Arc<Mutex<State>>);
+
+impl FakeProvider {
+    /// A cloud whose new LBs are `Active` at once (`true`) or `Provisioning` until
+    /// [`FakeProvider::activate_all`].
+    pub fn new(create_active: bool) -> Self {
+        let fake = Self::default();
+        fake.state().create_active = create_active;
+        fake
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A panicking test thread must not hide the calls from the next assertion.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Makes the next call of `operation` fail with `error` (queued in order).
+    pub fn fail_next(&self, operation: Operation, error: ProviderError) {
+        let mut state = self.state();
+        match state.failures.iter_mut().find(|(op, _)| *op == operation) {
+            Some((_, queue)) => queue.push_back(error),
+            None => state.failures.push((operation, VecDeque::from([error]))),
+        }
+    }
+
+    /// Puts an LB into the cloud as it is (e.g. one changed behind the controller's back).
+    pub fn insert(&self, lb: ObservedLoadBalancer) {
+        self.state().lbs.insert(lb.id.clone(), lb);
+    }
+
+    pub fn activate_all(&self) {
+        for lb in self.state().lbs.values_mut() {
+            lb.phase = LoadBalancerPhase::Active;
+        }
+    }
+
+    /// Every call so far, in order; `take` empties the record.
+    pub fn take_calls(&self) -> Vec<Call> {
+        std::mem::take(&mut self.state().calls)
+    }
+
+    pub fn load_balancers(&self) -> Vec<ObservedLoadBalancer> {
+        self.state().lbs.values().cloned().collect()
+    }
+
+    fn begin(
+        &self,
+        call: Call,
+        operation: Operation,
+    ) -> Result<MutexGuard<'_, State>, ProviderError> {
+        let mut state = self.state();
+        state.calls.push(call);
+        let injected = state
+            .failures
+            .iter_mut()
+            .find(|(op, _)| *op == operation)
+            .and_then(|(_, queue)| queue.pop_front());
+        match injected {
+            Some(error) => Err(error),
+            None => Ok(state),
+        }
+    }
+}
+
+fn find(
+    state: &State,
+    lookup: &LoadBalancerLookup,
+) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
+    if let Some(id) = &lookup.known_id
+        && let Some(lb) = state.lbs.get(id)
+    {
+        if !lb.is_owned_by_cluster(&lookup.owner.cluster_id) {
+            return Err(ProviderError::ForeignLoadBalancer { id: id.clone() });
+        }
+        if lb.owner.as_ref().is_some_and(|o| o.uid == lookup.owner.uid) {
+            return Ok(Some(lb.clone()));
+        }
+    }
+    Ok(state
+        .lbs
+        .values()
+        .find(|lb| lb.owner.as_ref() == Some(&lookup.owner))
+        .cloned())
+}
+
+impl LoadBalancerProvider for FakeProvider {
+    fn name(&self) -> &'static str {
+        "fake"
+    }
+
+    async fn get(
+        &self,
+        lookup: &LoadBalancerLookup,
+    ) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
+        let state = self.begin(
+            Call::Get {
+                known_id: lookup.known_id.clone(),
+            },
+            Operation::Get,
+        )?;
+        find(&state, lookup)
+    }
+
+    async fn create(
+        &self,
+        desired: &DesiredLoadBalancer,
+        replaces: Option<&str>,
+    ) -> Result<ObservedLoadBalancer, ProviderError> {
+        let mut state = self.begin(
+            Call::Create {
+                replaces: replaces.map(str::to_owned),
+            },
+            Operation::Create,
+        )?;
+        state.next_id += 1;
+        let n = state.next_id;
+        let lb = ObservedLoadBalancer {
+            id: format!("lb-{n}"),
+            version: 1,
+            name: desired.name(),
+            owner: Some(desired.owner.clone()),
+            phase: if state.create_active {
+                LoadBalancerPhase::Active
+            } else {
+                LoadBalancerPhase::Provisioning
+            },
+            vip: Some(desired.requested_ip.unwrap_or(Ipv4Addr::new(
+                198,
+                51,
+                100,
+                u8::try_from(n % 250).unwrap_or(0) + 1,
+            ))),
+            mode: desired.mode,
+            listeners: desired.listeners.clone(),
+            backends: desired.backends.clone(),
+            source_ranges: desired.source_ranges.clone(),
+        };
+        state.lbs.insert(lb.id.clone(), lb.clone());
+        Ok(lb)
+    }
+
+    async fn update(
+        &self,
+        current: &ObservedLoadBalancer,
+        desired: &DesiredLoadBalancer,
+    ) -> Result<ObservedLoadBalancer, ProviderError> {
+        let mut state = self.begin(
+            Call::Update {
+                id: current.id.clone(),
+            },
+            Operation::Update,
+        )?;
+        let Some(lb) = state.lbs.get_mut(&current.id) else {
+            return Err(ProviderError::NotFound {
+                id: current.id.clone(),
+            });
+        };
+        if lb.version != current.version {
+            return Err(ProviderError::Conflict {
+                operation: Operation::Update,
+                id: current.id.clone(),
+            });
+        }
+        lb.version += 1;
+        lb.owner = Some(desired.owner.clone());
+        lb.mode = desired.mode;
+        lb.vip = desired.requested_ip.or(lb.vip);
+        lb.listeners = desired.listeners.clone();
+        lb.backends = desired.backends.clone();
+        lb.source_ranges = desired.source_ranges.clone();
+        Ok(lb.clone())
+    }
+
+    async fn delete(&self, lookup: &LoadBalancerLookup) -> Result<(), ProviderError> {
+        let mut state = self.begin(
+            Call::Delete {
+                known_id: lookup.known_id.clone(),
+            },
+            Operation::Delete,
+        )?;
+        if let Some(lb) = find(&state, lookup)? {
+            state.lbs.remove(&lb.id);
+        }
+        Ok(())
+    }
+
+    async fn list_owned(
+        &self,
+        cluster_id: &ClusterId,
+    ) -> Result<Vec<ObservedLoadBalancer>, ProviderError> {
+        let state = self.begin(Call::ListOwned, Operation::List)?;
+        Ok(state
+            .lbs
+            .values()
+            .filter(|lb| lb.is_owned_by_cluster(cluster_id))
+            .cloned()
+            .collect())
+    }
+}

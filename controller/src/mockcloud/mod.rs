@@ -1,0 +1,284 @@
+//! The mock-cloud provider, on `cloud-mock-sdk`.
+//!
+//! Finding an LB: by the id persisted on the Service, else by deterministic name + tags.
+//! Creating: with an `Idempotency-Key` derived from the Service UID and the spec, so a
+//! retried or repeated create after a timeout or a crash returns the same LB. Updating:
+//! with `If-Match` on the version the reconcile observed, re-reading only on a conflict.
+//! LBs whose tags name another cluster are never touched. Every call goes through the
+//! shared token bucket; a 429 pauses it for everyone.
+
+mod convert;
+mod errors;
+
+use std::future::Future;
+use std::time::Duration;
+
+use cloud_mock_sdk as sdk;
+
+pub use convert::{idempotency_key, may_touch, observe, to_sdk_spec};
+pub use errors::classify;
+
+use crate::metrics::CloudMetrics;
+use crate::provider::{
+    ClusterId, DesiredLoadBalancer, LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer,
+    Operation, ProviderError, TAG_CLUSTER_ID, TAG_SERVICE_UID,
+};
+use crate::ratelimit::SharedTokenBucket;
+use convert::belongs_to;
+use errors::{outcome, retry_delay};
+
+/// Attempts per cloud call for retryable failures (429, 503, transport).
+const MAX_ATTEMPTS: u32 = 6;
+/// Re-reads after an `If-Match` conflict before giving up for this reconcile.
+const MAX_CONFLICT_RETRIES: u32 = 3;
+
+#[derive(Debug, Clone)]
+pub struct MockCloudProvider {
+    client: sdk::Client,
+    bucket: SharedTokenBucket,
+    metrics: CloudMetrics,
+    retry_base: Duration,
+}
+
+impl MockCloudProvider {
+    /// `client` should be built with `max_retries: 0`: retries happen here, through the
+    /// shared bucket.
+    pub fn new(client: sdk::Client, bucket: SharedTokenBucket, metrics: CloudMetrics) -> Self {
+        Self {
+            client,
+            bucket,
+            metrics,
+            retry_base: Duration::from_millis(200),
+        }
+    }
+
+    /// SDK options that leave retries to the provider.
+    pub fn client_options(timeout: Duration) -> sdk::ClientOptions {
+        sdk::ClientOptions {
+            timeout,
+            max_retries: 0,
+            ..sdk::ClientOptions::default()
+        }
+    }
+
+    async fn call<T, F, Fut>(&self, operation: Operation, f: F) -> Result<T, sdk::Error>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, sdk::Error>>,
+    {
+        let mut attempt = 0;
+        loop {
+            self.bucket.acquire().await;
+            let result = f().await;
+            self.metrics.record(operation, outcome(&result));
+            match result {
+                Err(err) if err.is_retryable() && attempt + 1 < MAX_ATTEMPTS => {
+                    if let sdk::Error::RateLimited { retry_after } = &err {
+                        self.bucket.pause(*retry_after);
+                    }
+                    let delay = retry_delay(self.retry_base, attempt, &err);
+                    tracing::debug!(%operation, attempt, ?delay, error = %err, "retrying cloud call");
+                    tokio::time::sleep(delay).await;
+                    attempt += 1;
+                }
+                Err(err) => {
+                    if let sdk::Error::RateLimited { retry_after } = &err {
+                        self.bucket.pause(*retry_after);
+                    }
+                    return Err(err);
+                }
+                Ok(value) => return Ok(value),
+            }
+        }
+    }
+
+    async fn get_raw(&self, id: &str) -> Result<Option<sdk::LoadBalancer>, ProviderError> {
+        match self
+            .call(Operation::Get, || self.client.get_load_balancer(id))
+            .await
+        {
+            Ok(lb) => Ok(Some(lb)),
+            Err(sdk::Error::NotFound { .. }) => Ok(None),
+            Err(err) => Err(classify(&err, Operation::Get, Some(id), None)),
+        }
+    }
+
+    /// The live LBs of `owner`: the persisted id's alone when it is live and ours, else
+    /// every one its tags list (normally one).
+    async fn find_raw(
+        &self,
+        lookup: &LoadBalancerLookup,
+    ) -> Result<Vec<sdk::LoadBalancer>, ProviderError> {
+        let owner = &lookup.owner;
+        if let Some(id) = lookup.known_id.as_deref()
+            && let Some(lb) = self.get_raw(id).await?
+        {
+            if !may_touch(&lb, owner) {
+                return Err(ProviderError::ForeignLoadBalancer { id: lb.id });
+            }
+            // An id annotation copied from another Service must not make us adopt its LB.
+            if belongs_to(&lb, owner) && lb.state != sdk::State::Deleting {
+                // The id is written right after the create, so a duplicate could only
+                // have been made before it, when the lookup below ran and found it: with
+                // a known, live id one GET is the whole lookup.
+                return Ok(vec![lb]);
+            }
+        }
+        let filter = sdk::ListFilter {
+            tags: [
+                (TAG_CLUSTER_ID.to_owned(), owner.cluster_id.to_string()),
+                (TAG_SERVICE_UID.to_owned(), owner.uid.clone()),
+            ]
+            .into(),
+            name: Some(owner.load_balancer_name()),
+        };
+        let listed = self
+            .call(Operation::List, || self.client.list_load_balancers(&filter))
+            .await
+            .map_err(|e| classify(&e, Operation::List, None, None))?;
+        Ok(listed
+            .into_iter()
+            .filter(|lb| lb.state != sdk::State::Deleting)
+            .collect())
+    }
+
+    async fn delete_raw(&self, id: &str) -> Result<(), ProviderError> {
+        self.call(Operation::Delete, || self.client.delete_load_balancer(id))
+            .await
+            .map_err(|e| classify(&e, Operation::Delete, Some(id), None))
+    }
+
+    /// Keeps the first LB and deletes any duplicates, so a Service never has two.
+    async fn keep_one(
+        &self,
+        mut found: Vec<sdk::LoadBalancer>,
+    ) -> Result<Option<sdk::LoadBalancer>, ProviderError> {
+        if found.is_empty() {
+            return Ok(None);
+        }
+        let keep = found.remove(0);
+        for duplicate in found {
+            tracing::warn!(keep = %keep.id, duplicate = %duplicate.id, "deleting duplicate load balancer");
+            self.delete_raw(&duplicate.id).await?;
+        }
+        Ok(Some(keep))
+    }
+
+    /// Writes `desired` over LB `id` at `version`, re-reading only on a version conflict.
+    async fn update_with_retry(
+        &self,
+        id: &str,
+        mut version: u64,
+        mut vip: Option<std::net::Ipv4Addr>,
+        desired: &DesiredLoadBalancer,
+    ) -> Result<sdk::LoadBalancer, ProviderError> {
+        let mut conflicts = 0;
+        loop {
+            let spec = to_sdk_spec(desired, vip);
+            match self
+                .call(Operation::Update, || {
+                    self.client.update_load_balancer(id, &spec, version)
+                })
+                .await
+            {
+                Ok(lb) => return Ok(lb),
+                Err(sdk::Error::Conflict { message }) if conflicts < MAX_CONFLICT_RETRIES => {
+                    conflicts += 1;
+                    let Some(fresh) = self.get_raw(id).await? else {
+                        return Err(ProviderError::NotFound { id: id.to_owned() });
+                    };
+                    // Same version: the conflict is not about the version (a taken VIP).
+                    if fresh.version == version {
+                        return Err(classify(
+                            &sdk::Error::Conflict { message },
+                            Operation::Update,
+                            Some(id),
+                            desired.requested_ip,
+                        ));
+                    }
+                    version = fresh.version;
+                    vip = fresh.vip();
+                }
+                Err(err) => {
+                    return Err(classify(
+                        &err,
+                        Operation::Update,
+                        Some(id),
+                        desired.requested_ip,
+                    ));
+                }
+            }
+        }
+    }
+}
+
+impl LoadBalancerProvider for MockCloudProvider {
+    fn name(&self) -> &'static str {
+        "mockcloud"
+    }
+
+    async fn get(
+        &self,
+        lookup: &LoadBalancerLookup,
+    ) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
+        let found = self.find_raw(lookup).await?;
+        Ok(self.keep_one(found).await?.as_ref().map(observe))
+    }
+
+    async fn create(
+        &self,
+        desired: &DesiredLoadBalancer,
+        replaces: Option<&str>,
+    ) -> Result<ObservedLoadBalancer, ProviderError> {
+        let spec = to_sdk_spec(desired, None);
+        let key = idempotency_key(&spec, &desired.owner.uid, replaces);
+        let lb = self
+            .call(Operation::Create, || {
+                self.client.create_load_balancer(&spec, &key)
+            })
+            .await
+            .map_err(|e| classify(&e, Operation::Create, None, desired.requested_ip))?;
+        tracing::info!(id = %lb.id, name = %lb.spec.name, "created load balancer");
+        Ok(observe(&lb))
+    }
+
+    async fn update(
+        &self,
+        current: &ObservedLoadBalancer,
+        desired: &DesiredLoadBalancer,
+    ) -> Result<ObservedLoadBalancer, ProviderError> {
+        let updated = self
+            .update_with_retry(&current.id, current.version, current.vip, desired)
+            .await?;
+        Ok(observe(&updated))
+    }
+
+    async fn delete(&self, lookup: &LoadBalancerLookup) -> Result<(), ProviderError> {
+        for lb in self.find_raw(lookup).await? {
+            self.delete_raw(&lb.id).await?;
+            tracing::info!(id = %lb.id, "deleted load balancer");
+        }
+        Ok(())
+    }
+
+    async fn list_owned(
+        &self,
+        cluster_id: &ClusterId,
+    ) -> Result<Vec<ObservedLoadBalancer>, ProviderError> {
+        let filter = sdk::ListFilter {
+            tags: [(TAG_CLUSTER_ID.to_owned(), cluster_id.to_string())].into(),
+            name: None,
+        };
+        let listed = self
+            .call(Operation::List, || self.client.list_load_balancers(&filter))
+            .await
+            .map_err(|e| classify(&e, Operation::List, None, None))?;
+        Ok(listed
+            .iter()
+            .filter(|lb| {
+                lb.spec.tags.get(TAG_CLUSTER_ID).map(String::as_str) == Some(cluster_id.as_str())
+            })
+            .map(observe)
+            .collect())
+    }
+}

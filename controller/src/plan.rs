@@ -1,0 +1,489 @@
+//! The decision of one reconcile, as a pure function of what was observed.
+//!
+//! [`ownership`] says whether a Service is ours to ensure, ours to clean up, or not ours;
+//! [`plan_ensure`] and [`plan_cleanup`] turn the observation (Service, desired LB, the LB
+//! the cloud reported) into a [`Plan`]: the finalizer change, the Events before the cloud
+//! call, the one cloud call, and — through [`Plan::settle`], given the call's result — the
+//! LB-id annotation, the Events after it, the status (ingress + condition) and when to look
+//! again. `reconcile` performs it in a fixed order; node sync and drift repair use the same.
+
+use k8s_openapi::api::core::v1::Service;
+use kube::ResourceExt;
+
+use crate::provider::{
+    DesiredLoadBalancer, Drift, LoadBalancerLookup, LoadBalancerPhase, ObservedLoadBalancer,
+    ProviderError,
+};
+use crate::spec::{
+    ClassFilter, SpecError, is_being_deleted, is_load_balancer, owner_of, persisted_id,
+};
+use crate::status::{
+    CONDITION_TYPE, ConditionReason, DesiredCondition, IngressUpdate, ingress_for,
+};
+
+/// The finalizer of the upstream service controller: our LB outlives no Service.
+pub const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
+
+pub fn has_finalizer(svc: &Service) -> bool {
+    svc.finalizers().iter().any(|f| f == FINALIZER)
+}
+
+/// What this controller is to do with a Service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ownership {
+    /// Ours, of type LoadBalancer and not being deleted: its LB must exist and match.
+    Ensure,
+    /// Carries our finalizer but no longer wants an LB (deleted, type changed, or its class
+    /// no longer names us): delete the LB, then drop the finalizer.
+    Cleanup,
+    /// Not ours: never written to, never sent to the cloud.
+    Ignore,
+}
+
+/// The finalizer decides before the class does: the API server clears
+/// `spec.loadBalancerClass` when the type leaves LoadBalancer, so a Service holding our
+/// finalizer stays ours until cleanup has removed it, whatever its class says now.
+pub fn ownership(svc: &Service, classes: &ClassFilter) -> Ownership {
+    if is_load_balancer(svc) && !is_being_deleted(svc) && classes.class_is_ours(svc) {
+        Ownership::Ensure
+    } else if has_finalizer(svc) {
+        Ownership::Cleanup
+    } else {
+        Ownership::Ignore
+    }
+}
+
+/// Whether the cloud may hold an LB for this Service. The finalizer is written before the
+/// first cloud call and the id and condition after it, so a Service with none of them was
+/// never sent to the cloud: its create needs no lookup.
+pub fn may_have_load_balancer(svc: &Service) -> bool {
+    has_finalizer(svc)
+        || persisted_id(svc).is_some()
+        || svc
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == CONDITION_TYPE))
+}
+
+/// What the reconcile learnt of the Service's LB before deciding.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Seen {
+    /// Not asked: [`may_have_load_balancer`] is false, or the Service is invalid.
+    NotAsked,
+    Found(ObservedLoadBalancer),
+    /// Asked, and the cloud has none.
+    Missing,
+    /// Asking failed.
+    Failed(ProviderError),
+}
+
+/// The one cloud call of a reconcile.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CloudAction {
+    None,
+    Create {
+        desired: DesiredLoadBalancer,
+        replaces: Option<String>,
+    },
+    Update {
+        current: ObservedLoadBalancer,
+        desired: DesiredLoadBalancer,
+    },
+    Delete(LoadBalancerLookup),
+}
+
+/// Why a plan ends in an error without a cloud call.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    #[error("cloud: {0}")]
+    Provider(#[from] ProviderError),
+    #[error("invalid Service: {0}")]
+    Spec(#[from] SpecError),
+}
+
+impl PlanError {
+    pub fn category(&self) -> &'static str {
+        match self {
+            PlanError::Provider(e) => e.category(),
+            PlanError::Spec(e) => e.category(),
+        }
+    }
+}
+
+/// When to reconcile the Service again after a successful plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// The LB serves: look again at the drift-repair period.
+    Resync,
+    /// The LB is provisioning: look again soon.
+    Poll,
+    /// Nothing to do until the Service changes.
+    AwaitChange,
+}
+
+/// What kind of write the plan makes; decides the Events and what success means.
+#[derive(Debug, Clone, PartialEq)]
+enum Intent {
+    Ignore,
+    Invalid(SpecError),
+    Unobservable(ProviderError),
+    InSync(ObservedLoadBalancer, DesiredLoadBalancer),
+    Create(DesiredLoadBalancer),
+    /// Only the node set moved (Events `UpdatedLoadBalancer`).
+    UpdateBackends(DesiredLoadBalancer),
+    /// Other fields drifted (Events `EnsuringLoadBalancer` → `EnsuredLoadBalancer`).
+    Repair(DesiredLoadBalancer),
+    Cleanup {
+        being_deleted: bool,
+    },
+}
+
+/// The whole decision of one reconcile.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub add_finalizer: bool,
+    pub events_before: Vec<EventDecision>,
+    pub cloud: CloudAction,
+    intent: Intent,
+}
+
+/// The writes that follow the cloud call, given its result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settled {
+    /// The LB id to persist on the Service (right after create, or when it changed).
+    pub persist_id: Option<String>,
+    pub events: Vec<EventDecision>,
+    /// `None`: leave the status alone.
+    pub status: Option<(IngressUpdate, Option<DesiredCondition>)>,
+    /// Cleanup done: drop the finalizer and the LB-id annotation.
+    pub remove_finalizer: bool,
+    pub outcome: Result<Next, PlanError>,
+}
+
+fn unavailable_event() -> EventDecision {
+    EventDecision::new(
+        EventReason::UnAvailableLoadBalancer,
+        "There are no available nodes for LoadBalancer",
+    )
+}
+
+fn failure_condition(error: &ProviderError) -> DesiredCondition {
+    let reason = match error {
+        ProviderError::IpUnavailable { .. } => ConditionReason::VipUnavailable,
+        ProviderError::Invalid { .. } => ConditionReason::InvalidConfiguration,
+        _ => ConditionReason::CloudError,
+    };
+    DesiredCondition {
+        reason,
+        message: error.to_string(),
+    }
+}
+
+/// Decides the reconcile of a Service that wants an LB: `desired` is what it needs (or
+/// why it cannot have one), `seen` what the cloud has.
+pub fn plan_ensure(
+    svc: &Service,
+    desired: Result<DesiredLoadBalancer, SpecError>,
+    seen: Seen,
+) -> Plan {
+    let desired = match desired {
+        Ok(desired) => desired,
+        Err(error) => {
+            return Plan {
+                // No cloud call will follow, so no finalizer is needed for it.
+                add_finalizer: false,
+                events_before: Vec::new(),
+                cloud: CloudAction::None,
+                intent: Intent::Invalid(error),
+            };
+        }
+    };
+    let add_finalizer = !has_finalizer(svc);
+    let no_nodes = desired.backends.is_empty();
+    let (intent, cloud) = match seen {
+        Seen::Failed(error) => (Intent::Unobservable(error), CloudAction::None),
+        Seen::NotAsked | Seen::Missing => (
+            Intent::Create(desired.clone()),
+            CloudAction::Create {
+                replaces: persisted_id(svc).map(str::to_owned),
+                desired,
+            },
+        ),
+        Seen::Found(current) => match current.drift(&desired).as_slice() {
+            [] => (Intent::InSync(current, desired), CloudAction::None),
+            [Drift::Backends] => (
+                Intent::UpdateBackends(desired.clone()),
+                CloudAction::Update { current, desired },
+            ),
+            _ => (
+                Intent::Repair(desired.clone()),
+                CloudAction::Update { current, desired },
+            ),
+        },
+    };
+    let mut events_before = Vec::new();
+    if matches!(intent, Intent::Create(_) | Intent::Repair(_)) {
+        events_before.push(EventDecision::new(
+            EventReason::EnsuringLoadBalancer,
+            "Ensuring load balancer",
+        ));
+    }
+    if no_nodes && cloud != CloudAction::None {
+        events_before.push(unavailable_event());
+    }
+    Plan {
+        add_finalizer,
+        events_before,
+        cloud,
+        intent,
+    }
+}
+
+/// Decides the cleanup of a Service that holds our finalizer but wants no LB.
+pub fn plan_cleanup(svc: &Service, cluster_id: &crate::provider::ClusterId) -> Plan {
+    match owner_of(svc, cluster_id) {
+        Ok(owner) => Plan {
+            add_finalizer: false,
+            events_before: vec![EventDecision::new(
+                EventReason::DeletingLoadBalancer,
+                "Deleting load balancer",
+            )],
+            cloud: CloudAction::Delete(LoadBalancerLookup {
+                known_id: persisted_id(svc).map(str::to_owned),
+                owner,
+            }),
+            intent: Intent::Cleanup {
+                being_deleted: is_being_deleted(svc),
+            },
+        },
+        Err(error) => Plan {
+            add_finalizer: false,
+            events_before: Vec::new(),
+            cloud: CloudAction::None,
+            intent: Intent::Invalid(error),
+        },
+    }
+}
+
+/// The plan for a Service that is not ours: nothing at all.
+pub fn plan_nothing() -> Plan {
+    Plan {
+        add_finalizer: false,
+        events_before: Vec::new(),
+        cloud: CloudAction::None,
+        intent: Intent::Ignore,
+    }
+}
+
+impl Plan {
+    /// The writes after the cloud call: `result` is the LB the call returned (`None` for
+    /// a delete, or when the plan made no call).
+    pub fn settle(
+        &self,
+        svc: &Service,
+        result: Result<Option<ObservedLoadBalancer>, ProviderError>,
+    ) -> Settled {
+        let nothing = Settled {
+            persist_id: None,
+            events: Vec::new(),
+            status: None,
+            remove_finalizer: false,
+            outcome: Ok(Next::AwaitChange),
+        };
+        match &self.intent {
+            Intent::Ignore => nothing,
+            Intent::Invalid(error) => Settled {
+                events: vec![EventDecision::new(
+                    EventReason::SyncLoadBalancerFailed,
+                    format!("Error syncing load balancer: {error}"),
+                )],
+                status: Some((
+                    IngressUpdate::Keep,
+                    Some(DesiredCondition {
+                        reason: ConditionReason::InvalidConfiguration,
+                        message: error.to_string(),
+                    }),
+                )),
+                outcome: Err(error.clone().into()),
+                ..nothing
+            },
+            Intent::Unobservable(error) => self.failed(error.clone(), false),
+            Intent::Cleanup { being_deleted } => match result {
+                Ok(_) => Settled {
+                    events: vec![EventDecision::new(
+                        EventReason::DeletedLoadBalancer,
+                        "Deleted load balancer",
+                    )],
+                    // A Service being deleted needs no status; one that stays loses ours.
+                    status: (!being_deleted).then_some((IngressUpdate::Clear, None)),
+                    remove_finalizer: true,
+                    ..nothing
+                },
+                Err(error) => Settled {
+                    events: vec![EventDecision::new(
+                        EventReason::DeleteLoadBalancerFailed,
+                        format!("Error deleting load balancer: {error}"),
+                    )],
+                    outcome: Err(error.into()),
+                    ..nothing
+                },
+            },
+            Intent::InSync(current, desired) => {
+                // The plan made no call: what it observed is the result.
+                self.served(svc, Some(current.clone()), desired)
+            }
+            Intent::Create(desired) | Intent::Repair(desired) | Intent::UpdateBackends(desired) => {
+                match result {
+                    Ok(lb) => {
+                        let mut settled = self.served(svc, lb, desired);
+                        settled.events.insert(0, self.success_event());
+                        settled
+                    }
+                    Err(error) => self.failed(error, true),
+                }
+            }
+        }
+    }
+
+    fn success_event(&self) -> EventDecision {
+        match self.intent {
+            Intent::UpdateBackends(_) => EventDecision::new(
+                EventReason::UpdatedLoadBalancer,
+                "Updated load balancer with new hosts",
+            ),
+            _ => EventDecision::new(EventReason::EnsuredLoadBalancer, "Ensured load balancer"),
+        }
+    }
+
+    fn failed(&self, error: ProviderError, wrote: bool) -> Settled {
+        let event = match (&self.intent, wrote) {
+            (Intent::UpdateBackends(_), true) => EventDecision::new(
+                EventReason::UpdateLoadBalancerFailed,
+                format!("Error updating load balancer with new hosts: {error}"),
+            ),
+            _ => EventDecision::new(
+                EventReason::SyncLoadBalancerFailed,
+                format!("Error syncing load balancer: {error}"),
+            ),
+        };
+        Settled {
+            persist_id: None,
+            events: vec![event],
+            status: Some((IngressUpdate::Keep, Some(failure_condition(&error)))),
+            remove_finalizer: false,
+            outcome: Err(error.into()),
+        }
+    }
+
+    /// Status and id for an LB the cloud holds now.
+    fn served(
+        &self,
+        svc: &Service,
+        lb: Option<ObservedLoadBalancer>,
+        desired: &DesiredLoadBalancer,
+    ) -> Settled {
+        let Some(lb) = lb else {
+            // A create or update always answers with the LB; treat silence as a cloud fault.
+            return self.failed(
+                ProviderError::Unavailable {
+                    operation: crate::provider::Operation::Get,
+                    message: "the cloud answered without a load balancer".into(),
+                },
+                true,
+            );
+        };
+        let persist_id = (persisted_id(svc) != Some(lb.id.as_str())).then(|| lb.id.clone());
+        let (ingress, condition, next) = match (lb.phase, lb.vip) {
+            (LoadBalancerPhase::Active, Some(vip)) => {
+                let condition = if desired.backends.is_empty() {
+                    DesiredCondition {
+                        reason: ConditionReason::NoEligibleNodes,
+                        message: "no node is eligible to receive traffic".into(),
+                    }
+                } else {
+                    DesiredCondition {
+                        reason: ConditionReason::Ready,
+                        message: format!("load balancer {} serves {vip}", lb.id),
+                    }
+                };
+                (
+                    IngressUpdate::Set(ingress_for(vip, desired)),
+                    condition,
+                    Next::Resync,
+                )
+            }
+            _ => (
+                IngressUpdate::Keep,
+                DesiredCondition {
+                    reason: ConditionReason::Provisioning,
+                    message: format!("load balancer {} is provisioning", lb.id),
+                },
+                Next::Poll,
+            ),
+        };
+        Settled {
+            persist_id,
+            events: Vec::new(),
+            status: Some((ingress, Some(condition))),
+            remove_finalizer: false,
+            outcome: Ok(next),
+        }
+    }
+}
+
+/// The nine Event reasons of the upstream service controller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventReason {
+    EnsuringLoadBalancer,
+    EnsuredLoadBalancer,
+    SyncLoadBalancerFailed,
+    DeletingLoadBalancer,
+    DeletedLoadBalancer,
+    DeleteLoadBalancerFailed,
+    UpdatedLoadBalancer,
+    UpdateLoadBalancerFailed,
+    UnAvailableLoadBalancer,
+}
+
+impl EventReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventReason::EnsuringLoadBalancer => "EnsuringLoadBalancer",
+            EventReason::EnsuredLoadBalancer => "EnsuredLoadBalancer",
+            EventReason::SyncLoadBalancerFailed => "SyncLoadBalancerFailed",
+            EventReason::DeletingLoadBalancer => "DeletingLoadBalancer",
+            EventReason::DeletedLoadBalancer => "DeletedLoadBalancer",
+            EventReason::DeleteLoadBalancerFailed => "DeleteLoadBalancerFailed",
+            EventReason::UpdatedLoadBalancer => "UpdatedLoadBalancer",
+            EventReason::UpdateLoadBalancerFailed => "UpdateLoadBalancerFailed",
+            EventReason::UnAvailableLoadBalancer => "UnAvailableLoadBalancer",
+        }
+    }
+
+    pub fn is_warning(self) -> bool {
+        matches!(
+            self,
+            EventReason::SyncLoadBalancerFailed
+                | EventReason::DeleteLoadBalancerFailed
+                | EventReason::UpdateLoadBalancerFailed
+                | EventReason::UnAvailableLoadBalancer
+        )
+    }
+}
+
+/// An Event to record on the Service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventDecision {
+    pub reason: EventReason,
+    pub message: String,
+}
+
+impl EventDecision {
+    pub fn new(reason: EventReason, message: impl Into<String>) -> Self {
+        Self {
+            reason,
+            message: message.into(),
+        }
+    }
+}
