@@ -36,8 +36,7 @@ struct State {
 pub struct FakeProvider(Arc<Mutex<State>>);
 
 impl FakeProvider {
-    /// A cloud whose new LBs are `Active` at once (`true`) or `Provisioning` until
-    /// [`FakeProvider::activate_all`].
+    /// A cloud whose new LBs are `Active` at once (`true`) or stay `Provisioning`.
     pub fn new(create_active: bool) -> Self {
         let fake = Self::default();
         fake.state().create_active = create_active;
@@ -63,10 +62,14 @@ impl FakeProvider {
         self.state().lbs.insert(lb.id.clone(), lb);
     }
 
-    pub fn activate_all(&self) {
-        for lb in self.state().lbs.values_mut() {
-            lb.phase = LoadBalancerPhase::Active;
-        }
+    /// Takes an LB out of the cloud behind the controller's back.
+    pub fn remove(&self, id: &str) {
+        self.state().lbs.remove(id);
+    }
+
+    /// Whether LBs created from now on are `Active` at once or `Provisioning`.
+    pub fn set_create_active(&self, active: bool) {
+        self.state().create_active = active;
     }
 
     /// Every call so far, in order; `take` empties the record.

@@ -1,0 +1,613 @@
+//! Reconcile in process, table-driven like k8s.io/cloud-provider's `controller_test.go`:
+//! every row is a starting state (the Service as the API server holds it, the nodes, the
+//! LBs in a `FakeProvider`), one reconcile, and the expected cloud calls, Service state and
+//! Events. The API server is the stand-in, in process; no binary and no network beyond
+//! 127.0.0.1.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{
+    Event, Node, NodeAddress, NodeStatus, Service, ServicePort, ServiceSpec,
+};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector;
+use kube::runtime::watcher;
+use serde_json::json;
+use tandem_controller::fake::{Call, FakeProvider};
+use tandem_controller::metrics::Metrics;
+use tandem_controller::plan::FINALIZER;
+use tandem_controller::provider::{Operation, ProviderError};
+use tandem_controller::reconcile::{Context, reconcile};
+use tandem_controller::spec::{
+    ANNOTATION_LB_ID, ANNOTATION_MODE, ClassFilter, WithoutNodePorts, desired_load_balancer,
+    owner_of,
+};
+
+const CLASS: &str = "tandem.io/mockcloud";
+const CLUSTER: &str = "table";
+
+/// What the cloud holds before the reconcile.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CloudStart {
+    Empty,
+    /// The LB the Service needs, active, with the nodes it had (`NODE_A` only).
+    Matching,
+    /// As `Matching`, but listening on another port (drifted behind our back).
+    Drifted,
+}
+
+/// What the Service looks like before the reconcile.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ServiceStart {
+    /// Just created by a user.
+    New,
+    /// Served earlier: our finalizer and LB id on it.
+    Served,
+    /// Served earlier, then deleted (deletionTimestamp set, our finalizer holds it).
+    Deleted,
+    /// Served earlier with our class, then switched to ClusterIP (class cleared with it).
+    SwitchedToClusterIp,
+}
+
+struct Row {
+    name: &'static str,
+    service: ServiceStart,
+    /// Extra Service fields, merged into the Service before it is created.
+    edit: fn(&mut Service),
+    /// Nodes other than `NODE_A`.
+    extra_nodes: &'static [&'static str],
+    cloud: CloudStart,
+    /// Fails the next call of this operation.
+    fail: Option<(Operation, ProviderError)>,
+    create_active: bool,
+    without_node_ports: WithoutNodePorts,
+    // Expected:
+    ok: bool,
+    calls: fn(Option<&str>) -> Vec<Call>,
+    /// `None`: the Service is gone after the reconcile.
+    finalizer: Option<bool>,
+    condition: Option<&'static str>,
+    ingress: bool,
+    id_persisted: bool,
+    events: &'static [&'static str],
+}
+
+const NODE_A: &str = "198.18.0.11";
+
+fn no_edit(_: &mut Service) {}
+
+fn unavailable(operation: Operation) -> ProviderError {
+    ProviderError::Unavailable {
+        operation,
+        message: "injected".into(),
+    }
+}
+
+fn base_service(name: &str) -> Service {
+    Service {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("default".into()),
+            ..Default::default()
+        },
+        spec: Some(ServiceSpec {
+            type_: Some("LoadBalancer".into()),
+            load_balancer_class: Some(CLASS.into()),
+            ports: Some(vec![ServicePort {
+                name: Some("http".into()),
+                port: 80,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+fn rows() -> Vec<Row> {
+    let row = |name| Row {
+        name,
+        service: ServiceStart::New,
+        edit: no_edit,
+        extra_nodes: &[],
+        cloud: CloudStart::Empty,
+        fail: None,
+        create_active: true,
+        without_node_ports: WithoutNodePorts::Passthrough,
+        ok: true,
+        calls: |_| vec![],
+        finalizer: Some(true),
+        condition: Some("LoadBalancerActive"),
+        ingress: true,
+        id_persisted: true,
+        events: &[],
+    };
+    vec![
+        Row {
+            calls: |_| vec![Call::Create { replaces: None }],
+            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
+            ..row("create-never-looks-up-first")
+        },
+        Row {
+            create_active: false,
+            calls: |_| vec![Call::Create { replaces: None }],
+            condition: Some("Provisioning"),
+            ingress: false,
+            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
+            ..row("create-provisioning")
+        },
+        Row {
+            fail: Some((Operation::Create, unavailable(Operation::Create))),
+            ok: false,
+            calls: |_| vec![Call::Create { replaces: None }],
+            condition: Some("CloudError"),
+            ingress: false,
+            id_persisted: false,
+            events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
+            ..row("create-cloud-error")
+        },
+        Row {
+            fail: Some((
+                Operation::Create,
+                ProviderError::IpUnavailable {
+                    ip: Ipv4Addr::new(198, 51, 100, 9),
+                    message: "in use".into(),
+                },
+            )),
+            ok: false,
+            calls: |_| vec![Call::Create { replaces: None }],
+            condition: Some("VIPUnavailable"),
+            ingress: false,
+            id_persisted: false,
+            events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
+            ..row("create-vip-taken")
+        },
+        Row {
+            edit: |s| {
+                s.metadata.annotations = Some(BTreeMap::from([(
+                    ANNOTATION_MODE.into(),
+                    "sideways".into(),
+                )]))
+            },
+            ok: false,
+            finalizer: Some(false),
+            condition: Some("InvalidConfiguration"),
+            ingress: false,
+            id_persisted: false,
+            events: &["SyncLoadBalancerFailed"],
+            ..row("invalid-annotation-no-cloud-call-no-finalizer")
+        },
+        Row {
+            edit: |s| s.spec.as_mut().unwrap().allocate_load_balancer_node_ports = Some(false),
+            calls: |_| vec![Call::Create { replaces: None }],
+            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
+            ..row("no-node-ports-served-in-passthrough")
+        },
+        Row {
+            edit: |s| s.spec.as_mut().unwrap().allocate_load_balancer_node_ports = Some(false),
+            without_node_ports: WithoutNodePorts::Refuse,
+            ok: false,
+            finalizer: Some(false),
+            condition: Some("InvalidConfiguration"),
+            ingress: false,
+            id_persisted: false,
+            events: &["SyncLoadBalancerFailed"],
+            ..row("no-node-ports-refused")
+        },
+        Row {
+            service: ServiceStart::Served,
+            cloud: CloudStart::Matching,
+            calls: |id| {
+                vec![Call::Get {
+                    known_id: id.map(str::to_owned),
+                }]
+            },
+            ..row("in-sync-one-read-no-write")
+        },
+        Row {
+            service: ServiceStart::Served,
+            cloud: CloudStart::Matching,
+            extra_nodes: &["198.18.0.12"],
+            calls: |id| {
+                vec![
+                    Call::Get {
+                        known_id: id.map(str::to_owned),
+                    },
+                    Call::Update {
+                        id: id.unwrap_or_default().to_owned(),
+                    },
+                ]
+            },
+            events: &["UpdatedLoadBalancer"],
+            ..row("node-added-one-update")
+        },
+        Row {
+            service: ServiceStart::Served,
+            cloud: CloudStart::Drifted,
+            calls: |id| {
+                vec![
+                    Call::Get {
+                        known_id: id.map(str::to_owned),
+                    },
+                    Call::Update {
+                        id: id.unwrap_or_default().to_owned(),
+                    },
+                ]
+            },
+            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
+            ..row("drift-repaired")
+        },
+        Row {
+            service: ServiceStart::Served,
+            cloud: CloudStart::Matching,
+            extra_nodes: &["198.18.0.12"],
+            fail: Some((Operation::Update, unavailable(Operation::Update))),
+            ok: false,
+            calls: |id| {
+                vec![
+                    Call::Get {
+                        known_id: id.map(str::to_owned),
+                    },
+                    Call::Update {
+                        id: id.unwrap_or_default().to_owned(),
+                    },
+                ]
+            },
+            condition: Some("CloudError"),
+            events: &["UpdateLoadBalancerFailed"],
+            ..row("node-update-fails")
+        },
+        Row {
+            service: ServiceStart::Served,
+            cloud: CloudStart::Empty,
+            calls: |id| {
+                vec![
+                    Call::Get {
+                        known_id: id.map(str::to_owned),
+                    },
+                    Call::Create {
+                        replaces: id.map(str::to_owned),
+                    },
+                ]
+            },
+            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
+            ..row("vanished-lb-recreated-as-a-new-request")
+        },
+        Row {
+            service: ServiceStart::Served,
+            cloud: CloudStart::Matching,
+            fail: Some((Operation::Get, unavailable(Operation::Get))),
+            ok: false,
+            calls: |id| {
+                vec![Call::Get {
+                    known_id: id.map(str::to_owned),
+                }]
+            },
+            condition: Some("CloudError"),
+            events: &["SyncLoadBalancerFailed"],
+            ..row("read-fails")
+        },
+        Row {
+            service: ServiceStart::Deleted,
+            cloud: CloudStart::Matching,
+            calls: |id| {
+                vec![Call::Delete {
+                    known_id: id.map(str::to_owned),
+                }]
+            },
+            finalizer: None,
+            condition: None,
+            ingress: false,
+            id_persisted: false,
+            events: &["DeletingLoadBalancer", "DeletedLoadBalancer"],
+            ..row("deleted-service-lb-deleted-finalizer-removed")
+        },
+        Row {
+            service: ServiceStart::Deleted,
+            cloud: CloudStart::Matching,
+            fail: Some((Operation::Delete, unavailable(Operation::Delete))),
+            ok: false,
+            calls: |id| {
+                vec![Call::Delete {
+                    known_id: id.map(str::to_owned),
+                }]
+            },
+            finalizer: Some(true),
+            condition: Some("LoadBalancerActive"),
+            events: &["DeletingLoadBalancer", "DeleteLoadBalancerFailed"],
+            ..row("delete-fails-finalizer-stays")
+        },
+        Row {
+            service: ServiceStart::SwitchedToClusterIp,
+            cloud: CloudStart::Matching,
+            calls: |id| {
+                vec![Call::Delete {
+                    known_id: id.map(str::to_owned),
+                }]
+            },
+            finalizer: Some(false),
+            condition: None,
+            ingress: false,
+            id_persisted: false,
+            events: &["DeletingLoadBalancer", "DeletedLoadBalancer"],
+            ..row("class-service-switched-to-cluster-ip-no-leak")
+        },
+        Row {
+            edit: |s| {
+                s.spec.as_mut().unwrap().load_balancer_class = Some("example.com/other".into())
+            },
+            finalizer: Some(false),
+            condition: None,
+            ingress: false,
+            id_persisted: false,
+            ..row("other-class-untouched")
+        },
+    ]
+}
+
+fn node(name: &str, ip: &str) -> Node {
+    Node {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        spec: None,
+        status: Some(NodeStatus {
+            addresses: Some(vec![NodeAddress {
+                type_: "InternalIP".into(),
+                address: ip.into(),
+            }]),
+            ..Default::default()
+        }),
+    }
+}
+
+fn has_finalizer(svc: &Service) -> bool {
+    svc.metadata
+        .finalizers
+        .as_ref()
+        .is_some_and(|f| f.iter().any(|f| f == FINALIZER))
+}
+
+fn condition_reason(svc: &Service) -> Option<String> {
+    svc.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "LoadBalancerReady")
+        .map(|c| c.reason.clone())
+}
+
+fn has_ingress(svc: &Service) -> bool {
+    svc.status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|l| l.ingress.as_ref())
+        .is_some_and(|i| !i.is_empty())
+}
+
+async fn event_reasons(client: &kube::Client, name: &str) -> Vec<String> {
+    let events: Api<Event> = Api::namespaced(client.clone(), "default");
+    let mut listed: Vec<Event> = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.involved_object.name.as_deref() == Some(name))
+        .collect();
+    listed.sort_by_key(|e| {
+        e.metadata
+            .resource_version
+            .as_ref()
+            .and_then(|v| v.parse::<u64>().ok())
+    });
+    listed.into_iter().filter_map(|e| e.reason).collect()
+}
+
+/// A context on its own Event recorder (the recorder folds repeats of an Event into a
+/// series, and each reconcile's Events are checked on their own).
+fn context(
+    client: &kube::Client,
+    provider: &FakeProvider,
+    nodes: &reflector::Store<Node>,
+    without_node_ports: WithoutNodePorts,
+) -> Context<FakeProvider> {
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "tandem-controller".into(),
+            instance: Some("table".into()),
+        },
+    );
+    Context::new(
+        client.clone(),
+        provider.clone(),
+        CLUSTER.parse().unwrap(),
+        ClassFilter {
+            class: CLASS.into(),
+            claim_unclassed: false,
+        },
+        without_node_ports,
+        nodes.clone(),
+        recorder,
+        Metrics::default(),
+        Duration::from_secs(300),
+    )
+}
+
+/// Brings the Service to its starting state through the API, as a user and an earlier
+/// reconcile would have.
+async fn start_service(
+    client: &kube::Client,
+    provider: &FakeProvider,
+    nodes: &reflector::Store<Node>,
+    row: &Row,
+) -> Service {
+    let api: Api<Service> = Api::namespaced(client.clone(), "default");
+    let mut svc = base_service(row.name);
+    (row.edit)(&mut svc);
+    let created = api.create(&PostParams::default(), &svc).await.unwrap();
+    if row.service == ServiceStart::New {
+        return created;
+    }
+    // Served earlier: one reconcile against an empty cloud made the LB, the finalizer,
+    // the id and the status.
+    let ctx = context(client, provider, nodes, row.without_node_ports);
+    reconcile(Arc::new(created), Arc::new(ctx)).await.unwrap();
+    let mut served = api.get(row.name).await.unwrap();
+    let id = served.metadata.annotations.as_ref().unwrap()[ANNOTATION_LB_ID].clone();
+    match row.cloud {
+        CloudStart::Empty => provider.remove(&id),
+        CloudStart::Matching => {}
+        CloudStart::Drifted => {
+            let mut lb = provider
+                .load_balancers()
+                .into_iter()
+                .find(|l| l.id == id)
+                .unwrap();
+            lb.listeners[0].port = 8080;
+            provider.insert(lb);
+        }
+    }
+    match row.service {
+        ServiceStart::Deleted => {
+            api.delete(row.name, &DeleteParams::default())
+                .await
+                .unwrap();
+            served = api.get(row.name).await.unwrap();
+        }
+        ServiceStart::SwitchedToClusterIp => {
+            served = api
+                .patch(
+                    row.name,
+                    &PatchParams::default(),
+                    &Patch::Merge(
+                        json!({ "spec": { "type": "ClusterIP", "loadBalancerClass": null } }),
+                    ),
+                )
+                .await
+                .unwrap();
+        }
+        ServiceStart::New | ServiceStart::Served => {}
+    }
+    provider.take_calls();
+    served
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_table() {
+    let server = tandem_apiserver::spawn(tandem_apiserver::ServerConfig::default())
+        .await
+        .unwrap();
+    let client = server.client().await.unwrap();
+    let api: Api<Service> = Api::namespaced(client.clone(), "default");
+    let mut failures = Vec::new();
+    for row in rows() {
+        let (nodes, mut writer) = reflector::store::<Node>();
+        writer.apply_watcher_event(&watcher::Event::Apply(node("a", NODE_A)));
+        let provider = FakeProvider::new(true);
+        let start = start_service(&client, &provider, &nodes, &row).await;
+        let ctx = context(&client, &provider, &nodes, row.without_node_ports);
+        let events_before = event_reasons(&client, row.name).await.len();
+        for (i, ip) in row.extra_nodes.iter().enumerate() {
+            writer.apply_watcher_event(&watcher::Event::Apply(node(&format!("x{i}"), ip)));
+        }
+        provider.set_create_active(row.create_active);
+        if let Some((operation, error)) = row.fail.clone() {
+            provider.fail_next(operation, error);
+        }
+        let known_id = start
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_LB_ID))
+            .cloned();
+        let result = reconcile(Arc::new(start), Arc::new(ctx)).await;
+        let all_nodes: Vec<Node> = nodes.state().iter().map(|n| n.as_ref().clone()).collect();
+        let calls = provider.take_calls();
+        let after = api.get_opt(row.name).await.unwrap();
+        let events: Vec<String> = event_reasons(&client, row.name)
+            .await
+            .into_iter()
+            .skip(events_before)
+            .collect();
+        let mut problems = Vec::new();
+        if result.is_ok() != row.ok {
+            problems.push(format!("result {result:?}"));
+        }
+        let expected_calls = (row.calls)(known_id.as_deref());
+        if calls != expected_calls {
+            problems.push(format!("calls {calls:?}, want {expected_calls:?}"));
+        }
+        if events != row.events {
+            problems.push(format!("events {events:?}, want {:?}", row.events));
+        }
+        match (&after, row.finalizer) {
+            (None, None) => {}
+            (Some(svc), Some(want)) => {
+                if has_finalizer(svc) != want {
+                    problems.push(format!("finalizer {}, want {want}", has_finalizer(svc)));
+                }
+                let reason = condition_reason(svc);
+                if reason.as_deref() != row.condition {
+                    problems.push(format!("condition {reason:?}, want {:?}", row.condition));
+                }
+                if has_ingress(svc) != row.ingress {
+                    problems.push(format!(
+                        "ingress {}, want {}",
+                        has_ingress(svc),
+                        row.ingress
+                    ));
+                }
+                let id = svc
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(ANNOTATION_LB_ID));
+                if id.is_some() != row.id_persisted {
+                    problems.push(format!("id {id:?}, want persisted: {}", row.id_persisted));
+                }
+            }
+            (after, want) => problems.push(format!(
+                "Service exists: {}, want finalizer {want:?}",
+                after.is_some()
+            )),
+        }
+        // What the cloud holds matches the Service's need.
+        if row.ok
+            && row.finalizer == Some(true)
+            && let Some(svc) = &after
+        {
+            let owner = owner_of(svc, &CLUSTER.parse().unwrap()).unwrap();
+            let lbs: Vec<_> = provider
+                .load_balancers()
+                .into_iter()
+                .filter(|l| l.owner.as_ref() == Some(&owner))
+                .collect();
+            let backends = tandem_controller::nodes::eligible_backends(&all_nodes);
+            let desired = desired_load_balancer(
+                svc,
+                &CLUSTER.parse().unwrap(),
+                backends,
+                row.without_node_ports,
+            )
+            .unwrap();
+            match lbs.as_slice() {
+                [lb] if lb.drift(&desired).is_empty() => {}
+                other => problems.push(format!("cloud holds {other:?} for {desired:?}")),
+            }
+        }
+        if !problems.is_empty() {
+            failures.push(format!("{}: {}", row.name, problems.join("; ")));
+        }
+    }
+    server.shutdown().await.unwrap();
+    assert!(failures.is_empty(), "failed rows:\n{}", failures.join("\n"));
+}
