@@ -596,3 +596,146 @@ async fn sigterm_shuts_down_cleanly() {
     assert!(status.success(), "{status:?}\n{}", h.logs());
     h.shutdown().await;
 }
+
+/// Cloud calls of one operation in the controller's metrics.
+fn calls_of(metrics: &str, operation: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("tandem_controller_cloud_calls_total{"))
+        .filter(|l| l.contains(&format!("operation=\"{operation}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// The leak of issue 13: with `--claim-unclassed=false`, a Service of our class switched
+/// to ClusterIP loses its class with its type; our finalizer still makes it ours to clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn class_service_switched_to_cluster_ip_leaves_no_lb_and_no_finalizer() {
+    let h = Harness::new("leak").await;
+    two_nodes(&h).await;
+    let _controller = h.controller(&[
+        "--load-balancer-class",
+        "tandem.io/mockcloud",
+        "--claim-unclassed=false",
+    ]);
+    let mut svc = lb_service("classy", &[(80, "TCP")]);
+    svc.spec.as_mut().unwrap().load_balancer_class = Some("tandem.io/mockcloud".into());
+    let created = h.create_service(svc).await;
+    h.wait_served("classy").await;
+    let uid = created.metadata.uid.clone().unwrap();
+    // What a real API server does on the type change: the class goes with the type.
+    h.patch_service(
+        "classy",
+        json!({ "spec": { "type": "ClusterIP", "loadBalancerClass": null } }),
+    )
+    .await;
+    h.eventually("LB deleted and finalizer removed", WAIT, || async {
+        let svc = h.get_service("classy").await?;
+        let clean = h.cloud.for_uid(&uid).await.is_empty()
+            && !svc
+                .metadata
+                .finalizers
+                .clone()
+                .unwrap_or_default()
+                .iter()
+                .any(|f| f == FINALIZER)
+            && ingress_ip(&svc).is_none()
+            && condition_reason(&svc).is_none()
+            && svc
+                .metadata
+                .annotations
+                .clone()
+                .unwrap_or_default()
+                .get(ID_ANNOTATION)
+                .is_none();
+        clean.then_some(())
+    })
+    .await;
+    h.shutdown().await;
+}
+
+/// `allocateLoadBalancerNodePorts: false`: no node ports, so the LB is a passthrough one
+/// routing the VIP to the nodes on the Service port; the create path costs the POST and
+/// one read, and the controller's own writes wake nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_node_ports_served_in_passthrough_with_two_cloud_calls() {
+    let h = Harness::new("nonodeports").await;
+    two_nodes(&h).await;
+    let controller = h.controller(&[]);
+    let mut svc = lb_service("direct", &[(80, "TCP"), (53, "UDP")]);
+    svc.spec.as_mut().unwrap().allocate_load_balancer_node_ports = Some(false);
+    h.create_service(svc).await;
+    let (svc, lb) = h.wait_served("direct").await;
+    assert!(
+        svc.spec
+            .as_ref()
+            .unwrap()
+            .ports
+            .as_ref()
+            .unwrap()
+            .iter()
+            .all(|p| p.node_port.is_none()),
+        "the API server allocated node ports"
+    );
+    assert_eq!(lb.spec.mode, sdk::Mode::Passthrough);
+    let listeners: BTreeSet<(u16, u16)> = lb
+        .spec
+        .listeners
+        .iter()
+        .map(|l| (l.port, l.backend_port))
+        .collect();
+    assert_eq!(listeners, BTreeSet::from([(53, 53), (80, 80)]));
+    let ingress = &svc
+        .status
+        .as_ref()
+        .unwrap()
+        .load_balancer
+        .as_ref()
+        .unwrap()
+        .ingress;
+    assert_eq!(ingress.as_ref().unwrap()[0].ip_mode.as_deref(), Some("VIP"));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let metrics = controller.metrics().await;
+    // The one LIST is the orphan collection at start-up, not this Service's.
+    assert_eq!(
+        (
+            calls_of(&metrics, "create"),
+            calls_of(&metrics, "get"),
+            calls_of(&metrics, "list"),
+            calls_of(&metrics, "update"),
+        ),
+        (1, 1, 1, 0),
+        "create path: one POST and one read\n{metrics}"
+    );
+    h.shutdown().await;
+}
+
+/// The same Service refused by configuration: a condition and an Event say why, and the
+/// cloud is never asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_node_ports_refused_by_flag_is_explained() {
+    let h = Harness::new("refused").await;
+    two_nodes(&h).await;
+    let controller = h.controller(&["--without-node-ports", "refuse"]);
+    let mut svc = lb_service("noports", &[(80, "TCP")]);
+    svc.spec.as_mut().unwrap().allocate_load_balancer_node_ports = Some(false);
+    h.create_service(svc).await;
+    h.eventually("refusal explained", WAIT, || async {
+        let svc = h.get_service("noports").await?;
+        let explained = condition_reason(&svc).as_deref() == Some("InvalidConfiguration");
+        let events = h.events_for("noports").await;
+        let warned = events.iter().any(|(kind, reason, message)| {
+            kind == "Warning"
+                && reason == "SyncLoadBalancerFailed"
+                && message.contains("allocateLoadBalancerNodePorts")
+        });
+        (explained && warned).then_some(())
+    })
+    .await;
+    let metrics = controller.metrics().await;
+    for operation in ["create", "get", "update", "delete"] {
+        assert_eq!(calls_of(&metrics, operation), 0, "{operation}\n{metrics}");
+    }
+    assert!(h.cloud.all().await.is_empty());
+    h.shutdown().await;
+}
