@@ -391,6 +391,53 @@ pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
         .len()
         .saturating_sub(events_before) as u64;
 
+    // Phase 1b: on every Service, writes that change nothing its LB depends on — a label
+    // and another writer's status condition, what the controller's own finalizer, id and
+    // status writes look like to its watch. None may reach the cloud.
+    let counts_before = cloud_counts(cloud_addr).await?;
+    futures::stream::iter(names.iter().cloned())
+        .map(|name| {
+            let services = services.clone();
+            async move {
+                services
+                    .patch(
+                        &name,
+                        &PatchParams::default(),
+                        &Patch::Merge(
+                            json!({ "metadata": { "labels": { "bench/touched": "yes" } } }),
+                        ),
+                    )
+                    .await
+                    .with_context(|| format!("labelling Service {name}"))?;
+                services
+                    .patch_status(
+                        &name,
+                        &PatchParams::apply("tandem-bench").force(),
+                        &Patch::Apply(json!({
+                            "apiVersion": "v1",
+                            "kind": "Service",
+                            "metadata": { "name": name, "namespace": NAMESPACE },
+                            "status": { "conditions": [{
+                                "type": "example.com/Probed",
+                                "status": "True",
+                                "reason": "Bench",
+                                "message": "",
+                                "lastTransitionTime": "2026-01-01T00:00:00Z",
+                            }] },
+                        })),
+                    )
+                    .await
+                    .with_context(|| format!("writing another condition on Service {name}"))?;
+                Ok::<_, anyhow::Error>(())
+            }
+        })
+        .buffer_unordered(CREATE_PARALLELISM)
+        .try_collect::<Vec<()>>()
+        .await?;
+    tokio::time::sleep(SETTLE * 2).await;
+    let unrelated_writes_cloud_calls =
+        counts_delta(&counts_before, &cloud_counts(cloud_addr).await?);
+
     // Phase 2: one node added; every LB must be updated once.
     let counts_before = cloud_counts(cloud_addr).await?;
     let node_start = Instant::now();
@@ -437,6 +484,7 @@ pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
         create_cloud_calls,
         create_api_writes,
         create_events,
+        unrelated_writes_cloud_calls,
         node_add_total,
         node_add_cloud_calls,
         lbs_with_new_node,
