@@ -78,7 +78,9 @@ pub enum Seen {
     Failed(ProviderError),
 }
 
-/// The one cloud call of a reconcile.
+/// The one cloud call of a reconcile. One exists per reconcile, never in bulk, so the
+/// variants stay unboxed.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum CloudAction {
     None,
@@ -123,6 +125,7 @@ pub enum Next {
 }
 
 /// What kind of write the plan makes; decides the Events and what success means.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 enum Intent {
     Ignore,

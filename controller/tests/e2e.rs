@@ -570,6 +570,10 @@ async fn leader_election_only_leader_writes_and_hands_over() {
     h.wait_served("third").await;
     let handover = killed.elapsed();
     println!("hand-over plus provisioning took {handover:?}");
+    // The new leader's own share: from acquiring the lease to reconciling, on warm stores.
+    for line in h.logs().lines().filter(|l| l.contains("controller started")) {
+        println!("{line}");
+    }
     assert!(
         handover < Duration::from_secs(4 + 6),
         "hand-over took {handover:?}"
@@ -641,13 +645,12 @@ async fn class_service_switched_to_cluster_ip_leaves_no_lb_and_no_finalizer() {
                 .any(|f| f == FINALIZER)
             && ingress_ip(&svc).is_none()
             && condition_reason(&svc).is_none()
-            && svc
+            && !svc
                 .metadata
                 .annotations
                 .clone()
                 .unwrap_or_default()
-                .get(ID_ANNOTATION)
-                .is_none();
+                .contains_key(ID_ANNOTATION);
         clean.then_some(())
     })
     .await;

@@ -3,6 +3,7 @@
 //! LBs in a `FakeProvider`), one reconcile, and the expected cloud calls, Service state and
 //! Events. The API server is the stand-in, in process; no binary and no network beyond
 //! 127.0.0.1.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
