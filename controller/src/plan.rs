@@ -490,3 +490,238 @@ impl EventDecision {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::tests::service;
+    use crate::spec::{WithoutNodePorts, desired_load_balancer};
+    use std::collections::BTreeSet;
+    use std::net::Ipv4Addr;
+
+    fn classes(claim_unclassed: bool) -> ClassFilter {
+        ClassFilter {
+            class: "ours".into(),
+            claim_unclassed,
+        }
+    }
+
+    fn with(edit: impl FnOnce(&mut Service)) -> Service {
+        let mut svc = service("web");
+        edit(&mut svc);
+        svc
+    }
+
+    fn finalized(svc: &mut Service) {
+        svc.metadata.finalizers = Some(vec![FINALIZER.into()]);
+    }
+
+    #[test]
+    fn the_finalizer_decides_before_the_class() {
+        let deleted = |s: &mut Service| {
+            s.metadata.deletion_timestamp = Some(
+                k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+            )
+        };
+        let cluster_ip =
+            |s: &mut Service| s.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
+        let class = |c: &str| {
+            let c = c.to_owned();
+            move |s: &mut Service| s.spec.as_mut().unwrap().load_balancer_class = Some(c)
+        };
+        let rows: Vec<(&str, Service, bool, Ownership)> = vec![
+            (
+                "unclassed, claimed",
+                service("web"),
+                true,
+                Ownership::Ensure,
+            ),
+            (
+                "unclassed, not claimed",
+                service("web"),
+                false,
+                Ownership::Ignore,
+            ),
+            ("our class", with(class("ours")), false, Ownership::Ensure),
+            (
+                "other class",
+                with(class("theirs")),
+                true,
+                Ownership::Ignore,
+            ),
+            (
+                "other class with our finalizer",
+                with(|s| {
+                    class("theirs")(s);
+                    finalized(s)
+                }),
+                true,
+                Ownership::Cleanup,
+            ),
+            (
+                // The leak: the class went with the type.
+                "switched to ClusterIP, class cleared, not claimed",
+                with(|s| {
+                    cluster_ip(s);
+                    finalized(s)
+                }),
+                false,
+                Ownership::Cleanup,
+            ),
+            (
+                "ClusterIP, never ours",
+                with(cluster_ip),
+                true,
+                Ownership::Ignore,
+            ),
+            (
+                "deleted with our finalizer",
+                with(|s| {
+                    deleted(s);
+                    finalized(s)
+                }),
+                true,
+                Ownership::Cleanup,
+            ),
+            (
+                "deleted, no finalizer",
+                with(deleted),
+                true,
+                Ownership::Ignore,
+            ),
+        ];
+        for (name, svc, claim, want) in rows {
+            assert_eq!(ownership(&svc, &classes(claim)), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn only_a_service_never_sent_to_the_cloud_skips_the_lookup() {
+        assert!(!may_have_load_balancer(&service("web")));
+        assert!(may_have_load_balancer(&with(finalized)));
+        assert!(may_have_load_balancer(&with(|s| {
+            s.metadata.annotations =
+                Some([(crate::spec::ANNOTATION_LB_ID.to_owned(), "lb-1".to_owned())].into())
+        })));
+    }
+
+    fn desired(svc: &Service, nodes: &[u8]) -> DesiredLoadBalancer {
+        let backends: BTreeSet<Ipv4Addr> = nodes
+            .iter()
+            .map(|n| Ipv4Addr::new(198, 18, 0, *n))
+            .collect();
+        desired_load_balancer(
+            svc,
+            &"c".parse().unwrap(),
+            backends,
+            WithoutNodePorts::Passthrough,
+        )
+        .unwrap()
+    }
+
+    fn observed(d: &DesiredLoadBalancer) -> ObservedLoadBalancer {
+        ObservedLoadBalancer {
+            id: "lb-1".into(),
+            version: 3,
+            name: d.name(),
+            owner: Some(d.owner.clone()),
+            phase: LoadBalancerPhase::Active,
+            vip: Some(Ipv4Addr::new(198, 51, 100, 7)),
+            mode: d.mode,
+            listeners: d.listeners.clone(),
+            backends: d.backends.clone(),
+            source_ranges: d.source_ranges.clone(),
+        }
+    }
+
+    #[test]
+    fn one_cloud_call_chosen_by_what_was_seen() {
+        let svc = with(finalized);
+        let d = desired(&svc, &[11]);
+        let create = plan_ensure(&service("web"), Ok(d.clone()), Seen::NotAsked);
+        assert!(create.add_finalizer);
+        assert!(matches!(
+            create.cloud,
+            CloudAction::Create { replaces: None, .. }
+        ));
+        let in_sync = plan_ensure(&svc, Ok(d.clone()), Seen::Found(observed(&d)));
+        assert_eq!(in_sync.cloud, CloudAction::None);
+        assert!(!in_sync.add_finalizer && in_sync.events_before.is_empty());
+        let settled = in_sync.settle(&svc, Ok(None));
+        assert_eq!(settled.outcome, Ok(Next::Resync));
+        assert_eq!(settled.persist_id.as_deref(), Some("lb-1"));
+        // One more node: an update of the LB as observed, at its version.
+        let moved = desired(&svc, &[11, 12]);
+        let update = plan_ensure(&svc, Ok(moved.clone()), Seen::Found(observed(&d)));
+        match &update.cloud {
+            CloudAction::Update { current, desired } => {
+                assert_eq!((current.version, desired), (3, &moved));
+            }
+            other => panic!("{other:?}"),
+        }
+        let reasons: Vec<_> = update
+            .settle(&svc, Ok(Some(observed(&moved))))
+            .events
+            .iter()
+            .map(|e| e.reason)
+            .collect();
+        assert_eq!(reasons, vec![EventReason::UpdatedLoadBalancer]);
+        // No node at all: still ensured, and said so.
+        let none = desired(&svc, &[]);
+        let empty = plan_ensure(&svc, Ok(none.clone()), Seen::Found(observed(&d)));
+        assert!(
+            empty
+                .events_before
+                .iter()
+                .any(|e| e.reason == EventReason::UnAvailableLoadBalancer)
+        );
+        let settled = empty.settle(&svc, Ok(Some(observed(&none))));
+        assert_eq!(
+            settled.status.and_then(|(_, c)| c).map(|c| c.reason),
+            Some(ConditionReason::NoEligibleNodes)
+        );
+    }
+
+    #[test]
+    fn cleanup_removes_the_finalizer_only_after_the_lb_is_gone() {
+        let svc = with(|s| {
+            finalized(s);
+            s.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
+        });
+        let plan = plan_cleanup(&svc, &"c".parse().unwrap());
+        assert!(matches!(plan.cloud, CloudAction::Delete(_)));
+        let done = plan.settle(&svc, Ok(None));
+        assert!(done.remove_finalizer);
+        assert_eq!(done.status, Some((IngressUpdate::Clear, None)));
+        let failed = plan.settle(
+            &svc,
+            Err(ProviderError::Unavailable {
+                operation: crate::provider::Operation::Delete,
+                message: "down".into(),
+            }),
+        );
+        assert!(!failed.remove_finalizer && failed.outcome.is_err());
+        assert_eq!(
+            failed.events[0].reason,
+            EventReason::DeleteLoadBalancerFailed
+        );
+    }
+
+    #[test]
+    fn nine_reasons_with_types() {
+        let all = [
+            EventReason::EnsuringLoadBalancer,
+            EventReason::EnsuredLoadBalancer,
+            EventReason::SyncLoadBalancerFailed,
+            EventReason::DeletingLoadBalancer,
+            EventReason::DeletedLoadBalancer,
+            EventReason::DeleteLoadBalancerFailed,
+            EventReason::UpdatedLoadBalancer,
+            EventReason::UpdateLoadBalancerFailed,
+            EventReason::UnAvailableLoadBalancer,
+        ];
+        let names: std::collections::BTreeSet<_> = all.iter().map(|r| r.as_str()).collect();
+        assert_eq!(names.len(), 9);
+        assert_eq!(all.iter().filter(|r| r.is_warning()).count(), 4);
+    }
+}

@@ -571,7 +571,11 @@ async fn leader_election_only_leader_writes_and_hands_over() {
     let handover = killed.elapsed();
     println!("hand-over plus provisioning took {handover:?}");
     // The new leader's own share: from acquiring the lease to reconciling, on warm stores.
-    for line in h.logs().lines().filter(|l| l.contains("controller started")) {
+    for line in h
+        .logs()
+        .lines()
+        .filter(|l| l.contains("controller started"))
+    {
         println!("{line}");
     }
     assert!(
