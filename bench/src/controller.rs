@@ -146,8 +146,8 @@ pub fn load_balancer_calls(counts: &RouteCounts) -> f64 {
     counts
         .iter()
         .filter(|((route, _), _)| route == LB_COLLECTION || route == LB_ITEM)
-        .map(|(_, value)| value)
-        .sum()
+        // Folded from +0.0: an empty f64 sum is -0.0, which would print as "-0".
+        .fold(0.0, |total, (_, value)| total + value)
 }
 
 pub fn calls_of(counts: &RouteCounts, route: &str, method: &str) -> f64 {

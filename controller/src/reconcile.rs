@@ -73,7 +73,8 @@ pub struct Context<P> {
     pub metrics: Metrics,
     /// Re-ensure period of every Service: the drift-repair backstop.
     pub resync: Duration,
-    /// How often to look again while an LB is provisioning.
+    /// How long to wait before reading a provisioning LB again: long enough that it is
+    /// usually active by then, so a create costs the POST and one read.
     pub provisioning_poll: Duration,
     failures: Mutex<HashMap<ObjectRef<Service>, u32>>,
 }
@@ -101,7 +102,7 @@ impl<P: LoadBalancerProvider> Context<P> {
             recorder,
             metrics,
             resync,
-            provisioning_poll: Duration::from_secs(1),
+            provisioning_poll: Duration::from_secs(2),
             failures: Mutex::new(HashMap::new()),
         }
     }
