@@ -494,6 +494,7 @@ impl EventDecision {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::provider::tests::observed_from;
     use crate::spec::tests::service;
     use crate::spec::{WithoutNodePorts, desired_load_balancer};
     use std::collections::BTreeSet;
@@ -619,21 +620,6 @@ mod tests {
         .unwrap()
     }
 
-    fn observed(d: &DesiredLoadBalancer) -> ObservedLoadBalancer {
-        ObservedLoadBalancer {
-            id: "lb-1".into(),
-            version: 3,
-            name: d.name(),
-            owner: Some(d.owner.clone()),
-            phase: LoadBalancerPhase::Active,
-            vip: Some(Ipv4Addr::new(198, 51, 100, 7)),
-            mode: d.mode,
-            listeners: d.listeners.clone(),
-            backends: d.backends.clone(),
-            source_ranges: d.source_ranges.clone(),
-        }
-    }
-
     #[test]
     fn one_cloud_call_chosen_by_what_was_seen() {
         let svc = with(finalized);
@@ -644,7 +630,7 @@ mod tests {
             create.cloud,
             CloudAction::Create { replaces: None, .. }
         ));
-        let in_sync = plan_ensure(&svc, Ok(d.clone()), Seen::Found(observed(&d)));
+        let in_sync = plan_ensure(&svc, Ok(d.clone()), Seen::Found(observed_from(&d)));
         assert_eq!(in_sync.cloud, CloudAction::None);
         assert!(!in_sync.add_finalizer && in_sync.events_before.is_empty());
         let settled = in_sync.settle(&svc, Ok(None));
@@ -652,15 +638,15 @@ mod tests {
         assert_eq!(settled.persist_id.as_deref(), Some("lb-1"));
         // One more node: an update of the LB as observed, at its version.
         let moved = desired(&svc, &[11, 12]);
-        let update = plan_ensure(&svc, Ok(moved.clone()), Seen::Found(observed(&d)));
+        let update = plan_ensure(&svc, Ok(moved.clone()), Seen::Found(observed_from(&d)));
         match &update.cloud {
             CloudAction::Update { current, desired } => {
-                assert_eq!((current.version, desired), (3, &moved));
+                assert_eq!((current.version, desired), (1, &moved));
             }
             other => panic!("{other:?}"),
         }
         let reasons: Vec<_> = update
-            .settle(&svc, Ok(Some(observed(&moved))))
+            .settle(&svc, Ok(Some(observed_from(&moved))))
             .events
             .iter()
             .map(|e| e.reason)
@@ -668,14 +654,14 @@ mod tests {
         assert_eq!(reasons, vec![EventReason::UpdatedLoadBalancer]);
         // No node at all: still ensured, and said so.
         let none = desired(&svc, &[]);
-        let empty = plan_ensure(&svc, Ok(none.clone()), Seen::Found(observed(&d)));
+        let empty = plan_ensure(&svc, Ok(none.clone()), Seen::Found(observed_from(&d)));
         assert!(
             empty
                 .events_before
                 .iter()
                 .any(|e| e.reason == EventReason::UnAvailableLoadBalancer)
         );
-        let settled = empty.settle(&svc, Ok(Some(observed(&none))));
+        let settled = empty.settle(&svc, Ok(Some(observed_from(&none))));
         assert_eq!(
             settled.status.and_then(|(_, c)| c).map(|c| c.reason),
             Some(ConditionReason::NoEligibleNodes)

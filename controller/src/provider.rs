@@ -372,7 +372,7 @@ pub trait LoadBalancerProvider: Send + Sync + 'static {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn owner() -> Owner {
@@ -404,7 +404,8 @@ mod tests {
         }
     }
 
-    fn observed_from(d: &DesiredLoadBalancer) -> ObservedLoadBalancer {
+    /// The LB the cloud reports once `d` is in place: active, id `lb-1`, version 1.
+    pub(crate) fn observed_from(d: &DesiredLoadBalancer) -> ObservedLoadBalancer {
         ObservedLoadBalancer {
             id: "lb-1".into(),
             version: 1,
