@@ -101,3 +101,44 @@ async fn sleep_until_opt(deadline: Option<Instant>) {
         None => std::future::pending().await,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::FINALIZER;
+    use crate::spec::tests::service;
+    use kube::ResourceExt;
+
+    #[test]
+    fn only_services_to_ensure_that_may_have_an_lb_follow_the_nodes() {
+        let classes = ClassFilter {
+            class: "ours".into(),
+            claim_unclassed: false,
+        };
+        let make = |name: &str, class: Option<&str>, lb: bool, finalizer: bool| {
+            let mut svc = service(name);
+            let spec = svc.spec.as_mut().unwrap();
+            spec.load_balancer_class = class.map(str::to_owned);
+            if !lb {
+                spec.type_ = Some("ClusterIP".into());
+            }
+            if finalizer {
+                svc.metadata.finalizers = Some(vec![FINALIZER.into()]);
+            }
+            Arc::new(svc)
+        };
+        let services = vec![
+            make("served", Some("ours"), true, true),
+            make("not-yet-created", Some("ours"), true, false),
+            // Switched to ClusterIP: its class went with the type; cleanup, not node sync.
+            make("leaving", None, false, true),
+            make("unclassed", None, true, true),
+            make("theirs", Some("theirs"), true, false),
+        ];
+        let names: Vec<String> = services_to_sync(&services, &classes)
+            .iter()
+            .map(|s| s.name_any())
+            .collect();
+        assert_eq!(names, vec!["served"]);
+    }
+}
