@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::discovery;
 use crate::patch::PatchType;
+use crate::protobuf::{self, DecodeError};
 use crate::resources::{self, ResourceType};
 use crate::selector::{FieldSelector, LabelSelector, Selectors};
 use crate::status::ApiError;
@@ -183,9 +184,21 @@ fn header(headers: &HeaderMap, name: http::header::HeaderName) -> &str {
         .unwrap_or_default()
 }
 
-/// Decodes a JSON request body. Protobuf and CBOR (what client-go's typed clients, e.g.
-/// `kubectl create namespace`, send) are refused with 415 rather than misread.
-fn parse_body(headers: &HeaderMap, body: &[u8]) -> Result<Value, ApiError> {
+/// Decodes an object sent to `rt`: JSON, or protobuf (what client-go's typed clients,
+/// e.g. `kubectl create namespace`, send) for the kinds [`protobuf::KINDS`].
+fn parse_object(rt: &ResourceType, headers: &HeaderMap, body: &[u8]) -> Result<Value, ApiError> {
+    if protobuf::is_protobuf(header(headers, CONTENT_TYPE)) {
+        return protobuf::decode(rt, body).map_err(|e| match e {
+            DecodeError::UnsupportedKind(_) => ApiError::unreadable_body(e.to_string()),
+            _ => ApiError::bad_request(format!("cannot decode request body: {e}")),
+        });
+    }
+    parse_json(headers, body)
+}
+
+/// Decodes a JSON request body. Other encodings (CBOR, protobuf where no object is
+/// expected) are refused with 415 rather than misread.
+fn parse_json(headers: &HeaderMap, body: &[u8]) -> Result<Value, ApiError> {
     let content_type = header(headers, CONTENT_TYPE);
     if content_type.contains("protobuf") || content_type.contains("cbor") {
         return Err(ApiError::unsupported_media_type(content_type));
@@ -202,13 +215,52 @@ fn selectors(query: &HashMap<String, String>) -> Result<Selectors, ApiError> {
     Ok(Selectors { labels, fields })
 }
 
-fn reject_dry_run(query: &HashMap<String, String>) -> Result<(), ApiError> {
-    match query.get("dryRun") {
-        Some(v) if !v.is_empty() => Err(ApiError::bad_request(
-            "dryRun is not supported by tandem-apiserver",
-        )),
-        _ => Ok(()),
+/// Whether a write is a dry run: `dryRun=All` in the query (or in DeleteOptions), the one
+/// value Kubernetes defines.
+fn dry_run<'a>(values: impl IntoIterator<Item = &'a str>) -> Result<bool, ApiError> {
+    let mut dry = false;
+    for value in values.into_iter().filter(|v| !v.is_empty()) {
+        if value != "All" {
+            return Err(ApiError::bad_request(format!(
+                "invalid dry run value {value:?}: the only supported value is \"All\""
+            )));
+        }
+        dry = true;
     }
+    Ok(dry)
+}
+
+/// The store a write goes to: the live one, or for a dry run a scratch copy that runs the
+/// same checks, defaulting and allocation and is then dropped.
+fn write_store(app: &AppState, dry: bool) -> Result<Arc<Store>, ApiError> {
+    if dry {
+        Ok(Arc::new(app.store.scratch()?))
+    } else {
+        Ok(app.store.clone())
+    }
+}
+
+/// A dry run's answer carries the resourceVersion the live object has (none for an object
+/// that does not exist), as nothing was written.
+fn dry_run_answer(
+    app: &AppState,
+    rt: &ResourceType,
+    namespace: Option<&str>,
+    mut object: Value,
+) -> Value {
+    let name = object["metadata"]["name"].as_str().unwrap_or_default();
+    let live_version = app.store.get(rt, namespace, name).ok().and_then(|live| {
+        live["metadata"]["resourceVersion"]
+            .as_str()
+            .map(str::to_string)
+    });
+    if let Some(meta) = object["metadata"].as_object_mut() {
+        match live_version {
+            Some(version) => meta.insert("resourceVersion".into(), json!(version)),
+            None => meta.remove("resourceVersion"),
+        };
+    }
+    object
 }
 
 /// How objects are rendered, as the `Accept` header asks.
@@ -289,25 +341,27 @@ async fn route(
             }
         }
         (&Method::POST, Target::Collection { rt, namespace }) => {
-            reject_dry_run(query)?;
+            let dry = dry_run(query.get("dryRun").map(String::as_str))?;
             if rt.namespaced && namespace.is_none() {
                 return Err(ApiError::method_not_allowed("POST"));
             }
-            let created =
-                app.store
-                    .create(rt, namespace.as_deref(), parse_body(headers, &body)?)?;
+            let object = parse_object(rt, headers, &body)?;
+            let mut created = write_store(app, dry)?.create(rt, namespace.as_deref(), object)?;
+            if dry {
+                created = dry_run_answer(app, rt, namespace.as_deref(), created);
+            }
             tracing::debug!(
                 resource = rt.plural,
                 name = created["metadata"]["name"].as_str(),
+                dry_run = dry,
                 "created"
             );
             Ok(json_response(StatusCode::CREATED, &created))
         }
         (&Method::DELETE, Target::Collection { rt, namespace }) => {
-            reject_dry_run(query)?;
-            let page = app
-                .store
-                .list(rt, namespace.as_deref(), &selectors(query)?, None, None)?;
+            let dry = dry_run(query.get("dryRun").map(String::as_str))?;
+            let store = write_store(app, dry)?;
+            let page = store.list(rt, namespace.as_deref(), &selectors(query)?, None, None)?;
             let mut deleted = Vec::new();
             for item in page.items {
                 let name = item["metadata"]["name"]
@@ -315,10 +369,8 @@ async fn route(
                     .unwrap_or_default()
                     .to_string();
                 let ns = item["metadata"]["namespace"].as_str().map(str::to_string);
-                match app
-                    .store
-                    .delete(rt, ns.as_deref(), &name, &Preconditions::default())
-                {
+                match store.delete(rt, ns.as_deref(), &name, &Preconditions::default()) {
+                    Ok(obj) if dry => deleted.push(dry_run_answer(app, rt, ns.as_deref(), obj)),
                     Ok(obj) => deleted.push(obj),
                     Err(e) if e.code == 404 => {}
                     Err(e) => return Err(e),
@@ -347,14 +399,15 @@ async fn route(
                 sub,
             },
         ) => {
-            reject_dry_run(query)?;
-            ok(app.store.update(
-                rt,
-                namespace.as_deref(),
-                &name,
-                parse_body(headers, &body)?,
-                sub,
-            )?)
+            let dry = dry_run(query.get("dryRun").map(String::as_str))?;
+            let object = parse_object(rt, headers, &body)?;
+            let updated =
+                write_store(app, dry)?.update(rt, namespace.as_deref(), &name, object, sub)?;
+            ok(if dry {
+                dry_run_answer(app, rt, namespace.as_deref(), updated)
+            } else {
+                updated
+            })
         }
         (
             &Method::PATCH,
@@ -365,13 +418,21 @@ async fn route(
                 sub,
             },
         ) => {
-            reject_dry_run(query)?;
+            let dry = dry_run(query.get("dryRun").map(String::as_str))?;
             let content_type = header(headers, CONTENT_TYPE);
             let patch_type = PatchType::from_content_type(content_type)
                 .ok_or_else(|| ApiError::unsupported_media_type(content_type))?;
-            let (obj, created) =
-                app.store
-                    .patch(rt, namespace.as_deref(), &name, patch_type, &body, sub)?;
+            let (mut obj, created) = write_store(app, dry)?.patch(
+                rt,
+                namespace.as_deref(),
+                &name,
+                patch_type,
+                &body,
+                sub,
+            )?;
+            if dry {
+                obj = dry_run_answer(app, rt, namespace.as_deref(), obj);
+            }
             Ok(json_response(
                 if created {
                     StatusCode::CREATED
@@ -390,26 +451,32 @@ async fn route(
                 sub: Subresource::Main,
             },
         ) => {
-            reject_dry_run(query)?;
             let options = if body.is_empty() {
                 json!({})
             } else {
-                parse_body(headers, &body)?
+                parse_json(headers, &body)?
             };
-            if options["dryRun"].as_array().is_some_and(|a| !a.is_empty()) {
-                return Err(ApiError::bad_request(
-                    "dryRun is not supported by tandem-apiserver",
-                ));
-            }
+            let in_options = options["dryRun"].as_array().into_iter().flatten();
+            let dry = dry_run(
+                query
+                    .get("dryRun")
+                    .map(String::as_str)
+                    .into_iter()
+                    .chain(in_options.filter_map(Value::as_str)),
+            )?;
             let preconditions = Preconditions {
                 uid: options["preconditions"]["uid"].as_str().map(str::to_string),
                 resource_version: options["preconditions"]["resourceVersion"]
                     .as_str()
                     .map(str::to_string),
             };
-            ok(app
-                .store
-                .delete(rt, namespace.as_deref(), &name, &preconditions)?)
+            let deleted =
+                write_store(app, dry)?.delete(rt, namespace.as_deref(), &name, &preconditions)?;
+            ok(if dry {
+                dry_run_answer(app, rt, namespace.as_deref(), deleted)
+            } else {
+                deleted
+            })
         }
         (method, _) => Err(ApiError::method_not_allowed(method.as_str())),
     }

@@ -42,15 +42,18 @@
 //!
 //! # Limits
 //!
-//! Request bodies are JSON only: protobuf/CBOR bodies (kubectl's imperative generators such
-//! as `kubectl create namespace x`) get 415; `kubectl create -f`, `apply`, `patch`, `get`,
-//! `delete` and `get -w` work. Server-side apply records no managedFields and never
-//! conflicts. `dryRun` is refused with 400. State lives in memory only.
+//! Request bodies are JSON, or protobuf for Services and Namespaces (what kubectl's
+//! imperative commands such as `kubectl create service` and `kubectl create namespace`
+//! send; see [`protobuf`]); other protobuf kinds and CBOR get 415. `dryRun=All` works for
+//! create, update, patch and delete: the write runs against a scratch copy of the store.
+//! Server-side apply records no managedFields and never conflicts. State lives in memory
+//! only.
 
 pub mod api;
 pub mod discovery;
 pub mod events;
 pub mod patch;
+pub mod protobuf;
 pub mod resources;
 pub mod selector;
 pub mod service;

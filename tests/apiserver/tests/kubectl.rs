@@ -1,12 +1,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 //! The real `kubectl` binary against the stand-in: create, get (server-side columns),
-//! patch of the status subresource, get -w streaming, delete.
+//! patch of the status subresource, get -w streaming, delete; the imperative commands
+//! (protobuf bodies) and `--dry-run=server`.
 
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Namespace, Service};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 use tandem_apiserver::{RunningServer, ServerConfig, spawn};
@@ -271,5 +272,182 @@ async fn kubectl_reports_invalid_services_and_reads_nodes() {
         (row[0], row[1], row[2], row[4]),
         ("node-1", "Ready", "worker", "v1.34.0")
     );
+    server.shutdown().await.unwrap();
+}
+
+/// kubectl's imperative commands send protobuf bodies (typed clients); labels and
+/// annotations are patches; `--dry-run=server` leaves the store as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_imperative_commands_and_server_dry_run() {
+    let server = spawn(ServerConfig::default()).await.unwrap();
+    let scratch = Scratch::new(&server, "imperative").await;
+    let client = server.client().await.unwrap();
+    let services: Api<Service> = Api::namespaced(client.clone(), "team-a");
+    let namespaces: Api<Namespace> = Api::all(client);
+
+    let ns = ["-n", "team-a"];
+    let out = scratch.run(&["create", "namespace", "team-a"]).await;
+    assert_eq!(out.trim(), "namespace/team-a created");
+    let commands: [&[&str]; 4] = [
+        &["create", "service", "clusterip", "db", "--tcp=5432:5432"],
+        &[
+            "create",
+            "service",
+            "nodeport",
+            "np",
+            "--tcp=80:8080",
+            "--node-port=30080",
+        ],
+        &["create", "service", "loadbalancer", "web", "--tcp=80:8080"],
+        &[
+            "create",
+            "service",
+            "externalname",
+            "ext",
+            "--external-name=db.example.com",
+        ],
+    ];
+    for command in commands {
+        let out = scratch.run(&[&ns[..], command].concat()).await;
+        assert_eq!(out.trim(), format!("service/{} created", command[3]));
+    }
+    let out = scratch
+        .run(
+            &[
+                &ns[..],
+                &[
+                    "expose",
+                    "service",
+                    "web",
+                    "--name=web-udp",
+                    "--port=53",
+                    "--protocol=UDP",
+                    "--target-port=5353",
+                    "--type=LoadBalancer",
+                ],
+            ]
+            .concat(),
+        )
+        .await;
+    assert_eq!(out.trim(), "service/web-udp exposed");
+
+    let spec = |svc: Service| svc.spec.unwrap();
+    let db = spec(services.get("db").await.unwrap());
+    assert_eq!(db.type_.as_deref(), Some("ClusterIP"));
+    assert!(db.cluster_ip.unwrap().starts_with("10.96."));
+    let np = spec(services.get("np").await.unwrap());
+    let np_port = &np.ports.unwrap()[0];
+    assert_eq!((np_port.port, np_port.node_port), (80, Some(30080)));
+    assert_eq!(
+        np_port.target_port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(8080))
+    );
+    let web = services.get("web").await.unwrap();
+    assert_eq!(
+        web.metadata.labels.as_ref().unwrap()["app"],
+        "web",
+        "kubectl's generator labels and selects app=<name>"
+    );
+    assert_eq!(spec(web).type_.as_deref(), Some("LoadBalancer"));
+    let ext = spec(services.get("ext").await.unwrap());
+    assert_eq!(
+        (ext.type_.as_deref(), ext.external_name.as_deref()),
+        (Some("ExternalName"), Some("db.example.com"))
+    );
+    let exposed = spec(services.get("web-udp").await.unwrap());
+    let exposed_port = &exposed.ports.unwrap()[0];
+    assert_eq!(
+        (exposed_port.port, exposed_port.protocol.as_deref()),
+        (53, Some("UDP"))
+    );
+    assert!(exposed_port.node_port.is_some());
+    assert_eq!(exposed.selector.unwrap()["app"], "web");
+
+    let out = scratch
+        .run(&[&ns[..], &["label", "svc", "web", "tier=front"]].concat())
+        .await;
+    assert_eq!(out.trim(), "service/web labeled");
+    let out = scratch
+        .run(&[&ns[..], &["annotate", "svc", "web", "owner=team-a"]].concat())
+        .await;
+    assert_eq!(out.trim(), "service/web annotated");
+    let web = services.get("web").await.unwrap();
+    assert_eq!(web.metadata.labels.as_ref().unwrap()["tier"], "front");
+    assert_eq!(
+        web.metadata.annotations.as_ref().unwrap()["owner"],
+        "team-a"
+    );
+    let version = web.metadata.resource_version.clone();
+
+    // --dry-run=server: the answers of a real write, and nothing written.
+    let dry = ["--dry-run=server"];
+    let out = scratch
+        .run(
+            &[
+                &ns[..],
+                &[
+                    "create",
+                    "service",
+                    "nodeport",
+                    "dry",
+                    "--tcp=80:80",
+                    "--node-port=30082",
+                ],
+                &dry[..],
+            ]
+            .concat(),
+        )
+        .await;
+    assert_eq!(out.trim(), "service/dry created (server dry run)");
+    let out = scratch
+        .run(&[&["create", "namespace", "dry-ns"], &dry[..]].concat())
+        .await;
+    assert_eq!(out.trim(), "namespace/dry-ns created (server dry run)");
+    let out = scratch
+        .run(
+            &[
+                &ns[..],
+                &["label", "svc", "web", "tier=back", "--overwrite"],
+                &dry[..],
+            ]
+            .concat(),
+        )
+        .await;
+    assert_eq!(out.trim(), "service/web labeled (server dry run)");
+    let out = scratch
+        .run(&[&ns[..], &["delete", "svc", "web"], &dry[..]].concat())
+        .await;
+    assert_eq!(out.trim(), "service \"web\" deleted (server dry run)");
+    let out = scratch
+        .run(&[&["delete", "namespace", "team-a"], &dry[..]].concat())
+        .await;
+    assert_eq!(out.trim(), "namespace \"team-a\" deleted (server dry run)");
+    assert!(matches!(services.get("dry").await.unwrap_err(), kube::Error::Api(s) if s.code == 404));
+    assert!(
+        matches!(namespaces.get("dry-ns").await.unwrap_err(), kube::Error::Api(s) if s.code == 404)
+    );
+    let web = services.get("web").await.unwrap();
+    assert_eq!(web.metadata.labels.as_ref().unwrap()["tier"], "front");
+    assert_eq!(web.metadata.resource_version, version);
+    let team = namespaces.get("team-a").await.unwrap();
+    assert!(team.metadata.deletion_timestamp.is_none());
+    // The dry-run create allocated nothing: the node port it took is free.
+    let out = scratch
+        .run(
+            &[
+                &ns[..],
+                &[
+                    "create",
+                    "service",
+                    "nodeport",
+                    "np2",
+                    "--tcp=81:81",
+                    "--node-port=30082",
+                ],
+            ]
+            .concat(),
+        )
+        .await;
+    assert_eq!(out.trim(), "service/np2 created");
     server.shutdown().await.unwrap();
 }

@@ -1,0 +1,497 @@
+//! Protobuf request bodies (`application/vnd.kubernetes.protobuf`), turned into the JSON
+//! objects the store keeps.
+//!
+//! client-go's typed clients send protobuf: `kubectl create service`, `kubectl expose` and
+//! `kubectl create namespace` POST their objects that way. The wire format is the 4-byte
+//! magic `k8s\0` followed by a `runtime.Unknown` envelope whose `raw` field holds the
+//! object's own message. The messages come from `k8s-pb` (generated from the Kubernetes
+//! `.proto` files); this module only maps them to the JSON field names.
+//!
+//! Decoded kinds: Service and Namespace, the ones kubectl's imperative commands create.
+//! Other kinds answer 415, so their clients fall back to JSON or report it clearly.
+//! Responses are always JSON: clients send `Accept: application/vnd.kubernetes.protobuf,
+//! application/json`.
+
+use std::collections::BTreeMap;
+
+use k8s_pb::api::core::v1 as core;
+use k8s_pb::apimachinery::pkg::apis::meta::v1 as meta;
+use k8s_pb::apimachinery::pkg::runtime::Unknown;
+use k8s_pb::apimachinery::pkg::util::intstr::IntOrString;
+use prost::Message;
+use serde_json::{Map, Value};
+
+use crate::resources::ResourceType;
+
+/// The media type of Kubernetes protobuf bodies.
+pub const MEDIA_TYPE: &str = "application/vnd.kubernetes.protobuf";
+
+/// What every Kubernetes protobuf body starts with.
+const MAGIC: &[u8; 4] = b"k8s\0";
+
+/// The kinds whose protobuf bodies are decoded.
+pub const KINDS: [&str; 2] = ["Service", "Namespace"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("protobuf body does not start with the \"k8s\\x00\" magic")]
+    Magic,
+    #[error("decoding the runtime.Unknown envelope: {0}")]
+    Envelope(prost::DecodeError),
+    #[error("protobuf envelope uses content encoding {0:?}; only unencoded bodies are read")]
+    Encoding(String),
+    #[error("the body is a {found}, the request is for {expected}")]
+    KindMismatch { found: String, expected: String },
+    #[error("protobuf bodies of kind {0} are not decoded (only {kinds}); send JSON", kinds = KINDS.join(", "))]
+    UnsupportedKind(String),
+    #[error("decoding the {kind} message: {source}")]
+    Object {
+        kind: String,
+        source: prost::DecodeError,
+    },
+}
+
+/// Whether a `Content-Type` header names a protobuf body.
+pub fn is_protobuf(content_type: &str) -> bool {
+    content_type
+        .split(';')
+        .next()
+        .is_some_and(|media| media.trim().eq_ignore_ascii_case(MEDIA_TYPE))
+}
+
+/// Decodes a protobuf body sent to `rt`'s collection or object into its JSON form.
+pub fn decode(rt: &ResourceType, body: &[u8]) -> Result<Value, DecodeError> {
+    let envelope = body.strip_prefix(MAGIC).ok_or(DecodeError::Magic)?;
+    let unknown = Unknown::decode(envelope).map_err(DecodeError::Envelope)?;
+    if let Some(encoding) = unknown.content_encoding.filter(|e| !e.is_empty()) {
+        return Err(DecodeError::Encoding(encoding));
+    }
+    let type_meta = unknown.type_meta.unwrap_or_default();
+    let kind = type_meta.kind.unwrap_or_default();
+    let api_version = type_meta.api_version.unwrap_or_default();
+    if kind != rt.kind || (!api_version.is_empty() && api_version != rt.api_version()) {
+        return Err(DecodeError::KindMismatch {
+            found: format!("{api_version} {kind}"),
+            expected: format!("{} {}", rt.api_version(), rt.kind),
+        });
+    }
+    let raw = unknown.raw.unwrap_or_default();
+    let object_error = |source| DecodeError::Object {
+        kind: kind.clone(),
+        source,
+    };
+    let (metadata, mut fields) = match kind.as_str() {
+        "Service" => {
+            let service = core::Service::decode(raw.as_slice()).map_err(object_error)?;
+            let fields = Fields::new()
+                .object("spec", service.spec.map(service_spec))
+                .object("status", service.status.map(service_status));
+            (service.metadata, fields)
+        }
+        "Namespace" => {
+            let namespace = core::Namespace::decode(raw.as_slice()).map_err(object_error)?;
+            let fields = Fields::new()
+                .object(
+                    "spec",
+                    namespace
+                        .spec
+                        .map(|s| Fields::new().strings("finalizers", s.finalizers).done()),
+                )
+                .object("status", namespace.status.map(namespace_status));
+            (namespace.metadata, fields)
+        }
+        _ => return Err(DecodeError::UnsupportedKind(kind)),
+    };
+    fields = fields.object("metadata", Some(object_meta(metadata.unwrap_or_default())));
+    let mut object = Map::new();
+    object.insert("apiVersion".into(), Value::from(rt.api_version()));
+    object.insert("kind".into(), Value::from(kind));
+    object.extend(fields.0);
+    Ok(Value::Object(object))
+}
+
+/// A JSON object built from protobuf fields the way Go's JSON encoding writes the same
+/// struct. Go's protobuf encoder writes every plain (non-pointer) field, zero or not, while
+/// its JSON encoder leaves zero values out (`omitempty`): so [`Fields::put`] drops zero
+/// values, and [`Fields::put_pointer`] keeps them for the fields that are pointers in Go,
+/// where a zero (e.g. `allocateLoadBalancerNodePorts: false`) means something.
+struct Fields(Map<String, Value>);
+
+impl Fields {
+    fn new() -> Self {
+        Self(Map::new())
+    }
+
+    fn put<T: Into<Value> + Default + PartialEq>(self, key: &str, value: Option<T>) -> Self {
+        self.put_pointer(key, value.filter(|v| *v != T::default()))
+    }
+
+    fn put_pointer(mut self, key: &str, value: Option<impl Into<Value>>) -> Self {
+        if let Some(value) = value {
+            self.0.insert(key.into(), value.into());
+        }
+        self
+    }
+
+    fn object(self, key: &str, value: Option<Value>) -> Self {
+        self.put_pointer(key, value)
+    }
+
+    fn strings(self, key: &str, values: Vec<String>) -> Self {
+        self.items(key, values.into_iter().map(Value::from).collect())
+    }
+
+    fn items(mut self, key: &str, values: Vec<Value>) -> Self {
+        if !values.is_empty() {
+            self.0.insert(key.into(), Value::Array(values));
+        }
+        self
+    }
+
+    fn map(mut self, key: &str, values: BTreeMap<String, String>) -> Self {
+        if !values.is_empty() {
+            let map = values.into_iter().map(|(k, v)| (k, Value::from(v)));
+            self.0.insert(key.into(), Value::Object(map.collect()));
+        }
+        self
+    }
+
+    fn done(self) -> Value {
+        Value::Object(self.0)
+    }
+}
+
+/// `metav1.Time` as RFC 3339 in UTC, the way Kubernetes writes it in JSON.
+fn time(time: meta::Time) -> Option<String> {
+    let timestamp = jiff::Timestamp::from_second(time.seconds.unwrap_or_default()).ok()?;
+    Some(timestamp.strftime("%Y-%m-%dT%H:%M:%SZ").to_string())
+}
+
+fn object_meta(m: meta::ObjectMeta) -> Value {
+    let owners = m
+        .owner_references
+        .into_iter()
+        .map(|o| {
+            Fields::new()
+                .put("apiVersion", o.api_version)
+                .put("kind", o.kind)
+                .put("name", o.name)
+                .put("uid", o.uid)
+                .put_pointer("controller", o.controller)
+                .put_pointer("blockOwnerDeletion", o.block_owner_deletion)
+                .done()
+        })
+        .collect();
+    // managedFields are left out: the store does not record them.
+    Fields::new()
+        .put("name", m.name)
+        .put("generateName", m.generate_name)
+        .put("namespace", m.namespace)
+        .put("uid", m.uid)
+        .put("resourceVersion", m.resource_version)
+        .put("generation", m.generation)
+        .put("creationTimestamp", m.creation_timestamp.and_then(time))
+        .put("deletionTimestamp", m.deletion_timestamp.and_then(time))
+        .put_pointer(
+            "deletionGracePeriodSeconds",
+            m.deletion_grace_period_seconds,
+        )
+        .map("labels", m.labels)
+        .map("annotations", m.annotations)
+        .items("ownerReferences", owners)
+        .strings("finalizers", m.finalizers)
+        .done()
+}
+
+/// An IntOrString; the zero value (`0` or `""`) is left out, so it is defaulted as if unset.
+fn int_or_string(value: IntOrString) -> Option<Value> {
+    // intstr.Type: 0 = Int, 1 = String.
+    match value.r#type.unwrap_or_default() {
+        1 => value.str_val.filter(|s| !s.is_empty()).map(Value::from),
+        _ => value.int_val.filter(|i| *i != 0).map(Value::from),
+    }
+}
+
+fn service_spec(s: core::ServiceSpec) -> Value {
+    let ports = s
+        .ports
+        .into_iter()
+        .map(|p| {
+            Fields::new()
+                .put("name", p.name)
+                .put("protocol", p.protocol)
+                .put("appProtocol", p.app_protocol)
+                .put("port", p.port)
+                .object("targetPort", p.target_port.and_then(int_or_string))
+                .put("nodePort", p.node_port)
+                .done()
+        })
+        .collect();
+    let affinity = s.session_affinity_config.map(|c| {
+        Fields::new()
+            .object(
+                "clientIP",
+                c.client_ip.map(|ip| {
+                    Fields::new()
+                        .put_pointer("timeoutSeconds", ip.timeout_seconds)
+                        .done()
+                }),
+            )
+            .done()
+    });
+    Fields::new()
+        .items("ports", ports)
+        .map("selector", s.selector)
+        .put("clusterIP", s.cluster_ip)
+        .strings("clusterIPs", s.cluster_ips)
+        .put("type", s.r#type)
+        .strings("externalIPs", s.external_ips)
+        .put("sessionAffinity", s.session_affinity)
+        .put("loadBalancerIP", s.load_balancer_ip)
+        .strings("loadBalancerSourceRanges", s.load_balancer_source_ranges)
+        .put("externalName", s.external_name)
+        .put("externalTrafficPolicy", s.external_traffic_policy)
+        .put("healthCheckNodePort", s.health_check_node_port)
+        .put("publishNotReadyAddresses", s.publish_not_ready_addresses)
+        .object("sessionAffinityConfig", affinity)
+        .strings("ipFamilies", s.ip_families)
+        .put_pointer("ipFamilyPolicy", s.ip_family_policy)
+        .put_pointer(
+            "allocateLoadBalancerNodePorts",
+            s.allocate_load_balancer_node_ports,
+        )
+        .put_pointer("loadBalancerClass", s.load_balancer_class)
+        .put_pointer("internalTrafficPolicy", s.internal_traffic_policy)
+        .put_pointer("trafficDistribution", s.traffic_distribution)
+        .done()
+}
+
+fn condition(c: meta::Condition) -> Value {
+    Fields::new()
+        .put("type", c.r#type)
+        .put("status", c.status)
+        .put("observedGeneration", c.observed_generation)
+        .put("lastTransitionTime", c.last_transition_time.and_then(time))
+        .put("reason", c.reason)
+        .put("message", c.message)
+        .done()
+}
+
+fn service_status(s: core::ServiceStatus) -> Value {
+    let ingress = s
+        .load_balancer
+        .map(|lb| {
+            lb.ingress
+                .into_iter()
+                .map(|i| {
+                    let ports = i
+                        .ports
+                        .into_iter()
+                        .map(|p| {
+                            Fields::new()
+                                .put("port", p.port)
+                                .put("protocol", p.protocol)
+                                .put_pointer("error", p.error)
+                                .done()
+                        })
+                        .collect();
+                    Fields::new()
+                        .put("ip", i.ip)
+                        .put("hostname", i.hostname)
+                        .put_pointer("ipMode", i.ip_mode)
+                        .items("ports", ports)
+                        .done()
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Fields::new()
+        .object(
+            "loadBalancer",
+            Some(Fields::new().items("ingress", ingress).done()),
+        )
+        .items(
+            "conditions",
+            s.conditions.into_iter().map(condition).collect(),
+        )
+        .done()
+}
+
+fn namespace_status(s: core::NamespaceStatus) -> Value {
+    let conditions = s
+        .conditions
+        .into_iter()
+        .map(|c| {
+            Fields::new()
+                .put("type", c.r#type)
+                .put("status", c.status)
+                .put("lastTransitionTime", c.last_transition_time.and_then(time))
+                .put("reason", c.reason)
+                .put("message", c.message)
+                .done()
+        })
+        .collect();
+    Fields::new()
+        .put("phase", s.phase)
+        .items("conditions", conditions)
+        .done()
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_pb::apimachinery::pkg::runtime::TypeMeta;
+    use serde_json::json;
+
+    use super::*;
+    use crate::resources::{NAMESPACES, NODES, SERVICES};
+
+    /// A body as client-go's protobuf serializer writes it.
+    fn wire(api_version: &str, kind: &str, raw: Vec<u8>) -> Vec<u8> {
+        let envelope = Unknown {
+            type_meta: Some(TypeMeta {
+                api_version: Some(api_version.into()),
+                kind: Some(kind.into()),
+            }),
+            raw: Some(raw),
+            content_encoding: Some(String::new()),
+            content_type: Some(String::new()),
+        };
+        let mut body = MAGIC.to_vec();
+        body.extend(envelope.encode_to_vec());
+        body
+    }
+
+    fn service() -> core::Service {
+        core::Service {
+            metadata: Some(meta::ObjectMeta {
+                name: Some("web".into()),
+                labels: BTreeMap::from([("app".into(), "web".into())]),
+                creation_timestamp: Some(meta::Time {
+                    seconds: Some(0),
+                    nanos: Some(0),
+                }),
+                ..Default::default()
+            }),
+            spec: Some(core::ServiceSpec {
+                ports: vec![
+                    core::ServicePort {
+                        name: Some("80-8080".into()),
+                        protocol: Some("TCP".into()),
+                        port: Some(80),
+                        target_port: Some(IntOrString {
+                            r#type: Some(0),
+                            int_val: Some(8080),
+                            str_val: Some(String::new()),
+                        }),
+                        ..Default::default()
+                    },
+                    core::ServicePort {
+                        port: Some(53),
+                        protocol: Some("UDP".into()),
+                        target_port: Some(IntOrString {
+                            r#type: Some(1),
+                            int_val: Some(0),
+                            str_val: Some("dns".into()),
+                        }),
+                        ..Default::default()
+                    },
+                ],
+                selector: BTreeMap::from([("app".into(), "web".into())]),
+                r#type: Some("LoadBalancer".into()),
+                load_balancer_source_ranges: vec!["192.0.2.0/24".into()],
+                // Plain Go fields arrive with their zero values; pointers keep theirs.
+                session_affinity: Some(String::new()),
+                health_check_node_port: Some(0),
+                allocate_load_balancer_node_ports: Some(false),
+                ..Default::default()
+            }),
+            status: Some(core::ServiceStatus {
+                load_balancer: Some(core::LoadBalancerStatus::default()),
+                conditions: vec![],
+            }),
+        }
+    }
+
+    #[test]
+    fn service_bodies_decode_to_the_json_form() {
+        let body = wire("v1", "Service", service().encode_to_vec());
+        assert_eq!(
+            decode(SERVICES, &body).unwrap(),
+            json!({
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {
+                    "name": "web",
+                    "labels": {"app": "web"},
+                    "creationTimestamp": "1970-01-01T00:00:00Z"
+                },
+                "spec": {
+                    "ports": [
+                        {"name": "80-8080", "protocol": "TCP", "port": 80, "targetPort": 8080},
+                        {"protocol": "UDP", "port": 53, "targetPort": "dns"}
+                    ],
+                    "selector": {"app": "web"},
+                    "type": "LoadBalancer",
+                    "loadBalancerSourceRanges": ["192.0.2.0/24"],
+                    "allocateLoadBalancerNodePorts": false
+                },
+                "status": {"loadBalancer": {}}
+            })
+        );
+    }
+
+    #[test]
+    fn namespace_bodies_decode_to_the_json_form() {
+        let namespace = core::Namespace {
+            metadata: Some(meta::ObjectMeta {
+                name: Some("team-a".into()),
+                ..Default::default()
+            }),
+            spec: Some(core::NamespaceSpec::default()),
+            status: Some(core::NamespaceStatus::default()),
+        };
+        let body = wire("v1", "Namespace", namespace.encode_to_vec());
+        assert_eq!(
+            decode(NAMESPACES, &body).unwrap(),
+            json!({
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": "team-a"},
+                "spec": {},
+                "status": {}
+            })
+        );
+    }
+
+    #[test]
+    fn bad_bodies_are_errors() {
+        let raw = service().encode_to_vec();
+        assert!(matches!(decode(SERVICES, &raw), Err(DecodeError::Magic)));
+        assert!(matches!(
+            decode(SERVICES, b"k8s\0\xff\xff"),
+            Err(DecodeError::Envelope(_))
+        ));
+        assert!(matches!(
+            decode(NAMESPACES, &wire("v1", "Service", raw.clone())),
+            Err(DecodeError::KindMismatch { .. })
+        ));
+        assert!(matches!(
+            decode(NODES, &wire("v1", "Node", raw.clone())),
+            Err(DecodeError::UnsupportedKind(kind)) if kind == "Node"
+        ));
+        assert!(matches!(
+            decode(SERVICES, &wire("v1", "Service", vec![0xff, 0xff])),
+            Err(DecodeError::Object { .. })
+        ));
+    }
+
+    #[test]
+    fn content_types_are_recognised() {
+        assert!(is_protobuf("application/vnd.kubernetes.protobuf"));
+        assert!(is_protobuf(
+            "application/vnd.kubernetes.protobuf; charset=x"
+        ));
+        assert!(!is_protobuf("application/json"));
+        assert!(!is_protobuf("application/cbor"));
+    }
+}
