@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     tandem_common::init_logging(args.log_format);
-    let client = runtime::kube_client(args.kubeconfig.as_deref()).await?;
+    let client = tandem_common::kube_client(args.kubeconfig.as_deref()).await?;
     let token = runtime::read_token(&args.cloud_token_file).await?;
     let cancel = CancellationToken::new();
     tandem_common::cancel_on_shutdown_signal(cancel.clone());

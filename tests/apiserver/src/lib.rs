@@ -66,7 +66,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::config::Kubeconfig;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -89,10 +89,8 @@ pub enum Error {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
-    #[error("configuring a kube client: {0}")]
-    ClientConfig(#[from] kube::config::KubeconfigError),
-    #[error("building a kube client: {0}")]
-    Client(#[from] kube::Error),
+    #[error(transparent)]
+    Client(#[from] tandem_common::KubeClientError),
     #[error("store: {0}")]
     Store(#[from] ApiError),
     #[error("serving HTTP: {0}")]
@@ -258,10 +256,7 @@ impl RunningServer {
 
     /// A kube client for this server, built from its kubeconfig.
     pub async fn client(&self) -> Result<kube::Client, Error> {
-        let config =
-            kube::Config::from_custom_kubeconfig(self.kubeconfig()?, &KubeConfigOptions::default())
-                .await?;
-        Ok(kube::Client::try_from(config)?)
+        Ok(tandem_common::client_from_kubeconfig(self.kubeconfig()?).await?)
     }
 
     /// Drops all watch history and ends open watches: clients resuming from an older
