@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, DeleteParams, PostParams};
+use tandem_common::NODE_HEALTHZ_PORT;
 use tandem_netlab::cluster::{Endpoint, EndpointSliceWriter, LabNode, NodeAgent, NodeAgentConfig};
-use tandem_netlab::{Host, Netns, Node, Topology};
+use tandem_netlab::{Host, Netns, Node, PodNetwork, Topology};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::binaries;
@@ -19,9 +20,6 @@ use crate::scenario::{ServicePlan, Spread};
 
 const API_PORT: u16 = 6443;
 const CLOUD_PORT: u16 = 8080;
-/// The node proxy's health port, which the cloud health-checks (as kube-proxy's 10256).
-pub const NODE_HEALTH_PORT: u16 = 10256;
-pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
 pub const VIP_POOL: &str = "198.51.100.0/24";
 
 #[derive(Debug, Clone)]
@@ -33,6 +31,8 @@ pub struct LabOptions {
     pub run_dir: Option<PathBuf>,
     /// Run against this real API server (its kubeconfig) instead of the stand-in.
     pub api_server: Option<PathBuf>,
+    /// The cluster's pod CIDR; node N's pods get its N-th /24.
+    pub pod_network: PodNetwork,
 }
 
 impl Default for LabOptions {
@@ -43,6 +43,7 @@ impl Default for LabOptions {
             cluster_id: "lab".to_owned(),
             run_dir: None,
             api_server: None,
+            pod_network: PodNetwork::DEFAULT,
         }
     }
 }
@@ -89,6 +90,7 @@ impl Lab {
         let topology = Topology::builder()
             .nodes(options.nodes)
             .pods_per_node(&options.pods_per_node)
+            .pod_network(options.pod_network)
             // The lab handles SIGINT/SIGTERM itself: it must stop its processes before the
             // namespaces go, and the topology's own handler would exit without them.
             .handle_signals(false)
@@ -202,8 +204,8 @@ impl Lab {
                 &[
                     format!("--kubeconfig={}", kubeconfig.display()),
                     format!("--node-name={}", node.name),
-                    format!("--cluster-cidr={CLUSTER_CIDR}"),
-                    format!("--healthz-bind-address=0.0.0.0:{NODE_HEALTH_PORT}"),
+                    format!("--cluster-cidr={}", topology.pod_network()),
+                    format!("--healthz-bind-address=0.0.0.0:{NODE_HEALTHZ_PORT}"),
                     "--metrics-bind-address=127.0.0.1:10249".to_owned(),
                     "--min-sync-period=200ms".to_owned(),
                 ],
@@ -212,7 +214,7 @@ impl Lab {
             )?;
             proxy
                 .wait_serving(
-                    SocketAddr::from((node.ip, NODE_HEALTH_PORT)),
+                    SocketAddr::from((node.ip, NODE_HEALTHZ_PORT)),
                     Duration::from_secs(20),
                 )
                 .await?;
@@ -434,7 +436,7 @@ impl Lab {
                 "trace".to_owned(),
                 format!("--kubeconfig={}", self.kubeconfig.display()),
                 format!("--node-name={}", node.name),
-                format!("--cluster-cidr={CLUSTER_CIDR}"),
+                format!("--cluster-cidr={}", self.topology.pod_network()),
                 format!("--src={src}"),
                 format!("--dst={dst}"),
                 format!("--dport={dport}"),
@@ -553,13 +555,7 @@ pub fn sum_packet_counters(listing: &str, chain: &str) -> u64 {
 }
 
 pub async fn kube_client(kubeconfig: &Path) -> Result<kube::Client> {
-    let kc = kube::config::Kubeconfig::read_from(kubeconfig)
-        .with_context(|| format!("reading kubeconfig {}", kubeconfig.display()))?;
-    let config =
-        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-            .await
-            .context("loading kubeconfig")?;
-    Ok(kube::Client::try_from(config)?)
+    Ok(tandem_common::kube_client(Some(kubeconfig)).await?)
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use tandem_lab::lab::{Lab, LabOptions};
 use tandem_lab::report;
 use tandem_lab::scenario::{LbMode, ServicePlan};
-use tandem_netlab::Node;
+use tandem_netlab::{Node, PodNetwork};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -31,6 +31,12 @@ struct Cli {
     /// relayed into the lab, the lab registers its Nodes there and removes what it wrote.
     #[arg(long, global = true, env = "TANDEM_LAB_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
+    /// The cluster's pod CIDR: node N's pods get its N-th /24, and the Nodes are registered
+    /// with that podCIDR. With --kubeconfig it must lie inside the API server's cluster CIDR
+    /// (kube-controller-manager's --cluster-cidr): its node-IPAM controller refuses Nodes
+    /// whose podCIDR is outside it. A /16 or wider.
+    #[arg(long, global = true, env = "TANDEM_LAB_POD_CIDR", default_value_t = PodNetwork::DEFAULT)]
+    pod_cidr: PodNetwork,
 }
 
 #[derive(Subcommand, Debug)]
@@ -106,6 +112,7 @@ fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) 
         nodes: cli.nodes,
         pods_per_node: pods_per_node(cli.nodes),
         api_server: cli.kubeconfig.clone(),
+        pod_network: cli.pod_cidr,
         ..LabOptions::default()
     };
     progress("building the virtual cluster (network namespaces, bridges, veth pairs, pods)");
@@ -350,6 +357,7 @@ fn up(cli: &Cli) -> Result<()> {
     let out = std::fs::File::create(&log)?;
     let mut cmd = std::process::Command::new(exe);
     cmd.args(["serve", "--nodes", &cli.nodes.to_string()]);
+    cmd.arg("--pod-cidr").arg(cli.pod_cidr.to_string());
     if let Some(kubeconfig) = &cli.kubeconfig {
         cmd.arg("--kubeconfig").arg(kubeconfig);
     }
