@@ -62,6 +62,13 @@ impl Scratch {
     }
 }
 
+impl Scratch {
+    /// [`Scratch::run`] in `namespace`.
+    async fn run_in(&self, namespace: &str, args: &[&str]) -> String {
+        self.run(&[&["-n", namespace], args].concat()).await
+    }
+}
+
 impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -275,6 +282,11 @@ async fn kubectl_reports_invalid_services_and_reads_nodes() {
     server.shutdown().await.unwrap();
 }
 
+/// A command line split at spaces (none of these arguments contains one).
+fn words(line: &str) -> Vec<&str> {
+    line.split(' ').collect()
+}
+
 /// kubectl's imperative commands send protobuf bodies (typed clients); labels and
 /// annotations are patches; `--dry-run=server` leaves the store as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -284,52 +296,34 @@ async fn kubectl_imperative_commands_and_server_dry_run() {
     let client = server.client().await.unwrap();
     let services: Api<Service> = Api::namespaced(client.clone(), "team-a");
     let namespaces: Api<Namespace> = Api::all(client);
+    let ns = "team-a";
 
-    let ns = ["-n", "team-a"];
-    let out = scratch.run(&["create", "namespace", "team-a"]).await;
-    assert_eq!(out.trim(), "namespace/team-a created");
-    let commands: [&[&str]; 4] = [
-        &["create", "service", "clusterip", "db", "--tcp=5432:5432"],
-        &[
-            "create",
-            "service",
-            "nodeport",
-            "np",
-            "--tcp=80:8080",
-            "--node-port=30080",
-        ],
-        &["create", "service", "loadbalancer", "web", "--tcp=80:8080"],
-        &[
-            "create",
-            "service",
-            "externalname",
-            "ext",
-            "--external-name=db.example.com",
-        ],
+    let created = [
+        ("create namespace team-a", "namespace/team-a created"),
+        (
+            "-n team-a create service clusterip db --tcp=5432:5432",
+            "service/db created",
+        ),
+        (
+            "-n team-a create service nodeport np --tcp=80:8080 --node-port=30080",
+            "service/np created",
+        ),
+        (
+            "-n team-a create service loadbalancer web --tcp=80:8080",
+            "service/web created",
+        ),
+        (
+            "-n team-a create service externalname ext --external-name=db.example.com",
+            "service/ext created",
+        ),
+        (
+            "-n team-a expose service web --name=web-udp --port=53 --protocol=UDP --target-port=5353 --type=LoadBalancer",
+            "service/web-udp exposed",
+        ),
     ];
-    for command in commands {
-        let out = scratch.run(&[&ns[..], command].concat()).await;
-        assert_eq!(out.trim(), format!("service/{} created", command[3]));
+    for (command, answer) in created {
+        assert_eq!(scratch.run(&words(command)).await.trim(), answer);
     }
-    let out = scratch
-        .run(
-            &[
-                &ns[..],
-                &[
-                    "expose",
-                    "service",
-                    "web",
-                    "--name=web-udp",
-                    "--port=53",
-                    "--protocol=UDP",
-                    "--target-port=5353",
-                    "--type=LoadBalancer",
-                ],
-            ]
-            .concat(),
-        )
-        .await;
-    assert_eq!(out.trim(), "service/web-udp exposed");
 
     let spec = |svc: Service| svc.spec.unwrap();
     let db = spec(services.get("db").await.unwrap());
@@ -363,12 +357,10 @@ async fn kubectl_imperative_commands_and_server_dry_run() {
     assert!(exposed_port.node_port.is_some());
     assert_eq!(exposed.selector.unwrap()["app"], "web");
 
-    let out = scratch
-        .run(&[&ns[..], &["label", "svc", "web", "tier=front"]].concat())
-        .await;
+    let out = scratch.run_in(ns, &words("label svc web tier=front")).await;
     assert_eq!(out.trim(), "service/web labeled");
     let out = scratch
-        .run(&[&ns[..], &["annotate", "svc", "web", "owner=team-a"]].concat())
+        .run_in(ns, &words("annotate svc web owner=team-a"))
         .await;
     assert_eq!(out.trim(), "service/web annotated");
     let web = services.get("web").await.unwrap();
@@ -380,52 +372,36 @@ async fn kubectl_imperative_commands_and_server_dry_run() {
     let version = web.metadata.resource_version.clone();
 
     // --dry-run=server: the answers of a real write, and nothing written.
-    let dry = ["--dry-run=server"];
-    let out = scratch
-        .run(
-            &[
-                &ns[..],
-                &[
-                    "create",
-                    "service",
-                    "nodeport",
-                    "dry",
-                    "--tcp=80:80",
-                    "--node-port=30082",
-                ],
-                &dry[..],
-            ]
-            .concat(),
-        )
-        .await;
-    assert_eq!(out.trim(), "service/dry created (server dry run)");
-    let out = scratch
-        .run(&[&["create", "namespace", "dry-ns"], &dry[..]].concat())
-        .await;
-    assert_eq!(out.trim(), "namespace/dry-ns created (server dry run)");
-    let out = scratch
-        .run(
-            &[
-                &ns[..],
-                &["label", "svc", "web", "tier=back", "--overwrite"],
-                &dry[..],
-            ]
-            .concat(),
-        )
-        .await;
-    assert_eq!(out.trim(), "service/web labeled (server dry run)");
-    let out = scratch
-        .run(&[&ns[..], &["delete", "svc", "web"], &dry[..]].concat())
-        .await;
-    assert_eq!(out.trim(), "service \"web\" deleted (server dry run)");
-    let out = scratch
-        .run(&[&["delete", "namespace", "team-a"], &dry[..]].concat())
-        .await;
-    assert_eq!(out.trim(), "namespace \"team-a\" deleted (server dry run)");
-    assert!(matches!(services.get("dry").await.unwrap_err(), kube::Error::Api(s) if s.code == 404));
-    assert!(
-        matches!(namespaces.get("dry-ns").await.unwrap_err(), kube::Error::Api(s) if s.code == 404)
-    );
+    let dry_runs = [
+        (
+            "-n team-a create service nodeport dry --tcp=80:80 --node-port=30082",
+            "service/dry created (server dry run)",
+        ),
+        (
+            "create namespace dry-ns",
+            "namespace/dry-ns created (server dry run)",
+        ),
+        (
+            "-n team-a label svc web tier=back --overwrite",
+            "service/web labeled (server dry run)",
+        ),
+        (
+            "-n team-a delete svc web",
+            "service \"web\" deleted (server dry run)",
+        ),
+        (
+            "delete namespace team-a",
+            "namespace \"team-a\" deleted (server dry run)",
+        ),
+    ];
+    for (command, answer) in dry_runs {
+        let mut args = words(command);
+        args.push("--dry-run=server");
+        assert_eq!(scratch.run(&args).await.trim(), answer);
+    }
+    let not_found = |e: kube::Error| matches!(e, kube::Error::Api(s) if s.code == 404);
+    assert!(not_found(services.get("dry").await.unwrap_err()));
+    assert!(not_found(namespaces.get("dry-ns").await.unwrap_err()));
     let web = services.get("web").await.unwrap();
     assert_eq!(web.metadata.labels.as_ref().unwrap()["tier"], "front");
     assert_eq!(web.metadata.resource_version, version);
@@ -433,19 +409,9 @@ async fn kubectl_imperative_commands_and_server_dry_run() {
     assert!(team.metadata.deletion_timestamp.is_none());
     // The dry-run create allocated nothing: the node port it took is free.
     let out = scratch
-        .run(
-            &[
-                &ns[..],
-                &[
-                    "create",
-                    "service",
-                    "nodeport",
-                    "np2",
-                    "--tcp=81:81",
-                    "--node-port=30082",
-                ],
-            ]
-            .concat(),
+        .run_in(
+            ns,
+            &words("create service nodeport np2 --tcp=81:81 --node-port=30082"),
         )
         .await;
     assert_eq!(out.trim(), "service/np2 created");
