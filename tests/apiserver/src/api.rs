@@ -215,52 +215,65 @@ fn selectors(query: &HashMap<String, String>) -> Result<Selectors, ApiError> {
     Ok(Selectors { labels, fields })
 }
 
-/// Whether a write is a dry run: `dryRun=All` in the query (or in DeleteOptions), the one
-/// value Kubernetes defines.
-fn dry_run<'a>(values: impl IntoIterator<Item = &'a str>) -> Result<bool, ApiError> {
-    let mut dry = false;
-    for value in values.into_iter().filter(|v| !v.is_empty()) {
-        if value != "All" {
-            return Err(ApiError::bad_request(format!(
-                "invalid dry run value {value:?}: the only supported value is \"All\""
-            )));
+/// Where a write goes: the live store, or for a dry run (`dryRun=All`) a scratch copy that
+/// runs the same checks, defaulting and allocation and is then dropped.
+struct Write<'a> {
+    app: &'a AppState,
+    store: Arc<Store>,
+    dry: bool,
+}
+
+impl<'a> Write<'a> {
+    /// `dryRun` values come from the query and, for deletes, from DeleteOptions; `All` is
+    /// the one value Kubernetes defines.
+    fn new<'v>(
+        app: &'a AppState,
+        query: &'v HashMap<String, String>,
+        more: impl IntoIterator<Item = &'v str>,
+    ) -> Result<Self, ApiError> {
+        let mut dry = false;
+        let values = query.get("dryRun").map(String::as_str).into_iter();
+        for value in values.chain(more).filter(|v| !v.is_empty()) {
+            if value != "All" {
+                return Err(ApiError::bad_request(format!(
+                    "invalid dry run value {value:?}: the only supported value is \"All\""
+                )));
+            }
+            dry = true;
         }
-        dry = true;
-    }
-    Ok(dry)
-}
-
-/// The store a write goes to: the live one, or for a dry run a scratch copy that runs the
-/// same checks, defaulting and allocation and is then dropped.
-fn write_store(app: &AppState, dry: bool) -> Result<Arc<Store>, ApiError> {
-    if dry {
-        Ok(Arc::new(app.store.scratch()?))
-    } else {
-        Ok(app.store.clone())
-    }
-}
-
-/// A dry run's answer carries the resourceVersion the live object has (none for an object
-/// that does not exist), as nothing was written.
-fn dry_run_answer(
-    app: &AppState,
-    rt: &ResourceType,
-    namespace: Option<&str>,
-    mut object: Value,
-) -> Value {
-    let name = object["metadata"]["name"].as_str().unwrap_or_default();
-    let live_version = app.store.get(rt, namespace, name).ok().and_then(|live| {
-        live["metadata"]["resourceVersion"]
-            .as_str()
-            .map(str::to_string)
-    });
-    if let Some(meta) = object["metadata"].as_object_mut() {
-        match live_version {
-            Some(version) => meta.insert("resourceVersion".into(), json!(version)),
-            None => meta.remove("resourceVersion"),
+        let store = if dry {
+            Arc::new(app.store.scratch()?)
+        } else {
+            app.store.clone()
         };
+        Ok(Self { app, store, dry })
     }
-    object
+
+    /// The object to answer with. A dry run's carries the resourceVersion the live object
+    /// has (none for an object that does not exist), as nothing was written.
+    fn answer(&self, rt: &ResourceType, namespace: Option<&str>, mut object: Value) -> Value {
+        if !self.dry {
+            return object;
+        }
+        let name = object["metadata"]["name"].as_str().unwrap_or_default();
+        let live_version = self
+            .app
+            .store
+            .get(rt, namespace, name)
+            .ok()
+            .and_then(|live| {
+                live["metadata"]["resourceVersion"]
+                    .as_str()
+                    .map(str::to_string)
+            });
+        if let Some(meta) = object["metadata"].as_object_mut() {
+            match live_version {
+                Some(version) => meta.insert("resourceVersion".into(), json!(version)),
+                None => meta.remove("resourceVersion"),
+            };
+        }
+        object
+    }
 }
 
 /// How objects are rendered, as the `Accept` header asks.
@@ -341,27 +354,27 @@ async fn route(
             }
         }
         (&Method::POST, Target::Collection { rt, namespace }) => {
-            let dry = dry_run(query.get("dryRun").map(String::as_str))?;
+            let write = Write::new(app, query, [])?;
             if rt.namespaced && namespace.is_none() {
                 return Err(ApiError::method_not_allowed("POST"));
             }
             let object = parse_object(rt, headers, &body)?;
-            let mut created = write_store(app, dry)?.create(rt, namespace.as_deref(), object)?;
-            if dry {
-                created = dry_run_answer(app, rt, namespace.as_deref(), created);
-            }
+            let created = write.store.create(rt, namespace.as_deref(), object)?;
+            let created = write.answer(rt, namespace.as_deref(), created);
             tracing::debug!(
                 resource = rt.plural,
                 name = created["metadata"]["name"].as_str(),
-                dry_run = dry,
+                dry_run = write.dry,
                 "created"
             );
             Ok(json_response(StatusCode::CREATED, &created))
         }
         (&Method::DELETE, Target::Collection { rt, namespace }) => {
-            let dry = dry_run(query.get("dryRun").map(String::as_str))?;
-            let store = write_store(app, dry)?;
-            let page = store.list(rt, namespace.as_deref(), &selectors(query)?, None, None)?;
+            let write = Write::new(app, query, [])?;
+            let page =
+                write
+                    .store
+                    .list(rt, namespace.as_deref(), &selectors(query)?, None, None)?;
             let mut deleted = Vec::new();
             for item in page.items {
                 let name = item["metadata"]["name"]
@@ -369,9 +382,11 @@ async fn route(
                     .unwrap_or_default()
                     .to_string();
                 let ns = item["metadata"]["namespace"].as_str().map(str::to_string);
-                match store.delete(rt, ns.as_deref(), &name, &Preconditions::default()) {
-                    Ok(obj) if dry => deleted.push(dry_run_answer(app, rt, ns.as_deref(), obj)),
-                    Ok(obj) => deleted.push(obj),
+                match write
+                    .store
+                    .delete(rt, ns.as_deref(), &name, &Preconditions::default())
+                {
+                    Ok(obj) => deleted.push(write.answer(rt, ns.as_deref(), obj)),
                     Err(e) if e.code == 404 => {}
                     Err(e) => return Err(e),
                 }
@@ -399,15 +414,12 @@ async fn route(
                 sub,
             },
         ) => {
-            let dry = dry_run(query.get("dryRun").map(String::as_str))?;
+            let write = Write::new(app, query, [])?;
             let object = parse_object(rt, headers, &body)?;
-            let updated =
-                write_store(app, dry)?.update(rt, namespace.as_deref(), &name, object, sub)?;
-            ok(if dry {
-                dry_run_answer(app, rt, namespace.as_deref(), updated)
-            } else {
-                updated
-            })
+            let updated = write
+                .store
+                .update(rt, namespace.as_deref(), &name, object, sub)?;
+            ok(write.answer(rt, namespace.as_deref(), updated))
         }
         (
             &Method::PATCH,
@@ -418,21 +430,15 @@ async fn route(
                 sub,
             },
         ) => {
-            let dry = dry_run(query.get("dryRun").map(String::as_str))?;
+            let write = Write::new(app, query, [])?;
             let content_type = header(headers, CONTENT_TYPE);
             let patch_type = PatchType::from_content_type(content_type)
                 .ok_or_else(|| ApiError::unsupported_media_type(content_type))?;
-            let (mut obj, created) = write_store(app, dry)?.patch(
-                rt,
-                namespace.as_deref(),
-                &name,
-                patch_type,
-                &body,
-                sub,
-            )?;
-            if dry {
-                obj = dry_run_answer(app, rt, namespace.as_deref(), obj);
-            }
+            let (obj, created) =
+                write
+                    .store
+                    .patch(rt, namespace.as_deref(), &name, patch_type, &body, sub)?;
+            let obj = write.answer(rt, namespace.as_deref(), obj);
             Ok(json_response(
                 if created {
                     StatusCode::CREATED
@@ -457,26 +463,17 @@ async fn route(
                 parse_json(headers, &body)?
             };
             let in_options = options["dryRun"].as_array().into_iter().flatten();
-            let dry = dry_run(
-                query
-                    .get("dryRun")
-                    .map(String::as_str)
-                    .into_iter()
-                    .chain(in_options.filter_map(Value::as_str)),
-            )?;
+            let write = Write::new(app, query, in_options.filter_map(Value::as_str))?;
             let preconditions = Preconditions {
                 uid: options["preconditions"]["uid"].as_str().map(str::to_string),
                 resource_version: options["preconditions"]["resourceVersion"]
                     .as_str()
                     .map(str::to_string),
             };
-            let deleted =
-                write_store(app, dry)?.delete(rt, namespace.as_deref(), &name, &preconditions)?;
-            ok(if dry {
-                dry_run_answer(app, rt, namespace.as_deref(), deleted)
-            } else {
-                deleted
-            })
+            let deleted = write
+                .store
+                .delete(rt, namespace.as_deref(), &name, &preconditions)?;
+            ok(write.answer(rt, namespace.as_deref(), deleted))
         }
         (method, _) => Err(ApiError::method_not_allowed(method.as_str())),
     }
