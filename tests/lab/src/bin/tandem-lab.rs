@@ -429,6 +429,10 @@ fn print_usage(state: &LabState) {
         "  ip netns exec {} kubectl --kubeconfig {kc} get svc,nodes",
         state.control_plane
     );
+    println!(
+        "  ip netns exec {} kubectl --kubeconfig {kc} create service loadbalancer mine --tcp=80:8080",
+        state.control_plane
+    );
     if let Some((_, vip)) = state.services.first() {
         println!("a request from the outside client (inside the source ranges):");
         let echo = tandem_lab::binaries::locate("tandem-echo")
