@@ -1,8 +1,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-//! docs/operations.md lists every flag of the controller and the node proxy as their
-//! `--help` prints it. This test renders those tables from the built binaries' `--help` and
-//! fails when the document differs, so a flag cannot be added, renamed or re-defaulted
-//! without the document following. `TANDEM_UPDATE_DOCS=1` rewrites the tables in place.
+//! The documents in docs/ stay true to the code:
+//!
+//! - docs/operations.md lists every flag of the controller and the node proxy as their
+//!   `--help` prints it. The tables are rendered from the built binaries' `--help`, and the
+//!   test fails when the document differs, so a flag cannot be added, renamed or
+//!   re-defaulted without the document following. `TANDEM_UPDATE_DOCS=1` rewrites them.
+//! - Every relative link of the documents that point into the code (architecture,
+//!   providers) names a file or folder that exists, so a moved module breaks a test, not
+//!   the reader's trust.
 //!
 //! Needs the binaries: `cargo build --workspace --bins`.
 
@@ -157,8 +162,41 @@ fn help_text(binary: &str, args: &[&str]) -> String {
     String::from_utf8(output.stdout).unwrap()
 }
 
-fn doc_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/operations.md")
+fn docs_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs")
+}
+
+/// The targets of the relative Markdown links `[text](target)` in `text`, without anchors.
+fn relative_links(text: &str) -> Vec<&str> {
+    text.split("](")
+        .skip(1)
+        .filter_map(|rest| rest.split(')').next())
+        .map(|target| target.split('#').next().unwrap_or(target))
+        .filter(|target| !target.is_empty() && !target.contains("://"))
+        .collect()
+}
+
+#[test]
+fn links_into_the_code_name_files_that_exist() {
+    for doc in ["architecture.md", "providers.md"] {
+        let text = std::fs::read_to_string(docs_dir().join(doc)).unwrap();
+        let links = relative_links(&text);
+        assert!(links.len() > 5, "{doc}: too few links found: {links:?}");
+        let missing: Vec<&str> = links
+            .into_iter()
+            .filter(|target| !docs_dir().join(target).exists())
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "docs/{doc} links to missing files: {missing:?}"
+        );
+    }
+}
+
+#[test]
+fn relative_links_are_found() {
+    let text = "see [a](../a.rs), [b](b.md#part), [web](https://x.io/y) and [c](c/)";
+    assert_eq!(relative_links(text), ["../a.rs", "b.md", "c/"]);
 }
 
 /// Replaces the text between the begin and end markers of `name` with `table`.
@@ -172,7 +210,7 @@ fn with_table(doc: &str, name: &str, table: &str) -> Option<String> {
 
 #[test]
 fn operations_doc_lists_every_flag_as_help_prints_it() {
-    let path = doc_path();
+    let path = docs_dir().join("operations.md");
     let original = std::fs::read_to_string(&path).unwrap();
     let mut expected = original.clone();
     for (name, binary, args) in COMMANDS {
@@ -191,7 +229,7 @@ fn operations_doc_lists_every_flag_as_help_prints_it() {
     assert!(
         original == expected,
         "docs/operations.md does not list the flags as --help prints them; \
-         run `TANDEM_UPDATE_DOCS=1 cargo test -p tandem-lab --test operations_doc` and review the diff"
+         run `TANDEM_UPDATE_DOCS=1 cargo test -p tandem-lab --test docs` and review the diff"
     );
 }
 
