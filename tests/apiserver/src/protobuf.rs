@@ -7,13 +7,16 @@
 //! object's own message. The messages come from `k8s-pb` (generated from the Kubernetes
 //! `.proto` files); this module only maps them to the JSON field names.
 //!
-//! Decoded kinds: Service and Namespace, the ones kubectl's imperative commands create.
-//! Other kinds answer 415, so their clients fall back to JSON or report it clearly.
+//! Decoded kinds: Service and Namespace (what kubectl's imperative commands create), Node
+//! and Lease (what a kubelet writes). Node fields that no Tandem component reads (images,
+//! volumes, runtime handlers, features, config) are not decoded. Other kinds answer 415,
+//! so their clients report it clearly instead of the server misreading them.
 //! Responses are always JSON: clients send `Accept: application/vnd.kubernetes.protobuf,
 //! application/json`.
 
 use std::collections::BTreeMap;
 
+use k8s_pb::api::coordination::v1 as coordination;
 use k8s_pb::api::core::v1 as core;
 use k8s_pb::apimachinery::pkg::apis::meta::v1 as meta;
 use k8s_pb::apimachinery::pkg::runtime::Unknown;
@@ -30,7 +33,7 @@ pub const MEDIA_TYPE: &str = "application/vnd.kubernetes.protobuf";
 const MAGIC: &[u8; 4] = b"k8s\0";
 
 /// The kinds whose protobuf bodies are decoded.
-pub const KINDS: [&str; 2] = ["Service", "Namespace"];
+pub const KINDS: [&str; 4] = ["Service", "Namespace", "Node", "Lease"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
@@ -100,6 +103,20 @@ pub fn decode(rt: &ResourceType, body: &[u8]) -> Result<Value, DecodeError> {
                 .object("status", namespace.status.map(namespace_status));
             (namespace.metadata, fields)
         }
+        "Node" => {
+            let node = core::Node::decode(raw.as_slice()).map_err(object_error)?;
+            let fields = Fields::new()
+                .object("spec", node.spec.map(node_spec))
+                .object("status", node.status.map(node_status));
+            (node.metadata, fields)
+        }
+        "Lease" => {
+            let lease = coordination::Lease::decode(raw.as_slice()).map_err(object_error)?;
+            (
+                lease.metadata,
+                Fields::new().object("spec", lease.spec.map(lease_spec)),
+            )
+        }
         _ => return Err(DecodeError::UnsupportedKind(kind)),
     };
     fields = fields.object("metadata", Some(object_meta(metadata.unwrap_or_default())));
@@ -165,6 +182,13 @@ impl Fields {
 fn time(time: meta::Time) -> Option<String> {
     let timestamp = jiff::Timestamp::from_second(time.seconds.unwrap_or_default()).ok()?;
     Some(timestamp.strftime("%Y-%m-%dT%H:%M:%SZ").to_string())
+}
+
+/// `metav1.MicroTime`: RFC 3339 with microseconds, as Leases carry it.
+fn micro_time(time: meta::MicroTime) -> Option<String> {
+    let nanos = time.nanos.unwrap_or_default();
+    let timestamp = jiff::Timestamp::new(time.seconds.unwrap_or_default(), nanos).ok()?;
+    Some(timestamp.strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string())
 }
 
 fn object_meta(m: meta::ObjectMeta) -> Value {
@@ -317,6 +341,105 @@ fn service_status(s: core::ServiceStatus) -> Value {
         .done()
 }
 
+fn node_spec(s: core::NodeSpec) -> Value {
+    let taints = s
+        .taints
+        .into_iter()
+        .map(|t| {
+            Fields::new()
+                .put("key", t.key)
+                .put("value", t.value)
+                .put("effect", t.effect)
+                .put_pointer("timeAdded", t.time_added.and_then(time))
+                .done()
+        })
+        .collect();
+    Fields::new()
+        .put("podCIDR", s.pod_cidr)
+        .strings("podCIDRs", s.pod_cid_rs)
+        .put("providerID", s.provider_id)
+        .put("unschedulable", s.unschedulable)
+        .items("taints", taints)
+        .done()
+}
+
+fn quantities(
+    map: BTreeMap<String, k8s_pb::apimachinery::pkg::api::resource::Quantity>,
+) -> BTreeMap<String, String> {
+    map.into_iter()
+        .filter_map(|(k, q)| Some((k, q.string?)))
+        .collect()
+}
+
+fn node_status(s: core::NodeStatus) -> Value {
+    let conditions = s
+        .conditions
+        .into_iter()
+        .map(|c| {
+            Fields::new()
+                .put("type", c.r#type)
+                .put("status", c.status)
+                .put("lastHeartbeatTime", c.last_heartbeat_time.and_then(time))
+                .put("lastTransitionTime", c.last_transition_time.and_then(time))
+                .put("reason", c.reason)
+                .put("message", c.message)
+                .done()
+        })
+        .collect();
+    let addresses = s
+        .addresses
+        .into_iter()
+        .map(|a| {
+            Fields::new()
+                .put("type", a.r#type)
+                .put("address", a.address)
+                .done()
+        })
+        .collect();
+    let endpoints = s.daemon_endpoints.map(|d| {
+        let kubelet = d
+            .kubelet_endpoint
+            .map(|e| Fields::new().put("Port", e.port).done());
+        Fields::new().object("kubeletEndpoint", kubelet).done()
+    });
+    let info = s.node_info.map(|i| {
+        Fields::new()
+            .put("machineID", i.machine_id)
+            .put("systemUUID", i.system_uuid)
+            .put("bootID", i.boot_id)
+            .put("kernelVersion", i.kernel_version)
+            .put("osImage", i.os_image)
+            .put("containerRuntimeVersion", i.container_runtime_version)
+            .put("kubeletVersion", i.kubelet_version)
+            .put("kubeProxyVersion", i.kube_proxy_version)
+            .put("operatingSystem", i.operating_system)
+            .put("architecture", i.architecture)
+            .done()
+    });
+    Fields::new()
+        .map("capacity", quantities(s.capacity))
+        .map("allocatable", quantities(s.allocatable))
+        .put("phase", s.phase)
+        .items("conditions", conditions)
+        .items("addresses", addresses)
+        .object("daemonEndpoints", endpoints)
+        .object("nodeInfo", info)
+        .done()
+}
+
+fn lease_spec(s: coordination::LeaseSpec) -> Value {
+    // Every field of LeaseSpec is a pointer in Go.
+    Fields::new()
+        .put_pointer("holderIdentity", s.holder_identity)
+        .put_pointer("leaseDurationSeconds", s.lease_duration_seconds)
+        .put_pointer("acquireTime", s.acquire_time.and_then(micro_time))
+        .put_pointer("renewTime", s.renew_time.and_then(micro_time))
+        .put_pointer("leaseTransitions", s.lease_transitions)
+        .put_pointer("strategy", s.strategy)
+        .put_pointer("preferredHolder", s.preferred_holder)
+        .done()
+}
+
 fn namespace_status(s: core::NamespaceStatus) -> Value {
     let conditions = s
         .conditions
@@ -343,7 +466,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::resources::{NAMESPACES, NODES, SERVICES};
+    use crate::resources::{EVENTS_V1, LEASES, NAMESPACES, NODES, SERVICES};
 
     /// A body as client-go's protobuf serializer writes it.
     fn wire(api_version: &str, kind: &str, raw: Vec<u8>) -> Vec<u8> {
@@ -464,6 +587,98 @@ mod tests {
     }
 
     #[test]
+    fn node_and_lease_bodies_decode_to_the_json_form() {
+        let node = core::Node {
+            metadata: Some(meta::ObjectMeta {
+                name: Some("node-1".into()),
+                ..Default::default()
+            }),
+            spec: Some(core::NodeSpec {
+                pod_cidr: Some("10.244.1.0/24".into()),
+                pod_cid_rs: vec!["10.244.1.0/24".into()],
+                unschedulable: Some(false),
+                taints: vec![core::Taint {
+                    key: Some("ToBeDeletedByClusterAutoscaler".into()),
+                    value: Some(String::new()),
+                    effect: Some("NoSchedule".into()),
+                    time_added: None,
+                }],
+                ..Default::default()
+            }),
+            status: Some(core::NodeStatus {
+                capacity: BTreeMap::from([(
+                    "cpu".into(),
+                    k8s_pb::apimachinery::pkg::api::resource::Quantity {
+                        string: Some("2".into()),
+                    },
+                )]),
+                conditions: vec![core::NodeCondition {
+                    r#type: Some("Ready".into()),
+                    status: Some("True".into()),
+                    ..Default::default()
+                }],
+                addresses: vec![core::NodeAddress {
+                    r#type: Some("InternalIP".into()),
+                    address: Some("198.18.0.11".into()),
+                }],
+                node_info: Some(core::NodeSystemInfo {
+                    kubelet_version: Some("v1.34.0".into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        };
+        let body = wire("v1", "Node", node.encode_to_vec());
+        assert_eq!(
+            decode(NODES, &body).unwrap(),
+            json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": "node-1"},
+                "spec": {
+                    "podCIDR": "10.244.1.0/24",
+                    "podCIDRs": ["10.244.1.0/24"],
+                    "taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]
+                },
+                "status": {
+                    "capacity": {"cpu": "2"},
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                    "addresses": [{"type": "InternalIP", "address": "198.18.0.11"}],
+                    "nodeInfo": {"kubeletVersion": "v1.34.0"}
+                }
+            })
+        );
+
+        let lease = coordination::Lease {
+            metadata: Some(meta::ObjectMeta {
+                name: Some("node-1".into()),
+                namespace: Some("kube-node-lease".into()),
+                ..Default::default()
+            }),
+            spec: Some(coordination::LeaseSpec {
+                holder_identity: Some("node-1".into()),
+                lease_duration_seconds: Some(40),
+                renew_time: Some(meta::MicroTime {
+                    seconds: Some(1),
+                    nanos: Some(500_000_000),
+                }),
+                lease_transitions: Some(0),
+                ..Default::default()
+            }),
+        };
+        let body = wire("coordination.k8s.io/v1", "Lease", lease.encode_to_vec());
+        assert_eq!(
+            decode(LEASES, &body).unwrap()["spec"],
+            json!({
+                "holderIdentity": "node-1",
+                "leaseDurationSeconds": 40,
+                "renewTime": "1970-01-01T00:00:01.500000Z",
+                "leaseTransitions": 0
+            })
+        );
+    }
+
+    #[test]
     fn bad_bodies_are_errors() {
         let raw = service().encode_to_vec();
         assert!(matches!(decode(SERVICES, &raw), Err(DecodeError::Magic)));
@@ -476,8 +691,8 @@ mod tests {
             Err(DecodeError::KindMismatch { .. })
         ));
         assert!(matches!(
-            decode(NODES, &wire("v1", "Node", raw.clone())),
-            Err(DecodeError::UnsupportedKind(kind)) if kind == "Node"
+            decode(EVENTS_V1, &wire("events.k8s.io/v1", "Event", raw.clone())),
+            Err(DecodeError::UnsupportedKind(kind)) if kind == "Event"
         ));
         assert!(matches!(
             decode(SERVICES, &wire("v1", "Service", vec![0xff, 0xff])),
