@@ -42,9 +42,9 @@
 //!
 //! # Limits
 //!
-//! Request bodies are JSON, or protobuf for Services, Namespaces, Nodes and Leases (what
-//! kubectl's imperative commands such as `kubectl create service` and a kubelet send; see
-//! [`protobuf`]); other protobuf kinds and CBOR get 415. `dryRun=All` works for
+//! Request bodies are JSON, or protobuf for every served kind (what client-go's typed
+//! clients send: kubectl's imperative commands such as `kubectl create service`, a
+//! kubelet; see [`protobuf`]); CBOR gets 415. `dryRun=All` works for
 //! create, update, patch and delete: the write runs against a scratch copy of the store.
 //! Server-side apply records no managedFields and never conflicts. State lives in memory
 //! only.

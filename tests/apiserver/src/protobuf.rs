@@ -7,10 +7,11 @@
 //! object's own message. The messages come from `k8s-pb` (generated from the Kubernetes
 //! `.proto` files); this module only maps them to the JSON field names.
 //!
-//! Decoded kinds: Service and Namespace (what kubectl's imperative commands create), Node
-//! and Lease (what a kubelet writes). Node fields that no Tandem component reads (images,
-//! volumes, runtime handlers, features, config) are not decoded. Other kinds answer 415,
-//! so their clients report it clearly instead of the server misreading them.
+//! Decoded: every kind the stand-in serves — Service and Namespace (what kubectl's
+//! imperative commands create), Node and Lease (what a kubelet writes), EndpointSlice and
+//! both Event versions (what controllers write). Node fields that no Tandem component reads
+//! (images, volumes, runtime handlers, features, config) and deprecated EndpointSlice
+//! topology are left out. Any other kind answers 415 rather than being misread.
 //! Responses are always JSON: clients send `Accept: application/vnd.kubernetes.protobuf,
 //! application/json`.
 
@@ -18,6 +19,8 @@ use std::collections::BTreeMap;
 
 use k8s_pb::api::coordination::v1 as coordination;
 use k8s_pb::api::core::v1 as core;
+use k8s_pb::api::discovery::v1 as discovery;
+use k8s_pb::api::events::v1 as events;
 use k8s_pb::apimachinery::pkg::apis::meta::v1 as meta;
 use k8s_pb::apimachinery::pkg::runtime::Unknown;
 use k8s_pb::apimachinery::pkg::util::intstr::IntOrString;
@@ -33,7 +36,14 @@ pub const MEDIA_TYPE: &str = "application/vnd.kubernetes.protobuf";
 const MAGIC: &[u8; 4] = b"k8s\0";
 
 /// The kinds whose protobuf bodies are decoded.
-pub const KINDS: [&str; 4] = ["Service", "Namespace", "Node", "Lease"];
+pub const KINDS: [&str; 6] = [
+    "Service",
+    "Namespace",
+    "Node",
+    "Lease",
+    "EndpointSlice",
+    "Event",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
@@ -83,15 +93,15 @@ pub fn decode(rt: &ResourceType, body: &[u8]) -> Result<Value, DecodeError> {
         kind: kind.clone(),
         source,
     };
-    let (metadata, mut fields) = match kind.as_str() {
-        "Service" => {
+    let (metadata, mut fields) = match (rt.group, kind.as_str()) {
+        (_, "Service") => {
             let service = core::Service::decode(raw.as_slice()).map_err(object_error)?;
             let fields = Fields::new()
                 .object("spec", service.spec.map(service_spec))
                 .object("status", service.status.map(service_status));
             (service.metadata, fields)
         }
-        "Namespace" => {
+        (_, "Namespace") => {
             let namespace = core::Namespace::decode(raw.as_slice()).map_err(object_error)?;
             let fields = Fields::new()
                 .object(
@@ -103,19 +113,110 @@ pub fn decode(rt: &ResourceType, body: &[u8]) -> Result<Value, DecodeError> {
                 .object("status", namespace.status.map(namespace_status));
             (namespace.metadata, fields)
         }
-        "Node" => {
+        (_, "Node") => {
             let node = core::Node::decode(raw.as_slice()).map_err(object_error)?;
             let fields = Fields::new()
                 .object("spec", node.spec.map(node_spec))
                 .object("status", node.status.map(node_status));
             (node.metadata, fields)
         }
-        "Lease" => {
+        (_, "Lease") => {
             let lease = coordination::Lease::decode(raw.as_slice()).map_err(object_error)?;
             (
                 lease.metadata,
                 Fields::new().object("spec", lease.spec.map(lease_spec)),
             )
+        }
+        (_, "EndpointSlice") => {
+            let slice = discovery::EndpointSlice::decode(raw.as_slice()).map_err(object_error)?;
+            let endpoints = slice.endpoints.into_iter().map(endpoint).collect();
+            let ports = slice
+                .ports
+                .into_iter()
+                .map(|p| {
+                    // Every field of EndpointPort is a pointer in Go.
+                    Fields::new()
+                        .put_pointer("name", p.name)
+                        .put_pointer("protocol", p.protocol)
+                        .put_pointer("port", p.port)
+                        .put_pointer("appProtocol", p.app_protocol)
+                        .done()
+                })
+                .collect();
+            let fields = Fields::new()
+                .put("addressType", slice.address_type)
+                .items("endpoints", endpoints)
+                .items("ports", ports);
+            (slice.metadata, fields)
+        }
+        ("", "Event") => {
+            let event = core::Event::decode(raw.as_slice()).map_err(object_error)?;
+            let source = event.source.map(|s| {
+                Fields::new()
+                    .put("component", s.component)
+                    .put("host", s.host)
+                    .done()
+            });
+            let fields = Fields::new()
+                .object(
+                    "involvedObject",
+                    event.involved_object.map(object_reference),
+                )
+                .put("reason", event.reason)
+                .put("message", event.message)
+                .object("source", source)
+                .put("firstTimestamp", event.first_timestamp.and_then(time))
+                .put("lastTimestamp", event.last_timestamp.and_then(time))
+                .put("count", event.count)
+                .put("type", event.r#type)
+                .put("eventTime", event.event_time.and_then(micro_time))
+                .object(
+                    "series",
+                    event
+                        .series
+                        .map(|s| event_series(s.count, s.last_observed_time)),
+                )
+                .put("action", event.action)
+                .object("related", event.related.map(object_reference))
+                .put("reportingComponent", event.reporting_component)
+                .put("reportingInstance", event.reporting_instance);
+            (event.metadata, fields)
+        }
+        ("events.k8s.io", "Event") => {
+            let event = events::Event::decode(raw.as_slice()).map_err(object_error)?;
+            let source = event.deprecated_source.map(|s| {
+                Fields::new()
+                    .put("component", s.component)
+                    .put("host", s.host)
+                    .done()
+            });
+            let fields = Fields::new()
+                .put("eventTime", event.event_time.and_then(micro_time))
+                .object(
+                    "series",
+                    event
+                        .series
+                        .map(|s| event_series(s.count, s.last_observed_time)),
+                )
+                .put("reportingController", event.reporting_controller)
+                .put("reportingInstance", event.reporting_instance)
+                .put("action", event.action)
+                .put("reason", event.reason)
+                .object("regarding", event.regarding.map(object_reference))
+                .object("related", event.related.map(object_reference))
+                .put("note", event.note)
+                .put("type", event.r#type)
+                .object("deprecatedSource", source)
+                .put(
+                    "deprecatedFirstTimestamp",
+                    event.deprecated_first_timestamp.and_then(time),
+                )
+                .put(
+                    "deprecatedLastTimestamp",
+                    event.deprecated_last_timestamp.and_then(time),
+                )
+                .put("deprecatedCount", event.deprecated_count);
+            (event.metadata, fields)
         }
         _ => return Err(DecodeError::UnsupportedKind(kind)),
     };
@@ -341,6 +442,64 @@ fn service_status(s: core::ServiceStatus) -> Value {
         .done()
 }
 
+fn object_reference(r: core::ObjectReference) -> Value {
+    Fields::new()
+        .put("kind", r.kind)
+        .put("namespace", r.namespace)
+        .put("name", r.name)
+        .put("uid", r.uid)
+        .put("apiVersion", r.api_version)
+        .put("resourceVersion", r.resource_version)
+        .put("fieldPath", r.field_path)
+        .done()
+}
+
+/// An `EventSeries` of either Event version (the same two fields in both).
+fn event_series(count: Option<i32>, last_observed: Option<meta::MicroTime>) -> Value {
+    Fields::new()
+        .put("count", count)
+        .put("lastObservedTime", last_observed.and_then(micro_time))
+        .done()
+}
+
+fn endpoint(e: discovery::Endpoint) -> Value {
+    // ready, serving and terminating are pointers in Go: unset is not false.
+    let conditions = e.conditions.map(|c| {
+        Fields::new()
+            .put_pointer("ready", c.ready)
+            .put_pointer("serving", c.serving)
+            .put_pointer("terminating", c.terminating)
+            .done()
+    });
+    let hints = e.hints.map(|h| {
+        let names = |names: Vec<Option<String>>| {
+            names
+                .into_iter()
+                .map(|name| Fields::new().put("name", name).done())
+                .collect()
+        };
+        Fields::new()
+            .items(
+                "forZones",
+                names(h.for_zones.into_iter().map(|z| z.name).collect()),
+            )
+            .items(
+                "forNodes",
+                names(h.for_nodes.into_iter().map(|n| n.name).collect()),
+            )
+            .done()
+    });
+    Fields::new()
+        .strings("addresses", e.addresses)
+        .object("conditions", conditions)
+        .put_pointer("hostname", e.hostname)
+        .object("targetRef", e.target_ref.map(object_reference))
+        .put_pointer("nodeName", e.node_name)
+        .put_pointer("zone", e.zone)
+        .object("hints", hints)
+        .done()
+}
+
 fn node_spec(s: core::NodeSpec) -> Value {
     let taints = s
         .taints
@@ -466,7 +625,9 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::resources::{EVENTS_V1, LEASES, NAMESPACES, NODES, SERVICES};
+    use crate::resources::{
+        ENDPOINT_SLICES, EVENTS, EVENTS_V1, LEASES, NAMESPACES, NODES, SERVICES,
+    };
 
     /// A body as client-go's protobuf serializer writes it.
     fn wire(api_version: &str, kind: &str, raw: Vec<u8>) -> Vec<u8> {
@@ -679,6 +840,96 @@ mod tests {
     }
 
     #[test]
+    fn endpoint_slice_and_event_bodies_decode_to_the_json_form() {
+        let slice = discovery::EndpointSlice {
+            metadata: Some(meta::ObjectMeta {
+                name: Some("web-1".into()),
+                ..Default::default()
+            }),
+            address_type: Some("IPv4".into()),
+            endpoints: vec![discovery::Endpoint {
+                addresses: vec!["10.244.1.2".into()],
+                conditions: Some(discovery::EndpointConditions {
+                    ready: Some(false),
+                    serving: Some(true),
+                    terminating: None,
+                }),
+                node_name: Some("node-1".into()),
+                ..Default::default()
+            }],
+            ports: vec![discovery::EndpointPort {
+                name: Some(String::new()),
+                protocol: Some("TCP".into()),
+                port: Some(8080),
+                app_protocol: None,
+            }],
+        };
+        let body = wire(
+            "discovery.k8s.io/v1",
+            "EndpointSlice",
+            slice.encode_to_vec(),
+        );
+        let decoded = decode(ENDPOINT_SLICES, &body).unwrap();
+        assert_eq!(decoded["addressType"], "IPv4");
+        assert_eq!(
+            decoded["endpoints"],
+            json!([{"addresses": ["10.244.1.2"], "conditions": {"ready": false, "serving": true}, "nodeName": "node-1"}])
+        );
+        assert_eq!(
+            decoded["ports"],
+            json!([{"name": "", "protocol": "TCP", "port": 8080}])
+        );
+
+        let regarding = core::ObjectReference {
+            kind: Some("Service".into()),
+            namespace: Some("default".into()),
+            name: Some("web".into()),
+            ..Default::default()
+        };
+        let core_event = core::Event {
+            metadata: Some(meta::ObjectMeta {
+                name: Some("web.1".into()),
+                ..Default::default()
+            }),
+            involved_object: Some(regarding.clone()),
+            reason: Some("EnsuredLoadBalancer".into()),
+            count: Some(1),
+            r#type: Some("Normal".into()),
+            ..Default::default()
+        };
+        let body = wire("v1", "Event", core_event.encode_to_vec());
+        let decoded = decode(EVENTS, &body).unwrap();
+        assert_eq!(
+            (
+                &decoded["involvedObject"]["name"],
+                &decoded["reason"],
+                &decoded["count"]
+            ),
+            (&json!("web"), &json!("EnsuredLoadBalancer"), &json!(1))
+        );
+        let event = events::Event {
+            metadata: core_event.metadata,
+            event_time: Some(meta::MicroTime {
+                seconds: Some(0),
+                nanos: Some(1000),
+            }),
+            regarding: Some(regarding),
+            reason: Some("EnsuredLoadBalancer".into()),
+            note: Some("Ensured load balancer".into()),
+            ..Default::default()
+        };
+        let body = wire("events.k8s.io/v1", "Event", event.encode_to_vec());
+        let decoded = decode(EVENTS_V1, &body).unwrap();
+        assert_eq!(decoded["eventTime"], "1970-01-01T00:00:00.000001Z");
+        assert_eq!(decoded["regarding"]["kind"], "Service");
+        assert_eq!(decoded["note"], "Ensured load balancer");
+        assert!(matches!(
+            decode(EVENTS_V1, &wire("v1", "Event", vec![])),
+            Err(DecodeError::KindMismatch { .. })
+        ));
+    }
+
+    #[test]
     fn bad_bodies_are_errors() {
         let raw = service().encode_to_vec();
         assert!(matches!(decode(SERVICES, &raw), Err(DecodeError::Magic)));
@@ -691,8 +942,8 @@ mod tests {
             Err(DecodeError::KindMismatch { .. })
         ));
         assert!(matches!(
-            decode(EVENTS_V1, &wire("events.k8s.io/v1", "Event", raw.clone())),
-            Err(DecodeError::UnsupportedKind(kind)) if kind == "Event"
+            decode(SERVICES, &wire("v1", "Pod", raw.clone())),
+            Err(DecodeError::KindMismatch { .. })
         ));
         assert!(matches!(
             decode(SERVICES, &wire("v1", "Service", vec![0xff, 0xff])),
