@@ -151,12 +151,7 @@ pub fn decode(rt: &ResourceType, body: &[u8]) -> Result<Value, DecodeError> {
         }
         ("", "Event") => {
             let event = core::Event::decode(raw.as_slice()).map_err(object_error)?;
-            let source = event.source.map(|s| {
-                Fields::new()
-                    .put("component", s.component)
-                    .put("host", s.host)
-                    .done()
-            });
+            let source = event.source.map(event_source);
             let fields = Fields::new()
                 .object(
                     "involvedObject",
@@ -184,12 +179,7 @@ pub fn decode(rt: &ResourceType, body: &[u8]) -> Result<Value, DecodeError> {
         }
         ("events.k8s.io", "Event") => {
             let event = events::Event::decode(raw.as_slice()).map_err(object_error)?;
-            let source = event.deprecated_source.map(|s| {
-                Fields::new()
-                    .put("component", s.component)
-                    .put("host", s.host)
-                    .done()
-            });
+            let source = event.deprecated_source.map(event_source);
             let fields = Fields::new()
                 .put("eventTime", event.event_time.and_then(micro_time))
                 .object(
@@ -451,6 +441,13 @@ fn object_reference(r: core::ObjectReference) -> Value {
         .put("apiVersion", r.api_version)
         .put("resourceVersion", r.resource_version)
         .put("fieldPath", r.field_path)
+        .done()
+}
+
+fn event_source(s: core::EventSource) -> Value {
+    Fields::new()
+        .put("component", s.component)
+        .put("host", s.host)
         .done()
 }
 
