@@ -3,6 +3,8 @@
 //! otherwise leaves no LB, finalizer, ingress or Lease behind.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+// Shared with e2e.rs, which uses the rest of it.
+#[allow(dead_code)]
 mod support;
 
 use std::process::Stdio;
