@@ -101,3 +101,19 @@ localhostProfile: {{ required "seccompProfile.localhostProfile is required when 
   value: {{ .Values.apiServer.port | quote }}
 {{- end }}
 {{- end }}
+
+{{/* The controller's cluster facts, shared by its Deployment and the uninstall hook. */}}
+{{- define "tandem.controllerArgs" -}}
+- --cloud-url={{ include "tandem.cloudURL" . }}
+- --cloud-token-file=/etc/tandem/cloud/{{ include "tandem.cloudSecretKey" . }}
+- --cluster-id={{ .Values.clusterId }}
+{{- with .Values.loadBalancerClass }}
+- --load-balancer-class={{ . }}
+{{- end }}
+{{- if .Values.controller.leaderElection }}
+- --leader-elect
+- --leader-elect-namespace={{ .Release.Namespace }}
+- --leader-elect-lease-name={{ include "tandem.componentName" (dict "root" . "component" "controller") }}
+{{- end }}
+- --log-format={{ .Values.log.format }}
+{{- end }}

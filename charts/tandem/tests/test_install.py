@@ -209,3 +209,28 @@ def test_api_server_address_reaches_nodeproxy_and_controller():
     objects, _ = render()
     for kind, suffix in WORKLOADS[:2]:
         assert "KUBERNETES_SERVICE_HOST" not in env_of(container(objects, kind, suffix))
+
+
+# 6. helm uninstall: a pre-delete hook releases what the controller leaves behind.
+
+def test_uninstall_hook_runs_release_load_balancers_as_the_controller():
+    from test_chart import accepted_by_parser, binary
+
+    objects, _ = render()
+    job = find(objects, "Job", "-release")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    spec = job["spec"]["template"]["spec"]
+    deployment = find(objects, "Deployment", "-controller")["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == deployment["serviceAccountName"]
+    args = spec["containers"][0]["args"]
+    assert "release-load-balancers" in args and "--release-in-use" not in args
+    ok, stderr = accepted_by_parser(binary("tandem-controller"), args)
+    assert ok, stderr
+    # The Lease it deletes: the controller's Role allows that, in the release namespace.
+    role = find(objects, "Role", "-leader-election")
+    assert any("leases" in r["resources"] and "delete" in r["verbs"] for r in role["rules"])
+
+    objects, _ = render({"uninstall": {"releaseInUse": True}})
+    assert "--release-in-use" in find(objects, "Job", "-release")["spec"]["template"]["spec"]["containers"][0]["args"]
+    objects, _ = render({"uninstall": {"releaseLoadBalancers": False}})
+    assert not [o for o in objects if o["kind"] == "Job"]
