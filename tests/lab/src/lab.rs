@@ -14,6 +14,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use crate::binaries;
 use crate::bridge::RelayThread;
 use crate::components::Component;
+use crate::images::{ContainerRun, Images};
 use crate::netns;
 use crate::scenario::{ServicePlan, Spread};
 
@@ -33,6 +34,9 @@ pub struct LabOptions {
     pub run_dir: Option<PathBuf>,
     /// Run against this real API server (its kubeconfig) instead of the stand-in.
     pub api_server: Option<PathBuf>,
+    /// Run the mock cloud, the controller and the node proxies from these container images
+    /// instead of the binaries next to the lab's.
+    pub images: Option<Images>,
 }
 
 impl Default for LabOptions {
@@ -43,6 +47,7 @@ impl Default for LabOptions {
             cluster_id: "lab".to_owned(),
             run_dir: None,
             api_server: None,
+            images: None,
         }
     }
 }
@@ -165,13 +170,27 @@ impl Lab {
         let cloud_url = format!("http://{cloud_addr}");
         let token_file = run_dir.join("cloud-token");
         std::fs::write(&token_file, &token).context("writing the cloud token file")?;
-        let mut cloud = Component::start(
+        let cloud_data = run_dir.join("cloud");
+        if let Some(images) = &options.images {
+            images.check_present(&["cloud-mock", "tandem-nodeproxy", "tandem-controller"])?;
+            // The image's non-root user writes the cloud's database.
+            images.hand_over("cloud-mock", &cloud_data)?;
+        }
+        let launcher = Launcher {
+            images: options.images.as_ref(),
+            prefix: topology.prefix(),
+            run_dir: &run_dir,
+            logs: &logs,
+        };
+        let mut cloud = launcher.start(
             &edge.netns,
             "cloud-mock",
-            &binaries::locate("cloud-mock")?,
+            "cloud-mock",
+            // VIP addresses and passthrough routes in the cloud edge.
+            &["NET_ADMIN", "NET_RAW"],
             &[
                 format!("--listen={cloud_addr}"),
-                format!("--data-dir={}", run_dir.join("cloud").display()),
+                format!("--data-dir={}", cloud_data.display()),
                 format!("--token={token}"),
                 format!("--vip-pool={VIP_POOL}"),
                 "--dataplane=proxy".to_owned(),
@@ -179,8 +198,6 @@ impl Lab {
                 format!("--vip-device={}", edge.vip_interface),
                 "--provisioning-delay=200ms".to_owned(),
             ],
-            &[],
-            &logs,
         )?;
         cloud
             .wait_serving(cloud_addr, Duration::from_secs(20))
@@ -195,10 +212,12 @@ impl Lab {
 
         progress("starting a node proxy on every node");
         for node in topology.nodes() {
-            let mut proxy = Component::start(
+            let mut proxy = launcher.start(
                 &node.netns,
                 &format!("nodeproxy-{}", node.name),
-                &binaries::locate("tandem-nodeproxy")?,
+                "tandem-nodeproxy",
+                // What the chart's DaemonSet grants: iptables and conntrack.
+                &["NET_ADMIN", "NET_RAW"],
                 &[
                     format!("--kubeconfig={}", kubeconfig.display()),
                     format!("--node-name={}", node.name),
@@ -207,8 +226,6 @@ impl Lab {
                     "--metrics-bind-address=127.0.0.1:10249".to_owned(),
                     "--min-sync-period=200ms".to_owned(),
                 ],
-                &[],
-                &logs,
             )?;
             proxy
                 .wait_serving(
@@ -238,14 +255,8 @@ impl Lab {
                 "--claim-unclassed=false".to_owned(),
             ]);
         }
-        let mut controller = Component::start(
-            &cp.netns,
-            "controller",
-            &binaries::locate("tandem-controller")?,
-            &args,
-            &[],
-            &logs,
-        )?;
+        let mut controller =
+            launcher.start(&cp.netns, "controller", "tandem-controller", &[], &args)?;
         controller
             .wait_serving(health, Duration::from_secs(20))
             .await?;
@@ -487,6 +498,50 @@ impl Drop for Lab {
         } else if let Err(e) = std::fs::remove_dir_all(&self.run_dir) {
             tracing::warn!(error = %e, dir = %self.run_dir.display(), "removing the lab's run directory");
         }
+    }
+}
+
+/// Starts Tandem's binaries: as processes in the lab's namespaces, or from their images.
+struct Launcher<'a> {
+    images: Option<&'a Images>,
+    prefix: &'a str,
+    run_dir: &'a Path,
+    logs: &'a Path,
+}
+
+impl Launcher<'_> {
+    /// Starts `binary args` in `netns` as `name`; a container gets `capabilities` (a
+    /// process runs as root with all of them).
+    fn start(
+        &self,
+        netns: &Netns,
+        name: &str,
+        binary: &str,
+        capabilities: &[&'static str],
+        args: &[String],
+    ) -> Result<Component> {
+        let component = match self.images {
+            None => Component::start(
+                netns,
+                name,
+                &binaries::locate(binary)?,
+                args,
+                &[],
+                self.logs,
+            )?,
+            Some(images) => {
+                let run = ContainerRun {
+                    name: format!("tandem-lab-{}-{name}", self.prefix),
+                    image: images.reference(binary),
+                    netns: netns.name().to_owned(),
+                    add_capabilities: capabilities.to_vec(),
+                    // Kubeconfig, cloud token and the cloud's data, at the same paths.
+                    mounts: vec![self.run_dir.to_owned()],
+                };
+                Component::start_container(&run, name, args, self.logs)?
+            }
+        };
+        Ok(component)
     }
 }
 

@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
+use tandem_lab::images::Images;
 use tandem_lab::lab::{Lab, LabOptions};
 use tandem_lab::report;
 use tandem_lab::scenario::{LbMode, ServicePlan};
@@ -31,6 +32,15 @@ struct Cli {
     /// relayed into the lab, the lab registers its Nodes there and removes what it wrote.
     #[arg(long, global = true, env = "TANDEM_LAB_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
+    /// Run the mock cloud, the controller and the node proxies as podman containers from
+    /// the images `scripts/images.sh` built, tagged REGISTRY/NAME:VERSION.
+    #[arg(
+        long,
+        global = true,
+        env = "TANDEM_LAB_IMAGES",
+        value_name = "REGISTRY"
+    )]
+    images: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -106,6 +116,7 @@ fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) 
         nodes: cli.nodes,
         pods_per_node: pods_per_node(cli.nodes),
         api_server: cli.kubeconfig.clone(),
+        images: cli.images.clone().map(Images::new),
         ..LabOptions::default()
     };
     progress("building the virtual cluster (network namespaces, bridges, veth pairs, pods)");
@@ -352,6 +363,9 @@ fn up(cli: &Cli) -> Result<()> {
     cmd.args(["serve", "--nodes", &cli.nodes.to_string()]);
     if let Some(kubeconfig) = &cli.kubeconfig {
         cmd.arg("--kubeconfig").arg(kubeconfig);
+    }
+    if let Some(registry) = &cli.images {
+        cmd.arg("--images").arg(registry);
     }
     cmd.stdin(std::process::Stdio::null())
         .stdout(out.try_clone()?)
