@@ -111,19 +111,23 @@ build_args=(
 
 if $offline; then
     # A Debian root filesystem from Debian's packages, cached under target/ by suite and
-    # package list, imported as the base image.
+    # options (package list included), imported as the base image.
     command -v mmdebstrap >/dev/null || die "--offline needs mmdebstrap (apt-get install mmdebstrap)"
-    key=$(echo "$DEBIAN_SUITE $BASE_PACKAGES" | sha256sum | cut -c1-12)
+    # Minimal: no Recommends (they pull in perl), no documentation or translations.
+    mmdebstrap_opts=(
+        --variant=minbase --include="$BASE_PACKAGES"
+        --aptopt='APT::Install-Recommends "false"'
+        --dpkgopt='path-exclude=/usr/share/man/*'
+        --dpkgopt='path-exclude=/usr/share/locale/*'
+        --dpkgopt='path-exclude=/usr/share/doc/*'
+        --dpkgopt='path-include=/usr/share/doc/*/copyright'
+        --dpkgopt='path-exclude=/usr/share/info/*'
+    )
+    key=$(echo "$DEBIAN_SUITE ${mmdebstrap_opts[*]}" | sha256sum | cut -c1-12)
     rootfs=target/images/debian-$DEBIAN_SUITE-$key.tar
     if [ ! -s "$rootfs" ]; then
         echo "=== Debian $DEBIAN_SUITE root filesystem ($rootfs)"
-        mmdebstrap --quiet --variant=minbase --include="$BASE_PACKAGES" \
-            --dpkgopt='path-exclude=/usr/share/man/*' \
-            --dpkgopt='path-exclude=/usr/share/locale/*' \
-            --dpkgopt='path-exclude=/usr/share/doc/*' \
-            --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-            --dpkgopt='path-exclude=/usr/share/info/*' \
-            "$DEBIAN_SUITE" "$rootfs.partial"
+        mmdebstrap --quiet --format=tar "${mmdebstrap_opts[@]}" "$DEBIAN_SUITE" "$rootfs.partial"
         mv "$rootfs.partial" "$rootfs"
     fi
     base=localhost/tandem-debian-base:$DEBIAN_SUITE-$key
