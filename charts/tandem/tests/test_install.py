@@ -230,6 +230,12 @@ def test_uninstall_hook_runs_release_load_balancers_as_the_controller():
     role = find(objects, "Role", "-leader-election")
     assert any("leases" in r["resources"] and "delete" in r["verbs"] for r in role["rules"])
 
+    # It reaches the bundled mock cloud through the mock's NetworkPolicy.
+    peers = find(objects, "NetworkPolicy", "-cloud-mock")["spec"]["ingress"][0]["from"]
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert any(p["podSelector"]["matchLabels"].items() <= pod_labels.items() for p in peers
+               if p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "release")
+
     objects, _ = render({"uninstall": {"releaseInUse": True}})
     assert "--release-in-use" in find(objects, "Job", "-release")["spec"]["template"]["spec"]["containers"][0]["args"]
     objects, _ = render({"uninstall": {"releaseLoadBalancers": False}})
