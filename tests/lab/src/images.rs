@@ -20,7 +20,7 @@ pub enum ImageError {
     Missing(String),
     #[error("image {image} runs as {user:?}, which is not uid[:gid]")]
     User { image: String, user: String },
-    #[error("creating {path}: {source}")]
+    #[error("writing {path}: {source}")]
     CreateDir {
         path: PathBuf,
         #[source]
@@ -116,9 +116,27 @@ fn parse_user(user: &str) -> Option<Option<(u32, u32)>> {
     Some((uid != 0).then_some((uid, gid)))
 }
 
+/// The engine configuration for the lab's containers (podman reads only this file when
+/// `CONTAINERS_CONF` names it). No default sysctls: runc refuses network sysctls in what
+/// it takes for the host's namespace, which the control-plane namespace is for the lab's
+/// own processes. No default ulimits: raising RLIMIT_NOFILE is not permitted here.
+const ENGINE_CONFIG: &str = "[containers]\ndefault_sysctls = []\ndefault_ulimits = []\n";
+
+/// Writes [`ENGINE_CONFIG`] into `dir`; returns its path for [`ContainerRun::config`].
+pub fn write_engine_config(dir: &Path) -> Result<PathBuf, ImageError> {
+    let path = dir.join("containers.conf");
+    std::fs::write(&path, ENGINE_CONFIG).map_err(|source| ImageError::CreateDir {
+        path: path.clone(),
+        source,
+    })?;
+    Ok(path)
+}
+
 /// One component's container.
 #[derive(Debug, Clone)]
 pub struct ContainerRun {
+    /// The engine configuration (see [`write_engine_config`]).
+    pub config: PathBuf,
     /// Unique per lab (the topology prefix is in it), so parallel labs never collide.
     pub name: String,
     pub image: String,
@@ -134,6 +152,7 @@ impl ContainerRun {
     /// when the container does.
     pub fn command(&self, args: &[String]) -> Command {
         let mut cmd = Command::new(ENGINE);
+        cmd.env("CONTAINERS_CONF", &self.config);
         cmd.args([
             "run",
             "--rm",
@@ -207,6 +226,7 @@ mod tests {
     #[test]
     fn run_command_joins_the_namespace_read_only() {
         let run = ContainerRun {
+            config: "/tmp/lab/containers.conf".into(),
             name: "tandem-lab-x-controller".into(),
             image: Images::new("example.test/t").reference("tandem-controller"),
             netns: "x-cp".into(),

@@ -176,8 +176,12 @@ impl Lab {
             // The image's non-root user writes the cloud's database.
             images.hand_over("cloud-mock", &cloud_data)?;
         }
+        let engine_config = match &options.images {
+            Some(_) => Some(crate::images::write_engine_config(&run_dir)?),
+            None => None,
+        };
         let launcher = Launcher {
-            images: options.images.as_ref(),
+            images: options.images.as_ref().zip(engine_config.as_deref()),
             prefix: topology.prefix(),
             run_dir: &run_dir,
             logs: &logs,
@@ -186,8 +190,9 @@ impl Lab {
             &edge.netns,
             "cloud-mock",
             "cloud-mock",
-            // VIP addresses and passthrough routes in the cloud edge.
-            &["NET_ADMIN", "NET_RAW"],
+            // VIP addresses and passthrough routes in the cloud edge; listeners on the LB
+            // ports (80) as its non-root user.
+            &["NET_ADMIN", "NET_RAW", "NET_BIND_SERVICE"],
             &[
                 format!("--listen={cloud_addr}"),
                 format!("--data-dir={}", cloud_data.display()),
@@ -503,7 +508,8 @@ impl Drop for Lab {
 
 /// Starts Tandem's binaries: as processes in the lab's namespaces, or from their images.
 struct Launcher<'a> {
-    images: Option<&'a Images>,
+    /// The images and the engine configuration, or `None` for processes.
+    images: Option<(&'a Images, &'a Path)>,
     prefix: &'a str,
     run_dir: &'a Path,
     logs: &'a Path,
@@ -529,8 +535,9 @@ impl Launcher<'_> {
                 &[],
                 self.logs,
             )?,
-            Some(images) => {
+            Some((images, config)) => {
                 let run = ContainerRun {
+                    config: config.to_owned(),
                     name: format!("tandem-lab-{}-{name}", self.prefix),
                     image: images.reference(binary),
                     netns: netns.name().to_owned(),
