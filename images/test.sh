@@ -73,8 +73,13 @@ has_ca_certificates() {
     [ "$out" -gt 100 ]
 }
 
+# Every front end the node proxy (or a person debugging) runs, started in the image. The
+# image has no shell: each runs as the entrypoint.
 has_tools() {
-    run "$1" --entrypoint /bin/sh -- -c "for t in $(echo $NODEPROXY_TOOLS); do command -v \$t || exit 1; done"
+    local tool
+    for tool in $NODEPROXY_TOOLS; do
+        run "$1" --entrypoint "/usr/sbin/$tool" -- --version || { echo "$tool does not run"; return 1; }
+    done
 }
 
 # The node proxy's own rules, installed and removed with iptables-nft-restore in the
@@ -84,6 +89,9 @@ cleans_up_with_nft() {
 }
 
 ip_runs() { run "$1" --entrypoint /usr/sbin/ip -- -brief address; }
+
+# What the image holds must not be a shell or a package manager: only what runs.
+has_no_shell() { ! run "$1" --entrypoint /bin/sh -- -c true; }
 
 for ref in "${refs[@]}"; do
     name=${ref##*/}
@@ -104,6 +112,7 @@ for ref in "${refs[@]}"; do
         check "$name: runs as a non-root user" runs_as_nonroot "$ref"
         check "$name: CA certificates" has_ca_certificates "$ref"
     fi
+    check "$name: no shell in the image" has_no_shell "$ref"
     case $name in
     tandem-nodeproxy)
         check "$name: iptables (nft, legacy), nft, conntrack" has_tools "$ref"

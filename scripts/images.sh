@@ -100,7 +100,7 @@ bin_dir=target/$TARGET_TRIPLE/release
 context=target/images/context
 rm -rf "$context"
 mkdir -p "$context/bin"
-cp images/Containerfile images/passwd images/group "$context/"
+cp images/Containerfile images/collect.sh images/passwd images/group "$context/"
 for name in "${NAMES[@]}"; do cp "$bin_dir/$name" "$context/bin/"; done
 
 build_args=(
@@ -113,9 +113,11 @@ if $offline; then
     # A Debian root filesystem from Debian's packages, cached under target/ by suite and
     # options (package list included), imported as the base image.
     command -v mmdebstrap >/dev/null || die "--offline needs mmdebstrap (apt-get install mmdebstrap)"
-    # Minimal: no Recommends (they pull in perl), no documentation or translations.
+    # Minimal: merged /usr through the tiny usr-is-merged (not usrmerge, which needs perl),
+    # no Recommends, no documentation or translations.
     mmdebstrap_opts=(
         --variant=minbase --include="$BASE_PACKAGES"
+        --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr
         --aptopt='APT::Install-Recommends "false"'
         --dpkgopt='path-exclude=/usr/share/man/*'
         --dpkgopt='path-exclude=/usr/share/locale/*'
@@ -127,7 +129,11 @@ if $offline; then
     rootfs=target/images/debian-$DEBIAN_SUITE-$key.tar
     if [ ! -s "$rootfs" ]; then
         echo "=== Debian $DEBIAN_SUITE root filesystem ($rootfs)"
-        mmdebstrap --quiet --format=tar "${mmdebstrap_opts[@]}" "$DEBIAN_SUITE" "$rootfs.partial"
+        if ! mmdebstrap --quiet --format=tar "${mmdebstrap_opts[@]}" "$DEBIAN_SUITE" \
+            "$rootfs.partial" >target/images/mmdebstrap.log 2>&1; then
+            tail -n 20 target/images/mmdebstrap.log >&2
+            die "mmdebstrap failed (log: target/images/mmdebstrap.log)"
+        fi
         mv "$rootfs.partial" "$rootfs"
     fi
     base=localhost/tandem-debian-base:$DEBIAN_SUITE-$key
