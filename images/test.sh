@@ -108,9 +108,9 @@ for ref in "${refs[@]}"; do
     check "$name: OCI labels (source, version, revision, licenses)" has_labels "$ref"
     check "$name: --version in the image" prints_version "$ref"
     check "$name: --help in the image" run "$ref" -- --help
+    check "$name: CA certificates" has_ca_certificates "$ref"
     if [[ " ${NONROOT[*]} " == *" $name "* ]]; then
         check "$name: runs as a non-root user" runs_as_nonroot "$ref"
-        check "$name: CA certificates" has_ca_certificates "$ref"
     fi
     check "$name: no shell in the image" has_no_shell "$ref"
     case $name in
