@@ -139,7 +139,7 @@ if $offline; then
     base=localhost/tandem-debian-base:$DEBIAN_SUITE-$key
     case $engine in
     docker) docker import "$rootfs" "$base" >/dev/null ;;
-    podman) podman import "$rootfs" "$base" >/dev/null ;;
+    podman) podman import --quiet "$rootfs" "$base" >/dev/null ;;
     buildah)
         container=$(buildah from scratch)
         buildah add --quiet "$container" "$rootfs" / >/dev/null
