@@ -162,7 +162,7 @@ build() {
 image_size() {
     case $engine in
     # buildah shares podman's image store but reports no size of its own.
-    buildah) buildah images --noheading --format '{{.Size}}' "$1" ;;
+    buildah) buildah images --noheading --format '{{.Size}}' "$1" | head -1 ;;
     *) "$engine" image inspect --format '{{.Size}}' "$1" ;;
     esac
 }
