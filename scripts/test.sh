@@ -55,7 +55,18 @@ image_registry() {
     ref=$(scripts/images.sh --print-names | head -1)
     echo "${ref%/*}"
 }
-step "container images: build" bash scripts/images.sh --offline
+build_images() {
+    local tool missing=()
+    for tool in podman runc mmdebstrap; do
+        command -v "$tool" >/dev/null || missing+=("$tool")
+    done
+    if [ ${#missing[@]} -ne 0 ]; then
+        echo "missing ${missing[*]}: run .ci/run once (it installs podman, buildah, runc and mmdebstrap and sets podman's default_ulimits)" >&2
+        return 1
+    fi
+    bash scripts/images.sh --offline
+}
+step "container images: build" build_images
 step "container images: checks" bash images/test.sh
 step "container images: lab end to end" env TANDEM_E2E_IMAGES="$(image_registry)" \
     cargo test -p tandem-lab --locked --test e2e -- \
