@@ -16,6 +16,7 @@ pub mod predicate;
 pub mod provider;
 pub mod ratelimit;
 pub mod reconcile;
+pub mod release;
 pub mod runtime;
 pub mod spec;
 pub mod status;

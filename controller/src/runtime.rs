@@ -21,7 +21,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
+use crate::metrics::{CloudMetrics, Metrics};
 use crate::mockcloud::MockCloudProvider;
 use crate::predicate::reensure_fingerprint;
 use crate::provider::{ClusterId, LoadBalancerProvider};
@@ -93,6 +93,21 @@ pub struct Settings {
     pub identity: String,
 }
 
+/// The cloud provider the settings name, with the shared rate limit and its metrics.
+pub fn cloud_provider(
+    settings: &Settings,
+    metrics: CloudMetrics,
+) -> Result<MockCloudProvider, RuntimeError> {
+    let sdk_client = cloud_mock_sdk::Client::new(
+        &settings.cloud_url,
+        settings.cloud_token.clone(),
+        MockCloudProvider::client_options(settings.cloud_timeout),
+    )
+    .map_err(RuntimeError::Cloud)?;
+    let bucket = SharedTokenBucket::new(settings.cloud_rate_per_second, settings.cloud_burst);
+    Ok(MockCloudProvider::new(sdk_client, bucket, metrics))
+}
+
 /// Runs until `cancel` (clean shutdown, `Ok`) or until leadership is lost or the lease task
 /// dies (`Err`: the process should exit so a fresh replica takes over).
 pub async fn run(
@@ -117,14 +132,7 @@ pub async fn run(
         server_tasks.push(task);
     }
 
-    let sdk_client = cloud_mock_sdk::Client::new(
-        &settings.cloud_url,
-        settings.cloud_token.clone(),
-        MockCloudProvider::client_options(settings.cloud_timeout),
-    )
-    .map_err(RuntimeError::Cloud)?;
-    let bucket = SharedTokenBucket::new(settings.cloud_rate_per_second, settings.cloud_burst);
-    let provider = MockCloudProvider::new(sdk_client, bucket, metrics.cloud.clone());
+    let provider = cloud_provider(&settings, metrics.cloud.clone())?;
 
     let result = match &settings.leader_election {
         None => {

@@ -15,6 +15,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use crate::binaries;
 use crate::bridge::RelayThread;
 use crate::components::Component;
+use crate::images::{ContainerRun, Images};
 use crate::netns;
 use crate::scenario::{ServicePlan, Spread};
 
@@ -33,6 +34,9 @@ pub struct LabOptions {
     pub api_server: Option<PathBuf>,
     /// The cluster's pod CIDR; node N's pods get its N-th /24.
     pub pod_network: PodNetwork,
+    /// Run the mock cloud, the controller and the node proxies from these container images
+    /// instead of the binaries next to the lab's.
+    pub images: Option<Images>,
 }
 
 impl Default for LabOptions {
@@ -44,6 +48,7 @@ impl Default for LabOptions {
             run_dir: None,
             api_server: None,
             pod_network: PodNetwork::DEFAULT,
+            images: None,
         }
     }
 }
@@ -167,13 +172,32 @@ impl Lab {
         let cloud_url = format!("http://{cloud_addr}");
         let token_file = run_dir.join("cloud-token");
         std::fs::write(&token_file, &token).context("writing the cloud token file")?;
-        let mut cloud = Component::start(
+        let cloud_data = run_dir.join("cloud");
+        if let Some(images) = &options.images {
+            images.check_present(&["cloud-mock", "tandem-nodeproxy", "tandem-controller"])?;
+            // The image's non-root user writes the cloud's database.
+            images.hand_over("cloud-mock", &cloud_data)?;
+        }
+        let engine_config = match &options.images {
+            Some(_) => Some(crate::images::write_engine_config(&run_dir)?),
+            None => None,
+        };
+        let launcher = Launcher {
+            images: options.images.as_ref().zip(engine_config.as_deref()),
+            prefix: topology.prefix(),
+            run_dir: &run_dir,
+            logs: &logs,
+        };
+        let mut cloud = launcher.start(
             &edge.netns,
             "cloud-mock",
-            &binaries::locate("cloud-mock")?,
+            "cloud-mock",
+            // VIP addresses and passthrough routes in the cloud edge; listeners on the LB
+            // ports (80) as its non-root user.
+            &["NET_ADMIN", "NET_RAW", "NET_BIND_SERVICE"],
             &[
                 format!("--listen={cloud_addr}"),
-                format!("--data-dir={}", run_dir.join("cloud").display()),
+                format!("--data-dir={}", cloud_data.display()),
                 format!("--token={token}"),
                 format!("--vip-pool={VIP_POOL}"),
                 "--dataplane=proxy".to_owned(),
@@ -181,8 +205,6 @@ impl Lab {
                 format!("--vip-device={}", edge.vip_interface),
                 "--provisioning-delay=200ms".to_owned(),
             ],
-            &[],
-            &logs,
         )?;
         cloud
             .wait_serving(cloud_addr, Duration::from_secs(20))
@@ -197,10 +219,12 @@ impl Lab {
 
         progress("starting a node proxy on every node");
         for node in topology.nodes() {
-            let mut proxy = Component::start(
+            let mut proxy = launcher.start(
                 &node.netns,
                 &format!("nodeproxy-{}", node.name),
-                &binaries::locate("tandem-nodeproxy")?,
+                "tandem-nodeproxy",
+                // What the chart's DaemonSet grants: iptables and conntrack.
+                &["NET_ADMIN", "NET_RAW"],
                 &[
                     format!("--kubeconfig={}", kubeconfig.display()),
                     format!("--node-name={}", node.name),
@@ -209,8 +233,6 @@ impl Lab {
                     "--metrics-bind-address=127.0.0.1:10249".to_owned(),
                     "--min-sync-period=200ms".to_owned(),
                 ],
-                &[],
-                &logs,
             )?;
             proxy
                 .wait_serving(
@@ -240,14 +262,8 @@ impl Lab {
                 "--claim-unclassed=false".to_owned(),
             ]);
         }
-        let mut controller = Component::start(
-            &cp.netns,
-            "controller",
-            &binaries::locate("tandem-controller")?,
-            &args,
-            &[],
-            &logs,
-        )?;
+        let mut controller =
+            launcher.start(&cp.netns, "controller", "tandem-controller", &[], &args)?;
         controller
             .wait_serving(health, Duration::from_secs(20))
             .await?;
@@ -489,6 +505,52 @@ impl Drop for Lab {
         } else if let Err(e) = std::fs::remove_dir_all(&self.run_dir) {
             tracing::warn!(error = %e, dir = %self.run_dir.display(), "removing the lab's run directory");
         }
+    }
+}
+
+/// Starts Tandem's binaries: as processes in the lab's namespaces, or from their images.
+struct Launcher<'a> {
+    /// The images and the engine configuration, or `None` for processes.
+    images: Option<(&'a Images, &'a Path)>,
+    prefix: &'a str,
+    run_dir: &'a Path,
+    logs: &'a Path,
+}
+
+impl Launcher<'_> {
+    /// Starts `binary args` in `netns` as `name`; a container gets `capabilities` (a
+    /// process runs as root with all of them).
+    fn start(
+        &self,
+        netns: &Netns,
+        name: &str,
+        binary: &str,
+        capabilities: &[&'static str],
+        args: &[String],
+    ) -> Result<Component> {
+        let component = match self.images {
+            None => Component::start(
+                netns,
+                name,
+                &binaries::locate(binary)?,
+                args,
+                &[],
+                self.logs,
+            )?,
+            Some((images, config)) => {
+                let run = ContainerRun {
+                    config: config.to_owned(),
+                    name: format!("tandem-lab-{}-{name}", self.prefix),
+                    image: images.reference(binary),
+                    netns: netns.name().to_owned(),
+                    add_capabilities: capabilities.to_vec(),
+                    // Kubeconfig, cloud token and the cloud's data, at the same paths.
+                    mounts: vec![self.run_dir.to_owned()],
+                };
+                Component::start_container(&run, name, args, self.logs)?
+            }
+        };
+        Ok(component)
     }
 }
 

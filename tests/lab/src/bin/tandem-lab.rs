@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
+use tandem_lab::images::Images;
 use tandem_lab::lab::{Lab, LabOptions};
 use tandem_lab::report;
 use tandem_lab::scenario::{LbMode, ServicePlan};
@@ -37,6 +38,15 @@ struct Cli {
     /// whose podCIDR is outside it. A /16 or wider.
     #[arg(long, global = true, env = "TANDEM_LAB_POD_CIDR", default_value_t = PodNetwork::DEFAULT)]
     pod_cidr: PodNetwork,
+    /// Run the mock cloud, the controller and the node proxies as podman containers from
+    /// the images `scripts/images.sh` built, tagged REGISTRY/NAME:VERSION.
+    #[arg(
+        long,
+        global = true,
+        env = "TANDEM_LAB_IMAGES",
+        value_name = "REGISTRY"
+    )]
+    images: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -113,6 +123,7 @@ fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) 
         pods_per_node: pods_per_node(cli.nodes),
         api_server: cli.kubeconfig.clone(),
         pod_network: cli.pod_cidr,
+        images: cli.images.clone().map(Images::new),
         ..LabOptions::default()
     };
     progress("building the virtual cluster (network namespaces, bridges, veth pairs, pods)");
@@ -360,6 +371,9 @@ fn up(cli: &Cli) -> Result<()> {
     cmd.arg("--pod-cidr").arg(cli.pod_cidr.to_string());
     if let Some(kubeconfig) = &cli.kubeconfig {
         cmd.arg("--kubeconfig").arg(kubeconfig);
+    }
+    if let Some(registry) = &cli.images {
+        cmd.arg("--images").arg(registry);
     }
     cmd.stdin(std::process::Stdio::null())
         .stdout(out.try_clone()?)
