@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: unit, integration, kernel (network namespaces), end-to-end, API
-# fuzzing and Helm chart tests. Needs root: kernel tests create network namespaces and
+# fuzzing, Helm chart tests and the container images (podman, runc, mmdebstrap: .ci/run
+# installs them). Needs root: kernel tests create network namespaces and
 # program iptables inside them only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +45,32 @@ chart_tests() {
             target/pyenv/bin/python -m pytest -q charts/tandem/tests
 }
 step "Helm chart tests" chart_tests
+
+# Container images: built offline (on an mmdebstrap base: no base image can be pulled
+# here), each checked (size budget, labels, binary starts as its user, tools), then the
+# end-to-end LB tests with the mock cloud, the controller and every node proxy running as
+# containers in the lab's namespaces. A missing image fails these steps.
+image_registry() {
+    local ref
+    ref=$(scripts/images.sh --print-names | head -1)
+    echo "${ref%/*}"
+}
+build_images() {
+    local tool missing=()
+    for tool in podman runc mmdebstrap; do
+        command -v "$tool" >/dev/null || missing+=("$tool")
+    done
+    if [ ${#missing[@]} -ne 0 ]; then
+        echo "missing ${missing[*]}: run .ci/run once (it installs podman, buildah, runc and mmdebstrap and sets podman's default_ulimits)" >&2
+        return 1
+    fi
+    bash scripts/images.sh --offline
+}
+step "container images: build" build_images
+step "container images: checks" bash images/test.sh
+step "container images: lab end to end" env TANDEM_E2E_IMAGES="$(image_registry)" \
+    cargo test -p tandem-lab --locked --test e2e -- \
+    proxy_mode_spreads passthrough_mode_takes a_pod_reaching_the_lb_ip
 
 if [ ${#failed[@]} -ne 0 ]; then
     printf 'FAILED: %s\n' "${failed[@]}" >&2

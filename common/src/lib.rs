@@ -1,11 +1,28 @@
 //! What every Tandem binary does at its edge, written once: the `--log-format` flag and
-//! logging setup, shutdown on SIGINT/SIGTERM, and duration flags in Go's syntax.
+//! logging setup, shutdown on SIGINT/SIGTERM, duration flags in Go's syntax, the facts of
+//! Kubernetes that several components rely on, the Kubernetes client (feature `kube`) and
+//! the serving of metrics and health endpoints (feature `http`).
 
 use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
+
+#[cfg(feature = "http")]
+pub mod http;
+#[cfg(feature = "kube")]
+mod kube_client;
+#[cfg(feature = "kube")]
+pub use kube_client::{KubeClientError, client_from_kubeconfig, kube_client};
+
+/// The port of the node proxy's health server (`/healthz`), as kube-proxy's
+/// `--healthz-bind-address` default: cloud load balancers probe it on every node.
+pub const NODE_HEALTHZ_PORT: u16 = 10256;
+
+/// The taint the cluster autoscaler puts on a node it is about to delete; such a node
+/// leaves the load balancers' backends and fails the node health check (KEP-3458).
+pub const TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER: &str = "ToBeDeletedByClusterAutoscaler";
 
 /// `--log-format`: human-readable lines or one JSON object per line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]

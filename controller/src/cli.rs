@@ -5,11 +5,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 
 pub use tandem_common::LogFormat;
 
 use crate::provider::ClusterId;
+use crate::release::ReleaseArgs;
 use crate::runtime::{LeaderElection, Settings};
 use crate::spec::{ClassFilter, WithoutNodePorts};
 
@@ -98,6 +99,16 @@ pub struct Args {
     pub cloud_timeout_seconds: u64,
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Without a command: run the controller.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum Command {
+    /// Release every load balancer of this cluster, our finalizers and the leader Lease
+    /// (before uninstalling); refuses while LoadBalancer Services still use them.
+    ReleaseLoadBalancers(ReleaseArgs),
 }
 
 impl Args {

@@ -1,16 +1,14 @@
 //! `/metrics` (Prometheus text), `/healthz` and `/readyz`.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
+use axum::http::StatusCode;
+use axum::response::Response;
 use axum::routing::get;
 use prometheus_client::registry::Registry;
-use tokio_util::sync::CancellationToken;
 
 #[derive(Clone)]
 struct AppState {
@@ -18,23 +16,8 @@ struct AppState {
     ready: Arc<AtomicBool>,
 }
 
-async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let mut body = String::new();
-    match prometheus_client::encoding::text::encode(&mut body, &state.registry) {
-        Ok(()) => (
-            StatusCode::OK,
-            [(
-                header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            body,
-        ),
-        Err(_) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            [(header::CONTENT_TYPE, "text/plain")],
-            "cannot encode metrics".to_owned(),
-        ),
-    }
+async fn metrics(State(state): State<AppState>) -> Response {
+    tandem_common::http::metrics_response(&state.registry)
 }
 
 async fn healthz() -> &'static str {
@@ -56,21 +39,6 @@ pub fn router(registry: Arc<Registry>, ready: Arc<AtomicBool>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(AppState { registry, ready })
-}
-
-/// Binds now (so a bad address fails start-up), serves until `cancel`.
-pub async fn serve(
-    addr: SocketAddr,
-    router: Router,
-    cancel: CancellationToken,
-) -> std::io::Result<tokio::task::JoinHandle<std::io::Result<()>>> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
-    Ok(tokio::spawn(async move {
-        axum::serve(listener, router)
-            .with_graceful_shutdown(cancel.cancelled_owned())
-            .await
-    }))
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ pub mod plan;
 pub mod provider;
 pub mod ratelimit;
 pub mod reconcile;
+pub mod release;
 pub mod runtime;
 pub mod spec;
 pub mod status;

@@ -7,9 +7,9 @@ use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
 
 use k8s_openapi::api::core::v1::Node;
+use tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
 
 pub const LABEL_EXCLUDE_FROM_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
-pub const TAINT_TO_BE_DELETED: &str = "ToBeDeletedByClusterAutoscaler";
 
 /// Go's `strconv.ParseBool`, which is what the label value is parsed with upstream.
 fn parse_go_bool(value: &str) -> Option<bool> {
@@ -40,7 +40,11 @@ pub fn is_eligible(node: &Node) -> bool {
         .spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())
-        .is_some_and(|taints| taints.iter().any(|t| t.key == TAINT_TO_BE_DELETED));
+        .is_some_and(|taints| {
+            taints
+                .iter()
+                .any(|t| t.key == TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER)
+        });
     !to_be_deleted
 }
 
@@ -141,7 +145,7 @@ pub(crate) mod tests {
         assert!(!is_eligible(&deleting));
         let mut tainted = node("a", "1.1.1.1");
         tainted.spec.as_mut().unwrap().taints = Some(vec![Taint {
-            key: TAINT_TO_BE_DELETED.into(),
+            key: TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER.into(),
             effect: "NoSchedule".into(),
             ..Default::default()
         }]);

@@ -10,7 +10,6 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Service};
 use kube::api::Api;
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::events::{Recorder, Reporter};
@@ -22,7 +21,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
+use crate::metrics::{CloudMetrics, Metrics};
 use crate::mockcloud::MockCloudProvider;
 use crate::provider::{ClusterId, LoadBalancerProvider};
 use crate::ratelimit::SharedTokenBucket;
@@ -35,16 +34,6 @@ pub const CONTROLLER_NAME: &str = "tandem-controller";
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
-    #[error("kubeconfig {path}: {source}")]
-    Kubeconfig {
-        path: String,
-        #[source]
-        source: kube::config::KubeconfigError,
-    },
-    #[error("in-cluster config: {0}")]
-    InCluster(#[source] kube::config::InClusterError),
-    #[error("kubernetes client: {0}")]
-    Client(#[source] kube::Error),
     #[error("cloud token file {path}: {source}")]
     TokenFile {
         path: String,
@@ -65,24 +54,6 @@ pub enum RuntimeError {
     LeaseTaskEnded,
     #[error("lost leadership")]
     LostLeadership,
-}
-
-/// A Kubernetes client from a kubeconfig file, or from the in-cluster environment.
-pub async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client, RuntimeError> {
-    let config = match kubeconfig {
-        Some(path) => {
-            let kubeconfig_err = |source| RuntimeError::Kubeconfig {
-                path: path.display().to_string(),
-                source,
-            };
-            let kc = Kubeconfig::read_from(path).map_err(kubeconfig_err)?;
-            kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-                .await
-                .map_err(kubeconfig_err)?
-        }
-        None => kube::Config::incluster().map_err(RuntimeError::InCluster)?,
-    };
-    kube::Client::try_from(config).map_err(RuntimeError::Client)
 }
 
 pub async fn read_token(path: &Path) -> Result<String, RuntimeError> {
@@ -237,6 +208,21 @@ where
     }
 }
 
+/// The cloud provider the settings name, with the shared rate limit and its metrics.
+pub fn cloud_provider(
+    settings: &Settings,
+    metrics: CloudMetrics,
+) -> Result<MockCloudProvider, RuntimeError> {
+    let sdk_client = cloud_mock_sdk::Client::new(
+        &settings.cloud_url,
+        settings.cloud_token.clone(),
+        MockCloudProvider::client_options(settings.cloud_timeout),
+    )
+    .map_err(RuntimeError::Cloud)?;
+    let bucket = SharedTokenBucket::new(settings.cloud_rate_per_second, settings.cloud_burst);
+    Ok(MockCloudProvider::new(sdk_client, bucket, metrics))
+}
+
 /// Runs until `cancel` (clean shutdown, `Ok`) or until leadership is lost or the lease task
 /// dies (`Err`: the process should exit so a fresh replica takes over).
 pub async fn run(
@@ -255,20 +241,13 @@ pub async fn run(
         addrs.push(settings.health_addr);
     }
     for addr in addrs {
-        let task = http::serve(addr, app.clone(), servers.clone())
+        let task = tandem_common::http::serve_http(addr, app.clone(), servers.clone())
             .await
             .map_err(|source| RuntimeError::Bind { addr, source })?;
         server_tasks.push(task);
     }
 
-    let sdk_client = cloud_mock_sdk::Client::new(
-        &settings.cloud_url,
-        settings.cloud_token.clone(),
-        MockCloudProvider::client_options(settings.cloud_timeout),
-    )
-    .map_err(RuntimeError::Cloud)?;
-    let bucket = SharedTokenBucket::new(settings.cloud_rate_per_second, settings.cloud_burst);
-    let provider = MockCloudProvider::new(sdk_client, bucket, metrics.cloud.clone());
+    let provider = cloud_provider(&settings, metrics.cloud.clone())?;
     let watch_cancel = cancel.child_token();
     let watches = Watches::start(&client, &watch_cancel);
 

@@ -36,8 +36,6 @@ const KNOWN_ANNOTATIONS: [&str; 6] = [
     ANNOTATION_REQUESTED_IP,
 ];
 
-/// The node proxy's health server port (kube-proxy's `--healthz-bind-address` default).
-pub const NODE_PROXY_HEALTHZ_PORT: u16 = 10256;
 pub const HEALTHZ_PATH: &str = "/healthz";
 
 /// A Service we cannot turn into an LB; reported as a Warning Event and a condition.
@@ -275,7 +273,7 @@ fn health_check(svc: &Service) -> Result<HealthCheck, SpecError> {
             .filter(|p| *p != 0)
             .ok_or(SpecError::PortOutOfRange(port))?
     } else {
-        NODE_PROXY_HEALTHZ_PORT
+        tandem_common::NODE_HEALTHZ_PORT
     };
     let protocol = match annotation(svc, ANNOTATION_HC_PROTOCOL) {
         None => HealthCheckProtocol::Http,

@@ -10,6 +10,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use ipnet::Ipv4Net;
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort as K8sServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
 use tandem_proxy_rules::model::{
     Endpoint, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort, ServicePortName,
 };
@@ -17,7 +18,6 @@ use tandem_proxy_rules::model::{
 /// Label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// Taint the cluster autoscaler puts on a node it is about to delete (KEP-3836).
-pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
 /// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT_SECONDS: u32 = 10_800;
 
@@ -100,7 +100,11 @@ pub fn node_is_draining(node: &Node) -> bool {
     node.spec
         .as_ref()
         .and_then(|spec| spec.taints.as_ref())
-        .is_some_and(|taints| taints.iter().any(|t| t.key == TO_BE_DELETED_TAINT))
+        .is_some_and(|taints| {
+            taints
+                .iter()
+                .any(|t| t.key == TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER)
+        })
 }
 
 /// The node's IPv4 addresses from `status.addresses` (InternalIP and ExternalIP): what
@@ -457,7 +461,7 @@ mod tests {
         }
     }
 
-    /// The Service of `shared/reference`.
+    /// The Service of the kube-proxy reference dump (`nodeproxy/rules/tests/data/`).
     fn nginx() -> Service {
         Service {
             metadata: meta("default", "nginx-service"),
@@ -822,7 +826,7 @@ mod tests {
         assert!(!node_is_draining(&node));
         node.spec = Some(NodeSpec {
             taints: Some(vec![Taint {
-                key: TO_BE_DELETED_TAINT.into(),
+                key: TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER.into(),
                 effect: "NoSchedule".into(),
                 ..Default::default()
             }]),

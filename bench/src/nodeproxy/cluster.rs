@@ -38,7 +38,8 @@ const INGRESS_IPS: Ipv4Net = Ipv4Net::new_assert(Ipv4Addr::new(198, 19, 0, 0), 1
 const POD_IPS: Ipv4Net = Ipv4Net::new_assert(Ipv4Addr::new(10, 128, 0, 0), 9);
 /// Endpoints the incremental rounds add, outside every generated one.
 const ADDED_IPS: Ipv4Net = Ipv4Net::new_assert(Ipv4Addr::new(10, 127, 0, 0), 16);
-/// A source range on every LoadBalancer Service, as in `shared/reference` (KUBE-FW rules).
+/// A source range on every LoadBalancer Service, as in the kube-proxy reference dump in
+/// `nodeproxy/rules/tests/data/` (KUBE-FW rules).
 const SOURCE_RANGE: &str = "203.0.113.0/24";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

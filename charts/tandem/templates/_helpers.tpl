@@ -79,5 +79,41 @@ runAsGroup: 65532
 capabilities:
   drop: ["ALL"]
 seccompProfile:
-  type: RuntimeDefault
+  {{- include "tandem.seccompProfile" . | nindent 2 }}
+{{- end }}
+
+{{/* The seccomp profile of every pod and container (value seccompProfile). */}}
+{{- define "tandem.seccompProfile" -}}
+type: {{ .Values.seccompProfile.type }}
+{{- if eq .Values.seccompProfile.type "Localhost" }}
+localhostProfile: {{ required "seccompProfile.localhostProfile is required when seccompProfile.type is Localhost" .Values.seccompProfile.localhostProfile | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The API server's address, for components that must not reach it through the
+     `kubernetes` Service: the node proxy programs that Service's ClusterIP itself. The
+     Kubernetes clients read these two variables (as client-go's in-cluster config does). */}}
+{{- define "tandem.apiServerEnv" -}}
+{{- if .Values.apiServer.host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ .Values.apiServer.host | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ .Values.apiServer.port | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The controller's cluster facts, shared by its Deployment and the uninstall hook. */}}
+{{- define "tandem.controllerArgs" -}}
+- --cloud-url={{ include "tandem.cloudURL" . }}
+- --cloud-token-file=/etc/tandem/cloud/{{ include "tandem.cloudSecretKey" . }}
+- --cluster-id={{ .Values.clusterId }}
+{{- with .Values.loadBalancerClass }}
+- --load-balancer-class={{ . }}
+{{- end }}
+{{- if .Values.controller.leaderElection }}
+- --leader-elect
+- --leader-elect-namespace={{ .Release.Namespace }}
+- --leader-elect-lease-name={{ include "tandem.componentName" (dict "root" . "component" "controller") }}
+{{- end }}
+- --log-format={{ .Values.log.format }}
 {{- end }}

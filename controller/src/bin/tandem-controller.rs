@@ -2,16 +2,21 @@
 
 use anyhow::Context as _;
 use clap::Parser;
-use tandem_controller::cli::Args;
-use tandem_controller::runtime;
+use tandem_controller::cli::{Args, Command};
+use tandem_controller::{release, runtime};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     tandem_common::init_logging(args.log_format);
-    let client = runtime::kube_client(args.kubeconfig.as_deref()).await?;
+    let client = tandem_common::kube_client(args.kubeconfig.as_deref()).await?;
     let token = runtime::read_token(&args.cloud_token_file).await?;
+    if let Some(Command::ReleaseLoadBalancers(release_args)) = &args.command {
+        return release::run(client, &args.settings(token), release_args)
+            .await
+            .context("release-load-balancers");
+    }
     let cancel = CancellationToken::new();
     tandem_common::cancel_on_shutdown_signal(cancel.clone());
     runtime::run(client, args.settings(token), cancel)

@@ -216,14 +216,8 @@ impl Harness {
                 .join(format!("controller-{}.log", metrics_addr.port())),
         )
         .unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem-controller"));
-        cmd.arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .args(["--cloud-url", &self.cloud.url])
-            .arg("--cloud-token-file")
-            .arg(&self.token_file)
-            .args(["--cluster-id", CLUSTER])
-            .args(["--metrics-bind-address", &metrics_addr.to_string()])
+        let mut cmd = self.controller_command();
+        cmd.args(["--metrics-bind-address", &metrics_addr.to_string()])
             .args(["--health-bind-address", &metrics_addr.to_string()])
             .args(["--cloud-timeout-seconds", "5"])
             .args(extra)
@@ -238,6 +232,18 @@ impl Harness {
             child,
             metrics_addr,
         }
+    }
+
+    /// The controller binary pointed at this harness's API server, cloud and cluster id.
+    pub fn controller_command(&self) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem-controller"));
+        cmd.arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(["--cloud-url", &self.cloud.url])
+            .arg("--cloud-token-file")
+            .arg(&self.token_file)
+            .args(["--cluster-id", CLUSTER]);
+        cmd
     }
 
     /// The controller's log, for assertion messages.

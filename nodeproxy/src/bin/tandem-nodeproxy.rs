@@ -6,7 +6,6 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use clap::Parser;
 use kube::Client;
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use prometheus_client::registry::Registry;
 use tandem_nodeproxy::cli::{Cli, ClusterArgs, Command, TraceArgs};
 use tandem_nodeproxy::healthcheck::{self, NodeHealth, ServiceHealthServers};
@@ -31,17 +30,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn client(cluster: &ClusterArgs) -> anyhow::Result<Client> {
-    let config = match &cluster.kubeconfig {
-        Some(path) => {
-            let kubeconfig = Kubeconfig::read_from(path)
-                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?
-        }
-        None => kube::Config::infer()
-            .await
-            .context("no kubeconfig given and no in-cluster config")?,
-    };
-    Ok(Client::try_from(config)?)
+    Ok(tandem_common::kube_client(cluster.kubeconfig.as_deref()).await?)
 }
 
 fn node_config(cluster: &ClusterArgs) -> anyhow::Result<NodeConfig> {
@@ -160,8 +149,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     proxier.run(observed, dirty, shutdown.clone()).await;
     // The sync loop also ends when the watches die; make everything else stop too.
     shutdown.cancel();
-    for task in [watching, healthz, metrics_server] {
-        task.await?;
+    watching.await?;
+    for server in [healthz, metrics_server] {
+        server.await?.context("HTTP server failed")?;
     }
     tracing::info!("stopped; iptables rules left in place");
     Ok(())
@@ -171,17 +161,8 @@ async fn serve(
     address: SocketAddr,
     app: axum::Router,
     shutdown: CancellationToken,
-) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let listener = tokio::net::TcpListener::bind(address)
+) -> anyhow::Result<tokio::task::JoinHandle<std::io::Result<()>>> {
+    tandem_common::http::serve_http(address, app, shutdown)
         .await
-        .with_context(|| format!("binding {address}"))?;
-    tracing::info!(%address, "serving");
-    Ok(tokio::spawn(async move {
-        if let Err(error) = axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await
-        {
-            tracing::error!(%address, %error, "HTTP server failed");
-        }
-    }))
+        .with_context(|| format!("binding {address}"))
 }

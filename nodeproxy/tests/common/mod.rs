@@ -145,8 +145,9 @@ pub fn endpoint(ip: [u8; 4], port: u16, node: &str) -> Endpoint {
     }
 }
 
-/// The API state of `shared/reference`: default/kubernetes without endpoints and the
-/// nginx LoadBalancer Service with source ranges and the given endpoints.
+/// The API state of the kube-proxy reference dump (`nodeproxy/rules/tests/data/`):
+/// default/kubernetes without endpoints and the nginx LoadBalancer Service with source
+/// ranges and the given endpoints.
 pub fn reference_state(endpoints: Vec<Endpoint>) -> ProxyState {
     let kubernetes = ServicePort {
         name: spn("default", "kubernetes", "https"),

@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::discovery;
 use crate::patch::PatchType;
+use crate::protobuf::{self, DecodeError};
 use crate::resources::{self, ResourceType};
 use crate::selector::{FieldSelector, LabelSelector, Selectors};
 use crate::status::ApiError;
@@ -183,9 +184,21 @@ fn header(headers: &HeaderMap, name: http::header::HeaderName) -> &str {
         .unwrap_or_default()
 }
 
-/// Decodes a JSON request body. Protobuf and CBOR (what client-go's typed clients, e.g.
-/// `kubectl create namespace`, send) are refused with 415 rather than misread.
-fn parse_body(headers: &HeaderMap, body: &[u8]) -> Result<Value, ApiError> {
+/// Decodes an object sent to `rt`: JSON, or protobuf (what client-go's typed clients,
+/// e.g. `kubectl create namespace`, send) for the kinds [`protobuf::KINDS`].
+fn parse_object(rt: &ResourceType, headers: &HeaderMap, body: &[u8]) -> Result<Value, ApiError> {
+    if protobuf::is_protobuf(header(headers, CONTENT_TYPE)) {
+        return protobuf::decode(rt, body).map_err(|e| match e {
+            DecodeError::UnsupportedKind(_) => ApiError::unreadable_body(e.to_string()),
+            _ => ApiError::bad_request(format!("cannot decode request body: {e}")),
+        });
+    }
+    parse_json(headers, body)
+}
+
+/// Decodes a JSON request body. Other encodings (CBOR, protobuf where no object is
+/// expected) are refused with 415 rather than misread.
+fn parse_json(headers: &HeaderMap, body: &[u8]) -> Result<Value, ApiError> {
     let content_type = header(headers, CONTENT_TYPE);
     if content_type.contains("protobuf") || content_type.contains("cbor") {
         return Err(ApiError::unsupported_media_type(content_type));
@@ -202,12 +215,64 @@ fn selectors(query: &HashMap<String, String>) -> Result<Selectors, ApiError> {
     Ok(Selectors { labels, fields })
 }
 
-fn reject_dry_run(query: &HashMap<String, String>) -> Result<(), ApiError> {
-    match query.get("dryRun") {
-        Some(v) if !v.is_empty() => Err(ApiError::bad_request(
-            "dryRun is not supported by tandem-apiserver",
-        )),
-        _ => Ok(()),
+/// Where a write goes: the live store, or for a dry run (`dryRun=All`) a scratch copy that
+/// runs the same checks, defaulting and allocation and is then dropped.
+struct Write<'a> {
+    app: &'a AppState,
+    store: Arc<Store>,
+    dry: bool,
+}
+
+impl<'a> Write<'a> {
+    /// `dryRun` values come from the query and, for deletes, from DeleteOptions; `All` is
+    /// the one value Kubernetes defines.
+    fn new<'v>(
+        app: &'a AppState,
+        query: &'v HashMap<String, String>,
+        more: impl IntoIterator<Item = &'v str>,
+    ) -> Result<Self, ApiError> {
+        let mut dry = false;
+        let values = query.get("dryRun").map(String::as_str).into_iter();
+        for value in values.chain(more).filter(|v| !v.is_empty()) {
+            if value != "All" {
+                return Err(ApiError::bad_request(format!(
+                    "invalid dry run value {value:?}: the only supported value is \"All\""
+                )));
+            }
+            dry = true;
+        }
+        let store = if dry {
+            Arc::new(app.store.scratch()?)
+        } else {
+            app.store.clone()
+        };
+        Ok(Self { app, store, dry })
+    }
+
+    /// The object to answer with. A dry run's carries the resourceVersion the live object
+    /// has (none for an object that does not exist), as nothing was written.
+    fn answer(&self, rt: &ResourceType, namespace: Option<&str>, mut object: Value) -> Value {
+        if !self.dry {
+            return object;
+        }
+        let name = object["metadata"]["name"].as_str().unwrap_or_default();
+        let live_version = self
+            .app
+            .store
+            .get(rt, namespace, name)
+            .ok()
+            .and_then(|live| {
+                live["metadata"]["resourceVersion"]
+                    .as_str()
+                    .map(str::to_string)
+            });
+        if let Some(meta) = object["metadata"].as_object_mut() {
+            match live_version {
+                Some(version) => meta.insert("resourceVersion".into(), json!(version)),
+                None => meta.remove("resourceVersion"),
+            };
+        }
+        object
     }
 }
 
@@ -289,25 +354,27 @@ async fn route(
             }
         }
         (&Method::POST, Target::Collection { rt, namespace }) => {
-            reject_dry_run(query)?;
+            let write = Write::new(app, query, [])?;
             if rt.namespaced && namespace.is_none() {
                 return Err(ApiError::method_not_allowed("POST"));
             }
-            let created =
-                app.store
-                    .create(rt, namespace.as_deref(), parse_body(headers, &body)?)?;
+            let object = parse_object(rt, headers, &body)?;
+            let created = write.store.create(rt, namespace.as_deref(), object)?;
+            let created = write.answer(rt, namespace.as_deref(), created);
             tracing::debug!(
                 resource = rt.plural,
                 name = created["metadata"]["name"].as_str(),
+                dry_run = write.dry,
                 "created"
             );
             Ok(json_response(StatusCode::CREATED, &created))
         }
         (&Method::DELETE, Target::Collection { rt, namespace }) => {
-            reject_dry_run(query)?;
-            let page = app
-                .store
-                .list(rt, namespace.as_deref(), &selectors(query)?, None, None)?;
+            let write = Write::new(app, query, [])?;
+            let page =
+                write
+                    .store
+                    .list(rt, namespace.as_deref(), &selectors(query)?, None, None)?;
             let mut deleted = Vec::new();
             for item in page.items {
                 let name = item["metadata"]["name"]
@@ -315,11 +382,11 @@ async fn route(
                     .unwrap_or_default()
                     .to_string();
                 let ns = item["metadata"]["namespace"].as_str().map(str::to_string);
-                match app
+                match write
                     .store
                     .delete(rt, ns.as_deref(), &name, &Preconditions::default())
                 {
-                    Ok(obj) => deleted.push(obj),
+                    Ok(obj) => deleted.push(write.answer(rt, ns.as_deref(), obj)),
                     Err(e) if e.code == 404 => {}
                     Err(e) => return Err(e),
                 }
@@ -347,14 +414,12 @@ async fn route(
                 sub,
             },
         ) => {
-            reject_dry_run(query)?;
-            ok(app.store.update(
-                rt,
-                namespace.as_deref(),
-                &name,
-                parse_body(headers, &body)?,
-                sub,
-            )?)
+            let write = Write::new(app, query, [])?;
+            let object = parse_object(rt, headers, &body)?;
+            let updated = write
+                .store
+                .update(rt, namespace.as_deref(), &name, object, sub)?;
+            ok(write.answer(rt, namespace.as_deref(), updated))
         }
         (
             &Method::PATCH,
@@ -365,13 +430,15 @@ async fn route(
                 sub,
             },
         ) => {
-            reject_dry_run(query)?;
+            let write = Write::new(app, query, [])?;
             let content_type = header(headers, CONTENT_TYPE);
             let patch_type = PatchType::from_content_type(content_type)
                 .ok_or_else(|| ApiError::unsupported_media_type(content_type))?;
             let (obj, created) =
-                app.store
+                write
+                    .store
                     .patch(rt, namespace.as_deref(), &name, patch_type, &body, sub)?;
+            let obj = write.answer(rt, namespace.as_deref(), obj);
             Ok(json_response(
                 if created {
                     StatusCode::CREATED
@@ -390,26 +457,23 @@ async fn route(
                 sub: Subresource::Main,
             },
         ) => {
-            reject_dry_run(query)?;
             let options = if body.is_empty() {
                 json!({})
             } else {
-                parse_body(headers, &body)?
+                parse_json(headers, &body)?
             };
-            if options["dryRun"].as_array().is_some_and(|a| !a.is_empty()) {
-                return Err(ApiError::bad_request(
-                    "dryRun is not supported by tandem-apiserver",
-                ));
-            }
+            let in_options = options["dryRun"].as_array().into_iter().flatten();
+            let write = Write::new(app, query, in_options.filter_map(Value::as_str))?;
             let preconditions = Preconditions {
                 uid: options["preconditions"]["uid"].as_str().map(str::to_string),
                 resource_version: options["preconditions"]["resourceVersion"]
                     .as_str()
                     .map(str::to_string),
             };
-            ok(app
+            let deleted = write
                 .store
-                .delete(rt, namespace.as_deref(), &name, &preconditions)?)
+                .delete(rt, namespace.as_deref(), &name, &preconditions)?;
+            ok(write.answer(rt, namespace.as_deref(), deleted))
         }
         (method, _) => Err(ApiError::method_not_allowed(method.as_str())),
     }

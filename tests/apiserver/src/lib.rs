@@ -42,15 +42,18 @@
 //!
 //! # Limits
 //!
-//! Request bodies are JSON only: protobuf/CBOR bodies (kubectl's imperative generators such
-//! as `kubectl create namespace x`) get 415; `kubectl create -f`, `apply`, `patch`, `get`,
-//! `delete` and `get -w` work. Server-side apply records no managedFields and never
-//! conflicts. `dryRun` is refused with 400. State lives in memory only.
+//! Request bodies are JSON, or protobuf for every served kind (what client-go's typed
+//! clients send: kubectl's imperative commands such as `kubectl create service`, a
+//! kubelet; see [`protobuf`]); CBOR gets 415. `dryRun=All` works for
+//! create, update, patch and delete: the write runs against a scratch copy of the store.
+//! Server-side apply records no managedFields and never conflicts. State lives in memory
+//! only.
 
 pub mod api;
 pub mod discovery;
 pub mod events;
 pub mod patch;
+pub mod protobuf;
 pub mod resources;
 pub mod selector;
 pub mod service;
@@ -63,7 +66,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::config::Kubeconfig;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -86,10 +89,8 @@ pub enum Error {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
-    #[error("configuring a kube client: {0}")]
-    ClientConfig(#[from] kube::config::KubeconfigError),
-    #[error("building a kube client: {0}")]
-    Client(#[from] kube::Error),
+    #[error(transparent)]
+    Client(#[from] tandem_common::KubeClientError),
     #[error("store: {0}")]
     Store(#[from] ApiError),
     #[error("serving HTTP: {0}")]
@@ -255,10 +256,7 @@ impl RunningServer {
 
     /// A kube client for this server, built from its kubeconfig.
     pub async fn client(&self) -> Result<kube::Client, Error> {
-        let config =
-            kube::Config::from_custom_kubeconfig(self.kubeconfig()?, &KubeConfigOptions::default())
-                .await?;
-        Ok(kube::Client::try_from(config)?)
+        Ok(tandem_common::client_from_kubeconfig(self.kubeconfig()?).await?)
     }
 
     /// Drops all watch history and ends open watches: clients resuming from an older

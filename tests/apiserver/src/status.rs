@@ -257,9 +257,14 @@ impl ApiError {
             415,
             "UnsupportedMediaType",
             format!(
-                "the body of the request was in an unknown format - accepted media types include: application/json, application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml, application/strategic-merge-patch+json; got {content_type:?}"
+                "the body of the request was in an unknown format - accepted media types include: application/json, application/vnd.kubernetes.protobuf, application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml, application/strategic-merge-patch+json; got {content_type:?}"
             ),
         )
+    }
+
+    /// 415 for a body in a known media type that this server cannot read.
+    pub fn unreadable_body(message: impl Into<String>) -> Self {
+        Self::new(415, "UnsupportedMediaType", message)
     }
 
     /// 410 Gone: the requested resourceVersion is older than the kept history.

@@ -319,6 +319,36 @@ impl Store {
         store
     }
 
+    /// A copy of the current state for a dry run (`?dryRun=All`) to write to: the same
+    /// objects, allocations and resourceVersion, with change channels nobody watches and no
+    /// history, so the write runs every check and allocation of a real one and then leaves
+    /// no trace. Copying is linear in the number of objects, which a stand-in can afford.
+    pub fn scratch(&self) -> Result<Store, ApiError> {
+        let state = self.lock()?;
+        let tables = state
+            .tables
+            .iter()
+            .map(|(storage, table)| {
+                let (sender, _) = broadcast::channel(1);
+                let copy = Table {
+                    objects: table.objects.clone(),
+                    history: VecDeque::new(),
+                    compacted: state.resource_version,
+                    sender,
+                };
+                (*storage, copy)
+            })
+            .collect();
+        Ok(Store {
+            state: Mutex::new(State {
+                resource_version: state.resource_version,
+                tables,
+                allocator: state.allocator.clone(),
+            }),
+            history_limit: 1,
+        })
+    }
+
     fn lock(&self) -> Result<MutexGuard<'_, State>, ApiError> {
         self.state
             .lock()

@@ -1042,3 +1042,64 @@ async fn metadata_lists_and_watches() {
     }
     server.shutdown().await.unwrap();
 }
+
+/// kube-rs's `dry_run` parameters: the answer of a real write, nothing written, nothing
+/// allocated; a dryRun value other than `All` is refused.
+#[tokio::test]
+async fn dry_run_writes_answer_and_keep_nothing() {
+    let (server, client) = server().await;
+    let services: Api<Service> = Api::namespaced(client.clone(), "default");
+    let dry_post = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    let answer = services
+        .create(&dry_post, &lb_service("web"))
+        .await
+        .unwrap();
+    assert!(answer.metadata.uid.is_some() && answer.metadata.resource_version.is_none());
+    let node_port = answer.spec.unwrap().ports.unwrap()[0].node_port.unwrap();
+    assert!(services.get_opt("web").await.unwrap().is_none());
+
+    // The node port the dry run chose is still free.
+    let mut web = lb_service("web");
+    web.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].node_port = Some(node_port);
+    let created = services.create(&PostParams::default(), &web).await.unwrap();
+
+    let dry_patch = PatchParams {
+        dry_run: true,
+        ..PatchParams::default()
+    };
+    let label = json!({"metadata": {"labels": {"tier": "front"}}});
+    let patched = services
+        .patch("web", &dry_patch, &Patch::Merge(&label))
+        .await
+        .unwrap();
+    assert_eq!(patched.metadata.labels.unwrap()["tier"], "front");
+    assert_eq!(
+        patched.metadata.resource_version,
+        created.metadata.resource_version
+    );
+    let dry_delete = DeleteParams {
+        dry_run: true,
+        ..DeleteParams::default()
+    };
+    services.delete("web", &dry_delete).await.unwrap();
+    let live = services.get("web").await.unwrap();
+    assert!(!live.metadata.labels.unwrap().contains_key("tier"));
+    assert_eq!(
+        live.metadata.resource_version,
+        created.metadata.resource_version
+    );
+
+    let bogus = http::Request::post("/api/v1/namespaces/default/services?dryRun=Some")
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(&lb_service("other")).unwrap())
+        .unwrap();
+    let refused = client.request_text(bogus).await.unwrap_err();
+    assert!(
+        matches!(&refused, kube::Error::Api(s) if s.code == 400 && s.message.contains("\"Some\"")),
+        "{refused:?}"
+    );
+    server.shutdown().await.unwrap();
+}

@@ -1,12 +1,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 //! The real `kubectl` binary against the stand-in: create, get (server-side columns),
-//! patch of the status subresource, get -w streaming, delete.
+//! patch of the status subresource, get -w streaming, delete; the imperative commands
+//! (protobuf bodies) and `--dry-run=server`.
 
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Namespace, Service};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 use tandem_apiserver::{RunningServer, ServerConfig, spawn};
@@ -58,6 +59,13 @@ impl Scratch {
             "kubectl {args:?} complained: {stderr}"
         );
         String::from_utf8(output.stdout).unwrap()
+    }
+}
+
+impl Scratch {
+    /// [`Scratch::run`] in `namespace`.
+    async fn run_in(&self, namespace: &str, args: &[&str]) -> String {
+        self.run(&[&["-n", namespace], args].concat()).await
     }
 }
 
@@ -271,5 +279,141 @@ async fn kubectl_reports_invalid_services_and_reads_nodes() {
         (row[0], row[1], row[2], row[4]),
         ("node-1", "Ready", "worker", "v1.34.0")
     );
+    server.shutdown().await.unwrap();
+}
+
+/// A command line split at spaces (none of these arguments contains one).
+fn words(line: &str) -> Vec<&str> {
+    line.split(' ').collect()
+}
+
+/// kubectl's imperative commands send protobuf bodies (typed clients); labels and
+/// annotations are patches; `--dry-run=server` leaves the store as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_imperative_commands_and_server_dry_run() {
+    let server = spawn(ServerConfig::default()).await.unwrap();
+    let scratch = Scratch::new(&server, "imperative").await;
+    let client = server.client().await.unwrap();
+    let services: Api<Service> = Api::namespaced(client.clone(), "team-a");
+    let namespaces: Api<Namespace> = Api::all(client);
+    let ns = "team-a";
+
+    let created = [
+        ("create namespace team-a", "namespace/team-a created"),
+        (
+            "-n team-a create service clusterip db --tcp=5432:5432",
+            "service/db created",
+        ),
+        (
+            "-n team-a create service nodeport np --tcp=80:8080 --node-port=30080",
+            "service/np created",
+        ),
+        (
+            "-n team-a create service loadbalancer web --tcp=80:8080",
+            "service/web created",
+        ),
+        (
+            "-n team-a create service externalname ext --external-name=db.example.com",
+            "service/ext created",
+        ),
+        (
+            "-n team-a expose service web --name=web-udp --port=53 --protocol=UDP --target-port=5353 --type=LoadBalancer",
+            "service/web-udp exposed",
+        ),
+    ];
+    for (command, answer) in created {
+        assert_eq!(scratch.run(&words(command)).await.trim(), answer);
+    }
+
+    let spec = |svc: Service| svc.spec.unwrap();
+    let db = spec(services.get("db").await.unwrap());
+    assert_eq!(db.type_.as_deref(), Some("ClusterIP"));
+    assert!(db.cluster_ip.unwrap().starts_with("10.96."));
+    let np = spec(services.get("np").await.unwrap());
+    let np_port = &np.ports.unwrap()[0];
+    assert_eq!((np_port.port, np_port.node_port), (80, Some(30080)));
+    assert_eq!(
+        np_port.target_port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(8080))
+    );
+    let web = services.get("web").await.unwrap();
+    assert_eq!(
+        web.metadata.labels.as_ref().unwrap()["app"],
+        "web",
+        "kubectl's generator labels and selects app=<name>"
+    );
+    assert_eq!(spec(web).type_.as_deref(), Some("LoadBalancer"));
+    let ext = spec(services.get("ext").await.unwrap());
+    assert_eq!(
+        (ext.type_.as_deref(), ext.external_name.as_deref()),
+        (Some("ExternalName"), Some("db.example.com"))
+    );
+    let exposed = spec(services.get("web-udp").await.unwrap());
+    let exposed_port = &exposed.ports.unwrap()[0];
+    assert_eq!(
+        (exposed_port.port, exposed_port.protocol.as_deref()),
+        (53, Some("UDP"))
+    );
+    assert!(exposed_port.node_port.is_some());
+    assert_eq!(exposed.selector.unwrap()["app"], "web");
+
+    let out = scratch.run_in(ns, &words("label svc web tier=front")).await;
+    assert_eq!(out.trim(), "service/web labeled");
+    let out = scratch
+        .run_in(ns, &words("annotate svc web owner=team-a"))
+        .await;
+    assert_eq!(out.trim(), "service/web annotated");
+    let web = services.get("web").await.unwrap();
+    assert_eq!(web.metadata.labels.as_ref().unwrap()["tier"], "front");
+    assert_eq!(
+        web.metadata.annotations.as_ref().unwrap()["owner"],
+        "team-a"
+    );
+    let version = web.metadata.resource_version.clone();
+
+    // --dry-run=server: the answers of a real write, and nothing written.
+    let dry_runs = [
+        (
+            "-n team-a create service nodeport dry --tcp=80:80 --node-port=30082",
+            "service/dry created (server dry run)",
+        ),
+        (
+            "create namespace dry-ns",
+            "namespace/dry-ns created (server dry run)",
+        ),
+        (
+            "-n team-a label svc web tier=back --overwrite",
+            "service/web labeled (server dry run)",
+        ),
+        (
+            "-n team-a delete svc web",
+            "service \"web\" deleted (server dry run)",
+        ),
+        (
+            "delete namespace team-a",
+            "namespace \"team-a\" deleted (server dry run)",
+        ),
+    ];
+    for (command, answer) in dry_runs {
+        let mut args = words(command);
+        args.push("--dry-run=server");
+        assert_eq!(scratch.run(&args).await.trim(), answer);
+    }
+    let not_found = |e: kube::Error| matches!(e, kube::Error::Api(s) if s.code == 404);
+    assert!(not_found(services.get("dry").await.unwrap_err()));
+    assert!(not_found(namespaces.get("dry-ns").await.unwrap_err()));
+    let web = services.get("web").await.unwrap();
+    assert_eq!(web.metadata.labels.as_ref().unwrap()["tier"], "front");
+    assert_eq!(web.metadata.resource_version, version);
+    let team = namespaces.get("team-a").await.unwrap();
+    assert!(team.metadata.deletion_timestamp.is_none());
+    // The dry-run create allocated nothing: the node port it took is free.
+    let out = scratch
+        .run_in(
+            ns,
+            &words("create service nodeport np2 --tcp=81:81 --node-port=30082"),
+        )
+        .await;
+    assert_eq!(out.trim(), "service/np2 created");
     server.shutdown().await.unwrap();
 }

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use tandem_netlab::{ChildGuard, NetlabError, Netns};
 
+use crate::images::{ContainerGuard, ContainerRun};
+
 #[derive(Debug, thiserror::Error)]
 pub enum ComponentError {
     #[error("creating log file {path}: {source}")]
@@ -36,12 +38,14 @@ pub enum ComponentError {
     },
 }
 
-/// One running process of the lab, killed (with its process group) on drop.
+/// One running process of the lab, killed (with its process group) on drop; for a
+/// container, the container is removed first.
 #[derive(Debug)]
 pub struct Component {
     pub name: String,
     pub netns: String,
     pub log: PathBuf,
+    _container: Option<ContainerGuard>,
     guard: ChildGuard,
 }
 
@@ -55,6 +59,40 @@ impl Component {
         envs: &[(&str, &str)],
         log_dir: &Path,
     ) -> Result<Self, ComponentError> {
+        let mut cmd = netns.command(program);
+        cmd.args(args);
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        Self::spawn_logged(cmd, netns.name(), name, None, log_dir)
+    }
+
+    /// Runs `args` in the container `run` describes (joined to its namespace), its output
+    /// to `log_dir/name.log`; the container is removed when the component is dropped.
+    pub fn start_container(
+        run: &ContainerRun,
+        name: &str,
+        args: &[String],
+        log_dir: &Path,
+    ) -> Result<Self, ComponentError> {
+        // Guard first: a failed start must not leave a half-created container either.
+        let container = ContainerGuard::new(&run.name);
+        Self::spawn_logged(
+            run.command(args),
+            &run.netns,
+            name,
+            Some(container),
+            log_dir,
+        )
+    }
+
+    fn spawn_logged(
+        mut cmd: std::process::Command,
+        netns: &str,
+        name: &str,
+        container: Option<ContainerGuard>,
+        log_dir: &Path,
+    ) -> Result<Self, ComponentError> {
         let log = log_dir.join(format!("{name}.log"));
         let out = File::create(&log).map_err(|source| ComponentError::Log {
             path: log.clone(),
@@ -64,19 +102,16 @@ impl Component {
             path: log.clone(),
             source,
         })?;
-        let mut cmd = netns.command(program);
-        cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
+        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
         let guard = ChildGuard::spawn(cmd).map_err(|source| ComponentError::Spawn {
             name: name.to_owned(),
             source,
         })?;
         Ok(Self {
             name: name.to_owned(),
-            netns: netns.name().to_owned(),
+            netns: netns.to_owned(),
             log,
+            _container: container,
             guard,
         })
     }

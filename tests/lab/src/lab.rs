@@ -7,21 +7,20 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, DeleteParams, PostParams};
+use tandem_common::NODE_HEALTHZ_PORT;
 use tandem_netlab::cluster::{Endpoint, EndpointSliceWriter, LabNode, NodeAgent, NodeAgentConfig};
-use tandem_netlab::{Host, Netns, Node, Topology};
+use tandem_netlab::{Host, Netns, Node, PodNetwork, Topology};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::binaries;
 use crate::bridge::RelayThread;
 use crate::components::Component;
+use crate::images::{ContainerRun, Images};
 use crate::netns;
 use crate::scenario::{ServicePlan, Spread};
 
 const API_PORT: u16 = 6443;
 const CLOUD_PORT: u16 = 8080;
-/// The node proxy's health port, which the cloud health-checks (as kube-proxy's 10256).
-pub const NODE_HEALTH_PORT: u16 = 10256;
-pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
 pub const VIP_POOL: &str = "198.51.100.0/24";
 
 #[derive(Debug, Clone)]
@@ -33,6 +32,11 @@ pub struct LabOptions {
     pub run_dir: Option<PathBuf>,
     /// Run against this real API server (its kubeconfig) instead of the stand-in.
     pub api_server: Option<PathBuf>,
+    /// The cluster's pod CIDR; node N's pods get its N-th /24.
+    pub pod_network: PodNetwork,
+    /// Run the mock cloud, the controller and the node proxies from these container images
+    /// instead of the binaries next to the lab's.
+    pub images: Option<Images>,
 }
 
 impl Default for LabOptions {
@@ -43,6 +47,8 @@ impl Default for LabOptions {
             cluster_id: "lab".to_owned(),
             run_dir: None,
             api_server: None,
+            pod_network: PodNetwork::DEFAULT,
+            images: None,
         }
     }
 }
@@ -89,6 +95,7 @@ impl Lab {
         let topology = Topology::builder()
             .nodes(options.nodes)
             .pods_per_node(&options.pods_per_node)
+            .pod_network(options.pod_network)
             // The lab handles SIGINT/SIGTERM itself: it must stop its processes before the
             // namespaces go, and the topology's own handler would exit without them.
             .handle_signals(false)
@@ -165,13 +172,32 @@ impl Lab {
         let cloud_url = format!("http://{cloud_addr}");
         let token_file = run_dir.join("cloud-token");
         std::fs::write(&token_file, &token).context("writing the cloud token file")?;
-        let mut cloud = Component::start(
+        let cloud_data = run_dir.join("cloud");
+        if let Some(images) = &options.images {
+            images.check_present(&["cloud-mock", "tandem-nodeproxy", "tandem-controller"])?;
+            // The image's non-root user writes the cloud's database.
+            images.hand_over("cloud-mock", &cloud_data)?;
+        }
+        let engine_config = match &options.images {
+            Some(_) => Some(crate::images::write_engine_config(&run_dir)?),
+            None => None,
+        };
+        let launcher = Launcher {
+            images: options.images.as_ref().zip(engine_config.as_deref()),
+            prefix: topology.prefix(),
+            run_dir: &run_dir,
+            logs: &logs,
+        };
+        let mut cloud = launcher.start(
             &edge.netns,
             "cloud-mock",
-            &binaries::locate("cloud-mock")?,
+            "cloud-mock",
+            // VIP addresses and passthrough routes in the cloud edge; listeners on the LB
+            // ports (80) as its non-root user.
+            &["NET_ADMIN", "NET_RAW", "NET_BIND_SERVICE"],
             &[
                 format!("--listen={cloud_addr}"),
-                format!("--data-dir={}", run_dir.join("cloud").display()),
+                format!("--data-dir={}", cloud_data.display()),
                 format!("--token={token}"),
                 format!("--vip-pool={VIP_POOL}"),
                 "--dataplane=proxy".to_owned(),
@@ -179,8 +205,6 @@ impl Lab {
                 format!("--vip-device={}", edge.vip_interface),
                 "--provisioning-delay=200ms".to_owned(),
             ],
-            &[],
-            &logs,
         )?;
         cloud
             .wait_serving(cloud_addr, Duration::from_secs(20))
@@ -195,24 +219,24 @@ impl Lab {
 
         progress("starting a node proxy on every node");
         for node in topology.nodes() {
-            let mut proxy = Component::start(
+            let mut proxy = launcher.start(
                 &node.netns,
                 &format!("nodeproxy-{}", node.name),
-                &binaries::locate("tandem-nodeproxy")?,
+                "tandem-nodeproxy",
+                // What the chart's DaemonSet grants: iptables and conntrack.
+                &["NET_ADMIN", "NET_RAW"],
                 &[
                     format!("--kubeconfig={}", kubeconfig.display()),
                     format!("--node-name={}", node.name),
-                    format!("--cluster-cidr={CLUSTER_CIDR}"),
-                    format!("--healthz-bind-address=0.0.0.0:{NODE_HEALTH_PORT}"),
+                    format!("--cluster-cidr={}", topology.pod_network()),
+                    format!("--healthz-bind-address=0.0.0.0:{NODE_HEALTHZ_PORT}"),
                     "--metrics-bind-address=127.0.0.1:10249".to_owned(),
                     "--min-sync-period=200ms".to_owned(),
                 ],
-                &[],
-                &logs,
             )?;
             proxy
                 .wait_serving(
-                    SocketAddr::from((node.ip, NODE_HEALTH_PORT)),
+                    SocketAddr::from((node.ip, NODE_HEALTHZ_PORT)),
                     Duration::from_secs(20),
                 )
                 .await?;
@@ -238,14 +262,8 @@ impl Lab {
                 "--claim-unclassed=false".to_owned(),
             ]);
         }
-        let mut controller = Component::start(
-            &cp.netns,
-            "controller",
-            &binaries::locate("tandem-controller")?,
-            &args,
-            &[],
-            &logs,
-        )?;
+        let mut controller =
+            launcher.start(&cp.netns, "controller", "tandem-controller", &[], &args)?;
         controller
             .wait_serving(health, Duration::from_secs(20))
             .await?;
@@ -434,7 +452,7 @@ impl Lab {
                 "trace".to_owned(),
                 format!("--kubeconfig={}", self.kubeconfig.display()),
                 format!("--node-name={}", node.name),
-                format!("--cluster-cidr={CLUSTER_CIDR}"),
+                format!("--cluster-cidr={}", self.topology.pod_network()),
                 format!("--src={src}"),
                 format!("--dst={dst}"),
                 format!("--dport={dport}"),
@@ -487,6 +505,52 @@ impl Drop for Lab {
         } else if let Err(e) = std::fs::remove_dir_all(&self.run_dir) {
             tracing::warn!(error = %e, dir = %self.run_dir.display(), "removing the lab's run directory");
         }
+    }
+}
+
+/// Starts Tandem's binaries: as processes in the lab's namespaces, or from their images.
+struct Launcher<'a> {
+    /// The images and the engine configuration, or `None` for processes.
+    images: Option<(&'a Images, &'a Path)>,
+    prefix: &'a str,
+    run_dir: &'a Path,
+    logs: &'a Path,
+}
+
+impl Launcher<'_> {
+    /// Starts `binary args` in `netns` as `name`; a container gets `capabilities` (a
+    /// process runs as root with all of them).
+    fn start(
+        &self,
+        netns: &Netns,
+        name: &str,
+        binary: &str,
+        capabilities: &[&'static str],
+        args: &[String],
+    ) -> Result<Component> {
+        let component = match self.images {
+            None => Component::start(
+                netns,
+                name,
+                &binaries::locate(binary)?,
+                args,
+                &[],
+                self.logs,
+            )?,
+            Some((images, config)) => {
+                let run = ContainerRun {
+                    config: config.to_owned(),
+                    name: format!("tandem-lab-{}-{name}", self.prefix),
+                    image: images.reference(binary),
+                    netns: netns.name().to_owned(),
+                    add_capabilities: capabilities.to_vec(),
+                    // Kubeconfig, cloud token and the cloud's data, at the same paths.
+                    mounts: vec![self.run_dir.to_owned()],
+                };
+                Component::start_container(&run, name, args, self.logs)?
+            }
+        };
+        Ok(component)
     }
 }
 
@@ -553,13 +617,7 @@ pub fn sum_packet_counters(listing: &str, chain: &str) -> u64 {
 }
 
 pub async fn kube_client(kubeconfig: &Path) -> Result<kube::Client> {
-    let kc = kube::config::Kubeconfig::read_from(kubeconfig)
-        .with_context(|| format!("reading kubeconfig {}", kubeconfig.display()))?;
-    let config =
-        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-            .await
-            .context("loading kubeconfig")?;
-    Ok(kube::Client::try_from(config)?)
+    Ok(tandem_common::kube_client(Some(kubeconfig)).await?)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 pub mod binaries;
 pub mod bridge;
 pub mod components;
+pub mod images;
 pub mod lab;
 pub mod netns;
 pub mod report;

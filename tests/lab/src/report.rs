@@ -3,8 +3,19 @@
 use std::fmt::Write as _;
 
 use cloud_mock_sdk::LoadBalancer;
+use serde::Serialize;
 
 use crate::scenario::Spread;
+
+/// What the cloud API calls a value (`proxy`, `active`, `TCP`, `healthy`): its JSON form,
+/// so the demo speaks the API's and the docs' language rather than Rust's.
+fn api_name(value: &impl Serialize) -> String {
+    match serde_json::to_value(value) {
+        Ok(serde_json::Value::String(name)) => name,
+        Ok(other) => other.to_string(),
+        Err(error) => format!("<{error}>"),
+    }
+}
 
 /// The cloud's view of a load balancer, one line per listener and backend.
 pub fn load_balancer(lb: &LoadBalancer) -> String {
@@ -16,14 +27,18 @@ pub fn load_balancer(lb: &LoadBalancer) -> String {
         .unwrap_or_else(|| "-".to_owned());
     let _ = writeln!(
         out,
-        "  id {}  name {}  mode {:?}  VIP {vip}  state {:?}  version {}",
-        lb.id, lb.spec.name, lb.spec.mode, lb.state, lb.version
+        "  id {}  name {}  mode {}  VIP {vip}  state {}  version {}",
+        lb.id,
+        lb.spec.name,
+        api_name(&lb.spec.mode),
+        api_name(&lb.state),
+        lb.version
     );
     for l in &lb.spec.listeners {
         let check = match &l.health_check {
             Some(hc) => format!(
-                "health check {:?} :{}{}",
-                hc.protocol,
+                "health check {} :{}{}",
+                api_name(&hc.protocol),
                 hc.port,
                 hc.path.as_deref().unwrap_or("")
             ),
@@ -31,8 +46,10 @@ pub fn load_balancer(lb: &LoadBalancer) -> String {
         };
         let _ = writeln!(
             out,
-            "  listener {:?} {vip}:{} -> backends :{}  ({check})",
-            l.protocol, l.port, l.backend_port
+            "  listener {} {vip}:{} -> backends :{}  ({check})",
+            api_name(&l.protocol),
+            l.port,
+            l.backend_port
         );
     }
     for b in &lb.spec.backends {
@@ -40,7 +57,7 @@ pub fn load_balancer(lb: &LoadBalancer) -> String {
             .health
             .iter()
             .find(|h| h.ip == b.ip)
-            .map(|h| format!("{:?}", h.health))
+            .map(|h| api_name(&h.health))
             .unwrap_or_else(|| "-".to_owned());
         let _ = writeln!(out, "  backend {}  {health}", b.ip);
     }
@@ -105,6 +122,26 @@ mod tests {
         assert_eq!(
             condensed_trace(trace),
             "a -> b:80/tcp (from outside)\noutcome 1 (p=0.5000): ACCEPT\n  nat PREROUTING: x\n  nat KUBE-SVC-A: y\noutcome 2 (p=0.5000): ACCEPT\n"
+        );
+    }
+
+    #[test]
+    fn load_balancers_are_shown_with_the_api_names() {
+        let lb: LoadBalancer = serde_json::from_value(serde_json::json!({
+            "id": "lb-1", "name": "k8s-lab-0a", "mode": "passthrough", "vip": "198.51.100.7",
+            "listeners": [{"protocol": "UDP", "port": 53, "backendPort": 53,
+                           "healthCheck": {"protocol": "HTTP", "port": 10256, "path": "/healthz"}}],
+            "backends": [{"ip": "198.18.0.11"}], "sourceRanges": ["203.0.113.0/24"],
+            "state": "active", "version": 3,
+            "health": [{"ip": "198.18.0.11", "health": "healthy"}]
+        }))
+        .unwrap();
+        assert_eq!(
+            load_balancer(&lb),
+            "  id lb-1  name k8s-lab-0a  mode passthrough  VIP 198.51.100.7  state active  version 3\n  \
+             listener UDP 198.51.100.7:53 -> backends :53  (health check HTTP :10256/healthz)\n  \
+             backend 198.18.0.11  healthy\n  \
+             source ranges 203.0.113.0/24\n"
         );
     }
 

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use tandem_lab::images::Images;
 use tandem_lab::lab::{Lab, LabOptions};
 use tandem_lab::scenario::{LbMode, ServicePlan, Spread};
 
@@ -17,6 +18,11 @@ static ONE_LAB_AT_A_TIME: Mutex<()> = Mutex::new(());
 /// Set to a kubeconfig to run the whole suite against that (real) API server instead of
 /// the stand-in: `TANDEM_E2E_KUBECONFIG=~/.kube/config cargo test -p tandem-lab --test e2e`.
 const REAL_API_SERVER_ENV: &str = "TANDEM_E2E_KUBECONFIG";
+
+/// Set to an image registry prefix to run the suite's components from the images
+/// `scripts/images.sh` built (`TANDEM_E2E_IMAGES=ghcr.io/tandem`); a missing image then
+/// fails the test, never falls back to the binaries.
+const IMAGES_ENV: &str = "TANDEM_E2E_IMAGES";
 
 /// Builds a lab with `pods_per_node`, runs `body` on it inside the control-plane namespace,
 /// and tears it down.
@@ -43,6 +49,7 @@ where
         nodes: pods_per_node.len(),
         pods_per_node: pods_per_node.to_vec(),
         api_server,
+        images: std::env::var(IMAGES_ENV).ok().map(Images::new),
         ..LabOptions::default()
     };
     // The lab's thread moves into the control-plane namespace and its runtime's threads are

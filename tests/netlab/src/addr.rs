@@ -1,4 +1,4 @@
-//! The address plan of the virtual cluster (DESIGN.md, "The virtual cluster").
+//! The address plan of the virtual cluster (docs/architecture.md, "The virtual cluster").
 //!
 //! Pure functions only: every address the topology configures comes from here, so tests
 //! and other crates can compute them without a running topology.
@@ -17,8 +17,6 @@ pub const EDGE_NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
 pub const CONTROL_PLANE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
 /// Port of the API server relay on the control plane (the API server's usual port).
 pub const API_RELAY_PORT: u16 = 6443;
-/// All pod networks together (10.244.N.0/24 on node N).
-pub const POD_SUPERNET: Ipv4Net = net(Ipv4Addr::new(10, 244, 0, 0), 16);
 /// Service cluster IPs (the API server allocates them; nothing is configured here).
 pub const SERVICE_CIDR: Ipv4Net = net(Ipv4Addr::new(10, 96, 0, 0), 16);
 /// Load-balancer VIPs, hosted or routed by the cloud edge.
@@ -36,9 +34,10 @@ pub const CLIENT_IN_RANGE_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 /// Client `c2`, outside any source range.
 pub const CLIENT_OUT_OF_RANGE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
 
-/// Most nodes a topology can have: node N uses 198.18.0.(10+N) and 10.244.N.0/24.
+/// Most nodes a topology can have: node N uses 198.18.0.(10+N) and the N-th /24 of the
+/// pod network.
 pub const MAX_NODES: usize = 200;
-/// Most pods one node can ever create: pod index i uses 10.244.N.(1+i).
+/// Most pods one node can ever create: pod index i uses host address 1+i of its node's /24.
 pub const MAX_POD_INDEX: u32 = 253;
 
 const fn net(addr: Ipv4Addr, prefix: u8) -> Ipv4Net {
@@ -60,27 +59,79 @@ pub fn node_ip(node: usize) -> Result<Ipv4Addr, NetlabError> {
     Ok(Ipv4Addr::new(198, 18, 0, 10 + n))
 }
 
-/// Node N's pod CIDR: 10.244.N.0/24.
-pub fn pod_cidr(node: usize) -> Result<Ipv4Net, NetlabError> {
-    let n = check_node(node)?;
-    Ok(net(Ipv4Addr::new(10, 244, n, 0), 24))
-}
+/// The cluster's pod network (the API server's `--cluster-cidr`): node N's pods live in
+/// its N-th /24, as a node-IPAM controller hands them out. With the default
+/// `10.244.0.0/16`, node N has `10.244.N.0/24`, its bridge `10.244.N.1` and pod i
+/// `10.244.N.(1+i)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PodNetwork(Ipv4Net);
 
-/// Node N's address on its `cni0` bridge, the pods' gateway: 10.244.N.1.
-pub fn pod_gateway(node: usize) -> Result<Ipv4Addr, NetlabError> {
-    let n = check_node(node)?;
-    Ok(Ipv4Addr::new(10, 244, n, 1))
-}
+/// The widest prefix that still holds a /24 for each of [`MAX_NODES`] nodes.
+const MAX_POD_NETWORK_PREFIX: u8 = 16;
 
-/// The address of pod index `index` (1-based) on node N: 10.244.N.(1+index).
-pub fn pod_ip(node: usize, index: u32) -> Result<Ipv4Addr, NetlabError> {
-    let n = check_node(node)?;
-    if !(1..=MAX_POD_INDEX).contains(&index) {
-        return Err(NetlabError::PodIndexOutOfRange { node, index });
+impl PodNetwork {
+    /// `10.244.0.0/16`, flannel's and the lab's default.
+    pub const DEFAULT: PodNetwork = PodNetwork(net(Ipv4Addr::new(10, 244, 0, 0), 16));
+
+    /// A pod network must hold a /24 for every node a topology can have.
+    pub fn new(cidr: Ipv4Net) -> Result<Self, NetlabError> {
+        if cidr.prefix_len() > MAX_POD_NETWORK_PREFIX {
+            return Err(NetlabError::PodNetworkTooSmall(cidr));
+        }
+        Ok(Self(cidr.trunc()))
     }
-    let host =
-        u8::try_from(index + 1).map_err(|_| NetlabError::PodIndexOutOfRange { node, index })?;
-    Ok(Ipv4Addr::new(10, 244, n, host))
+
+    /// The whole pod network.
+    pub fn cidr(self) -> Ipv4Net {
+        self.0
+    }
+
+    /// Node N's pod CIDR: the N-th /24.
+    pub fn node_cidr(self, node: usize) -> Result<Ipv4Net, NetlabError> {
+        let n = check_node(node)?;
+        let base = u32::from(self.0.network()) + (u32::from(n) << 8);
+        Ok(net(Ipv4Addr::from(base), 24))
+    }
+
+    /// Node N's address on its `cni0` bridge, the pods' gateway: host 1 of its /24.
+    pub fn gateway(self, node: usize) -> Result<Ipv4Addr, NetlabError> {
+        Ok(host(self.node_cidr(node)?, 1))
+    }
+
+    /// The address of pod index `index` (1-based) on node N: host 1+index of its /24.
+    pub fn pod_ip(self, node: usize, index: u32) -> Result<Ipv4Addr, NetlabError> {
+        if !(1..=MAX_POD_INDEX).contains(&index) {
+            return Err(NetlabError::PodIndexOutOfRange { node, index });
+        }
+        Ok(host(self.node_cidr(node)?, index + 1))
+    }
+}
+
+impl Default for PodNetwork {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+impl std::fmt::Display for PodNetwork {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::str::FromStr for PodNetwork {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let cidr: Ipv4Net = s
+            .parse()
+            .map_err(|e| format!("{s:?} is not an IPv4 CIDR: {e}"))?;
+        Self::new(cidr).map_err(|e| e.to_string())
+    }
+}
+
+fn host(cidr: Ipv4Net, offset: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(cidr.network()) + offset)
 }
 
 #[cfg(test)]
@@ -91,38 +142,59 @@ mod tests {
     fn nodes_and_pods_follow_the_design_plan() {
         assert_eq!(node_ip(1).unwrap(), Ipv4Addr::new(198, 18, 0, 11));
         assert_eq!(node_ip(3).unwrap(), Ipv4Addr::new(198, 18, 0, 13));
-        assert_eq!(pod_cidr(2).unwrap().to_string(), "10.244.2.0/24");
-        assert_eq!(pod_gateway(2).unwrap(), Ipv4Addr::new(10, 244, 2, 1));
-        assert_eq!(pod_ip(2, 1).unwrap(), Ipv4Addr::new(10, 244, 2, 2));
-        assert_eq!(pod_ip(2, 253).unwrap(), Ipv4Addr::new(10, 244, 2, 254));
+        let pods = PodNetwork::DEFAULT;
+        assert_eq!(pods.node_cidr(2).unwrap().to_string(), "10.244.2.0/24");
+        assert_eq!(pods.gateway(2).unwrap(), Ipv4Addr::new(10, 244, 2, 1));
+        assert_eq!(pods.pod_ip(2, 1).unwrap(), Ipv4Addr::new(10, 244, 2, 2));
+        assert_eq!(pods.pod_ip(2, 253).unwrap(), Ipv4Addr::new(10, 244, 2, 254));
+    }
+
+    #[test]
+    fn other_pod_networks_give_each_node_its_slash_24() {
+        let pods: PodNetwork = "10.42.0.0/16".parse().unwrap();
+        assert_eq!(pods.node_cidr(3).unwrap().to_string(), "10.42.3.0/24");
+        assert_eq!(pods.pod_ip(3, 1).unwrap(), Ipv4Addr::new(10, 42, 3, 2));
+        let wide: PodNetwork = "172.16.0.0/12".parse().unwrap();
+        assert_eq!(wide.node_cidr(1).unwrap().to_string(), "172.16.1.0/24");
+        assert!(
+            "10.42.0.0/17".parse::<PodNetwork>().is_err(),
+            "no room for 200 nodes"
+        );
+        assert!("10.42.0.0".parse::<PodNetwork>().is_err());
     }
 
     #[test]
     fn out_of_range_indices_are_errors() {
         assert!(node_ip(0).is_err());
         assert!(node_ip(MAX_NODES + 1).is_err());
-        assert!(pod_ip(1, 0).is_err());
-        assert!(pod_ip(1, MAX_POD_INDEX + 1).is_err());
+        assert!(PodNetwork::DEFAULT.pod_ip(1, 0).is_err());
+        assert!(PodNetwork::DEFAULT.pod_ip(1, MAX_POD_INDEX + 1).is_err());
     }
 
     #[test]
     fn every_node_and_pod_address_is_inside_its_network() {
         for node in 1..=MAX_NODES {
             assert!(NODE_NETWORK.contains(&node_ip(node).unwrap()));
-            let cidr = pod_cidr(node).unwrap();
-            assert!(POD_SUPERNET.contains(&cidr));
+            let pods = PodNetwork::DEFAULT;
+            let cidr = pods.node_cidr(node).unwrap();
+            assert!(pods.cidr().contains(&cidr));
             for index in [1, 100, MAX_POD_INDEX] {
-                let ip = pod_ip(node, index).unwrap();
+                let ip = pods.pod_ip(node, index).unwrap();
                 assert!(cidr.contains(&ip));
                 assert_ne!(ip, cidr.broadcast());
-                assert_ne!(ip, pod_gateway(node).unwrap());
+                assert_ne!(ip, pods.gateway(node).unwrap());
             }
         }
     }
 
     #[test]
     fn client_ranges_do_not_overlap_cluster_ranges() {
-        for cluster in [NODE_NETWORK, POD_SUPERNET, SERVICE_CIDR, VIP_POOL] {
+        for cluster in [
+            NODE_NETWORK,
+            PodNetwork::DEFAULT.cidr(),
+            SERVICE_CIDR,
+            VIP_POOL,
+        ] {
             for client in [CLIENT_NETWORK_IN_RANGE, CLIENT_NETWORK_OUT_OF_RANGE] {
                 assert!(!cluster.contains(&client) && !client.contains(&cluster));
             }

@@ -9,6 +9,8 @@ pub enum NetlabError {
     NodeOutOfRange(usize),
     #[error("pod index {index} on node {node} is outside 1..={max}", max = crate::addr::MAX_POD_INDEX)]
     PodIndexOutOfRange { node: usize, index: u32 },
+    #[error("pod network {0} is too small: it needs a /24 for each of up to {max} nodes (a /16 or wider)", max = crate::addr::MAX_NODES)]
+    PodNetworkTooSmall(ipnet::Ipv4Net),
     #[error("the topology has no node {0}")]
     UnknownNode(usize),
     #[error("the topology has no pod {0:?}")]

@@ -1,10 +1,11 @@
-//! Network-namespace virtual cluster (DESIGN.md, "The virtual cluster").
+//! Network-namespace virtual cluster (docs/architecture.md, "The virtual cluster").
 //!
 //! * [`Topology`]: namespaces `tdm<pid>x<seq>-<role>` built with `ip netns add`, so
 //!   `ip netns exec` works for people too. Nothing is created in the root namespace.
 //!   - `-sw`: the switch; bridges `brnode` (198.18.0.0/24), `brc1`, `brc2` (client nets);
 //!   - `-cp`: control plane, 198.18.0.2 (API server relay on :6443, controller);
-//!   - `-n<N>`: node N, `eth0` 198.18.0.(10+N), `cni0` 10.244.N.1/24, host-gw routes
+//!   - `-n<N>`: node N, `eth0` 198.18.0.(10+N), `cni0` 10.244.N.1/24 (with the default
+//!     [`PodNetwork`]), host-gw routes
 //!     to the other nodes' pod CIDRs, default via the edge, ip_forward on;
 //!   - `-n<N>p<I>`: pod I on node N, 10.244.N.(1+I), running `tandem-echo`;
 //!   - `-edge`: the cloud edge, 198.18.0.1 / 203.0.113.1 / 192.0.2.1, forwarding,
@@ -41,6 +42,7 @@ pub mod plan;
 pub mod relay;
 mod topology;
 
+pub use addr::PodNetwork;
 pub use cleanup::{list_netns, remove_stale_namespaces};
 pub use echo::{EchoClient, EchoReply, echo_binary, http_get_in, udp_request_in};
 pub use error::NetlabError;

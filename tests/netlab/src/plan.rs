@@ -3,7 +3,7 @@
 //! The doing side (`topology.rs`) runs each step with `ip`/`sysctl`; keeping the steps
 //! as data lets the tests check the wiring (names, addresses, routes) without root.
 
-use crate::addr;
+use crate::addr::{self, PodNetwork};
 use crate::error::NetlabError;
 use crate::naming::RunPrefix;
 
@@ -80,7 +80,7 @@ fn switch_port(local: &str, bridge: &str, peer_netns: &str, peer_if: &str) -> Ve
 }
 
 /// The fixed part of every topology: switch, control plane, edge and the two clients.
-pub fn base(prefix: &RunPrefix) -> Vec<Step> {
+pub fn base(prefix: &RunPrefix, pods: PodNetwork) -> Vec<Step> {
     use ifname::*;
     let sw = prefix.switch();
     let cp = prefix.control_plane();
@@ -143,7 +143,7 @@ pub fn base(prefix: &RunPrefix) -> Vec<Step> {
             format!("link set {EDGE_CLIENT_OUT_OF_RANGE} up"),
             // The cloud never routes to pod IPs: external clients must go through a VIP or
             // a node port. `prohibit` answers with an ICMP error, so a client fails fast.
-            format!("route add prohibit {}", addr::POD_SUPERNET),
+            format!("route add prohibit {}", pods.cidr()),
         ],
     ));
 
@@ -174,7 +174,12 @@ fn host_uplink(ip: std::net::Ipv4Addr, prefix_len: u8, gateway: std::net::Ipv4Ad
 
 /// Node `node` of `node_count`: uplink on the node bridge, `cni0`, host-gw routes to the
 /// other nodes' pod CIDRs.
-pub fn node(prefix: &RunPrefix, node: usize, node_count: usize) -> Result<Vec<Step>, NetlabError> {
+pub fn node(
+    prefix: &RunPrefix,
+    pods: PodNetwork,
+    node: usize,
+    node_count: usize,
+) -> Result<Vec<Step>, NetlabError> {
     use ifname::*;
     let name = prefix.node(node);
     let node_ip = addr::node_ip(node)?;
@@ -182,13 +187,13 @@ pub fn node(prefix: &RunPrefix, node: usize, node_count: usize) -> Result<Vec<St
     let mut commands = host_uplink(node_ip, 24, addr::EDGE_NODE_IP);
     commands.extend([
         format!("link add {POD_BRIDGE} type bridge"),
-        format!("addr add {}/24 dev {POD_BRIDGE}", addr::pod_gateway(node)?),
+        format!("addr add {}/24 dev {POD_BRIDGE}", pods.gateway(node)?),
         format!("link set {POD_BRIDGE} up"),
     ]);
     for other in (1..=node_count).filter(|&o| o != node) {
         commands.push(format!(
             "route add {} via {}",
-            addr::pod_cidr(other)?,
+            pods.node_cidr(other)?,
             addr::node_ip(other)?
         ));
     }
@@ -209,7 +214,12 @@ pub fn node(prefix: &RunPrefix, node: usize, node_count: usize) -> Result<Vec<St
 }
 
 /// Pod `index` on node `node`: a namespace with `eth0` on the node's `cni0`.
-pub fn pod(prefix: &RunPrefix, node: usize, index: u32) -> Result<Vec<Step>, NetlabError> {
+pub fn pod(
+    prefix: &RunPrefix,
+    pods: PodNetwork,
+    node: usize,
+    index: u32,
+) -> Result<Vec<Step>, NetlabError> {
     use ifname::*;
     let pod = prefix.pod(node, index);
     let node_ns = prefix.node(node);
@@ -228,7 +238,7 @@ pub fn pod(prefix: &RunPrefix, node: usize, index: u32) -> Result<Vec<Step>, Net
         ),
         ip(
             &pod,
-            host_uplink(addr::pod_ip(node, index)?, 24, addr::pod_gateway(node)?),
+            host_uplink(pods.pod_ip(node, index)?, 24, pods.gateway(node)?),
         ),
     ])
 }
@@ -242,10 +252,11 @@ mod tests {
 
     fn all_steps() -> Vec<Step> {
         let p = RunPrefix::new(4194304, 4000);
-        let mut steps = base(&p);
+        let pods = PodNetwork::DEFAULT;
+        let mut steps = base(&p, pods);
         for n in 1..=3 {
-            steps.extend(node(&p, n, 3).unwrap());
-            steps.extend(pod(&p, n, addr::MAX_POD_INDEX).unwrap());
+            steps.extend(node(&p, pods, n, 3).unwrap());
+            steps.extend(pod(&p, pods, n, addr::MAX_POD_INDEX).unwrap());
         }
         steps
     }
@@ -302,7 +313,7 @@ mod tests {
     #[test]
     fn nodes_get_host_gw_routes_to_every_other_node() {
         let p = RunPrefix::new(1, 1);
-        let lines = ip_lines(&node(&p, 2, 3).unwrap());
+        let lines = ip_lines(&node(&p, PodNetwork::DEFAULT, 2, 3).unwrap());
         let routes: Vec<&str> = lines
             .iter()
             .filter(|(ns, l)| ns == &p.node(2) && l.starts_with("route add 10.244"))
@@ -320,7 +331,7 @@ mod tests {
     #[test]
     fn the_edge_forwards_but_prohibits_pod_addresses() {
         let p = RunPrefix::new(1, 1);
-        let steps = base(&p);
+        let steps = base(&p, PodNetwork::DEFAULT);
         assert!(steps.contains(&Step::Sysctl {
             netns: p.edge(),
             settings: vec![("net.ipv4.ip_forward".into(), "1".into())]
@@ -334,9 +345,12 @@ mod tests {
     #[test]
     fn pods_use_their_node_bridge_as_gateway() {
         let p = RunPrefix::new(1, 1);
-        let lines = ip_lines(&pod(&p, 3, 2).unwrap());
+        let lines = ip_lines(&pod(&p, PodNetwork::DEFAULT, 3, 2).unwrap());
         assert!(lines.contains(&(p.pod(3, 2), "addr add 10.244.3.3/24 dev eth0".into())));
         assert!(lines.contains(&(p.pod(3, 2), "route add default via 10.244.3.1".into())));
+        let other: PodNetwork = "10.42.0.0/16".parse().unwrap();
+        let lines = ip_lines(&pod(&p, other, 3, 2).unwrap());
+        assert!(lines.contains(&(p.pod(3, 2), "addr add 10.42.3.3/24 dev eth0".into())));
         assert!(lines.contains(&(p.node(3), "link set veth2 master cni0".into())));
     }
 }

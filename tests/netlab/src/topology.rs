@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 
 use ipnet::Ipv4Net;
 
-use crate::addr;
+use crate::addr::{self, PodNetwork};
 use crate::cleanup;
 use crate::echo::{DEFAULT_ECHO_PORT, EchoClient, READY_LINE, echo_binary};
 use crate::error::NetlabError;
@@ -72,6 +72,7 @@ enum EchoSetup {
 #[derive(Debug, Clone)]
 pub struct TopologyBuilder {
     nodes: usize,
+    pods: PodNetwork,
     pods_per_node: Option<Vec<u32>>,
     echo: EchoSetup,
     http_port: u16,
@@ -83,6 +84,12 @@ impl TopologyBuilder {
     /// Number of nodes (default 2).
     pub fn nodes(mut self, nodes: usize) -> Self {
         self.nodes = nodes;
+        self
+    }
+
+    /// The cluster's pod network; node N gets its N-th /24 (default `10.244.0.0/16`).
+    pub fn pod_network(mut self, pods: PodNetwork) -> Self {
+        self.pods = pods;
         self
     }
 
@@ -182,19 +189,20 @@ impl TopologyBuilder {
             udp_port: self.udp_port,
             echoes: HashMap::new(),
             prefix,
+            pod_network: self.pods,
         };
         cleanup::register(&topology.prefix, self.handle_signals);
         tracing::info!(prefix = %topology.prefix, nodes = self.nodes, "building topology");
 
-        run_steps(&plan::base(&topology.prefix))?;
+        run_steps(&plan::base(&topology.prefix, self.pods))?;
         for index in 1..=self.nodes {
-            run_steps(&plan::node(&topology.prefix, index, self.nodes)?)?;
+            run_steps(&plan::node(&topology.prefix, self.pods, index, self.nodes)?)?;
             topology.nodes.push(Node {
                 index,
                 name: node_name(index),
                 netns: Netns::attach(topology.prefix.node(index)),
                 ip: addr::node_ip(index)?,
-                pod_cidr: addr::pod_cidr(index)?,
+                pod_cidr: self.pods.node_cidr(index)?,
             });
         }
         let mut starting = Vec::new();
@@ -304,6 +312,7 @@ fn wait_ready(guard: &mut ChildGuard) -> Result<(), NetlabError> {
 #[derive(Debug)]
 pub struct Topology {
     prefix: RunPrefix,
+    pod_network: PodNetwork,
     switch: Netns,
     control_plane: Host,
     edge: Edge,
@@ -322,6 +331,7 @@ impl Topology {
     pub fn builder() -> TopologyBuilder {
         TopologyBuilder {
             nodes: 2,
+            pods: PodNetwork::DEFAULT,
             pods_per_node: None,
             echo: EchoSetup::Locate,
             http_port: DEFAULT_ECHO_PORT,
@@ -331,6 +341,11 @@ impl Topology {
     }
 
     /// The prefix of every namespace of this topology, e.g. `tdm4242x1`.
+    /// The cluster's pod network, which node pod CIDRs and pod addresses come from.
+    pub fn pod_network(&self) -> PodNetwork {
+        self.pod_network
+    }
+
     pub fn prefix(&self) -> &str {
         self.prefix.as_str()
     }
@@ -451,7 +466,7 @@ impl Topology {
             .get_mut(node - 1)
             .ok_or(NetlabError::UnknownNode(node))?;
         let index = *slot;
-        let ip = addr::pod_ip(node, index)?;
+        let ip = self.pod_network.pod_ip(node, index)?;
         *slot += 1;
         let pod = Pod {
             name: format!("n{node}p{index}"),
@@ -461,7 +476,7 @@ impl Topology {
             netns: Netns::attach(self.prefix.pod(node, index)),
             ip,
         };
-        run_steps(&plan::pod(&self.prefix, node, index)?)?;
+        run_steps(&plan::pod(&self.prefix, self.pod_network, node, index)?)?;
         Ok(pod)
     }
 

@@ -80,7 +80,7 @@ pub fn nginx_http() -> ServicePortName {
     port_name("default", "nginx-service", "http")
 }
 
-/// The API state of `shared/reference/README.md`.
+/// The API state the reference dump was made from (`tests/data/REFERENCE-README.md`).
 pub fn reference_state() -> ProxyState {
     let kubernetes = cluster_ip_service(
         port_name("default", "kubernetes", "https"),
@@ -106,8 +106,8 @@ pub fn reference_state() -> ProxyState {
     )
 }
 
-/// The reference dump (a copy of `shared/reference/`, with its README, so that the test
-/// needs nothing outside the crate).
+/// The reference dump: kube-proxy v1.21.2's own rules for [`reference_state`]
+/// (`tests/data/`, with a README on how it was made).
 pub const REFERENCE_DUMP: &str =
     include_str!("../data/kube-proxy-v1.21-loadbalancer-sourceranges.iptables");
 

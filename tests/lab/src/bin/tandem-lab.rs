@@ -10,10 +10,11 @@ use clap::{Parser, Subcommand};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
+use tandem_lab::images::Images;
 use tandem_lab::lab::{Lab, LabOptions};
 use tandem_lab::report;
 use tandem_lab::scenario::{LbMode, ServicePlan};
-use tandem_netlab::Node;
+use tandem_netlab::{Node, PodNetwork};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -31,6 +32,21 @@ struct Cli {
     /// relayed into the lab, the lab registers its Nodes there and removes what it wrote.
     #[arg(long, global = true, env = "TANDEM_LAB_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
+    /// The cluster's pod CIDR: node N's pods get its N-th /24, and the Nodes are registered
+    /// with that podCIDR. With --kubeconfig it must lie inside the API server's cluster CIDR
+    /// (kube-controller-manager's --cluster-cidr): its node-IPAM controller refuses Nodes
+    /// whose podCIDR is outside it. A /16 or wider.
+    #[arg(long, global = true, env = "TANDEM_LAB_POD_CIDR", default_value_t = PodNetwork::DEFAULT)]
+    pod_cidr: PodNetwork,
+    /// Run the mock cloud, the controller and the node proxies as podman containers from
+    /// the images `scripts/images.sh` built, tagged REGISTRY/NAME:VERSION.
+    #[arg(
+        long,
+        global = true,
+        env = "TANDEM_LAB_IMAGES",
+        value_name = "REGISTRY"
+    )]
+    images: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -106,6 +122,8 @@ fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) 
         nodes: cli.nodes,
         pods_per_node: pods_per_node(cli.nodes),
         api_server: cli.kubeconfig.clone(),
+        pod_network: cli.pod_cidr,
+        images: cli.images.clone().map(Images::new),
         ..LabOptions::default()
     };
     progress("building the virtual cluster (network namespaces, bridges, veth pairs, pods)");
@@ -350,8 +368,12 @@ fn up(cli: &Cli) -> Result<()> {
     let out = std::fs::File::create(&log)?;
     let mut cmd = std::process::Command::new(exe);
     cmd.args(["serve", "--nodes", &cli.nodes.to_string()]);
+    cmd.arg("--pod-cidr").arg(cli.pod_cidr.to_string());
     if let Some(kubeconfig) = &cli.kubeconfig {
         cmd.arg("--kubeconfig").arg(kubeconfig);
+    }
+    if let Some(registry) = &cli.images {
+        cmd.arg("--images").arg(registry);
     }
     cmd.stdin(std::process::Stdio::null())
         .stdout(out.try_clone()?)
@@ -419,6 +441,10 @@ fn print_usage(state: &LabState) {
     println!("\nkubectl (from the control-plane namespace):");
     println!(
         "  ip netns exec {} kubectl --kubeconfig {kc} get svc,nodes",
+        state.control_plane
+    );
+    println!(
+        "  ip netns exec {} kubectl --kubeconfig {kc} create service loadbalancer mine --tcp=80:8080",
         state.control_plane
     );
     if let Some((_, vip)) = state.services.first() {

@@ -442,7 +442,7 @@ mod tests {
             name: crate::node_name(2),
             netns: crate::Netns::attach("x"),
             ip: crate::addr::node_ip(2).unwrap(),
-            pod_cidr: crate::addr::pod_cidr(2).unwrap(),
+            pod_cidr: crate::addr::PodNetwork::DEFAULT.node_cidr(2).unwrap(),
         };
         assert_eq!(LabNode::from(&node), lab());
     }
