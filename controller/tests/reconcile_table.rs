@@ -5,6 +5,9 @@
 //! 127.0.0.1.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[allow(dead_code)]
+mod support;
+
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::sync::Arc;
@@ -18,6 +21,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector;
 use kube::runtime::watcher;
 use serde_json::json;
+use support::{condition_reason, ingress_ip};
 use tandem_controller::fake::{Call, FakeProvider};
 use tandem_controller::metrics::Metrics;
 use tandem_controller::plan::FINALIZER;
@@ -375,24 +379,6 @@ fn has_finalizer(svc: &Service) -> bool {
         .is_some_and(|f| f.iter().any(|f| f == FINALIZER))
 }
 
-fn condition_reason(svc: &Service) -> Option<String> {
-    svc.status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == "LoadBalancerReady")
-        .map(|c| c.reason.clone())
-}
-
-fn has_ingress(svc: &Service) -> bool {
-    svc.status
-        .as_ref()
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|l| l.ingress.as_ref())
-        .is_some_and(|i| !i.is_empty())
-}
-
 async fn event_reasons(client: &kube::Client, name: &str) -> Vec<String> {
     let events: Api<Event> = Api::namespaced(client.clone(), "default");
     let mut listed: Vec<Event> = events
@@ -560,10 +546,10 @@ async fn reconcile_table() {
                 if reason.as_deref() != row.condition {
                     problems.push(format!("condition {reason:?}, want {:?}", row.condition));
                 }
-                if has_ingress(svc) != row.ingress {
+                if ingress_ip(svc).is_some() != row.ingress {
                     problems.push(format!(
                         "ingress {}, want {}",
-                        has_ingress(svc),
+                        ingress_ip(svc).is_some(),
                         row.ingress
                     ));
                 }
