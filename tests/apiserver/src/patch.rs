@@ -337,16 +337,16 @@ mod tests {
     }
 
     #[test]
-    fn ingress_and_conditions_merge_by_key() {
+    fn ingress_is_replaced_whole_and_conditions_merge_by_key() {
         let svc = json!({"status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}]}, "conditions": [{"type": "A", "status": "False"}]}});
         let out = smp(
             svc,
-            json!({"status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.1", "ipMode": "VIP"}]}, "conditions": [{"type": "A", "status": "True"}, {"type": "B", "status": "True"}]}}),
+            json!({"status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.2", "ipMode": "VIP"}]}, "conditions": [{"type": "A", "status": "True"}, {"type": "B", "status": "True"}]}}),
             SERVICES,
         );
         assert_eq!(
             out["status"]["loadBalancer"]["ingress"],
-            json!([{"ip": "198.51.100.1", "ipMode": "VIP"}])
+            json!([{"ip": "198.51.100.2", "ipMode": "VIP"}])
         );
         assert_eq!(
             out["status"]["conditions"],

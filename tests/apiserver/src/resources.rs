@@ -97,10 +97,8 @@ pub static SERVICES: &ResourceType = &ResourceType {
         COMMON_LISTS[0],
         COMMON_LISTS[1],
         ("spec.ports", ListStrategy::MergeByKey("port")),
-        (
-            "status.loadBalancer.ingress",
-            ListStrategy::MergeByKey("ip"),
-        ),
+        // `+listType=atomic` upstream: a patch replaces the whole list.
+        ("status.loadBalancer.ingress", ListStrategy::Replace),
         ("status.conditions", ListStrategy::MergeByKey("type")),
     ],
 };

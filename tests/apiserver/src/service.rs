@@ -259,6 +259,11 @@ fn carry_over(old: &Value, new: &mut Value) {
     {
         remove(spec, "allocateLoadBalancerNodePorts");
     }
+    // A Service leaving LoadBalancer loses the class it kept unchanged, as upstream does: the
+    // cloud controller then recognises it as its own only by the finalizer.
+    if new_type != "LoadBalancer" && spec["loadBalancerClass"] == old_spec["loadBalancerClass"] {
+        remove(spec, "loadBalancerClass");
+    }
     if !matches!(new_type.as_str(), "NodePort" | "LoadBalancer")
         && spec["externalTrafficPolicy"] == old_spec["externalTrafficPolicy"]
     {
@@ -954,6 +959,34 @@ mod tests {
         assert!(
             alloc.ports.is_empty(),
             "node ports are released when the type no longer needs them"
+        );
+    }
+
+    #[test]
+    fn leaving_load_balancer_drops_an_unchanged_class_and_keeps_a_changed_one() {
+        let mut alloc = allocator();
+        let mut old = svc(
+            json!({"type": "LoadBalancer", "loadBalancerClass": "example.net/lb",
+            "ports": [{"port": 80}]}),
+        );
+        prepare_create(&mut old, &mut alloc).unwrap();
+        let mut to_cluster_ip = old.clone();
+        to_cluster_ip["spec"]["type"] = json!("ClusterIP");
+        prepare_update(&old, &mut to_cluster_ip, &mut alloc).unwrap();
+        assert!(to_cluster_ip["spec"].get("loadBalancerClass").is_none());
+        assert!(
+            to_cluster_ip["spec"]
+                .get("allocateLoadBalancerNodePorts")
+                .is_none()
+        );
+
+        let mut changed = old.clone();
+        changed["spec"]["type"] = json!("ClusterIP");
+        changed["spec"]["loadBalancerClass"] = json!("other.example.net/lb");
+        let errors = prepare_update(&old, &mut changed, &mut alloc).unwrap_err();
+        assert_eq!(
+            fields(&errors),
+            vec![("spec.loadBalancerClass", "FieldValueForbidden")]
         );
     }
 
