@@ -79,10 +79,9 @@ fn dedup_by_address(set: BTreeSet<Endpoint>) -> Vec<Endpoint> {
     let mut by_address: BTreeMap<(Ipv4Addr, u16), Endpoint> = BTreeMap::new();
     for endpoint in set {
         let key = (endpoint.ip, endpoint.port);
-        let serving = |e: &Endpoint| e.ready && !e.terminating;
         let better = match by_address.get(&key) {
             None => true,
-            Some(old) => serving(&endpoint) && !serving(old),
+            Some(old) => endpoint.is_ready() && !old.is_ready(),
         };
         if better {
             by_address.insert(key, endpoint);
@@ -407,12 +406,14 @@ fn slice_endpoints(
                 continue;
             };
             let conditions = endpoint.conditions.as_ref();
+            let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
             out.push((
                 name.clone(),
                 Endpoint {
                     ip,
                     port: target,
-                    ready: conditions.and_then(|c| c.ready).unwrap_or(true),
+                    ready,
+                    serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
                     terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
                     node_name: endpoint.node_name.clone(),
                 },

@@ -45,9 +45,7 @@ pub fn health_check_services(state: &ProxyState, node: &NodeConfig) -> Vec<Healt
             .into_iter()
             .flatten()
             .filter(|ep| {
-                ep.ready
-                    && !ep.terminating
-                    && ep.node_name.as_deref() == Some(node.node_name.as_str())
+                ep.is_ready() && ep.node_name.as_deref() == Some(node.node_name.as_str())
             });
         entry.1.extend(local_ready.map(|ep| ep.ip));
     }
@@ -115,6 +113,7 @@ mod tests {
             ip: Ipv4Addr::new(10, 244, 1, last),
             port,
             ready,
+            serving: ready,
             terminating,
             node_name: Some(node.into()),
         }

@@ -41,13 +41,15 @@ fn endpoint() -> impl Strategy<Value = Endpoint> {
         1u8..6,
         prop_oneof![Just(80u16), Just(81)],
         prop::bool::weighted(0.8),
+        prop::bool::weighted(0.7),
         prop::bool::weighted(0.1),
         0usize..3,
     )
-        .prop_map(|(subnet, host, port, ready, terminating, node)| Endpoint {
+        .prop_map(|(subnet, host, port, ready, serving, terminating, node)| Endpoint {
             ip: Ipv4Addr::new(10, 244, subnet, host),
             port,
             ready,
+            serving,
             terminating,
             node_name: [Some("node-a".to_owned()), Some("node-b".to_owned()), None][node].clone(),
         })
@@ -176,10 +178,19 @@ fn reversed_lists(state: &ProxyState) -> ProxyState {
     state
 }
 
+/// The ready endpoints, or the serving terminating ones when none is ready (KEP-1669).
 fn usable(state: &ProxyState, name: &ServicePortName) -> BTreeSet<SocketAddrV4> {
-    state.endpoints[name]
+    let endpoints = &state.endpoints[name];
+    let any_ready = endpoints.iter().any(Endpoint::is_ready);
+    endpoints
         .iter()
-        .filter(|ep| ep.ready && !ep.terminating)
+        .filter(|ep| {
+            if any_ready {
+                ep.is_ready()
+            } else {
+                ep.is_serving_terminating()
+            }
+        })
         .map(|ep| SocketAddrV4::new(ep.ip, ep.port))
         .collect()
 }
