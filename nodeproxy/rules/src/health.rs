@@ -44,9 +44,7 @@ pub fn health_check_services(state: &ProxyState, node: &NodeConfig) -> Vec<Healt
             .get(&svc.name)
             .into_iter()
             .flatten()
-            .filter(|ep| {
-                ep.is_ready() && ep.node_name.as_deref() == Some(node.node_name.as_str())
-            });
+            .filter(|ep| ep.is_ready() && ep.node_name.as_deref() == Some(node.node_name.as_str()));
         entry.1.extend(local_ready.map(|ep| ep.ip));
     }
     services

@@ -121,6 +121,13 @@ pub struct ProxyState {
     pub endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
 }
 
+impl ProxyState {
+    /// The endpoints of a Service port; none when no EndpointSlice names it.
+    pub fn endpoints_of(&self, name: &ServicePortName) -> &[Endpoint] {
+        self.endpoints.get(name).map_or(&[], Vec::as_slice)
+    }
+}
+
 /// This node's settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeConfig {

@@ -27,20 +27,45 @@ const LOOPBACK: &str = "127.0.0.0/8";
 pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
     let mut out = RulesetBuilder::with_fixed_chains();
     for service in state.services.values() {
-        let endpoints = state
-            .endpoints
-            .get(&service.name)
-            .map(Vec::as_slice)
-            .unwrap_or(&[]);
-        out.add_service_port(service, &usable_endpoints(endpoints, node), node);
+        out.add_service_port(
+            service,
+            &usable_endpoints(state.endpoints_of(&service.name), node),
+            node,
+        );
     }
-    out.nat(
-        KUBE_SERVICES,
-        RuleText::new()
-            .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
-            .matching("-m addrtype --dst-type LOCAL")
-            .jump(KUBE_NODEPORTS),
-    );
+    out.nat(KUBE_SERVICES, last_service_rule());
+    out.ruleset
+}
+
+/// The chains Service ports share: each adds its rules to them, in Service port order.
+/// Every other chain a port writes is its own (KUBE-SVC, KUBE-SEP, KUBE-FW, KUBE-XLB).
+pub const DISPATCH_CHAINS: [(Table, &str); 5] = [
+    (Table::Filter, KUBE_SERVICES),
+    (Table::Filter, KUBE_EXTERNAL_SERVICES),
+    (Table::Filter, KUBE_NODEPORTS),
+    (Table::Nat, KUBE_SERVICES),
+    (Table::Nat, KUBE_NODEPORTS),
+];
+
+/// The rule nat KUBE-SERVICES ends with, after every Service port's rules.
+pub fn last_service_rule() -> String {
+    RuleText::new()
+        .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
+        .matching("-m addrtype --dst-type LOCAL")
+        .jump(KUBE_NODEPORTS)
+}
+
+/// The rules of one Service port alone: its own chains with their rules, and (under the
+/// [`DISPATCH_CHAINS`] names) the rules it adds to the shared chains. [`build`] is the
+/// fixed chains, then these for every port in [`ServicePortName`] order, then
+/// [`last_service_rule`].
+///
+/// [`ServicePortName`]: crate::model::ServicePortName
+pub fn port_rules(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig) -> Ruleset {
+    let mut out = RulesetBuilder {
+        ruleset: Ruleset::default(),
+    };
+    out.add_service_port(svc, &usable_endpoints(endpoints, node), node);
     out.ruleset
 }
 
@@ -306,9 +331,7 @@ impl RulesetBuilder {
                 .filter(|ep| ep.cluster)
                 .map(|ep| ep.chain.as_str())
                 .collect();
-            self.add_balancing_rules(&port, &port.chains.service, &cluster, |_| {
-                port.name.clone()
-            });
+            self.add_balancing_rules(&port, &port.chains.service, &cluster, |_| port.name.clone());
             if port.local_policy {
                 self.add_external_local_chain(&port);
             }
@@ -705,7 +728,11 @@ mod tests {
         );
         // Nothing ready anywhere: every serving terminating endpoint, not the others.
         assert_eq!(
-            flags(&[ep(1, "a", false, true), ep(2, "b", false, true), ep(4, "b", false, false)]),
+            flags(&[
+                ep(1, "a", false, true),
+                ep(2, "b", false, true),
+                ep(4, "b", false, false)
+            ]),
             [(1, true, true), (2, true, false)]
         );
     }
