@@ -1,10 +1,11 @@
 //! Node proxy runtime: watches Services, EndpointSlices and its Node, and programs the
 //! kube-proxy v1.21 iptables data path computed by `tandem-proxy-rules`.
 //!
-//! Pure parts ([`k8s`], [`restore`], [`backend::detect`], [`conntrack::deletions`])
-//! decide; [`sync`], [`conntrack`], [`healthcheck`] and [`proxier`] do the I/O.
+//! Pure parts ([`k8s`], [`change_tracker`], [`restore`], [`backend::detect`],
+//! [`conntrack::deletions`]) decide; [`sync`], [`conntrack`], [`healthcheck`] and [`proxier`] do the I/O.
 
 pub mod backend;
+pub mod change_tracker;
 pub mod cli;
 pub mod conntrack;
 pub mod healthcheck;

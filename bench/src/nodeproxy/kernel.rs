@@ -261,7 +261,7 @@ async fn change(
     // Put the kernel back where the sync started, so the raw run does the same work.
     let undo: String = [Table::Filter, Table::Nat]
         .into_iter()
-        .filter_map(|t| restore::incremental(t.as_str(), desired.table(t), applied.table(t)))
+        .filter_map(|t| restore::between(t.as_str(), desired.table(t), applied.table(t)))
         .map(|p| p.text)
         .collect();
     if undo.is_empty() {

@@ -122,7 +122,7 @@ fn port_name(i: usize) -> ServicePortName {
     ServicePortName {
         namespace: ["a", "b"][i % 2].into(),
         name: format!("svc{}", i / 2),
-        port: if i % 3 == 0 {
+        port: if i.is_multiple_of(3) {
             String::new()
         } else {
             format!("p{i}")

@@ -72,12 +72,17 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
     let dirty = Arc::new(Notify::new());
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
-    let (observed, watches) =
-        proxier::watch(client, &node.node_name, dirty, metrics, shutdown.clone());
+    let (observed, watches) = proxier::watch(
+        client,
+        &node.node_name,
+        Arc::clone(&dirty),
+        metrics,
+        shutdown.clone(),
+    );
     let watching = tokio::spawn(watches);
-    observed.services.wait_until_ready().await?;
-    observed.slices.wait_until_ready().await?;
-    observed.node.wait_until_ready().await?;
+    if !observed.wait_until_listed(&dirty).await {
+        bail!("the watches ended before their first list");
+    }
     shutdown.cancel();
     watching.await?;
     let conversion = observed.conversion();
