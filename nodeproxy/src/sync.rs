@@ -58,7 +58,10 @@ pub struct TableSync {
     pub written_chains: usize,
     pub deleted_chains: usize,
     pub rules: usize,
+    /// From computing the payload to the restore (and any base-jump fix) done.
     pub elapsed: Duration,
+    /// The `iptables-restore` process alone, spawn to exit.
+    pub restore: Duration,
     /// The exact payload, kept for tests and debug logs.
     pub payload: String,
 }
@@ -183,7 +186,9 @@ impl Syncer {
                 (restore::full(name, &inspection, &with_canary), true)
             }
         };
+        let restore_started = Instant::now();
         self.restore(name, &payload).await?;
+        let restore = restore_started.elapsed();
         if payload.mode == RestoreMode::NoFlush && full {
             self.ensure_base_jumps(table).await?;
         }
@@ -195,6 +200,7 @@ impl Syncer {
             deleted_chains: payload.deleted_chains,
             rules: payload.rules,
             elapsed: started.elapsed(),
+            restore,
             payload: payload.text,
         }))
     }
