@@ -15,7 +15,7 @@
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 
-use tandem_proxy_rules::chains::PER_SERVICE_PREFIXES;
+use tandem_proxy_rules::chains::{self, PER_SERVICE_PREFIXES};
 use tandem_proxy_rules::ruleset::{BASE_JUMPS, TableRules};
 
 /// Chain the node proxy creates (empty) in mangle, nat and filter to notice when someone
@@ -24,14 +24,14 @@ pub const CANARY_CHAIN: &str = "KUBE-PROXY-CANARY";
 
 /// Fixed-name chains the node proxy owns. Per-Service chains are recognised by prefix.
 const OWNED_CHAINS: &[&str] = &[
-    "KUBE-SERVICES",
-    "KUBE-EXTERNAL-SERVICES",
-    "KUBE-NODEPORTS",
-    "KUBE-POSTROUTING",
-    "KUBE-MARK-MASQ",
-    "KUBE-MARK-DROP",
-    "KUBE-FORWARD",
-    "KUBE-FIREWALL",
+    chains::KUBE_SERVICES,
+    chains::KUBE_EXTERNAL_SERVICES,
+    chains::KUBE_NODEPORTS,
+    chains::KUBE_POSTROUTING,
+    chains::KUBE_MARK_MASQ,
+    chains::KUBE_MARK_DROP,
+    chains::KUBE_FORWARD,
+    chains::KUBE_FIREWALL,
     CANARY_CHAIN,
 ];
 
