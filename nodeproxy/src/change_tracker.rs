@@ -19,7 +19,7 @@ use kube::Resource;
 use kube::runtime::watcher::Event;
 use tandem_proxy_rules::model::{ProxyState, ServicePort, ServicePortName};
 
-use crate::k8s::{self, Skipped};
+use crate::convert::{self, Skipped};
 
 /// `(namespace, name)` of a watched object.
 type ObjectKey = (String, String);
@@ -152,7 +152,7 @@ impl ChangeTracker {
         let before = self.changed.len();
         for (previous, current) in self.services.record(event) {
             for service in previous.iter().chain(&current) {
-                let ports = k8s::service_ports(service, &mut Vec::new());
+                let ports = convert::service_ports(service, &mut Vec::new());
                 self.changed.extend(ports.into_iter().map(|port| port.name));
             }
         }
@@ -173,7 +173,7 @@ impl ChangeTracker {
             }
             // A port whose endpoints differ has some in one of the two versions.
             for slice in previous.iter().chain(&current) {
-                let endpoints = k8s::slice_endpoints(slice, &mut Vec::new());
+                let endpoints = convert::slice_endpoints(slice, &mut Vec::new());
                 self.changed
                     .extend(endpoints.into_iter().map(|(name, _)| name));
             }
@@ -190,7 +190,7 @@ impl ChangeTracker {
             .metadata
             .labels
             .as_ref()
-            .and_then(|labels| labels.get(k8s::SERVICE_NAME_LABEL))
+            .and_then(|labels| labels.get(convert::SERVICE_NAME_LABEL))
         else {
             return;
         };
@@ -235,7 +235,7 @@ impl ChangeTracker {
                 self.services
                     .by_key
                     .get(&service_key)
-                    .map(|service| k8s::service_ports(service, &mut changes.skipped))
+                    .map(|service| convert::service_ports(service, &mut changes.skipped))
                     .unwrap_or_default()
             });
             let Some(port) = service_ports.iter().find(|port| port.name == *name) else {
@@ -253,7 +253,7 @@ impl ChangeTracker {
                 });
             let mut endpoints = Vec::new();
             for slice in slices {
-                let of_slice = k8s::slice_endpoints(slice, &mut changes.skipped);
+                let of_slice = convert::slice_endpoints(slice, &mut changes.skipped);
                 endpoints.extend(
                     of_slice
                         .into_iter()
@@ -261,7 +261,7 @@ impl ChangeTracker {
                         .map(|(_, endpoint)| endpoint),
                 );
             }
-            let endpoints = k8s::join_endpoints(endpoints);
+            let endpoints = convert::join_endpoints(endpoints);
             self.state.services.insert(name.clone(), port.clone());
             changes.current.services.insert(name.clone(), port.clone());
             if !endpoints.is_empty() {
@@ -279,8 +279,8 @@ impl ChangeTracker {
     }
 
     /// A full conversion of every object held, independent of the change tracking.
-    pub fn full_conversion(&self) -> k8s::Conversion {
-        k8s::proxy_state(
+    pub fn full_conversion(&self) -> convert::Conversion {
+        convert::proxy_state(
             self.services.by_key.values().map(AsRef::as_ref),
             self.slices.by_key.values().map(AsRef::as_ref),
         )

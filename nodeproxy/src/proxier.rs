@@ -25,10 +25,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::change_tracker::{self, ChangeTracker, SharedTracker};
 use crate::conntrack;
+use crate::convert;
 use crate::healthcheck::{NodeHealth, ServiceHealthServers};
-use crate::k8s;
+use crate::iptables::{SyncError, Syncer};
 use crate::metrics::{Metrics, SyncLabels, SyncResult, TableLabel, TableLabels};
-use crate::sync::{SyncError, Syncer};
 
 #[derive(Debug, Clone)]
 pub struct ProxierConfig {
@@ -47,7 +47,7 @@ pub struct Observed {
 
 impl Observed {
     /// A full conversion of every Service and EndpointSlice, plus the values left out.
-    pub fn conversion(&self) -> k8s::Conversion {
+    pub fn conversion(&self) -> convert::Conversion {
         change_tracker::lock(&self.tracker).full_conversion()
     }
 
@@ -55,7 +55,7 @@ impl Observed {
         self.node
             .state()
             .iter()
-            .any(|node| k8s::node_is_draining(node))
+            .any(|node| convert::node_is_draining(node))
     }
 
     /// Wait until every watch delivered its first full list (or `shutdown`); false when
@@ -91,11 +91,11 @@ pub fn watch(
     let (node, node_writer) = reflector::store();
     let service_events = watcher(
         Api::<Service>::all(client.clone()),
-        watcher::Config::default().labels(&k8s::service_selector()),
+        watcher::Config::default().labels(&convert::service_selector()),
     );
     let slice_events = watcher(
         Api::<EndpointSlice>::all(client.clone()),
-        watcher::Config::default().labels(&k8s::slice_selector()),
+        watcher::Config::default().labels(&convert::slice_selector()),
     );
     let node_events = reflector::reflector(
         node_writer,
@@ -180,7 +180,7 @@ pub struct Proxier {
     /// The desired ruleset, kept current one changed Service port at a time.
     rules: IncrementalRuleset,
     /// Skipped values already logged, so each is warned about once, not every sync.
-    reported: HashSet<k8s::Skipped>,
+    reported: HashSet<convert::Skipped>,
 }
 
 impl Proxier {
@@ -378,7 +378,7 @@ impl Proxier {
 
     /// Warns once about each value left out (they come again whenever their object
     /// changes).
-    fn report_skipped(&mut self, skipped: &[k8s::Skipped]) {
+    fn report_skipped(&mut self, skipped: &[convert::Skipped]) {
         for value in skipped {
             if self.reported.insert(value.clone()) {
                 tracing::warn!(%value, "invalid value left out of the rules");

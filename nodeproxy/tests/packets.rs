@@ -13,8 +13,8 @@ use std::time::Duration;
 use common::*;
 use tandem_netlab::Topology;
 use tandem_nodeproxy::backend::Backend;
+use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::restore::RestoreMode;
-use tandem_nodeproxy::sync::Syncer;
 use tandem_proxy_rules::model::{NodeConfig, Protocol};
 
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use tandem_nodeproxy::backend::Backend;
+use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::restore::{self, RestoreMode, TableInspection};
-use tandem_nodeproxy::sync::Syncer;
 use tandem_proxy_rules::model::{IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort};
 
 const SERVICES: usize = 2_700;

@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use tandem_nodeproxy::k8s::SERVICE_NAME_LABEL;
+use tandem_nodeproxy::convert::SERVICE_NAME_LABEL;
 use tandem_proxy_rules::model::NodeConfig;
 
 /// The Kubernetes namespace every generated object lives in.
@@ -281,7 +281,7 @@ pub fn cluster_cidr() -> Ipv4Net {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tandem_nodeproxy::k8s::proxy_state;
+    use tandem_nodeproxy::convert::proxy_state;
 
     fn scale(kind: ServiceKind, services: usize, endpoints: usize) -> Scale {
         Scale {

@@ -10,10 +10,10 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use prometheus_client::registry::Registry;
 use tandem_nodeproxy::cli::{Cli, ClusterArgs, Command, TraceArgs};
 use tandem_nodeproxy::healthcheck::{self, NodeHealth, ServiceHealthServers};
+use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::metrics::{self, Metrics};
 use tandem_nodeproxy::proxier::{self, Proxier, ProxierConfig};
-use tandem_nodeproxy::sync::Syncer;
-use tandem_nodeproxy::{backend, k8s};
+use tandem_nodeproxy::{backend, convert};
 use tandem_proxy_rules::model::NodeConfig;
 use tandem_proxy_rules::trace::{Entry, Packet, TraceRequest};
 use tokio::sync::Notify;
@@ -94,7 +94,7 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
         .node
         .state()
         .iter()
-        .flat_map(|n| k8s::node_addresses(n))
+        .flat_map(|n| convert::node_addresses(n))
         .collect();
     let request = TraceRequest::new(
         Packet {
