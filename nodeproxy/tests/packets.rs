@@ -99,6 +99,23 @@ fn round_trip(stream: &mut TcpStream, line: &str) -> String {
     answer.trim_end().to_owned()
 }
 
+/// The virtual cluster of one test, without echo servers; `None` (the test is skipped)
+/// unless running as root.
+fn topology(nodes: usize, pods_per_node: &[u32]) -> Option<Topology> {
+    if !is_root() {
+        eprintln!("skipped: needs root");
+        return None;
+    }
+    let topo = Topology::builder()
+        .nodes(nodes)
+        .pods_per_node(pods_per_node)
+        .without_echo()
+        .handle_signals(false)
+        .build()
+        .unwrap();
+    Some(topo)
+}
+
 /// A full sync by a new syncer on the node; returns the restore modes it used.
 fn sync_on(
     node: &tandem_netlab::Node,
@@ -122,17 +139,9 @@ fn sync_on(
 
 #[test]
 fn lb_ip_reaches_a_pod_from_an_allowed_source_and_is_dropped_on_the_node_otherwise() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
+    let Some(topo) = topology(1, &[1]) else {
         return;
-    }
-    let topo = Topology::builder()
-        .nodes(1)
-        .pods_per_node(&[1])
-        .without_echo()
-        .handle_signals(false)
-        .build()
-        .unwrap();
+    };
     let node = topo.node(1).unwrap();
     let pod = topo.pods_on(1).next().unwrap();
 
@@ -229,17 +238,9 @@ fn udp_pod(pod: &tandem_netlab::Pod, name: &'static str, limit: usize) {
 
 #[test]
 fn udp_through_a_service_follows_an_endpoint_replacement() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
+    let Some(topo) = topology(1, &[2]) else {
         return;
-    }
-    let topo = Topology::builder()
-        .nodes(1)
-        .pods_per_node(&[2])
-        .without_echo()
-        .handle_signals(false)
-        .build()
-        .unwrap();
+    };
     let node = topo.node(1).unwrap();
     let pods: Vec<_> = topo.pods_on(1).collect();
     udp_pod(pods[0], "old", 10);
@@ -329,17 +330,9 @@ fn udp_through_a_service_follows_an_endpoint_replacement() {
 
 #[test]
 fn node_port_from_outside_reaches_a_pod_on_another_node_masqueraded() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
+    let Some(topo) = topology(2, &[0, 1]) else {
         return;
-    }
-    let topo = Topology::builder()
-        .nodes(2)
-        .pods_per_node(&[0, 1])
-        .without_echo()
-        .handle_signals(false)
-        .build()
-        .unwrap();
+    };
     let (node1, node2) = (topo.node(1).unwrap(), topo.node(2).unwrap());
     let pod = topo.pods_on(2).next().unwrap();
     tcp_pod(pod, 1);
@@ -365,17 +358,9 @@ fn node_port_from_outside_reaches_a_pod_on_another_node_masqueraded() {
 
 #[test]
 fn connections_survive_a_rolling_update_of_the_only_local_pod() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
+    let Some(topo) = topology(2, &[1, 1]) else {
         return;
-    }
-    let topo = Topology::builder()
-        .nodes(2)
-        .pods_per_node(&[1, 1])
-        .without_echo()
-        .handle_signals(false)
-        .build()
-        .unwrap();
+    };
     let (node1, node2) = (topo.node(1).unwrap(), topo.node(2).unwrap());
     let (old, new) = (
         topo.pods_on(1).next().unwrap(),

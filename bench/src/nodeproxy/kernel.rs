@@ -230,6 +230,16 @@ impl NodeProxy {
     }
 }
 
+/// The events of a watch's first list of `objects`.
+fn initial_list<K: Clone>(objects: &[K]) -> Vec<Event<K>> {
+    let listed = objects.iter().cloned().map(Event::InitApply);
+    [Event::Init]
+        .into_iter()
+        .chain(listed)
+        .chain([Event::InitDone])
+        .collect()
+}
+
 async fn sync_in_namespace(
     backend: Backend,
     mut cluster: Cluster,
@@ -241,33 +251,15 @@ async fn sync_in_namespace(
         syncer: Syncer::new(backend),
     };
     // The initial lists, as the watches deliver them (cloned before the clock starts).
-    let services: Vec<Event<_>> = cluster
-        .services
-        .iter()
-        .cloned()
-        .map(Event::InitApply)
-        .collect();
-    let slices: Vec<Event<_>> = cluster
-        .slices
-        .iter()
-        .cloned()
-        .map(Event::InitApply)
-        .collect();
+    let services = initial_list(&cluster.services);
+    let slices = initial_list(&cluster.slices);
     let started = Instant::now();
-    for event in [Event::Init]
+    services
         .into_iter()
-        .chain(services)
-        .chain([Event::InitDone])
-    {
-        proxy.tracker.record_service(event);
-    }
-    for event in [Event::Init]
+        .for_each(|event| _ = proxy.tracker.record_service(event));
+    slices
         .into_iter()
-        .chain(slices)
-        .chain([Event::InitDone])
-    {
-        proxy.tracker.record_slice(event);
-    }
+        .for_each(|event| _ = proxy.tracker.record_slice(event));
     let changed = proxy.take_and_build();
     let convert_build = started.elapsed();
     let tables = proxy
