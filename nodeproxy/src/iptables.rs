@@ -312,6 +312,12 @@ impl Syncer {
 
     /// Make sure the base jumps of `table` exist (`-C`, else `-I` at the top). Prepending
     /// in reverse keeps [`BASE_JUMPS`] order in a chain that had none of them.
+    ///
+    /// These single-rule commands run the detected backend's binary on the async runtime
+    /// with the same bounded lock wait as the restores; the `iptables` crate was tried for
+    /// them and dropped: it waits for the xtables lock without bound (`--wait`), blocks
+    /// (std::process), probes `iptables --version` whatever the backend, and splits rules
+    /// with a regex that does not know iptables-save's backslash escapes.
     async fn ensure_base_jumps(&self, table: Table) -> Result<(), SyncError> {
         for jump in BASE_JUMPS.iter().rev().filter(|j| j.table == table) {
             let rule = split_rule(jump.rule);
