@@ -45,6 +45,31 @@ pub struct Changes {
     pub first_slice_change: Option<Instant>,
 }
 
+impl Changes {
+    /// Folds in the changes taken after these (when these could not be applied): each
+    /// port keeps its earliest previous entry and gets its latest current one.
+    pub fn merge(&mut self, later: Changes) {
+        for name in &later.ports {
+            if self.ports.insert(name.clone()) {
+                if let Some(service) = later.previous.services.get(name) {
+                    self.previous.services.insert(name.clone(), service.clone());
+                }
+                if let Some(endpoints) = later.previous.endpoints.get(name) {
+                    self.previous
+                        .endpoints
+                        .insert(name.clone(), endpoints.clone());
+                }
+            }
+            self.current.services.remove(name);
+            self.current.endpoints.remove(name);
+        }
+        self.current.services.extend(later.current.services);
+        self.current.endpoints.extend(later.current.endpoints);
+        self.skipped.extend(later.skipped);
+        self.first_slice_change = self.first_slice_change.or(later.first_slice_change);
+    }
+}
+
 /// One kind's objects and the relist in progress, if any.
 #[derive(Debug)]
 struct Objects<K> {
@@ -284,5 +309,55 @@ impl ChangeTracker {
             self.services.by_key.values().map(AsRef::as_ref),
             self.slices.by_key.values().map(AsRef::as_ref),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tandem_proxy_rules::model::Endpoint;
+
+    use super::*;
+
+    fn name(port: &str) -> ServicePortName {
+        ServicePortName {
+            namespace: "default".into(),
+            name: "web".into(),
+            port: port.into(),
+        }
+    }
+
+    fn endpoints(last: u8) -> Vec<Endpoint> {
+        vec![Endpoint {
+            ip: std::net::Ipv4Addr::new(10, 244, 1, last),
+            port: 80,
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: None,
+        }]
+    }
+
+    fn changes(port: &str, previous: Option<u8>, current: Option<u8>) -> Changes {
+        let mut out = Changes::default();
+        out.ports.insert(name(port));
+        if let Some(last) = previous {
+            out.previous.endpoints.insert(name(port), endpoints(last));
+        }
+        if let Some(last) = current {
+            out.current.endpoints.insert(name(port), endpoints(last));
+        }
+        out
+    }
+
+    #[test]
+    fn merged_changes_keep_the_earliest_previous_and_the_latest_current() {
+        let mut earlier = changes("http", Some(1), Some(2));
+        earlier.merge(changes("http", Some(2), None));
+        earlier.merge(changes("dns", None, Some(7)));
+        assert_eq!(earlier.ports, [name("dns"), name("http")].into());
+        assert_eq!(earlier.previous.endpoints[&name("http")], endpoints(1));
+        assert!(!earlier.current.endpoints.contains_key(&name("http")));
+        assert!(!earlier.previous.endpoints.contains_key(&name("dns")));
+        assert_eq!(earlier.current.endpoints[&name("dns")], endpoints(7));
     }
 }

@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::change_tracker::{self, ChangeTracker, SharedTracker};
+use crate::change_tracker::{self, ChangeTracker, Changes, SharedTracker};
 use crate::conntrack;
 use crate::convert;
 use crate::healthcheck::{NodeHealth, ServiceHealthServers};
@@ -181,6 +181,9 @@ pub struct Proxier {
     rules: IncrementalRuleset,
     /// Skipped values already logged, so each is warned about once, not every sync.
     reported: HashSet<convert::Skipped>,
+    /// Changes taken but not applied yet (the apply failed): their conntrack clean-up and
+    /// latency wait for the next successful sync.
+    unapplied: Option<Changes>,
 }
 
 impl Proxier {
@@ -200,6 +203,7 @@ impl Proxier {
             health_servers,
             rules,
             reported: HashSet::new(),
+            unapplied: None,
         }
     }
 
@@ -266,6 +270,14 @@ impl Proxier {
         if full_check {
             changed.merge(self.check_against_full_rebuild(observed));
         }
+        let ports = changes.ports.len();
+        let changes = match self.unapplied.take() {
+            Some(mut earlier) => {
+                earlier.merge(changes);
+                earlier
+            }
+            None => changes,
+        };
         self.node_health.set_draining(observed.node_draining());
         let applied = self.apply(&changed).await;
         let health_services = {
@@ -284,6 +296,8 @@ impl Proxier {
             self.metrics
                 .last_sync_timestamp
                 .set(Timestamp::now().as_millisecond() as f64 / 1000.0);
+        } else {
+            self.unapplied = Some(changes);
         }
         let elapsed = started.elapsed();
         self.metrics.sync_duration.observe(elapsed.as_secs_f64());
@@ -298,7 +312,7 @@ impl Proxier {
             .inc();
         tracing::debug!(
             elapsed_ms = elapsed.as_millis() as u64,
-            ports = changes.ports.len(),
+            ports,
             chains = changed.len(),
             applied,
             "sync done"
