@@ -166,11 +166,6 @@ impl ChangeTracker {
         self.services.listed && self.slices.listed
     }
 
-    /// True when changes wait for the next sync.
-    pub fn has_changes(&self) -> bool {
-        !self.changed.is_empty()
-    }
-
     /// Records a Service watch event; true when it changed a Service port or finished a list.
     pub fn record_service(&mut self, event: Event<Service>) -> bool {
         let finishes_list = matches!(event, Event::InitDone);

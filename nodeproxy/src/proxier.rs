@@ -313,7 +313,7 @@ impl Proxier {
         tracing::debug!(
             elapsed_ms = elapsed.as_millis() as u64,
             ports,
-            chains = changed.len(),
+            chains = changed.count(),
             applied,
             "sync done"
         );
@@ -333,7 +333,7 @@ impl Proxier {
         let differing = ChangedChains::between(self.rules.ruleset(), &full);
         self.metrics.sync_divergence.inc();
         tracing::error!(
-            chains = differing.len(),
+            chains = differing.count(),
             first = ?differing.nat.iter().chain(&differing.filter).take(5).collect::<Vec<_>>(),
             "the incremental ruleset differs from a full rebuild; using the full rebuild"
         );

@@ -47,10 +47,6 @@ impl IncrementalRuleset {
         &self.ruleset
     }
 
-    pub fn node(&self) -> &NodeConfig {
-        &self.node
-    }
-
     /// Rebuilds the given Service ports from `state` (a port `state` no longer has is
     /// removed) and returns the chains whose rules changed or that went away.
     pub fn update<'a>(

@@ -111,11 +111,8 @@ impl ChangedChains {
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.filter.is_empty() && self.nat.is_empty()
-    }
-
-    pub fn len(&self) -> usize {
+    /// How many chains are named, in both tables.
+    pub fn count(&self) -> usize {
         self.filter.len() + self.nat.len()
     }
 
