@@ -1,5 +1,5 @@
-//! HTTP health endpoints load balancers probe: the node's `/healthz` (kube-proxy's
-//! `ProxierHealthServer`) and one server per externalTrafficPolicy=Local Service on its
+//! HTTP health endpoints: the node's `/healthz` that load balancers probe and `/livez`
+//! for the kubelet's liveness probe (kube-proxy's `ProxierHealthServer`), and one server per externalTrafficPolicy=Local Service on its
 //! `healthCheckNodePort`.
 
 use std::collections::BTreeMap;
@@ -63,13 +63,25 @@ impl NodeHealth {
             .draining = draining;
     }
 
-    /// The status and body `/healthz` returns at `now`.
+    /// The status and body `/healthz` returns at `now`: 503 when syncs are stale or the
+    /// node is draining, so load balancers stop sending it new connections.
     pub fn answer(&self, now: Timestamp) -> (StatusCode, HealthzBody) {
+        self.answer_for(now, true)
+    }
+
+    /// The status and body `/livez` returns at `now`: the process's own health, whether
+    /// syncs keep succeeding, unaffected by draining (KEP-3836), so a liveness probe does
+    /// not restart the proxy of a node that is being drained.
+    pub fn liveness(&self, now: Timestamp) -> (StatusCode, HealthzBody) {
+        self.answer_for(now, false)
+    }
+
+    fn answer_for(&self, now: Timestamp, drain_counts: bool) -> (StatusCode, HealthzBody) {
         let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         let fresh = inner
             .last_synced
             .is_some_and(|at| now.duration_since(at).unsigned_abs().le(&self.stale_after));
-        let status = if fresh && !inner.draining {
+        let status = if fresh && !(drain_counts && inner.draining) {
             StatusCode::OK
         } else {
             StatusCode::SERVICE_UNAVAILABLE
@@ -82,13 +94,20 @@ impl NodeHealth {
     }
 }
 
-/// `GET /healthz`.
+/// `GET /healthz` and `GET /livez`.
 pub fn healthz_router(health: Arc<NodeHealth>) -> Router {
     Router::new()
         .route(
             "/healthz",
             get(|State(health): State<Arc<NodeHealth>>| async move {
                 let (status, body) = health.answer(Timestamp::now());
+                json_response(status, &body)
+            }),
+        )
+        .route(
+            "/livez",
+            get(|State(health): State<Arc<NodeHealth>>| async move {
+                let (status, body) = health.liveness(Timestamp::now());
                 json_response(status, &body)
             }),
         )
@@ -287,6 +306,22 @@ mod tests {
             StatusCode::SERVICE_UNAVAILABLE,
             "draining"
         );
+        assert_eq!(
+            health.liveness(synced).0,
+            StatusCode::OK,
+            "alive while draining"
+        );
+        assert_eq!(
+            health.liveness(later).0,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "stale"
+        );
+        health.record_sync(Timestamp::now());
+        let livez = Request::get("/livez").body(Body::empty()).unwrap();
+        let (status, _) = body_of(router.clone().oneshot(livez).await.unwrap()).await;
+        assert_eq!(status, StatusCode::OK);
+        let (status, _) = body_of(router.oneshot(request()).await.unwrap()).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     }
 
     #[tokio::test]

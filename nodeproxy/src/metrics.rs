@@ -67,6 +67,11 @@ pub struct Metrics {
     pub last_sync_timestamp: Gauge<f64, AtomicU64>,
     pub endpoints_changes: Counter,
     pub skipped_values: Counter,
+    /// Full rebuilds that found the incremental ruleset different: must stay 0.
+    pub sync_divergence: Counter,
+    /// EndpointSlice change seen → its rules applied (kube-proxy's
+    /// network_programming_duration_seconds, measured from when the watch delivered it).
+    pub network_programming: Histogram,
 }
 
 impl Metrics {
@@ -81,6 +86,8 @@ impl Metrics {
             last_sync_timestamp: Gauge::default(),
             endpoints_changes: Counter::default(),
             skipped_values: Counter::default(),
+            sync_divergence: Counter::default(),
+            network_programming: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
         };
         let registry = registry.sub_registry_with_prefix("tandem_nodeproxy");
         registry.register(
@@ -122,6 +129,16 @@ impl Metrics {
             "skipped_values",
             "Invalid Service or EndpointSlice values left out of the rules",
             metrics.skipped_values.clone(),
+        );
+        registry.register(
+            "sync_divergence",
+            "Periodic full rebuilds that found the incrementally kept ruleset different",
+            metrics.sync_divergence.clone(),
+        );
+        registry.register(
+            "network_programming_duration_seconds",
+            "From an EndpointSlice change reaching the node proxy to its rules being applied",
+            metrics.network_programming.clone(),
         );
         metrics
     }

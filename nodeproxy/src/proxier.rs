@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 use std::fmt::Debug;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
@@ -16,17 +16,19 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use tandem_proxy_rules::health::health_check_services;
-use tandem_proxy_rules::model::{NodeConfig, ProxyState};
-use tandem_proxy_rules::ruleset::Ruleset;
+use tandem_proxy_rules::incremental::IncrementalRuleset;
+use tandem_proxy_rules::model::NodeConfig;
+use tandem_proxy_rules::ruleset::{ChangedChains, Ruleset, Table};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::change_tracker::{self, ChangeTracker, Changes, SharedTracker};
 use crate::conntrack;
+use crate::convert;
 use crate::healthcheck::{NodeHealth, ServiceHealthServers};
-use crate::k8s;
+use crate::iptables::{SyncError, Syncer};
 use crate::metrics::{Metrics, SyncLabels, SyncResult, TableLabel, TableLabels};
-use crate::sync::{SyncError, Syncer};
 
 #[derive(Debug, Clone)]
 pub struct ProxierConfig {
@@ -35,35 +37,49 @@ pub struct ProxierConfig {
     pub min_sync_period: Duration,
 }
 
-/// The observed cluster: reflector stores, kept current by [`Proxier::watch`].
+/// The observed cluster, kept current by [`watch`]: Services and EndpointSlices in the
+/// change tracker, this node's Node in a reflector store.
 #[derive(Clone)]
 pub struct Observed {
-    pub services: Store<Service>,
-    pub slices: Store<EndpointSlice>,
+    pub tracker: SharedTracker,
     pub node: Store<Node>,
 }
 
 impl Observed {
-    /// The state the rules are built from, plus the values that had to be left out.
-    pub fn conversion(&self) -> k8s::Conversion {
-        let services = self.services.state();
-        let slices = self.slices.state();
-        k8s::proxy_state(
-            services.iter().map(AsRef::as_ref),
-            slices.iter().map(AsRef::as_ref),
-        )
+    /// A full conversion of every Service and EndpointSlice, plus the values left out.
+    pub fn conversion(&self) -> convert::Conversion {
+        change_tracker::lock(&self.tracker).full_conversion()
     }
 
     pub fn node_draining(&self) -> bool {
         self.node
             .state()
             .iter()
-            .any(|node| k8s::node_is_draining(node))
+            .any(|node| convert::node_is_draining(node))
+    }
+
+    /// Wait until every watch delivered its first full list (or `shutdown`); false when
+    /// the watches ended first.
+    pub async fn wait_until_listed(&self, dirty: &Notify) -> bool {
+        if self.node.wait_until_ready().await.is_err() {
+            return false;
+        }
+        loop {
+            // Register before checking, so a list finished in between is not missed.
+            let notified = dirty.notified();
+            if change_tracker::lock(&self.tracker).listed() {
+                // The permit this wait may have consumed stands for changes to sync.
+                dirty.notify_one();
+                return true;
+            }
+            notified.await;
+        }
     }
 }
 
-/// Start the reflectors; `dirty` is notified on every change. The returned future runs
-/// them until `shutdown`.
+/// Start the watches; `dirty` is notified whenever a change waits for a sync. The
+/// returned future runs them until `shutdown`. As kube-proxy does, Services another proxy
+/// owns (`service.kubernetes.io/service-proxy-name`) and headless ones are not watched.
 pub fn watch(
     client: Client,
     node_name: &str,
@@ -71,22 +87,15 @@ pub fn watch(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) -> (Observed, impl Future<Output = ()> + use<>) {
-    let (services, services_writer) = reflector::store();
-    let (slices, slices_writer) = reflector::store();
+    let tracker: SharedTracker = Arc::new(Mutex::new(ChangeTracker::default()));
     let (node, node_writer) = reflector::store();
-    let service_events = reflector::reflector(
-        services_writer,
-        watcher(
-            Api::<Service>::all(client.clone()),
-            watcher::Config::default(),
-        ),
+    let service_events = watcher(
+        Api::<Service>::all(client.clone()),
+        watcher::Config::default().labels(&convert::service_selector()),
     );
-    let slice_events = reflector::reflector(
-        slices_writer,
-        watcher(
-            Api::<EndpointSlice>::all(client.clone()),
-            watcher::Config::default().labels(k8s::SERVICE_NAME_LABEL),
-        ),
+    let slice_events = watcher(
+        Api::<EndpointSlice>::all(client.clone()),
+        watcher::Config::default().labels(&convert::slice_selector()),
     );
     let node_events = reflector::reflector(
         node_writer,
@@ -95,35 +104,43 @@ pub fn watch(
             watcher::Config::default().fields(&format!("metadata.name={node_name}")),
         ),
     );
-    let endpoints_changes = metrics.endpoints_changes.clone();
     let run = {
         let dirty = Arc::clone(&dirty);
+        let tracker = Arc::clone(&tracker);
         async move {
-            let on_slice = move || {
-                endpoints_changes.inc();
+            let on_service = {
+                let tracker = Arc::clone(&tracker);
+                move |event| change_tracker::lock(&tracker).record_service(event)
+            };
+            let on_slice = move |event| {
+                let changed = change_tracker::lock(&tracker).record_slice(event);
+                if changed {
+                    metrics.endpoints_changes.inc();
+                }
+                changed
+            };
+            // The Node only feeds /healthz, which each sync refreshes.
+            let on_node = |event: watcher::Event<Node>| {
+                !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_))
             };
             tokio::select! {
                 () = shutdown.cancelled() => {}
-                () = drive(service_events, Arc::clone(&dirty), || {}) => {}
+                () = drive(service_events, Arc::clone(&dirty), on_service) => {}
                 () = drive(slice_events, Arc::clone(&dirty), on_slice) => {}
-                () = drive(node_events, dirty, || {}) => {}
+                () = drive(node_events, dirty, on_node) => {}
             }
         }
     };
-    (
-        Observed {
-            services,
-            slices,
-            node,
-        },
-        run,
-    )
+    (Observed { tracker, node }, run)
 }
 
-/// Consume one watch stream, marking the proxier dirty on every event; watch errors are
-/// retried with kube-runtime's default backoff.
-async fn drive<K, S>(events: S, dirty: Arc<Notify>, on_event: impl Fn())
-where
+/// Consume one watch stream, handing each event to `record` and notifying `dirty` when it
+/// says something changed; watch errors are retried with kube-runtime's default backoff.
+async fn drive<K, S>(
+    events: S,
+    dirty: Arc<Notify>,
+    mut record: impl FnMut(watcher::Event<K>) -> bool,
+) where
     K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + 'static,
     S: Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
 {
@@ -131,10 +148,10 @@ where
     futures::pin_mut!(events);
     while let Some(event) = events.next().await {
         match event {
-            Ok(watcher::Event::InitApply(_) | watcher::Event::Init) => {}
-            Ok(_) => {
-                on_event();
-                dirty.notify_one();
+            Ok(event) => {
+                if record(event) {
+                    dirty.notify_one();
+                }
             }
             Err(error) => {
                 tracing::warn!(kind = K::kind(&()).as_ref(), %error, "watch failed; retrying")
@@ -160,10 +177,13 @@ pub struct Proxier {
     pub metrics: Metrics,
     pub node_health: Arc<NodeHealth>,
     pub health_servers: ServiceHealthServers,
+    /// The desired ruleset, kept current one changed Service port at a time.
+    rules: IncrementalRuleset,
     /// Skipped values already logged, so each is warned about once, not every sync.
-    reported: HashSet<k8s::Skipped>,
-    /// The state of the previous successful sync, for conntrack clean-up.
-    previous: ProxyState,
+    reported: HashSet<convert::Skipped>,
+    /// Changes taken but not applied yet (the apply failed): their conntrack clean-up and
+    /// latency wait for the next successful sync.
+    unapplied: Option<Changes>,
 }
 
 impl Proxier {
@@ -174,41 +194,40 @@ impl Proxier {
         node_health: Arc<NodeHealth>,
         health_servers: ServiceHealthServers,
     ) -> Self {
+        let rules = IncrementalRuleset::new(config.node.clone());
         Self {
             config,
             syncer,
             metrics,
             node_health,
             health_servers,
+            rules,
             reported: HashSet::new(),
-            previous: ProxyState::default(),
+            unapplied: None,
         }
     }
 
     /// Run until `shutdown`: wait for the first full list of every watch, then sync on
-    /// change (at most once per `min_sync_period`) and every `sync_period`. Rules stay in
-    /// place on shutdown, as with kube-proxy, so traffic keeps flowing across restarts.
+    /// change (at most once per `min_sync_period`) and every `sync_period`, when the
+    /// incremental ruleset is also checked against a full rebuild. Rules stay in place on
+    /// shutdown, as with kube-proxy, so traffic keeps flowing across restarts.
     pub async fn run(
         mut self,
         observed: Observed,
         dirty: Arc<Notify>,
         shutdown: CancellationToken,
     ) {
-        let ready = async {
-            observed.services.wait_until_ready().await?;
-            observed.slices.wait_until_ready().await?;
-            observed.node.wait_until_ready().await
-        };
         tokio::select! {
             () = shutdown.cancelled() => return,
-            result = ready => if let Err(error) = result {
-                tracing::error!(%error, "watches ended before their first list");
+            listed = observed.wait_until_listed(&dirty) => if !listed {
+                tracing::error!("watches ended before their first list");
                 return;
             },
         }
         tracing::info!("initial lists received; syncing");
         let mut last_sync = Instant::now() - self.config.min_sync_period;
-        let mut next_periodic = Instant::now();
+        // The first periodic sync comes one period after the first sync.
+        let mut next_periodic = Instant::now() + self.config.sync_period;
         let mut failures = 0u32;
         loop {
             let periodic = tokio::select! {
@@ -228,7 +247,7 @@ impl Proxier {
                 }
             }
             last_sync = Instant::now();
-            if self.sync_once(&observed).await {
+            if self.sync_once(&observed, periodic).await {
                 failures = 0;
             } else {
                 // Try again, backing off; the failed tables are rewritten in full.
@@ -238,27 +257,47 @@ impl Proxier {
         }
     }
 
-    /// One sync: build, apply, then the health-check servers and conntrack. Returns false
-    /// when applying the rules failed.
+    /// One sync: take the changes, rebuild the changed Service ports, apply the chains
+    /// that differ, then the health-check servers and conntrack. With `full_check`, the
+    /// incremental ruleset is compared with a full rebuild first. Returns false when
+    /// applying the rules failed.
     #[tracing::instrument(skip_all)]
-    pub async fn sync_once(&mut self, observed: &Observed) -> bool {
+    pub async fn sync_once(&mut self, observed: &Observed, full_check: bool) -> bool {
         let started = std::time::Instant::now();
-        let conversion = observed.conversion();
-        self.report_skipped(&conversion.skipped);
-        let state = conversion.state;
-        let ruleset = tandem_proxy_rules::build(&state, &self.config.node);
+        let changes = change_tracker::lock(&observed.tracker).take();
+        self.report_skipped(&changes.skipped);
+        let mut changed = self.rules.update(&changes.current, &changes.ports);
+        if full_check {
+            changed.merge(self.check_against_full_rebuild(observed));
+        }
+        let ports = changes.ports.len();
+        let changes = match self.unapplied.take() {
+            Some(mut earlier) => {
+                earlier.merge(changes);
+                earlier
+            }
+            None => changes,
+        };
         self.node_health.set_draining(observed.node_draining());
-        let applied = self.apply(&ruleset).await;
-        self.health_servers
-            .update(health_check_services(&state, &self.config.node))
-            .await;
+        let applied = self.apply(&changed).await;
+        let health_services = {
+            let tracker = change_tracker::lock(&observed.tracker);
+            health_check_services(tracker.state(), &self.config.node)
+        };
+        self.health_servers.update(health_services).await;
         if applied {
-            conntrack::clear_stale(&self.previous, &state).await;
-            self.previous = state;
+            if let Some(seen) = changes.first_slice_change {
+                self.metrics
+                    .network_programming
+                    .observe(seen.elapsed().as_secs_f64());
+            }
+            conntrack::clear_stale(&changes.previous, &changes.current).await;
             self.node_health.record_sync(Timestamp::now());
             self.metrics
                 .last_sync_timestamp
                 .set(Timestamp::now().as_millisecond() as f64 / 1000.0);
+        } else {
+            self.unapplied = Some(changes);
         }
         let elapsed = started.elapsed();
         self.metrics.sync_duration.observe(elapsed.as_secs_f64());
@@ -273,14 +312,40 @@ impl Proxier {
             .inc();
         tracing::debug!(
             elapsed_ms = elapsed.as_millis() as u64,
+            ports,
+            chains = changed.count(),
             applied,
             "sync done"
         );
         applied
     }
 
-    async fn apply(&mut self, ruleset: &Ruleset) -> bool {
-        for table in crate::sync::TABLES {
+    /// The safety net: a full conversion and build of every object the tracker holds,
+    /// compared with the incremental ruleset. A difference is a bug in the change
+    /// tracking: it is logged and counted, and the full rebuild replaces the incremental
+    /// state. Returns the chains that differed.
+    fn check_against_full_rebuild(&mut self, observed: &Observed) -> ChangedChains {
+        let conversion = observed.conversion();
+        let full = tandem_proxy_rules::build(&conversion.state, &self.config.node);
+        if &full == self.rules.ruleset() {
+            return ChangedChains::default();
+        }
+        let differing = ChangedChains::between(self.rules.ruleset(), &full);
+        self.metrics.sync_divergence.inc();
+        tracing::error!(
+            chains = differing.count(),
+            first = ?differing.nat.iter().chain(&differing.filter).take(5).collect::<Vec<_>>(),
+            "the incremental ruleset differs from a full rebuild; using the full rebuild"
+        );
+        let mut rebuilt = IncrementalRuleset::new(self.config.node.clone());
+        rebuilt.update(&conversion.state, conversion.state.services.keys());
+        self.rules = rebuilt;
+        differing
+    }
+
+    async fn apply(&mut self, changed: &ChangedChains) -> bool {
+        let ruleset: &Ruleset = self.rules.ruleset();
+        for table in Table::ALL {
             let labels = TableLabels {
                 table: table.into(),
             };
@@ -294,7 +359,7 @@ impl Proxier {
                 .get_or_create(&labels)
                 .set(rules.chains.values().map(Vec::len).sum::<usize>() as i64);
         }
-        match self.syncer.sync(ruleset).await {
+        match self.syncer.sync_changed(ruleset, changed).await {
             Ok(tables) => {
                 for done in tables {
                     tracing::info!(
@@ -325,13 +390,15 @@ impl Proxier {
         }
     }
 
-    fn report_skipped(&mut self, skipped: &[k8s::Skipped]) {
-        let current: HashSet<k8s::Skipped> = skipped.iter().cloned().collect();
-        for value in current.difference(&self.reported) {
-            tracing::warn!(%value, "invalid value left out of the rules");
-            self.metrics.skipped_values.inc();
+    /// Warns once about each value left out (they come again whenever their object
+    /// changes).
+    fn report_skipped(&mut self, skipped: &[convert::Skipped]) {
+        for value in skipped {
+            if self.reported.insert(value.clone()) {
+                tracing::warn!(%value, "invalid value left out of the rules");
+                self.metrics.skipped_values.inc();
+            }
         }
-        self.reported = current;
     }
 }
 

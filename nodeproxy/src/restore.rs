@@ -15,7 +15,7 @@
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 
-use tandem_proxy_rules::chains::PER_SERVICE_PREFIXES;
+use tandem_proxy_rules::chains::{self, PER_SERVICE_PREFIXES};
 use tandem_proxy_rules::ruleset::{BASE_JUMPS, TableRules};
 
 /// Chain the node proxy creates (empty) in mangle, nat and filter to notice when someone
@@ -24,14 +24,14 @@ pub const CANARY_CHAIN: &str = "KUBE-PROXY-CANARY";
 
 /// Fixed-name chains the node proxy owns. Per-Service chains are recognised by prefix.
 const OWNED_CHAINS: &[&str] = &[
-    "KUBE-SERVICES",
-    "KUBE-EXTERNAL-SERVICES",
-    "KUBE-NODEPORTS",
-    "KUBE-POSTROUTING",
-    "KUBE-MARK-MASQ",
-    "KUBE-MARK-DROP",
-    "KUBE-FORWARD",
-    "KUBE-FIREWALL",
+    chains::KUBE_SERVICES,
+    chains::KUBE_EXTERNAL_SERVICES,
+    chains::KUBE_NODEPORTS,
+    chains::KUBE_POSTROUTING,
+    chains::KUBE_MARK_MASQ,
+    chains::KUBE_MARK_DROP,
+    chains::KUBE_FORWARD,
+    chains::KUBE_FIREWALL,
     CANARY_CHAIN,
 ];
 
@@ -69,27 +69,46 @@ pub struct Payload {
     pub rules: usize,
 }
 
-/// The payload that takes a table from `applied` to `desired`: declares and rewrites the
-/// chains whose rules differ, deletes the chains that went away, or `None` when nothing
-/// changed. Declaring an existing chain in `--noflush` mode flushes it; deleted chains are
-/// flushed too and removed with `-X` after all rewritten chains, so nothing jumps to them
-/// any more by the time they go (all in one transaction).
-pub fn incremental(table: &str, applied: &TableRules, desired: &TableRules) -> Option<Payload> {
-    let changed: Vec<&String> = desired
-        .chains
+/// The payload that takes a table from `applied` to `desired`, where only the chains
+/// named in `candidates` may differ: declares and rewrites those whose rules differ,
+/// deletes those that went away, or `None` when nothing changed. Declaring an existing
+/// chain in `--noflush` mode flushes it; deleted chains are flushed too and removed with
+/// `-X` after all rewritten chains, so nothing jumps to them any more by the time they go
+/// (all in one transaction).
+pub fn incremental(
+    table: &str,
+    applied: &TableRules,
+    desired: &TableRules,
+    candidates: &BTreeSet<String>,
+) -> Option<Payload> {
+    let changed: Vec<&String> = candidates
         .iter()
-        .filter(|(name, rules)| applied.chains.get(*name) != Some(rules))
-        .map(|(name, _)| name)
+        .filter(|name| {
+            desired
+                .chains
+                .get(*name)
+                .is_some_and(|rules| applied.chains.get(*name) != Some(rules))
+        })
         .collect();
-    let deleted: Vec<&String> = applied
-        .chains
-        .keys()
-        .filter(|name| !desired.chains.contains_key(*name))
+    let deleted: Vec<&String> = candidates
+        .iter()
+        .filter(|name| applied.chains.contains_key(*name) && !desired.chains.contains_key(*name))
         .collect();
     if changed.is_empty() && deleted.is_empty() {
         return None;
     }
     Some(noflush_payload(table, desired, &changed, &deleted))
+}
+
+/// [`incremental`] with every chain of either table as a candidate: a full comparison.
+pub fn between(table: &str, applied: &TableRules, desired: &TableRules) -> Option<Payload> {
+    let every_chain: BTreeSet<String> = applied
+        .chains
+        .keys()
+        .chain(desired.chains.keys())
+        .cloned()
+        .collect();
+    incremental(table, applied, desired, &every_chain)
 }
 
 fn noflush_payload(
@@ -345,7 +364,7 @@ mod tests {
     #[test]
     fn unchanged_table_needs_no_restore() {
         let t = rules(&[("KUBE-SERVICES", &["-j RETURN"]), ("KUBE-SVC-A", &[])]);
-        assert_eq!(incremental("nat", &t, &t), None);
+        assert_eq!(between("nat", &t, &t), None);
     }
 
     #[test]
@@ -375,7 +394,7 @@ mod tests {
             ("KUBE-SEP-A1", &["-j DNAT --to-destination 10.244.1.5:80"]),
             ("KUBE-SEP-A2", &["-j DNAT --to-destination 10.244.2.5:80"]),
         ]);
-        let payload = incremental("nat", &applied, &desired).unwrap();
+        let payload = between("nat", &applied, &desired).unwrap();
         assert_eq!(payload.mode, RestoreMode::NoFlush);
         assert_eq!(
             payload.text,
@@ -407,7 +426,7 @@ mod tests {
     fn a_chain_emptied_is_rewritten_empty() {
         let applied = rules(&[("KUBE-NODEPORTS", &["-p tcp -j KUBE-SVC-A"])]);
         let desired = rules(&[("KUBE-NODEPORTS", &[])]);
-        let payload = incremental("nat", &applied, &desired).unwrap();
+        let payload = between("nat", &applied, &desired).unwrap();
         assert_eq!(payload.text, "*nat\n:KUBE-NODEPORTS - [0:0]\nCOMMIT\n");
     }
 
@@ -653,7 +672,7 @@ mod properties {
     proptest! {
         #[test]
         fn an_incremental_payload_takes_applied_to_desired(applied in table(), desired in table()) {
-            match incremental("nat", &applied, &desired) {
+            match between("nat", &applied, &desired) {
                 None => prop_assert_eq!(&applied, &desired),
                 Some(payload) => {
                     prop_assert_eq!(apply(applied.clone(), &payload.text), desired.clone());

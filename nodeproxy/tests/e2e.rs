@@ -210,6 +210,45 @@ fn the_binary_programs_rules_serves_health_and_cleans_up() {
             "endpoint change took {update:?}"
         );
 
+        // A Service another proxy owns, or that says it is headless, is left alone, also
+        // when the label comes or goes on a live Service (kube-proxy's label selector).
+        for label in [
+            "service.kubernetes.io/service-proxy-name",
+            "service.kubernetes.io/headless",
+        ] {
+            let labelled = |value: serde_json::Value| {
+                Patch::Merge(json!({"metadata": {"labels": {label: value}}}))
+            };
+            services
+                .patch(
+                    "nginx-service",
+                    &PatchParams::default(),
+                    &labelled(json!("other")),
+                )
+                .await
+                .unwrap();
+            eventually(
+                Duration::from_secs(5),
+                "rules gone with the label",
+                async || !save(backend, "nat").contains("KUBE-FW-6IM33IEVEEV7U3GP"),
+            )
+            .await;
+            services
+                .patch(
+                    "nginx-service",
+                    &PatchParams::default(),
+                    &labelled(json!(null)),
+                )
+                .await
+                .unwrap();
+            eventually(
+                Duration::from_secs(5),
+                "rules back without the label",
+                async || save(backend, "nat").contains("--to-destination 10.244.3.9:80"),
+            )
+            .await;
+        }
+
         // An externalTrafficPolicy Local Service gets a health-check server.
         services
             .create(&post, &load_balancer("local", true))
@@ -284,7 +323,13 @@ fn the_binary_programs_rules_serves_health_and_cleans_up() {
             },
         )
         .await;
+        // The process itself stays live, so the kubelet does not restart it (KEP-3836).
+        let (status, body) = http_get(healthz, "/livez").await.unwrap();
+        assert_eq!(status, 200, "{body}");
 
+        // Let a periodic sync (every 2 s here) compare the incremental rules with a full
+        // rebuild.
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
         let (status, metrics) = http_get(METRICS.parse().unwrap(), "/metrics")
             .await
             .unwrap();
@@ -295,6 +340,10 @@ fn the_binary_programs_rules_serves_health_and_cleans_up() {
         );
         assert!(
             metrics.contains("tandem_nodeproxy_endpoints_changes_total"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains("tandem_nodeproxy_sync_divergence_total 0\n"),
             "{metrics}"
         );
 

@@ -7,8 +7,8 @@ mod common;
 
 use common::*;
 use tandem_nodeproxy::backend::Backend;
+use tandem_nodeproxy::iptables::{SyncError, Syncer};
 use tandem_nodeproxy::restore::RestoreMode;
-use tandem_nodeproxy::sync::{SyncError, Syncer};
 use tandem_proxy_rules::chains::{endpoint_chain, service_chain};
 use tandem_proxy_rules::model::{Protocol, ProxyState};
 use tandem_proxy_rules::ruleset::{Ruleset, Table};

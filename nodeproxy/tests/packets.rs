@@ -13,8 +13,8 @@ use std::time::Duration;
 use common::*;
 use tandem_netlab::Topology;
 use tandem_nodeproxy::backend::Backend;
+use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::restore::RestoreMode;
-use tandem_nodeproxy::sync::Syncer;
 use tandem_proxy_rules::model::{NodeConfig, Protocol};
 
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
@@ -49,29 +49,32 @@ fn packets(
 }
 
 /// A TCP server in a pod echoing each line prefixed with the client address it sees;
-/// serves the one expected client connection, at most ten lines.
-fn tcp_pod(pod: &tandem_netlab::Pod) {
+/// serves the `connections` expected client connections, at most ten lines each.
+fn tcp_pod(pod: &tandem_netlab::Pod, connections: usize) {
     let listener = pod
         .netns
         .run_in_thread(|| TcpListener::bind(("0.0.0.0", POD_PORT)))
         .unwrap()
         .unwrap();
     std::thread::spawn(move || {
-        if let Some(Ok(stream)) = listener.incoming().next() {
-            let peer = stream
-                .peer_addr()
-                .map(|p| p.ip().to_string())
-                .unwrap_or_default();
-            let mut writer = stream.try_clone().unwrap();
-            for line in BufReader::new(stream).lines().take(10) {
-                let Ok(line) = line else { break };
-                if writer
-                    .write_all(format!("{peer} {line}\n").as_bytes())
-                    .is_err()
-                {
-                    break;
+        for stream in listener.incoming().take(connections) {
+            let Ok(stream) = stream else { break };
+            std::thread::spawn(move || {
+                let peer = stream
+                    .peer_addr()
+                    .map(|p| p.ip().to_string())
+                    .unwrap_or_default();
+                let mut writer = stream.try_clone().unwrap();
+                for line in BufReader::new(stream).lines().take(10) {
+                    let Ok(line) = line else { break };
+                    if writer
+                        .write_all(format!("{peer} {line}\n").as_bytes())
+                        .is_err()
+                    {
+                        break;
+                    }
                 }
-            }
+            });
         }
     });
 }
@@ -94,6 +97,23 @@ fn round_trip(stream: &mut TcpStream, line: &str) -> String {
     let mut answer = String::new();
     reader.read_line(&mut answer).unwrap();
     answer.trim_end().to_owned()
+}
+
+/// The virtual cluster of one test, without echo servers; `None` (the test is skipped)
+/// unless running as root.
+fn topology(nodes: usize, pods_per_node: &[u32]) -> Option<Topology> {
+    if !is_root() {
+        eprintln!("skipped: needs root");
+        return None;
+    }
+    let topo = Topology::builder()
+        .nodes(nodes)
+        .pods_per_node(pods_per_node)
+        .without_echo()
+        .handle_signals(false)
+        .build()
+        .unwrap();
+    Some(topo)
 }
 
 /// A full sync by a new syncer on the node; returns the restore modes it used.
@@ -119,21 +139,13 @@ fn sync_on(
 
 #[test]
 fn lb_ip_reaches_a_pod_from_an_allowed_source_and_is_dropped_on_the_node_otherwise() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
+    let Some(topo) = topology(1, &[1]) else {
         return;
-    }
-    let topo = Topology::builder()
-        .nodes(1)
-        .pods_per_node(&[1])
-        .without_echo()
-        .handle_signals(false)
-        .build()
-        .unwrap();
+    };
     let node = topo.node(1).unwrap();
     let pod = topo.pods_on(1).next().unwrap();
 
-    tcp_pod(pod);
+    tcp_pod(pod, 1);
 
     let state = reference_state(vec![endpoint(pod.ip.octets(), POD_PORT, &node.name)]);
     let ruleset = tandem_proxy_rules::build(
@@ -226,17 +238,9 @@ fn udp_pod(pod: &tandem_netlab::Pod, name: &'static str, limit: usize) {
 
 #[test]
 fn udp_through_a_service_follows_an_endpoint_replacement() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
+    let Some(topo) = topology(1, &[2]) else {
         return;
-    }
-    let topo = Topology::builder()
-        .nodes(1)
-        .pods_per_node(&[2])
-        .without_echo()
-        .handle_signals(false)
-        .build()
-        .unwrap();
+    };
     let node = topo.node(1).unwrap();
     let pods: Vec<_> = topo.pods_on(1).collect();
     udp_pod(pods[0], "old", 10);
@@ -326,20 +330,12 @@ fn udp_through_a_service_follows_an_endpoint_replacement() {
 
 #[test]
 fn node_port_from_outside_reaches_a_pod_on_another_node_masqueraded() {
-    if !is_root() {
-        eprintln!("skipped: needs root");
+    let Some(topo) = topology(2, &[0, 1]) else {
         return;
-    }
-    let topo = Topology::builder()
-        .nodes(2)
-        .pods_per_node(&[0, 1])
-        .without_echo()
-        .handle_signals(false)
-        .build()
-        .unwrap();
+    };
     let (node1, node2) = (topo.node(1).unwrap(), topo.node(2).unwrap());
     let pod = topo.pods_on(2).next().unwrap();
-    tcp_pod(pod);
+    tcp_pod(pod, 1);
     let state = reference_state(vec![endpoint(pod.ip.octets(), POD_PORT, &node2.name)]);
     let ruleset = tandem_proxy_rules::build(
         &state,
@@ -358,4 +354,90 @@ fn node_port_from_outside_reaches_a_pod_on_another_node_masqueraded() {
     // Masqueraded on node 1: the pod on node 2 sees node 1's address, not the client's.
     assert_eq!(answer, format!("{} hello", node1.ip));
     assert_ne!(node1.ip, client.ip);
+}
+
+#[test]
+fn connections_survive_a_rolling_update_of_the_only_local_pod() {
+    let Some(topo) = topology(2, &[1, 1]) else {
+        return;
+    };
+    let (node1, node2) = (topo.node(1).unwrap(), topo.node(2).unwrap());
+    let (old, new) = (
+        topo.pods_on(1).next().unwrap(),
+        topo.pods_on(2).next().unwrap(),
+    );
+    tcp_pod(old, 3);
+    tcp_pod(new, 1);
+    let local_state = |endpoints| {
+        let mut state = reference_state(endpoints);
+        for service in state.services.values_mut() {
+            service.external_traffic_policy_local = true;
+        }
+        state
+    };
+    let config = NodeConfig {
+        node_name: node1.name.clone(),
+        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
+    };
+    let backend = Backend::Nft;
+    let old_ready = endpoint(old.ip.octets(), POD_PORT, &node1.name);
+    let new_ready = endpoint(new.ip.octets(), POD_PORT, &node2.name);
+    sync_on(
+        node1,
+        backend,
+        &tandem_proxy_rules::build(&local_state(vec![old_ready.clone()]), &config),
+    );
+    // Passthrough: the edge routes the LB IP to node 1, the node with the local pod.
+    topo.edge()
+        .netns
+        .exec_checked([
+            "ip",
+            "route",
+            "add",
+            &format!("{LB_IP}/32"),
+            "via",
+            &node1.ip.to_string(),
+        ])
+        .unwrap();
+    let client = topo.client_in_range();
+    let mut established = connect(&client.netns, LB).expect("the local pod answers");
+    // externalTrafficPolicy Local: the pod sees the client itself.
+    assert_eq!(
+        round_trip(&mut established, "before"),
+        format!("{} before", client.ip)
+    );
+
+    // The rolling update: the old pod terminates (still serving), the new one is ready
+    // on another node. Node 1's health check now fails, but until the load balancer
+    // notices, new connections keep arriving here.
+    let terminating = tandem_proxy_rules::model::Endpoint {
+        ready: false,
+        serving: true,
+        terminating: true,
+        ..old_ready
+    };
+    sync_on(
+        node1,
+        backend,
+        &tandem_proxy_rules::build(&local_state(vec![terminating, new_ready.clone()]), &config),
+    );
+    assert_eq!(
+        round_trip(&mut established, "during"),
+        format!("{} during", client.ip),
+        "the established connection survives"
+    );
+    let mut arriving = connect(&client.netns, LB)
+        .expect("a new connection is served by the terminating local pod, not dropped");
+    assert_eq!(
+        round_trip(&mut arriving, "late"),
+        format!("{} late", client.ip)
+    );
+
+    // The old pod is gone: with no local endpoint left, node 1 drops new connections.
+    sync_on(
+        node1,
+        backend,
+        &tandem_proxy_rules::build(&local_state(vec![new_ready]), &config),
+    );
+    connect(&client.netns, LB).expect_err("no local endpoint: dropped");
 }

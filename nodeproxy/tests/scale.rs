@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use tandem_nodeproxy::backend::Backend;
+use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::restore::{self, RestoreMode, TableInspection};
-use tandem_nodeproxy::sync::Syncer;
 use tandem_proxy_rules::model::{IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort};
 
 const SERVICES: usize = 2_700;
@@ -121,7 +121,7 @@ fn first_and_incremental_sync_at_2700_services() {
 
             // Same payload, raw, for the ratio; restore the old state first (noflush) so the
             // raw run does the same work into the same full table.
-            let undo = restore::incremental("nat", &da.nat, &db.nat).unwrap();
+            let undo = restore::between("nat", &da.nat, &db.nat).unwrap();
             raw_restore(backend, &undo.text, true);
             let raw_incremental = raw_restore(backend, &increment_payload, true);
 

@@ -17,6 +17,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use tandem_nodeproxy::convert::SERVICE_NAME_LABEL;
 use tandem_proxy_rules::model::NodeConfig;
 
 /// The Kubernetes namespace every generated object lives in.
@@ -24,8 +25,6 @@ pub const NAMESPACE: &str = "bench";
 /// The node the node proxy runs as.
 pub const NODE_NAME: &str = "bench-node";
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 11);
-/// Label tying an EndpointSlice to its Service.
-const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 const PORT_NAME: &str = "http";
 const SERVICE_PORT: i32 = 80;
 const TARGET_PORT: i32 = 8080;
@@ -283,7 +282,7 @@ pub fn cluster_cidr() -> Ipv4Net {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tandem_nodeproxy::k8s::proxy_state;
+    use tandem_nodeproxy::convert::proxy_state;
 
     fn scale(kind: ServiceKind, services: usize, endpoints: usize) -> Scale {
         Scale {

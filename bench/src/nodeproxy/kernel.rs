@@ -7,12 +7,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use kube::runtime::watcher::Event;
 use tandem_netlab::{Netns, RunPrefix};
 use tandem_nodeproxy::backend::Backend;
-use tandem_nodeproxy::k8s::proxy_state;
+use tandem_nodeproxy::change_tracker::ChangeTracker;
+use tandem_nodeproxy::iptables::{Syncer, TableSync};
 use tandem_nodeproxy::restore::{self, RestoreMode};
-use tandem_nodeproxy::sync::{Syncer, TableSync};
-use tandem_proxy_rules::ruleset::{Ruleset, Table};
+use tandem_proxy_rules::incremental::IncrementalRuleset;
+use tandem_proxy_rules::ruleset::{ChangedChains, Table};
 use tokio::io::AsyncWriteExt;
 
 use super::cluster::{self, Cluster};
@@ -171,7 +173,7 @@ fn written(tables: &[TableSync]) -> anyhow::Result<Written> {
 /// The node proxy's first sync into an empty namespace.
 #[derive(Debug, Clone)]
 pub struct FirstSync {
-    /// Services + EndpointSlices → state → ruleset.
+    /// Watch events recorded → changes taken → ruleset built.
     pub convert_build: Duration,
     /// Everything: convert, build, inspection, canary, restores, base jumps.
     pub total: Duration,
@@ -181,9 +183,13 @@ pub struct FirstSync {
 /// One incremental change: our sync and the raw restore of the same payload.
 #[derive(Debug, Clone, Copy)]
 pub struct Incremental {
-    pub convert_build: Duration,
-    /// Convert + build + diff + restore: from the change to the restore returning.
+    /// Recording the watch event, taking the changes and rebuilding the changed ports.
+    pub track_build: Duration,
+    /// From the EndpointSlice event reaching the tracker to the restore returning: the
+    /// network programming latency without the --min-sync-period wait.
     pub ours: Duration,
+    /// `ours` without the `iptables-restore` process: tracking, build, diff, payload.
+    pub own: Duration,
     pub raw: Duration,
     pub written_chains: usize,
     pub deleted_chains: usize,
@@ -209,9 +215,29 @@ pub fn measure_sync(
     netns.run(move || sync_in_namespace(backend, cluster, rounds))
 }
 
-fn compute(cluster: &Cluster) -> Ruleset {
-    let conversion = proxy_state(&cluster.services, &cluster.slices);
-    tandem_proxy_rules::build(&conversion.state, &cluster::node_config())
+/// The node proxy's own machinery, driven as its sync loop drives it.
+struct NodeProxy {
+    tracker: ChangeTracker,
+    rules: IncrementalRuleset,
+    syncer: Syncer,
+}
+
+impl NodeProxy {
+    /// Takes the recorded changes and rebuilds the Service ports they touched.
+    fn take_and_build(&mut self) -> ChangedChains {
+        let changes = self.tracker.take();
+        self.rules.update(&changes.current, &changes.ports)
+    }
+}
+
+/// The events of a watch's first list of `objects`.
+fn initial_list<K: Clone>(objects: &[K]) -> Vec<Event<K>> {
+    let listed = objects.iter().cloned().map(Event::InitApply);
+    [Event::Init]
+        .into_iter()
+        .chain(listed)
+        .chain([Event::InitDone])
+        .collect()
 }
 
 async fn sync_in_namespace(
@@ -219,11 +245,27 @@ async fn sync_in_namespace(
     mut cluster: Cluster,
     rounds: usize,
 ) -> anyhow::Result<SyncRun> {
-    let mut syncer = Syncer::new(backend);
+    let mut proxy = NodeProxy {
+        tracker: ChangeTracker::default(),
+        rules: IncrementalRuleset::new(cluster::node_config()),
+        syncer: Syncer::new(backend),
+    };
+    // The initial lists, as the watches deliver them (cloned before the clock starts).
+    let services = initial_list(&cluster.services);
+    let slices = initial_list(&cluster.slices);
     let started = Instant::now();
-    let mut applied = compute(&cluster);
+    services
+        .into_iter()
+        .for_each(|event| _ = proxy.tracker.record_service(event));
+    slices
+        .into_iter()
+        .for_each(|event| _ = proxy.tracker.record_slice(event));
+    let changed = proxy.take_and_build();
     let convert_build = started.elapsed();
-    let tables = syncer.sync(&applied).await?;
+    let tables = proxy
+        .syncer
+        .sync_changed(proxy.rules.ruleset(), &changed)
+        .await?;
     let total = started.elapsed();
     let first = FirstSync {
         convert_build,
@@ -234,9 +276,9 @@ async fn sync_in_namespace(
     for round in 0..rounds {
         let index = cluster.changed_service(round);
         cluster.add_endpoint(index, round);
-        added.push(change(backend, &mut syncer, &cluster, &mut applied).await?);
+        added.push(change(backend, &mut proxy, &cluster, index).await?);
         cluster.remove_last_endpoint(index);
-        removed.push(change(backend, &mut syncer, &cluster, &mut applied).await?);
+        removed.push(change(backend, &mut proxy, &cluster, index).await?);
     }
     Ok(SyncRun {
         first,
@@ -245,23 +287,36 @@ async fn sync_in_namespace(
     })
 }
 
-/// Sync the changed cluster, then time the raw restore of the very payload the sync wrote.
+/// Feed the changed slice at `index` to the node proxy as its watch would and sync, then
+/// time the raw restore of the very payload the sync wrote.
 async fn change(
     backend: Backend,
-    syncer: &mut Syncer,
+    proxy: &mut NodeProxy,
     cluster: &Cluster,
-    applied: &mut Ruleset,
+    index: usize,
 ) -> anyhow::Result<Incremental> {
+    let slice = cluster
+        .slices
+        .get(index)
+        .context("the changed slice is gone")?
+        .clone();
+    let before = proxy.rules.ruleset().clone();
     let started = Instant::now();
-    let desired = compute(cluster);
-    let convert_build = started.elapsed();
-    let tables = syncer.sync(&desired).await?;
+    proxy.tracker.record_slice(Event::Apply(slice));
+    let changed = proxy.take_and_build();
+    let track_build = started.elapsed();
+    let tables = proxy
+        .syncer
+        .sync_changed(proxy.rules.ruleset(), &changed)
+        .await?;
     let ours = started.elapsed();
+    let restores: Duration = tables.iter().map(|t| t.restore).sum();
     let ours_written = written(&tables)?;
     // Put the kernel back where the sync started, so the raw run does the same work.
-    let undo: String = [Table::Filter, Table::Nat]
+    let desired = proxy.rules.ruleset();
+    let undo: String = Table::ALL
         .into_iter()
-        .filter_map(|t| restore::incremental(t.as_str(), desired.table(t), applied.table(t)))
+        .filter_map(|t| restore::between(t.as_str(), desired.table(t), before.table(t)))
         .map(|p| p.text)
         .collect();
     if undo.is_empty() {
@@ -269,10 +324,10 @@ async fn change(
     }
     raw_restore(backend, &undo, RestoreMode::NoFlush).await?;
     let raw = raw_restore(backend, &ours_written.text, ours_written.mode).await?;
-    *applied = desired;
     Ok(Incremental {
-        convert_build,
+        track_build,
         ours,
+        own: ours.saturating_sub(restores),
         raw,
         written_chains: ours_written.chains,
         deleted_chains: ours_written.deleted_chains,

@@ -265,8 +265,8 @@ mod tests {
             .map(|s| serde_json::from_value(s).unwrap())
             .collect();
         // What the binary will see converts to exactly what the in-process sync builds from.
-        let served = tandem_nodeproxy::k8s::proxy_state(&typed, &slices);
-        let direct = tandem_nodeproxy::k8s::proxy_state(&generated.services, &generated.slices);
+        let served = tandem_nodeproxy::convert::proxy_state(&typed, &slices);
+        let direct = tandem_nodeproxy::convert::proxy_state(&generated.services, &generated.slices);
         assert!(served.skipped.is_empty(), "{:?}", served.skipped);
         assert_eq!(served.state, direct.state);
     }

@@ -136,7 +136,7 @@ fn usable_endpoints(state: &ProxyState, name: &ServicePortName) -> BTreeSet<(Ipv
         .get(name)
         .into_iter()
         .flatten()
-        .filter(|ep| ep.ready && !ep.terminating)
+        .filter(|ep| ep.is_ready())
         .map(|ep| (ep.ip, ep.port))
         .collect()
 }
@@ -198,6 +198,7 @@ mod tests {
             ip: Ipv4Addr::new(10, 244, 1, last),
             port: 5353,
             ready: true,
+            serving: true,
             terminating: false,
             node_name: None,
         }

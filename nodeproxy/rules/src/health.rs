@@ -44,11 +44,7 @@ pub fn health_check_services(state: &ProxyState, node: &NodeConfig) -> Vec<Healt
             .get(&svc.name)
             .into_iter()
             .flatten()
-            .filter(|ep| {
-                ep.ready
-                    && !ep.terminating
-                    && ep.node_name.as_deref() == Some(node.node_name.as_str())
-            });
+            .filter(|ep| ep.is_ready() && ep.node_name.as_deref() == Some(node.node_name.as_str()));
         entry.1.extend(local_ready.map(|ep| ep.ip));
     }
     services
@@ -115,6 +111,7 @@ mod tests {
             ip: Ipv4Addr::new(10, 244, 1, last),
             port,
             ready,
+            serving: ready,
             terminating,
             node_name: Some(node.into()),
         }

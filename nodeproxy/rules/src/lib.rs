@@ -4,6 +4,8 @@
 //! - [`model`]: what the runtime observes (its input), [`ruleset`]: the desired iptables
 //!   state (its output) and the fixed [`ruleset::BASE_JUMPS`];
 //! - [`rules::build`]: the whole ruleset, in the text `iptables-save` prints;
+//! - [`incremental::IncrementalRuleset`]: the same ruleset kept current one Service port
+//!   at a time, reporting the chains a change touched;
 //! - [`chains`]: kube-proxy's chain names;
 //! - [`trace::trace`]: where a packet goes through that ruleset, and its fate;
 //! - [`health::health_check_services`]: the health-check node port servers and answers;
@@ -12,6 +14,7 @@
 pub mod chains;
 pub mod conntrack;
 pub mod health;
+pub mod incremental;
 pub mod model;
 pub mod rules;
 pub mod ruleset;

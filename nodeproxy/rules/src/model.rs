@@ -93,10 +93,25 @@ pub struct Endpoint {
     pub port: u16,
     /// `conditions.ready` (unset counts as ready, as in the API).
     pub ready: bool,
+    /// `conditions.serving` (unset counts as `ready`, as in the API).
+    pub serving: bool,
     /// `conditions.terminating`.
     pub terminating: bool,
     /// `nodeName` of the endpoint; compared with [`NodeConfig::node_name`] for "local".
     pub node_name: Option<String>,
+}
+
+impl Endpoint {
+    /// Gets new connections: ready and not terminating.
+    pub fn is_ready(&self) -> bool {
+        self.ready && !self.terminating
+    }
+
+    /// Terminating but still able to serve: the fallback when a Service port has no ready
+    /// endpoint where it needs one (KEP-1669).
+    pub fn is_serving_terminating(&self) -> bool {
+        self.serving && self.terminating
+    }
 }
 
 /// Everything the node proxy observes, keyed for deterministic output.
@@ -104,6 +119,13 @@ pub struct Endpoint {
 pub struct ProxyState {
     pub services: BTreeMap<ServicePortName, ServicePort>,
     pub endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
+}
+
+impl ProxyState {
+    /// The endpoints of a Service port; none when no EndpointSlice names it.
+    pub fn endpoints_of(&self, name: &ServicePortName) -> &[Endpoint] {
+        self.endpoints.get(name).map_or(&[], Vec::as_slice)
+    }
 }
 
 /// This node's settings.

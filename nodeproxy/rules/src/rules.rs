@@ -27,42 +27,90 @@ const LOOPBACK: &str = "127.0.0.0/8";
 pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
     let mut out = RulesetBuilder::with_fixed_chains();
     for service in state.services.values() {
-        let endpoints = state
-            .endpoints
-            .get(&service.name)
-            .map(Vec::as_slice)
-            .unwrap_or(&[]);
-        out.add_service_port(service, &usable_endpoints(endpoints, node), node);
+        out.add_service_port(
+            service,
+            &usable_endpoints(state.endpoints_of(&service.name), node),
+            node,
+        );
     }
-    out.nat(
-        KUBE_SERVICES,
-        RuleText::new()
-            .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
-            .matching("-m addrtype --dst-type LOCAL")
-            .jump(KUBE_NODEPORTS),
-    );
+    out.nat(KUBE_SERVICES, last_service_rule());
     out.ruleset
 }
 
-/// An endpoint that gets traffic, and whether it runs on this node.
+/// The chains Service ports share: each adds its rules to them, in Service port order.
+/// Every other chain a port writes is its own (KUBE-SVC, KUBE-SEP, KUBE-FW, KUBE-XLB).
+pub const DISPATCH_CHAINS: [(Table, &str); 5] = [
+    (Table::Filter, KUBE_SERVICES),
+    (Table::Filter, KUBE_EXTERNAL_SERVICES),
+    (Table::Filter, KUBE_NODEPORTS),
+    (Table::Nat, KUBE_SERVICES),
+    (Table::Nat, KUBE_NODEPORTS),
+];
+
+/// The rule nat KUBE-SERVICES ends with, after every Service port's rules.
+pub fn last_service_rule() -> String {
+    RuleText::new()
+        .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
+        .matching("-m addrtype --dst-type LOCAL")
+        .jump(KUBE_NODEPORTS)
+}
+
+/// The rules of one Service port alone: its own chains with their rules, and (under the
+/// [`DISPATCH_CHAINS`] names) the rules it adds to the shared chains. [`build`] is the
+/// fixed chains, then these for every port in [`ServicePortName`] order, then
+/// [`last_service_rule`].
+///
+/// [`ServicePortName`]: crate::model::ServicePortName
+pub fn port_rules(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig) -> Ruleset {
+    let mut out = RulesetBuilder {
+        ruleset: Ruleset::default(),
+    };
+    out.add_service_port(svc, &usable_endpoints(endpoints, node), node);
+    out.ruleset
+}
+
+/// An endpoint that gets traffic: from anywhere (`cluster`), from outside through
+/// externalTrafficPolicy Local (`local`), or both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct UsableEndpoint {
     addr: SocketAddrV4,
+    cluster: bool,
     local: bool,
 }
 
-/// Ready, non-terminating endpoints, de-duplicated (an endpoint can appear in two
+/// The endpoints that get traffic, de-duplicated (an endpoint can appear in two
 /// EndpointSlices while they are being rebalanced) and ordered as kube-proxy orders them:
-/// by their `ip:port` text.
+/// by their `ip:port` text. As kube-proxy ≥ v1.28 does (KEP-1669): the cluster-wide set
+/// is the ready endpoints, or, when there is none, the serving terminating ones; the local
+/// set (externalTrafficPolicy Local) is this node's ready endpoints, or, when there is
+/// none, this node's serving terminating ones, so connections survive a rolling update of
+/// the only local pod while the health check already sends new ones elsewhere.
 fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec<UsableEndpoint> {
+    let is_local = |ep: &Endpoint| ep.node_name.as_deref() == Some(node.node_name.as_str());
+    let any_ready = endpoints.iter().any(Endpoint::is_ready);
+    let any_local_ready = endpoints.iter().any(|ep| ep.is_ready() && is_local(ep));
     let mut usable: BTreeMap<String, UsableEndpoint> = BTreeMap::new();
-    for ep in endpoints.iter().filter(|ep| ep.ready && !ep.terminating) {
+    for ep in endpoints {
+        let usable_if = |ready_exist: bool| {
+            if ready_exist {
+                ep.is_ready()
+            } else {
+                ep.is_serving_terminating()
+            }
+        };
+        let cluster = usable_if(any_ready);
+        let local = is_local(ep) && usable_if(any_local_ready);
+        if !cluster && !local {
+            continue;
+        }
         let addr = SocketAddrV4::new(ep.ip, ep.port);
-        let local = ep.node_name.as_deref() == Some(node.node_name.as_str());
-        usable
-            .entry(addr.to_string())
-            .or_insert(UsableEndpoint { addr, local: false })
-            .local |= local;
+        let entry = usable.entry(addr.to_string()).or_insert(UsableEndpoint {
+            addr,
+            cluster: false,
+            local: false,
+        });
+        entry.cluster |= cluster;
+        entry.local |= local;
     }
     usable.into_values().collect()
 }
@@ -277,8 +325,13 @@ impl RulesetBuilder {
         self.add_node_port(&port);
         self.add_health_check_port(&port);
         if port.has_endpoints() {
-            let all: Vec<&str> = port.endpoints.iter().map(|ep| ep.chain.as_str()).collect();
-            self.add_balancing_rules(&port, &port.chains.service, &all, |_| port.name.clone());
+            let cluster: Vec<&str> = port
+                .endpoints
+                .iter()
+                .filter(|ep| ep.cluster)
+                .map(|ep| ep.chain.as_str())
+                .collect();
+            self.add_balancing_rules(&port, &port.chains.service, &cluster, |_| port.name.clone());
             if port.local_policy {
                 self.add_external_local_chain(&port);
             }
@@ -514,6 +567,7 @@ impl RulesetBuilder {
 /// A usable endpoint of one Service port, with its KUBE-SEP chain.
 struct PortEndpoint {
     addr: SocketAddrV4,
+    cluster: bool,
     local: bool,
     chain: String,
 }
@@ -554,8 +608,11 @@ impl<'a> PortContext<'a> {
             chains: ServiceChains::for_port(svc),
             endpoints: endpoints
                 .iter()
+                // Without the Local policy, endpoints only the local set has get no chain.
+                .filter(|ep| ep.cluster || (local_policy && ep.local))
                 .map(|ep| PortEndpoint {
                     addr: ep.addr,
+                    cluster: ep.cluster,
                     local: ep.local,
                     chain: chains::endpoint_chain(&svc.name, svc.protocol, ep.addr),
                 })
@@ -566,8 +623,11 @@ impl<'a> PortContext<'a> {
         })
     }
 
+    /// True when the port has cluster-wide endpoints; the local ones are a subset then
+    /// (a node's serving terminating endpoints are used only when it has no ready one, and
+    /// then the cluster-wide set has them too unless another node has a ready one).
     fn has_endpoints(&self) -> bool {
-        !self.endpoints.is_empty()
+        self.endpoints.iter().any(|ep| ep.cluster)
     }
 
     /// Matches this port's traffic to `ip`, commented "<name> <what>".
@@ -621,6 +681,7 @@ mod tests {
             ip: Ipv4Addr::from(ip),
             port: 80,
             ready: true,
+            serving: true,
             terminating: false,
             node_name: Some(node.into()),
         };
@@ -633,6 +694,47 @@ mod tests {
         let order: Vec<String> = usable.iter().map(|ep| ep.addr.to_string()).collect();
         assert_eq!(order, ["10.0.0.10:80", "10.0.0.5:80"]);
         assert!(!usable[0].local && usable[1].local);
+    }
+
+    #[test]
+    fn serving_terminating_endpoints_stand_in_only_where_nothing_is_ready() {
+        let node = NodeConfig {
+            node_name: "a".into(),
+            cluster_cidr: None,
+        };
+        let ep = |last: u8, node: &str, ready: bool, serving: bool| Endpoint {
+            ip: Ipv4Addr::new(10, 0, 0, last),
+            port: 80,
+            ready,
+            serving,
+            terminating: !ready,
+            node_name: Some(node.into()),
+        };
+        let flags = |endpoints: &[Endpoint]| -> Vec<(u8, bool, bool)> {
+            usable_endpoints(endpoints, &node)
+                .iter()
+                .map(|u| (u.addr.ip().octets()[3], u.cluster, u.local))
+                .collect()
+        };
+        // A rolling update of the only local pod: the old one still serves locally.
+        assert_eq!(
+            flags(&[ep(1, "a", false, true), ep(2, "b", true, true)]),
+            [(1, false, true), (2, true, false)]
+        );
+        // Once the new local pod is ready, the terminating one gets nothing.
+        assert_eq!(
+            flags(&[ep(1, "a", false, true), ep(3, "a", true, true)]),
+            [(3, true, true)]
+        );
+        // Nothing ready anywhere: every serving terminating endpoint, not the others.
+        assert_eq!(
+            flags(&[
+                ep(1, "a", false, true),
+                ep(2, "b", false, true),
+                ep(4, "b", false, false)
+            ]),
+            [(1, true, true), (2, true, false)]
+        );
     }
 
     #[test]

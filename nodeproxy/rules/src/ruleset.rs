@@ -1,6 +1,6 @@
 //! The desired iptables state as plain data: tables of chains of rule texts.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
@@ -13,6 +13,9 @@ pub enum Table {
 }
 
 impl Table {
+    /// The tables the ruleset covers, in the order they are written.
+    pub const ALL: [Table; 2] = [Table::Filter, Table::Nat];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Table::Filter => "filter",
@@ -67,6 +70,56 @@ impl Ruleset {
         }
         text.push_str("COMMIT\n");
         text
+    }
+}
+
+/// The names of the chains whose rules changed (or that went away) in each table: what
+/// an incremental restore writes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ChangedChains {
+    pub filter: BTreeSet<String>,
+    pub nat: BTreeSet<String>,
+}
+
+impl ChangedChains {
+    /// Every chain that differs between two rulesets, by a full comparison.
+    pub fn between(old: &Ruleset, new: &Ruleset) -> Self {
+        let mut out = Self::default();
+        for table in Table::ALL {
+            let (old, new) = (&old.table(table).chains, &new.table(table).chains);
+            let differs = old
+                .iter()
+                .filter(|(name, rules)| new.get(*name) != Some(rules))
+                .map(|(name, _)| name);
+            let added = new.keys().filter(|name| !old.contains_key(*name));
+            out.table_mut(table).extend(differs.chain(added).cloned());
+        }
+        out
+    }
+
+    pub fn table(&self, table: Table) -> &BTreeSet<String> {
+        match table {
+            Table::Filter => &self.filter,
+            Table::Nat => &self.nat,
+        }
+    }
+
+    pub fn table_mut(&mut self, table: Table) -> &mut BTreeSet<String> {
+        match table {
+            Table::Filter => &mut self.filter,
+            Table::Nat => &mut self.nat,
+        }
+    }
+
+    /// How many chains are named, in both tables.
+    pub fn count(&self) -> usize {
+        self.filter.len() + self.nat.len()
+    }
+
+    /// Adds the chains of `other`.
+    pub fn merge(&mut self, other: ChangedChains) {
+        self.filter.extend(other.filter);
+        self.nat.extend(other.nat);
     }
 }
 

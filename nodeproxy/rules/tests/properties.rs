@@ -1,6 +1,7 @@
 //! Properties of `build` over random cluster states: every jump lands in a declared chain,
 //! no per-Service chain is left unreferenced, output does not depend on input order, and
-//! the traced endpoint probabilities of every Service sum to 1 over exactly its endpoints.
+//! the traced endpoint probabilities of every Service sum to 1 over exactly its endpoints,
+//! and the per-port incremental ruleset equals the full build after every change.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -11,10 +12,11 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use proptest::prelude::*;
 use tandem_proxy_rules::build;
 use tandem_proxy_rules::chains::PER_SERVICE_PREFIXES;
+use tandem_proxy_rules::incremental::IncrementalRuleset;
 use tandem_proxy_rules::model::{
     Endpoint, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort, ServicePortName,
 };
-use tandem_proxy_rules::ruleset::{BASE_JUMPS, Ruleset, Table};
+use tandem_proxy_rules::ruleset::{BASE_JUMPS, ChangedChains, Ruleset, Table};
 use tandem_proxy_rules::trace::{Entry, Packet, TraceRequest, Verdict, trace};
 
 const TERMINAL_TARGETS: &[&str] = &[
@@ -41,16 +43,21 @@ fn endpoint() -> impl Strategy<Value = Endpoint> {
         1u8..6,
         prop_oneof![Just(80u16), Just(81)],
         prop::bool::weighted(0.8),
+        prop::bool::weighted(0.7),
         prop::bool::weighted(0.1),
         0usize..3,
     )
-        .prop_map(|(subnet, host, port, ready, terminating, node)| Endpoint {
-            ip: Ipv4Addr::new(10, 244, subnet, host),
-            port,
-            ready,
-            terminating,
-            node_name: [Some("node-a".to_owned()), Some("node-b".to_owned()), None][node].clone(),
-        })
+        .prop_map(
+            |(subnet, host, port, ready, serving, terminating, node)| Endpoint {
+                ip: Ipv4Addr::new(10, 244, subnet, host),
+                port,
+                ready,
+                serving,
+                terminating,
+                node_name: [Some("node-a".to_owned()), Some("node-b".to_owned()), None][node]
+                    .clone(),
+            },
+        )
 }
 
 /// A Service port and its endpoints; identity fields are filled in by [`state`].
@@ -108,22 +115,29 @@ fn service() -> impl Strategy<Value = (ServicePort, Vec<Endpoint>)> {
         )
 }
 
+const MAX_PORTS: usize = 6;
+
+/// The name of the i-th generated Service port.
+fn port_name(i: usize) -> ServicePortName {
+    ServicePortName {
+        namespace: ["a", "b"][i % 2].into(),
+        name: format!("svc{}", i / 2),
+        port: if i.is_multiple_of(3) {
+            String::new()
+        } else {
+            format!("p{i}")
+        },
+    }
+}
+
 /// Up to six Service ports with distinct names, cluster IPs and ports.
 fn state() -> impl Strategy<Value = ProxyState> {
-    prop::collection::vec(service(), 0..6).prop_map(|services| {
+    prop::collection::vec(service(), 0..MAX_PORTS).prop_map(|services| {
         let mut state = ProxyState::default();
         for (i, (mut service, endpoints)) in services.into_iter().enumerate() {
             let index = u8::try_from(i).unwrap();
             let index16 = u16::from(index);
-            service.name = ServicePortName {
-                namespace: ["a", "b"][i % 2].into(),
-                name: format!("svc{}", i / 2),
-                port: if i % 3 == 0 {
-                    String::new()
-                } else {
-                    format!("p{i}")
-                },
-            };
+            service.name = port_name(i);
             service.cluster_ip = service
                 .cluster_ip
                 .map(|_| Ipv4Addr::new(10, 96, 0, 10 + index));
@@ -176,10 +190,19 @@ fn reversed_lists(state: &ProxyState) -> ProxyState {
     state
 }
 
+/// The ready endpoints, or the serving terminating ones when none is ready (KEP-1669).
 fn usable(state: &ProxyState, name: &ServicePortName) -> BTreeSet<SocketAddrV4> {
-    state.endpoints[name]
+    let endpoints = &state.endpoints[name];
+    let any_ready = endpoints.iter().any(Endpoint::is_ready);
+    endpoints
         .iter()
-        .filter(|ep| ep.ready && !ep.terminating)
+        .filter(|ep| {
+            if any_ready {
+                ep.is_ready()
+            } else {
+                ep.is_serving_terminating()
+            }
+        })
         .map(|ep| SocketAddrV4::new(ep.ip, ep.port))
         .collect()
 }
@@ -233,6 +256,26 @@ proptest! {
                 let share = 1.0 / expected.len() as f64;
                 prop_assert!((outcome.probability - share).abs() < 1e-6, "uneven share {}", outcome.probability);
             }
+        }
+    }
+}
+
+proptest! {
+    /// The per-port incremental ruleset equals the full build after every step, and the
+    /// chains it reports are exactly those that differ.
+    #[test]
+    fn the_incremental_ruleset_follows_the_full_build(states in prop::collection::vec(state(), 1..5)) {
+        let node = common::node_a();
+        let mut incremental = IncrementalRuleset::new(node.clone());
+        let mut previous = build(&ProxyState::default(), &node);
+        // Every name a generated state can hold: those that were and those that are.
+        let names: Vec<ServicePortName> = (0..MAX_PORTS).map(port_name).collect();
+        for state in &states {
+            let changed = incremental.update(state, &names);
+            let full = build(state, &node);
+            prop_assert_eq!(incremental.ruleset(), &full);
+            prop_assert_eq!(changed, ChangedChains::between(&previous, &full));
+            previous = full;
         }
     }
 }

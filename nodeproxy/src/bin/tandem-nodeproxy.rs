@@ -9,10 +9,10 @@ use kube::Client;
 use prometheus_client::registry::Registry;
 use tandem_nodeproxy::cli::{Cli, ClusterArgs, Command, TraceArgs};
 use tandem_nodeproxy::healthcheck::{self, NodeHealth, ServiceHealthServers};
+use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::metrics::{self, Metrics};
 use tandem_nodeproxy::proxier::{self, Proxier, ProxierConfig};
-use tandem_nodeproxy::sync::Syncer;
-use tandem_nodeproxy::{backend, k8s};
+use tandem_nodeproxy::{backend, convert};
 use tandem_proxy_rules::model::NodeConfig;
 use tandem_proxy_rules::trace::{Entry, Packet, TraceRequest};
 use tokio::sync::Notify;
@@ -61,12 +61,17 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
     let dirty = Arc::new(Notify::new());
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
-    let (observed, watches) =
-        proxier::watch(client, &node.node_name, dirty, metrics, shutdown.clone());
+    let (observed, watches) = proxier::watch(
+        client,
+        &node.node_name,
+        Arc::clone(&dirty),
+        metrics,
+        shutdown.clone(),
+    );
     let watching = tokio::spawn(watches);
-    observed.services.wait_until_ready().await?;
-    observed.slices.wait_until_ready().await?;
-    observed.node.wait_until_ready().await?;
+    if !observed.wait_until_listed(&dirty).await {
+        bail!("the watches ended before their first list");
+    }
     shutdown.cancel();
     watching.await?;
     let conversion = observed.conversion();
@@ -78,7 +83,7 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
         .node
         .state()
         .iter()
-        .flat_map(|n| k8s::node_addresses(n))
+        .flat_map(|n| convert::node_addresses(n))
         .collect();
     let request = TraceRequest::new(
         Packet {

@@ -140,6 +140,7 @@ pub fn endpoint(ip: [u8; 4], port: u16, node: &str) -> Endpoint {
         ip: Ipv4Addr::from(ip),
         port,
         ready: true,
+        serving: true,
         terminating: false,
         node_name: Some(node.into()),
     }

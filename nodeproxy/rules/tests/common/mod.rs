@@ -54,6 +54,7 @@ pub fn ready(addr: &str, port: u16, node: &str) -> Endpoint {
         ip: ip(addr),
         port,
         ready: true,
+        serving: true,
         terminating: false,
         node_name: Some(node.into()),
     }
@@ -238,7 +239,10 @@ pub fn no_endpoints_state() -> ProxyState {
         ready: false,
         ..ready("10.244.1.5", 80, "node-a")
     };
+    // Terminating and no longer serving: not even the KEP-1669 fallback uses it.
     let terminating = Endpoint {
+        ready: false,
+        serving: false,
         terminating: true,
         ..ready("10.244.2.7", 80, "node-b")
     };

@@ -5,11 +5,11 @@
 //! [`restore::full`]) at start-up, after a restore failure and when a canary chain has
 //! vanished, i.e. someone flushed or deleted our chains.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use tandem_proxy_rules::ruleset::{BASE_JUMPS, Ruleset, Table, TableRules};
+use tandem_proxy_rules::ruleset::{BASE_JUMPS, ChangedChains, Ruleset, Table, TableRules};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
@@ -20,8 +20,6 @@ use crate::restore::{self, CANARY_CHAIN, Payload, RestoreMode, TableInspection};
 const LOCK_WAIT_SECONDS: &str = "5";
 /// Payload lines logged on each side of the line a failing restore names.
 const CONTEXT_RADIUS: usize = 3;
-/// The tables the ruleset covers, in the order they are written.
-pub const TABLES: [Table; 2] = [Table::Filter, Table::Nat];
 /// Tables that get a canary chain.
 const CANARY_TABLES: [&str; 3] = ["mangle", "nat", "filter"];
 
@@ -60,7 +58,10 @@ pub struct TableSync {
     pub written_chains: usize,
     pub deleted_chains: usize,
     pub rules: usize,
+    /// From computing the payload to the restore (and any base-jump fix) done.
     pub elapsed: Duration,
+    /// The `iptables-restore` process alone, spawn to exit.
+    pub restore: Duration,
     /// The exact payload, kept for tests and debug logs.
     pub payload: String,
 }
@@ -91,17 +92,56 @@ impl Syncer {
         self.applied.clear();
     }
 
-    /// Bring the kernel to `desired`. Tables whose restore fails are forgotten (full write
-    /// next time); the others stay synced. Returns what was written.
+    /// Bring the kernel to `desired`, comparing every chain with what was applied.
     pub async fn sync(&mut self, desired: &Ruleset) -> Result<Vec<TableSync>, SyncError> {
+        let mut changed = ChangedChains::default();
+        for (table, applied) in &self.applied {
+            let (applied, wanted) = (&applied.chains, &desired.table(*table).chains);
+            changed.table_mut(*table).extend(
+                applied
+                    .keys()
+                    .chain(wanted.keys())
+                    .filter(|chain| applied.get(*chain) != wanted.get(*chain))
+                    .cloned(),
+            );
+        }
+        self.sync_changed(desired, &changed).await
+    }
+
+    /// Bring the kernel to `desired`, where only the `changed` chains can differ from what
+    /// was applied: the cost follows the change, not the ruleset. Tables whose state is
+    /// unknown are written in full. Tables whose restore fails are forgotten (full write
+    /// next time); the others stay synced. Returns what was written.
+    pub async fn sync_changed(
+        &mut self,
+        desired: &Ruleset,
+        changed: &ChangedChains,
+    ) -> Result<Vec<TableSync>, SyncError> {
         let mut done = Vec::new();
         let mut first_error = None;
-        for table in TABLES {
+        for table in Table::ALL {
             let wanted = desired.table(table);
-            match self.sync_table(table, wanted).await {
+            let chains = changed.table(table);
+            match self.sync_table(table, wanted, chains).await {
                 Ok(Some(report)) => {
-                    // Cloned only when something changed; an idle sync copies nothing.
-                    self.applied.insert(table, wanted.clone());
+                    match self.applied.get_mut(&table) {
+                        // Only the chains written are copied; an idle sync copies nothing.
+                        Some(applied) if !report.full => {
+                            for chain in chains {
+                                match wanted.chains.get(chain) {
+                                    Some(rules) => {
+                                        applied.chains.insert(chain.clone(), rules.clone());
+                                    }
+                                    None => {
+                                        applied.chains.remove(chain);
+                                    }
+                                }
+                            }
+                        }
+                        _ => {
+                            self.applied.insert(table, wanted.clone());
+                        }
+                    }
                     done.push(report);
                 }
                 Ok(None) => {}
@@ -121,12 +161,13 @@ impl Syncer {
         &self,
         table: Table,
         wanted: &TableRules,
+        changed: &BTreeSet<String>,
     ) -> Result<Option<TableSync>, SyncError> {
         let name = table.as_str();
         let started = Instant::now();
         let (payload, full) = match self.applied.get(&table) {
             // The canary is written by full writes only, so incremental diffs ignore it.
-            Some(applied) => match restore::incremental(name, applied, wanted) {
+            Some(applied) => match restore::incremental(name, applied, wanted, changed) {
                 Some(payload) => (payload, false),
                 None => return Ok(None),
             },
@@ -145,7 +186,9 @@ impl Syncer {
                 (restore::full(name, &inspection, &with_canary), true)
             }
         };
+        let restore_started = Instant::now();
         self.restore(name, &payload).await?;
+        let restore = restore_started.elapsed();
         if payload.mode == RestoreMode::NoFlush && full {
             self.ensure_base_jumps(table).await?;
         }
@@ -157,6 +200,7 @@ impl Syncer {
             deleted_chains: payload.deleted_chains,
             rules: payload.rules,
             elapsed: started.elapsed(),
+            restore,
             payload: payload.text,
         }))
     }
@@ -268,6 +312,12 @@ impl Syncer {
 
     /// Make sure the base jumps of `table` exist (`-C`, else `-I` at the top). Prepending
     /// in reverse keeps [`BASE_JUMPS`] order in a chain that had none of them.
+    ///
+    /// These single-rule commands run the detected backend's binary on the async runtime
+    /// with the same bounded lock wait as the restores; the `iptables` crate was tried for
+    /// them and dropped: it waits for the xtables lock without bound (`--wait`), blocks
+    /// (std::process), probes `iptables --version` whatever the backend, and splits rules
+    /// with a regex that does not know iptables-save's backslash escapes.
     async fn ensure_base_jumps(&self, table: Table) -> Result<(), SyncError> {
         for jump in BASE_JUMPS.iter().rev().filter(|j| j.table == table) {
             let rule = split_rule(jump.rule);

@@ -17,6 +17,22 @@ use tandem_proxy_rules::model::{
 
 /// Label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// Services (and their EndpointSlices) carrying this label belong to another proxy.
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// Set by the EndpointSlice controller on the slices of headless Services.
+pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+
+/// The label selector of the Service watch, as kube-proxy's: no Service another proxy
+/// owns, no headless one. A label added to a live Service makes the API server send a
+/// DELETED event for it, a label removed an ADDED one.
+pub fn service_selector() -> String {
+    format!("!{SERVICE_PROXY_NAME_LABEL},!{HEADLESS_LABEL}")
+}
+
+/// The label selector of the EndpointSlice watch: slices of Services we proxy.
+pub fn slice_selector() -> String {
+    format!("{},{SERVICE_NAME_LABEL}", service_selector())
+}
 /// Taint the cluster autoscaler puts on a node it is about to delete (KEP-3836).
 /// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT_SECONDS: u32 = 10_800;
@@ -58,31 +74,32 @@ pub fn proxy_state<'a>(
             out.state.services.insert(port.name.clone(), port);
         }
     }
-    let mut endpoints: BTreeMap<ServicePortName, BTreeSet<Endpoint>> = BTreeMap::new();
+    let mut endpoints: BTreeMap<ServicePortName, Vec<Endpoint>> = BTreeMap::new();
     for slice in slices {
         for (name, endpoint) in slice_endpoints(slice, &mut out.skipped) {
             if out.state.services.contains_key(&name) {
-                endpoints.entry(name).or_default().insert(endpoint);
+                endpoints.entry(name).or_default().push(endpoint);
             }
         }
     }
     out.state.endpoints = endpoints
         .into_iter()
-        .map(|(name, set)| (name, dedup_by_address(set)))
+        .map(|(name, all)| (name, join_endpoints(all)))
         .collect();
     out
 }
 
-/// The same endpoint may sit in two slices while the EndpointSlice controller moves it;
-/// keep one entry per address, preferring the one that is ready and not terminating.
-fn dedup_by_address(set: BTreeSet<Endpoint>) -> Vec<Endpoint> {
+/// One Service port's endpoints from all of its slices, in a fixed order. The same
+/// endpoint may sit in two slices while the EndpointSlice controller moves it; one entry
+/// per address is kept, preferring the one that is ready.
+pub fn join_endpoints(all: impl IntoIterator<Item = Endpoint>) -> Vec<Endpoint> {
+    let set: BTreeSet<Endpoint> = all.into_iter().collect();
     let mut by_address: BTreeMap<(Ipv4Addr, u16), Endpoint> = BTreeMap::new();
     for endpoint in set {
         let key = (endpoint.ip, endpoint.port);
-        let serving = |e: &Endpoint| e.ready && !e.terminating;
         let better = match by_address.get(&key) {
             None => true,
-            Some(old) => serving(&endpoint) && !serving(old),
+            Some(old) => endpoint.is_ready() && !old.is_ready(),
         };
         if better {
             by_address.insert(key, endpoint);
@@ -120,14 +137,16 @@ pub fn node_addresses(node: &Node) -> Vec<Ipv4Addr> {
         .collect()
 }
 
-fn service_id(service: &Service) -> (String, String) {
+/// `(namespace, name)` of a Service.
+pub fn service_id(service: &Service) -> (String, String) {
     (
         service.metadata.namespace.clone().unwrap_or_default(),
         service.metadata.name.clone().unwrap_or_default(),
     )
 }
 
-fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePort> {
+/// The Service ports of one Service (none for headless and ExternalName Services).
+pub fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePort> {
     let (namespace, name) = service_id(service);
     let id = format!("{namespace}/{name}");
     let Some(spec) = service.spec.as_ref() else {
@@ -359,7 +378,8 @@ fn positive_port(value: i32) -> Option<u16> {
     u16::try_from(value).ok().filter(|port| *port > 0)
 }
 
-fn slice_endpoints(
+/// The endpoints one EndpointSlice gives each Service port it names.
+pub fn slice_endpoints(
     slice: &EndpointSlice,
     skipped: &mut Vec<Skipped>,
 ) -> Vec<(ServicePortName, Endpoint)> {
@@ -411,12 +431,14 @@ fn slice_endpoints(
                 continue;
             };
             let conditions = endpoint.conditions.as_ref();
+            let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
             out.push((
                 name.clone(),
                 Endpoint {
                     ip,
                     port: target,
-                    ready: conditions.and_then(|c| c.ready).unwrap_or(true),
+                    ready,
+                    serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
                     terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
                     node_name: endpoint.node_name.clone(),
                 },
