@@ -1,5 +1,6 @@
 //! Do: a proxy-mode TCP listener.
 
+use std::io;
 use std::net::{SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,6 +15,10 @@ use crate::Protocol;
 use crate::health::HealthTable;
 use crate::metrics::{Metrics, Outcome};
 use crate::plan::{ListenerRoute, source_allowed, try_order};
+use crate::splice::{Pipe, splice_bidirectional};
+
+/// Buffer of each direction of the user-space fallback copy.
+const COPY_BUFFER: usize = 256 << 10;
 
 /// What a listener task needs besides its socket.
 #[derive(Debug, Clone)]
@@ -126,10 +131,28 @@ async fn forward(
     }
     tokio::select! {
         () = cancel.cancelled() => {}
-        copied = tokio::io::copy_bidirectional(&mut client, &mut upstream) => match copied {
+        copied = copy_both_ways(&mut client, &mut upstream) => match copied {
             Ok((to_backend, to_client)) => metrics.bytes(Protocol::Tcp, to_backend, to_client),
             Err(error) => debug!(%error, "connection ended with an error"),
         },
+    }
+}
+
+/// Zero-copy `splice(2)` through two pipes; when the process is out of descriptors for
+/// the pipes, a user-space copy with buffers large enough to keep a 10 Gbit/s path busy.
+async fn copy_both_ways(
+    client: &mut TcpStream,
+    upstream: &mut TcpStream,
+) -> io::Result<(u64, u64)> {
+    match (Pipe::new(), Pipe::new()) {
+        (Ok(to_backend), Ok(to_client)) => {
+            splice_bidirectional(client, upstream, to_backend, to_client).await
+        }
+        (Err(error), _) | (_, Err(error)) => {
+            debug!(%error, "no pipe for splice, copying through user space");
+            tokio::io::copy_bidirectional_with_sizes(client, upstream, COPY_BUFFER, COPY_BUFFER)
+                .await
+        }
     }
 }
 
