@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cloud_mock_sdk::{
-    Backend, BackendHealth, BackendStatus, Client, ClientOptions, Error, Faults, HealthCheck,
-    HealthCheckProtocol, ListFilter, Listener, LoadBalancerSpec, Mode, Protocol, State,
+    AddressRequest, Backend, BackendHealth, BackendStatus, Client, ClientOptions, Error, Faults,
+    HealthCheck, HealthCheckProtocol, ListFilter, Listener, LoadBalancerSpec, Mode, Protocol,
+    State,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -127,6 +128,7 @@ fn spec(name: &str, backend: Ipv4Addr, backend_port: u16) -> LoadBalancerSpec {
         }],
         backends: vec![Backend { ip: backend }],
         source_ranges: vec![],
+        address: AddressRequest::default(),
     }
 }
 
