@@ -12,10 +12,13 @@ use nix::unistd::pipe2;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 
-/// Capacity asked for each pipe, and the most bytes one `splice` call moves into it:
+/// A new pipe's capacity (Linux's default, 16 pages): enough for requests and answers,
+/// and nothing to set up per connection.
+const FIRST_CAPACITY: usize = 64 << 10;
+/// The capacity a pipe grows to once its direction has carried as much (a bulk transfer):
 /// fewer, larger moves per byte. Linux caps it at `/proc/sys/fs/pipe-max-size` (1 MiB by
-/// default); a smaller pipe only means shorter moves.
-const CHUNK: usize = 1 << 20;
+/// default). Growing every pipe at once costs short connections about 7% of their rate.
+const BULK_CAPACITY: usize = 1 << 20;
 
 fn flags() -> SpliceFFlags {
     SpliceFFlags::SPLICE_F_NONBLOCK | SpliceFFlags::SPLICE_F_MOVE
@@ -25,16 +28,31 @@ fn flags() -> SpliceFFlags {
 pub(crate) struct Pipe {
     read: OwnedFd,
     write: OwnedFd,
+    /// The most one move puts into it.
+    capacity: usize,
+    may_grow: bool,
 }
 
 impl Pipe {
     pub(crate) fn new() -> io::Result<Self> {
         let (read, write) = pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)?;
+        Ok(Self {
+            read,
+            write,
+            capacity: FIRST_CAPACITY,
+            may_grow: true,
+        })
+    }
+
+    /// Grows the pipe to [`BULK_CAPACITY`], once; where the kernel refuses (a lower
+    /// `pipe-max-size`, the user's pipe quota) it keeps its size.
+    fn grow(&mut self) {
+        self.may_grow = false;
         #[allow(clippy::cast_possible_truncation, clippy::cast_possible_wrap)]
-        if let Err(errno) = fcntl(&write, FcntlArg::F_SETPIPE_SZ(CHUNK as i32)) {
-            tracing::debug!(%errno, "pipe keeps its default size");
+        match fcntl(&self.write, FcntlArg::F_SETPIPE_SZ(BULK_CAPACITY as i32)) {
+            Ok(granted) => self.capacity = usize::try_from(granted).unwrap_or(FIRST_CAPACITY),
+            Err(errno) => tracing::debug!(%errno, "pipe keeps its size"),
         }
-        Ok(Self { read, write })
     }
 }
 
@@ -47,18 +65,25 @@ pub(crate) async fn splice_bidirectional(
     a_to_b: Pipe,
     b_to_a: Pipe,
 ) -> io::Result<(u64, u64)> {
-    tokio::try_join!(one_way(a, b, &a_to_b), one_way(b, a, &b_to_a))
+    tokio::try_join!(one_way(a, b, a_to_b), one_way(b, a, b_to_a))
 }
 
 /// Moves everything `from` sends to `to`, then shuts `to`'s sending half.
-async fn one_way(from: &TcpStream, to: &TcpStream, pipe: &Pipe) -> io::Result<u64> {
+async fn one_way(from: &TcpStream, to: &TcpStream, mut pipe: Pipe) -> io::Result<u64> {
     let mut total: u64 = 0;
     loop {
         let moved = loop {
             from.readable().await?;
             match from.try_io(Interest::READABLE, || {
-                splice(from.as_fd(), None, pipe.write.as_fd(), None, CHUNK, flags())
-                    .map_err(io::Error::from)
+                splice(
+                    from.as_fd(),
+                    None,
+                    pipe.write.as_fd(),
+                    None,
+                    pipe.capacity,
+                    flags(),
+                )
+                .map_err(io::Error::from)
             }) {
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
                 other => break other?,
@@ -80,6 +105,9 @@ async fn one_way(from: &TcpStream, to: &TcpStream, pipe: &Pipe) -> io::Result<u6
             }
         }
         total += moved as u64;
+        if pipe.may_grow && total >= BULK_CAPACITY as u64 {
+            pipe.grow();
+        }
     }
     match shutdown(to.as_raw_fd(), Shutdown::Write) {
         // The peer went already: nothing left to tell it.
