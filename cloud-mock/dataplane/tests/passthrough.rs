@@ -153,6 +153,17 @@ async fn wait_for_ip(args: &[&str], what: &str, condition: impl Fn(&str) -> bool
     }
 }
 
+/// Probes every 100 ms; one answer decides.
+fn quick_health() -> DataPlaneConfig {
+    DataPlaneConfig {
+        health_interval: Duration::from_millis(100),
+        health_timeout: Duration::from_millis(300),
+        healthy_threshold: 1,
+        unhealthy_threshold: 1,
+        ..DataPlaneConfig::default()
+    }
+}
+
 fn passthrough_lb(vip: Ipv4Addr, check: Option<HealthCheck>) -> LoadBalancer {
     LoadBalancer {
         id: "lb-pass".to_owned(),
@@ -192,13 +203,7 @@ fn passthrough_ecmp_route_follows_backend_health() {
         .await;
         let [a, b] = health
             .map(|l| support::greet_on(tokio::net::TcpListener::from_std(l).unwrap(), "health"));
-        let dataplane = DataPlane::new(DataPlaneConfig {
-            health_interval: Duration::from_millis(100),
-            health_timeout: Duration::from_millis(300),
-            healthy_threshold: 1,
-            unhealthy_threshold: 1,
-            ..DataPlaneConfig::default()
-        });
+        let dataplane = DataPlane::new(quick_health());
         let vip = Ipv4Addr::new(198, 51, 100, 5);
         let show = ["-4", "route", "show", "198.51.100.5/32"];
         let lb = passthrough_lb(vip, Some(HealthCheck::Tcp { port: HEALTH_PORT }));
@@ -424,13 +429,7 @@ fn passthrough_sharers_route_over_the_nodes_that_serve_them_all() {
     block_on_in_netns(&lab.edge, || async move {
         let (_web, _api) = (serve(web, "web"), serve(api, "api"));
         let _health = health.map(|listener| serve(listener, "health"));
-        let dataplane = DataPlane::new(DataPlaneConfig {
-            health_interval: Duration::from_millis(100),
-            health_timeout: Duration::from_millis(300),
-            healthy_threshold: 1,
-            unhealthy_threshold: 1,
-            ..DataPlaneConfig::default()
-        });
+        let dataplane = DataPlane::new(quick_health());
         let mut web_lb = sharer("lb-web", vip, Mode::Passthrough, 80, 80);
         web_lb.listeners[0].health_check = Some(HealthCheck::Tcp { port: 10001 });
         let mut api_lb = sharer("lb-api", vip, Mode::Passthrough, 81, 81);
