@@ -1,6 +1,5 @@
 //! Do: a proxy-mode TCP listener.
 
-use std::io;
 use std::net::{SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,10 +14,7 @@ use crate::Protocol;
 use crate::health::HealthTable;
 use crate::metrics::{Metrics, Outcome};
 use crate::plan::{ListenerRoute, source_allowed, try_order};
-use crate::splice::{Pipe, splice_bidirectional};
-
-/// Buffer of each direction of the user-space fallback copy.
-const COPY_BUFFER: usize = 256 << 10;
+use crate::splice::forward_both_ways;
 
 /// What a listener task needs besides its socket.
 #[derive(Debug, Clone)]
@@ -96,7 +92,7 @@ pub(crate) async fn serve_tcp(
 /// Connects to the first backend of `order` that answers and copies both ways until
 /// either side closes or the listener goes.
 async fn forward(
-    mut client: TcpStream,
+    client: TcpStream,
     order: Vec<SocketAddrV4>,
     connect_timeout: Duration,
     metrics: Metrics,
@@ -117,7 +113,7 @@ async fn forward(
             Err(_) => debug!(%backend, "backend connect timed out, trying the next"),
         }
     }
-    let Some(mut upstream) = upstream else {
+    let Some(upstream) = upstream else {
         metrics.connection(Protocol::Tcp, Outcome::BackendError);
         reset(client);
         return;
@@ -131,28 +127,10 @@ async fn forward(
     }
     tokio::select! {
         () = cancel.cancelled() => {}
-        copied = copy_both_ways(&mut client, &mut upstream) => match copied {
+        copied = forward_both_ways(&client, &upstream) => match copied {
             Ok((to_backend, to_client)) => metrics.bytes(Protocol::Tcp, to_backend, to_client),
             Err(error) => debug!(%error, "connection ended with an error"),
         },
-    }
-}
-
-/// Zero-copy `splice(2)` through two pipes; when the process is out of descriptors for
-/// the pipes, a user-space copy with buffers large enough to keep a 10 Gbit/s path busy.
-async fn copy_both_ways(
-    client: &mut TcpStream,
-    upstream: &mut TcpStream,
-) -> io::Result<(u64, u64)> {
-    match (Pipe::new(), Pipe::new()) {
-        (Ok(to_backend), Ok(to_client)) => {
-            splice_bidirectional(client, upstream, to_backend, to_client).await
-        }
-        (Err(error), _) | (_, Err(error)) => {
-            debug!(%error, "no pipe for splice, copying through user space");
-            tokio::io::copy_bidirectional_with_sizes(client, upstream, COPY_BUFFER, COPY_BUFFER)
-                .await
-        }
     }
 }
 
