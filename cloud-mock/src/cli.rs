@@ -118,4 +118,36 @@ mod tests {
         assert_eq!(settings.vip_pools, "127.77.0.0/24".parse().unwrap());
         assert!(Args::try_parse_from(["cloud-mock", "--token", "t"]).is_err());
     }
+
+    #[test]
+    fn vip_pools_repeat_and_may_come_as_a_list() {
+        let base = ["cloud-mock", "--data-dir", "/tmp/x", "--token", "t"];
+        let parse = |pools: &[&'static str]| {
+            Args::try_parse_from(base.iter().copied().chain(pools.iter().copied()))
+        };
+        let repeated = parse(&[
+            "--vip-pool",
+            "10.0.0.0/24",
+            "--vip-pool",
+            "blue=10.1.0.0/28",
+        ])
+        .unwrap()
+        .settings()
+        .unwrap();
+        let listed = parse(&["--vip-pool", "blue=10.1.0.0/28,10.0.0.0/24"])
+            .unwrap()
+            .settings()
+            .unwrap();
+        assert_eq!(repeated.vip_pools, listed.vip_pools);
+        assert_eq!(
+            repeated.vip_pools.get("blue"),
+            Some("10.1.0.0/28".parse().unwrap())
+        );
+        let overlapping = parse(&["--vip-pool", "10.0.0.0/16", "--vip-pool", "b=10.0.1.0/24"]);
+        assert!(matches!(
+            overlapping.unwrap().settings(),
+            Err(PoolsError::Overlap { .. })
+        ));
+        assert!(parse(&["--vip-pool", "Bad=10.0.0.0/8"]).is_err());
+    }
 }
