@@ -61,7 +61,7 @@ pub enum StoreError {
     )]
     VipTaken { vip: Ipv4Addr, holder: String },
     #[error(
-        "VIP {vip} is shared under key {key:?}, but {protocol:?} port {port} is already served there by load balancer {holder}"
+        "VIP {vip} is shared under key {key:?}, but {protocol} port {port} is already served there by load balancer {holder}"
     )]
     PortConflict {
         vip: Ipv4Addr,

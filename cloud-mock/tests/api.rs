@@ -430,7 +430,7 @@ async fn a_sharing_key_shares_one_vip_between_disjoint_ports() {
         (status, error_code(&body)),
         (StatusCode::CONFLICT, "port-conflict")
     );
-    assert!(error_message(&body).contains("port 80 "), "{body}");
+    assert!(error_message(&body).contains("TCP port 80 "), "{body}");
     let mut stranger = spec("stranger");
     stranger["vip"] = vip.clone();
     stranger["listeners"][0]["port"] = json!(9999);

@@ -90,6 +90,16 @@ pub enum Protocol {
     Udp,
 }
 
+impl std::fmt::Display for Protocol {
+    /// As the API spells it: `TCP`, `UDP`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        })
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct HealthCheck {
