@@ -13,14 +13,16 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, MethodRouter, on};
 use cloud_mock_dataplane::DataPlane;
-use cloud_mock_sdk::{Faults, ListFilter, LoadBalancerList, LoadBalancerSpec};
+use cloud_mock_sdk::{
+    Faults, ListFilter, LoadBalancerList, LoadBalancerSpec, LostAnswer, Pool, PoolList,
+};
 use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
 
 use crate::error::ApiError;
 use crate::extract::{JsonBody, MAX_BODY_BYTES};
-use crate::faults::{FaultState, Verdict, validate_faults};
+use crate::faults::{FaultState, MAX_LATENCY_MS, Verdict, validate_faults};
 use crate::lifecycle::now_ms;
 use crate::metrics::Metrics;
 use crate::model::{StoredLoadBalancer, to_wire, wire_health};
@@ -142,6 +144,7 @@ pub fn routes() -> Vec<Route> {
             TokenWithFaults,
             delete_load_balancer,
         ),
+        route("/v1/pools", Get, TokenWithFaults, list_pools),
         route("/v1/admin/faults", Get, Token, get_faults),
         route("/v1/admin/faults", Put, Token, set_faults),
     ]
@@ -266,10 +269,62 @@ async fn inject_faults(State(state): State<AppState>, request: Request, next: Ne
                 )
                 .into_response()
             } else {
-                next.run(request).await
+                let response = next.run(request).await;
+                if response.extensions().get::<Committed>().is_none() {
+                    return response;
+                }
+                let lost = state
+                    .faults
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .lose_answer(rand::random::<f64>());
+                match lost {
+                    None => response,
+                    Some(how) => lose_answer(how).await,
+                }
             }
         }
     }
+}
+
+/// Marks an answer to a request that committed a change (what a lost answer hides).
+#[derive(Debug, Clone, Copy)]
+struct Committed;
+
+fn committed(mut response: Response) -> Response {
+    response.extensions_mut().insert(Committed);
+    response
+}
+
+/// The answer a client gets instead of the one to its committed change.
+async fn lose_answer(how: LostAnswer) -> Response {
+    tracing::info!(
+        ?how,
+        "injected fault: losing the answer to a committed change"
+    );
+    match how {
+        LostAnswer::Unavailable => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "injected fault: the cloud is temporarily unavailable",
+        )
+        .into_response(),
+        LostAnswer::Hang => {
+            tokio::time::sleep(std::time::Duration::from_millis(MAX_LATENCY_MS)).await;
+            connection_reset()
+        }
+        LostAnswer::Reset => connection_reset(),
+    }
+}
+
+/// An answer whose body fails at once: the server closes the connection mid-answer.
+fn connection_reset() -> Response {
+    let failing = futures::stream::once(async {
+        Err::<axum::body::Bytes, std::io::Error>(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        ))
+    });
+    Response::new(axum::body::Body::from_stream(failing))
 }
 
 async fn healthz() -> Json<serde_json::Value> {
@@ -425,11 +480,11 @@ async fn create_load_balancer(
     JsonBody(spec): JsonBody<LoadBalancerSpec>,
 ) -> Result<Response, ApiError> {
     let key = idempotency_key(&headers)?;
-    validate_spec(&spec, state.store.pool())?;
+    let placement = validate_spec(&spec, state.store.pools())?;
     let now = now_ms();
     let created = state
         .store
-        .call(move |store| store.create(&spec, key.as_deref(), now))
+        .call(move |store| store.create(&spec, &placement, key.as_deref(), now))
         .await?;
     let lb = created.load_balancer;
     if created.is_new {
@@ -447,8 +502,9 @@ async fn create_load_balancer(
         response
             .headers_mut()
             .insert("idempotent-replayed", HeaderValue::from_static("true"));
+        return Ok(response);
     }
-    Ok(response)
+    Ok(committed(response))
 }
 
 async fn get_load_balancer(
@@ -473,16 +529,18 @@ async fn update_load_balancer(
 ) -> Result<Response, ApiError> {
     let id = path_id(path)?;
     let version = if_match_version(&headers)?;
-    validate_spec(&spec, state.store.pool())?;
+    let placement = validate_spec(&spec, state.store.pools())?;
     let lb = state
         .store
-        .call(move |store| store.update(&id, &spec, version))
+        .call(move |store| store.update(&id, &spec, &placement, version))
         .await?;
-    if lb.version != version {
-        tracing::info!(lb = %lb.id, version = lb.version, "load balancer updated");
-        state.lifecycle_wake.notify_one();
+    let response = ([etag(lb.version)], Json(answer(&state, &lb))).into_response();
+    if lb.version == version {
+        return Ok(response);
     }
-    Ok(([etag(lb.version)], Json(answer(&state, &lb))).into_response())
+    tracing::info!(lb = %lb.id, version = lb.version, "load balancer updated");
+    state.lifecycle_wake.notify_one();
+    Ok(committed(response))
 }
 
 async fn delete_load_balancer(
@@ -496,13 +554,31 @@ async fn delete_load_balancer(
         .call(move |store| store.mark_deleting(&id, now))
         .await?;
     Ok(match deleting {
+        // Deleting one already being deleted commits nothing.
+        Some(lb) if lb.state_since_ms != now => {
+            (StatusCode::ACCEPTED, Json(answer(&state, &lb))).into_response()
+        }
         Some(lb) => {
             tracing::info!(lb = %lb.id, "load balancer deleting");
             state.lifecycle_wake.notify_one();
-            (StatusCode::ACCEPTED, Json(answer(&state, &lb))).into_response()
+            committed((StatusCode::ACCEPTED, Json(answer(&state, &lb))).into_response())
         }
         None => StatusCode::NO_CONTENT.into_response(),
     })
+}
+
+async fn list_pools(State(state): State<AppState>) -> Result<Json<PoolList>, ApiError> {
+    let pools = state.store.call(Store::pool_use).await?;
+    let items = pools
+        .into_iter()
+        .map(|pool| Pool {
+            name: pool.name,
+            cidr: pool.cidr,
+            size: pool.size,
+            allocated: pool.allocated,
+        })
+        .collect();
+    Ok(Json(PoolList { items }))
 }
 
 async fn get_faults(State(state): State<AppState>) -> Json<Faults> {

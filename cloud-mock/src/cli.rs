@@ -5,10 +5,10 @@ use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind};
-use ipnet::Ipv4Net;
 
 pub use tandem_common::{GoDuration, LogFormat};
 
+use crate::pools::{PoolsError, VipPool, VipPools};
 use crate::server::Settings;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -32,9 +32,16 @@ pub struct Args {
     /// Bearer token clients must send.
     #[arg(long, env = "CLOUD_MOCK_TOKEN", hide_env_values = true)]
     pub token: String,
-    /// CIDR that VIPs are allocated from (e.g. 127.77.0.0/24: loopback, needs no setup).
-    #[arg(long, env = "CLOUD_MOCK_VIP_POOL")]
-    pub vip_pool: Ipv4Net,
+    /// A VIP pool, NAME=CIDR; a bare CIDR is the pool `default` (e.g. 127.77.0.0/24:
+    /// loopback, needs no setup). Repeatable; the environment variable takes a
+    /// comma-separated list. Pools may not overlap.
+    #[arg(
+        long,
+        env = "CLOUD_MOCK_VIP_POOL",
+        required = true,
+        value_delimiter = ','
+    )]
+    pub vip_pool: Vec<VipPool>,
     #[arg(long, env = "CLOUD_MOCK_DATAPLANE", value_enum, default_value_t = DataPlaneArg::Proxy)]
     pub dataplane: DataPlaneArg,
     /// Time a new load balancer stays provisioning (and a deleted one deleting), like
@@ -56,11 +63,11 @@ pub struct Args {
 }
 
 impl Args {
-    pub fn settings(&self) -> Settings {
-        Settings {
+    pub fn settings(&self) -> Result<Settings, PoolsError> {
+        Ok(Settings {
             data_dir: self.data_dir.clone(),
             token: self.token.clone(),
-            vip_pool: self.vip_pool,
+            vip_pools: VipPools::new(self.vip_pool.clone())?,
             provisioning_delay: self.provisioning_delay.into(),
             dataplane: DataPlaneConfig {
                 mode: match self.dataplane {
@@ -72,7 +79,7 @@ impl Args {
                 vip_device: self.vip_device.clone(),
                 ..DataPlaneConfig::default()
             },
-        }
+        })
     }
 }
 
@@ -105,10 +112,42 @@ mod tests {
             "250ms",
         ])
         .unwrap();
-        let settings = args.settings();
+        let settings = args.settings().unwrap();
         assert_eq!(settings.provisioning_delay, Duration::from_millis(250));
         assert_eq!(settings.dataplane.mode, DataPlaneKind::None);
-        assert_eq!(settings.vip_pool, "127.77.0.0/24".parse().unwrap());
+        assert_eq!(settings.vip_pools, "127.77.0.0/24".parse().unwrap());
         assert!(Args::try_parse_from(["cloud-mock", "--token", "t"]).is_err());
+    }
+
+    #[test]
+    fn vip_pools_repeat_and_may_come_as_a_list() {
+        let base = ["cloud-mock", "--data-dir", "/tmp/x", "--token", "t"];
+        let parse = |pools: &[&'static str]| {
+            Args::try_parse_from(base.iter().copied().chain(pools.iter().copied()))
+        };
+        let repeated = parse(&[
+            "--vip-pool",
+            "10.0.0.0/24",
+            "--vip-pool",
+            "blue=10.1.0.0/28",
+        ])
+        .unwrap()
+        .settings()
+        .unwrap();
+        let listed = parse(&["--vip-pool", "blue=10.1.0.0/28,10.0.0.0/24"])
+            .unwrap()
+            .settings()
+            .unwrap();
+        assert_eq!(repeated.vip_pools, listed.vip_pools);
+        assert_eq!(
+            repeated.vip_pools.get("blue"),
+            Some("10.1.0.0/28".parse().unwrap())
+        );
+        let overlapping = parse(&["--vip-pool", "10.0.0.0/16", "--vip-pool", "b=10.0.1.0/24"]);
+        assert!(matches!(
+            overlapping.unwrap().settings(),
+            Err(PoolsError::Overlap { .. })
+        ));
+        assert!(parse(&["--vip-pool", "Bad=10.0.0.0/8"]).is_err());
     }
 }

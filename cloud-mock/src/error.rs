@@ -39,9 +39,14 @@ impl ApiError {
 impl From<SpecError> for ApiError {
     fn from(err: SpecError) -> Self {
         match err {
-            SpecError::VipOutsidePool { .. } => {
+            SpecError::VipOutsidePool { .. } | SpecError::VipOutsidePools { .. } => {
                 Self::bad_request("vip-outside-pool", err.to_string())
             }
+            SpecError::UnknownPool { .. } => Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unknown-pool",
+                err.to_string(),
+            ),
             SpecError::Invalid { .. } => {
                 Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid", err.to_string())
             }
@@ -55,8 +60,17 @@ impl From<StoreError> for ApiError {
         match err {
             StoreError::NotFound { .. } => Self::not_found(message),
             StoreError::VipTaken { .. } => Self::new(StatusCode::CONFLICT, "vip-taken", message),
+            StoreError::PortConflict { .. } => {
+                Self::new(StatusCode::CONFLICT, "port-conflict", message)
+            }
+            StoreError::SharingModeMismatch { .. } => {
+                Self::new(StatusCode::CONFLICT, "sharing-mode-mismatch", message)
+            }
             StoreError::PoolExhausted { .. } => {
                 Self::new(StatusCode::CONFLICT, "pool-exhausted", message)
+            }
+            StoreError::UnknownPool { .. } => {
+                Self::new(StatusCode::UNPROCESSABLE_ENTITY, "unknown-pool", message)
             }
             StoreError::Deleting { .. } => Self::new(StatusCode::CONFLICT, "deleting", message),
             StoreError::VersionMismatch { .. } => Self::new(
@@ -67,7 +81,7 @@ impl From<StoreError> for ApiError {
             StoreError::Open { .. }
             | StoreError::Database(_)
             | StoreError::Corrupt { .. }
-            | StoreError::Encode(_)
+            | StoreError::Encode { .. }
             | StoreError::Task(_) => {
                 tracing::error!(error = %message, "store failure");
                 Self::new(

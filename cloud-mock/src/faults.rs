@@ -1,8 +1,9 @@
-//! Runtime fault injection for tests: rate limit (token bucket), added latency, errors.
+//! Runtime fault injection for tests: rate limit (token bucket), added latency, errors
+//! before a request is handled, and answers lost after a change was committed.
 
 use std::time::{Duration, Instant};
 
-use cloud_mock_sdk::Faults;
+use cloud_mock_sdk::{Faults, LostAnswer};
 
 /// Upper bound of injected latency, so a bad setting cannot hang clients for ever.
 pub const MAX_LATENCY_MS: u64 = 60_000;
@@ -15,6 +16,8 @@ pub enum FaultsError {
     Latency,
     #[error("rateLimitPerSecond: must be at least 1 (leave it out for no limit)")]
     RateLimit,
+    #[error("lostAnswerRate: must be between 0.0 and 1.0")]
+    LostAnswerRate,
 }
 
 pub fn validate_faults(faults: &Faults) -> Result<(), FaultsError> {
@@ -26,6 +29,9 @@ pub fn validate_faults(faults: &Faults) -> Result<(), FaultsError> {
     }
     if faults.rate_limit_per_second == Some(0) {
         return Err(FaultsError::RateLimit);
+    }
+    if !(0.0..=1.0).contains(&faults.lost_answer_rate) {
+        return Err(FaultsError::LostAnswerRate);
     }
     Ok(())
 }
@@ -89,6 +95,11 @@ impl FaultState {
             latency: Duration::from_millis(self.faults.latency_ms),
             fail: roll < self.faults.error_rate,
         }
+    }
+
+    /// Whether the answer to a committed change is lost, and how; `roll` in 0..1.
+    pub fn lose_answer(&self, roll: f64) -> Option<LostAnswer> {
+        (roll < self.faults.lost_answer_rate).then_some(self.faults.lost_answer)
     }
 }
 
@@ -173,7 +184,7 @@ mod tests {
             Faults {
                 error_rate: 0.25,
                 latency_ms: 30,
-                rate_limit_per_second: None,
+                ..Faults::default()
             },
             now,
         );
@@ -194,6 +205,23 @@ mod tests {
     }
 
     #[test]
+    fn answers_are_lost_at_the_set_rate_in_the_set_way() {
+        let now = Instant::now();
+        let mut state = FaultState::new(now);
+        assert_eq!(state.lose_answer(0.0), None, "off by default");
+        state.set(
+            Faults {
+                lost_answer_rate: 0.5,
+                lost_answer: LostAnswer::Hang,
+                ..Faults::default()
+            },
+            now,
+        );
+        assert_eq!(state.lose_answer(0.49), Some(LostAnswer::Hang));
+        assert_eq!(state.lose_answer(0.5), None);
+    }
+
+    #[test]
     fn bad_settings_are_refused() {
         let bad_rate = Faults {
             error_rate: 1.5,
@@ -210,6 +238,11 @@ mod tests {
             ..Faults::default()
         };
         assert_eq!(validate_faults(&zero), Err(FaultsError::RateLimit));
+        let lost = Faults {
+            lost_answer_rate: -0.1,
+            ..Faults::default()
+        };
+        assert_eq!(validate_faults(&lost), Err(FaultsError::LostAnswerRate));
         assert_eq!(validate_faults(&Faults::default()), Ok(()));
     }
 }

@@ -13,6 +13,7 @@ pub mod lifecycle;
 mod metrics;
 pub mod model;
 pub mod openapi;
+pub mod pools;
 pub mod server;
 pub mod store;
 #[cfg(test)]

@@ -157,6 +157,7 @@ pub(crate) mod tests {
                 },
             ],
             source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
+            address: cloud_mock_sdk::AddressRequest::default(),
         }
     }
 

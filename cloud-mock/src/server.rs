@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use cloud_mock_dataplane::{DataPlane, DataPlaneConfig};
-use ipnet::Ipv4Net;
 use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -16,6 +15,7 @@ use crate::api::{AppState, router};
 use crate::faults::FaultState;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
+use crate::pools::VipPools;
 use crate::store::{Store, StoreError};
 
 /// Everything the server needs to start.
@@ -23,7 +23,7 @@ use crate::store::{Store, StoreError};
 pub struct Settings {
     pub data_dir: PathBuf,
     pub token: String,
-    pub vip_pool: Ipv4Net,
+    pub vip_pools: VipPools,
     pub provisioning_delay: Duration,
     pub dataplane: DataPlaneConfig,
 }
@@ -51,7 +51,7 @@ pub struct App {
 
 impl App {
     pub fn new(settings: &Settings) -> Result<Self, StoreError> {
-        let store = Store::open(&settings.data_dir, settings.vip_pool)?;
+        let store = Store::open(&settings.data_dir, settings.vip_pools.clone())?;
         let dataplane = DataPlane::new(settings.dataplane.clone());
         let metrics = Metrics::default();
         let mut registry = Registry::default();
@@ -91,7 +91,7 @@ pub async fn serve(
     let local = listener.local_addr().map_err(ServeError::Serve)?;
     tracing::info!(
         addr = %local,
-        pool = %settings.vip_pool,
+        pools = %settings.vip_pools,
         data_dir = %settings.data_dir.display(),
         "cloud-mock listening on {local}"
     );

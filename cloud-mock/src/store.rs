@@ -1,24 +1,36 @@
 //! The persistent store: load balancers, VIP allocations and idempotency keys in one redb
 //! file. Every write is one transaction, committed durably (fsync) before it returns, so
-//! an acknowledged change survives a crash.
+//! an acknowledged change survives a crash, and a refused one leaves nothing behind.
 
-use std::net::Ipv4Addr;
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use cloud_mock_sdk::{LoadBalancerSpec, State};
+use cloud_mock_sdk::{LoadBalancerSpec, Mode, Protocol, State};
 use ipnet::Ipv4Net;
 use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
+use serde::{Deserialize, Serialize};
 
 use crate::model::StoredLoadBalancer;
-use crate::validate::vip_in_pool;
+use crate::pools::{DEFAULT_POOL, VipPools, pool_size, vip_in_pool};
+use crate::validate::Placement;
 
 /// id → JSON of [`StoredLoadBalancer`].
 const LOAD_BALANCERS: TableDefinition<&str, &[u8]> = TableDefinition::new("load_balancers");
-/// VIP (as u32) → id of the load balancer holding it.
-const VIPS: TableDefinition<u32, &str> = TableDefinition::new("vips");
+/// VIP (as u32) → JSON of the [`VipHolders`] sharing it.
+const VIP_HOLDERS: TableDefinition<u32, &[u8]> = TableDefinition::new("vip_holders");
 /// Idempotency-Key of a create → id of the load balancer it made.
 const IDEMPOTENCY_KEYS: TableDefinition<&str, &str> = TableDefinition::new("idempotency_keys");
+
+/// The load balancers on one VIP: one, or several with the same sharing key.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct VipHolders {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sharing_key: Option<String>,
+    ids: BTreeSet<String>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -30,20 +42,47 @@ pub enum StoreError {
     },
     #[error("database: {0}")]
     Database(#[source] Box<redb::Error>),
-    #[error("stored load balancer {id} cannot be decoded: {source}")]
+    #[error("stored {what} cannot be decoded: {source}")]
     Corrupt {
-        id: String,
+        what: String,
         #[source]
         source: serde_json::Error,
     },
-    #[error("encoding load balancer: {0}")]
-    Encode(#[source] serde_json::Error),
+    #[error("encoding {what}: {source}")]
+    Encode {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
     #[error("load balancer {id} not found")]
     NotFound { id: String },
-    #[error("VIP {vip} is already allocated to load balancer {holder}")]
+    #[error(
+        "VIP {vip} is held by load balancer {holder} (share it by giving both the same sharingKey)"
+    )]
     VipTaken { vip: Ipv4Addr, holder: String },
-    #[error("the VIP pool {pool} has no free address left")]
-    PoolExhausted { pool: Ipv4Net },
+    #[error(
+        "VIP {vip} is shared under key {key:?}, but {protocol} port {port} is already served there by load balancer {holder}"
+    )]
+    PortConflict {
+        vip: Ipv4Addr,
+        key: String,
+        protocol: Protocol,
+        port: u16,
+        holder: String,
+    },
+    #[error(
+        "VIP {vip} is shared under key {key:?} by {holder}, a {holder_mode:?}-mode load balancer; sharers must use one mode"
+    )]
+    SharingModeMismatch {
+        vip: Ipv4Addr,
+        key: String,
+        holder: String,
+        holder_mode: Mode,
+    },
+    #[error("the VIP pool {pool} ({cidr}) has no free address left")]
+    PoolExhausted { pool: String, cidr: Ipv4Net },
+    #[error("there is no VIP pool named {pool}")]
+    UnknownPool { pool: String },
     #[error("load balancer {id} is at version {current}, not {expected}")]
     VersionMismatch {
         id: String,
@@ -68,16 +107,25 @@ pub struct Created {
     pub is_new: bool,
 }
 
+/// A pool with its use, for the pool list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolUse {
+    pub name: String,
+    pub cidr: Ipv4Net,
+    pub size: u64,
+    pub allocated: u64,
+}
+
 /// Handle on the database; clones share it.
 #[derive(Clone)]
 pub struct Store {
     db: Arc<Database>,
-    pool: Ipv4Net,
+    pools: Arc<VipPools>,
 }
 
 impl Store {
-    /// Opens (or creates) `data_dir/cloud-mock.redb`, handing out VIPs from `pool`.
-    pub fn open(data_dir: &Path, pool: Ipv4Net) -> Result<Self, StoreError> {
+    /// Opens (or creates) `data_dir/cloud-mock.redb`, handing out VIPs from `pools`.
+    pub fn open(data_dir: &Path, pools: VipPools) -> Result<Self, StoreError> {
         let path = data_dir.join("cloud-mock.redb");
         let open = || -> Result<Database, redb::Error> {
             std::fs::create_dir_all(data_dir)?;
@@ -85,7 +133,7 @@ impl Store {
             // Create the tables so that readers never meet a missing one.
             let txn = db.begin_write()?;
             txn.open_table(LOAD_BALANCERS)?;
-            txn.open_table(VIPS)?;
+            txn.open_table(VIP_HOLDERS)?;
             txn.open_table(IDEMPOTENCY_KEYS)?;
             txn.commit()?;
             Ok(db)
@@ -96,12 +144,31 @@ impl Store {
         })?;
         Ok(Self {
             db: Arc::new(db),
-            pool,
+            pools: Arc::new(pools),
         })
     }
 
-    pub fn pool(&self) -> Ipv4Net {
-        self.pool
+    pub fn pools(&self) -> &VipPools {
+        &self.pools
+    }
+
+    /// Every pool with the number of its addresses in use.
+    pub fn pool_use(&self) -> Result<Vec<PoolUse>, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let holders = txn.open_table(VIP_HOLDERS).map_err(db_error)?;
+        self.pools
+            .iter()
+            .map(|(name, cidr)| {
+                let range = u32::from(cidr.network())..=u32::from(cidr.broadcast());
+                let allocated = holders.range(range).map_err(db_error)?.count() as u64;
+                Ok(PoolUse {
+                    name: name.to_owned(),
+                    cidr,
+                    size: pool_size(cidr),
+                    allocated,
+                })
+            })
+            .collect()
     }
 
     /// Runs the blocking store call `f` off the async runtime.
@@ -133,19 +200,20 @@ impl Store {
         Ok(all)
     }
 
-    /// Creates a load balancer from a validated `spec`, allocating its VIP (the requested
-    /// one, or the lowest free one). With an `idempotency_key` already used, returns the
-    /// load balancer that key created instead.
+    /// Creates a load balancer from a validated `spec` placed by `placement`, allocating
+    /// its VIP (see [`place`]). With an `idempotency_key` already used, returns the load
+    /// balancer that key created instead.
     pub fn create(
         &self,
         spec: &LoadBalancerSpec,
+        placement: &Placement,
         idempotency_key: Option<&str>,
         now_ms: u64,
     ) -> Result<Created, StoreError> {
         let txn = self.db.begin_write().map_err(db_error)?;
         let created = {
             let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
-            let mut vips = txn.open_table(VIPS).map_err(db_error)?;
+            let mut holders = txn.open_table(VIP_HOLDERS).map_err(db_error)?;
             let mut keys = txn.open_table(IDEMPOTENCY_KEYS).map_err(db_error)?;
             if let Some(key) = idempotency_key {
                 let known = keys
@@ -161,41 +229,35 @@ impl Store {
                     });
                 }
             }
-            let vip = match spec.vip {
-                Some(requested) => {
-                    if let Some(holder) = vip_holder(&vips, requested)? {
-                        return Err(StoreError::VipTaken {
-                            vip: requested,
-                            holder,
-                        });
-                    }
-                    requested
-                }
-                None => first_free_vip(self.pool, |candidate| {
-                    vips.get(u32::from(candidate))
-                        .map(|holder| holder.is_some())
-                        .map_err(db_error)
-                })?
-                .ok_or(StoreError::PoolExhausted { pool: self.pool })?,
-            };
             let id = loop {
                 let candidate = new_id();
                 if lbs.get(candidate.as_str()).map_err(db_error)?.is_none() {
                     break candidate;
                 }
             };
-            let mut spec = spec.clone();
-            spec.vip = Some(vip);
+            let (pool, cidr) = match &placement.pool {
+                Some(pool) => pool.clone(),
+                None => {
+                    let cidr = self
+                        .pools
+                        .get(DEFAULT_POOL)
+                        .ok_or(StoreError::UnknownPool {
+                            pool: DEFAULT_POOL.to_owned(),
+                        })?;
+                    (DEFAULT_POOL.to_owned(), cidr)
+                }
+            };
+            let vip = place(&lbs, &holders, &id, spec, &pool, cidr, placement.requested)?;
             let lb = StoredLoadBalancer {
                 id: id.clone(),
-                spec,
+                spec: assigned(spec, vip, &pool),
                 state: State::Provisioning,
                 version: 1,
                 state_since_ms: now_ms,
                 idempotency_key: idempotency_key.map(str::to_owned),
             };
             write_lb(&mut lbs, &lb)?;
-            vips.insert(u32::from(vip), id.as_str()).map_err(db_error)?;
+            hold(&mut holders, vip, &id, spec.address.sharing_key.as_deref())?;
             if let Some(key) = idempotency_key {
                 keys.insert(key, id.as_str()).map_err(db_error)?;
             }
@@ -208,19 +270,21 @@ impl Store {
         })
     }
 
-    /// Replaces the spec of `id` if it is at `expected_version`. A spec without a VIP keeps
-    /// the allocated one; another VIP moves the allocation. An unchanged spec changes
-    /// nothing (not even the version).
+    /// Replaces the spec of `id` if it is at `expected_version`. A spec that requests no
+    /// VIP keeps the allocated one (if it lies in the pool the spec names); another VIP
+    /// or pool moves the allocation, within this one load balancer. An unchanged spec
+    /// changes nothing (not even the version).
     pub fn update(
         &self,
         id: &str,
         spec: &LoadBalancerSpec,
+        placement: &Placement,
         expected_version: u64,
     ) -> Result<StoredLoadBalancer, StoreError> {
         let txn = self.db.begin_write().map_err(db_error)?;
         let updated = {
             let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
-            let mut vips = txn.open_table(VIPS).map_err(db_error)?;
+            let mut holders = txn.open_table(VIP_HOLDERS).map_err(db_error)?;
             let mut lb =
                 read_lb(&lbs, id)?.ok_or_else(|| StoreError::NotFound { id: id.into() })?;
             if lb.state == State::Deleting {
@@ -234,25 +298,32 @@ impl Store {
                 });
             }
             let current_vip = lb.vip();
-            let mut desired = spec.clone();
-            desired.vip = spec.vip.or(current_vip);
+            let current_pool = lb.spec.address.pool.clone().unwrap_or_default();
+            let (pool, cidr) = match &placement.pool {
+                Some(pool) => pool.clone(),
+                None => {
+                    let cidr =
+                        self.pools
+                            .get(&current_pool)
+                            .ok_or_else(|| StoreError::UnknownPool {
+                                pool: current_pool.clone(),
+                            })?;
+                    (current_pool.clone(), cidr)
+                }
+            };
+            // No address asked for: the current one stays if it still fits the pool.
+            let requested = placement
+                .requested
+                .or(current_vip.filter(|vip| vip_in_pool(*vip, cidr)));
+            let vip = place(&lbs, &holders, id, spec, &pool, cidr, requested)?;
+            let desired = assigned(spec, vip, &pool);
             if desired == lb.spec {
                 return Ok(lb);
             }
-            if let Some(new_vip) = desired.vip
-                && desired.vip != current_vip
-            {
-                if let Some(holder) = vip_holder(&vips, new_vip)? {
-                    return Err(StoreError::VipTaken {
-                        vip: new_vip,
-                        holder,
-                    });
-                }
-                if let Some(old) = current_vip {
-                    vips.remove(u32::from(old)).map_err(db_error)?;
-                }
-                vips.insert(u32::from(new_vip), id).map_err(db_error)?;
+            if let Some(old) = current_vip {
+                release(&mut holders, old, id)?;
             }
+            hold(&mut holders, vip, id, spec.address.sharing_key.as_deref())?;
             lb.spec = desired;
             lb.version += 1;
             write_lb(&mut lbs, &lb)?;
@@ -311,21 +382,20 @@ impl Store {
         Ok(Some(result))
     }
 
-    /// Removes a load balancer that finished deleting, freeing its VIP and idempotency key.
+    /// Removes a load balancer that finished deleting, freeing its idempotency key and its
+    /// VIP (a shared VIP with the last of its sharers).
     pub fn remove(&self, id: &str) -> Result<(), StoreError> {
         let txn = self.db.begin_write().map_err(db_error)?;
         {
             let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
-            let mut vips = txn.open_table(VIPS).map_err(db_error)?;
+            let mut holders = txn.open_table(VIP_HOLDERS).map_err(db_error)?;
             let mut keys = txn.open_table(IDEMPOTENCY_KEYS).map_err(db_error)?;
             let Some(lb) = read_lb(&lbs, id)? else {
                 return Ok(());
             };
             lbs.remove(id).map_err(db_error)?;
-            if let Some(vip) = lb.vip()
-                && vip_holder(&vips, vip)?.as_deref() == Some(id)
-            {
-                vips.remove(u32::from(vip)).map_err(db_error)?;
+            if let Some(vip) = lb.vip() {
+                release(&mut holders, vip, id)?;
             }
             if let Some(key) = &lb.idempotency_key {
                 keys.remove(key.as_str()).map_err(db_error)?;
@@ -353,14 +423,176 @@ fn new_id() -> String {
     format!("lb-{:08x}", rand::random::<u32>())
 }
 
-fn vip_holder(
-    vips: &Table<'_, u32, &'static str>,
+/// The spec as stored: the assigned VIP in `vip` and `vips`, the pool named.
+fn assigned(spec: &LoadBalancerSpec, vip: Ipv4Addr, pool: &str) -> LoadBalancerSpec {
+    let mut stored = spec.clone();
+    stored.vip = Some(vip);
+    stored.address.vips = vec![IpAddr::V4(vip)];
+    stored.address.pool = Some(pool.to_owned());
+    stored
+}
+
+/// The VIP load balancer `id` with `spec` gets from `pool`: `requested` if it is free or
+/// may be shared; without a request, an address its sharing key already holds in the pool
+/// where it fits (as MetalLB shares), else the lowest free one.
+fn place(
+    lbs: &impl ReadableTable<&'static str, &'static [u8]>,
+    holders: &impl ReadableTable<u32, &'static [u8]>,
+    id: &str,
+    spec: &LoadBalancerSpec,
+    pool: &str,
+    cidr: Ipv4Net,
+    requested: Option<Ipv4Addr>,
+) -> Result<Ipv4Addr, StoreError> {
+    if let Some(vip) = requested {
+        let sharers = read_holders(holders, vip)?;
+        check_sharing(lbs, vip, &sharers, id, spec)?;
+        return Ok(vip);
+    }
+    if spec.address.sharing_key.is_some() {
+        let range = u32::from(cidr.network())..=u32::from(cidr.broadcast());
+        for entry in holders.range(range).map_err(db_error)? {
+            let (vip, value) = entry.map_err(db_error)?;
+            let vip = Ipv4Addr::from(vip.value());
+            let sharers = decode_holders(vip, value.value())?;
+            if sharers.sharing_key == spec.address.sharing_key
+                && check_sharing(lbs, vip, &sharers, id, spec).is_ok()
+            {
+                return Ok(vip);
+            }
+        }
+    }
+    first_free_vip(cidr, |candidate| {
+        Ok(holders
+            .get(u32::from(candidate))
+            .map_err(db_error)?
+            .is_some())
+    })?
+    .ok_or_else(|| StoreError::PoolExhausted {
+        pool: pool.to_owned(),
+        cidr,
+    })
+}
+
+/// Whether `id` with `spec` may hold `vip` beside `sharers`: nobody else holds it, or
+/// all of them carry the same sharing key, use the same mode and serve none of its
+/// (protocol, port) pairs.
+fn check_sharing(
+    lbs: &impl ReadableTable<&'static str, &'static [u8]>,
     vip: Ipv4Addr,
-) -> Result<Option<String>, StoreError> {
-    Ok(vips
+    sharers: &VipHolders,
+    id: &str,
+    spec: &LoadBalancerSpec,
+) -> Result<(), StoreError> {
+    let Some(first_other) = sharers.ids.iter().find(|holder| *holder != id) else {
+        return Ok(());
+    };
+    let key = match (&spec.address.sharing_key, &sharers.sharing_key) {
+        (Some(mine), Some(theirs)) if mine == theirs => mine,
+        _ => {
+            return Err(StoreError::VipTaken {
+                vip,
+                holder: first_other.clone(),
+            });
+        }
+    };
+    let ports: BTreeSet<(Protocol, u16)> = spec
+        .listeners
+        .iter()
+        .map(|listener| (listener.protocol, listener.port))
+        .collect();
+    for holder in sharers.ids.iter().filter(|holder| *holder != id) {
+        let Some(other) = read_lb(lbs, holder)? else {
+            continue;
+        };
+        if other.spec.mode != spec.mode {
+            return Err(StoreError::SharingModeMismatch {
+                vip,
+                key: key.clone(),
+                holder: holder.clone(),
+                holder_mode: other.spec.mode,
+            });
+        }
+        if let Some(clash) = other
+            .spec
+            .listeners
+            .iter()
+            .find(|listener| ports.contains(&(listener.protocol, listener.port)))
+        {
+            return Err(StoreError::PortConflict {
+                vip,
+                key: key.clone(),
+                protocol: clash.protocol,
+                port: clash.port,
+                holder: holder.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn read_holders(
+    holders: &impl ReadableTable<u32, &'static [u8]>,
+    vip: Ipv4Addr,
+) -> Result<VipHolders, StoreError> {
+    holders
         .get(u32::from(vip))
         .map_err(db_error)?
-        .map(|holder| holder.value().to_owned()))
+        .map_or(Ok(VipHolders::default()), |value| {
+            decode_holders(vip, value.value())
+        })
+}
+
+fn decode_holders(vip: Ipv4Addr, bytes: &[u8]) -> Result<VipHolders, StoreError> {
+    serde_json::from_slice(bytes).map_err(|source| StoreError::Corrupt {
+        what: format!("holders of VIP {vip}"),
+        source,
+    })
+}
+
+fn write_holders(
+    holders: &mut Table<'_, u32, &'static [u8]>,
+    vip: Ipv4Addr,
+    sharers: &VipHolders,
+) -> Result<(), StoreError> {
+    if sharers.ids.is_empty() {
+        holders.remove(u32::from(vip)).map_err(db_error)?;
+        return Ok(());
+    }
+    let bytes = serde_json::to_vec(sharers).map_err(|source| StoreError::Encode {
+        what: "VIP holders",
+        source,
+    })?;
+    holders
+        .insert(u32::from(vip), bytes.as_slice())
+        .map_err(db_error)?;
+    Ok(())
+}
+
+/// Adds `id` to the holders of `vip` (checked with [`check_sharing`] before).
+fn hold(
+    holders: &mut Table<'_, u32, &'static [u8]>,
+    vip: Ipv4Addr,
+    id: &str,
+    sharing_key: Option<&str>,
+) -> Result<(), StoreError> {
+    let mut sharers = read_holders(holders, vip)?;
+    sharers.ids.insert(id.to_owned());
+    sharers.sharing_key = sharing_key.map(str::to_owned);
+    write_holders(holders, vip, &sharers)
+}
+
+/// Removes `id` from the holders of `vip`; the last one frees it.
+fn release(
+    holders: &mut Table<'_, u32, &'static [u8]>,
+    vip: Ipv4Addr,
+    id: &str,
+) -> Result<(), StoreError> {
+    let mut sharers = read_holders(holders, vip)?;
+    if sharers.ids.remove(id) {
+        write_holders(holders, vip, &sharers)?;
+    }
+    Ok(())
 }
 
 fn read_lb(
@@ -378,7 +610,10 @@ fn write_lb(
     table: &mut Table<'_, &'static str, &'static [u8]>,
     lb: &StoredLoadBalancer,
 ) -> Result<(), StoreError> {
-    let bytes = serde_json::to_vec(lb).map_err(StoreError::Encode)?;
+    let bytes = serde_json::to_vec(lb).map_err(|source| StoreError::Encode {
+        what: "load balancer",
+        source,
+    })?;
     table
         .insert(lb.id.as_str(), bytes.as_slice())
         .map_err(db_error)?;
@@ -387,7 +622,7 @@ fn write_lb(
 
 fn decode(id: &str, bytes: &[u8]) -> Result<StoredLoadBalancer, StoreError> {
     serde_json::from_slice(bytes).map_err(|source| StoreError::Corrupt {
-        id: id.to_owned(),
+        what: format!("load balancer {id}"),
         source,
     })
 }
@@ -396,12 +631,62 @@ fn decode(id: &str, bytes: &[u8]) -> Result<StoredLoadBalancer, StoreError> {
 mod tests {
     use std::convert::Infallible;
 
+    use cloud_mock_sdk::Listener;
+
     use super::*;
     use crate::model::tests::spec;
     use crate::testutil::TempDir;
+    use crate::validate::validate_spec;
 
     fn pool() -> Ipv4Net {
         "127.77.0.0/29".parse().unwrap()
+    }
+
+    fn pools() -> VipPools {
+        "127.77.0.0/29,blue=127.78.0.0/30".parse().unwrap()
+    }
+
+    fn open(dir: &TempDir) -> Store {
+        Store::open(dir.path(), pools()).unwrap()
+    }
+
+    /// Creates `spec` as the API does: validated, then placed.
+    fn create(
+        store: &Store,
+        spec: &LoadBalancerSpec,
+        key: Option<&str>,
+    ) -> Result<Created, StoreError> {
+        let placement = validate_spec(spec, store.pools()).unwrap();
+        store.create(spec, &placement, key, 0)
+    }
+
+    fn update(
+        store: &Store,
+        id: &str,
+        spec: &LoadBalancerSpec,
+        version: u64,
+    ) -> Result<StoredLoadBalancer, StoreError> {
+        let placement = validate_spec(spec, store.pools()).unwrap();
+        store.update(id, spec, &placement, version)
+    }
+
+    fn ip(last: u8) -> Ipv4Addr {
+        Ipv4Addr::new(127, 77, 0, last)
+    }
+
+    /// A load balancer named `name` sharing under `key`, serving TCP `ports`.
+    fn sharer(name: &str, key: &str, ports: &[u16]) -> LoadBalancerSpec {
+        let mut s = spec(name);
+        s.address.sharing_key = Some(key.into());
+        let template = s.listeners[0].clone();
+        s.listeners = ports
+            .iter()
+            .map(|&port| Listener {
+                port,
+                ..template.clone()
+            })
+            .collect();
+        s
     }
 
     #[test]
@@ -416,22 +701,24 @@ mod tests {
     #[test]
     fn create_allocates_and_persists_across_reopen() {
         let dir = TempDir::new("store-reopen");
-        let store = Store::open(dir.path(), pool()).unwrap();
-        let first = store.create(&spec("a"), Some("key-a"), 10).unwrap();
+        let store = open(&dir);
+        let first = create(&store, &spec("a"), Some("key-a")).unwrap();
         assert!(first.is_new);
         let lb = first.load_balancer;
         assert_eq!(lb.vip(), Some(Ipv4Addr::new(127, 77, 0, 1)));
         assert_eq!(lb.state, State::Provisioning);
+        assert_eq!(lb.spec.address.pool.as_deref(), Some("default"));
+        assert_eq!(lb.spec.address.vips, vec![IpAddr::V4(ip(1))]);
         assert_eq!(lb.version, 1);
         assert!(lb.id.starts_with("lb-") && lb.id.len() == 11);
         drop(store);
 
-        let store = Store::open(dir.path(), pool()).unwrap();
+        let store = open(&dir);
         assert_eq!(store.get(&lb.id).unwrap(), Some(lb.clone()));
-        let again = store.create(&spec("other"), Some("key-a"), 20).unwrap();
+        let again = create(&store, &spec("other"), Some("key-a")).unwrap();
         assert!(!again.is_new);
         assert_eq!(again.load_balancer, lb);
-        let second = store.create(&spec("b"), None, 20).unwrap().load_balancer;
+        let second = create(&store, &spec("b"), None).unwrap().load_balancer;
         assert_eq!(second.vip(), Some(Ipv4Addr::new(127, 77, 0, 2)));
         assert_eq!(store.list().unwrap().len(), 2);
     }
@@ -439,53 +726,168 @@ mod tests {
     #[test]
     fn requested_vip_taken_and_pool_exhaustion_are_refused() {
         let dir = TempDir::new("store-vips");
-        let store = Store::open(dir.path(), pool()).unwrap();
+        let store = open(&dir);
         let mut wanted = spec("a");
         wanted.vip = Some(Ipv4Addr::new(127, 77, 0, 5));
-        let holder = store.create(&wanted, None, 0).unwrap().load_balancer;
+        let holder = create(&store, &wanted, None).unwrap().load_balancer;
         assert!(matches!(
-            store.create(&wanted, None, 0),
+            create(&store, &wanted, None),
             Err(StoreError::VipTaken { holder: h, .. }) if h == holder.id
         ));
         // A /29 has six usable VIPs; one is taken by the request above.
         for _ in 0..5 {
-            store.create(&spec("x"), None, 0).unwrap();
+            create(&store, &spec("x"), None).unwrap();
         }
         assert!(matches!(
-            store.create(&spec("x"), None, 0),
-            Err(StoreError::PoolExhausted { .. })
+            create(&store, &spec("x"), None),
+            Err(StoreError::PoolExhausted { pool, .. }) if pool == "default"
         ));
+        assert_eq!(
+            store.list().unwrap().len(),
+            6,
+            "the refused creates left nothing"
+        );
+        let used = store.pool_use().unwrap();
+        assert_eq!(
+            used.iter()
+                .map(|p| (p.name.as_str(), p.size, p.allocated))
+                .collect::<Vec<_>>(),
+            vec![("blue", 2, 0), ("default", 6, 6)]
+        );
+    }
+
+    #[test]
+    fn named_pools_hand_out_their_own_addresses() {
+        let dir = TempDir::new("store-pools");
+        let store = open(&dir);
+        let mut blue = spec("b");
+        blue.address.pool = Some("blue".into());
+        let first = create(&store, &blue, None).unwrap().load_balancer;
+        assert_eq!(first.vip(), Some(Ipv4Addr::new(127, 78, 0, 1)));
+        assert_eq!(first.spec.address.pool.as_deref(), Some("blue"));
+        create(&store, &blue, None).unwrap();
+        assert!(matches!(
+            create(&store, &blue, None),
+            Err(StoreError::PoolExhausted { pool, .. }) if pool == "blue"
+        ));
+        // Moving the first one to the default pool frees its blue address.
+        let moved = update(&store, &first.id, &spec("b"), 1).unwrap();
+        assert_eq!(
+            moved.vip(),
+            Some(Ipv4Addr::new(127, 78, 0, 1)),
+            "no pool named: it stays"
+        );
+        let mut to_default = spec("b");
+        to_default.address.pool = Some("default".into());
+        let moved = update(&store, &first.id, &to_default, 1).unwrap();
+        assert_eq!(moved.vip(), Some(ip(1)));
+        assert_eq!(moved.spec.address.pool.as_deref(), Some("default"));
+        assert_eq!(
+            create(&store, &blue, None).unwrap().load_balancer.vip(),
+            Some(Ipv4Addr::new(127, 78, 0, 1))
+        );
+    }
+
+    #[test]
+    fn sharers_with_one_key_and_disjoint_ports_share_until_the_last_goes() {
+        let dir = TempDir::new("store-share");
+        let store = open(&dir);
+        let web = create(&store, &sharer("web", "k", &[80, 443]), None)
+            .unwrap()
+            .load_balancer;
+        // Without a requested address, the key's VIP is reused where the ports fit.
+        let dns = create(&store, &sharer("dns", "k", &[53]), None)
+            .unwrap()
+            .load_balancer;
+        assert_eq!(dns.vip(), web.vip());
+        let clash = create(&store, &sharer("alt", "k", &[443]), None)
+            .unwrap()
+            .load_balancer;
+        assert_ne!(
+            clash.vip(),
+            web.vip(),
+            "an unrequested clash gets its own address"
+        );
+
+        let mut requested = sharer("alt2", "k", &[443, 8443]);
+        requested.vip = web.vip();
+        assert!(matches!(
+            create(&store, &requested, None),
+            Err(StoreError::PortConflict { port: 443, holder, .. }) if holder == web.id
+        ));
+        let mut other_key = sharer("x", "other", &[9000]);
+        other_key.vip = web.vip();
+        assert!(matches!(
+            create(&store, &other_key, None),
+            Err(StoreError::VipTaken { .. })
+        ));
+        let mut no_key = spec("y");
+        no_key.vip = web.vip();
+        assert!(matches!(
+            create(&store, &no_key, None),
+            Err(StoreError::VipTaken { .. })
+        ));
+        let mut passthrough = sharer("p", "k", &[9001]);
+        passthrough.vip = web.vip();
+        passthrough.mode = cloud_mock_sdk::Mode::Passthrough;
+        assert!(matches!(
+            create(&store, &passthrough, None),
+            Err(StoreError::SharingModeMismatch { .. })
+        ));
+        // An update may not grow into a sharer's port either.
+        let mut dns_grows = sharer("dns", "k", &[53, 80]);
+        dns_grows.vip = dns.vip();
+        assert!(matches!(
+            update(&store, &dns.id, &dns_grows, 1),
+            Err(StoreError::PortConflict { port: 80, .. })
+        ));
+
+        for lb in [&web, &dns] {
+            store.mark_deleting(&lb.id, 1).unwrap();
+        }
+        store.remove(&web.id).unwrap();
+        let mut newcomer = spec("z");
+        newcomer.vip = web.vip();
+        assert!(
+            matches!(create(&store, &newcomer, None), Err(StoreError::VipTaken { holder, .. }) if holder == dns.id),
+            "the VIP stays with its last sharer"
+        );
+        store.remove(&dns.id).unwrap();
+        assert_eq!(
+            create(&store, &newcomer, None).unwrap().load_balancer.vip(),
+            web.vip()
+        );
     }
 
     #[test]
     fn update_checks_version_and_moves_the_vip() {
         let dir = TempDir::new("store-update");
-        let store = Store::open(dir.path(), pool()).unwrap();
-        let lb = store.create(&spec("a"), None, 0).unwrap().load_balancer;
+        let store = open(&dir);
+        let lb = create(&store, &spec("a"), None).unwrap().load_balancer;
         let mut changed = spec("a");
         changed.backends.pop();
         assert!(matches!(
-            store.update(&lb.id, &changed, 7),
+            update(&store, &lb.id, &changed, 7),
             Err(StoreError::VersionMismatch {
                 current: 1,
                 expected: 7,
                 ..
             })
         ));
-        let updated = store.update(&lb.id, &changed, 1).unwrap();
+        let updated = update(&store, &lb.id, &changed, 1).unwrap();
         assert_eq!(updated.version, 2);
         assert_eq!(updated.vip(), lb.vip());
-        let unchanged = store.update(&lb.id, &changed, 2).unwrap();
+        let unchanged = update(&store, &lb.id, &changed, 2).unwrap();
         assert_eq!(unchanged.version, 2);
 
         changed.vip = Some(Ipv4Addr::new(127, 77, 0, 6));
-        let moved = store.update(&lb.id, &changed, 2).unwrap();
+        let moved = update(&store, &lb.id, &changed, 2).unwrap();
         assert_eq!(moved.vip(), Some(Ipv4Addr::new(127, 77, 0, 6)));
         // The old VIP is free again: the next create gets it.
-        let next = store.create(&spec("b"), None, 0).unwrap().load_balancer;
+        let next = create(&store, &spec("b"), None).unwrap().load_balancer;
         assert_eq!(next.vip(), lb.vip());
         assert!(matches!(
-            store.update("lb-missing", &changed, 1),
+            update(&store, "lb-missing", &changed, 1),
             Err(StoreError::NotFound { .. })
         ));
     }
@@ -493,11 +895,8 @@ mod tests {
     #[test]
     fn delete_lifecycle_frees_vip_and_key() {
         let dir = TempDir::new("store-delete");
-        let store = Store::open(dir.path(), pool()).unwrap();
-        let lb = store
-            .create(&spec("a"), Some("k"), 0)
-            .unwrap()
-            .load_balancer;
+        let store = open(&dir);
+        let lb = create(&store, &spec("a"), Some("k")).unwrap().load_balancer;
         let active = store.mark_active(&lb.id, 5).unwrap().unwrap();
         assert_eq!((active.state, active.state_since_ms), (State::Active, 5));
         let deleting = store.mark_deleting(&lb.id, 9).unwrap().unwrap();
@@ -512,13 +911,13 @@ mod tests {
         );
         assert!(store.mark_active(&lb.id, 60).unwrap().is_none());
         assert!(matches!(
-            store.update(&lb.id, &spec("a"), 1),
+            update(&store, &lb.id, &spec("a"), 1),
             Err(StoreError::Deleting { .. })
         ));
         store.remove(&lb.id).unwrap();
         assert_eq!(store.get(&lb.id).unwrap(), None);
         assert_eq!(store.mark_deleting(&lb.id, 70).unwrap(), None);
-        let fresh = store.create(&spec("a"), Some("k"), 0).unwrap();
+        let fresh = create(&store, &spec("a"), Some("k")).unwrap();
         assert!(fresh.is_new);
         assert_eq!(fresh.load_balancer.vip(), lb.vip());
     }

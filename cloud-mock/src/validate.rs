@@ -1,11 +1,13 @@
 //! Semantic checks of a load-balancer spec (types and ranges of the JSON are checked by
-//! deserialisation already).
+//! deserialisation already), and where its VIP is to come from.
 
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use cloud_mock_sdk::{HealthCheckProtocol, LoadBalancerSpec};
 use ipnet::Ipv4Net;
+
+use crate::pools::{VipPools, is_pool_name, vip_in_pool};
 
 pub const MAX_NAME_LEN: usize = 253;
 pub const MAX_TAGS: usize = 64;
@@ -15,13 +17,22 @@ pub const MAX_LISTENERS: usize = 100;
 pub const MAX_BACKENDS: usize = 1000;
 pub const MAX_SOURCE_RANGES: usize = 100;
 pub const MAX_PATH_LEN: usize = 1024;
+pub const MAX_SHARING_KEY_LEN: usize = 253;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SpecError {
     #[error("{field}: {reason}")]
     Invalid { field: String, reason: String },
-    #[error("vip: {vip} is outside the VIP pool {pool}")]
-    VipOutsidePool { vip: Ipv4Addr, pool: Ipv4Net },
+    #[error("vip: {vip} is outside every VIP pool")]
+    VipOutsidePools { vip: IpAddr },
+    #[error("vip: {vip} is outside the VIP pool {pool} ({cidr})")]
+    VipOutsidePool {
+        vip: Ipv4Addr,
+        pool: String,
+        cidr: Ipv4Net,
+    },
+    #[error("pool: there is no VIP pool named {pool}")]
+    UnknownPool { pool: String },
 }
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> SpecError {
@@ -31,15 +42,18 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> SpecError {
     }
 }
 
-/// True when `vip` may be handed out from `pool` (its network and broadcast addresses
-/// may not, for pools larger than /31).
-pub fn vip_in_pool(vip: Ipv4Addr, pool: Ipv4Net) -> bool {
-    pool.contains(&vip)
-        && (pool.prefix_len() >= 31 || (vip != pool.network() && vip != pool.broadcast()))
+/// Where a valid spec's VIP comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The pool named, or the one holding the requested VIP; `None` when the spec names
+    /// neither (a create then takes the default pool, an update keeps its VIP).
+    pub pool: Option<(String, Ipv4Net)>,
+    pub requested: Option<Ipv4Addr>,
 }
 
-/// Checks everything about `spec` that its types do not, first problem first.
-pub fn validate_spec(spec: &LoadBalancerSpec, pool: Ipv4Net) -> Result<(), SpecError> {
+/// Checks everything about `spec` that its types do not, first problem first, and
+/// resolves its pool and requested VIP against `pools`.
+pub fn validate_spec(spec: &LoadBalancerSpec, pools: &VipPools) -> Result<Placement, SpecError> {
     validate_text("name", &spec.name, 1, MAX_NAME_LEN)?;
     if spec.tags.len() > MAX_TAGS {
         return Err(invalid("tags", format!("at most {MAX_TAGS} tags")));
@@ -54,11 +68,10 @@ pub fn validate_spec(spec: &LoadBalancerSpec, pool: Ipv4Net) -> Result<(), SpecE
         }
         validate_text(&format!("tags.{key}"), value, 0, MAX_TAG_VALUE_LEN)?;
     }
-    if let Some(vip) = spec.vip
-        && !vip_in_pool(vip, pool)
-    {
-        return Err(SpecError::VipOutsidePool { vip, pool });
+    if let Some(key) = &spec.address.sharing_key {
+        validate_text("sharingKey", key, 1, MAX_SHARING_KEY_LEN)?;
     }
+    let placement = placement(spec, pools)?;
     if spec.listeners.len() > MAX_LISTENERS {
         return Err(invalid(
             "listeners",
@@ -151,7 +164,65 @@ pub fn validate_spec(spec: &LoadBalancerSpec, pool: Ipv4Net) -> Result<(), SpecE
             format!("at most {MAX_SOURCE_RANGES} ranges"),
         ));
     }
-    Ok(())
+    Ok(placement)
+}
+
+/// The requested VIP (from `vip` and `vips`, which must agree: one address per family)
+/// and the pool it belongs to, or the named pool.
+fn placement(spec: &LoadBalancerSpec, pools: &VipPools) -> Result<Placement, SpecError> {
+    let mut requested: Option<Ipv4Addr> = None;
+    let asked = spec
+        .vip
+        .map(IpAddr::V4)
+        .into_iter()
+        .chain(spec.address.vips.iter().copied());
+    for vip in asked {
+        // Every pool is IPv4: an IPv6 request lies outside them all.
+        let IpAddr::V4(v4) = vip else {
+            return Err(SpecError::VipOutsidePools { vip });
+        };
+        match requested {
+            Some(earlier) if earlier != v4 => {
+                return Err(invalid(
+                    "vips",
+                    format!("{earlier} and {v4}: at most one address per IP family"),
+                ));
+            }
+            _ => requested = Some(v4),
+        }
+    }
+    let named = match &spec.address.pool {
+        Some(name) => {
+            if !is_pool_name(name) {
+                return Err(invalid("pool", format!("{name:?} is not a pool name")));
+            }
+            let cidr = pools
+                .get(name)
+                .ok_or_else(|| SpecError::UnknownPool { pool: name.clone() })?;
+            Some((name.clone(), cidr))
+        }
+        None => None,
+    };
+    let pool = match (requested, named) {
+        (Some(vip), Some((name, cidr))) => {
+            if !vip_in_pool(vip, cidr) {
+                return Err(SpecError::VipOutsidePool {
+                    vip,
+                    pool: name,
+                    cidr,
+                });
+            }
+            Some((name, cidr))
+        }
+        (Some(vip), None) => {
+            let (name, cidr) = pools.pool_of(vip).ok_or(SpecError::VipOutsidePools {
+                vip: IpAddr::V4(vip),
+            })?;
+            Some((name.to_owned(), cidr))
+        }
+        (None, named) => named,
+    };
+    Ok(Placement { pool, requested })
 }
 
 fn validate_text(field: &str, text: &str, min: usize, max: usize) -> Result<(), SpecError> {
@@ -175,11 +246,11 @@ mod tests {
     use super::*;
     use crate::model::tests::spec;
 
-    fn pool() -> Ipv4Net {
-        "127.77.0.0/28".parse().unwrap()
+    fn pool() -> VipPools {
+        "127.77.0.0/28,blue=127.78.0.0/29".parse().unwrap()
     }
 
-    fn field_of(result: Result<(), SpecError>) -> String {
+    fn field_of(result: Result<Placement, SpecError>) -> String {
         match result {
             Err(SpecError::Invalid { field, .. }) => field,
             other => panic!("expected an invalid field, got {other:?}"),
@@ -187,17 +258,24 @@ mod tests {
     }
 
     #[test]
-    fn a_complete_spec_is_valid() {
-        assert_eq!(validate_spec(&spec("a"), pool()), Ok(()));
+    fn a_complete_spec_is_valid_and_names_no_pool() {
+        assert_eq!(
+            validate_spec(&spec("a"), &pool()),
+            Ok(Placement {
+                pool: None,
+                requested: None
+            })
+        );
     }
 
     #[test]
     fn pool_edges_are_not_vips() {
-        assert!(!vip_in_pool(Ipv4Addr::new(127, 77, 0, 0), pool()));
-        assert!(vip_in_pool(Ipv4Addr::new(127, 77, 0, 1), pool()));
-        assert!(vip_in_pool(Ipv4Addr::new(127, 77, 0, 14), pool()));
-        assert!(!vip_in_pool(Ipv4Addr::new(127, 77, 0, 15), pool()));
-        assert!(!vip_in_pool(Ipv4Addr::new(127, 77, 1, 1), pool()));
+        let default: Ipv4Net = "127.77.0.0/28".parse().unwrap();
+        assert!(!vip_in_pool(Ipv4Addr::new(127, 77, 0, 0), default));
+        assert!(vip_in_pool(Ipv4Addr::new(127, 77, 0, 1), default));
+        assert!(vip_in_pool(Ipv4Addr::new(127, 77, 0, 14), default));
+        assert!(!vip_in_pool(Ipv4Addr::new(127, 77, 0, 15), default));
+        assert!(!vip_in_pool(Ipv4Addr::new(127, 77, 1, 1), default));
         assert!(vip_in_pool(
             Ipv4Addr::new(10, 0, 0, 1),
             "10.0.0.1/32".parse().unwrap()
@@ -205,39 +283,71 @@ mod tests {
     }
 
     #[test]
-    fn requested_vip_must_lie_in_the_pool() {
-        let mut outside = spec("a");
-        outside.vip = Some(Ipv4Addr::new(127, 78, 0, 1));
+    fn requested_vip_picks_its_pool_and_must_lie_in_a_named_one() {
+        let blue_vip = Ipv4Addr::new(127, 78, 0, 1);
+        let mut s = spec("a");
+        s.address.vips = vec![IpAddr::V4(blue_vip)];
+        let placement = validate_spec(&s, &pool()).unwrap();
+        assert_eq!(placement.requested, Some(blue_vip));
         assert_eq!(
-            validate_spec(&outside, pool()),
-            Err(SpecError::VipOutsidePool {
-                vip: Ipv4Addr::new(127, 78, 0, 1),
-                pool: pool()
+            placement.pool.map(|(name, _)| name).as_deref(),
+            Some("blue")
+        );
+
+        s.address.pool = Some("default".into());
+        assert!(matches!(
+            validate_spec(&s, &pool()),
+            Err(SpecError::VipOutsidePool { pool, .. }) if pool == "default"
+        ));
+        s.address.pool = Some("green".into());
+        assert_eq!(
+            validate_spec(&s, &pool()),
+            Err(SpecError::UnknownPool {
+                pool: "green".into()
             })
         );
+
+        let mut outside = spec("a");
+        outside.vip = Some(Ipv4Addr::new(127, 79, 0, 1));
+        assert!(matches!(
+            validate_spec(&outside, &pool()),
+            Err(SpecError::VipOutsidePools { .. })
+        ));
+        let mut v6 = spec("a");
+        v6.address.vips = vec!["2001:db8::1".parse().unwrap()];
+        assert!(matches!(
+            validate_spec(&v6, &pool()),
+            Err(SpecError::VipOutsidePools { .. })
+        ));
+        let mut two = spec("a");
+        two.vip = Some(Ipv4Addr::new(127, 77, 0, 2));
+        two.address.vips = vec![IpAddr::V4(Ipv4Addr::new(127, 77, 0, 3))];
+        assert_eq!(field_of(validate_spec(&two, &pool())), "vips");
+        two.address.vips = vec![IpAddr::V4(Ipv4Addr::new(127, 77, 0, 2))];
+        assert!(validate_spec(&two, &pool()).is_ok(), "vip and vips agree");
     }
 
     #[test]
     fn each_broken_field_is_named() {
         let mut s = spec("");
-        assert_eq!(field_of(validate_spec(&s, pool())), "name");
+        assert_eq!(field_of(validate_spec(&s, &pool())), "name");
         s = spec("bad\nname");
-        assert_eq!(field_of(validate_spec(&s, pool())), "name");
+        assert_eq!(field_of(validate_spec(&s, &pool())), "name");
 
         s = spec("a");
         s.listeners[1].port = 0;
-        assert_eq!(field_of(validate_spec(&s, pool())), "listeners[1].port");
+        assert_eq!(field_of(validate_spec(&s, &pool())), "listeners[1].port");
 
         s = spec("a");
         s.listeners[0].backend_port = 0;
         assert_eq!(
-            field_of(validate_spec(&s, pool())),
+            field_of(validate_spec(&s, &pool())),
             "listeners[0].backendPort"
         );
 
         s = spec("a");
         s.listeners[1] = s.listeners[0].clone();
-        assert_eq!(field_of(validate_spec(&s, pool())), "listeners[1].port");
+        assert_eq!(field_of(validate_spec(&s, &pool())), "listeners[1].port");
 
         s = spec("a");
         s.listeners[0].health_check = Some(HealthCheck {
@@ -246,7 +356,7 @@ mod tests {
             path: None,
         });
         assert_eq!(
-            field_of(validate_spec(&s, pool())),
+            field_of(validate_spec(&s, &pool())),
             "listeners[0].healthCheck.path"
         );
         s.listeners[0].health_check = Some(HealthCheck {
@@ -255,28 +365,28 @@ mod tests {
             path: Some("healthz".into()),
         });
         assert_eq!(
-            field_of(validate_spec(&s, pool())),
+            field_of(validate_spec(&s, &pool())),
             "listeners[0].healthCheck.path"
         );
 
         s = spec("a");
         s.backends.push(s.backends[0]);
-        assert_eq!(field_of(validate_spec(&s, pool())), "backends[2].ip");
+        assert_eq!(field_of(validate_spec(&s, &pool())), "backends[2].ip");
         s = spec("a");
         s.backends[0] = Backend {
             ip: Ipv4Addr::UNSPECIFIED,
         };
-        assert_eq!(field_of(validate_spec(&s, pool())), "backends[0].ip");
+        assert_eq!(field_of(validate_spec(&s, &pool())), "backends[0].ip");
 
         s = spec("a");
         s.tags.insert("a=b".into(), "c".into());
-        assert_eq!(field_of(validate_spec(&s, pool())), "tags.a=b");
+        assert_eq!(field_of(validate_spec(&s, &pool())), "tags.a=b");
     }
 
     #[test]
     fn same_port_is_fine_for_tcp_and_udp() {
         let mut s = spec("a");
         s.listeners[1].port = s.listeners[0].port;
-        assert_eq!(validate_spec(&s, pool()), Ok(()));
+        assert!(validate_spec(&s, &pool()).is_ok());
     }
 }

@@ -36,7 +36,7 @@ impl TestApp {
         let settings = Settings {
             data_dir: data_dir.clone(),
             token: TOKEN.into(),
-            vip_pool: pool.parse().unwrap(),
+            vip_pools: pool.parse().unwrap(),
             provisioning_delay,
             dataplane: DataPlaneConfig {
                 mode: DataPlaneKind::None,
@@ -338,6 +338,131 @@ async fn requested_vip_taken_is_a_conflict_and_outside_the_pool_is_rejected() {
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(error_code(&body), "vip-outside-pool");
+}
+
+/// Creates `body`; the status and the answer.
+async fn create(app: &TestApp, body: Value) -> (StatusCode, Value) {
+    app.call(Method::POST, "/v1/loadbalancers", Some(body))
+        .await
+}
+
+#[tokio::test]
+async fn named_pools_are_listed_chosen_and_refused_clearly() {
+    let app = TestApp::start("127.77.1.0/28,blue=127.77.2.0/30", Duration::ZERO);
+    let (status, pools) = app.call(Method::GET, "/v1/pools", None).await;
+    assert_eq!(status, StatusCode::OK, "{pools}");
+    assert_eq!(
+        pools,
+        json!({"items": [
+            {"name": "blue", "cidr": "127.77.2.0/30", "size": 2, "allocated": 0},
+            {"name": "default", "cidr": "127.77.1.0/28", "size": 14, "allocated": 0},
+        ]})
+    );
+
+    let mut blue = spec("b");
+    blue["pool"] = json!("blue");
+    let (status, first) = create(&app, blue.clone()).await;
+    assert_eq!(status, StatusCode::CREATED, "{first}");
+    assert_eq!(
+        (&first["vip"], &first["pool"]),
+        (&json!("127.77.2.1"), &json!("blue"))
+    );
+    assert_eq!(first["vips"], json!(["127.77.2.1"]));
+    assert_eq!(create(&app, blue.clone()).await.0, StatusCode::CREATED);
+    let (status, body) = create(&app, blue).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(error_code(&body), "pool-exhausted");
+    assert!(error_message(&body).contains("blue"), "{body}");
+
+    let mut green = spec("g");
+    green["pool"] = json!("green");
+    let (status, body) = create(&app, green).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(error_code(&body), "unknown-pool");
+    assert!(error_message(&body).contains("green"), "{body}");
+
+    // A requested address picks its pool; one outside every pool is refused.
+    let mut requested = spec("r");
+    requested["vips"] = json!(["127.77.1.9"]);
+    let (status, body) = create(&app, requested).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(
+        (&body["vip"], &body["pool"]),
+        (&json!("127.77.1.9"), &json!("default"))
+    );
+    let mut outside = spec("o");
+    outside["vips"] = json!(["10.9.9.9"]);
+    let (status, body) = create(&app, outside).await;
+    assert_eq!(
+        (status, error_code(&body)),
+        (StatusCode::BAD_REQUEST, "vip-outside-pool")
+    );
+
+    // Nothing half-made: only the three accepted creates exist.
+    let (_, all) = app.call(Method::GET, "/v1/loadbalancers", None).await;
+    assert_eq!(all["items"].as_array().unwrap().len(), 3);
+    let (_, pools) = app.call(Method::GET, "/v1/pools", None).await;
+    assert_eq!(pools["items"][0]["allocated"], 2);
+    assert_eq!(pools["items"][1]["allocated"], 1);
+}
+
+#[tokio::test]
+async fn a_sharing_key_shares_one_vip_between_disjoint_ports() {
+    let app = TestApp::start("127.77.3.0/28", Duration::ZERO);
+    let mut web = spec("web");
+    web["sharingKey"] = json!("edge");
+    let (_, web) = create(&app, web).await;
+    let vip = web["vip"].clone();
+    let mut dns = spec("dns");
+    dns["sharingKey"] = json!("edge");
+    dns["vip"] = vip.clone();
+    dns["listeners"][0]["port"] = json!(53);
+    dns["listeners"][0]["protocol"] = json!("UDP");
+    let (status, dns) = create(&app, dns).await;
+    assert_eq!(status, StatusCode::CREATED, "{dns}");
+    assert_eq!(dns["vip"], vip);
+
+    let mut clash = spec("clash");
+    clash["sharingKey"] = json!("edge");
+    clash["vip"] = vip.clone();
+    let (status, body) = create(&app, clash).await;
+    assert_eq!(
+        (status, error_code(&body)),
+        (StatusCode::CONFLICT, "port-conflict")
+    );
+    assert!(error_message(&body).contains("TCP port 80 "), "{body}");
+    let mut stranger = spec("stranger");
+    stranger["vip"] = vip.clone();
+    stranger["listeners"][0]["port"] = json!(9999);
+    let (status, body) = create(&app, stranger).await;
+    assert_eq!(
+        (status, error_code(&body)),
+        (StatusCode::CONFLICT, "vip-taken")
+    );
+
+    // Moving one sharer away is an update of the same load balancer.
+    let uri = format!("/v1/loadbalancers/{}", dns["id"].as_str().unwrap());
+    let mut moved = dns.clone();
+    for field in ["id", "state", "version", "health"] {
+        moved.as_object_mut().unwrap().remove(field);
+    }
+    moved["vip"] = json!("127.77.3.14");
+    moved["vips"] = json!(["127.77.3.14"]);
+    let (status, _, body) = app
+        .send(request(
+            Method::PUT,
+            &uri,
+            Some(moved),
+            &[("if-match", "1")],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(
+        (&body["id"], &body["vip"]),
+        (&dns["id"], &json!("127.77.3.14"))
+    );
+    let (_, all) = app.call(Method::GET, "/v1/loadbalancers", None).await;
+    assert_eq!(all["items"].as_array().unwrap().len(), 2);
 }
 
 #[tokio::test]

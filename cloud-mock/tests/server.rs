@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cloud_mock_sdk::{
-    Backend, BackendHealth, BackendStatus, Client, ClientOptions, Error, Faults, HealthCheck,
-    HealthCheckProtocol, ListFilter, Listener, LoadBalancerSpec, Mode, Protocol, State,
+    AddressRequest, Backend, BackendHealth, BackendStatus, Client, ClientOptions, Error, Faults,
+    HealthCheck, HealthCheckProtocol, ListFilter, Listener, LoadBalancerSpec, LostAnswer, Mode,
+    Protocol, State,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -127,6 +128,7 @@ fn spec(name: &str, backend: Ipv4Addr, backend_port: u16) -> LoadBalancerSpec {
         }],
         backends: vec![Backend { ip: backend }],
         source_ranges: vec![],
+        address: AddressRequest::default(),
     }
 }
 
@@ -328,6 +330,72 @@ async fn sdk_under_injected_faults() {
         metrics.contains(r#"status="429""#),
         "rate limits were injected"
     );
+}
+
+#[tokio::test]
+async fn retries_after_lost_answers_converge_to_one_load_balancer_and_leak_nothing() {
+    let dir = TempDir::new("lost");
+    let server = Server::start(&dir.0, "127.79.1.0/28", "none").await;
+    let admin = server.client(quick_options(0));
+    // Short attempts, so that a hanging answer times out and is retried.
+    let client = server.client(ClientOptions {
+        timeout: Duration::from_millis(500),
+        ..quick_options(4)
+    });
+    let one_shot = server.client(ClientOptions {
+        timeout: Duration::from_millis(500),
+        ..quick_options(0)
+    });
+    let backend = Ipv4Addr::new(198, 18, 0, 11);
+    let every_way = [LostAnswer::Unavailable, LostAnswer::Reset, LostAnswer::Hang];
+    let mut ids = Vec::new();
+    for (index, how) in every_way.into_iter().enumerate() {
+        // Every committed change loses its answer; a replayed create commits nothing
+        // and is answered.
+        admin
+            .set_faults(&Faults {
+                lost_answer_rate: 1.0,
+                lost_answer: how,
+                ..Faults::default()
+            })
+            .await
+            .unwrap();
+        let name = format!("svc-{index}");
+        let key = format!("uid-{index}");
+        let lost = one_shot
+            .create_load_balancer(&spec(&name, backend, 30080), &key)
+            .await;
+        assert!(
+            matches!(&lost, Err(err) if err.is_retryable()),
+            "{how:?}: the answer is lost, got {lost:?}"
+        );
+        let lb = client
+            .create_load_balancer(&spec(&name, backend, 30080), &key)
+            .await
+            .unwrap_or_else(|err| panic!("{how:?}: the retried create failed: {err}"));
+        let named = ListFilter {
+            name: Some(name.clone()),
+            ..ListFilter::default()
+        };
+        let found = admin.list_load_balancers(&named).await.unwrap();
+        assert_eq!(found.len(), 1, "{how:?}: exactly one load balancer");
+        assert_eq!(found[0].id, lb.id, "{how:?}: the one the retry returned");
+        ids.push(lb.id);
+    }
+    for id in &ids {
+        client.delete_load_balancer(id).await.unwrap();
+    }
+    admin.set_faults(&Faults::default()).await.unwrap();
+    for id in &ids {
+        wait_gone(&admin, id).await;
+    }
+    let left = admin
+        .list_load_balancers(&ListFilter::default())
+        .await
+        .unwrap();
+    assert!(left.is_empty(), "leaked: {left:?}");
+    let pools = admin.list_pools().await.unwrap();
+    assert_eq!(pools[0].allocated, 0, "every VIP is free again");
 }
 
 #[tokio::test]

@@ -344,6 +344,7 @@ async fn classes_foreign_lbs_and_orphans() {
         }],
         backends: vec![],
         source_ranges: vec![],
+        address: sdk::AddressRequest::default(),
     };
     let foreign = h
         .cloud
@@ -472,6 +473,7 @@ async fn faults_converge_without_duplicates() {
             error_rate: 0.3,
             latency_ms: 2000,
             rate_limit_per_second: Some(2),
+            ..sdk::Faults::default()
         })
         .await;
     let controller = h.controller(&[]);

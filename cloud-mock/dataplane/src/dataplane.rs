@@ -385,7 +385,7 @@ impl DataPlane {
     fn converge_routes(
         &self,
         running: &mut Running,
-        passthrough: BTreeMap<Ipv4Addr, PassthroughRoute>,
+        passthrough: BTreeMap<Ipv4Addr, Vec<PassthroughRoute>>,
     ) {
         let wanted: WantedRoutes = Arc::new(passthrough);
         if let Some(routes) = &running.routes {

@@ -36,9 +36,7 @@ pub enum LbFailureReason {
         port: u16,
         other: String,
     },
-    #[error(
-        "VIP {vip} is already used by load balancer {other} in another mode or by another passthrough load balancer"
-    )]
+    #[error("VIP {vip} is already used by load balancer {other} in the other mode")]
     VipTaken { vip: Ipv4Addr, other: String },
     #[error("binding {protocol} {addr}: {source}")]
     Bind {

@@ -21,6 +21,7 @@ mod health;
 mod metrics;
 mod plan;
 mod routes;
+mod splice;
 mod tcp;
 mod udp;
 

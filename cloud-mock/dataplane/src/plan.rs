@@ -29,7 +29,8 @@ pub(crate) struct ListenerRoute {
     pub source_ranges: Vec<Ipv4Net>,
 }
 
-/// The kernel route of one passthrough load balancer, before health filtering.
+/// What one passthrough load balancer asks of its VIP's kernel route, before health
+/// filtering. Several may share a VIP (with disjoint ports): the route is one per VIP.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PassthroughRoute {
     pub lb_id: String,
@@ -52,7 +53,8 @@ pub(crate) struct LbView {
 #[derive(Debug, Default)]
 pub(crate) struct Desired {
     pub listeners: BTreeMap<ListenerKey, ListenerRoute>,
-    pub passthrough: BTreeMap<Ipv4Addr, PassthroughRoute>,
+    /// VIP → its passthrough load balancers, by id.
+    pub passthrough: BTreeMap<Ipv4Addr, Vec<PassthroughRoute>>,
     pub probes: BTreeSet<ProbeTarget>,
     /// VIPs the data plane must add as local addresses before binding.
     pub addresses: BTreeSet<Ipv4Addr>,
@@ -60,8 +62,9 @@ pub(crate) struct Desired {
     pub rejected: Vec<LbFailure>,
 }
 
-/// Everything that realises `lbs`. Conflicts are settled by load balancer id: the lowest
-/// id keeps the contested VIP or listener, the other load balancer is rejected as a whole.
+/// Everything that realises `lbs`. Load balancers of one mode may share a VIP on disjoint
+/// (protocol, port) pairs. Conflicts are settled by load balancer id: the lowest id keeps
+/// the contested VIP or listener, the other load balancer is rejected as a whole.
 pub(crate) fn desired_state(lbs: &[LoadBalancer], manage_vip_addresses: bool) -> Desired {
     let mut sorted: Vec<&LoadBalancer> = lbs.iter().collect();
     sorted.sort_by(|a, b| a.id.cmp(&b.id));
@@ -104,7 +107,6 @@ pub(crate) fn desired_state(lbs: &[LoadBalancer], manage_vip_addresses: bool) ->
                         protocol: listener.protocol,
                         port: listener.port,
                     };
-                    listener_owners.insert(key, &lb.id);
                     desired.listeners.insert(
                         key,
                         ListenerRoute {
@@ -121,15 +123,24 @@ pub(crate) fn desired_state(lbs: &[LoadBalancer], manage_vip_addresses: bool) ->
                 }
             }
             Mode::Passthrough => {
-                desired.passthrough.insert(
-                    lb.vip,
-                    PassthroughRoute {
+                desired
+                    .passthrough
+                    .entry(lb.vip)
+                    .or_default()
+                    .push(PassthroughRoute {
                         lb_id: lb.id.clone(),
                         backends: backends.clone(),
                         checks: checks.clone(),
-                    },
-                );
+                    });
             }
+        }
+        for listener in &lb.listeners {
+            let key = ListenerKey {
+                vip: lb.vip,
+                protocol: listener.protocol,
+                port: listener.port,
+            };
+            listener_owners.insert(key, &lb.id);
         }
         for &ip in &backends {
             for check in &checks {
@@ -156,16 +167,15 @@ fn check_conflicts(
     listener_owners: &HashMap<ListenerKey, &str>,
 ) -> Result<(), LbFailureReason> {
     if let Some(&(mode, other)) = vip_owners.get(&lb.vip)
-        && (mode != lb.mode || lb.mode == Mode::Passthrough)
+        && mode != lb.mode
     {
         return Err(LbFailureReason::VipTaken {
             vip: lb.vip,
             other: other.to_owned(),
         });
     }
-    if lb.mode == Mode::Passthrough {
-        return Ok(());
-    }
+    // Passthrough routes whole packets, ports and all, but the nodes behind demultiplex
+    // by port: sharers' ports must not overlap in either mode.
     let mut own = HashSet::new();
     for listener in &lb.listeners {
         let key = ListenerKey {
@@ -379,7 +389,7 @@ mod tests {
         );
         assert!(desired.listeners.is_empty());
         assert!(desired.addresses.is_empty());
-        let route = &desired.passthrough[&Ipv4Addr::new(198, 51, 100, 7)];
+        let route = &desired.passthrough[&Ipv4Addr::new(198, 51, 100, 7)][0];
         assert_eq!(route.backends, vec![ip(11), ip(12)]);
         assert_eq!(route.checks, vec![http_check()]);
     }
@@ -397,8 +407,9 @@ mod tests {
                 ),
                 lb("lb-c", 5, Mode::Proxy, &[(Protocol::Udp, 80)]),
                 lb("lb-d", 5, Mode::Passthrough, &[]),
-                lb("lb-e", 6, Mode::Passthrough, &[]),
-                lb("lb-f", 6, Mode::Passthrough, &[]),
+                lb("lb-e", 6, Mode::Passthrough, &[(Protocol::Tcp, 53)]),
+                lb("lb-f", 6, Mode::Passthrough, &[(Protocol::Tcp, 53)]),
+                lb("lb-h", 6, Mode::Passthrough, &[(Protocol::Udp, 53)]),
                 lb(
                     "lb-g",
                     8,
@@ -418,14 +429,29 @@ mod tests {
             rejected,
             vec![
                 ("lb-a", "id given twice in the desired set".to_owned()),
-                ("lb-b", "TCP 198.51.100.5:80 is already served by load balancer lb-a".to_owned()),
-                ("lb-d", "VIP 198.51.100.5 is already used by load balancer lb-a in another mode or by another passthrough load balancer".to_owned()),
-                ("lb-f", "VIP 198.51.100.6 is already used by load balancer lb-e in another mode or by another passthrough load balancer".to_owned()),
+                (
+                    "lb-b",
+                    "TCP 198.51.100.5:80 is already served by load balancer lb-a".to_owned()
+                ),
+                (
+                    "lb-d",
+                    "VIP 198.51.100.5 is already used by load balancer lb-a in the other mode"
+                        .to_owned()
+                ),
+                (
+                    "lb-f",
+                    "TCP 198.51.100.6:53 is already served by load balancer lb-e".to_owned()
+                ),
                 ("lb-g", "TCP listener on port 80 is given twice".to_owned()),
             ]
         );
-        // Two proxy load balancers may share a VIP on different ports.
+        // Two load balancers of one mode may share a VIP on different ports.
         assert_eq!(desired.listeners.len(), 3);
+        let sharers: Vec<&str> = desired.passthrough[&Ipv4Addr::new(198, 51, 100, 6)]
+            .iter()
+            .map(|route| route.lb_id.as_str())
+            .collect();
+        assert_eq!(sharers, vec!["lb-e", "lb-h"]);
         assert!(!desired.views["lb-b"].realised);
         assert!(desired.views["lb-c"].realised);
         assert!(

@@ -1,8 +1,16 @@
 //! Passthrough mode: a kernel route `VIP/32` with ECMP nexthops over the healthy backends.
+//!
+//! A route carries every port of its VIP, so load balancers sharing a VIP share its
+//! nexthops. Their backends' health may differ (a node with `externalTrafficPolicy: Local`
+//! answers healthy only for Services with a pod on it), and a flow hashed to a node that
+//! cannot serve its port is dropped there. So the nexthops are the backends healthy for
+//! every sharer that has a healthy backend at all; when no backend is healthy for all of
+//! them, the union (each sharer then reaches the flows hashed to its own nodes, instead of
+//! every sharer losing all).
 //! Deciding is pure (`desired_routes`, `plan_routes`, `route_args`); `RouteManager` runs
 //! the resulting `ip` commands whenever the desired set or any backend's health changes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,34 +31,61 @@ use crate::plan::{PassthroughRoute, combined_health};
 /// an earlier run); a desired route always has at least one nexthop.
 pub(crate) type RouteTable = BTreeMap<Ipv4Addr, Vec<Ipv4Addr>>;
 
-pub(crate) type WantedRoutes = Arc<BTreeMap<Ipv4Addr, PassthroughRoute>>;
+pub(crate) type WantedRoutes = Arc<BTreeMap<Ipv4Addr, Vec<PassthroughRoute>>>;
 
 const HASH_POLICY_PATH: &str = "/proc/sys/net/ipv4/fib_multipath_hash_policy";
 const IP_FORWARD_PATH: &str = "/proc/sys/net/ipv4/ip_forward";
 
-/// The routes to install: each VIP over its backends that pass every check; VIPs with
-/// no healthy backend get no route.
+/// The routes to install: each VIP over its sharers' backends that pass every check (see
+/// the module documentation for sharers that disagree); VIPs with no healthy backend get
+/// no route.
 pub(crate) fn desired_routes(
-    wanted: &BTreeMap<Ipv4Addr, PassthroughRoute>,
+    wanted: &BTreeMap<Ipv4Addr, Vec<PassthroughRoute>>,
     lookup: impl Fn(&ProbeTarget) -> BackendHealth,
 ) -> RouteTable {
     wanted
         .iter()
-        .filter_map(|(&vip, route)| {
-            let nexthops: Vec<Ipv4Addr> = route
-                .backends
+        .filter_map(|(&vip, sharers)| {
+            let healthy: Vec<BTreeSet<Ipv4Addr>> = sharers
                 .iter()
-                .copied()
-                .filter(|&ip| {
-                    combined_health(&route.checks, |check| {
-                        lookup(&ProbeTarget {
-                            ip,
-                            check: check.clone(),
-                        })
-                    }) == BackendHealth::Healthy
-                })
+                .map(|route| healthy_backends(route, &lookup))
+                .filter(|set| !set.is_empty())
                 .collect();
-            (!nexthops.is_empty()).then_some((vip, nexthops))
+            let mut serving_all = healthy.iter();
+            let first = serving_all.next()?.clone();
+            let common: BTreeSet<Ipv4Addr> = serving_all.fold(first, |common, set| {
+                common.intersection(set).copied().collect()
+            });
+            let nexthops: Vec<Ipv4Addr> = if common.is_empty() {
+                healthy
+                    .into_iter()
+                    .flatten()
+                    .collect::<BTreeSet<_>>()
+                    .into_iter()
+                    .collect()
+            } else {
+                common.into_iter().collect()
+            };
+            Some((vip, nexthops))
+        })
+        .collect()
+}
+
+fn healthy_backends(
+    route: &PassthroughRoute,
+    lookup: &impl Fn(&ProbeTarget) -> BackendHealth,
+) -> BTreeSet<Ipv4Addr> {
+    route
+        .backends
+        .iter()
+        .copied()
+        .filter(|&ip| {
+            combined_health(&route.checks, |check| {
+                lookup(&ProbeTarget {
+                    ip,
+                    check: check.clone(),
+                })
+            }) == BackendHealth::Healthy
         })
         .collect()
 }
@@ -295,25 +330,79 @@ mod tests {
         Ipv4Addr::new(198, 51, 100, last)
     }
 
-    fn wanted(checks: Vec<HealthCheck>) -> BTreeMap<Ipv4Addr, PassthroughRoute> {
+    fn wanted(checks: Vec<HealthCheck>) -> BTreeMap<Ipv4Addr, Vec<PassthroughRoute>> {
         BTreeMap::from([
             (
                 vip(5),
-                PassthroughRoute {
+                vec![PassthroughRoute {
                     lb_id: "lb-a".to_owned(),
                     backends: vec![ip(11), ip(12), ip(13)],
                     checks: checks.clone(),
-                },
+                }],
             ),
             (
                 vip(6),
-                PassthroughRoute {
+                vec![PassthroughRoute {
                     lb_id: "lb-b".to_owned(),
                     backends: vec![ip(13)],
                     checks,
-                },
+                }],
             ),
         ])
+    }
+
+    #[test]
+    fn sharers_route_over_the_nodes_that_serve_them_all() {
+        // eTP Local: each Service's check passes only where it has a pod.
+        let check = |port| HealthCheck::Http {
+            port,
+            path: "/healthz".to_owned(),
+        };
+        let sharer = |id: &str, port| PassthroughRoute {
+            lb_id: id.to_owned(),
+            backends: vec![ip(11), ip(12), ip(13)],
+            checks: vec![check(port)],
+        };
+        let wanted = BTreeMap::from([(
+            vip(5),
+            vec![
+                sharer("lb-web", 32001),
+                sharer("lb-dns", 32002),
+                sharer("lb-idle", 32003),
+            ],
+        )]);
+        // web has pods on .11 and .12, dns on .12 and .13, idle nowhere.
+        let pods = |web: &[u8], dns: &[u8]| {
+            let (web, dns) = (web.to_vec(), dns.to_vec());
+            move |target: &ProbeTarget| {
+                let last = target.ip.octets()[3];
+                let serves = match &target.check {
+                    HealthCheck::Http { port: 32001, .. } => web.contains(&last),
+                    HealthCheck::Http { port: 32002, .. } => dns.contains(&last),
+                    _ => false,
+                };
+                if serves {
+                    BackendHealth::Healthy
+                } else {
+                    BackendHealth::Unhealthy
+                }
+            }
+        };
+        assert_eq!(
+            desired_routes(&wanted, pods(&[11, 12], &[12, 13])),
+            RouteTable::from([(vip(5), vec![ip(12)])]),
+            "only .12 serves both; the idle sharer does not constrain"
+        );
+        assert_eq!(
+            desired_routes(&wanted, pods(&[11], &[13])),
+            RouteTable::from([(vip(5), vec![ip(11), ip(13)])]),
+            "no node serves both: each keeps its own"
+        );
+        assert_eq!(
+            desired_routes(&wanted, pods(&[], &[])),
+            RouteTable::new(),
+            "nobody healthy: no route"
+        );
     }
 
     #[test]

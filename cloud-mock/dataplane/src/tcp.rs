@@ -14,6 +14,7 @@ use crate::Protocol;
 use crate::health::HealthTable;
 use crate::metrics::{Metrics, Outcome};
 use crate::plan::{ListenerRoute, source_allowed, try_order};
+use crate::splice::forward_both_ways;
 
 /// What a listener task needs besides its socket.
 #[derive(Debug, Clone)]
@@ -91,7 +92,7 @@ pub(crate) async fn serve_tcp(
 /// Connects to the first backend of `order` that answers and copies both ways until
 /// either side closes or the listener goes.
 async fn forward(
-    mut client: TcpStream,
+    client: TcpStream,
     order: Vec<SocketAddrV4>,
     connect_timeout: Duration,
     metrics: Metrics,
@@ -112,7 +113,7 @@ async fn forward(
             Err(_) => debug!(%backend, "backend connect timed out, trying the next"),
         }
     }
-    let Some(mut upstream) = upstream else {
+    let Some(upstream) = upstream else {
         metrics.connection(Protocol::Tcp, Outcome::BackendError);
         reset(client);
         return;
@@ -126,7 +127,7 @@ async fn forward(
     }
     tokio::select! {
         () = cancel.cancelled() => {}
-        copied = tokio::io::copy_bidirectional(&mut client, &mut upstream) => match copied {
+        copied = forward_both_ways(&client, &upstream) => match copied {
             Ok((to_backend, to_client)) => metrics.bytes(Protocol::Tcp, to_backend, to_client),
             Err(error) => debug!(%error, "connection ended with an error"),
         },

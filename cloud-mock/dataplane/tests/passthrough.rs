@@ -153,6 +153,17 @@ async fn wait_for_ip(args: &[&str], what: &str, condition: impl Fn(&str) -> bool
     }
 }
 
+/// Probes every 100 ms; one answer decides.
+fn quick_health() -> DataPlaneConfig {
+    DataPlaneConfig {
+        health_interval: Duration::from_millis(100),
+        health_timeout: Duration::from_millis(300),
+        healthy_threshold: 1,
+        unhealthy_threshold: 1,
+        ..DataPlaneConfig::default()
+    }
+}
+
 fn passthrough_lb(vip: Ipv4Addr, check: Option<HealthCheck>) -> LoadBalancer {
     LoadBalancer {
         id: "lb-pass".to_owned(),
@@ -192,13 +203,7 @@ fn passthrough_ecmp_route_follows_backend_health() {
         .await;
         let [a, b] = health
             .map(|l| support::greet_on(tokio::net::TcpListener::from_std(l).unwrap(), "health"));
-        let dataplane = DataPlane::new(DataPlaneConfig {
-            health_interval: Duration::from_millis(100),
-            health_timeout: Duration::from_millis(300),
-            healthy_threshold: 1,
-            unhealthy_threshold: 1,
-            ..DataPlaneConfig::default()
-        });
+        let dataplane = DataPlane::new(quick_health());
         let vip = Ipv4Addr::new(198, 51, 100, 5);
         let show = ["-4", "route", "show", "198.51.100.5/32"];
         let lb = passthrough_lb(vip, Some(HealthCheck::Tcp { port: HEALTH_PORT }));
@@ -317,6 +322,136 @@ fn proxy_mode_manages_non_loopback_vip_addresses() {
                 .await
                 .contains("198.51.100.9")
         );
+        dataplane.shutdown().await;
+    });
+}
+
+/// A listener bound inside the node namespace at `ip:port`, for a server started later
+/// in another namespace's runtime.
+fn bind_in(netns: &str, ip: Ipv4Addr, port: u16) -> std::net::TcpListener {
+    in_netns(netns, || {
+        let listener = std::net::TcpListener::bind((ip, port)).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        listener
+    })
+}
+
+fn serve(listener: std::net::TcpListener, name: &'static str) -> support::Server {
+    greet_on(tokio::net::TcpListener::from_std(listener).unwrap(), name)
+}
+
+fn sharer(id: &str, vip: Ipv4Addr, mode: Mode, port: u16, backend_port: u16) -> LoadBalancer {
+    LoadBalancer {
+        id: id.to_owned(),
+        vip,
+        mode,
+        listeners: vec![listener(Protocol::Tcp, port, backend_port, None)],
+        backends: vec![NODE_A, NODE_B],
+        source_ranges: vec![],
+    }
+}
+
+#[test]
+fn proxy_mode_serves_each_sharer_of_a_vip_on_its_own_ports() {
+    if !is_root() {
+        return;
+    }
+    let lab = Lab::create('s');
+    let web = bind_in(&lab.node, NODE_A, 30080);
+    let api = bind_in(&lab.node, NODE_B, 30081);
+    block_on_in_netns(&lab.edge, || async move {
+        let (_web, _api) = (serve(web, "web"), serve(api, "api"));
+        let dataplane = DataPlane::new(DataPlaneConfig {
+            manage_vip_addresses: true,
+            ..DataPlaneConfig::default()
+        });
+        let vip = Ipv4Addr::new(198, 51, 100, 20);
+        let mut web_lb = sharer("lb-web", vip, Mode::Proxy, 80, 30080);
+        web_lb.backends = vec![NODE_A];
+        let mut api_lb = sharer("lb-api", vip, Mode::Proxy, 81, 30081);
+        api_lb.backends = vec![NODE_B];
+        dataplane
+            .apply(vec![web_lb.clone(), api_lb.clone()])
+            .await
+            .unwrap();
+        assert_eq!(tcp_hello(None, vip, 80).await.unwrap().1, "web");
+        assert_eq!(tcp_hello(None, vip, 81).await.unwrap().1, "api");
+
+        // One sharer goes: the other's traffic and the VIP address stay.
+        let (mut open, _) = tcp_hello(None, vip, 81).await.unwrap();
+        dataplane.apply(vec![api_lb]).await.unwrap();
+        assert!(tcp_hello(None, vip, 80).await.is_err(), "web is gone");
+        assert_eq!(tcp_hello(None, vip, 81).await.unwrap().1, "api");
+        tokio::io::AsyncWriteExt::write_all(&mut open, b"still here\n")
+            .await
+            .expect("an open connection of the remaining sharer survives");
+        assert!(
+            ip_async(&["-4", "address", "show", "dev", "lo"])
+                .await
+                .contains("198.51.100.20/32")
+        );
+        dataplane.apply(vec![]).await.unwrap();
+        assert!(
+            !ip_async(&["-4", "address", "show", "dev", "lo"])
+                .await
+                .contains("198.51.100.20"),
+            "the VIP goes with its last sharer"
+        );
+        dataplane.shutdown().await;
+    });
+}
+
+#[test]
+fn passthrough_sharers_route_over_the_nodes_that_serve_them_all() {
+    if !is_root() {
+        return;
+    }
+    let lab = Lab::create('p');
+    let vip = Ipv4Addr::new(198, 51, 100, 21);
+    // The nodes take the VIP's packets unchanged (as kube-proxy's rules would).
+    ip(&[
+        "-n",
+        &lab.node,
+        "address",
+        "add",
+        "198.51.100.21/32",
+        "dev",
+        "lo",
+    ]);
+    let web = bind_in(&lab.node, vip, 80);
+    let api = bind_in(&lab.node, vip, 81);
+    // eTP Local: web has pods on both nodes, api on node b only.
+    let health = [
+        bind_in(&lab.node, NODE_A, 10001),
+        bind_in(&lab.node, NODE_B, 10001),
+        bind_in(&lab.node, NODE_B, 10002),
+    ];
+    block_on_in_netns(&lab.edge, || async move {
+        let (_web, _api) = (serve(web, "web"), serve(api, "api"));
+        let _health = health.map(|listener| serve(listener, "health"));
+        let dataplane = DataPlane::new(quick_health());
+        let mut web_lb = sharer("lb-web", vip, Mode::Passthrough, 80, 80);
+        web_lb.listeners[0].health_check = Some(HealthCheck::Tcp { port: 10001 });
+        let mut api_lb = sharer("lb-api", vip, Mode::Passthrough, 81, 81);
+        api_lb.listeners[0].health_check = Some(HealthCheck::Tcp { port: 10002 });
+        dataplane.apply(vec![web_lb.clone(), api_lb]).await.unwrap();
+        let show = ["-4", "route", "show", "198.51.100.21/32"];
+        wait_for_ip(&show, "one route, over node b only", |out| {
+            out.contains("via 10.77.0.12") && !out.contains("10.77.0.11")
+        })
+        .await;
+        assert_eq!(tcp_hello(None, vip, 80).await.unwrap().1, "web");
+        assert_eq!(tcp_hello(None, vip, 81).await.unwrap().1, "api");
+
+        // The last constraint gone, the route spreads over web's nodes again.
+        dataplane.apply(vec![web_lb]).await.unwrap();
+        wait_for_ip(&show, "route over both nodes", |out| {
+            out.contains("nexthop via 10.77.0.11") && out.contains("nexthop via 10.77.0.12")
+        })
+        .await;
+        assert_eq!(tcp_hello(None, vip, 80).await.unwrap().1, "web");
+        dataplane.apply(vec![]).await.unwrap();
+        wait_for_ip(&show, "route goes with the last sharer", str::is_empty).await;
         dataplane.shutdown().await;
     });
 }

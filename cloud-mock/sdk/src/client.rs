@@ -9,7 +9,9 @@ use serde::de::DeserializeOwned;
 
 use crate::ListFilter;
 use crate::error::Error;
-use crate::types::{ErrorBody, Faults, LoadBalancer, LoadBalancerList, LoadBalancerSpec};
+use crate::types::{
+    ErrorBody, Faults, LoadBalancer, LoadBalancerList, LoadBalancerSpec, Pool, PoolList,
+};
 
 /// Header that makes a create idempotent: a repeated create with the same key returns the
 /// load balancer the first one made.
@@ -152,6 +154,14 @@ impl Client {
             Ok(_) | Err(Error::NotFound { .. }) => Ok(()),
             Err(err) => Err(err),
         }
+    }
+
+    /// The VIP pools, by name.
+    #[tracing::instrument(skip(self))]
+    pub async fn list_pools(&self) -> Result<Vec<Pool>, Error> {
+        let url = self.url(&["v1", "pools"])?;
+        let list: PoolList = self.call(|| self.request(Method::GET, url.clone())).await?;
+        Ok(list.items)
     }
 
     /// Sets the faults the server injects (tests only). [`Faults::default`] clears them.

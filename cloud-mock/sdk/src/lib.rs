@@ -14,9 +14,9 @@ use std::collections::BTreeMap;
 pub use client::{Client, ClientOptions, IDEMPOTENCY_KEY};
 pub use error::Error;
 pub use types::{
-    Backend, BackendHealth, BackendStatus, ErrorBody, ErrorDetail, Faults, HealthCheck,
-    HealthCheckProtocol, Listener, LoadBalancer, LoadBalancerList, LoadBalancerSpec, Mode,
-    Protocol, State,
+    AddressRequest, Backend, BackendHealth, BackendStatus, ErrorBody, ErrorDetail, Faults,
+    HealthCheck, HealthCheckProtocol, Listener, LoadBalancer, LoadBalancerList, LoadBalancerSpec,
+    LostAnswer, Mode, Pool, PoolList, Protocol, State,
 };
 
 /// Which load balancers a list returns: those carrying every tag in `tags` (and named

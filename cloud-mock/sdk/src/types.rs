@@ -1,7 +1,7 @@
 //! Wire types of the cloud-mock API (JSON, camelCase as Kubernetes writes it).
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::Ipv4Net;
 use serde::{Deserialize, Serialize};
@@ -22,6 +22,46 @@ pub struct LoadBalancerSpec {
     /// Client CIDRs allowed to reach the VIP; empty allows every source.
     #[serde(default)]
     pub source_ranges: Vec<Ipv4Net>,
+    /// Where the VIP comes from: pool, requested addresses, sharing.
+    #[serde(flatten)]
+    pub address: AddressRequest,
+}
+
+/// How a load balancer's VIP is chosen. Every field is optional: the default takes the
+/// lowest free address of the pool `default`, for this load balancer alone.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AddressRequest {
+    /// The VIP pool to allocate from (`default` when absent). In an answer, the pool the
+    /// VIP belongs to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    /// Requested VIPs, at most one per IP family; the IPv4 one may equally be sent as
+    /// `vip`. In an answer, the assigned VIPs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub vips: Vec<IpAddr>,
+    /// Load balancers with the same key may share a VIP when their (protocol, port) sets
+    /// do not overlap (MetalLB's `allow-shared-ip`); without a key the VIP is exclusive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing_key: Option<String>,
+}
+
+/// A VIP pool as the cloud reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Pool {
+    pub name: String,
+    pub cidr: Ipv4Net,
+    /// Addresses the pool can hand out.
+    pub size: u64,
+    /// Addresses held by at least one load balancer.
+    pub allocated: u64,
+}
+
+/// The answer to a pool list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolList {
+    pub items: Vec<Pool>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -48,6 +88,16 @@ pub struct Listener {
 pub enum Protocol {
     Tcp,
     Udp,
+}
+
+impl std::fmt::Display for Protocol {
+    /// As the API spells it: `TCP`, `UDP`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -140,6 +190,25 @@ pub struct Faults {
     /// Token bucket: requests beyond this rate are answered 429 with `Retry-After`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate_limit_per_second: Option<u32>,
+    /// Share of committed changes (creates, updates, deletes that changed something),
+    /// 0.0 to 1.0, whose answer is then lost as `lostAnswer` says.
+    #[serde(default)]
+    pub lost_answer_rate: f64,
+    #[serde(default)]
+    pub lost_answer: LostAnswer,
+}
+
+/// How the answer to a committed change is lost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LostAnswer {
+    /// 503, as if the change had not been made.
+    #[default]
+    Unavailable,
+    /// The connection closes in the middle of the answer.
+    Reset,
+    /// No answer for a minute (past any client timeout), then the connection closes.
+    Hang,
 }
 
 /// The JSON error body: `{"error": {"code": "...", "message": "..."}}`.
@@ -178,6 +247,7 @@ mod tests {
                 ip: Ipv4Addr::new(198, 18, 0, 11),
             }],
             source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
+            address: AddressRequest::default(),
         }
     }
 
@@ -225,16 +295,42 @@ mod tests {
     }
 
     #[test]
+    fn address_request_is_flat_and_optional() {
+        let body = r#"{"name": "x", "mode": "proxy", "listeners": [], "backends": [],
+          "pool": "blue", "vips": ["198.51.100.7", "2001:db8::7"], "sharingKey": "dns"}"#;
+        let spec: LoadBalancerSpec = serde_json::from_str(body).unwrap();
+        assert_eq!(
+            spec.address,
+            AddressRequest {
+                pool: Some("blue".into()),
+                vips: vec![
+                    "198.51.100.7".parse().unwrap(),
+                    "2001:db8::7".parse().unwrap()
+                ],
+                sharing_key: Some("dns".into()),
+            }
+        );
+        let json = serde_json::to_value(&spec).unwrap();
+        assert_eq!(json["sharingKey"], "dns");
+        assert_eq!(json["vips"][1], "2001:db8::7");
+        let plain = serde_json::to_value(example_spec()).unwrap();
+        assert!(plain.get("pool").is_none() && plain.get("vips").is_none());
+    }
+
+    #[test]
     fn faults_use_camel_case() {
         let faults = Faults {
             error_rate: 0.5,
             latency_ms: 20,
             rate_limit_per_second: Some(3),
+            lost_answer_rate: 0.25,
+            lost_answer: LostAnswer::Reset,
         };
         let json = serde_json::to_value(&faults).unwrap();
         assert_eq!(
             json,
-            serde_json::json!({"errorRate": 0.5, "latencyMs": 20, "rateLimitPerSecond": 3})
+            serde_json::json!({"errorRate": 0.5, "latencyMs": 20, "rateLimitPerSecond": 3,
+                "lostAnswerRate": 0.25, "lostAnswer": "reset"})
         );
         let cleared: Faults = serde_json::from_str("{}").unwrap();
         assert_eq!(cleared, Faults::default());

@@ -12,7 +12,8 @@ async fn main() -> anyhow::Result<()> {
     // One shutdown path for the server, the lifecycle task and the data plane.
     let cancel = CancellationToken::new();
     tandem_common::cancel_on_shutdown_signal(cancel.clone());
-    cloud_mock::serve(&args.settings(), args.listen, cancel)
+    let settings = args.settings().context("invalid --vip-pool")?;
+    cloud_mock::serve(&settings, args.listen, cancel)
         .await
         .context("cloud-mock failed")
 }

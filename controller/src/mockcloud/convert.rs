@@ -81,6 +81,7 @@ pub fn to_sdk_spec(
         listeners: desired.listeners.iter().map(to_sdk_listener).collect(),
         backends: backends(&desired.backends),
         source_ranges: desired.source_ranges.clone(),
+        address: sdk::AddressRequest::default(),
     }
 }
 

@@ -66,7 +66,7 @@ impl Cloud {
         let settings = cloud_mock::Settings {
             data_dir: data_dir.to_path_buf(),
             token: token.clone(),
-            vip_pool: POOL.parse().unwrap(),
+            vip_pools: POOL.parse().unwrap(),
             provisioning_delay: Duration::from_millis(300),
             dataplane: DataPlaneConfig {
                 mode: DataPlaneKind::None,
