@@ -40,6 +40,9 @@ pub struct ServicePlan {
     pub target_port: u16,
     pub external_traffic_policy_local: bool,
     pub source_ranges: Vec<String>,
+    /// `spec.allocateLoadBalancerNodePorts`: false asks for a LoadBalancer without
+    /// NodePorts, which only the passthrough mode can serve.
+    pub allocate_node_ports: bool,
     /// Names of the pods (topology pods) that serve it.
     pub pods: Vec<String>,
 }
@@ -54,6 +57,7 @@ impl ServicePlan {
             target_port: tandem_netlab::echo::DEFAULT_ECHO_PORT,
             external_traffic_policy_local: false,
             source_ranges: Vec::new(),
+            allocate_node_ports: true,
             pods: Vec::new(),
         }
     }
@@ -90,6 +94,7 @@ impl ServicePlan {
                 ),
                 load_balancer_source_ranges: (!self.source_ranges.is_empty())
                     .then(|| self.source_ranges.clone()),
+                allocate_load_balancer_node_ports: (!self.allocate_node_ports).then_some(false),
                 ..ServiceSpec::default()
             }),
             status: None,

@@ -217,6 +217,35 @@ fn passthrough_mode_takes_kube_fw_and_drops_clients_outside_source_ranges() {
 }
 
 #[test]
+fn passthrough_serves_a_load_balancer_without_node_ports() {
+    with_lab(&[2, 2, 0], |lab| async move {
+        let mut plan = ServicePlan::new("no-node-ports", LbMode::Passthrough);
+        plan.pods = pods(&lab, &[1, 2]);
+        plan.allocate_node_ports = false;
+        let vip = create_and_wait_for_ingress(&lab, &plan).await;
+        let service = lab.service(&plan).await.unwrap();
+        let ports = service.spec.unwrap().ports.unwrap();
+        assert!(
+            ports.iter().all(|p| p.node_port.is_none()),
+            "the API server allocated node ports: {ports:?}"
+        );
+        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+        let spread = lab
+            .http_requests(lab.topology.client_in_range(), vip, 80, 50)
+            .await
+            .unwrap();
+        assert_eq!(spread.failed, 0, "{spread:?}");
+        assert_eq!(spread.by_pod.len(), plan.pods.len(), "{spread:?}");
+        let udp = lab
+            .udp_requests(lab.topology.client_in_range(), vip, 80, 10)
+            .await
+            .unwrap();
+        assert_eq!(udp.failed, 0, "{udp:?}");
+        lab
+    });
+}
+
+#[test]
 fn external_traffic_policy_local_uses_only_nodes_with_pods_and_keeps_client_ip() {
     with_lab(&[2, 0, 0], |lab| async move {
         let mut plan = ServicePlan::new("local", LbMode::Passthrough);
