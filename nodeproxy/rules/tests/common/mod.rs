@@ -39,6 +39,7 @@ pub fn cluster_ip_service(
         session_affinity_timeout: None,
         external_traffic_policy_local: false,
         health_check_node_port: None,
+        internal_traffic_policy_local: false,
     }
 }
 
