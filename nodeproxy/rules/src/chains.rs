@@ -1,4 +1,4 @@
-//! Chain names, exactly as kube-proxy v1.21 derives them, so that existing tooling and
+//! Chain names, exactly as kube-proxy derives them, so that existing tooling and
 //! people who know kube-proxy can read our rules.
 
 use std::net::SocketAddrV4;

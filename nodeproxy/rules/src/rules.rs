@@ -1,4 +1,5 @@
-//! Observed state in, the whole kube-proxy v1.21 ruleset out (`syncProxyRules`, minus I/O).
+//! Observed state in, the whole kube-proxy v1.21 ruleset out (`syncProxyRules`, minus I/O),
+//! plus the KUBE-SVL chains of internalTrafficPolicy Local, which v1.21 did not have.
 //!
 //! Rule texts are written in the form `iptables-save` prints them (addresses and protocol
 //! first, then the matches in order, expanded targets such as `--set-xmark`), which
@@ -350,8 +351,8 @@ impl RulesetBuilder {
 
     /// The cluster-IP rules. With internalTrafficPolicy Local they lead to KUBE-SVL, which
     /// holds the off-cluster masquerade rule itself, as kube-proxy ≥ v1.24 writes it; with
-    /// endpoints elsewhere only, the cluster IP is dropped (not rejected, as kube-proxy
-    /// does: the Service has endpoints, just none this node may use).
+    /// endpoints elsewhere only, the cluster IP is dropped, not rejected, as kube-proxy
+    /// does: the Service has endpoints, just none this node may use.
     fn add_cluster_ip(&mut self, port: &PortContext) {
         let capture = || port.capture(port.cluster_ip, "cluster IP");
         if !port.has_endpoints {
