@@ -295,6 +295,9 @@ pub fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<Servi
         None
     };
 
+    // Applies to every Service with a cluster IP, whatever its type (KEP-2086).
+    let internal_traffic_policy_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+
     let mut ports = Vec::new();
     for port in spec.ports.iter().flatten() {
         let port_name = port.name.clone().unwrap_or_default();
@@ -331,6 +334,7 @@ pub fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<Servi
             session_affinity_timeout,
             external_traffic_policy_local,
             health_check_node_port,
+            internal_traffic_policy_local,
         });
     }
     ports
@@ -717,6 +721,24 @@ mod tests {
         assert_eq!(plain.node_port, None);
         assert!(plain.load_balancer_ingress.is_empty());
         assert!(plain.load_balancer_source_ranges.is_empty());
+    }
+
+    #[test]
+    fn internal_traffic_policy_local_applies_to_every_type() {
+        let mut lb = nginx();
+        lb.spec.as_mut().unwrap().internal_traffic_policy = Some("Local".into());
+        let mut cluster_ip = lb.clone();
+        cluster_ip.metadata.name = Some("plain".into());
+        cluster_ip.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
+        let mut default = nginx();
+        default.metadata.name = Some("default".into());
+        default.spec.as_mut().unwrap().internal_traffic_policy = Some("Cluster".into());
+        let out = proxy_state([&lb, &cluster_ip, &default], []);
+        let itp_local = |name| out.state.services[&spn(name, "http")].internal_traffic_policy_local;
+        assert!(itp_local("nginx-service"));
+        assert!(itp_local("plain"));
+        assert!(!itp_local("default"));
+        assert!(!out.state.services[&spn("nginx-service", "http")].external_traffic_policy_local);
     }
 
     #[test]

@@ -548,6 +548,7 @@ mod tests {
             "KUBE-SEP-X",
             "KUBE-FW-X",
             "KUBE-XLB-X",
+            "KUBE-SVL-X",
             CANARY_CHAIN,
         ] {
             assert!(is_owned_chain(ours), "{ours}");

@@ -44,6 +44,7 @@ struct ServiceShape {
     headless: bool,
     two_ports: bool,
     local: bool,
+    internal_local: bool,
     udp: bool,
 }
 
@@ -73,6 +74,14 @@ fn service(index: usize, shape: &ServiceShape) -> Service {
             external_traffic_policy: (node_ports && shape.local).then(|| "Local".into()),
             health_check_node_port: (shape.kind == "LoadBalancer" && shape.local)
                 .then_some(32_000 + index as i32),
+            internal_traffic_policy: Some(
+                if shape.internal_local {
+                    "Local"
+                } else {
+                    "Cluster"
+                }
+                .into(),
+            ),
             ..ServiceSpec::default()
         }),
         status: None,
@@ -147,15 +156,19 @@ fn service_shape() -> impl Strategy<Value = ServiceShape> {
         prop::bool::weighted(0.15),
         any::<bool>(),
         any::<bool>(),
+        any::<bool>(),
         prop::bool::weighted(0.2),
     )
-        .prop_map(|(kind, headless, two_ports, local, udp)| ServiceShape {
-            kind,
-            headless,
-            two_ports,
-            local,
-            udp,
-        })
+        .prop_map(
+            |(kind, headless, two_ports, local, internal_local, udp)| ServiceShape {
+                kind,
+                headless,
+                two_ports,
+                local,
+                internal_local,
+                udp,
+            },
+        )
 }
 
 fn slice_shape() -> impl Strategy<Value = SliceShape> {

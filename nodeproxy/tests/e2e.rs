@@ -386,6 +386,63 @@ fn the_binary_programs_rules_serves_health_and_cleans_up() {
         .await;
         assert!(denied.contains("DROP"), "{denied}");
 
+        // internalTrafficPolicy Local: a pod's request to the cluster IP goes to node-a's
+        // endpoint only, through KUBE-SVL, in the kernel and in the tracer.
+        let itp_local: Service = serde_json::from_value(json!({
+            "metadata": {"name": "itp", "namespace": "default"},
+            "spec": {
+                "ports": [{"name": "http", "port": 80, "targetPort": 80, "protocol": "TCP"}],
+                "internalTrafficPolicy": "Local",
+            }
+        }))
+        .unwrap();
+        services.create(&post, &itp_local).await.unwrap();
+        let itp_cluster_ip = services
+            .get("itp")
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .cluster_ip
+            .expect("allocated");
+        slices
+            .create(
+                &post,
+                &slice(
+                    "itp-a",
+                    "itp",
+                    &[("10.244.1.7", "node-a"), ("10.244.2.7", "node-b")],
+                ),
+            )
+            .await
+            .unwrap();
+        eventually(
+            Duration::from_secs(5),
+            "the KUBE-SVL chain",
+            async || save(backend, "nat").contains(&format!("-d {itp_cluster_ip}/32 -p tcp -m comment --comment \"default/itp:http cluster IP\" -m tcp --dport 80 -j KUBE-SVL-")),
+        )
+        .await;
+        let from_pod = run_to_end(
+            &[
+                &common[..],
+                &[
+                    "trace",
+                    "--src",
+                    "10.244.1.20",
+                    "--dst",
+                    &format!("{itp_cluster_ip}:80"),
+                ],
+            ]
+            .concat(),
+        )
+        .await;
+        assert!(
+            from_pod.contains("KUBE-SVL-")
+                && from_pod.contains("DNAT to 10.244.1.7:80")
+                && !from_pod.contains("10.244.2.7"),
+            "{from_pod}"
+        );
+
         // SIGTERM: clean exit, rules stay.
         let before_stop = save(backend, "nat");
         nix::sys::signal::kill(

@@ -441,3 +441,116 @@ fn connections_survive_a_rolling_update_of_the_only_local_pod() {
     );
     connect(&client.netns, LB).expect_err("no local endpoint: dropped");
 }
+
+/// One UDP request from a new socket (a new flow) in `netns`, connected to `to` so that
+/// only an answer from `to` itself counts; an error when the send fails or nothing answers
+/// within a second.
+fn ask_udp(netns: &tandem_netlab::Netns, to: SocketAddr) -> std::io::Result<String> {
+    let socket = netns
+        .run_in_thread(|| UdpSocket::bind(("0.0.0.0", 0)))
+        .unwrap()
+        .unwrap();
+    socket.connect(to).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .unwrap();
+    socket.send(b"who")?;
+    let mut buffer = [0u8; 64];
+    let n = socket.recv(&mut buffer)?;
+    Ok(String::from_utf8_lossy(&buffer[..n]).into_owned())
+}
+
+#[test]
+fn internal_traffic_policy_local_keeps_cluster_ip_traffic_on_the_node() {
+    const REQUESTS: usize = 20;
+    let Some(topo) = topology(2, &[2, 1]) else {
+        return;
+    };
+    let (node1, node2) = (topo.node(1).unwrap(), topo.node(2).unwrap());
+    let on_node1: Vec<_> = topo.pods_on(1).collect();
+    let (local_pod, client_pod) = (on_node1[0], on_node1[1]);
+    let remote_pod = topo.pods_on(2).next().unwrap();
+    // From the pod and the node, twice (ready, then terminating).
+    udp_pod(local_pod, "local", 4 * REQUESTS);
+    udp_pod(remote_pod, "remote", REQUESTS);
+    let itp_local_state = |endpoints| {
+        let mut state = reference_state(endpoints);
+        for service in state.services.values_mut() {
+            service.protocol = Protocol::Udp;
+            service.internal_traffic_policy_local = true;
+        }
+        state
+    };
+    let config = NodeConfig {
+        node_name: node1.name.clone(),
+        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
+    };
+    let backend = Backend::Nft;
+    let local_ready = endpoint(local_pod.ip.octets(), POD_PORT, &node1.name);
+    let remote_ready = endpoint(remote_pod.ip.octets(), POD_PORT, &node2.name);
+    let sync = |endpoints| {
+        let state = itp_local_state(endpoints);
+        sync_on(node1, backend, &tandem_proxy_rules::build(&state, &config));
+    };
+    let cluster_ip = SocketAddr::from((Ipv4Addr::new(10, 43, 35, 197), 80));
+    let answers = |netns: &tandem_netlab::Netns| -> Vec<String> {
+        (0..REQUESTS)
+            .map(|_| ask_udp(netns, cluster_ip).unwrap())
+            .collect()
+    };
+    let all_local = vec!["local".to_owned(); REQUESTS];
+
+    // Endpoints on both nodes: from a pod and from node 1 itself, every request stays on
+    // node 1 (with policy Cluster, 20 in a row would all be local once in a million).
+    sync(vec![local_ready.clone(), remote_ready.clone()]);
+    assert_eq!(answers(&client_pod.netns), all_local, "from a pod");
+    assert_eq!(answers(&node1.netns), all_local, "from the node");
+
+    // The rolling update: node 1's pod terminates but still serves, and keeps the traffic.
+    let terminating = tandem_proxy_rules::model::Endpoint {
+        ready: false,
+        serving: true,
+        terminating: true,
+        ..local_ready
+    };
+    sync(vec![terminating, remote_ready.clone()]);
+    assert_eq!(
+        answers(&client_pod.netns),
+        all_local,
+        "terminating, from a pod"
+    );
+    assert_eq!(
+        answers(&node1.netns),
+        all_local,
+        "terminating, from the node"
+    );
+
+    // Node 1 has no endpoint left: its cluster IP is dropped, by the rule that says so,
+    // while the node port (externalTrafficPolicy Cluster) still reaches node 2's pod.
+    sync(vec![remote_ready]);
+    let dropped_before = packets(&node1.netns, backend, "filter", "KUBE-SERVICES", "DROP");
+    let from_pod = ask_udp(&client_pod.netns, cluster_ip).expect_err("dropped");
+    assert!(
+        matches!(
+            from_pod.kind(),
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+        ),
+        "dropped silently in FORWARD, not rejected: {from_pod}"
+    );
+    // Dropped in OUTPUT: the node's own sender is told so at once.
+    let from_node = ask_udp(&node1.netns, cluster_ip).expect_err("dropped");
+    assert_eq!(from_node.kind(), std::io::ErrorKind::PermissionDenied);
+    assert_eq!(
+        packets(&node1.netns, backend, "filter", "KUBE-SERVICES", "DROP"),
+        dropped_before + 2,
+        "both requests were dropped by the 'has no local endpoints' rule"
+    );
+    assert_eq!(
+        ask_udp(
+            &topo.client_out_of_range().netns,
+            SocketAddr::from((node1.ip, 30166))
+        )
+        .unwrap(),
+        "remote"
+    );
+}

@@ -45,6 +45,7 @@ fn big_state() -> ProxyState {
                 session_affinity_timeout: None,
                 external_traffic_policy_local: false,
                 health_check_node_port: None,
+                internal_traffic_policy_local: false,
             },
         );
         let endpoints = (0..ENDPOINTS)

@@ -1,4 +1,4 @@
-//! Chain names, exactly as kube-proxy v1.21 derives them, so that existing tooling and
+//! Chain names, exactly as kube-proxy derives them, so that existing tooling and
 //! people who know kube-proxy can read our rules.
 
 use std::net::SocketAddrV4;
@@ -32,11 +32,23 @@ pub const DROP_MARK: &str = "0x8000/0x8000";
 
 /// Prefixes of the per-Service and per-endpoint chains: every chain with one of these
 /// prefixes belongs to the node proxy and is deleted when no longer wanted.
-pub const PER_SERVICE_PREFIXES: &[&str] = &["KUBE-SVC-", "KUBE-SEP-", "KUBE-FW-", "KUBE-XLB-"];
+pub const PER_SERVICE_PREFIXES: &[&str] = &[
+    "KUBE-SVC-",
+    "KUBE-SVL-",
+    "KUBE-SEP-",
+    "KUBE-FW-",
+    "KUBE-XLB-",
+];
 
 /// `KUBE-SVC-…`: spreads a Service port's traffic over its endpoints.
 pub fn service_chain(name: &ServicePortName, protocol: Protocol) -> String {
     hashed_chain("KUBE-SVC-", &format!("{name}{}", protocol.as_str()))
+}
+
+/// `KUBE-SVL-…`: internalTrafficPolicy Local, spreads cluster-IP traffic over this node's
+/// endpoints only (kube-proxy's name since v1.24; v1.21 had no such chain).
+pub fn service_local_chain(name: &ServicePortName, protocol: Protocol) -> String {
+    hashed_chain("KUBE-SVL-", &format!("{name}{}", protocol.as_str()))
 }
 
 /// `KUBE-FW-…`: the load-balancer IP firewall (loadBalancerSourceRanges) of a Service port.
@@ -95,6 +107,10 @@ mod tests {
         assert_eq!(
             external_local_chain(&name, Protocol::Tcp),
             "KUBE-XLB-6IM33IEVEEV7U3GP"
+        );
+        assert_eq!(
+            service_local_chain(&name, Protocol::Tcp),
+            "KUBE-SVL-6IM33IEVEEV7U3GP"
         );
     }
 

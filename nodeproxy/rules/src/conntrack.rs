@@ -192,6 +192,7 @@ mod tests {
             session_affinity_timeout: None,
             external_traffic_policy_local: false,
             health_check_node_port: None,
+            internal_traffic_policy_local: false,
         }
     }
 

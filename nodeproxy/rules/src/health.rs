@@ -103,6 +103,7 @@ mod tests {
             session_affinity_timeout: None,
             external_traffic_policy_local: local,
             health_check_node_port: health,
+            internal_traffic_policy_local: false,
         }
     }
 

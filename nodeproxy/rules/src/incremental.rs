@@ -18,7 +18,7 @@ use crate::ruleset::{ChangedChains, Ruleset, Table};
 /// What the assembled ruleset holds of one Service port.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct PortShare {
-    /// Its own chains (KUBE-SVC, KUBE-SEP, KUBE-FW, KUBE-XLB).
+    /// Its own chains (KUBE-SVC, KUBE-SVL, KUBE-SEP, KUBE-FW, KUBE-XLB).
     own: Vec<(Table, String)>,
     /// Its rules in each dispatch chain it adds to, by index into [`DISPATCH_CHAINS`].
     dispatch: BTreeMap<usize, Vec<String>>,
@@ -160,6 +160,7 @@ mod tests {
             session_affinity_timeout: None,
             external_traffic_policy_local: false,
             health_check_node_port: None,
+            internal_traffic_policy_local: false,
         }
     }
 

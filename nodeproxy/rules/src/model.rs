@@ -83,6 +83,8 @@ pub struct ServicePort {
     /// `externalTrafficPolicy: Local` (only meaningful for NodePort/LoadBalancer Services).
     pub external_traffic_policy_local: bool,
     pub health_check_node_port: Option<u16>,
+    /// `internalTrafficPolicy: Local`: traffic to the cluster IP stays on this node.
+    pub internal_traffic_policy_local: bool,
 }
 
 /// One endpoint of a Service port, from an EndpointSlice.

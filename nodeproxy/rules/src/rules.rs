@@ -1,4 +1,5 @@
-//! Observed state in, the whole kube-proxy v1.21 ruleset out (`syncProxyRules`, minus I/O).
+//! Observed state in, the whole kube-proxy v1.21 ruleset out (`syncProxyRules`, minus I/O),
+//! plus the KUBE-SVL chains of internalTrafficPolicy Local, which v1.21 did not have.
 //!
 //! Rule texts are written in the form `iptables-save` prints them (addresses and protocol
 //! first, then the matches in order, expanded targets such as `--set-xmark`), which
@@ -38,7 +39,8 @@ pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
 }
 
 /// The chains Service ports share: each adds its rules to them, in Service port order.
-/// Every other chain a port writes is its own (KUBE-SVC, KUBE-SEP, KUBE-FW, KUBE-XLB).
+/// Every other chain a port writes is its own (KUBE-SVC, KUBE-SVL, KUBE-SEP, KUBE-FW,
+/// KUBE-XLB).
 pub const DISPATCH_CHAINS: [(Table, &str); 5] = [
     (Table::Filter, KUBE_SERVICES),
     (Table::Filter, KUBE_EXTERNAL_SERVICES),
@@ -69,8 +71,9 @@ pub fn port_rules(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig) 
     out.ruleset
 }
 
-/// An endpoint that gets traffic: from anywhere (`cluster`), from outside through
-/// externalTrafficPolicy Local (`local`), or both.
+/// An endpoint that gets traffic: from anywhere (`cluster`), through a Local traffic policy
+/// (`local`: externalTrafficPolicy for external paths, internalTrafficPolicy for the
+/// cluster IP), or both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct UsableEndpoint {
     addr: SocketAddrV4,
@@ -82,7 +85,7 @@ struct UsableEndpoint {
 /// EndpointSlices while they are being rebalanced) and ordered as kube-proxy orders them:
 /// by their `ip:port` text. As kube-proxy ≥ v1.28 does (KEP-1669): the cluster-wide set
 /// is the ready endpoints, or, when there is none, the serving terminating ones; the local
-/// set (externalTrafficPolicy Local) is this node's ready endpoints, or, when there is
+/// set (either traffic policy Local) is this node's ready endpoints, or, when there is
 /// none, this node's serving terminating ones, so connections survive a rolling update of
 /// the only local pod while the health check already sends new ones elsewhere.
 fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec<UsableEndpoint> {
@@ -312,8 +315,10 @@ impl RulesetBuilder {
         let Some(port) = PortContext::new(svc, endpoints, node) else {
             return; // headless: DNS only, no proxying
         };
-        if port.has_endpoints() {
-            self.declare(Table::Nat, &port.chains.service);
+        if port.has_endpoints {
+            if port.uses_cluster {
+                self.declare(Table::Nat, &port.chains.service);
+            }
             self.add_endpoint_chains(&port);
             if port.local_policy {
                 self.declare(Table::Nat, &port.chains.external_local);
@@ -324,28 +329,47 @@ impl RulesetBuilder {
         self.add_load_balancer_ips(&port);
         self.add_node_port(&port);
         self.add_health_check_port(&port);
-        if port.has_endpoints() {
-            let cluster: Vec<&str> = port
-                .endpoints
-                .iter()
-                .filter(|ep| ep.cluster)
-                .map(|ep| ep.chain.as_str())
-                .collect();
-            self.add_balancing_rules(&port, &port.chains.service, &cluster, |_| port.name.clone());
+        if port.has_endpoints {
+            if port.uses_cluster {
+                let cluster: Vec<&str> = port
+                    .endpoints
+                    .iter()
+                    .filter(|ep| ep.cluster)
+                    .map(|ep| ep.chain.as_str())
+                    .collect();
+                let service = &port.chains.service;
+                self.add_balancing_rules(&port, service, &cluster, |_| port.name.clone());
+            }
+            if port.internal_local && port.has_local_endpoints() {
+                self.add_service_local_chain(&port);
+            }
             if port.local_policy {
                 self.add_external_local_chain(&port);
             }
         }
     }
 
+    /// The cluster-IP rules. With internalTrafficPolicy Local they lead to KUBE-SVL, which
+    /// holds the off-cluster masquerade rule itself, as kube-proxy ≥ v1.24 writes it; with
+    /// endpoints elsewhere only, the cluster IP is dropped, not rejected, as kube-proxy
+    /// does: the Service has endpoints, just none this node may use.
     fn add_cluster_ip(&mut self, port: &PortContext) {
         let capture = || port.capture(port.cluster_ip, "cluster IP");
-        if !port.has_endpoints() {
+        if !port.has_endpoints {
             self.filter(
                 KUBE_SERVICES,
                 port.capture(port.cluster_ip, "has no endpoints")
                     .jump(REJECT),
             );
+            return;
+        }
+        if port.internal_local {
+            if port.has_local_endpoints() {
+                self.nat(KUBE_SERVICES, capture().jump(&port.chains.service_local));
+            } else {
+                let drop = port.capture(port.cluster_ip, "has no local endpoints");
+                self.filter(KUBE_SERVICES, drop.jump("DROP"));
+            }
             return;
         }
         if let Some(cidr) = port.cluster_cidr {
@@ -360,7 +384,7 @@ impl RulesetBuilder {
 
     fn add_external_ips(&mut self, port: &PortContext) {
         for &external_ip in &sorted_unique(&port.svc.external_ips) {
-            if !port.has_endpoints() {
+            if !port.has_endpoints {
                 let reject = port.capture(external_ip, "has no endpoints").jump(REJECT);
                 self.filter(KUBE_EXTERNAL_SERVICES, reject);
                 continue;
@@ -381,7 +405,7 @@ impl RulesetBuilder {
 
     fn add_load_balancer_ips(&mut self, port: &PortContext) {
         for &ingress_ip in &port.vip_ingress {
-            if port.has_endpoints() {
+            if port.has_endpoints {
                 let capture = port
                     .capture(ingress_ip, "loadbalancer IP")
                     .jump(&port.chains.firewall);
@@ -393,7 +417,7 @@ impl RulesetBuilder {
         }
         // kube-proxy v1.21 rewrites the KUBE-FW chain once per ingress IP, repeating its
         // rules; one copy behaves the same.
-        if port.has_endpoints() && !port.vip_ingress.is_empty() {
+        if port.has_endpoints && !port.vip_ingress.is_empty() {
             self.add_firewall_chain(port);
         }
     }
@@ -409,7 +433,7 @@ impl RulesetBuilder {
                 .comment(&port.name)
                 .dport(proto, node_port)
         };
-        if !port.has_endpoints() {
+        if !port.has_endpoints {
             let reject = RuleText::new()
                 .protocol(proto)
                 .comment(&format!("{} has no endpoints", port.name))
@@ -525,6 +549,19 @@ impl RulesetBuilder {
         self.nat(&chains.firewall, rule().jump(KUBE_MARK_DROP));
     }
 
+    /// KUBE-SVL: masquerade off-cluster clients (they may have been routed here by a static
+    /// route to the Service range), then spread over this node's endpoints.
+    fn add_service_local_chain(&mut self, port: &PortContext) {
+        let svl = port.chains.service_local.as_str();
+        self.declare(Table::Nat, svl);
+        if let Some(cidr) = port.cluster_cidr {
+            let masquerade = port.capture(port.cluster_ip, "cluster IP").not_source(cidr);
+            self.nat(svl, masquerade.jump(KUBE_MARK_MASQ));
+        }
+        let local = port.local_endpoint_chains();
+        self.add_balancing_rules(port, svl, &local, |_| port.name.clone());
+    }
+
     /// KUBE-XLB: pods and the node itself short-cut to the Service chain; everything else
     /// goes to local endpoints only, or is dropped when there are none.
     fn add_external_local_chain(&mut self, port: &PortContext) {
@@ -547,12 +584,7 @@ impl RulesetBuilder {
             "route LOCAL traffic for {name} LB IP to service chain"
         ));
         self.nat(xlb, route.jump(&chains.service));
-        let local: Vec<&str> = port
-            .endpoints
-            .iter()
-            .filter(|ep| ep.local)
-            .map(|ep| ep.chain.as_str())
-            .collect();
+        let local = port.local_endpoint_chains();
         if local.is_empty() {
             let drop = RuleText::new().comment(&format!("{name} has no local endpoints"));
             self.nat(xlb, drop.jump(KUBE_MARK_DROP));
@@ -586,6 +618,15 @@ struct PortContext<'a> {
     /// externalTrafficPolicy Local, where it applies: to node ports, external and LB IPs
     /// (the API refuses Local on a Service that has none of them).
     local_policy: bool,
+    /// internalTrafficPolicy Local: the cluster IP leads to KUBE-SVL, not KUBE-SVC.
+    internal_local: bool,
+    /// KUBE-SVC is written: the cluster IP uses it (internalTrafficPolicy Cluster) or the
+    /// port is reachable from outside (node port, external or LB IP), whose Cluster policy
+    /// or KUBE-XLB short-cuts need it. kube-proxy's `UsesClusterEndpoints`.
+    uses_cluster: bool,
+    /// The port has endpoints somewhere in the cluster (ready, else serving terminating):
+    /// without any, its IPs are rejected.
+    has_endpoints: bool,
     cluster_cidr: Option<Ipv4Net>,
 }
 
@@ -599,8 +640,12 @@ impl<'a> PortContext<'a> {
             .map(|ingress| ingress.ip)
             .collect();
         let vip_ingress = sorted_unique(&vip_ingress);
-        let local_policy = svc.external_traffic_policy_local
-            && (svc.node_port.is_some() || !svc.external_ips.is_empty() || !vip_ingress.is_empty());
+        let external =
+            svc.node_port.is_some() || !svc.external_ips.is_empty() || !vip_ingress.is_empty();
+        let local_policy = svc.external_traffic_policy_local && external;
+        let internal_local = svc.internal_traffic_policy_local;
+        let uses_cluster = !internal_local || external;
+        let uses_local = local_policy || internal_local;
         Some(Self {
             svc,
             cluster_ip,
@@ -608,8 +653,8 @@ impl<'a> PortContext<'a> {
             chains: ServiceChains::for_port(svc),
             endpoints: endpoints
                 .iter()
-                // Without the Local policy, endpoints only the local set has get no chain.
-                .filter(|ep| ep.cluster || (local_policy && ep.local))
+                // Endpoints of a set no rule spreads over get no chain.
+                .filter(|ep| (uses_cluster && ep.cluster) || (uses_local && ep.local))
                 .map(|ep| PortEndpoint {
                     addr: ep.addr,
                     cluster: ep.cluster,
@@ -619,15 +664,26 @@ impl<'a> PortContext<'a> {
                 .collect(),
             vip_ingress,
             local_policy,
+            internal_local,
+            uses_cluster,
+            // The local set is a subset of the cluster-wide one unless another node has
+            // a ready endpoint: the cluster-wide set alone says whether any exists.
+            has_endpoints: endpoints.iter().any(|ep| ep.cluster),
             cluster_cidr: node.cluster_cidr.map(|cidr| cidr.trunc()),
         })
     }
 
-    /// True when the port has cluster-wide endpoints; the local ones are a subset then
-    /// (a node's serving terminating endpoints are used only when it has no ready one, and
-    /// then the cluster-wide set has them too unless another node has a ready one).
-    fn has_endpoints(&self) -> bool {
-        self.endpoints.iter().any(|ep| ep.cluster)
+    fn has_local_endpoints(&self) -> bool {
+        self.endpoints.iter().any(|ep| ep.local)
+    }
+
+    /// The KUBE-SEP chains of this node's endpoints, in endpoint order.
+    fn local_endpoint_chains(&self) -> Vec<&str> {
+        self.endpoints
+            .iter()
+            .filter(|ep| ep.local)
+            .map(|ep| ep.chain.as_str())
+            .collect()
     }
 
     /// Matches this port's traffic to `ip`, commented "<name> <what>".
@@ -646,6 +702,7 @@ const RECENT_SOURCE: &str = "--mask 255.255.255.255 --rsource";
 
 struct ServiceChains {
     service: String,
+    service_local: String,
     firewall: String,
     external_local: String,
 }
@@ -654,6 +711,7 @@ impl ServiceChains {
     fn for_port(svc: &ServicePort) -> Self {
         Self {
             service: chains::service_chain(&svc.name, svc.protocol),
+            service_local: chains::service_local_chain(&svc.name, svc.protocol),
             firewall: chains::firewall_chain(&svc.name, svc.protocol),
             external_local: chains::external_local_chain(&svc.name, svc.protocol),
         }

@@ -82,13 +82,14 @@ fn service() -> impl Strategy<Value = (ServicePort, Vec<Endpoint>)> {
             ranges,
             prop::option::of(1u32..20_000),
             any::<bool>(),
+            any::<bool>(),
         ),
         prop::collection::vec(endpoint(), 0..6),
     )
         .prop_map(
             |(
                 (protocol, has_cluster_ip, node_port, external),
-                (ingress, ranges, affinity, local),
+                (ingress, ranges, affinity, local, internal_local),
                 endpoints,
             )| {
                 let service = ServicePort {
@@ -109,6 +110,7 @@ fn service() -> impl Strategy<Value = (ServicePort, Vec<Endpoint>)> {
                     session_affinity_timeout: affinity,
                     external_traffic_policy_local: local,
                     health_check_node_port: local.then_some(0),
+                    internal_traffic_policy_local: internal_local,
                 };
                 (service, endpoints)
             },
@@ -190,10 +192,15 @@ fn reversed_lists(state: &ProxyState) -> ProxyState {
     state
 }
 
-/// The ready endpoints, or the serving terminating ones when none is ready (KEP-1669).
-fn usable(state: &ProxyState, name: &ServicePortName) -> BTreeSet<SocketAddrV4> {
-    let endpoints = &state.endpoints[name];
-    let any_ready = endpoints.iter().any(Endpoint::is_ready);
+/// Of the endpoints `on` keeps: the ready ones, or the serving terminating ones when none is
+/// ready (KEP-1669).
+fn usable(
+    state: &ProxyState,
+    name: &ServicePortName,
+    on: impl Fn(&Endpoint) -> bool,
+) -> BTreeSet<SocketAddrV4> {
+    let endpoints: Vec<&Endpoint> = state.endpoints[name].iter().filter(|ep| on(ep)).collect();
+    let any_ready = endpoints.iter().any(|ep| ep.is_ready());
     endpoints
         .iter()
         .filter(|ep| {
@@ -237,15 +244,28 @@ proptest! {
 
     #[test]
     fn every_service_spreads_over_exactly_its_endpoints(state in state()) {
-        let ruleset = build(&state, &common::node_a());
+        let node = common::node_a();
+        let ruleset = build(&state, &node);
         for (name, service) in &state.services {
             let Some(cluster_ip) = service.cluster_ip else { continue };
             let packet = Packet { src: Ipv4Addr::new(10, 244, 1, 200), dst: cluster_ip, protocol: service.protocol, dst_port: service.port };
             let traced = trace(&ruleset, &TraceRequest::new(packet, Entry::FromOutside, [Ipv4Addr::new(198, 18, 0, 11)])).unwrap();
-            let expected = usable(&state, name);
+            let anywhere = usable(&state, name, |_| true);
+            // internalTrafficPolicy Local: this node's endpoints only, dropped without any.
+            let expected = if service.internal_traffic_policy_local {
+                usable(&state, name, |ep| ep.node_name.as_deref() == Some(node.node_name.as_str()))
+            } else {
+                anywhere.clone()
+            };
             if expected.is_empty() {
+                let chain = "KUBE-SERVICES".to_owned();
+                let verdict = if anywhere.is_empty() {
+                    Verdict::Reject { table: Table::Filter, chain }
+                } else {
+                    Verdict::Drop { table: Table::Filter, chain }
+                };
                 prop_assert_eq!(traced.outcomes.len(), 1);
-                prop_assert_eq!(&traced.outcomes[0].verdict, &Verdict::Reject { table: Table::Filter, chain: "KUBE-SERVICES".into() });
+                prop_assert_eq!(&traced.outcomes[0].verdict, &verdict);
                 continue;
             }
             let total: f64 = traced.outcomes.iter().map(|o| o.probability).sum();

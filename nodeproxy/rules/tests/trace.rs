@@ -450,3 +450,81 @@ fn host_process_to_its_own_port_loops_back_through_input() {
         "{node_port}"
     );
 }
+
+#[test]
+fn internal_traffic_policy_local_keeps_cluster_ip_traffic_on_the_node() {
+    let state = common::itp_local_state();
+    // From a pod and from the node itself: only the local endpoint, through KUBE-SVL.
+    let from_pod = from_outside(&state, tcp(POD_ON_NODE, "10.96.0.18", 80));
+    let from_node = run(
+        &state,
+        tcp(NODE_IP, "10.96.0.18", 80),
+        Entry::Local,
+        &[NODE_IP],
+    );
+    for traced in [&from_pod, &from_node] {
+        assert_eq!(
+            dnat_targets(traced),
+            BTreeSet::from(["10.244.1.5:80".into()]),
+            "{traced}"
+        );
+        assert!(
+            walked_chains(traced, 0)
+                .iter()
+                .any(|chain| chain.starts_with("nat/KUBE-SVL-")),
+            "{traced}"
+        );
+    }
+    assert!(!from_pod.outcomes[0].masqueraded, "{from_pod}");
+    // An off-cluster client routed to the cluster IP is masqueraded, as for KUBE-SVC.
+    let off_cluster = from_outside(&state, tcp(ALLOWED_CLIENT, "10.96.0.18", 80));
+    assert_eq!(dnat_targets(&off_cluster).len(), 1, "{off_cluster}");
+    assert!(off_cluster.outcomes[0].masqueraded, "{off_cluster}");
+    // The external paths keep externalTrafficPolicy Cluster: every endpoint.
+    for packet in [
+        tcp(ALLOWED_CLIENT, "198.51.100.15", 80),
+        tcp(ALLOWED_CLIENT, NODE_IP, 30087),
+    ] {
+        let traced = from_outside(&state, packet);
+        assert_total_probability(&traced);
+        assert_eq!(
+            dnat_targets(&traced),
+            BTreeSet::from(["10.244.1.5:80".into(), "10.244.2.7:80".into()]),
+            "{traced}"
+        );
+    }
+}
+
+#[test]
+fn internal_traffic_policy_local_without_local_endpoints_drops_the_cluster_ip() {
+    let traced = from_outside(
+        &common::itp_local_state(),
+        tcp(POD_ON_NODE, "10.96.0.19", 80),
+    );
+    assert_eq!(traced.outcomes.len(), 1, "{traced}");
+    assert_eq!(
+        traced.outcomes[0].verdict,
+        Verdict::Drop {
+            table: Table::Filter,
+            chain: "KUBE-SERVICES".into()
+        }
+    );
+    assert!(
+        traced.to_string().contains("has no local endpoints"),
+        "{traced}"
+    );
+}
+
+#[test]
+fn internal_traffic_policy_local_falls_back_to_a_serving_terminating_local_endpoint() {
+    // node-b has a ready endpoint, node-a only a terminating one: node-a keeps using it.
+    let traced = from_outside(
+        &common::itp_local_state(),
+        tcp(POD_ON_NODE, "10.96.0.20", 80),
+    );
+    assert_eq!(
+        dnat_targets(&traced),
+        BTreeSet::from(["10.244.1.9:80".into()]),
+        "{traced}"
+    );
+}

@@ -162,6 +162,7 @@ pub fn reference_state(endpoints: Vec<Endpoint>) -> ProxyState {
         session_affinity_timeout: None,
         external_traffic_policy_local: false,
         health_check_node_port: None,
+        internal_traffic_policy_local: false,
     };
     let nginx = ServicePort {
         name: spn("default", "nginx-service", "http"),
@@ -178,6 +179,7 @@ pub fn reference_state(endpoints: Vec<Endpoint>) -> ProxyState {
         session_affinity_timeout: None,
         external_traffic_policy_local: false,
         health_check_node_port: None,
+        internal_traffic_policy_local: false,
     };
     ProxyState {
         services: [

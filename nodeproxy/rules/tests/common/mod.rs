@@ -39,6 +39,7 @@ pub fn cluster_ip_service(
         session_affinity_timeout: None,
         external_traffic_policy_local: false,
         health_check_node_port: None,
+        internal_traffic_policy_local: false,
     }
 }
 
@@ -126,6 +127,7 @@ pub fn scenarios() -> Vec<(&'static str, ProxyState)> {
         ("udp", udp_state()),
         ("multi_port", multi_port_state()),
         ("sctp", sctp_state()),
+        ("itp_local", itp_local_state()),
     ]
 }
 
@@ -342,5 +344,58 @@ pub fn sctp_state() -> ProxyState {
     state_of(
         vec![svc],
         vec![(sig(), vec![ready("10.244.1.5", 3868, "node-a")])],
+    )
+}
+
+pub fn itp_lb() -> ServicePortName {
+    port_name("s8", "itp-lb", "http")
+}
+
+pub fn itp_remote() -> ServicePortName {
+    port_name("s8", "itp-remote", "")
+}
+
+pub fn itp_rolling() -> ServicePortName {
+    port_name("s8", "itp-rolling", "")
+}
+
+/// internalTrafficPolicy Local on node-a: a LoadBalancer Service with endpoints on both
+/// nodes (its external paths stay Cluster), a ClusterIP Service whose only endpoint is on
+/// node-b, and one whose only local endpoint is terminating while node-b has a ready one.
+pub fn itp_local_state() -> ProxyState {
+    let itp_local = |name, cluster_ip| ServicePort {
+        internal_traffic_policy_local: true,
+        ..cluster_ip_service(name, Protocol::Tcp, cluster_ip, 80)
+    };
+    let lb = ServicePort {
+        node_port: Some(30087),
+        load_balancer_ingress: vec![vip("198.51.100.15")],
+        ..itp_local(itp_lb(), "10.96.0.18")
+    };
+    let terminating = Endpoint {
+        ready: false,
+        terminating: true,
+        ..ready("10.244.1.9", 80, "node-a")
+    };
+    state_of(
+        vec![
+            lb,
+            itp_local(itp_remote(), "10.96.0.19"),
+            itp_local(itp_rolling(), "10.96.0.20"),
+        ],
+        vec![
+            (
+                itp_lb(),
+                vec![
+                    ready("10.244.1.5", 80, "node-a"),
+                    ready("10.244.2.7", 80, "node-b"),
+                ],
+            ),
+            (itp_remote(), vec![ready("10.244.2.8", 80, "node-b")]),
+            (
+                itp_rolling(),
+                vec![terminating, ready("10.244.2.9", 80, "node-b")],
+            ),
+        ],
     )
 }
