@@ -44,6 +44,11 @@ pub struct Args {
     /// serve them in passthrough mode (which needs no node ports), or refuse them.
     #[arg(long, env = "TANDEM_WITHOUT_NODE_PORTS", value_enum, default_value_t = WithoutNodePorts::Passthrough)]
     pub without_node_ports: WithoutNodePorts,
+    /// The address pool of Services whose Service and Namespace name none (annotation
+    /// service.beta.kubernetes.io/mockcloud-load-balancer-address-pool); unset: the
+    /// cloud's default pool.
+    #[arg(long, env = "TANDEM_DEFAULT_ADDRESS_POOL")]
+    pub default_address_pool: Option<String>,
     /// Run only while holding the leader Lease.
     #[arg(long, env = "TANDEM_LEADER_ELECT")]
     pub leader_elect: bool,
@@ -129,6 +134,12 @@ impl Args {
                 claim_unclassed: self.claim_unclassed,
             },
             without_node_ports: self.without_node_ports,
+            default_pool: self
+                .default_address_pool
+                .as_deref()
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .map(str::to_owned),
             cloud_url: self.cloud_url.clone(),
             cloud_token,
             cloud_timeout: Duration::from_secs(self.cloud_timeout_seconds.max(1)),

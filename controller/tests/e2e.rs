@@ -441,12 +441,8 @@ async fn bad_annotations_and_impossible_requests_are_reported() {
     h.create_service(taken).await;
     for (name, reason, needle) in [
         ("bad-mode", "InvalidConfiguration", "bridge"),
-        ("outside", "VIPUnavailable", "192.0.2.10"),
-        (
-            "taken",
-            "VIPUnavailable",
-            &good_lb.vip().unwrap().to_string(),
-        ),
+        ("outside", "AddressOutsidePools", "192.0.2.10"),
+        ("taken", "AddressInUse", &good_lb.vip().unwrap().to_string()),
     ] {
         h.eventually(&format!("{name} reported"), WAIT, || async {
             let svc = h.get_service(name).await?;
