@@ -505,6 +505,81 @@ async fn faults_converge_without_duplicates() {
     h.shutdown().await;
 }
 
+/// The cloud commits a share of the changes and then loses the answer (`lost`): every
+/// Service still ends with exactly one LB, and deleting them all leaves no LB and no VIP.
+async fn lost_answers_converge_and_leak_nothing(label: &str, lost: sdk::LostAnswer) {
+    let h = Harness::new(label).await;
+    two_nodes(&h).await;
+    h.cloud
+        .set_faults(sdk::Faults {
+            lost_answer_rate: 0.5,
+            lost_answer: lost,
+            ..sdk::Faults::default()
+        })
+        .await;
+    let controller = h.controller(&[]);
+    let names: Vec<String> = (0..4).map(|i| format!("svc-{i}")).collect();
+    let mut uids = Vec::new();
+    for name in &names {
+        let created = h.create_service(lb_service(name, &[(80, "TCP")])).await;
+        uids.push(created.metadata.uid.unwrap());
+    }
+    for name in &names {
+        h.eventually(
+            &format!("{name} served with lost answers"),
+            Duration::from_secs(180),
+            || async { ingress_ip(&h.get_service(name).await?) },
+        )
+        .await;
+    }
+    for uid in &uids {
+        let lbs = h.cloud.for_uid(uid).await;
+        assert_eq!(lbs.len(), 1, "exactly one LB for Service {uid}: {lbs:?}");
+    }
+    assert_eq!(h.cloud.all().await.len(), names.len(), "no duplicate LB");
+    let metrics = controller.metrics().await;
+    assert!(
+        ["unavailable", "transport"]
+            .iter()
+            .any(|outcome| metrics.contains(&format!("outcome=\"{outcome}\""))),
+        "no answer was lost:\n{metrics}"
+    );
+    for name in &names {
+        h.delete_service(name).await;
+    }
+    for name in &names {
+        h.eventually(
+            &format!("{name} gone with lost answers"),
+            Duration::from_secs(180),
+            || async { h.get_service(name).await.is_none().then_some(()) },
+        )
+        .await;
+    }
+    h.cloud.set_faults(sdk::Faults::default()).await;
+    h.eventually("no LB and no VIP left", WAIT, || async {
+        let pools = h.cloud.client.list_pools().await.ok()?;
+        let vips: u64 = pools.iter().map(|p| p.allocated).sum();
+        (h.cloud.all().await.is_empty() && vips == 0).then_some(())
+    })
+    .await;
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_answers_unavailable_converge_and_leak_nothing() {
+    lost_answers_converge_and_leak_nothing("lost-503", sdk::LostAnswer::Unavailable).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_answers_reset_converge_and_leak_nothing() {
+    lost_answers_converge_and_leak_nothing("lost-reset", sdk::LostAnswer::Reset).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_answers_hang_converge_and_leak_nothing() {
+    lost_answers_converge_and_leak_nothing("lost-hang", sdk::LostAnswer::Hang).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_mid_provisioning_then_restart_gives_exactly_one_lb_each() {
     let h = Harness::new("sigkill").await;
