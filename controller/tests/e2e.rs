@@ -9,6 +9,7 @@ use std::time::Duration;
 use cloud_mock_sdk as sdk;
 use serde_json::json;
 use support::*;
+use tandem_controller::spec::ANNOTATION_ADDRESS_POOL;
 
 const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
 const ID_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-id";
@@ -502,6 +503,56 @@ async fn faults_converge_without_duplicates() {
     for name in &names {
         h.wait_served(name).await;
     }
+    h.shutdown().await;
+}
+
+/// Annotates the Namespace `default` with `pool` (creating the Namespace if the API server
+/// has none yet).
+async fn set_namespace_pool(h: &Harness, pool: &str) {
+    let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> =
+        kube::Api::all(h.client.clone());
+    let annotated = json!({ "metadata": { "annotations": { ANNOTATION_ADDRESS_POOL: pool } } });
+    if namespaces.get_opt("default").await.unwrap().is_some() {
+        namespaces
+            .patch(
+                "default",
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(annotated),
+            )
+            .await
+            .unwrap();
+    } else {
+        let mut namespace: k8s_openapi::api::core::v1::Namespace =
+            serde_json::from_value(annotated).unwrap();
+        namespace.metadata.name = Some("default".into());
+        namespaces
+            .create(&kube::api::PostParams::default(), &namespace)
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_from_flag_then_namespace_and_a_namespace_change_re_ensures_at_once() {
+    let h = Harness::new("pools").await;
+    two_nodes(&h).await;
+    let _controller = h.controller(&["--default-address-pool", "nowhere"]);
+    h.create_service(lb_service("web", &[(80, "TCP")])).await;
+    h.eventually("the flag's unknown pool reported", WAIT, || async {
+        let svc = h.get_service("web").await?;
+        let warned = h.events_for("web").await.iter().any(|(t, r, m)| {
+            t == "Warning" && r == "SyncLoadBalancerFailed" && m.contains("nowhere")
+        });
+        (condition_reason(&svc).as_deref() == Some("UnknownAddressPool") && warned).then_some(())
+    })
+    .await;
+    assert!(h.cloud.all().await.is_empty(), "nothing half-created");
+    // The Namespace names the pool that exists: the Service is served long before the
+    // backstop retry of a permanent error (minutes).
+    set_namespace_pool(&h, "default").await;
+    let (_, lb) = h.wait_served("web").await;
+    assert_eq!(lb.spec.address.pool.as_deref(), Some("default"));
+    assert_eq!(h.cloud.all().await.len(), 1);
     h.shutdown().await;
 }
 
