@@ -92,6 +92,18 @@ const NODE_A: &str = "198.18.0.11";
 
 fn no_edit(_: &mut Service) {}
 
+/// The calls of an LB updated in place: one read, one update of the LB it found.
+fn read_then_update(id: Option<&str>) -> Vec<Call> {
+    vec![
+        Call::Get {
+            known_id: id.map(str::to_owned),
+        },
+        Call::Update {
+            id: id.unwrap_or_default().to_owned(),
+        },
+    ]
+}
+
 fn annotate(svc: &mut Service, key: &str, value: &str) {
     svc.metadata
         .annotations
@@ -187,15 +199,29 @@ fn rows() -> Vec<Row> {
         events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
         ..row(name)
     };
-    let update_only = |id: Option<&str>| {
-        vec![
-            Call::Get {
-                known_id: id.map(str::to_owned),
-            },
-            Call::Update {
-                id: id.unwrap_or_default().to_owned(),
-            },
-        ]
+    // A new Service, created in one call.
+    let created = |name| Row {
+        calls: |_| vec![Call::Create { replaces: None }],
+        events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
+        ..row(name)
+    };
+    // A served Service whose LB is updated in place after one read.
+    let updated = |name| Row {
+        service: ServiceStart::Served,
+        cloud: CloudStart::Matching,
+        calls: read_then_update,
+        events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
+        ..row(name)
+    };
+    // Refused before any cloud call: no finalizer, a condition and a Warning.
+    let invalid = |name| Row {
+        ok: false,
+        finalizer: Some(false),
+        condition: Some("InvalidConfiguration"),
+        ingress: false,
+        id_persisted: false,
+        events: &["SyncLoadBalancerFailed"],
+        ..row(name)
     };
     vec![
         refused(
@@ -231,67 +257,41 @@ fn rows() -> Vec<Row> {
         Row {
             namespace_pool: Some("ns-pool"),
             default_pool: Some("flag-pool"),
-            calls: |_| vec![Call::Create { replaces: None }],
-            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
             pool: Some("ns-pool"),
-            ..row("pool-from-namespace")
+            ..created("pool-from-namespace")
         },
         Row {
             default_pool: Some("flag-pool"),
-            calls: |_| vec![Call::Create { replaces: None }],
-            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
             pool: Some("flag-pool"),
-            ..row("pool-from-flag")
+            ..created("pool-from-flag")
         },
         Row {
             edit: |s| annotate(s, ANNOTATION_ADDRESS_POOL, "svc-pool"),
             namespace_pool: Some("ns-pool"),
-            calls: |_| vec![Call::Create { replaces: None }],
-            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
             pool: Some("svc-pool"),
-            ..row("pool-of-service-beats-namespace")
+            ..created("pool-of-service-beats-namespace")
         },
         Row {
-            service: ServiceStart::Served,
-            cloud: CloudStart::Matching,
             namespace_pool: Some("ns-pool"),
-            calls: update_only,
-            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
             pool: Some("ns-pool"),
-            ..row("namespace-pool-moves-the-same-lb")
+            ..updated("namespace-pool-moves-the-same-lb")
         },
         Row {
-            service: ServiceStart::Served,
-            cloud: CloudStart::Matching,
             then: Some(|s| annotate(s, ANNOTATION_REQUESTED_IP, "198.51.100.42")),
-            calls: update_only,
-            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
-            ..row("requested-ip-changed-updates-the-same-lb")
+            ..updated("requested-ip-changed-updates-the-same-lb")
         },
         Row {
             edit: |s| {
                 s.spec.as_mut().unwrap().load_balancer_ip = Some("198.51.100.40".into());
                 annotate(s, ANNOTATION_REQUESTED_IP, "198.51.100.41");
             },
-            ok: false,
-            finalizer: Some(false),
-            condition: Some("InvalidConfiguration"),
-            ingress: false,
-            id_persisted: false,
-            events: &["SyncLoadBalancerFailed"],
-            ..row("requested-ip-conflict-refused-before-the-cloud")
+            ..invalid("requested-ip-conflict-refused-before-the-cloud")
         },
         Row {
             edit: |s| annotate(s, ANNOTATION_SHARED_IP, "dns"),
-            calls: |_| vec![Call::Create { replaces: None }],
-            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
-            ..row("sharing-key-reaches-the-cloud")
+            ..created("sharing-key-reaches-the-cloud")
         },
-        Row {
-            calls: |_| vec![Call::Create { replaces: None }],
-            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
-            ..row("create-never-looks-up-first")
-        },
+        created("create-never-looks-up-first"),
         Row {
             create_active: false,
             calls: |_| vec![Call::Create { replaces: None }],
@@ -311,36 +311,17 @@ fn rows() -> Vec<Row> {
             ..row("create-cloud-error")
         },
         Row {
-            edit: |s| {
-                s.metadata.annotations = Some(BTreeMap::from([(
-                    ANNOTATION_MODE.into(),
-                    "sideways".into(),
-                )]))
-            },
-            ok: false,
-            finalizer: Some(false),
-            condition: Some("InvalidConfiguration"),
-            ingress: false,
-            id_persisted: false,
-            events: &["SyncLoadBalancerFailed"],
-            ..row("invalid-annotation-no-cloud-call-no-finalizer")
+            edit: |s| annotate(s, ANNOTATION_MODE, "sideways"),
+            ..invalid("invalid-annotation-no-cloud-call-no-finalizer")
         },
         Row {
             edit: |s| s.spec.as_mut().unwrap().allocate_load_balancer_node_ports = Some(false),
-            calls: |_| vec![Call::Create { replaces: None }],
-            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
-            ..row("no-node-ports-served-in-passthrough")
+            ..created("no-node-ports-served-in-passthrough")
         },
         Row {
             edit: |s| s.spec.as_mut().unwrap().allocate_load_balancer_node_ports = Some(false),
             without_node_ports: WithoutNodePorts::Refuse,
-            ok: false,
-            finalizer: Some(false),
-            condition: Some("InvalidConfiguration"),
-            ingress: false,
-            id_persisted: false,
-            events: &["SyncLoadBalancerFailed"],
-            ..row("no-node-ports-refused")
+            ..invalid("no-node-ports-refused")
         },
         Row {
             service: ServiceStart::Served,
@@ -356,32 +337,14 @@ fn rows() -> Vec<Row> {
             service: ServiceStart::Served,
             cloud: CloudStart::Matching,
             extra_nodes: &["198.18.0.12"],
-            calls: |id| {
-                vec![
-                    Call::Get {
-                        known_id: id.map(str::to_owned),
-                    },
-                    Call::Update {
-                        id: id.unwrap_or_default().to_owned(),
-                    },
-                ]
-            },
+            calls: read_then_update,
             events: &["UpdatedLoadBalancer"],
             ..row("node-added-one-update")
         },
         Row {
             service: ServiceStart::Served,
             cloud: CloudStart::Drifted,
-            calls: |id| {
-                vec![
-                    Call::Get {
-                        known_id: id.map(str::to_owned),
-                    },
-                    Call::Update {
-                        id: id.unwrap_or_default().to_owned(),
-                    },
-                ]
-            },
+            calls: read_then_update,
             events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
             ..row("drift-repaired")
         },
@@ -391,16 +354,7 @@ fn rows() -> Vec<Row> {
             extra_nodes: &["198.18.0.12"],
             fail: Some((Operation::Update, unavailable(Operation::Update))),
             ok: false,
-            calls: |id| {
-                vec![
-                    Call::Get {
-                        known_id: id.map(str::to_owned),
-                    },
-                    Call::Update {
-                        id: id.unwrap_or_default().to_owned(),
-                    },
-                ]
-            },
+            calls: read_then_update,
             condition: Some("CloudError"),
             events: &["UpdateLoadBalancerFailed"],
             ..row("node-update-fails")

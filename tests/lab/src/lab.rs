@@ -554,6 +554,30 @@ impl Lab {
 
     /// Packets counted by the rules of the chains named `chain` (or, when it ends in `-`,
     /// starting with it, e.g. `KUBE-FW-`) of one table on a node (`iptables -L -v -x`).
+    /// Waits until the node's nat table has a rule for `ip`: the node proxy has synced it.
+    pub async fn wait_for_nat_rules(
+        &self,
+        node: &Netns,
+        ip: Ipv4Addr,
+        timeout: Duration,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let destination = format!("-d {ip}/32");
+        loop {
+            let out = node
+                .exec_async(["iptables", "-w", "-t", "nat", "-S"])
+                .await
+                .context("listing iptables rules")?;
+            if String::from_utf8_lossy(&out.stdout).contains(&destination) {
+                return Ok(());
+            }
+            if start.elapsed() > timeout {
+                bail!("no nat rule for {ip} within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     pub async fn chain_packets(&self, node: &Netns, table: &str, chain: &str) -> Result<u64> {
         let out = node
             .exec_async(["iptables", "-w", "-t", table, "-L", "-v", "-x", "-n"])

@@ -365,11 +365,16 @@ fn a_pod_reaching_the_lb_ip_is_served_through_the_kube_fw_short_cut() {
         plan.pods = pods(&lab, &[2]);
         let vip = create_and_wait_for_ingress(&lab, &plan).await;
         let node = &lab.topology.nodes()[0];
+        let client = lab.topology.pods_on(1).next().unwrap().clone();
+        // The status can be written before the node proxy has synced the ingress IP: wait
+        // for its rules, so the packet below measures the short-cut, not the race.
+        lab.wait_for_nat_rules(&node.netns, vip, Duration::from_secs(10))
+            .await
+            .unwrap();
         let fw_chain_before = lab
             .chain_packets(&node.netns, "nat", "KUBE-FW-")
             .await
             .unwrap();
-        let client = lab.topology.pods_on(1).next().unwrap().clone();
         let echo = lab.topology.echo_client().unwrap();
         let reply = echo
             .http_get_async(&client.netns, &format!("http://{vip}:80/"))
@@ -390,8 +395,14 @@ fn a_pod_reaching_the_lb_ip_is_served_through_the_kube_fw_short_cut() {
     });
 }
 
-/// Where the refusals of the mock cloud show: the condition reason and a Warning Event.
-const REFUSAL_WAIT: Duration = Duration::from_secs(30);
+/// Creates the Service and waits until it is refused with the condition reason `reason`
+/// and a Warning Event, whose message it returns.
+async fn create_and_wait_for_refusal(lab: &Lab, plan: &ServicePlan, reason: &str) -> String {
+    lab.create_service(plan).await.unwrap();
+    lab.wait_for_refusal(plan, reason, Duration::from_secs(30))
+        .await
+        .unwrap()
+}
 
 /// The pods that answered `count` requests to `vip:port`; every request must succeed.
 async fn answering_pods(lab: &Lab, vip: Ipv4Addr, port: u16, count: u32) -> Vec<String> {
@@ -431,11 +442,7 @@ fn a_second_pool_and_a_requested_address_serve_and_an_unknown_pool_is_refused() 
         lost.pods = pods(&lab, &[1]);
         lost.annotations
             .insert(POOL_ANNOTATION.to_owned(), "nowhere".to_owned());
-        lab.create_service(&lost).await.unwrap();
-        let message = lab
-            .wait_for_refusal(&lost, "UnknownAddressPool", REFUSAL_WAIT)
-            .await
-            .unwrap();
+        let message = create_and_wait_for_refusal(&lab, &lost, "UnknownAddressPool").await;
         assert!(message.contains("nowhere"), "{message}");
         // Nothing half-created, and the others are untouched.
         let lbs = lab
@@ -498,11 +505,8 @@ fn services_sharing_a_vip_reach_their_own_pods_in_both_modes() {
             // hears of it (without asking, it would get an address of its own).
             let mut clash = plan("clash", 80, 2);
             clash.load_balancer_ip = Some(vip);
-            lab.create_service(&clash).await.unwrap();
-            let message = lab
-                .wait_for_refusal(&clash, "SharedAddressPortConflict", REFUSAL_WAIT)
-                .await
-                .unwrap();
+            let message =
+                create_and_wait_for_refusal(&lab, &clash, "SharedAddressPortConflict").await;
             assert!(message.contains("80"), "{message}");
             for sharer in [&first, &second] {
                 assert_eq!(
