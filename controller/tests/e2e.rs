@@ -9,7 +9,9 @@ use std::time::Duration;
 use cloud_mock_sdk as sdk;
 use serde_json::json;
 use support::*;
-use tandem_controller::spec::ANNOTATION_ADDRESS_POOL;
+use tandem_controller::spec::{
+    ANNOTATION_ADDRESS_POOL, ANNOTATION_REQUESTED_IP, ANNOTATION_SHARED_IP,
+};
 
 const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
 const ID_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-id";
@@ -503,6 +505,52 @@ async fn faults_converge_without_duplicates() {
     for name in &names {
         h.wait_served(name).await;
     }
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_requested_address_moves_the_same_lb_and_a_settled_one_is_left_alone() {
+    let h = Harness::new("moving").await;
+    two_nodes(&h).await;
+    let controller = h.controller(&["--resync-seconds", "1"]);
+    let mut svc = lb_service("moving", &[(80, "TCP")]);
+    svc.metadata.annotations = Some(
+        [
+            (
+                ANNOTATION_REQUESTED_IP.to_owned(),
+                "198.51.100.50".to_owned(),
+            ),
+            (ANNOTATION_SHARED_IP.to_owned(), "key".to_owned()),
+            (ANNOTATION_ADDRESS_POOL.to_owned(), "default".to_owned()),
+        ]
+        .into(),
+    );
+    h.create_service(svc).await;
+    let (_, lb) = h.wait_served("moving").await;
+    assert_eq!(lb.vip(), Some("198.51.100.50".parse().unwrap()));
+    assert_eq!(lb.spec.address.sharing_key.as_deref(), Some("key"));
+    // Several resyncs: pool, key and address as the cloud reports them are no drift.
+    let updates = update_calls(&controller).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        update_calls(&controller).await,
+        updates,
+        "a settled LB was rewritten"
+    );
+
+    h.patch_service(
+        "moving",
+        json!({ "metadata": { "annotations": { ANNOTATION_REQUESTED_IP: "198.51.100.60" } } }),
+    )
+    .await;
+    let moved = h
+        .eventually("the LB moved to the new address", WAIT, || async {
+            let (_, now) = h.wait_served("moving").await;
+            (now.vip() == Some("198.51.100.60".parse().unwrap())).then_some(now)
+        })
+        .await;
+    assert_eq!(moved.id, lb.id, "the same LB, updated in place");
+    assert_eq!(h.cloud.all().await.len(), 1);
     h.shutdown().await;
 }
 
