@@ -33,7 +33,8 @@ step "cloud-mock API fuzz" env CLOUD_MOCK_BIN="$PWD/target/debug/cloud-mock" \
 # A virtualenv under target/ with a requirements file installed.
 venv_with() {
     local venv=$1 requirements=$2
-    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    # A venv that was moved (its scripts name the old path) is made anew.
+    "$venv/bin/pip" --version >/dev/null 2>&1 || python3 -m venv --clear "$venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$requirements"
 }
 

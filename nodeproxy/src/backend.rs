@@ -24,8 +24,8 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The `iptables` binary of this backend (the `iptables` crate always runs plain
-    /// `iptables`, which is whichever the distribution's alternatives point at).
+    /// The `iptables` binary of this backend, named explicitly: plain `iptables` is
+    /// whichever backend the distribution's alternatives point at.
     pub fn iptables(self) -> &'static str {
         match self {
             Backend::Nft => "iptables-nft",

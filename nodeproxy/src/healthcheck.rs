@@ -1,6 +1,6 @@
 //! HTTP health endpoints: the node's `/healthz` that load balancers probe and `/livez`
-//! for the kubelet's liveness probe (kube-proxy's `ProxierHealthServer`), and one server per externalTrafficPolicy=Local Service on its
-//! `healthCheckNodePort`.
+//! for the kubelet's liveness probe (kube-proxy's `ProxierHealthServer`), and one server
+//! per externalTrafficPolicy=Local Service on its `healthCheckNodePort`.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};

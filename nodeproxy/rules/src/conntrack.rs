@@ -68,9 +68,9 @@ impl ConntrackDeletion {
 }
 
 /// The deletions for going from `previous` to `current`, sorted and without duplicates:
-/// - a UDP endpoint that stopped being used: its flows from each Service IP and the node
+/// - a UDP endpoint that stopped serving or went away: its flows from each Service IP and the node
 ///   port;
-/// - a UDP Service port that goes from no usable endpoints to some: all flows to its IPs
+/// - a UDP Service port that goes from no serving endpoints to some: all flows to its IPs
 ///   and node port (they were answered by REJECT and would stay that way);
 /// - a UDP Service port that is gone or changed its cluster IP: flows to the old cluster IP.
 pub fn stale_udp_deletions(previous: &ProxyState, current: &ProxyState) -> Vec<ConntrackDeletion> {
@@ -103,8 +103,8 @@ pub fn stale_udp_deletions(previous: &ProxyState, current: &ProxyState) -> Vec<C
         if service.protocol != Protocol::Udp || service.cluster_ip.is_none() {
             continue;
         }
-        let before = usable_endpoints(previous, name);
-        let after = usable_endpoints(current, name);
+        let before = serving_endpoints(previous, name);
+        let after = serving_endpoints(current, name);
         for &(endpoint_ip, _) in before.difference(&after) {
             if let Some(node_port) = service.node_port {
                 deletions.insert(ConntrackDeletion::NodePortToEndpoint {
@@ -129,14 +129,16 @@ pub fn stale_udp_deletions(previous: &ProxyState, current: &ProxyState) -> Vec<C
     deletions.into_iter().collect()
 }
 
-/// (ip, port) of the ready, non-terminating endpoints of a Service port.
-fn usable_endpoints(state: &ProxyState, name: &ServicePortName) -> BTreeSet<(Ipv4Addr, u16)> {
+/// (ip, port) of the serving endpoints of a Service port, as kube-proxy counts them for
+/// stale flows: a terminating endpoint that still serves may still get traffic (KEP-1669
+/// fallback), so its flows stay until it stops serving or goes away.
+fn serving_endpoints(state: &ProxyState, name: &ServicePortName) -> BTreeSet<(Ipv4Addr, u16)> {
     state
         .endpoints
         .get(name)
         .into_iter()
         .flatten()
-        .filter(|ep| ep.is_ready())
+        .filter(|ep| ep.serving)
         .map(|ep| (ep.ip, ep.port))
         .collect()
 }
@@ -262,12 +264,33 @@ mod tests {
             vec![
                 Endpoint {
                     ready: false,
+                    serving: false,
                     ..ep(5)
                 },
                 ep(6),
             ],
         );
         assert_eq!(stale_udp_deletions(&before, &after).len(), 4);
+    }
+
+    #[test]
+    fn terminating_endpoint_that_still_serves_keeps_its_flows_until_it_stops() {
+        let before = state(Some(dns(Protocol::Udp)), vec![ep(5)]);
+        let terminating = Endpoint {
+            ready: false,
+            terminating: true,
+            ..ep(5)
+        };
+        let during = state(Some(dns(Protocol::Udp)), vec![terminating.clone()]);
+        assert_eq!(stale_udp_deletions(&before, &during), []);
+        let stopped = state(
+            Some(dns(Protocol::Udp)),
+            vec![Endpoint {
+                serving: false,
+                ..terminating
+            }],
+        );
+        assert_eq!(stale_udp_deletions(&during, &stopped).len(), 4);
     }
 
     #[test]

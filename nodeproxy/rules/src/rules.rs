@@ -22,8 +22,8 @@ const REJECT: &str = "REJECT --reject-with icmp-port-unreachable";
 const LOOPBACK: &str = "127.0.0.0/8";
 
 /// The complete desired ruleset for this node: every chain the node proxy owns in the nat
-/// and filter tables, with all of its rules. Headless Services get no rules; only ready,
-/// non-terminating endpoints are used.
+/// and filter tables, with all of its rules. Headless Services get no rules; which endpoints
+/// are used is [`usable_endpoints`]' decision (ready ones, else serving terminating ones).
 pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
     let mut out = RulesetBuilder::with_fixed_chains();
     for service in state.services.values() {
