@@ -90,6 +90,10 @@ pub enum SpecError {
     ConflictingRequestedIp { spec: IpAddr, annotation: String },
     #[error("IPv6-only Services are not supported by this cloud")]
     Ipv6Only,
+    #[error(
+        "address pool {0:?} (from {ANNOTATION_ADDRESS_POOL} on the Service or its Namespace, or --default-address-pool) is not a pool name: want up to 63 characters of [a-z0-9-], not starting or ending with -"
+    )]
+    BadPoolName(String),
 }
 
 impl SpecError {
@@ -273,16 +277,28 @@ pub fn namespace_pool(namespace: &Namespace) -> Option<&str> {
     pool_annotation(namespace.metadata.annotations.as_ref())
 }
 
+/// Whether `name` can name an address pool: a DNS label, as Kubernetes names are.
+pub fn is_pool_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+}
+
 /// Where the LB's address comes from: the Service's pool annotation, else `inherited_pool`
 /// (its Namespace's, else the controller's default); the requested addresses; the sharing key.
 pub fn address_request(
     svc: &Service,
     inherited_pool: Option<&str>,
 ) -> Result<AddressRequest, SpecError> {
+    let pool = pool_annotation(svc.metadata.annotations.as_ref()).or(inherited_pool);
+    if let Some(pool) = pool.filter(|p| !is_pool_name(p)) {
+        return Err(SpecError::BadPoolName(pool.to_owned()));
+    }
     Ok(AddressRequest {
-        pool: pool_annotation(svc.metadata.annotations.as_ref())
-            .or(inherited_pool)
-            .map(str::to_owned),
+        pool: pool.map(str::to_owned),
         requested: requested_ips(svc)?,
         sharing_key: annotation(svc, ANNOTATION_SHARED_IP)
             .filter(|v| !v.is_empty())
@@ -767,8 +783,17 @@ pub(crate) mod tests {
         assert_eq!(pool(&plain, Some("ns-pool")), Some("ns-pool".into()));
         let own = with_annotation(plain.clone(), ANNOTATION_ADDRESS_POOL, " blue ");
         assert_eq!(pool(&own, Some("ns-pool")), Some("blue".into()));
-        let empty = with_annotation(plain, ANNOTATION_ADDRESS_POOL, "");
+        let empty = with_annotation(plain.clone(), ANNOTATION_ADDRESS_POOL, "");
         assert_eq!(pool(&empty, Some("ns-pool")), Some("ns-pool".into()));
+        for bad in ["Blue", "-blue", "blue pool", &"x".repeat(64)] {
+            let named = with_annotation(plain.clone(), ANNOTATION_ADDRESS_POOL, bad);
+            assert_eq!(
+                desired(&named),
+                Err(SpecError::BadPoolName(bad.to_owned())),
+                "{bad}"
+            );
+        }
+        assert!(is_pool_name("blue-2") && is_pool_name(&"x".repeat(63)));
         let mut namespace = Namespace::default();
         assert_eq!(namespace_pool(&namespace), None);
         namespace.metadata.annotations = Some(BTreeMap::from([(
