@@ -532,8 +532,25 @@ fn services_sharing_a_vip_reach_their_own_pods_in_both_modes() {
                     "{mode:?}"
                 );
             }
+            // The VIP is freed with the last sharer.
+            let held = |pools: Vec<cloud_mock_sdk::Pool>| -> u64 {
+                pools.iter().map(|p| p.allocated).sum()
+            };
+            assert_eq!(
+                held(lab.cloud.list_pools().await.unwrap()),
+                1,
+                "{mode:?}: the first still holds the VIP"
+            );
             lab.delete_service(&clash).await.unwrap();
             lab.delete_service(&first).await.unwrap();
+            let start = Instant::now();
+            while held(lab.cloud.list_pools().await.unwrap()) != 0 {
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "{mode:?}: {vip} still allocated after its last sharer went"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
         }
         lab
     });
