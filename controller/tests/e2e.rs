@@ -10,7 +10,7 @@ use cloud_mock_sdk as sdk;
 use serde_json::json;
 use support::*;
 use tandem_controller::spec::{
-    ANNOTATION_ADDRESS_POOL, ANNOTATION_REQUESTED_IP, ANNOTATION_SHARED_IP,
+    ANNOTATION_ADDRESS_POOL, ANNOTATION_MODE, ANNOTATION_REQUESTED_IP, ANNOTATION_SHARED_IP,
 };
 
 const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
@@ -418,34 +418,55 @@ async fn bad_annotations_and_impossible_requests_are_reported() {
     let h = Harness::new("bad").await;
     two_nodes(&h).await;
     let _controller = h.controller(&[]);
-    let mut bad_mode = lb_service("bad-mode", &[(80, "TCP")]);
-    bad_mode.metadata.annotations = Some(
-        [(
-            "service.beta.kubernetes.io/mockcloud-load-balancer-mode".to_string(),
-            "bridge".to_string(),
-        )]
-        .into(),
-    );
-    h.create_service(bad_mode).await;
+    let annotated = |name: &str, port: i32, annotations: &[(&str, &str)]| {
+        let mut svc = lb_service(name, &[(port, "TCP")]);
+        svc.metadata.annotations = Some(
+            annotations
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        );
+        svc
+    };
+    h.create_service(annotated("bad-mode", 80, &[(ANNOTATION_MODE, "bridge")]))
+        .await;
     let mut outside = lb_service("outside", &[(80, "TCP")]);
     outside.spec.as_mut().unwrap().load_balancer_ip = Some("192.0.2.10".into());
     h.create_service(outside).await;
     h.create_service(lb_service("good", &[(80, "TCP")])).await;
+    h.create_service(annotated("shared", 80, &[(ANNOTATION_SHARED_IP, "k")]))
+        .await;
     let (_, good_lb) = h.wait_served("good").await;
-    // Request the VIP the good Service holds.
-    let mut taken = lb_service("taken", &[(80, "TCP")]);
-    taken.metadata.annotations = Some(
-        [(
-            "service.beta.kubernetes.io/mockcloud-load-balancer-ip".to_string(),
-            good_lb.vip().unwrap().to_string(),
-        )]
-        .into(),
-    );
-    h.create_service(taken).await;
+    let (_, shared_lb) = h.wait_served("shared").await;
+    let good_vip = good_lb.vip().unwrap().to_string();
+    let shared_vip = shared_lb.vip().unwrap().to_string();
+    // Request the VIP the good Service holds, and the shared one with a clashing port or
+    // the other mode.
+    h.create_service(annotated(
+        "taken",
+        80,
+        &[(ANNOTATION_REQUESTED_IP, &good_vip)],
+    ))
+    .await;
+    let sharer = [
+        (ANNOTATION_SHARED_IP, "k"),
+        (ANNOTATION_REQUESTED_IP, shared_vip.as_str()),
+    ];
+    h.create_service(annotated("clash", 80, &sharer)).await;
+    let mut other_mode = sharer.to_vec();
+    other_mode.push((ANNOTATION_MODE, "passthrough"));
+    h.create_service(annotated("other-mode", 81, &other_mode))
+        .await;
     for (name, reason, needle) in [
         ("bad-mode", "InvalidConfiguration", "bridge"),
         ("outside", "AddressOutsidePools", "192.0.2.10"),
-        ("taken", "AddressInUse", &good_lb.vip().unwrap().to_string()),
+        ("taken", "AddressInUse", good_vip.as_str()),
+        ("clash", "SharedAddressPortConflict", "80"),
+        (
+            "other-mode",
+            "SharedAddressModeMismatch",
+            shared_vip.as_str(),
+        ),
     ] {
         h.eventually(&format!("{name} reported"), WAIT, || async {
             let svc = h.get_service(name).await?;
@@ -457,9 +478,16 @@ async fn bad_annotations_and_impossible_requests_are_reported() {
         })
         .await;
     }
-    // The good Service is unaffected and nothing extra was created.
-    h.wait_served("good").await;
-    assert_eq!(h.cloud.all().await.len(), 1);
+    // The served Services are unaffected, never warned, and nothing extra was created.
+    for name in ["good", "shared"] {
+        h.wait_served(name).await;
+        let events = h.events_for(name).await;
+        assert!(
+            events.iter().all(|(t, _, _)| t != "Warning"),
+            "{name}: {events:?}"
+        );
+    }
+    assert_eq!(h.cloud.all().await.len(), 2);
     h.shutdown().await;
 }
 
