@@ -3,7 +3,7 @@
 //! sharing key), from the Service spec, its `service.beta.kubernetes.io/mockcloud-load-balancer-*`
 //! annotations and the address pool its Namespace or the controller names.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::Ipv4Net;
@@ -263,9 +263,7 @@ pub fn requested_ips(svc: &Service) -> Result<Vec<IpAddr>, SpecError> {
 }
 
 /// The address-pool annotation of a Service or a Namespace; empty counts as unset.
-fn pool_annotation(
-    annotations: Option<&std::collections::BTreeMap<String, String>>,
-) -> Option<&str> {
+fn pool_annotation(annotations: Option<&BTreeMap<String, String>>) -> Option<&str> {
     annotations
         .and_then(|a| a.get(ANNOTATION_ADDRESS_POOL))
         .map(|v| v.trim())
