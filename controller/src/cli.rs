@@ -12,7 +12,7 @@ pub use tandem_common::LogFormat;
 use crate::provider::ClusterId;
 use crate::release::ReleaseArgs;
 use crate::runtime::{LeaderElection, Settings};
-use crate::spec::{ClassFilter, WithoutNodePorts};
+use crate::spec::{ClassFilter, WithoutNodePorts, is_pool_name};
 
 /// Provisions cloud load balancers for Kubernetes Services of type LoadBalancer.
 #[derive(Debug, Clone, Parser)]
@@ -44,6 +44,11 @@ pub struct Args {
     /// serve them in passthrough mode (which needs no node ports), or refuse them.
     #[arg(long, env = "TANDEM_WITHOUT_NODE_PORTS", value_enum, default_value_t = WithoutNodePorts::Passthrough)]
     pub without_node_ports: WithoutNodePorts,
+    /// The address pool of Services whose Service and Namespace name none (annotation
+    /// service.beta.kubernetes.io/mockcloud-load-balancer-address-pool); unset: the
+    /// cloud's default pool.
+    #[arg(long, env = "TANDEM_DEFAULT_ADDRESS_POOL", value_parser = parse_pool_name)]
+    pub default_address_pool: Option<String>,
     /// Run only while holding the leader Lease.
     #[arg(long, env = "TANDEM_LEADER_ELECT")]
     pub leader_elect: bool,
@@ -111,6 +116,17 @@ pub enum Command {
     ReleaseLoadBalancers(ReleaseArgs),
 }
 
+fn parse_pool_name(raw: &str) -> Result<String, String> {
+    if is_pool_name(raw) {
+        Ok(raw.to_owned())
+    } else {
+        Err(
+            "want a pool name: up to 63 characters of [a-z0-9-], not starting or ending with -"
+                .to_owned(),
+        )
+    }
+}
+
 impl Args {
     pub fn identity(&self) -> String {
         self.identity
@@ -129,6 +145,7 @@ impl Args {
                 claim_unclassed: self.claim_unclassed,
             },
             without_node_ports: self.without_node_ports,
+            default_pool: self.default_address_pool.clone(),
             cloud_url: self.cloud_url.clone(),
             cloud_token,
             cloud_timeout: Duration::from_secs(self.cloud_timeout_seconds.max(1)),
@@ -186,6 +203,7 @@ mod tests {
         assert_eq!(settings.cluster_id.as_str(), "lab");
         assert_eq!(settings.concurrency, 3);
         assert_eq!(settings.leader_election.unwrap().identity, "a");
+        assert_eq!(settings.default_pool, None);
         assert!(settings.classes.claim_unclassed);
         assert_eq!(args.log_format, LogFormat::Json);
     }
@@ -204,5 +222,17 @@ mod tests {
         assert!(with(&["--cluster-id", "ok"]));
         assert!(!with(&["--cluster-id", "Not_OK"]));
         assert!(!with(&["--cluster-id", "ok", "--concurrency", "0"]));
+        assert!(with(&[
+            "--cluster-id",
+            "ok",
+            "--default-address-pool",
+            "blue"
+        ]));
+        assert!(!with(&[
+            "--cluster-id",
+            "ok",
+            "--default-address-pool",
+            "Blue"
+        ]));
     }
 }

@@ -162,12 +162,14 @@ impl LoadBalancerProvider for FakeProvider {
             } else {
                 LoadBalancerPhase::Provisioning
             },
-            vip: Some(desired.requested_ip.unwrap_or(Ipv4Addr::new(
+            vip: Some(desired.address.requested_ipv4().unwrap_or(Ipv4Addr::new(
                 198,
                 51,
                 100,
                 u8::try_from(n % 250).unwrap_or(0) + 1,
             ))),
+            pool: desired.address.pool.clone(),
+            sharing_key: desired.address.sharing_key.clone(),
             mode: desired.mode,
             listeners: desired.listeners.clone(),
             backends: desired.backends.clone(),
@@ -202,7 +204,11 @@ impl LoadBalancerProvider for FakeProvider {
         lb.version += 1;
         lb.owner = Some(desired.owner.clone());
         lb.mode = desired.mode;
-        lb.vip = desired.requested_ip.or(lb.vip);
+        lb.vip = desired.address.requested_ipv4().or(lb.vip);
+        if desired.address.pool.is_some() {
+            lb.pool = desired.address.pool.clone();
+        }
+        lb.sharing_key = desired.address.sharing_key.clone();
         lb.listeners = desired.listeners.clone();
         lb.backends = desired.backends.clone();
         lb.source_ranges = desired.source_ranges.clone();

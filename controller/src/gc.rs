@@ -131,6 +131,8 @@ mod tests {
             }),
             phase: LoadBalancerPhase::Active,
             vip: None,
+            pool: None,
+            sharing_key: None,
             mode: LoadBalancerMode::Proxy,
             listeners: vec![],
             backends: Default::default(),

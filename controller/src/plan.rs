@@ -66,7 +66,9 @@ pub fn may_have_load_balancer(svc: &Service) -> bool {
             .is_some_and(|c| c.iter().any(|c| c.type_ == CONDITION_TYPE))
 }
 
-/// What the reconcile learnt of the Service's LB before deciding.
+/// What the reconcile learnt of the Service's LB before deciding. One exists per
+/// reconcile, so the variants stay unboxed.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Seen {
     /// Not asked: [`may_have_load_balancer`] is false, or the Service is invalid.
@@ -173,7 +175,7 @@ fn unavailable_event() -> EventDecision {
 
 fn failure_condition(error: &ProviderError) -> DesiredCondition {
     let reason = match error {
-        ProviderError::IpUnavailable { .. } => ConditionReason::VipUnavailable,
+        ProviderError::AddressRefused { refusal, .. } => ConditionReason::AddressRefused(*refusal),
         ProviderError::Invalid { .. } => ConditionReason::InvalidConfiguration,
         _ => ConditionReason::CloudError,
     };
@@ -616,8 +618,63 @@ mod tests {
             &"c".parse().unwrap(),
             backends,
             WithoutNodePorts::Passthrough,
+            None,
         )
         .unwrap()
+    }
+
+    #[test]
+    fn a_new_address_or_pool_updates_the_same_load_balancer() {
+        let svc = with(finalized);
+        let d = desired(&svc, &[11]);
+        let lb = observed_from(&d);
+        for change in [
+            |d: &mut DesiredLoadBalancer| {
+                d.address.requested = vec![Ipv4Addr::new(198, 51, 100, 42).into()]
+            },
+            |d: &mut DesiredLoadBalancer| d.address.pool = Some("blue".into()),
+            |d: &mut DesiredLoadBalancer| d.address.sharing_key = Some("dns".into()),
+        ] {
+            let mut moved = d.clone();
+            change(&mut moved);
+            let plan = plan_ensure(&svc, Ok(moved.clone()), Seen::Found(lb.clone()));
+            assert_eq!(
+                plan.cloud,
+                CloudAction::Update {
+                    current: lb.clone(),
+                    desired: moved
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn an_address_refusal_is_its_own_reason_and_permanent() {
+        let svc = with(finalized);
+        let d = desired(&svc, &[11]);
+        let plan = plan_ensure(&svc, Ok(d), Seen::Missing);
+        let refused = ProviderError::AddressRefused {
+            refusal: crate::provider::AddressRefusal::PortConflict,
+            message: "TCP port 53 of 198.51.100.7 is served by lb-2".into(),
+        };
+        let settled = plan.settle(&svc, Err(refused.clone()));
+        let (ingress, condition) = settled.status.unwrap();
+        assert_eq!(ingress, IngressUpdate::Keep);
+        assert_eq!(
+            condition.unwrap().reason.as_str(),
+            "SharedAddressPortConflict"
+        );
+        assert_eq!(
+            settled.events[0].reason,
+            EventReason::SyncLoadBalancerFailed
+        );
+        assert!(
+            settled.events[0]
+                .message
+                .contains("TCP port 53 of 198.51.100.7")
+        );
+        assert_eq!(settled.persist_id, None);
+        assert_eq!(settled.outcome, Err(PlanError::Provider(refused)));
     }
 
     #[test]

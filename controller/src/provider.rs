@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -132,12 +132,34 @@ impl Owner {
     }
 }
 
+/// Where an LB's address comes from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AddressRequest {
+    /// The address pool to allocate from; `None` leaves it to the cloud's default pool.
+    pub pool: Option<String>,
+    /// Requested addresses, at most one per IP family.
+    pub requested: Vec<IpAddr>,
+    /// LBs with the same key may share one address when their (protocol, port) sets do not
+    /// overlap; without a key the address is the LB's alone.
+    pub sharing_key: Option<String>,
+}
+
+impl AddressRequest {
+    /// The requested IPv4 address, the one this cloud's VIPs are.
+    pub fn requested_ipv4(&self) -> Option<Ipv4Addr> {
+        self.requested.iter().find_map(|ip| match ip {
+            IpAddr::V4(v4) => Some(*v4),
+            IpAddr::V6(_) => None,
+        })
+    }
+}
+
 /// Everything a provider needs to build the LB for one Service.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DesiredLoadBalancer {
     pub owner: Owner,
     pub mode: LoadBalancerMode,
-    pub requested_ip: Option<Ipv4Addr>,
+    pub address: AddressRequest,
     /// Sorted by (protocol, port).
     pub listeners: Vec<Listener>,
     pub backends: BTreeSet<Ipv4Addr>,
@@ -177,6 +199,9 @@ pub struct ObservedLoadBalancer {
     pub owner: Option<Owner>,
     pub phase: LoadBalancerPhase,
     pub vip: Option<Ipv4Addr>,
+    /// The pool the VIP belongs to, when the cloud says.
+    pub pool: Option<String>,
+    pub sharing_key: Option<String>,
     pub mode: LoadBalancerMode,
     pub listeners: Vec<Listener>,
     pub backends: BTreeSet<Ipv4Addr>,
@@ -191,6 +216,8 @@ pub enum Drift {
     Backends,
     SourceRanges,
     Vip,
+    Pool,
+    SharingKey,
     Tags,
 }
 
@@ -210,10 +237,19 @@ impl ObservedLoadBalancer {
         if canonical(&self.source_ranges) != canonical(&desired.source_ranges) {
             drift.push(Drift::SourceRanges);
         }
-        if let (Some(requested), Some(vip)) = (desired.requested_ip, self.vip)
+        if let (Some(requested), Some(vip)) = (desired.address.requested_ipv4(), self.vip)
             && requested != vip
         {
             drift.push(Drift::Vip);
+        }
+        // No pool named: whichever pool the cloud chose is fine.
+        if let Some(pool) = &desired.address.pool
+            && self.pool.as_ref() != Some(pool)
+        {
+            drift.push(Drift::Pool);
+        }
+        if self.sharing_key != desired.address.sharing_key {
+            drift.push(Drift::SharingKey);
         }
         if self.owner.as_ref() != Some(&desired.owner) {
             drift.push(Drift::Tags);
@@ -263,11 +299,46 @@ impl fmt::Display for Operation {
     }
 }
 
+/// Why the cloud will not give a Service the address it asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AddressRefusal {
+    /// No pool of that name.
+    UnknownPool,
+    /// The pool has no free address left.
+    PoolExhausted,
+    /// The requested address is in no pool (or not in the named one).
+    OutsidePools,
+    /// Another LB holds the requested address and may not share it.
+    Taken,
+    /// A sharer of the address already serves one of the (protocol, port) pairs.
+    PortConflict,
+    /// A sharer of the address uses the other LB mode.
+    SharingModeMismatch,
+}
+
+impl AddressRefusal {
+    /// A bounded label for metrics.
+    pub fn category(self) -> &'static str {
+        match self {
+            AddressRefusal::UnknownPool => "unknown_pool",
+            AddressRefusal::PoolExhausted => "pool_exhausted",
+            AddressRefusal::OutsidePools => "address_outside_pools",
+            AddressRefusal::Taken => "address_taken",
+            AddressRefusal::PortConflict => "port_conflict",
+            AddressRefusal::SharingModeMismatch => "sharing_mode_mismatch",
+        }
+    }
+}
+
 /// What went wrong talking to a cloud.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum ProviderError {
-    #[error("requested IP {ip} is not available: {message}")]
-    IpUnavailable { ip: Ipv4Addr, message: String },
+    /// The message is the cloud's and names the pool, address or clash.
+    #[error("address refused: {message}")]
+    AddressRefused {
+        refusal: AddressRefusal,
+        message: String,
+    },
     #[error("the cloud rejected the load balancer {operation}: {message}")]
     Invalid {
         operation: Operation,
@@ -300,7 +371,7 @@ impl ProviderError {
     /// A bounded label for metrics, Events and conditions.
     pub fn category(&self) -> &'static str {
         match self {
-            ProviderError::IpUnavailable { .. } => "vip_unavailable",
+            ProviderError::AddressRefused { refusal, .. } => refusal.category(),
             ProviderError::Invalid { .. } => "invalid_request",
             ProviderError::ForeignLoadBalancer { .. } => "foreign_load_balancer",
             ProviderError::RateLimited { .. } => "rate_limited",
@@ -317,7 +388,7 @@ impl ProviderError {
     pub fn is_permanent(&self) -> bool {
         matches!(
             self,
-            ProviderError::IpUnavailable { .. }
+            ProviderError::AddressRefused { .. }
                 | ProviderError::Invalid { .. }
                 | ProviderError::ForeignLoadBalancer { .. }
                 | ProviderError::Unauthorized { .. }
@@ -397,7 +468,7 @@ pub(crate) mod tests {
         DesiredLoadBalancer {
             owner: owner(),
             mode: LoadBalancerMode::Proxy,
-            requested_ip: None,
+            address: AddressRequest::default(),
             listeners: vec![listener(80), listener(443)],
             backends: BTreeSet::from([Ipv4Addr::new(198, 18, 0, 11)]),
             source_ranges: vec![],
@@ -413,6 +484,8 @@ pub(crate) mod tests {
             owner: Some(d.owner.clone()),
             phase: LoadBalancerPhase::Active,
             vip: Some(Ipv4Addr::new(198, 51, 100, 7)),
+            pool: d.address.pool.clone(),
+            sharing_key: d.address.sharing_key.clone(),
             mode: d.mode,
             listeners: d.listeners.clone(),
             backends: d.backends.clone(),
@@ -478,8 +551,23 @@ pub(crate) mod tests {
             ]
         );
         let mut d2 = desired();
-        d2.requested_ip = Some(Ipv4Addr::new(198, 51, 100, 9));
+        d2.address.requested = vec![IpAddr::V4(Ipv4Addr::new(198, 51, 100, 9))];
         assert_eq!(observed_from(&desired()).drift(&d2), vec![Drift::Vip]);
+        let mut d3 = desired();
+        d3.address.pool = Some("blue".into());
+        d3.address.sharing_key = Some("dns".into());
+        assert_eq!(
+            observed_from(&desired()).drift(&d3),
+            vec![Drift::Pool, Drift::SharingKey]
+        );
+    }
+
+    #[test]
+    fn no_pool_named_accepts_the_clouds_choice() {
+        let d = desired();
+        let mut o = observed_from(&d);
+        o.pool = Some("default".into());
+        assert!(o.drift(&d).is_empty());
     }
 
     #[test]
@@ -491,10 +579,9 @@ pub(crate) mod tests {
 
     #[test]
     fn permanent_errors() {
-        let ip = Ipv4Addr::new(1, 2, 3, 4);
         assert!(
-            ProviderError::IpUnavailable {
-                ip,
+            ProviderError::AddressRefused {
+                refusal: AddressRefusal::Taken,
                 message: String::new()
             }
             .is_permanent()

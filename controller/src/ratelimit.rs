@@ -99,13 +99,20 @@ impl SharedTokenBucket {
     }
 }
 
+/// The slowest per-Service retry.
+const MAX_SERVICE_BACKOFF_SECS: u64 = 300;
+
 /// Per-Service exponential backoff: 5 s, 10 s, 20 s … capped at 300 s.
 pub fn service_backoff(consecutive_failures: u32) -> Duration {
     const BASE: u64 = 5;
-    const MAX: u64 = 300;
     let exp = consecutive_failures.saturating_sub(1).min(16);
-    Duration::from_secs(BASE.saturating_mul(1 << exp).min(MAX))
+    Duration::from_secs(BASE.saturating_mul(1 << exp).min(MAX_SERVICE_BACKOFF_SECS))
 }
+
+/// The retry after a permanent error (a refused address, an invalid Service): a change of
+/// the Service or its Namespace retries at once, so this is only the backstop for the
+/// cloud changing meanwhile (an address freed), at the slow end of the backoff.
+pub const PERMANENT_ERROR_RETRY: Duration = Duration::from_secs(MAX_SERVICE_BACKOFF_SECS);
 
 #[cfg(test)]
 mod tests {

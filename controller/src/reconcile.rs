@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Service};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -27,9 +27,10 @@ use crate::plan::{
 use crate::provider::{
     ClusterId, LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
 };
-use crate::ratelimit::service_backoff;
+use crate::ratelimit::{PERMANENT_ERROR_RETRY, service_backoff};
 use crate::spec::{
-    ANNOTATION_LB_ID, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of, persisted_id,
+    ANNOTATION_LB_ID, ClassFilter, WithoutNodePorts, desired_load_balancer, namespace_pool,
+    owner_of, persisted_id,
 };
 use crate::status::{IngressUpdate, StatusWrite, status_write};
 
@@ -55,6 +56,16 @@ impl ReconcileError {
             ReconcileError::Kube { .. } => "kubernetes",
         }
     }
+
+    /// Retrying soon would fail the same way: the Service, its Namespace or the cloud has
+    /// to change first.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            ReconcileError::Plan(PlanError::Provider(e)) => e.is_permanent(),
+            ReconcileError::Plan(PlanError::Spec(_)) => true,
+            ReconcileError::Kube { .. } => false,
+        }
+    }
 }
 
 fn kube_err(action: &'static str) -> impl FnOnce(kube::Error) -> ReconcileError {
@@ -68,7 +79,11 @@ pub struct Context<P> {
     pub cluster_id: ClusterId,
     pub classes: ClassFilter,
     pub without_node_ports: WithoutNodePorts,
+    /// The pool of Services whose Service and Namespace name none (`None`: the cloud's).
+    pub default_pool: Option<String>,
     pub nodes: Store<Node>,
+    /// For the address pool a Namespace names for its Services.
+    pub namespaces: Store<Namespace>,
     pub recorder: Recorder,
     pub metrics: Metrics,
     /// Re-ensure period of every Service: the drift-repair backstop.
@@ -87,7 +102,9 @@ impl<P: LoadBalancerProvider> Context<P> {
         cluster_id: ClusterId,
         classes: ClassFilter,
         without_node_ports: WithoutNodePorts,
+        default_pool: Option<String>,
         nodes: Store<Node>,
+        namespaces: Store<Namespace>,
         recorder: Recorder,
         metrics: Metrics,
         resync: Duration,
@@ -98,7 +115,9 @@ impl<P: LoadBalancerProvider> Context<P> {
             cluster_id,
             classes,
             without_node_ports,
+            default_pool,
             nodes,
+            namespaces,
             recorder,
             metrics,
             resync,
@@ -130,6 +149,18 @@ impl<P: LoadBalancerProvider> Context<P> {
         let count = failures.entry(ObjectRef::from_obj(svc)).or_insert(0);
         *count = count.saturating_add(1);
         *count
+    }
+
+    /// The pool the Service's Namespace names, else the controller's default.
+    fn inherited_pool(&self, svc: &Service) -> Option<String> {
+        let namespace = svc
+            .namespace()
+            .and_then(|ns| self.namespaces.get(&ObjectRef::new(&ns)));
+        namespace
+            .as_deref()
+            .and_then(namespace_pool)
+            .map(str::to_owned)
+            .or_else(|| self.default_pool.clone())
     }
 
     fn clear_failures(&self, svc: &Service) {
@@ -229,8 +260,14 @@ pub async fn decide<P: LoadBalancerProvider>(svc: &Service, ctx: &Context<P>) ->
         Ownership::Cleanup => plan_cleanup(svc, &ctx.cluster_id),
         Ownership::Ensure => {
             let backends = eligible_backends(ctx.nodes.state().iter().map(Arc::as_ref));
-            let desired =
-                desired_load_balancer(svc, &ctx.cluster_id, backends, ctx.without_node_ports);
+            let inherited_pool = ctx.inherited_pool(svc);
+            let desired = desired_load_balancer(
+                svc,
+                &ctx.cluster_id,
+                backends,
+                ctx.without_node_ports,
+                inherited_pool.as_deref(),
+            );
             let seen = observe(svc, ctx, desired.is_ok()).await;
             plan_ensure(svc, desired, seen)
         }
@@ -386,14 +423,19 @@ pub async fn reconcile<P: LoadBalancerProvider>(
     })
 }
 
-/// Per-Service exponential backoff, 5 s → 300 s.
+/// Per-Service exponential backoff, 5 s → 300 s; a permanent error waits for a change,
+/// with [`PERMANENT_ERROR_RETRY`] as the backstop, so it never storms the cloud.
 pub fn error_policy<P: LoadBalancerProvider>(
     svc: Arc<Service>,
     error: &ReconcileError,
     ctx: Arc<Context<P>>,
 ) -> Action {
     let failures = ctx.record_failure(&svc);
-    let delay = service_backoff(failures);
+    let delay = if error.is_permanent() {
+        PERMANENT_ERROR_RETRY
+    } else {
+        service_backoff(failures)
+    };
     tracing::warn!(service = %ObjectRef::from_obj(svc.as_ref()), %error, failures, ?delay, "reconcile failed");
     Action::requeue(delay)
 }

@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Service};
+use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::controller::{self, Controller};
@@ -27,7 +28,7 @@ use crate::provider::{ClusterId, LoadBalancerProvider};
 use crate::ratelimit::SharedTokenBucket;
 use crate::reconcile::{Context, error_policy, reconcile};
 use crate::spec::{ClassFilter, WithoutNodePorts};
-use crate::triggers::reensure_fingerprint;
+use crate::triggers::{namespace_fingerprint, reensure_fingerprint};
 use crate::{gc, http, nodesync};
 
 pub const CONTROLLER_NAME: &str = "tandem-controller";
@@ -79,6 +80,7 @@ pub struct Settings {
     pub cluster_id: ClusterId,
     pub classes: ClassFilter,
     pub without_node_ports: WithoutNodePorts,
+    pub default_pool: Option<String>,
     pub cloud_url: String,
     pub cloud_token: String,
     pub cloud_timeout: Duration,
@@ -103,6 +105,7 @@ const SERVICE_CHANGE_BUFFER: usize = 4096;
 struct Watches {
     services: Store<Service>,
     nodes: Store<Node>,
+    namespaces: Store<Namespace>,
     /// Services whose re-ensure fingerprint changed (see [`crate::triggers`]).
     service_changes: broadcast::Sender<ObjectRef<Service>>,
     /// Ticks on every node change.
@@ -143,12 +146,36 @@ impl Watches {
                 node_tick.send_modify(|n| *n = n.wrapping_add(1));
             }
         }));
+        // A Namespace naming another address pool re-ensures each of its Services.
+        let (namespaces, namespaces_writer) = reflector::store::<Namespace>();
+        let namespace_stream = watcher(
+            Api::<Namespace>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(namespaces_writer)
+        .applied_objects()
+        .predicate_filter(
+            |ns: &Namespace| Some(namespace_fingerprint(ns)),
+            PredicateConfig::default(),
+        );
+        let changes = service_changes.clone();
+        let services_of = services.clone();
+        let namespaces_task = tokio::spawn(drive(namespace_stream, cancel.clone(), move |ns| {
+            let name = ns.name_any();
+            for svc in services_of.state() {
+                if svc.namespace().as_deref() == Some(name.as_str()) {
+                    let _ = changes.send(ObjectRef::from_obj(svc.as_ref()));
+                }
+            }
+        }));
         Self {
             services,
             nodes,
+            namespaces,
             service_changes,
             node_changes,
-            tasks: vec![services_task, nodes_task],
+            tasks: vec![services_task, nodes_task, namespaces_task],
         }
     }
 
@@ -395,7 +422,9 @@ async fn run_leader<P: LoadBalancerProvider>(
         settings.cluster_id.clone(),
         settings.classes.clone(),
         settings.without_node_ports,
+        settings.default_pool.clone(),
         watches.nodes.clone(),
+        watches.namespaces.clone(),
         recorder,
         metrics,
         settings.resync,

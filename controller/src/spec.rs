@@ -1,16 +1,17 @@
 //! Service → desired load balancer: which Services are ours, and what their LB must look
-//! like (listeners, health checks, mode, source ranges, requested IP), from the Service spec
-//! and its `service.beta.kubernetes.io/mockcloud-load-balancer-*` annotations.
+//! like (listeners, health checks, mode, source ranges, address pool, requested addresses,
+//! sharing key), from the Service spec, its `service.beta.kubernetes.io/mockcloud-load-balancer-*`
+//! annotations and the address pool its Namespace or the controller names.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::Ipv4Net;
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Namespace, Service};
 
 use crate::provider::{
-    ClusterId, DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, Listener, LoadBalancerMode,
-    Owner, Protocol,
+    AddressRequest, ClusterId, DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, Listener,
+    LoadBalancerMode, Owner, Protocol,
 };
 
 pub const ANNOTATION_PREFIX: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-";
@@ -23,17 +24,27 @@ pub const ANNOTATION_HC_PATH: &str =
     "service.beta.kubernetes.io/mockcloud-load-balancer-health-check-path";
 pub const ANNOTATION_HC_PORT: &str =
     "service.beta.kubernetes.io/mockcloud-load-balancer-health-check-port";
+/// Requested addresses: a comma-separated list, at most one per IP family.
 pub const ANNOTATION_REQUESTED_IP: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-ip";
+/// The address pool, on the Service or (as the default of its Services) on a Namespace.
+pub const ANNOTATION_ADDRESS_POOL: &str =
+    "service.beta.kubernetes.io/mockcloud-load-balancer-address-pool";
+/// The sharing key: Services with the same key may share one address (MetalLB's
+/// `allow-shared-ip`).
+pub const ANNOTATION_SHARED_IP: &str =
+    "service.beta.kubernetes.io/mockcloud-load-balancer-allow-shared-ip";
 /// The upstream annotation, honoured when `spec.loadBalancerSourceRanges` is empty.
 pub const ANNOTATION_SOURCE_RANGES: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 
-const KNOWN_ANNOTATIONS: [&str; 6] = [
+const KNOWN_ANNOTATIONS: [&str; 8] = [
     ANNOTATION_LB_ID,
     ANNOTATION_MODE,
     ANNOTATION_HC_PROTOCOL,
     ANNOTATION_HC_PATH,
     ANNOTATION_HC_PORT,
     ANNOTATION_REQUESTED_IP,
+    ANNOTATION_ADDRESS_POOL,
+    ANNOTATION_SHARED_IP,
 ];
 
 pub const HEALTHZ_PATH: &str = "/healthz";
@@ -50,7 +61,7 @@ pub enum SpecError {
         reason: &'static str,
     },
     #[error(
-        "unknown annotation {0} (known: mode, health-check-protocol, health-check-path, health-check-port, ip)"
+        "unknown annotation {0} (known: mode, health-check-protocol, health-check-path, health-check-port, ip, address-pool, allow-shared-ip)"
     )]
     UnknownAnnotation(String),
     #[error("Service has no ports")]
@@ -69,15 +80,20 @@ pub enum SpecError {
     MissingHealthCheckNodePort,
     #[error("loadBalancerSourceRanges entry {0:?} is not an IPv4 CIDR")]
     BadSourceRange(String),
-    #[error("requested IP {0:?} is not an IPv4 address")]
+    #[error("requested address {0:?} is not an IP address")]
     BadRequestedIp(String),
-    #[error("spec.loadBalancerIP {spec} and annotation {annotation} disagree")]
-    ConflictingRequestedIp {
-        spec: Ipv4Addr,
-        annotation: Ipv4Addr,
-    },
+    #[error("requested addresses {first} and {second}: at most one address per IP family")]
+    TwoAddressesOfOneFamily { first: IpAddr, second: IpAddr },
+    #[error(
+        "spec.loadBalancerIP {spec} is not among the addresses of annotation {ANNOTATION_REQUESTED_IP} ({annotation}); set one of them, or make them agree"
+    )]
+    ConflictingRequestedIp { spec: IpAddr, annotation: String },
     #[error("IPv6-only Services are not supported by this cloud")]
     Ipv6Only,
+    #[error(
+        "address pool {0:?} (from {ANNOTATION_ADDRESS_POOL} on the Service or its Namespace, or --default-address-pool) is not a pool name: want up to 63 characters of [a-z0-9-], not starting or ending with -"
+    )]
+    BadPoolName(String),
 }
 
 impl SpecError {
@@ -200,32 +216,92 @@ fn parse_mode(
     }
 }
 
-fn parse_ipv4(raw: &str) -> Result<Ipv4Addr, SpecError> {
-    match raw.trim().parse::<IpAddr>() {
-        Ok(IpAddr::V4(ip)) => Ok(ip),
-        _ => Err(SpecError::BadRequestedIp(raw.to_owned())),
-    }
+fn parse_ip(raw: &str) -> Result<IpAddr, SpecError> {
+    raw.trim()
+        .parse::<IpAddr>()
+        .map_err(|_| SpecError::BadRequestedIp(raw.to_owned()))
 }
 
-/// `spec.loadBalancerIP` (deprecated upstream, still honoured) or our annotation.
-pub fn requested_ip(svc: &Service) -> Result<Option<Ipv4Addr>, SpecError> {
+/// The requested addresses, IPv4 first: our annotation's list (one address per family),
+/// or `spec.loadBalancerIP` (deprecated upstream, still honoured). When both are set the
+/// annotation wins, and the spec's address must be one of its addresses: a Service that
+/// asks for two different addresses of one family is refused, not guessed at.
+pub fn requested_ips(svc: &Service) -> Result<Vec<IpAddr>, SpecError> {
     let from_spec = svc
         .spec
         .as_ref()
         .and_then(|s| s.load_balancer_ip.as_deref())
         .filter(|v| !v.trim().is_empty())
-        .map(parse_ipv4)
+        .map(parse_ip)
         .transpose()?;
-    let from_annotation = annotation(svc, ANNOTATION_REQUESTED_IP)
-        .filter(|v| !v.is_empty())
-        .map(parse_ipv4)
-        .transpose()?;
-    match (from_spec, from_annotation) {
-        (Some(spec), Some(annotation)) if spec != annotation => {
-            Err(SpecError::ConflictingRequestedIp { spec, annotation })
+    let Some(raw) = annotation(svc, ANNOTATION_REQUESTED_IP).filter(|v| !v.is_empty()) else {
+        return Ok(from_spec.into_iter().collect());
+    };
+    let mut listed: Vec<IpAddr> = Vec::new();
+    for ip in raw
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(parse_ip)
+    {
+        let ip = ip?;
+        if let Some(first) = listed.iter().find(|l| l.is_ipv4() == ip.is_ipv4()) {
+            return Err(SpecError::TwoAddressesOfOneFamily {
+                first: *first,
+                second: ip,
+            });
         }
-        (spec, annotation) => Ok(spec.or(annotation)),
+        listed.push(ip);
     }
+    listed.sort_by_key(IpAddr::is_ipv6);
+    match from_spec {
+        Some(spec) if !listed.contains(&spec) => Err(SpecError::ConflictingRequestedIp {
+            spec,
+            annotation: raw.to_owned(),
+        }),
+        _ => Ok(listed),
+    }
+}
+
+/// The address-pool annotation of a Service or a Namespace; empty counts as unset.
+fn pool_annotation(annotations: Option<&BTreeMap<String, String>>) -> Option<&str> {
+    annotations
+        .and_then(|a| a.get(ANNOTATION_ADDRESS_POOL))
+        .map(|v| v.trim())
+        .filter(|v| !v.is_empty())
+}
+
+/// The address pool a Namespace names as the default of its Services.
+pub fn namespace_pool(namespace: &Namespace) -> Option<&str> {
+    pool_annotation(namespace.metadata.annotations.as_ref())
+}
+
+/// Whether `name` can name an address pool: a DNS label, as Kubernetes names are.
+pub fn is_pool_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+}
+
+/// Where the LB's address comes from: the Service's pool annotation, else `inherited_pool`
+/// (its Namespace's, else the controller's default); the requested addresses; the sharing key.
+pub fn address_request(
+    svc: &Service,
+    inherited_pool: Option<&str>,
+) -> Result<AddressRequest, SpecError> {
+    let pool = pool_annotation(svc.metadata.annotations.as_ref()).or(inherited_pool);
+    if let Some(pool) = pool.filter(|p| !is_pool_name(p)) {
+        return Err(SpecError::BadPoolName(pool.to_owned()));
+    }
+    Ok(AddressRequest {
+        pool: pool.map(str::to_owned),
+        requested: requested_ips(svc)?,
+        sharing_key: annotation(svc, ANNOTATION_SHARED_IP)
+            .filter(|v| !v.is_empty())
+            .map(str::to_owned),
+    })
 }
 
 fn source_ranges(svc: &Service) -> Result<Vec<Ipv4Net>, SpecError> {
@@ -396,12 +472,15 @@ fn check_ip_families(svc: &Service) -> Result<(), SpecError> {
     Ok(())
 }
 
-/// The LB the Service needs, with the given backends (see [`crate::nodes`]).
+/// The LB the Service needs, with the given backends (see [`crate::nodes`]);
+/// `inherited_pool` is the pool its Namespace or the controller names (see
+/// [`address_request`]).
 pub fn desired_load_balancer(
     svc: &Service,
     cluster_id: &ClusterId,
     backends: BTreeSet<Ipv4Addr>,
     without_node_ports: WithoutNodePorts,
+    inherited_pool: Option<&str>,
 ) -> Result<DesiredLoadBalancer, SpecError> {
     let owner = owner_of(svc, cluster_id)?;
     check_annotations(svc)?;
@@ -411,7 +490,7 @@ pub fn desired_load_balancer(
     Ok(DesiredLoadBalancer {
         owner,
         mode,
-        requested_ip: requested_ip(svc)?,
+        address: address_request(svc, inherited_pool)?,
         listeners: listeners(svc, mode, &check)?,
         backends,
         source_ranges: source_ranges(svc)?,
@@ -468,6 +547,7 @@ pub(crate) mod tests {
             &cluster(),
             BTreeSet::new(),
             WithoutNodePorts::Passthrough,
+            None,
         )
     }
 
@@ -480,8 +560,13 @@ pub(crate) mod tests {
         let served = desired(&svc).unwrap();
         assert_eq!(served.mode, LoadBalancerMode::Passthrough);
         assert_eq!(served.listeners[0].backend_port, 80);
-        let refused =
-            desired_load_balancer(&svc, &cluster(), BTreeSet::new(), WithoutNodePorts::Refuse);
+        let refused = desired_load_balancer(
+            &svc,
+            &cluster(),
+            BTreeSet::new(),
+            WithoutNodePorts::Refuse,
+            None,
+        );
         assert_eq!(refused, Err(SpecError::NodePortsNotAllocated(80)));
         let proxy = with_annotation(svc.clone(), ANNOTATION_MODE, "proxy");
         assert_eq!(desired(&proxy), Err(SpecError::NodePortsNotAllocated(80)));
@@ -491,6 +576,7 @@ pub(crate) mod tests {
             &cluster(),
             BTreeSet::new(),
             WithoutNodePorts::Refuse,
+            None,
         )
         .unwrap();
         assert_eq!(asked.mode, LoadBalancerMode::Passthrough);
@@ -523,7 +609,7 @@ pub(crate) mod tests {
             }]
         );
         assert_eq!(d.owner.uid, "uid-web");
-        assert_eq!(d.requested_ip, None);
+        assert_eq!(d.address, AddressRequest::default());
     }
 
     #[test]
@@ -631,28 +717,96 @@ pub(crate) mod tests {
         );
     }
 
+    fn v4(d: u8) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::new(198, 51, 100, d))
+    }
+
     #[test]
-    fn requested_ip_from_spec_or_annotation() {
+    fn requested_ips_from_spec_or_annotation_list() {
+        let requested = |svc: &Service| desired(svc).map(|d| d.address.requested);
         let mut svc = service("s");
         svc.spec.as_mut().unwrap().load_balancer_ip = Some("198.51.100.10".into());
-        assert_eq!(
-            desired(&svc).unwrap().requested_ip,
-            Some(Ipv4Addr::new(198, 51, 100, 10))
-        );
+        assert_eq!(requested(&svc), Ok(vec![v4(10)]));
         let same = with_annotation(svc.clone(), ANNOTATION_REQUESTED_IP, "198.51.100.10");
-        assert!(desired(&same).is_ok());
-        let other = with_annotation(svc, ANNOTATION_REQUESTED_IP, "198.51.100.11");
+        assert_eq!(requested(&same), Ok(vec![v4(10)]));
+        let other = with_annotation(svc.clone(), ANNOTATION_REQUESTED_IP, "198.51.100.11");
         assert!(matches!(
-            desired(&other),
+            requested(&other),
             Err(SpecError::ConflictingRequestedIp { .. })
         ));
-        let annotated = with_annotation(service("s"), ANNOTATION_REQUESTED_IP, "198.51.100.12");
+        // The annotation's list wins and lists the families in order, IPv4 first.
+        let dual = with_annotation(svc, ANNOTATION_REQUESTED_IP, " 2001:db8::1, 198.51.100.10");
         assert_eq!(
-            desired(&annotated).unwrap().requested_ip,
-            Some(Ipv4Addr::new(198, 51, 100, 12))
+            requested(&dual),
+            Ok(vec![v4(10), "2001:db8::1".parse().unwrap()])
         );
-        let v6 = with_annotation(service("s"), ANNOTATION_REQUESTED_IP, "2001:db8::1");
-        assert!(matches!(desired(&v6), Err(SpecError::BadRequestedIp(_))));
+        let annotated = with_annotation(service("s"), ANNOTATION_REQUESTED_IP, "198.51.100.12");
+        assert_eq!(requested(&annotated), Ok(vec![v4(12)]));
+        let two_v4 = with_annotation(
+            service("s"),
+            ANNOTATION_REQUESTED_IP,
+            "198.51.100.12,198.51.100.13",
+        );
+        assert_eq!(
+            requested(&two_v4),
+            Err(SpecError::TwoAddressesOfOneFamily {
+                first: v4(12),
+                second: v4(13)
+            })
+        );
+        let garbage = with_annotation(service("s"), ANNOTATION_REQUESTED_IP, "198.51.100.x");
+        assert!(matches!(
+            requested(&garbage),
+            Err(SpecError::BadRequestedIp(_))
+        ));
+        assert_eq!(requested(&service("s")), Ok(vec![]));
+    }
+
+    #[test]
+    fn pool_from_service_else_inherited() {
+        let pool = |svc: &Service, inherited: Option<&str>| {
+            desired_load_balancer(
+                svc,
+                &cluster(),
+                BTreeSet::new(),
+                WithoutNodePorts::Passthrough,
+                inherited,
+            )
+            .unwrap()
+            .address
+            .pool
+        };
+        let plain = service("s");
+        assert_eq!(pool(&plain, None), None);
+        assert_eq!(pool(&plain, Some("ns-pool")), Some("ns-pool".into()));
+        let own = with_annotation(plain.clone(), ANNOTATION_ADDRESS_POOL, " blue ");
+        assert_eq!(pool(&own, Some("ns-pool")), Some("blue".into()));
+        let empty = with_annotation(plain.clone(), ANNOTATION_ADDRESS_POOL, "");
+        assert_eq!(pool(&empty, Some("ns-pool")), Some("ns-pool".into()));
+        for bad in ["Blue", "-blue", "blue pool", &"x".repeat(64)] {
+            let named = with_annotation(plain.clone(), ANNOTATION_ADDRESS_POOL, bad);
+            assert_eq!(
+                desired(&named),
+                Err(SpecError::BadPoolName(bad.to_owned())),
+                "{bad}"
+            );
+        }
+        assert!(is_pool_name("blue-2") && is_pool_name(&"x".repeat(63)));
+        let mut namespace = Namespace::default();
+        assert_eq!(namespace_pool(&namespace), None);
+        namespace.metadata.annotations = Some(BTreeMap::from([(
+            ANNOTATION_ADDRESS_POOL.into(),
+            "green".into(),
+        )]));
+        assert_eq!(namespace_pool(&namespace), Some("green"));
+    }
+
+    #[test]
+    fn sharing_key_from_annotation() {
+        let key = |svc: &Service| desired(svc).unwrap().address.sharing_key;
+        assert_eq!(key(&service("s")), None);
+        let shared = with_annotation(service("s"), ANNOTATION_SHARED_IP, "dns");
+        assert_eq!(key(&shared), Some("dns".into()));
     }
 
     #[test]

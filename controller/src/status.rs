@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::{LoadBalancerIngress, PortStatus, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use serde_json::{Value, json};
 
-use crate::provider::{DesiredLoadBalancer, LoadBalancerMode, Protocol};
+use crate::provider::{AddressRefusal, DesiredLoadBalancer, LoadBalancerMode, Protocol};
 
 pub const CONDITION_TYPE: &str = "LoadBalancerReady";
 
@@ -21,7 +21,8 @@ pub enum ConditionReason {
     Ready,
     Provisioning,
     NoEligibleNodes,
-    VipUnavailable,
+    /// The cloud refused the address (pool, requested address or sharing).
+    AddressRefused(AddressRefusal),
     CloudError,
     InvalidConfiguration,
 }
@@ -32,7 +33,14 @@ impl ConditionReason {
             ConditionReason::Ready => "LoadBalancerActive",
             ConditionReason::Provisioning => "Provisioning",
             ConditionReason::NoEligibleNodes => "NoEligibleNodes",
-            ConditionReason::VipUnavailable => "VIPUnavailable",
+            ConditionReason::AddressRefused(refusal) => match refusal {
+                AddressRefusal::UnknownPool => "UnknownAddressPool",
+                AddressRefusal::PoolExhausted => "AddressPoolExhausted",
+                AddressRefusal::OutsidePools => "AddressOutsidePools",
+                AddressRefusal::Taken => "AddressInUse",
+                AddressRefusal::PortConflict => "SharedAddressPortConflict",
+                AddressRefusal::SharingModeMismatch => "SharedAddressModeMismatch",
+            },
             ConditionReason::CloudError => "CloudError",
             ConditionReason::InvalidConfiguration => "InvalidConfiguration",
         }
@@ -227,7 +235,7 @@ mod tests {
                 uid: "u".into(),
             },
             mode,
-            requested_ip: None,
+            address: Default::default(),
             listeners: vec![
                 Listener {
                     protocol: Protocol::Tcp,
@@ -355,7 +363,8 @@ mod tests {
             ConditionReason::Ready,
             ConditionReason::Provisioning,
             ConditionReason::NoEligibleNodes,
-            ConditionReason::VipUnavailable,
+            ConditionReason::AddressRefused(AddressRefusal::Taken),
+            ConditionReason::AddressRefused(AddressRefusal::PortConflict),
             ConditionReason::CloudError,
             ConditionReason::InvalidConfiguration,
         ])

@@ -1,4 +1,5 @@
-//! What wakes the reconciler: the kube-runtime predicate over Service changes.
+//! What wakes the reconciler: the kube-runtime predicates over Service and Namespace
+//! changes.
 //!
 //! A Service is re-ensured when anything the LB depends on changes: type, ports, source
 //! ranges, session affinity, requested IP, externalIPs, UID, externalTrafficPolicy,
@@ -9,12 +10,12 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Namespace, Service};
 use kube::ResourceExt;
 use serde_json::json;
 
 use crate::plan::FINALIZER;
-use crate::spec::ANNOTATION_LB_ID;
+use crate::spec::{ANNOTATION_LB_ID, namespace_pool};
 
 /// A hash of every field that can require a cloud call; used as the kube-runtime
 /// predicate so status writes and label edits do not wake the reconciler.
@@ -54,6 +55,14 @@ pub fn reensure_fingerprint(svc: &Service) -> u64 {
     hasher.finish()
 }
 
+/// A hash of what a Namespace gives its Services (the address pool), so only a change of
+/// it re-ensures them.
+pub fn namespace_fingerprint(namespace: &Namespace) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    namespace_pool(namespace).hash(&mut hasher);
+    hasher.finish()
+}
+
 pub fn needs_reensure(old: &Service, new: &Service) -> bool {
     reensure_fingerprint(old) != reensure_fingerprint(new)
 }
@@ -61,6 +70,7 @@ pub fn needs_reensure(old: &Service, new: &Service) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::ANNOTATION_ADDRESS_POOL;
     use crate::spec::tests::service;
     use k8s_openapi::api::core::v1::{LoadBalancerIngress, LoadBalancerStatus, ServiceStatus};
     use std::collections::BTreeMap;
@@ -157,5 +167,18 @@ mod tests {
             .unwrap()
             .push("example.com/other".into());
         assert!(needs_reensure(&ours, &foreign));
+    }
+
+    #[test]
+    fn only_the_pool_of_a_namespace_counts() {
+        let mut namespace = Namespace::default();
+        let before = namespace_fingerprint(&namespace);
+        namespace.metadata.labels = Some(BTreeMap::from([("team".into(), "a".into())]));
+        assert_eq!(namespace_fingerprint(&namespace), before);
+        namespace.metadata.annotations = Some(BTreeMap::from([(
+            ANNOTATION_ADDRESS_POOL.into(),
+            "blue".into(),
+        )]));
+        assert_ne!(namespace_fingerprint(&namespace), before);
     }
 }

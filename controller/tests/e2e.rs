@@ -9,6 +9,9 @@ use std::time::Duration;
 use cloud_mock_sdk as sdk;
 use serde_json::json;
 use support::*;
+use tandem_controller::spec::{
+    ANNOTATION_ADDRESS_POOL, ANNOTATION_MODE, ANNOTATION_REQUESTED_IP, ANNOTATION_SHARED_IP,
+};
 
 const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
 const ID_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-id";
@@ -415,37 +418,54 @@ async fn bad_annotations_and_impossible_requests_are_reported() {
     let h = Harness::new("bad").await;
     two_nodes(&h).await;
     let _controller = h.controller(&[]);
-    let mut bad_mode = lb_service("bad-mode", &[(80, "TCP")]);
-    bad_mode.metadata.annotations = Some(
-        [(
-            "service.beta.kubernetes.io/mockcloud-load-balancer-mode".to_string(),
-            "bridge".to_string(),
-        )]
-        .into(),
-    );
-    h.create_service(bad_mode).await;
+    let annotated = |name: &str, port: i32, annotations: &[(&str, &str)]| {
+        let mut svc = lb_service(name, &[(port, "TCP")]);
+        svc.metadata.annotations = Some(
+            annotations
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        );
+        svc
+    };
+    h.create_service(annotated("bad-mode", 80, &[(ANNOTATION_MODE, "bridge")]))
+        .await;
     let mut outside = lb_service("outside", &[(80, "TCP")]);
     outside.spec.as_mut().unwrap().load_balancer_ip = Some("192.0.2.10".into());
     h.create_service(outside).await;
     h.create_service(lb_service("good", &[(80, "TCP")])).await;
+    h.create_service(annotated("shared", 80, &[(ANNOTATION_SHARED_IP, "k")]))
+        .await;
     let (_, good_lb) = h.wait_served("good").await;
-    // Request the VIP the good Service holds.
-    let mut taken = lb_service("taken", &[(80, "TCP")]);
-    taken.metadata.annotations = Some(
-        [(
-            "service.beta.kubernetes.io/mockcloud-load-balancer-ip".to_string(),
-            good_lb.vip().unwrap().to_string(),
-        )]
-        .into(),
-    );
-    h.create_service(taken).await;
+    let (_, shared_lb) = h.wait_served("shared").await;
+    let good_vip = good_lb.vip().unwrap().to_string();
+    let shared_vip = shared_lb.vip().unwrap().to_string();
+    // Request the VIP the good Service holds, and the shared one with a clashing port or
+    // the other mode.
+    h.create_service(annotated(
+        "taken",
+        80,
+        &[(ANNOTATION_REQUESTED_IP, &good_vip)],
+    ))
+    .await;
+    let sharer = [
+        (ANNOTATION_SHARED_IP, "k"),
+        (ANNOTATION_REQUESTED_IP, shared_vip.as_str()),
+    ];
+    h.create_service(annotated("clash", 80, &sharer)).await;
+    let mut other_mode = sharer.to_vec();
+    other_mode.push((ANNOTATION_MODE, "passthrough"));
+    h.create_service(annotated("other-mode", 81, &other_mode))
+        .await;
     for (name, reason, needle) in [
         ("bad-mode", "InvalidConfiguration", "bridge"),
-        ("outside", "VIPUnavailable", "192.0.2.10"),
+        ("outside", "AddressOutsidePools", "192.0.2.10"),
+        ("taken", "AddressInUse", good_vip.as_str()),
+        ("clash", "SharedAddressPortConflict", "80"),
         (
-            "taken",
-            "VIPUnavailable",
-            &good_lb.vip().unwrap().to_string(),
+            "other-mode",
+            "SharedAddressModeMismatch",
+            shared_vip.as_str(),
         ),
     ] {
         h.eventually(&format!("{name} reported"), WAIT, || async {
@@ -458,9 +478,16 @@ async fn bad_annotations_and_impossible_requests_are_reported() {
         })
         .await;
     }
-    // The good Service is unaffected and nothing extra was created.
-    h.wait_served("good").await;
-    assert_eq!(h.cloud.all().await.len(), 1);
+    // The served Services are unaffected, never warned, and nothing extra was created.
+    for name in ["good", "shared"] {
+        h.wait_served(name).await;
+        let events = h.events_for(name).await;
+        assert!(
+            events.iter().all(|(t, _, _)| t != "Warning"),
+            "{name}: {events:?}"
+        );
+    }
+    assert_eq!(h.cloud.all().await.len(), 2);
     h.shutdown().await;
 }
 
@@ -507,6 +534,177 @@ async fn faults_converge_without_duplicates() {
         h.wait_served(name).await;
     }
     h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_requested_address_moves_the_same_lb_and_a_settled_one_is_left_alone() {
+    let h = Harness::new("moving").await;
+    two_nodes(&h).await;
+    let controller = h.controller(&["--resync-seconds", "1"]);
+    let mut svc = lb_service("moving", &[(80, "TCP")]);
+    svc.metadata.annotations = Some(
+        [
+            (
+                ANNOTATION_REQUESTED_IP.to_owned(),
+                "198.51.100.50".to_owned(),
+            ),
+            (ANNOTATION_SHARED_IP.to_owned(), "key".to_owned()),
+            (ANNOTATION_ADDRESS_POOL.to_owned(), "default".to_owned()),
+        ]
+        .into(),
+    );
+    h.create_service(svc).await;
+    let (_, lb) = h.wait_served("moving").await;
+    assert_eq!(lb.vip(), Some("198.51.100.50".parse().unwrap()));
+    assert_eq!(lb.spec.address.sharing_key.as_deref(), Some("key"));
+    // Several resyncs: pool, key and address as the cloud reports them are no drift.
+    let updates = update_calls(&controller).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        update_calls(&controller).await,
+        updates,
+        "a settled LB was rewritten"
+    );
+
+    h.patch_service(
+        "moving",
+        json!({ "metadata": { "annotations": { ANNOTATION_REQUESTED_IP: "198.51.100.60" } } }),
+    )
+    .await;
+    let moved = h
+        .eventually("the LB moved to the new address", WAIT, || async {
+            let (_, now) = h.wait_served("moving").await;
+            (now.vip() == Some("198.51.100.60".parse().unwrap())).then_some(now)
+        })
+        .await;
+    assert_eq!(moved.id, lb.id, "the same LB, updated in place");
+    assert_eq!(h.cloud.all().await.len(), 1);
+    h.shutdown().await;
+}
+
+/// Annotates the Namespace `default` with `pool` (creating the Namespace if the API server
+/// has none yet).
+async fn set_namespace_pool(h: &Harness, pool: &str) {
+    let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> =
+        kube::Api::all(h.client.clone());
+    let annotated = json!({ "metadata": { "annotations": { ANNOTATION_ADDRESS_POOL: pool } } });
+    if namespaces.get_opt("default").await.unwrap().is_some() {
+        namespaces
+            .patch(
+                "default",
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(annotated),
+            )
+            .await
+            .unwrap();
+    } else {
+        let mut namespace: k8s_openapi::api::core::v1::Namespace =
+            serde_json::from_value(annotated).unwrap();
+        namespace.metadata.name = Some("default".into());
+        namespaces
+            .create(&kube::api::PostParams::default(), &namespace)
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_from_flag_then_namespace_and_a_namespace_change_re_ensures_at_once() {
+    let h = Harness::new("pools").await;
+    two_nodes(&h).await;
+    let _controller = h.controller(&["--default-address-pool", "nowhere"]);
+    h.create_service(lb_service("web", &[(80, "TCP")])).await;
+    h.eventually("the flag's unknown pool reported", WAIT, || async {
+        let svc = h.get_service("web").await?;
+        let warned = h.events_for("web").await.iter().any(|(t, r, m)| {
+            t == "Warning" && r == "SyncLoadBalancerFailed" && m.contains("nowhere")
+        });
+        (condition_reason(&svc).as_deref() == Some("UnknownAddressPool") && warned).then_some(())
+    })
+    .await;
+    assert!(h.cloud.all().await.is_empty(), "nothing half-created");
+    // The Namespace names the pool that exists: the Service is served long before the
+    // backstop retry of a permanent error (minutes).
+    set_namespace_pool(&h, "default").await;
+    let (_, lb) = h.wait_served("web").await;
+    assert_eq!(lb.spec.address.pool.as_deref(), Some("default"));
+    assert_eq!(h.cloud.all().await.len(), 1);
+    h.shutdown().await;
+}
+
+/// The cloud commits a share of the changes and then loses the answer (`lost`): every
+/// Service still ends with exactly one LB, and deleting them all leaves no LB and no VIP.
+async fn lost_answers_converge_and_leak_nothing(label: &str, lost: sdk::LostAnswer) {
+    let h = Harness::new(label).await;
+    two_nodes(&h).await;
+    h.cloud
+        .set_faults(sdk::Faults {
+            lost_answer_rate: 0.5,
+            lost_answer: lost,
+            ..sdk::Faults::default()
+        })
+        .await;
+    let controller = h.controller(&[]);
+    let names: Vec<String> = (0..4).map(|i| format!("svc-{i}")).collect();
+    let mut uids = Vec::new();
+    for name in &names {
+        let created = h.create_service(lb_service(name, &[(80, "TCP")])).await;
+        uids.push(created.metadata.uid.unwrap());
+    }
+    for name in &names {
+        h.eventually(
+            &format!("{name} served with lost answers"),
+            Duration::from_secs(180),
+            || async { ingress_ip(&h.get_service(name).await?) },
+        )
+        .await;
+    }
+    for uid in &uids {
+        let lbs = h.cloud.for_uid(uid).await;
+        assert_eq!(lbs.len(), 1, "exactly one LB for Service {uid}: {lbs:?}");
+    }
+    assert_eq!(h.cloud.all().await.len(), names.len(), "no duplicate LB");
+    let metrics = controller.metrics().await;
+    assert!(
+        ["unavailable", "transport"]
+            .iter()
+            .any(|outcome| metrics.contains(&format!("outcome=\"{outcome}\""))),
+        "no answer was lost:\n{metrics}"
+    );
+    for name in &names {
+        h.delete_service(name).await;
+    }
+    for name in &names {
+        h.eventually(
+            &format!("{name} gone with lost answers"),
+            Duration::from_secs(180),
+            || async { h.get_service(name).await.is_none().then_some(()) },
+        )
+        .await;
+    }
+    h.cloud.set_faults(sdk::Faults::default()).await;
+    h.eventually("no LB and no VIP left", WAIT, || async {
+        let pools = h.cloud.client.list_pools().await.ok()?;
+        let vips: u64 = pools.iter().map(|p| p.allocated).sum();
+        (h.cloud.all().await.is_empty() && vips == 0).then_some(())
+    })
+    .await;
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_answers_unavailable_converge_and_leak_nothing() {
+    lost_answers_converge_and_leak_nothing("lost-503", sdk::LostAnswer::Unavailable).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_answers_reset_converge_and_leak_nothing() {
+    lost_answers_converge_and_leak_nothing("lost-reset", sdk::LostAnswer::Reset).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_answers_hang_converge_and_leak_nothing() {
+    lost_answers_converge_and_leak_nothing("lost-hang", sdk::LostAnswer::Hang).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

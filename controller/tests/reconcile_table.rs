@@ -9,12 +9,11 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{
-    Event, Node, NodeAddress, NodeStatus, Service, ServicePort, ServiceSpec,
+    Event, Namespace, Node, NodeAddress, NodeStatus, Service, ServicePort, ServiceSpec,
 };
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Recorder, Reporter};
@@ -25,11 +24,11 @@ use support::{condition_reason, ingress_ip};
 use tandem_controller::fake::{Call, FakeProvider};
 use tandem_controller::metrics::Metrics;
 use tandem_controller::plan::FINALIZER;
-use tandem_controller::provider::{Operation, ProviderError};
+use tandem_controller::provider::{AddressRefusal, Operation, ProviderError};
 use tandem_controller::reconcile::{Context, reconcile};
 use tandem_controller::spec::{
-    ANNOTATION_LB_ID, ANNOTATION_MODE, ClassFilter, WithoutNodePorts, desired_load_balancer,
-    owner_of,
+    ANNOTATION_ADDRESS_POOL, ANNOTATION_LB_ID, ANNOTATION_MODE, ANNOTATION_REQUESTED_IP,
+    ANNOTATION_SHARED_IP, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of,
 };
 
 const CLASS: &str = "tandem.io/mockcloud";
@@ -70,6 +69,12 @@ struct Row {
     fail: Option<(Operation, ProviderError)>,
     create_active: bool,
     without_node_ports: WithoutNodePorts,
+    /// The address pool the Service's Namespace names.
+    namespace_pool: Option<&'static str>,
+    /// The controller's `--default-address-pool`.
+    default_pool: Option<&'static str>,
+    /// A user's edit after the starting state, before the reconcile.
+    then: Option<fn(&mut Service)>,
     // Expected:
     ok: bool,
     calls: fn(Option<&str>) -> Vec<Call>,
@@ -79,11 +84,52 @@ struct Row {
     ingress: bool,
     id_persisted: bool,
     events: &'static [&'static str],
+    /// The pool of the Service's LB in the cloud, when it must have one.
+    pool: Option<&'static str>,
 }
 
 const NODE_A: &str = "198.18.0.11";
 
 fn no_edit(_: &mut Service) {}
+
+/// The calls of an LB updated in place: one read, one update of the LB it found.
+fn read_then_update(id: Option<&str>) -> Vec<Call> {
+    vec![
+        Call::Get {
+            known_id: id.map(str::to_owned),
+        },
+        Call::Update {
+            id: id.unwrap_or_default().to_owned(),
+        },
+    ]
+}
+
+fn annotate(svc: &mut Service, key: &str, value: &str) {
+    svc.metadata
+        .annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(key.into(), value.into());
+}
+
+/// The Namespace `default`, naming `pool` for its Services.
+fn namespaces(pool: Option<&str>) -> reflector::Store<Namespace> {
+    let (store, mut writer) = reflector::store::<Namespace>();
+    let mut namespace = Namespace {
+        metadata: ObjectMeta {
+            name: Some("default".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    if let Some(pool) = pool {
+        namespace.metadata.annotations = Some(BTreeMap::from([(
+            ANNOTATION_ADDRESS_POOL.into(),
+            pool.into(),
+        )]));
+    }
+    writer.apply_watcher_event(&watcher::Event::Apply(namespace));
+    store
+}
 
 fn unavailable(operation: Operation) -> ProviderError {
     ProviderError::Unavailable {
@@ -124,6 +170,9 @@ fn rows() -> Vec<Row> {
         fail: None,
         create_active: true,
         without_node_ports: WithoutNodePorts::Passthrough,
+        namespace_pool: None,
+        default_pool: None,
+        then: None,
         ok: true,
         calls: |_| vec![],
         finalizer: Some(true),
@@ -131,13 +180,118 @@ fn rows() -> Vec<Row> {
         ingress: true,
         id_persisted: true,
         events: &[],
+        pool: None,
+    };
+    // The cloud refuses the address: its own condition reason, a Warning Event, no LB.
+    let refused = |name, refusal, reason| Row {
+        fail: Some((
+            Operation::Create,
+            ProviderError::AddressRefused {
+                refusal,
+                message: "refused by the cloud".into(),
+            },
+        )),
+        ok: false,
+        calls: |_| vec![Call::Create { replaces: None }],
+        condition: Some(reason),
+        ingress: false,
+        id_persisted: false,
+        events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
+        ..row(name)
+    };
+    // A new Service, created in one call.
+    let created = |name| Row {
+        calls: |_| vec![Call::Create { replaces: None }],
+        events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
+        ..row(name)
+    };
+    // A served Service whose LB is updated in place after one read.
+    let updated = |name| Row {
+        service: ServiceStart::Served,
+        cloud: CloudStart::Matching,
+        calls: read_then_update,
+        events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
+        ..row(name)
+    };
+    // Refused before any cloud call: no finalizer, a condition and a Warning.
+    let invalid = |name| Row {
+        ok: false,
+        finalizer: Some(false),
+        condition: Some("InvalidConfiguration"),
+        ingress: false,
+        id_persisted: false,
+        events: &["SyncLoadBalancerFailed"],
+        ..row(name)
     };
     vec![
+        refused(
+            "refused-unknown-pool",
+            AddressRefusal::UnknownPool,
+            "UnknownAddressPool",
+        ),
+        refused(
+            "refused-pool-exhausted",
+            AddressRefusal::PoolExhausted,
+            "AddressPoolExhausted",
+        ),
+        refused(
+            "refused-address-outside-pools",
+            AddressRefusal::OutsidePools,
+            "AddressOutsidePools",
+        ),
+        refused(
+            "refused-address-taken",
+            AddressRefusal::Taken,
+            "AddressInUse",
+        ),
+        refused(
+            "refused-shared-port-clash",
+            AddressRefusal::PortConflict,
+            "SharedAddressPortConflict",
+        ),
+        refused(
+            "refused-shared-mode-mismatch",
+            AddressRefusal::SharingModeMismatch,
+            "SharedAddressModeMismatch",
+        ),
         Row {
-            calls: |_| vec![Call::Create { replaces: None }],
-            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
-            ..row("create-never-looks-up-first")
+            namespace_pool: Some("ns-pool"),
+            default_pool: Some("flag-pool"),
+            pool: Some("ns-pool"),
+            ..created("pool-from-namespace")
         },
+        Row {
+            default_pool: Some("flag-pool"),
+            pool: Some("flag-pool"),
+            ..created("pool-from-flag")
+        },
+        Row {
+            edit: |s| annotate(s, ANNOTATION_ADDRESS_POOL, "svc-pool"),
+            namespace_pool: Some("ns-pool"),
+            pool: Some("svc-pool"),
+            ..created("pool-of-service-beats-namespace")
+        },
+        Row {
+            namespace_pool: Some("ns-pool"),
+            pool: Some("ns-pool"),
+            ..updated("namespace-pool-moves-the-same-lb")
+        },
+        Row {
+            then: Some(|s| annotate(s, ANNOTATION_REQUESTED_IP, "198.51.100.42")),
+            ..updated("requested-ip-changed-updates-the-same-lb")
+        },
+        Row {
+            edit: |s| {
+                s.spec.as_mut().unwrap().load_balancer_ip = Some("198.51.100.40".into());
+                annotate(s, ANNOTATION_REQUESTED_IP, "198.51.100.41");
+            },
+            ..invalid("requested-ip-conflict-refused-before-the-cloud")
+        },
+        Row {
+            edit: |s| annotate(s, ANNOTATION_SHARED_IP, "dns"),
+            ..created("sharing-key-reaches-the-cloud")
+        },
+        created("create-never-looks-up-first"),
         Row {
             create_active: false,
             calls: |_| vec![Call::Create { replaces: None }],
@@ -157,52 +311,17 @@ fn rows() -> Vec<Row> {
             ..row("create-cloud-error")
         },
         Row {
-            fail: Some((
-                Operation::Create,
-                ProviderError::IpUnavailable {
-                    ip: Ipv4Addr::new(198, 51, 100, 9),
-                    message: "in use".into(),
-                },
-            )),
-            ok: false,
-            calls: |_| vec![Call::Create { replaces: None }],
-            condition: Some("VIPUnavailable"),
-            ingress: false,
-            id_persisted: false,
-            events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
-            ..row("create-vip-taken")
-        },
-        Row {
-            edit: |s| {
-                s.metadata.annotations = Some(BTreeMap::from([(
-                    ANNOTATION_MODE.into(),
-                    "sideways".into(),
-                )]))
-            },
-            ok: false,
-            finalizer: Some(false),
-            condition: Some("InvalidConfiguration"),
-            ingress: false,
-            id_persisted: false,
-            events: &["SyncLoadBalancerFailed"],
-            ..row("invalid-annotation-no-cloud-call-no-finalizer")
+            edit: |s| annotate(s, ANNOTATION_MODE, "sideways"),
+            ..invalid("invalid-annotation-no-cloud-call-no-finalizer")
         },
         Row {
             edit: |s| s.spec.as_mut().unwrap().allocate_load_balancer_node_ports = Some(false),
-            calls: |_| vec![Call::Create { replaces: None }],
-            events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
-            ..row("no-node-ports-served-in-passthrough")
+            ..created("no-node-ports-served-in-passthrough")
         },
         Row {
             edit: |s| s.spec.as_mut().unwrap().allocate_load_balancer_node_ports = Some(false),
             without_node_ports: WithoutNodePorts::Refuse,
-            ok: false,
-            finalizer: Some(false),
-            condition: Some("InvalidConfiguration"),
-            ingress: false,
-            id_persisted: false,
-            events: &["SyncLoadBalancerFailed"],
-            ..row("no-node-ports-refused")
+            ..invalid("no-node-ports-refused")
         },
         Row {
             service: ServiceStart::Served,
@@ -218,32 +337,14 @@ fn rows() -> Vec<Row> {
             service: ServiceStart::Served,
             cloud: CloudStart::Matching,
             extra_nodes: &["198.18.0.12"],
-            calls: |id| {
-                vec![
-                    Call::Get {
-                        known_id: id.map(str::to_owned),
-                    },
-                    Call::Update {
-                        id: id.unwrap_or_default().to_owned(),
-                    },
-                ]
-            },
+            calls: read_then_update,
             events: &["UpdatedLoadBalancer"],
             ..row("node-added-one-update")
         },
         Row {
             service: ServiceStart::Served,
             cloud: CloudStart::Drifted,
-            calls: |id| {
-                vec![
-                    Call::Get {
-                        known_id: id.map(str::to_owned),
-                    },
-                    Call::Update {
-                        id: id.unwrap_or_default().to_owned(),
-                    },
-                ]
-            },
+            calls: read_then_update,
             events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
             ..row("drift-repaired")
         },
@@ -253,16 +354,7 @@ fn rows() -> Vec<Row> {
             extra_nodes: &["198.18.0.12"],
             fail: Some((Operation::Update, unavailable(Operation::Update))),
             ok: false,
-            calls: |id| {
-                vec![
-                    Call::Get {
-                        known_id: id.map(str::to_owned),
-                    },
-                    Call::Update {
-                        id: id.unwrap_or_default().to_owned(),
-                    },
-                ]
-            },
+            calls: read_then_update,
             condition: Some("CloudError"),
             events: &["UpdateLoadBalancerFailed"],
             ..row("node-update-fails")
@@ -404,7 +496,8 @@ fn context(
     client: &kube::Client,
     provider: &FakeProvider,
     nodes: &reflector::Store<Node>,
-    without_node_ports: WithoutNodePorts,
+    row: &Row,
+    namespace_pool: Option<&str>,
 ) -> Context<FakeProvider> {
     let recorder = Recorder::new(
         client.clone(),
@@ -421,8 +514,10 @@ fn context(
             class: CLASS.into(),
             claim_unclassed: false,
         },
-        without_node_ports,
+        row.without_node_ports,
+        row.default_pool.map(str::to_owned),
         nodes.clone(),
+        namespaces(namespace_pool),
         recorder,
         Metrics::default(),
         Duration::from_secs(300),
@@ -444,9 +539,9 @@ async fn start_service(
     if row.service == ServiceStart::New {
         return created;
     }
-    // Served earlier: one reconcile against an empty cloud made the LB, the finalizer,
-    // the id and the status.
-    let ctx = context(client, provider, nodes, row.without_node_ports);
+    // Served earlier (in a Namespace that named no pool then): one reconcile against an
+    // empty cloud made the LB, the finalizer, the id and the status.
+    let ctx = context(client, provider, nodes, row, None);
     reconcile(Arc::new(created), Arc::new(ctx)).await.unwrap();
     let mut served = api.get(row.name).await.unwrap();
     let id = served.metadata.annotations.as_ref().unwrap()[ANNOTATION_LB_ID].clone();
@@ -484,6 +579,13 @@ async fn start_service(
         }
         ServiceStart::New | ServiceStart::Served => {}
     }
+    if let Some(then) = row.then {
+        then(&mut served);
+        served = api
+            .replace(row.name, &PostParams::default(), &served)
+            .await
+            .unwrap();
+    }
     provider.take_calls();
     served
 }
@@ -501,7 +603,7 @@ async fn reconcile_table() {
         writer.apply_watcher_event(&watcher::Event::Apply(node("a", NODE_A)));
         let provider = FakeProvider::new(true);
         let start = start_service(&client, &provider, &nodes, &row).await;
-        let ctx = context(&client, &provider, &nodes, row.without_node_ports);
+        let ctx = context(&client, &provider, &nodes, &row, row.namespace_pool);
         let events_before = event_reasons(&client, row.name).await.len();
         for (i, ip) in row.extra_nodes.iter().enumerate() {
             writer.apply_watcher_event(&watcher::Event::Apply(node(&format!("x{i}"), ip)));
@@ -584,10 +686,12 @@ async fn reconcile_table() {
                 &CLUSTER.parse().unwrap(),
                 backends,
                 row.without_node_ports,
+                row.namespace_pool.or(row.default_pool),
             )
             .unwrap();
             match lbs.as_slice() {
-                [lb] if lb.drift(&desired).is_empty() => {}
+                [lb] if lb.drift(&desired).is_empty()
+                    && (row.pool.is_none() || lb.pool.as_deref() == row.pool) => {}
                 other => problems.push(format!("cloud holds {other:?} for {desired:?}")),
             }
         }

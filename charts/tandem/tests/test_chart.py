@@ -29,9 +29,19 @@ VALUE_SETS = {
         "log": {"format": "text", "level": "debug"},
     },
     "single-replica-no-election": {
-        "controller": {"replicaCount": 1, "leaderElection": False, "podDisruptionBudget": {"enabled": True}},
+        "controller": {
+            "replicaCount": 1,
+            "leaderElection": False,
+            "podDisruptionBudget": {"enabled": True},
+            "defaultAddressPool": "blue",
+        },
         "cloud": {"token": "s3cret"},
-        "cloudMock": {"persistence": {"enabled": False}, "dataplane": "proxy"},
+        "cloudMock": {
+            "persistence": {"enabled": False},
+            "dataplane": "proxy",
+            "vipPool": "198.51.100.0/25",
+            "extraVipPools": {"blue": "198.51.100.128/25"},
+        },
     },
     "nodeproxy-only": {
         "controller": {"enabled": False},

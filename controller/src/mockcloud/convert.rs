@@ -68,20 +68,45 @@ pub fn backends(ips: &BTreeSet<Ipv4Addr>) -> Vec<sdk::Backend> {
     ips.iter().map(|ip| sdk::Backend { ip: *ip }).collect()
 }
 
-/// The SDK spec for `desired`; `current_vip` keeps an assigned VIP when none is requested.
+/// The VIP an update keeps when none is requested: the assigned one, unless the LB moves
+/// to another pool (then the cloud allocates from the new pool).
+pub fn kept_vip(
+    desired: &DesiredLoadBalancer,
+    vip: Option<Ipv4Addr>,
+    pool: Option<&str>,
+) -> Option<Ipv4Addr> {
+    match desired.address.pool.as_deref() {
+        Some(wanted) if pool.is_some_and(|current| current != wanted) => None,
+        _ => vip,
+    }
+}
+
+/// The SDK spec for `desired`; `current_vip` keeps an assigned VIP when none is requested
+/// (see [`kept_vip`]).
 pub fn to_sdk_spec(
     desired: &DesiredLoadBalancer,
     current_vip: Option<Ipv4Addr>,
 ) -> sdk::LoadBalancerSpec {
+    let address = &desired.address;
     sdk::LoadBalancerSpec {
         name: desired.name(),
         tags: desired.owner.tags(),
         mode: to_sdk_mode(desired.mode),
-        vip: desired.requested_ip.or(current_vip),
+        vip: address.requested_ipv4().or(current_vip),
         listeners: desired.listeners.iter().map(to_sdk_listener).collect(),
         backends: backends(&desired.backends),
         source_ranges: desired.source_ranges.clone(),
-        address: sdk::AddressRequest::default(),
+        address: sdk::AddressRequest {
+            pool: address.pool.clone(),
+            // The IPv4 address travels as `vip`; the others (other families) here.
+            vips: address
+                .requested
+                .iter()
+                .filter(|ip| ip.is_ipv6())
+                .copied()
+                .collect(),
+            sharing_key: address.sharing_key.clone(),
+        },
     }
 }
 
@@ -97,6 +122,8 @@ pub fn observe(lb: &sdk::LoadBalancer) -> ObservedLoadBalancer {
             sdk::State::Deleting => LoadBalancerPhase::Deleting,
         },
         vip: lb.vip(),
+        pool: lb.spec.address.pool.clone(),
+        sharing_key: lb.spec.address.sharing_key.clone(),
         mode: from_sdk_mode(lb.spec.mode),
         listeners: lb.spec.listeners.iter().map(from_sdk_listener).collect(),
         backends: lb.spec.backends.iter().map(|b| b.ip).collect(),
@@ -135,6 +162,7 @@ pub fn belongs_to(lb: &sdk::LoadBalancer, owner: &Owner) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::provider::AddressRequest;
 
     fn desired() -> DesiredLoadBalancer {
         DesiredLoadBalancer {
@@ -145,7 +173,11 @@ mod tests {
                 uid: "11111111-2222-3333-4444-555555555555".into(),
             },
             mode: LoadBalancerMode::Passthrough,
-            requested_ip: None,
+            address: AddressRequest {
+                pool: Some("blue".into()),
+                requested: vec![],
+                sharing_key: Some("dns".into()),
+            },
             listeners: vec![Listener {
                 protocol: Protocol::Udp,
                 port: 53,
@@ -189,8 +221,24 @@ mod tests {
         let mut d = desired();
         let current = Some(Ipv4Addr::new(198, 51, 100, 3));
         assert_eq!(to_sdk_spec(&d, current).vip, current);
-        d.requested_ip = Some(Ipv4Addr::new(198, 51, 100, 9));
-        assert_eq!(to_sdk_spec(&d, current).vip, d.requested_ip);
+        let requested = Ipv4Addr::new(198, 51, 100, 9);
+        d.address.requested = vec![requested.into()];
+        let spec = to_sdk_spec(&d, current);
+        assert_eq!(spec.vip, Some(requested));
+        assert!(spec.address.vips.is_empty());
+        assert_eq!(spec.address.pool.as_deref(), Some("blue"));
+        assert_eq!(spec.address.sharing_key.as_deref(), Some("dns"));
+    }
+
+    #[test]
+    fn moving_to_another_pool_gives_up_the_vip() {
+        let d = desired();
+        let vip = Some(Ipv4Addr::new(198, 51, 100, 3));
+        assert_eq!(kept_vip(&d, vip, Some("blue")), vip);
+        assert_eq!(kept_vip(&d, vip, Some("default")), None);
+        let mut any_pool = desired();
+        any_pool.address.pool = None;
+        assert_eq!(kept_vip(&any_pool, vip, Some("default")), vip);
     }
 
     #[test]

@@ -1,35 +1,49 @@
 //! Mock-cloud errors as provider errors, their metric outcome, and the retry delay.
 
-use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use cloud_mock_sdk as sdk;
 
-use crate::provider::{Operation, ProviderError};
+use crate::provider::{AddressRefusal, Operation, ProviderError};
 
-/// The SDK error as a provider error; `requested_ip` tells a VIP conflict from others.
-pub fn classify(
-    err: &sdk::Error,
-    operation: Operation,
-    id: Option<&str>,
-    requested_ip: Option<Ipv4Addr>,
-) -> ProviderError {
-    let mentions_vip = |message: &str| {
-        let lower = message.to_lowercase();
-        lower.contains("vip") || lower.contains("pool") || lower.contains("address")
-    };
+/// The cloud's error code for each address refusal. The SDK puts the code first in its
+/// error message (`code: message`).
+const ADDRESS_REFUSALS: [(&str, AddressRefusal); 6] = [
+    ("unknown-pool", AddressRefusal::UnknownPool),
+    ("pool-exhausted", AddressRefusal::PoolExhausted),
+    ("vip-outside-pool", AddressRefusal::OutsidePools),
+    ("vip-taken", AddressRefusal::Taken),
+    ("port-conflict", AddressRefusal::PortConflict),
+    ("sharing-mode-mismatch", AddressRefusal::SharingModeMismatch),
+];
+
+/// The address refusal a `code: message` error carries, with the cloud's message.
+fn address_refusal(message: &str) -> Option<ProviderError> {
+    let (code, rest) = message.split_once(": ")?;
+    ADDRESS_REFUSALS
+        .iter()
+        .find(|(known, _)| *known == code)
+        .map(|(_, refusal)| ProviderError::AddressRefused {
+            refusal: *refusal,
+            message: rest.to_owned(),
+        })
+}
+
+pub fn is_address_refusal(message: &str) -> bool {
+    address_refusal(message).is_some()
+}
+
+/// The SDK error as a provider error.
+pub fn classify(err: &sdk::Error, operation: Operation, id: Option<&str>) -> ProviderError {
+    if let sdk::Error::Conflict { message } | sdk::Error::Invalid { message } = err
+        && let Some(refused) = address_refusal(message)
+    {
+        return refused;
+    }
     match err {
         sdk::Error::NotFound { .. } => ProviderError::NotFound {
             id: id.unwrap_or_default().to_owned(),
         },
-        sdk::Error::Conflict { message } | sdk::Error::Invalid { message }
-            if requested_ip.is_some() && mentions_vip(message) =>
-        {
-            ProviderError::IpUnavailable {
-                ip: requested_ip.unwrap_or(Ipv4Addr::UNSPECIFIED),
-                message: message.clone(),
-            }
-        }
         sdk::Error::Conflict { .. } => ProviderError::Conflict {
             operation,
             id: id.unwrap_or_default().to_owned(),
@@ -84,31 +98,48 @@ pub fn retry_delay(base: Duration, attempt: u32, err: &sdk::Error) -> Duration {
 mod tests {
     use super::*;
 
+    fn refusal_of(err: &sdk::Error) -> Option<AddressRefusal> {
+        match classify(err, Operation::Create, None) {
+            ProviderError::AddressRefused { refusal, .. } => Some(refusal),
+            _ => None,
+        }
+    }
+
     #[test]
-    fn errors_are_classified() {
-        let vip = Some(Ipv4Addr::new(198, 51, 100, 9));
+    fn every_address_code_is_its_own_refusal() {
+        for (code, refusal) in ADDRESS_REFUSALS {
+            let message = format!("{code}: pool blue (198.51.100.128/25) says no");
+            let as_conflict = sdk::Error::Conflict {
+                message: message.clone(),
+            };
+            let as_invalid = sdk::Error::Invalid { message };
+            assert_eq!(refusal_of(&as_conflict), Some(refusal), "{code}");
+            assert_eq!(refusal_of(&as_invalid), Some(refusal), "{code}");
+        }
         let taken = sdk::Error::Conflict {
-            message: "VIP 198.51.100.9 is already in use".into(),
+            message: "vip-taken: VIP 198.51.100.9 is in use by lb-1".into(),
+        };
+        assert_eq!(
+            classify(&taken, Operation::Create, None).to_string(),
+            "address refused: VIP 198.51.100.9 is in use by lb-1"
+        );
+    }
+
+    #[test]
+    fn other_errors_are_classified() {
+        let stale = sdk::Error::Conflict {
+            message: "version-mismatch: load balancer lb-1 is at version 3, not 2".into(),
         };
         assert!(matches!(
-            classify(&taken, Operation::Create, None, vip),
-            ProviderError::IpUnavailable { .. }
-        ));
-        let outside = sdk::Error::Invalid {
-            message: "vip 10.0.0.1 is outside the pool 198.51.100.0/24".into(),
-        };
-        assert!(matches!(
-            classify(
-                &outside,
-                Operation::Create,
-                None,
-                Some(Ipv4Addr::new(10, 0, 0, 1))
-            ),
-            ProviderError::IpUnavailable { .. }
-        ));
-        assert!(matches!(
-            classify(&taken, Operation::Update, Some("lb-1"), None),
+            classify(&stale, Operation::Update, Some("lb-1")),
             ProviderError::Conflict { .. }
+        ));
+        let invalid = sdk::Error::Invalid {
+            message: "invalid: listeners: empty".into(),
+        };
+        assert!(matches!(
+            classify(&invalid, Operation::Create, None),
+            ProviderError::Invalid { .. }
         ));
         assert!(matches!(
             classify(
@@ -117,7 +148,6 @@ mod tests {
                 },
                 Operation::Get,
                 None,
-                None
             ),
             ProviderError::RateLimited { .. }
         ));
@@ -128,7 +158,6 @@ mod tests {
                 },
                 Operation::Get,
                 None,
-                None
             )
             .category()
                 == "unavailable"

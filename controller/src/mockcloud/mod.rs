@@ -24,8 +24,8 @@ use crate::provider::{
     Operation, ProviderError, TAG_CLUSTER_ID, TAG_SERVICE_UID,
 };
 use crate::ratelimit::SharedTokenBucket;
-use convert::belongs_to;
-use errors::{outcome, retry_delay};
+use convert::{belongs_to, kept_vip};
+use errors::{is_address_refusal, outcome, retry_delay};
 
 /// Attempts per cloud call for retryable failures (429, 503, transport).
 const MAX_ATTEMPTS: u32 = 6;
@@ -99,7 +99,7 @@ impl MockCloudProvider {
         {
             Ok(lb) => Ok(Some(lb)),
             Err(sdk::Error::NotFound { .. }) => Ok(None),
-            Err(err) => Err(classify(&err, Operation::Get, Some(id), None)),
+            Err(err) => Err(classify(&err, Operation::Get, Some(id))),
         }
     }
 
@@ -135,7 +135,7 @@ impl MockCloudProvider {
         let listed = self
             .call(Operation::List, || self.client.list_load_balancers(&filter))
             .await
-            .map_err(|e| classify(&e, Operation::List, None, None))?;
+            .map_err(|e| classify(&e, Operation::List, None))?;
         Ok(listed
             .into_iter()
             .filter(|lb| lb.state != sdk::State::Deleting)
@@ -145,7 +145,7 @@ impl MockCloudProvider {
     async fn delete_raw(&self, id: &str) -> Result<(), ProviderError> {
         self.call(Operation::Delete, || self.client.delete_load_balancer(id))
             .await
-            .map_err(|e| classify(&e, Operation::Delete, Some(id), None))
+            .map_err(|e| classify(&e, Operation::Delete, Some(id)))
     }
 
     /// Keeps the first LB and deletes any duplicates, so a Service never has two.
@@ -182,30 +182,27 @@ impl MockCloudProvider {
                 .await
             {
                 Ok(lb) => return Ok(lb),
-                Err(sdk::Error::Conflict { message }) if conflicts < MAX_CONFLICT_RETRIES => {
+                // A stale version is worth a re-read; an address refusal is not.
+                Err(sdk::Error::Conflict { message })
+                    if conflicts < MAX_CONFLICT_RETRIES && !is_address_refusal(&message) =>
+                {
                     conflicts += 1;
                     let Some(fresh) = self.get_raw(id).await? else {
                         return Err(ProviderError::NotFound { id: id.to_owned() });
                     };
-                    // Same version: the conflict is not about the version (a taken VIP).
+                    // Same version: the conflict is not about the version (the LB is deleting).
                     if fresh.version == version {
                         return Err(classify(
                             &sdk::Error::Conflict { message },
                             Operation::Update,
                             Some(id),
-                            desired.requested_ip,
                         ));
                     }
                     version = fresh.version;
-                    vip = fresh.vip();
+                    vip = kept_vip(desired, fresh.vip(), fresh.spec.address.pool.as_deref());
                 }
                 Err(err) => {
-                    return Err(classify(
-                        &err,
-                        Operation::Update,
-                        Some(id),
-                        desired.requested_ip,
-                    ));
+                    return Err(classify(&err, Operation::Update, Some(id)));
                 }
             }
         }
@@ -237,7 +234,7 @@ impl LoadBalancerProvider for MockCloudProvider {
                 self.client.create_load_balancer(&spec, &key)
             })
             .await
-            .map_err(|e| classify(&e, Operation::Create, None, desired.requested_ip))?;
+            .map_err(|e| classify(&e, Operation::Create, None))?;
         tracing::info!(id = %lb.id, name = %lb.spec.name, "created load balancer");
         Ok(observe(&lb))
     }
@@ -248,7 +245,12 @@ impl LoadBalancerProvider for MockCloudProvider {
         desired: &DesiredLoadBalancer,
     ) -> Result<ObservedLoadBalancer, ProviderError> {
         let updated = self
-            .update_with_retry(&current.id, current.version, current.vip, desired)
+            .update_with_retry(
+                &current.id,
+                current.version,
+                kept_vip(desired, current.vip, current.pool.as_deref()),
+                desired,
+            )
             .await?;
         Ok(observe(&updated))
     }
@@ -272,7 +274,7 @@ impl LoadBalancerProvider for MockCloudProvider {
         let listed = self
             .call(Operation::List, || self.client.list_load_balancers(&filter))
             .await
-            .map_err(|e| classify(&e, Operation::List, None, None))?;
+            .map_err(|e| classify(&e, Operation::List, None))?;
         Ok(listed
             .iter()
             .filter(|lb| {

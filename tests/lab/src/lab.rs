@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use k8s_openapi::api::core::v1::Service;
-use kube::api::{Api, DeleteParams, PostParams};
+use k8s_openapi::api::core::v1::{Event, Service};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use tandem_common::NODE_HEALTHZ_PORT;
 use tandem_netlab::cluster::{Endpoint, EndpointSliceWriter, LabNode, NodeAgent, NodeAgentConfig};
 use tandem_netlab::{Host, Netns, Node, PodNetwork, Topology};
@@ -21,7 +21,12 @@ use crate::scenario::{ServicePlan, Spread};
 
 const API_PORT: u16 = 6443;
 const CLOUD_PORT: u16 = 8080;
-pub const VIP_POOL: &str = "198.51.100.0/24";
+/// The mock cloud's VIP pools: the lab's VIP range (198.51.100.0/24, routed to the cloud
+/// edge) split in halves, so the second pool's addresses stay inside the lab too.
+pub const VIP_POOLS: [(&str, &str); 2] = [
+    ("default", "198.51.100.0/25"),
+    ("blue", "198.51.100.128/25"),
+];
 
 #[derive(Debug, Clone)]
 pub struct LabOptions {
@@ -188,6 +193,22 @@ impl Lab {
             run_dir: &run_dir,
             logs: &logs,
         };
+        let mut cloud_args = vec![
+            format!("--listen={cloud_addr}"),
+            format!("--data-dir={}", cloud_data.display()),
+            format!("--token={token}"),
+        ];
+        cloud_args.extend(
+            VIP_POOLS
+                .iter()
+                .map(|(name, cidr)| format!("--vip-pool={name}={cidr}")),
+        );
+        cloud_args.extend([
+            "--dataplane=proxy".to_owned(),
+            "--manage-vip-addresses".to_owned(),
+            format!("--vip-device={}", edge.vip_interface),
+            "--provisioning-delay=200ms".to_owned(),
+        ]);
         let mut cloud = launcher.start(
             &edge.netns,
             "cloud-mock",
@@ -195,16 +216,7 @@ impl Lab {
             // VIP addresses and passthrough routes in the cloud edge; listeners on the LB
             // ports (80) as its non-root user.
             &["NET_ADMIN", "NET_RAW", "NET_BIND_SERVICE"],
-            &[
-                format!("--listen={cloud_addr}"),
-                format!("--data-dir={}", cloud_data.display()),
-                format!("--token={token}"),
-                format!("--vip-pool={VIP_POOL}"),
-                "--dataplane=proxy".to_owned(),
-                "--manage-vip-addresses".to_owned(),
-                format!("--vip-device={}", edge.vip_interface),
-                "--provisioning-delay=200ms".to_owned(),
-            ],
+            &cloud_args,
         )?;
         cloud
             .wait_serving(cloud_addr, Duration::from_secs(20))
@@ -367,6 +379,68 @@ impl Lab {
         Ok(services.get(&plan.name).await?)
     }
 
+    /// The reason of the Service's `LoadBalancerReady` condition.
+    pub async fn condition_reason(&self, plan: &ServicePlan) -> Result<Option<String>> {
+        let svc = self.service(plan).await?;
+        Ok(svc
+            .status
+            .and_then(|s| s.conditions)
+            .and_then(|c| c.into_iter().find(|c| c.type_ == "LoadBalancerReady"))
+            .map(|c| c.reason))
+    }
+
+    /// The Service's Events as (type, reason, message).
+    pub async fn events(&self, plan: &ServicePlan) -> Result<Vec<(String, String, String)>> {
+        let events: Api<Event> = Api::namespaced(self.kube.clone(), &plan.namespace);
+        Ok(events
+            .list(&ListParams::default())
+            .await
+            .with_context(|| format!("listing Events in {}", plan.namespace))?
+            .items
+            .into_iter()
+            .filter(|e| e.involved_object.name.as_deref() == Some(plan.name.as_str()))
+            .map(|e| {
+                (
+                    e.type_.unwrap_or_default(),
+                    e.reason.unwrap_or_default(),
+                    e.message.unwrap_or_default(),
+                )
+            })
+            .collect())
+    }
+
+    /// Waits until the Service's Events hold a Warning with `reason` and its condition reads
+    /// `condition`: how a refused Service is explained.
+    pub async fn wait_for_refusal(
+        &self,
+        plan: &ServicePlan,
+        condition: &str,
+        timeout: Duration,
+    ) -> Result<String> {
+        let start = Instant::now();
+        loop {
+            let reason = self.condition_reason(plan).await?;
+            let warning = self
+                .events(plan)
+                .await?
+                .into_iter()
+                .find(|(kind, reason, _)| kind == "Warning" && reason == "SyncLoadBalancerFailed");
+            if let (Some(reason), Some((_, _, message))) = (&reason, warning)
+                && reason == condition
+            {
+                return Ok(message);
+            }
+            if start.elapsed() > timeout {
+                bail!(
+                    "Service {}/{} was not refused with {condition} within {timeout:?} (condition {reason:?})",
+                    plan.namespace,
+                    plan.name
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// Waits until the Service has an ingress IP, and returns it.
     pub async fn wait_for_ingress(
         &self,
@@ -480,6 +554,30 @@ impl Lab {
 
     /// Packets counted by the rules of the chains named `chain` (or, when it ends in `-`,
     /// starting with it, e.g. `KUBE-FW-`) of one table on a node (`iptables -L -v -x`).
+    /// Waits until the node's nat table has a rule for `ip`: the node proxy has synced it.
+    pub async fn wait_for_nat_rules(
+        &self,
+        node: &Netns,
+        ip: Ipv4Addr,
+        timeout: Duration,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let destination = format!("-d {ip}/32");
+        loop {
+            let out = node
+                .exec_async(["iptables", "-w", "-t", "nat", "-S"])
+                .await
+                .context("listing iptables rules")?;
+            if String::from_utf8_lossy(&out.stdout).contains(&destination) {
+                return Ok(());
+            }
+            if start.elapsed() > timeout {
+                bail!("no nat rule for {ip} within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     pub async fn chain_packets(&self, node: &Netns, table: &str, chain: &str) -> Result<u64> {
         let out = node
             .exec_async(["iptables", "-w", "-t", table, "-L", "-v", "-x", "-n"])

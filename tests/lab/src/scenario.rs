@@ -11,6 +11,11 @@ use tandem_netlab::{EchoReply, Node};
 
 /// The annotation that picks the load balancer's mode in the mock cloud.
 pub const MODE_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-mode";
+/// The annotation that picks the address pool.
+pub const POOL_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-address-pool";
+/// The annotation whose value lets Services share one address.
+pub const SHARED_IP_ANNOTATION: &str =
+    "service.beta.kubernetes.io/mockcloud-load-balancer-allow-shared-ip";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LbMode {
@@ -43,6 +48,10 @@ pub struct ServicePlan {
     /// `spec.allocateLoadBalancerNodePorts`: false asks for a LoadBalancer without
     /// NodePorts, which only the passthrough mode can serve.
     pub allocate_node_ports: bool,
+    /// `spec.loadBalancerIP`.
+    pub load_balancer_ip: Option<Ipv4Addr>,
+    /// Annotations besides the mode's (pool, sharing key).
+    pub annotations: BTreeMap<String, String>,
     /// Names of the pods (topology pods) that serve it.
     pub pods: Vec<String>,
 }
@@ -58,6 +67,8 @@ impl ServicePlan {
             external_traffic_policy_local: false,
             source_ranges: Vec::new(),
             allocate_node_ports: true,
+            load_balancer_ip: None,
+            annotations: BTreeMap::new(),
             pods: Vec::new(),
         }
     }
@@ -75,10 +86,13 @@ impl ServicePlan {
             metadata: ObjectMeta {
                 name: Some(self.name.clone()),
                 namespace: Some(self.namespace.clone()),
-                annotations: Some(BTreeMap::from([(
-                    MODE_ANNOTATION.to_owned(),
-                    self.mode.as_str().to_owned(),
-                )])),
+                annotations: Some(
+                    self.annotations
+                        .clone()
+                        .into_iter()
+                        .chain([(MODE_ANNOTATION.to_owned(), self.mode.as_str().to_owned())])
+                        .collect(),
+                ),
                 ..ObjectMeta::default()
             },
             spec: Some(ServiceSpec {
@@ -95,6 +109,7 @@ impl ServicePlan {
                 load_balancer_source_ranges: (!self.source_ranges.is_empty())
                     .then(|| self.source_ranges.clone()),
                 allocate_load_balancer_node_ports: (!self.allocate_node_ports).then_some(false),
+                load_balancer_ip: self.load_balancer_ip.map(|ip| ip.to_string()),
                 ..ServiceSpec::default()
             }),
             status: None,
@@ -215,15 +230,18 @@ mod tests {
         let mut plan = ServicePlan::new("web", LbMode::Passthrough);
         plan.source_ranges = vec!["203.0.113.0/24".to_owned()];
         plan.external_traffic_policy_local = true;
+        plan.load_balancer_ip = Some(Ipv4Addr::new(198, 51, 100, 77));
+        plan.annotations
+            .insert(SHARED_IP_ANNOTATION.to_owned(), "pair".to_owned());
         let svc = plan.service();
         let spec = svc.spec.unwrap();
         assert_eq!(spec.type_.as_deref(), Some("LoadBalancer"));
         assert!(spec.selector.is_none());
         assert_eq!(spec.external_traffic_policy.as_deref(), Some("Local"));
         assert_eq!(spec.ports.unwrap().len(), 2);
-        assert_eq!(
-            svc.metadata.annotations.unwrap()[MODE_ANNOTATION],
-            "passthrough"
-        );
+        assert_eq!(spec.load_balancer_ip.as_deref(), Some("198.51.100.77"));
+        let annotations = svc.metadata.annotations.unwrap();
+        assert_eq!(annotations[MODE_ANNOTATION], "passthrough");
+        assert_eq!(annotations[SHARED_IP_ANNOTATION], "pair");
     }
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tandem_lab::images::Images;
 use tandem_lab::lab::{Lab, LabOptions};
-use tandem_lab::scenario::{LbMode, ServicePlan, Spread};
+use tandem_lab::scenario::{LbMode, POOL_ANNOTATION, SHARED_IP_ANNOTATION, ServicePlan, Spread};
 
 static ONE_LAB_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -105,12 +105,12 @@ async fn create_and_wait_for_ingress(lab: &Lab, plan: &ServicePlan) -> Ipv4Addr 
         .unwrap()
 }
 
-/// Requests until they all succeed or `bound` passes; returns how long it took.
-async fn until_all_succeed(lab: &Lab, vip: Ipv4Addr, bound: Duration) -> Duration {
+/// Requests to `vip:port` until they all succeed or `bound` passes; returns how long it took.
+async fn until_all_succeed(lab: &Lab, vip: Ipv4Addr, port: u16, bound: Duration) -> Duration {
     let start = Instant::now();
     loop {
         let spread = lab
-            .http_requests(lab.topology.client_in_range(), vip, 80, 10)
+            .http_requests(lab.topology.client_in_range(), vip, port, 10)
             .await
             .unwrap();
         if spread.failed == 0 {
@@ -130,7 +130,7 @@ fn proxy_mode_spreads_over_nodes_and_every_pod_and_masquerades() {
         let mut plan = ServicePlan::new("web", LbMode::Proxy);
         plan.pods = pods(&lab, &[1, 2]);
         let vip = create_and_wait_for_ingress(&lab, &plan).await;
-        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+        until_all_succeed(&lab, vip, 80, Duration::from_secs(20)).await;
 
         let spread = lab
             .http_requests(lab.topology.client_in_range(), vip, 80, 200)
@@ -166,7 +166,7 @@ fn passthrough_mode_takes_kube_fw_and_drops_clients_outside_source_ranges() {
         plan.pods = pods(&lab, &[1, 2]);
         plan.source_ranges = vec!["203.0.113.0/24".to_owned()];
         let vip = create_and_wait_for_ingress(&lab, &plan).await;
-        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+        until_all_succeed(&lab, vip, 80, Duration::from_secs(20)).await;
 
         let allowed = lab
             .http_requests(lab.topology.client_in_range(), vip, 80, 50)
@@ -252,7 +252,7 @@ fn external_traffic_policy_local_uses_only_nodes_with_pods_and_keeps_client_ip()
         plan.pods = pods(&lab, &[1]);
         plan.external_traffic_policy_local = true;
         let vip = create_and_wait_for_ingress(&lab, &plan).await;
-        until_all_succeed(&lab, vip, Duration::from_secs(30)).await;
+        until_all_succeed(&lab, vip, 80, Duration::from_secs(30)).await;
 
         let spread = lab
             .http_requests(lab.topology.client_in_range(), vip, 80, 50)
@@ -287,7 +287,7 @@ fn a_failed_node_is_taken_out_and_requests_recover_within_bound() {
         let mut plan = ServicePlan::new("web", LbMode::Proxy);
         plan.pods = pods(&lab, &[1]);
         let vip = create_and_wait_for_ingress(&lab, &plan).await;
-        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+        until_all_succeed(&lab, vip, 80, Duration::from_secs(20)).await;
 
         // Node 2 stops answering: its link to the node network goes down.
         let failed = &lab.topology.nodes()[1];
@@ -297,7 +297,7 @@ fn a_failed_node_is_taken_out_and_requests_recover_within_bound() {
             .await
             .unwrap();
         assert!(out.status.success(), "{out:?}");
-        let recovered = until_all_succeed(&lab, vip, Duration::from_secs(15)).await;
+        let recovered = until_all_succeed(&lab, vip, 80, Duration::from_secs(15)).await;
         eprintln!("requests all succeed again {recovered:?} after node 2 went down");
         let spread = lab
             .http_requests(lab.topology.client_in_range(), vip, 80, 50)
@@ -318,7 +318,7 @@ fn scaling_pods_changes_who_answers_and_deleting_the_service_frees_the_vip() {
         let mut plan = ServicePlan::new("web", LbMode::Proxy);
         plan.pods = pods(&lab, &[1, 2]);
         let vip = create_and_wait_for_ingress(&lab, &plan).await;
-        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+        until_all_succeed(&lab, vip, 80, Duration::from_secs(20)).await;
 
         // Scale up: a pod on node 3 joins the EndpointSlice.
         let new_pod = tokio::task::block_in_place(|| lab.topology.add_pod(3)).unwrap();
@@ -394,11 +394,16 @@ fn a_pod_reaching_the_lb_ip_is_served_through_the_kube_fw_short_cut() {
         plan.pods = pods(&lab, &[2]);
         let vip = create_and_wait_for_ingress(&lab, &plan).await;
         let node = &lab.topology.nodes()[0];
+        let client = lab.topology.pods_on(1).next().unwrap().clone();
+        // The status can be written before the node proxy has synced the ingress IP: wait
+        // for its rules, so the packet below measures the short-cut, not the race.
+        lab.wait_for_nat_rules(&node.netns, vip, Duration::from_secs(10))
+            .await
+            .unwrap();
         let fw_chain_before = lab
             .chain_packets(&node.netns, "nat", "KUBE-FW-")
             .await
             .unwrap();
-        let client = lab.topology.pods_on(1).next().unwrap().clone();
         let echo = lab.topology.echo_client().unwrap();
         let reply = echo
             .http_get_async(&client.netns, &format!("http://{vip}:80/"))
@@ -415,6 +420,167 @@ fn a_pod_reaching_the_lb_ip_is_served_through_the_kube_fw_short_cut() {
         );
         let trace = lab.trace(node, client.ip, vip, 80).await.unwrap();
         assert!(trace.contains("KUBE-FW-"), "{trace}");
+        lab
+    });
+}
+
+/// Creates the Service and waits until it is refused with the condition reason `reason`
+/// and a Warning Event, whose message it returns.
+async fn create_and_wait_for_refusal(lab: &Lab, plan: &ServicePlan, reason: &str) -> String {
+    lab.create_service(plan).await.unwrap();
+    lab.wait_for_refusal(plan, reason, Duration::from_secs(30))
+        .await
+        .unwrap()
+}
+
+/// The pods that answered `count` requests to `vip:port`; every request must succeed.
+async fn answering_pods(lab: &Lab, vip: Ipv4Addr, port: u16, count: u32) -> Vec<String> {
+    let spread = lab
+        .http_requests(lab.topology.client_in_range(), vip, port, count)
+        .await
+        .unwrap();
+    assert_eq!(spread.failed, 0, "{vip}:{port}: {spread:?}");
+    spread.by_pod.into_keys().collect()
+}
+
+#[test]
+fn a_second_pool_and_a_requested_address_serve_and_an_unknown_pool_is_refused() {
+    with_lab(&[1, 1, 0], |lab| async move {
+        let mut blue = ServicePlan::new("blue", LbMode::Proxy);
+        blue.pods = pods(&lab, &[1]);
+        blue.annotations
+            .insert(POOL_ANNOTATION.to_owned(), "blue".to_owned());
+        let blue_vip = create_and_wait_for_ingress(&lab, &blue).await;
+        assert!(
+            blue_vip.octets()[..3] == [198, 51, 100] && blue_vip.octets()[3] >= 128,
+            "{blue_vip} is not in the blue pool 198.51.100.128/25"
+        );
+        until_all_succeed(&lab, blue_vip, 80, Duration::from_secs(20)).await;
+        assert_eq!(answering_pods(&lab, blue_vip, 80, 20).await, blue.pods);
+
+        let requested = Ipv4Addr::new(198, 51, 100, 77);
+        let mut pinned = ServicePlan::new("pinned", LbMode::Passthrough);
+        pinned.pods = pods(&lab, &[2]);
+        pinned.load_balancer_ip = Some(requested);
+        let pinned_vip = create_and_wait_for_ingress(&lab, &pinned).await;
+        assert_eq!(pinned_vip, requested, "spec.loadBalancerIP is honoured");
+        until_all_succeed(&lab, pinned_vip, 80, Duration::from_secs(20)).await;
+        assert_eq!(answering_pods(&lab, pinned_vip, 80, 20).await, pinned.pods);
+
+        let mut lost = ServicePlan::new("lost", LbMode::Proxy);
+        lost.pods = pods(&lab, &[1]);
+        lost.annotations
+            .insert(POOL_ANNOTATION.to_owned(), "nowhere".to_owned());
+        let message = create_and_wait_for_refusal(&lab, &lost, "UnknownAddressPool").await;
+        assert!(message.contains("nowhere"), "{message}");
+        // Nothing half-created, and the others are untouched.
+        let lbs = lab
+            .cloud
+            .list_load_balancers(&Default::default())
+            .await
+            .unwrap();
+        assert_eq!(lbs.len(), 2, "{lbs:?}");
+        for (plan, vip) in [(&blue, blue_vip), (&pinned, pinned_vip)] {
+            assert_eq!(
+                lab.condition_reason(plan).await.unwrap().as_deref(),
+                Some("LoadBalancerActive")
+            );
+            assert!(
+                !lab.events(plan)
+                    .await
+                    .unwrap()
+                    .iter()
+                    .any(|(kind, _, _)| kind == "Warning"),
+                "{} was warned about another Service's refusal",
+                plan.name
+            );
+            assert_eq!(answering_pods(&lab, vip, 80, 10).await, plan.pods);
+        }
+        lab
+    });
+}
+
+#[test]
+fn services_sharing_a_vip_reach_their_own_pods_in_both_modes() {
+    with_lab(&[1, 1, 0], |lab| async move {
+        for mode in [LbMode::Proxy, LbMode::Passthrough] {
+            let plan = |name: &str, port: u16, node: usize| {
+                let mut plan = ServicePlan::new(&format!("{}-{name}", mode.as_str()), mode);
+                plan.port = port;
+                plan.pods = pods(&lab, &[node]);
+                plan.annotations
+                    .insert(SHARED_IP_ANNOTATION.to_owned(), mode.as_str().to_owned());
+                plan
+            };
+            let first = plan("first", 80, 1);
+            let second = plan("second", 8080, 2);
+            let vip = create_and_wait_for_ingress(&lab, &first).await;
+            let second_vip = create_and_wait_for_ingress(&lab, &second).await;
+            assert_eq!(vip, second_vip, "{mode:?}: the same key shares one VIP");
+            until_all_succeed(&lab, vip, 80, Duration::from_secs(20)).await;
+            until_all_succeed(&lab, vip, 8080, Duration::from_secs(20)).await;
+            assert_eq!(
+                answering_pods(&lab, vip, 80, 30).await,
+                first.pods,
+                "{mode:?}"
+            );
+            assert_eq!(
+                answering_pods(&lab, vip, 8080, 30).await,
+                second.pods,
+                "{mode:?}"
+            );
+
+            // A third asking for the VIP on a port the first serves is refused, and only it
+            // hears of it (without asking, it would get an address of its own).
+            let mut clash = plan("clash", 80, 2);
+            clash.load_balancer_ip = Some(vip);
+            let message =
+                create_and_wait_for_refusal(&lab, &clash, "SharedAddressPortConflict").await;
+            assert!(message.contains("80"), "{message}");
+            for sharer in [&first, &second] {
+                assert_eq!(
+                    lab.condition_reason(sharer).await.unwrap().as_deref(),
+                    Some("LoadBalancerActive"),
+                    "{}",
+                    sharer.name
+                );
+            }
+            assert_eq!(
+                answering_pods(&lab, vip, 80, 20).await,
+                first.pods,
+                "{mode:?}"
+            );
+
+            // Deleting the second leaves the first's traffic untouched, during and after.
+            lab.delete_service(&second).await.unwrap();
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(4) {
+                assert_eq!(
+                    answering_pods(&lab, vip, 80, 10).await,
+                    first.pods,
+                    "{mode:?}"
+                );
+            }
+            // The VIP is freed with the last sharer.
+            let held = |pools: Vec<cloud_mock_sdk::Pool>| -> u64 {
+                pools.iter().map(|p| p.allocated).sum()
+            };
+            assert_eq!(
+                held(lab.cloud.list_pools().await.unwrap()),
+                1,
+                "{mode:?}: the first still holds the VIP"
+            );
+            lab.delete_service(&clash).await.unwrap();
+            lab.delete_service(&first).await.unwrap();
+            let start = Instant::now();
+            while held(lab.cloud.list_pools().await.unwrap()) != 0 {
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "{mode:?}: {vip} still allocated after its last sharer went"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
         lab
     });
 }
@@ -447,7 +613,7 @@ fn the_lab_runs_against_an_api_server_outside_it_through_the_relay() {
         let mut plan = ServicePlan::new("relayed", LbMode::Proxy);
         plan.pods = pods(&lab, &[1, 2]);
         let vip = create_and_wait_for_ingress(&lab, &plan).await;
-        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+        until_all_succeed(&lab, vip, 80, Duration::from_secs(20)).await;
         let svc = lab.service(&plan).await.unwrap();
         assert!(
             svc.spec
