@@ -110,6 +110,7 @@ localhostProfile: {{ required "seccompProfile.localhostProfile is required when 
 {{- with .Values.loadBalancerClass }}
 - --load-balancer-class={{ . }}
 {{- end }}
+- --claim-unclassed={{ .Values.claimUnclassed }}
 {{- if .Values.controller.leaderElection }}
 - --leader-elect
 - --leader-elect-namespace={{ .Release.Namespace }}

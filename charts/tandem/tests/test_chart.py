@@ -24,6 +24,7 @@ VALUE_SETS = {
         "cloud": {"url": "https://lb.example.net", "existingSecret": "cloud-creds", "existingSecretKey": "api-token"},
         "cloudMock": {"enabled": False},
         "loadBalancerClass": "tandem.example.net/lb",
+        "claimUnclassed": False,
         "controller": {"replicaCount": 3, "concurrency": 32, "priorityClassName": "system-cluster-critical"},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
         "log": {"format": "text", "level": "debug"},
@@ -198,6 +199,13 @@ def test_missing_cloud_settings_are_reported():
     with pytest.raises(helm.HelmError) as err:
         render({"cloudMock": {"enabled": False}, "cloud": {"url": "http://cloud:8080"}})
     assert "cloud.token or cloud.existingSecret is required" in str(err.value)
+
+
+def test_claiming_unclassed_services_follows_the_value():
+    args = container(render()[0], "Deployment", "-controller")["args"]
+    assert "--claim-unclassed=true" in args
+    args = container(render(VALUE_SETS["production-cloud"])[0], "Deployment", "-controller")["args"]
+    assert "--claim-unclassed=false" in args and "--load-balancer-class=tandem.example.net/lb" in args
 
 
 # ---- the rendered command lines against the binaries' real argument parsers ----
