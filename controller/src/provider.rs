@@ -1,7 +1,9 @@
 //! The cloud-provider seam: a provider-neutral description of the load balancer a Service
-//! needs, what a provider reports back, and the trait every cloud implements (modelled on
-//! `cloudprovider.LoadBalancer`: get / ensure / update backends / delete). Reconcile logic
-//! only ever talks to [`LoadBalancerProvider`], so adding a cloud touches nothing else.
+//! needs, what a provider reports back, and the trait every cloud implements (after
+//! `cloudprovider.LoadBalancer`, but split into get / create / update / delete so that the
+//! controller decides which one call a reconcile makes, plus list_owned for orphan
+//! collection). Reconcile logic only ever talks to [`LoadBalancerProvider`], so adding a
+//! cloud touches nothing else.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -383,8 +385,8 @@ impl ProviderError {
     }
 
     /// Permanent errors will not go away by retrying the same request soon; the Service
-    /// (or the cloud) has to change first. They are still retried, at the slow end of the
-    /// backoff.
+    /// (or the cloud) has to change first. The reconciler waits for that change, with a
+    /// slow backstop retry (`ratelimit::PERMANENT_ERROR_RETRY`).
     pub fn is_permanent(&self) -> bool {
         matches!(
             self,
