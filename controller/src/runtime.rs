@@ -99,6 +99,10 @@ pub struct Settings {
 /// Service changes a leader would reconcile, buffered for a leader that falls behind
 /// (one that lags re-reconciles everything from the store).
 const SERVICE_CHANGE_BUFFER: usize = 4096;
+/// How long a new leader waits for the Namespace cache (pool defaults) before it ensures
+/// Services anyway: a ClusterRole from before Namespace pools cannot list them, and must
+/// not keep the controller from serving.
+const NAMESPACES_READY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The watches and caches every replica keeps, leader or standby, so a hand-over starts
 /// with warm stores instead of a relist.
@@ -435,6 +439,16 @@ async fn run_leader<P: LoadBalancerProvider>(
         _ = async {
             gc::wait_ready(&watches.nodes).await;
             gc::wait_ready(&watches.services).await;
+            // Without it a start-up ensure could move a Namespace-pool LB to the default pool.
+            if tokio::time::timeout(NAMESPACES_READY_TIMEOUT, gc::wait_ready(&watches.namespaces))
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    waited = ?NAMESPACES_READY_TIMEOUT,
+                    "Namespaces are not listed yet (RBAC: namespaces get/list/watch); Namespace address pools apply once they are"
+                );
+            }
         } => {}
     }
     let (retry_tx, retry_rx) = mpsc::unbounded_channel();

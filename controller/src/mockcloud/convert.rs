@@ -69,16 +69,23 @@ pub fn backends(ips: &BTreeSet<Ipv4Addr>) -> Vec<sdk::Backend> {
 }
 
 /// The VIP an update keeps when none is requested: the assigned one, unless the LB moves
-/// to another pool (then the cloud allocates from the new pool).
+/// to another pool (then the cloud allocates from the new pool) or leaves the sharing key
+/// it had (then it leaves that key's shared VIP, as MetalLB re-allocates; the cloud gives
+/// it the new key's VIP or a fresh one). Taking a key when it had none keeps the VIP.
 pub fn kept_vip(
     desired: &DesiredLoadBalancer,
     vip: Option<Ipv4Addr>,
     pool: Option<&str>,
+    sharing_key: Option<&str>,
 ) -> Option<Ipv4Addr> {
-    match desired.address.pool.as_deref() {
-        Some(wanted) if pool.is_some_and(|current| current != wanted) => None,
-        _ => vip,
-    }
+    let moves_pool = desired
+        .address
+        .pool
+        .as_deref()
+        .is_some_and(|wanted| pool.is_some_and(|current| current != wanted));
+    let leaves_key =
+        sharing_key.is_some_and(|current| desired.address.sharing_key.as_deref() != Some(current));
+    if moves_pool || leaves_key { None } else { vip }
 }
 
 /// The SDK spec for `desired`; `current_vip` keeps an assigned VIP when none is requested
@@ -234,11 +241,24 @@ mod tests {
     fn moving_to_another_pool_gives_up_the_vip() {
         let d = desired();
         let vip = Some(Ipv4Addr::new(198, 51, 100, 3));
-        assert_eq!(kept_vip(&d, vip, Some("blue")), vip);
-        assert_eq!(kept_vip(&d, vip, Some("default")), None);
+        assert_eq!(kept_vip(&d, vip, Some("blue"), None), vip);
+        assert_eq!(kept_vip(&d, vip, Some("default"), None), None);
         let mut any_pool = desired();
         any_pool.address.pool = None;
-        assert_eq!(kept_vip(&any_pool, vip, Some("default")), vip);
+        assert_eq!(kept_vip(&any_pool, vip, Some("default"), None), vip);
+    }
+
+    #[test]
+    fn leaving_a_sharing_key_gives_up_its_vip_and_taking_one_keeps_it() {
+        let mut d = desired();
+        d.address.pool = None;
+        let vip = Some(Ipv4Addr::new(198, 51, 100, 3));
+        assert_eq!(kept_vip(&d, vip, None, Some("team-a")), None);
+        d.address.sharing_key = Some("team-b".to_owned());
+        assert_eq!(kept_vip(&d, vip, None, Some("team-a")), None);
+        assert_eq!(kept_vip(&d, vip, None, None), vip);
+        d.address.sharing_key = Some("team-a".to_owned());
+        assert_eq!(kept_vip(&d, vip, None, Some("team-a")), vip);
     }
 
     #[test]

@@ -199,7 +199,12 @@ impl MockCloudProvider {
                         ));
                     }
                     version = fresh.version;
-                    vip = kept_vip(desired, fresh.vip(), fresh.spec.address.pool.as_deref());
+                    vip = kept_vip(
+                        desired,
+                        fresh.vip(),
+                        fresh.spec.address.pool.as_deref(),
+                        fresh.spec.address.sharing_key.as_deref(),
+                    );
                 }
                 Err(err) => {
                     return Err(classify(&err, Operation::Update, Some(id)));
@@ -248,7 +253,12 @@ impl LoadBalancerProvider for MockCloudProvider {
             .update_with_retry(
                 &current.id,
                 current.version,
-                kept_vip(desired, current.vip, current.pool.as_deref()),
+                kept_vip(
+                    desired,
+                    current.vip,
+                    current.pool.as_deref(),
+                    current.sharing_key.as_deref(),
+                ),
                 desired,
             )
             .await?;

@@ -552,8 +552,6 @@ impl Lab {
         Ok(total)
     }
 
-    /// Packets counted by the rules of the chains named `chain` (or, when it ends in `-`,
-    /// starting with it, e.g. `KUBE-FW-`) of one table on a node (`iptables -L -v -x`).
     /// Waits until the node's nat table has a rule for `ip`: the node proxy has synced it.
     pub async fn wait_for_nat_rules(
         &self,
@@ -578,6 +576,8 @@ impl Lab {
         }
     }
 
+    /// Packets counted by the rules of the chains named `chain` (or, when it ends in `-`,
+    /// starting with it, e.g. `KUBE-FW-`) of one table on a node (`iptables -L -v -x`).
     pub async fn chain_packets(&self, node: &Netns, table: &str, chain: &str) -> Result<u64> {
         let out = node
             .exec_async(["iptables", "-w", "-t", table, "-L", "-v", "-x", "-n"])
