@@ -229,7 +229,7 @@ fn passthrough_serves_a_load_balancer_without_node_ports() {
             ports.iter().all(|p| p.node_port.is_none()),
             "the API server allocated node ports: {ports:?}"
         );
-        until_all_succeed(&lab, vip, Duration::from_secs(20)).await;
+        until_all_succeed(&lab, vip, 80, Duration::from_secs(20)).await;
         let spread = lab
             .http_requests(lab.topology.client_in_range(), vip, 80, 50)
             .await
