@@ -12,15 +12,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{
-    Event, Namespace, Node, NodeAddress, NodeStatus, Service, ServicePort, ServiceSpec,
-};
+use k8s_openapi::api::core::v1::{Event, Namespace, Node, NodeAddress, NodeStatus, Service};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector;
 use kube::runtime::watcher;
 use serde_json::json;
-use support::{condition_reason, ingress_ip};
+use support::{condition_reason, ingress_ip, lb_service};
 use tandem_controller::fake::{Call, FakeProvider};
 use tandem_controller::metrics::Metrics;
 use tandem_controller::plan::FINALIZER;
@@ -138,26 +136,13 @@ fn unavailable(operation: Operation) -> ProviderError {
     }
 }
 
+/// The shared harness's LoadBalancer Service with one TCP port, of our class.
 fn base_service(name: &str) -> Service {
-    Service {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some("default".into()),
-            ..Default::default()
-        },
-        spec: Some(ServiceSpec {
-            type_: Some("LoadBalancer".into()),
-            load_balancer_class: Some(CLASS.into()),
-            ports: Some(vec![ServicePort {
-                name: Some("http".into()),
-                port: 80,
-                protocol: Some("TCP".into()),
-                ..Default::default()
-            }]),
-            ..Default::default()
-        }),
-        status: None,
+    let mut svc = lb_service(name, &[(80, "TCP")]);
+    if let Some(spec) = svc.spec.as_mut() {
+        spec.load_balancer_class = Some(CLASS.into());
     }
+    svc
 }
 
 fn rows() -> Vec<Row> {
