@@ -4,6 +4,8 @@
 //! writes exactly the chains that differ.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
@@ -14,19 +16,11 @@ use proptest::prelude::*;
 use tandem_nodeproxy::change_tracker::ChangeTracker;
 use tandem_nodeproxy::convert::{SERVICE_NAME_LABEL, proxy_state};
 use tandem_proxy_rules::incremental::IncrementalRuleset;
-use tandem_proxy_rules::model::NodeConfig;
 use tandem_proxy_rules::ruleset::ChangedChains;
 
 const SERVICES: usize = 3;
 const SLICES: usize = 4;
 const NAMESPACE: &str = "default";
-
-fn node() -> NodeConfig {
-    NodeConfig {
-        node_name: "node-a".into(),
-        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
-    }
-}
 
 fn meta(name: String, labels: Option<BTreeMap<String, String>>) -> ObjectMeta {
     ObjectMeta {
@@ -270,7 +264,7 @@ proptest! {
     ) {
         let mut cluster = Cluster::default();
         let mut tracker = ChangeTracker::default();
-        let mut rules = IncrementalRuleset::new(node());
+        let mut rules = IncrementalRuleset::new(common::node());
         let mut previous = rules.ruleset().clone();
         // Each inner batch is what arrives between two syncs.
         for batch in changes {
@@ -281,7 +275,7 @@ proptest! {
             let changed = rules.update(&changes.current, &changes.ports);
             let full_state = proxy_state(cluster.services.values(), cluster.slices.values()).state;
             prop_assert_eq!(tracker.state(), &full_state);
-            let full = tandem_proxy_rules::build(&full_state, &node());
+            let full = tandem_proxy_rules::build(&full_state, &common::node());
             prop_assert_eq!(rules.ruleset(), &full);
             prop_assert_eq!(&changed, &ChangedChains::between(&previous, &full));
             prop_assert_eq!(

@@ -15,7 +15,7 @@ use tandem_netlab::Topology;
 use tandem_nodeproxy::backend::Backend;
 use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::restore::RestoreMode;
-use tandem_proxy_rules::model::{NodeConfig, Protocol};
+use tandem_proxy_rules::model::Protocol;
 
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
 const POD_PORT: u16 = 8080;
@@ -148,13 +148,7 @@ fn lb_ip_reaches_a_pod_from_an_allowed_source_and_is_dropped_on_the_node_otherwi
     tcp_pod(pod, 1);
 
     let state = reference_state(vec![endpoint(pod.ip.octets(), POD_PORT, &node.name)]);
-    let ruleset = tandem_proxy_rules::build(
-        &state,
-        &NodeConfig {
-            node_name: node.name.clone(),
-            cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
-        },
-    );
+    let ruleset = tandem_proxy_rules::build(&state, &node_named(&node.name));
     let backend = Backend::Nft;
     sync_on(node, backend, &ruleset);
     // Passthrough: the edge routes the LB IP to the node unchanged.
@@ -254,10 +248,7 @@ fn udp_through_a_service_follows_an_endpoint_replacement() {
         state
     };
     let (before, after) = (udp_state(pods[0]), udp_state(pods[1]));
-    let config = NodeConfig {
-        node_name: node.name.clone(),
-        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
-    };
+    let config = node_named(&node.name);
     let (rules_before, rules_after) = (
         tandem_proxy_rules::build(&before, &config),
         tandem_proxy_rules::build(&after, &config),
@@ -337,13 +328,7 @@ fn node_port_from_outside_reaches_a_pod_on_another_node_masqueraded() {
     let pod = topo.pods_on(2).next().unwrap();
     tcp_pod(pod, 1);
     let state = reference_state(vec![endpoint(pod.ip.octets(), POD_PORT, &node2.name)]);
-    let ruleset = tandem_proxy_rules::build(
-        &state,
-        &NodeConfig {
-            node_name: node1.name.clone(),
-            cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
-        },
-    );
+    let ruleset = tandem_proxy_rules::build(&state, &node_named(&node1.name));
     sync_on(node1, Backend::Nft, &ruleset);
 
     // NodePorts have no source ranges: the client outside them gets through too.
@@ -375,10 +360,7 @@ fn connections_survive_a_rolling_update_of_the_only_local_pod() {
         }
         state
     };
-    let config = NodeConfig {
-        node_name: node1.name.clone(),
-        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
-    };
+    let config = node_named(&node1.name);
     let backend = Backend::Nft;
     let old_ready = endpoint(old.ip.octets(), POD_PORT, &node1.name);
     let new_ready = endpoint(new.ip.octets(), POD_PORT, &node2.name);
@@ -481,10 +463,7 @@ fn internal_traffic_policy_local_keeps_cluster_ip_traffic_on_the_node() {
         }
         state
     };
-    let config = NodeConfig {
-        node_name: node1.name.clone(),
-        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
-    };
+    let config = node_named(&node1.name);
     let backend = Backend::Nft;
     let local_ready = endpoint(local_pod.ip.octets(), POD_PORT, &node1.name);
     let remote_ready = endpoint(remote_pod.ip.octets(), POD_PORT, &node2.name);

@@ -121,8 +121,13 @@ pub fn lines_with(save: &str, needle: &str) -> Vec<String> {
 }
 
 pub fn node() -> NodeConfig {
+    node_named("node-a")
+}
+
+/// The node proxy's view of node `name` in the test cluster (pods in 10.244.0.0/16).
+pub fn node_named(name: &str) -> NodeConfig {
     NodeConfig {
-        node_name: "node-a".into(),
+        node_name: name.into(),
         cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
     }
 }
