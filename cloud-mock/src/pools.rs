@@ -5,17 +5,17 @@ use std::net::Ipv4Addr;
 use std::str::FromStr;
 
 use ipnet::Ipv4Net;
+use tandem_common::is_dns1123_label;
 
 /// The pool a load balancer gets when it names none.
 pub const DEFAULT_POOL: &str = "default";
-const MAX_POOL_NAME_LEN: usize = 63;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PoolsError {
     #[error("VIP pool {text:?}: expected CIDR or NAME=CIDR ({reason})")]
     Syntax { text: String, reason: String },
     #[error(
-        "VIP pool name {name:?}: 1 to {MAX_POOL_NAME_LEN} lowercase letters, digits and '-', starting and ending with a letter or digit"
+        "VIP pool name {name:?}: 1 to 63 lowercase letters, digits and '-', starting and ending with a letter or digit"
     )]
     Name { name: String },
     #[error("VIP pool {name} is given twice")]
@@ -41,7 +41,7 @@ impl FromStr for VipPool {
             Some((name, cidr)) => (name.trim(), cidr.trim()),
             None => (DEFAULT_POOL, text.trim()),
         };
-        if !is_pool_name(name) {
+        if !is_dns1123_label(name) {
             return Err(PoolsError::Name {
                 name: name.to_owned(),
             });
@@ -56,18 +56,6 @@ impl FromStr for VipPool {
             cidr: cidr.trunc(),
         })
     }
-}
-
-/// A DNS label, as Kubernetes names are: what an annotation may carry.
-pub fn is_pool_name(name: &str) -> bool {
-    let bytes = name.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= MAX_POOL_NAME_LEN
-        && bytes
-            .iter()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
-        && bytes.first() != Some(&b'-')
-        && bytes.last() != Some(&b'-')
 }
 
 /// Every pool, by name; no two overlap.

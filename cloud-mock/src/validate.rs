@@ -7,7 +7,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use cloud_mock_sdk::{HealthCheckProtocol, LoadBalancerSpec};
 use ipnet::Ipv4Net;
 
-use crate::pools::{VipPools, is_pool_name, vip_in_pool};
+use crate::pools::{VipPools, vip_in_pool};
+use tandem_common::is_dns1123_label;
 
 pub const MAX_NAME_LEN: usize = 253;
 pub const MAX_TAGS: usize = 64;
@@ -193,7 +194,7 @@ fn placement(spec: &LoadBalancerSpec, pools: &VipPools) -> Result<Placement, Spe
     }
     let named = match &spec.address.pool {
         Some(name) => {
-            if !is_pool_name(name) {
+            if !is_dns1123_label(name) {
                 return Err(invalid("pool", format!("{name:?} is not a pool name")));
             }
             let cidr = pools

@@ -24,6 +24,16 @@ pub const NODE_HEALTHZ_PORT: u16 = 10256;
 /// leaves the load balancers' backends and fails the node health check (KEP-3458).
 pub const TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER: &str = "ToBeDeletedByClusterAutoscaler";
 
+/// A DNS-1123 label, as Kubernetes validates names: 1 to 63 lowercase letters, digits and
+/// `-`, starting and ending with a letter or digit. Address-pool names follow it too.
+pub fn is_dns1123_label(s: &str) -> bool {
+    (1..=63).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
 /// `--log-format`: human-readable lines or one JSON object per line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum LogFormat {
@@ -129,6 +139,14 @@ impl From<GoDuration> for Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dns1123_labels() {
+        assert!(is_dns1123_label("blue-2") && is_dns1123_label(&"x".repeat(63)));
+        for bad in ["", "-a", "a-", "A", "a_b", &"x".repeat(64)] {
+            assert!(!is_dns1123_label(bad), "{bad:?}");
+        }
+    }
 
     #[test]
     fn go_durations_parse() {

@@ -12,7 +12,8 @@ pub use tandem_common::LogFormat;
 use crate::provider::ClusterId;
 use crate::release::ReleaseArgs;
 use crate::runtime::{LeaderElection, Settings};
-use crate::spec::{ClassFilter, WithoutNodePorts, is_pool_name};
+use crate::spec::{ClassFilter, WithoutNodePorts};
+use tandem_common::is_dns1123_label;
 
 /// Provisions cloud load balancers for Kubernetes Services of type LoadBalancer.
 #[derive(Debug, Clone, Parser)]
@@ -117,7 +118,7 @@ pub enum Command {
 }
 
 fn parse_pool_name(raw: &str) -> Result<String, String> {
-    if is_pool_name(raw) {
+    if is_dns1123_label(raw) {
         Ok(raw.to_owned())
     } else {
         Err(

@@ -8,6 +8,7 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::Ipv4Net;
 use k8s_openapi::api::core::v1::{Namespace, Service};
+use tandem_common::is_dns1123_label;
 
 use crate::provider::{
     AddressRequest, ClusterId, DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, Listener,
@@ -275,16 +276,6 @@ pub fn namespace_pool(namespace: &Namespace) -> Option<&str> {
     pool_annotation(namespace.metadata.annotations.as_ref())
 }
 
-/// Whether `name` can name an address pool: a DNS label, as Kubernetes names are.
-pub fn is_pool_name(name: &str) -> bool {
-    (1..=63).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !name.starts_with('-')
-        && !name.ends_with('-')
-}
-
 /// Where the LB's address comes from: the Service's pool annotation, else `inherited_pool`
 /// (its Namespace's, else the controller's default); the requested addresses; the sharing key.
 pub fn address_request(
@@ -292,7 +283,7 @@ pub fn address_request(
     inherited_pool: Option<&str>,
 ) -> Result<AddressRequest, SpecError> {
     let pool = pool_annotation(svc.metadata.annotations.as_ref()).or(inherited_pool);
-    if let Some(pool) = pool.filter(|p| !is_pool_name(p)) {
+    if let Some(pool) = pool.filter(|p| !is_dns1123_label(p)) {
         return Err(SpecError::BadPoolName(pool.to_owned()));
     }
     Ok(AddressRequest {
@@ -791,7 +782,6 @@ pub(crate) mod tests {
                 "{bad}"
             );
         }
-        assert!(is_pool_name("blue-2") && is_pool_name(&"x".repeat(63)));
         let mut namespace = Namespace::default();
         assert_eq!(namespace_pool(&namespace), None);
         namespace.metadata.annotations = Some(BTreeMap::from([(

@@ -9,6 +9,7 @@ use std::str::FromStr;
 
 use ipnet::Ipv4Net;
 use serde_json::{Value, json};
+use tandem_common::is_dns1123_label;
 
 use crate::status::FieldError;
 
@@ -313,15 +314,6 @@ fn is_dns1035_label(s: &str) -> bool {
         && bytes
             .iter()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
-        && !s.ends_with('-')
-}
-
-fn is_dns1123_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
         && !s.ends_with('-')
 }
 
