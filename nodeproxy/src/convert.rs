@@ -33,7 +33,7 @@ pub fn service_selector() -> String {
 pub fn slice_selector() -> String {
     format!("{},{SERVICE_NAME_LABEL}", service_selector())
 }
-/// Taint the cluster autoscaler puts on a node it is about to delete (KEP-3836).
+
 /// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT_SECONDS: u32 = 10_800;
 
