@@ -455,10 +455,18 @@ fn place(
             let (vip, value) = entry.map_err(db_error)?;
             let vip = Ipv4Addr::from(vip.value());
             let sharers = decode_holders(vip, value.value())?;
-            if sharers.sharing_key == spec.address.sharing_key
-                && check_sharing(lbs, vip, &sharers, id, spec).is_ok()
-            {
-                return Ok(vip);
+            if sharers.sharing_key != spec.address.sharing_key {
+                continue;
+            }
+            // A refusal means "look further"; a database or decoding error is no answer.
+            match check_sharing(lbs, vip, &sharers, id, spec) {
+                Ok(()) => return Ok(vip),
+                Err(
+                    StoreError::VipTaken { .. }
+                    | StoreError::PortConflict { .. }
+                    | StoreError::SharingModeMismatch { .. },
+                ) => {}
+                Err(err) => return Err(err),
             }
         }
     }
@@ -857,6 +865,25 @@ mod tests {
             create(&store, &newcomer, None).unwrap().load_balancer.vip(),
             web.vip()
         );
+    }
+
+    #[test]
+    fn a_corrupt_sharer_fails_the_create_instead_of_taking_a_fresh_address() {
+        let dir = TempDir::new("store-corrupt-sharer");
+        let store = open(&dir);
+        let web = create(&store, &sharer("web", "k", &[80]), None)
+            .unwrap()
+            .load_balancer;
+        let txn = store.db.begin_write().unwrap();
+        txn.open_table(LOAD_BALANCERS)
+            .unwrap()
+            .insert(web.id.as_str(), b"not json".as_slice())
+            .unwrap();
+        txn.commit().unwrap();
+        assert!(matches!(
+            create(&store, &sharer("dns", "k", &[53]), None),
+            Err(StoreError::Corrupt { .. })
+        ));
     }
 
     #[test]
