@@ -14,22 +14,11 @@ use std::time::Instant;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 use kube::runtime::watcher::Event;
 use tandem_proxy_rules::model::{ProxyState, ServicePort, ServicePortName};
 
-use crate::convert::{self, Skipped};
-
-/// `(namespace, name)` of a watched object.
-type ObjectKey = (String, String);
-
-fn key_of(meta: &ObjectMeta) -> ObjectKey {
-    (
-        meta.namespace.clone().unwrap_or_default(),
-        meta.name.clone().unwrap_or_default(),
-    )
-}
+use crate::convert::{self, ObjectKey, Skipped, object_key};
 
 /// The Service ports that changed since the previous [`ChangeTracker::take`], with their
 /// entries then and now (ports that are not in a state have no entry there).
@@ -101,7 +90,7 @@ impl<K: Resource> Objects<K> {
                 Vec::new()
             }
             Event::InitApply(object) => {
-                let key = key_of(object.meta());
+                let key = object_key(object.meta());
                 if let Some(seen) = &mut self.relisting {
                     seen.insert(key.clone());
                 }
@@ -123,11 +112,11 @@ impl<K: Resource> Objects<K> {
                     .collect()
             }
             Event::Apply(object) => {
-                let key = key_of(object.meta());
+                let key = object_key(object.meta());
                 vec![self.put(key, object)]
             }
             Event::Delete(object) => {
-                vec![(self.by_key.remove(&key_of(object.meta())), None)]
+                vec![(self.by_key.remove(&object_key(object.meta())), None)]
             }
         }
     }
@@ -214,7 +203,7 @@ impl ChangeTracker {
         else {
             return;
         };
-        let (namespace, name) = key_of(&slice.metadata);
+        let (namespace, name) = object_key(&slice.metadata);
         let service_key = (namespace, service.clone());
         if present {
             self.slices_by_service

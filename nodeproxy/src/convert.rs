@@ -10,6 +10,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use ipnet::Ipv4Net;
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort as K8sServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
 use tandem_proxy_rules::model::{
     Endpoint, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort, ServicePortName,
@@ -137,17 +138,20 @@ pub fn node_addresses(node: &Node) -> Vec<Ipv4Addr> {
         .collect()
 }
 
-/// `(namespace, name)` of a Service.
-pub fn service_id(service: &Service) -> (String, String) {
+/// `(namespace, name)` of a watched object.
+pub(crate) type ObjectKey = (String, String);
+
+/// The [`ObjectKey`] of an object from its metadata.
+pub(crate) fn object_key(meta: &ObjectMeta) -> ObjectKey {
     (
-        service.metadata.namespace.clone().unwrap_or_default(),
-        service.metadata.name.clone().unwrap_or_default(),
+        meta.namespace.clone().unwrap_or_default(),
+        meta.name.clone().unwrap_or_default(),
     )
 }
 
 /// The Service ports of one Service (none for headless and ExternalName Services).
 pub fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePort> {
-    let (namespace, name) = service_id(service);
+    let (namespace, name) = object_key(&service.metadata);
     let id = format!("{namespace}/{name}");
     let Some(spec) = service.spec.as_ref() else {
         return Vec::new();
