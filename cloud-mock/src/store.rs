@@ -298,7 +298,13 @@ impl Store {
                 });
             }
             let current_vip = lb.vip();
-            let current_pool = lb.spec.address.pool.clone().unwrap_or_default();
+            // Records written before pools existed name none: theirs is the default pool.
+            let current_pool = lb
+                .spec
+                .address
+                .pool
+                .clone()
+                .unwrap_or_else(|| DEFAULT_POOL.to_owned());
             let (pool, cidr) = match &placement.pool {
                 Some(pool) => pool.clone(),
                 None => {
@@ -884,6 +890,22 @@ mod tests {
             create(&store, &sharer("dns", "k", &[53]), None),
             Err(StoreError::Corrupt { .. })
         ));
+    }
+
+    #[test]
+    fn a_record_from_before_pools_updates_in_the_default_pool() {
+        let dir = TempDir::new("store-no-pool");
+        let store = open(&dir);
+        let mut lb = create(&store, &spec("a"), None).unwrap().load_balancer;
+        lb.spec.address.pool = None;
+        let txn = store.db.begin_write().unwrap();
+        write_lb(&mut txn.open_table(LOAD_BALANCERS).unwrap(), &lb).unwrap();
+        txn.commit().unwrap();
+        let mut changed = spec("a");
+        changed.backends.pop();
+        let updated = update(&store, &lb.id, &changed, 1).unwrap();
+        assert_eq!(updated.spec.address.pool.as_deref(), Some(DEFAULT_POOL));
+        assert_eq!(updated.vip(), lb.vip());
     }
 
     #[test]
