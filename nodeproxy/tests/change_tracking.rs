@@ -1,4 +1,4 @@
-//! Property: for random sequences of Service, EndpointSlice and Node watch events
+//! Property: for random sequences of Service and EndpointSlice watch events
 //! (relists included), the ruleset kept by the change tracker and the incremental build
 //! equals a full conversion and build of the same objects after every step, and a sync
 //! writes exactly the chains that differ.
@@ -140,8 +140,6 @@ enum Change {
         slices: bool,
         keep: Vec<bool>,
     },
-    /// A Node update: the rules do not depend on it.
-    Node,
 }
 
 fn service_shape() -> impl Strategy<Value = ServiceShape> {
@@ -197,7 +195,6 @@ fn change() -> impl Strategy<Value = Change> {
         1 => (0..SLICES).prop_map(Change::DeleteSlice),
         1 => (any::<bool>(), prop::collection::vec(any::<bool>(), SLICES))
             .prop_map(|(slices, keep)| Change::Relist { slices, keep }),
-        1 => Just(Change::Node),
     ]
 }
 
@@ -251,7 +248,6 @@ fn step(cluster: &mut Cluster, tracker: &mut ChangeTracker, change: Change) {
             }
             tracker.record_service(Event::InitDone);
         }
-        Change::Node => {}
     }
 }
 
