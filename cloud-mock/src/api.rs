@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, MethodRouter, on};
 use cloud_mock_dataplane::DataPlane;
 use cloud_mock_sdk::{
-    Faults, ListFilter, LoadBalancerList, LoadBalancerSpec, LostAnswer, Pool, PoolList,
+    Faults, ListFilter, LoadBalancerList, LoadBalancerSpec, LostAnswer, PoolList,
 };
 use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use prometheus_client::registry::Registry;
@@ -568,16 +568,7 @@ async fn delete_load_balancer(
 }
 
 async fn list_pools(State(state): State<AppState>) -> Result<Json<PoolList>, ApiError> {
-    let pools = state.store.call(Store::pool_use).await?;
-    let items = pools
-        .into_iter()
-        .map(|pool| Pool {
-            name: pool.name,
-            cidr: pool.cidr,
-            size: pool.size,
-            allocated: pool.allocated,
-        })
-        .collect();
+    let items = state.store.call(Store::pool_use).await?;
     Ok(Json(PoolList { items }))
 }
 

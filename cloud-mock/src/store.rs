@@ -7,7 +7,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use cloud_mock_sdk::{LoadBalancerSpec, Mode, Protocol, State};
+use cloud_mock_sdk::{LoadBalancerSpec, Mode, Pool, Protocol, State};
 use ipnet::Ipv4Net;
 use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
 use serde::{Deserialize, Serialize};
@@ -107,15 +107,6 @@ pub struct Created {
     pub is_new: bool,
 }
 
-/// A pool with its use, for the pool list.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PoolUse {
-    pub name: String,
-    pub cidr: Ipv4Net,
-    pub size: u64,
-    pub allocated: u64,
-}
-
 /// Handle on the database; clones share it.
 #[derive(Clone)]
 pub struct Store {
@@ -153,7 +144,7 @@ impl Store {
     }
 
     /// Every pool with the number of its addresses in use.
-    pub fn pool_use(&self) -> Result<Vec<PoolUse>, StoreError> {
+    pub fn pool_use(&self) -> Result<Vec<Pool>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
         let holders = txn.open_table(VIP_HOLDERS).map_err(db_error)?;
         self.pools
@@ -161,7 +152,7 @@ impl Store {
             .map(|(name, cidr)| {
                 let range = u32::from(cidr.network())..=u32::from(cidr.broadcast());
                 let allocated = holders.range(range).map_err(db_error)?.count() as u64;
-                Ok(PoolUse {
+                Ok(Pool {
                     name: name.to_owned(),
                     cidr,
                     size: pool_size(cidr),
