@@ -8,6 +8,7 @@ use tandem_nodeproxy::backend::Backend;
 use super::cluster::{Scale, thousands};
 use super::kernel::{Incremental, SyncRun};
 use super::rss::RssRun;
+use crate::controller::quantile;
 use crate::report::{Row, Section, Target, Value};
 
 /// Our overhead over a raw restore of the same first-sync payload.
@@ -58,17 +59,6 @@ pub struct BackendResult {
     pub backend: Backend,
     pub scales: Vec<ScaleResult>,
     pub rss: Option<RssResult>,
-}
-
-/// The nearest-rank `q` quantile (0 < q ≤ 1); zero when empty.
-pub fn percentile(values: &[Duration], q: f64) -> Duration {
-    let mut sorted = values.to_vec();
-    sorted.sort();
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted
-        .get(rank.saturating_sub(1).min(sorted.len().saturating_sub(1)))
-        .copied()
-        .unwrap_or(Duration::ZERO)
 }
 
 /// The middle value (the mean of the two middle ones for an even count); zero when empty.
@@ -231,7 +221,8 @@ fn scale_rows(backend: Backend, result: &ScaleResult, section: &mut Section) {
                     "network programming latency {name}, {label} (EndpointSlice change seen → rules applied, {} changes)",
                     latencies.len()
                 ),
-                ours: seconds(percentile(&latencies, q)),
+                // `all` is not empty here, so neither is `latencies`.
+                ours: seconds(quantile(&latencies, q).unwrap_or_default()),
                 limit: None,
                 target: None,
             });
@@ -475,15 +466,6 @@ mod tests {
                     && n.contains("one endpoint added, 2,700 LoadBalancer × 10, absolute"))
         );
         assert!(section.notes.iter().any(|n| n.contains("125 s")));
-    }
-
-    #[test]
-    fn percentiles_are_nearest_rank() {
-        let values: Vec<Duration> = (1..=100).map(d).collect();
-        assert_eq!(percentile(&values, 0.5), d(50));
-        assert_eq!(percentile(&values, 0.99), d(99));
-        assert_eq!(percentile(&[d(7)], 0.99), d(7));
-        assert_eq!(percentile(&[], 0.5), Duration::ZERO);
     }
 
     #[test]
