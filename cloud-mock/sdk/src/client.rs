@@ -64,10 +64,12 @@ impl Client {
         options: ClientOptions,
     ) -> Result<Self, Error> {
         let base_url = Url::parse(base_url).map_err(|err| Error::Invalid {
+            code: None,
             message: format!("base URL {base_url:?}: {err}"),
         })?;
         if base_url.cannot_be_a_base() || !matches!(base_url.scheme(), "http" | "https") {
             return Err(Error::Invalid {
+                code: None,
                 message: format!("base URL {base_url} is not an http(s) URL"),
             });
         }
@@ -177,6 +179,7 @@ impl Client {
         let mut url = self.inner.base_url.clone();
         url.path_segments_mut()
             .map_err(|()| Error::Invalid {
+                code: None,
                 message: format!("base URL {} cannot take a path", self.inner.base_url),
             })?
             .pop_if_empty()
@@ -239,24 +242,34 @@ pub(crate) fn error_from_response(
     retry_after: Option<Duration>,
     body: &[u8],
 ) -> Error {
-    let message = match serde_json::from_slice::<ErrorBody>(body) {
-        Ok(parsed) => format!("{}: {}", parsed.error.code, parsed.error.message),
-        Err(_) => format!(
-            "HTTP {status}: {}",
-            String::from_utf8_lossy(&body[..body.len().min(200)])
+    let (code, detail) = match serde_json::from_slice::<ErrorBody>(body) {
+        Ok(parsed) => (Some(parsed.error.code), parsed.error.message),
+        Err(_) => (
+            None,
+            format!(
+                "HTTP {status}: {}",
+                String::from_utf8_lossy(&body[..body.len().min(200)])
+            ),
         ),
     };
+    let message = crate::error::coded(&code, &detail);
     match status {
         StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => Error::Unauthorized,
         StatusCode::NOT_FOUND => Error::NotFound { message },
-        StatusCode::CONFLICT | StatusCode::PRECONDITION_FAILED => Error::Conflict { message },
+        StatusCode::CONFLICT | StatusCode::PRECONDITION_FAILED => Error::Conflict {
+            code,
+            message: detail,
+        },
         StatusCode::TOO_MANY_REQUESTS => Error::RateLimited {
             retry_after: retry_after.unwrap_or(Duration::from_secs(1)),
         },
         status if status.is_server_error() || status == StatusCode::REQUEST_TIMEOUT => {
             Error::Unavailable { message }
         }
-        _ => Error::Invalid { message },
+        _ => Error::Invalid {
+            code,
+            message: detail,
+        },
     }
 }
 
@@ -324,7 +337,10 @@ mod tests {
     fn statuses_map_to_typed_errors() {
         let body = br#"{"error": {"code": "vip-taken", "message": "127.77.0.9 is in use"}}"#;
         match error_from_response(StatusCode::CONFLICT, None, body) {
-            Error::Conflict { message } => assert!(message.contains("127.77.0.9 is in use")),
+            Error::Conflict { code, message } => {
+                assert_eq!(code.as_deref(), Some("vip-taken"));
+                assert_eq!(message, "127.77.0.9 is in use");
+            }
             other => panic!("unexpected {other:?}"),
         }
         assert!(matches!(

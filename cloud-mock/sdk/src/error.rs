@@ -6,16 +6,23 @@ use std::time::Duration;
 pub enum Error {
     #[error("not found: {message}")]
     NotFound { message: String },
-    /// The requested VIP is taken, or the version sent in `If-Match` is stale.
-    #[error("conflict: {message}")]
-    Conflict { message: String },
+    /// The requested VIP is taken, or the version sent in `If-Match` is stale; `code` is
+    /// the cloud's error code (`vip-taken`, `version-mismatch`, ...) when it sent one.
+    #[error("conflict: {}", coded(.code, .message))]
+    Conflict {
+        code: Option<String>,
+        message: String,
+    },
     #[error("rate limited: retry after {retry_after:?}")]
     RateLimited { retry_after: Duration },
     #[error("cloud unavailable: {message}")]
     Unavailable { message: String },
     /// The request was rejected as invalid; sending it again will not help.
-    #[error("invalid request: {message}")]
-    Invalid { message: String },
+    #[error("invalid request: {}", coded(.code, .message))]
+    Invalid {
+        code: Option<String>,
+        message: String,
+    },
     #[error("unauthorized: the cloud rejected the token")]
     Unauthorized,
     #[error("transport: {0}")]
@@ -24,7 +31,24 @@ pub enum Error {
     Decode(#[source] serde_json::Error),
 }
 
+/// `code: message`, the way the cloud's JSON error reads, or the message alone.
+pub(crate) fn coded(code: &Option<String>, message: &str) -> String {
+    match code {
+        Some(code) => format!("{code}: {message}"),
+        None => message.to_owned(),
+    }
+}
+
 impl Error {
+    /// The cloud's error code of a refused request (conflict or invalid), for callers that
+    /// act on the reason rather than the class.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            Error::Conflict { code, .. } | Error::Invalid { code, .. } => code.as_deref(),
+            _ => None,
+        }
+    }
+
     /// True for failures that may pass by themselves: rate limits, unavailability and
     /// transport errors (timeouts, refused connections).
     pub fn is_retryable(&self) -> bool {
@@ -55,6 +79,7 @@ mod tests {
         );
         assert!(
             !Error::Conflict {
+                code: None,
                 message: String::new()
             }
             .is_retryable()
@@ -67,6 +92,7 @@ mod tests {
         );
         assert!(
             !Error::Invalid {
+                code: None,
                 message: String::new()
             }
             .is_retryable()

@@ -6,8 +6,7 @@ use cloud_mock_sdk as sdk;
 
 use crate::provider::{AddressRefusal, Operation, ProviderError};
 
-/// The cloud's error code for each address refusal. The SDK puts the code first in its
-/// error message (`code: message`).
+/// The cloud's error code for each address refusal.
 const ADDRESS_REFUSALS: [(&str, AddressRefusal); 6] = [
     ("unknown-pool", AddressRefusal::UnknownPool),
     ("pool-exhausted", AddressRefusal::PoolExhausted),
@@ -17,28 +16,28 @@ const ADDRESS_REFUSALS: [(&str, AddressRefusal); 6] = [
     ("sharing-mode-mismatch", AddressRefusal::SharingModeMismatch),
 ];
 
-/// The address refusal a `code: message` error carries, with the cloud's message.
-fn address_refusal(message: &str) -> Option<ProviderError> {
-    let (code, rest) = message.split_once(": ")?;
+/// The address refusal an SDK error carries, by the cloud's error code.
+fn address_refusal(err: &sdk::Error) -> Option<AddressRefusal> {
+    let code = err.code()?;
     ADDRESS_REFUSALS
         .iter()
         .find(|(known, _)| *known == code)
-        .map(|(_, refusal)| ProviderError::AddressRefused {
-            refusal: *refusal,
-            message: rest.to_owned(),
-        })
+        .map(|(_, refusal)| *refusal)
 }
 
-pub fn is_address_refusal(message: &str) -> bool {
-    address_refusal(message).is_some()
+pub fn is_address_refusal(err: &sdk::Error) -> bool {
+    address_refusal(err).is_some()
 }
 
 /// The SDK error as a provider error.
 pub fn classify(err: &sdk::Error, operation: Operation, id: Option<&str>) -> ProviderError {
-    if let sdk::Error::Conflict { message } | sdk::Error::Invalid { message } = err
-        && let Some(refused) = address_refusal(message)
+    if let sdk::Error::Conflict { message, .. } | sdk::Error::Invalid { message, .. } = err
+        && let Some(refusal) = address_refusal(err)
     {
-        return refused;
+        return ProviderError::AddressRefused {
+            refusal,
+            message: message.clone(),
+        };
     }
     match err {
         sdk::Error::NotFound { .. } => ProviderError::NotFound {
@@ -48,7 +47,7 @@ pub fn classify(err: &sdk::Error, operation: Operation, id: Option<&str>) -> Pro
             operation,
             id: id.unwrap_or_default().to_owned(),
         },
-        sdk::Error::Invalid { message } => ProviderError::Invalid {
+        sdk::Error::Invalid { message, .. } => ProviderError::Invalid {
             operation,
             message: message.clone(),
         },
@@ -108,16 +107,22 @@ mod tests {
     #[test]
     fn every_address_code_is_its_own_refusal() {
         for (code, refusal) in ADDRESS_REFUSALS {
-            let message = format!("{code}: pool blue (198.51.100.128/25) says no");
+            let message = "pool blue (198.51.100.128/25) says no".to_owned();
+            let wire_code = Some(code.to_owned());
             let as_conflict = sdk::Error::Conflict {
+                code: wire_code.clone(),
                 message: message.clone(),
             };
-            let as_invalid = sdk::Error::Invalid { message };
+            let as_invalid = sdk::Error::Invalid {
+                code: wire_code,
+                message,
+            };
             assert_eq!(refusal_of(&as_conflict), Some(refusal), "{code}");
             assert_eq!(refusal_of(&as_invalid), Some(refusal), "{code}");
         }
         let taken = sdk::Error::Conflict {
-            message: "vip-taken: VIP 198.51.100.9 is in use by lb-1".into(),
+            code: Some("vip-taken".into()),
+            message: "VIP 198.51.100.9 is in use by lb-1".into(),
         };
         assert_eq!(
             classify(&taken, Operation::Create, None).to_string(),
@@ -128,14 +133,16 @@ mod tests {
     #[test]
     fn other_errors_are_classified() {
         let stale = sdk::Error::Conflict {
-            message: "version-mismatch: load balancer lb-1 is at version 3, not 2".into(),
+            code: Some("version-mismatch".into()),
+            message: "load balancer lb-1 is at version 3, not 2".into(),
         };
         assert!(matches!(
             classify(&stale, Operation::Update, Some("lb-1")),
             ProviderError::Conflict { .. }
         ));
         let invalid = sdk::Error::Invalid {
-            message: "invalid: listeners: empty".into(),
+            code: Some("invalid".into()),
+            message: "listeners: empty".into(),
         };
         assert!(matches!(
             classify(&invalid, Operation::Create, None),

@@ -183,8 +183,8 @@ impl MockCloudProvider {
             {
                 Ok(lb) => return Ok(lb),
                 // A stale version is worth a re-read; an address refusal is not.
-                Err(sdk::Error::Conflict { message })
-                    if conflicts < MAX_CONFLICT_RETRIES && !is_address_refusal(&message) =>
+                Err(conflict @ sdk::Error::Conflict { .. })
+                    if conflicts < MAX_CONFLICT_RETRIES && !is_address_refusal(&conflict) =>
                 {
                     conflicts += 1;
                     let Some(fresh) = self.get_raw(id).await? else {
@@ -192,11 +192,7 @@ impl MockCloudProvider {
                     };
                     // Same version: the conflict is not about the version (the LB is deleting).
                     if fresh.version == version {
-                        return Err(classify(
-                            &sdk::Error::Conflict { message },
-                            Operation::Update,
-                            Some(id),
-                        ));
+                        return Err(classify(&conflict, Operation::Update, Some(id)));
                     }
                     version = fresh.version;
                     vip = kept_vip(
