@@ -26,7 +26,7 @@ use crate::faults::{FaultState, MAX_LATENCY_MS, Verdict, validate_faults};
 use crate::lifecycle::now_ms;
 use crate::metrics::Metrics;
 use crate::model::{StoredLoadBalancer, to_wire, wire_health};
-use crate::store::Store;
+use crate::store::{Store, Transition};
 use crate::validate::validate_spec;
 
 /// The OpenAPI document of this API, served at `/openapi.yaml`.
@@ -555,10 +555,14 @@ async fn delete_load_balancer(
         .await?;
     Ok(match deleting {
         // Deleting one already being deleted commits nothing.
-        Some(lb) if lb.state_since_ms != now => {
-            (StatusCode::ACCEPTED, Json(answer(&state, &lb))).into_response()
-        }
-        Some(lb) => {
+        Some(Transition {
+            load_balancer: lb,
+            changed: false,
+        }) => (StatusCode::ACCEPTED, Json(answer(&state, &lb))).into_response(),
+        Some(Transition {
+            load_balancer: lb,
+            changed: true,
+        }) => {
             tracing::info!(lb = %lb.id, "load balancer deleting");
             state.lifecycle_wake.notify_one();
             committed((StatusCode::ACCEPTED, Json(answer(&state, &lb))).into_response())

@@ -107,6 +107,14 @@ pub struct Created {
     pub is_new: bool,
 }
 
+/// What a state transition found or did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transition {
+    pub load_balancer: StoredLoadBalancer,
+    /// False when the load balancer was already in the target state: nothing was written.
+    pub changed: bool,
+}
+
 /// Handle on the database; clones share it.
 #[derive(Clone)]
 pub struct Store {
@@ -332,11 +340,7 @@ impl Store {
 
     /// Starts deleting `id`; `None` when there is no such load balancer. Deleting one that
     /// is already being deleted changes nothing.
-    pub fn mark_deleting(
-        &self,
-        id: &str,
-        now_ms: u64,
-    ) -> Result<Option<StoredLoadBalancer>, StoreError> {
+    pub fn mark_deleting(&self, id: &str, now_ms: u64) -> Result<Option<Transition>, StoreError> {
         self.transition(
             id,
             &[State::Provisioning, State::Active],
@@ -346,11 +350,7 @@ impl Store {
     }
 
     /// Moves `id` from provisioning to active; `None` when it is gone or in another state.
-    pub fn mark_active(
-        &self,
-        id: &str,
-        now_ms: u64,
-    ) -> Result<Option<StoredLoadBalancer>, StoreError> {
+    pub fn mark_active(&self, id: &str, now_ms: u64) -> Result<Option<Transition>, StoreError> {
         self.transition(id, &[State::Provisioning], State::Active, now_ms)
     }
 
@@ -360,7 +360,7 @@ impl Store {
         from: &[State],
         to: State,
         now_ms: u64,
-    ) -> Result<Option<StoredLoadBalancer>, StoreError> {
+    ) -> Result<Option<Transition>, StoreError> {
         let txn = self.db.begin_write().map_err(db_error)?;
         let result = {
             let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
@@ -368,12 +368,18 @@ impl Store {
                 return Ok(None);
             };
             if !from.contains(&lb.state) {
-                return Ok((lb.state == to).then_some(lb));
+                return Ok((lb.state == to).then_some(Transition {
+                    load_balancer: lb,
+                    changed: false,
+                }));
             }
             lb.state = to;
             lb.state_since_ms = now_ms;
             write_lb(&mut lbs, &lb)?;
-            lb
+            Transition {
+                load_balancer: lb,
+                changed: true,
+            }
         };
         txn.commit().map_err(db_error)?;
         Ok(Some(result))
@@ -938,17 +944,18 @@ mod tests {
         let store = open(&dir);
         let lb = create(&store, &spec("a"), Some("k")).unwrap().load_balancer;
         let active = store.mark_active(&lb.id, 5).unwrap().unwrap();
+        assert!(active.changed);
+        let active = active.load_balancer;
         assert_eq!((active.state, active.state_since_ms), (State::Active, 5));
         let deleting = store.mark_deleting(&lb.id, 9).unwrap().unwrap();
-        assert_eq!(deleting.state, State::Deleting);
-        assert_eq!(
-            store
-                .mark_deleting(&lb.id, 50)
-                .unwrap()
-                .unwrap()
-                .state_since_ms,
-            9
-        );
+        assert!(deleting.changed);
+        assert_eq!(deleting.load_balancer.state, State::Deleting);
+        // A second delete, even within the same millisecond, changes nothing.
+        for now in [9, 50] {
+            let again = store.mark_deleting(&lb.id, now).unwrap().unwrap();
+            assert!(!again.changed);
+            assert_eq!(again.load_balancer.state_since_ms, 9);
+        }
         assert!(store.mark_active(&lb.id, 60).unwrap().is_none());
         assert!(matches!(
             update(&store, &lb.id, &spec("a"), 1),
