@@ -287,11 +287,37 @@ impl ChangeTracker {
         &self.state
     }
 
-    /// A full conversion of every object held, independent of the change tracking.
-    pub fn full_conversion(&self) -> convert::Conversion {
+    /// The objects held now, cheap to take (reference counts only), so the lock is not
+    /// held while they are converted.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            services: self.services.by_key.values().cloned().collect(),
+            slices: self.slices.by_key.values().cloned().collect(),
+        }
+    }
+
+    /// Replaces the state with a full conversion (of a [`snapshot`](Self::snapshot)) after
+    /// the incremental one diverged, so health checks and the next changes' `previous`
+    /// start from what the rebuilt rules hold. Ports changed since the snapshot are still
+    /// marked, and the next [`take`](Self::take) converts them again.
+    pub fn replace_state(&mut self, state: ProxyState) {
+        self.state = state;
+    }
+}
+
+/// The Services and EndpointSlices held at one moment.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    services: Vec<Arc<Service>>,
+    slices: Vec<Arc<EndpointSlice>>,
+}
+
+impl Snapshot {
+    /// A full conversion of every object, independent of the change tracking.
+    pub fn conversion(&self) -> convert::Conversion {
         convert::proxy_state(
-            self.services.by_key.values().map(AsRef::as_ref),
-            self.slices.by_key.values().map(AsRef::as_ref),
+            self.services.iter().map(AsRef::as_ref),
+            self.slices.iter().map(AsRef::as_ref),
         )
     }
 }

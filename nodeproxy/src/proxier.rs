@@ -46,9 +46,11 @@ pub struct Observed {
 }
 
 impl Observed {
-    /// A full conversion of every Service and EndpointSlice, plus the values left out.
+    /// A full conversion of every Service and EndpointSlice, plus the values left out;
+    /// converted after the tracker lock is released, so the watches are not held up.
     pub fn conversion(&self) -> convert::Conversion {
-        change_tracker::lock(&self.tracker).full_conversion()
+        let snapshot = change_tracker::lock(&self.tracker).snapshot();
+        snapshot.conversion()
     }
 
     pub fn node_draining(&self) -> bool {
@@ -264,11 +266,16 @@ impl Proxier {
     #[tracing::instrument(skip_all)]
     pub async fn sync_once(&mut self, observed: &Observed, full_check: bool) -> bool {
         let started = std::time::Instant::now();
-        let changes = change_tracker::lock(&observed.tracker).take();
+        // The check's objects are taken under the same lock as the changes, so the full
+        // rebuild sees exactly what the incremental state now reflects.
+        let (changes, snapshot) = {
+            let mut tracker = change_tracker::lock(&observed.tracker);
+            (tracker.take(), full_check.then(|| tracker.snapshot()))
+        };
         self.report_skipped(&changes.skipped);
         let mut changed = self.rules.update(&changes.current, &changes.ports);
-        if full_check {
-            changed.merge(self.check_against_full_rebuild(observed));
+        if let Some(snapshot) = snapshot {
+            changed.merge(self.check_against_full_rebuild(observed, &snapshot));
         }
         let ports = changes.ports.len();
         let changes = match self.unapplied.take() {
@@ -320,26 +327,33 @@ impl Proxier {
         applied
     }
 
-    /// The safety net: a full conversion and build of every object the tracker holds,
-    /// compared with the incremental ruleset. A difference is a bug in the change
-    /// tracking: it is logged and counted, and the full rebuild replaces the incremental
-    /// state. Returns the chains that differed.
-    fn check_against_full_rebuild(&mut self, observed: &Observed) -> ChangedChains {
-        let conversion = observed.conversion();
-        let full = tandem_proxy_rules::build(&conversion.state, &self.config.node);
-        if &full == self.rules.ruleset() {
+    /// The safety net: a full conversion and build from scratch of every object in
+    /// `snapshot`, compared with the incremental ruleset. A difference is a bug in the
+    /// change tracking: it is logged and counted, and the rebuild replaces both the
+    /// incremental ruleset and the tracker's state. Returns the chains that differed.
+    fn check_against_full_rebuild(
+        &mut self,
+        observed: &Observed,
+        snapshot: &change_tracker::Snapshot,
+    ) -> ChangedChains {
+        let conversion = snapshot.conversion();
+        // Built once, port by port from nothing, so on a divergence it can take over as
+        // is; from scratch it equals `tandem_proxy_rules::build` (the rules crate's and
+        // the change-tracking tests check that).
+        let mut rebuilt = IncrementalRuleset::new(self.config.node.clone());
+        rebuilt.update(&conversion.state, conversion.state.services.keys());
+        if rebuilt.ruleset() == self.rules.ruleset() {
             return ChangedChains::default();
         }
-        let differing = ChangedChains::between(self.rules.ruleset(), &full);
+        let differing = ChangedChains::between(self.rules.ruleset(), rebuilt.ruleset());
         self.metrics.sync_divergence.inc();
         tracing::error!(
             chains = differing.count(),
             first = ?differing.nat.iter().chain(&differing.filter).take(5).collect::<Vec<_>>(),
             "the incremental ruleset differs from a full rebuild; using the full rebuild"
         );
-        let mut rebuilt = IncrementalRuleset::new(self.config.node.clone());
-        rebuilt.update(&conversion.state, conversion.state.services.keys());
         self.rules = rebuilt;
+        change_tracker::lock(&observed.tracker).replace_state(conversion.state);
         differing
     }
 
