@@ -54,40 +54,61 @@ impl Pipe {
     }
 }
 
+/// The bytes one direction moved, by the path they took (so tests can tell that a bulk
+/// transfer really was spliced).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Moved {
+    /// Through the user-space buffer.
+    pub copied: u64,
+    /// Socket → pipe → socket, inside the kernel.
+    pub spliced: u64,
+}
+
+impl Moved {
+    pub fn total(self) -> u64 {
+        self.copied + self.spliced
+    }
+}
+
 /// Copies both ways until both sides have closed their sending half (or either fails),
-/// half-closing each direction as its source ends; returns the bytes moved
+/// half-closing each direction as its source ends; returns what moved
 /// `(a → b, b → a)`.
-pub(crate) async fn forward_both_ways(a: &TcpStream, b: &TcpStream) -> io::Result<(u64, u64)> {
+pub(crate) async fn forward_both_ways(a: &TcpStream, b: &TcpStream) -> io::Result<(Moved, Moved)> {
     tokio::try_join!(one_way(a, b), one_way(b, a))
 }
 
 /// Moves everything `from` sends to `to`, then shuts `to`'s sending half.
-async fn one_way(from: &TcpStream, to: &TcpStream) -> io::Result<u64> {
+async fn one_way(from: &TcpStream, to: &TcpStream) -> io::Result<Moved> {
     let mut buffer = vec![0_u8; COPY_BUFFER];
     let mut pipe: Option<Pipe> = None;
-    let mut total: u64 = 0;
+    let mut moved = Moved::default();
     loop {
-        let moved = match &pipe {
-            Some(pipe) => splice_once(from, to, pipe).await?,
+        match &pipe {
+            Some(pipe) => {
+                let spliced = splice_once(from, to, pipe).await?;
+                if spliced == 0 {
+                    break;
+                }
+                moved.spliced += spliced as u64;
+            }
             None => {
                 let copied = copy_once(from, to, &mut buffer).await?;
+                if copied == 0 {
+                    break;
+                }
                 if copied == buffer.len() {
                     // Out of pipes (descriptors): keep copying.
                     pipe = Pipe::new()
                         .inspect_err(|error| tracing::debug!(%error, "no pipe for splice"))
                         .ok();
                 }
-                copied
+                moved.copied += copied as u64;
             }
-        };
-        if moved == 0 {
-            break;
         }
-        total += moved as u64;
     }
     match shutdown(to.as_raw_fd(), Shutdown::Write) {
         // The peer went already: nothing left to tell it.
-        Ok(()) | Err(Errno::ENOTCONN) => Ok(total),
+        Ok(()) | Err(Errno::ENOTCONN) => Ok(moved),
         Err(errno) => Err(errno.into()),
     }
 }
@@ -192,6 +213,20 @@ mod tests {
         server.write_all(b"done").await.unwrap();
         server.shutdown().await.unwrap();
         assert_eq!(sender.await.unwrap(), b"done");
-        assert_eq!(proxy.await.unwrap().unwrap(), (1_000_003, 4));
+        let (upstream, downstream) = proxy.await.unwrap().unwrap();
+        assert_eq!((upstream.total(), downstream.total()), (1_000_003, 4));
+        // The upload filled the buffer at least once, then went through the pipe.
+        assert!(
+            upstream.copied >= COPY_BUFFER as u64 && upstream.spliced > 0,
+            "upload moved as {upstream:?}"
+        );
+        assert_eq!(
+            downstream,
+            Moved {
+                copied: 4,
+                spliced: 0
+            },
+            "a small answer is copied"
+        );
     }
 }

@@ -128,7 +128,9 @@ async fn forward(
     tokio::select! {
         () = cancel.cancelled() => {}
         copied = forward_both_ways(&client, &upstream) => match copied {
-            Ok((to_backend, to_client)) => metrics.bytes(Protocol::Tcp, to_backend, to_client),
+            Ok((to_backend, to_client)) => {
+                metrics.bytes(Protocol::Tcp, to_backend.total(), to_client.total());
+            }
             Err(error) => debug!(%error, "connection ended with an error"),
         },
     }
