@@ -398,6 +398,26 @@ impl ProviderError {
     }
 }
 
+/// Deletes the LB of `lookup.owner`. A persisted id that names another cluster's LB is
+/// never touched: the lookup goes on by our name and tags alone. Every path that releases a
+/// Service's LB (reconcile cleanup, the uninstall hook) deletes through here.
+pub async fn delete_ours<P: LoadBalancerProvider>(
+    provider: &P,
+    lookup: &LoadBalancerLookup,
+) -> Result<(), ProviderError> {
+    match provider.delete(lookup).await {
+        Err(ProviderError::ForeignLoadBalancer { id }) => {
+            tracing::warn!(%id, "persisted id names a foreign load balancer; ignoring it");
+            let by_owner = LoadBalancerLookup {
+                known_id: None,
+                owner: lookup.owner.clone(),
+            };
+            provider.delete(&by_owner).await
+        }
+        other => other,
+    }
+}
+
 /// A cloud that can provide external load balancers (cf. `cloudprovider.LoadBalancer`).
 ///
 /// Reads and writes are separate so a reconcile can observe once, decide, then make exactly

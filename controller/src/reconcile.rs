@@ -26,6 +26,7 @@ use crate::plan::{
 };
 use crate::provider::{
     ClusterId, LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
+    delete_ours,
 };
 use crate::ratelimit::{PERMANENT_ERROR_RETRY, service_backoff};
 use crate::spec::{
@@ -289,19 +290,7 @@ async fn call_cloud<P: LoadBalancerProvider>(
         CloudAction::Update { current, desired } => {
             ctx.provider.update(current, desired).await.map(Some)
         }
-        CloudAction::Delete(lookup) => match ctx.provider.delete(lookup).await {
-            // The persisted id names an LB that is not ours: never touch it, but still
-            // delete what our name and tags find.
-            Err(ProviderError::ForeignLoadBalancer { id }) => {
-                tracing::warn!(%id, "persisted id names a foreign load balancer; ignoring it");
-                let by_owner = LoadBalancerLookup {
-                    known_id: None,
-                    owner: lookup.owner.clone(),
-                };
-                ctx.provider.delete(&by_owner).await.map(|()| None)
-            }
-            other => other.map(|()| None),
-        },
+        CloudAction::Delete(lookup) => delete_ours(&ctx.provider, lookup).await.map(|()| None),
     }
 }
 

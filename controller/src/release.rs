@@ -19,7 +19,9 @@ use serde_json::json;
 
 use crate::metrics::CloudMetrics;
 use crate::plan::{FINALIZER, Ownership, has_finalizer, ownership};
-use crate::provider::{ClusterId, LoadBalancerLookup, LoadBalancerProvider, ProviderError};
+use crate::provider::{
+    ClusterId, LoadBalancerLookup, LoadBalancerProvider, ProviderError, delete_ours,
+};
 use crate::runtime::{self, RuntimeError, Settings};
 use crate::spec::{ClassFilter, is_load_balancer, owner_of, persisted_id};
 
@@ -184,9 +186,11 @@ async fn release(
                 .map_err(kube_err(&format!("clearing the ingress of {service}")))?;
         }
         if let Some(lookup) = &svc.lookup {
-            provider.delete(lookup).await.map_err(cloud_err(format!(
-                "deleting the load balancer of {service}"
-            )))?;
+            delete_ours(&provider, lookup)
+                .await
+                .map_err(cloud_err(format!(
+                    "deleting the load balancer of {service}"
+                )))?;
             tracing::info!(%service, "released load balancer");
         }
         if svc.remove_finalizer {

@@ -13,6 +13,7 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::Api;
 use support::*;
+use tandem_controller::spec::ANNOTATION_LB_ID;
 
 const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
 const LEASE: &str = "tandem-controller";
@@ -81,6 +82,41 @@ async fn refuses_while_in_use_then_releases_everything() {
         "{stderr}"
     );
 
+    // web's persisted id names another cluster's LB (edited by hand, or copied from a
+    // manifest): that LB is never touched, and web's own LB is still found by its tags.
+    let mut foreign_tags = std::collections::BTreeMap::new();
+    foreign_tags.insert("kubernetes.io/cluster-id".to_string(), "other".to_string());
+    let foreign = h
+        .cloud
+        .client
+        .create_load_balancer(
+            &cloud_mock_sdk::LoadBalancerSpec {
+                name: "k8s-other-x1".into(),
+                tags: foreign_tags,
+                mode: cloud_mock_sdk::Mode::Proxy,
+                vip: None,
+                listeners: vec![cloud_mock_sdk::Listener {
+                    protocol: cloud_mock_sdk::Protocol::Tcp,
+                    port: 80,
+                    backend_port: 30080,
+                    health_check: None,
+                }],
+                backends: vec![],
+                source_ranges: vec![],
+                address: cloud_mock_sdk::AddressRequest::default(),
+            },
+            "foreign-1",
+        )
+        .await
+        .unwrap();
+    h.patch_service(
+        "web",
+        serde_json::json!({"metadata": {"annotations": {
+            ANNOTATION_LB_ID: foreign.id,
+        }}}),
+    )
+    .await;
+
     let (ok, stderr) = release(&h, &["--release-in-use"]).await;
     assert!(ok, "{stderr}");
     assert!(
@@ -103,7 +139,11 @@ async fn refuses_while_in_use_then_releases_everything() {
         .into_iter()
         .filter(|lb| lb.state != cloud_mock_sdk::State::Deleting)
         .collect();
-    assert!(left.is_empty(), "{left:?}");
+    assert_eq!(
+        left.iter().map(|lb| &lb.id).collect::<Vec<_>>(),
+        [&foreign.id],
+        "only the foreign LB is left"
+    );
     assert!(leases.get_opt(LEASE).await.unwrap().is_none());
 
     // Idempotent: a second run finds nothing to release and succeeds.
