@@ -398,7 +398,11 @@ impl Lab {
             .with_context(|| format!("listing Events in {}", plan.namespace))?
             .items
             .into_iter()
-            .filter(|e| e.involved_object.name.as_deref() == Some(plan.name.as_str()))
+            // A Pod or an EndpointSlice may share the Service's name; only the Service's count.
+            .filter(|e| {
+                e.involved_object.kind.as_deref() == Some("Service")
+                    && e.involved_object.name.as_deref() == Some(plan.name.as_str())
+            })
             .map(|e| {
                 (
                     e.type_.unwrap_or_default(),
