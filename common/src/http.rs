@@ -1,5 +1,6 @@
 //! Serving a component's HTTP endpoints (metrics, health) and the Prometheus `/metrics`
-//! answer, written once for the controller, the node proxy and the mock cloud.
+//! answer, written once for the controller and the node proxy (the mock cloud's API server
+//! answers its own `/metrics` route beside its JSON API).
 
 use std::net::SocketAddr;
 

@@ -28,6 +28,15 @@ pub fn has_finalizer(svc: &Service) -> bool {
     svc.finalizers().iter().any(|f| f == FINALIZER)
 }
 
+/// The Service's finalizers with ours taken out: what a cleanup writes back.
+pub fn finalizers_without_ours(svc: &Service) -> Vec<String> {
+    svc.finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .cloned()
+        .collect()
+}
+
 /// What this controller is to do with a Service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ownership {

@@ -22,7 +22,8 @@ use crate::metrics::Metrics;
 use crate::nodes::eligible_backends;
 use crate::plan::{
     CloudAction, EventDecision, FINALIZER, Next, Ownership, Plan, PlanError, Seen,
-    may_have_load_balancer, ownership, plan_cleanup, plan_ensure, plan_nothing,
+    finalizers_without_ours, may_have_load_balancer, ownership, plan_cleanup, plan_ensure,
+    plan_nothing,
 };
 use crate::provider::{
     ClusterId, LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
@@ -33,7 +34,7 @@ use crate::spec::{
     ANNOTATION_LB_ID, ClassFilter, WithoutNodePorts, desired_load_balancer, namespace_pool,
     owner_of, persisted_id,
 };
-use crate::status::{IngressUpdate, StatusWrite, status_write};
+use crate::status::{IngressUpdate, StatusWrite, current_ingress, status_write};
 
 /// Our field manager for server-side apply of the status.
 pub const FIELD_MANAGER: &str = "tandem-controller";
@@ -335,13 +336,8 @@ pub async fn act<P: LoadBalancerProvider>(
     if let Some((ingress, condition)) = &settled.status
         && let Some(write) = status_write(&current, ingress, condition.as_ref(), Timestamp::now())
     {
-        let first_ingress = matches!(ingress, IngressUpdate::Set(_))
-            && current
-                .status
-                .as_ref()
-                .and_then(|s| s.load_balancer.as_ref())
-                .and_then(|l| l.ingress.as_ref())
-                .is_none_or(Vec::is_empty);
+        let first_ingress =
+            matches!(ingress, IngressUpdate::Set(_)) && current_ingress(&current).is_empty();
         match write_status(&ctx.client, &current, write).await {
             Ok(written) => {
                 if first_ingress && let Some(created) = current.creation_timestamp() {
@@ -359,13 +355,7 @@ pub async fn act<P: LoadBalancerProvider>(
         }
     }
     if settled.remove_finalizer {
-        let finalizers: Vec<String> = current
-            .finalizers()
-            .iter()
-            .filter(|f| *f != FINALIZER)
-            .cloned()
-            .collect();
-        let mut metadata = json!({ "finalizers": finalizers });
+        let mut metadata = json!({ "finalizers": finalizers_without_ours(&current) });
         if persisted_id(&current).is_some() && current.metadata.deletion_timestamp.is_none() {
             metadata["annotations"] = json!({ ANNOTATION_LB_ID: null });
         }

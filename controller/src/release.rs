@@ -18,12 +18,13 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use serde_json::json;
 
 use crate::metrics::CloudMetrics;
-use crate::plan::{FINALIZER, Ownership, has_finalizer, ownership};
+use crate::plan::{Ownership, finalizers_without_ours, has_finalizer, ownership};
 use crate::provider::{
     ClusterId, LoadBalancerLookup, LoadBalancerProvider, ProviderError, delete_ours,
 };
 use crate::runtime::{self, RuntimeError, Settings};
 use crate::spec::{ClassFilter, is_load_balancer, owner_of, persisted_id};
+use crate::status::current_ingress;
 
 /// Flags of `release-load-balancers`.
 #[derive(Debug, Clone, clap::Args)]
@@ -84,11 +85,7 @@ pub struct ReleasePlan {
 }
 
 fn has_ingress(svc: &Service) -> bool {
-    svc.status
-        .as_ref()
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.as_ref())
-        .is_some_and(|i| !i.is_empty())
+    !current_ingress(svc).is_empty()
 }
 
 /// Decides what to release: every Service that is ours (by class, or by our finalizer
@@ -247,13 +244,11 @@ async fn remove_finalizer(api: &Api<Service>, name: &str) -> Result<(), kube::Er
         if !has_finalizer(&svc) {
             return Ok(());
         }
-        let kept: Vec<&String> = svc
-            .finalizers()
-            .iter()
-            .filter(|f| *f != FINALIZER)
-            .collect();
         let patch = json!({
-            "metadata": {"resourceVersion": svc.resource_version(), "finalizers": kept}
+            "metadata": {
+                "resourceVersion": svc.resource_version(),
+                "finalizers": finalizers_without_ours(&svc),
+            }
         });
         match api
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -268,6 +263,7 @@ async fn remove_finalizer(api: &Api<Service>, name: &str) -> Result<(), kube::Er
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::FINALIZER;
     use k8s_openapi::api::core::v1::{
         LoadBalancerIngress, LoadBalancerStatus, ServiceSpec, ServiceStatus,
     };

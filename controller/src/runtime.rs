@@ -166,6 +166,10 @@ impl Watches {
         let changes = service_changes.clone();
         let services_of = services.clone();
         let namespaces_task = tokio::spawn(drive(namespace_stream, cancel.clone(), move |ns| {
+            // A standby has no subscriber: nothing to wake, so no scan of every Service.
+            if changes.receiver_count() == 0 {
+                return;
+            }
             let name = ns.name_any();
             for svc in services_of.state() {
                 if svc.namespace().as_deref() == Some(name.as_str()) {

@@ -99,11 +99,12 @@ pub fn ingress_for(vip: Ipv4Addr, desired: &DesiredLoadBalancer) -> Vec<LoadBala
     }]
 }
 
-fn current_ingress(svc: &Service) -> Vec<LoadBalancerIngress> {
+/// The Service's `status.loadBalancer.ingress` (empty when unset).
+pub fn current_ingress(svc: &Service) -> &[LoadBalancerIngress] {
     svc.status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.clone())
+        .and_then(|lb| lb.ingress.as_deref())
         .unwrap_or_default()
 }
 
@@ -173,14 +174,14 @@ pub fn status_write(
 ) -> Option<StatusWrite> {
     let current_ingress = current_ingress(svc);
     let new_ingress = match ingress {
-        IngressUpdate::Keep => current_ingress.clone(),
+        IngressUpdate::Keep => current_ingress.to_vec(),
         IngressUpdate::Set(v) => v.clone(),
         IngressUpdate::Clear => Vec::new(),
     };
     let current_conditions = current_conditions(svc);
     let new_conditions =
         merged_conditions(&current_conditions, condition, svc.metadata.generation, now);
-    if new_ingress == current_ingress && new_conditions == current_conditions {
+    if new_ingress.as_slice() == current_ingress && new_conditions == current_conditions {
         return None;
     }
     if matches!(ingress, IngressUpdate::Clear) {

@@ -63,13 +63,14 @@ pub fn namespace_fingerprint(namespace: &Namespace) -> u64 {
     hasher.finish()
 }
 
-pub fn needs_reensure(old: &Service, new: &Service) -> bool {
-    reensure_fingerprint(old) != reensure_fingerprint(new)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the runtime's predicate decides for an update from `old` to `new`.
+    fn needs_reensure(old: &Service, new: &Service) -> bool {
+        reensure_fingerprint(old) != reensure_fingerprint(new)
+    }
     use crate::spec::ANNOTATION_ADDRESS_POOL;
     use crate::spec::tests::service;
     use k8s_openapi::api::core::v1::{LoadBalancerIngress, LoadBalancerStatus, ServiceStatus};
