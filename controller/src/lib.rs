@@ -2,11 +2,12 @@
 //!
 //! Decide: [`plan`] (the whole decision of a reconcile), [`spec`], [`nodes`], [`status`],
 //! [`triggers`] and [`ratelimit`] are pure functions of observed state. Do: [`mockcloud`]
-//! (the cloud edge, behind the [`provider::LoadBalancerProvider`] trait; [`fake`] is its
-//! in-memory double) and [`reconcile`], [`nodesync`], [`gc`], [`runtime`] (the Kubernetes
+//! (the cloud edge, behind the [`provider::LoadBalancerProvider`] trait; `fake` is its
+//! in-memory double, built for tests only) and [`reconcile`], [`nodesync`], [`gc`], [`runtime`] (the Kubernetes
 //! edge and wiring).
 
 pub mod cli;
+#[cfg(any(test, feature = "test-support"))]
 pub mod fake;
 pub mod gc;
 pub mod http;

@@ -89,7 +89,7 @@ pub fn kept_vip(
 }
 
 /// The SDK spec for `desired`; `current_vip` keeps an assigned VIP when none is requested
-/// (see [`kept_vip`]).
+/// (see `kept_vip`).
 pub fn to_sdk_spec(
     desired: &DesiredLoadBalancer,
     current_vip: Option<Ipv4Addr>,
