@@ -197,7 +197,7 @@ impl Proxier {
         health_servers: ServiceHealthServers,
     ) -> Self {
         let rules = IncrementalRuleset::new(config.node.clone());
-        Self {
+        let proxier = Self {
             config,
             syncer,
             metrics,
@@ -206,7 +206,10 @@ impl Proxier {
             rules,
             reported: HashSet::new(),
             unapplied: None,
-        }
+        };
+        // From here on the gauges follow the syncs that change some chain.
+        proxier.record_ruleset_size();
+        proxier
     }
 
     /// Run until `shutdown`: wait for the first full list of every watch, then sync on
@@ -287,11 +290,16 @@ impl Proxier {
         };
         self.node_health.set_draining(observed.node_draining());
         let applied = self.apply(&changed).await;
-        let health_services = {
-            let tracker = change_tracker::lock(&observed.tracker);
-            health_check_services(tracker.state(), &self.config.node)
-        };
-        self.health_servers.update(health_services).await;
+        // Only a changed port or a divergence (found by a periodic sync) alters the
+        // tracker's state the health-check Services come from; periodic syncs also retry
+        // ports that could not be bound.
+        if ports > 0 || full_check {
+            let health_services = {
+                let tracker = change_tracker::lock(&observed.tracker);
+                health_check_services(tracker.state(), &self.config.node)
+            };
+            self.health_servers.update(health_services).await;
+        }
         if applied {
             if let Some(seen) = changes.first_slice_change {
                 self.metrics
@@ -357,7 +365,9 @@ impl Proxier {
         differing
     }
 
-    async fn apply(&mut self, changed: &ChangedChains) -> bool {
+    /// Sets the chain and rule gauges from the desired ruleset; it counts every chain,
+    /// so it runs only when some chain changed.
+    fn record_ruleset_size(&self) {
         let ruleset: &Ruleset = self.rules.ruleset();
         for table in Table::ALL {
             let labels = TableLabels {
@@ -373,6 +383,13 @@ impl Proxier {
                 .get_or_create(&labels)
                 .set(rules.chains.values().map(Vec::len).sum::<usize>() as i64);
         }
+    }
+
+    async fn apply(&mut self, changed: &ChangedChains) -> bool {
+        if changed.count() > 0 {
+            self.record_ruleset_size();
+        }
+        let ruleset: &Ruleset = self.rules.ruleset();
         match self.syncer.sync_changed(ruleset, changed).await {
             Ok(tables) => {
                 for done in tables {
