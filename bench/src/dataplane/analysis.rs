@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use std::net::SocketAddrV4;
 use std::time::Duration;
 
+use crate::controller::quantile;
 use crate::report::{Row, Section, Target, Value};
 
 /// Passthrough must carry at least this share of the direct route's throughput (issue 8).
@@ -107,17 +108,6 @@ pub fn iperf_throughput(json: &str) -> Result<f64, IperfError> {
         .ok_or(IperfError::NoResult)
 }
 
-/// Nearest-rank percentile (`p` in 0..=100) of unsorted samples.
-pub fn percentile(samples: &[Duration], p: f64) -> Option<Duration> {
-    if samples.is_empty() {
-        return None;
-    }
-    let mut sorted = samples.to_vec();
-    sorted.sort_unstable();
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted.get(rank.clamp(1, sorted.len()) - 1).copied()
-}
-
 /// Median of unsorted numbers (the mean of the middle two for an even count).
 pub fn median(values: &[f64]) -> Option<f64> {
     let mut sorted = values.to_vec();
@@ -174,7 +164,7 @@ pub fn sections(m: &Measurements) -> Vec<Section> {
     let latency = |path: Path, p: f64| {
         m.paths
             .get(&path)
-            .and_then(|pm| percentile(&pm.latencies(), p))
+            .and_then(|pm| quantile(&pm.latencies(), p / 100.0))
             .map(seconds)
     };
     let row = |what: String,
@@ -286,8 +276,7 @@ pub fn sections(m: &Measurements) -> Vec<Section> {
             continue;
         };
         let latencies = pm.latencies();
-        if let (Some(p50), Some(p99)) = (percentile(&latencies, 50.0), percentile(&latencies, 99.0))
-        {
+        if let (Some(p50), Some(p99)) = (quantile(&latencies, 0.50), quantile(&latencies, 0.99)) {
             latency_notes.push(format!(
                 "{}: p50 {} µs, p99 {} µs over {} requests; per round p50 {} µs, p99 {} µs.",
                 path.label(),
@@ -340,7 +329,7 @@ pub fn sections(m: &Measurements) -> Vec<Section> {
 fn per_round(rounds: &[Vec<Duration>], p: f64) -> String {
     rounds
         .iter()
-        .filter_map(|round| percentile(round, p))
+        .filter_map(|round| quantile(round, p / 100.0))
         .map(|d| d.as_micros().to_string())
         .collect::<Vec<_>>()
         .join(" / ")
@@ -390,17 +379,6 @@ mod tests {
             iperf_throughput("iperf3: error"),
             Err(IperfError::NotJson(..))
         ));
-    }
-
-    #[test]
-    fn percentiles_use_the_nearest_rank() {
-        let samples: Vec<Duration> = (1..=100).rev().map(ms).collect();
-        assert_eq!(percentile(&samples, 50.0), Some(ms(50)));
-        assert_eq!(percentile(&samples, 99.0), Some(ms(99)));
-        assert_eq!(percentile(&samples, 100.0), Some(ms(100)));
-        assert_eq!(percentile(&samples, 0.0), Some(ms(1)));
-        assert_eq!(percentile(&[ms(7)], 99.0), Some(ms(7)));
-        assert_eq!(percentile(&[], 50.0), None);
     }
 
     #[test]
