@@ -8,7 +8,6 @@ use std::fmt;
 use std::net::Ipv4Addr;
 
 use ipnet::Ipv4Net;
-use serde::{Deserialize, Serialize};
 
 /// `namespace/name:portname` (or `namespace/name` when the port has no name): kube-proxy's
 /// `ServicePortName`, the unit that gets one KUBE-SVC chain.
@@ -30,24 +29,8 @@ impl fmt::Display for ServicePortName {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Protocol {
-    Tcp,
-    Udp,
-    Sctp,
-}
-
-impl Protocol {
-    /// Lower-case name as iptables and the chain-name hash use it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Protocol::Tcp => "tcp",
-            Protocol::Udp => "udp",
-            Protocol::Sctp => "sctp",
-        }
-    }
-}
+/// The L4 protocol of a Service port: the nftables model's, so both modes share one type.
+pub use tandem_nftables::Protocol;
 
 /// How a load balancer delivers traffic for an ingress IP (`status.loadBalancer.ingress[].ipMode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]

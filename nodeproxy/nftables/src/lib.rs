@@ -1,0 +1,16 @@
+//! The node proxy's nftables ruleset as typed values, and the two ways to program it.
+//!
+//! - [`model`]: one table of our own (`ip tandem`): chains of typed rules, sets and maps.
+//!   Only what the node proxy writes is modelled, so every value has one meaning that the
+//!   packet tracer, the nft text and the netlink encoding agree on.
+//! - [`Transaction`]: the ordered operations of one atomic change;
+//! - [`render`]: a transaction (or the whole ruleset) as `nft -f` text, for people and
+//!   for the `nft` command;
+//! - [`encode`] and [`kernel`]: the same transaction as one nfnetlink batch, sent straight
+//!   to the kernel, which is what the node proxy does on its hot path.
+
+pub mod model;
+pub mod transaction;
+
+pub use model::*;
+pub use transaction::{Op, Transaction};

@@ -1,0 +1,305 @@
+//! The ruleset of table `ip tandem`, as typed values.
+//!
+//! Each variant is one construct of the nft language with one fixed meaning; its doc
+//! comment gives the nft text it stands for. [`crate::render`] writes exactly that text and
+//! [`crate::encode`] the netlink expressions `nft` itself would send for it, so a ruleset
+//! programmed either way lists the same (`nft list table ip tandem`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use ipnet::Ipv4Net;
+use serde::{Deserialize, Serialize};
+
+/// Our table's family and name: `table ip tandem`.
+pub const TABLE: &str = "tandem";
+
+/// The masquerade bit of the packet mark, as in the iptables mode (`0x4000`).
+pub const MASQUERADE_MARK: u32 = 0x4000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// Lower-case name, as nft, iptables and the chain-name hashes write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
+        }
+    }
+
+    /// IANA protocol number (`meta l4proto`).
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+            Protocol::Sctp => 132,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A netfilter hook of the `ip` family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Hook {
+    Prerouting,
+    Input,
+    Forward,
+    Output,
+    Postrouting,
+}
+
+impl Hook {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Hook::Prerouting => "prerouting",
+            Hook::Input => "input",
+            Hook::Forward => "forward",
+            Hook::Output => "output",
+            Hook::Postrouting => "postrouting",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ChainType {
+    Filter,
+    Nat,
+}
+
+impl ChainType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChainType::Filter => "filter",
+            ChainType::Nat => "nat",
+        }
+    }
+}
+
+/// What makes a chain a base chain: `type nat hook prerouting priority -100; policy accept;`.
+/// Our base chains always accept by policy: they only add to what the host does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BaseChain {
+    pub chain_type: ChainType,
+    pub hook: Hook,
+    /// Numeric priority (`dstnat` is -100, `srcnat` 100, `filter` 0).
+    pub priority: i32,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Chain {
+    pub base: Option<BaseChain>,
+    pub rules: Vec<Rule>,
+}
+
+/// One rule: every match must hold, then the statement runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    pub matches: Vec<Match>,
+    pub statement: Statement,
+    /// `comment "…"` (rule user data), for the reader of `nft list`.
+    pub comment: Option<String>,
+}
+
+impl Rule {
+    /// A rule with no matches.
+    pub fn always(statement: Statement) -> Self {
+        Self {
+            matches: Vec::new(),
+            statement,
+            comment: None,
+        }
+    }
+
+    pub fn when(matches: Vec<Match>, statement: Statement) -> Self {
+        Self {
+            matches,
+            statement,
+            comment: None,
+        }
+    }
+
+    pub fn with_comment(mut self, comment: impl Into<String>) -> Self {
+        self.comment = Some(comment.into());
+        self
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Match {
+    /// `ip saddr 10.244.0.0/16`, or `ip saddr != 10.244.0.0/16` when negated; a /32 is
+    /// written as the bare address.
+    SourceAddress { net: Ipv4Net, negated: bool },
+    /// `ip daddr 10.96.0.10` (same forms as [`Match::SourceAddress`]).
+    DestinationAddress { net: Ipv4Net, negated: bool },
+    /// `meta l4proto tcp`.
+    Protocol(Protocol),
+    /// `tcp dport 80` (also matches the protocol).
+    DestinationPort { protocol: Protocol, port: u16 },
+    /// `ct state new`.
+    ConnectionNew,
+    /// `fib daddr type local`: the destination is one of this node's addresses.
+    DestinationLocal,
+    /// `fib saddr type local`: the source is one of this node's addresses.
+    SourceLocal,
+    /// `meta mark & 0x00004000 == 0x00004000` (`set`) or `meta mark & 0x00004000 == 0`.
+    Mark { bit: u32, set: bool },
+    /// `ip saddr @name`: the source is in a set of [`KeyType::Address`].
+    SourceInSet(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Statement {
+    /// `jump name`.
+    Jump(String),
+    /// `goto name`.
+    Goto(String),
+    /// `return`.
+    Return,
+    /// `accept`.
+    Accept,
+    /// `drop`.
+    Drop,
+    /// `reject` (ICMP port unreachable, as iptables' REJECT).
+    Reject,
+    /// `ip daddr . meta l4proto . th dport vmap @name` for [`DispatchKey::AddressProtocolPort`],
+    /// `meta l4proto . th dport vmap @name` for [`DispatchKey::ProtocolPort`].
+    Dispatch { key: DispatchKey, map: String },
+    /// `numgen random mod N vmap @name`: picks one of N elements `0 … N-1` at random.
+    RandomDispatch { modulus: u32, map: String },
+    /// `meta mark set meta mark | 0x00004000`.
+    SetMark(u32),
+    /// `meta mark set meta mark ^ 0x00004000` (clears a bit known to be set).
+    ToggleMark(u32),
+    /// `masquerade fully-random`.
+    Masquerade,
+    /// `dnat to 10.244.1.2:8080`; rules put a [`Match::Protocol`] first, since a port
+    /// mapping needs a known transport protocol.
+    Dnat(SocketAddrV4),
+    /// `update @name { ip saddr }`: adds (or refreshes) the source in a dynamic set.
+    AddSourceToSet(String),
+}
+
+/// The packet fields a dispatch map is looked up with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DispatchKey {
+    AddressProtocolPort,
+    ProtocolPort,
+}
+
+/// A set's key, with the nft type it is declared with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum KeyType {
+    /// `type ipv4_addr . inet_proto . inet_service` (destination address, protocol, port).
+    AddressProtocolPort,
+    /// `type inet_proto . inet_service`.
+    ProtocolPort,
+    /// `typeof numgen random mod 1`: the index [`Statement::RandomDispatch`] draws.
+    Index,
+    /// `type ipv4_addr`.
+    Address,
+}
+
+impl From<DispatchKey> for KeyType {
+    fn from(key: DispatchKey) -> Self {
+        match key {
+            DispatchKey::AddressProtocolPort => KeyType::AddressProtocolPort,
+            DispatchKey::ProtocolPort => KeyType::ProtocolPort,
+        }
+    }
+}
+
+/// One element's key; its variant must match the set's [`KeyType`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Key {
+    /// `10.96.0.10 . tcp . 80`.
+    AddressProtocolPort(Ipv4Addr, Protocol, u16),
+    /// `tcp . 30080`.
+    ProtocolPort(Protocol, u16),
+    /// `3`.
+    Index(u32),
+    /// `10.244.1.2`.
+    Address(Ipv4Addr),
+}
+
+impl Key {
+    pub fn key_type(&self) -> KeyType {
+        match self {
+            Key::AddressProtocolPort(..) => KeyType::AddressProtocolPort,
+            Key::ProtocolPort(..) => KeyType::ProtocolPort,
+            Key::Index(_) => KeyType::Index,
+            Key::Address(_) => KeyType::Address,
+        }
+    }
+}
+
+/// The verdict a map element holds.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Verdict {
+    Drop,
+    Goto(String),
+}
+
+/// How a set is declared (everything but its elements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SetSpec {
+    /// `map name { type KEY : verdict; }`: elements are written by the node proxy.
+    VerdictMap(KeyType),
+    /// `set name { type ipv4_addr; flags dynamic,timeout; timeout 10800s; }`: elements are
+    /// added by the packet path ([`Statement::AddSourceToSet`]) and expire.
+    Dynamic { timeout_seconds: u32 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Set {
+    pub spec: SetSpec,
+    /// Always empty for [`SetSpec::Dynamic`].
+    pub elements: BTreeMap<Key, Verdict>,
+}
+
+impl Set {
+    pub fn verdict_map(key: KeyType) -> Self {
+        Self {
+            spec: SetSpec::VerdictMap(key),
+            elements: BTreeMap::new(),
+        }
+    }
+
+    pub fn dynamic(timeout_seconds: u32) -> Self {
+        Self {
+            spec: SetSpec::Dynamic { timeout_seconds },
+            elements: BTreeMap::new(),
+        }
+    }
+}
+
+/// Everything in table `ip tandem`. Chains and sets have separate name spaces, as in
+/// nftables.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ruleset {
+    pub chains: BTreeMap<String, Chain>,
+    pub sets: BTreeMap<String, Set>,
+}
+
+impl Ruleset {
+    pub fn rule_count(&self) -> usize {
+        self.chains.values().map(|chain| chain.rules.len()).sum()
+    }
+
+    pub fn element_count(&self) -> usize {
+        self.sets.values().map(|set| set.elements.len()).sum()
+    }
+}

@@ -1,0 +1,260 @@
+//! One atomic change of table `ip tandem`: the operations in the order the kernel needs
+//! them, so every reference names an object that exists at that point of the batch and
+//! nothing is deleted while still referenced.
+
+use std::collections::BTreeSet;
+
+use crate::model::{BaseChain, Chain, Key, Rule, Ruleset, Set, SetSpec, Verdict};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    /// `add table ip tandem` (no error when it exists).
+    AddTable,
+    /// `delete table ip tandem`, with everything in it.
+    DeleteTable,
+    /// `add chain ip tandem NAME` (no error when it exists).
+    AddChain {
+        name: String,
+        base: Option<BaseChain>,
+    },
+    /// `flush chain ip tandem NAME`: removes its rules.
+    FlushChain(String),
+    /// `delete chain ip tandem NAME` (it must be empty and unreferenced).
+    DeleteChain(String),
+    /// `add rule ip tandem CHAIN …`: appends.
+    AddRule {
+        chain: String,
+        rule: Rule,
+    },
+    AddSet {
+        name: String,
+        spec: SetSpec,
+    },
+    DeleteSet(String),
+    AddElements {
+        set: String,
+        elements: Vec<(Key, Verdict)>,
+    },
+    DeleteElements {
+        set: String,
+        keys: Vec<Key>,
+    },
+}
+
+/// Operations applied all or nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Transaction {
+    pub ops: Vec<Op>,
+}
+
+impl Transaction {
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Replaces whatever table `ip tandem` holds (or creates it) with `ruleset`.
+    pub fn replace_all(ruleset: &Ruleset) -> Self {
+        let mut ops = vec![Op::AddTable, Op::DeleteTable, Op::AddTable];
+        let empty = Ruleset::default();
+        let all_chains: BTreeSet<&str> = ruleset.chains.keys().map(String::as_str).collect();
+        let all_sets: BTreeSet<&str> = ruleset.sets.keys().map(String::as_str).collect();
+        ops.extend(Self::between(&empty, ruleset, &all_chains, &all_sets).ops);
+        Self { ops }
+    }
+
+    /// Removes table `ip tandem` (after [`Op::AddTable`], so a missing table is no error).
+    pub fn delete_all() -> Self {
+        Self {
+            ops: vec![Op::AddTable, Op::DeleteTable],
+        }
+    }
+
+    /// The operations that turn `old` into `new`, looking only at the named chains and
+    /// sets: everything else must be equal in both. The names must include every chain
+    /// that references a named set whose declaration changed.
+    ///
+    /// Order: new chains (empty) first, then stale elements out, changed and removed
+    /// chains flushed, removed (or re-declared) sets and removed chains deleted, then
+    /// sets declared, elements added and rules written last.
+    pub fn between(
+        old: &Ruleset,
+        new: &Ruleset,
+        chains: &BTreeSet<&str>,
+        sets: &BTreeSet<&str>,
+    ) -> Self {
+        let mut add_chains = Vec::new();
+        let mut flush_chains = Vec::new();
+        let mut delete_chains = Vec::new();
+        let mut add_rules = Vec::new();
+        for &name in chains {
+            let (before, after) = (old.chains.get(name), new.chains.get(name));
+            match (before, after) {
+                (None, None) => {}
+                (Some(_), None) => {
+                    flush_chains.push(Op::FlushChain(name.to_owned()));
+                    delete_chains.push(Op::DeleteChain(name.to_owned()));
+                }
+                (None, Some(chain)) => {
+                    add_chains.push(Op::AddChain {
+                        name: name.to_owned(),
+                        base: chain.base,
+                    });
+                    add_rules.extend(rules_of(name, chain));
+                }
+                (Some(before), Some(after)) => {
+                    if before.base != after.base {
+                        // A hook cannot be changed in place: the chain is made anew.
+                        flush_chains.push(Op::FlushChain(name.to_owned()));
+                        delete_chains.push(Op::DeleteChain(name.to_owned()));
+                        add_rules.push(Op::AddChain {
+                            name: name.to_owned(),
+                            base: after.base,
+                        });
+                        add_rules.extend(rules_of(name, after));
+                    } else if before.rules != after.rules {
+                        flush_chains.push(Op::FlushChain(name.to_owned()));
+                        add_rules.extend(rules_of(name, after));
+                    }
+                }
+            }
+        }
+
+        let mut delete_elements = Vec::new();
+        let mut delete_sets = Vec::new();
+        let mut add_sets = Vec::new();
+        let mut add_elements = Vec::new();
+        for &name in sets {
+            match (old.sets.get(name), new.sets.get(name)) {
+                (None, None) => {}
+                (Some(_), None) => delete_sets.push(Op::DeleteSet(name.to_owned())),
+                (None, Some(set)) => {
+                    add_sets.push(Op::AddSet {
+                        name: name.to_owned(),
+                        spec: set.spec,
+                    });
+                    add_elements.extend(elements_of(name, set));
+                }
+                (Some(before), Some(after)) if before.spec != after.spec => {
+                    delete_sets.push(Op::DeleteSet(name.to_owned()));
+                    add_sets.push(Op::AddSet {
+                        name: name.to_owned(),
+                        spec: after.spec,
+                    });
+                    add_elements.extend(elements_of(name, after));
+                }
+                (Some(before), Some(after)) => {
+                    let stale: Vec<Key> = before
+                        .elements
+                        .iter()
+                        .filter(|(key, verdict)| after.elements.get(key) != Some(verdict))
+                        .map(|(key, _)| *key)
+                        .collect();
+                    let fresh: Vec<(Key, Verdict)> = after
+                        .elements
+                        .iter()
+                        .filter(|(key, verdict)| before.elements.get(key) != Some(verdict))
+                        .map(|(key, verdict)| (*key, verdict.clone()))
+                        .collect();
+                    if !stale.is_empty() {
+                        delete_elements.push(Op::DeleteElements {
+                            set: name.to_owned(),
+                            keys: stale,
+                        });
+                    }
+                    if !fresh.is_empty() {
+                        add_elements.push(Op::AddElements {
+                            set: name.to_owned(),
+                            elements: fresh,
+                        });
+                    }
+                }
+            }
+        }
+
+        let ops = [
+            add_chains,
+            delete_elements,
+            flush_chains,
+            delete_sets,
+            delete_chains,
+            add_sets,
+            add_elements,
+            add_rules,
+        ]
+        .concat();
+        Self { ops }
+    }
+}
+
+fn rules_of<'a>(name: &'a str, chain: &'a Chain) -> impl Iterator<Item = Op> + 'a {
+    chain.rules.iter().map(move |rule| Op::AddRule {
+        chain: name.to_owned(),
+        rule: rule.clone(),
+    })
+}
+
+fn elements_of(name: &str, set: &Set) -> Option<Op> {
+    (!set.elements.is_empty()).then(|| Op::AddElements {
+        set: name.to_owned(),
+        elements: set
+            .elements
+            .iter()
+            .map(|(key, verdict)| (*key, verdict.clone()))
+            .collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{KeyType, Statement};
+
+    fn ruleset(endpoint: Option<&str>) -> Ruleset {
+        let mut rs = Ruleset::default();
+        let mut map = Set::verdict_map(KeyType::Index);
+        if let Some(ep) = endpoint {
+            rs.chains.insert(
+                ep.to_owned(),
+                Chain {
+                    base: None,
+                    rules: vec![Rule::always(Statement::Return)],
+                },
+            );
+            map.elements
+                .insert(Key::Index(0), Verdict::Goto(ep.to_owned()));
+        }
+        rs.sets.insert("m".into(), map);
+        rs
+    }
+
+    #[test]
+    fn a_replaced_chain_is_created_before_and_deleted_after_the_element_swap() {
+        let (old, new) = (ruleset(Some("a")), ruleset(Some("b")));
+        let chains = BTreeSet::from(["a", "b"]);
+        let sets = BTreeSet::from(["m"]);
+        let tx = Transaction::between(&old, &new, &chains, &sets);
+        let position = |wanted: &Op| tx.ops.iter().position(|op| op == wanted).unwrap();
+        let add_b = position(&Op::AddChain {
+            name: "b".into(),
+            base: None,
+        });
+        let del_elem = position(&Op::DeleteElements {
+            set: "m".into(),
+            keys: vec![Key::Index(0)],
+        });
+        let del_a = position(&Op::DeleteChain("a".into()));
+        let add_elem = position(&Op::AddElements {
+            set: "m".into(),
+            elements: vec![(Key::Index(0), Verdict::Goto("b".into()))],
+        });
+        assert!(add_b < add_elem && del_elem < del_a && del_elem < add_elem);
+    }
+
+    #[test]
+    fn equal_rulesets_need_no_operation() {
+        let rs = ruleset(Some("a"));
+        let chains = BTreeSet::from(["a"]);
+        let sets = BTreeSet::from(["m"]);
+        assert!(Transaction::between(&rs, &rs, &chains, &sets).is_empty());
+    }
+}
