@@ -75,10 +75,10 @@ pub fn port_rules(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig) 
 /// (`local`: externalTrafficPolicy for external paths, internalTrafficPolicy for the
 /// cluster IP), or both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct UsableEndpoint {
-    addr: SocketAddrV4,
-    cluster: bool,
-    local: bool,
+pub(crate) struct UsableEndpoint {
+    pub(crate) addr: SocketAddrV4,
+    pub(crate) cluster: bool,
+    pub(crate) local: bool,
 }
 
 /// The endpoints that get traffic, de-duplicated (an endpoint can appear in two
@@ -88,7 +88,7 @@ struct UsableEndpoint {
 /// set (either traffic policy Local) is this node's ready endpoints, or, when there is
 /// none, this node's serving terminating ones, so connections survive a rolling update of
 /// the only local pod while the health check already sends new ones elsewhere.
-fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec<UsableEndpoint> {
+pub(crate) fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec<UsableEndpoint> {
     let is_local = |ep: &Endpoint| ep.node_name.as_deref() == Some(node.node_name.as_str());
     let any_ready = endpoints.iter().any(Endpoint::is_ready);
     let any_local_ready = endpoints.iter().any(|ep| ep.is_ready() && is_local(ep));
@@ -718,7 +718,7 @@ impl ServiceChains {
     }
 }
 
-fn sorted_unique<T: Ord + Clone>(items: &[T]) -> Vec<T> {
+pub(crate) fn sorted_unique<T: Ord + Clone>(items: &[T]) -> Vec<T> {
     let mut items = items.to_vec();
     items.sort();
     items.dedup();

@@ -1,0 +1,143 @@
+//! The nftables ruleset kept up to date one Service port at a time: a sync rebuilds only
+//! the ports that changed and returns the one transaction that brings the kernel from the
+//! previous ruleset to the new one. Its cost follows the change, not the cluster: only the
+//! touched ports' own chains and sets are compared, and their elements in the shared maps
+//! are diffed against what those ports held, never against the whole map.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use tandem_nftables::{Key, Ruleset, Set, Transaction};
+
+use super::layout::{self, PortObjects, SHARED_MAPS, port_objects};
+use crate::model::{NodeConfig, ProxyState, ServicePortName};
+
+/// What the ruleset holds of one Service port.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct PortShare {
+    chains: Vec<String>,
+    sets: Vec<String>,
+    /// Its elements in the shared maps: `(map, key)`.
+    elements: Vec<(&'static str, Key)>,
+}
+
+impl PortShare {
+    fn of(objects: &PortObjects) -> Self {
+        Self {
+            chains: objects.chains.keys().cloned().collect(),
+            sets: objects.sets.keys().cloned().collect(),
+            elements: objects
+                .elements
+                .iter()
+                .map(|(map, key, _)| (*map, *key))
+                .collect(),
+        }
+    }
+}
+
+/// The desired ruleset of table `ip tandem`, updated per Service port.
+#[derive(Debug, Clone)]
+pub struct IncrementalRuleset {
+    node: NodeConfig,
+    ruleset: Ruleset,
+    ports: BTreeMap<ServicePortName, PortShare>,
+}
+
+impl IncrementalRuleset {
+    /// The ruleset of a cluster without Services: the fixed objects only. The kernel gets
+    /// it (or any later [`IncrementalRuleset::ruleset`]) whole with
+    /// [`Transaction::replace_all`]; [`IncrementalRuleset::update`]s go from there.
+    pub fn new(node: NodeConfig) -> Self {
+        Self {
+            node,
+            ruleset: layout::fixed_objects(),
+            ports: BTreeMap::new(),
+        }
+    }
+
+    pub fn ruleset(&self) -> &Ruleset {
+        &self.ruleset
+    }
+
+    /// Rebuilds the given Service ports from `state` (a port `state` no longer has is
+    /// removed) and returns the transaction from the previous ruleset to the new one:
+    /// empty when nothing changed.
+    pub fn update<'a>(
+        &mut self,
+        state: &ProxyState,
+        ports: impl IntoIterator<Item = &'a ServicePortName>,
+    ) -> Transaction {
+        // The touched objects only: before as the ruleset held them, after as rebuilt.
+        // Both declare the shared maps, holding only the touched ports' elements.
+        let mut before = Ruleset::default();
+        let mut after = Ruleset::default();
+        for (name, key) in SHARED_MAPS {
+            before.sets.insert(name.to_owned(), Set::verdict_map(key));
+            after.sets.insert(name.to_owned(), Set::verdict_map(key));
+        }
+        let mut chains = BTreeSet::new();
+        let mut sets: BTreeSet<String> = SHARED_MAPS
+            .iter()
+            .map(|(name, _)| (*name).to_owned())
+            .collect();
+        let names: BTreeSet<&ServicePortName> = ports.into_iter().collect();
+        for name in names {
+            let old = self.ports.remove(name).unwrap_or_default();
+            self.take(&old, &mut before);
+            let new = state
+                .services
+                .get(name)
+                .map(|svc| port_objects(svc, state.endpoints_of(name), &self.node))
+                .unwrap_or_default();
+            let share = PortShare::of(&new);
+            chains.extend(old.chains.iter().chain(&share.chains).cloned());
+            sets.extend(old.sets.iter().chain(&share.sets).cloned());
+            layout::install(&mut after, new);
+            if share != PortShare::default() {
+                self.ports.insert(name.clone(), share);
+            }
+        }
+        let chain_names: BTreeSet<&str> = chains.iter().map(String::as_str).collect();
+        let set_names: BTreeSet<&str> = sets.iter().map(String::as_str).collect();
+        let tx = Transaction::between(&before, &after, &chain_names, &set_names);
+
+        let Ruleset {
+            chains: new_chains,
+            sets: mut new_sets,
+        } = after;
+        self.ruleset.chains.extend(new_chains);
+        for (name, _) in SHARED_MAPS {
+            let (Some(elements), Some(map)) =
+                (new_sets.remove(name), self.ruleset.sets.get_mut(name))
+            else {
+                continue;
+            };
+            map.elements.extend(elements.elements);
+        }
+        self.ruleset.sets.extend(new_sets);
+        tx
+    }
+
+    /// Moves what the ruleset holds of a port into `into`.
+    fn take(&mut self, share: &PortShare, into: &mut Ruleset) {
+        for name in &share.chains {
+            if let Some(chain) = self.ruleset.chains.remove(name) {
+                into.chains.insert(name.clone(), chain);
+            }
+        }
+        for name in &share.sets {
+            if let Some(set) = self.ruleset.sets.remove(name) {
+                into.sets.insert(name.clone(), set);
+            }
+        }
+        for (map, key) in &share.elements {
+            let verdict = self
+                .ruleset
+                .sets
+                .get_mut(*map)
+                .and_then(|set| set.elements.remove(key));
+            if let (Some(verdict), Some(set)) = (verdict, into.sets.get_mut(*map)) {
+                set.elements.insert(*key, verdict);
+            }
+        }
+    }
+}
