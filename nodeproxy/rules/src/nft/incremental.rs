@@ -6,10 +6,54 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use tandem_nftables::{Key, Ruleset, Set, Transaction};
+use tandem_nftables::{Key, Match, Rule, Ruleset, Set, Statement, Transaction};
 
 use super::layout::{self, PortObjects, SHARED_MAPS, port_objects};
 use crate::model::{NodeConfig, ProxyState, ServicePortName};
+
+/// A set whose declaration changes (an affinity timeout) is deleted and declared anew,
+/// which the kernel refuses while a rule still names it: the chains that name it must be
+/// flushed first and written again, even where their rules stay the same. Emptying their
+/// old copy makes [`Transaction::between`] do exactly that.
+fn force_rewrite_of_redeclared_set_users(before: &mut Ruleset, after: &Ruleset) {
+    let redeclared: BTreeSet<&String> = after
+        .sets
+        .iter()
+        .filter(|(name, set)| {
+            before
+                .sets
+                .get(*name)
+                .is_some_and(|old| old.spec != set.spec)
+        })
+        .map(|(name, _)| name)
+        .collect();
+    if redeclared.is_empty() {
+        return;
+    }
+    for (name, chain) in &after.chains {
+        let uses = chain
+            .rules
+            .iter()
+            .any(|rule| rule_sets(rule).any(|set| redeclared.contains(set)));
+        if let (true, Some(old)) = (uses, before.chains.get_mut(name)) {
+            old.rules.clear();
+        }
+    }
+}
+
+/// The sets a rule names.
+fn rule_sets(rule: &Rule) -> impl Iterator<Item = &String> {
+    let in_statement = match &rule.statement {
+        Statement::Dispatch { map, .. } | Statement::RandomDispatch { map, .. } => Some(map),
+        Statement::AddSourceToSet(set) => Some(set),
+        _ => None,
+    };
+    let in_matches = rule.matches.iter().filter_map(|m| match m {
+        Match::SourceInSet(set) => Some(set),
+        _ => None,
+    });
+    in_statement.into_iter().chain(in_matches)
+}
 
 /// What the ruleset holds of one Service port.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -96,6 +140,7 @@ impl IncrementalRuleset {
                 self.ports.insert(name.clone(), share);
             }
         }
+        force_rewrite_of_redeclared_set_users(&mut before, &after);
         let chain_names: BTreeSet<&str> = chains.iter().map(String::as_str).collect();
         let set_names: BTreeSet<&str> = sets.iter().map(String::as_str).collect();
         let tx = Transaction::between(&before, &after, &chain_names, &set_names);

@@ -3,6 +3,8 @@
 
 use std::net::Ipv4Addr;
 
+pub mod generate;
+
 use tandem_proxy_rules::model::{
     Endpoint, IpMode, LoadBalancerIngress, NodeConfig, Protocol, ProxyState, ServicePort,
     ServicePortName,
