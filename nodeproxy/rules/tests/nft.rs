@@ -169,6 +169,11 @@ fn cases(state: &ProxyState) -> Vec<Case> {
             if usable(endpoints) {
                 cases.push(case(proto, NODE_IP, addr, svc.port, Entry::Local));
             }
+            if let (Some(_), Some(ep)) = (svc.session_affinity_timeout, endpoints.first()) {
+                let mut pinned = case(proto, ALLOWED_CLIENT, addr, svc.port, Entry::FromOutside);
+                pinned.pinned = Some((name.clone(), SocketAddrV4::new(ep.ip, ep.port)));
+                cases.push(pinned);
+            }
         }
         if let Some(node_port) = svc.node_port {
             for src in [ALLOWED_CLIENT, POD_ON_NODE] {
@@ -192,6 +197,7 @@ fn cases(state: &ProxyState) -> Vec<Case> {
                 health,
                 Entry::FromOutside,
             ));
+            cases.push(case(Protocol::Tcp, NODE_IP, node_ip, health, Entry::Local));
         }
     }
     cases
@@ -500,6 +506,25 @@ fn every_feature() -> ProxyState {
         state.endpoints.extend(part.endpoints);
     }
     state
+}
+
+#[test]
+fn readable_trace_of_the_reference_lb() {
+    let ruleset = layout::build(&common::reference_state(), &common::node_a());
+    let traces: Vec<String> = [ALLOWED_CLIENT, DISALLOWED_CLIENT]
+        .into_iter()
+        .map(|src| {
+            let packet = Packet {
+                src: ip(src),
+                dst: ip("198.51.100.20"),
+                protocol: Protocol::Tcp,
+                dst_port: 80,
+            };
+            let request = TraceRequest::new(packet, Entry::FromOutside, [ip(NODE_IP)]);
+            nft_trace(&ruleset, &request).unwrap().to_string()
+        })
+        .collect();
+    insta::assert_snapshot!("nft_trace_reference_lb", traces.join("\n"));
 }
 
 #[test]

@@ -716,3 +716,158 @@ impl<'a> Port<'a> {
         rules
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(namespace: &str, service: &str, port: &str) -> ServicePortName {
+        ServicePortName {
+            namespace: namespace.into(),
+            name: service.into(),
+            port: port.into(),
+        }
+    }
+
+    fn node() -> NodeConfig {
+        NodeConfig {
+            node_name: "node-a".into(),
+            cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
+        }
+    }
+
+    fn service(cluster_ip: Option<Ipv4Addr>) -> ServicePort {
+        ServicePort {
+            name: name("ns1", "svc1", "p80"),
+            protocol: Protocol::Tcp,
+            cluster_ip,
+            port: 80,
+            node_port: None,
+            external_ips: vec![],
+            load_balancer_ingress: vec![],
+            load_balancer_source_ranges: vec![],
+            session_affinity_timeout: None,
+            external_traffic_policy_local: false,
+            health_check_node_port: None,
+            internal_traffic_policy_local: false,
+        }
+    }
+
+    fn endpoint(last: u8, node: &str) -> Endpoint {
+        Endpoint {
+            ip: Ipv4Addr::new(10, 180, 0, last),
+            port: 80,
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: Some(node.into()),
+        }
+    }
+
+    #[test]
+    fn names_match_kube_proxys_nftables_mode() {
+        // From kube-proxy's own nftables proxier tests.
+        let svc1 = name("ns1", "svc1", "p80");
+        assert_eq!(
+            PortNames::of(&svc1, Protocol::Tcp).service,
+            "service-ULMVA6XW-ns1/svc1/tcp/p80"
+        );
+        assert_eq!(
+            endpoint_chain(&svc1, Protocol::Tcp, "10.180.0.1:80".parse().unwrap()),
+            "endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80"
+        );
+        let svc2 = name("ns2", "svc2", "p80");
+        assert_eq!(
+            PortNames::of(&svc2, Protocol::Tcp).external,
+            "external-42NFTM6N-ns2/svc2/tcp/p80"
+        );
+        assert_eq!(
+            endpoint_chain(&svc2, Protocol::Tcp, "10.180.0.2:80".parse().unwrap()),
+            "endpoint-SGOXE6O3-ns2/svc2/tcp/p80__10.180.0.2/80"
+        );
+    }
+
+    #[test]
+    fn headless_services_get_nothing() {
+        let objects = port_objects(&service(None), &[endpoint(1, "node-a")], &node());
+        assert_eq!(objects, PortObjects::default());
+    }
+
+    #[test]
+    fn one_endpoint_is_a_plain_goto_and_two_a_named_map() {
+        let svc = service(Some(Ipv4Addr::new(172, 30, 0, 41)));
+        let names = PortNames::of(&svc.name, svc.protocol);
+        let one = port_objects(&svc, &[endpoint(1, "node-b")], &node());
+        assert!(one.sets.is_empty());
+        let last = one.chains[&names.service].rules.last().unwrap();
+        assert_eq!(
+            last.statement,
+            Statement::Goto("endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80".into())
+        );
+        let two = port_objects(
+            &svc,
+            &[endpoint(1, "node-b"), endpoint(2, "node-b")],
+            &node(),
+        );
+        assert_eq!(two.sets[&names.endpoints_map].elements.len(), 2);
+        let last = two.chains[&names.service].rules.last().unwrap();
+        assert_eq!(
+            last.statement,
+            Statement::RandomDispatch {
+                modulus: 2,
+                map: names.endpoints_map.clone()
+            }
+        );
+    }
+
+    #[test]
+    fn without_endpoints_every_address_rejects_and_nothing_else_exists() {
+        let svc = ServicePort {
+            node_port: Some(30080),
+            external_ips: vec![Ipv4Addr::new(192, 0, 2, 1)],
+            ..service(Some(Ipv4Addr::new(172, 30, 0, 41)))
+        };
+        let objects = port_objects(&svc, &[], &node());
+        assert!(objects.chains.is_empty() && objects.sets.is_empty());
+        let reject = Verdict::Goto(REJECT_CHAIN.into());
+        assert_eq!(
+            objects.elements,
+            vec![
+                (
+                    NO_ENDPOINT_SERVICES,
+                    Key::AddressProtocolPort(Ipv4Addr::new(172, 30, 0, 41), Protocol::Tcp, 80),
+                    reject.clone()
+                ),
+                (
+                    NO_ENDPOINT_SERVICES,
+                    Key::AddressProtocolPort(Ipv4Addr::new(192, 0, 2, 1), Protocol::Tcp, 80),
+                    reject.clone()
+                ),
+                (
+                    NO_ENDPOINT_NODEPORTS,
+                    Key::ProtocolPort(Protocol::Tcp, 30080),
+                    reject
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn external_policy_local_without_local_endpoints_drops_after_the_short_cuts() {
+        let svc = ServicePort {
+            node_port: Some(30080),
+            external_traffic_policy_local: true,
+            ..service(Some(Ipv4Addr::new(172, 30, 0, 41)))
+        };
+        let names = PortNames::of(&svc.name, svc.protocol);
+        let objects = port_objects(&svc, &[endpoint(1, "node-b")], &node());
+        let external = &objects.chains[&names.external].rules;
+        assert_eq!(external.len(), 4);
+        assert_eq!(
+            external[0].statement,
+            Statement::Goto(names.service.clone())
+        );
+        assert_eq!(external[3].statement, Statement::Drop);
+        assert!(!objects.chains.contains_key(&names.local));
+    }
+}

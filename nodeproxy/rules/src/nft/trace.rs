@@ -396,3 +396,89 @@ enum Step {
     Next,
     Done(Flow),
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use tandem_nftables::{BaseChain, Chain};
+
+    use super::*;
+
+    fn request() -> TraceRequest {
+        let packet = Packet {
+            src: Ipv4Addr::new(192, 0, 2, 1),
+            dst: Ipv4Addr::new(192, 0, 2, 2),
+            protocol: tandem_nftables::Protocol::Tcp,
+            dst_port: 1,
+        };
+        TraceRequest::new(packet, Entry::FromOutside, [])
+    }
+
+    fn ruleset(chains: Vec<(&str, Chain)>) -> Ruleset {
+        Ruleset {
+            chains: chains
+                .into_iter()
+                .map(|(name, chain)| (name.to_owned(), chain))
+                .collect(),
+            sets: Default::default(),
+        }
+    }
+
+    fn base(rules: Vec<Rule>) -> Chain {
+        Chain {
+            base: Some(BaseChain {
+                chain_type: ChainType::Filter,
+                hook: Hook::Prerouting,
+                priority: 0,
+            }),
+            rules,
+        }
+    }
+
+    fn chain(rules: Vec<Rule>) -> Chain {
+        Chain { base: None, rules }
+    }
+
+    #[test]
+    fn goto_returns_to_the_caller_of_its_chain_and_jump_to_the_next_rule() {
+        let mark = |bit| Rule::always(Statement::SetMark(bit));
+        let rs = ruleset(vec![
+            (
+                "base",
+                base(vec![
+                    Rule::always(Statement::Jump("a".into())),
+                    Rule::when(vec![Match::Mark { bit: 2, set: true }], Statement::Drop),
+                    Rule::always(Statement::Reject),
+                ]),
+            ),
+            (
+                "a",
+                chain(vec![Rule::always(Statement::Goto("b".into())), mark(2)]),
+            ),
+            ("b", chain(vec![mark(1)])),
+        ]);
+        // b returns past the rest of a (no mark 2): the reject, not the drop.
+        let traced = trace(&rs, &request()).unwrap();
+        assert_eq!(
+            traced.outcomes[0].verdict,
+            Verdict::Reject {
+                table: Table::Filter,
+                chain: "base".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_lookup_in_a_missing_set_is_an_error() {
+        let rs = ruleset(vec![(
+            "base",
+            base(vec![Rule::always(Statement::Dispatch {
+                key: DispatchKey::AddressProtocolPort,
+                map: "service-ips".into(),
+            })]),
+        )]);
+        let err = trace(&rs, &request()).unwrap_err();
+        assert!(matches!(err, TraceError::UndeclaredSet { .. }), "{err}");
+    }
+}
