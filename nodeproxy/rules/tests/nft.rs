@@ -12,6 +12,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use common::generate::{MAX_PORTS, port_name, state};
 use common::ip;
+use common::netns::{Netns, is_root};
 use proptest::prelude::*;
 use tandem_nftables::{Op, Ruleset, Statement, Transaction, Verdict as MapVerdict, render};
 use tandem_proxy_rules::chains::endpoint_chain;
@@ -534,4 +535,118 @@ fn ruleset_as_nft_text() {
         "nft_every_feature",
         render::transaction(&Transaction::replace_all(&ruleset))
     );
+}
+
+/// Table `ip tandem` as the kernel lists it (`nft -j`), without handles and with set
+/// elements sorted: two tables with the same content compare equal however they were
+/// built up.
+fn kernel_table(netns: &Netns) -> BTreeMap<String, serde_json::Value> {
+    let listing = netns.run("nft", &["-j", "list", "table", "ip", "tandem"], "");
+    let listing: serde_json::Value = serde_json::from_str(&listing).unwrap();
+    let mut objects = BTreeMap::new();
+    let mut rules: BTreeMap<String, Vec<serde_json::Value>> = BTreeMap::new();
+    for object in listing["nftables"].as_array().unwrap() {
+        let Some((kind, body)) = object.as_object().unwrap().iter().next() else {
+            continue;
+        };
+        let mut body = body.clone();
+        body.as_object_mut().unwrap().remove("handle");
+        let name = body["name"].as_str().unwrap_or_default().to_owned();
+        match kind.as_str() {
+            "rule" => rules
+                .entry(body["chain"].as_str().unwrap().to_owned())
+                .or_default()
+                .push(body["expr"].clone()),
+            "set" | "map" => {
+                if let Some(serde_json::Value::Array(elements)) = body.get_mut("elem") {
+                    elements.sort_by_key(|element| element.to_string());
+                }
+                objects.insert(format!("{kind} {name}"), body);
+            }
+            _ => {
+                objects.insert(format!("{kind} {name}"), body);
+            }
+        }
+    }
+    for (chain, exprs) in rules {
+        objects.insert(format!("rules {chain}"), serde_json::Value::Array(exprs));
+    }
+    objects
+}
+
+fn nft_apply(netns: &Netns, tx: &Transaction) {
+    if !tx.is_empty() {
+        netns.run("nft", &["-f", "-"], &render::transaction(tx));
+    }
+}
+
+/// The steps of the kernel test: every feature, then one change of each kind.
+fn kernel_steps() -> Vec<ProxyState> {
+    let mut steps = vec![every_feature()];
+    let mut next = |change: &dyn Fn(&mut ProxyState)| {
+        let mut state = steps.last().unwrap().clone();
+        change(&mut state);
+        steps.push(state);
+    };
+    let nginx = common::nginx_http();
+    // An endpoint added (2 → 3), then two removed (3 → 1: the endpoint map goes away).
+    next(&|s| {
+        s.endpoints
+            .get_mut(&nginx)
+            .unwrap()
+            .push(common::ready("10.244.2.9", 80, "node-b"))
+    });
+    next(&|s| s.endpoints.get_mut(&nginx).unwrap().truncate(1));
+    // The affinity timeout changes: the sets are declared anew.
+    next(&|s| {
+        s.services
+            .get_mut(&common::sticky())
+            .unwrap()
+            .session_affinity_timeout = Some(60)
+    });
+    // externalTrafficPolicy Local loses its local endpoints; a Service loses all.
+    next(&|s| {
+        s.endpoints
+            .get_mut(&common::local_lb())
+            .unwrap()
+            .retain(|ep| ep.node_name.as_deref() != Some("node-a"))
+    });
+    next(&|s| s.endpoints.get_mut(&common::dns()).unwrap().clear());
+    // A Service deleted, then everything.
+    next(&|s| {
+        s.services.remove(&common::ext());
+    });
+    next(&|s| *s = ProxyState::default());
+    steps
+}
+
+#[test]
+fn the_kernel_takes_every_transaction_and_ends_with_the_full_builds_table() {
+    if !is_root() {
+        eprintln!("skipped: needs root for network namespaces");
+        return;
+    }
+    let node = common::node_a();
+    let (incremental_ns, full_ns) = (Netns::create("nftinc"), Netns::create("nftfull"));
+    let mut incremental = IncrementalRuleset::new(node.clone());
+    nft_apply(
+        &incremental_ns,
+        &Transaction::replace_all(incremental.ruleset()),
+    );
+    let steps = kernel_steps();
+    let names: BTreeSet<ServicePortName> = steps
+        .iter()
+        .flat_map(|state| state.services.keys().cloned())
+        .collect();
+    for (i, state) in steps.iter().enumerate() {
+        nft_apply(&incremental_ns, &incremental.update(state, &names));
+        let full = layout::build(state, &node);
+        nft_apply(&full_ns, &Transaction::replace_all(&full));
+        let table = kernel_table(&incremental_ns);
+        assert!(table.len() > 20, "step {i}: {table:?}");
+        assert_eq!(table, kernel_table(&full_ns), "step {i}");
+    }
+    nft_apply(&full_ns, &Transaction::delete_all());
+    let tables = full_ns.run("nft", &["list", "tables"], "");
+    assert!(!tables.contains("tandem"), "{tables}");
 }

@@ -4,6 +4,7 @@
 use std::net::Ipv4Addr;
 
 pub mod generate;
+pub mod netns;
 
 use tandem_proxy_rules::model::{
     Endpoint, IpMode, LoadBalancerIngress, NodeConfig, Protocol, ProxyState, ServicePort,
