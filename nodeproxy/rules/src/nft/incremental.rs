@@ -194,57 +194,27 @@ mod tests {
     use tandem_nftables::Op;
 
     use super::*;
-    use crate::model::{Endpoint, Protocol, ServicePort};
-
-    fn node() -> NodeConfig {
-        NodeConfig {
-            node_name: "node-a".into(),
-            cluster_cidr: None,
-        }
-    }
-
-    fn name() -> ServicePortName {
-        ServicePortName {
-            namespace: "default".into(),
-            name: "sticky".into(),
-            port: String::new(),
-        }
-    }
+    use crate::model::ServicePort;
+    use crate::nft::layout::tests::{endpoint, node, service};
 
     fn state(affinity_timeout: u32) -> ProxyState {
         let service = ServicePort {
-            name: name(),
-            protocol: Protocol::Tcp,
-            cluster_ip: Some(Ipv4Addr::new(10, 96, 0, 1)),
-            port: 80,
-            node_port: None,
-            external_ips: vec![],
-            load_balancer_ingress: vec![],
-            load_balancer_source_ranges: vec![],
             session_affinity_timeout: Some(affinity_timeout),
-            external_traffic_policy_local: false,
-            health_check_node_port: None,
-            internal_traffic_policy_local: false,
+            ..service(Some(Ipv4Addr::new(10, 96, 0, 1)))
         };
-        let endpoint = Endpoint {
-            ip: Ipv4Addr::new(10, 244, 1, 2),
-            port: 8080,
-            ready: true,
-            serving: true,
-            terminating: false,
-            node_name: None,
-        };
+        let name = service.name.clone();
         ProxyState {
-            services: [(name(), service)].into(),
-            endpoints: [(name(), vec![endpoint])].into(),
+            endpoints: [(name.clone(), vec![endpoint(1, "node-b")])].into(),
+            services: [(name, service)].into(),
         }
     }
 
     #[test]
     fn a_changed_affinity_timeout_rewrites_the_chains_that_use_the_set() {
         let mut incremental = IncrementalRuleset::new(node());
-        incremental.update(&state(10), [&name()]);
-        let tx = incremental.update(&state(20), [&name()]);
+        let names: Vec<ServicePortName> = state(10).services.into_keys().collect();
+        incremental.update(&state(10), &names);
+        let tx = incremental.update(&state(20), &names);
         let position = |wanted: &dyn Fn(&Op) -> bool| tx.ops.iter().position(wanted).unwrap();
         let delete_set =
             position(&|op| matches!(op, Op::DeleteSet(set) if set.starts_with("affinity-")));

@@ -19,8 +19,8 @@ use tandem_nftables::{
     Rule, Ruleset, Set, Statement, Verdict,
 };
 
-use crate::model::{Endpoint, IpMode, NodeConfig, ProxyState, ServicePort, ServicePortName};
-use crate::rules::{UsableEndpoint, sorted_unique, usable_endpoints};
+use crate::model::{Endpoint, NodeConfig, ProxyState, ServicePort, ServicePortName};
+use crate::rules::{PortPaths, UsableEndpoint, sorted_unique, usable_endpoints};
 
 pub const FILTER_PREROUTING_PRE_DNAT: &str = "filter-prerouting-pre-dnat";
 pub const FILTER_OUTPUT_PRE_DNAT: &str = "filter-output-pre-dnat";
@@ -385,7 +385,7 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
     let external_ips: Vec<Ipv4Addr> = port
         .external_ips
         .iter()
-        .chain(&port.vip_ingress)
+        .chain(&port.paths.vip_ingress)
         .copied()
         .collect();
 
@@ -410,9 +410,9 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
     }
     let cluster: Vec<&PortEndpoint> = port.endpoints.iter().filter(|ep| ep.cluster).collect();
     let local: Vec<&PortEndpoint> = port.endpoints.iter().filter(|ep| ep.local).collect();
-    if port.uses_cluster {
+    if port.paths.uses_cluster {
         let mut rules = Vec::new();
-        if !port.internal_local {
+        if !port.paths.internal_local {
             rules.extend(port.cluster_ip_masquerade());
         }
         port.add_dispatch(
@@ -423,9 +423,9 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
             &cluster,
         );
     }
-    if port.uses_local && !local.is_empty() {
+    if port.paths.uses_local && !local.is_empty() {
         let mut rules = Vec::new();
-        if port.internal_local {
+        if port.paths.internal_local {
             rules.extend(port.cluster_ip_masquerade());
         }
         port.add_dispatch(
@@ -439,7 +439,7 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
 
     // The cluster IP. internalTrafficPolicy Local without a local endpoint drops, as the
     // iptables mode does: the Service has endpoints, just none this node may use.
-    let internal = if !port.internal_local {
+    let internal = if !port.paths.internal_local {
         Verdict::Goto(port.names.service.clone())
     } else if local.is_empty() {
         Verdict::Drop
@@ -453,7 +453,7 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
     };
     out.elements.push((map, ip_key(cluster_ip), internal));
 
-    if !port.external {
+    if !port.paths.external {
         return out;
     }
     out.chains.insert(
@@ -472,7 +472,7 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
             external,
         ));
     }
-    if !port.source_ranges.is_empty() && !port.vip_ingress.is_empty() {
+    if !port.source_ranges.is_empty() && !port.paths.vip_ingress.is_empty() {
         let mut rules: Vec<Rule> = port
             .source_ranges
             .iter()
@@ -492,7 +492,7 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
         );
         out.chains.insert(port.names.firewall.clone(), chain(rules));
         let firewall = Verdict::Goto(port.names.firewall.clone());
-        for &ip in &port.vip_ingress {
+        for &ip in &port.paths.vip_ingress {
             out.elements
                 .push((FIREWALL_IPS, ip_key(ip), firewall.clone()));
         }
@@ -518,18 +518,10 @@ struct Port<'a> {
     /// Endpoints some chain of this port spreads over.
     endpoints: Vec<PortEndpoint>,
     external_ips: Vec<Ipv4Addr>,
-    /// Ingress IPs with `ipMode: VIP`: `Proxy` ones are reached through node ports only.
-    vip_ingress: Vec<Ipv4Addr>,
     source_ranges: Vec<Ipv4Net>,
-    /// Reachable other than by its cluster IP (node port, external or LB IP).
-    external: bool,
-    /// externalTrafficPolicy Local, where it applies.
-    local_policy: bool,
-    internal_local: bool,
-    /// `service-…` exists (kube-proxy's `UsesClusterEndpoints`).
-    uses_cluster: bool,
-    /// `local-…` may exist (kube-proxy's `UsesLocalEndpoints`).
-    uses_local: bool,
+    /// Which paths exist: `service-…` exists when the cluster-wide set is used, `local-…`
+    /// when this node's is (and holds an endpoint).
+    paths: PortPaths,
     /// Any usable endpoint in the cluster; without one, every address rejects.
     has_endpoints: bool,
     cluster_cidr: Option<Ipv4Net>,
@@ -542,20 +534,7 @@ impl<'a> Port<'a> {
         usable: &[UsableEndpoint],
         node: &NodeConfig,
     ) -> Self {
-        let vip: Vec<Ipv4Addr> = svc
-            .load_balancer_ingress
-            .iter()
-            .filter(|ingress| ingress.ip_mode == IpMode::Vip)
-            .map(|ingress| ingress.ip)
-            .collect();
-        let vip_ingress = sorted_unique(&vip);
-        let external_ips = sorted_unique(&svc.external_ips);
-        let external =
-            svc.node_port.is_some() || !external_ips.is_empty() || !vip_ingress.is_empty();
-        let local_policy = svc.external_traffic_policy_local && external;
-        let internal_local = svc.internal_traffic_policy_local;
-        let uses_cluster = !internal_local || external;
-        let uses_local = local_policy || internal_local;
+        let paths = PortPaths::of(svc);
         let ranges: Vec<Ipv4Net> = svc
             .load_balancer_source_ranges
             .iter()
@@ -567,7 +546,7 @@ impl<'a> Port<'a> {
             names: PortNames::of(&svc.name, svc.protocol),
             endpoints: usable
                 .iter()
-                .filter(|ep| (uses_cluster && ep.cluster) || (uses_local && ep.local))
+                .filter(|ep| paths.spreads_over(ep))
                 .map(|ep| PortEndpoint {
                     addr: ep.addr,
                     cluster: ep.cluster,
@@ -576,14 +555,9 @@ impl<'a> Port<'a> {
                     affinity: affinity_set(&svc.name, svc.protocol, ep.addr),
                 })
                 .collect(),
-            external_ips,
-            vip_ingress,
+            external_ips: sorted_unique(&svc.external_ips),
             source_ranges: sorted_unique(&ranges),
-            external,
-            local_policy,
-            internal_local,
-            uses_cluster,
-            uses_local,
+            paths,
             has_endpoints: usable.iter().any(|ep| ep.cluster),
             cluster_cidr: node.cluster_cidr.map(|cidr| cidr.trunc()),
         }
@@ -679,7 +653,7 @@ impl<'a> Port<'a> {
             net: cidr,
             negated: false,
         };
-        if !self.local_policy {
+        if !self.paths.local_policy {
             if let Some(cidr) = self.cluster_cidr {
                 for &ip in &self.external_ips {
                     let to_ip = Match::DestinationAddress {
@@ -718,7 +692,7 @@ impl<'a> Port<'a> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn name(namespace: &str, service: &str, port: &str) -> ServicePortName {
@@ -729,14 +703,15 @@ mod tests {
         }
     }
 
-    fn node() -> NodeConfig {
+    pub(crate) fn node() -> NodeConfig {
         NodeConfig {
             node_name: "node-a".into(),
             cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
         }
     }
 
-    fn service(cluster_ip: Option<Ipv4Addr>) -> ServicePort {
+    /// `ns1/svc1:p80`, TCP port 80, nothing else set.
+    pub(crate) fn service(cluster_ip: Option<Ipv4Addr>) -> ServicePort {
         ServicePort {
             name: name("ns1", "svc1", "p80"),
             protocol: Protocol::Tcp,
@@ -753,7 +728,8 @@ mod tests {
         }
     }
 
-    fn endpoint(last: u8, node: &str) -> Endpoint {
+    /// A ready endpoint `10.180.0.LAST:80` on `node`.
+    pub(crate) fn endpoint(last: u8, node: &str) -> Endpoint {
         Endpoint {
             ip: Ipv4Addr::new(10, 180, 0, last),
             port: 80,
