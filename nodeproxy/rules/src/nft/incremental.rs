@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use tandem_nftables::{Key, Match, Rule, Ruleset, Set, Statement, Transaction};
+use tandem_nftables::{Key, Match, Rule, Ruleset, Set, Statement, Transaction, Verdict};
 
 use super::layout::{self, PortObjects, SHARED_MAPS, port_objects};
 use crate::model::{NodeConfig, ProxyState, ServicePortName};
@@ -55,26 +55,24 @@ fn rule_sets(rule: &Rule) -> impl Iterator<Item = &String> {
     in_statement.into_iter().chain(in_matches)
 }
 
+/// An element of a shared map: `(map, key)`.
+type ElementKey = (&'static str, Key);
+
 /// What the ruleset holds of one Service port.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct PortShare {
     chains: Vec<String>,
     sets: Vec<String>,
-    /// Its elements in the shared maps: `(map, key)`.
-    elements: Vec<(&'static str, Key)>,
+    /// The elements it claims in the shared maps (it holds those it wins).
+    elements: Vec<(&'static str, Key, Verdict)>,
 }
 
 impl PortShare {
-    fn of(objects: &PortObjects) -> Self {
-        Self {
-            chains: objects.chains.keys().cloned().collect(),
-            sets: objects.sets.keys().cloned().collect(),
-            elements: objects
-                .elements
-                .iter()
-                .map(|(map, key, _)| (*map, *key))
-                .collect(),
-        }
+    fn verdict(&self, (map, key): ElementKey) -> Option<&Verdict> {
+        self.elements
+            .iter()
+            .find(|(m, k, _)| *m == map && *k == key)
+            .map(|(_, _, verdict)| verdict)
     }
 }
 
@@ -84,6 +82,10 @@ pub struct IncrementalRuleset {
     node: NodeConfig,
     ruleset: Ruleset,
     ports: BTreeMap<ServicePortName, PortShare>,
+    /// Elements more than one port claims (two Services listing the same external IP and
+    /// port), with every claimant: the first in name order holds it, as in [`layout::build`].
+    /// Only conflicts are indexed, so the common case costs nothing.
+    contested: BTreeMap<ElementKey, BTreeSet<ServicePortName>>,
 }
 
 impl IncrementalRuleset {
@@ -95,6 +97,7 @@ impl IncrementalRuleset {
             node,
             ruleset: layout::fixed_objects(),
             ports: BTreeMap::new(),
+            contested: BTreeMap::new(),
         }
     }
 
@@ -111,7 +114,7 @@ impl IncrementalRuleset {
         ports: impl IntoIterator<Item = &'a ServicePortName>,
     ) -> Transaction {
         // The touched objects only: before as the ruleset held them, after as rebuilt.
-        // Both declare the shared maps, holding only the touched ports' elements.
+        // Both declare the shared maps, holding only the touched elements.
         let mut before = Ruleset::default();
         let mut after = Ruleset::default();
         for (name, key) in SHARED_MAPS {
@@ -124,22 +127,85 @@ impl IncrementalRuleset {
             .map(|(name, _)| (*name).to_owned())
             .collect();
         let names: BTreeSet<&ServicePortName> = ports.into_iter().collect();
-        for name in names {
-            let old = self.ports.remove(name).unwrap_or_default();
-            self.take(&old, &mut before);
-            let new = state
-                .services
-                .get(name)
-                .map(|svc| port_objects(svc, state.endpoints_of(name), &self.node))
-                .unwrap_or_default();
-            let share = PortShare::of(&new);
-            chains.extend(old.chains.iter().chain(&share.chains).cloned());
-            sets.extend(old.sets.iter().chain(&share.sets).cloned());
-            layout::install(&mut after, new);
+
+        // Out with the touched ports' old shares and their claims.
+        let mut released = BTreeSet::new();
+        for &name in &names {
+            let Some(old) = self.ports.remove(name) else {
+                continue;
+            };
+            self.take_own(&old, &mut before);
+            chains.extend(old.chains);
+            sets.extend(old.sets);
+            for (map, key, _) in old.elements {
+                if let Some(claimants) = self.contested.get_mut(&(map, key)) {
+                    claimants.remove(name);
+                }
+                released.insert((map, key));
+            }
+        }
+        // In with the new ones.
+        let mut claimed: BTreeMap<ElementKey, BTreeSet<ServicePortName>> = BTreeMap::new();
+        for &name in &names {
+            let Some(svc) = state.services.get(name) else {
+                continue;
+            };
+            let PortObjects {
+                chains: own_chains,
+                sets: own_sets,
+                elements,
+            } = port_objects(svc, state.endpoints_of(name), &self.node);
+            let share = PortShare {
+                chains: own_chains.keys().cloned().collect(),
+                sets: own_sets.keys().cloned().collect(),
+                elements,
+            };
+            chains.extend(share.chains.iter().cloned());
+            sets.extend(share.sets.iter().cloned());
+            after.chains.extend(own_chains);
+            after.sets.extend(own_sets);
+            for (map, key, _) in &share.elements {
+                claimed
+                    .entry((*map, *key))
+                    .or_default()
+                    .insert(name.clone());
+            }
             if share != PortShare::default() {
                 self.ports.insert(name.clone(), share);
             }
         }
+        // Every element a touched port held or claims goes to its first claimant.
+        let touched: BTreeSet<ElementKey> =
+            released.iter().chain(claimed.keys()).copied().collect();
+        for element in touched {
+            let (map, key) = element;
+            let current = self
+                .ruleset
+                .sets
+                .get_mut(map)
+                .and_then(|set| set.elements.remove(&key));
+            let mut claimants = claimed.remove(&element).unwrap_or_default();
+            if let Some(others) = self.contested.remove(&element) {
+                claimants.extend(others);
+            } else if current.is_some() && !released.contains(&element) {
+                // A new conflict: the holder is a port this update did not touch.
+                claimants.extend(self.claimants(element));
+            }
+            if let (Some(verdict), Some(set)) = (current, before.sets.get_mut(map)) {
+                set.elements.insert(key, verdict);
+            }
+            let winner = claimants
+                .first()
+                .and_then(|name| self.ports.get(name))
+                .and_then(|share| share.verdict(element));
+            if let (Some(verdict), Some(set)) = (winner, after.sets.get_mut(map)) {
+                set.elements.insert(key, verdict.clone());
+            }
+            if claimants.len() > 1 {
+                self.contested.insert(element, claimants);
+            }
+        }
+
         force_rewrite_of_redeclared_set_users(&mut before, &after);
         let chain_names: BTreeSet<&str> = chains.iter().map(String::as_str).collect();
         let set_names: BTreeSet<&str> = sets.iter().map(String::as_str).collect();
@@ -162,8 +228,18 @@ impl IncrementalRuleset {
         tx
     }
 
-    /// Moves what the ruleset holds of a port into `into`.
-    fn take(&mut self, share: &PortShare, into: &mut Ruleset) {
+    /// Every port claiming an element: a search through all ports, made only when an
+    /// element held by one gets a second claimant.
+    fn claimants(&self, element: ElementKey) -> Vec<ServicePortName> {
+        self.ports
+            .iter()
+            .filter(|(_, share)| share.verdict(element).is_some())
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// Moves a port's own chains and sets out of the ruleset into `into`.
+    fn take_own(&mut self, share: &PortShare, into: &mut Ruleset) {
         for name in &share.chains {
             if let Some(chain) = self.ruleset.chains.remove(name) {
                 into.chains.insert(name.clone(), chain);
@@ -172,16 +248,6 @@ impl IncrementalRuleset {
         for name in &share.sets {
             if let Some(set) = self.ruleset.sets.remove(name) {
                 into.sets.insert(name.clone(), set);
-            }
-        }
-        for (map, key) in &share.elements {
-            let verdict = self
-                .ruleset
-                .sets
-                .get_mut(*map)
-                .and_then(|set| set.elements.remove(key));
-            if let (Some(verdict), Some(set)) = (verdict, into.sets.get_mut(*map)) {
-                set.elements.insert(*key, verdict);
             }
         }
     }

@@ -92,13 +92,16 @@ pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
     ruleset
 }
 
-/// Puts one port's objects into `ruleset` (whose shared maps must exist).
-pub(crate) fn install(ruleset: &mut Ruleset, objects: PortObjects) {
+/// Puts one port's objects into `ruleset` (whose shared maps must exist). A key another
+/// port already holds (two Services listing the same external IP and port) stays with
+/// that port, the first in name order: a map holds one verdict per key, and the
+/// incremental ruleset resolves such conflicts the same way.
+fn install(ruleset: &mut Ruleset, objects: PortObjects) {
     ruleset.chains.extend(objects.chains);
     ruleset.sets.extend(objects.sets);
     for (map, key, verdict) in objects.elements {
         if let Some(set) = ruleset.sets.get_mut(map) {
-            set.elements.insert(key, verdict);
+            set.elements.entry(key).or_insert(verdict);
         }
     }
 }

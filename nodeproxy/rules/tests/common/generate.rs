@@ -1,5 +1,5 @@
 //! Random cluster states for property tests: up to six Service ports with distinct names,
-//! cluster IPs and ports, and every feature the rules depend on.
+//! cluster IPs and node ports, and every feature the rules depend on.
 
 use std::net::Ipv4Addr;
 
@@ -113,16 +113,19 @@ pub fn port_name(i: usize) -> ServicePortName {
 
 /// Up to six Service ports with distinct names, cluster IPs and ports.
 pub fn state() -> impl Strategy<Value = ProxyState> {
-    prop::collection::vec(service(), 0..MAX_PORTS).prop_map(|services| {
+    let port = (service(), prop::bool::weighted(0.3));
+    prop::collection::vec(port, 0..MAX_PORTS).prop_map(|services| {
         let mut state = ProxyState::default();
-        for (i, (mut service, endpoints)) in services.into_iter().enumerate() {
+        for (i, ((mut service, endpoints), common_port)) in services.into_iter().enumerate() {
             let index = u8::try_from(i).unwrap();
             let index16 = u16::from(index);
             service.name = port_name(i);
             service.cluster_ip = service
                 .cluster_ip
                 .map(|_| Ipv4Addr::new(10, 96, 0, 10 + index));
-            service.port = 8000 + index16;
+            // Ports in common make Services that list the same external or LB IP
+            // compete for it, as a misconfigured cluster can.
+            service.port = if common_port { 8000 } else { 8000 + index16 };
             service.node_port = service.node_port.map(|_| 30000 + index16);
             service.health_check_node_port =
                 service.health_check_node_port.map(|_| 32000 + index16);
