@@ -385,12 +385,8 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
     let port = Port::new(svc, cluster_ip, &usable_endpoints(endpoints, node), node);
     let proto = svc.protocol;
     let ip_key = |ip: Ipv4Addr| Key::AddressProtocolPort(ip, proto, svc.port);
-    let external_ips: Vec<Ipv4Addr> = port
-        .external_ips
-        .iter()
-        .chain(&port.paths.vip_ingress)
-        .copied()
-        .collect();
+    // External IPs and LB IPs, each once (a Service may list an address in both).
+    let external_ips = sorted_unique(&[&port.external_ips[..], &port.paths.vip_ingress].concat());
 
     if !port.has_endpoints {
         let reject = Verdict::Goto(REJECT_CHAIN.to_owned());

@@ -10,8 +10,8 @@
 //! sets as the lists that already hold the client.
 
 use tandem_nftables::{
-    ChainType, DispatchKey, Hook, Key, Match, Rule, Ruleset, Statement, Verdict as MapVerdict,
-    render,
+    Chain, ChainType, DispatchKey, Hook, Key, Match, Rule, Ruleset, Statement,
+    Verdict as MapVerdict, render,
 };
 
 use crate::ruleset::Table;
@@ -143,23 +143,23 @@ impl Tracer<'_> {
 
     /// Every base chain on `hook`, by priority: a drop or reject ends the packet.
     fn walk_hook(&self, hook: Hook, walk: Walk) -> Result<Vec<(Walk, Verdict)>, TraceError> {
-        let mut bases: Vec<(i32, &str, ChainType)> = self
+        let mut bases: Vec<(i32, &str, ChainType, &Chain)> = self
             .ruleset
             .chains
             .iter()
             .filter_map(|(name, chain)| {
                 let base = chain.base.filter(|base| base.hook == hook)?;
-                Some((base.priority, name.as_str(), base.chain_type))
+                Some((base.priority, name.as_str(), base.chain_type, chain))
             })
             .collect();
-        bases.sort();
+        bases.sort_by_key(|&(priority, name, ..)| (priority, name));
         let mut live = vec![walk];
         let mut finished = Vec::new();
-        for (_, name, chain_type) in bases {
+        for (_, name, chain_type, chain) in bases {
             let table = table_of(chain_type);
             let mut next = Vec::new();
             for walk in live {
-                for (walk, flow) in self.walk_chain(table, name, walk, 0)? {
+                for (walk, flow) in self.walk_chain(table, name, chain, walk, 0)? {
                     match flow {
                         Flow::Continue | Flow::Accept => next.push(walk),
                         Flow::Drop(chain) => finished.push((walk, Verdict::Drop { table, chain })),
@@ -179,6 +179,7 @@ impl Tracer<'_> {
         &self,
         table: Table,
         name: &str,
+        chain: &Chain,
         walk: Walk,
         depth: usize,
     ) -> Result<Vec<(Walk, Flow)>, TraceError> {
@@ -188,13 +189,6 @@ impl Tracer<'_> {
                 chain: name.to_owned(),
             });
         }
-        let Some(chain) = self.ruleset.chains.get(name) else {
-            return Err(TraceError::UndeclaredChain {
-                table: table.as_str(),
-                from: name.to_owned(),
-                chain: name.to_owned(),
-            });
-        };
         let mut live = vec![walk];
         let mut done = Vec::new();
         for rule in &chain.rules {
@@ -373,15 +367,15 @@ impl Tracer<'_> {
         depth: usize,
         goto: bool,
     ) -> Result<Vec<(Walk, Step)>, TraceError> {
-        if !self.ruleset.chains.contains_key(target) {
+        let Some(chain) = self.ruleset.chains.get(target) else {
             return Err(TraceError::UndeclaredChain {
                 table: table.as_str(),
                 from: from.to_owned(),
                 chain: target.to_owned(),
             });
-        }
+        };
         Ok(self
-            .walk_chain(table, target, walk, depth + 1)?
+            .walk_chain(table, target, chain, walk, depth + 1)?
             .into_iter()
             .map(|(walk, flow)| match flow {
                 Flow::Continue if !goto => (walk, Step::Next),
@@ -401,7 +395,7 @@ enum Step {
 mod tests {
     use std::net::Ipv4Addr;
 
-    use tandem_nftables::{BaseChain, Chain};
+    use tandem_nftables::BaseChain;
 
     use super::*;
 
@@ -467,6 +461,16 @@ mod tests {
                 chain: "base".into()
             }
         );
+    }
+
+    #[test]
+    fn a_jump_to_a_missing_chain_is_an_error() {
+        let rs = ruleset(vec![(
+            "base",
+            base(vec![Rule::always(Statement::Goto("service-x".into()))]),
+        )]);
+        let err = trace(&rs, &request()).unwrap_err();
+        assert!(matches!(err, TraceError::UndeclaredChain { .. }), "{err}");
     }
 
     #[test]
