@@ -17,7 +17,7 @@ use proptest::prelude::*;
 use tandem_nftables::{Op, Ruleset, Statement, Transaction, Verdict as MapVerdict, render};
 use tandem_proxy_rules::chains::endpoint_chain;
 use tandem_proxy_rules::model::{
-    Endpoint, IpMode, Protocol, ProxyState, ServicePort, ServicePortName,
+    Endpoint, IpMode, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName,
 };
 use tandem_proxy_rules::nft::incremental::IncrementalRuleset;
 use tandem_proxy_rules::nft::layout::{self, affinity_set};
@@ -97,26 +97,30 @@ fn same_fates(iptables: &Trace, nft: &Trace) -> bool {
             .all(|((ka, pa), (kb, pb))| ka == kb && (pa - pb).abs() < 1e-6)
 }
 
-/// Traces `case` through both modes' rulesets of `state` and asserts the same fates.
-fn assert_same_fates(state: &ProxyState, case: &Case) {
-    let node = common::node_a();
-    let mut request = TraceRequest::new(case.packet, case.entry, case.local.iter().copied());
-    let mut nft_request = request.clone();
-    if let Some((name, ep)) = &case.pinned {
-        let protocol = state.services[name].protocol;
-        request
-            .recent_lists
-            .insert(endpoint_chain(name, protocol, *ep));
-        nft_request
-            .recent_lists
-            .insert(affinity_set(name, protocol, *ep));
+/// Traces every case of `state` through both modes' rulesets on `node` and asserts the
+/// same fates.
+fn assert_same_fates(state: &ProxyState, node: &NodeConfig) {
+    let iptables_rules = tandem_proxy_rules::build(state, node);
+    let nft_rules = layout::build(state, node);
+    for case in cases(state) {
+        let mut request = TraceRequest::new(case.packet, case.entry, case.local.iter().copied());
+        let mut nft_request = request.clone();
+        if let Some((name, ep)) = &case.pinned {
+            let protocol = state.services[name].protocol;
+            request
+                .recent_lists
+                .insert(endpoint_chain(name, protocol, *ep));
+            nft_request
+                .recent_lists
+                .insert(affinity_set(name, protocol, *ep));
+        }
+        let iptables = trace(&iptables_rules, &request).unwrap();
+        let nft = nft_trace(&nft_rules, &nft_request).unwrap();
+        assert!(
+            same_fates(&iptables, &nft),
+            "iptables:\n{iptables}\nnftables:\n{nft}"
+        );
     }
-    let iptables = trace(&tandem_proxy_rules::build(state, &node), &request).unwrap();
-    let nft = nft_trace(&layout::build(state, &node), &nft_request).unwrap();
-    assert!(
-        same_fates(&iptables, &nft),
-        "iptables:\n{iptables}\nnftables:\n{nft}"
-    );
 }
 
 /// The Service ports that capture each external address (`ip . protocol . port`), as
@@ -248,11 +252,8 @@ fn cases(state: &ProxyState) -> Vec<Case> {
 #[test]
 fn every_scenario_meets_the_same_fates_in_both_modes() {
     for (name, state) in common::scenarios() {
-        let cases = cases(&state);
-        assert!(!cases.is_empty(), "{name}");
-        for case in &cases {
-            assert_same_fates(&state, case);
-        }
+        assert!(!cases(&state).is_empty(), "{name}");
+        assert_same_fates(&state, &common::node_a());
     }
 }
 
@@ -369,8 +370,10 @@ fn apply(ruleset: &mut Ruleset, tx: &Transaction) {
 proptest! {
     #[test]
     fn random_states_meet_the_same_fates_in_both_modes(state in state()) {
-        for case in cases(&state) {
-            assert_same_fates(&state, &case);
+        // With and without --cluster-cidr.
+        let without_cidr = NodeConfig { cluster_cidr: None, ..common::node_a() };
+        for node in [common::node_a(), without_cidr] {
+            assert_same_fates(&state, &node);
         }
     }
 

@@ -7,6 +7,10 @@
 //! `external-…`, `local-…`, `firewall-…`, `endpoint-…`) and sets (`endpoints-…`,
 //! `local-endpoints-…`, `affinity-…`), so one port's change touches only its own objects
 //! and its own elements: the map lookups cost the same with ten Services or ten thousand.
+//!
+//! Health-check node ports need no rule here: our base chains accept by policy, and an
+//! `accept` in our table could not overrule another table's `drop` anyway (the iptables
+//! mode's ACCEPT in filter INPUT has no nftables equivalent).
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4};
