@@ -1,8 +1,9 @@
 //! The nftables mode against the iptables mode: for every scenario and for random cluster
 //! states, the same packets meet the same fates (DNAT targets with their probabilities,
 //! masquerading, route, delivered/dropped/rejected) through both rulesets; the per-port
-//! incremental ruleset equals the full build, and its transactions, applied in order,
-//! rebuild it; and the whole ruleset as nft text, for review.
+//! incremental ruleset equals the full build, and its transactions, applied in order (in
+//! memory, and as root by `nft -f` in fresh network namespaces), rebuild it; and the whole
+//! ruleset as nft text, for review.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -665,6 +666,17 @@ fn kernel_steps() -> Vec<ProxyState> {
             .retain(|ep| ep.node_name.as_deref() != Some("node-a"))
     });
     next(&|s| s.endpoints.get_mut(&common::dns()).unwrap().clear());
+    // And back: an endpoint map declared anew (1 → 2), rejecting addresses dispatched again.
+    next(&|s| {
+        s.endpoints
+            .get_mut(&nginx)
+            .unwrap()
+            .push(common::ready("10.244.2.10", 80, "node-b"))
+    });
+    next(&|s| {
+        *s.endpoints.get_mut(&common::dns()).unwrap() =
+            common::udp_state().endpoints[&common::dns()].clone()
+    });
     // A Service deleted, then everything.
     next(&|s| {
         s.services.remove(&common::ext());
@@ -759,5 +771,28 @@ fn an_address_two_ports_list_goes_to_the_first_in_name_order_whichever_changes()
         assert_eq!(incremental.ruleset(), &full, "step {i}");
         apply(&mut kernel, &tx);
         assert_eq!(kernel, full, "step {i}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+
+    /// As above, over random steps: every transaction is accepted by the kernel, and the
+    /// table it leaves is the full build's.
+    #[test]
+    fn the_kernel_takes_random_steps(states in prop::collection::vec(state(), 1..4)) {
+        if !is_root() {
+            return Ok(());
+        }
+        let node = common::node_a();
+        let (incremental_ns, full_ns) = (Netns::create("nftrin"), Netns::create("nftrfu"));
+        let mut incremental = IncrementalRuleset::new(node.clone());
+        nft_apply(&incremental_ns, &Transaction::replace_all(incremental.ruleset()));
+        let names: Vec<ServicePortName> = (0..MAX_PORTS).map(port_name).collect();
+        for state in &states {
+            nft_apply(&incremental_ns, &incremental.update(state, &names));
+            nft_apply(&full_ns, &Transaction::replace_all(&layout::build(state, &node)));
+            prop_assert_eq!(kernel_table(&incremental_ns), kernel_table(&full_ns));
+        }
     }
 }
