@@ -1,0 +1,166 @@
+//! Real packets through the nftables layout (`tandem_proxy_rules::nft`), loaded with
+//! `nft -f` into a node of the `tandem-netlab` virtual cluster: a load-balancer IP routed
+//! unchanged to the node (passthrough: not a local address there), its source ranges, its
+//! node port, externalTrafficPolicy Local. Root only.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::Write as _;
+use std::net::Ipv4Addr;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::*;
+use tandem_netlab::{EchoClient, Topology};
+use tandem_nftables::{Ruleset, Transaction, render};
+use tandem_proxy_rules::model::ProxyState;
+use tandem_proxy_rules::nft::layout;
+
+const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
+
+/// A cluster whose pods run the echo; `None` (the test is skipped) unless root.
+fn cluster(nodes: usize, pods_per_node: &[u32]) -> Option<Topology> {
+    if !is_root() {
+        eprintln!("skipped: needs root");
+        return None;
+    }
+    let topo = Topology::builder()
+        .nodes(nodes)
+        .pods_per_node(pods_per_node)
+        .handle_signals(false)
+        .build()
+        .unwrap();
+    // Passthrough: the edge routes the LB IP to node 1 unchanged.
+    let node = topo.node(1).unwrap();
+    topo.edge()
+        .netns
+        .exec_checked([
+            "ip",
+            "route",
+            "add",
+            &format!("{LB_IP}/32"),
+            "via",
+            &node.ip.to_string(),
+        ])
+        .unwrap();
+    Some(topo)
+}
+
+/// Replaces table `ip tandem` on `node` with `ruleset`, as one `nft -f` transaction.
+fn load(node: &tandem_netlab::Node, ruleset: &Ruleset) {
+    let mut child = node
+        .netns
+        .command("nft")
+        .args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let text = render::transaction(&Transaction::replace_all(ruleset));
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    assert!(child.wait().unwrap().success(), "nft -f refused:\n{text}");
+}
+
+/// The reference LoadBalancer Service (source range 203.0.113.0/24, node port 30166)
+/// with the given pods as endpoints, on the echo's port.
+fn lb_state(topo: &Topology, pods: &[&tandem_netlab::Pod]) -> ProxyState {
+    let port = topo.echo_http_port();
+    reference_state(
+        pods.iter()
+            .map(|pod| endpoint(pod.ip.octets(), port, &pod.node_name))
+            .collect(),
+    )
+}
+
+fn client() -> EchoClient {
+    EchoClient::locate()
+        .unwrap()
+        .with_timeout(Duration::from_secs(2))
+}
+
+#[test]
+fn lb_ip_reaches_a_pod_masqueraded_from_an_allowed_source_and_is_dropped_otherwise() {
+    let Some(topo) = cluster(1, &[1]) else {
+        return;
+    };
+    let node = topo.node(1).unwrap();
+    let pod = topo.pods_on(1).next().unwrap();
+    load(
+        node,
+        &layout::build(&lb_state(&topo, &[pod]), &node_named(&node.name)),
+    );
+
+    let url = format!("http://{LB_IP}:80/");
+    let reply = client()
+        .http_get(&topo.client_in_range().netns, &url)
+        .expect("allowed client gets through");
+    assert_eq!(reply.pod, pod.name);
+    // externalTrafficPolicy Cluster: the pod sees the node (its address towards the pod,
+    // the pod network's gateway), not the client.
+    let gateway = topo.pod_network().gateway(node.index).unwrap();
+    assert_eq!(reply.client.ip(), gateway);
+    // Outside the source ranges: dropped, so the connection attempt runs into the
+    // client's timeout (a reject would refuse it at once, forwarding would reach the pod).
+    let started = Instant::now();
+    let refused = client().http_get(&topo.client_out_of_range().netns, &url);
+    assert!(refused.is_err(), "disallowed client got {refused:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "refused, not dropped"
+    );
+}
+
+#[test]
+fn node_port_reaches_a_pod_on_another_node_masqueraded() {
+    let Some(topo) = cluster(2, &[0, 1]) else {
+        return;
+    };
+    let node1 = topo.node(1).unwrap();
+    let pod = topo.pods_on(2).next().unwrap();
+    load(
+        node1,
+        &layout::build(&lb_state(&topo, &[pod]), &node_named(&node1.name)),
+    );
+    // Node ports have no source ranges: the client outside them gets through too.
+    let reply = client()
+        .http_get(
+            &topo.client_out_of_range().netns,
+            &format!("http://{}:30166/", node1.ip),
+        )
+        .expect("node port reachable");
+    assert_eq!(reply.pod, pod.name);
+    assert_eq!(reply.client.ip(), node1.ip);
+}
+
+#[test]
+fn external_traffic_policy_local_keeps_the_client_address() {
+    let Some(topo) = cluster(2, &[1, 1]) else {
+        return;
+    };
+    let node1 = topo.node(1).unwrap();
+    let local = topo.pods_on(1).next().unwrap();
+    let remote = topo.pods_on(2).next().unwrap();
+    let mut state = lb_state(&topo, &[local, remote]);
+    for svc in state.services.values_mut() {
+        svc.external_traffic_policy_local = true;
+    }
+    load(node1, &layout::build(&state, &node_named(&node1.name)));
+    let allowed = topo.client_in_range();
+    for url in [
+        format!("http://{LB_IP}:80/"),
+        format!("http://{}:30166/", node1.ip),
+    ] {
+        // Only the local pod, and it sees the client itself.
+        for _ in 0..4 {
+            let reply = client().http_get(&allowed.netns, &url).unwrap();
+            assert_eq!(reply.pod, local.name, "{url}");
+            assert_eq!(reply.client.ip(), allowed.ip, "{url}");
+        }
+    }
+}
