@@ -8,7 +8,7 @@
 mod common;
 
 use std::io::Write as _;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, TcpListener};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -162,5 +162,88 @@ fn external_traffic_policy_local_keeps_the_client_address() {
             assert_eq!(reply.pod, local.name, "{url}");
             assert_eq!(reply.client.ip(), allowed.ip, "{url}");
         }
+    }
+}
+
+#[test]
+fn session_affinity_keeps_a_client_on_one_pod() {
+    let Some(topo) = cluster(2, &[1, 1]) else {
+        return;
+    };
+    let node1 = topo.node(1).unwrap();
+    let pods: Vec<_> = topo.pods().iter().collect();
+    let mut state = lb_state(&topo, &pods);
+    for svc in state.services.values_mut() {
+        svc.session_affinity_timeout = Some(60);
+    }
+    load(node1, &layout::build(&state, &node_named(&node1.name)));
+    let url = format!("http://{LB_IP}:80/");
+    let first = client()
+        .http_get(&topo.client_in_range().netns, &url)
+        .unwrap();
+    for _ in 0..8 {
+        let reply = client()
+            .http_get(&topo.client_in_range().netns, &url)
+            .unwrap();
+        assert_eq!(reply.pod, first.pod);
+    }
+}
+
+#[test]
+fn a_pod_reaching_its_own_service_is_masqueraded() {
+    let Some(topo) = cluster(1, &[1]) else {
+        return;
+    };
+    let node = topo.node(1).unwrap();
+    let pod = topo.pods_on(1).next().unwrap();
+    load(
+        node,
+        &layout::build(&lb_state(&topo, &[pod]), &node_named(&node.name)),
+    );
+    // Hairpin: without the masquerade the pod would answer itself directly and the
+    // connection would never complete.
+    let reply = client()
+        .http_get(&pod.netns, "http://10.43.35.197:80/")
+        .expect("hairpin connection");
+    assert_eq!(reply.pod, pod.name);
+    let gateway = topo.pod_network().gateway(node.index).unwrap();
+    assert_eq!(reply.client.ip(), gateway);
+}
+
+#[test]
+fn a_service_without_endpoints_is_rejected_before_reaching_the_node() {
+    let Some(topo) = cluster(1, &[0]) else {
+        return;
+    };
+    let node = topo.node(1).unwrap();
+    load(
+        node,
+        &layout::build(&lb_state(&topo, &[]), &node_named(&node.name)),
+    );
+    // Something of the node's own listens on the node port and on port 80 of the LB IP
+    // (local here): without the reject, connections would reach it and hang there.
+    node.netns
+        .exec_checked(["ip", "addr", "add", &format!("{LB_IP}/32"), "dev", "lo"])
+        .unwrap();
+    let _listeners: Vec<TcpListener> = [80, 30166]
+        .into_iter()
+        .map(|port| {
+            node.netns
+                .run_in_thread(move || TcpListener::bind(("0.0.0.0", port)))
+                .unwrap()
+                .unwrap()
+        })
+        .collect();
+    for url in [
+        format!("http://{LB_IP}:80/"),
+        format!("http://{}:30166/", node.ip),
+    ] {
+        let started = Instant::now();
+        let refused = client().http_get(&topo.client_in_range().netns, &url);
+        assert!(refused.is_err(), "{url}: {refused:?}");
+        assert!(
+            started.elapsed() < Duration::from_millis(1500),
+            "{url}: not rejected"
+        );
     }
 }
