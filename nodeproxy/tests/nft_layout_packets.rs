@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use tandem_netlab::{EchoClient, Topology};
-use tandem_nftables::{Ruleset, Transaction, render};
+use tandem_nftables::{Transaction, render};
 use tandem_proxy_rules::model::ProxyState;
 use tandem_proxy_rules::nft::layout;
 
@@ -48,8 +48,10 @@ fn cluster(nodes: usize, pods_per_node: &[u32]) -> Option<Topology> {
     Some(topo)
 }
 
-/// Replaces table `ip tandem` on `node` with `ruleset`, as one `nft -f` transaction.
-fn load(node: &tandem_netlab::Node, ruleset: &Ruleset) {
+/// Replaces table `ip tandem` on `node` with the layout of `state` for it, as one
+/// `nft -f` transaction.
+fn load(node: &tandem_netlab::Node, state: &ProxyState) {
+    let ruleset = layout::build(state, &node_named(&node.name));
     let mut child = node
         .netns
         .command("nft")
@@ -57,7 +59,7 @@ fn load(node: &tandem_netlab::Node, ruleset: &Ruleset) {
         .stdin(Stdio::piped())
         .spawn()
         .unwrap();
-    let text = render::transaction(&Transaction::replace_all(ruleset));
+    let text = render::transaction(&Transaction::replace_all(&ruleset));
     child
         .stdin
         .take()
@@ -91,10 +93,7 @@ fn lb_ip_reaches_a_pod_masqueraded_from_an_allowed_source_and_is_dropped_otherwi
     };
     let node = topo.node(1).unwrap();
     let pod = topo.pods_on(1).next().unwrap();
-    load(
-        node,
-        &layout::build(&lb_state(&topo, &[pod]), &node_named(&node.name)),
-    );
+    load(node, &lb_state(&topo, &[pod]));
 
     let url = format!("http://{LB_IP}:80/");
     let reply = client()
@@ -123,10 +122,7 @@ fn node_port_reaches_a_pod_on_another_node_masqueraded() {
     };
     let node1 = topo.node(1).unwrap();
     let pod = topo.pods_on(2).next().unwrap();
-    load(
-        node1,
-        &layout::build(&lb_state(&topo, &[pod]), &node_named(&node1.name)),
-    );
+    load(node1, &lb_state(&topo, &[pod]));
     // Node ports have no source ranges: the client outside them gets through too.
     let reply = client()
         .http_get(
@@ -150,7 +146,7 @@ fn external_traffic_policy_local_keeps_the_client_address() {
     for svc in state.services.values_mut() {
         svc.external_traffic_policy_local = true;
     }
-    load(node1, &layout::build(&state, &node_named(&node1.name)));
+    load(node1, &state);
     let allowed = topo.client_in_range();
     for url in [
         format!("http://{LB_IP}:80/"),
@@ -176,7 +172,7 @@ fn session_affinity_keeps_a_client_on_one_pod() {
     for svc in state.services.values_mut() {
         svc.session_affinity_timeout = Some(60);
     }
-    load(node1, &layout::build(&state, &node_named(&node1.name)));
+    load(node1, &state);
     let url = format!("http://{LB_IP}:80/");
     let first = client()
         .http_get(&topo.client_in_range().netns, &url)
@@ -196,10 +192,7 @@ fn a_pod_reaching_its_own_service_is_masqueraded() {
     };
     let node = topo.node(1).unwrap();
     let pod = topo.pods_on(1).next().unwrap();
-    load(
-        node,
-        &layout::build(&lb_state(&topo, &[pod]), &node_named(&node.name)),
-    );
+    load(node, &lb_state(&topo, &[pod]));
     // Hairpin: without the masquerade the pod would answer itself directly and the
     // connection would never complete.
     let reply = client()
@@ -216,10 +209,7 @@ fn a_service_without_endpoints_is_rejected_before_reaching_the_node() {
         return;
     };
     let node = topo.node(1).unwrap();
-    load(
-        node,
-        &layout::build(&lb_state(&topo, &[]), &node_named(&node.name)),
-    );
+    load(node, &lb_state(&topo, &[]));
     // Something of the node's own listens on the node port and on port 80 of the LB IP
     // (local here): without the reject, connections would reach it and hang there.
     node.netns
