@@ -1,7 +1,7 @@
 //! Real packets through the nftables layout (`tandem_proxy_rules::nft`), loaded with
 //! `nft -f` into a node of the `tandem-netlab` virtual cluster: a load-balancer IP routed
 //! unchanged to the node (passthrough: not a local address there), its source ranges, its
-//! node port, externalTrafficPolicy Local. Root only.
+//! node port, both traffic policies Local, session affinity, hairpin, rejection. Root only.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -235,5 +235,54 @@ fn a_service_without_endpoints_is_rejected_before_reaching_the_node() {
             started.elapsed() < Duration::from_millis(1500),
             "{url}: not rejected"
         );
+    }
+}
+
+#[test]
+fn external_traffic_policy_local_without_a_local_pod_drops_outsiders_but_not_the_node() {
+    let Some(topo) = cluster(2, &[0, 1]) else {
+        return;
+    };
+    let node1 = topo.node(1).unwrap();
+    let remote = topo.pods_on(2).next().unwrap();
+    let mut state = lb_state(&topo, &[remote]);
+    for svc in state.services.values_mut() {
+        svc.external_traffic_policy_local = true;
+        // The node's own address is no allowed source of the reference ranges.
+        svc.load_balancer_source_ranges.clear();
+    }
+    load(node1, &state);
+    let url = format!("http://{LB_IP}:80/");
+    let started = Instant::now();
+    let dropped = client().http_get(&topo.client_in_range().netns, &url);
+    assert!(dropped.is_err(), "{dropped:?}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "not dropped"
+    );
+    // The node itself short-cuts to the cluster-wide endpoints.
+    let reply = client().http_get(&node1.netns, &url).unwrap();
+    assert_eq!(reply.pod, remote.name);
+}
+
+#[test]
+fn internal_traffic_policy_local_keeps_cluster_ip_traffic_on_the_node() {
+    let Some(topo) = cluster(2, &[2, 1]) else {
+        return;
+    };
+    let node1 = topo.node(1).unwrap();
+    let pods: Vec<_> = topo.pods().iter().collect();
+    let mut state = lb_state(&topo, &pods);
+    for svc in state.services.values_mut() {
+        svc.internal_traffic_policy_local = true;
+    }
+    load(node1, &state);
+    let local: Vec<&str> = topo.pods_on(1).map(|pod| pod.name.as_str()).collect();
+    let from = topo.pods_on(1).next().unwrap();
+    for _ in 0..8 {
+        let reply = client()
+            .http_get(&from.netns, "http://10.43.35.197:80/")
+            .unwrap();
+        assert!(local.contains(&reply.pod.as_str()), "{}", reply.pod);
     }
 }
