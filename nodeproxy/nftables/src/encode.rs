@@ -13,8 +13,8 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use ipnet::Ipv4Net;
 
 use crate::model::{
-    BaseChain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Rule, SetSpec, Statement,
-    TABLE, Verdict,
+    BaseChain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Rule, SetSpec, Statement, TABLE,
+    Verdict,
 };
 use crate::transaction::{Op, Transaction};
 
@@ -397,13 +397,15 @@ impl Encoder {
                     w.string(NFTA_TABLE_NAME, TABLE)
                 })
             }
-            Op::AddChain { name, base } => self.message(index, NFT_MSG_NEWCHAIN, NLM_F_CREATE, |w| {
-                w.string(NFTA_CHAIN_TABLE, TABLE);
-                w.string(NFTA_CHAIN_NAME, name);
-                if let Some(base) = base {
-                    base_chain(w, base);
-                }
-            }),
+            Op::AddChain { name, base } => {
+                self.message(index, NFT_MSG_NEWCHAIN, NLM_F_CREATE, |w| {
+                    w.string(NFTA_CHAIN_TABLE, TABLE);
+                    w.string(NFTA_CHAIN_NAME, name);
+                    if let Some(base) = base {
+                        base_chain(w, base);
+                    }
+                })
+            }
             Op::FlushChain(name) => self.message(index, NFT_MSG_DELRULE, 0, |w| {
                 w.string(NFTA_RULE_TABLE, TABLE);
                 w.string(NFTA_RULE_CHAIN, name);
@@ -558,7 +560,11 @@ fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
                 NFTA_SET_TIMEOUT,
                 &(u64::from(timeout_seconds) * 1000).to_be_bytes(),
             );
-            udata_u32(&mut udata, NFTNL_UDATA_SET_KEYBYTEORDER, BYTEORDER_BIG_ENDIAN);
+            udata_u32(
+                &mut udata,
+                NFTNL_UDATA_SET_KEYBYTEORDER,
+                BYTEORDER_BIG_ENDIAN,
+            );
         }
     }
     w.attr(NFTA_SET_USERDATA, &udata);
@@ -616,7 +622,11 @@ fn map_user_data(udata: &mut Vec<u8>, key: KeyType) {
             udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_MODULUS, 1);
             udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_OFFSET, 0);
             let mut key_typeof = Vec::new();
-            udata_u32(&mut key_typeof, NFTNL_UDATA_SET_TYPEOF_EXPR, NFT_EXPR_KIND_NUMGEN);
+            udata_u32(
+                &mut key_typeof,
+                NFTNL_UDATA_SET_TYPEOF_EXPR,
+                NFT_EXPR_KIND_NUMGEN,
+            );
             udata_raw(&mut key_typeof, NFTNL_UDATA_SET_TYPEOF_DATA, &numgen);
             udata_u32(udata, NFTNL_UDATA_SET_KEYBYTEORDER, BYTEORDER_HOST);
             udata_u32(udata, NFTNL_UDATA_SET_DATABYTEORDER, BYTEORDER_UNKNOWN);
@@ -672,7 +682,9 @@ fn key_bytes(key: &Key) -> Vec<u8> {
 }
 
 fn element_key(w: &mut Writer, key: &Key) {
-    w.nest(NFTA_SET_ELEM_KEY, |w| w.attr(NFTA_DATA_VALUE, &key_bytes(key)));
+    w.nest(NFTA_SET_ELEM_KEY, |w| {
+        w.attr(NFTA_DATA_VALUE, &key_bytes(key))
+    });
 }
 
 fn verdict_data(w: &mut Writer, verdict: &Verdict) {

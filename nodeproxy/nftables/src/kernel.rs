@@ -133,40 +133,34 @@ impl Netlink {
     fn ensure_send_buffer(&mut self, batch_bytes: usize) -> Result<(), KernelError> {
         let wanted = batch_bytes + SEND_BUFFER_HEADROOM;
         if wanted > self.send_buffer {
-            setsockopt(&self.socket.as_fd(), sockopt::SndBufForce, &wanted).map_err(
-                |source| KernelError::Buffer {
+            setsockopt(&self.socket.as_fd(), sockopt::SndBufForce, &wanted).map_err(|source| {
+                KernelError::Buffer {
                     bytes: wanted,
                     source,
-                },
-            )?;
+                }
+            })?;
             self.send_buffer = wanted;
         }
         Ok(())
     }
 
-    /// Reads answers until the batch-end ACK (committed) or an error. The kernel has
-    /// queued every answer before the send returned, so after an error the rest is
-    /// drained without blocking.
+    /// Reads the kernel's answers. The kernel processes the batch inside the send and
+    /// has queued every answer before it returns, so they are read without blocking:
+    /// the batch-end ACK means committed; otherwise the first error says why not.
     fn await_outcome(&self, tx: &Transaction, batch: &Batch) -> Result<(), KernelError> {
+        let mut committed = false;
         let mut first_error: Option<KernelError> = None;
         let mut buf: Vec<u8> = Vec::with_capacity(1 << 16);
         loop {
             buf.clear();
-            let flags = if first_error.is_some() {
-                MsgFlags::MSG_DONTWAIT.bits()
-            } else {
-                0
-            };
-            match self.socket.recv(&mut buf, flags) {
+            match self.socket.recv(&mut buf, MsgFlags::MSG_DONTWAIT.bits()) {
                 Ok(_) => {}
                 Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
                 Err(err) => return Err(first_error.unwrap_or(KernelError::Receive(err))),
             }
             for answer in answers(&buf)? {
                 if answer.errno == 0 {
-                    if answer.seq == batch.end_seq() && first_error.is_none() {
-                        return Ok(());
-                    }
+                    committed |= answer.seq == batch.end_seq();
                     continue;
                 }
                 if first_error.is_some() {
@@ -187,7 +181,11 @@ impl Netlink {
                 });
             }
         }
-        Err(first_error.unwrap_or(KernelError::Malformed("no answer to the batch")))
+        match first_error {
+            Some(err) => Err(err),
+            None if committed => Ok(()),
+            None => Err(KernelError::Malformed("no answer to the batch")),
+        }
     }
 }
 

@@ -4,6 +4,8 @@
 //! `strace -e trace=sendmsg -e write=3`) for the text `render::transaction` writes for
 //! the transaction below, which uses every model variant.
 
+#![allow(clippy::expect_used)]
+
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use tandem_nftables::encode;
@@ -267,7 +269,10 @@ fn the_batch_is_what_nft_sends_for_the_rendered_text() {
     // The one difference: we ask the kernel to ACK the batch end (nft does not), to
     // know the transaction committed.
     let flags = end_flags_offset(&ours);
-    assert_eq!(u16::from_ne_bytes([ours[flags], ours[flags + 1]]), 0x1 | 0x4);
+    assert_eq!(
+        u16::from_ne_bytes([ours[flags], ours[flags + 1]]),
+        0x1 | 0x4
+    );
     ours[flags] = 0x1;
     assert_eq!(ours.len(), NFT_BATCH.len());
     let first_difference = ours.iter().zip(NFT_BATCH).position(|(a, b)| a != b);
@@ -282,7 +287,10 @@ fn every_message_maps_back_to_its_operation() {
     assert_eq!(batch.message_count(), tx.ops.len());
     assert_eq!(batch.op_index(1000), None);
     assert_eq!(batch.op_index(1001), Some(0));
-    assert_eq!(batch.op_index(1000 + tx.ops.len() as u32), Some(tx.ops.len() - 1));
+    assert_eq!(
+        batch.op_index(1000 + tx.ops.len() as u32),
+        Some(tx.ops.len() - 1)
+    );
     assert_eq!(batch.end_seq(), 1001 + tx.ops.len() as u32);
     assert_eq!(batch.op_index(batch.end_seq()), None);
 }
@@ -290,7 +298,12 @@ fn every_message_maps_back_to_its_operation() {
 #[test]
 fn large_element_lists_are_split_over_messages_of_the_same_operation() {
     let elements: Vec<(Key, Verdict)> = (0..5000u32)
-        .map(|i| (Key::Index(i), Verdict::Goto(format!("endpoint-chain-{i:08}"))))
+        .map(|i| {
+            (
+                Key::Index(i),
+                Verdict::Goto(format!("endpoint-chain-{i:08}")),
+            )
+        })
         .collect();
     let tx = Transaction {
         ops: vec![
@@ -320,5 +333,8 @@ fn an_oversized_comment_is_an_error_naming_its_operation() {
         )],
     };
     let err = encode::batch(&tx, 0).expect_err("too large");
-    assert!(matches!(err, encode::EncodeError::TooLarge { index: 0, .. }));
+    assert!(matches!(
+        err,
+        encode::EncodeError::TooLarge { index: 0, .. }
+    ));
 }

@@ -7,6 +7,8 @@
 //! `TANDEM_NFT_SCALE_SERVICES` (default 2700) sets the size of the scale case, whose
 //! timings are printed (run with `--nocapture`); only its listing counts are asserted.
 
+#![allow(clippy::expect_used)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io::Write;
@@ -93,7 +95,9 @@ impl ScratchNetns {
     /// hash sets in an order of its own).
     fn listing(&self) -> String {
         let output = Command::new("ip")
-            .args(["netns", "exec", &self.0, "nft", "list", "table", "ip", "tandem"])
+            .args([
+                "netns", "exec", &self.0, "nft", "list", "table", "ip", "tandem",
+            ])
             .output()
             .expect("run nft list");
         assert!(
@@ -196,7 +200,10 @@ fn every_variant() -> Ruleset {
     };
     let endpoints = Set {
         spec: tandem_nftables::SetSpec::VerdictMap(KeyType::Index),
-        elements: BTreeMap::from([(Key::Index(0), goto("ep-a-0")), (Key::Index(1), goto("ep-a-1"))]),
+        elements: BTreeMap::from([
+            (Key::Index(0), goto("ep-a-0")),
+            (Key::Index(1), goto("ep-a-1")),
+        ]),
     };
     let firewall = Set {
         spec: tandem_nftables::SetSpec::VerdictMap(KeyType::Address),
@@ -206,7 +213,8 @@ fn every_variant() -> Ruleset {
     rs.sets.insert("node-ports".into(), node_ports);
     rs.sets.insert("svc-a-endpoints".into(), endpoints);
     rs.sets.insert("firewall-sources".into(), firewall);
-    rs.sets.insert("affinity-ep-a-0".into(), Set::dynamic(10800));
+    rs.sets
+        .insert("affinity-ep-a-0".into(), Set::dynamic(10800));
 
     let dispatch = |key, map: &str| Statement::Dispatch {
         key,
@@ -414,8 +422,10 @@ fn every_variant_changed() -> Ruleset {
         Protocol::Udp,
         53,
     ));
-    rs.chains
-        .insert("svc-b".into(), chain(None, vec![Rule::always(Statement::Drop)]));
+    rs.chains.insert(
+        "svc-b".into(),
+        chain(None, vec![Rule::always(Statement::Drop)]),
+    );
     rs.chains.insert(
         "ep-a-1".into(),
         chain(
@@ -458,7 +468,9 @@ fn netlink_and_nft_program_the_same_ruleset() {
     let (old, new) = (every_variant(), every_variant_changed());
 
     let full = Transaction::replace_all(&old);
-    by_netlink.apply(&full).expect("netlink applies the full ruleset");
+    by_netlink
+        .apply(&full)
+        .expect("netlink applies the full ruleset");
     by_nft.nft_script(&render::transaction(&full));
     let listed = by_netlink.listing();
     assert_eq!(listed, by_nft.listing());
@@ -472,7 +484,9 @@ fn netlink_and_nft_program_the_same_ruleset() {
     }
 
     let change = between(&old, &new);
-    by_netlink.apply(&change).expect("netlink applies the change");
+    by_netlink
+        .apply(&change)
+        .expect("netlink applies the change");
     by_nft.nft_script(&render::transaction(&change));
     let changed = by_netlink.listing();
     assert_eq!(changed, by_nft.listing());
@@ -518,15 +532,40 @@ fn a_rejected_transaction_names_its_operation_and_changes_nothing() {
             ..
         } => {
             assert_eq!(*index, 2);
-            assert_eq!(
-                operation,
-                "add rule ip tandem new-chain jump no-such-chain"
-            );
+            assert_eq!(operation, "add rule ip tandem new-chain jump no-such-chain");
             assert_eq!(errno.raw_os_error(), Some(nix::libc::ENOENT));
         }
         other => panic!("expected a rejected operation, got {other}"),
     }
     eprintln!("rejected as expected: {err}");
+    assert_eq!(ns.listing(), before);
+
+    // A loop is found by the kernel's validation of the whole table, which replays the
+    // batch; the error still names the rule that closes the loop.
+    let jump = |from: &str, to: &str| Op::AddRule {
+        chain: from.into(),
+        rule: Rule::always(Statement::Jump(to.into())),
+    };
+    let looping = Transaction {
+        ops: vec![
+            Op::AddChain {
+                name: "loop".into(),
+                base: None,
+            },
+            jump("loop", "filter-common"),
+            jump("filter-common", "loop"),
+        ],
+    };
+    let err = ns.apply(&looping).expect_err("a jump loop");
+    eprintln!("rejected as expected: {err}");
+    match &err {
+        KernelError::Rejected { index, errno, .. } => {
+            assert_eq!(*index, 2);
+            // nf_tables reports a loop as "too many links".
+            assert_eq!(errno.raw_os_error(), Some(nix::libc::EMLINK), "{err}");
+        }
+        other => panic!("expected a rejected operation, got {other}"),
+    }
     assert_eq!(ns.listing(), before);
 }
 
@@ -582,7 +621,9 @@ fn scale_ruleset(services: u32, endpoints: u32) -> Ruleset {
         let mut endpoint_map = Set::verdict_map(KeyType::Index);
         for endpoint in 0..endpoints {
             let name = endpoint_chain(service, endpoint);
-            endpoint_map.elements.insert(Key::Index(endpoint), goto(&name));
+            endpoint_map
+                .elements
+                .insert(Key::Index(endpoint), goto(&name));
             rs.chains.insert(name, endpoint_rules(service, endpoint));
         }
         rs.sets.insert(map, endpoint_map);
@@ -643,6 +684,13 @@ fn with_one_more_endpoint(rs: &Ruleset, service: u32, endpoints: u32) -> (Rulese
     (new, tx)
 }
 
+const CYCLES: usize = 5;
+
+fn median(mut took: Vec<Duration>) -> Duration {
+    took.sort_unstable();
+    took.get(took.len() / 2).copied().unwrap_or_default()
+}
+
 struct Counts {
     chains: usize,
     rules_with_dnat: usize,
@@ -667,26 +715,53 @@ fn a_large_ruleset_and_a_one_endpoint_change() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(2700);
     let endpoints = 10;
-    let (by_netlink, by_nft) = (ScratchNetns::new("scale-nl"), ScratchNetns::new("scale-nft"));
+    let (by_netlink, by_nft) = (
+        ScratchNetns::new("scale-nl"),
+        ScratchNetns::new("scale-nft"),
+    );
     let rs = scale_ruleset(services, endpoints);
     let full = Transaction::replace_all(&rs);
 
     let started = Instant::now();
     let batch = tandem_nftables::encode::batch(&full, 1).expect("encodes");
     let encode_took = started.elapsed();
-    let (load_took, change_took, change) = by_netlink.run(|| {
+    let (grown, add) = with_one_more_endpoint(&rs, services / 2, endpoints);
+    let remove = between(&grown, &rs);
+    // Each change is made CYCLES times (added, removed, added, …, ending added): the
+    // medians are printed.
+    let (load_took, add_took, remove_took) = by_netlink.run(|| {
         let mut netlink = Netlink::open().expect("open netlink");
         let started = Instant::now();
-        netlink.apply(&full).expect("netlink applies the full ruleset");
+        netlink
+            .apply(&full)
+            .expect("netlink applies the full ruleset");
         let load_took = started.elapsed();
-        let (_, change) = with_one_more_endpoint(&rs, services / 2, endpoints);
-        let started = Instant::now();
-        netlink.apply(&change).expect("netlink applies the change");
-        (load_took, started.elapsed(), change)
+        let (mut add_took, mut remove_took) = (Vec::new(), Vec::new());
+        for cycle in 0..CYCLES {
+            if cycle > 0 {
+                let started = Instant::now();
+                netlink
+                    .apply(&remove)
+                    .expect("netlink removes the endpoint");
+                remove_took.push(started.elapsed());
+            }
+            let started = Instant::now();
+            netlink.apply(&add).expect("netlink adds the endpoint");
+            add_took.push(started.elapsed());
+        }
+        (load_took, median(add_took), median(remove_took))
     });
     let text = render::transaction(&full);
     let nft_load_took = by_nft.nft_script(&text);
-    let nft_change_took = by_nft.nft_script(&render::transaction(&change));
+    let (add_text, remove_text) = (render::transaction(&add), render::transaction(&remove));
+    let (mut nft_add_took, mut nft_remove_took) = (Vec::new(), Vec::new());
+    for cycle in 0..CYCLES {
+        if cycle > 0 {
+            nft_remove_took.push(by_nft.nft_script(&remove_text));
+        }
+        nft_add_took.push(by_nft.nft_script(&add_text));
+    }
+    let (nft_add_took, nft_remove_took) = (median(nft_add_took), median(nft_remove_took));
 
     println!(
         "{services} services x {endpoints} endpoints: {} ops, batch {:.1} MB in {} messages (encoded in {:?}), nft text {:.1} MB",
@@ -696,10 +771,15 @@ fn a_large_ruleset_and_a_one_endpoint_change() {
         encode_took,
         text.len() as f64 / 1e6,
     );
-    println!("full load:        netlink {load_took:?}, nft -f {nft_load_took:?}");
+    println!("full load: netlink {load_took:?}, nft -f {nft_load_took:?}");
     println!(
-        "one endpoint ({} ops): netlink {change_took:?}, nft -f {nft_change_took:?}",
-        change.ops.len()
+        "one endpoint added ({} ops), median of {CYCLES}: netlink {add_took:?}, nft -f {nft_add_took:?}",
+        add.ops.len()
+    );
+    println!(
+        "one endpoint removed ({} ops), median of {}: netlink {remove_took:?}, nft -f {nft_remove_took:?}",
+        remove.ops.len(),
+        CYCLES - 1
     );
 
     let listed = by_netlink.listing();
