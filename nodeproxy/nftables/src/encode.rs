@@ -20,7 +20,6 @@ use crate::transaction::{Op, Transaction};
 
 // Netlink and nfnetlink framing.
 const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
 const NLM_F_CREATE: u16 = 0x400;
 const NLM_F_APPEND: u16 = 0x800;
 const NLA_F_NESTED: u16 = 0x8000;
@@ -232,8 +231,7 @@ impl Batch {
         self.first_seq
     }
 
-    /// The sequence number of the batch-end message, which asks an ACK: the kernel
-    /// sends that ACK only after the transaction committed.
+    /// The sequence number of the batch-end message.
     pub fn end_seq(&self) -> u32 {
         self.first_seq
             .wrapping_add(1)
@@ -270,7 +268,7 @@ pub fn batch(tx: &Transaction, first_seq: u32) -> Result<Batch, EncodeError> {
             });
         }
     }
-    encoder.batch_marker(NFNL_MSG_BATCH_END, NLM_F_REQUEST | NLM_F_ACK);
+    encoder.batch_marker(NFNL_MSG_BATCH_END, NLM_F_REQUEST);
     Ok(Batch {
         bytes: encoder.out.buf,
         first_seq,

@@ -3,9 +3,11 @@
 //! `spawn_blocking`.
 //!
 //! The kernel processes a batch inside the send call and aborts all of it when any
-//! message fails, so a rejected transaction leaves the previous ruleset in place. Only
-//! the batch-end message asks an ACK, which the kernel sends once the transaction has
-//! committed; failing messages are answered with their error whether asked or not.
+//! message fails, so a rejected transaction leaves the previous ruleset in place. No
+//! message asks an ACK: the kernel answers every failing message (and a failed commit,
+//! against the batch begin) whether asked or not, and has queued those answers before
+//! the send returns, so an empty answer queue means committed, as `nft` relies on too.
+//! (An ACK of the batch end would confirm it only on kernels from 6.10 on.)
 
 use std::io;
 use std::os::fd::AsFd;
@@ -144,11 +146,9 @@ impl Netlink {
         Ok(())
     }
 
-    /// Reads the kernel's answers. The kernel processes the batch inside the send and
-    /// has queued every answer before it returns, so they are read without blocking:
-    /// the batch-end ACK means committed; otherwise the first error says why not.
+    /// Reads the kernel's answers, all queued before the send returned, without
+    /// blocking: none means committed; otherwise the first error says why not.
     fn await_outcome(&self, tx: &Transaction, batch: &Batch) -> Result<(), KernelError> {
-        let mut committed = false;
         let mut first_error: Option<KernelError> = None;
         let mut buf: Vec<u8> = Vec::with_capacity(1 << 16);
         loop {
@@ -159,11 +159,7 @@ impl Netlink {
                 Err(err) => return Err(first_error.unwrap_or(KernelError::Receive(err))),
             }
             for answer in answers(&buf)? {
-                if answer.errno == 0 {
-                    committed |= answer.seq == batch.end_seq();
-                    continue;
-                }
-                if first_error.is_some() {
+                if answer.errno == 0 || first_error.is_some() {
                     continue;
                 }
                 let errno = io::Error::from_raw_os_error(answer.errno);
@@ -181,11 +177,7 @@ impl Netlink {
                 });
             }
         }
-        match first_error {
-            Some(err) => Err(err),
-            None if committed => Ok(()),
-            None => Err(KernelError::Malformed("no answer to the batch")),
-        }
+        first_error.map_or(Ok(()), Err)
     }
 }
 
@@ -265,4 +257,59 @@ fn read_u16(bytes: &[u8], at: usize) -> Result<u16, KernelError> {
         .and_then(|b| b.try_into().ok())
         .map(u16::from_ne_bytes)
         .ok_or(KernelError::Malformed("truncated"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error answer as the kernel writes it with capped, extended ACKs.
+    fn error_message(errno: i32, request_seq: u32, text: &str) -> Vec<u8> {
+        let mut tlv = Vec::new();
+        let value_len = text.len() + 1;
+        tlv.extend_from_slice(&((4 + value_len) as u16).to_ne_bytes());
+        tlv.extend_from_slice(&NLMSGERR_ATTR_MSG.to_ne_bytes());
+        tlv.extend_from_slice(text.as_bytes());
+        tlv.push(0);
+        while tlv.len() % 4 != 0 {
+            tlv.push(0);
+        }
+        let mut body = (-errno).to_ne_bytes().to_vec();
+        // The request's header: length, type, flags, seq, port id.
+        body.extend_from_slice(&200u32.to_ne_bytes());
+        body.extend_from_slice(&0x0a06u16.to_ne_bytes());
+        body.extend_from_slice(&0x0c01u16.to_ne_bytes());
+        body.extend_from_slice(&request_seq.to_ne_bytes());
+        body.extend_from_slice(&0u32.to_ne_bytes());
+        body.extend_from_slice(&tlv);
+        let mut message = ((NLMSG_HEADER_LEN + body.len()) as u32)
+            .to_ne_bytes()
+            .to_vec();
+        message.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
+        message.extend_from_slice(&(NLM_F_CAPPED | NLM_F_ACK_TLVS).to_ne_bytes());
+        message.extend_from_slice(&7u32.to_ne_bytes());
+        message.extend_from_slice(&0u32.to_ne_bytes());
+        message.extend_from_slice(&body);
+        message
+    }
+
+    #[test]
+    fn error_answers_carry_the_request_seq_errno_and_message() {
+        let mut datagram = error_message(22, 42, "unknown chain");
+        datagram.extend(error_message(2, 43, "x"));
+        let found = answers(&datagram).unwrap();
+        assert_eq!(found.len(), 2);
+        assert_eq!(
+            (found[0].seq, found[0].errno, found[0].message.as_deref()),
+            (42, 22, Some("unknown chain"))
+        );
+        assert_eq!((found[1].seq, found[1].errno), (43, 2));
+    }
+
+    #[test]
+    fn a_truncated_answer_is_an_error_not_a_panic() {
+        let datagram = error_message(22, 42, "unknown chain");
+        assert!(answers(&datagram[..datagram.len() - 8]).is_err());
+        assert!(answers(&datagram[..20]).is_err());
+    }
 }
