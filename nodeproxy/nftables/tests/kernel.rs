@@ -107,6 +107,14 @@ impl ScratchNetns {
         );
         normalize(&String::from_utf8_lossy(&output.stdout))
     }
+
+    fn has_table(&self) -> bool {
+        let output = Command::new("ip")
+            .args(["netns", "exec", &self.0, "nft", "list", "tables"])
+            .output()
+            .expect("run nft list tables");
+        String::from_utf8_lossy(&output.stdout).contains("table ip tandem")
+    }
 }
 
 impl Drop for ScratchNetns {
@@ -492,6 +500,20 @@ fn netlink_and_nft_program_the_same_ruleset() {
     assert_eq!(changed, by_nft.listing());
     assert!(changed.contains("goto svc-b") && !changed.contains("firewall-sources"));
     assert!(changed.contains("dnat to 10.244.1.3:5353"));
+
+    // Replacing an existing table, then removing it.
+    let again = Transaction::replace_all(&old);
+    by_netlink
+        .apply(&again)
+        .expect("netlink replaces the ruleset");
+    assert_eq!(by_netlink.listing(), listed);
+    by_netlink
+        .apply(&Transaction::delete_all())
+        .expect("netlink deletes the table");
+    assert!(!by_netlink.has_table());
+    by_netlink
+        .apply(&Transaction::delete_all())
+        .expect("deleting a missing table is no error");
 }
 
 #[test]
