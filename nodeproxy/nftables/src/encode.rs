@@ -257,6 +257,7 @@ pub fn batch(tx: &Transaction, first_seq: u32) -> Result<Batch, EncodeError> {
         seq: first_seq,
         message_ops: Vec::new(),
         set_ids: BTreeMap::new(),
+        last_set_id: 0,
     };
     encoder.batch_marker(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST);
     for (index, op) in tx.ops.iter().enumerate() {
@@ -353,6 +354,8 @@ struct Encoder {
     /// Sets declared in this batch, by name: references to them carry the id too, as
     /// nft's do.
     set_ids: BTreeMap<String, u32>,
+    /// Set ids are unique within the batch, counting from 1 as nft does.
+    last_set_id: u32,
 }
 
 impl Encoder {
@@ -433,7 +436,8 @@ impl Encoder {
                 })
             }
             Op::AddSet { name, spec } => {
-                let id = self.set_ids.len() as u32 + 1;
+                self.last_set_id += 1;
+                let id = self.last_set_id;
                 self.set_ids.insert(name.clone(), id);
                 self.message(index, NFT_MSG_NEWSET, NLM_F_CREATE, |w| {
                     set_declaration(w, name, *spec, id)

@@ -403,17 +403,19 @@ fn every_variant() -> Ruleset {
             ],
         ),
     );
-    rs.chains.insert(
-        "ep-a-1".into(),
-        chain(
-            None,
-            vec![Rule::when(
-                vec![Match::Protocol(Protocol::Udp)],
-                Statement::Dnat(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 3), 53)),
-            )],
-        ),
-    );
+    rs.chains.insert("ep-a-1".into(), udp_endpoint(53));
     rs
+}
+
+/// An endpoint chain DNATing UDP to 10.244.1.3:`port`.
+fn udp_endpoint(port: u16) -> Chain {
+    chain(
+        None,
+        vec![Rule::when(
+            vec![Match::Protocol(Protocol::Udp)],
+            Statement::Dnat(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 3), port)),
+        )],
+    )
 }
 
 /// `every_variant` changed: a service element added (to a new chain) and one removed,
@@ -434,16 +436,7 @@ fn every_variant_changed() -> Ruleset {
         "svc-b".into(),
         chain(None, vec![Rule::always(Statement::Drop)]),
     );
-    rs.chains.insert(
-        "ep-a-1".into(),
-        chain(
-            None,
-            vec![Rule::when(
-                vec![Match::Protocol(Protocol::Udp)],
-                Statement::Dnat(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 3), 5353)),
-            )],
-        ),
-    );
+    rs.chains.insert("ep-a-1".into(), udp_endpoint(5353));
     rs.sets.remove("firewall-sources");
     if let Some(input) = rs.chains.get_mut("filter-input") {
         input.rules.remove(0);
