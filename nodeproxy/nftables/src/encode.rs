@@ -198,6 +198,11 @@ const IP_SADDR_OFFSET: u32 = 12;
 const IP_DADDR_OFFSET: u32 = 16;
 const TRANSPORT_DPORT_OFFSET: u32 = 2;
 
+/// The batch is built in buffers of about this size, each holding whole messages and
+/// sent together in one `sendmsg` (an iovec each): no single allocation as large as a
+/// whole first sync (tens of MB), and no copying as it grows.
+const CHUNK_BYTES: usize = 1 << 20;
+
 /// Element messages stay well below the 64 KiB a netlink attribute can hold: the
 /// elements of one [`Op::AddElements`] are split over as many messages as needed.
 const ELEMENTS_PER_MESSAGE_BYTES: usize = 32 * 1024;
@@ -213,16 +218,22 @@ pub enum EncodeError {
 /// One encoded batch and which operation each of its messages performs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {
-    bytes: Vec<u8>,
+    /// The batch's bytes in order, split between messages.
+    chunks: Vec<Vec<u8>>,
     first_seq: u32,
     /// The operation index of message `first_seq + 1 + i`.
     message_ops: Vec<usize>,
 }
 
 impl Batch {
-    /// Everything to send, in one `sendmsg`.
-    pub fn bytes(&self) -> &[u8] {
-        &self.bytes
+    /// Everything to send, in order, in one `sendmsg`.
+    pub fn chunks(&self) -> &[Vec<u8>] {
+        &self.chunks
+    }
+
+    /// The batch's size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
     }
 
     /// The sequence number of the batch-begin message; a commit failure is reported
@@ -254,6 +265,7 @@ impl Batch {
 pub fn batch(tx: &Transaction, first_seq: u32) -> Result<Batch, EncodeError> {
     let mut encoder = Encoder {
         out: Writer::default(),
+        chunks: Vec::new(),
         seq: first_seq,
         message_ops: Vec::new(),
         set_ids: BTreeMap::new(),
@@ -270,8 +282,9 @@ pub fn batch(tx: &Transaction, first_seq: u32) -> Result<Batch, EncodeError> {
         }
     }
     encoder.batch_marker(NFNL_MSG_BATCH_END, NLM_F_REQUEST);
+    encoder.chunks.push(encoder.out.buf);
     Ok(Batch {
-        bytes: encoder.out.buf,
+        chunks: encoder.chunks,
         first_seq,
         message_ops: encoder.message_ops,
     })
@@ -348,7 +361,10 @@ impl Writer {
 }
 
 struct Encoder {
+    /// The chunk being written.
     out: Writer,
+    /// Full chunks.
+    chunks: Vec<Vec<u8>>,
     seq: u32,
     message_ops: Vec<usize>,
     /// Sets declared in this batch, by name: references to them carry the id too, as
@@ -370,6 +386,15 @@ impl Encoder {
             |_| {},
         );
         self.seq = self.seq.wrapping_add(1);
+        self.seal_full_chunk();
+    }
+
+    /// Starts a new chunk once the current one is full (between messages).
+    fn seal_full_chunk(&mut self) {
+        if self.out.buf.len() >= CHUNK_BYTES {
+            let full = std::mem::replace(&mut self.out.buf, Vec::with_capacity(CHUNK_BYTES));
+            self.chunks.push(full);
+        }
     }
 
     fn message(&mut self, index: usize, kind: u16, flags: u16, body: impl FnOnce(&mut Writer)) {
@@ -384,6 +409,7 @@ impl Encoder {
         );
         self.message_ops.push(index);
         self.seq = self.seq.wrapping_add(1);
+        self.seal_full_chunk();
     }
 
     fn op(&mut self, index: usize, op: &Op) {

@@ -9,11 +9,11 @@
 //! the send returns, so an empty answer queue means committed, as `nft` relies on too.
 //! (An ACK of the batch end would confirm it only on kernels from 6.10 on.)
 
-use std::io;
-use std::os::fd::AsFd;
+use std::io::{self, IoSlice};
+use std::os::fd::{AsFd, AsRawFd};
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
-use nix::sys::socket::{MsgFlags, setsockopt, sockopt};
+use nix::sys::socket::{MsgFlags, NetlinkAddr, sendmsg, setsockopt, sockopt};
 
 use crate::encode::{self, Batch, EncodeError};
 use crate::render;
@@ -121,13 +121,22 @@ impl Netlink {
         }
         let batch = encode::batch(tx, self.next_seq)?;
         self.next_seq = batch.end_seq().wrapping_add(1);
-        self.ensure_send_buffer(batch.bytes().len())?;
-        self.socket
-            .send(batch.bytes(), 0)
-            .map_err(|source| KernelError::Send {
-                bytes: batch.bytes().len(),
-                source,
-            })?;
+        let bytes = batch.byte_len();
+        self.ensure_send_buffer(bytes)?;
+        // One sendmsg: the kernel takes a batch as one buffer, whatever the iovecs.
+        let iov: Vec<IoSlice<'_>> = batch.chunks().iter().map(|c| IoSlice::new(c)).collect();
+        let sent =
+            sendmsg::<NetlinkAddr>(self.socket.as_raw_fd(), &iov, &[], MsgFlags::empty(), None)
+                .map_err(|errno| KernelError::Send {
+                    bytes,
+                    source: errno.into(),
+                })?;
+        if sent != bytes {
+            return Err(KernelError::Send {
+                bytes,
+                source: io::Error::new(io::ErrorKind::WriteZero, format!("sent {sent} bytes")),
+            });
+        }
         self.await_outcome(tx, &batch)
     }
 

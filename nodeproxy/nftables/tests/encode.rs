@@ -260,7 +260,7 @@ fn the_batch_is_what_nft_sends_for_the_rendered_text() {
     let tx = every_variant();
     assert_eq!(render::transaction(&tx), RENDERED);
     let batch = encode::batch(&tx, 0).expect("encodes");
-    let ours = batch.bytes();
+    let ours = batch.chunks().concat();
     assert_eq!(ours.len(), NFT_BATCH.len());
     let first_difference = ours.iter().zip(NFT_BATCH).position(|(a, b)| a != b);
     assert_eq!(first_difference, None, "bytes differ");
@@ -284,7 +284,7 @@ fn every_message_maps_back_to_its_operation() {
 
 #[test]
 fn large_element_lists_are_split_over_messages_of_the_same_operation() {
-    let elements: Vec<(Key, Verdict)> = (0..5000u32)
+    let elements: Vec<(Key, Verdict)> = (0..60_000u32)
         .map(|i| {
             (
                 Key::Index(i),
@@ -309,6 +309,20 @@ fn large_element_lists_are_split_over_messages_of_the_same_operation() {
     assert_eq!(batch.op_index(2), Some(1));
     assert_eq!(batch.op_index(last - 1), Some(1));
     assert_eq!(batch.op_index(last), Some(2));
+
+    // The bytes come in several buffers, each of whole messages.
+    assert!(batch.chunks().len() > 1);
+    let mut messages = 0;
+    for chunk in batch.chunks() {
+        let mut at = 0;
+        while at < chunk.len() {
+            let len = u32::from_ne_bytes(chunk[at..at + 4].try_into().expect("4 bytes"));
+            at += (len as usize + 3) & !3;
+            messages += 1;
+        }
+        assert_eq!(at, chunk.len());
+    }
+    assert_eq!(messages, batch.message_count() + 2);
 }
 
 #[test]

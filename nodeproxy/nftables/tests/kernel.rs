@@ -781,7 +781,7 @@ fn a_large_ruleset_and_a_one_endpoint_change() {
     println!(
         "{services} services x {endpoints} endpoints: {} ops, batch {:.1} MB in {} messages (encoded in {:?}), nft text {:.1} MB",
         full.ops.len(),
-        batch.bytes().len() as f64 / 1e6,
+        batch.byte_len() as f64 / 1e6,
         batch.message_count(),
         encode_took,
         text.len() as f64 / 1e6,
