@@ -419,7 +419,8 @@ fn udp_endpoint(port: u16) -> Chain {
 }
 
 /// `every_variant` changed: a service element added (to a new chain) and one removed,
-/// an endpoint chain rewritten, a set deleted with the rule that used it.
+/// an endpoint chain rewritten, a base chain moved to another priority (so made anew)
+/// and the chain it jumped to removed, a set deleted with the rule that used it.
 fn every_variant_changed() -> Ruleset {
     let mut rs = every_variant();
     let services = rs.sets.get_mut("service-ips").expect("service map");
@@ -437,6 +438,14 @@ fn every_variant_changed() -> Ruleset {
         chain(None, vec![Rule::always(Statement::Drop)]),
     );
     rs.chains.insert("ep-a-1".into(), udp_endpoint(5353));
+    rs.chains.insert(
+        "filter-output".into(),
+        chain(
+            base(ChainType::Filter, Hook::Output, 10),
+            vec![Rule::always(Statement::Accept)],
+        ),
+    );
+    rs.chains.remove("filter-common");
     rs.sets.remove("firewall-sources");
     if let Some(input) = rs.chains.get_mut("filter-input") {
         input.rules.remove(0);
@@ -493,6 +502,9 @@ fn netlink_and_nft_program_the_same_ruleset() {
     assert_eq!(changed, by_nft.listing());
     assert!(changed.contains("goto svc-b") && !changed.contains("firewall-sources"));
     assert!(changed.contains("dnat to 10.244.1.3:5353"));
+    assert!(
+        changed.contains("hook output priority filter + 10") && !changed.contains("filter-common")
+    );
 
     // Replacing an existing table, then removing it.
     let again = Transaction::replace_all(&old);
