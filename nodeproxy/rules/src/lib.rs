@@ -1,5 +1,6 @@
 //! Pure core of the node proxy: observed Services and endpoints in, the kube-proxy v1.21
-//! iptables ruleset out, plus a packet tracer over that ruleset. No kube, no tokio, no I/O.
+//! iptables ruleset (or the nftables ruleset of [`nft`]) out, plus a packet tracer over
+//! either. No kube, no tokio, no I/O.
 //!
 //! - [`model`]: what the runtime observes (its input), [`ruleset`]: the desired iptables
 //!   state (its output) and the fixed [`ruleset::BASE_JUMPS`];
@@ -9,13 +10,15 @@
 //! - [`chains`]: kube-proxy's chain names;
 //! - [`trace::trace`]: where a packet goes through that ruleset, and its fate;
 //! - [`health::health_check_services`]: the health-check node port servers and answers;
-//! - [`conntrack::stale_udp_deletions`]: UDP conntrack entries to delete after a change.
+//! - [`conntrack::stale_udp_deletions`]: UDP conntrack entries to delete after a change;
+//! - [`nft`]: the nftables mode: its layout, its per-port transactions and its tracer.
 
 pub mod chains;
 pub mod conntrack;
 pub mod health;
 pub mod incremental;
 pub mod model;
+pub mod nft;
 pub mod rules;
 pub mod ruleset;
 pub mod trace;

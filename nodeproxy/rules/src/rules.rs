@@ -75,10 +75,10 @@ pub fn port_rules(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig) 
 /// (`local`: externalTrafficPolicy for external paths, internalTrafficPolicy for the
 /// cluster IP), or both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct UsableEndpoint {
-    addr: SocketAddrV4,
-    cluster: bool,
-    local: bool,
+pub(crate) struct UsableEndpoint {
+    pub(crate) addr: SocketAddrV4,
+    pub(crate) cluster: bool,
+    pub(crate) local: bool,
 }
 
 /// The endpoints that get traffic, de-duplicated (an endpoint can appear in two
@@ -88,7 +88,7 @@ struct UsableEndpoint {
 /// set (either traffic policy Local) is this node's ready endpoints, or, when there is
 /// none, this node's serving terminating ones, so connections survive a rolling update of
 /// the only local pod while the health check already sends new ones elsewhere.
-fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec<UsableEndpoint> {
+pub(crate) fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec<UsableEndpoint> {
     let is_local = |ep: &Endpoint| ep.node_name.as_deref() == Some(node.node_name.as_str());
     let any_ready = endpoints.iter().any(Endpoint::is_ready);
     let any_local_ready = endpoints.iter().any(|ep| ep.is_ready() && is_local(ep));
@@ -116,6 +116,57 @@ fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec<UsableEndp
         entry.local |= local;
     }
     usable.into_values().collect()
+}
+
+/// Which paths of a Service port exist and which endpoint sets they spread over: the
+/// decisions the iptables and the nftables mode make alike.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PortPaths {
+    /// Ingress IPs the node captures: `ipMode: Proxy` ones are reached through node
+    /// ports only (KEP-1860), so the node must not short-cut them.
+    pub(crate) vip_ingress: Vec<Ipv4Addr>,
+    /// Reachable other than by the cluster IP: a node port, external or LB IPs.
+    pub(crate) external: bool,
+    /// externalTrafficPolicy Local, where it applies: to node ports, external and LB IPs
+    /// (the API refuses Local on a Service that has none of them).
+    pub(crate) local_policy: bool,
+    /// internalTrafficPolicy Local: the cluster IP leads to this node's endpoints only.
+    pub(crate) internal_local: bool,
+    /// The cluster-wide endpoint set is used: by the cluster IP (internalTrafficPolicy
+    /// Cluster) or by the external paths, whose Cluster policy or Local short-cuts need
+    /// it. kube-proxy's `UsesClusterEndpoints`.
+    pub(crate) uses_cluster: bool,
+    /// This node's endpoint set is used (either policy Local): `UsesLocalEndpoints`.
+    pub(crate) uses_local: bool,
+}
+
+impl PortPaths {
+    pub(crate) fn of(svc: &ServicePort) -> Self {
+        let vip_ingress: Vec<Ipv4Addr> = svc
+            .load_balancer_ingress
+            .iter()
+            .filter(|ingress| ingress.ip_mode == IpMode::Vip)
+            .map(|ingress| ingress.ip)
+            .collect();
+        let vip_ingress = sorted_unique(&vip_ingress);
+        let external =
+            svc.node_port.is_some() || !svc.external_ips.is_empty() || !vip_ingress.is_empty();
+        let local_policy = svc.external_traffic_policy_local && external;
+        let internal_local = svc.internal_traffic_policy_local;
+        Self {
+            vip_ingress,
+            external,
+            local_policy,
+            internal_local,
+            uses_cluster: !internal_local || external,
+            uses_local: local_policy || internal_local,
+        }
+    }
+
+    /// Whether a set the port uses holds `ep`: endpoints of an unused set get no chain.
+    pub(crate) fn spreads_over(&self, ep: &UsableEndpoint) -> bool {
+        (self.uses_cluster && ep.cluster) || (self.uses_local && ep.local)
+    }
 }
 
 /// `--probability` for the i-th of n remaining endpoints (1/n), as `iptables-save` prints
@@ -633,19 +684,7 @@ struct PortContext<'a> {
 impl<'a> PortContext<'a> {
     fn new(svc: &'a ServicePort, endpoints: &[UsableEndpoint], node: &NodeConfig) -> Option<Self> {
         let cluster_ip = svc.cluster_ip?;
-        let vip_ingress: Vec<Ipv4Addr> = svc
-            .load_balancer_ingress
-            .iter()
-            .filter(|ingress| ingress.ip_mode == IpMode::Vip)
-            .map(|ingress| ingress.ip)
-            .collect();
-        let vip_ingress = sorted_unique(&vip_ingress);
-        let external =
-            svc.node_port.is_some() || !svc.external_ips.is_empty() || !vip_ingress.is_empty();
-        let local_policy = svc.external_traffic_policy_local && external;
-        let internal_local = svc.internal_traffic_policy_local;
-        let uses_cluster = !internal_local || external;
-        let uses_local = local_policy || internal_local;
+        let paths = PortPaths::of(svc);
         Some(Self {
             svc,
             cluster_ip,
@@ -653,8 +692,7 @@ impl<'a> PortContext<'a> {
             chains: ServiceChains::for_port(svc),
             endpoints: endpoints
                 .iter()
-                // Endpoints of a set no rule spreads over get no chain.
-                .filter(|ep| (uses_cluster && ep.cluster) || (uses_local && ep.local))
+                .filter(|ep| paths.spreads_over(ep))
                 .map(|ep| PortEndpoint {
                     addr: ep.addr,
                     cluster: ep.cluster,
@@ -662,10 +700,10 @@ impl<'a> PortContext<'a> {
                     chain: chains::endpoint_chain(&svc.name, svc.protocol, ep.addr),
                 })
                 .collect(),
-            vip_ingress,
-            local_policy,
-            internal_local,
-            uses_cluster,
+            vip_ingress: paths.vip_ingress,
+            local_policy: paths.local_policy,
+            internal_local: paths.internal_local,
+            uses_cluster: paths.uses_cluster,
             // The local set is a subset of the cluster-wide one unless another node has
             // a ready endpoint: the cluster-wide set alone says whether any exists.
             has_endpoints: endpoints.iter().any(|ep| ep.cluster),
@@ -718,7 +756,7 @@ impl ServiceChains {
     }
 }
 
-fn sorted_unique<T: Ord + Clone>(items: &[T]) -> Vec<T> {
+pub(crate) fn sorted_unique<T: Ord + Clone>(items: &[T]) -> Vec<T> {
     let mut items = items.to_vec();
     items.sort();
     items.dedup();

@@ -21,7 +21,7 @@ use crate::ruleset::{BASE_JUMPS, Ruleset, Table};
 use parse::{Cond, ParsedRule, Target, parse_rule};
 
 /// Nesting deeper than this means a jump loop (ours is at most five deep).
-const MAX_DEPTH: usize = 32;
+pub(crate) const MAX_DEPTH: usize = 32;
 
 /// The first packet of a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,7 +51,8 @@ pub struct TraceRequest {
     /// 127.0.0.0/8 is always local.
     pub local_addrs: BTreeSet<Ipv4Addr>,
     /// `-m recent` lists (KUBE-SEP chain names) that already hold the source address, as
-    /// after an earlier connection with session affinity.
+    /// after an earlier connection with session affinity; in the nftables mode, the
+    /// `affinity-…` sets that do.
     pub recent_lists: BTreeSet<String>,
 }
 
@@ -142,6 +143,12 @@ pub enum TraceError {
     },
     #[error("{table} {chain}: jumps nest deeper than {MAX_DEPTH} (a loop?)")]
     TooDeep { table: &'static str, chain: String },
+    #[error("{table} {chain}: looks up undeclared set {set}")]
+    UndeclaredSet {
+        table: &'static str,
+        chain: String,
+        set: String,
+    },
 }
 
 /// Traces `request` through `ruleset`: all rules are parsed first, so an unknown syntax
@@ -188,7 +195,7 @@ impl TraceRequest {
         }
     }
 
-    fn is_local(&self, addr: Ipv4Addr) -> bool {
+    pub(crate) fn is_local(&self, addr: Ipv4Addr) -> bool {
         addr.is_loopback() || self.local_addrs.contains(&addr)
     }
 }

@@ -3,6 +3,9 @@
 
 use std::net::Ipv4Addr;
 
+pub mod generate;
+pub mod netns;
+
 use tandem_proxy_rules::model::{
     Endpoint, IpMode, LoadBalancerIngress, NodeConfig, Protocol, ProxyState, ServicePort,
     ServicePortName,

@@ -1,0 +1,297 @@
+//! The nftables ruleset kept up to date one Service port at a time: a sync rebuilds only
+//! the ports that changed and returns the one transaction that brings the kernel from the
+//! previous ruleset to the new one. Its cost follows the change, not the cluster: only the
+//! touched ports' own chains and sets are compared, and their elements in the shared maps
+//! are diffed against what those ports held, never against the whole map.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use tandem_nftables::{Key, Match, Rule, Ruleset, Set, Statement, Transaction, Verdict};
+
+use super::layout::{self, PortObjects, SHARED_MAPS, port_objects};
+use crate::model::{NodeConfig, ProxyState, ServicePortName};
+
+/// A set whose declaration changes (an affinity timeout) is deleted and declared anew,
+/// which the kernel refuses while a rule still names it: the chains that name it must be
+/// flushed first and written again, even where their rules stay the same. Emptying their
+/// old copy makes [`Transaction::between`] do exactly that.
+fn force_rewrite_of_redeclared_set_users(before: &mut Ruleset, after: &Ruleset) {
+    let redeclared: BTreeSet<&String> = after
+        .sets
+        .iter()
+        .filter(|(name, set)| {
+            before
+                .sets
+                .get(*name)
+                .is_some_and(|old| old.spec != set.spec)
+        })
+        .map(|(name, _)| name)
+        .collect();
+    if redeclared.is_empty() {
+        return;
+    }
+    for (name, chain) in &after.chains {
+        let uses = chain
+            .rules
+            .iter()
+            .any(|rule| rule_sets(rule).any(|set| redeclared.contains(set)));
+        if let (true, Some(old)) = (uses, before.chains.get_mut(name)) {
+            old.rules.clear();
+        }
+    }
+}
+
+/// The sets a rule names.
+fn rule_sets(rule: &Rule) -> impl Iterator<Item = &String> {
+    let in_statement = match &rule.statement {
+        Statement::Dispatch { map, .. } | Statement::RandomDispatch { map, .. } => Some(map),
+        Statement::AddSourceToSet(set) => Some(set),
+        _ => None,
+    };
+    let in_matches = rule.matches.iter().filter_map(|m| match m {
+        Match::SourceInSet(set) => Some(set),
+        _ => None,
+    });
+    in_statement.into_iter().chain(in_matches)
+}
+
+/// An element of a shared map: `(map, key)`.
+type ElementKey = (&'static str, Key);
+
+/// What the ruleset holds of one Service port.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct PortShare {
+    chains: Vec<String>,
+    sets: Vec<String>,
+    /// The elements it claims in the shared maps (it holds those it wins).
+    elements: Vec<(&'static str, Key, Verdict)>,
+}
+
+impl PortShare {
+    fn verdict(&self, (map, key): ElementKey) -> Option<&Verdict> {
+        self.elements
+            .iter()
+            .find(|(m, k, _)| *m == map && *k == key)
+            .map(|(_, _, verdict)| verdict)
+    }
+}
+
+/// The desired ruleset of table `ip tandem`, updated per Service port.
+#[derive(Debug, Clone)]
+pub struct IncrementalRuleset {
+    node: NodeConfig,
+    ruleset: Ruleset,
+    ports: BTreeMap<ServicePortName, PortShare>,
+    /// Elements more than one port claims (two Services listing the same external IP and
+    /// port), with every claimant: the first in name order holds it, as in [`layout::build`].
+    /// Only conflicts are indexed, so the common case costs nothing.
+    contested: BTreeMap<ElementKey, BTreeSet<ServicePortName>>,
+}
+
+impl IncrementalRuleset {
+    /// The ruleset of a cluster without Services: the fixed objects only. The kernel gets
+    /// it (or any later [`IncrementalRuleset::ruleset`]) whole with
+    /// [`Transaction::replace_all`]; [`IncrementalRuleset::update`]s go from there.
+    pub fn new(node: NodeConfig) -> Self {
+        Self {
+            node,
+            ruleset: layout::fixed_objects(),
+            ports: BTreeMap::new(),
+            contested: BTreeMap::new(),
+        }
+    }
+
+    pub fn ruleset(&self) -> &Ruleset {
+        &self.ruleset
+    }
+
+    /// Rebuilds the given Service ports from `state` (a port `state` no longer has is
+    /// removed) and returns the transaction from the previous ruleset to the new one:
+    /// empty when nothing changed.
+    pub fn update<'a>(
+        &mut self,
+        state: &ProxyState,
+        ports: impl IntoIterator<Item = &'a ServicePortName>,
+    ) -> Transaction {
+        // The touched objects only: before as the ruleset held them, after as rebuilt.
+        // Both declare the shared maps, holding only the touched elements.
+        let mut before = Ruleset::default();
+        let mut after = Ruleset::default();
+        for (name, key) in SHARED_MAPS {
+            before.sets.insert(name.to_owned(), Set::verdict_map(key));
+            after.sets.insert(name.to_owned(), Set::verdict_map(key));
+        }
+        let mut chains = BTreeSet::new();
+        let mut sets: BTreeSet<String> = SHARED_MAPS
+            .iter()
+            .map(|(name, _)| (*name).to_owned())
+            .collect();
+        let names: BTreeSet<&ServicePortName> = ports.into_iter().collect();
+
+        // Out with the touched ports' old shares and their claims.
+        let mut released = BTreeSet::new();
+        for &name in &names {
+            let Some(old) = self.ports.remove(name) else {
+                continue;
+            };
+            self.take_own(&old, &mut before);
+            chains.extend(old.chains);
+            sets.extend(old.sets);
+            for (map, key, _) in old.elements {
+                if let Some(claimants) = self.contested.get_mut(&(map, key)) {
+                    claimants.remove(name);
+                }
+                released.insert((map, key));
+            }
+        }
+        // In with the new ones.
+        let mut claimed: BTreeMap<ElementKey, BTreeSet<ServicePortName>> = BTreeMap::new();
+        for &name in &names {
+            let Some(svc) = state.services.get(name) else {
+                continue;
+            };
+            let PortObjects {
+                chains: own_chains,
+                sets: own_sets,
+                elements,
+            } = port_objects(svc, state.endpoints_of(name), &self.node);
+            let share = PortShare {
+                chains: own_chains.keys().cloned().collect(),
+                sets: own_sets.keys().cloned().collect(),
+                elements,
+            };
+            chains.extend(share.chains.iter().cloned());
+            sets.extend(share.sets.iter().cloned());
+            after.chains.extend(own_chains);
+            after.sets.extend(own_sets);
+            for (map, key, _) in &share.elements {
+                claimed
+                    .entry((*map, *key))
+                    .or_default()
+                    .insert(name.clone());
+            }
+            if share != PortShare::default() {
+                self.ports.insert(name.clone(), share);
+            }
+        }
+        // Every element a touched port held or claims goes to its first claimant.
+        let touched: BTreeSet<ElementKey> =
+            released.iter().chain(claimed.keys()).copied().collect();
+        for element in touched {
+            let (map, key) = element;
+            let current = self
+                .ruleset
+                .sets
+                .get_mut(map)
+                .and_then(|set| set.elements.remove(&key));
+            let mut claimants = claimed.remove(&element).unwrap_or_default();
+            if let Some(others) = self.contested.remove(&element) {
+                claimants.extend(others);
+            } else if current.is_some() && !released.contains(&element) {
+                // A new conflict: the holder is a port this update did not touch.
+                claimants.extend(self.claimants(element));
+            }
+            if let (Some(verdict), Some(set)) = (current, before.sets.get_mut(map)) {
+                set.elements.insert(key, verdict);
+            }
+            let winner = claimants
+                .first()
+                .and_then(|name| self.ports.get(name))
+                .and_then(|share| share.verdict(element));
+            if let (Some(verdict), Some(set)) = (winner, after.sets.get_mut(map)) {
+                set.elements.insert(key, verdict.clone());
+            }
+            if claimants.len() > 1 {
+                self.contested.insert(element, claimants);
+            }
+        }
+
+        force_rewrite_of_redeclared_set_users(&mut before, &after);
+        let chain_names: BTreeSet<&str> = chains.iter().map(String::as_str).collect();
+        let set_names: BTreeSet<&str> = sets.iter().map(String::as_str).collect();
+        let tx = Transaction::between(&before, &after, &chain_names, &set_names);
+
+        let Ruleset {
+            chains: new_chains,
+            sets: mut new_sets,
+        } = after;
+        self.ruleset.chains.extend(new_chains);
+        for (name, _) in SHARED_MAPS {
+            let (Some(elements), Some(map)) =
+                (new_sets.remove(name), self.ruleset.sets.get_mut(name))
+            else {
+                continue;
+            };
+            map.elements.extend(elements.elements);
+        }
+        self.ruleset.sets.extend(new_sets);
+        tx
+    }
+
+    /// Every port claiming an element: a search through all ports, made only when an
+    /// element held by one gets a second claimant.
+    fn claimants(&self, element: ElementKey) -> Vec<ServicePortName> {
+        self.ports
+            .iter()
+            .filter(|(_, share)| share.verdict(element).is_some())
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// Moves a port's own chains and sets out of the ruleset into `into`.
+    fn take_own(&mut self, share: &PortShare, into: &mut Ruleset) {
+        for name in &share.chains {
+            if let Some(chain) = self.ruleset.chains.remove(name) {
+                into.chains.insert(name.clone(), chain);
+            }
+        }
+        for name in &share.sets {
+            if let Some(set) = self.ruleset.sets.remove(name) {
+                into.sets.insert(name.clone(), set);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use tandem_nftables::Op;
+
+    use super::*;
+    use crate::model::ServicePort;
+    use crate::nft::layout::tests::{endpoint, node, service};
+
+    fn state(affinity_timeout: u32) -> ProxyState {
+        let service = ServicePort {
+            session_affinity_timeout: Some(affinity_timeout),
+            ..service(Some(Ipv4Addr::new(10, 96, 0, 1)))
+        };
+        let name = service.name.clone();
+        ProxyState {
+            endpoints: [(name.clone(), vec![endpoint(1, "node-b")])].into(),
+            services: [(name, service)].into(),
+        }
+    }
+
+    #[test]
+    fn a_changed_affinity_timeout_rewrites_the_chains_that_use_the_set() {
+        let mut incremental = IncrementalRuleset::new(node());
+        let names: Vec<ServicePortName> = state(10).services.into_keys().collect();
+        incremental.update(&state(10), &names);
+        let tx = incremental.update(&state(20), &names);
+        let position = |wanted: &dyn Fn(&Op) -> bool| tx.ops.iter().position(wanted).unwrap();
+        let delete_set =
+            position(&|op| matches!(op, Op::DeleteSet(set) if set.starts_with("affinity-")));
+        // Both the endpoint chain (update @set) and the service chain (ip saddr @set).
+        for prefix in ["endpoint-", "service-"] {
+            let flush = position(&|op| matches!(op, Op::FlushChain(c) if c.starts_with(prefix)));
+            let rewrite = position(
+                &|op| matches!(op, Op::AddRule { chain, .. } if chain.starts_with(prefix)),
+            );
+            assert!(flush < delete_set && delete_set < rewrite, "{tx:?}");
+        }
+        assert_eq!(incremental.ruleset(), &layout::build(&state(20), &node()));
+    }
+}

@@ -1,0 +1,852 @@
+//! Observed state in, the ruleset of table `ip tandem` out: kube-proxy's nftables layout.
+//!
+//! Fixed objects: base chains that only jump into ours, the dispatch chains and five
+//! shared verdict maps keyed by what a packet is addressed to (`service-ips`,
+//! `service-nodeports`, `firewall-ips`, `no-endpoint-services`, `no-endpoint-nodeports`).
+//! Each Service port adds elements to those maps and owns its chains (`service-…`,
+//! `external-…`, `local-…`, `firewall-…`, `endpoint-…`) and sets (`endpoints-…`,
+//! `local-endpoints-…`, `affinity-…`), so one port's change touches only its own objects
+//! and its own elements: the map lookups cost the same with ten Services or ten thousand.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use data_encoding::BASE32;
+use ipnet::Ipv4Net;
+use sha2::{Digest, Sha256};
+use tandem_nftables::{
+    BaseChain, Chain, ChainType, DispatchKey, Hook, Key, KeyType, MASQUERADE_MARK, Match, Protocol,
+    Rule, Ruleset, Set, Statement, Verdict,
+};
+
+use crate::model::{Endpoint, NodeConfig, ProxyState, ServicePort, ServicePortName};
+use crate::rules::{PortPaths, UsableEndpoint, sorted_unique, usable_endpoints};
+
+pub const FILTER_PREROUTING_PRE_DNAT: &str = "filter-prerouting-pre-dnat";
+pub const FILTER_OUTPUT_PRE_DNAT: &str = "filter-output-pre-dnat";
+pub const FILTER_INPUT: &str = "filter-input";
+pub const FILTER_FORWARD: &str = "filter-forward";
+pub const FILTER_OUTPUT: &str = "filter-output";
+pub const NAT_PREROUTING: &str = "nat-prerouting";
+pub const NAT_OUTPUT: &str = "nat-output";
+pub const NAT_POSTROUTING: &str = "nat-postrouting";
+
+/// Drops new connections to LB IPs from outside their `loadBalancerSourceRanges`.
+pub const FIREWALL_CHECK: &str = "firewall-check";
+/// Rejects (or drops) new connections to Service IPs without usable endpoints.
+pub const SERVICE_ENDPOINTS_CHECK: &str = "service-endpoints-check";
+/// Rejects (or drops) new connections to node ports without usable endpoints.
+pub const NODEPORT_ENDPOINTS_CHECK: &str = "nodeport-endpoints-check";
+pub const REJECT_CHAIN: &str = "reject-chain";
+pub const MARK_FOR_MASQUERADE: &str = "mark-for-masquerade";
+pub const MASQUERADING: &str = "masquerading";
+/// nat: dispatches Service IPs, then node ports.
+pub const SERVICES: &str = "services";
+pub const NODEPORTS: &str = "nodeports";
+
+/// Cluster, external and LB IPs (`ip . proto . port`) → `goto service-…`/`external-…`.
+pub const SERVICE_IPS: &str = "service-ips";
+/// Node ports (`proto . port`) → `goto external-…`.
+pub const SERVICE_NODEPORTS: &str = "service-nodeports";
+/// LB IPs with source ranges → `goto firewall-…`.
+pub const FIREWALL_IPS: &str = "firewall-ips";
+/// Service IPs without usable endpoints → `goto reject-chain` or `drop`.
+pub const NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
+/// Node ports without usable endpoints → `goto reject-chain`.
+pub const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+
+/// The verdict maps every Service port may add elements to, with their keys.
+pub const SHARED_MAPS: [(&str, KeyType); 5] = [
+    (SERVICE_IPS, KeyType::AddressProtocolPort),
+    (FIREWALL_IPS, KeyType::AddressProtocolPort),
+    (NO_ENDPOINT_SERVICES, KeyType::AddressProtocolPort),
+    (SERVICE_NODEPORTS, KeyType::ProtocolPort),
+    (NO_ENDPOINT_NODEPORTS, KeyType::ProtocolPort),
+];
+
+/// Node ports are not served on loopback addresses, as in kube-proxy's nftables mode
+/// (route_localnet is not needed; the iptables mode serves them there).
+const LOOPBACK: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 0);
+
+/// What one Service port adds to the ruleset.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PortObjects {
+    /// Its own chains.
+    pub chains: BTreeMap<String, Chain>,
+    /// Its own sets (endpoint maps, affinity sets).
+    pub sets: BTreeMap<String, Set>,
+    /// Its elements in the [`SHARED_MAPS`]: `(map, key, verdict)`.
+    pub elements: Vec<(&'static str, Key, Verdict)>,
+}
+
+/// The complete ruleset of table `ip tandem`: the fixed objects, then every Service port's
+/// objects in [`ServicePortName`] order. Headless Services get nothing.
+pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
+    let mut ruleset = fixed_objects();
+    for service in state.services.values() {
+        install(
+            &mut ruleset,
+            port_objects(service, state.endpoints_of(&service.name), node),
+        );
+    }
+    ruleset
+}
+
+/// Puts one port's objects into `ruleset` (whose shared maps must exist). A key another
+/// port already holds (two Services listing the same external IP and port) stays with
+/// that port, the first in name order: a map holds one verdict per key, and the
+/// incremental ruleset resolves such conflicts the same way.
+fn install(ruleset: &mut Ruleset, objects: PortObjects) {
+    ruleset.chains.extend(objects.chains);
+    ruleset.sets.extend(objects.sets);
+    for (map, key, verdict) in objects.elements {
+        if let Some(set) = ruleset.sets.get_mut(map) {
+            set.elements.entry(key).or_insert(verdict);
+        }
+    }
+}
+
+/// The objects that exist whatever the Services are.
+pub fn fixed_objects() -> Ruleset {
+    let mut ruleset = Ruleset::default();
+    let base = |chain_type, hook, priority, rules| Chain {
+        base: Some(BaseChain {
+            chain_type,
+            hook,
+            priority,
+        }),
+        rules,
+    };
+    let new_then = |chain: &str| Rule::when(vec![Match::ConnectionNew], jump(chain));
+    let chains = [
+        (
+            FILTER_PREROUTING_PRE_DNAT,
+            base(
+                ChainType::Filter,
+                Hook::Prerouting,
+                -110,
+                vec![new_then(FIREWALL_CHECK)],
+            ),
+        ),
+        (
+            FILTER_OUTPUT_PRE_DNAT,
+            base(
+                ChainType::Filter,
+                Hook::Output,
+                -110,
+                vec![new_then(FIREWALL_CHECK)],
+            ),
+        ),
+        (
+            FILTER_INPUT,
+            base(
+                ChainType::Filter,
+                Hook::Input,
+                -110,
+                vec![
+                    new_then(NODEPORT_ENDPOINTS_CHECK),
+                    new_then(SERVICE_ENDPOINTS_CHECK),
+                ],
+            ),
+        ),
+        (
+            FILTER_FORWARD,
+            base(
+                ChainType::Filter,
+                Hook::Forward,
+                -110,
+                vec![new_then(SERVICE_ENDPOINTS_CHECK)],
+            ),
+        ),
+        (
+            FILTER_OUTPUT,
+            base(
+                ChainType::Filter,
+                Hook::Output,
+                -110,
+                vec![new_then(SERVICE_ENDPOINTS_CHECK)],
+            ),
+        ),
+        (
+            NAT_PREROUTING,
+            base(
+                ChainType::Nat,
+                Hook::Prerouting,
+                -100,
+                vec![Rule::always(jump(SERVICES))],
+            ),
+        ),
+        (
+            NAT_OUTPUT,
+            base(
+                ChainType::Nat,
+                Hook::Output,
+                -100,
+                vec![Rule::always(jump(SERVICES))],
+            ),
+        ),
+        (
+            NAT_POSTROUTING,
+            base(
+                ChainType::Nat,
+                Hook::Postrouting,
+                100,
+                vec![Rule::always(jump(MASQUERADING))],
+            ),
+        ),
+        (
+            FIREWALL_CHECK,
+            chain(vec![Rule::always(dispatch(
+                DispatchKey::AddressProtocolPort,
+                FIREWALL_IPS,
+            ))]),
+        ),
+        (
+            SERVICE_ENDPOINTS_CHECK,
+            chain(vec![Rule::always(dispatch(
+                DispatchKey::AddressProtocolPort,
+                NO_ENDPOINT_SERVICES,
+            ))]),
+        ),
+        (
+            NODEPORT_ENDPOINTS_CHECK,
+            chain(vec![Rule::when(
+                vec![Match::DestinationLocal],
+                dispatch(DispatchKey::ProtocolPort, NO_ENDPOINT_NODEPORTS),
+            )]),
+        ),
+        (REJECT_CHAIN, chain(vec![Rule::always(Statement::Reject)])),
+        (
+            MARK_FOR_MASQUERADE,
+            chain(vec![Rule::always(Statement::SetMark(MASQUERADE_MARK))]),
+        ),
+        (
+            MASQUERADING,
+            chain(vec![
+                Rule::when(
+                    vec![Match::Mark {
+                        bit: MASQUERADE_MARK,
+                        set: false,
+                    }],
+                    Statement::Return,
+                ),
+                // Clear the mark so a packet that traverses the stack again is not
+                // re-masqueraded.
+                Rule::always(Statement::ToggleMark(MASQUERADE_MARK)),
+                Rule::always(Statement::Masquerade),
+            ]),
+        ),
+        (
+            SERVICES,
+            chain(vec![
+                Rule::always(dispatch(DispatchKey::AddressProtocolPort, SERVICE_IPS)),
+                Rule::when(
+                    vec![
+                        Match::DestinationLocal,
+                        Match::DestinationAddress {
+                            net: Ipv4Net::new_assert(LOOPBACK, 8),
+                            negated: true,
+                        },
+                    ],
+                    jump(NODEPORTS),
+                ),
+            ]),
+        ),
+        (
+            NODEPORTS,
+            chain(vec![Rule::always(dispatch(
+                DispatchKey::ProtocolPort,
+                SERVICE_NODEPORTS,
+            ))]),
+        ),
+    ];
+    for (name, chain) in chains {
+        ruleset.chains.insert(name.to_owned(), chain);
+    }
+    for (name, key) in SHARED_MAPS {
+        ruleset.sets.insert(name.to_owned(), Set::verdict_map(key));
+    }
+    ruleset
+}
+
+fn chain(rules: Vec<Rule>) -> Chain {
+    Chain { base: None, rules }
+}
+
+fn jump(chain: &str) -> Statement {
+    Statement::Jump(chain.to_owned())
+}
+
+fn goto(chain: &str) -> Statement {
+    Statement::Goto(chain.to_owned())
+}
+
+fn dispatch(key: DispatchKey, map: &str) -> Statement {
+    Statement::Dispatch {
+        key,
+        map: map.to_owned(),
+    }
+}
+
+fn host(addr: Ipv4Addr) -> Ipv4Net {
+    Ipv4Net::from(addr)
+}
+
+/// kube-proxy's `servicePortChainNameBase`: `namespace/name/protocol/portname`. Its parts
+/// cannot hold `/`, so the base is unambiguous.
+pub fn port_name_base(name: &ServicePortName, protocol: Protocol) -> String {
+    format!(
+        "{}/{}/{}/{}",
+        name.namespace,
+        name.name,
+        protocol.as_str(),
+        name.port
+    )
+}
+
+/// kube-proxy's `servicePortEndpointChainNameBase`: the port's base, `__`, `ip/port`.
+pub fn endpoint_name_base(
+    name: &ServicePortName,
+    protocol: Protocol,
+    endpoint: SocketAddrV4,
+) -> String {
+    format!(
+        "{}__{}/{}",
+        port_name_base(name, protocol),
+        endpoint.ip(),
+        endpoint.port()
+    )
+}
+
+/// kube-proxy's `hashAndTruncate`: the first 8 characters of base32(sha256(base)), `-`,
+/// the base. kube-proxy truncates beyond 256 characters; Kubernetes name limits keep
+/// every base of ours under 200, so nothing is ever cut.
+pub fn hash_and_truncate(base: &str) -> String {
+    let encoded = BASE32.encode(&Sha256::digest(base.as_bytes()));
+    format!("{}-{base}", &encoded[..8])
+}
+
+/// The names of one Service port's own objects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortNames {
+    /// Spreads over the cluster-wide endpoints (externalTrafficPolicy Cluster paths, and
+    /// the cluster IP with internalTrafficPolicy Cluster).
+    pub service: String,
+    /// Spreads over this node's endpoints (either traffic policy Local).
+    pub local: String,
+    /// Where LB IPs, external IPs and the node port lead.
+    pub external: String,
+    /// loadBalancerSourceRanges.
+    pub firewall: String,
+    /// `numgen` index → endpoint chain, for [`PortNames::service`] and
+    /// [`PortNames::local`].
+    pub endpoints_map: String,
+    pub local_endpoints_map: String,
+}
+
+impl PortNames {
+    pub fn of(name: &ServicePortName, protocol: Protocol) -> Self {
+        let hashed = hash_and_truncate(&port_name_base(name, protocol));
+        Self {
+            service: format!("service-{hashed}"),
+            local: format!("local-{hashed}"),
+            external: format!("external-{hashed}"),
+            firewall: format!("firewall-{hashed}"),
+            endpoints_map: format!("endpoints-{hashed}"),
+            local_endpoints_map: format!("local-endpoints-{hashed}"),
+        }
+    }
+}
+
+/// `endpoint-…`: DNATs to one endpoint of a Service port.
+pub fn endpoint_chain(name: &ServicePortName, protocol: Protocol, ep: SocketAddrV4) -> String {
+    format!(
+        "endpoint-{}",
+        hash_and_truncate(&endpoint_name_base(name, protocol, ep))
+    )
+}
+
+/// `affinity-…`: the clients recently sent to one endpoint (session affinity).
+pub fn affinity_set(name: &ServicePortName, protocol: Protocol, ep: SocketAddrV4) -> String {
+    format!(
+        "affinity-{}",
+        hash_and_truncate(&endpoint_name_base(name, protocol, ep))
+    )
+}
+
+/// The objects of one Service port alone; [`build`] is [`fixed_objects`] plus these for
+/// every port. `endpoints` are all of the port's endpoints; which are used is the iptables
+/// mode's decision (ready ones, else serving terminating ones; this node's for Local).
+pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig) -> PortObjects {
+    let mut out = PortObjects::default();
+    let Some(cluster_ip) = svc.cluster_ip else {
+        return out; // headless: DNS only, no proxying
+    };
+    let port = Port::new(svc, cluster_ip, &usable_endpoints(endpoints, node), node);
+    let proto = svc.protocol;
+    let ip_key = |ip: Ipv4Addr| Key::AddressProtocolPort(ip, proto, svc.port);
+    let external_ips: Vec<Ipv4Addr> = port
+        .external_ips
+        .iter()
+        .chain(&port.paths.vip_ingress)
+        .copied()
+        .collect();
+
+    if !port.has_endpoints {
+        let reject = Verdict::Goto(REJECT_CHAIN.to_owned());
+        for ip in std::iter::once(cluster_ip).chain(external_ips) {
+            out.elements
+                .push((NO_ENDPOINT_SERVICES, ip_key(ip), reject.clone()));
+        }
+        if let Some(node_port) = svc.node_port {
+            out.elements.push((
+                NO_ENDPOINT_NODEPORTS,
+                Key::ProtocolPort(proto, node_port),
+                reject,
+            ));
+        }
+        return out;
+    }
+
+    for ep in &port.endpoints {
+        port.add_endpoint_chain(&mut out, ep);
+    }
+    let cluster: Vec<&PortEndpoint> = port.endpoints.iter().filter(|ep| ep.cluster).collect();
+    let local: Vec<&PortEndpoint> = port.endpoints.iter().filter(|ep| ep.local).collect();
+    if port.paths.uses_cluster {
+        let mut rules = Vec::new();
+        if !port.paths.internal_local {
+            rules.extend(port.cluster_ip_masquerade());
+        }
+        port.add_dispatch(
+            &mut out,
+            &port.names.service,
+            &port.names.endpoints_map,
+            rules,
+            &cluster,
+        );
+    }
+    if port.paths.uses_local && !local.is_empty() {
+        let mut rules = Vec::new();
+        if port.paths.internal_local {
+            rules.extend(port.cluster_ip_masquerade());
+        }
+        port.add_dispatch(
+            &mut out,
+            &port.names.local,
+            &port.names.local_endpoints_map,
+            rules,
+            &local,
+        );
+    }
+
+    // The cluster IP. internalTrafficPolicy Local without a local endpoint drops, as the
+    // iptables mode does: the Service has endpoints, just none this node may use.
+    let internal = if !port.paths.internal_local {
+        Verdict::Goto(port.names.service.clone())
+    } else if local.is_empty() {
+        Verdict::Drop
+    } else {
+        Verdict::Goto(port.names.local.clone())
+    };
+    let map = if internal == Verdict::Drop {
+        NO_ENDPOINT_SERVICES
+    } else {
+        SERVICE_IPS
+    };
+    out.elements.push((map, ip_key(cluster_ip), internal));
+
+    if !port.paths.external {
+        return out;
+    }
+    out.chains.insert(
+        port.names.external.clone(),
+        chain(port.external_rules(!local.is_empty())),
+    );
+    let external = Verdict::Goto(port.names.external.clone());
+    for ip in external_ips {
+        out.elements
+            .push((SERVICE_IPS, ip_key(ip), external.clone()));
+    }
+    if let Some(node_port) = svc.node_port {
+        out.elements.push((
+            SERVICE_NODEPORTS,
+            Key::ProtocolPort(proto, node_port),
+            external,
+        ));
+    }
+    if !port.source_ranges.is_empty() && !port.paths.vip_ingress.is_empty() {
+        let mut rules: Vec<Rule> = port
+            .source_ranges
+            .iter()
+            .map(|range| {
+                Rule::when(
+                    vec![Match::SourceAddress {
+                        net: *range,
+                        negated: false,
+                    }],
+                    Statement::Return,
+                )
+            })
+            .collect();
+        rules.push(
+            Rule::always(Statement::Drop)
+                .with_comment(format!("{} loadBalancerSourceRanges", svc.name)),
+        );
+        out.chains.insert(port.names.firewall.clone(), chain(rules));
+        let firewall = Verdict::Goto(port.names.firewall.clone());
+        for &ip in &port.paths.vip_ingress {
+            out.elements
+                .push((FIREWALL_IPS, ip_key(ip), firewall.clone()));
+        }
+    }
+    out
+}
+
+/// A usable endpoint of one Service port, with its chain and affinity set.
+struct PortEndpoint {
+    addr: SocketAddrV4,
+    cluster: bool,
+    local: bool,
+    chain: String,
+    affinity: String,
+}
+
+/// Everything one (non-headless) Service port's objects are derived from; the same
+/// decisions as the iptables mode's `PortContext`.
+struct Port<'a> {
+    svc: &'a ServicePort,
+    cluster_ip: Ipv4Addr,
+    names: PortNames,
+    /// Endpoints some chain of this port spreads over.
+    endpoints: Vec<PortEndpoint>,
+    external_ips: Vec<Ipv4Addr>,
+    source_ranges: Vec<Ipv4Net>,
+    /// Which paths exist: `service-…` exists when the cluster-wide set is used, `local-…`
+    /// when this node's is (and holds an endpoint).
+    paths: PortPaths,
+    /// Any usable endpoint in the cluster; without one, every address rejects.
+    has_endpoints: bool,
+    cluster_cidr: Option<Ipv4Net>,
+}
+
+impl<'a> Port<'a> {
+    fn new(
+        svc: &'a ServicePort,
+        cluster_ip: Ipv4Addr,
+        usable: &[UsableEndpoint],
+        node: &NodeConfig,
+    ) -> Self {
+        let paths = PortPaths::of(svc);
+        let ranges: Vec<Ipv4Net> = svc
+            .load_balancer_source_ranges
+            .iter()
+            .map(Ipv4Net::trunc)
+            .collect();
+        Self {
+            svc,
+            cluster_ip,
+            names: PortNames::of(&svc.name, svc.protocol),
+            endpoints: usable
+                .iter()
+                .filter(|ep| paths.spreads_over(ep))
+                .map(|ep| PortEndpoint {
+                    addr: ep.addr,
+                    cluster: ep.cluster,
+                    local: ep.local,
+                    chain: endpoint_chain(&svc.name, svc.protocol, ep.addr),
+                    affinity: affinity_set(&svc.name, svc.protocol, ep.addr),
+                })
+                .collect(),
+            external_ips: sorted_unique(&svc.external_ips),
+            source_ranges: sorted_unique(&ranges),
+            paths,
+            has_endpoints: usable.iter().any(|ep| ep.cluster),
+            cluster_cidr: node.cluster_cidr.map(|cidr| cidr.trunc()),
+        }
+    }
+
+    /// `ip daddr CIP P dport PORT ip saddr != CIDR jump mark-for-masquerade`: off-cluster
+    /// clients reaching a cluster IP (by a static route) may be sent to another node.
+    fn cluster_ip_masquerade(&self) -> Option<Rule> {
+        let cidr = self.cluster_cidr?;
+        Some(Rule::when(
+            vec![
+                Match::DestinationAddress {
+                    net: host(self.cluster_ip),
+                    negated: false,
+                },
+                Match::DestinationPort {
+                    protocol: self.svc.protocol,
+                    port: self.svc.port,
+                },
+                Match::SourceAddress {
+                    net: cidr,
+                    negated: true,
+                },
+            ],
+            jump(MARK_FOR_MASQUERADE),
+        ))
+    }
+
+    /// `endpoint-…`: masquerade hairpin traffic, remember the client (affinity), DNAT.
+    fn add_endpoint_chain(&self, out: &mut PortObjects, ep: &PortEndpoint) {
+        let mut rules = vec![Rule::when(
+            vec![Match::SourceAddress {
+                net: host(*ep.addr.ip()),
+                negated: false,
+            }],
+            jump(MARK_FOR_MASQUERADE),
+        )];
+        if let Some(timeout) = self.svc.session_affinity_timeout {
+            rules.push(Rule::always(Statement::AddSourceToSet(ep.affinity.clone())));
+            out.sets.insert(ep.affinity.clone(), Set::dynamic(timeout));
+        }
+        rules.push(Rule::when(
+            vec![Match::Protocol(self.svc.protocol)],
+            Statement::Dnat(ep.addr),
+        ));
+        out.chains.insert(ep.chain.clone(), chain(rules));
+    }
+
+    /// A chain that spreads over `targets` (never empty): affinity checks, then one
+    /// `goto`, or a random pick through the named map `map`.
+    fn add_dispatch(
+        &self,
+        out: &mut PortObjects,
+        chain_name: &str,
+        map: &str,
+        mut rules: Vec<Rule>,
+        targets: &[&PortEndpoint],
+    ) {
+        if self.svc.session_affinity_timeout.is_some() {
+            for ep in targets {
+                rules.push(Rule::when(
+                    vec![Match::SourceInSet(ep.affinity.clone())],
+                    goto(&ep.chain),
+                ));
+            }
+        }
+        match targets {
+            [only] => rules.push(Rule::always(goto(&only.chain))),
+            _ => {
+                let mut set = Set::verdict_map(KeyType::Index);
+                for (index, ep) in (0u32..).zip(targets) {
+                    set.elements
+                        .insert(Key::Index(index), Verdict::Goto(ep.chain.clone()));
+                }
+                rules.push(Rule::always(Statement::RandomDispatch {
+                    modulus: u32::try_from(targets.len()).unwrap_or(u32::MAX),
+                    map: map.to_owned(),
+                }));
+                out.sets.insert(map.to_owned(), set);
+            }
+        }
+        out.chains.insert(chain_name.to_owned(), chain(rules));
+    }
+
+    /// `external-…`. Policy Cluster: masquerade (pods reaching an external IP keep their
+    /// address, as in the iptables mode), then the Service chain. Policy Local: pods and
+    /// the node itself short-cut to the Service chain (the node masqueraded), everyone
+    /// else goes to this node's endpoints, or is dropped without any.
+    fn external_rules(&self, has_local: bool) -> Vec<Rule> {
+        let names = &self.names;
+        let mut rules = Vec::new();
+        let from_pods = |cidr: Ipv4Net| Match::SourceAddress {
+            net: cidr,
+            negated: false,
+        };
+        if !self.paths.local_policy {
+            if let Some(cidr) = self.cluster_cidr {
+                for &ip in &self.external_ips {
+                    let to_ip = Match::DestinationAddress {
+                        net: host(ip),
+                        negated: false,
+                    };
+                    rules.push(Rule::when(
+                        vec![to_ip, from_pods(cidr)],
+                        goto(&names.service),
+                    ));
+                }
+            }
+            rules.push(Rule::always(jump(MARK_FOR_MASQUERADE)));
+            rules.push(Rule::always(goto(&names.service)));
+            return rules;
+        }
+        if let Some(cidr) = self.cluster_cidr {
+            rules.push(
+                Rule::when(vec![from_pods(cidr)], goto(&names.service))
+                    .with_comment("short-circuit pod traffic to the cluster-wide endpoints"),
+            );
+        }
+        rules.push(Rule::when(
+            vec![Match::SourceLocal],
+            jump(MARK_FOR_MASQUERADE),
+        ));
+        rules.push(Rule::when(vec![Match::SourceLocal], goto(&names.service)));
+        rules.push(if has_local {
+            Rule::always(goto(&names.local))
+        } else {
+            Rule::always(Statement::Drop)
+                .with_comment(format!("{} has no local endpoints", self.svc.name))
+        });
+        rules
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    fn name(namespace: &str, service: &str, port: &str) -> ServicePortName {
+        ServicePortName {
+            namespace: namespace.into(),
+            name: service.into(),
+            port: port.into(),
+        }
+    }
+
+    pub(crate) fn node() -> NodeConfig {
+        NodeConfig {
+            node_name: "node-a".into(),
+            cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
+        }
+    }
+
+    /// `ns1/svc1:p80`, TCP port 80, nothing else set.
+    pub(crate) fn service(cluster_ip: Option<Ipv4Addr>) -> ServicePort {
+        ServicePort {
+            name: name("ns1", "svc1", "p80"),
+            protocol: Protocol::Tcp,
+            cluster_ip,
+            port: 80,
+            node_port: None,
+            external_ips: vec![],
+            load_balancer_ingress: vec![],
+            load_balancer_source_ranges: vec![],
+            session_affinity_timeout: None,
+            external_traffic_policy_local: false,
+            health_check_node_port: None,
+            internal_traffic_policy_local: false,
+        }
+    }
+
+    /// A ready endpoint `10.180.0.LAST:80` on `node`.
+    pub(crate) fn endpoint(last: u8, node: &str) -> Endpoint {
+        Endpoint {
+            ip: Ipv4Addr::new(10, 180, 0, last),
+            port: 80,
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: Some(node.into()),
+        }
+    }
+
+    #[test]
+    fn names_match_kube_proxys_nftables_mode() {
+        // From kube-proxy's own nftables proxier tests.
+        let svc1 = name("ns1", "svc1", "p80");
+        assert_eq!(
+            PortNames::of(&svc1, Protocol::Tcp).service,
+            "service-ULMVA6XW-ns1/svc1/tcp/p80"
+        );
+        assert_eq!(
+            endpoint_chain(&svc1, Protocol::Tcp, "10.180.0.1:80".parse().unwrap()),
+            "endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80"
+        );
+        let svc2 = name("ns2", "svc2", "p80");
+        assert_eq!(
+            PortNames::of(&svc2, Protocol::Tcp).external,
+            "external-42NFTM6N-ns2/svc2/tcp/p80"
+        );
+        assert_eq!(
+            endpoint_chain(&svc2, Protocol::Tcp, "10.180.0.2:80".parse().unwrap()),
+            "endpoint-SGOXE6O3-ns2/svc2/tcp/p80__10.180.0.2/80"
+        );
+    }
+
+    #[test]
+    fn headless_services_get_nothing() {
+        let objects = port_objects(&service(None), &[endpoint(1, "node-a")], &node());
+        assert_eq!(objects, PortObjects::default());
+    }
+
+    #[test]
+    fn one_endpoint_is_a_plain_goto_and_two_a_named_map() {
+        let svc = service(Some(Ipv4Addr::new(172, 30, 0, 41)));
+        let names = PortNames::of(&svc.name, svc.protocol);
+        let one = port_objects(&svc, &[endpoint(1, "node-b")], &node());
+        assert!(one.sets.is_empty());
+        let last = one.chains[&names.service].rules.last().unwrap();
+        assert_eq!(
+            last.statement,
+            Statement::Goto("endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80".into())
+        );
+        let two = port_objects(
+            &svc,
+            &[endpoint(1, "node-b"), endpoint(2, "node-b")],
+            &node(),
+        );
+        assert_eq!(two.sets[&names.endpoints_map].elements.len(), 2);
+        let last = two.chains[&names.service].rules.last().unwrap();
+        assert_eq!(
+            last.statement,
+            Statement::RandomDispatch {
+                modulus: 2,
+                map: names.endpoints_map.clone()
+            }
+        );
+    }
+
+    #[test]
+    fn without_endpoints_every_address_rejects_and_nothing_else_exists() {
+        let svc = ServicePort {
+            node_port: Some(30080),
+            external_ips: vec![Ipv4Addr::new(192, 0, 2, 1)],
+            ..service(Some(Ipv4Addr::new(172, 30, 0, 41)))
+        };
+        let objects = port_objects(&svc, &[], &node());
+        assert!(objects.chains.is_empty() && objects.sets.is_empty());
+        let reject = Verdict::Goto(REJECT_CHAIN.into());
+        assert_eq!(
+            objects.elements,
+            vec![
+                (
+                    NO_ENDPOINT_SERVICES,
+                    Key::AddressProtocolPort(Ipv4Addr::new(172, 30, 0, 41), Protocol::Tcp, 80),
+                    reject.clone()
+                ),
+                (
+                    NO_ENDPOINT_SERVICES,
+                    Key::AddressProtocolPort(Ipv4Addr::new(192, 0, 2, 1), Protocol::Tcp, 80),
+                    reject.clone()
+                ),
+                (
+                    NO_ENDPOINT_NODEPORTS,
+                    Key::ProtocolPort(Protocol::Tcp, 30080),
+                    reject
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn external_policy_local_without_local_endpoints_drops_after_the_short_cuts() {
+        let svc = ServicePort {
+            node_port: Some(30080),
+            external_traffic_policy_local: true,
+            ..service(Some(Ipv4Addr::new(172, 30, 0, 41)))
+        };
+        let names = PortNames::of(&svc.name, svc.protocol);
+        let objects = port_objects(&svc, &[endpoint(1, "node-b")], &node());
+        let external = &objects.chains[&names.external].rules;
+        assert_eq!(external.len(), 4);
+        assert_eq!(
+            external[0].statement,
+            Statement::Goto(names.service.clone())
+        );
+        assert_eq!(external[3].statement, Statement::Drop);
+        assert!(!objects.chains.contains_key(&names.local));
+    }
+}
