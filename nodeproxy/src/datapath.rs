@@ -89,7 +89,7 @@ pub struct IptablesPath {
 }
 
 pub struct NftablesPath {
-    rules: nft::IncrementalRuleset,
+    rules: nft::incremental::IncrementalRuleset,
     /// `None` only while a transaction is in flight on the blocking pool.
     kernel: Option<Netlink>,
     /// Operations not applied yet, in order.
@@ -110,7 +110,7 @@ impl DataPath {
 
     pub fn nftables(node: NodeConfig, kernel: Netlink) -> Self {
         DataPath::Nftables(NftablesPath {
-            rules: nft::IncrementalRuleset::new(node),
+            rules: nft::incremental::IncrementalRuleset::new(node),
             kernel: Some(kernel),
             pending: Transaction::default(),
             in_sync: false,
@@ -165,7 +165,7 @@ impl DataPath {
                 Some(count)
             }
             DataPath::Nftables(path) => {
-                let mut rebuilt = nft::IncrementalRuleset::new(node.clone());
+                let mut rebuilt = nft::incremental::IncrementalRuleset::new(node.clone());
                 rebuilt.update(state, state.services.keys());
                 let (old, new) = (path.rules.ruleset(), rebuilt.ruleset());
                 if old == new {

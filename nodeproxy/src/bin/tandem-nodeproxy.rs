@@ -102,7 +102,7 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
             &tandem_proxy_rules::build(&conversion.state, &node),
             &request,
         )?,
-        ProxyMode::Nftables => tandem_proxy_rules::nft::trace(
+        ProxyMode::Nftables => tandem_proxy_rules::nft::trace::trace(
             &tandem_proxy_rules::nft::build(&conversion.state, &node),
             &request,
         )?,
