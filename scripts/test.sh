@@ -26,6 +26,15 @@ cargo build --workspace --locked --bins
 
 step "cargo tests" cargo test --workspace --locked --no-fail-fast
 
+# The end-to-end data-path tests again with the node proxies in nftables mode (the run
+# above used the default, iptables): both LB modes, the source-range drop, a pod taking the
+# LB IP short-cut, externalTrafficPolicy Local, node failure and scaling.
+step "lab end to end, nftables mode" env TANDEM_E2E_PROXY_MODE=nftables \
+    cargo test -p tandem-lab --locked --test e2e -- \
+    proxy_mode_spreads passthrough_mode_takes passthrough_serves a_pod_reaching_the_lb_ip \
+    external_traffic_policy_local a_failed_node_is_taken_out scaling_pods_changes \
+    services_sharing_a_vip
+
 # The mock cloud's API fuzzed from its OpenAPI document (schemathesis in its own venv).
 step "cloud-mock API fuzz" env CLOUD_MOCK_BIN="$PWD/target/debug/cloud-mock" \
     FUZZ_VENV="$PWD/target/pyenv-fuzz" bash cloud-mock/tests/fuzz_openapi.sh

@@ -42,6 +42,33 @@ pub enum LogFormat {
     Json,
 }
 
+/// The node proxy's `--proxy-mode`: which data path it programs. Here because the lab and
+/// the benchmarks start node proxies in either mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ProxyMode {
+    /// kube-proxy v1.21's iptables chains, through iptables-restore.
+    #[default]
+    Iptables,
+    /// One nftables table of our own (`ip tandem`), through netlink transactions.
+    Nftables,
+}
+
+impl ProxyMode {
+    /// The flag value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProxyMode::Iptables => "iptables",
+            ProxyMode::Nftables => "nftables",
+        }
+    }
+}
+
+impl std::fmt::Display for ProxyMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`).
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -175,5 +202,13 @@ mod tests {
         assert_eq!(LogFormat::from_str("json", true), Ok(LogFormat::Json));
         assert_eq!(LogFormat::from_str("text", true), Ok(LogFormat::Text));
         assert!(LogFormat::from_str("xml", true).is_err());
+    }
+
+    #[test]
+    fn proxy_mode_names_are_the_flag_values() {
+        use clap::ValueEnum;
+        for mode in ProxyMode::value_variants() {
+            assert_eq!(ProxyMode::from_str(mode.as_str(), false), Ok(*mode));
+        }
     }
 }

@@ -11,12 +11,13 @@ use tandem_proxy_rules::model::Protocol;
 pub use tandem_common::{GoDuration, LogFormat};
 
 use crate::backend::BackendChoice;
+use tandem_common::ProxyMode;
 
 #[derive(Debug, Parser)]
 #[command(
     name = "tandem-nodeproxy",
     version,
-    about = "Node proxy: programs the kube-proxy v1.21 iptables data path for Services"
+    about = "Node proxy: programs the Service data path (kube-proxy v1.21 iptables chains, or an nftables table)"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -29,9 +30,14 @@ pub struct Cli {
     pub log_format: LogFormat,
 }
 
-/// How to reach the API server and who this node is (shared by `run` and `trace`).
+/// How to reach the API server, who this node is and which data path it runs (shared by
+/// `run`, `trace` and `--cleanup`).
 #[derive(Debug, Args)]
 pub struct ClusterArgs {
+    /// Which data path to program: kube-proxy v1.21's iptables chains, or one nftables table
+    /// (`ip tandem`) written through netlink. Starting in one mode removes the other's rules.
+    #[arg(long, alias = "mode", env = "PROXY_MODE", value_enum, default_value_t = ProxyMode::Iptables, global = true)]
+    pub proxy_mode: ProxyMode,
     /// kubeconfig file; without it the in-cluster config (or the usual defaults) is used.
     #[arg(long, env = "KUBECONFIG", global = true)]
     pub kubeconfig: Option<PathBuf>,
@@ -57,7 +63,7 @@ pub struct ProxyArgs {
     pub min_sync_period: GoDuration,
     #[arg(long, env = "IPTABLES_BACKEND", value_enum, default_value_t = BackendChoice::Auto)]
     pub iptables_backend: BackendChoice,
-    /// Remove every rule and chain the node proxy installs, then exit.
+    /// Remove every rule, chain and table the node proxy installs (in both modes), then exit.
     #[arg(long, env = "CLEANUP")]
     pub cleanup: bool,
 }
@@ -173,7 +179,10 @@ mod tests {
             "127.0.0.1:10249".parse().unwrap()
         );
         assert_eq!(cli.proxy.iptables_backend, BackendChoice::Auto);
+        assert_eq!(cli.cluster.proxy_mode, ProxyMode::Iptables);
         assert!(!cli.proxy.cleanup);
+        let nft = Cli::try_parse_from(["tandem-nodeproxy", "--mode", "nftables", "trace", "--src", "10.0.0.1", "--dst", "10.96.0.1:53"]).unwrap();
+        assert_eq!(nft.cluster.proxy_mode, ProxyMode::Nftables);
     }
 
     #[test]

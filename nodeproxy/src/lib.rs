@@ -1,16 +1,19 @@
-//! Node proxy runtime: watches Services, EndpointSlices and its Node, and programs the
-//! kube-proxy v1.21 iptables data path computed by `tandem-proxy-rules`.
+//! Node proxy runtime: watches Services, EndpointSlices and its Node, and programs the data
+//! path computed by `tandem-proxy-rules`: the kube-proxy v1.21 iptables chains, or one
+//! nftables table of our own (`--proxy-mode nftables`).
 //!
 //! Pure parts ([`convert`]: API objects → model, [`change_tracker`], [`restore`]:
 //! iptables-restore payloads, [`backend::detect`], [`conntrack::deletions`]) decide;
-//! [`iptables`] (runs iptables and iptables-restore), [`conntrack`], [`healthcheck`] and
-//! [`proxier`] (the watches and the sync loop) do the I/O.
+//! [`iptables`] (runs iptables and iptables-restore), [`datapath`] (either mode behind one
+//! interface; nftables transactions go to the kernel through `tandem-nftables`),
+//! [`conntrack`], [`healthcheck`] and [`proxier`] (the watches and the sync loop) do the I/O.
 
 pub mod backend;
 pub mod change_tracker;
 pub mod cli;
 pub mod conntrack;
 pub mod convert;
+pub mod datapath;
 pub mod healthcheck;
 pub mod iptables;
 pub mod metrics;

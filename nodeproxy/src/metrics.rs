@@ -72,6 +72,10 @@ pub struct Metrics {
     /// EndpointSlice change seen → its rules applied (kube-proxy's
     /// network_programming_duration_seconds, measured from when the watch delivered it).
     pub network_programming: Histogram,
+    pub nftables_failures: Counter,
+    pub nftables_chains: Gauge,
+    pub nftables_rules: Gauge,
+    pub nftables_elements: Gauge,
 }
 
 impl Metrics {
@@ -88,6 +92,10 @@ impl Metrics {
             skipped_values: Counter::default(),
             sync_divergence: Counter::default(),
             network_programming: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            nftables_failures: Counter::default(),
+            nftables_chains: Gauge::default(),
+            nftables_rules: Gauge::default(),
+            nftables_elements: Gauge::default(),
         };
         let registry = registry.sub_registry_with_prefix("tandem_nodeproxy");
         registry.register(
@@ -139,6 +147,26 @@ impl Metrics {
             "network_programming_duration_seconds",
             "From an EndpointSlice change reaching the node proxy to its rules being applied",
             metrics.network_programming.clone(),
+        );
+        registry.register(
+            "nftables_transaction_failures",
+            "nftables transactions the kernel refused (nftables mode)",
+            metrics.nftables_failures.clone(),
+        );
+        registry.register(
+            "nftables_chains",
+            "Chains in table ip tandem (nftables mode)",
+            metrics.nftables_chains.clone(),
+        );
+        registry.register(
+            "nftables_rules",
+            "Rules in table ip tandem (nftables mode)",
+            metrics.nftables_rules.clone(),
+        );
+        registry.register(
+            "nftables_set_elements",
+            "Map and set elements written to table ip tandem (nftables mode)",
+            metrics.nftables_elements.clone(),
         );
         metrics
     }

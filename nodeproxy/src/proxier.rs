@@ -16,9 +16,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use tandem_proxy_rules::health::health_check_services;
-use tandem_proxy_rules::incremental::IncrementalRuleset;
 use tandem_proxy_rules::model::NodeConfig;
-use tandem_proxy_rules::ruleset::{ChangedChains, Ruleset, Table};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -26,9 +24,9 @@ use tokio_util::sync::CancellationToken;
 use crate::change_tracker::{self, ChangeTracker, Changes, SharedTracker};
 use crate::conntrack;
 use crate::convert;
+use crate::datapath::DataPath;
 use crate::healthcheck::{NodeHealth, ServiceHealthServers};
-use crate::iptables::{SyncError, Syncer};
-use crate::metrics::{Metrics, SyncLabels, SyncResult, TableLabel, TableLabels};
+use crate::metrics::{Metrics, SyncLabels, SyncResult};
 
 #[derive(Debug, Clone)]
 pub struct ProxierConfig {
@@ -175,12 +173,11 @@ pub fn retry_delay(config: &ProxierConfig, failures: u32) -> Duration {
 /// The sync loop and what it drives.
 pub struct Proxier {
     pub config: ProxierConfig,
-    pub syncer: Syncer,
+    /// The desired rules, kept current one changed Service port at a time, and their writer.
+    pub datapath: DataPath,
     pub metrics: Metrics,
     pub node_health: Arc<NodeHealth>,
     pub health_servers: ServiceHealthServers,
-    /// The desired ruleset, kept current one changed Service port at a time.
-    rules: IncrementalRuleset,
     /// Skipped values already logged, so each is warned about once, not every sync.
     reported: HashSet<convert::Skipped>,
     /// Changes taken but not applied yet (the apply failed): their conntrack clean-up and
@@ -191,25 +188,22 @@ pub struct Proxier {
 impl Proxier {
     pub fn new(
         config: ProxierConfig,
-        syncer: Syncer,
+        datapath: DataPath,
         metrics: Metrics,
         node_health: Arc<NodeHealth>,
         health_servers: ServiceHealthServers,
     ) -> Self {
-        let rules = IncrementalRuleset::new(config.node.clone());
-        let proxier = Self {
+        // From here on the gauges follow the syncs that change something.
+        datapath.record_size(&metrics);
+        Self {
             config,
-            syncer,
+            datapath,
             metrics,
             node_health,
             health_servers,
-            rules,
             reported: HashSet::new(),
             unapplied: None,
-        };
-        // From here on the gauges follow the syncs that change some chain.
-        proxier.record_ruleset_size();
-        proxier
+        }
     }
 
     /// Run until `shutdown`: wait for the first full list of every watch, then sync on
@@ -247,9 +241,7 @@ impl Proxier {
             }
             if periodic {
                 next_periodic = Instant::now() + self.config.sync_period;
-                if let Err(error) = self.syncer.canaries_present().await {
-                    tracing::warn!(%error, "checking canary chains");
-                }
+                self.datapath.housekeeping().await;
             }
             last_sync = Instant::now();
             if self.sync_once(&observed, periodic).await {
@@ -276,9 +268,9 @@ impl Proxier {
             (tracker.take(), full_check.then(|| tracker.snapshot()))
         };
         self.report_skipped(&changes.skipped);
-        let mut changed = self.rules.update(&changes.current, &changes.ports);
+        let mut changed = self.datapath.update(&changes.current, &changes.ports);
         if let Some(snapshot) = snapshot {
-            changed.merge(self.check_against_full_rebuild(observed, &snapshot));
+            changed += self.check_against_full_rebuild(observed, &snapshot);
         }
         let ports = changes.ports.len();
         let changes = match self.unapplied.take() {
@@ -289,7 +281,10 @@ impl Proxier {
             None => changes,
         };
         self.node_health.set_draining(observed.node_draining());
-        let applied = self.apply(&changed).await;
+        if changed > 0 {
+            self.datapath.record_size(&self.metrics);
+        }
+        let applied = self.datapath.apply(&self.metrics).await;
         // Only a changed port or a divergence (found by a periodic sync) alters the
         // tracker's state the health-check Services come from; periodic syncs also retry
         // ports that could not be bound.
@@ -328,7 +323,7 @@ impl Proxier {
         tracing::debug!(
             elapsed_ms = elapsed.as_millis() as u64,
             ports,
-            chains = changed.count(),
+            changed,
             applied,
             "sync done"
         );
@@ -336,89 +331,24 @@ impl Proxier {
     }
 
     /// The safety net: a full conversion and build from scratch of every object in
-    /// `snapshot`, compared with the incremental ruleset. A difference is a bug in the
-    /// change tracking: it is logged and counted, and the rebuild replaces both the
-    /// incremental ruleset and the tracker's state. Returns the chains that differed.
+    /// `snapshot`, compared with the incremental rules. A difference is a bug in the change
+    /// tracking: it is logged and counted, and the rebuild replaces both the incremental
+    /// rules and the tracker's state. Returns how many chains or objects differed.
     fn check_against_full_rebuild(
         &mut self,
         observed: &Observed,
         snapshot: &change_tracker::Snapshot,
-    ) -> ChangedChains {
+    ) -> usize {
         let conversion = snapshot.conversion();
-        // Built once, port by port from nothing, so on a divergence it can take over as
-        // is; from scratch it equals `tandem_proxy_rules::build` (the rules crate's and
-        // the change-tracking tests check that).
-        let mut rebuilt = IncrementalRuleset::new(self.config.node.clone());
-        rebuilt.update(&conversion.state, conversion.state.services.keys());
-        if rebuilt.ruleset() == self.rules.ruleset() {
-            return ChangedChains::default();
-        }
-        let differing = ChangedChains::between(self.rules.ruleset(), rebuilt.ruleset());
+        let Some(differing) = self
+            .datapath
+            .check_against_full_rebuild(&self.config.node, &conversion.state)
+        else {
+            return 0;
+        };
         self.metrics.sync_divergence.inc();
-        tracing::error!(
-            chains = differing.count(),
-            first = ?differing.nat.iter().chain(&differing.filter).take(5).collect::<Vec<_>>(),
-            "the incremental ruleset differs from a full rebuild; using the full rebuild"
-        );
-        self.rules = rebuilt;
         change_tracker::lock(&observed.tracker).replace_state(conversion.state);
         differing
-    }
-
-    /// Sets the chain and rule gauges from the desired ruleset; it counts every chain,
-    /// so it runs only when some chain changed.
-    fn record_ruleset_size(&self) {
-        let ruleset: &Ruleset = self.rules.ruleset();
-        for table in Table::ALL {
-            let labels = TableLabels {
-                table: table.into(),
-            };
-            let rules = ruleset.table(table);
-            self.metrics
-                .chains
-                .get_or_create(&labels)
-                .set(rules.chains.len() as i64);
-            self.metrics
-                .rules
-                .get_or_create(&labels)
-                .set(rules.chains.values().map(Vec::len).sum::<usize>() as i64);
-        }
-    }
-
-    async fn apply(&mut self, changed: &ChangedChains) -> bool {
-        if changed.count() > 0 {
-            self.record_ruleset_size();
-        }
-        let ruleset: &Ruleset = self.rules.ruleset();
-        match self.syncer.sync_changed(ruleset, changed).await {
-            Ok(tables) => {
-                for done in tables {
-                    tracing::info!(
-                        table = done.table.as_str(),
-                        full = done.full,
-                        mode = ?done.mode,
-                        chains_written = done.written_chains,
-                        chains_deleted = done.deleted_chains,
-                        rules = done.rules,
-                        elapsed_ms = done.elapsed.as_millis() as u64,
-                        "iptables-restore applied"
-                    );
-                }
-                true
-            }
-            Err(error) => {
-                if let SyncError::Restore { table, .. } = &error
-                    && let Some(table) = TableLabel::from_name(table)
-                {
-                    self.metrics
-                        .restore_failures
-                        .get_or_create(&TableLabels { table })
-                        .inc();
-                }
-                tracing::error!(%error, "applying iptables rules failed; the table is rewritten in full next sync");
-                false
-            }
-        }
     }
 
     /// Warns once about each value left out (they come again whenever their object

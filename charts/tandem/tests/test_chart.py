@@ -47,7 +47,7 @@ VALUE_SETS = {
     "nodeproxy-only": {
         "controller": {"enabled": False},
         "cloudMock": {"enabled": False},
-        "nodeProxy": {"clusterCIDR": "10.42.0.0/16", "iptablesBackend": "legacy", "syncPeriod": "1m", "minSyncPeriod": "500ms"},
+        "nodeProxy": {"clusterCIDR": "10.42.0.0/16", "proxyMode": "nftables", "iptablesBackend": "legacy", "syncPeriod": "1m", "minSyncPeriod": "500ms"},
     },
 }
 
@@ -117,6 +117,13 @@ def test_controller_is_highly_available_and_locked_down():
     assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
+def test_nodeproxy_runs_the_chosen_proxy_mode():
+    args = container(render()[0], "DaemonSet", "-nodeproxy")["args"]
+    assert "--proxy-mode=iptables" in args
+    args = container(render(VALUE_SETS["nodeproxy-only"])[0], "DaemonSet", "-nodeproxy")["args"]
+    assert "--proxy-mode=nftables" in args
+
+
 def test_nodeproxy_has_only_the_capabilities_it_needs():
     objects, _ = render()
     ds = find(objects, "DaemonSet", "-nodeproxy")
@@ -177,6 +184,7 @@ def test_checkov_security_scan_passes(tmp_path):
         ({"controller": {"replicas": 2}}, "replicas"),
         ({"unknownKey": True}, "unknownKey"),
         ({"nodeProxy": {"iptablesBackend": "ebpf"}}, "iptablesBackend"),
+        ({"nodeProxy": {"proxyMode": "ipvs"}}, "proxyMode"),
         ({"nodeProxy": {"clusterCIDR": "10.244.0.0"}}, "clusterCIDR"),
         ({"nodeProxy": {"syncPeriod": "soon"}}, "syncPeriod"),
         ({"log": {"format": "xml"}}, "format"),

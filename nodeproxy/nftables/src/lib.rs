@@ -6,9 +6,11 @@
 //! - [`Transaction`]: the ordered operations of one atomic change;
 //! - [`render`]: a transaction (or the whole ruleset) as `nft -f` text, for people and
 //!   for the `nft` command;
-//! - `encode` and `kernel`: the same transaction as one nfnetlink batch, sent straight
+//! - [`encode`] and [`kernel`]: the same transaction as one nfnetlink batch, sent straight
 //!   to the kernel, which is what the node proxy does on its hot path.
 
+pub mod encode;
+pub mod kernel;
 pub mod model;
 pub mod render;
 pub mod transaction;

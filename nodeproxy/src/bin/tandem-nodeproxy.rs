@@ -8,11 +8,12 @@ use clap::Parser;
 use kube::Client;
 use prometheus_client::registry::Registry;
 use tandem_nodeproxy::cli::{Cli, ClusterArgs, Command, TraceArgs};
+use tandem_common::ProxyMode;
+use tandem_nodeproxy::datapath;
 use tandem_nodeproxy::healthcheck::{self, NodeHealth, ServiceHealthServers};
-use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::metrics::{self, Metrics};
 use tandem_nodeproxy::proxier::{self, Proxier, ProxierConfig};
-use tandem_nodeproxy::{backend, convert};
+use tandem_nodeproxy::convert;
 use tandem_proxy_rules::model::NodeConfig;
 use tandem_proxy_rules::trace::{Entry, Packet, TraceRequest};
 use tokio::sync::Notify;
@@ -44,9 +45,7 @@ fn node_config(cluster: &ClusterArgs) -> anyhow::Result<NodeConfig> {
 }
 
 async fn cleanup(cli: &Cli) -> anyhow::Result<()> {
-    let (backend, reason) = backend::resolve(cli.proxy.iptables_backend).await;
-    tracing::info!(%backend, %reason, "removing all node proxy rules");
-    Syncer::new(backend).cleanup().await?;
+    datapath::cleanup(cli.proxy.iptables_backend).await?;
     tracing::info!("cleanup done");
     Ok(())
 }
@@ -78,7 +77,6 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
     for skipped in &conversion.skipped {
         tracing::warn!(%skipped, "invalid value left out of the rules");
     }
-    let ruleset = tandem_proxy_rules::build(&conversion.state, &node);
     let local_addrs: Vec<_> = observed
         .node
         .state()
@@ -99,15 +97,30 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
         },
         local_addrs,
     );
-    print!("{}", tandem_proxy_rules::trace::trace(&ruleset, &request)?);
+    let trace = match cluster.proxy_mode {
+        ProxyMode::Iptables => tandem_proxy_rules::trace::trace(
+            &tandem_proxy_rules::build(&conversion.state, &node),
+            &request,
+        )?,
+        ProxyMode::Nftables => tandem_proxy_rules::nft::trace::trace(
+            &tandem_proxy_rules::nft::build(&conversion.state, &node),
+            &request,
+        )?,
+    };
+    print!("{trace}");
     Ok(())
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let node = node_config(&cli.cluster)?;
     let client = client(&cli.cluster).await?;
-    let (backend, reason) = backend::resolve(cli.proxy.iptables_backend).await;
-    tracing::info!(%backend, %reason, restore = backend.restore(), "iptables backend chosen");
+    let datapath = datapath::start(
+        cli.cluster.proxy_mode,
+        cli.proxy.iptables_backend,
+        node.clone(),
+    )
+    .await
+    .context("starting the data path")?;
 
     let shutdown = CancellationToken::new();
     tandem_common::cancel_on_shutdown_signal(shutdown.clone());
@@ -146,7 +159,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             sync_period,
             min_sync_period: cli.proxy.min_sync_period.0,
         },
-        Syncer::new(backend),
+        datapath,
         metrics,
         node_health,
         ServiceHealthServers::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), shutdown.clone()),
@@ -158,7 +171,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     for server in [healthz, metrics_server] {
         server.await?.context("HTTP server failed")?;
     }
-    tracing::info!("stopped; iptables rules left in place");
+    tracing::info!("stopped; rules left in place");
     Ok(())
 }
 

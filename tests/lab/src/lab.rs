@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use k8s_openapi::api::core::v1::{Event, Service};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use tandem_common::NODE_HEALTHZ_PORT;
+use tandem_common::{NODE_HEALTHZ_PORT, ProxyMode};
 use tandem_netlab::cluster::{Endpoint, EndpointSliceWriter, LabNode, NodeAgent, NodeAgentConfig};
 use tandem_netlab::{Host, Netns, Node, PodNetwork, Topology};
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -42,6 +42,8 @@ pub struct LabOptions {
     /// Run the mock cloud, the controller and the node proxies from these container images
     /// instead of the binaries next to the lab's.
     pub images: Option<Images>,
+    /// The node proxies' data path.
+    pub proxy_mode: ProxyMode,
 }
 
 impl Default for LabOptions {
@@ -54,6 +56,7 @@ impl Default for LabOptions {
             api_server: None,
             pod_network: PodNetwork::DEFAULT,
             images: None,
+            proxy_mode: ProxyMode::default(),
         }
     }
 }
@@ -83,6 +86,8 @@ pub struct Lab {
     /// Keep the run directory (logs, kubeconfig, cloud data) when the lab goes; it is kept
     /// anyway when the lab is dropped during a panic (a failing test).
     pub keep_run_dir: bool,
+    /// The node proxies' data path.
+    pub proxy_mode: ProxyMode,
     /// The loadBalancerClass of the lab's Services on a real API server, so that the lab's
     /// controller never touches the cluster's own LoadBalancer Services.
     load_balancer_class: Option<String>,
@@ -244,6 +249,7 @@ impl Lab {
                     format!("--healthz-bind-address=0.0.0.0:{NODE_HEALTHZ_PORT}"),
                     "--metrics-bind-address=127.0.0.1:10249".to_owned(),
                     "--min-sync-period=200ms".to_owned(),
+                    format!("--proxy-mode={}", options.proxy_mode),
                 ],
             )?;
             proxy
@@ -290,6 +296,7 @@ impl Lab {
             run_dir,
             kubeconfig,
             keep_run_dir: false,
+            proxy_mode: options.proxy_mode,
             endpoints: EndpointSliceWriter::new(kube.clone()),
             kube,
             cloud: cloud_client,
@@ -531,6 +538,7 @@ impl Lab {
                 format!("--kubeconfig={}", self.kubeconfig.display()),
                 format!("--node-name={}", node.name),
                 format!("--cluster-cidr={}", self.topology.pod_network()),
+                format!("--proxy-mode={}", self.proxy_mode),
                 format!("--src={src}"),
                 format!("--dst={dst}"),
                 format!("--dport={dport}"),
@@ -556,7 +564,8 @@ impl Lab {
         Ok(total)
     }
 
-    /// Waits until the node's nat table has a rule for `ip`: the node proxy has synced it.
+    /// Waits until the node's rules mention `ip` (its nat table in iptables mode, table
+    /// `ip tandem` in nftables mode): the node proxy has synced it.
     pub async fn wait_for_nat_rules(
         &self,
         node: &Netns,
@@ -564,17 +573,20 @@ impl Lab {
         timeout: Duration,
     ) -> Result<()> {
         let start = Instant::now();
-        let destination = format!("-d {ip}/32");
+        let (command, needle): (&[&str], String) = match self.proxy_mode {
+            ProxyMode::Iptables => (&["iptables", "-w", "-t", "nat", "-S"], format!("-d {ip}/32")),
+            ProxyMode::Nftables => (&["nft", "list", "table", "ip", "tandem"], format!("{ip} . ")),
+        };
         loop {
             let out = node
-                .exec_async(["iptables", "-w", "-t", "nat", "-S"])
+                .exec_async(command.iter().copied())
                 .await
-                .context("listing iptables rules")?;
-            if String::from_utf8_lossy(&out.stdout).contains(&destination) {
+                .context("listing the node's rules")?;
+            if String::from_utf8_lossy(&out.stdout).contains(&needle) {
                 return Ok(());
             }
             if start.elapsed() > timeout {
-                bail!("no nat rule for {ip} within {timeout:?}");
+                bail!("no rule for {ip} within {timeout:?}");
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }

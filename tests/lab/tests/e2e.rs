@@ -10,6 +10,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tandem_lab::images::Images;
+use tandem_common::ProxyMode;
 use tandem_lab::lab::{Lab, LabOptions};
 use tandem_lab::scenario::{LbMode, POOL_ANNOTATION, SHARED_IP_ANNOTATION, ServicePlan, Spread};
 
@@ -23,6 +24,18 @@ const REAL_API_SERVER_ENV: &str = "TANDEM_E2E_KUBECONFIG";
 /// `scripts/images.sh` built (`TANDEM_E2E_IMAGES=ghcr.io/tandem`); a missing image then
 /// fails the test, never falls back to the binaries.
 const IMAGES_ENV: &str = "TANDEM_E2E_IMAGES";
+/// The node proxies' `--proxy-mode` (`iptables`, the default, or `nftables`): CI runs the
+/// data-path tests in both.
+const PROXY_MODE_ENV: &str = "TANDEM_E2E_PROXY_MODE";
+
+fn proxy_mode() -> ProxyMode {
+    use clap::ValueEnum;
+    match std::env::var(PROXY_MODE_ENV) {
+        Ok(value) => ProxyMode::from_str(&value, true)
+            .unwrap_or_else(|e| panic!("{PROXY_MODE_ENV}={value}: {e}")),
+        Err(_) => ProxyMode::default(),
+    }
+}
 
 /// Builds a lab with `pods_per_node`, runs `body` on it inside the control-plane namespace,
 /// and tears it down.
@@ -50,6 +63,7 @@ where
         pods_per_node: pods_per_node.to_vec(),
         api_server,
         images: std::env::var(IMAGES_ENV).ok().map(Images::new),
+        proxy_mode: proxy_mode(),
         ..LabOptions::default()
     };
     // The lab's thread moves into the control-plane namespace and its runtime's threads are
@@ -174,7 +188,8 @@ fn passthrough_mode_takes_kube_fw_and_drops_clients_outside_source_ranges() {
             .unwrap();
         assert_eq!(allowed.failed, 0, "{allowed:?}");
 
-        let before = drop_counters(&lab).await;
+        let iptables = lab.proxy_mode == ProxyMode::Iptables;
+        let before = if iptables { drop_counters(&lab).await } else { [0; 3] };
         let denied = lab
             .http_requests(lab.topology.client_out_of_range(), vip, 80, 5)
             .await
@@ -183,33 +198,39 @@ fn passthrough_mode_takes_kube_fw_and_drops_clients_outside_source_ranges() {
             denied.failed, 5,
             "a client outside loadBalancerSourceRanges got answers: {denied:?}"
         );
-        let after = drop_counters(&lab).await;
-        let [
-            (drops_before, drops),
-            (firewall_before, firewall),
-            (fw_before, fw),
-        ] = [0, 1, 2].map(|i| (before[i], after[i]));
-        // The packets reached nodes with the VIP as destination and walked KUBE-FW there.
-        assert!(
-            fw > fw_before,
-            "no packet took a KUBE-FW chain ({fw_before} -> {fw})"
-        );
-        assert!(
-            drops > drops_before,
-            "KUBE-MARK-DROP counted nothing ({drops_before} -> {drops})"
-        );
-        assert!(
-            firewall > firewall_before,
-            "KUBE-FIREWALL dropped nothing ({firewall_before} -> {firewall})"
-        );
+        if iptables {
+            let after = drop_counters(&lab).await;
+            let [
+                (drops_before, drops),
+                (firewall_before, firewall),
+                (fw_before, fw),
+            ] = [0, 1, 2].map(|i| (before[i], after[i]));
+            // The packets reached nodes with the VIP as destination and walked KUBE-FW there.
+            assert!(
+                fw > fw_before,
+                "no packet took a KUBE-FW chain ({fw_before} -> {fw})"
+            );
+            assert!(
+                drops > drops_before,
+                "KUBE-MARK-DROP counted nothing ({drops_before} -> {drops})"
+            );
+            assert!(
+                firewall > firewall_before,
+                "KUBE-FIREWALL dropped nothing ({firewall_before} -> {firewall})"
+            );
+        }
 
         let node = &lab.topology.nodes()[0];
         let trace = lab
             .trace(node, Ipv4Addr::new(192, 0, 2, 10), vip, 80)
             .await
             .unwrap();
+        let (firewall_chain, drop) = match lab.proxy_mode {
+            ProxyMode::Iptables => ("KUBE-FW-", "KUBE-MARK-DROP"),
+            ProxyMode::Nftables => ("firewall-", "drop"),
+        };
         assert!(
-            trace.contains("KUBE-FW-") && trace.contains("KUBE-MARK-DROP"),
+            trace.contains(firewall_chain) && trace.contains(drop),
             "{trace}"
         );
         lab
@@ -400,26 +421,36 @@ fn a_pod_reaching_the_lb_ip_is_served_through_the_kube_fw_short_cut() {
         lab.wait_for_nat_rules(&node.netns, vip, Duration::from_secs(10))
             .await
             .unwrap();
-        let fw_chain_before = lab
-            .chain_packets(&node.netns, "nat", "KUBE-FW-")
-            .await
-            .unwrap();
+        let iptables = lab.proxy_mode == ProxyMode::Iptables;
+        let fw_chain_before = if iptables {
+            lab.chain_packets(&node.netns, "nat", "KUBE-FW-")
+                .await
+                .unwrap()
+        } else {
+            0
+        };
         let echo = lab.topology.echo_client().unwrap();
         let reply = echo
             .http_get_async(&client.netns, &format!("http://{vip}:80/"))
             .await
             .unwrap();
         assert!(plan.pods.contains(&reply.pod), "{reply:?}");
-        let fw_chain_after = lab
-            .chain_packets(&node.netns, "nat", "KUBE-FW-")
-            .await
-            .unwrap();
-        assert!(
-            fw_chain_after > fw_chain_before,
-            "the pod's node did not take the LB IP through KUBE-FW"
-        );
+        if iptables {
+            let fw_chain_after = lab
+                .chain_packets(&node.netns, "nat", "KUBE-FW-")
+                .await
+                .unwrap();
+            assert!(
+                fw_chain_after > fw_chain_before,
+                "the pod's node did not take the LB IP through KUBE-FW"
+            );
+        }
         let trace = lab.trace(node, client.ip, vip, 80).await.unwrap();
-        assert!(trace.contains("KUBE-FW-"), "{trace}");
+        let short_cut = match lab.proxy_mode {
+            ProxyMode::Iptables => "KUBE-FW-",
+            ProxyMode::Nftables => "external-",
+        };
+        assert!(trace.contains(short_cut), "{trace}");
         lab
     });
 }

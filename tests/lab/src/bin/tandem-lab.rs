@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
+use tandem_common::ProxyMode;
 use tandem_lab::images::Images;
 use tandem_lab::lab::{Lab, LabOptions};
 use tandem_lab::report;
@@ -47,6 +48,10 @@ struct Cli {
         value_name = "REGISTRY"
     )]
     images: Option<String>,
+    /// The node proxies' data path: kube-proxy v1.21's iptables chains, or one nftables
+    /// table (`ip tandem`) written through netlink.
+    #[arg(long, global = true, env = "TANDEM_LAB_PROXY_MODE", value_enum, default_value_t = ProxyMode::Iptables)]
+    proxy_mode: ProxyMode,
 }
 
 #[derive(Subcommand, Debug)]
@@ -124,6 +129,7 @@ fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) 
         api_server: cli.kubeconfig.clone(),
         pod_network: cli.pod_cidr,
         images: cli.images.clone().map(Images::new),
+        proxy_mode: cli.proxy_mode,
         ..LabOptions::default()
     };
     progress("building the virtual cluster (network namespaces, bridges, veth pairs, pods)");
@@ -249,8 +255,12 @@ async fn show_trace(
     dst: Ipv4Addr,
     port: u16,
 ) -> Result<()> {
+    let rules = match lab.proxy_mode {
+        ProxyMode::Iptables => "KUBE-* chains",
+        ProxyMode::Nftables => "table ip tandem",
+    };
     println!(
-        "KUBE-* chains on {} for {title} (tandem-nodeproxy trace):",
+        "{rules} on {} for {title} (tandem-nodeproxy trace):",
         node.name
     );
     println!(
@@ -369,6 +379,7 @@ fn up(cli: &Cli) -> Result<()> {
     let mut cmd = std::process::Command::new(exe);
     cmd.args(["serve", "--nodes", &cli.nodes.to_string()]);
     cmd.arg("--pod-cidr").arg(cli.pod_cidr.to_string());
+    cmd.arg("--proxy-mode").arg(cli.proxy_mode.as_str());
     if let Some(kubeconfig) = &cli.kubeconfig {
         cmd.arg("--kubeconfig").arg(kubeconfig);
     }

@@ -1,0 +1,988 @@
+//! A [`Transaction`] as one nfnetlink batch: the messages `nft` 1.0.6 sends for the
+//! rendered text (same expressions, registers, set declarations and user data), so a
+//! ruleset written this way lists exactly as one written by `nft -f` (pure; no I/O).
+//!
+//! Constants are those of `linux/netfilter/nf_tables.h`, `linux/netfilter/nfnetlink.h`
+//! and libnftnl's user-data TLVs. Integers in attributes are big-endian; register data
+//! keeps the byte order of the packet field (network order for addresses and ports, host
+//! order for marks, conntrack state, fib results and `numgen` indexes).
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use ipnet::Ipv4Net;
+
+use crate::model::{
+    BaseChain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Rule, SetSpec, Statement, TABLE,
+    Verdict,
+};
+use crate::transaction::{Op, Transaction};
+
+// Netlink and nfnetlink framing.
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_CREATE: u16 = 0x400;
+const NLM_F_APPEND: u16 = 0x800;
+const NLA_F_NESTED: u16 = 0x8000;
+const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
+const NFNL_MSG_BATCH_END: u16 = 0x11;
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFPROTO_UNSPEC: u8 = 0;
+const NFPROTO_IPV4: u8 = 2;
+
+// Message types (`enum nf_tables_msg_types`).
+const NFT_MSG_NEWTABLE: u16 = 0;
+const NFT_MSG_DELTABLE: u16 = 2;
+const NFT_MSG_NEWCHAIN: u16 = 3;
+const NFT_MSG_DELCHAIN: u16 = 5;
+const NFT_MSG_NEWRULE: u16 = 6;
+const NFT_MSG_DELRULE: u16 = 8;
+const NFT_MSG_NEWSET: u16 = 9;
+const NFT_MSG_DELSET: u16 = 11;
+const NFT_MSG_NEWSETELEM: u16 = 12;
+const NFT_MSG_DELSETELEM: u16 = 14;
+
+// Attributes of tables, chains, rules, sets and element lists.
+const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_TABLE_FLAGS: u16 = 2;
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_CHAIN_HOOK: u16 = 4;
+const NFTA_HOOK_HOOKNUM: u16 = 1;
+const NFTA_HOOK_PRIORITY: u16 = 2;
+const NFTA_CHAIN_POLICY: u16 = 5;
+const NFTA_CHAIN_TYPE: u16 = 7;
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_EXPRESSIONS: u16 = 4;
+const NFTA_RULE_USERDATA: u16 = 7;
+const NFTA_LIST_ELEM: u16 = 1;
+const NFTA_EXPR_NAME: u16 = 1;
+const NFTA_EXPR_DATA: u16 = 2;
+const NFTA_SET_TABLE: u16 = 1;
+const NFTA_SET_NAME: u16 = 2;
+const NFTA_SET_FLAGS: u16 = 3;
+const NFTA_SET_KEY_TYPE: u16 = 4;
+const NFTA_SET_KEY_LEN: u16 = 5;
+const NFTA_SET_DATA_TYPE: u16 = 6;
+const NFTA_SET_DATA_LEN: u16 = 7;
+const NFTA_SET_ID: u16 = 10;
+const NFTA_SET_TIMEOUT: u16 = 11;
+const NFTA_SET_USERDATA: u16 = 13;
+const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
+const NFTA_SET_ELEM_LIST_SET: u16 = 2;
+const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
+const NFTA_SET_ELEM_LIST_SET_ID: u16 = 4;
+const NFTA_SET_ELEM_KEY: u16 = 1;
+const NFTA_SET_ELEM_DATA: u16 = 2;
+const NFTA_DATA_VALUE: u16 = 1;
+const NFTA_DATA_VERDICT: u16 = 2;
+const NFTA_VERDICT_CODE: u16 = 1;
+const NFTA_VERDICT_CHAIN: u16 = 2;
+
+// Set flags and data types.
+const NFT_SET_MAP: u32 = 0x8;
+const NFT_SET_TIMEOUT: u32 = 0x10;
+const NFT_SET_EVAL: u32 = 0x20;
+const NFT_DATA_VERDICT: u32 = 0xffff_ff00;
+/// nft's data types (`enum datatypes`), concatenated 6 bits each for a concat key.
+const TYPE_INTEGER: u32 = 4;
+const TYPE_IPADDR: u32 = 7;
+const TYPE_INET_PROTOCOL: u32 = 12;
+const TYPE_INET_SERVICE: u32 = 13;
+const CONCAT_TYPE_BITS: u32 = 6;
+
+// libnftnl user data: a TLV list (u8 type, u8 length, value).
+const NFTNL_UDATA_RULE_COMMENT: u8 = 0;
+const NFTNL_UDATA_SET_KEYBYTEORDER: u8 = 0;
+const NFTNL_UDATA_SET_DATABYTEORDER: u8 = 1;
+const NFTNL_UDATA_SET_KEY_TYPEOF: u8 = 3;
+const NFTNL_UDATA_SET_DATA_TYPEOF: u8 = 4;
+const NFTNL_UDATA_SET_DATA_INTERVAL: u8 = 6;
+const NFTNL_UDATA_SET_TYPEOF_EXPR: u8 = 0;
+const NFTNL_UDATA_SET_TYPEOF_DATA: u8 = 1;
+const NFTNL_UDATA_NUMGEN_TYPE: u8 = 0;
+const NFTNL_UDATA_NUMGEN_MODULUS: u8 = 1;
+const NFTNL_UDATA_NUMGEN_OFFSET: u8 = 2;
+/// nft's expression kinds as its typeof user data names them (`numgen` for an index
+/// key, `verdict` for map data); a concatenation declared by `type` gets nft 1.0.6's
+/// concatenation marker with no data.
+const NFT_EXPR_KIND_NUMGEN: u32 = 0x17;
+const NFT_EXPR_KIND_VERDICT: u32 = 0x01;
+const NFT_EXPR_KIND_CONCAT_MARKER: u32 = 0x0d;
+const BYTEORDER_UNKNOWN: u32 = 0;
+const BYTEORDER_HOST: u32 = 1;
+const BYTEORDER_BIG_ENDIAN: u32 = 2;
+
+// Registers: the verdict register, the first 16-byte register (as nft names its first
+// 4 bytes) and the 32-bit registers that follow it in a concatenation.
+const NFT_REG_VERDICT: u32 = 0;
+const NFT_REG_1: u32 = 1;
+const NFT_REG_2: u32 = 2;
+const NFT_REG32_01: u32 = 9;
+const NFT_REG32_02: u32 = 10;
+
+// Verdict codes.
+const NF_DROP: u32 = 0;
+const NF_ACCEPT: u32 = 1;
+const NFT_JUMP: u32 = -3i32 as u32;
+const NFT_GOTO: u32 = -4i32 as u32;
+const NFT_RETURN: u32 = -5i32 as u32;
+
+// Expression attributes.
+const NFTA_PAYLOAD_DREG: u16 = 1;
+const NFTA_PAYLOAD_BASE: u16 = 2;
+const NFTA_PAYLOAD_OFFSET: u16 = 3;
+const NFTA_PAYLOAD_LEN: u16 = 4;
+const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
+const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
+const NFTA_CMP_SREG: u16 = 1;
+const NFTA_CMP_OP: u16 = 2;
+const NFTA_CMP_DATA: u16 = 3;
+const NFT_CMP_EQ: u32 = 0;
+const NFT_CMP_NEQ: u32 = 1;
+const NFTA_BITWISE_SREG: u16 = 1;
+const NFTA_BITWISE_DREG: u16 = 2;
+const NFTA_BITWISE_LEN: u16 = 3;
+const NFTA_BITWISE_MASK: u16 = 4;
+const NFTA_BITWISE_XOR: u16 = 5;
+const NFTA_BITWISE_OP: u16 = 6;
+const NFT_BITWISE_BOOL: u32 = 0;
+const NFTA_META_DREG: u16 = 1;
+const NFTA_META_KEY: u16 = 2;
+const NFTA_META_SREG: u16 = 3;
+const NFT_META_MARK: u32 = 3;
+const NFT_META_L4PROTO: u32 = 16;
+const NFTA_CT_DREG: u16 = 1;
+const NFTA_CT_KEY: u16 = 2;
+const NFT_CT_STATE: u32 = 0;
+const IP_CT_NEW_BIT: u32 = 1 << 3;
+const NFTA_FIB_DREG: u16 = 1;
+const NFTA_FIB_RESULT: u16 = 2;
+const NFTA_FIB_FLAGS: u16 = 3;
+const NFT_FIB_RESULT_ADDRTYPE: u32 = 3;
+const NFTA_FIB_F_SADDR: u32 = 1;
+const NFTA_FIB_F_DADDR: u32 = 2;
+const RTN_LOCAL: u32 = 2;
+const NFTA_LOOKUP_SET: u16 = 1;
+const NFTA_LOOKUP_SREG: u16 = 2;
+const NFTA_LOOKUP_DREG: u16 = 3;
+const NFTA_LOOKUP_SET_ID: u16 = 4;
+const NFTA_IMMEDIATE_DREG: u16 = 1;
+const NFTA_IMMEDIATE_DATA: u16 = 2;
+const NFTA_NG_DREG: u16 = 1;
+const NFTA_NG_MODULUS: u16 = 2;
+const NFTA_NG_TYPE: u16 = 3;
+const NFTA_NG_OFFSET: u16 = 4;
+const NFT_NG_RANDOM: u32 = 1;
+const NFTA_NAT_TYPE: u16 = 1;
+const NFTA_NAT_FAMILY: u16 = 2;
+const NFTA_NAT_REG_ADDR_MIN: u16 = 3;
+const NFTA_NAT_REG_PROTO_MIN: u16 = 5;
+const NFTA_NAT_FLAGS: u16 = 7;
+const NFT_NAT_DNAT: u32 = 1;
+const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 0x2;
+const NFTA_MASQ_FLAGS: u16 = 1;
+const NF_NAT_RANGE_PROTO_RANDOM_FULLY: u32 = 0x10;
+const NFTA_REJECT_TYPE: u16 = 1;
+const NFTA_REJECT_ICMP_CODE: u16 = 2;
+const NFT_REJECT_ICMP_UNREACH: u32 = 0;
+const ICMP_PORT_UNREACH: u8 = 3;
+const NFTA_DYNSET_SET_NAME: u16 = 1;
+const NFTA_DYNSET_SET_ID: u16 = 2;
+const NFTA_DYNSET_OP: u16 = 3;
+const NFTA_DYNSET_SREG_KEY: u16 = 4;
+const NFT_DYNSET_OP_UPDATE: u32 = 1;
+
+// IPv4 header offsets and the transport destination port.
+const IP_SADDR_OFFSET: u32 = 12;
+const IP_DADDR_OFFSET: u32 = 16;
+const TRANSPORT_DPORT_OFFSET: u32 = 2;
+
+/// The batch is built in buffers of about this size, each holding whole messages and
+/// sent together in one `sendmsg` (an iovec each): no single allocation as large as a
+/// whole first sync (tens of MB), and no copying as it grows.
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// Element messages stay well below the 64 KiB a netlink attribute can hold: the
+/// elements of one [`Op::AddElements`] are split over as many messages as needed.
+const ELEMENTS_PER_MESSAGE_BYTES: usize = 32 * 1024;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EncodeError {
+    #[error(
+        "operation {index} `{operation}` does not fit its netlink attribute (64 KiB, or 254 bytes for a comment)"
+    )]
+    TooLarge { index: usize, operation: String },
+}
+
+/// One encoded batch and which operation each of its messages performs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// The batch's bytes in order, split between messages.
+    chunks: Vec<Vec<u8>>,
+    first_seq: u32,
+    /// The operation index of message `first_seq + 1 + i`.
+    message_ops: Vec<usize>,
+}
+
+impl Batch {
+    /// Everything to send, in order, in one `sendmsg`.
+    pub fn chunks(&self) -> &[Vec<u8>] {
+        &self.chunks
+    }
+
+    /// The batch's size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
+    }
+
+    /// The sequence number of the batch-begin message; a commit failure is reported
+    /// against it.
+    pub fn begin_seq(&self) -> u32 {
+        self.first_seq
+    }
+
+    /// The sequence number of the batch-end message.
+    pub fn end_seq(&self) -> u32 {
+        self.first_seq
+            .wrapping_add(1)
+            .wrapping_add(self.message_ops.len() as u32)
+    }
+
+    /// The index (in [`Transaction::ops`]) of the operation message `seq` belongs to.
+    pub fn op_index(&self, seq: u32) -> Option<usize> {
+        let offset = seq.wrapping_sub(self.first_seq).checked_sub(1)?;
+        self.message_ops.get(offset as usize).copied()
+    }
+
+    /// How many messages between batch begin and end.
+    pub fn message_count(&self) -> usize {
+        self.message_ops.len()
+    }
+}
+
+/// `tx` as one batch whose messages are numbered from `first_seq` (the batch begin).
+pub fn batch(tx: &Transaction, first_seq: u32) -> Result<Batch, EncodeError> {
+    let mut encoder = Encoder {
+        out: Writer::default(),
+        chunks: Vec::new(),
+        seq: first_seq,
+        message_ops: Vec::new(),
+        set_ids: BTreeMap::new(),
+        last_set_id: 0,
+    };
+    encoder.batch_marker(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST);
+    for (index, op) in tx.ops.iter().enumerate() {
+        encoder.op(index, op);
+        if encoder.out.overflow {
+            return Err(EncodeError::TooLarge {
+                index,
+                operation: crate::render::operation(op),
+            });
+        }
+    }
+    encoder.batch_marker(NFNL_MSG_BATCH_END, NLM_F_REQUEST);
+    encoder.chunks.push(encoder.out.buf);
+    Ok(Batch {
+        chunks: encoder.chunks,
+        first_seq,
+        message_ops: encoder.message_ops,
+    })
+}
+
+/// A netlink byte buffer with nested attributes.
+#[derive(Default)]
+struct Writer {
+    buf: Vec<u8>,
+    /// Set when an attribute outgrew its 16-bit length.
+    overflow: bool,
+}
+
+impl Writer {
+    fn pad(&mut self) {
+        while !self.buf.len().is_multiple_of(4) {
+            self.buf.push(0);
+        }
+    }
+
+    fn attr(&mut self, kind: u16, value: &[u8]) {
+        let len = 4 + value.len();
+        self.overflow |= len > usize::from(u16::MAX);
+        self.buf.extend_from_slice(&(len as u16).to_ne_bytes());
+        self.buf.extend_from_slice(&kind.to_ne_bytes());
+        self.buf.extend_from_slice(value);
+        self.pad();
+    }
+
+    fn u32(&mut self, kind: u16, value: u32) {
+        self.attr(kind, &value.to_be_bytes());
+    }
+
+    fn string(&mut self, kind: u16, value: &str) {
+        let mut bytes = Vec::with_capacity(value.len() + 1);
+        bytes.extend_from_slice(value.as_bytes());
+        bytes.push(0);
+        self.attr(kind, &bytes);
+    }
+
+    fn nest(&mut self, kind: u16, body: impl FnOnce(&mut Self)) {
+        let start = self.buf.len();
+        self.buf.extend_from_slice(&[0; 4]);
+        body(self);
+        let len = self.buf.len() - start;
+        self.overflow |= len > usize::from(u16::MAX);
+        self.buf[start..start + 2].copy_from_slice(&(len as u16).to_ne_bytes());
+        self.buf[start + 2..start + 4].copy_from_slice(&(kind | NLA_F_NESTED).to_ne_bytes());
+    }
+
+    /// One message: netlink header, nfgenmsg, then the attributes `body` writes.
+    fn message(
+        &mut self,
+        kind: u16,
+        flags: u16,
+        seq: u32,
+        family: u8,
+        res_id: u16,
+        body: impl FnOnce(&mut Self),
+    ) {
+        let start = self.buf.len();
+        self.buf.extend_from_slice(&[0; 4]);
+        self.buf.extend_from_slice(&kind.to_ne_bytes());
+        self.buf.extend_from_slice(&flags.to_ne_bytes());
+        self.buf.extend_from_slice(&seq.to_ne_bytes());
+        self.buf.extend_from_slice(&0u32.to_ne_bytes());
+        self.buf.push(family);
+        self.buf.push(0); // NFNETLINK_V0
+        self.buf.extend_from_slice(&res_id.to_be_bytes());
+        body(self);
+        let len = (self.buf.len() - start) as u32;
+        self.buf[start..start + 4].copy_from_slice(&len.to_ne_bytes());
+    }
+}
+
+struct Encoder {
+    /// The chunk being written.
+    out: Writer,
+    /// Full chunks.
+    chunks: Vec<Vec<u8>>,
+    seq: u32,
+    message_ops: Vec<usize>,
+    /// Sets declared in this batch, by name: references to them carry the id too, as
+    /// nft's do.
+    set_ids: BTreeMap<String, u32>,
+    /// Set ids are unique within the batch, counting from 1 as nft does.
+    last_set_id: u32,
+}
+
+impl Encoder {
+    fn batch_marker(&mut self, kind: u16, flags: u16) {
+        let seq = self.seq;
+        self.out.message(
+            kind,
+            flags,
+            seq,
+            NFPROTO_UNSPEC,
+            NFNL_SUBSYS_NFTABLES,
+            |_| {},
+        );
+        self.seq = self.seq.wrapping_add(1);
+        self.seal_full_chunk();
+    }
+
+    /// Starts a new chunk once the current one is full (between messages).
+    fn seal_full_chunk(&mut self) {
+        if self.out.buf.len() >= CHUNK_BYTES {
+            let full = std::mem::replace(&mut self.out.buf, Vec::with_capacity(CHUNK_BYTES));
+            self.chunks.push(full);
+        }
+    }
+
+    fn message(&mut self, index: usize, kind: u16, flags: u16, body: impl FnOnce(&mut Writer)) {
+        let seq = self.seq;
+        self.out.message(
+            (NFNL_SUBSYS_NFTABLES << 8) | kind,
+            NLM_F_REQUEST | flags,
+            seq,
+            NFPROTO_IPV4,
+            0,
+            body,
+        );
+        self.message_ops.push(index);
+        self.seq = self.seq.wrapping_add(1);
+        self.seal_full_chunk();
+    }
+
+    fn op(&mut self, index: usize, op: &Op) {
+        match op {
+            Op::AddTable => self.message(index, NFT_MSG_NEWTABLE, 0, |w| {
+                w.string(NFTA_TABLE_NAME, TABLE);
+                w.u32(NFTA_TABLE_FLAGS, 0);
+            }),
+            Op::DeleteTable => {
+                self.set_ids.clear();
+                self.message(index, NFT_MSG_DELTABLE, 0, |w| {
+                    w.string(NFTA_TABLE_NAME, TABLE)
+                })
+            }
+            Op::AddChain { name, base } => {
+                self.message(index, NFT_MSG_NEWCHAIN, NLM_F_CREATE, |w| {
+                    w.string(NFTA_CHAIN_TABLE, TABLE);
+                    w.string(NFTA_CHAIN_NAME, name);
+                    if let Some(base) = base {
+                        base_chain(w, base);
+                    }
+                })
+            }
+            Op::FlushChain(name) => self.message(index, NFT_MSG_DELRULE, 0, |w| {
+                w.string(NFTA_RULE_TABLE, TABLE);
+                w.string(NFTA_RULE_CHAIN, name);
+            }),
+            Op::DeleteChain(name) => self.message(index, NFT_MSG_DELCHAIN, 0, |w| {
+                w.string(NFTA_CHAIN_TABLE, TABLE);
+                w.string(NFTA_CHAIN_NAME, name);
+            }),
+            Op::AddRule { chain, rule } => {
+                let set_ids = &self.set_ids;
+                let mut expressions = Writer::default();
+                rule_expressions(&mut expressions, rule, set_ids);
+                self.message(index, NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, |w| {
+                    w.string(NFTA_RULE_TABLE, TABLE);
+                    w.string(NFTA_RULE_CHAIN, chain);
+                    w.nest(NFTA_RULE_EXPRESSIONS, |w| {
+                        w.buf.extend_from_slice(&expressions.buf);
+                        w.overflow |= expressions.overflow;
+                    });
+                    if let Some(comment) = &rule.comment {
+                        // A user-data TLV holds at most 255 bytes (NUL included).
+                        w.overflow |= comment.len() >= usize::from(u8::MAX);
+                        let mut udata = Vec::new();
+                        udata_string(&mut udata, NFTNL_UDATA_RULE_COMMENT, comment);
+                        w.attr(NFTA_RULE_USERDATA, &udata);
+                    }
+                })
+            }
+            Op::AddSet { name, spec } => {
+                self.last_set_id += 1;
+                let id = self.last_set_id;
+                self.set_ids.insert(name.clone(), id);
+                self.message(index, NFT_MSG_NEWSET, NLM_F_CREATE, |w| {
+                    set_declaration(w, name, *spec, id)
+                })
+            }
+            Op::DeleteSet(name) => {
+                self.set_ids.remove(name);
+                self.message(index, NFT_MSG_DELSET, 0, |w| {
+                    w.string(NFTA_SET_TABLE, TABLE);
+                    w.string(NFTA_SET_NAME, name);
+                })
+            }
+            Op::AddElements { set, elements } => {
+                let id = self.set_ids.get(set).copied();
+                let encoded: Vec<Vec<u8>> = elements
+                    .iter()
+                    .map(|(key, verdict)| {
+                        let mut w = Writer::default();
+                        element_key(&mut w, key);
+                        w.nest(NFTA_SET_ELEM_DATA, |w| verdict_data(w, verdict));
+                        w.buf
+                    })
+                    .collect();
+                self.element_messages(index, NFT_MSG_NEWSETELEM, NLM_F_CREATE, set, id, &encoded);
+            }
+            Op::DeleteElements { set, keys } => {
+                let encoded: Vec<Vec<u8>> = keys
+                    .iter()
+                    .map(|key| {
+                        let mut w = Writer::default();
+                        element_key(&mut w, key);
+                        w.buf
+                    })
+                    .collect();
+                self.element_messages(index, NFT_MSG_DELSETELEM, 0, set, None, &encoded);
+            }
+        }
+    }
+
+    /// Element-list messages, each holding as many elements (their encoded attributes)
+    /// as fit; like libnftnl, the list numbers its entries 1, 2, … (the kernel reads
+    /// them in order, whatever their type).
+    fn element_messages(
+        &mut self,
+        index: usize,
+        kind: u16,
+        flags: u16,
+        set: &str,
+        set_id: Option<u32>,
+        elements: &[Vec<u8>],
+    ) {
+        let mut rest = elements;
+        while !rest.is_empty() {
+            let mut bytes = 0;
+            let count = rest
+                .iter()
+                .take_while(|element| {
+                    bytes += 4 + element.len();
+                    bytes <= ELEMENTS_PER_MESSAGE_BYTES
+                })
+                .count()
+                .max(1);
+            let (chunk, tail) = rest.split_at(count);
+            rest = tail;
+            self.message(index, kind, flags, |w| {
+                w.string(NFTA_SET_ELEM_LIST_TABLE, TABLE);
+                w.string(NFTA_SET_ELEM_LIST_SET, set);
+                if let Some(id) = set_id {
+                    w.u32(NFTA_SET_ELEM_LIST_SET_ID, id);
+                }
+                w.nest(NFTA_SET_ELEM_LIST_ELEMENTS, |w| {
+                    for (position, element) in (1..).zip(chunk) {
+                        w.nest(position, |w| w.buf.extend_from_slice(element));
+                    }
+                });
+            });
+        }
+    }
+}
+
+fn base_chain(w: &mut Writer, base: &BaseChain) {
+    let chain_type = match base.chain_type {
+        ChainType::Filter => "filter",
+        ChainType::Nat => "nat",
+    };
+    let hook = match base.hook {
+        Hook::Prerouting => 0,
+        Hook::Input => 1,
+        Hook::Forward => 2,
+        Hook::Output => 3,
+        Hook::Postrouting => 4,
+    };
+    w.string(NFTA_CHAIN_TYPE, chain_type);
+    w.u32(NFTA_CHAIN_POLICY, NF_ACCEPT);
+    w.nest(NFTA_CHAIN_HOOK, |w| {
+        w.u32(NFTA_HOOK_HOOKNUM, hook);
+        w.u32(NFTA_HOOK_PRIORITY, base.priority as u32);
+    });
+}
+
+fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
+    w.string(NFTA_SET_TABLE, TABLE);
+    w.string(NFTA_SET_NAME, name);
+    let mut udata = Vec::new();
+    match spec {
+        SetSpec::VerdictMap(key) => {
+            let (key_type, key_len) = key_type_and_len(key);
+            w.u32(NFTA_SET_FLAGS, NFT_SET_MAP);
+            w.u32(NFTA_SET_KEY_TYPE, key_type);
+            w.u32(NFTA_SET_KEY_LEN, key_len);
+            w.u32(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
+            w.u32(NFTA_SET_DATA_LEN, 0);
+            w.u32(NFTA_SET_ID, id);
+            map_user_data(&mut udata, key);
+        }
+        SetSpec::Dynamic { timeout_seconds } => {
+            w.u32(NFTA_SET_FLAGS, NFT_SET_TIMEOUT | NFT_SET_EVAL);
+            w.u32(NFTA_SET_KEY_TYPE, TYPE_IPADDR);
+            w.u32(NFTA_SET_KEY_LEN, 4);
+            w.u32(NFTA_SET_ID, id);
+            w.attr(
+                NFTA_SET_TIMEOUT,
+                &(u64::from(timeout_seconds) * 1000).to_be_bytes(),
+            );
+            udata_u32(
+                &mut udata,
+                NFTNL_UDATA_SET_KEYBYTEORDER,
+                BYTEORDER_BIG_ENDIAN,
+            );
+        }
+    }
+    w.attr(NFTA_SET_USERDATA, &udata);
+}
+
+/// nft's key type (concatenations pack one type per 6 bits) and the key length (each
+/// field of a concatenation padded to 4 bytes).
+fn key_type_and_len(key: KeyType) -> (u32, u32) {
+    let concat = |types: &[u32]| {
+        types
+            .iter()
+            .fold(0, |acc, field| (acc << CONCAT_TYPE_BITS) | field)
+    };
+    match key {
+        KeyType::AddressProtocolPort => (
+            concat(&[TYPE_IPADDR, TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]),
+            12,
+        ),
+        KeyType::ProtocolPort => (concat(&[TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]), 8),
+        KeyType::Index => (TYPE_INTEGER, 4),
+        KeyType::Address => (TYPE_IPADDR, 4),
+    }
+}
+
+/// The user data nft 1.0.6 attaches to a verdict map: the key's byte order, the
+/// data's, the `typeof` expressions (`numgen random mod 1` for an index key: that is
+/// how `nft list` knows to print it), and "data is no interval".
+fn map_user_data(udata: &mut Vec<u8>, key: KeyType) {
+    let typeof_without_data = |kind: u32| {
+        let mut nested = Vec::new();
+        udata_u32(&mut nested, NFTNL_UDATA_SET_TYPEOF_EXPR, kind);
+        udata_raw(&mut nested, NFTNL_UDATA_SET_TYPEOF_DATA, &[]);
+        nested
+    };
+    match key {
+        KeyType::AddressProtocolPort | KeyType::ProtocolPort | KeyType::Address => {
+            let byteorder = if key == KeyType::Address {
+                BYTEORDER_BIG_ENDIAN
+            } else {
+                BYTEORDER_UNKNOWN
+            };
+            udata_u32(udata, NFTNL_UDATA_SET_KEYBYTEORDER, byteorder);
+            udata_u32(udata, NFTNL_UDATA_SET_DATABYTEORDER, BYTEORDER_UNKNOWN);
+            if key != KeyType::Address {
+                udata_raw(
+                    udata,
+                    NFTNL_UDATA_SET_KEY_TYPEOF,
+                    &typeof_without_data(NFT_EXPR_KIND_CONCAT_MARKER),
+                );
+            }
+        }
+        KeyType::Index => {
+            let mut numgen = Vec::new();
+            udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_TYPE, NFT_NG_RANDOM);
+            udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_MODULUS, 1);
+            udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_OFFSET, 0);
+            let mut key_typeof = Vec::new();
+            udata_u32(
+                &mut key_typeof,
+                NFTNL_UDATA_SET_TYPEOF_EXPR,
+                NFT_EXPR_KIND_NUMGEN,
+            );
+            udata_raw(&mut key_typeof, NFTNL_UDATA_SET_TYPEOF_DATA, &numgen);
+            udata_u32(udata, NFTNL_UDATA_SET_KEYBYTEORDER, BYTEORDER_HOST);
+            udata_u32(udata, NFTNL_UDATA_SET_DATABYTEORDER, BYTEORDER_UNKNOWN);
+            udata_raw(udata, NFTNL_UDATA_SET_KEY_TYPEOF, &key_typeof);
+            udata_raw(
+                udata,
+                NFTNL_UDATA_SET_DATA_TYPEOF,
+                &typeof_without_data(NFT_EXPR_KIND_VERDICT),
+            );
+        }
+    }
+    udata_u32(udata, NFTNL_UDATA_SET_DATA_INTERVAL, 0);
+}
+
+fn udata_raw(udata: &mut Vec<u8>, kind: u8, value: &[u8]) {
+    udata.push(kind);
+    // Values are short constants or a comment, which nft caps at 128 bytes.
+    udata.push(value.len().min(usize::from(u8::MAX)) as u8);
+    udata.extend_from_slice(&value[..value.len().min(usize::from(u8::MAX))]);
+}
+
+/// libnftnl stores integers in user data in host order.
+fn udata_u32(udata: &mut Vec<u8>, kind: u8, value: u32) {
+    udata_raw(udata, kind, &value.to_ne_bytes());
+}
+
+fn udata_string(udata: &mut Vec<u8>, kind: u8, value: &str) {
+    let mut bytes = value.as_bytes().to_vec();
+    bytes.push(0);
+    udata_raw(udata, kind, &bytes);
+}
+
+/// Key bytes as they sit in the registers: concatenated fields padded to 4 bytes.
+fn key_bytes(key: &Key) -> Vec<u8> {
+    match key {
+        Key::AddressProtocolPort(addr, protocol, port) => {
+            let mut bytes = addr.octets().to_vec();
+            bytes.extend_from_slice(&[protocol.number(), 0, 0, 0]);
+            bytes.extend_from_slice(&port.to_be_bytes());
+            bytes.extend_from_slice(&[0, 0]);
+            bytes
+        }
+        Key::ProtocolPort(protocol, port) => {
+            let mut bytes = vec![protocol.number(), 0, 0, 0];
+            bytes.extend_from_slice(&port.to_be_bytes());
+            bytes.extend_from_slice(&[0, 0]);
+            bytes
+        }
+        // `numgen` writes its result in host order.
+        Key::Index(index) => index.to_ne_bytes().to_vec(),
+        Key::Address(addr) => addr.octets().to_vec(),
+    }
+}
+
+fn element_key(w: &mut Writer, key: &Key) {
+    w.nest(NFTA_SET_ELEM_KEY, |w| {
+        w.attr(NFTA_DATA_VALUE, &key_bytes(key))
+    });
+}
+
+fn verdict_data(w: &mut Writer, verdict: &Verdict) {
+    match verdict {
+        Verdict::Drop => verdict_attr(w, NF_DROP, None),
+        Verdict::Goto(chain) => verdict_attr(w, NFT_GOTO, Some(chain)),
+    }
+}
+
+fn verdict_attr(w: &mut Writer, code: u32, chain: Option<&str>) {
+    w.nest(NFTA_DATA_VERDICT, |w| {
+        w.u32(NFTA_VERDICT_CODE, code);
+        if let Some(chain) = chain {
+            w.string(NFTA_VERDICT_CHAIN, chain);
+        }
+    });
+}
+
+fn rule_expressions(w: &mut Writer, rule: &Rule, set_ids: &BTreeMap<String, u32>) {
+    let mut e = Expressions { w, set_ids };
+    for m in &rule.matches {
+        e.condition(m);
+    }
+    e.statement(&rule.statement);
+}
+
+struct Expressions<'a> {
+    w: &'a mut Writer,
+    set_ids: &'a BTreeMap<String, u32>,
+}
+
+impl Expressions<'_> {
+    fn expr(&mut self, name: &str, body: impl FnOnce(&mut Writer)) {
+        self.w.nest(NFTA_LIST_ELEM, |w| {
+            w.string(NFTA_EXPR_NAME, name);
+            w.nest(NFTA_EXPR_DATA, body);
+        });
+    }
+
+    fn payload(&mut self, dreg: u32, base: u32, offset: u32, len: u32) {
+        self.expr("payload", |w| {
+            w.u32(NFTA_PAYLOAD_DREG, dreg);
+            w.u32(NFTA_PAYLOAD_BASE, base);
+            w.u32(NFTA_PAYLOAD_OFFSET, offset);
+            w.u32(NFTA_PAYLOAD_LEN, len);
+        });
+    }
+
+    fn cmp(&mut self, op: u32, value: &[u8]) {
+        self.expr("cmp", |w| {
+            w.u32(NFTA_CMP_SREG, NFT_REG_1);
+            w.u32(NFTA_CMP_OP, op);
+            w.nest(NFTA_CMP_DATA, |w| w.attr(NFTA_DATA_VALUE, value));
+        });
+    }
+
+    /// `reg1 = (reg1 & mask) ^ xor`; nft 1.0.6 names the boolean operation only for
+    /// `meta mark` expressions.
+    fn bitwise(&mut self, mask: &[u8], xor: &[u8], with_op: bool) {
+        self.expr("bitwise", |w| {
+            w.u32(NFTA_BITWISE_SREG, NFT_REG_1);
+            w.u32(NFTA_BITWISE_DREG, NFT_REG_1);
+            if with_op {
+                w.u32(NFTA_BITWISE_OP, NFT_BITWISE_BOOL);
+            }
+            w.u32(NFTA_BITWISE_LEN, mask.len() as u32);
+            w.nest(NFTA_BITWISE_MASK, |w| w.attr(NFTA_DATA_VALUE, mask));
+            w.nest(NFTA_BITWISE_XOR, |w| w.attr(NFTA_DATA_VALUE, xor));
+        });
+    }
+
+    fn meta_load(&mut self, key: u32, dreg: u32) {
+        self.expr("meta", |w| {
+            w.u32(NFTA_META_KEY, key);
+            w.u32(NFTA_META_DREG, dreg);
+        });
+    }
+
+    fn immediate_data(&mut self, dreg: u32, value: &[u8]) {
+        self.expr("immediate", |w| {
+            w.u32(NFTA_IMMEDIATE_DREG, dreg);
+            w.nest(NFTA_IMMEDIATE_DATA, |w| w.attr(NFTA_DATA_VALUE, value));
+        });
+    }
+
+    fn immediate_verdict(&mut self, code: u32, chain: Option<&str>) {
+        self.expr("immediate", |w| {
+            w.u32(NFTA_IMMEDIATE_DREG, NFT_REG_VERDICT);
+            w.nest(NFTA_IMMEDIATE_DATA, |w| verdict_attr(w, code, chain));
+        });
+    }
+
+    /// `@set` lookup of register 1; with `map` the looked-up verdict is applied.
+    fn lookup(&mut self, set: &str, map: bool) {
+        let id = self.set_ids.get(set).copied();
+        self.expr("lookup", |w| {
+            w.u32(NFTA_LOOKUP_SREG, NFT_REG_1);
+            if map {
+                w.u32(NFTA_LOOKUP_DREG, NFT_REG_VERDICT);
+            }
+            w.string(NFTA_LOOKUP_SET, set);
+            if let Some(id) = id {
+                w.u32(NFTA_LOOKUP_SET_ID, id);
+            }
+        });
+    }
+
+    fn protocol(&mut self, protocol: crate::model::Protocol) {
+        self.meta_load(NFT_META_L4PROTO, NFT_REG_1);
+        self.cmp(NFT_CMP_EQ, &[protocol.number()]);
+    }
+
+    fn address(&mut self, offset: u32, net: &Ipv4Net, negated: bool) {
+        let op = if negated { NFT_CMP_NEQ } else { NFT_CMP_EQ };
+        let prefix = u32::from(net.prefix_len());
+        let addr = net.trunc().addr().octets();
+        if prefix == 32 {
+            self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, 4);
+            self.cmp(op, &net.addr().octets());
+        } else if prefix > 0 && prefix % 8 == 0 {
+            // A byte-aligned prefix loads just its bytes.
+            let len = prefix / 8;
+            self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
+            self.cmp(op, &addr[..len as usize]);
+        } else {
+            self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, 4);
+            self.bitwise(&net.netmask().octets(), &[0; 4], false);
+            self.cmp(op, &addr);
+        }
+    }
+
+    fn mark_bitwise(&mut self, mask: u32, xor: u32) {
+        self.meta_load(NFT_META_MARK, NFT_REG_1);
+        self.bitwise(&mask.to_ne_bytes(), &xor.to_ne_bytes(), true);
+    }
+
+    fn condition(&mut self, m: &Match) {
+        match m {
+            Match::SourceAddress { net, negated } => self.address(IP_SADDR_OFFSET, net, *negated),
+            Match::DestinationAddress { net, negated } => {
+                self.address(IP_DADDR_OFFSET, net, *negated)
+            }
+            Match::Protocol(protocol) => self.protocol(*protocol),
+            Match::DestinationPort { protocol, port } => {
+                self.protocol(*protocol);
+                self.payload(
+                    NFT_REG_1,
+                    NFT_PAYLOAD_TRANSPORT_HEADER,
+                    TRANSPORT_DPORT_OFFSET,
+                    2,
+                );
+                self.cmp(NFT_CMP_EQ, &port.to_be_bytes());
+            }
+            Match::ConnectionNew => {
+                self.expr("ct", |w| {
+                    w.u32(NFTA_CT_KEY, NFT_CT_STATE);
+                    w.u32(NFTA_CT_DREG, NFT_REG_1);
+                });
+                self.bitwise(&IP_CT_NEW_BIT.to_ne_bytes(), &[0; 4], false);
+                self.cmp(NFT_CMP_NEQ, &[0; 4]);
+            }
+            Match::DestinationLocal => self.fib_local(NFTA_FIB_F_DADDR),
+            Match::SourceLocal => self.fib_local(NFTA_FIB_F_SADDR),
+            Match::Mark { bit, set } => {
+                self.mark_bitwise(*bit, 0);
+                let wanted = if *set { *bit } else { 0 };
+                self.cmp(NFT_CMP_EQ, &wanted.to_ne_bytes());
+            }
+            Match::SourceInSet(set) => {
+                self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_SADDR_OFFSET, 4);
+                self.lookup(set, false);
+            }
+        }
+    }
+
+    fn fib_local(&mut self, flags: u32) {
+        self.expr("fib", |w| {
+            w.u32(NFTA_FIB_FLAGS, flags);
+            w.u32(NFTA_FIB_RESULT, NFT_FIB_RESULT_ADDRTYPE);
+            w.u32(NFTA_FIB_DREG, NFT_REG_1);
+        });
+        self.cmp(NFT_CMP_EQ, &RTN_LOCAL.to_ne_bytes());
+    }
+
+    fn statement(&mut self, s: &Statement) {
+        match s {
+            Statement::Jump(chain) => self.immediate_verdict(NFT_JUMP, Some(chain)),
+            Statement::Goto(chain) => self.immediate_verdict(NFT_GOTO, Some(chain)),
+            Statement::Return => self.immediate_verdict(NFT_RETURN, None),
+            Statement::Accept => self.immediate_verdict(NF_ACCEPT, None),
+            Statement::Drop => self.immediate_verdict(NF_DROP, None),
+            Statement::Reject => self.expr("reject", |w| {
+                w.u32(NFTA_REJECT_TYPE, NFT_REJECT_ICMP_UNREACH);
+                w.attr(NFTA_REJECT_ICMP_CODE, &[ICMP_PORT_UNREACH]);
+            }),
+            Statement::Dispatch { key, map } => {
+                // The first field goes to register 1, the next ones to the 32-bit
+                // registers after it, as nft lays out a concatenation.
+                let port_reg = match key {
+                    DispatchKey::AddressProtocolPort => {
+                        self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_DADDR_OFFSET, 4);
+                        self.meta_load(NFT_META_L4PROTO, NFT_REG32_01);
+                        NFT_REG32_02
+                    }
+                    DispatchKey::ProtocolPort => {
+                        self.meta_load(NFT_META_L4PROTO, NFT_REG_1);
+                        NFT_REG32_01
+                    }
+                };
+                self.payload(
+                    port_reg,
+                    NFT_PAYLOAD_TRANSPORT_HEADER,
+                    TRANSPORT_DPORT_OFFSET,
+                    2,
+                );
+                self.lookup(map, true);
+            }
+            Statement::RandomDispatch { modulus, map } => {
+                self.expr("numgen", |w| {
+                    w.u32(NFTA_NG_DREG, NFT_REG_1);
+                    w.u32(NFTA_NG_MODULUS, *modulus);
+                    w.u32(NFTA_NG_TYPE, NFT_NG_RANDOM);
+                    w.u32(NFTA_NG_OFFSET, 0);
+                });
+                self.lookup(map, true);
+            }
+            Statement::SetMark(bit) => {
+                self.mark_bitwise(!*bit, *bit);
+                self.meta_set_mark();
+            }
+            Statement::ToggleMark(bit) => {
+                self.mark_bitwise(u32::MAX, *bit);
+                self.meta_set_mark();
+            }
+            Statement::Masquerade => self.expr("masq", |w| {
+                w.u32(NFTA_MASQ_FLAGS, NF_NAT_RANGE_PROTO_RANDOM_FULLY)
+            }),
+            Statement::Dnat(to) => self.dnat(to),
+            Statement::AddSourceToSet(set) => {
+                let id = self.set_ids.get(set).copied();
+                self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_SADDR_OFFSET, 4);
+                self.expr("dynset", |w| {
+                    w.u32(NFTA_DYNSET_SREG_KEY, NFT_REG_1);
+                    w.u32(NFTA_DYNSET_OP, NFT_DYNSET_OP_UPDATE);
+                    w.string(NFTA_DYNSET_SET_NAME, set);
+                    if let Some(id) = id {
+                        w.u32(NFTA_DYNSET_SET_ID, id);
+                    }
+                });
+            }
+        }
+    }
+
+    fn meta_set_mark(&mut self) {
+        self.expr("meta", |w| {
+            w.u32(NFTA_META_KEY, NFT_META_MARK);
+            w.u32(NFTA_META_SREG, NFT_REG_1);
+        });
+    }
+
+    fn dnat(&mut self, to: &SocketAddrV4) {
+        let addr: Ipv4Addr = *to.ip();
+        self.immediate_data(NFT_REG_1, &addr.octets());
+        self.immediate_data(NFT_REG_2, &to.port().to_be_bytes());
+        self.expr("nat", |w| {
+            w.u32(NFTA_NAT_TYPE, NFT_NAT_DNAT);
+            w.u32(NFTA_NAT_FAMILY, u32::from(NFPROTO_IPV4));
+            w.u32(NFTA_NAT_REG_ADDR_MIN, NFT_REG_1);
+            w.u32(NFTA_NAT_REG_PROTO_MIN, NFT_REG_2);
+            w.u32(NFTA_NAT_FLAGS, NF_NAT_RANGE_PROTO_SPECIFIED);
+        });
+    }
+}

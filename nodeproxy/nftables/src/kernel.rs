@@ -1,0 +1,324 @@
+//! Sends [`Transaction`]s to the kernel over a `NETLINK_NETFILTER` socket: one batch,
+//! one send, then the kernel's answers. Blocking; callers on an async runtime use
+//! `spawn_blocking`.
+//!
+//! The kernel processes a batch inside the send call and aborts all of it when any
+//! message fails, so a rejected transaction leaves the previous ruleset in place. No
+//! message asks an ACK: the kernel answers every failing message (and a failed commit,
+//! against the batch begin) whether asked or not, and has queued those answers before
+//! the send returns, so an empty answer queue means committed, as `nft` relies on too.
+//! (An ACK of the batch end would confirm it only on kernels from 6.10 on.)
+
+use std::io::{self, IoSlice};
+use std::os::fd::{AsFd, AsRawFd};
+
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+use nix::sys::socket::{MsgFlags, NetlinkAddr, sendmsg, setsockopt, sockopt};
+
+use crate::encode::{self, Batch, EncodeError};
+use crate::render;
+use crate::transaction::Transaction;
+
+const NLMSG_ERROR: u16 = 2;
+const NLM_F_CAPPED: u16 = 0x100;
+const NLM_F_ACK_TLVS: u16 = 0x200;
+const NLMSGERR_ATTR_MSG: u16 = 1;
+const NLMSG_HEADER_LEN: usize = 16;
+
+/// Room for the kernel's answers: a few bytes per error (the request is not echoed).
+const RECEIVE_BUFFER_BYTES: usize = 4 << 20;
+/// Headroom above the batch size for the send buffer (the kernel wants a little more
+/// than the message itself).
+const SEND_BUFFER_HEADROOM: usize = 64 << 10;
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("opening the nftables netlink socket: {0}")]
+    Open(#[source] io::Error),
+    #[error(transparent)]
+    Encode(#[from] EncodeError),
+    #[error("sizing the netlink socket buffers to {bytes} bytes: {source}")]
+    Buffer {
+        bytes: usize,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("sending a batch of {bytes} bytes: {source}")]
+    Send {
+        bytes: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("reading the kernel's answer: {0}")]
+    Receive(#[source] io::Error),
+    #[error("the kernel's answer is malformed: {0}")]
+    Malformed(&'static str),
+    /// A message of the batch failed; the whole transaction was aborted.
+    #[error("operation {index} `{operation}` rejected: {errno}{}", detail(.message))]
+    Rejected {
+        index: usize,
+        operation: String,
+        errno: io::Error,
+        message: Option<String>,
+    },
+    /// Every message was accepted but the commit failed (e.g. chain validation);
+    /// nothing changed.
+    #[error("the transaction failed to commit: {errno}{}", detail(.message))]
+    Commit {
+        errno: io::Error,
+        message: Option<String>,
+    },
+}
+
+fn detail(message: &Option<String>) -> String {
+    message
+        .as_deref()
+        .map(|m| format!(" ({m})"))
+        .unwrap_or_default()
+}
+
+/// A netlink socket to nf_tables in the network namespace it was opened in.
+pub struct Netlink {
+    socket: Socket,
+    next_seq: u32,
+    send_buffer: usize,
+}
+
+impl Netlink {
+    /// Opens the socket in the calling thread's network namespace.
+    pub fn open() -> Result<Self, KernelError> {
+        let mut socket = Socket::new(NETLINK_NETFILTER).map_err(KernelError::Open)?;
+        socket.bind_auto().map_err(KernelError::Open)?;
+        socket
+            .connect(&SocketAddr::new(0, 0))
+            .map_err(KernelError::Open)?;
+        // Errors come back with the kernel's reason and without the request echoed.
+        socket.set_ext_ack(true).map_err(KernelError::Open)?;
+        socket.set_cap_ack(true).map_err(KernelError::Open)?;
+        setsockopt(&socket.as_fd(), sockopt::RcvBufForce, &RECEIVE_BUFFER_BYTES).map_err(
+            |source| KernelError::Buffer {
+                bytes: RECEIVE_BUFFER_BYTES,
+                source,
+            },
+        )?;
+        // Start numbering somewhere unlikely to match answers a previous owner of the
+        // port id left behind.
+        let next_seq = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|elapsed| elapsed.as_secs() as u32)
+            .unwrap_or(1);
+        Ok(Self {
+            socket,
+            next_seq,
+            send_buffer: 0,
+        })
+    }
+
+    /// Applies `tx` atomically: all of it, or (on error) none of it.
+    pub fn apply(&mut self, tx: &Transaction) -> Result<(), KernelError> {
+        if tx.is_empty() {
+            return Ok(());
+        }
+        let batch = encode::batch(tx, self.next_seq)?;
+        self.next_seq = batch.end_seq().wrapping_add(1);
+        let bytes = batch.byte_len();
+        self.ensure_send_buffer(bytes)?;
+        // One sendmsg: the kernel takes a batch as one buffer, whatever the iovecs.
+        let iov: Vec<IoSlice<'_>> = batch.chunks().iter().map(|c| IoSlice::new(c)).collect();
+        let sent =
+            sendmsg::<NetlinkAddr>(self.socket.as_raw_fd(), &iov, &[], MsgFlags::empty(), None)
+                .map_err(|errno| KernelError::Send {
+                    bytes,
+                    source: errno.into(),
+                })?;
+        if sent != bytes {
+            return Err(KernelError::Send {
+                bytes,
+                source: io::Error::new(io::ErrorKind::WriteZero, format!("sent {sent} bytes")),
+            });
+        }
+        self.await_outcome(tx, &batch)
+    }
+
+    /// A single send needs the whole batch to fit the socket's send buffer.
+    fn ensure_send_buffer(&mut self, batch_bytes: usize) -> Result<(), KernelError> {
+        let wanted = batch_bytes + SEND_BUFFER_HEADROOM;
+        if wanted > self.send_buffer {
+            setsockopt(&self.socket.as_fd(), sockopt::SndBufForce, &wanted).map_err(|source| {
+                KernelError::Buffer {
+                    bytes: wanted,
+                    source,
+                }
+            })?;
+            self.send_buffer = wanted;
+        }
+        Ok(())
+    }
+
+    /// Reads the kernel's answers, all queued before the send returned, without
+    /// blocking: none means committed; otherwise the first error says why not.
+    fn await_outcome(&self, tx: &Transaction, batch: &Batch) -> Result<(), KernelError> {
+        let mut first_error: Option<KernelError> = None;
+        let mut buf: Vec<u8> = Vec::with_capacity(1 << 16);
+        loop {
+            buf.clear();
+            match self.socket.recv(&mut buf, MsgFlags::MSG_DONTWAIT.bits()) {
+                Ok(_) => {}
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
+                Err(err) => return Err(first_error.unwrap_or(KernelError::Receive(err))),
+            }
+            for answer in answers(&buf)? {
+                if answer.errno == 0 || first_error.is_some() {
+                    continue;
+                }
+                let errno = io::Error::from_raw_os_error(answer.errno);
+                first_error = Some(match batch.op_index(answer.seq) {
+                    Some(index) => KernelError::Rejected {
+                        index,
+                        operation: tx.ops.get(index).map(render::operation).unwrap_or_default(),
+                        errno,
+                        message: answer.message,
+                    },
+                    None => KernelError::Commit {
+                        errno,
+                        message: answer.message,
+                    },
+                });
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}
+
+/// One `NLMSG_ERROR` answer: `errno` 0 is an ACK.
+struct Answer {
+    seq: u32,
+    errno: i32,
+    message: Option<String>,
+}
+
+fn answers(buf: &[u8]) -> Result<Vec<Answer>, KernelError> {
+    let mut found = Vec::new();
+    let mut rest = buf;
+    while rest.len() >= NLMSG_HEADER_LEN {
+        let len = read_u32(rest, 0)? as usize;
+        if len < NLMSG_HEADER_LEN || len > rest.len() {
+            return Err(KernelError::Malformed("message length"));
+        }
+        let kind = read_u16(rest, 4)?;
+        let flags = read_u16(rest, 6)?;
+        if kind == NLMSG_ERROR {
+            found.push(error_answer(&rest[..len], flags)?);
+        }
+        let aligned = (len + 3) & !3;
+        rest = rest.get(aligned..).unwrap_or_default();
+    }
+    Ok(found)
+}
+
+/// `struct nlmsgerr` (error, then the request's header, or the whole request when not
+/// capped) and, with extended ACKs, attributes such as the kernel's message.
+fn error_answer(message: &[u8], flags: u16) -> Result<Answer, KernelError> {
+    let body = &message[NLMSG_HEADER_LEN..];
+    let error = read_u32(body, 0)? as i32;
+    let request = body.get(4..).ok_or(KernelError::Malformed("short error"))?;
+    let seq = read_u32(request, 8)?;
+    let request_len = if flags & NLM_F_CAPPED != 0 {
+        NLMSG_HEADER_LEN
+    } else {
+        read_u32(request, 0)? as usize
+    };
+    let mut text = None;
+    if flags & NLM_F_ACK_TLVS != 0 {
+        let mut tlvs = request.get((request_len + 3) & !3..).unwrap_or_default();
+        while tlvs.len() >= 4 {
+            let len = usize::from(read_u16(tlvs, 0)?);
+            let kind = read_u16(tlvs, 2)?;
+            if len < 4 || len > tlvs.len() {
+                break;
+            }
+            if kind == NLMSGERR_ATTR_MSG {
+                let value = &tlvs[4..len];
+                let value = value.strip_suffix(&[0]).unwrap_or(value);
+                text = Some(String::from_utf8_lossy(value).into_owned());
+            }
+            tlvs = tlvs.get((len + 3) & !3..).unwrap_or_default();
+        }
+    }
+    Ok(Answer {
+        seq,
+        errno: error.wrapping_neg(),
+        message: text,
+    })
+}
+
+fn read_u32(bytes: &[u8], at: usize) -> Result<u32, KernelError> {
+    bytes
+        .get(at..at + 4)
+        .and_then(|b| b.try_into().ok())
+        .map(u32::from_ne_bytes)
+        .ok_or(KernelError::Malformed("truncated"))
+}
+
+fn read_u16(bytes: &[u8], at: usize) -> Result<u16, KernelError> {
+    bytes
+        .get(at..at + 2)
+        .and_then(|b| b.try_into().ok())
+        .map(u16::from_ne_bytes)
+        .ok_or(KernelError::Malformed("truncated"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error answer as the kernel writes it with capped, extended ACKs.
+    fn error_message(errno: i32, request_seq: u32, text: &str) -> Vec<u8> {
+        let mut tlv = Vec::new();
+        let value_len = text.len() + 1;
+        tlv.extend_from_slice(&((4 + value_len) as u16).to_ne_bytes());
+        tlv.extend_from_slice(&NLMSGERR_ATTR_MSG.to_ne_bytes());
+        tlv.extend_from_slice(text.as_bytes());
+        tlv.push(0);
+        while tlv.len() % 4 != 0 {
+            tlv.push(0);
+        }
+        let mut body = (-errno).to_ne_bytes().to_vec();
+        // The request's header: length, type, flags, seq, port id.
+        body.extend_from_slice(&200u32.to_ne_bytes());
+        body.extend_from_slice(&0x0a06u16.to_ne_bytes());
+        body.extend_from_slice(&0x0c01u16.to_ne_bytes());
+        body.extend_from_slice(&request_seq.to_ne_bytes());
+        body.extend_from_slice(&0u32.to_ne_bytes());
+        body.extend_from_slice(&tlv);
+        let mut message = ((NLMSG_HEADER_LEN + body.len()) as u32)
+            .to_ne_bytes()
+            .to_vec();
+        message.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
+        message.extend_from_slice(&(NLM_F_CAPPED | NLM_F_ACK_TLVS).to_ne_bytes());
+        message.extend_from_slice(&7u32.to_ne_bytes());
+        message.extend_from_slice(&0u32.to_ne_bytes());
+        message.extend_from_slice(&body);
+        message
+    }
+
+    #[test]
+    fn error_answers_carry_the_request_seq_errno_and_message() {
+        let mut datagram = error_message(22, 42, "unknown chain");
+        datagram.extend(error_message(2, 43, "x"));
+        let found = answers(&datagram).unwrap();
+        assert_eq!(found.len(), 2);
+        assert_eq!(
+            (found[0].seq, found[0].errno, found[0].message.as_deref()),
+            (42, 22, Some("unknown chain"))
+        );
+        assert_eq!((found[1].seq, found[1].errno), (43, 2));
+    }
+
+    #[test]
+    fn a_truncated_answer_is_an_error_not_a_panic() {
+        let datagram = error_message(22, 42, "unknown chain");
+        assert!(answers(&datagram[..datagram.len() - 8]).is_err());
+        assert!(answers(&datagram[..20]).is_err());
+    }
+}

@@ -1,0 +1,341 @@
+//! The encoding is byte-for-byte what `nft` 1.0.6 sends for the rendered text.
+//!
+//! `fixtures/nft-1.0.6-every-variant.bin` is the batch `nft -f` sent (captured with
+//! `strace -e trace=sendmsg -e write=3`) for the text `render::transaction` writes for
+//! the transaction below, which uses every model variant.
+
+#![allow(clippy::expect_used)]
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use tandem_nftables::encode;
+use tandem_nftables::render;
+use tandem_nftables::{
+    BaseChain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Op, Protocol, Rule, SetSpec,
+    Statement, Transaction, Verdict,
+};
+
+const NFT_BATCH: &[u8] = include_bytes!("fixtures/nft-1.0.6-every-variant.bin");
+
+fn chain(name: &str, base: Option<BaseChain>) -> Op {
+    Op::AddChain {
+        name: name.into(),
+        base,
+    }
+}
+
+fn rule(chain: &str, rule: Rule) -> Op {
+    Op::AddRule {
+        chain: chain.into(),
+        rule,
+    }
+}
+
+fn net(text: &str) -> ipnet::Ipv4Net {
+    text.parse().expect("test prefix")
+}
+
+fn every_variant() -> Transaction {
+    let goto = |chain: &str| Verdict::Goto(chain.into());
+    let mark = 0x4000;
+    let ops = vec![
+        Op::AddTable,
+        Op::DeleteTable,
+        Op::AddTable,
+        chain(
+            "pre",
+            Some(BaseChain {
+                chain_type: ChainType::Nat,
+                hook: Hook::Prerouting,
+                priority: -100,
+            }),
+        ),
+        chain(
+            "filt",
+            Some(BaseChain {
+                chain_type: ChainType::Filter,
+                hook: Hook::Forward,
+                priority: 0,
+            }),
+        ),
+        chain("svc", None),
+        chain("ep", None),
+        Op::AddSet {
+            name: "disp".into(),
+            spec: SetSpec::VerdictMap(KeyType::AddressProtocolPort),
+        },
+        Op::AddSet {
+            name: "np".into(),
+            spec: SetSpec::VerdictMap(KeyType::ProtocolPort),
+        },
+        Op::AddSet {
+            name: "idx".into(),
+            spec: SetSpec::VerdictMap(KeyType::Index),
+        },
+        Op::AddSet {
+            name: "addrs".into(),
+            spec: SetSpec::VerdictMap(KeyType::Address),
+        },
+        Op::AddSet {
+            name: "aff".into(),
+            spec: SetSpec::Dynamic {
+                timeout_seconds: 10800,
+            },
+        },
+        Op::AddElements {
+            set: "disp".into(),
+            elements: vec![
+                (
+                    Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 10), Protocol::Tcp, 80),
+                    goto("svc"),
+                ),
+                (
+                    Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 11), Protocol::Udp, 53),
+                    Verdict::Drop,
+                ),
+            ],
+        },
+        Op::AddElements {
+            set: "np".into(),
+            elements: vec![(Key::ProtocolPort(Protocol::Tcp, 30080), goto("svc"))],
+        },
+        Op::AddElements {
+            set: "idx".into(),
+            elements: vec![(Key::Index(0), goto("ep")), (Key::Index(1), Verdict::Drop)],
+        },
+        Op::AddElements {
+            set: "addrs".into(),
+            elements: vec![(Key::Address(Ipv4Addr::new(10, 1, 2, 3)), Verdict::Drop)],
+        },
+        rule(
+            "pre",
+            Rule::always(Statement::Dispatch {
+                key: DispatchKey::AddressProtocolPort,
+                map: "disp".into(),
+            }),
+        ),
+        rule(
+            "pre",
+            Rule::always(Statement::Dispatch {
+                key: DispatchKey::ProtocolPort,
+                map: "np".into(),
+            }),
+        ),
+        rule(
+            "svc",
+            Rule::when(
+                vec![
+                    Match::SourceAddress {
+                        net: net("10.244.0.0/16"),
+                        negated: true,
+                    },
+                    Match::DestinationAddress {
+                        net: net("10.96.0.10/32"),
+                        negated: false,
+                    },
+                    Match::DestinationPort {
+                        protocol: Protocol::Tcp,
+                        port: 80,
+                    },
+                ],
+                Statement::Jump("ep".into()),
+            )
+            .with_comment("hello world"),
+        ),
+        rule(
+            "svc",
+            Rule::always(Statement::RandomDispatch {
+                modulus: 2,
+                map: "idx".into(),
+            }),
+        ),
+        rule(
+            "ep",
+            Rule::when(
+                vec![
+                    Match::ConnectionNew,
+                    Match::DestinationLocal,
+                    Match::SourceLocal,
+                    Match::Mark {
+                        bit: mark,
+                        set: true,
+                    },
+                ],
+                Statement::SetMark(mark),
+            ),
+        ),
+        rule(
+            "ep",
+            Rule::when(
+                vec![Match::Mark {
+                    bit: mark,
+                    set: false,
+                }],
+                Statement::ToggleMark(mark),
+            ),
+        ),
+        rule(
+            "ep",
+            Rule::when(
+                vec![Match::SourceInSet("addrs".into())],
+                Statement::AddSourceToSet("aff".into()),
+            ),
+        ),
+        rule(
+            "ep",
+            Rule::when(
+                vec![Match::Protocol(Protocol::Udp)],
+                Statement::Dnat(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 2), 53)),
+            ),
+        ),
+        chain(
+            "post",
+            Some(BaseChain {
+                chain_type: ChainType::Nat,
+                hook: Hook::Postrouting,
+                priority: 100,
+            }),
+        ),
+        rule("post", Rule::always(Statement::Masquerade)),
+        rule("filt", Rule::always(Statement::Reject)),
+        rule("filt", Rule::always(Statement::Return)),
+        rule("filt", Rule::always(Statement::Accept)),
+        rule("filt", Rule::always(Statement::Drop)),
+        rule(
+            "filt",
+            Rule::when(
+                vec![
+                    Match::SourceAddress {
+                        net: net("10.1.1.1/32"),
+                        negated: false,
+                    },
+                    Match::DestinationAddress {
+                        net: net("10.0.0.0/8"),
+                        negated: false,
+                    },
+                ],
+                Statement::Drop,
+            ),
+        ),
+    ];
+    Transaction { ops }
+}
+
+const RENDERED: &str = "\
+add table ip tandem
+delete table ip tandem
+add table ip tandem
+add chain ip tandem pre { type nat hook prerouting priority -100; policy accept; }
+add chain ip tandem filt { type filter hook forward priority 0; policy accept; }
+add chain ip tandem svc
+add chain ip tandem ep
+add map ip tandem disp { type ipv4_addr . inet_proto . inet_service : verdict; }
+add map ip tandem np { type inet_proto . inet_service : verdict; }
+add map ip tandem idx { typeof numgen random mod 1 : verdict; }
+add map ip tandem addrs { type ipv4_addr : verdict; }
+add set ip tandem aff { type ipv4_addr; flags dynamic,timeout; timeout 10800s; }
+add element ip tandem disp { 10.96.0.10 . tcp . 80 : goto svc, 10.96.0.11 . udp . 53 : drop }
+add element ip tandem np { tcp . 30080 : goto svc }
+add element ip tandem idx { 0 : goto ep, 1 : drop }
+add element ip tandem addrs { 10.1.2.3 : drop }
+add rule ip tandem pre ip daddr . meta l4proto . th dport vmap @disp
+add rule ip tandem pre meta l4proto . th dport vmap @np
+add rule ip tandem svc ip saddr != 10.244.0.0/16 ip daddr 10.96.0.10 tcp dport 80 jump ep comment \"hello world\"
+add rule ip tandem svc numgen random mod 2 vmap @idx
+add rule ip tandem ep ct state new fib daddr type local fib saddr type local meta mark & 0x00004000 == 0x00004000 meta mark set meta mark | 0x00004000
+add rule ip tandem ep meta mark & 0x00004000 == 0x00000000 meta mark set meta mark ^ 0x00004000
+add rule ip tandem ep ip saddr @addrs update @aff { ip saddr }
+add rule ip tandem ep meta l4proto udp dnat to 10.244.1.2:53
+add chain ip tandem post { type nat hook postrouting priority 100; policy accept; }
+add rule ip tandem post masquerade fully-random
+add rule ip tandem filt reject
+add rule ip tandem filt return
+add rule ip tandem filt accept
+add rule ip tandem filt drop
+add rule ip tandem filt ip saddr 10.1.1.1 ip daddr 10.0.0.0/8 drop
+";
+
+#[test]
+fn the_batch_is_what_nft_sends_for_the_rendered_text() {
+    let tx = every_variant();
+    assert_eq!(render::transaction(&tx), RENDERED);
+    let batch = encode::batch(&tx, 0).expect("encodes");
+    let ours = batch.chunks().concat();
+    assert_eq!(ours.len(), NFT_BATCH.len());
+    let first_difference = ours.iter().zip(NFT_BATCH).position(|(a, b)| a != b);
+    assert_eq!(first_difference, None, "bytes differ");
+}
+
+#[test]
+fn every_message_maps_back_to_its_operation() {
+    let tx = every_variant();
+    let batch = encode::batch(&tx, 1000).expect("encodes");
+    assert_eq!(batch.begin_seq(), 1000);
+    assert_eq!(batch.message_count(), tx.ops.len());
+    assert_eq!(batch.op_index(1000), None);
+    assert_eq!(batch.op_index(1001), Some(0));
+    assert_eq!(
+        batch.op_index(1000 + tx.ops.len() as u32),
+        Some(tx.ops.len() - 1)
+    );
+    assert_eq!(batch.end_seq(), 1001 + tx.ops.len() as u32);
+    assert_eq!(batch.op_index(batch.end_seq()), None);
+}
+
+#[test]
+fn large_element_lists_are_split_over_messages_of_the_same_operation() {
+    let elements: Vec<(Key, Verdict)> = (0..60_000u32)
+        .map(|i| {
+            (
+                Key::Index(i),
+                Verdict::Goto(format!("endpoint-chain-{i:08}")),
+            )
+        })
+        .collect();
+    let tx = Transaction {
+        ops: vec![
+            Op::AddTable,
+            Op::AddElements {
+                set: "m".into(),
+                elements,
+            },
+            Op::AddTable,
+        ],
+    };
+    let batch = encode::batch(&tx, 0).expect("encodes");
+    assert!(batch.message_count() > 3);
+    let last = batch.end_seq() - 1;
+    assert_eq!(batch.op_index(1), Some(0));
+    assert_eq!(batch.op_index(2), Some(1));
+    assert_eq!(batch.op_index(last - 1), Some(1));
+    assert_eq!(batch.op_index(last), Some(2));
+
+    // The bytes come in several buffers, each of whole messages.
+    assert!(batch.chunks().len() > 1);
+    let mut messages = 0;
+    for chunk in batch.chunks() {
+        let mut at = 0;
+        while at < chunk.len() {
+            let len = u32::from_ne_bytes(chunk[at..at + 4].try_into().expect("4 bytes"));
+            at += (len as usize + 3) & !3;
+            messages += 1;
+        }
+        assert_eq!(at, chunk.len());
+    }
+    assert_eq!(messages, batch.message_count() + 2);
+}
+
+#[test]
+fn an_oversized_comment_is_an_error_naming_its_operation() {
+    let tx = Transaction {
+        ops: vec![rule(
+            "c",
+            Rule::always(Statement::Accept).with_comment("x".repeat(300)),
+        )],
+    };
+    let err = encode::batch(&tx, 0).expect_err("too large");
+    assert!(matches!(
+        err,
+        encode::EncodeError::TooLarge { index: 0, .. }
+    ));
+}

@@ -1,0 +1,828 @@
+//! Netlink programming against the real kernel, in scratch network namespaces (root
+//! only; skipped with a message otherwise or without `nft`).
+//!
+//! The contract: a transaction applied by netlink lists (`nft list table ip tandem`)
+//! exactly as its rendered text applied by `nft -f`.
+//!
+//! `TANDEM_NFT_SCALE_SERVICES` (default 2700) sets the size of the scale case, whose
+//! timings are printed (run with `--nocapture`); only its listing counts are asserted.
+
+#![allow(clippy::expect_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io::Write;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sched::{CloneFlags, setns};
+use tandem_nftables::kernel::{KernelError, Netlink};
+use tandem_nftables::render;
+use tandem_nftables::{
+    BaseChain, Chain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Op, Protocol, Rule,
+    Ruleset, Set, Statement, Transaction, Verdict,
+};
+
+const MARK: u32 = 0x4000;
+
+/// A network namespace of this test process, removed on drop.
+struct ScratchNetns(String);
+
+impl ScratchNetns {
+    fn new(role: &str) -> Self {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "tandem-nftnl-{}-{}-{role}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let status = Command::new("ip")
+            .args(["netns", "add", &name])
+            .status()
+            .expect("run ip netns add");
+        assert!(status.success(), "ip netns add {name}");
+        Self(name)
+    }
+
+    /// Runs `f` on a thread that entered this namespace (netlink sockets belong to
+    /// the namespace they are opened in).
+    fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        let path = format!("/run/netns/{}", self.0);
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    let file = File::open(&path).expect("open the netns");
+                    setns(&file, CloneFlags::CLONE_NEWNET).expect("enter the netns");
+                    f()
+                })
+                .join()
+                .expect("netns thread")
+        })
+    }
+
+    fn apply(&self, tx: &Transaction) -> Result<(), KernelError> {
+        self.run(|| Netlink::open()?.apply(tx))
+    }
+
+    /// `nft -f -` with `script`; panics when nft fails.
+    fn nft_script(&self, script: &str) -> Duration {
+        let started = Instant::now();
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.0, "nft", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run nft");
+        child
+            .stdin
+            .take()
+            .expect("nft stdin")
+            .write_all(script.as_bytes())
+            .expect("feed nft");
+        let output = child.wait_with_output().expect("wait for nft");
+        let took = started.elapsed();
+        assert!(
+            output.status.success(),
+            "nft -f failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        took
+    }
+
+    /// `nft list table ip tandem`, with each set's elements sorted (the kernel lists
+    /// hash sets in an order of its own).
+    fn listing(&self) -> String {
+        let output = Command::new("ip")
+            .args([
+                "netns", "exec", &self.0, "nft", "list", "table", "ip", "tandem",
+            ])
+            .output()
+            .expect("run nft list");
+        assert!(
+            output.status.success(),
+            "nft list failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        normalize(&String::from_utf8_lossy(&output.stdout))
+    }
+
+    fn has_table(&self) -> bool {
+        let output = Command::new("ip")
+            .args(["netns", "exec", &self.0, "nft", "list", "tables"])
+            .output()
+            .expect("run nft list tables");
+        String::from_utf8_lossy(&output.stdout).contains("table ip tandem")
+    }
+}
+
+impl Drop for ScratchNetns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+/// Element lists folded onto one line each and sorted.
+fn normalize(listing: &str) -> String {
+    let mut out = String::new();
+    let mut elements: Option<String> = None;
+    for line in listing.lines() {
+        let trimmed = line.trim();
+        if let Some(open) = elements.as_mut() {
+            open.push(' ');
+            open.push_str(trimmed);
+        } else if let Some(rest) = trimmed.strip_prefix("elements = {") {
+            elements = Some(rest.to_owned());
+        } else {
+            out.push_str(line);
+            out.push('\n');
+            continue;
+        }
+        if let Some(body) = elements.as_ref().and_then(|e| e.strip_suffix('}')) {
+            let mut items: Vec<&str> = body.split(',').map(str::trim).collect();
+            items.sort_unstable();
+            out.push_str(&format!("elements = {{ {} }}\n", items.join(", ")));
+            elements = None;
+        }
+    }
+    out
+}
+
+fn can_run() -> bool {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root (network namespaces and nf_tables)");
+        return false;
+    }
+    if Command::new("nft").arg("--version").output().is_err() {
+        eprintln!("skipped: the nft command is not installed");
+        return false;
+    }
+    true
+}
+
+fn host(addr: [u8; 4]) -> ipnet::Ipv4Net {
+    ipnet::Ipv4Net::from(Ipv4Addr::from(addr))
+}
+
+fn net(text: &str) -> ipnet::Ipv4Net {
+    text.parse().expect("test prefix")
+}
+
+fn base(chain_type: ChainType, hook: Hook, priority: i32) -> Option<BaseChain> {
+    Some(BaseChain {
+        chain_type,
+        hook,
+        priority,
+    })
+}
+
+fn chain(base: Option<BaseChain>, rules: Vec<Rule>) -> Chain {
+    Chain { base, rules }
+}
+
+fn goto(chain: &str) -> Verdict {
+    Verdict::Goto(chain.into())
+}
+
+/// A ruleset with every model variant: each match, statement, key type, set kind and
+/// verdict, base chains of both types on every hook, comments.
+fn every_variant() -> Ruleset {
+    let mut rs = Ruleset::default();
+    let services = Set {
+        spec: tandem_nftables::SetSpec::VerdictMap(KeyType::AddressProtocolPort),
+        elements: BTreeMap::from([
+            (
+                Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 10), Protocol::Tcp, 80),
+                goto("svc-a"),
+            ),
+            (
+                Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 11), Protocol::Udp, 53),
+                Verdict::Drop,
+            ),
+        ]),
+    };
+    let node_ports = Set {
+        spec: tandem_nftables::SetSpec::VerdictMap(KeyType::ProtocolPort),
+        elements: BTreeMap::from([(Key::ProtocolPort(Protocol::Tcp, 30080), goto("svc-a"))]),
+    };
+    let endpoints = Set {
+        spec: tandem_nftables::SetSpec::VerdictMap(KeyType::Index),
+        elements: BTreeMap::from([
+            (Key::Index(0), goto("ep-a-0")),
+            (Key::Index(1), goto("ep-a-1")),
+        ]),
+    };
+    let firewall = Set {
+        spec: tandem_nftables::SetSpec::VerdictMap(KeyType::Address),
+        elements: BTreeMap::from([(Key::Address(Ipv4Addr::new(10, 1, 2, 3)), Verdict::Drop)]),
+    };
+    rs.sets.insert("service-ips".into(), services);
+    rs.sets.insert("node-ports".into(), node_ports);
+    rs.sets.insert("svc-a-endpoints".into(), endpoints);
+    rs.sets.insert("firewall-sources".into(), firewall);
+    rs.sets
+        .insert("affinity-ep-a-0".into(), Set::dynamic(10800));
+
+    let dispatch = |key, map: &str| Statement::Dispatch {
+        key,
+        map: map.into(),
+    };
+    rs.chains.insert(
+        "nat-prerouting".into(),
+        chain(
+            base(ChainType::Nat, Hook::Prerouting, -100),
+            vec![
+                Rule::always(dispatch(DispatchKey::AddressProtocolPort, "service-ips"))
+                    .with_comment("services"),
+                Rule::when(
+                    vec![Match::DestinationLocal],
+                    dispatch(DispatchKey::ProtocolPort, "node-ports"),
+                ),
+            ],
+        ),
+    );
+    rs.chains.insert(
+        "nat-output".into(),
+        chain(
+            base(ChainType::Nat, Hook::Output, -100),
+            vec![Rule::always(dispatch(
+                DispatchKey::AddressProtocolPort,
+                "service-ips",
+            ))],
+        ),
+    );
+    rs.chains.insert(
+        "nat-postrouting".into(),
+        chain(
+            base(ChainType::Nat, Hook::Postrouting, 100),
+            vec![
+                Rule::when(
+                    vec![Match::Mark {
+                        bit: MARK,
+                        set: false,
+                    }],
+                    Statement::Return,
+                ),
+                Rule::always(Statement::ToggleMark(MARK)),
+                Rule::always(Statement::Masquerade).with_comment("masquerade marked traffic"),
+            ],
+        ),
+    );
+    rs.chains.insert(
+        "filter-input".into(),
+        chain(
+            base(ChainType::Filter, Hook::Input, 0),
+            vec![
+                Rule::when(
+                    vec![
+                        Match::ConnectionNew,
+                        Match::SourceInSet("firewall-sources".into()),
+                    ],
+                    Statement::Drop,
+                ),
+                Rule::when(
+                    vec![
+                        Match::DestinationAddress {
+                            net: host([10, 96, 0, 11]),
+                            negated: false,
+                        },
+                        Match::DestinationPort {
+                            protocol: Protocol::Udp,
+                            port: 53,
+                        },
+                    ],
+                    Statement::Reject,
+                ),
+            ],
+        ),
+    );
+    rs.chains.insert(
+        "filter-forward".into(),
+        chain(
+            base(ChainType::Filter, Hook::Forward, 0),
+            vec![
+                Rule::when(
+                    vec![
+                        Match::SourceAddress {
+                            net: net("10.240.0.0/12"),
+                            negated: false,
+                        },
+                        Match::DestinationAddress {
+                            net: net("10.0.0.0/8"),
+                            negated: true,
+                        },
+                    ],
+                    Statement::Accept,
+                ),
+                Rule::when(
+                    vec![
+                        Match::SourceLocal,
+                        Match::SourceAddress {
+                            net: net("0.0.0.0/0"),
+                            negated: false,
+                        },
+                        Match::DestinationAddress {
+                            net: net("10.0.0.0/31"),
+                            negated: true,
+                        },
+                    ],
+                    Statement::Accept,
+                ),
+            ],
+        ),
+    );
+    rs.chains.insert(
+        "filter-output".into(),
+        chain(
+            base(ChainType::Filter, Hook::Output, 0),
+            vec![Rule::always(Statement::Goto("filter-common".into()))],
+        ),
+    );
+    rs.chains.insert(
+        "filter-common".into(),
+        chain(
+            None,
+            vec![
+                Rule::when(vec![Match::Protocol(Protocol::Sctp)], Statement::Return),
+                Rule::always(Statement::Accept),
+            ],
+        ),
+    );
+    rs.chains.insert(
+        "mark-for-masquerade".into(),
+        chain(None, vec![Rule::always(Statement::SetMark(MARK))]),
+    );
+    rs.chains.insert(
+        "svc-a".into(),
+        chain(
+            None,
+            vec![
+                Rule::when(
+                    vec![
+                        Match::SourceAddress {
+                            net: net("10.244.0.0/16"),
+                            negated: true,
+                        },
+                        Match::DestinationAddress {
+                            net: host([10, 96, 0, 10]),
+                            negated: false,
+                        },
+                        Match::DestinationPort {
+                            protocol: Protocol::Tcp,
+                            port: 80,
+                        },
+                    ],
+                    Statement::Jump("mark-for-masquerade".into()),
+                )
+                .with_comment("default/a:http cluster IP"),
+                Rule::always(Statement::RandomDispatch {
+                    modulus: 2,
+                    map: "svc-a-endpoints".into(),
+                }),
+            ],
+        ),
+    );
+    rs.chains.insert(
+        "ep-a-0".into(),
+        chain(
+            None,
+            vec![
+                Rule::when(
+                    vec![Match::SourceAddress {
+                        net: host([10, 244, 1, 2]),
+                        negated: false,
+                    }],
+                    Statement::Jump("mark-for-masquerade".into()),
+                ),
+                Rule::always(Statement::AddSourceToSet("affinity-ep-a-0".into())),
+                Rule::when(
+                    vec![Match::Protocol(Protocol::Tcp)],
+                    Statement::Dnat(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 2), 8080)),
+                ),
+            ],
+        ),
+    );
+    rs.chains.insert("ep-a-1".into(), udp_endpoint(53));
+    rs
+}
+
+/// An endpoint chain DNATing UDP to 10.244.1.3:`port`.
+fn udp_endpoint(port: u16) -> Chain {
+    chain(
+        None,
+        vec![Rule::when(
+            vec![Match::Protocol(Protocol::Udp)],
+            Statement::Dnat(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 3), port)),
+        )],
+    )
+}
+
+/// `every_variant` changed: a service element added (to a new chain) and one removed,
+/// an endpoint chain rewritten, a base chain moved to another priority (so made anew)
+/// and the chain it jumped to removed, a set deleted with the rule that used it.
+fn every_variant_changed() -> Ruleset {
+    let mut rs = every_variant();
+    let services = rs.sets.get_mut("service-ips").expect("service map");
+    services.elements.insert(
+        Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 12), Protocol::Tcp, 443),
+        goto("svc-b"),
+    );
+    services.elements.remove(&Key::AddressProtocolPort(
+        Ipv4Addr::new(10, 96, 0, 11),
+        Protocol::Udp,
+        53,
+    ));
+    rs.chains.insert(
+        "svc-b".into(),
+        chain(None, vec![Rule::always(Statement::Drop)]),
+    );
+    rs.chains.insert("ep-a-1".into(), udp_endpoint(5353));
+    rs.chains.insert(
+        "filter-output".into(),
+        chain(
+            base(ChainType::Filter, Hook::Output, 10),
+            vec![Rule::always(Statement::Accept)],
+        ),
+    );
+    rs.chains.remove("filter-common");
+    rs.sets.remove("firewall-sources");
+    if let Some(input) = rs.chains.get_mut("filter-input") {
+        input.rules.remove(0);
+    }
+    rs
+}
+
+fn between(old: &Ruleset, new: &Ruleset) -> Transaction {
+    let chains: BTreeSet<&str> = old
+        .chains
+        .keys()
+        .chain(new.chains.keys())
+        .map(String::as_str)
+        .collect();
+    let sets: BTreeSet<&str> = old
+        .sets
+        .keys()
+        .chain(new.sets.keys())
+        .map(String::as_str)
+        .collect();
+    Transaction::between(old, new, &chains, &sets)
+}
+
+#[test]
+fn netlink_and_nft_program_the_same_ruleset() {
+    if !can_run() {
+        return;
+    }
+    let (by_netlink, by_nft) = (ScratchNetns::new("netlink"), ScratchNetns::new("nft"));
+    let (old, new) = (every_variant(), every_variant_changed());
+
+    let full = Transaction::replace_all(&old);
+    by_netlink
+        .apply(&full)
+        .expect("netlink applies the full ruleset");
+    by_nft.nft_script(&render::transaction(&full));
+    let listed = by_netlink.listing();
+    assert_eq!(listed, by_nft.listing());
+    for needle in [
+        "typeof numgen random mod 1 : verdict",
+        "type ipv4_addr . inet_proto . inet_service : verdict",
+        "comment \"default/a:http cluster IP\"",
+        "update @affinity-ep-a-0 { ip saddr }",
+    ] {
+        assert!(listed.contains(needle), "{needle} missing from\n{listed}");
+    }
+
+    let change = between(&old, &new);
+    by_netlink
+        .apply(&change)
+        .expect("netlink applies the change");
+    by_nft.nft_script(&render::transaction(&change));
+    let changed = by_netlink.listing();
+    assert_eq!(changed, by_nft.listing());
+    assert!(changed.contains("goto svc-b") && !changed.contains("firewall-sources"));
+    assert!(changed.contains("dnat to 10.244.1.3:5353"));
+    assert!(
+        changed.contains("hook output priority filter + 10") && !changed.contains("filter-common")
+    );
+
+    // Replacing an existing table, then removing it.
+    let again = Transaction::replace_all(&old);
+    by_netlink
+        .apply(&again)
+        .expect("netlink replaces the ruleset");
+    assert_eq!(by_netlink.listing(), listed);
+    by_netlink
+        .apply(&Transaction::delete_all())
+        .expect("netlink deletes the table");
+    assert!(!by_netlink.has_table());
+    by_netlink
+        .apply(&Transaction::delete_all())
+        .expect("deleting a missing table is no error");
+}
+
+#[test]
+fn a_rejected_transaction_names_its_operation_and_changes_nothing() {
+    if !can_run() {
+        return;
+    }
+    let ns = ScratchNetns::new("reject");
+    ns.apply(&Transaction::replace_all(&every_variant()))
+        .expect("initial ruleset");
+    let before = ns.listing();
+
+    let tx = Transaction {
+        ops: vec![
+            Op::AddChain {
+                name: "new-chain".into(),
+                base: None,
+            },
+            Op::AddElements {
+                set: "service-ips".into(),
+                elements: vec![(
+                    Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 99), Protocol::Tcp, 80),
+                    goto("new-chain"),
+                )],
+            },
+            Op::AddRule {
+                chain: "new-chain".into(),
+                rule: Rule::always(Statement::Jump("no-such-chain".into())),
+            },
+        ],
+    };
+    let err = ns.apply(&tx).expect_err("the jump target is missing");
+    match &err {
+        KernelError::Rejected {
+            index,
+            operation,
+            errno,
+            ..
+        } => {
+            assert_eq!(*index, 2);
+            assert_eq!(operation, "add rule ip tandem new-chain jump no-such-chain");
+            assert_eq!(errno.raw_os_error(), Some(nix::libc::ENOENT));
+        }
+        other => panic!("expected a rejected operation, got {other}"),
+    }
+    eprintln!("rejected as expected: {err}");
+    assert_eq!(ns.listing(), before);
+
+    // A loop is found by the kernel's validation of the whole table, which replays the
+    // batch; the error still names the rule that closes the loop.
+    let jump = |from: &str, to: &str| Op::AddRule {
+        chain: from.into(),
+        rule: Rule::always(Statement::Jump(to.into())),
+    };
+    let looping = Transaction {
+        ops: vec![
+            Op::AddChain {
+                name: "loop".into(),
+                base: None,
+            },
+            jump("loop", "filter-common"),
+            jump("filter-common", "loop"),
+        ],
+    };
+    let err = ns.apply(&looping).expect_err("a jump loop");
+    eprintln!("rejected as expected: {err}");
+    match &err {
+        KernelError::Rejected { index, errno, .. } => {
+            assert_eq!(*index, 2);
+            // nf_tables reports a loop as "too many links".
+            assert_eq!(errno.raw_os_error(), Some(nix::libc::EMLINK), "{err}");
+        }
+        other => panic!("expected a rejected operation, got {other}"),
+    }
+    assert_eq!(ns.listing(), before);
+}
+
+/// A kube-proxy-like ruleset: `services` services of `endpoints` endpoints each.
+fn scale_ruleset(services: u32, endpoints: u32) -> Ruleset {
+    let mut rs = Ruleset::default();
+    rs.chains.insert(
+        "nat-prerouting".into(),
+        chain(
+            base(ChainType::Nat, Hook::Prerouting, -100),
+            vec![Rule::always(Statement::Dispatch {
+                key: DispatchKey::AddressProtocolPort,
+                map: "service-ips".into(),
+            })],
+        ),
+    );
+    rs.chains.insert(
+        "nat-postrouting".into(),
+        chain(
+            base(ChainType::Nat, Hook::Postrouting, 100),
+            vec![Rule::when(
+                vec![Match::Mark {
+                    bit: MARK,
+                    set: true,
+                }],
+                Statement::Masquerade,
+            )],
+        ),
+    );
+    rs.chains.insert(
+        "mark-for-masquerade".into(),
+        chain(None, vec![Rule::always(Statement::SetMark(MARK))]),
+    );
+    let mut dispatch = Set::verdict_map(KeyType::AddressProtocolPort);
+    for service in 0..services {
+        let [_, _, high, low] = service.to_be_bytes();
+        let service_chain = format!("service-{service:05}-tcp");
+        dispatch.elements.insert(
+            Key::AddressProtocolPort(Ipv4Addr::new(10, 96, high, low), Protocol::Tcp, 80),
+            goto(&service_chain),
+        );
+        let map = format!("{service_chain}-endpoints");
+        rs.chains.insert(
+            service_chain.clone(),
+            chain(
+                None,
+                vec![Rule::always(Statement::RandomDispatch {
+                    modulus: endpoints,
+                    map: map.clone(),
+                })],
+            ),
+        );
+        let mut endpoint_map = Set::verdict_map(KeyType::Index);
+        for endpoint in 0..endpoints {
+            let name = endpoint_chain(service, endpoint);
+            endpoint_map
+                .elements
+                .insert(Key::Index(endpoint), goto(&name));
+            rs.chains.insert(name, endpoint_rules(service, endpoint));
+        }
+        rs.sets.insert(map, endpoint_map);
+    }
+    rs.sets.insert("service-ips".into(), dispatch);
+    rs
+}
+
+fn endpoint_chain(service: u32, endpoint: u32) -> String {
+    format!("endpoint-{service:05}-{endpoint:03}")
+}
+
+fn endpoint_rules(service: u32, endpoint: u32) -> Chain {
+    let [_, _, high, low] = service.to_be_bytes();
+    let addr = Ipv4Addr::new(10, 128 + (high & 0x3f), low, endpoint as u8);
+    chain(
+        None,
+        vec![
+            Rule::when(
+                vec![Match::SourceAddress {
+                    net: ipnet::Ipv4Net::from(addr),
+                    negated: false,
+                }],
+                Statement::Jump("mark-for-masquerade".into()),
+            ),
+            Rule::when(
+                vec![Match::Protocol(Protocol::Tcp)],
+                Statement::Dnat(SocketAddrV4::new(addr, 8080)),
+            ),
+        ],
+    )
+}
+
+/// The ruleset with one more endpoint for `service`.
+fn with_one_more_endpoint(rs: &Ruleset, service: u32, endpoints: u32) -> (Ruleset, Transaction) {
+    let mut new = rs.clone();
+    let service_chain = format!("service-{service:05}-tcp");
+    let map = format!("{service_chain}-endpoints");
+    let added = endpoint_chain(service, endpoints);
+    new.chains
+        .insert(added.clone(), endpoint_rules(service, endpoints));
+    new.chains.insert(
+        service_chain.clone(),
+        chain(
+            None,
+            vec![Rule::always(Statement::RandomDispatch {
+                modulus: endpoints + 1,
+                map: map.clone(),
+            })],
+        ),
+    );
+    if let Some(set) = new.sets.get_mut(&map) {
+        set.elements.insert(Key::Index(endpoints), goto(&added));
+    }
+    let chains = BTreeSet::from([service_chain.as_str(), added.as_str()]);
+    let sets = BTreeSet::from([map.as_str()]);
+    let tx = Transaction::between(rs, &new, &chains, &sets);
+    (new, tx)
+}
+
+const CYCLES: usize = 5;
+
+fn median(mut took: Vec<Duration>) -> Duration {
+    took.sort_unstable();
+    took.get(took.len() / 2).copied().unwrap_or_default()
+}
+
+struct Counts {
+    chains: usize,
+    rules_with_dnat: usize,
+    vmaps: usize,
+}
+
+fn counts(listing: &str) -> Counts {
+    Counts {
+        chains: listing.matches("\tchain ").count(),
+        rules_with_dnat: listing.matches("dnat to").count(),
+        vmaps: listing.matches("\tmap ").count(),
+    }
+}
+
+#[test]
+fn a_large_ruleset_and_a_one_endpoint_change() {
+    if !can_run() {
+        return;
+    }
+    let services: u32 = std::env::var("TANDEM_NFT_SCALE_SERVICES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2700);
+    let endpoints = 10;
+    let (by_netlink, by_nft) = (
+        ScratchNetns::new("scale-nl"),
+        ScratchNetns::new("scale-nft"),
+    );
+    let rs = scale_ruleset(services, endpoints);
+    let full = Transaction::replace_all(&rs);
+
+    let started = Instant::now();
+    let batch = tandem_nftables::encode::batch(&full, 1).expect("encodes");
+    let encode_took = started.elapsed();
+    let (grown, add) = with_one_more_endpoint(&rs, services / 2, endpoints);
+    let remove = between(&grown, &rs);
+    // Each change is made CYCLES times (added, removed, added, …, ending added): the
+    // medians are printed.
+    let (load_took, add_took, remove_took) = by_netlink.run(|| {
+        let mut netlink = Netlink::open().expect("open netlink");
+        let started = Instant::now();
+        netlink
+            .apply(&full)
+            .expect("netlink applies the full ruleset");
+        let load_took = started.elapsed();
+        let (mut add_took, mut remove_took) = (Vec::new(), Vec::new());
+        for cycle in 0..CYCLES {
+            if cycle > 0 {
+                let started = Instant::now();
+                netlink
+                    .apply(&remove)
+                    .expect("netlink removes the endpoint");
+                remove_took.push(started.elapsed());
+            }
+            let started = Instant::now();
+            netlink.apply(&add).expect("netlink adds the endpoint");
+            add_took.push(started.elapsed());
+        }
+        (load_took, median(add_took), median(remove_took))
+    });
+    let text = render::transaction(&full);
+    let nft_load_took = by_nft.nft_script(&text);
+    let (add_text, remove_text) = (render::transaction(&add), render::transaction(&remove));
+    let (mut nft_add_took, mut nft_remove_took) = (Vec::new(), Vec::new());
+    for cycle in 0..CYCLES {
+        if cycle > 0 {
+            nft_remove_took.push(by_nft.nft_script(&remove_text));
+        }
+        nft_add_took.push(by_nft.nft_script(&add_text));
+    }
+    let (nft_add_took, nft_remove_took) = (median(nft_add_took), median(nft_remove_took));
+
+    println!(
+        "{services} services x {endpoints} endpoints: {} ops, batch {:.1} MB in {} messages (encoded in {:?}), nft text {:.1} MB",
+        full.ops.len(),
+        batch.byte_len() as f64 / 1e6,
+        batch.message_count(),
+        encode_took,
+        text.len() as f64 / 1e6,
+    );
+    println!("full load: netlink {load_took:?}, nft -f {nft_load_took:?}");
+    println!(
+        "one endpoint added ({} ops), median of {CYCLES}: netlink {add_took:?}, nft -f {nft_add_took:?}",
+        add.ops.len()
+    );
+    println!(
+        "one endpoint removed ({} ops), median of {}: netlink {remove_took:?}, nft -f {nft_remove_took:?}",
+        remove.ops.len(),
+        CYCLES - 1
+    );
+
+    let listed = by_netlink.listing();
+    let found = counts(&listed);
+    let total = (services * endpoints) as usize;
+    assert_eq!(found.chains, 3 + services as usize + total + 1);
+    assert_eq!(found.rules_with_dnat, total + 1);
+    assert_eq!(found.vmaps, services as usize + 1);
+    let nft_found = counts(&by_nft.listing());
+    assert_eq!(
+        (nft_found.chains, nft_found.rules_with_dnat, nft_found.vmaps),
+        (found.chains, found.rules_with_dnat, found.vmaps)
+    );
+    assert!(listed.contains(&format!(
+        "numgen random mod {} vmap @service-{:05}-tcp-endpoints",
+        endpoints + 1,
+        services / 2
+    )));
+}

@@ -1,0 +1,75 @@
+//! Switching a node between the iptables and the nftables mode, and `--cleanup`, against
+//! real netfilter in a fresh network namespace: each mode starts by removing the other's
+//! rules, so nothing stale stays behind. Root only (skipped with a message otherwise).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::process::Command;
+
+use common::*;
+use prometheus_client::registry::Registry;
+use tandem_common::ProxyMode;
+use tandem_nodeproxy::backend::BackendChoice;
+use tandem_nodeproxy::datapath::{self, DataPath};
+use tandem_nodeproxy::metrics::Metrics;
+
+/// KUBE-* lines in the filter and nat tables of every iptables backend present.
+fn iptables_lines() -> usize {
+    backends()
+        .into_iter()
+        .map(|backend| {
+            let tables = format!("{}{}", save(backend, "filter"), save(backend, "nat"));
+            lines_with(&tables, "KUBE-").len()
+        })
+        .sum()
+}
+
+fn has_our_table() -> bool {
+    let out = Command::new("nft").args(["list", "tables"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|line| line.trim() == "table ip tandem")
+}
+
+async fn start_and_sync(mode: ProxyMode, metrics: &Metrics) -> DataPath {
+    let state = reference_state(reference_endpoints());
+    let ports: BTreeSet<_> = state.services.keys().cloned().collect();
+    let mut path = datapath::start(mode, BackendChoice::Auto, node())
+        .await
+        .unwrap();
+    assert!(path.update(&state, &ports) > 0);
+    assert!(path.apply(metrics).await, "{mode} sync failed");
+    path
+}
+
+#[test]
+fn switching_modes_and_cleanup_leave_no_rules_of_the_other_mode() {
+    if !is_root() || Command::new("nft").arg("--version").output().is_err() {
+        eprintln!("skipped: needs root and the nft command");
+        return;
+    }
+    in_fresh_netns(|_| async {
+        let metrics = Metrics::register(&mut Registry::default());
+
+        start_and_sync(ProxyMode::Iptables, &metrics).await;
+        assert!(iptables_lines() > 0);
+        assert!(!has_our_table());
+
+        start_and_sync(ProxyMode::Nftables, &metrics).await;
+        assert_eq!(iptables_lines(), 0, "iptables-mode rules left in nftables mode");
+        assert!(has_our_table());
+
+        start_and_sync(ProxyMode::Iptables, &metrics).await;
+        assert!(iptables_lines() > 0);
+        assert!(!has_our_table(), "table ip tandem left in iptables mode");
+
+        start_and_sync(ProxyMode::Nftables, &metrics).await;
+        datapath::cleanup(BackendChoice::Auto).await.unwrap();
+        assert_eq!(iptables_lines(), 0);
+        assert!(!has_our_table(), "--cleanup left table ip tandem");
+    });
+}
