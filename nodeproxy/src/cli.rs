@@ -181,7 +181,17 @@ mod tests {
         assert_eq!(cli.proxy.iptables_backend, BackendChoice::Auto);
         assert_eq!(cli.cluster.proxy_mode, ProxyMode::Iptables);
         assert!(!cli.proxy.cleanup);
-        let nft = Cli::try_parse_from(["tandem-nodeproxy", "--mode", "nftables", "trace", "--src", "10.0.0.1", "--dst", "10.96.0.1:53"]).unwrap();
+        let nft = Cli::try_parse_from([
+            "tandem-nodeproxy",
+            "--mode",
+            "nftables",
+            "trace",
+            "--src",
+            "10.0.0.1",
+            "--dst",
+            "10.96.0.1:53",
+        ])
+        .unwrap();
         assert_eq!(nft.cluster.proxy_mode, ProxyMode::Nftables);
     }
 

@@ -6,8 +6,8 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use tandem_nftables::Transaction;
 use tandem_common::ProxyMode;
+use tandem_nftables::Transaction;
 use tandem_nftables::kernel::{KernelError, Netlink};
 use tandem_proxy_rules::incremental::IncrementalRuleset;
 use tandem_proxy_rules::model::{NodeConfig, ProxyState, ServicePortName};

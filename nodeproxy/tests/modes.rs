@@ -28,8 +28,15 @@ fn iptables_lines() -> usize {
 }
 
 fn has_our_table() -> bool {
-    let out = Command::new("nft").args(["list", "tables"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("nft")
+        .args(["list", "tables"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .any(|line| line.trim() == "table ip tandem")
@@ -60,7 +67,11 @@ fn switching_modes_and_cleanup_leave_no_rules_of_the_other_mode() {
         assert!(!has_our_table());
 
         start_and_sync(ProxyMode::Nftables, &metrics).await;
-        assert_eq!(iptables_lines(), 0, "iptables-mode rules left in nftables mode");
+        assert_eq!(
+            iptables_lines(),
+            0,
+            "iptables-mode rules left in nftables mode"
+        );
         assert!(has_our_table());
 
         start_and_sync(ProxyMode::Iptables, &metrics).await;

@@ -574,8 +574,14 @@ impl Lab {
     ) -> Result<()> {
         let start = Instant::now();
         let (command, needle): (&[&str], String) = match self.proxy_mode {
-            ProxyMode::Iptables => (&["iptables", "-w", "-t", "nat", "-S"], format!("-d {ip}/32")),
-            ProxyMode::Nftables => (&["nft", "list", "table", "ip", "tandem"], format!("{ip} . ")),
+            ProxyMode::Iptables => (
+                &["iptables", "-w", "-t", "nat", "-S"],
+                format!("-d {ip}/32"),
+            ),
+            ProxyMode::Nftables => (
+                &["nft", "list", "table", "ip", "tandem"],
+                format!("{ip} . "),
+            ),
         };
         loop {
             let out = node

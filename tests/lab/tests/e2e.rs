@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tandem_lab::images::Images;
 use tandem_common::ProxyMode;
+use tandem_lab::images::Images;
 use tandem_lab::lab::{Lab, LabOptions};
 use tandem_lab::scenario::{LbMode, POOL_ANNOTATION, SHARED_IP_ANNOTATION, ServicePlan, Spread};
 
@@ -189,7 +189,11 @@ fn passthrough_mode_takes_kube_fw_and_drops_clients_outside_source_ranges() {
         assert_eq!(allowed.failed, 0, "{allowed:?}");
 
         let iptables = lab.proxy_mode == ProxyMode::Iptables;
-        let before = if iptables { drop_counters(&lab).await } else { [0; 3] };
+        let before = if iptables {
+            drop_counters(&lab).await
+        } else {
+            [0; 3]
+        };
         let denied = lab
             .http_requests(lab.topology.client_out_of_range(), vip, 80, 5)
             .await
