@@ -435,7 +435,10 @@ cloud_mock_load_balancers{state="active"} 10
     fn scale() -> Scale {
         Scale {
             services: 2,
-            ..Scale::for_options(&BenchOptions { quick: true })
+            ..Scale::for_options(&BenchOptions {
+                quick: true,
+                ..BenchOptions::default()
+            })
         }
     }
 

@@ -12,4 +12,6 @@ pub mod report;
 pub struct BenchOptions {
     /// Small scales, for checking that a benchmark runs; its numbers mean little.
     pub quick: bool,
+    /// The node proxy benchmark measures this data path only (both when `None`).
+    pub proxy_mode: Option<tandem_common::ProxyMode>,
 }

@@ -21,6 +21,9 @@ struct Cli {
     /// Small scales, to check that the benchmarks run (numbers are not meaningful).
     #[arg(long, env = "TANDEM_BENCH_QUICK")]
     quick: bool,
+    /// The node proxy benchmark measures only this data path (both by default).
+    #[arg(long, env = "TANDEM_BENCH_PROXY_MODE", value_enum)]
+    proxy_mode: Option<tandem_common::ProxyMode>,
     /// Where to write the report.
     #[arg(long, env = "TANDEM_BENCH_OUT", default_value = "BENCHMARKS.md")]
     out: PathBuf,
@@ -41,7 +44,10 @@ fn main() -> Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .init();
-    let options = BenchOptions { quick: cli.quick };
+    let options = BenchOptions {
+        quick: cli.quick,
+        proxy_mode: cli.proxy_mode,
+    };
     let mut sections: Vec<Section> = Vec::new();
     let wanted = |w: Which| cli.which == Which::All || cli.which == w;
     // One at a time: they must not share the machine's cores with each other.
@@ -60,9 +66,12 @@ fn main() -> Result<()> {
     }
     let report = format!(
         "# Benchmarks\n\nEvery figure is compared with a limit measured in the same run on the same machine.\n\n\
-         Machine: {}\n\nReproduce (as root): `cargo build --release --workspace --bins && sudo target/release/tandem-bench {}{}`\n\n{}",
+         Machine: {}\n\nReproduce (as root): `cargo build --release --workspace --bins && sudo target/release/tandem-bench {}{}{}`\n\n{}",
         machine(),
         format!("{:?}", cli.which).to_lowercase(),
+        cli.proxy_mode
+            .map(|mode| format!(" --proxy-mode {}", mode.as_str()))
+            .unwrap_or_default(),
         if cli.quick { " --quick" } else { "" },
         tables.join("\n")
     );

@@ -24,10 +24,10 @@ use tandem_proxy_rules::model::NodeConfig;
 pub const NAMESPACE: &str = "bench";
 /// The node the node proxy runs as.
 pub const NODE_NAME: &str = "bench-node";
-const NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 11);
+pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 11);
 const PORT_NAME: &str = "http";
 const SERVICE_PORT: i32 = 80;
-const TARGET_PORT: i32 = 8080;
+pub const TARGET_PORT: i32 = 8080;
 /// The default node port range, 30000-32767.
 const FIRST_NODE_PORT: i32 = 30_000;
 pub const NODE_PORTS: usize = 2_768;

@@ -66,6 +66,15 @@ impl FreshNetns {
             runtime.block_on(body())
         })?
     }
+
+    /// Runs blocking `body` on a thread that entered the namespace.
+    pub fn run_blocking<T, F>(&self, body: F) -> anyhow::Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> anyhow::Result<T> + Send + 'static,
+    {
+        self.netns.run_in_thread(body)?
+    }
 }
 
 impl Drop for FreshNetns {
@@ -231,7 +240,7 @@ impl NodeProxy {
 }
 
 /// The events of a watch's first list of `objects`.
-fn initial_list<K: Clone>(objects: &[K]) -> Vec<Event<K>> {
+pub(super) fn initial_list<K: Clone>(objects: &[K]) -> Vec<Event<K>> {
     let listed = objects.iter().cloned().map(Event::InitApply);
     [Event::Init]
         .into_iter()

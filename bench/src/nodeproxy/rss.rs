@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 use tandem_apiserver::resources::{ENDPOINT_SLICES, NAMESPACES, NODES, SERVICES};
 use tandem_apiserver::store::{Store, Subresource};
 use tandem_apiserver::{ServerConfig, spawn};
+use tandem_common::ProxyMode;
 use tandem_netlab::RunPrefix;
 use tandem_nodeproxy::backend::Backend;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -31,10 +32,38 @@ pub struct RssRun {
     pub to_first_sync: Duration,
 }
 
+/// The data path the binary is started with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataPathFlags {
+    Iptables(Backend),
+    Nftables,
+}
+
+impl DataPathFlags {
+    fn args(self) -> [&'static str; 4] {
+        let mode = |mode: ProxyMode| ["--proxy-mode", mode.as_str()];
+        match self {
+            DataPathFlags::Iptables(backend) => {
+                let [flag, value] = mode(ProxyMode::Iptables);
+                let backend = match backend {
+                    Backend::Nft => "nft",
+                    Backend::Legacy => "legacy",
+                };
+                [flag, value, "--iptables-backend", backend]
+            }
+            DataPathFlags::Nftables => {
+                let [flag, value] = mode(ProxyMode::Nftables);
+                // The iptables backend only serves removing the other mode's rules.
+                [flag, value, "--iptables-backend", "auto"]
+            }
+        }
+    }
+}
+
 /// Run `binary` against `cluster` (an empty cluster for `None`) in a fresh namespace.
 pub fn measure(
     prefix: &RunPrefix,
-    backend: Backend,
+    data_path: DataPathFlags,
     binary: &Path,
     cluster: Option<Cluster>,
     timeout: Duration,
@@ -56,7 +85,7 @@ pub fn measure(
     std::fs::create_dir_all(&workdir).with_context(|| format!("creating {}", workdir.display()))?;
     let binary = binary.to_path_buf();
     let dir = workdir.clone();
-    let result = netns.run(move || run_against_stand_in(backend, binary, cluster, dir, timeout));
+    let result = netns.run(move || run_against_stand_in(data_path, binary, cluster, dir, timeout));
     if let Err(error) = std::fs::remove_dir_all(&workdir) {
         tracing::warn!(dir = %workdir.display(), %error, "cannot remove the work directory");
     }
@@ -64,7 +93,7 @@ pub fn measure(
 }
 
 async fn run_against_stand_in(
-    backend: Backend,
+    data_path: DataPathFlags,
     binary: PathBuf,
     cluster: Option<Cluster>,
     workdir: PathBuf,
@@ -79,17 +108,13 @@ async fn run_against_stand_in(
     let log_path = workdir.join("nodeproxy.log");
     let log = std::fs::File::create(&log_path)
         .with_context(|| format!("creating {}", log_path.display()))?;
-    let backend_flag = match backend {
-        Backend::Nft => "nft",
-        Backend::Legacy => "legacy",
-    };
     let started = Instant::now();
     let mut child = tokio::process::Command::new(&binary)
         .arg("--kubeconfig")
         .arg(&kubeconfig)
         .args(["--node-name", cluster::NODE_NAME])
         .args(["--cluster-cidr", &cluster::cluster_cidr().to_string()])
-        .args(["--iptables-backend", backend_flag])
+        .args(data_path.args())
         .args(["--healthz-bind-address", &HEALTHZ.to_string()])
         .args(["--metrics-bind-address", &METRICS.to_string()])
         .env("RUST_LOG", "info")

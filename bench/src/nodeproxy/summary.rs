@@ -72,15 +72,15 @@ pub fn median(values: &[Duration]) -> Duration {
     }
 }
 
-fn seconds(d: Duration) -> Value {
+pub(super) fn seconds(d: Duration) -> Value {
     Value::Seconds(d.as_secs_f64())
 }
 
-fn ms(d: Duration) -> String {
+pub(super) fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
 
-fn secs(d: Duration) -> String {
+pub(super) fn secs(d: Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
 }
 
@@ -98,22 +98,9 @@ fn backend_section(result: &BackendResult) -> Section {
         scale_rows(backend, scale, &mut section);
     }
     if let Some(rss) = &result.rss {
-        section.rows.push(Row {
-            what: format!("peak RSS of tandem-nodeproxy, {}", rss.scale.label()),
-            ours: Value::MiB(rss.loaded.peak_mib),
-            limit: Some((
-                "the same binary, empty cluster".into(),
-                Value::MiB(rss.empty.peak_mib),
-            )),
-            target: Some(Target::AtMost(Value::MiB(RSS_MIB))),
-        });
-        section.notes.push(format!(
-            "Peak RSS is VmHWM of the real binary after its first sync (its /healthz answered 200), \
-             against the API server stand-in in the same namespace; from start to first sync it took {} \
-             ({} with an empty cluster), listing every Service and EndpointSlice over HTTPS included.",
-            secs(rss.loaded.to_first_sync),
-            secs(rss.empty.to_first_sync)
-        ));
+        let (row, note) = rss_row(rss);
+        section.rows.push(row);
+        section.notes.push(note);
     }
     let missed: Vec<&Row> = section
         .rows
@@ -134,6 +121,43 @@ fn backend_section(result: &BackendResult) -> Section {
             .into(),
     );
     section
+}
+
+/// p50 and p99 of the network programming latency over `latencies` (not empty).
+pub(super) fn latency_rows(label: &str, latencies: &[Duration]) -> Vec<Row> {
+    [("p50", 0.5), ("p99", 0.99)]
+        .into_iter()
+        .map(|(name, q)| Row {
+            what: format!(
+                "network programming latency {name}, {label} (EndpointSlice change seen → rules applied, {} changes)",
+                latencies.len()
+            ),
+            ours: seconds(quantile(latencies, q).unwrap_or_default()),
+            limit: None,
+            target: None,
+        })
+        .collect()
+}
+
+/// The peak RSS row and the note on how it was measured.
+pub(super) fn rss_row(rss: &RssResult) -> (Row, String) {
+    let row = Row {
+        what: format!("peak RSS of tandem-nodeproxy, {}", rss.scale.label()),
+        ours: Value::MiB(rss.loaded.peak_mib),
+        limit: Some((
+            "the same binary, empty cluster".into(),
+            Value::MiB(rss.empty.peak_mib),
+        )),
+        target: Some(Target::AtMost(Value::MiB(RSS_MIB))),
+    };
+    let note = format!(
+        "Peak RSS is VmHWM of the real binary after its first sync (its /healthz answered 200), \
+         against the API server stand-in in the same namespace; from start to first sync it took {} \
+         ({} with an empty cluster), listing every Service and EndpointSlice over HTTPS included.",
+        secs(rss.loaded.to_first_sync),
+        secs(rss.empty.to_first_sync)
+    );
+    (row, note)
 }
 
 fn scale_rows(backend: Backend, result: &ScaleResult, section: &mut Section) {
@@ -215,18 +239,7 @@ fn scale_rows(backend: Backend, result: &ScaleResult, section: &mut Section) {
     });
     if result.headline {
         let latencies: Vec<Duration> = all.iter().map(|c| c.ours).collect();
-        for (name, q) in [("p50", 0.5), ("p99", 0.99)] {
-            section.rows.push(Row {
-                what: format!(
-                    "network programming latency {name}, {label} (EndpointSlice change seen → rules applied, {} changes)",
-                    latencies.len()
-                ),
-                // `all` is not empty here, so neither is `latencies`.
-                ours: seconds(quantile(&latencies, q).unwrap_or_default()),
-                limit: None,
-                target: None,
-            });
-        }
+        section.rows.extend(latency_rows(&label, &latencies));
     }
 }
 
@@ -276,7 +289,7 @@ fn incremental_rows(
     ));
 }
 
-fn plural(n: usize, noun: &str) -> String {
+pub(super) fn plural(n: usize, noun: &str) -> String {
     if n == 1 {
         format!("{n} {noun}")
     } else {
@@ -284,7 +297,7 @@ fn plural(n: usize, noun: &str) -> String {
     }
 }
 
-fn mib(bytes: usize) -> String {
+pub(super) fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 

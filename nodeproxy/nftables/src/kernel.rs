@@ -119,7 +119,19 @@ impl Netlink {
         if tx.is_empty() {
             return Ok(());
         }
-        let batch = encode::batch(tx, self.next_seq)?;
+        let batch = self.encode(tx)?;
+        self.send(tx, &batch)
+    }
+
+    /// Encodes `tx` as the next batch of this socket.
+    pub fn encode(&self, tx: &Transaction) -> Result<Batch, KernelError> {
+        Ok(encode::batch(tx, self.next_seq)?)
+    }
+
+    /// Sends `batch`, encoded from `tx`, and reads the outcome: the kernel's part of
+    /// [`Netlink::apply`] (apart so that the benchmark can time it alone, and send the same
+    /// bytes again).
+    pub fn send(&mut self, tx: &Transaction, batch: &Batch) -> Result<(), KernelError> {
         self.next_seq = batch.end_seq().wrapping_add(1);
         let bytes = batch.byte_len();
         self.ensure_send_buffer(bytes)?;
@@ -137,7 +149,7 @@ impl Netlink {
                 source: io::Error::new(io::ErrorKind::WriteZero, format!("sent {sent} bytes")),
             });
         }
-        self.await_outcome(tx, &batch)
+        self.await_outcome(tx, batch)
     }
 
     /// A single send needs the whole batch to fit the socket's send buffer.

@@ -1,0 +1,412 @@
+//! The nftables mode against the kernel (issue 14), in fresh network namespaces: the
+//! first sync and single-endpoint changes through the node proxy's change tracker,
+//! incremental nftables build and netlink transactions, each against the kernel's own part
+//! (the same batch sent again) and against `nft -f` of the same transaction (what a proxy
+//! driving the nft command pays); and the latency of a new connection's first packet with
+//! many Services in the table against a table holding the target Service alone.
+
+use std::io::Write as _;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kube::runtime::watcher::Event;
+use tandem_netlab::RunPrefix;
+use tandem_nftables::encode::Batch;
+use tandem_nftables::kernel::Netlink;
+use tandem_nftables::{Transaction, render};
+use tandem_nodeproxy::change_tracker::ChangeTracker;
+use tandem_nodeproxy::convert::proxy_state;
+use tandem_proxy_rules::nft::incremental::IncrementalRuleset;
+use tandem_proxy_rules::nft::layout;
+
+use super::cluster::{self, Cluster};
+use super::kernel::{FreshNetns, initial_list};
+
+/// What one transaction was, for the report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size {
+    pub ops: usize,
+    pub bytes: usize,
+}
+
+impl Size {
+    fn of(tx: &Transaction, batch: &Batch) -> Self {
+        Self {
+            ops: tx.ops.len(),
+            bytes: batch.byte_len(),
+        }
+    }
+}
+
+/// The node proxy's first sync into an empty namespace.
+#[derive(Debug, Clone, Copy)]
+pub struct FirstSync {
+    /// Watch events recorded → changes taken → ruleset built.
+    pub convert_build: Duration,
+    /// The whole-table transaction encoded as one netlink batch.
+    pub encode: Duration,
+    /// The batch sent and the kernel's answers read.
+    pub send: Duration,
+    /// All of it.
+    pub total: Duration,
+    pub size: Size,
+    pub chains: usize,
+    pub rules: usize,
+    pub elements: usize,
+}
+
+/// One incremental change.
+#[derive(Debug, Clone, Copy)]
+pub struct Change {
+    /// Recording the watch event, taking the changes and rebuilding the changed port.
+    pub track_build: Duration,
+    /// From the EndpointSlice event reaching the tracker to the kernel's answer: the
+    /// network programming latency without the --min-sync-period wait.
+    pub ours: Duration,
+    /// `ours` without the kernel's part (the send): tracking, build, diff, encoding.
+    pub own: Duration,
+    /// The same batch sent again from the same starting state: the kernel's part.
+    pub raw: Duration,
+    /// `nft -f` of the same transaction from the same starting state.
+    pub nft_cli: Duration,
+    pub size: Size,
+}
+
+#[derive(Debug, Clone)]
+pub struct SyncRun {
+    pub first: FirstSync,
+    pub added: Vec<Change>,
+    pub removed: Vec<Change>,
+}
+
+/// In a fresh namespace: the first sync of `cluster`, then `rounds` times one endpoint
+/// added and removed again. After each pair the kernel is back where the added one
+/// started, so the same two batches are sent again (the kernel's part), and then the same
+/// two transactions go through `nft -f`.
+pub fn measure_sync(
+    prefix: &RunPrefix,
+    cluster: Cluster,
+    rounds: usize,
+) -> anyhow::Result<SyncRun> {
+    let netns = FreshNetns::create(prefix)?;
+    netns.run_blocking(move || sync_in_namespace(cluster, rounds))
+}
+
+/// The node proxy's own machinery, driven as its nftables data path drives it.
+struct NodeProxy {
+    tracker: ChangeTracker,
+    rules: IncrementalRuleset,
+    kernel: Netlink,
+}
+
+fn sync_in_namespace(mut cluster: Cluster, rounds: usize) -> anyhow::Result<SyncRun> {
+    let mut proxy = NodeProxy {
+        tracker: ChangeTracker::default(),
+        rules: IncrementalRuleset::new(cluster::node_config()),
+        kernel: Netlink::open()?,
+    };
+    let services = initial_list(&cluster.services);
+    let slices = initial_list(&cluster.slices);
+    let started = Instant::now();
+    services
+        .into_iter()
+        .for_each(|event| _ = proxy.tracker.record_service(event));
+    slices
+        .into_iter()
+        .for_each(|event| _ = proxy.tracker.record_slice(event));
+    let changes = proxy.tracker.take();
+    proxy.rules.update(&changes.current, &changes.ports);
+    let convert_build = started.elapsed();
+    // The data path's first apply replaces the whole table.
+    let tx = Transaction::replace_all(proxy.rules.ruleset());
+    let batch = proxy.kernel.encode(&tx)?;
+    let encode = started.elapsed() - convert_build;
+    let sending = Instant::now();
+    proxy.kernel.send(&tx, &batch)?;
+    let send = sending.elapsed();
+    let ruleset = proxy.rules.ruleset();
+    let first = FirstSync {
+        convert_build,
+        encode,
+        send,
+        total: started.elapsed(),
+        size: Size::of(&tx, &batch),
+        chains: ruleset.chains.len(),
+        rules: ruleset.rule_count(),
+        elements: ruleset.element_count(),
+    };
+    let (mut added, mut removed) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let index = cluster.changed_service(round);
+        cluster.add_endpoint(index, round);
+        let (mut add, add_tx, add_batch) = change(&mut proxy, &cluster, index)?;
+        cluster.remove_last_endpoint(index);
+        let (mut remove, remove_tx, remove_batch) = change(&mut proxy, &cluster, index)?;
+        add.raw = timed(|| Ok(proxy.kernel.send(&add_tx, &add_batch)?))?;
+        remove.raw = timed(|| Ok(proxy.kernel.send(&remove_tx, &remove_batch)?))?;
+        add.nft_cli = nft_file(&render::transaction(&add_tx))?;
+        remove.nft_cli = nft_file(&render::transaction(&remove_tx))?;
+        added.push(add);
+        removed.push(remove);
+    }
+    Ok(SyncRun {
+        first,
+        added,
+        removed,
+    })
+}
+
+/// Feeds the changed slice at `index` to the node proxy as its watch would and applies the
+/// transaction; returns the timings (the kernel's and nft's filled in later) and the
+/// transaction with its batch, to send again.
+fn change(
+    proxy: &mut NodeProxy,
+    cluster: &Cluster,
+    index: usize,
+) -> anyhow::Result<(Change, Transaction, Batch)> {
+    let slice = cluster
+        .slices
+        .get(index)
+        .context("the changed slice is gone")?
+        .clone();
+    let started = Instant::now();
+    proxy.tracker.record_slice(Event::Apply(slice));
+    let changes = proxy.tracker.take();
+    let tx = proxy.rules.update(&changes.current, &changes.ports);
+    let track_build = started.elapsed();
+    if tx.is_empty() {
+        bail!("the change left the ruleset as it was");
+    }
+    let batch = proxy.kernel.encode(&tx)?;
+    let sending = Instant::now();
+    proxy.kernel.send(&tx, &batch)?;
+    let send = sending.elapsed();
+    let ours = started.elapsed();
+    let change = Change {
+        track_build,
+        ours,
+        own: ours.saturating_sub(send),
+        raw: Duration::ZERO,
+        nft_cli: Duration::ZERO,
+        size: Size::of(&tx, &batch),
+    };
+    Ok((change, tx, batch))
+}
+
+fn timed(body: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    body()?;
+    Ok(started.elapsed())
+}
+
+/// One `nft -f -` of `text` in the current namespace, from spawn to exit.
+fn nft_file(text: &str) -> anyhow::Result<Duration> {
+    timed(|| {
+        let mut child = Command::new("nft")
+            .args(["-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("spawning nft (Debian package nftables)")?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin.write_all(text.as_bytes()).context("writing to nft")?;
+        }
+        let output = child.wait_with_output().context("waiting for nft")?;
+        if !output.status.success() {
+            bail!(
+                "nft -f failed ({}): {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            );
+        }
+        Ok(())
+    })
+}
+
+/// The limits of a first sync, each into a fresh namespace: the same whole-table batch
+/// sent (the kernel's part), and `nft -f` of the same transaction.
+#[derive(Debug, Clone, Copy)]
+pub struct FirstSyncLimits {
+    pub raw: Duration,
+    pub nft_cli: Duration,
+}
+
+pub fn measure_first_limits(
+    prefix: &RunPrefix,
+    cluster: &Cluster,
+) -> anyhow::Result<FirstSyncLimits> {
+    let state = proxy_state(&cluster.services, &cluster.slices).state;
+    let tx = Transaction::replace_all(&layout::build(&state, &cluster::node_config()));
+    let text = render::transaction(&tx);
+    let netns = FreshNetns::create(prefix)?;
+    let raw = netns.run_blocking(move || {
+        let mut kernel = Netlink::open()?;
+        let batch = kernel.encode(&tx)?;
+        timed(|| Ok(kernel.send(&tx, &batch)?))
+    })?;
+    let netns = FreshNetns::create(prefix)?;
+    let nft_cli = netns.run_blocking(move || nft_file(&text))?;
+    Ok(FirstSyncLimits { raw, nft_cli })
+}
+
+/// First-packet latency: the median time a TCP connect to the target Service's cluster IP
+/// takes (SYN through the nat hooks and DNAT to a local endpoint, SYN-ACK back), with the
+/// whole `cluster` in the table and with the target Service alone.
+#[derive(Debug, Clone, Copy)]
+pub struct FirstPacket {
+    pub services: usize,
+    pub loaded: Duration,
+    pub alone: Duration,
+    pub connects: usize,
+}
+
+/// `rounds` alternating rounds of `per_round` connects into each of two namespaces: one
+/// with the whole `cluster` loaded and one with only its last Service (the target, the
+/// last of the services map in name order too).
+pub fn measure_first_packet(
+    prefix: &RunPrefix,
+    cluster: &Cluster,
+    rounds: usize,
+    per_round: usize,
+) -> anyhow::Result<FirstPacket> {
+    let (Some(service), Some(slice)) = (cluster.services.last(), cluster.slices.last()) else {
+        bail!("the cluster has no Service");
+    };
+    let alone = Cluster {
+        services: vec![service.clone()],
+        slices: vec![slice.clone()],
+    };
+    let target = cluster_ip_target(service)?;
+    let endpoints: Vec<Ipv4Addr> = slice
+        .endpoints
+        .iter()
+        .flat_map(|e| &e.addresses)
+        .map(|a| a.parse())
+        .collect::<Result<_, _>>()
+        .context("an endpoint address of the target Service")?;
+    let loaded_ns = FirstPacketNetns::new(prefix, cluster, &endpoints)?;
+    let alone_ns = FirstPacketNetns::new(prefix, &alone, &endpoints)?;
+    let (mut loaded, mut alone) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        // Alternate which goes first, so a drift in the machine's load hits both alike.
+        let order = if round % 2 == 0 {
+            [(&loaded_ns, &mut loaded), (&alone_ns, &mut alone)]
+        } else {
+            [(&alone_ns, &mut alone), (&loaded_ns, &mut loaded)]
+        };
+        for (netns, samples) in order {
+            samples.extend(netns.connects(target, per_round)?);
+        }
+    }
+    Ok(FirstPacket {
+        services: cluster.services.len(),
+        loaded: super::summary::median(&loaded),
+        alone: super::summary::median(&alone),
+        connects: loaded.len(),
+    })
+}
+
+fn cluster_ip_target(
+    service: &k8s_openapi::api::core::v1::Service,
+) -> anyhow::Result<SocketAddrV4> {
+    let spec = service
+        .spec
+        .as_ref()
+        .context("the target Service has no spec")?;
+    let ip: Ipv4Addr = spec
+        .cluster_ip
+        .as_deref()
+        .context("the target Service has no cluster IP")?
+        .parse()
+        .context("the target's cluster IP")?;
+    let port = spec
+        .ports
+        .as_ref()
+        .and_then(|ports| ports.first())
+        .context("the target Service has no port")?
+        .port;
+    Ok(SocketAddrV4::new(ip, u16::try_from(port)?))
+}
+
+/// A namespace whose table holds a cluster's Services, with the target's endpoints as
+/// local addresses and a listener on their port.
+struct FirstPacketNetns {
+    netns: FreshNetns,
+}
+
+impl FirstPacketNetns {
+    fn new(prefix: &RunPrefix, cluster: &Cluster, endpoints: &[Ipv4Addr]) -> anyhow::Result<Self> {
+        let netns = FreshNetns::create(prefix)?;
+        let name = netns.name().to_owned();
+        let ip = |args: &[&str]| -> anyhow::Result<()> {
+            let output = Command::new("ip")
+                .args(["-n", &name])
+                .args(args)
+                .stdin(Stdio::null())
+                .output()
+                .context("running ip")?;
+            if !output.status.success() {
+                bail!(
+                    "ip -n {name} {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&output.stderr).trim()
+                );
+            }
+            Ok(())
+        };
+        ip(&["link", "set", "lo", "up"])?;
+        // The node's address and a default route, so cluster IPs are routable before DNAT
+        // (a veth pair with both ends here: the dummy module may be missing).
+        ip(&[
+            "link",
+            "add",
+            "node0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "node0-peer",
+        ])?;
+        ip(&["link", "set", "node0-peer", "up"])?;
+        ip(&[
+            "addr",
+            "add",
+            &format!("{}/24", cluster::NODE_IP),
+            "dev",
+            "node0",
+        ])?;
+        ip(&["link", "set", "node0", "up"])?;
+        ip(&["route", "add", "default", "dev", "node0"])?;
+        for endpoint in endpoints {
+            ip(&["addr", "add", &format!("{endpoint}/32"), "dev", "lo"])?;
+        }
+        let state = proxy_state(&cluster.services, &cluster.slices).state;
+        let tx = Transaction::replace_all(&layout::build(&state, &cluster::node_config()));
+        netns.run_blocking(move || Ok(Netlink::open()?.apply(&tx)?))?;
+        Ok(Self { netns })
+    }
+
+    /// `count` connects to `target`, each timed from connect() to its return.
+    fn connects(&self, target: SocketAddrV4, count: usize) -> anyhow::Result<Vec<Duration>> {
+        self.netns.run_blocking(move || {
+            let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, cluster::TARGET_PORT as u16))
+                .context("listening on the endpoints' port")?;
+            listener.set_nonblocking(true)?;
+            let mut samples = Vec::with_capacity(count);
+            for _ in 0..count {
+                let started = Instant::now();
+                let stream =
+                    TcpStream::connect_timeout(&SocketAddr::V4(target), Duration::from_secs(2))
+                        .with_context(|| format!("connecting to {target}"))?;
+                samples.push(started.elapsed());
+                drop(stream);
+                // Keep the accept queue empty.
+                while listener.accept().is_ok() {}
+            }
+            Ok(samples)
+        })
+    }
+}
