@@ -660,7 +660,8 @@ async fn lost_answers_converge_and_leak_nothing(label: &str, lost: sdk::LostAnsw
         uids.push(created.metadata.uid.unwrap());
     }
     h.eventually("an answer lost", Duration::from_secs(180), || async {
-        an_answer_was_lost(&controller.metrics().await).then_some(())
+        let metrics = controller.try_metrics().await?;
+        an_answer_was_lost(&metrics).then_some(())
     })
     .await;
     h.cloud.set_faults(lose_answers(0.5)).await;

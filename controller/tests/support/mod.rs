@@ -150,12 +150,17 @@ impl Controller {
     }
 
     pub async fn metrics(&self) -> String {
+        self.try_metrics().await.expect("the controller's /metrics")
+    }
+
+    /// `/metrics`, or `None` while the controller is not serving it yet.
+    pub async fn try_metrics(&self) -> Option<String> {
         reqwest::get(format!("http://{}/metrics", self.metrics_addr))
             .await
-            .unwrap()
+            .ok()?
             .text()
             .await
-            .unwrap()
+            .ok()
     }
 
     /// Sum of the cloud-call counters this process reports.
