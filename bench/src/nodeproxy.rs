@@ -54,7 +54,7 @@ struct Plan {
 /// What the nftables mode measures beyond the shared scales.
 #[derive(Debug, Clone)]
 struct NftPlan {
-    /// At least this many add/remove pairs per run (a change costs milliseconds here).
+    /// At least this many add/remove pairs per run (a change is cheap next to a restore).
     min_rounds: usize,
     /// The table the first-packet latency is measured through (its last Service the target).
     first_packet_scale: Scale,
