@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::watcher::Event;
 use tandem_netlab::{Netns, RunPrefix};
 use tandem_nodeproxy::backend::Backend;
@@ -65,6 +67,11 @@ impl FreshNetns {
                 .context("building a runtime in the namespace")?;
             runtime.block_on(body())
         })?
+    }
+
+    /// Runs `argv` in the namespace; a non-zero exit is an error carrying its stderr.
+    pub fn exec_checked(&self, argv: &[&str]) -> anyhow::Result<String> {
+        Ok(self.netns.exec_checked(argv)?)
     }
 
     /// Runs blocking `body` on a thread that entered the namespace.
@@ -240,13 +247,50 @@ impl NodeProxy {
 }
 
 /// The events of a watch's first list of `objects`.
-pub(super) fn initial_list<K: Clone>(objects: &[K]) -> Vec<Event<K>> {
+fn initial_list<K: Clone>(objects: &[K]) -> Vec<Event<K>> {
     let listed = objects.iter().cloned().map(Event::InitApply);
     [Event::Init]
         .into_iter()
         .chain(listed)
         .chain([Event::InitDone])
         .collect()
+}
+
+/// A cluster's initial lists as the watches deliver them: cloned out of the cluster before
+/// the clock starts, fed to the tracker after.
+pub(super) struct InitialLists {
+    services: Vec<Event<Service>>,
+    slices: Vec<Event<EndpointSlice>>,
+}
+
+impl InitialLists {
+    pub(super) fn of(cluster: &Cluster) -> Self {
+        Self {
+            services: initial_list(&cluster.services),
+            slices: initial_list(&cluster.slices),
+        }
+    }
+
+    pub(super) fn feed(self, tracker: &mut ChangeTracker) {
+        self.services
+            .into_iter()
+            .for_each(|event| _ = tracker.record_service(event));
+        self.slices
+            .into_iter()
+            .for_each(|event| _ = tracker.record_slice(event));
+    }
+}
+
+/// The watch event of the slice at `index` as it is now (after a round changed it).
+pub(super) fn slice_update(
+    cluster: &Cluster,
+    index: usize,
+) -> anyhow::Result<Event<EndpointSlice>> {
+    let slice = cluster
+        .slices
+        .get(index)
+        .context("the changed slice is gone")?;
+    Ok(Event::Apply(slice.clone()))
 }
 
 async fn sync_in_namespace(
@@ -259,16 +303,9 @@ async fn sync_in_namespace(
         rules: IncrementalRuleset::new(cluster::node_config()),
         syncer: Syncer::new(backend),
     };
-    // The initial lists, as the watches deliver them (cloned before the clock starts).
-    let services = initial_list(&cluster.services);
-    let slices = initial_list(&cluster.slices);
+    let lists = InitialLists::of(&cluster);
     let started = Instant::now();
-    services
-        .into_iter()
-        .for_each(|event| _ = proxy.tracker.record_service(event));
-    slices
-        .into_iter()
-        .for_each(|event| _ = proxy.tracker.record_slice(event));
+    lists.feed(&mut proxy.tracker);
     let changed = proxy.take_and_build();
     let convert_build = started.elapsed();
     let tables = proxy
@@ -304,14 +341,10 @@ async fn change(
     cluster: &Cluster,
     index: usize,
 ) -> anyhow::Result<Incremental> {
-    let slice = cluster
-        .slices
-        .get(index)
-        .context("the changed slice is gone")?
-        .clone();
+    let update = slice_update(cluster, index)?;
     let before = proxy.rules.ruleset().clone();
     let started = Instant::now();
-    proxy.tracker.record_slice(Event::Apply(slice));
+    proxy.tracker.record_slice(update);
     let changed = proxy.take_and_build();
     let track_build = started.elapsed();
     let tables = proxy

@@ -11,7 +11,6 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kube::runtime::watcher::Event;
 use tandem_netlab::RunPrefix;
 use tandem_nftables::encode::Batch;
 use tandem_nftables::kernel::Netlink;
@@ -22,7 +21,8 @@ use tandem_proxy_rules::nft::incremental::IncrementalRuleset;
 use tandem_proxy_rules::nft::layout;
 
 use super::cluster::{self, Cluster};
-use super::kernel::{FreshNetns, initial_list};
+use super::kernel::{FreshNetns, InitialLists, slice_update};
+use super::summary::median;
 
 /// What one transaction was, for the report.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,15 +107,9 @@ fn sync_in_namespace(mut cluster: Cluster, rounds: usize) -> anyhow::Result<Sync
         rules: IncrementalRuleset::new(cluster::node_config()),
         kernel: Netlink::open()?,
     };
-    let services = initial_list(&cluster.services);
-    let slices = initial_list(&cluster.slices);
+    let lists = InitialLists::of(&cluster);
     let started = Instant::now();
-    services
-        .into_iter()
-        .for_each(|event| _ = proxy.tracker.record_service(event));
-    slices
-        .into_iter()
-        .for_each(|event| _ = proxy.tracker.record_slice(event));
+    lists.feed(&mut proxy.tracker);
     let changes = proxy.tracker.take();
     proxy.rules.update(&changes.current, &changes.ports);
     let convert_build = started.elapsed();
@@ -141,15 +135,16 @@ fn sync_in_namespace(mut cluster: Cluster, rounds: usize) -> anyhow::Result<Sync
     for round in 0..rounds {
         let index = cluster.changed_service(round);
         cluster.add_endpoint(index, round);
-        let (mut add, add_tx, add_batch) = change(&mut proxy, &cluster, index)?;
+        let add = apply_change(&mut proxy, &cluster, index)?;
         cluster.remove_last_endpoint(index);
-        let (mut remove, remove_tx, remove_batch) = change(&mut proxy, &cluster, index)?;
-        add.raw = timed(|| Ok(proxy.kernel.send(&add_tx, &add_batch)?))?;
-        remove.raw = timed(|| Ok(proxy.kernel.send(&remove_tx, &remove_batch)?))?;
-        add.nft_cli = nft_file(&render::transaction(&add_tx))?;
-        remove.nft_cli = nft_file(&render::transaction(&remove_tx))?;
-        added.push(add);
-        removed.push(remove);
+        let remove = apply_change(&mut proxy, &cluster, index)?;
+        // The kernel is back where `add` started: each batch again, then each through nft.
+        let raws = [
+            add.resend(&mut proxy.kernel)?,
+            remove.resend(&mut proxy.kernel)?,
+        ];
+        added.push(add.with_limits(raws[0])?);
+        removed.push(remove.with_limits(raws[1])?);
     }
     Ok(SyncRun {
         first,
@@ -158,21 +153,41 @@ fn sync_in_namespace(mut cluster: Cluster, rounds: usize) -> anyhow::Result<Sync
     })
 }
 
+/// One change the node proxy applied, with its transaction and batch to send again.
+struct Applied {
+    track_build: Duration,
+    ours: Duration,
+    send: Duration,
+    tx: Transaction,
+    batch: Batch,
+}
+
+impl Applied {
+    /// The same batch sent again (from the state it was first sent from): the kernel's part.
+    fn resend(&self, kernel: &mut Netlink) -> anyhow::Result<Duration> {
+        timed(|| Ok(kernel.send(&self.tx, &self.batch)?))
+    }
+
+    /// The change with its limits: the kernel's part, and `nft -f` of the same transaction
+    /// (run from the same state as the first send).
+    fn with_limits(self, raw: Duration) -> anyhow::Result<Change> {
+        Ok(Change {
+            track_build: self.track_build,
+            ours: self.ours,
+            own: self.ours.saturating_sub(self.send),
+            raw,
+            nft_cli: nft_file(&render::transaction(&self.tx))?,
+            size: Size::of(&self.tx, &self.batch),
+        })
+    }
+}
+
 /// Feeds the changed slice at `index` to the node proxy as its watch would and applies the
-/// transaction; returns the timings (the kernel's and nft's filled in later) and the
-/// transaction with its batch, to send again.
-fn change(
-    proxy: &mut NodeProxy,
-    cluster: &Cluster,
-    index: usize,
-) -> anyhow::Result<(Change, Transaction, Batch)> {
-    let slice = cluster
-        .slices
-        .get(index)
-        .context("the changed slice is gone")?
-        .clone();
+/// transaction.
+fn apply_change(proxy: &mut NodeProxy, cluster: &Cluster, index: usize) -> anyhow::Result<Applied> {
+    let update = slice_update(cluster, index)?;
     let started = Instant::now();
-    proxy.tracker.record_slice(Event::Apply(slice));
+    proxy.tracker.record_slice(update);
     let changes = proxy.tracker.take();
     let tx = proxy.rules.update(&changes.current, &changes.ports);
     let track_build = started.elapsed();
@@ -183,16 +198,13 @@ fn change(
     let sending = Instant::now();
     proxy.kernel.send(&tx, &batch)?;
     let send = sending.elapsed();
-    let ours = started.elapsed();
-    let change = Change {
+    Ok(Applied {
         track_build,
-        ours,
-        own: ours.saturating_sub(send),
-        raw: Duration::ZERO,
-        nft_cli: Duration::ZERO,
-        size: Size::of(&tx, &batch),
-    };
-    Ok((change, tx, batch))
+        ours: started.elapsed(),
+        send,
+        tx,
+        batch,
+    })
 }
 
 fn timed(body: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<Duration> {
@@ -264,8 +276,7 @@ pub struct FirstPacket {
 }
 
 /// `rounds` alternating rounds of `per_round` connects into each of two namespaces: one
-/// with the whole `cluster` loaded and one with only its last Service (the target, the
-/// last of the services map in name order too).
+/// with the whole `cluster` loaded and one with only its last Service, the target.
 pub fn measure_first_packet(
     prefix: &RunPrefix,
     cluster: &Cluster,
@@ -303,8 +314,8 @@ pub fn measure_first_packet(
     }
     Ok(FirstPacket {
         services: cluster.services.len(),
-        loaded: super::summary::median(&loaded),
-        alone: super::summary::median(&alone),
+        loaded: median(&loaded),
+        alone: median(&alone),
         connects: loaded.len(),
     })
 }
@@ -340,22 +351,9 @@ struct FirstPacketNetns {
 impl FirstPacketNetns {
     fn new(prefix: &RunPrefix, cluster: &Cluster, endpoints: &[Ipv4Addr]) -> anyhow::Result<Self> {
         let netns = FreshNetns::create(prefix)?;
-        let name = netns.name().to_owned();
-        let ip = |args: &[&str]| -> anyhow::Result<()> {
-            let output = Command::new("ip")
-                .args(["-n", &name])
-                .args(args)
-                .stdin(Stdio::null())
-                .output()
-                .context("running ip")?;
-            if !output.status.success() {
-                bail!(
-                    "ip -n {name} {}: {}",
-                    args.join(" "),
-                    String::from_utf8_lossy(&output.stderr).trim()
-                );
-            }
-            Ok(())
+        let ip = |args: &[&str]| {
+            let argv: Vec<&str> = ["ip"].into_iter().chain(args.iter().copied()).collect();
+            netns.exec_checked(&argv).map(drop)
         };
         ip(&["link", "set", "lo", "up"])?;
         // The node's address and a default route, so cluster IPs are routable before DNAT

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use serde_json::{Value, json};
 use tandem_apiserver::resources::{ENDPOINT_SLICES, NAMESPACES, NODES, SERVICES};
 use tandem_apiserver::store::{Store, Subresource};
@@ -40,22 +40,17 @@ pub enum DataPathFlags {
 }
 
 impl DataPathFlags {
-    fn args(self) -> [&'static str; 4] {
-        let mode = |mode: ProxyMode| ["--proxy-mode", mode.as_str()];
+    fn args(self) -> Vec<&'static str> {
         match self {
             DataPathFlags::Iptables(backend) => {
-                let [flag, value] = mode(ProxyMode::Iptables);
                 let backend = match backend {
                     Backend::Nft => "nft",
                     Backend::Legacy => "legacy",
                 };
-                [flag, value, "--iptables-backend", backend]
+                let mode = ProxyMode::Iptables.as_str();
+                vec!["--proxy-mode", mode, "--iptables-backend", backend]
             }
-            DataPathFlags::Nftables => {
-                let [flag, value] = mode(ProxyMode::Nftables);
-                // The iptables backend only serves removing the other mode's rules.
-                [flag, value, "--iptables-backend", "auto"]
-            }
+            DataPathFlags::Nftables => vec!["--proxy-mode", ProxyMode::Nftables.as_str()],
         }
     }
 }
@@ -69,18 +64,7 @@ pub fn measure(
     timeout: Duration,
 ) -> anyhow::Result<RssRun> {
     let netns = FreshNetns::create(prefix)?;
-    let lo = std::process::Command::new("ip")
-        .args(["-n", netns.name(), "link", "set", "lo", "up"])
-        .stdin(Stdio::null())
-        .output()
-        .context("running ip link set lo up")?;
-    if !lo.status.success() {
-        bail!(
-            "bringing lo up in {}: {}",
-            netns.name(),
-            String::from_utf8_lossy(&lo.stderr).trim()
-        );
-    }
+    netns.exec_checked(&["ip", "link", "set", "lo", "up"])?;
     let workdir = std::env::temp_dir().join(netns.name());
     std::fs::create_dir_all(&workdir).with_context(|| format!("creating {}", workdir.display()))?;
     let binary = binary.to_path_buf();
