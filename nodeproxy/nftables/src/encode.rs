@@ -13,8 +13,8 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use ipnet::Ipv4Net;
 
 use crate::model::{
-    BaseChain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Rule, SetSpec, Statement, TABLE,
-    Verdict,
+    BUCKETS, BaseChain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Protocol, Rule, SetSpec,
+    Statement, TABLE, Value, Verdict,
 };
 use crate::transaction::{Op, Transaction};
 
@@ -74,12 +74,16 @@ const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 const NFTA_SET_ELEM_LIST_SET_ID: u16 = 4;
 const NFTA_SET_ELEM_KEY: u16 = 1;
 const NFTA_SET_ELEM_DATA: u16 = 2;
+const NFTA_SET_ELEM_FLAGS: u16 = 3;
+/// An interval's end: the first key past it.
+const NFT_SET_ELEM_INTERVAL_END: u32 = 0x1;
 const NFTA_DATA_VALUE: u16 = 1;
 const NFTA_DATA_VERDICT: u16 = 2;
 const NFTA_VERDICT_CODE: u16 = 1;
 const NFTA_VERDICT_CHAIN: u16 = 2;
 
 // Set flags and data types.
+const NFT_SET_INTERVAL: u32 = 0x4;
 const NFT_SET_MAP: u32 = 0x8;
 const NFT_SET_TIMEOUT: u32 = 0x10;
 const NFT_SET_EVAL: u32 = 0x20;
@@ -103,12 +107,23 @@ const NFTNL_UDATA_SET_TYPEOF_DATA: u8 = 1;
 const NFTNL_UDATA_NUMGEN_TYPE: u8 = 0;
 const NFTNL_UDATA_NUMGEN_MODULUS: u8 = 1;
 const NFTNL_UDATA_NUMGEN_OFFSET: u8 = 2;
+const NFTNL_UDATA_PAYLOAD_DESC: u8 = 0;
+const NFTNL_UDATA_PAYLOAD_TYPE: u8 = 1;
 /// nft's expression kinds as its typeof user data names them (`numgen` for an index
-/// key, `verdict` for map data); a concatenation declared by `type` gets nft 1.0.6's
-/// concatenation marker with no data.
+/// key, `verdict` for map data, `payload` fields of a concatenation); a concatenation
+/// declared by `type` gets the concatenation kind with no data.
 const NFT_EXPR_KIND_NUMGEN: u32 = 0x17;
 const NFT_EXPR_KIND_VERDICT: u32 = 0x01;
-const NFT_EXPR_KIND_CONCAT_MARKER: u32 = 0x0d;
+const NFT_EXPR_KIND_CONCAT: u32 = 0x0d;
+const NFT_EXPR_KIND_PAYLOAD: u32 = 0x07;
+/// nft's protocol descriptions and header fields (`ip daddr`, `tcp dport`) in typeof
+/// user data.
+const PROTO_DESC_UDP: u32 = 6;
+const PROTO_DESC_TCP: u32 = 8;
+const PROTO_DESC_SCTP: u32 = 10;
+const PROTO_DESC_IP: u32 = 12;
+const IPHDR_DADDR: u32 = 12;
+const TRANSPORT_HDR_DPORT: u32 = 2;
 const BYTEORDER_UNKNOWN: u32 = 0;
 const BYTEORDER_HOST: u32 = 1;
 const BYTEORDER_BIG_ENDIAN: u32 = 2;
@@ -174,6 +189,12 @@ const NFTA_NG_MODULUS: u16 = 2;
 const NFTA_NG_TYPE: u16 = 3;
 const NFTA_NG_OFFSET: u16 = 4;
 const NFT_NG_RANDOM: u32 = 1;
+const NFTA_BYTEORDER_SREG: u16 = 1;
+const NFTA_BYTEORDER_DREG: u16 = 2;
+const NFTA_BYTEORDER_OP: u16 = 3;
+const NFTA_BYTEORDER_LEN: u16 = 4;
+const NFTA_BYTEORDER_SIZE: u16 = 5;
+const NFT_BYTEORDER_HTON: u32 = 1;
 const NFTA_NAT_TYPE: u16 = 1;
 const NFTA_NAT_FAMILY: u16 = 2;
 const NFTA_NAT_REG_ADDR_MIN: u16 = 3;
@@ -480,24 +501,13 @@ impl Encoder {
                 let id = self.set_ids.get(set).copied();
                 let encoded: Vec<Vec<u8>> = elements
                     .iter()
-                    .map(|(key, verdict)| {
-                        let mut w = Writer::default();
-                        element_key(&mut w, key);
-                        w.nest(NFTA_SET_ELEM_DATA, |w| verdict_data(w, verdict));
-                        w.buf
-                    })
+                    .flat_map(|(key, value)| element(key, Some(value)))
                     .collect();
                 self.element_messages(index, NFT_MSG_NEWSETELEM, NLM_F_CREATE, set, id, &encoded);
             }
             Op::DeleteElements { set, keys } => {
-                let encoded: Vec<Vec<u8>> = keys
-                    .iter()
-                    .map(|key| {
-                        let mut w = Writer::default();
-                        element_key(&mut w, key);
-                        w.buf
-                    })
-                    .collect();
+                let encoded: Vec<Vec<u8>> =
+                    keys.iter().flat_map(|key| element(key, None)).collect();
                 self.element_messages(index, NFT_MSG_DELSETELEM, 0, set, None, &encoded);
             }
         }
@@ -579,6 +589,39 @@ fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
             w.u32(NFTA_SET_ID, id);
             map_user_data(&mut udata, key);
         }
+        SetSpec::EndpointMap(protocol) => {
+            w.u32(NFTA_SET_FLAGS, NFT_SET_INTERVAL | NFT_SET_MAP);
+            w.u32(NFTA_SET_KEY_TYPE, TYPE_INTEGER);
+            w.u32(NFTA_SET_KEY_LEN, 4);
+            w.u32(
+                NFTA_SET_DATA_TYPE,
+                concat_type(&[TYPE_IPADDR, TYPE_INET_SERVICE]),
+            );
+            w.u32(NFTA_SET_DATA_LEN, 8);
+            w.u32(NFTA_SET_ID, id);
+            udata_u32(&mut udata, NFTNL_UDATA_SET_KEYBYTEORDER, BYTEORDER_HOST);
+            udata_u32(&mut udata, NFTNL_UDATA_SET_DATABYTEORDER, BYTEORDER_UNKNOWN);
+            udata_raw(&mut udata, NFTNL_UDATA_SET_KEY_TYPEOF, &numgen_typeof());
+            udata_raw(
+                &mut udata,
+                NFTNL_UDATA_SET_DATA_TYPEOF,
+                &endpoint_typeof(protocol),
+            );
+            udata_u32(&mut udata, NFTNL_UDATA_SET_DATA_INTERVAL, 0);
+        }
+        SetSpec::AddressPairs => {
+            let (key_type, key_len) = key_type_and_len(KeyType::AddressPair);
+            w.u32(NFTA_SET_FLAGS, 0);
+            w.u32(NFTA_SET_KEY_TYPE, key_type);
+            w.u32(NFTA_SET_KEY_LEN, key_len);
+            w.u32(NFTA_SET_ID, id);
+            udata_u32(&mut udata, NFTNL_UDATA_SET_KEYBYTEORDER, BYTEORDER_UNKNOWN);
+            udata_raw(
+                &mut udata,
+                NFTNL_UDATA_SET_KEY_TYPEOF,
+                &typeof_without_data(NFT_EXPR_KIND_CONCAT),
+            );
+        }
         SetSpec::Dynamic { timeout_seconds } => {
             w.u32(NFTA_SET_FLAGS, NFT_SET_TIMEOUT | NFT_SET_EVAL);
             w.u32(NFTA_SET_KEY_TYPE, TYPE_IPADDR);
@@ -601,34 +644,92 @@ fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
 /// nft's key type (concatenations pack one type per 6 bits) and the key length (each
 /// field of a concatenation padded to 4 bytes).
 fn key_type_and_len(key: KeyType) -> (u32, u32) {
-    let concat = |types: &[u32]| {
-        types
-            .iter()
-            .fold(0, |acc, field| (acc << CONCAT_TYPE_BITS) | field)
-    };
+    let concat = concat_type;
     match key {
         KeyType::AddressProtocolPort => (
             concat(&[TYPE_IPADDR, TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]),
             12,
         ),
         KeyType::ProtocolPort => (concat(&[TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]), 8),
-        KeyType::Index => (TYPE_INTEGER, 4),
+        KeyType::Index | KeyType::Buckets => (TYPE_INTEGER, 4),
         KeyType::Address => (TYPE_IPADDR, 4),
+        KeyType::AddressPair => (concat(&[TYPE_IPADDR, TYPE_IPADDR]), 8),
     }
+}
+
+fn concat_type(types: &[u32]) -> u32 {
+    types
+        .iter()
+        .fold(0, |acc, field| (acc << CONCAT_TYPE_BITS) | field)
+}
+
+/// A typeof entry naming an expression kind without further data.
+fn typeof_without_data(kind: u32) -> Vec<u8> {
+    let mut nested = Vec::new();
+    udata_u32(&mut nested, NFTNL_UDATA_SET_TYPEOF_EXPR, kind);
+    udata_raw(&mut nested, NFTNL_UDATA_SET_TYPEOF_DATA, &[]);
+    nested
+}
+
+/// `typeof numgen random mod 1`.
+fn numgen_typeof() -> Vec<u8> {
+    let mut numgen = Vec::new();
+    udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_TYPE, NFT_NG_RANDOM);
+    udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_MODULUS, 1);
+    udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_OFFSET, 0);
+    let mut key_typeof = Vec::new();
+    udata_u32(
+        &mut key_typeof,
+        NFTNL_UDATA_SET_TYPEOF_EXPR,
+        NFT_EXPR_KIND_NUMGEN,
+    );
+    udata_raw(&mut key_typeof, NFTNL_UDATA_SET_TYPEOF_DATA, &numgen);
+    key_typeof
+}
+
+/// `typeof ip daddr . tcp dport` (the protocol's own port field, so nft accepts the
+/// map after a `meta l4proto` match of that protocol).
+fn endpoint_typeof(protocol: Protocol) -> Vec<u8> {
+    let field = |desc: u32, field: u32| {
+        let mut payload = Vec::new();
+        udata_u32(&mut payload, NFTNL_UDATA_PAYLOAD_DESC, desc);
+        udata_u32(&mut payload, NFTNL_UDATA_PAYLOAD_TYPE, field);
+        let mut entry = Vec::new();
+        udata_u32(
+            &mut entry,
+            NFTNL_UDATA_SET_TYPEOF_EXPR,
+            NFT_EXPR_KIND_PAYLOAD,
+        );
+        udata_raw(&mut entry, NFTNL_UDATA_SET_TYPEOF_DATA, &payload);
+        entry
+    };
+    let transport = match protocol {
+        Protocol::Tcp => PROTO_DESC_TCP,
+        Protocol::Udp => PROTO_DESC_UDP,
+        Protocol::Sctp => PROTO_DESC_SCTP,
+    };
+    let mut fields = Vec::new();
+    udata_raw(&mut fields, 0, &field(PROTO_DESC_IP, IPHDR_DADDR));
+    udata_raw(&mut fields, 1, &field(transport, TRANSPORT_HDR_DPORT));
+    let mut concat = Vec::new();
+    udata_u32(
+        &mut concat,
+        NFTNL_UDATA_SET_TYPEOF_EXPR,
+        NFT_EXPR_KIND_CONCAT,
+    );
+    udata_raw(&mut concat, NFTNL_UDATA_SET_TYPEOF_DATA, &fields);
+    concat
 }
 
 /// The user data nft 1.0.6 attaches to a verdict map: the key's byte order, the
 /// data's, the `typeof` expressions (`numgen random mod 1` for an index key: that is
 /// how `nft list` knows to print it), and "data is no interval".
 fn map_user_data(udata: &mut Vec<u8>, key: KeyType) {
-    let typeof_without_data = |kind: u32| {
-        let mut nested = Vec::new();
-        udata_u32(&mut nested, NFTNL_UDATA_SET_TYPEOF_EXPR, kind);
-        udata_raw(&mut nested, NFTNL_UDATA_SET_TYPEOF_DATA, &[]);
-        nested
-    };
     match key {
-        KeyType::AddressProtocolPort | KeyType::ProtocolPort | KeyType::Address => {
+        KeyType::AddressProtocolPort
+        | KeyType::ProtocolPort
+        | KeyType::Address
+        | KeyType::AddressPair => {
             let byteorder = if key == KeyType::Address {
                 BYTEORDER_BIG_ENDIAN
             } else {
@@ -640,25 +741,14 @@ fn map_user_data(udata: &mut Vec<u8>, key: KeyType) {
                 udata_raw(
                     udata,
                     NFTNL_UDATA_SET_KEY_TYPEOF,
-                    &typeof_without_data(NFT_EXPR_KIND_CONCAT_MARKER),
+                    &typeof_without_data(NFT_EXPR_KIND_CONCAT),
                 );
             }
         }
-        KeyType::Index => {
-            let mut numgen = Vec::new();
-            udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_TYPE, NFT_NG_RANDOM);
-            udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_MODULUS, 1);
-            udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_OFFSET, 0);
-            let mut key_typeof = Vec::new();
-            udata_u32(
-                &mut key_typeof,
-                NFTNL_UDATA_SET_TYPEOF_EXPR,
-                NFT_EXPR_KIND_NUMGEN,
-            );
-            udata_raw(&mut key_typeof, NFTNL_UDATA_SET_TYPEOF_DATA, &numgen);
+        KeyType::Index | KeyType::Buckets => {
             udata_u32(udata, NFTNL_UDATA_SET_KEYBYTEORDER, BYTEORDER_HOST);
             udata_u32(udata, NFTNL_UDATA_SET_DATABYTEORDER, BYTEORDER_UNKNOWN);
-            udata_raw(udata, NFTNL_UDATA_SET_KEY_TYPEOF, &key_typeof);
+            udata_raw(udata, NFTNL_UDATA_SET_KEY_TYPEOF, &numgen_typeof());
             udata_raw(
                 udata,
                 NFTNL_UDATA_SET_DATA_TYPEOF,
@@ -706,13 +796,45 @@ fn key_bytes(key: &Key) -> Vec<u8> {
         // `numgen` writes its result in host order.
         Key::Index(index) => index.to_ne_bytes().to_vec(),
         Key::Address(addr) => addr.octets().to_vec(),
+        Key::AddressPair(src, dst) => [src.octets(), dst.octets()].concat(),
+        // Interval keys are compared as bytes: the rule turns the bucket big-endian.
+        Key::Buckets { first, .. } => first.to_be_bytes().to_vec(),
     }
 }
 
-fn element_key(w: &mut Writer, key: &Key) {
-    w.nest(NFTA_SET_ELEM_KEY, |w| {
+/// One element's netlink entries, with its value when added. A run of buckets is two
+/// entries, as nft sends it: its first key, and the end marker on the key after it.
+fn element(key: &Key, value: Option<&Value>) -> Vec<Vec<u8>> {
+    let mut start = Writer::default();
+    start.nest(NFTA_SET_ELEM_KEY, |w| {
         w.attr(NFTA_DATA_VALUE, &key_bytes(key))
     });
+    match value {
+        None | Some(Value::Member) => {}
+        Some(Value::Verdict(verdict)) => {
+            start.nest(NFTA_SET_ELEM_DATA, |w| verdict_data(w, verdict))
+        }
+        Some(Value::Endpoint(endpoint)) => start.nest(NFTA_SET_ELEM_DATA, |w| {
+            w.attr(NFTA_DATA_VALUE, &endpoint_bytes(endpoint))
+        }),
+    }
+    let Key::Buckets { last, .. } = key else {
+        return vec![start.buf];
+    };
+    let mut end = Writer::default();
+    end.u32(NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END);
+    end.nest(NFTA_SET_ELEM_KEY, |w| {
+        w.attr(NFTA_DATA_VALUE, &last.saturating_add(1).to_be_bytes())
+    });
+    vec![start.buf, end.buf]
+}
+
+/// `10.244.1.2 . 8080` in registers: the address, then the port padded to 4 bytes.
+fn endpoint_bytes(endpoint: &SocketAddrV4) -> Vec<u8> {
+    let mut bytes = endpoint.ip().octets().to_vec();
+    bytes.extend_from_slice(&endpoint.port().to_be_bytes());
+    bytes.extend_from_slice(&[0, 0]);
+    bytes
 }
 
 fn verdict_data(w: &mut Writer, verdict: &Verdict) {
@@ -805,13 +927,14 @@ impl Expressions<'_> {
         });
     }
 
-    /// `@set` lookup of register 1; with `map` the looked-up verdict is applied.
-    fn lookup(&mut self, set: &str, map: bool) {
+    /// `@set` lookup of register 1; a map's value goes to `dreg` (the verdict register
+    /// applies it).
+    fn lookup(&mut self, set: &str, dreg: Option<u32>) {
         let id = self.set_ids.get(set).copied();
         self.expr("lookup", |w| {
             w.u32(NFTA_LOOKUP_SREG, NFT_REG_1);
-            if map {
-                w.u32(NFTA_LOOKUP_DREG, NFT_REG_VERDICT);
+            if let Some(dreg) = dreg {
+                w.u32(NFTA_LOOKUP_DREG, dreg);
             }
             w.string(NFTA_LOOKUP_SET, set);
             if let Some(id) = id {
@@ -883,7 +1006,12 @@ impl Expressions<'_> {
             }
             Match::SourceInSet(set) => {
                 self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_SADDR_OFFSET, 4);
-                self.lookup(set, false);
+                self.lookup(set, None);
+            }
+            Match::AddressPairInSet(set) => {
+                self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_SADDR_OFFSET, 4);
+                self.payload(NFT_REG32_01, NFT_PAYLOAD_NETWORK_HEADER, IP_DADDR_OFFSET, 4);
+                self.lookup(set, None);
             }
         }
     }
@@ -928,16 +1056,30 @@ impl Expressions<'_> {
                     TRANSPORT_DPORT_OFFSET,
                     2,
                 );
-                self.lookup(map, true);
+                self.lookup(map, Some(NFT_REG_VERDICT));
             }
             Statement::RandomDispatch { modulus, map } => {
-                self.expr("numgen", |w| {
-                    w.u32(NFTA_NG_DREG, NFT_REG_1);
-                    w.u32(NFTA_NG_MODULUS, *modulus);
-                    w.u32(NFTA_NG_TYPE, NFT_NG_RANDOM);
-                    w.u32(NFTA_NG_OFFSET, 0);
+                self.numgen_random(*modulus);
+                self.lookup(map, Some(NFT_REG_VERDICT));
+            }
+            Statement::RandomDnat(map) => {
+                self.numgen_random(BUCKETS);
+                self.expr("byteorder", |w| {
+                    w.u32(NFTA_BYTEORDER_SREG, NFT_REG_1);
+                    w.u32(NFTA_BYTEORDER_DREG, NFT_REG_1);
+                    w.u32(NFTA_BYTEORDER_OP, NFT_BYTEORDER_HTON);
+                    w.u32(NFTA_BYTEORDER_LEN, 4);
+                    w.u32(NFTA_BYTEORDER_SIZE, 4);
                 });
-                self.lookup(map, true);
+                // The endpoint's address lands in register 1, its port in the next
+                // 32-bit register; nat sets "port given" itself when it has a port.
+                self.lookup(map, Some(NFT_REG_1));
+                self.expr("nat", |w| {
+                    w.u32(NFTA_NAT_TYPE, NFT_NAT_DNAT);
+                    w.u32(NFTA_NAT_FAMILY, u32::from(NFPROTO_IPV4));
+                    w.u32(NFTA_NAT_REG_ADDR_MIN, NFT_REG_1);
+                    w.u32(NFTA_NAT_REG_PROTO_MIN, NFT_REG32_01);
+                });
             }
             Statement::SetMark(bit) => {
                 self.mark_bitwise(!*bit, *bit);
@@ -964,6 +1106,15 @@ impl Expressions<'_> {
                 });
             }
         }
+    }
+
+    fn numgen_random(&mut self, modulus: u32) {
+        self.expr("numgen", |w| {
+            w.u32(NFTA_NG_DREG, NFT_REG_1);
+            w.u32(NFTA_NG_MODULUS, modulus);
+            w.u32(NFTA_NG_TYPE, NFT_NG_RANDOM);
+            w.u32(NFTA_NG_OFFSET, 0);
+        });
     }
 
     fn meta_set_mark(&mut self) {

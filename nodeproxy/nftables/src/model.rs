@@ -18,6 +18,13 @@ pub const TABLE: &str = "tandem";
 /// The masquerade bit of the packet mark, as in the iptables mode (`0x4000`).
 pub const MASQUERADE_MARK: u32 = 0x4000;
 
+/// The range `numgen random mod BUCKETS` draws from to pick an endpoint: each endpoint of
+/// an [`SetSpec::EndpointMap`] owns an equal run of buckets ([`Key::Buckets`]). The
+/// modulus stays fixed, so adding or removing an endpoint only rewrites map elements,
+/// never the rule. 720720 is the least common multiple of 1 to 16: up to 16 endpoints
+/// share it exactly, and more are off by at most one bucket (under 0.003%).
+pub const BUCKETS: u32 = 720_720;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Protocol {
@@ -159,6 +166,9 @@ pub enum Match {
     Mark { bit: u32, set: bool },
     /// `ip saddr @name`: the source is in a set of [`KeyType::Address`].
     SourceInSet(String),
+    /// `ip saddr . ip daddr @name`: the address pair is in a set of
+    /// [`KeyType::AddressPair`].
+    AddressPairInSet(String),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,6 +190,10 @@ pub enum Statement {
     Dispatch { key: DispatchKey, map: String },
     /// `numgen random mod N vmap @name`: picks one of N elements `0 … N-1` at random.
     RandomDispatch { modulus: u32, map: String },
+    /// `dnat ip to numgen random mod 720720 map @name` ([`BUCKETS`]): DNATs to the
+    /// endpoint of an [`SetSpec::EndpointMap`] owning a random bucket. Rules put a
+    /// [`Match::Protocol`] first, as for [`Statement::Dnat`].
+    RandomDnat(String),
     /// `meta mark set meta mark | 0x00004000`.
     SetMark(u32),
     /// `meta mark set meta mark ^ 0x00004000` (clears a bit known to be set).
@@ -211,6 +225,10 @@ pub enum KeyType {
     Index,
     /// `type ipv4_addr`.
     Address,
+    /// `typeof numgen random mod 1` with `flags interval`: runs of [`BUCKETS`].
+    Buckets,
+    /// `type ipv4_addr . ipv4_addr` (source, destination).
+    AddressPair,
 }
 
 impl From<DispatchKey> for KeyType {
@@ -233,6 +251,10 @@ pub enum Key {
     Index(u32),
     /// `10.244.1.2`.
     Address(Ipv4Addr),
+    /// `10.244.1.2 . 10.244.1.2`.
+    AddressPair(Ipv4Addr, Ipv4Addr),
+    /// `0-72071`: the buckets `first ..= last` of an [`SetSpec::EndpointMap`].
+    Buckets { first: u32, last: u32 },
 }
 
 impl Key {
@@ -242,6 +264,8 @@ impl Key {
             Key::ProtocolPort(..) => KeyType::ProtocolPort,
             Key::Index(_) => KeyType::Index,
             Key::Address(_) => KeyType::Address,
+            Key::AddressPair(..) => KeyType::AddressPair,
+            Key::Buckets { .. } => KeyType::Buckets,
         }
     }
 }
@@ -253,11 +277,33 @@ pub enum Verdict {
     Goto(String),
 }
 
+/// What an element maps its key to; the variant follows the set's [`SetSpec`].
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Value {
+    /// An element of a [`SetSpec::AddressPairs`] set: the key alone.
+    Member,
+    /// In a [`SetSpec::VerdictMap`].
+    Verdict(Verdict),
+    /// In a [`SetSpec::EndpointMap`]: `10.244.1.2 . 8080`.
+    Endpoint(SocketAddrV4),
+}
+
+impl From<Verdict> for Value {
+    fn from(verdict: Verdict) -> Self {
+        Value::Verdict(verdict)
+    }
+}
+
 /// How a set is declared (everything but its elements).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum SetSpec {
     /// `map name { type KEY : verdict; }`: elements are written by the node proxy.
     VerdictMap(KeyType),
+    /// `map name { typeof numgen random mod 1 : ip daddr . tcp dport; flags interval; }`:
+    /// runs of buckets ([`Key::Buckets`]) → endpoint, for [`Statement::RandomDnat`].
+    EndpointMap(Protocol),
+    /// `set name { type ipv4_addr . ipv4_addr; }`: elements are written by the node proxy.
+    AddressPairs,
     /// `set name { type ipv4_addr; flags dynamic,timeout; timeout 10800s; }`: elements are
     /// added by the packet path ([`Statement::AddSourceToSet`]) and expire.
     Dynamic { timeout_seconds: u32 },
@@ -267,13 +313,20 @@ pub enum SetSpec {
 pub struct Set {
     pub spec: SetSpec,
     /// Always empty for [`SetSpec::Dynamic`].
-    pub elements: BTreeMap<Key, Verdict>,
+    pub elements: BTreeMap<Key, Value>,
 }
 
 impl Set {
     pub fn verdict_map(key: KeyType) -> Self {
         Self {
             spec: SetSpec::VerdictMap(key),
+            elements: BTreeMap::new(),
+        }
+    }
+
+    pub fn with_spec(spec: SetSpec) -> Self {
+        Self {
+            spec,
             elements: BTreeMap::new(),
         }
     }

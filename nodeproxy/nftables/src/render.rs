@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 use ipnet::Ipv4Net;
 
 use crate::model::{
-    BaseChain, DispatchKey, Key, KeyType, Match, Rule, SetSpec, Statement, TABLE, Verdict,
+    BUCKETS, BaseChain, DispatchKey, Key, KeyType, Match, Rule, SetSpec, Statement, TABLE, Value,
+    Verdict,
 };
 use crate::transaction::{Op, Transaction};
 
@@ -38,16 +39,20 @@ pub fn operation(op: &Op) -> String {
                 "add map ip {TABLE} {name} {{ {} : verdict; }}",
                 key_declaration(*key)
             ),
+            SetSpec::EndpointMap(protocol) => format!(
+                "add map ip {TABLE} {name} {{ typeof numgen random mod 1 : ip daddr . {protocol} dport; flags interval; }}"
+            ),
+            SetSpec::AddressPairs => format!(
+                "add set ip {TABLE} {name} {{ {}; }}",
+                key_declaration(KeyType::AddressPair)
+            ),
             SetSpec::Dynamic { timeout_seconds } => format!(
                 "add set ip {TABLE} {name} {{ type ipv4_addr; flags dynamic,timeout; timeout {timeout_seconds}s; }}"
             ),
         },
         Op::DeleteSet(name) => format!("delete set ip {TABLE} {name}"),
         Op::AddElements { set, elements } => {
-            let list: Vec<String> = elements
-                .iter()
-                .map(|(k, v)| format!("{} : {}", key(k), verdict(v)))
-                .collect();
+            let list: Vec<String> = elements.iter().map(|(k, v)| element(k, v)).collect();
             format!("add element ip {TABLE} {set} {{ {} }}", list.join(", "))
         }
         Op::DeleteElements { set, keys } => {
@@ -72,8 +77,9 @@ pub fn key_declaration(key: KeyType) -> &'static str {
     match key {
         KeyType::AddressProtocolPort => "type ipv4_addr . inet_proto . inet_service",
         KeyType::ProtocolPort => "type inet_proto . inet_service",
-        KeyType::Index => "typeof numgen random mod 1",
+        KeyType::Index | KeyType::Buckets => "typeof numgen random mod 1",
         KeyType::Address => "type ipv4_addr",
+        KeyType::AddressPair => "type ipv4_addr . ipv4_addr",
     }
 }
 
@@ -100,6 +106,7 @@ pub fn condition(m: &Match) -> String {
         Match::Mark { bit, set: true } => format!("meta mark & {bit:#010x} == {bit:#010x}"),
         Match::Mark { bit, set: false } => format!("meta mark & {bit:#010x} == 0x00000000"),
         Match::SourceInSet(set) => format!("ip saddr @{set}"),
+        Match::AddressPairInSet(set) => format!("ip saddr . ip daddr @{set}"),
     }
 }
 
@@ -131,6 +138,7 @@ pub fn statement(s: &Statement) -> String {
         Statement::RandomDispatch { modulus, map } => {
             format!("numgen random mod {modulus} vmap @{map}")
         }
+        Statement::RandomDnat(map) => format!("dnat ip to numgen random mod {BUCKETS} map @{map}"),
         Statement::SetMark(bit) => format!("meta mark set meta mark | {bit:#010x}"),
         Statement::ToggleMark(bit) => format!("meta mark set meta mark ^ {bit:#010x}"),
         Statement::Masquerade => "masquerade fully-random".to_owned(),
@@ -146,6 +154,20 @@ pub fn key(k: &Key) -> String {
         Key::ProtocolPort(protocol, port) => format!("{protocol} . {port}"),
         Key::Index(index) => index.to_string(),
         Key::Address(addr) => addr.to_string(),
+        Key::AddressPair(src, dst) => format!("{src} . {dst}"),
+        Key::Buckets { first, last } => format!("{first}-{last}"),
+    }
+}
+
+/// `10.96.0.10 . tcp . 80 : goto service-…`, `0-72071 : 10.244.1.2 . 8080`, or the key
+/// alone for a set's member.
+pub fn element(k: &Key, value: &Value) -> String {
+    match value {
+        Value::Member => key(k),
+        Value::Verdict(v) => format!("{} : {}", key(k), verdict(v)),
+        Value::Endpoint(endpoint) => {
+            format!("{} : {} . {}", key(k), endpoint.ip(), endpoint.port())
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::model::{BaseChain, Chain, Key, Rule, Ruleset, Set, SetSpec, Verdict};
+use crate::model::{BaseChain, Chain, Key, Rule, Ruleset, Set, SetSpec, Value};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
@@ -33,7 +33,7 @@ pub enum Op {
     DeleteSet(String),
     AddElements {
         set: String,
-        elements: Vec<(Key, Verdict)>,
+        elements: Vec<(Key, Value)>,
     },
     DeleteElements {
         set: String,
@@ -146,14 +146,14 @@ impl Transaction {
                     let stale: Vec<Key> = before
                         .elements
                         .iter()
-                        .filter(|(key, verdict)| after.elements.get(key) != Some(verdict))
+                        .filter(|(key, value)| after.elements.get(key) != Some(value))
                         .map(|(key, _)| *key)
                         .collect();
-                    let fresh: Vec<(Key, Verdict)> = after
+                    let fresh: Vec<(Key, Value)> = after
                         .elements
                         .iter()
-                        .filter(|(key, verdict)| before.elements.get(key) != Some(verdict))
-                        .map(|(key, verdict)| (*key, verdict.clone()))
+                        .filter(|(key, value)| before.elements.get(key) != Some(value))
+                        .map(|(key, value)| (*key, value.clone()))
                         .collect();
                     if !stale.is_empty() {
                         delete_elements.push(Op::DeleteElements {
@@ -199,7 +199,7 @@ fn elements_of(name: &str, set: &Set) -> Option<Op> {
         elements: set
             .elements
             .iter()
-            .map(|(key, verdict)| (*key, verdict.clone()))
+            .map(|(key, value)| (*key, value.clone()))
             .collect(),
     })
 }
@@ -207,7 +207,7 @@ fn elements_of(name: &str, set: &Set) -> Option<Op> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{KeyType, Statement};
+    use crate::model::{KeyType, Statement, Verdict};
 
     fn ruleset(endpoint: Option<&str>) -> Ruleset {
         let mut rs = Ruleset::default();
@@ -221,7 +221,7 @@ mod tests {
                 },
             );
             map.elements
-                .insert(Key::Index(0), Verdict::Goto(ep.to_owned()));
+                .insert(Key::Index(0), Verdict::Goto(ep.to_owned()).into());
         }
         rs.sets.insert("m".into(), map);
         rs
@@ -245,7 +245,7 @@ mod tests {
         let del_a = position(&Op::DeleteChain("a".into()));
         let add_elem = position(&Op::AddElements {
             set: "m".into(),
-            elements: vec![(Key::Index(0), Verdict::Goto("b".into()))],
+            elements: vec![(Key::Index(0), Verdict::Goto("b".into()).into())],
         });
         assert!(add_b < add_elem && del_elem < del_a && del_elem < add_elem);
     }

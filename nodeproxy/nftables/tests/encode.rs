@@ -2,7 +2,9 @@
 //!
 //! `fixtures/nft-1.0.6-every-variant.bin` is the batch `nft -f` sent (captured with
 //! `strace -e trace=sendmsg -e write=3`) for the text `render::transaction` writes for
-//! the transaction below, which uses every model variant.
+//! the transaction below, which uses every model variant but one: elements of an
+//! endpoint map (runs of buckets), which nft 1.0.6 reorders and sends twice when the map
+//! is declared in the same batch. `tests/kernel.rs` checks those by their listing.
 
 #![allow(clippy::expect_used)]
 
@@ -12,7 +14,7 @@ use tandem_nftables::encode;
 use tandem_nftables::render;
 use tandem_nftables::{
     BaseChain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Op, Protocol, Rule, SetSpec,
-    Statement, Transaction, Verdict,
+    Statement, Transaction, Value, Verdict,
 };
 
 const NFT_BATCH: &[u8] = include_bytes!("fixtures/nft-1.0.6-every-variant.bin");
@@ -36,7 +38,9 @@ fn net(text: &str) -> ipnet::Ipv4Net {
 }
 
 fn every_variant() -> Transaction {
-    let goto = |chain: &str| Verdict::Goto(chain.into());
+    let goto = |chain: &str| Value::from(Verdict::Goto(chain.into()));
+    let drop = || Value::from(Verdict::Drop);
+    let pod = |last: u8| Ipv4Addr::new(10, 244, 1, last);
     let mark = 0x4000;
     let ops = vec![
         Op::AddTable,
@@ -91,7 +95,7 @@ fn every_variant() -> Transaction {
                 ),
                 (
                     Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 11), Protocol::Udp, 53),
-                    Verdict::Drop,
+                    drop(),
                 ),
             ],
         },
@@ -101,11 +105,11 @@ fn every_variant() -> Transaction {
         },
         Op::AddElements {
             set: "idx".into(),
-            elements: vec![(Key::Index(0), goto("ep")), (Key::Index(1), Verdict::Drop)],
+            elements: vec![(Key::Index(0), goto("ep")), (Key::Index(1), drop())],
         },
         Op::AddElements {
             set: "addrs".into(),
-            elements: vec![(Key::Address(Ipv4Addr::new(10, 1, 2, 3)), Verdict::Drop)],
+            elements: vec![(Key::Address(Ipv4Addr::new(10, 1, 2, 3)), drop())],
         },
         rule(
             "pre",
@@ -217,6 +221,32 @@ fn every_variant() -> Transaction {
                 Statement::Drop,
             ),
         ),
+        Op::AddSet {
+            name: "eps".into(),
+            spec: SetSpec::EndpointMap(Protocol::Tcp),
+        },
+        Op::AddSet {
+            name: "pairs".into(),
+            spec: SetSpec::AddressPairs,
+        },
+        Op::AddElements {
+            set: "pairs".into(),
+            elements: vec![(Key::AddressPair(pod(2), pod(2)), Value::Member)],
+        },
+        rule(
+            "pre",
+            Rule::when(
+                vec![Match::Protocol(Protocol::Tcp)],
+                Statement::RandomDnat("eps".into()),
+            ),
+        ),
+        rule(
+            "post",
+            Rule::when(
+                vec![Match::AddressPairInSet("pairs".into())],
+                Statement::Masquerade,
+            ),
+        ),
     ];
     Transaction { ops }
 }
@@ -253,6 +283,11 @@ add rule ip tandem filt return
 add rule ip tandem filt accept
 add rule ip tandem filt drop
 add rule ip tandem filt ip saddr 10.1.1.1 ip daddr 10.0.0.0/8 drop
+add map ip tandem eps { typeof numgen random mod 1 : ip daddr . tcp dport; flags interval; }
+add set ip tandem pairs { type ipv4_addr . ipv4_addr; }
+add element ip tandem pairs { 10.244.1.2 . 10.244.1.2 }
+add rule ip tandem pre meta l4proto tcp dnat ip to numgen random mod 720720 map @eps
+add rule ip tandem post ip saddr . ip daddr @pairs masquerade fully-random
 ";
 
 #[test]
@@ -284,11 +319,11 @@ fn every_message_maps_back_to_its_operation() {
 
 #[test]
 fn large_element_lists_are_split_over_messages_of_the_same_operation() {
-    let elements: Vec<(Key, Verdict)> = (0..60_000u32)
+    let elements: Vec<(Key, Value)> = (0..60_000u32)
         .map(|i| {
             (
                 Key::Index(i),
-                Verdict::Goto(format!("endpoint-chain-{i:08}")),
+                Verdict::Goto(format!("endpoint-chain-{i:08}")).into(),
             )
         })
         .collect();

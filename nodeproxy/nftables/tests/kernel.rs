@@ -21,8 +21,8 @@ use nix::sched::{CloneFlags, setns};
 use tandem_nftables::kernel::{KernelError, Netlink};
 use tandem_nftables::render;
 use tandem_nftables::{
-    BaseChain, Chain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Op, Protocol, Rule,
-    Ruleset, Set, Statement, Transaction, Verdict,
+    BUCKETS, BaseChain, Chain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Op, Protocol,
+    Rule, Ruleset, Set, SetSpec, Statement, Transaction, Value, Verdict,
 };
 
 const MARK: u32 = 0x4000;
@@ -181,8 +181,37 @@ fn chain(base: Option<BaseChain>, rules: Vec<Rule>) -> Chain {
     Chain { base, rules }
 }
 
-fn goto(chain: &str) -> Verdict {
-    Verdict::Goto(chain.into())
+fn goto(chain: &str) -> Value {
+    Verdict::Goto(chain.into()).into()
+}
+
+fn drop_verdict() -> Value {
+    Verdict::Drop.into()
+}
+
+/// An endpoint map spreading UDP over 10.244.1.`last`:53, one run of buckets each.
+fn udp_endpoints(lasts: &[u8]) -> Set {
+    let count = lasts.len() as u32;
+    let run = BUCKETS / count;
+    Set {
+        spec: SetSpec::EndpointMap(Protocol::Udp),
+        elements: (0..count)
+            .zip(lasts)
+            .map(|(i, last)| {
+                (
+                    Key::Buckets {
+                        first: i * run,
+                        last: if i + 1 == count {
+                            BUCKETS - 1
+                        } else {
+                            (i + 1) * run - 1
+                        },
+                    },
+                    Value::Endpoint(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, *last), 53)),
+                )
+            })
+            .collect(),
+    }
 }
 
 /// A ruleset with every model variant: each match, statement, key type, set kind and
@@ -198,7 +227,7 @@ fn every_variant() -> Ruleset {
             ),
             (
                 Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 11), Protocol::Udp, 53),
-                Verdict::Drop,
+                drop_verdict(),
             ),
         ]),
     };
@@ -215,7 +244,7 @@ fn every_variant() -> Ruleset {
     };
     let firewall = Set {
         spec: tandem_nftables::SetSpec::VerdictMap(KeyType::Address),
-        elements: BTreeMap::from([(Key::Address(Ipv4Addr::new(10, 1, 2, 3)), Verdict::Drop)]),
+        elements: BTreeMap::from([(Key::Address(Ipv4Addr::new(10, 1, 2, 3)), drop_verdict())]),
     };
     rs.sets.insert("service-ips".into(), services);
     rs.sets.insert("node-ports".into(), node_ports);
@@ -223,6 +252,36 @@ fn every_variant() -> Ruleset {
     rs.sets.insert("firewall-sources".into(), firewall);
     rs.sets
         .insert("affinity-ep-a-0".into(), Set::dynamic(10800));
+    rs.sets
+        .insert("svc-b-endpoints".into(), udp_endpoints(&[5, 6]));
+    let endpoint = Ipv4Addr::new(10, 244, 1, 5);
+    rs.sets.insert(
+        "hairpins".into(),
+        Set {
+            spec: SetSpec::AddressPairs,
+            elements: BTreeMap::from([(Key::AddressPair(endpoint, endpoint), Value::Member)]),
+        },
+    );
+    rs.chains.insert(
+        "svc-b-spread".into(),
+        chain(
+            None,
+            vec![Rule::when(
+                vec![Match::Protocol(Protocol::Udp)],
+                Statement::RandomDnat("svc-b-endpoints".into()),
+            )],
+        ),
+    );
+    rs.chains.insert(
+        "nat-postrouting-hairpin".into(),
+        chain(
+            base(ChainType::Nat, Hook::Postrouting, 90),
+            vec![Rule::when(
+                vec![Match::AddressPairInSet("hairpins".into())],
+                Statement::Masquerade,
+            )],
+        ),
+    );
 
     let dispatch = |key, map: &str| Statement::Dispatch {
         key,
@@ -438,6 +497,9 @@ fn every_variant_changed() -> Ruleset {
         chain(None, vec![Rule::always(Statement::Drop)]),
     );
     rs.chains.insert("ep-a-1".into(), udp_endpoint(5353));
+    // A third endpoint: every run of buckets moves.
+    rs.sets
+        .insert("svc-b-endpoints".into(), udp_endpoints(&[5, 6, 7]));
     rs.chains.insert(
         "filter-output".into(),
         chain(

@@ -15,7 +15,9 @@ use common::generate::{MAX_PORTS, port_name, state};
 use common::ip;
 use common::netns::{Netns, is_root};
 use proptest::prelude::*;
-use tandem_nftables::{Op, Ruleset, Statement, Transaction, Verdict as MapVerdict, render};
+use tandem_nftables::{
+    Key, Op, Ruleset, Statement, Transaction, Value, Verdict as MapVerdict, render,
+};
 use tandem_proxy_rules::chains::endpoint_chain;
 use tandem_proxy_rules::model::{
     Endpoint, IpMode, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName,
@@ -269,8 +271,8 @@ fn references(ruleset: &Ruleset) -> Vec<(String, String)> {
         }
     }
     for (name, set) in &ruleset.sets {
-        for verdict in set.elements.values() {
-            if let MapVerdict::Goto(target) = verdict {
+        for value in set.elements.values() {
+            if let Value::Verdict(MapVerdict::Goto(target)) = value {
                 refs.push((format!("@{name}"), target.clone()));
             }
         }
@@ -284,7 +286,9 @@ fn used_sets(ruleset: &Ruleset) -> BTreeSet<String> {
     for chain in ruleset.chains.values() {
         for rule in &chain.rules {
             match &rule.statement {
-                Statement::Dispatch { map, .. } | Statement::RandomDispatch { map, .. } => {
+                Statement::Dispatch { map, .. }
+                | Statement::RandomDispatch { map, .. }
+                | Statement::RandomDnat(map) => {
                     used.insert(map.clone());
                 }
                 Statement::AddSourceToSet(set) => {
@@ -293,7 +297,9 @@ fn used_sets(ruleset: &Ruleset) -> BTreeSet<String> {
                 _ => {}
             }
             for m in &rule.matches {
-                if let tandem_nftables::Match::SourceInSet(set) = m {
+                if let tandem_nftables::Match::SourceInSet(set)
+                | tandem_nftables::Match::AddressPairInSet(set) = m
+                {
                     used.insert(set.clone());
                 }
             }
@@ -302,8 +308,8 @@ fn used_sets(ruleset: &Ruleset) -> BTreeSet<String> {
     used
 }
 
-/// Applies `tx` as the kernel would, refusing what the kernel refuses: a duplicate
-/// element, a missing object, deleting a chain or set that is still referenced.
+/// Applies `tx` as the kernel would, refusing what the kernel refuses: a duplicate or
+/// overlapping element, a missing object, deleting a chain or set that is still referenced.
 fn apply(ruleset: &mut Ruleset, tx: &Transaction) {
     for op in &tx.ops {
         match op {
@@ -348,12 +354,18 @@ fn apply(ruleset: &mut Ruleset, tx: &Transaction) {
             }
             Op::AddElements { set, elements } => {
                 let set_elements = &mut ruleset.sets.get_mut(set).unwrap().elements;
-                for (key, verdict) in elements {
-                    if let MapVerdict::Goto(target) = verdict {
+                for (key, value) in elements {
+                    if let Value::Verdict(MapVerdict::Goto(target)) = value {
                         assert!(ruleset.chains.contains_key(target), "{target} missing");
                     }
+                    if let Key::Buckets { first, last } = key {
+                        let overlapping = set_elements.keys().any(|other| {
+                            matches!(other, Key::Buckets { first: f, last: l } if f <= last && first <= l)
+                        });
+                        assert!(!overlapping, "{set}: {key:?} overlaps");
+                    }
                     assert!(
-                        set_elements.insert(*key, verdict.clone()).is_none(),
+                        set_elements.insert(*key, value.clone()).is_none(),
                         "{set}: {key:?} exists"
                     );
                 }
@@ -462,15 +474,24 @@ fn one_endpoint_added_touches_only_its_port() {
         .push(common::ready("10.244.2.9", 8080, "node-b"));
     let tx = incremental.update(&state, [&common::web()]);
     let text = render::transaction(&tx);
-    // A new endpoint chain, the port's endpoint map grown by one: no shared map, no
-    // other port.
-    assert!(text.contains("add chain ip tandem endpoint-"), "{text}");
+    // Elements only: the port's runs of buckets move and the new endpoint's hairpin pair
+    // joins. No chain, no rule, no verdict (those make the kernel validate the table),
+    // no other port.
+    assert!(
+        tx.ops
+            .iter()
+            .all(|op| matches!(op, Op::AddElements { .. } | Op::DeleteElements { .. })),
+        "{text}"
+    );
     assert!(text.contains("add element ip tandem endpoints-"), "{text}");
+    assert!(
+        text.contains("add element ip tandem hairpin-endpoints { 10.244.2.9 . 10.244.2.9 }"),
+        "{text}"
+    );
     assert!(
         !text.contains("service-ips") && !text.contains("open"),
         "{text}"
     );
-    assert!(!text.contains("delete"), "{text}");
     assert_eq!(incremental.ruleset(), &layout::build(&state, &node));
 }
 

@@ -6,9 +6,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use tandem_nftables::{Key, Match, Rule, Ruleset, Set, Statement, Transaction, Verdict};
+use tandem_nftables::{Key, Match, Rule, Ruleset, Set, Statement, Transaction, Value};
 
-use super::layout::{self, PortObjects, SHARED_MAPS, port_objects};
+use super::layout::{self, PortObjects, SHARED_SETS, port_objects};
 use crate::model::{NodeConfig, ProxyState, ServicePortName};
 
 /// A set whose declaration changes (an affinity timeout) is deleted and declared anew,
@@ -44,18 +44,20 @@ fn force_rewrite_of_redeclared_set_users(before: &mut Ruleset, after: &Ruleset) 
 /// The sets a rule names.
 fn rule_sets(rule: &Rule) -> impl Iterator<Item = &String> {
     let in_statement = match &rule.statement {
-        Statement::Dispatch { map, .. } | Statement::RandomDispatch { map, .. } => Some(map),
+        Statement::Dispatch { map, .. }
+        | Statement::RandomDispatch { map, .. }
+        | Statement::RandomDnat(map) => Some(map),
         Statement::AddSourceToSet(set) => Some(set),
         _ => None,
     };
     let in_matches = rule.matches.iter().filter_map(|m| match m {
-        Match::SourceInSet(set) => Some(set),
+        Match::SourceInSet(set) | Match::AddressPairInSet(set) => Some(set),
         _ => None,
     });
     in_statement.into_iter().chain(in_matches)
 }
 
-/// An element of a shared map: `(map, key)`.
+/// An element of a shared set: `(set, key)`.
 type ElementKey = (&'static str, Key);
 
 /// What the ruleset holds of one Service port.
@@ -63,16 +65,16 @@ type ElementKey = (&'static str, Key);
 struct PortShare {
     chains: Vec<String>,
     sets: Vec<String>,
-    /// The elements it claims in the shared maps (it holds those it wins).
-    elements: Vec<(&'static str, Key, Verdict)>,
+    /// The elements it claims in the shared sets (it holds those it wins).
+    elements: Vec<(&'static str, Key, Value)>,
 }
 
 impl PortShare {
-    fn verdict(&self, (map, key): ElementKey) -> Option<&Verdict> {
+    fn value(&self, (set, key): ElementKey) -> Option<&Value> {
         self.elements
             .iter()
-            .find(|(m, k, _)| *m == map && *k == key)
-            .map(|(_, _, verdict)| verdict)
+            .find(|(s, k, _)| *s == set && *k == key)
+            .map(|(_, _, value)| value)
     }
 }
 
@@ -83,7 +85,7 @@ pub struct IncrementalRuleset {
     ruleset: Ruleset,
     ports: BTreeMap<ServicePortName, PortShare>,
     /// Elements more than one port claims (two Services listing the same external IP and
-    /// port), with every claimant: the first in name order holds it, as in [`layout::build`].
+    /// port, or sharing an endpoint's hairpin pair), with every claimant: the first in name order holds it, as in [`layout::build`].
     /// Only conflicts are indexed, so the common case costs nothing.
     contested: BTreeMap<ElementKey, BTreeSet<ServicePortName>>,
 }
@@ -117,12 +119,12 @@ impl IncrementalRuleset {
         // Both declare the shared maps, holding only the touched elements.
         let mut before = Ruleset::default();
         let mut after = Ruleset::default();
-        for (name, key) in SHARED_MAPS {
-            before.sets.insert(name.to_owned(), Set::verdict_map(key));
-            after.sets.insert(name.to_owned(), Set::verdict_map(key));
+        for (name, spec) in SHARED_SETS {
+            before.sets.insert(name.to_owned(), Set::with_spec(spec));
+            after.sets.insert(name.to_owned(), Set::with_spec(spec));
         }
         let mut chains = BTreeSet::new();
-        let mut sets: BTreeSet<String> = SHARED_MAPS
+        let mut sets: BTreeSet<String> = SHARED_SETS
             .iter()
             .map(|(name, _)| (*name).to_owned())
             .collect();
@@ -191,15 +193,15 @@ impl IncrementalRuleset {
                 // A new conflict: the holder is a port this update did not touch.
                 claimants.extend(self.claimants(element));
             }
-            if let (Some(verdict), Some(set)) = (current, before.sets.get_mut(map)) {
-                set.elements.insert(key, verdict);
+            if let (Some(value), Some(set)) = (current, before.sets.get_mut(map)) {
+                set.elements.insert(key, value);
             }
             let winner = claimants
                 .first()
                 .and_then(|name| self.ports.get(name))
-                .and_then(|share| share.verdict(element));
-            if let (Some(verdict), Some(set)) = (winner, after.sets.get_mut(map)) {
-                set.elements.insert(key, verdict.clone());
+                .and_then(|share| share.value(element));
+            if let (Some(value), Some(set)) = (winner, after.sets.get_mut(map)) {
+                set.elements.insert(key, value.clone());
             }
             if claimants.len() > 1 {
                 self.contested.insert(element, claimants);
@@ -216,7 +218,7 @@ impl IncrementalRuleset {
             sets: mut new_sets,
         } = after;
         self.ruleset.chains.extend(new_chains);
-        for (name, _) in SHARED_MAPS {
+        for (name, _) in SHARED_SETS {
             let (Some(elements), Some(map)) =
                 (new_sets.remove(name), self.ruleset.sets.get_mut(name))
             else {
@@ -233,7 +235,7 @@ impl IncrementalRuleset {
     fn claimants(&self, element: ElementKey) -> Vec<ServicePortName> {
         self.ports
             .iter()
-            .filter(|(_, share)| share.verdict(element).is_some())
+            .filter(|(_, share)| share.value(element).is_some())
             .map(|(name, _)| name.clone())
             .collect()
     }

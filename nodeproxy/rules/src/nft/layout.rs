@@ -1,12 +1,22 @@
 //! Observed state in, the ruleset of table `ip tandem` out: kube-proxy's nftables layout.
 //!
-//! Fixed objects: base chains that only jump into ours, the dispatch chains and five
-//! shared verdict maps keyed by what a packet is addressed to (`service-ips`,
-//! `service-nodeports`, `firewall-ips`, `no-endpoint-services`, `no-endpoint-nodeports`).
-//! Each Service port adds elements to those maps and owns its chains (`service-…`,
-//! `external-…`, `local-…`, `firewall-…`, `endpoint-…`) and sets (`endpoints-…`,
-//! `local-endpoints-…`, `affinity-…`), so one port's change touches only its own objects
+//! Fixed objects: base chains that only jump into ours, the dispatch chains, five shared
+//! verdict maps keyed by what a packet is addressed to (`service-ips`,
+//! `service-nodeports`, `firewall-ips`, `no-endpoint-services`, `no-endpoint-nodeports`)
+//! and the `hairpin-endpoints` set. Each Service port adds elements to those and owns its
+//! chains (`service-…`, `external-…`, `local-…`, `firewall-…`) and endpoint maps
+//! (`endpoints-…`, `local-endpoints-…`), so one port's change touches only its own objects
 //! and its own elements: the map lookups cost the same with ten Services or ten thousand.
+//!
+//! Where kube-proxy gives every endpoint a chain and picks one with `numgen random mod N
+//! vmap`, a port here DNATs straight from a map of bucket runs to endpoints (see
+//! [`tandem_nftables::BUCKETS`]), and hairpin traffic is found in postrouting by its
+//! `saddr . daddr` pair. So adding or removing an endpoint changes map elements only. That
+//! matters for the kernel: a transaction that adds a rule with a jump, a goto or a NAT
+//! statement, or a map element that jumps, makes nf_tables re-validate every chain
+//! reachable from the table's base chains, whose cost grows with the number of Services;
+//! element changes skip that. Session affinity still needs kube-proxy's per-endpoint
+//! chains and `affinity-…` sets, so Services with it keep that layout.
 //!
 //! Health-check node ports need no rule here: our base chains accept by policy, and an
 //! `accept` in our table could not overrule another table's `drop` anyway (the iptables
@@ -19,8 +29,8 @@ use data_encoding::BASE32;
 use ipnet::Ipv4Net;
 use sha2::{Digest, Sha256};
 use tandem_nftables::{
-    BaseChain, Chain, ChainType, DispatchKey, Hook, Key, KeyType, MASQUERADE_MARK, Match, Protocol,
-    Rule, Ruleset, Set, Statement, Verdict,
+    BUCKETS, BaseChain, Chain, ChainType, DispatchKey, Hook, Key, KeyType, MASQUERADE_MARK, Match,
+    Protocol, Rule, Ruleset, Set, SetSpec, Statement, Value, Verdict,
 };
 
 use crate::model::{Endpoint, NodeConfig, ProxyState, ServicePort, ServicePortName};
@@ -58,14 +68,33 @@ pub const FIREWALL_IPS: &str = "firewall-ips";
 pub const NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
 /// Node ports without usable endpoints → `goto reject-chain`.
 pub const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+/// `endpoint . endpoint` for every endpoint: a connection from an endpoint DNATed back to
+/// itself (hairpin) is masqueraded, or the endpoint would answer itself directly.
+pub const HAIRPIN_ENDPOINTS: &str = "hairpin-endpoints";
 
-/// The verdict maps every Service port may add elements to, with their keys.
-pub const SHARED_MAPS: [(&str, KeyType); 5] = [
-    (SERVICE_IPS, KeyType::AddressProtocolPort),
-    (FIREWALL_IPS, KeyType::AddressProtocolPort),
-    (NO_ENDPOINT_SERVICES, KeyType::AddressProtocolPort),
-    (SERVICE_NODEPORTS, KeyType::ProtocolPort),
-    (NO_ENDPOINT_NODEPORTS, KeyType::ProtocolPort),
+/// The sets every Service port may add elements to, with their declarations.
+pub const SHARED_SETS: [(&str, SetSpec); 6] = [
+    (
+        SERVICE_IPS,
+        SetSpec::VerdictMap(KeyType::AddressProtocolPort),
+    ),
+    (
+        FIREWALL_IPS,
+        SetSpec::VerdictMap(KeyType::AddressProtocolPort),
+    ),
+    (
+        NO_ENDPOINT_SERVICES,
+        SetSpec::VerdictMap(KeyType::AddressProtocolPort),
+    ),
+    (
+        SERVICE_NODEPORTS,
+        SetSpec::VerdictMap(KeyType::ProtocolPort),
+    ),
+    (
+        NO_ENDPOINT_NODEPORTS,
+        SetSpec::VerdictMap(KeyType::ProtocolPort),
+    ),
+    (HAIRPIN_ENDPOINTS, SetSpec::AddressPairs),
 ];
 
 /// Node ports are not served on loopback addresses, as in kube-proxy's nftables mode
@@ -79,8 +108,8 @@ pub struct PortObjects {
     pub chains: BTreeMap<String, Chain>,
     /// Its own sets (endpoint maps, affinity sets).
     pub sets: BTreeMap<String, Set>,
-    /// Its elements in the [`SHARED_MAPS`]: `(map, key, verdict)`.
-    pub elements: Vec<(&'static str, Key, Verdict)>,
+    /// Its elements in the [`SHARED_SETS`]: `(set, key, value)`.
+    pub elements: Vec<(&'static str, Key, Value)>,
 }
 
 /// The complete ruleset of table `ip tandem`: the fixed objects, then every Service port's
@@ -96,16 +125,16 @@ pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
     ruleset
 }
 
-/// Puts one port's objects into `ruleset` (whose shared maps must exist). A key another
+/// Puts one port's objects into `ruleset` (whose shared sets must exist). A key another
 /// port already holds (two Services listing the same external IP and port) stays with
 /// that port, the first in name order: a map holds one verdict per key, and the
 /// incremental ruleset resolves such conflicts the same way.
 fn install(ruleset: &mut Ruleset, objects: PortObjects) {
     ruleset.chains.extend(objects.chains);
     ruleset.sets.extend(objects.sets);
-    for (map, key, verdict) in objects.elements {
-        if let Some(set) = ruleset.sets.get_mut(map) {
-            set.elements.entry(key).or_insert(verdict);
+    for (set, key, value) in objects.elements {
+        if let Some(set) = ruleset.sets.get_mut(set) {
+            set.elements.entry(key).or_insert(value);
         }
     }
 }
@@ -228,6 +257,10 @@ pub fn fixed_objects() -> Ruleset {
             MASQUERADING,
             chain(vec![
                 Rule::when(
+                    vec![Match::AddressPairInSet(HAIRPIN_ENDPOINTS.to_owned())],
+                    jump(MARK_FOR_MASQUERADE),
+                ),
+                Rule::when(
                     vec![Match::Mark {
                         bit: MASQUERADE_MARK,
                         set: false,
@@ -267,8 +300,8 @@ pub fn fixed_objects() -> Ruleset {
     for (name, chain) in chains {
         ruleset.chains.insert(name.to_owned(), chain);
     }
-    for (name, key) in SHARED_MAPS {
-        ruleset.sets.insert(name.to_owned(), Set::verdict_map(key));
+    for (name, spec) in SHARED_SETS {
+        ruleset.sets.insert(name.to_owned(), Set::with_spec(spec));
     }
     ruleset
 }
@@ -342,8 +375,8 @@ pub struct PortNames {
     pub external: String,
     /// loadBalancerSourceRanges.
     pub firewall: String,
-    /// `numgen` index → endpoint chain, for [`PortNames::service`] and
-    /// [`PortNames::local`].
+    /// Buckets → endpoint (or, with session affinity, `numgen` index → endpoint chain),
+    /// for [`PortNames::service`] and [`PortNames::local`].
     pub endpoints_map: String,
     pub local_endpoints_map: String,
 }
@@ -393,7 +426,7 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
     let external_ips = sorted_unique(&[&port.external_ips[..], &port.paths.vip_ingress].concat());
 
     if !port.has_endpoints {
-        let reject = Verdict::Goto(REJECT_CHAIN.to_owned());
+        let reject = Value::from(Verdict::Goto(REJECT_CHAIN.to_owned()));
         for ip in std::iter::once(cluster_ip).chain(external_ips) {
             out.elements
                 .push((NO_ENDPOINT_SERVICES, ip_key(ip), reject.clone()));
@@ -409,7 +442,12 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
     }
 
     for ep in &port.endpoints {
-        port.add_endpoint_chain(&mut out, ep);
+        let ip = *ep.addr.ip();
+        out.elements
+            .push((HAIRPIN_ENDPOINTS, Key::AddressPair(ip, ip), Value::Member));
+        if svc.session_affinity_timeout.is_some() {
+            port.add_endpoint_chain(&mut out, ep);
+        }
     }
     let cluster: Vec<&PortEndpoint> = port.endpoints.iter().filter(|ep| ep.cluster).collect();
     let local: Vec<&PortEndpoint> = port.endpoints.iter().filter(|ep| ep.local).collect();
@@ -454,7 +492,8 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
     } else {
         SERVICE_IPS
     };
-    out.elements.push((map, ip_key(cluster_ip), internal));
+    out.elements
+        .push((map, ip_key(cluster_ip), internal.into()));
 
     if !port.paths.external {
         return out;
@@ -463,7 +502,7 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
         port.names.external.clone(),
         chain(port.external_rules(!local.is_empty())),
     );
-    let external = Verdict::Goto(port.names.external.clone());
+    let external = Value::from(Verdict::Goto(port.names.external.clone()));
     for ip in external_ips {
         out.elements
             .push((SERVICE_IPS, ip_key(ip), external.clone()));
@@ -494,7 +533,7 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
                 .with_comment(format!("{} loadBalancerSourceRanges", svc.name)),
         );
         out.chains.insert(port.names.firewall.clone(), chain(rules));
-        let firewall = Verdict::Goto(port.names.firewall.clone());
+        let firewall = Value::from(Verdict::Goto(port.names.firewall.clone()));
         for &ip in &port.paths.vip_ingress {
             out.elements
                 .push((FIREWALL_IPS, ip_key(ip), firewall.clone()));
@@ -503,13 +542,24 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
     out
 }
 
-/// A usable endpoint of one Service port, with its chain and affinity set.
+/// [`BUCKETS`] split into `count` runs as equal as can be, in order.
+fn bucket_runs(count: usize) -> impl Iterator<Item = Key> {
+    // More endpoints than buckets cannot be: the extra ones would get none.
+    let count = u64::try_from(count)
+        .unwrap_or(u64::MAX)
+        .clamp(1, u64::from(BUCKETS));
+    let boundary = move |i: u64| u32::try_from(i * u64::from(BUCKETS) / count).unwrap_or(BUCKETS);
+    (0..count).map(move |i| Key::Buckets {
+        first: boundary(i),
+        last: boundary(i + 1) - 1,
+    })
+}
+
+/// A usable endpoint of one Service port.
 struct PortEndpoint {
     addr: SocketAddrV4,
     cluster: bool,
     local: bool,
-    chain: String,
-    affinity: String,
 }
 
 /// Everything one (non-headless) Service port's objects are derived from; the same
@@ -554,8 +604,6 @@ impl<'a> Port<'a> {
                     addr: ep.addr,
                     cluster: ep.cluster,
                     local: ep.local,
-                    chain: endpoint_chain(&svc.name, svc.protocol, ep.addr),
-                    affinity: affinity_set(&svc.name, svc.protocol, ep.addr),
                 })
                 .collect(),
             external_ips: sorted_unique(&svc.external_ips),
@@ -589,28 +637,34 @@ impl<'a> Port<'a> {
         ))
     }
 
-    /// `endpoint-…`: masquerade hairpin traffic, remember the client (affinity), DNAT.
+    /// `endpoint-…` (session affinity only): remember the client, DNAT.
     fn add_endpoint_chain(&self, out: &mut PortObjects, ep: &PortEndpoint) {
-        let mut rules = vec![Rule::when(
-            vec![Match::SourceAddress {
-                net: host(*ep.addr.ip()),
-                negated: false,
-            }],
-            jump(MARK_FOR_MASQUERADE),
-        )];
-        if let Some(timeout) = self.svc.session_affinity_timeout {
-            rules.push(Rule::always(Statement::AddSourceToSet(ep.affinity.clone())));
-            out.sets.insert(ep.affinity.clone(), Set::dynamic(timeout));
-        }
-        rules.push(Rule::when(
-            vec![Match::Protocol(self.svc.protocol)],
-            Statement::Dnat(ep.addr),
-        ));
-        out.chains.insert(ep.chain.clone(), chain(rules));
+        let Some(timeout) = self.svc.session_affinity_timeout else {
+            return;
+        };
+        let affinity = self.affinity_set(ep);
+        out.sets.insert(affinity.clone(), Set::dynamic(timeout));
+        let rules = vec![
+            Rule::always(Statement::AddSourceToSet(affinity)),
+            Rule::when(
+                vec![Match::Protocol(self.svc.protocol)],
+                Statement::Dnat(ep.addr),
+            ),
+        ];
+        out.chains.insert(self.endpoint_chain(ep), chain(rules));
     }
 
-    /// A chain that spreads over `targets` (never empty): affinity checks, then one
-    /// `goto`, or a random pick through the named map `map`.
+    fn endpoint_chain(&self, ep: &PortEndpoint) -> String {
+        endpoint_chain(&self.svc.name, self.svc.protocol, ep.addr)
+    }
+
+    fn affinity_set(&self, ep: &PortEndpoint) -> String {
+        affinity_set(&self.svc.name, self.svc.protocol, ep.addr)
+    }
+
+    /// A chain that spreads over `targets` (never empty) through the named map `map`:
+    /// a random DNAT, or with session affinity kube-proxy's affinity checks and then one
+    /// `goto`, or a random pick of an endpoint chain.
     fn add_dispatch(
         &self,
         out: &mut PortObjects,
@@ -619,21 +673,34 @@ impl<'a> Port<'a> {
         mut rules: Vec<Rule>,
         targets: &[&PortEndpoint],
     ) {
-        if self.svc.session_affinity_timeout.is_some() {
-            for ep in targets {
-                rules.push(Rule::when(
-                    vec![Match::SourceInSet(ep.affinity.clone())],
-                    goto(&ep.chain),
-                ));
+        if self.svc.session_affinity_timeout.is_none() {
+            let mut set = Set::with_spec(SetSpec::EndpointMap(self.svc.protocol));
+            for (buckets, ep) in bucket_runs(targets.len()).zip(targets) {
+                set.elements.insert(buckets, Value::Endpoint(ep.addr));
             }
+            out.sets.insert(map.to_owned(), set);
+            rules.push(Rule::when(
+                vec![Match::Protocol(self.svc.protocol)],
+                Statement::RandomDnat(map.to_owned()),
+            ));
+            out.chains.insert(chain_name.to_owned(), chain(rules));
+            return;
+        }
+        for ep in targets {
+            rules.push(Rule::when(
+                vec![Match::SourceInSet(self.affinity_set(ep))],
+                goto(&self.endpoint_chain(ep)),
+            ));
         }
         match targets {
-            [only] => rules.push(Rule::always(goto(&only.chain))),
+            [only] => rules.push(Rule::always(goto(&self.endpoint_chain(only)))),
             _ => {
                 let mut set = Set::verdict_map(KeyType::Index);
                 for (index, ep) in (0u32..).zip(targets) {
-                    set.elements
-                        .insert(Key::Index(index), Verdict::Goto(ep.chain.clone()));
+                    set.elements.insert(
+                        Key::Index(index),
+                        Verdict::Goto(self.endpoint_chain(ep)).into(),
+                    );
                 }
                 rules.push(Rule::always(Statement::RandomDispatch {
                     modulus: u32::try_from(targets.len()).unwrap_or(u32::MAX),
@@ -773,11 +840,98 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn one_endpoint_is_a_plain_goto_and_two_a_named_map() {
+    fn endpoints_share_the_buckets_of_one_dnat_map_and_every_endpoint_is_a_hairpin_pair() {
         let svc = service(Some(Ipv4Addr::new(172, 30, 0, 41)));
         let names = PortNames::of(&svc.name, svc.protocol);
+        let objects = port_objects(
+            &svc,
+            &[
+                endpoint(1, "node-b"),
+                endpoint(2, "node-b"),
+                endpoint(3, "node-a"),
+            ],
+            &node(),
+        );
+        assert_eq!(
+            objects.chains.keys().collect::<Vec<_>>(),
+            vec![&names.service],
+            "no endpoint chains without session affinity"
+        );
+        let last = objects.chains[&names.service].rules.last().unwrap();
+        assert_eq!(
+            last.statement,
+            Statement::RandomDnat(names.endpoints_map.clone())
+        );
+        let runs: Vec<(&Key, &Value)> =
+            objects.sets[&names.endpoints_map].elements.iter().collect();
+        let endpoint_value =
+            |last: u8| Value::Endpoint(SocketAddrV4::new(Ipv4Addr::new(10, 180, 0, last), 80));
+        assert_eq!(
+            runs,
+            vec![
+                (
+                    &Key::Buckets {
+                        first: 0,
+                        last: 240_239
+                    },
+                    &endpoint_value(1)
+                ),
+                (
+                    &Key::Buckets {
+                        first: 240_240,
+                        last: 480_479
+                    },
+                    &endpoint_value(2)
+                ),
+                (
+                    &Key::Buckets {
+                        first: 480_480,
+                        last: BUCKETS - 1
+                    },
+                    &endpoint_value(3)
+                ),
+            ]
+        );
+        let hairpins: Vec<&Key> = objects
+            .elements
+            .iter()
+            .filter(|(set, ..)| *set == HAIRPIN_ENDPOINTS)
+            .map(|(_, key, _)| key)
+            .collect();
+        assert_eq!(hairpins.len(), 3);
+        assert!(hairpins.contains(&&Key::AddressPair(
+            Ipv4Addr::new(10, 180, 0, 2),
+            Ipv4Addr::new(10, 180, 0, 2)
+        )));
+    }
+
+    #[test]
+    fn bucket_runs_cover_every_bucket_once_and_differ_by_at_most_one() {
+        for count in [1, 2, 3, 7, 16, 17, 1000] {
+            let runs: Vec<(u32, u32)> = bucket_runs(count)
+                .map(|key| match key {
+                    Key::Buckets { first, last } => (first, last),
+                    other => panic!("{other:?}"),
+                })
+                .collect();
+            assert_eq!(runs.len(), count);
+            assert_eq!(runs[0].0, 0);
+            assert_eq!(runs[count - 1].1, BUCKETS - 1);
+            assert!(runs.windows(2).all(|pair| pair[0].1 + 1 == pair[1].0));
+            let sizes: Vec<u32> = runs.iter().map(|(first, last)| last - first + 1).collect();
+            let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+            assert!(max - min <= 1, "{count}: {min}..{max}");
+        }
+    }
+
+    #[test]
+    fn session_affinity_keeps_kube_proxys_endpoint_chains() {
+        let svc = ServicePort {
+            session_affinity_timeout: Some(10800),
+            ..service(Some(Ipv4Addr::new(172, 30, 0, 41)))
+        };
+        let names = PortNames::of(&svc.name, svc.protocol);
         let one = port_objects(&svc, &[endpoint(1, "node-b")], &node());
-        assert!(one.sets.is_empty());
         let last = one.chains[&names.service].rules.last().unwrap();
         assert_eq!(
             last.statement,
@@ -808,7 +962,7 @@ pub(crate) mod tests {
         };
         let objects = port_objects(&svc, &[], &node());
         assert!(objects.chains.is_empty() && objects.sets.is_empty());
-        let reject = Verdict::Goto(REJECT_CHAIN.into());
+        let reject = Value::from(Verdict::Goto(REJECT_CHAIN.into()));
         assert_eq!(
             objects.elements,
             vec![

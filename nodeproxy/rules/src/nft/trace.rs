@@ -5,12 +5,13 @@
 //! decision, or output, then postrouting), the base chains of one hook by priority (name
 //! breaks ties). Every [`Match`] and [`Statement`] of the model is evaluated with the
 //! meaning [`tandem_nftables::render`] gives it; `numgen random` forks the walk, one branch
-//! per element with probability 1/N. Requests and outcomes are [`crate::trace`]'s, with
+//! per element with probability 1/N, and a random DNAT one branch per endpoint with its
+//! share of the buckets. Requests and outcomes are [`crate::trace`]'s, with
 //! the chain type (filter or nat) in the place of the iptables table, and the `affinity-…`
 //! sets as the lists that already hold the client.
 
 use tandem_nftables::{
-    Chain, ChainType, DispatchKey, Hook, Key, Match, Rule, Ruleset, Statement,
+    BUCKETS, Chain, ChainType, DispatchKey, Hook, Key, Match, Rule, Ruleset, Statement, Value,
     Verdict as MapVerdict, render,
 };
 
@@ -242,6 +243,10 @@ impl Tracer<'_> {
                     self.set(table, chain, set)?;
                     self.request.recent_lists.contains(set)
                 }
+                Match::AddressPairInSet(set) => self
+                    .set(table, chain, set)?
+                    .elements
+                    .contains_key(&Key::AddressPair(packet.src, packet.dst)),
             };
             if !matched {
                 return Ok(false);
@@ -298,8 +303,10 @@ impl Tracer<'_> {
                     DispatchKey::ProtocolPort => Key::ProtocolPort(p.protocol, p.dst_port),
                 };
                 match self.set(table, chain, map)?.elements.get(&key) {
-                    None => Ok(vec![(walk, Step::Next)]),
-                    Some(verdict) => self.map_verdict(table, chain, verdict, walk, depth),
+                    Some(Value::Verdict(verdict)) => {
+                        self.map_verdict(table, chain, verdict, walk, depth)
+                    }
+                    _ => Ok(vec![(walk, Step::Next)]),
                 }
             }
             Statement::RandomDispatch { modulus, map } => {
@@ -310,11 +317,33 @@ impl Tracer<'_> {
                     let mut branch = walk.clone();
                     branch.probability *= share;
                     match elements.get(&Key::Index(index)) {
-                        None => out.push((branch, Step::Next)),
-                        Some(verdict) => {
+                        Some(Value::Verdict(verdict)) => {
                             out.extend(self.map_verdict(table, chain, verdict, branch, depth)?)
                         }
+                        _ => out.push((branch, Step::Next)),
                     }
+                }
+                Ok(out)
+            }
+            Statement::RandomDnat(map) => {
+                // One branch per endpoint, weighted by its buckets; buckets no element
+                // holds find no endpoint and go on to the next rule.
+                let mut out = Vec::new();
+                let mut unowned = BUCKETS;
+                for (key, value) in &self.set(table, chain, map)?.elements {
+                    let (Key::Buckets { first, last }, Value::Endpoint(to)) = (key, value) else {
+                        continue;
+                    };
+                    let owned = last.saturating_sub(*first).saturating_add(1);
+                    unowned = unowned.saturating_sub(owned);
+                    let mut branch = walk.clone();
+                    branch.probability *= f64::from(owned) / f64::from(BUCKETS);
+                    out.push((dnat(branch, *to), Step::Done(Flow::Accept)));
+                }
+                if unowned > 0 {
+                    let mut rest = walk;
+                    rest.probability *= f64::from(unowned) / f64::from(BUCKETS);
+                    out.push((rest, Step::Next));
                 }
                 Ok(out)
             }
@@ -330,12 +359,7 @@ impl Tracer<'_> {
                 walk.masqueraded = true;
                 done(walk, Flow::Accept)
             }
-            Statement::Dnat(to) => {
-                walk.dnat = Some(*to);
-                walk.packet.dst = *to.ip();
-                walk.packet.dst_port = to.port();
-                done(walk, Flow::Accept)
-            }
+            Statement::Dnat(to) => done(dnat(walk, *to), Flow::Accept),
             Statement::AddSourceToSet(set) => {
                 self.set(table, chain, set)?;
                 Ok(vec![(walk, Step::Next)])
@@ -383,6 +407,13 @@ impl Tracer<'_> {
             })
             .collect())
     }
+}
+
+fn dnat(mut walk: Walk, to: std::net::SocketAddrV4) -> Walk {
+    walk.dnat = Some(to);
+    walk.packet.dst = *to.ip();
+    walk.packet.dst_port = to.port();
+    walk
 }
 
 /// After one rule: go on with the next rule, or the chain is done.
