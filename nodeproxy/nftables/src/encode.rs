@@ -619,7 +619,7 @@ fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
             udata_raw(
                 &mut udata,
                 NFTNL_UDATA_SET_KEY_TYPEOF,
-                &typeof_without_data(NFT_EXPR_KIND_CONCAT),
+                &typeof_entry(NFT_EXPR_KIND_CONCAT, &[]),
             );
         }
         SetSpec::Dynamic { timeout_seconds } => {
@@ -644,16 +644,15 @@ fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
 /// nft's key type (concatenations pack one type per 6 bits) and the key length (each
 /// field of a concatenation padded to 4 bytes).
 fn key_type_and_len(key: KeyType) -> (u32, u32) {
-    let concat = concat_type;
     match key {
         KeyType::AddressProtocolPort => (
-            concat(&[TYPE_IPADDR, TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]),
+            concat_type(&[TYPE_IPADDR, TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]),
             12,
         ),
-        KeyType::ProtocolPort => (concat(&[TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]), 8),
+        KeyType::ProtocolPort => (concat_type(&[TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]), 8),
         KeyType::Index | KeyType::Buckets => (TYPE_INTEGER, 4),
         KeyType::Address => (TYPE_IPADDR, 4),
-        KeyType::AddressPair => (concat(&[TYPE_IPADDR, TYPE_IPADDR]), 8),
+        KeyType::AddressPair => (concat_type(&[TYPE_IPADDR, TYPE_IPADDR]), 8),
     }
 }
 
@@ -663,12 +662,12 @@ fn concat_type(types: &[u32]) -> u32 {
         .fold(0, |acc, field| (acc << CONCAT_TYPE_BITS) | field)
 }
 
-/// A typeof entry naming an expression kind without further data.
-fn typeof_without_data(kind: u32) -> Vec<u8> {
-    let mut nested = Vec::new();
-    udata_u32(&mut nested, NFTNL_UDATA_SET_TYPEOF_EXPR, kind);
-    udata_raw(&mut nested, NFTNL_UDATA_SET_TYPEOF_DATA, &[]);
-    nested
+/// A typeof entry: an expression kind and that expression's own user data.
+fn typeof_entry(kind: u32, data: &[u8]) -> Vec<u8> {
+    let mut entry = Vec::new();
+    udata_u32(&mut entry, NFTNL_UDATA_SET_TYPEOF_EXPR, kind);
+    udata_raw(&mut entry, NFTNL_UDATA_SET_TYPEOF_DATA, data);
+    entry
 }
 
 /// `typeof numgen random mod 1`.
@@ -677,14 +676,7 @@ fn numgen_typeof() -> Vec<u8> {
     udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_TYPE, NFT_NG_RANDOM);
     udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_MODULUS, 1);
     udata_u32(&mut numgen, NFTNL_UDATA_NUMGEN_OFFSET, 0);
-    let mut key_typeof = Vec::new();
-    udata_u32(
-        &mut key_typeof,
-        NFTNL_UDATA_SET_TYPEOF_EXPR,
-        NFT_EXPR_KIND_NUMGEN,
-    );
-    udata_raw(&mut key_typeof, NFTNL_UDATA_SET_TYPEOF_DATA, &numgen);
-    key_typeof
+    typeof_entry(NFT_EXPR_KIND_NUMGEN, &numgen)
 }
 
 /// `typeof ip daddr . tcp dport` (the protocol's own port field, so nft accepts the
@@ -694,14 +686,7 @@ fn endpoint_typeof(protocol: Protocol) -> Vec<u8> {
         let mut payload = Vec::new();
         udata_u32(&mut payload, NFTNL_UDATA_PAYLOAD_DESC, desc);
         udata_u32(&mut payload, NFTNL_UDATA_PAYLOAD_TYPE, field);
-        let mut entry = Vec::new();
-        udata_u32(
-            &mut entry,
-            NFTNL_UDATA_SET_TYPEOF_EXPR,
-            NFT_EXPR_KIND_PAYLOAD,
-        );
-        udata_raw(&mut entry, NFTNL_UDATA_SET_TYPEOF_DATA, &payload);
-        entry
+        typeof_entry(NFT_EXPR_KIND_PAYLOAD, &payload)
     };
     let transport = match protocol {
         Protocol::Tcp => PROTO_DESC_TCP,
@@ -711,14 +696,7 @@ fn endpoint_typeof(protocol: Protocol) -> Vec<u8> {
     let mut fields = Vec::new();
     udata_raw(&mut fields, 0, &field(PROTO_DESC_IP, IPHDR_DADDR));
     udata_raw(&mut fields, 1, &field(transport, TRANSPORT_HDR_DPORT));
-    let mut concat = Vec::new();
-    udata_u32(
-        &mut concat,
-        NFTNL_UDATA_SET_TYPEOF_EXPR,
-        NFT_EXPR_KIND_CONCAT,
-    );
-    udata_raw(&mut concat, NFTNL_UDATA_SET_TYPEOF_DATA, &fields);
-    concat
+    typeof_entry(NFT_EXPR_KIND_CONCAT, &fields)
 }
 
 /// The user data nft 1.0.6 attaches to a verdict map: the key's byte order, the
@@ -741,7 +719,7 @@ fn map_user_data(udata: &mut Vec<u8>, key: KeyType) {
                 udata_raw(
                     udata,
                     NFTNL_UDATA_SET_KEY_TYPEOF,
-                    &typeof_without_data(NFT_EXPR_KIND_CONCAT),
+                    &typeof_entry(NFT_EXPR_KIND_CONCAT, &[]),
                 );
             }
         }
@@ -752,7 +730,7 @@ fn map_user_data(udata: &mut Vec<u8>, key: KeyType) {
             udata_raw(
                 udata,
                 NFTNL_UDATA_SET_DATA_TYPEOF,
-                &typeof_without_data(NFT_EXPR_KIND_VERDICT),
+                &typeof_entry(NFT_EXPR_KIND_VERDICT, &[]),
             );
         }
     }

@@ -318,10 +318,7 @@ pub struct Set {
 
 impl Set {
     pub fn verdict_map(key: KeyType) -> Self {
-        Self {
-            spec: SetSpec::VerdictMap(key),
-            elements: BTreeMap::new(),
-        }
+        Self::with_spec(SetSpec::VerdictMap(key))
     }
 
     pub fn with_spec(spec: SetSpec) -> Self {
@@ -332,10 +329,7 @@ impl Set {
     }
 
     pub fn dynamic(timeout_seconds: u32) -> Self {
-        Self {
-            spec: SetSpec::Dynamic { timeout_seconds },
-            elements: BTreeMap::new(),
-        }
+        Self::with_spec(SetSpec::Dynamic { timeout_seconds })
     }
 }
 

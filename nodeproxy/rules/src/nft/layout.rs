@@ -445,9 +445,7 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
         let ip = *ep.addr.ip();
         out.elements
             .push((HAIRPIN_ENDPOINTS, Key::AddressPair(ip, ip), Value::Member));
-        if svc.session_affinity_timeout.is_some() {
-            port.add_endpoint_chain(&mut out, ep);
-        }
+        port.add_endpoint_chain(&mut out, ep);
     }
     let cluster: Vec<&PortEndpoint> = port.endpoints.iter().filter(|ep| ep.cluster).collect();
     let local: Vec<&PortEndpoint> = port.endpoints.iter().filter(|ep| ep.local).collect();
