@@ -178,7 +178,9 @@ fn scale_rows(result: &ScaleResult, section: &mut Section) {
 
 fn change_rows(label: &str, event: &str, changes: &[Change], section: &mut Section) {
     let of = |f: fn(&Change) -> Duration| median(&changes.iter().map(f).collect::<Vec<_>>());
-    let (ours, raw, nft_cli) = (of(|c| c.ours), of(|c| c.raw), of(|c| c.nft_cli));
+    let (ours, raw) = (of(|c| c.ours), of(|c| c.raw));
+    let through_nft: Vec<Duration> = changes.iter().filter_map(|c| c.nft_cli).collect();
+    let nft_cli = median(&through_nft);
     let limit = (
         "the kernel alone: the same batch sent again from the same state".to_owned(),
         seconds(raw),
@@ -200,7 +202,8 @@ fn change_rows(label: &str, event: &str, changes: &[Change], section: &mut Secti
         "{label}, endpoint {event}: median of {} {} = tracking + build of the changed Service \
          port {} + diff, encoding and send {} (the send alone, the kernel's part: {}); one \
          transaction of {} ({} bytes); `nft -f` of the same transaction from the same state {} \
-         ({:.0}× ours: the nft command reads the table back before every transaction).",
+         (median of {}, run after the timed changes; {:.0}× ours: the nft command reads the \
+         table back before every transaction).",
         plural(changes.len(), "change"),
         ms(ours),
         ms(of(|c| c.track_build)),
@@ -209,6 +212,7 @@ fn change_rows(label: &str, event: &str, changes: &[Change], section: &mut Secti
         plural(size.ops, "operation"),
         thousands(size.bytes),
         ms(nft_cli),
+        through_nft.len(),
         ratio(nft_cli, ours),
     ));
 }
@@ -267,7 +271,7 @@ mod tests {
             ours: d(change_us),
             own: d(change_us / 2),
             raw: d(change_us / 2),
-            nft_cli: d(100_000),
+            nft_cli: Some(d(100_000)),
             size: Size { ops: 5, bytes: 900 },
         };
         SyncRun {

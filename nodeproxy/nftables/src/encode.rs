@@ -1037,11 +1037,11 @@ impl Expressions<'_> {
                 self.lookup(map, Some(NFT_REG_VERDICT));
             }
             Statement::RandomDispatch { modulus, map } => {
-                self.numgen_random(*modulus);
+                self.numgen_random(*modulus, 0);
                 self.lookup(map, Some(NFT_REG_VERDICT));
             }
-            Statement::RandomDnat(map) => {
-                self.numgen_random(BUCKETS);
+            Statement::RandomDnat { map, offset } => {
+                self.numgen_random(BUCKETS, *offset);
                 self.expr("byteorder", |w| {
                     w.u32(NFTA_BYTEORDER_SREG, NFT_REG_1);
                     w.u32(NFTA_BYTEORDER_DREG, NFT_REG_1);
@@ -1086,12 +1086,12 @@ impl Expressions<'_> {
         }
     }
 
-    fn numgen_random(&mut self, modulus: u32) {
+    fn numgen_random(&mut self, modulus: u32, offset: u32) {
         self.expr("numgen", |w| {
             w.u32(NFTA_NG_DREG, NFT_REG_1);
             w.u32(NFTA_NG_MODULUS, modulus);
             w.u32(NFTA_NG_TYPE, NFT_NG_RANDOM);
-            w.u32(NFTA_NG_OFFSET, 0);
+            w.u32(NFTA_NG_OFFSET, offset);
         });
     }
 

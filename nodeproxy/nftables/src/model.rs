@@ -190,10 +190,11 @@ pub enum Statement {
     Dispatch { key: DispatchKey, map: String },
     /// `numgen random mod N vmap @name`: picks one of N elements `0 … N-1` at random.
     RandomDispatch { modulus: u32, map: String },
-    /// `dnat ip to numgen random mod 720720 map @name` ([`BUCKETS`]): DNATs to the
-    /// endpoint of an [`SetSpec::EndpointMap`] owning a random bucket. Rules put a
-    /// [`Match::Protocol`] first, as for [`Statement::Dnat`].
-    RandomDnat(String),
+    /// `dnat ip to numgen random mod 720720 offset OFFSET map @name` ([`BUCKETS`]): DNATs
+    /// to the endpoint of an [`SetSpec::EndpointMap`] owning a random bucket of
+    /// `offset .. offset + BUCKETS` (many spreads share one map, each in its own range).
+    /// Rules put a [`Match::Protocol`] first, as for [`Statement::Dnat`].
+    RandomDnat { map: String, offset: u32 },
     /// `meta mark set meta mark | 0x00004000`.
     SetMark(u32),
     /// `meta mark set meta mark ^ 0x00004000` (clears a bit known to be set).

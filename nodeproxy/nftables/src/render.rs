@@ -138,7 +138,13 @@ pub fn statement(s: &Statement) -> String {
         Statement::RandomDispatch { modulus, map } => {
             format!("numgen random mod {modulus} vmap @{map}")
         }
-        Statement::RandomDnat(map) => format!("dnat ip to numgen random mod {BUCKETS} map @{map}"),
+        // nft lists a zero offset by leaving it out.
+        Statement::RandomDnat { map, offset: 0 } => {
+            format!("dnat ip to numgen random mod {BUCKETS} map @{map}")
+        }
+        Statement::RandomDnat { map, offset } => {
+            format!("dnat ip to numgen random mod {BUCKETS} offset {offset} map @{map}")
+        }
         Statement::SetMark(bit) => format!("meta mark set meta mark | {bit:#010x}"),
         Statement::ToggleMark(bit) => format!("meta mark set meta mark ^ {bit:#010x}"),
         Statement::Masquerade => "masquerade fully-random".to_owned(),

@@ -76,6 +76,11 @@ impl Transaction {
     /// Order: new chains (empty) first, then stale elements out, changed and removed
     /// chains flushed, removed (or re-declared) sets and removed chains deleted, then
     /// sets declared, elements added and rules written last.
+    ///
+    /// Sets are declared in name order, but dynamic sets after all others: the kernel finds
+    /// a set by walking the table's sets in the order they were declared, comparing names,
+    /// so the maps an endpoint change writes to should not sit behind the many
+    /// per-endpoint sets of session affinity.
     pub fn between(
         old: &Ruleset,
         new: &Ruleset,
@@ -171,6 +176,15 @@ impl Transaction {
             }
         }
 
+        add_sets.sort_by_key(|op| {
+            matches!(
+                op,
+                Op::AddSet {
+                    spec: SetSpec::Dynamic { .. },
+                    ..
+                }
+            )
+        });
         let ops = [
             add_chains,
             delete_elements,
@@ -248,6 +262,24 @@ mod tests {
             elements: vec![(Key::Index(0), Verdict::Goto("b".into()).into())],
         });
         assert!(add_b < add_elem && del_elem < del_a && del_elem < add_elem);
+    }
+
+    #[test]
+    fn dynamic_sets_are_declared_after_the_others() {
+        let mut rs = Ruleset::default();
+        rs.sets.insert("a-dynamic".into(), Set::dynamic(10));
+        rs.sets
+            .insert("b-map".into(), Set::verdict_map(KeyType::Index));
+        let tx = Transaction::replace_all(&rs);
+        let declared: Vec<&str> = tx
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::AddSet { name, .. } => Some(name.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(declared, ["b-map", "a-dynamic"]);
     }
 
     #[test]

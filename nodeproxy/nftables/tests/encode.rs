@@ -237,7 +237,10 @@ fn every_variant() -> Transaction {
             "pre",
             Rule::when(
                 vec![Match::Protocol(Protocol::Tcp)],
-                Statement::RandomDnat("eps".into()),
+                Statement::RandomDnat {
+                    map: "eps".into(),
+                    offset: 0,
+                },
             ),
         ),
         rule(

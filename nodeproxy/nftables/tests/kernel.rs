@@ -190,6 +190,10 @@ fn drop_verdict() -> Value {
 }
 
 /// An endpoint map spreading UDP over 10.244.1.`last`:53, one run of buckets each.
+/// Where svc-b's buckets start in its map: not at 0, as a map shared by many spreads
+/// holds most of them.
+const SVC_B_OFFSET: u32 = 2 * BUCKETS;
+
 fn udp_endpoints(lasts: &[u8]) -> Set {
     let count = lasts.len() as u32;
     let run = BUCKETS / count;
@@ -200,12 +204,13 @@ fn udp_endpoints(lasts: &[u8]) -> Set {
             .map(|(i, last)| {
                 (
                     Key::Buckets {
-                        first: i * run,
-                        last: if i + 1 == count {
-                            BUCKETS - 1
-                        } else {
-                            (i + 1) * run - 1
-                        },
+                        first: SVC_B_OFFSET + i * run,
+                        last: SVC_B_OFFSET
+                            + if i + 1 == count {
+                                BUCKETS - 1
+                            } else {
+                                (i + 1) * run - 1
+                            },
                     },
                     Value::Endpoint(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, *last), 53)),
                 )
@@ -268,7 +273,10 @@ fn every_variant() -> Ruleset {
             None,
             vec![Rule::when(
                 vec![Match::Protocol(Protocol::Udp)],
-                Statement::RandomDnat("svc-b-endpoints".into()),
+                Statement::RandomDnat {
+                    map: "svc-b-endpoints".into(),
+                    offset: SVC_B_OFFSET,
+                },
             )],
         ),
     );

@@ -24,6 +24,7 @@ use tandem_proxy_rules::model::{
 };
 use tandem_proxy_rules::nft::incremental::IncrementalRuleset;
 use tandem_proxy_rules::nft::layout::{self, affinity_set};
+use tandem_proxy_rules::nft::slots::BucketSlots;
 use tandem_proxy_rules::nft::trace::trace as nft_trace;
 use tandem_proxy_rules::trace::{Entry, Packet, Route, Trace, TraceRequest, Verdict, trace};
 
@@ -288,7 +289,7 @@ fn used_sets(ruleset: &Ruleset) -> BTreeSet<String> {
             match &rule.statement {
                 Statement::Dispatch { map, .. }
                 | Statement::RandomDispatch { map, .. }
-                | Statement::RandomDnat(map) => {
+                | Statement::RandomDnat { map, .. } => {
                     used.insert(map.clone());
                 }
                 Statement::AddSourceToSet(set) => {
@@ -403,8 +404,10 @@ proptest! {
         }
         // A port that loses an address to another (both list it) keeps unused objects.
         let mut claims = BTreeSet::new();
+        let slots = BucketSlots::in_name_order(&state);
         let contested = state.services.values().any(|svc| {
-            let objects = layout::port_objects(svc, state.endpoints_of(&svc.name), &common::node_a());
+            let slot = slots.get(&svc.name).expect("every port has a slot");
+            let objects = layout::port_objects(svc, state.endpoints_of(&svc.name), &common::node_a(), slot);
             objects.elements.iter().any(|(map, key, _)| !claims.insert((*map, *key)))
         });
         if contested {
@@ -443,7 +446,7 @@ proptest! {
                 })
                 .collect();
             let tx = incremental.update(state, touched);
-            let full = layout::build(state, &node);
+            let full = layout::build_with_slots(state, &node, incremental.slots());
             prop_assert_eq!(incremental.ruleset(), &full);
             apply(&mut kernel, &tx);
             prop_assert_eq!(&kernel, &full);
@@ -726,7 +729,7 @@ fn the_kernel_takes_every_transaction_and_ends_with_the_full_builds_table() {
         .collect();
     for (i, state) in steps.iter().enumerate() {
         nft_apply(&incremental_ns, &incremental.update(state, &names));
-        let full = layout::build(state, &node);
+        let full = layout::build_with_slots(state, &node, incremental.slots());
         nft_apply(&full_ns, &Transaction::replace_all(&full));
         let table = kernel_table(&incremental_ns);
         assert!(table.len() > 20, "step {i}: {table:?}");
@@ -788,7 +791,7 @@ fn an_address_two_ports_list_goes_to_the_first_in_name_order_whichever_changes()
     );
     for (i, (state, touched)) in steps.iter().enumerate() {
         let tx = incremental.update(state, [*touched]);
-        let full = layout::build(state, &node);
+        let full = layout::build_with_slots(state, &node, incremental.slots());
         assert_eq!(incremental.ruleset(), &full, "step {i}");
         apply(&mut kernel, &tx);
         assert_eq!(kernel, full, "step {i}");
@@ -812,7 +815,7 @@ proptest! {
         let names: Vec<ServicePortName> = (0..MAX_PORTS).map(port_name).collect();
         for state in &states {
             nft_apply(&incremental_ns, &incremental.update(state, &names));
-            nft_apply(&full_ns, &Transaction::replace_all(&layout::build(state, &node)));
+            nft_apply(&full_ns, &Transaction::replace_all(&layout::build_with_slots(state, &node, incremental.slots())));
             prop_assert_eq!(kernel_table(&incremental_ns), kernel_table(&full_ns));
         }
     }

@@ -8,7 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use tandem_nftables::{Key, Match, Rule, Ruleset, Set, Statement, Transaction, Value};
 
-use super::layout::{self, PortObjects, SHARED_SETS, port_objects};
+use super::layout::{self, PortObjects, SHARED_SETS, merge_into, port_objects};
+use super::slots::BucketSlots;
 use crate::model::{NodeConfig, ProxyState, ServicePortName};
 
 /// A set whose declaration changes (an affinity timeout) is deleted and declared anew,
@@ -46,7 +47,7 @@ fn rule_sets(rule: &Rule) -> impl Iterator<Item = &String> {
     let in_statement = match &rule.statement {
         Statement::Dispatch { map, .. }
         | Statement::RandomDispatch { map, .. }
-        | Statement::RandomDnat(map) => Some(map),
+        | Statement::RandomDnat { map, .. } => Some(map),
         Statement::AddSourceToSet(set) => Some(set),
         _ => None,
     };
@@ -67,6 +68,9 @@ struct PortShare {
     sets: Vec<String>,
     /// The elements it claims in the shared sets (it holds those it wins).
     elements: Vec<(&'static str, Key, Value)>,
+    /// Its runs of buckets: the endpoint map and their keys (its own; no other port's
+    /// slot overlaps).
+    buckets: Option<(String, Vec<Key>)>,
 }
 
 impl PortShare {
@@ -84,6 +88,7 @@ pub struct IncrementalRuleset {
     node: NodeConfig,
     ruleset: Ruleset,
     ports: BTreeMap<ServicePortName, PortShare>,
+    slots: BucketSlots,
     /// Elements more than one port claims (two Services listing the same external IP and
     /// port, or sharing an endpoint's hairpin pair), with every claimant: the first in name order holds it, as in [`layout::build`].
     /// Only conflicts are indexed, so the common case costs nothing.
@@ -99,12 +104,19 @@ impl IncrementalRuleset {
             node,
             ruleset: layout::fixed_objects(),
             ports: BTreeMap::new(),
+            slots: BucketSlots::default(),
             contested: BTreeMap::new(),
         }
     }
 
     pub fn ruleset(&self) -> &Ruleset {
         &self.ruleset
+    }
+
+    /// The slots the ports hold: [`layout::build_with_slots`] with these and the same
+    /// state is [`IncrementalRuleset::ruleset`].
+    pub fn slots(&self) -> &BucketSlots {
+        &self.slots
     }
 
     /// Rebuilds the given Service ports from `state` (a port `state` no longer has is
@@ -132,11 +144,19 @@ impl IncrementalRuleset {
 
         // Out with the touched ports' old shares and their claims.
         let mut released = BTreeSet::new();
+        let mut bucket_maps = BTreeSet::new();
         for &name in &names {
+            if !state.services.contains_key(name) {
+                self.slots.release(name);
+            }
             let Some(old) = self.ports.remove(name) else {
                 continue;
             };
             self.take_own(&old, &mut before);
+            if let Some((map, keys)) = old.buckets {
+                self.take_buckets(&map, &keys, &mut before);
+                bucket_maps.insert(map);
+            }
             chains.extend(old.chains);
             sets.extend(old.sets);
             for (map, key, _) in old.elements {
@@ -152,16 +172,25 @@ impl IncrementalRuleset {
             let Some(svc) = state.services.get(name) else {
                 continue;
             };
+            let slot = self.slots.assign(name, svc.protocol);
             let PortObjects {
                 chains: own_chains,
                 sets: own_sets,
                 elements,
-            } = port_objects(svc, state.endpoints_of(name), &self.node);
+                buckets,
+            } = port_objects(svc, state.endpoints_of(name), &self.node, slot);
             let share = PortShare {
                 chains: own_chains.keys().cloned().collect(),
                 sets: own_sets.keys().cloned().collect(),
                 elements,
+                buckets: buckets
+                    .as_ref()
+                    .map(|(map, runs)| (map.clone(), runs.elements.keys().copied().collect())),
             };
+            if let Some((map, runs)) = buckets {
+                bucket_maps.insert(map.clone());
+                merge_into(&mut after, map, runs);
+            }
             chains.extend(share.chains.iter().cloned());
             sets.extend(share.sets.iter().cloned());
             after.chains.extend(own_chains);
@@ -208,25 +237,44 @@ impl IncrementalRuleset {
             }
         }
 
+        // An endpoint map is declared while some port has buckets in it: `before` declares
+        // the touched maps that exist, `after` those that will hold anything (the
+        // untouched ports' runs, still in the ruleset, or the touched ports' new ones).
+        for map in &bucket_maps {
+            let Some(held) = self.ruleset.sets.get(map) else {
+                continue;
+            };
+            let spec = held.spec;
+            before
+                .sets
+                .entry(map.clone())
+                .or_insert_with(|| Set::with_spec(spec));
+            if !held.elements.is_empty() {
+                after
+                    .sets
+                    .entry(map.clone())
+                    .or_insert_with(|| Set::with_spec(spec));
+            } else if !after.sets.contains_key(map) {
+                self.ruleset.sets.remove(map);
+            }
+        }
+        sets.extend(bucket_maps);
+
         force_rewrite_of_redeclared_set_users(&mut before, &after);
         let chain_names: BTreeSet<&str> = chains.iter().map(String::as_str).collect();
         let set_names: BTreeSet<&str> = sets.iter().map(String::as_str).collect();
         let tx = Transaction::between(&before, &after, &chain_names, &set_names);
 
+        // The touched ports' own sets were taken out, so a set still here is shared: it
+        // gets the new elements; every other set comes in whole.
         let Ruleset {
             chains: new_chains,
-            sets: mut new_sets,
+            sets: new_sets,
         } = after;
         self.ruleset.chains.extend(new_chains);
-        for (name, _) in SHARED_SETS {
-            let (Some(elements), Some(map)) =
-                (new_sets.remove(name), self.ruleset.sets.get_mut(name))
-            else {
-                continue;
-            };
-            map.elements.extend(elements.elements);
+        for (name, set) in new_sets {
+            merge_into(&mut self.ruleset, name, set);
         }
-        self.ruleset.sets.extend(new_sets);
         tx
     }
 
@@ -238,6 +286,22 @@ impl IncrementalRuleset {
             .filter(|(_, share)| share.value(element).is_some())
             .map(|(name, _)| name.clone())
             .collect()
+    }
+
+    /// Moves a port's runs of buckets out of the endpoint map `map` into `into`'s copy.
+    fn take_buckets(&mut self, map: &str, keys: &[Key], into: &mut Ruleset) {
+        let Some(held) = self.ruleset.sets.get_mut(map) else {
+            return;
+        };
+        let runs = into
+            .sets
+            .entry(map.to_owned())
+            .or_insert_with(|| Set::with_spec(held.spec));
+        for key in keys {
+            if let Some(value) = held.elements.remove(key) {
+                runs.elements.insert(*key, value);
+            }
+        }
     }
 
     /// Moves a port's own chains and sets out of the ruleset into `into`.

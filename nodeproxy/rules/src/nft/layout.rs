@@ -3,10 +3,11 @@
 //! Fixed objects: base chains that only jump into ours, the dispatch chains, five shared
 //! verdict maps keyed by what a packet is addressed to (`service-ips`,
 //! `service-nodeports`, `firewall-ips`, `no-endpoint-services`, `no-endpoint-nodeports`)
-//! and the `hairpin-endpoints` set. Each Service port adds elements to those and owns its
-//! chains (`service-…`, `external-…`, `local-…`, `firewall-…`) and endpoint maps
-//! (`endpoints-…`, `local-endpoints-…`), so one port's change touches only its own objects
-//! and its own elements: the map lookups cost the same with ten Services or ten thousand.
+//! and the `hairpin-endpoints` set. Each Service port adds elements to those and to an
+//! endpoint map it shares with other ports (its range of `endpoints-tcp-N`, see
+//! [`super::slots`]), and owns its chains (`service-…`, `external-…`, `local-…`,
+//! `firewall-…`), so one port's change touches only its own objects and its own
+//! elements: the map lookups cost the same with ten Services or ten thousand.
 //!
 //! Where kube-proxy gives every endpoint a chain and picks one with `numgen random mod N
 //! vmap`, a port here DNATs straight from a map of bucket runs to endpoints (see
@@ -33,6 +34,7 @@ use tandem_nftables::{
     Protocol, Rule, Ruleset, Set, SetSpec, Statement, Value, Verdict,
 };
 
+use super::slots::{BucketSlot, BucketSlots, Spread};
 use crate::model::{Endpoint, NodeConfig, ProxyState, ServicePort, ServicePortName};
 use crate::rules::{PortPaths, UsableEndpoint, sorted_unique, usable_endpoints};
 
@@ -106,20 +108,33 @@ const LOOPBACK: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 0);
 pub struct PortObjects {
     /// Its own chains.
     pub chains: BTreeMap<String, Chain>,
-    /// Its own sets (endpoint maps, affinity sets).
+    /// Its own sets (session affinity's index maps and affinity sets).
     pub sets: BTreeMap<String, Set>,
     /// Its elements in the [`SHARED_SETS`]: `(set, key, value)`.
     pub elements: Vec<(&'static str, Key, Value)>,
+    /// Its runs of buckets, in the endpoint map of its [`BucketSlot`]: `(map, runs)`,
+    /// the runs as a set holding only them.
+    pub buckets: Option<(String, Set)>,
 }
 
-/// The complete ruleset of table `ip tandem`: the fixed objects, then every Service port's
-/// objects in [`ServicePortName`] order. Headless Services get nothing.
+/// The complete ruleset of table `ip tandem` on a fresh start: slots given out in name
+/// order ([`BucketSlots::in_name_order`]).
 pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
+    build_with_slots(state, node, &BucketSlots::in_name_order(state))
+}
+
+/// The complete ruleset with the given slots: the fixed objects, then every Service
+/// port's objects in [`ServicePortName`] order. Headless Services, and ports without a
+/// slot, get nothing.
+pub fn build_with_slots(state: &ProxyState, node: &NodeConfig, slots: &BucketSlots) -> Ruleset {
     let mut ruleset = fixed_objects();
     for service in state.services.values() {
+        let Some(slot) = slots.get(&service.name) else {
+            continue;
+        };
         install(
             &mut ruleset,
-            port_objects(service, state.endpoints_of(&service.name), node),
+            port_objects(service, state.endpoints_of(&service.name), node, slot),
         );
     }
     ruleset
@@ -137,6 +152,19 @@ fn install(ruleset: &mut Ruleset, objects: PortObjects) {
             set.elements.entry(key).or_insert(value);
         }
     }
+    if let Some((map, runs)) = objects.buckets {
+        merge_into(ruleset, map, runs);
+    }
+}
+
+/// Adds `part`'s elements to the set `name` of `ruleset`, declaring it when missing.
+pub fn merge_into(ruleset: &mut Ruleset, name: String, part: Set) {
+    ruleset
+        .sets
+        .entry(name)
+        .or_insert_with(|| Set::with_spec(part.spec))
+        .elements
+        .extend(part.elements);
 }
 
 /// The objects that exist whatever the Services are.
@@ -375,8 +403,8 @@ pub struct PortNames {
     pub external: String,
     /// loadBalancerSourceRanges.
     pub firewall: String,
-    /// Buckets → endpoint (or, with session affinity, `numgen` index → endpoint chain),
-    /// for [`PortNames::service`] and [`PortNames::local`].
+    /// With session affinity: `numgen` index → endpoint chain, for
+    /// [`PortNames::service`] and [`PortNames::local`].
     pub endpoints_map: String,
     pub local_endpoints_map: String,
 }
@@ -414,12 +442,23 @@ pub fn affinity_set(name: &ServicePortName, protocol: Protocol, ep: SocketAddrV4
 /// The objects of one Service port alone; [`build`] is [`fixed_objects`] plus these for
 /// every port. `endpoints` are all of the port's endpoints; which are used is the iptables
 /// mode's decision (ready ones, else serving terminating ones; this node's for Local).
-pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig) -> PortObjects {
+pub fn port_objects(
+    svc: &ServicePort,
+    endpoints: &[Endpoint],
+    node: &NodeConfig,
+    slot: BucketSlot,
+) -> PortObjects {
     let mut out = PortObjects::default();
     let Some(cluster_ip) = svc.cluster_ip else {
         return out; // headless: DNS only, no proxying
     };
-    let port = Port::new(svc, cluster_ip, &usable_endpoints(endpoints, node), node);
+    let port = Port::new(
+        svc,
+        cluster_ip,
+        &usable_endpoints(endpoints, node),
+        node,
+        slot,
+    );
     let proto = svc.protocol;
     let ip_key = |ip: Ipv4Addr| Key::AddressProtocolPort(ip, proto, svc.port);
     // External IPs and LB IPs, each once (a Service may list an address in both).
@@ -454,26 +493,14 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
         if !port.paths.internal_local {
             rules.extend(port.cluster_ip_masquerade());
         }
-        port.add_dispatch(
-            &mut out,
-            &port.names.service,
-            &port.names.endpoints_map,
-            rules,
-            &cluster,
-        );
+        port.add_dispatch(&mut out, Spread::Cluster, rules, &cluster);
     }
     if port.paths.uses_local && !local.is_empty() {
         let mut rules = Vec::new();
         if port.paths.internal_local {
             rules.extend(port.cluster_ip_masquerade());
         }
-        port.add_dispatch(
-            &mut out,
-            &port.names.local,
-            &port.names.local_endpoints_map,
-            rules,
-            &local,
-        );
+        port.add_dispatch(&mut out, Spread::Local, rules, &local);
     }
 
     // The cluster IP. internalTrafficPolicy Local without a local endpoint drops, as the
@@ -540,16 +567,16 @@ pub fn port_objects(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig
     out
 }
 
-/// [`BUCKETS`] split into `count` runs as equal as can be, in order.
-fn bucket_runs(count: usize) -> impl Iterator<Item = Key> {
+/// The [`BUCKETS`] from `offset` on, split into `count` runs as equal as can be, in order.
+fn bucket_runs(count: usize, offset: u32) -> impl Iterator<Item = Key> {
     // More endpoints than buckets cannot be: the extra ones would get none.
     let count = u64::try_from(count)
         .unwrap_or(u64::MAX)
         .clamp(1, u64::from(BUCKETS));
     let boundary = move |i: u64| u32::try_from(i * u64::from(BUCKETS) / count).unwrap_or(BUCKETS);
     (0..count).map(move |i| Key::Buckets {
-        first: boundary(i),
-        last: boundary(i + 1) - 1,
+        first: offset + boundary(i),
+        last: offset + boundary(i + 1) - 1,
     })
 }
 
@@ -566,6 +593,7 @@ struct Port<'a> {
     svc: &'a ServicePort,
     cluster_ip: Ipv4Addr,
     names: PortNames,
+    slot: BucketSlot,
     /// Endpoints some chain of this port spreads over.
     endpoints: Vec<PortEndpoint>,
     external_ips: Vec<Ipv4Addr>,
@@ -584,6 +612,7 @@ impl<'a> Port<'a> {
         cluster_ip: Ipv4Addr,
         usable: &[UsableEndpoint],
         node: &NodeConfig,
+        slot: BucketSlot,
     ) -> Self {
         let paths = PortPaths::of(svc);
         let ranges: Vec<Ipv4Net> = svc
@@ -595,6 +624,7 @@ impl<'a> Port<'a> {
             svc,
             cluster_ip,
             names: PortNames::of(&svc.name, svc.protocol),
+            slot,
             endpoints: usable
                 .iter()
                 .filter(|ep| paths.spreads_over(ep))
@@ -660,28 +690,40 @@ impl<'a> Port<'a> {
         affinity_set(&self.svc.name, self.svc.protocol, ep.addr)
     }
 
-    /// A chain that spreads over `targets` (never empty) through the named map `map`:
-    /// a random DNAT, or with session affinity kube-proxy's affinity checks and then one
-    /// `goto`, or a random pick of an endpoint chain.
+    /// The chain of `spread` (`service-…` or `local-…`), spreading over `targets` (never
+    /// empty): a random DNAT through the port's range of buckets, or with session
+    /// affinity kube-proxy's affinity checks and then one `goto`, or a random pick of an
+    /// endpoint chain.
     fn add_dispatch(
         &self,
         out: &mut PortObjects,
-        chain_name: &str,
-        map: &str,
+        spread: Spread,
         mut rules: Vec<Rule>,
         targets: &[&PortEndpoint],
     ) {
+        let (chain_name, map) = match spread {
+            Spread::Cluster => (&self.names.service, &self.names.endpoints_map),
+            Spread::Local => (&self.names.local, &self.names.local_endpoints_map),
+        };
         if self.svc.session_affinity_timeout.is_none() {
-            let mut set = Set::with_spec(SetSpec::EndpointMap(self.svc.protocol));
-            for (buckets, ep) in bucket_runs(targets.len()).zip(targets) {
-                set.elements.insert(buckets, Value::Endpoint(ep.addr));
+            let offset = self.slot.offset(spread);
+            let (_, runs) = out.buckets.get_or_insert_with(|| {
+                (
+                    self.slot.map(),
+                    Set::with_spec(SetSpec::EndpointMap(self.svc.protocol)),
+                )
+            });
+            for (buckets, ep) in bucket_runs(targets.len(), offset).zip(targets) {
+                runs.elements.insert(buckets, Value::Endpoint(ep.addr));
             }
-            out.sets.insert(map.to_owned(), set);
             rules.push(Rule::when(
                 vec![Match::Protocol(self.svc.protocol)],
-                Statement::RandomDnat(map.to_owned()),
+                Statement::RandomDnat {
+                    map: self.slot.map(),
+                    offset,
+                },
             ));
-            out.chains.insert(chain_name.to_owned(), chain(rules));
+            out.chains.insert(chain_name.clone(), chain(rules));
             return;
         }
         for ep in targets {
@@ -762,6 +804,7 @@ impl<'a> Port<'a> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::nft::slots::PORTS_PER_ENDPOINT_MAP;
 
     fn name(namespace: &str, service: &str, port: &str) -> ServicePortName {
         ServicePortName {
@@ -793,6 +836,14 @@ pub(crate) mod tests {
             external_traffic_policy_local: false,
             health_check_node_port: None,
             internal_traffic_policy_local: false,
+        }
+    }
+
+    /// The second slot of the second TCP map: its buckets start at `2 * BUCKETS`.
+    pub(crate) fn slot() -> BucketSlot {
+        BucketSlot {
+            protocol: Protocol::Tcp,
+            index: PORTS_PER_ENDPOINT_MAP + 1,
         }
     }
 
@@ -833,7 +884,7 @@ pub(crate) mod tests {
 
     #[test]
     fn headless_services_get_nothing() {
-        let objects = port_objects(&service(None), &[endpoint(1, "node-a")], &node());
+        let objects = port_objects(&service(None), &[endpoint(1, "node-a")], &node(), slot());
         assert_eq!(objects, PortObjects::default());
     }
 
@@ -849,6 +900,7 @@ pub(crate) mod tests {
                 endpoint(3, "node-a"),
             ],
             &node(),
+            slot(),
         );
         assert_eq!(
             objects.chains.keys().collect::<Vec<_>>(),
@@ -856,12 +908,18 @@ pub(crate) mod tests {
             "no endpoint chains without session affinity"
         );
         let last = objects.chains[&names.service].rules.last().unwrap();
+        let offset = 2 * BUCKETS;
         assert_eq!(
             last.statement,
-            Statement::RandomDnat(names.endpoints_map.clone())
+            Statement::RandomDnat {
+                map: "endpoints-tcp-1".into(),
+                offset
+            }
         );
-        let runs: Vec<(&Key, &Value)> =
-            objects.sets[&names.endpoints_map].elements.iter().collect();
+        assert!(objects.sets.is_empty(), "the map is shared, not the port's");
+        let (map, runs) = objects.buckets.as_ref().unwrap();
+        assert_eq!(map, "endpoints-tcp-1");
+        let runs: Vec<(&Key, &Value)> = runs.elements.iter().collect();
         let endpoint_value =
             |last: u8| Value::Endpoint(SocketAddrV4::new(Ipv4Addr::new(10, 180, 0, last), 80));
         assert_eq!(
@@ -869,22 +927,22 @@ pub(crate) mod tests {
             vec![
                 (
                     &Key::Buckets {
-                        first: 0,
-                        last: 240_239
+                        first: offset,
+                        last: offset + 240_239
                     },
                     &endpoint_value(1)
                 ),
                 (
                     &Key::Buckets {
-                        first: 240_240,
-                        last: 480_479
+                        first: offset + 240_240,
+                        last: offset + 480_479
                     },
                     &endpoint_value(2)
                 ),
                 (
                     &Key::Buckets {
-                        first: 480_480,
-                        last: BUCKETS - 1
+                        first: offset + 480_480,
+                        last: offset + BUCKETS - 1
                     },
                     &endpoint_value(3)
                 ),
@@ -906,7 +964,7 @@ pub(crate) mod tests {
     #[test]
     fn bucket_runs_cover_every_bucket_once_and_differ_by_at_most_one() {
         for count in [1, 2, 3, 7, 16, 17, 1000] {
-            let runs: Vec<(u32, u32)> = bucket_runs(count)
+            let runs: Vec<(u32, u32)> = bucket_runs(count, 0)
                 .map(|key| match key {
                     Key::Buckets { first, last } => (first, last),
                     other => panic!("{other:?}"),
@@ -929,7 +987,7 @@ pub(crate) mod tests {
             ..service(Some(Ipv4Addr::new(172, 30, 0, 41)))
         };
         let names = PortNames::of(&svc.name, svc.protocol);
-        let one = port_objects(&svc, &[endpoint(1, "node-b")], &node());
+        let one = port_objects(&svc, &[endpoint(1, "node-b")], &node(), slot());
         let last = one.chains[&names.service].rules.last().unwrap();
         assert_eq!(
             last.statement,
@@ -939,6 +997,7 @@ pub(crate) mod tests {
             &svc,
             &[endpoint(1, "node-b"), endpoint(2, "node-b")],
             &node(),
+            slot(),
         );
         assert_eq!(two.sets[&names.endpoints_map].elements.len(), 2);
         let last = two.chains[&names.service].rules.last().unwrap();
@@ -958,7 +1017,7 @@ pub(crate) mod tests {
             external_ips: vec![Ipv4Addr::new(192, 0, 2, 1)],
             ..service(Some(Ipv4Addr::new(172, 30, 0, 41)))
         };
-        let objects = port_objects(&svc, &[], &node());
+        let objects = port_objects(&svc, &[], &node(), slot());
         assert!(objects.chains.is_empty() && objects.sets.is_empty());
         let reject = Value::from(Verdict::Goto(REJECT_CHAIN.into()));
         assert_eq!(
@@ -991,7 +1050,7 @@ pub(crate) mod tests {
             ..service(Some(Ipv4Addr::new(172, 30, 0, 41)))
         };
         let names = PortNames::of(&svc.name, svc.protocol);
-        let objects = port_objects(&svc, &[endpoint(1, "node-b")], &node());
+        let objects = port_objects(&svc, &[endpoint(1, "node-b")], &node(), slot());
         let external = &objects.chains[&names.external].rules;
         assert_eq!(external.len(), 4);
         assert_eq!(

@@ -3,6 +3,8 @@
 //!
 //! - [`layout::build`]: the whole ruleset; [`layout::port_objects`]: one Service port's
 //!   share of it;
+//! - [`slots::BucketSlots`]: which range of which shared endpoint map each port's
+//!   buckets occupy;
 //! - [`incremental::IncrementalRuleset`]: the ruleset kept current one Service port at a
 //!   time, each change as one [`tandem_nftables::Transaction`] whose size follows the
 //!   change, not the cluster;
@@ -15,6 +17,7 @@
 
 pub mod incremental;
 pub mod layout;
+pub mod slots;
 pub mod trace;
 
 pub use layout::build;

@@ -325,16 +325,22 @@ impl Tracer<'_> {
                 }
                 Ok(out)
             }
-            Statement::RandomDnat(map) => {
-                // One branch per endpoint, weighted by its buckets; buckets no element
-                // holds find no endpoint and go on to the next rule.
+            Statement::RandomDnat { map, offset } => {
+                // One branch per endpoint, weighted by its buckets within the rule's range
+                // (the map holds other spreads' ranges too); buckets no element holds find
+                // no endpoint and go on to the next rule.
+                let range_last = offset.saturating_add(BUCKETS - 1);
                 let mut out = Vec::new();
                 let mut unowned = BUCKETS;
                 for (key, value) in &self.set(table, chain, map)?.elements {
                     let (Key::Buckets { first, last }, Value::Endpoint(to)) = (key, value) else {
                         continue;
                     };
-                    let owned = last.saturating_sub(*first).saturating_add(1);
+                    let (first, last) = ((*first).max(*offset), (*last).min(range_last));
+                    if first > last {
+                        continue;
+                    }
+                    let owned = last - first + 1;
                     unowned = unowned.saturating_sub(owned);
                     let mut branch = walk.clone();
                     branch.probability *= f64::from(owned) / f64::from(BUCKETS);
