@@ -104,20 +104,14 @@ fn scale_rows(result: &ScaleResult, section: &mut Section) {
         "the kernel alone: the same batch sent into a fresh netns".to_owned(),
         seconds(raw),
     );
-    section.rows.push(Row {
-        what: format!("first sync, {label} (convert + build + apply)"),
-        ours: seconds(ours),
-        limit: Some(kernel_limit.clone()),
-        target: None,
-    });
-    if result.headline {
-        section.rows.push(Row {
-            what: format!("first sync, {label}, absolute"),
-            ours: seconds(ours),
-            limit: Some(kernel_limit),
-            target: Some(Target::AtMost(Value::Seconds(FIRST_SYNC_SECONDS))),
-        });
-    }
+    measured_rows(
+        section,
+        &format!("first sync, {label}"),
+        "convert + build + apply",
+        ours,
+        kernel_limit,
+        result.headline.then_some(FIRST_SYNC_SECONDS),
+    );
     let part = |f: fn(&super::nft::FirstSync) -> Duration| {
         secs(median(&firsts.iter().map(f).collect::<Vec<_>>()))
     };
@@ -176,6 +170,32 @@ fn scale_rows(result: &ScaleResult, section: &mut Section) {
     }
 }
 
+/// The row `what (how)` against its limit and, with an absolute target in seconds, the
+/// row `what, absolute` held to it.
+fn measured_rows(
+    section: &mut Section,
+    what: &str,
+    how: &str,
+    ours: Duration,
+    limit: (String, Value),
+    absolute_seconds: Option<f64>,
+) {
+    section.rows.push(Row {
+        what: format!("{what} ({how})"),
+        ours: seconds(ours),
+        limit: Some(limit.clone()),
+        target: None,
+    });
+    if let Some(at_most) = absolute_seconds {
+        section.rows.push(Row {
+            what: format!("{what}, absolute"),
+            ours: seconds(ours),
+            limit: Some(limit),
+            target: Some(Target::AtMost(Value::Seconds(at_most))),
+        });
+    }
+}
+
 fn change_rows(label: &str, event: &str, changes: &[Change], section: &mut Section) {
     let of = |f: fn(&Change) -> Duration| median(&changes.iter().map(f).collect::<Vec<_>>());
     let (ours, raw) = (of(|c| c.ours), of(|c| c.raw));
@@ -185,18 +205,14 @@ fn change_rows(label: &str, event: &str, changes: &[Change], section: &mut Secti
         "the kernel alone: the same batch sent again from the same state".to_owned(),
         seconds(raw),
     );
-    section.rows.push(Row {
-        what: format!("one endpoint {event}, {label} (event seen → kernel answered)"),
-        ours: seconds(ours),
-        limit: Some(limit.clone()),
-        target: None,
-    });
-    section.rows.push(Row {
-        what: format!("one endpoint {event}, {label}, absolute"),
-        ours: seconds(ours),
-        limit: Some(limit),
-        target: Some(Target::AtMost(Value::Seconds(CHANGE_SECONDS))),
-    });
+    measured_rows(
+        section,
+        &format!("one endpoint {event}, {label}"),
+        "event seen → kernel answered",
+        ours,
+        limit,
+        Some(CHANGE_SECONDS),
+    );
     let size = changes[0].size;
     section.notes.push(format!(
         "{label}, endpoint {event}: median of {} {} = tracking + build of the changed Service \
