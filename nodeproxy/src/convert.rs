@@ -64,28 +64,104 @@ pub struct Conversion {
     pub skipped: Vec<Skipped>,
 }
 
+/// What the node proxy keeps of one Service: its ports, converted, and the values left
+/// out of them. Kept instead of the object itself, which is several times larger.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServiceEntry {
+    pub ports: Vec<ServicePort>,
+    pub skipped: Vec<Skipped>,
+}
+
+impl ServiceEntry {
+    pub fn of(service: &Service) -> Self {
+        let mut skipped = Vec::new();
+        let ports = service_ports(service, &mut skipped);
+        Self { ports, skipped }
+    }
+}
+
+/// What the node proxy keeps of one EndpointSlice: the Service its label names, the
+/// endpoints it gives each Service port, and the values left out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SliceEntry {
+    pub service: Option<ObjectKey>,
+    pub ports: Vec<(ServicePortName, Vec<Endpoint>)>,
+    pub skipped: Vec<Skipped>,
+}
+
+impl SliceEntry {
+    pub fn of(slice: &EndpointSlice) -> Self {
+        let service = slice
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|labels| labels.get(SERVICE_NAME_LABEL))
+            .map(|service| {
+                let namespace = slice.metadata.namespace.clone().unwrap_or_default();
+                (namespace, service.clone())
+            });
+        let mut skipped = Vec::new();
+        let ports = match &service {
+            Some(service) => slice_endpoints(slice, service, &mut skipped),
+            None => Vec::new(),
+        };
+        Self {
+            service,
+            ports,
+            skipped,
+        }
+    }
+
+    /// This slice's endpoints of one Service port.
+    pub fn endpoints_of<'a>(
+        &'a self,
+        name: &'a ServicePortName,
+    ) -> impl Iterator<Item = &'a Endpoint> + 'a {
+        self.ports
+            .iter()
+            .filter(move |(port, _)| port == name)
+            .flat_map(|(_, endpoints)| endpoints)
+    }
+}
+
 /// Build the node proxy's view of the cluster from the Services and EndpointSlices it sees.
 pub fn proxy_state<'a>(
     services: impl IntoIterator<Item = &'a Service>,
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
 ) -> Conversion {
+    let services: Vec<ServiceEntry> = services.into_iter().map(ServiceEntry::of).collect();
+    let slices: Vec<SliceEntry> = slices.into_iter().map(SliceEntry::of).collect();
+    join(&services, &slices)
+}
+
+/// The state of all converted Services and EndpointSlices: each Service port with the
+/// endpoints every slice gives it.
+pub fn join<'a>(
+    services: impl IntoIterator<Item = &'a ServiceEntry>,
+    slices: impl IntoIterator<Item = &'a SliceEntry>,
+) -> Conversion {
     let mut out = Conversion::default();
     for service in services {
-        for port in service_ports(service, &mut out.skipped) {
-            out.state.services.insert(port.name.clone(), port);
+        out.skipped.extend(service.skipped.iter().cloned());
+        for port in &service.ports {
+            out.state.services.insert(port.name.clone(), port.clone());
         }
     }
-    let mut endpoints: BTreeMap<ServicePortName, Vec<Endpoint>> = BTreeMap::new();
+    let mut endpoints: BTreeMap<&ServicePortName, Vec<Endpoint>> = BTreeMap::new();
     for slice in slices {
-        for (name, endpoint) in slice_endpoints(slice, &mut out.skipped) {
-            if out.state.services.contains_key(&name) {
-                endpoints.entry(name).or_default().push(endpoint);
+        out.skipped.extend(slice.skipped.iter().cloned());
+        for (name, of_port) in &slice.ports {
+            if !of_port.is_empty() && out.state.services.contains_key(name) {
+                endpoints
+                    .entry(name)
+                    .or_default()
+                    .extend(of_port.iter().cloned());
             }
         }
     }
     out.state.endpoints = endpoints
         .into_iter()
-        .map(|(name, all)| (name, join_endpoints(all)))
+        .map(|(name, all)| (name.clone(), join_endpoints(all)))
         .collect();
     out
 }
@@ -139,7 +215,7 @@ pub fn node_addresses(node: &Node) -> Vec<Ipv4Addr> {
 }
 
 /// `(namespace, name)` of a watched object.
-pub(crate) type ObjectKey = (String, String);
+pub type ObjectKey = (String, String);
 
 /// The [`ObjectKey`] of an object from its metadata.
 pub(crate) fn object_key(meta: &ObjectMeta) -> ObjectKey {
@@ -150,7 +226,7 @@ pub(crate) fn object_key(meta: &ObjectMeta) -> ObjectKey {
 }
 
 /// The Service ports of one Service (none for headless and ExternalName Services).
-pub fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePort> {
+fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePort> {
     let (namespace, name) = object_key(&service.metadata);
     let id = format!("{namespace}/{name}");
     let Some(spec) = service.spec.as_ref() else {
@@ -386,21 +462,13 @@ fn positive_port(value: i32) -> Option<u16> {
     u16::try_from(value).ok().filter(|port| *port > 0)
 }
 
-/// The endpoints one EndpointSlice gives each Service port it names.
-pub fn slice_endpoints(
+/// The endpoints one EndpointSlice of `(namespace, service)` gives each port it names.
+fn slice_endpoints(
     slice: &EndpointSlice,
+    (namespace, service): &ObjectKey,
     skipped: &mut Vec<Skipped>,
-) -> Vec<(ServicePortName, Endpoint)> {
-    let namespace = slice.metadata.namespace.clone().unwrap_or_default();
+) -> Vec<(ServicePortName, Vec<Endpoint>)> {
     let slice_name = slice.metadata.name.clone().unwrap_or_default();
-    let Some(service) = slice
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|labels| labels.get(SERVICE_NAME_LABEL))
-    else {
-        return Vec::new();
-    };
     // IPv6 and FQDN slices carry nothing the IPv4 rules can use.
     if slice.address_type != "IPv4" {
         return Vec::new();
@@ -429,6 +497,7 @@ pub fn slice_endpoints(
             name: service.clone(),
             port: port.name.clone().unwrap_or_default(),
         };
+        let mut endpoints = Vec::new();
         for endpoint in &slice.endpoints {
             // kube-proxy uses the first address; the API allows only one for IPv4 slices.
             let Some(address) = endpoint.addresses.first() else {
@@ -440,18 +509,16 @@ pub fn slice_endpoints(
             };
             let conditions = endpoint.conditions.as_ref();
             let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
-            out.push((
-                name.clone(),
-                Endpoint {
-                    ip,
-                    port: target,
-                    ready,
-                    serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
-                    terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-                    node_name: endpoint.node_name.clone(),
-                },
-            ));
+            endpoints.push(Endpoint {
+                ip,
+                port: target,
+                ready,
+                serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
+                terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
+                node_name: endpoint.node_name.clone(),
+            });
         }
+        out.push((name, endpoints));
     }
     out
 }

@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use std::time::Instant;
 
 use tandem_common::ProxyMode;
-use tandem_nftables::Transaction;
 use tandem_nftables::kernel::{KernelError, Netlink};
+use tandem_nftables::{Fingerprint, Transaction};
 use tandem_proxy_rules::incremental::IncrementalRuleset;
 use tandem_proxy_rules::model::{NodeConfig, ProxyState, ServicePortName};
 use tandem_proxy_rules::nft;
@@ -118,7 +118,8 @@ impl DataPath {
     }
 
     /// Rebuilds the given Service ports from `state`; returns how many chains (iptables) or
-    /// operations (nftables) the change needs.
+    /// operations (nftables) the change needs, or, for an nftables table that the next
+    /// apply writes whole, how many ports were rebuilt.
     pub fn update(&mut self, state: &ProxyState, ports: &BTreeSet<ServicePortName>) -> usize {
         match self {
             DataPath::Iptables(path) => {
@@ -126,6 +127,10 @@ impl DataPath {
                 let count = changed.count();
                 path.changed.merge(changed);
                 count
+            }
+            DataPath::Nftables(path) if !path.in_sync => {
+                path.rules.update_without_transaction(state, ports);
+                ports.len()
             }
             DataPath::Nftables(path) => {
                 let tx = path.rules.update(state, ports);
@@ -165,35 +170,23 @@ impl DataPath {
                 Some(count)
             }
             DataPath::Nftables(path) => {
-                let mut rebuilt = nft::incremental::IncrementalRuleset::new(node.clone());
-                rebuilt.update(state, state.services.keys());
-                let (old, new) = (path.rules.ruleset(), rebuilt.ruleset());
-                if old == new {
+                // Rebuilt in place and compared by fingerprint: a second whole ruleset
+                // beside the first made this check the node proxy's peak memory (195
+                // against 179 MiB at 10,000 Services).
+                let before = Fingerprint::of(path.rules.ruleset());
+                path.rules.rebuild(state);
+                let after = Fingerprint::of(path.rules.ruleset());
+                let differing = before.differing(&after);
+                if differing.is_empty() {
                     return None;
                 }
-                let differing: Vec<&String> = old
-                    .chains
-                    .keys()
-                    .chain(new.chains.keys())
-                    .filter(|name| old.chains.get(*name) != new.chains.get(*name))
-                    .chain(
-                        old.sets
-                            .keys()
-                            .chain(new.sets.keys())
-                            .filter(|name| old.sets.get(*name) != new.sets.get(*name)),
-                    )
-                    .collect::<BTreeSet<_>>()
-                    .into_iter()
-                    .collect();
                 tracing::error!(
                     objects = differing.len(),
                     first = ?differing.iter().take(5).collect::<Vec<_>>(),
                     "the incremental nftables ruleset differs from a full rebuild; replacing the table"
                 );
-                let count = differing.len();
-                path.rules = rebuilt;
                 path.in_sync = false;
-                Some(count)
+                Some(differing.len())
             }
         }
     }

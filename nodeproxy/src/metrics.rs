@@ -60,6 +60,9 @@ pub struct SyncLabels {
 #[derive(Debug, Clone)]
 pub struct Metrics {
     pub sync_duration: Histogram,
+    /// The periodic syncs, which also compare the rules with a full rebuild (kube-proxy's
+    /// sync_full_proxy_rules_duration_seconds).
+    pub sync_full_duration: Histogram,
     pub syncs: Family<SyncLabels, Counter>,
     pub restore_failures: Family<TableLabels, Counter>,
     pub rules: Family<TableLabels, Gauge>,
@@ -83,6 +86,7 @@ impl Metrics {
         let metrics = Self {
             // 1 ms .. ~65 s
             sync_duration: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            sync_full_duration: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
             syncs: Family::default(),
             restore_failures: Family::default(),
             rules: Family::default(),
@@ -102,6 +106,11 @@ impl Metrics {
             "sync_proxy_rules_duration_seconds",
             "Duration of one sync of the proxy rules",
             metrics.sync_duration.clone(),
+        );
+        registry.register(
+            "sync_full_proxy_rules_duration_seconds",
+            "Duration of one periodic sync, which also compares the rules with a full rebuild",
+            metrics.sync_full_duration.clone(),
         );
         registry.register(
             "sync_proxy_rules",

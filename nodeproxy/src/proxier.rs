@@ -311,6 +311,11 @@ impl Proxier {
         }
         let elapsed = started.elapsed();
         self.metrics.sync_duration.observe(elapsed.as_secs_f64());
+        if full_check {
+            self.metrics
+                .sync_full_duration
+                .observe(elapsed.as_secs_f64());
+        }
         let result = if applied {
             SyncResult::Success
         } else {

@@ -343,6 +343,10 @@ fn the_binary_programs_rules_serves_health_and_cleans_up() {
             "{metrics}"
         );
         assert!(
+            !metrics.contains("tandem_nodeproxy_sync_full_proxy_rules_duration_seconds_count 0\n"),
+            "no periodic sync yet: {metrics}"
+        );
+        assert!(
             metrics.contains("tandem_nodeproxy_sync_divergence_total 0\n"),
             "{metrics}"
         );

@@ -1,6 +1,7 @@
 //! Switching a node between the iptables and the nftables mode, and `--cleanup`, against
 //! real netfilter in a fresh network namespace: each mode starts by removing the other's
-//! rules, so nothing stale stays behind. Root only (skipped with a message otherwise).
+//! rules, so nothing stale stays behind. Also each mode's periodic full-rebuild check
+//! after Services come and go. Root only (skipped with a message otherwise).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -82,5 +83,44 @@ fn switching_modes_and_cleanup_leave_no_rules_of_the_other_mode() {
         datapath::cleanup(BackendChoice::Auto).await.unwrap();
         assert_eq!(iptables_lines(), 0);
         assert!(!has_our_table(), "--cleanup left table ip tandem");
+    });
+}
+
+#[test]
+fn the_full_rebuild_check_finds_nothing_after_services_come_and_go() {
+    if !is_root() || Command::new("nft").arg("--version").output().is_err() {
+        eprintln!("skipped: needs root and the nft command");
+        return;
+    }
+    in_fresh_netns(|_| async {
+        let metrics = Metrics::register(&mut Registry::default());
+        for mode in [ProxyMode::Iptables, ProxyMode::Nftables] {
+            let mut path = start_and_sync(mode, &metrics).await;
+            // default/kubernetes leaves and a Service named after nginx-service comes: in
+            // nftables mode it takes the freed bucket slot, where a start from nothing, in
+            // name order, would place it after nginx-service.
+            let mut state = reference_state(reference_endpoints());
+            let gone = spn("default", "kubernetes", "https");
+            let nginx = spn("default", "nginx-service", "http");
+            let mut zeta = state.services[&nginx].clone();
+            zeta.name = spn("default", "zeta", "http");
+            zeta.cluster_ip = Some(std::net::Ipv4Addr::new(10, 43, 9, 9));
+            zeta.node_port = Some(30999);
+            zeta.load_balancer_ingress.clear();
+            state.services.remove(&gone);
+            state.services.insert(zeta.name.clone(), zeta.clone());
+            state
+                .endpoints
+                .insert(zeta.name.clone(), reference_endpoints());
+            let churned: BTreeSet<_> = [gone, zeta.name].into();
+            assert!(path.update(&state, &churned) > 0);
+            assert!(path.apply(&metrics).await, "{mode} sync failed");
+            assert_eq!(
+                path.check_against_full_rebuild(&node(), &state),
+                None,
+                "{mode}: the rebuild differs"
+            );
+        }
+        datapath::cleanup(BackendChoice::Auto).await.unwrap();
     });
 }

@@ -219,10 +219,15 @@ const IP_SADDR_OFFSET: u32 = 12;
 const IP_DADDR_OFFSET: u32 = 16;
 const TRANSPORT_DPORT_OFFSET: u32 = 2;
 
-/// The batch is built in buffers of about this size, each holding whole messages and
-/// sent together in one `sendmsg` (an iovec each): no single allocation as large as a
-/// whole first sync (tens of MB), and no copying as it grows.
+/// The batch is built in buffers of this size, each holding whole messages and sent
+/// together in one `sendmsg` (an iovec each): no single allocation as large as a whole
+/// first sync (tens of MB), and no copying as it grows.
 const CHUNK_BYTES: usize = 1 << 20;
+
+/// A buffer is full once less than this is left: the most a message takes (an attribute
+/// holds at most 64 KiB), so the message that ends a buffer never makes it grow, which
+/// would double its size for a few bytes.
+const MESSAGE_HEADROOM: usize = 64 * 1024;
 
 /// Element messages stay well below the 64 KiB a netlink attribute can hold: the
 /// elements of one [`Op::AddElements`] are split over as many messages as needed.
@@ -412,7 +417,7 @@ impl Encoder {
 
     /// Starts a new chunk once the current one is full (between messages).
     fn seal_full_chunk(&mut self) {
-        if self.out.buf.len() >= CHUNK_BYTES {
+        if self.out.buf.len() + MESSAGE_HEADROOM > CHUNK_BYTES {
             let full = std::mem::replace(&mut self.out.buf, Vec::with_capacity(CHUNK_BYTES));
             self.chunks.push(full);
         }

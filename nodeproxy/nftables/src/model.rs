@@ -5,8 +5,9 @@
 //! [`crate::encode`] the netlink expressions `nft` itself would send for it, so a ruleset
 //! programmed either way lists the same (`nft list table ip tandem`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use ipnet::Ipv4Net;
@@ -106,14 +107,14 @@ pub struct BaseChain {
     pub priority: i32,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Chain {
     pub base: Option<BaseChain>,
     pub rules: Vec<Rule>,
 }
 
 /// One rule: every match must hold, then the statement runs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Rule {
     pub matches: Vec<Match>,
     pub statement: Statement,
@@ -145,7 +146,7 @@ impl Rule {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Match {
     /// `ip saddr 10.244.0.0/16`, or `ip saddr != 10.244.0.0/16` when negated; a /32 is
     /// written as the bare address.
@@ -171,7 +172,7 @@ pub enum Match {
     AddressPairInSet(String),
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Statement {
     /// `jump name`.
     Jump(String),
@@ -310,7 +311,7 @@ pub enum SetSpec {
     Dynamic { timeout_seconds: u32 },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Set {
     pub spec: SetSpec,
     /// Always empty for [`SetSpec::Dynamic`].
@@ -349,5 +350,83 @@ impl Ruleset {
 
     pub fn element_count(&self) -> usize {
         self.sets.values().map(|set| set.elements.len()).sum()
+    }
+}
+
+/// A digest of every chain and set of a ruleset, by name: what is needed to tell which
+/// objects another ruleset has differently without keeping this one (its name and eight
+/// bytes per object). Two objects with the same digest are taken as equal: a 64-bit
+/// hash makes a false match among tens of thousands of objects vanishingly unlikely.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fingerprint {
+    chains: BTreeMap<String, u64>,
+    sets: BTreeMap<String, u64>,
+}
+
+impl Fingerprint {
+    pub fn of(ruleset: &Ruleset) -> Self {
+        fn digests<T: Hash>(objects: &BTreeMap<String, T>) -> BTreeMap<String, u64> {
+            objects
+                .iter()
+                .map(|(name, object)| {
+                    let mut hasher = DefaultHasher::new();
+                    object.hash(&mut hasher);
+                    (name.clone(), hasher.finish())
+                })
+                .collect()
+        }
+        Self {
+            chains: digests(&ruleset.chains),
+            sets: digests(&ruleset.sets),
+        }
+    }
+
+    /// The chains and then the sets that differ between the two (present in one only, or
+    /// different), each in name order.
+    pub fn differing<'a>(&'a self, other: &'a Self) -> Vec<&'a str> {
+        fn differing<'a>(
+            one: &'a BTreeMap<String, u64>,
+            other: &'a BTreeMap<String, u64>,
+        ) -> impl Iterator<Item = &'a str> {
+            let names: BTreeSet<&String> = one.keys().chain(other.keys()).collect();
+            names
+                .into_iter()
+                .filter(|name| one.get(*name) != other.get(*name))
+                .map(String::as_str)
+        }
+        differing(&self.chains, &other.chains)
+            .chain(differing(&self.sets, &other.sets))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ruleset(rules: Vec<Rule>, element: Option<(Key, Value)>) -> Ruleset {
+        let mut map = Set::verdict_map(KeyType::Index);
+        map.elements.extend(element);
+        Ruleset {
+            chains: [("c".to_owned(), Chain { base: None, rules })].into(),
+            sets: [("m".to_owned(), map)].into(),
+        }
+    }
+
+    #[test]
+    fn fingerprints_name_the_objects_that_differ() {
+        let accept = vec![Rule::always(Statement::Accept)];
+        let element = (Key::Index(0), Verdict::Goto("c".into()).into());
+        let base = Fingerprint::of(&ruleset(accept.clone(), Some(element.clone())));
+        assert!(base.differing(&base.clone()).is_empty());
+
+        let other_rule =
+            Fingerprint::of(&ruleset(vec![Rule::always(Statement::Drop)], Some(element)));
+        assert_eq!(base.differing(&other_rule), ["c"]);
+        let no_element = Fingerprint::of(&ruleset(accept.clone(), None));
+        assert_eq!(base.differing(&no_element), ["m"]);
+        let mut extra = ruleset(accept, None);
+        extra.chains.insert("d".into(), Chain::default());
+        assert_eq!(no_element.differing(&Fingerprint::of(&extra)), ["d"]);
     }
 }

@@ -82,6 +82,24 @@ impl PortShare {
     }
 }
 
+/// What one update touches: the named chains and sets as the ruleset held them and as
+/// rebuilt.
+struct Touched {
+    before: Ruleset,
+    after: Ruleset,
+    chains: BTreeSet<String>,
+    sets: BTreeSet<String>,
+}
+
+impl Touched {
+    fn transaction(&mut self) -> Transaction {
+        force_rewrite_of_redeclared_set_users(&mut self.before, &self.after);
+        let chains: BTreeSet<&str> = self.chains.iter().map(String::as_str).collect();
+        let sets: BTreeSet<&str> = self.sets.iter().map(String::as_str).collect();
+        Transaction::between(&self.before, &self.after, &chains, &sets)
+    }
+}
+
 /// The desired ruleset of table `ip tandem`, updated per Service port.
 #[derive(Debug, Clone)]
 pub struct IncrementalRuleset {
@@ -119,6 +137,20 @@ impl IncrementalRuleset {
         &self.slots
     }
 
+    /// Builds every port of `state` anew from nothing, each in the slot it holds (ports
+    /// keep their slots for life, so after churn a fresh start's name order would place
+    /// them elsewhere). The result equals the ruleset before unless the change tracking
+    /// missed something. The old ruleset goes first, so the two never take memory at once.
+    pub fn rebuild(&mut self, state: &ProxyState) {
+        let mut slots = std::mem::take(&mut self.slots);
+        slots.retain(|name| state.services.contains_key(name));
+        *self = Self {
+            slots,
+            ..Self::new(self.node.clone())
+        };
+        self.update_without_transaction(state, state.services.keys());
+    }
+
     /// Rebuilds the given Service ports from `state` (a port `state` no longer has is
     /// removed) and returns the transaction from the previous ruleset to the new one:
     /// empty when nothing changed.
@@ -127,6 +159,33 @@ impl IncrementalRuleset {
         state: &ProxyState,
         ports: impl IntoIterator<Item = &'a ServicePortName>,
     ) -> Transaction {
+        let mut touched = self.rebuild_ports(state, ports);
+        let tx = touched.transaction();
+        self.absorb(touched.after);
+        tx
+    }
+
+    /// [`IncrementalRuleset::update`] for a ruleset the kernel gets whole
+    /// ([`Transaction::replace_all`]) or never (a rebuild to compare with): the same
+    /// change without the transaction, which at a first sync copies every rule and
+    /// element once more.
+    pub fn update_without_transaction<'a>(
+        &mut self,
+        state: &ProxyState,
+        ports: impl IntoIterator<Item = &'a ServicePortName>,
+    ) {
+        let touched = self.rebuild_ports(state, ports);
+        self.absorb(touched.after);
+    }
+
+    /// Takes the given ports' objects out of the ruleset and builds them anew: both
+    /// versions of what they touch, for the transaction between them. The new version is
+    /// not in the ruleset yet ([`IncrementalRuleset::absorb`]).
+    fn rebuild_ports<'a>(
+        &mut self,
+        state: &ProxyState,
+        ports: impl IntoIterator<Item = &'a ServicePortName>,
+    ) -> Touched {
         // The touched objects only: before as the ruleset held them, after as rebuilt.
         // Both declare the shared maps, holding only the touched elements.
         let mut before = Ruleset::default();
@@ -270,23 +329,22 @@ impl IncrementalRuleset {
             }
         }
         sets.extend(bucket_maps);
+        Touched {
+            before,
+            after,
+            chains,
+            sets,
+        }
+    }
 
-        force_rewrite_of_redeclared_set_users(&mut before, &after);
-        let chain_names: BTreeSet<&str> = chains.iter().map(String::as_str).collect();
-        let set_names: BTreeSet<&str> = sets.iter().map(String::as_str).collect();
-        let tx = Transaction::between(&before, &after, &chain_names, &set_names);
-
-        // The touched ports' own sets were taken out, so a set still here is shared: it
-        // gets the new elements; every other set comes in whole.
-        let Ruleset {
-            chains: new_chains,
-            sets: new_sets,
-        } = after;
-        self.ruleset.chains.extend(new_chains);
-        for (name, set) in new_sets {
+    /// Puts the rebuilt objects in. The touched ports' own sets were taken out, so a set
+    /// still here is shared: it gets the new elements; every other set comes in whole.
+    fn absorb(&mut self, rebuilt: Ruleset) {
+        let Ruleset { chains, sets } = rebuilt;
+        self.ruleset.chains.extend(chains);
+        for (name, set) in sets {
             merge_into(&mut self.ruleset, name, set);
         }
-        tx
     }
 
     /// Every port claiming an element: a search through all ports, made only when an
@@ -350,6 +408,37 @@ mod tests {
             endpoints: [(name.clone(), vec![endpoint(1, "node-b")])].into(),
             services: [(name, service)].into(),
         }
+    }
+
+    #[test]
+    fn a_rebuild_after_churn_keeps_the_slots_the_ports_hold() {
+        let mut incremental = IncrementalRuleset::new(node());
+        let port = |name: &str| ServicePort {
+            name: ServicePortName {
+                namespace: "default".into(),
+                name: name.into(),
+                port: "http".into(),
+            },
+            ..service(Some(Ipv4Addr::new(10, 96, 0, 1)))
+        };
+        let with = |names: &[&str]| ProxyState {
+            services: names
+                .iter()
+                .map(|name| (port(name).name, port(name)))
+                .collect(),
+            ..ProxyState::default()
+        };
+        let first = with(&["a", "b"]);
+        incremental.update(&first, first.services.keys());
+        // "a" leaves and "z" takes its slot, 0, where name order would put it last.
+        let churned = with(&["b", "z"]);
+        let touched = [port("a").name, port("z").name];
+        incremental.update(&churned, &touched);
+        assert_ne!(incremental.slots(), &BucketSlots::in_name_order(&churned));
+        let mut rebuilt = incremental.clone();
+        rebuilt.rebuild(&churned);
+        assert_eq!(rebuilt.ruleset(), incremental.ruleset());
+        assert_eq!(rebuilt.slots(), incremental.slots());
     }
 
     #[test]

@@ -112,6 +112,19 @@ impl BucketSlots {
         slot
     }
 
+    /// Frees the slots of the ports `keep` says no to.
+    pub fn retain(&mut self, keep: impl Fn(&ServicePortName) -> bool) {
+        let gone: Vec<ServicePortName> = self
+            .held
+            .keys()
+            .filter(|name| !keep(name))
+            .cloned()
+            .collect();
+        for name in &gone {
+            self.release(name);
+        }
+    }
+
     /// Frees the slot of a port that is gone.
     pub fn release(&mut self, name: &ServicePortName) {
         if let Some(slot) = self.held.remove(name) {
