@@ -348,10 +348,12 @@ mod tests {
                 loaded: RssRun {
                     peak_mib: 210.0,
                     to_first_sync: d(3_000_000),
+                    to_periodic_sync: d(3_000_000),
                 },
                 empty: RssRun {
                     peak_mib: 12.0,
                     to_first_sync: d(100_000),
+                    to_periodic_sync: d(100_000),
                 },
             }),
         };

@@ -1,6 +1,7 @@
 //! Peak RSS of the real `tandem-nodeproxy` binary: in a fresh namespace, against an
 //! in-process API server stand-in bound on the namespace's loopback and loaded with the
-//! cluster, until its first sync (its `/healthz` answers 200); then VmHWM.
+//! cluster, through its first sync (its `/healthz` answers 200) and the periodic sync
+//! after it, which compares the rules with a full rebuild; then VmHWM.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -23,6 +24,10 @@ use super::kernel::FreshNetns;
 const HEALTHZ: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10256);
 const METRICS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10249);
 const POLL: Duration = Duration::from_millis(50);
+/// Short, so the periodic sync and its full-rebuild check come soon after the first sync.
+pub(super) const SYNC_PERIOD: &str = "2s";
+/// How many periodic syncs ended, as `/metrics` names it.
+const PERIODIC_SYNCS: &str = "tandem_nodeproxy_sync_full_proxy_rules_duration_seconds_count";
 
 /// What one run of the binary showed.
 #[derive(Debug, Clone, Copy)]
@@ -30,6 +35,8 @@ pub struct RssRun {
     pub peak_mib: f64,
     /// From spawning the process to its `/healthz` answering 200 (list + first sync).
     pub to_first_sync: Duration,
+    /// From the first sync to the end of the periodic sync after it.
+    pub to_periodic_sync: Duration,
 }
 
 /// The data path the binary is started with.
@@ -99,6 +106,7 @@ async fn run_against_stand_in(
         .args(["--node-name", cluster::NODE_NAME])
         .args(["--cluster-cidr", &cluster::cluster_cidr().to_string()])
         .args(data_path.args())
+        .args(["--sync-period", SYNC_PERIOD])
         .args(["--healthz-bind-address", &HEALTHZ.to_string()])
         .args(["--metrics-bind-address", &METRICS.to_string()])
         .env("RUST_LOG", "info")
@@ -109,24 +117,28 @@ async fn run_against_stand_in(
         .spawn()
         .with_context(|| format!("starting {}", binary.display()))?;
     let pid = child.id().context("the node proxy exited at once")?;
-    let synced = loop {
-        if let Some(status) = child.try_wait()? {
-            break Err(anyhow::anyhow!("the node proxy exited ({status})"));
-        }
-        if started.elapsed() > timeout {
-            break Err(anyhow::anyhow!("no first sync within {timeout:?}"));
-        }
-        if healthz_status().await == Some(200) {
-            break Ok(started.elapsed());
-        }
-        tokio::time::sleep(POLL).await;
-    };
+    let synced = async {
+        let first = wait_for(&mut child, started, timeout, "a first sync", async || {
+            healthz_status().await == Some(200)
+        })
+        .await?;
+        let periodic = wait_for(
+            &mut child,
+            started,
+            timeout,
+            "a periodic sync",
+            async || periodic_syncs().await.is_some_and(|syncs| syncs >= 1),
+        )
+        .await?;
+        anyhow::Ok((first, periodic - first))
+    }
+    .await;
     // Read before stopping it: /proc/PID goes with the process.
     let status = tokio::fs::read_to_string(format!("/proc/{pid}/status")).await;
     child.start_kill()?;
     child.wait().await?;
     server.shutdown().await?;
-    let to_first_sync = match synced {
+    let (to_first_sync, to_periodic_sync) = match synced {
         Ok(elapsed) => elapsed,
         Err(error) => {
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
@@ -140,7 +152,31 @@ async fn run_against_stand_in(
     Ok(RssRun {
         peak_mib: peak_kib as f64 / 1024.0,
         to_first_sync,
+        to_periodic_sync,
     })
+}
+
+/// Polls `done` until it says yes; returns the time since `started`. Fails when the child
+/// exits or `timeout` (counted from `started`) passes first.
+async fn wait_for(
+    child: &mut tokio::process::Child,
+    started: Instant,
+    timeout: Duration,
+    what: &str,
+    mut done: impl AsyncFnMut() -> bool,
+) -> anyhow::Result<Duration> {
+    loop {
+        if let Some(status) = child.try_wait()? {
+            anyhow::bail!("the node proxy exited ({status}) before {what}");
+        }
+        if started.elapsed() > timeout {
+            anyhow::bail!("no {what} within {timeout:?}");
+        }
+        if done().await {
+            return Ok(started.elapsed());
+        }
+        tokio::time::sleep(POLL).await;
+    }
 }
 
 /// Put the namespace, the node, the Services (with their LB status) and the slices in.
@@ -179,17 +215,34 @@ fn load(store: &Store, cluster: Option<&Cluster>) -> anyhow::Result<()> {
 
 /// The status code `GET /healthz` answers with, or `None` when nothing answers yet.
 async fn healthz_status() -> Option<u16> {
-    let mut stream = tokio::net::TcpStream::connect(HEALTHZ).await.ok()?;
-    stream
-        .write_all(b"GET /healthz HTTP/1.0\r\nHost: localhost\r\n\r\n")
-        .await
-        .ok()?;
+    status_code(&get(HEALTHZ, "/healthz").await?)
+}
+
+/// How many periodic syncs ended, from `/metrics`.
+async fn periodic_syncs() -> Option<u64> {
+    sample(&get(METRICS, "/metrics").await?, PERIODIC_SYNCS)
+}
+
+/// The whole response to `GET path`, or `None` when nothing answers.
+async fn get(address: SocketAddr, path: &str) -> Option<String> {
+    let mut stream = tokio::net::TcpStream::connect(address).await.ok()?;
+    let request = format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
     let mut response = Vec::new();
     tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut response))
         .await
         .ok()?
         .ok()?;
-    status_code(&String::from_utf8_lossy(&response))
+    Some(String::from_utf8_lossy(&response).into_owned())
+}
+
+/// The value of the sample `series` (name and labels, as exposed) in a metrics page.
+fn sample(page: &str, series: &str) -> Option<u64> {
+    page.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// The code of an HTTP status line (`HTTP/1.1 200 OK`).
@@ -227,6 +280,15 @@ mod tests {
         );
         assert_eq!(status_code("garbage 200"), None);
         assert_eq!(status_code(""), None);
+    }
+
+    #[test]
+    fn samples_are_read_by_series() {
+        let page = "tandem_nodeproxy_sync_full_proxy_rules_duration_seconds_sum 0.5\n\
+            tandem_nodeproxy_sync_full_proxy_rules_duration_seconds_count 3\n\
+            tandem_nodeproxy_sync_full_proxy_rules_duration_seconds_bucket{le=\"0.001\"} 0\n";
+        assert_eq!(sample(page, PERIODIC_SYNCS), Some(3));
+        assert_eq!(sample("", PERIODIC_SYNCS), None);
     }
 
     #[test]
