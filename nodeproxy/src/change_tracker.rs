@@ -5,10 +5,9 @@
 //! not rules.
 //!
 //! The tracker is the node proxy's only store of Services and EndpointSlices. It keeps
-//! each object converted ([`ServiceEntry`], [`SliceEntry`]), not the object: at 10,000
-//! Services with 10 endpoints each, the objects took about 100 MiB of heap, their entries
-//! about 25 MiB. A full join of the very entries the incremental state came from is at
-//! hand for the periodic consistency check.
+//! each object converted ([`ServiceEntry`], [`SliceEntry`]), not the object, which takes
+//! about four times the memory. A full join of the very entries the incremental state
+//! came from is at hand for the periodic consistency check.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -212,8 +211,7 @@ impl ChangeTracker {
             }
             // A port whose endpoints differ has some in one of the two versions.
             for entry in previous.iter().chain(&current) {
-                self.changed
-                    .extend(entry.ports.iter().map(|(name, _)| name.clone()));
+                self.changed.extend(entry.served_ports().cloned());
             }
         }
         let changed = self.changed.len() != before;
@@ -279,12 +277,7 @@ impl ChangeTracker {
                 .iter()
                 .filter(|port| ports.contains(&port.name))
             {
-                let endpoints = convert::join_endpoints(
-                    slices
-                        .iter()
-                        .flat_map(|slice| slice.endpoints_of(&port.name))
-                        .cloned(),
-                );
+                let endpoints = convert::port_endpoints(&port.name, slices.iter().copied());
                 self.state.services.insert(port.name.clone(), port.clone());
                 changes
                     .current
@@ -337,7 +330,7 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// The state of every entry joined from scratch, independent of the change tracking.
-    pub fn conversion(&self) -> convert::Conversion {
+    pub fn joined(&self) -> convert::Conversion {
         convert::join(
             self.services.iter().map(AsRef::as_ref),
             self.slices.iter().map(AsRef::as_ref),

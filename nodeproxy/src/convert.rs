@@ -4,7 +4,7 @@
 //! conversion: the offending value is left out and reported as a [`Skipped`] entry, so
 //! one bad Service never breaks the rules of the others.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::Ipv4Net;
@@ -81,12 +81,37 @@ impl ServiceEntry {
 }
 
 /// What the node proxy keeps of one EndpointSlice: the Service its label names, the
-/// endpoints it gives each Service port, and the values left out.
+/// Service ports it names with the port their endpoints listen on, its endpoints (once,
+/// whatever the number of ports), and the values left out.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SliceEntry {
     pub service: Option<ObjectKey>,
-    pub ports: Vec<(ServicePortName, Vec<Endpoint>)>,
+    ports: Vec<(ServicePortName, u16)>,
+    endpoints: Vec<SliceEndpoint>,
     pub skipped: Vec<Skipped>,
+}
+
+/// An endpoint of a slice, before a port is given to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SliceEndpoint {
+    ip: Ipv4Addr,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    node_name: Option<String>,
+}
+
+impl SliceEndpoint {
+    fn at(&self, port: u16) -> Endpoint {
+        Endpoint {
+            ip: self.ip,
+            port,
+            ready: self.ready,
+            serving: self.serving,
+            terminating: self.terminating,
+            node_name: self.node_name.clone(),
+        }
+    }
 }
 
 impl SliceEntry {
@@ -100,28 +125,103 @@ impl SliceEntry {
                 let namespace = slice.metadata.namespace.clone().unwrap_or_default();
                 (namespace, service.clone())
             });
-        let mut skipped = Vec::new();
-        let ports = match &service {
-            Some(service) => slice_endpoints(slice, service, &mut skipped),
-            None => Vec::new(),
-        };
-        Self {
+        let mut entry = Self {
             service,
-            ports,
-            skipped,
+            ..Self::default()
+        };
+        // IPv6 and FQDN slices carry nothing the IPv4 rules can use.
+        let Some((namespace, service)) = entry.service.clone() else {
+            return entry;
+        };
+        if slice.address_type != "IPv4" {
+            return entry;
         }
+        let id = format!(
+            "{namespace}/{}",
+            slice.metadata.name.as_deref().unwrap_or_default()
+        );
+        let mut skip = |field: &'static str, value: &str, reason: &'static str| {
+            entry.skipped.push(Skipped::SliceValue {
+                slice: id.clone(),
+                field,
+                value: value.to_owned(),
+                reason,
+            });
+        };
+        let mut ports = Vec::new();
+        for port in slice.ports.iter().flatten() {
+            let Some(target) = port.port.and_then(positive_port) else {
+                skip(
+                    "ports.port",
+                    &format!("{:?}", port.port),
+                    "not a port number",
+                );
+                continue;
+            };
+            let name = ServicePortName {
+                namespace: namespace.clone(),
+                name: service.clone(),
+                port: port.name.clone().unwrap_or_default(),
+            };
+            ports.push((name, target));
+        }
+        let mut endpoints = Vec::new();
+        for endpoint in &slice.endpoints {
+            // kube-proxy uses the first address; the API allows only one for IPv4 slices.
+            let Some(address) = endpoint.addresses.first() else {
+                continue;
+            };
+            let Ok(ip) = address.trim().parse::<Ipv4Addr>() else {
+                skip("endpoints.addresses", address, "not an IPv4 address");
+                continue;
+            };
+            let conditions = endpoint.conditions.as_ref();
+            let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
+            endpoints.push(SliceEndpoint {
+                ip,
+                ready,
+                serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
+                terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
+                node_name: endpoint.node_name.clone(),
+            });
+        }
+        entry.ports = ports;
+        entry.endpoints = endpoints;
+        entry
+    }
+
+    /// The Service ports this slice gives endpoints to (none when it has no endpoints).
+    pub fn served_ports(&self) -> impl Iterator<Item = &ServicePortName> {
+        let served = if self.endpoints.is_empty() {
+            &[][..]
+        } else {
+            &self.ports[..]
+        };
+        served.iter().map(|(name, _)| name)
     }
 
     /// This slice's endpoints of one Service port.
-    pub fn endpoints_of<'a>(
+    fn endpoints_of<'a>(
         &'a self,
         name: &'a ServicePortName,
-    ) -> impl Iterator<Item = &'a Endpoint> + 'a {
+    ) -> impl Iterator<Item = Endpoint> + 'a {
         self.ports
             .iter()
             .filter(move |(port, _)| port == name)
-            .flat_map(|(_, endpoints)| endpoints)
+            .flat_map(|(_, target)| self.endpoints.iter().map(|endpoint| endpoint.at(*target)))
     }
+}
+
+/// One Service port's endpoints from the slices of its Service, joined (empty: none).
+pub fn port_endpoints<'a>(
+    name: &ServicePortName,
+    slices: impl IntoIterator<Item = &'a SliceEntry>,
+) -> Vec<Endpoint> {
+    join_endpoints(
+        slices
+            .into_iter()
+            .flat_map(|slice| slice.endpoints_of(name)),
+    )
 }
 
 /// Build the node proxy's view of the cluster from the Services and EndpointSlices it sees.
@@ -135,34 +235,35 @@ pub fn proxy_state<'a>(
 }
 
 /// The state of all converted Services and EndpointSlices: each Service port with the
-/// endpoints every slice gives it.
+/// endpoints its Service's slices give it.
 pub fn join<'a>(
     services: impl IntoIterator<Item = &'a ServiceEntry>,
     slices: impl IntoIterator<Item = &'a SliceEntry>,
 ) -> Conversion {
+    let mut slices_of: HashMap<&ObjectKey, Vec<&SliceEntry>> = HashMap::new();
+    let mut slices_skipped = Vec::new();
+    for slice in slices {
+        slices_skipped.extend(slice.skipped.iter().cloned());
+        if let Some(service) = &slice.service {
+            slices_of.entry(service).or_default().push(slice);
+        }
+    }
     let mut out = Conversion::default();
     for service in services {
         out.skipped.extend(service.skipped.iter().cloned());
         for port in &service.ports {
+            let key = (port.name.namespace.clone(), port.name.name.clone());
+            let endpoints = port_endpoints(
+                &port.name,
+                slices_of.get(&key).into_iter().flatten().copied(),
+            );
+            if !endpoints.is_empty() {
+                out.state.endpoints.insert(port.name.clone(), endpoints);
+            }
             out.state.services.insert(port.name.clone(), port.clone());
         }
     }
-    let mut endpoints: BTreeMap<&ServicePortName, Vec<Endpoint>> = BTreeMap::new();
-    for slice in slices {
-        out.skipped.extend(slice.skipped.iter().cloned());
-        for (name, of_port) in &slice.ports {
-            if !of_port.is_empty() && out.state.services.contains_key(name) {
-                endpoints
-                    .entry(name)
-                    .or_default()
-                    .extend(of_port.iter().cloned());
-            }
-        }
-    }
-    out.state.endpoints = endpoints
-        .into_iter()
-        .map(|(name, all)| (name.clone(), join_endpoints(all)))
-        .collect();
+    out.skipped.extend(slices_skipped);
     out
 }
 
@@ -460,67 +561,6 @@ fn parse_protocol(value: Option<&str>) -> Option<Protocol> {
 
 fn positive_port(value: i32) -> Option<u16> {
     u16::try_from(value).ok().filter(|port| *port > 0)
-}
-
-/// The endpoints one EndpointSlice of `(namespace, service)` gives each port it names.
-fn slice_endpoints(
-    slice: &EndpointSlice,
-    (namespace, service): &ObjectKey,
-    skipped: &mut Vec<Skipped>,
-) -> Vec<(ServicePortName, Vec<Endpoint>)> {
-    let slice_name = slice.metadata.name.clone().unwrap_or_default();
-    // IPv6 and FQDN slices carry nothing the IPv4 rules can use.
-    if slice.address_type != "IPv4" {
-        return Vec::new();
-    }
-    let id = format!("{namespace}/{slice_name}");
-    let mut skip = |field: &'static str, value: &str, reason: &'static str| {
-        skipped.push(Skipped::SliceValue {
-            slice: id.clone(),
-            field,
-            value: value.to_owned(),
-            reason,
-        });
-    };
-    let mut out = Vec::new();
-    for port in slice.ports.iter().flatten() {
-        let Some(target) = port.port.and_then(positive_port) else {
-            skip(
-                "ports.port",
-                &format!("{:?}", port.port),
-                "not a port number",
-            );
-            continue;
-        };
-        let name = ServicePortName {
-            namespace: namespace.clone(),
-            name: service.clone(),
-            port: port.name.clone().unwrap_or_default(),
-        };
-        let mut endpoints = Vec::new();
-        for endpoint in &slice.endpoints {
-            // kube-proxy uses the first address; the API allows only one for IPv4 slices.
-            let Some(address) = endpoint.addresses.first() else {
-                continue;
-            };
-            let Ok(ip) = address.trim().parse::<Ipv4Addr>() else {
-                skip("endpoints.addresses", address, "not an IPv4 address");
-                continue;
-            };
-            let conditions = endpoint.conditions.as_ref();
-            let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
-            endpoints.push(Endpoint {
-                ip,
-                port: target,
-                ready,
-                serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
-                terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-                node_name: endpoint.node_name.clone(),
-            });
-        }
-        out.push((name, endpoints));
-    }
-    out
 }
 
 #[cfg(test)]
@@ -881,6 +921,36 @@ mod tests {
         let metrics = &out.state.endpoints[&spn("nginx-service", "metrics")];
         assert!(metrics.iter().all(|e| e.port == 9090));
         assert_eq!(out.state.endpoints.len(), 2);
+    }
+
+    #[test]
+    fn a_slice_keeps_its_endpoints_once_and_gives_each_port_its_target() {
+        let ports = [(Some("http"), 8080), (Some("metrics"), 9090)];
+        let two = slice(
+            "a",
+            "nginx-service",
+            &ports,
+            vec![
+                endpoint("10.244.1.5", "node-a", None, None),
+                endpoint("10.244.2.7", "node-b", None, None),
+            ],
+        );
+        let entry = SliceEntry::of(&two);
+        assert_eq!(entry.endpoints.len(), 2);
+        let served: Vec<&str> = entry.served_ports().map(|n| n.port.as_str()).collect();
+        assert_eq!(served, ["http", "metrics"]);
+        let metrics = port_endpoints(&spn("nginx-service", "metrics"), [&entry]);
+        let targets: Vec<(Ipv4Addr, u16)> = metrics.iter().map(|e| (e.ip, e.port)).collect();
+        assert_eq!(
+            targets,
+            [
+                (Ipv4Addr::new(10, 244, 1, 5), 9090),
+                (Ipv4Addr::new(10, 244, 2, 7), 9090)
+            ]
+        );
+        // Without endpoints a slice serves no port: its changes touch nothing.
+        let empty = SliceEntry::of(&slice("b", "nginx-service", &ports, vec![]));
+        assert_eq!(empty.served_ports().count(), 0);
     }
 
     #[test]

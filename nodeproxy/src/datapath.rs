@@ -141,9 +141,10 @@ impl DataPath {
         }
     }
 
-    /// The safety net: rebuilds every port of `state` from nothing and compares. A
-    /// difference is a bug in the change tracking; the rebuild then takes over (and is
-    /// written on the next apply). Returns the number of differing chains or objects.
+    /// The safety net: rebuilds every port of `state` from nothing (in nftables mode, each
+    /// in the bucket slot it holds) and compares. A difference is a bug in the change
+    /// tracking; the rebuild then takes over (and is written on the next apply). Returns
+    /// the number of differing chains or objects.
     pub fn check_against_full_rebuild(
         &mut self,
         node: &NodeConfig,

@@ -81,12 +81,16 @@ pub struct Metrics {
     pub nftables_elements: Gauge,
 }
 
+/// A histogram of durations from 1 ms to about 65 s.
+fn seconds_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
 impl Metrics {
     pub fn register(registry: &mut Registry) -> Self {
         let metrics = Self {
-            // 1 ms .. ~65 s
-            sync_duration: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
-            sync_full_duration: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            sync_duration: seconds_histogram(),
+            sync_full_duration: seconds_histogram(),
             syncs: Family::default(),
             restore_failures: Family::default(),
             rules: Family::default(),
@@ -95,7 +99,7 @@ impl Metrics {
             endpoints_changes: Counter::default(),
             skipped_values: Counter::default(),
             sync_divergence: Counter::default(),
-            network_programming: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            network_programming: seconds_histogram(),
             nftables_failures: Counter::default(),
             nftables_chains: Gauge::default(),
             nftables_rules: Gauge::default(),

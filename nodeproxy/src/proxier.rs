@@ -44,11 +44,12 @@ pub struct Observed {
 }
 
 impl Observed {
-    /// A full conversion of every Service and EndpointSlice, plus the values left out;
-    /// converted after the tracker lock is released, so the watches are not held up.
-    pub fn conversion(&self) -> convert::Conversion {
+    /// The state of every Service and EndpointSlice held, joined from scratch, plus the
+    /// values left out; joined after the tracker lock is released, so the watches are
+    /// not held up.
+    pub fn joined(&self) -> convert::Conversion {
         let snapshot = change_tracker::lock(&self.tracker).snapshot();
-        snapshot.conversion()
+        snapshot.joined()
     }
 
     pub fn node_draining(&self) -> bool {
@@ -335,8 +336,8 @@ impl Proxier {
         applied
     }
 
-    /// The safety net: a full conversion and build from scratch of every object in
-    /// `snapshot`, compared with the incremental rules. A difference is a bug in the change
+    /// The safety net: a join and build from scratch of every entry in `snapshot`,
+    /// compared with the incremental state and rules. A difference is a bug in the change
     /// tracking: it is logged and counted, and the rebuild replaces both the incremental
     /// rules and the tracker's state. Returns how many chains or objects differed.
     fn check_against_full_rebuild(
@@ -344,7 +345,7 @@ impl Proxier {
         observed: &Observed,
         snapshot: &change_tracker::Snapshot,
     ) -> usize {
-        let conversion = snapshot.conversion();
+        let conversion = snapshot.joined();
         let Some(differing) = self
             .datapath
             .check_against_full_rebuild(&self.config.node, &conversion.state)

@@ -275,7 +275,7 @@ proptest! {
             prop_assert_eq!(rules.ruleset(), &full);
             prop_assert_eq!(&changed, &ChangedChains::between(&previous, &full));
             prop_assert_eq!(
-                tracker.snapshot().conversion().state,
+                tracker.snapshot().joined().state,
                 full_state,
                 "the tracker holds the same objects"
             );

@@ -224,9 +224,9 @@ const TRANSPORT_DPORT_OFFSET: u32 = 2;
 /// first sync (tens of MB), and no copying as it grows.
 const CHUNK_BYTES: usize = 1 << 20;
 
-/// A buffer is full once less than this is left: the most a message takes (an attribute
-/// holds at most 64 KiB), so the message that ends a buffer never makes it grow, which
-/// would double its size for a few bytes.
+/// A buffer is full once less than this is left: more than the messages the node proxy
+/// writes take (element messages are cut at 32 KiB), so the message that ends a buffer
+/// does not make it grow, which would double its size for a few bytes.
 const MESSAGE_HEADROOM: usize = 64 * 1024;
 
 /// Element messages stay well below the 64 KiB a netlink attribute can hold: the

@@ -73,7 +73,7 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
     }
     shutdown.cancel();
     watching.await?;
-    let conversion = observed.conversion();
+    let conversion = observed.joined();
     for skipped in &conversion.skipped {
         tracing::warn!(%skipped, "invalid value left out of the rules");
     }
