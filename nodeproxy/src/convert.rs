@@ -129,10 +129,10 @@ impl SliceEntry {
             service,
             ..Self::default()
         };
-        // IPv6 and FQDN slices carry nothing the IPv4 rules can use.
         let Some((namespace, service)) = entry.service.clone() else {
             return entry;
         };
+        // IPv6 and FQDN slices carry nothing the IPv4 rules can use.
         if slice.address_type != "IPv4" {
             return entry;
         }
