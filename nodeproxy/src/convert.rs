@@ -125,23 +125,21 @@ impl SliceEntry {
                 let namespace = slice.metadata.namespace.clone().unwrap_or_default();
                 (namespace, service.clone())
             });
-        let mut entry = Self {
-            service,
-            ..Self::default()
+        let (Some((namespace, service_name)), "IPv4") = (&service, slice.address_type.as_str())
+        else {
+            // No Service, or an IPv6 or FQDN slice: nothing the IPv4 rules can use.
+            return Self {
+                service,
+                ..Self::default()
+            };
         };
-        let Some((namespace, service)) = entry.service.clone() else {
-            return entry;
-        };
-        // IPv6 and FQDN slices carry nothing the IPv4 rules can use.
-        if slice.address_type != "IPv4" {
-            return entry;
-        }
         let id = format!(
             "{namespace}/{}",
             slice.metadata.name.as_deref().unwrap_or_default()
         );
+        let mut skipped = Vec::new();
         let mut skip = |field: &'static str, value: &str, reason: &'static str| {
-            entry.skipped.push(Skipped::SliceValue {
+            skipped.push(Skipped::SliceValue {
                 slice: id.clone(),
                 field,
                 value: value.to_owned(),
@@ -160,7 +158,7 @@ impl SliceEntry {
             };
             let name = ServicePortName {
                 namespace: namespace.clone(),
-                name: service.clone(),
+                name: service_name.clone(),
                 port: port.name.clone().unwrap_or_default(),
             };
             ports.push((name, target));
@@ -185,9 +183,12 @@ impl SliceEntry {
                 node_name: endpoint.node_name.clone(),
             });
         }
-        entry.ports = ports;
-        entry.endpoints = endpoints;
-        entry
+        Self {
+            service,
+            ports,
+            endpoints,
+            skipped,
+        }
     }
 
     /// The Service ports this slice gives endpoints to (none when it has no endpoints).
