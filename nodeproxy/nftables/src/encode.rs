@@ -170,7 +170,9 @@ const NFT_META_L4PROTO: u32 = 16;
 const NFTA_CT_DREG: u16 = 1;
 const NFTA_CT_KEY: u16 = 2;
 const NFT_CT_STATE: u32 = 0;
+const NFT_CT_STATUS: u32 = 2;
 const IP_CT_NEW_BIT: u32 = 1 << 3;
+const IPS_DST_NAT: u32 = 1 << 5;
 const NFTA_FIB_DREG: u16 = 1;
 const NFTA_FIB_RESULT: u16 = 2;
 const NFTA_FIB_FLAGS: u16 = 3;
@@ -972,14 +974,8 @@ impl Expressions<'_> {
                 );
                 self.cmp(NFT_CMP_EQ, &port.to_be_bytes());
             }
-            Match::ConnectionNew => {
-                self.expr("ct", |w| {
-                    w.u32(NFTA_CT_KEY, NFT_CT_STATE);
-                    w.u32(NFTA_CT_DREG, NFT_REG_1);
-                });
-                self.bitwise(&IP_CT_NEW_BIT.to_ne_bytes(), &[0; 4], false);
-                self.cmp(NFT_CMP_NEQ, &[0; 4]);
-            }
+            Match::ConnectionNew => self.ct_bit(NFT_CT_STATE, IP_CT_NEW_BIT),
+            Match::ConnectionDnat => self.ct_bit(NFT_CT_STATUS, IPS_DST_NAT),
             Match::DestinationLocal => self.fib_local(NFTA_FIB_F_DADDR),
             Match::SourceLocal => self.fib_local(NFTA_FIB_F_SADDR),
             Match::Mark { bit, set } => {
@@ -997,6 +993,16 @@ impl Expressions<'_> {
                 self.lookup(set, None);
             }
         }
+    }
+
+    /// `ct KEY BIT`: a bit of the connection's state or status is set.
+    fn ct_bit(&mut self, key: u32, bit: u32) {
+        self.expr("ct", |w| {
+            w.u32(NFTA_CT_KEY, key);
+            w.u32(NFTA_CT_DREG, NFT_REG_1);
+        });
+        self.bitwise(&bit.to_ne_bytes(), &[0; 4], false);
+        self.cmp(NFT_CMP_NEQ, &[0; 4]);
     }
 
     fn fib_local(&mut self, flags: u32) {

@@ -159,6 +159,9 @@ pub enum Match {
     DestinationPort { protocol: Protocol, port: u16 },
     /// `ct state new`.
     ConnectionNew,
+    /// `ct status dnat`: the connection's destination was translated (by a Service's
+    /// DNAT).
+    ConnectionDnat,
     /// `fib daddr type local`: the destination is one of this node's addresses.
     DestinationLocal,
     /// `fib saddr type local`: the source is one of this node's addresses.

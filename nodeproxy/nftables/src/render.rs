@@ -101,6 +101,7 @@ pub fn condition(m: &Match) -> String {
         Match::Protocol(protocol) => format!("meta l4proto {protocol}"),
         Match::DestinationPort { protocol, port } => format!("{protocol} dport {port}"),
         Match::ConnectionNew => "ct state new".to_owned(),
+        Match::ConnectionDnat => "ct status dnat".to_owned(),
         Match::DestinationLocal => "fib daddr type local".to_owned(),
         Match::SourceLocal => "fib saddr type local".to_owned(),
         Match::Mark { bit, set: true } => format!("meta mark & {bit:#010x} == {bit:#010x}"),

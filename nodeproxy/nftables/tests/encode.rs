@@ -246,7 +246,10 @@ fn every_variant() -> Transaction {
         rule(
             "post",
             Rule::when(
-                vec![Match::AddressPairInSet("pairs".into())],
+                vec![
+                    Match::ConnectionDnat,
+                    Match::AddressPairInSet("pairs".into()),
+                ],
                 Statement::Masquerade,
             ),
         ),
@@ -290,7 +293,7 @@ add map ip tandem eps { typeof numgen random mod 1 : ip daddr . tcp dport; flags
 add set ip tandem pairs { type ipv4_addr . ipv4_addr; }
 add element ip tandem pairs { 10.244.1.2 . 10.244.1.2 }
 add rule ip tandem pre meta l4proto tcp dnat ip to numgen random mod 720720 map @eps
-add rule ip tandem post ip saddr . ip daddr @pairs masquerade fully-random
+add rule ip tandem post ct status dnat ip saddr . ip daddr @pairs masquerade fully-random
 ";
 
 #[test]

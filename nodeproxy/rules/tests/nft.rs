@@ -187,6 +187,9 @@ fn cases(state: &ProxyState) -> Vec<Case> {
                 // Hairpin: an endpoint reaching its own Service.
                 let src = ep.ip.to_string();
                 cases.push(case(proto, &src, cip, svc.port, Entry::FromOutside));
+                // The endpoint reaching its own address, not through the Service: no
+                // DNAT, so no masquerade either.
+                cases.push(case(proto, &src, ep.ip, ep.port, Entry::FromOutside));
                 if svc.session_affinity_timeout.is_some() {
                     let mut pinned = case(proto, ALLOWED_CLIENT, cip, svc.port, Entry::FromOutside);
                     pinned.pinned = Some((name.clone(), SocketAddrV4::new(ep.ip, ep.port)));

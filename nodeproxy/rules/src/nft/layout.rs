@@ -284,8 +284,14 @@ pub fn fixed_objects() -> Ruleset {
         (
             MASQUERADING,
             chain(vec![
+                // A pod reaching itself through a Service: only DNATed connections, as
+                // the iptables mode marks them in the endpoint chain, so a host process
+                // talking to its own address is left alone.
                 Rule::when(
-                    vec![Match::AddressPairInSet(HAIRPIN_ENDPOINTS.to_owned())],
+                    vec![
+                        Match::ConnectionDnat,
+                        Match::AddressPairInSet(HAIRPIN_ENDPOINTS.to_owned()),
+                    ],
                     jump(MARK_FOR_MASQUERADE),
                 ),
                 Rule::when(

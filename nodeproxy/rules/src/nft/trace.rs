@@ -235,6 +235,7 @@ impl Tracer<'_> {
                 }
                 // The tracer follows the first packet of a connection.
                 Match::ConnectionNew => true,
+                Match::ConnectionDnat => walk.dnat.is_some(),
                 Match::DestinationLocal => self.request.is_local(packet.dst),
                 Match::SourceLocal => self.request.is_local(packet.src),
                 Match::Mark { bit, set: true } => walk.mark & bit == *bit,
