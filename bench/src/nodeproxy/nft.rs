@@ -112,9 +112,11 @@ fn sync_in_namespace(mut cluster: Cluster, rounds: usize) -> anyhow::Result<Sync
     let started = Instant::now();
     lists.feed(&mut proxy.tracker);
     let changes = proxy.tracker.take();
-    proxy.rules.update(&changes.current, &changes.ports);
+    // As the data path does before its first apply, which replaces the whole table.
+    proxy
+        .rules
+        .update_without_transaction(&changes.current, &changes.ports);
     let convert_build = started.elapsed();
-    // The data path's first apply replaces the whole table.
     let tx = Transaction::replace_all(proxy.rules.ruleset());
     let batch = proxy.kernel.encode(&tx)?;
     let encode = started.elapsed() - convert_build;

@@ -657,7 +657,7 @@ fn key_type_and_len(key: KeyType) -> (u32, u32) {
             12,
         ),
         KeyType::ProtocolPort => (concat_type(&[TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]), 8),
-        KeyType::Index | KeyType::Buckets => (TYPE_INTEGER, 4),
+        KeyType::Index => (TYPE_INTEGER, 4),
         KeyType::Address => (TYPE_IPADDR, 4),
         KeyType::AddressPair => (concat_type(&[TYPE_IPADDR, TYPE_IPADDR]), 8),
     }
@@ -730,7 +730,7 @@ fn map_user_data(udata: &mut Vec<u8>, key: KeyType) {
                 );
             }
         }
-        KeyType::Index | KeyType::Buckets => {
+        KeyType::Index => {
             udata_u32(udata, NFTNL_UDATA_SET_KEYBYTEORDER, BYTEORDER_HOST);
             udata_u32(udata, NFTNL_UDATA_SET_DATABYTEORDER, BYTEORDER_UNKNOWN);
             udata_raw(udata, NFTNL_UDATA_SET_KEY_TYPEOF, &numgen_typeof());

@@ -23,7 +23,7 @@ pub const MASQUERADE_MARK: u32 = 0x4000;
 /// an [`SetSpec::EndpointMap`] owns an equal run of buckets ([`Key::Buckets`]). The
 /// modulus stays fixed, so adding or removing an endpoint only rewrites map elements,
 /// never the rule. 720720 is the least common multiple of 1 to 16: up to 16 endpoints
-/// share it exactly, and more are off by at most one bucket (under 0.003%).
+/// share it exactly, and more are off by at most one bucket (0.00014% of the traffic).
 pub const BUCKETS: u32 = 720_720;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -230,8 +230,6 @@ pub enum KeyType {
     Index,
     /// `type ipv4_addr`.
     Address,
-    /// `typeof numgen random mod 1` with `flags interval`: runs of [`BUCKETS`].
-    Buckets,
     /// `type ipv4_addr . ipv4_addr` (source, destination).
     AddressPair,
 }
@@ -260,19 +258,6 @@ pub enum Key {
     AddressPair(Ipv4Addr, Ipv4Addr),
     /// `0-72071`: the buckets `first ..= last` of an [`SetSpec::EndpointMap`].
     Buckets { first: u32, last: u32 },
-}
-
-impl Key {
-    pub fn key_type(&self) -> KeyType {
-        match self {
-            Key::AddressProtocolPort(..) => KeyType::AddressProtocolPort,
-            Key::ProtocolPort(..) => KeyType::ProtocolPort,
-            Key::Index(_) => KeyType::Index,
-            Key::Address(_) => KeyType::Address,
-            Key::AddressPair(..) => KeyType::AddressPair,
-            Key::Buckets { .. } => KeyType::Buckets,
-        }
-    }
 }
 
 /// The verdict a map element holds.

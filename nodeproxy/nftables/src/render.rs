@@ -77,7 +77,7 @@ pub fn key_declaration(key: KeyType) -> &'static str {
     match key {
         KeyType::AddressProtocolPort => "type ipv4_addr . inet_proto . inet_service",
         KeyType::ProtocolPort => "type inet_proto . inet_service",
-        KeyType::Index | KeyType::Buckets => "typeof numgen random mod 1",
+        KeyType::Index => "typeof numgen random mod 1",
         KeyType::Address => "type ipv4_addr",
         KeyType::AddressPair => "type ipv4_addr . ipv4_addr",
     }

@@ -108,8 +108,9 @@ pub struct IncrementalRuleset {
     ports: BTreeMap<ServicePortName, PortShare>,
     slots: BucketSlots,
     /// Elements more than one port claims (two Services listing the same external IP and
-    /// port, or sharing an endpoint's hairpin pair), with every claimant: the first in name order holds it, as in [`layout::build`].
-    /// Only conflicts are indexed, so the common case costs nothing.
+    /// port, or sharing an endpoint's hairpin pair), with every claimant: the first in
+    /// name order holds it, as in [`layout::build`]. Only conflicts are indexed, so the
+    /// common case costs nothing.
     contested: BTreeMap<ElementKey, BTreeSet<ServicePortName>>,
 }
 
