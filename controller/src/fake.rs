@@ -29,6 +29,9 @@ struct State {
     failures: Vec<(Operation, VecDeque<ProviderError>)>,
     next_id: u32,
     create_active: bool,
+    /// Deleted LBs stay `Deleting` until [`FakeProvider::finish_deletes`], as in a cloud
+    /// that deletes asynchronously.
+    delete_async: bool,
 }
 
 /// Cheap to clone: clones share one cloud.
@@ -72,6 +75,19 @@ impl FakeProvider {
         self.state().create_active = active;
     }
 
+    /// Whether deletes finish at once or leave the LB `Deleting` until
+    /// [`Self::finish_deletes`].
+    pub fn set_delete_async(&self, delete_async: bool) {
+        self.state().delete_async = delete_async;
+    }
+
+    /// The cloud finishes every pending delete.
+    pub fn finish_deletes(&self) {
+        self.state()
+            .lbs
+            .retain(|_, lb| lb.phase != LoadBalancerPhase::Deleting);
+    }
+
     /// Every call so far, in order; `take` empties the record.
     pub fn take_calls(&self) -> Vec<Call> {
         std::mem::take(&mut self.state().calls)
@@ -100,6 +116,7 @@ impl FakeProvider {
     }
 }
 
+/// The LB of `lookup`, being deleted or not.
 fn find(
     state: &State,
     lookup: &LoadBalancerLookup,
@@ -136,7 +153,7 @@ impl LoadBalancerProvider for FakeProvider {
             },
             Operation::Get,
         )?;
-        find(&state, lookup)
+        Ok(find(&state, lookup)?.filter(|lb| lb.phase != LoadBalancerPhase::Deleting))
     }
 
     async fn create(
@@ -215,17 +232,29 @@ impl LoadBalancerProvider for FakeProvider {
         Ok(lb.clone())
     }
 
-    async fn delete(&self, lookup: &LoadBalancerLookup) -> Result<(), ProviderError> {
+    async fn delete(
+        &self,
+        lookup: &LoadBalancerLookup,
+    ) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
         let mut state = self.begin(
             Call::Delete {
                 known_id: lookup.known_id.clone(),
             },
             Operation::Delete,
         )?;
-        if let Some(lb) = find(&state, lookup)? {
+        let Some(lb) = find(&state, lookup)? else {
+            return Ok(None);
+        };
+        if !state.delete_async {
             state.lbs.remove(&lb.id);
+            return Ok(None);
         }
-        Ok(())
+        let deleting = ObservedLoadBalancer {
+            phase: LoadBalancerPhase::Deleting,
+            ..lb
+        };
+        state.lbs.insert(deleting.id.clone(), deleting.clone());
+        Ok(Some(deleting))
     }
 
     async fn list_owned(

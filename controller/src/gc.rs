@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::plan::{Ownership, ownership};
 use crate::provider::{
-    LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
+    LoadBalancerLookup, LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
 };
 use crate::reconcile::Context;
 use crate::spec::ClassFilter;
@@ -33,6 +33,7 @@ pub fn orphans<'a>(
     live: &BTreeSet<String>,
 ) -> Vec<&'a ObservedLoadBalancer> {
     lbs.iter()
+        .filter(|lb| lb.phase != LoadBalancerPhase::Deleting)
         .filter(|lb| lb.owner.as_ref().is_some_and(|o| !live.contains(&o.uid)))
         .collect()
 }

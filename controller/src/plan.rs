@@ -291,8 +291,9 @@ pub fn plan_nothing() -> Plan {
 }
 
 impl Plan {
-    /// The writes after the cloud call: `result` is the LB the call returned (`None` for
-    /// a delete, or when the plan made no call).
+    /// The writes after the cloud call: `result` is the LB the call returned (for a
+    /// delete, the LB the cloud still lists as being deleted, `None` once it is gone), or
+    /// `None` when the plan made no call.
     pub fn settle(
         &self,
         svc: &Service,
@@ -324,7 +325,15 @@ impl Plan {
             },
             Intent::Unobservable(error) => self.failed(error.clone(), false),
             Intent::Cleanup { being_deleted } => match result {
-                Ok(_) => Settled {
+                // The finalizer stays until the cloud no longer lists the LB.
+                Ok(Some(deleting)) => {
+                    tracing::debug!(id = %deleting.id, "load balancer still being deleted");
+                    Settled {
+                        outcome: Ok(Next::Poll),
+                        ..nothing
+                    }
+                }
+                Ok(None) => Settled {
                     events: vec![EventDecision::new(
                         EventReason::DeletedLoadBalancer,
                         "Deleted load balancer",

@@ -404,7 +404,7 @@ impl ProviderError {
 pub async fn delete_ours<P: LoadBalancerProvider>(
     provider: &P,
     lookup: &LoadBalancerLookup,
-) -> Result<(), ProviderError> {
+) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
     match provider.delete(lookup).await {
         Err(ProviderError::ForeignLoadBalancer { id }) => {
             tracing::warn!(%id, "persisted id names a foreign load balancer; ignoring it");
@@ -451,11 +451,13 @@ pub trait LoadBalancerProvider: Send + Sync + 'static {
         desired: &DesiredLoadBalancer,
     ) -> impl Future<Output = Result<ObservedLoadBalancer, ProviderError>> + Send;
 
-    /// Deletes the LB (found as in `get`); succeeds when it is already gone.
+    /// Deletes the LB (found as in `get`, or already being deleted). Returns the LB while
+    /// the cloud still lists it (it is `Deleting`), `None` once it is gone: only then may
+    /// the Service's finalizer go (cf. `EnsureLoadBalancerDeleted`).
     fn delete(
         &self,
         lookup: &LoadBalancerLookup,
-    ) -> impl Future<Output = Result<(), ProviderError>> + Send;
+    ) -> impl Future<Output = Result<Option<ObservedLoadBalancer>, ProviderError>> + Send;
 
     /// Every LB tagged with this cluster's id (for orphan collection).
     fn list_owned(

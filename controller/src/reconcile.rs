@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Namespace, Node, Service};
+use k8s_openapi::api::core::v1::{LoadBalancerIngress, Namespace, Node, Service};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -34,10 +34,7 @@ use crate::spec::{
     ANNOTATION_LB_ID, ClassFilter, WithoutNodePorts, desired_load_balancer, namespace_pool,
     owner_of, persisted_id,
 };
-use crate::status::{IngressUpdate, StatusWrite, current_ingress, status_write};
-
-/// Our field manager for server-side apply of the status.
-pub const FIELD_MANAGER: &str = "tandem-controller";
+use crate::status::{IngressFields, IngressUpdate, StatusWrite, current_ingress, status_write};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -93,6 +90,9 @@ pub struct Context<P> {
     /// How long to wait before reading a provisioning LB again: long enough that it is
     /// usually active by then, so a create costs the POST and one read.
     pub provisioning_poll: Duration,
+    /// The ingress fields the API server keeps: guessed from its version, corrected by
+    /// what each status write returns.
+    ingress_fields: Mutex<IngressFields>,
     failures: Mutex<HashMap<ObjectRef<Service>, u32>>,
 }
 
@@ -110,6 +110,7 @@ impl<P: LoadBalancerProvider> Context<P> {
         recorder: Recorder,
         metrics: Metrics,
         resync: Duration,
+        ingress_fields: IngressFields,
     ) -> Self {
         Self {
             client,
@@ -124,6 +125,7 @@ impl<P: LoadBalancerProvider> Context<P> {
             metrics,
             resync,
             provisioning_poll: Duration::from_secs(2),
+            ingress_fields: Mutex::new(ingress_fields),
             failures: Mutex::new(HashMap::new()),
         }
     }
@@ -163,6 +165,24 @@ impl<P: LoadBalancerProvider> Context<P> {
             .and_then(namespace_pool)
             .map(str::to_owned)
             .or_else(|| self.default_pool.clone())
+    }
+
+    fn ingress_fields(&self) -> IngressFields {
+        *self.ingress_fields.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Learns from a written Service which ingress fields the server drops.
+    fn learn_ingress_fields(&self, sent: &[LoadBalancerIngress], written: &Service) {
+        let mut fields = self.ingress_fields.lock().unwrap_or_else(|e| e.into_inner());
+        let learned = fields.learn(sent, current_ingress(written));
+        if learned != *fields {
+            tracing::info!(
+                ip_mode = learned.ip_mode,
+                ports = learned.ports,
+                "the API server drops status.loadBalancer.ingress fields; writing only those it keeps"
+            );
+            *fields = learned;
+        }
     }
 
     fn clear_failures(&self, svc: &Service) {
@@ -208,27 +228,16 @@ async fn patch_metadata(
 async fn write_status(
     client: &kube::Client,
     svc: &Service,
-    write: StatusWrite,
+    write: &StatusWrite,
 ) -> Result<Service, ReconcileError> {
-    let api = api(client, svc);
-    match write {
-        StatusWrite::Apply(body) => api
-            .patch_status(
-                &svc.name_any(),
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(body),
-            )
-            .await
-            .map_err(kube_err("apply status")),
-        StatusWrite::Merge(body) => api
-            .patch_status(
-                &svc.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(body),
-            )
-            .await
-            .map_err(kube_err("patch status")),
-    }
+    api(client, svc)
+        .patch_status(
+            &svc.name_any(),
+            &PatchParams::default(),
+            &Patch::Strategic(&write.body),
+        )
+        .await
+        .map_err(kube_err("patch status"))
 }
 
 /// Observe: the LB of a Service that wants one, asked of the cloud only when one may exist.
@@ -291,7 +300,7 @@ async fn call_cloud<P: LoadBalancerProvider>(
         CloudAction::Update { current, desired } => {
             ctx.provider.update(current, desired).await.map(Some)
         }
-        CloudAction::Delete(lookup) => delete_ours(&ctx.provider, lookup).await.map(|()| None),
+        CloudAction::Delete(lookup) => delete_ours(&ctx.provider, lookup).await,
     }
 }
 
@@ -334,12 +343,21 @@ pub async fn act<P: LoadBalancerProvider>(
         ctx.publish(&current, event).await;
     }
     if let Some((ingress, condition)) = &settled.status
-        && let Some(write) = status_write(&current, ingress, condition.as_ref(), Timestamp::now())
+        && let Some(write) = status_write(
+            &current,
+            ingress,
+            condition.as_ref(),
+            ctx.ingress_fields(),
+            Timestamp::now(),
+        )
     {
         let first_ingress =
             matches!(ingress, IngressUpdate::Set(_)) && current_ingress(&current).is_empty();
-        match write_status(&ctx.client, &current, write).await {
+        match write_status(&ctx.client, &current, &write).await {
             Ok(written) => {
+                if let Some(sent) = &write.ingress {
+                    ctx.learn_ingress_fields(sent, &written);
+                }
                 if first_ingress && let Some(created) = current.creation_timestamp() {
                     let elapsed = Timestamp::now().duration_since(created.0);
                     ctx.metrics

@@ -183,7 +183,7 @@ async fn release(
                 .map_err(kube_err(&format!("clearing the ingress of {service}")))?;
         }
         if let Some(lookup) = &svc.lookup {
-            delete_ours(&provider, lookup)
+            delete_until_gone(&provider, lookup)
                 .await
                 .map_err(cloud_err(format!(
                     "deleting the load balancer of {service}"
@@ -206,11 +206,11 @@ async fn release(
             continue;
         };
         tracing::info!(id = %lb.id, service = %owner.display_name(), "deleting load balancer without a Service");
-        provider
-            .delete(&LoadBalancerLookup {
-                known_id: Some(lb.id.clone()),
-                owner,
-            })
+        let lookup = LoadBalancerLookup {
+            known_id: Some(lb.id.clone()),
+            owner,
+        };
+        delete_until_gone(&provider, &lookup)
             .await
             .map_err(cloud_err(format!("deleting load balancer {}", lb.id)))?;
     }
@@ -230,6 +230,19 @@ async fn release(
         services = plan.services.len(),
         "released every load balancer of this cluster"
     );
+    Ok(())
+}
+
+/// Deletes an LB and waits until the cloud no longer lists it, so that nothing the
+/// release leaves behind is still in the cloud (the hook's timeout bounds the wait).
+async fn delete_until_gone<P: LoadBalancerProvider>(
+    provider: &P,
+    lookup: &LoadBalancerLookup,
+) -> Result<(), ProviderError> {
+    while let Some(deleting) = delete_ours(provider, lookup).await? {
+        tracing::debug!(id = %deleting.id, "waiting for the load balancer to be deleted");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
     Ok(())
 }
 

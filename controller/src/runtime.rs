@@ -28,6 +28,7 @@ use crate::provider::{ClusterId, LoadBalancerProvider};
 use crate::ratelimit::SharedTokenBucket;
 use crate::reconcile::{Context, error_policy, reconcile};
 use crate::spec::{ClassFilter, WithoutNodePorts};
+use crate::status::IngressFields;
 use crate::triggers::{namespace_fingerprint, reensure_fingerprint};
 use crate::{gc, http, nodesync};
 
@@ -407,6 +408,22 @@ async fn release(
     Ok(())
 }
 
+/// The ingress fields the API server's version has; a server that does not say is assumed
+/// new, and the first status write corrects that.
+async fn server_ingress_fields(client: &kube::Client) -> IngressFields {
+    match client.apiserver_version().await {
+        Ok(info) => {
+            let fields = IngressFields::of_version(&info.major, &info.minor);
+            tracing::info!(version = %info.git_version, ip_mode = fields.ip_mode, ports = fields.ports, "API server version");
+            fields
+        }
+        Err(error) => {
+            tracing::warn!(%error, "cannot read the API server version; assuming the newest status fields");
+            IngressFields::ALL
+        }
+    }
+}
+
 /// Everything only the leader does, on the warm stores. Returns when `cancel` fires.
 async fn run_leader<P: LoadBalancerProvider>(
     client: kube::Client,
@@ -424,6 +441,7 @@ async fn run_leader<P: LoadBalancerProvider>(
             instance: Some(settings.identity.clone()),
         },
     );
+    let ingress_fields = server_ingress_fields(&client).await;
     let ctx = Arc::new(Context::new(
         client.clone(),
         provider,
@@ -436,6 +454,7 @@ async fn run_leader<P: LoadBalancerProvider>(
         recorder,
         metrics,
         settings.resync,
+        ingress_fields,
     ));
     // Decisions need complete lists: every LB would look orphaned, every node set new.
     tokio::select! {

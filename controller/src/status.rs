@@ -1,8 +1,8 @@
 //! Service status: `status.loadBalancer.ingress` and the `LoadBalancerReady` condition
 //! explaining why a Service is not served yet. The write is computed here, purely, and is
 //! `None` when nothing would change, so an idle controller never writes. Ingress and our
-//! condition are written with server-side apply under our field manager, so conditions of
-//! other writers are never overwritten; clearing them (cleanup) is a merge patch.
+//! condition go in one strategic merge patch that touches only our condition, so
+//! conditions of other writers are never overwritten.
 
 use std::net::Ipv4Addr;
 
@@ -147,77 +147,132 @@ fn merged_conditions(
     merged
 }
 
-/// A status write: a server-side apply of the fields we own, or the merge patch that
-/// clears them.
-#[derive(Debug, Clone, PartialEq)]
-pub enum StatusWrite {
-    Apply(Value),
-    Merge(Value),
+/// Which optional fields of `status.loadBalancer.ingress[]` the API server keeps.
+///
+/// A server drops fields it does not know from a patch (and refuses them in a server-side
+/// apply, which is why status is never applied). `ports` came with 1.20 (KEP-1435) and
+/// `ipMode` with 1.29 (KEP-1860); a server whose feature gate is off drops them too. So the
+/// version gives the first guess, and a write whose answer lacks a field we sent corrects
+/// it: either way the controller never writes a field the server discards, and never
+/// rewrites a status for want of one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IngressFields {
+    pub ip_mode: bool,
+    pub ports: bool,
 }
 
-impl StatusWrite {
-    pub fn body(&self) -> &Value {
-        match self {
-            StatusWrite::Apply(v) | StatusWrite::Merge(v) => v,
+impl IngressFields {
+    /// The newest API: every field.
+    pub const ALL: Self = Self {
+        ip_mode: true,
+        ports: true,
+    };
+
+    /// The fields in the schema of Kubernetes `1.minor`.
+    pub fn of_minor(minor: u32) -> Self {
+        Self {
+            ip_mode: minor >= 29,
+            ports: minor >= 20,
+        }
+    }
+
+    /// The fields of the server that answered `/version`; [`Self::ALL`] when its version
+    /// does not parse (vendor builds write e.g. minor `"21+"`), left to [`Self::learn`].
+    pub fn of_version(major: &str, minor: &str) -> Self {
+        let digits: String = minor.chars().take_while(char::is_ascii_digit).collect();
+        match (major, digits.parse()) {
+            ("1", Ok(minor)) => Self::of_minor(minor),
+            _ => Self::ALL,
+        }
+    }
+
+    /// `ingress` with only the fields the server keeps.
+    pub fn project(self, ingress: &[LoadBalancerIngress]) -> Vec<LoadBalancerIngress> {
+        ingress
+            .iter()
+            .map(|entry| LoadBalancerIngress {
+                ip_mode: entry.ip_mode.clone().filter(|_| self.ip_mode),
+                ports: entry.ports.clone().filter(|_| self.ports),
+                ..entry.clone()
+            })
+            .collect()
+    }
+
+    /// The fields after a write of `sent` came back as `written`: one sent but not kept
+    /// is one the server drops.
+    pub fn learn(self, sent: &[LoadBalancerIngress], written: &[LoadBalancerIngress]) -> Self {
+        let dropped = |has: fn(&LoadBalancerIngress) -> bool| {
+            sent.iter().any(has) && !written.iter().any(has)
+        };
+        Self {
+            ip_mode: self.ip_mode && !dropped(|i| i.ip_mode.is_some()),
+            ports: self.ports && !dropped(|i| i.ports.is_some()),
         }
     }
 }
 
+/// A status write: one strategic merge patch of the status subresource, the form every
+/// server since 1.21 takes (the cloud-provider service controller writes status the same
+/// way). `ingress` is replaced whole; `conditions` merge by type, so only ours is sent
+/// (or deleted) and the conditions of other writers stay as they are.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatusWrite {
+    pub body: Value,
+    /// The ingress the patch sets, if it sets one: what [`IngressFields::learn`] checks.
+    pub ingress: Option<Vec<LoadBalancerIngress>>,
+}
+
+/// Our condition as a strategic-merge list element: a field we leave unset is sent as
+/// null, lest the server keep the old element's value.
+fn condition_patch(condition: &Condition) -> Value {
+    let mut value = json!(condition);
+    if condition.observed_generation.is_none() {
+        value["observedGeneration"] = Value::Null;
+    }
+    value
+}
+
 /// The write that brings the status to `ingress` + `condition`, or `None` when it already
-/// matches. The apply body holds only our fields: the ingress (kept or new) and our
-/// condition; the list of conditions is keyed by type, so the API server keeps the rest.
+/// matches. Only the fields `fields` says the server keeps are written or compared.
 pub fn status_write(
     svc: &Service,
     ingress: &IngressUpdate,
     condition: Option<&DesiredCondition>,
+    fields: IngressFields,
     now: Timestamp,
 ) -> Option<StatusWrite> {
     let current_ingress = current_ingress(svc);
     let new_ingress = match ingress {
-        IngressUpdate::Keep => current_ingress.to_vec(),
-        IngressUpdate::Set(v) => v.clone(),
-        IngressUpdate::Clear => Vec::new(),
-    };
+        IngressUpdate::Keep => None,
+        IngressUpdate::Set(v) => Some(fields.project(v)),
+        IngressUpdate::Clear => Some(Vec::new()),
+    }
+    .filter(|new| new.as_slice() != current_ingress);
     let current_conditions = current_conditions(svc);
+    let previous = current_conditions.iter().find(|c| c.type_ == CONDITION_TYPE);
     let new_conditions =
         merged_conditions(&current_conditions, condition, svc.metadata.generation, now);
-    if new_ingress.as_slice() == current_ingress && new_conditions == current_conditions {
+    let ours = new_conditions.iter().find(|c| c.type_ == CONDITION_TYPE);
+    let condition_patch = match (previous, ours) {
+        (previous, Some(ours)) if previous != Some(ours) => Some(condition_patch(ours)),
+        (Some(_), None) => Some(json!({ "$patch": "delete", "type": CONDITION_TYPE })),
+        _ => None,
+    };
+    if new_ingress.is_none() && condition_patch.is_none() {
         return None;
     }
-    if matches!(ingress, IngressUpdate::Clear) {
-        let conditions_value = if new_conditions.is_empty() {
-            Value::Null
-        } else {
-            json!(new_conditions)
-        };
-        return Some(StatusWrite::Merge(json!({
-            "status": {
-                "loadBalancer": { "ingress": Value::Null },
-                "conditions": conditions_value,
-            }
-        })));
+    let mut status = serde_json::Map::new();
+    if let Some(new) = &new_ingress {
+        let value = if new.is_empty() { Value::Null } else { json!(new) };
+        status.insert("loadBalancer".into(), json!({ "ingress": value }));
     }
-    let ours: Vec<&Condition> = new_conditions
-        .iter()
-        .filter(|c| c.type_ == CONDITION_TYPE)
-        .collect();
-    let load_balancer = if new_ingress.is_empty() {
-        json!({})
-    } else {
-        json!({ "ingress": new_ingress })
-    };
-    Some(StatusWrite::Apply(json!({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": svc.metadata.name,
-            "namespace": svc.metadata.namespace,
-        },
-        "status": {
-            "loadBalancer": load_balancer,
-            "conditions": ours,
-        }
-    })))
+    if let Some(patch) = condition_patch {
+        status.insert("conditions".into(), json!([patch]));
+    }
+    Some(StatusWrite {
+        body: json!({ "status": status }),
+        ingress: new_ingress,
+    })
 }
 
 #[cfg(test)]
@@ -271,32 +326,105 @@ mod tests {
         Timestamp::from_second(secs).unwrap()
     }
 
-    /// Performs our write the way the API server would: an apply replaces the ingress
-    /// and merges conditions by type; the merge patch replaces both.
-    fn apply(svc: &Service, write: &StatusWrite) -> Service {
+    /// Performs our write the way the API server would: a strategic merge that replaces
+    /// or removes the ingress, and merges conditions by type (`$patch: delete` removes
+    /// one); fields the server lacks are dropped.
+    fn apply_as(svc: &Service, write: &StatusWrite, server: IngressFields) -> Service {
         let mut out = svc.clone();
-        let status = &write.body()["status"];
-        let ingress: Option<Vec<LoadBalancerIngress>> =
-            serde_json::from_value(status["loadBalancer"]["ingress"].clone()).unwrap();
-        let sent: Option<Vec<Condition>> =
-            serde_json::from_value(status["conditions"].clone()).unwrap();
-        let conditions = match write {
-            StatusWrite::Merge(_) => sent,
-            StatusWrite::Apply(_) => {
-                let sent = sent.unwrap_or_default();
-                let mut merged: Vec<Condition> = current_conditions(svc)
-                    .into_iter()
-                    .filter(|c| !sent.iter().any(|s| s.type_ == c.type_))
-                    .collect();
-                merged.extend(sent);
-                Some(merged)
+        let status = out.status.get_or_insert_with(Default::default);
+        let patch = &write.body["status"];
+        if let Some(lb) = patch.get("loadBalancer") {
+            let ingress: Option<Vec<LoadBalancerIngress>> =
+                serde_json::from_value(lb["ingress"].clone()).unwrap();
+            status.load_balancer = Some(LoadBalancerStatus {
+                ingress: ingress.map(|i| server.project(&i)),
+            });
+        }
+        if let Some(sent) = patch.get("conditions") {
+            let mut conditions = status.conditions.take().unwrap_or_default();
+            for element in sent.as_array().unwrap() {
+                let kind = element["type"].as_str().unwrap();
+                conditions.retain(|c| c.type_ != kind);
+                if element.get("$patch").is_none() {
+                    conditions.push(serde_json::from_value(element.clone()).unwrap());
+                }
             }
-        };
-        out.status = Some(ServiceStatus {
-            load_balancer: Some(LoadBalancerStatus { ingress }),
-            conditions,
-        });
+            status.conditions = (!conditions.is_empty()).then_some(conditions);
+        }
         out
+    }
+
+    fn apply(svc: &Service, write: &StatusWrite) -> Service {
+        apply_as(svc, write, IngressFields::ALL)
+    }
+
+    fn write(
+        svc: &Service,
+        ingress: &IngressUpdate,
+        condition: Option<&DesiredCondition>,
+        now: Timestamp,
+    ) -> Option<StatusWrite> {
+        status_write(svc, ingress, condition, IngressFields::ALL, now)
+    }
+
+    fn ingress_of(svc: &Service) -> Vec<LoadBalancerIngress> {
+        current_ingress(svc).to_vec()
+    }
+
+    #[test]
+    fn fields_follow_the_server_version() {
+        let v1_21 = IngressFields::of_version("1", "21+");
+        assert_eq!(
+            v1_21,
+            IngressFields {
+                ip_mode: false,
+                ports: true
+            }
+        );
+        assert_eq!(IngressFields::of_version("1", "34"), IngressFields::ALL);
+        assert!(!IngressFields::of_version("1", "19").ports);
+        assert_eq!(IngressFields::of_version("", "x"), IngressFields::ALL);
+    }
+
+    #[test]
+    fn a_v1_21_server_gets_no_ip_mode_and_is_not_rewritten() {
+        let svc = crate::spec::tests::service("web");
+        let v1_21 = IngressFields::of_minor(21);
+        let ingress = IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)));
+        let patch = status_write(&svc, &ingress, Some(&ready()), v1_21, t(1)).unwrap();
+        let sent = &patch.body["status"]["loadBalancer"]["ingress"][0];
+        assert_eq!(sent["ip"], "198.51.100.5");
+        assert!(sent.get("ipMode").is_none() && sent.get("ports").is_some());
+        let written = apply_as(&svc, &patch, v1_21);
+        assert_eq!(
+            status_write(&written, &ingress, Some(&ready()), v1_21, t(2)),
+            None
+        );
+    }
+
+    #[test]
+    fn a_field_the_server_drops_is_learned_and_then_not_compared() {
+        let svc = crate::spec::tests::service("web");
+        // A 1.29 server with its LoadBalancerIPMode gate off.
+        let server = IngressFields {
+            ip_mode: false,
+            ports: true,
+        };
+        let guess = IngressFields::of_minor(29);
+        let ingress = IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)));
+        let patch = status_write(&svc, &ingress, Some(&ready()), guess, t(1)).unwrap();
+        let written = apply_as(&svc, &patch, server);
+        let learned = guess.learn(patch.ingress.as_deref().unwrap(), &ingress_of(&written));
+        assert_eq!(learned, server);
+        assert_eq!(
+            status_write(&written, &ingress, Some(&ready()), learned, t(2)),
+            None
+        );
+        // What the server keeps stays.
+        assert_eq!(
+            IngressFields::ALL.learn(patch.ingress.as_deref().unwrap(), &ingress_of(&written)),
+            server
+        );
     }
 
     #[test]
@@ -313,14 +441,14 @@ mod tests {
     fn patch_only_on_change() {
         let svc = crate::spec::tests::service("web");
         let ingress = IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)));
-        let patch = status_write(&svc, &ingress, Some(&ready()), t(100)).unwrap();
+        let patch = write(&svc, &ingress, Some(&ready()), t(100)).unwrap();
         let updated = apply(&svc, &patch);
         assert_eq!(
-            status_write(&updated, &ingress, Some(&ready()), t(200)),
+            write(&updated, &ingress, Some(&ready()), t(200)),
             None
         );
         assert_eq!(
-            status_write(&updated, &IngressUpdate::Keep, Some(&ready()), t(200)),
+            write(&updated, &IngressUpdate::Keep, Some(&ready()), t(200)),
             None
         );
     }
@@ -334,7 +462,7 @@ mod tests {
         };
         let s1 = apply(
             &svc,
-            &status_write(&svc, &IngressUpdate::Keep, Some(&provisioning), t(100)).unwrap(),
+            &write(&svc, &IngressUpdate::Keep, Some(&provisioning), t(100)).unwrap(),
         );
         // Same status (False), different reason: the reason changes, the time does not.
         let cloud = DesiredCondition {
@@ -343,14 +471,14 @@ mod tests {
         };
         let s2 = apply(
             &s1,
-            &status_write(&s1, &IngressUpdate::Keep, Some(&cloud), t(200)).unwrap(),
+            &write(&s1, &IngressUpdate::Keep, Some(&cloud), t(200)).unwrap(),
         );
         let c2 = &s2.status.as_ref().unwrap().conditions.as_ref().unwrap()[0];
         assert_eq!(c2.reason, "CloudError");
         assert_eq!(c2.last_transition_time, Time(t(100)));
         let s3 = apply(
             &s2,
-            &status_write(&s2, &IngressUpdate::Keep, Some(&ready()), t(300)).unwrap(),
+            &write(&s2, &IngressUpdate::Keep, Some(&ready()), t(300)).unwrap(),
         );
         let c3 = &s3.status.as_ref().unwrap().conditions.as_ref().unwrap()[0];
         assert_eq!(
@@ -388,10 +516,10 @@ mod tests {
                     IngressUpdate::Keep
                 };
                 let condition = DesiredCondition { reason, message: reason.as_str().into() };
-                if let Some(patch) = status_write(&svc, &ingress, Some(&condition), now) {
+                if let Some(patch) = write(&svc, &ingress, Some(&condition), now) {
                     svc = apply(&svc, &patch);
                 }
-                proptest::prop_assert_eq!(status_write(&svc, &ingress, Some(&condition), now), None);
+                proptest::prop_assert_eq!(write(&svc, &ingress, Some(&condition), now), None);
                 let ours = svc.status.as_ref().unwrap().conditions.as_ref().unwrap()[0].clone();
                 if let Some((status, time)) = &last {
                     if *status == ours.status {
@@ -421,12 +549,12 @@ mod tests {
             load_balancer: None,
         });
         let ingress = IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)));
-        let write = status_write(&svc, &ingress, Some(&ready()), t(5)).unwrap();
-        // The apply carries our condition only; the other writer's is not ours to send.
-        let sent = write.body()["status"]["conditions"].as_array().unwrap();
+        let patch = write(&svc, &ingress, Some(&ready()), t(5)).unwrap();
+        // The patch carries our condition only; the other writer's is not ours to send.
+        let sent = patch.body["status"]["conditions"].as_array().unwrap();
         assert_eq!(sent.len(), 1);
         assert_eq!(sent[0]["type"], CONDITION_TYPE);
-        let s1 = apply(&svc, &write);
+        let s1 = apply(&svc, &patch);
         assert_eq!(
             s1.status
                 .as_ref()
@@ -437,17 +565,20 @@ mod tests {
                 .len(),
             2
         );
-        let patch = status_write(&s1, &IngressUpdate::Clear, None, t(6)).unwrap();
-        assert!(matches!(patch, StatusWrite::Merge(_)));
+        let patch = write(&s1, &IngressUpdate::Clear, None, t(6)).unwrap();
         assert_eq!(
-            patch.body()["status"]["loadBalancer"]["ingress"],
+            patch.body["status"]["loadBalancer"]["ingress"],
             Value::Null
+        );
+        assert_eq!(
+            patch.body["status"]["conditions"],
+            json!([{ "$patch": "delete", "type": CONDITION_TYPE }])
         );
         let s2 = apply(&s1, &patch);
         assert_eq!(
             s2.status.as_ref().unwrap().conditions.as_ref().unwrap(),
             &vec![foreign]
         );
-        assert_eq!(status_write(&s2, &IngressUpdate::Clear, None, t(7)), None);
+        assert_eq!(write(&s2, &IngressUpdate::Clear, None, t(7)), None);
     }
 }

@@ -24,6 +24,7 @@ use tandem_controller::metrics::Metrics;
 use tandem_controller::plan::FINALIZER;
 use tandem_controller::provider::{AddressRefusal, Operation, ProviderError};
 use tandem_controller::reconcile::{Context, reconcile};
+use tandem_controller::status::IngressFields;
 use tandem_controller::spec::{
     ANNOTATION_ADDRESS_POOL, ANNOTATION_LB_ID, ANNOTATION_MODE, ANNOTATION_REQUESTED_IP,
     ANNOTATION_SHARED_IP, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of,
@@ -66,6 +67,8 @@ struct Row {
     /// Fails the next call of this operation.
     fail: Option<(Operation, ProviderError)>,
     create_active: bool,
+    /// The cloud deletes asynchronously: a deleted LB stays listed, `Deleting`.
+    delete_async: bool,
     without_node_ports: WithoutNodePorts,
     /// The address pool the Service's Namespace names.
     namespace_pool: Option<&'static str>,
@@ -154,6 +157,7 @@ fn rows() -> Vec<Row> {
         cloud: CloudStart::Empty,
         fail: None,
         create_active: true,
+        delete_async: false,
         without_node_ports: WithoutNodePorts::Passthrough,
         namespace_pool: None,
         default_pool: None,
@@ -404,6 +408,21 @@ fn rows() -> Vec<Row> {
             events: &["DeletingLoadBalancer", "DeleteLoadBalancerFailed"],
             ..row("delete-fails-finalizer-stays")
         },
+        // The cloud still lists the LB (deleting): the finalizer waits until it is gone.
+        Row {
+            service: ServiceStart::Deleted,
+            cloud: CloudStart::Matching,
+            delete_async: true,
+            calls: |id| {
+                vec![Call::Delete {
+                    known_id: id.map(str::to_owned),
+                }]
+            },
+            finalizer: Some(true),
+            condition: Some("LoadBalancerActive"),
+            events: &["DeletingLoadBalancer"],
+            ..row("delete-in-progress-finalizer-stays")
+        },
         Row {
             service: ServiceStart::SwitchedToClusterIp,
             cloud: CloudStart::Matching,
@@ -506,6 +525,7 @@ fn context(
         recorder,
         Metrics::default(),
         Duration::from_secs(300),
+        IngressFields::ALL,
     )
 }
 
@@ -594,6 +614,7 @@ async fn reconcile_table() {
             writer.apply_watcher_event(&watcher::Event::Apply(node(&format!("x{i}"), ip)));
         }
         provider.set_create_active(row.create_active);
+        provider.set_delete_async(row.delete_async);
         if let Some((operation, error)) = row.fail.clone() {
             provider.fail_next(operation, error);
         }

@@ -240,3 +240,18 @@ def test_uninstall_hook_runs_release_load_balancers_as_the_controller():
     assert "--release-in-use" in find(objects, "Job", "-release")["spec"]["template"]["spec"]["containers"][0]["args"]
     objects, _ = render({"uninstall": {"releaseLoadBalancers": False}})
     assert not [o for o in objects if o["kind"] == "Job"]
+
+
+def test_every_non_root_pod_can_read_the_secrets_it_mounts():
+    # A secret mounted 0400 belongs to root: a pod running as another user reads it only
+    # through fsGroup (the uninstall hook once lacked it and every `helm uninstall` failed).
+    objects, _ = render()
+    for spec in pod_specs(objects):
+        secrets = [v for v in spec.get("volumes", []) if "secret" in v]
+        context = spec.get("securityContext", {})
+        if not secrets or context.get("runAsUser", 0) == 0:
+            continue
+        for volume in secrets:
+            mode = volume["secret"].get("defaultMode", 0o644)
+            if mode & 0o004 == 0:
+                assert context.get("fsGroup") == context.get("runAsGroup"), (volume, context)

@@ -103,8 +103,8 @@ impl MockCloudProvider {
         }
     }
 
-    /// The live LBs of `owner`: the persisted id's alone when it is live and ours, else
-    /// every one its tags list (normally one).
+    /// The LBs of `owner`, being deleted or not: the persisted id's alone when it is live
+    /// and ours, else every one its tags list (normally one).
     async fn find_raw(
         &self,
         lookup: &LoadBalancerLookup,
@@ -136,10 +136,7 @@ impl MockCloudProvider {
             .call(Operation::List, || self.client.list_load_balancers(&filter))
             .await
             .map_err(|e| classify(&e, Operation::List, None))?;
-        Ok(listed
-            .into_iter()
-            .filter(|lb| lb.state != sdk::State::Deleting)
-            .collect())
+        Ok(listed)
     }
 
     async fn delete_raw(&self, id: &str) -> Result<(), ProviderError> {
@@ -219,7 +216,8 @@ impl LoadBalancerProvider for MockCloudProvider {
         &self,
         lookup: &LoadBalancerLookup,
     ) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
-        let found = self.find_raw(lookup).await?;
+        let mut found = self.find_raw(lookup).await?;
+        found.retain(|lb| lb.state != sdk::State::Deleting);
         Ok(self.keep_one(found).await?.as_ref().map(observe))
     }
 
@@ -261,12 +259,20 @@ impl LoadBalancerProvider for MockCloudProvider {
         Ok(observe(&updated))
     }
 
-    async fn delete(&self, lookup: &LoadBalancerLookup) -> Result<(), ProviderError> {
-        for lb in self.find_raw(lookup).await? {
-            self.delete_raw(&lb.id).await?;
-            tracing::info!(id = %lb.id, "deleted load balancer");
+    async fn delete(
+        &self,
+        lookup: &LoadBalancerLookup,
+    ) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
+        let mut remaining = None;
+        for mut lb in self.find_raw(lookup).await? {
+            if lb.state != sdk::State::Deleting {
+                self.delete_raw(&lb.id).await?;
+                tracing::info!(id = %lb.id, "deleting load balancer");
+                lb.state = sdk::State::Deleting;
+            }
+            remaining.get_or_insert(observe(&lb));
         }
-        Ok(())
+        Ok(remaining)
     }
 
     async fn list_owned(
