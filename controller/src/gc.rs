@@ -12,7 +12,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::plan::{Ownership, ownership};
 use crate::provider::{
-    LoadBalancerLookup, LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
+    LoadBalancerLookup, LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer,
+    ProviderError,
 };
 use crate::reconcile::Context;
 use crate::spec::ClassFilter;

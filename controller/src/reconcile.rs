@@ -168,12 +168,18 @@ impl<P: LoadBalancerProvider> Context<P> {
     }
 
     fn ingress_fields(&self) -> IngressFields {
-        *self.ingress_fields.lock().unwrap_or_else(|e| e.into_inner())
+        *self
+            .ingress_fields
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Learns from a written Service which ingress fields the server drops.
     fn learn_ingress_fields(&self, sent: &[LoadBalancerIngress], written: &Service) {
-        let mut fields = self.ingress_fields.lock().unwrap_or_else(|e| e.into_inner());
+        let mut fields = self
+            .ingress_fields
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let learned = fields.learn(sent, current_ingress(written));
         if learned != *fields {
             tracing::info!(

@@ -268,6 +268,14 @@ pub async fn run(
 ) -> Result<(), RuntimeError> {
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
+    let provider = cloud_provider(&settings, metrics.cloud.clone())?;
+    let watch_cancel = cancel.child_token();
+    let watches = Watches::start(&client, &watch_cancel);
+    Metrics::register_services(
+        &mut registry,
+        watches.services.clone(),
+        settings.classes.clone(),
+    );
     let ready = Arc::new(AtomicBool::new(false));
     let app = http::router(Arc::new(registry), ready.clone());
     let servers = CancellationToken::new();
@@ -277,15 +285,16 @@ pub async fn run(
         addrs.push(settings.health_addr);
     }
     for addr in addrs {
-        let task = tandem_common::http::serve_http(addr, app.clone(), servers.clone())
-            .await
-            .map_err(|source| RuntimeError::Bind { addr, source })?;
-        server_tasks.push(task);
+        match tandem_common::http::serve_http(addr, app.clone(), servers.clone()).await {
+            Ok(task) => server_tasks.push(task),
+            Err(source) => {
+                servers.cancel();
+                watch_cancel.cancel();
+                watches.stop().await;
+                return Err(RuntimeError::Bind { addr, source });
+            }
+        }
     }
-
-    let provider = cloud_provider(&settings, metrics.cloud.clone())?;
-    let watch_cancel = cancel.child_token();
-    let watches = Watches::start(&client, &watch_cancel);
 
     let result = match &settings.leader_election {
         None => {
@@ -424,6 +433,22 @@ async fn server_ingress_fields(client: &kube::Client) -> IngressFields {
     }
 }
 
+/// `leader_election_master_status` is 1 while this lives, however leading ends.
+struct LeaderMark(prometheus_client::metrics::gauge::Gauge);
+
+impl LeaderMark {
+    fn set(gauge: &prometheus_client::metrics::gauge::Gauge) -> Self {
+        gauge.set(1);
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for LeaderMark {
+    fn drop(&mut self) {
+        self.0.set(0);
+    }
+}
+
 /// Everything only the leader does, on the warm stores. Returns when `cancel` fires.
 async fn run_leader<P: LoadBalancerProvider>(
     client: kube::Client,
@@ -434,6 +459,7 @@ async fn run_leader<P: LoadBalancerProvider>(
     cancel: CancellationToken,
 ) {
     let leading_since = tokio::time::Instant::now();
+    let _leading = LeaderMark::set(&metrics.leader);
     let recorder = Recorder::new(
         client.clone(),
         Reporter {

@@ -249,7 +249,9 @@ pub fn status_write(
     }
     .filter(|new| new.as_slice() != current_ingress);
     let current_conditions = current_conditions(svc);
-    let previous = current_conditions.iter().find(|c| c.type_ == CONDITION_TYPE);
+    let previous = current_conditions
+        .iter()
+        .find(|c| c.type_ == CONDITION_TYPE);
     let new_conditions =
         merged_conditions(&current_conditions, condition, svc.metadata.generation, now);
     let ours = new_conditions.iter().find(|c| c.type_ == CONDITION_TYPE);
@@ -263,7 +265,11 @@ pub fn status_write(
     }
     let mut status = serde_json::Map::new();
     if let Some(new) = &new_ingress {
-        let value = if new.is_empty() { Value::Null } else { json!(new) };
+        let value = if new.is_empty() {
+            Value::Null
+        } else {
+            json!(new)
+        };
         status.insert("loadBalancer".into(), json!({ "ingress": value }));
     }
     if let Some(patch) = condition_patch {
@@ -443,10 +449,7 @@ mod tests {
         let ingress = IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)));
         let patch = write(&svc, &ingress, Some(&ready()), t(100)).unwrap();
         let updated = apply(&svc, &patch);
-        assert_eq!(
-            write(&updated, &ingress, Some(&ready()), t(200)),
-            None
-        );
+        assert_eq!(write(&updated, &ingress, Some(&ready()), t(200)), None);
         assert_eq!(
             write(&updated, &IngressUpdate::Keep, Some(&ready()), t(200)),
             None
@@ -566,10 +569,7 @@ mod tests {
             2
         );
         let patch = write(&s1, &IngressUpdate::Clear, None, t(6)).unwrap();
-        assert_eq!(
-            patch.body["status"]["loadBalancer"]["ingress"],
-            Value::Null
-        );
+        assert_eq!(patch.body["status"]["loadBalancer"]["ingress"], Value::Null);
         assert_eq!(
             patch.body["status"]["conditions"],
             json!([{ "$patch": "delete", "type": CONDITION_TYPE }])
