@@ -24,11 +24,11 @@ use tandem_controller::metrics::Metrics;
 use tandem_controller::plan::FINALIZER;
 use tandem_controller::provider::{AddressRefusal, Operation, ProviderError};
 use tandem_controller::reconcile::{Context, reconcile};
-use tandem_controller::status::IngressFields;
 use tandem_controller::spec::{
     ANNOTATION_ADDRESS_POOL, ANNOTATION_LB_ID, ANNOTATION_MODE, ANNOTATION_REQUESTED_IP,
     ANNOTATION_SHARED_IP, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of,
 };
+use tandem_controller::status::IngressFields;
 
 const CLASS: &str = "tandem.io/mockcloud";
 const CLUSTER: &str = "table";
