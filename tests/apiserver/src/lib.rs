@@ -71,7 +71,7 @@ use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use service::PortRange;
+pub use service::{IpFamily, PortRange, ServiceCidrs};
 pub use status::ApiError;
 pub use store::{Store, StoreConfig};
 

@@ -1,13 +1,15 @@
 //! Service defaulting, validation and clusterIP / nodePort allocation, as kube-apiserver's
-//! service REST strategy does them. Pure functions over JSON plus an in-memory allocator;
-//! the store calls them under its lock, which makes allocation race-free.
+//! service REST strategy does them, for single-stack and dual-stack clusters (IP families
+//! defaulted and checked as `initIPFamilyFields` does). Pure functions over JSON plus an
+//! in-memory allocator; the store calls them under its lock, which makes allocation
+//! race-free.
 
 use std::collections::{BTreeSet, HashSet};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::ops::RangeInclusive;
 use std::str::FromStr;
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use serde_json::{Value, json};
 use tandem_common::is_dns1123_label;
 
@@ -50,54 +52,187 @@ impl std::fmt::Display for PortRange {
     }
 }
 
+/// An IP family, as `spec.ipFamilies` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IpFamily {
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => Self::V4,
+            IpAddr::V6(_) => Self::V6,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::V4 => "IPv4",
+            Self::V6 => "IPv6",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Self> {
+        match name {
+            "IPv4" => Some(Self::V4),
+            "IPv6" => Some(Self::V6),
+            _ => None,
+        }
+    }
+}
+
+/// `--service-cluster-ip-range`: one CIDR, or one of each family for a dual-stack cluster;
+/// the first is the cluster's primary family.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceCidrs(Vec<IpNet>);
+
+impl ServiceCidrs {
+    pub fn new(cidrs: Vec<IpNet>) -> Result<Self, String> {
+        match cidrs.as_slice() {
+            [_] => Ok(Self(cidrs)),
+            [a, b] if IpFamily::of(a.addr()) != IpFamily::of(b.addr()) => Ok(Self(cidrs)),
+            [_, _] => Err("two service CIDRs must be of different IP families".into()),
+            _ => Err("expected one service CIDR, or one per IP family".into()),
+        }
+    }
+
+    /// The cluster's families, primary first.
+    pub fn families(&self) -> Vec<IpFamily> {
+        self.0.iter().map(|net| IpFamily::of(net.addr())).collect()
+    }
+
+    pub fn primary(&self) -> IpFamily {
+        IpFamily::of(self.0[0].addr())
+    }
+
+    pub fn is_dual_stack(&self) -> bool {
+        self.0.len() == 2
+    }
+
+    pub fn of(&self, family: IpFamily) -> Option<IpNet> {
+        self.0
+            .iter()
+            .copied()
+            .find(|net| IpFamily::of(net.addr()) == family)
+    }
+}
+
+impl Default for ServiceCidrs {
+    fn default() -> Self {
+        Self(vec![IpNet::V4(
+            ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 96, 0, 0), 16).unwrap_or_default(),
+        )])
+    }
+}
+
+impl FromStr for ServiceCidrs {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let cidrs = s
+            .split(',')
+            .map(|cidr| {
+                cidr.trim()
+                    .parse::<IpNet>()
+                    .map(|net| net.trunc())
+                    .map_err(|e| format!("bad service CIDR {cidr:?}: {e}"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::new(cidrs)
+    }
+}
+
+impl std::fmt::Display for ServiceCidrs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let cidrs: Vec<String> = self.0.iter().map(ToString::to_string).collect();
+        f.write_str(&cidrs.join(","))
+    }
+}
+
+/// Addresses in `net` as offsets from its first: at most 2^64 are ever probed, whatever
+/// the size of an IPv6 range.
+fn range_size(net: IpNet) -> u64 {
+    let host_bits = u32::from(net.max_prefix_len() - net.prefix_len());
+    1u64.checked_shl(host_bits).unwrap_or(u64::MAX)
+}
+
+fn nth_address(net: IpNet, n: u64) -> IpAddr {
+    match net {
+        IpNet::V4(v4) => IpAddr::V4(std::net::Ipv4Addr::from(
+            u32::from(v4.network()).wrapping_add(u32::try_from(n).unwrap_or(u32::MAX)),
+        )),
+        IpNet::V6(v6) => IpAddr::V6(std::net::Ipv6Addr::from(
+            u128::from(v6.network()).wrapping_add(u128::from(n)),
+        )),
+    }
+}
+
 /// Used cluster IPs and node ports. Dynamic picks start at a random offset and probe
 /// linearly, so concurrent creators do not all contend for the same first free value.
 #[derive(Debug, Clone)]
 pub struct Allocator {
-    ip_range: Ipv4Net,
+    cidrs: ServiceCidrs,
     port_range: PortRange,
-    ips: HashSet<Ipv4Addr>,
+    ips: HashSet<IpAddr>,
     ports: HashSet<u16>,
 }
 
 impl Allocator {
-    pub fn new(ip_range: Ipv4Net, port_range: PortRange) -> Self {
+    pub fn new(cidrs: ServiceCidrs, port_range: PortRange) -> Self {
         Self {
-            ip_range,
+            cidrs,
             port_range,
             ips: HashSet::new(),
             ports: HashSet::new(),
         }
     }
 
-    pub fn ip_range(&self) -> Ipv4Net {
-        self.ip_range
+    pub fn cidrs(&self) -> &ServiceCidrs {
+        &self.cidrs
     }
 
     pub fn port_range(&self) -> &PortRange {
         &self.port_range
     }
 
-    fn ip_in_range(&self, ip: Ipv4Addr) -> bool {
-        self.ip_range.contains(&ip)
-            && ip != self.ip_range.network()
-            && (self.ip_range.prefix_len() >= 31 || ip != self.ip_range.broadcast())
+    /// The network address is never handed out, nor an IPv4 range's broadcast address.
+    fn ip_in_range(&self, ip: IpAddr) -> bool {
+        let Some(net) = self.cidrs.of(IpFamily::of(ip)) else {
+            return false;
+        };
+        let broadcast = match net {
+            IpNet::V4(v4) => v4.prefix_len() < 31 && ip == IpAddr::V4(v4.broadcast()),
+            IpNet::V6(_) => false,
+        };
+        net.contains(&ip) && ip != net.network() && !broadcast
     }
 
-    fn ip_capacity(&self) -> usize {
-        self.ip_range.hosts().count()
+    fn ip_capacity(&self, family: IpFamily) -> u64 {
+        self.cidrs.of(family).map_or(0, |net| match net {
+            IpNet::V4(v4) if v4.prefix_len() >= 31 => range_size(net),
+            IpNet::V4(_) => range_size(net).saturating_sub(2),
+            IpNet::V6(_) => range_size(net).saturating_sub(1),
+        })
+    }
+
+    fn ips_used(&self, family: IpFamily) -> u64 {
+        self.ips
+            .iter()
+            .filter(|ip| IpFamily::of(**ip) == family)
+            .count() as u64
     }
 
     fn port_capacity(&self) -> usize {
         usize::from(self.port_range.0.end() - self.port_range.0.start()) + 1
     }
 
-    fn allocate_ip(&mut self) -> Option<Ipv4Addr> {
-        let first = u32::from(self.ip_range.network());
-        let size = 1u64 << (32 - u32::from(self.ip_range.prefix_len()));
+    fn allocate_ip(&mut self, family: IpFamily) -> Option<IpAddr> {
+        let net = self.cidrs.of(family)?;
+        let size = range_size(net);
         let offset = rand::random_range(0..size);
         (0..size)
-            .map(|i| Ipv4Addr::from(first.wrapping_add(((offset + i) % size) as u32)))
+            .map(|i| nth_address(net, offset.wrapping_add(i) % size))
             .find(|ip| self.ip_in_range(*ip) && !self.ips.contains(ip))
             .inspect(|ip| {
                 self.ips.insert(*ip);
@@ -116,7 +251,7 @@ impl Allocator {
             })
     }
 
-    pub fn ip_used(&self, ip: Ipv4Addr) -> bool {
+    pub fn ip_used(&self, ip: IpAddr) -> bool {
         self.ips.contains(&ip)
     }
 
@@ -128,7 +263,8 @@ impl Allocator {
 /// What one Service holds in the allocator.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Held {
-    pub ip: Option<Ipv4Addr>,
+    /// Its cluster IPs, in the order of its `ipFamilies`.
+    pub ips: Vec<IpAddr>,
     pub ports: BTreeSet<u16>,
 }
 
@@ -151,7 +287,10 @@ fn needs_health_check_port(spec: &Value) -> bool {
 /// The allocations a stored Service holds.
 pub fn held(svc: &Value) -> Held {
     let spec = &svc["spec"];
-    let ip = spec["clusterIP"].as_str().and_then(|s| s.parse().ok());
+    let ips = cluster_ips(spec)
+        .iter()
+        .filter_map(|s| s.parse().ok())
+        .collect();
     let mut ports: BTreeSet<u16> = spec["ports"]
         .as_array()
         .into_iter()
@@ -165,13 +304,26 @@ pub fn held(svc: &Value) -> Held {
     {
         ports.insert(hc);
     }
-    Held { ip, ports }
+    Held { ips, ports }
+}
+
+/// `spec.clusterIPs`, or `[spec.clusterIP]` when only that is set (clients older than
+/// dual-stack send no list).
+fn cluster_ips(spec: &Value) -> Vec<&str> {
+    match spec["clusterIPs"].as_array() {
+        Some(ips) if !ips.is_empty() => ips.iter().filter_map(Value::as_str).collect(),
+        _ => spec["clusterIP"]
+            .as_str()
+            .filter(|ip| !ip.is_empty())
+            .into_iter()
+            .collect(),
+    }
 }
 
 /// Returns a deleted Service's allocations to the pool.
 pub fn release(svc: &Value, allocator: &mut Allocator) {
     let held = held(svc);
-    if let Some(ip) = held.ip {
+    for ip in held.ips {
         allocator.ips.remove(&ip);
     }
     for port in held.ports {
@@ -220,6 +372,19 @@ fn carry_over(old: &Value, new: &mut Value) {
     if !needs_cluster_ip(&new_type) && spec["clusterIP"] == old_spec["clusterIP"] {
         remove(spec, "clusterIP");
         remove(spec, "clusterIPs");
+    }
+    // Set to SingleStack, a dual-stack Service keeps only its primary family and IP, as
+    // upstream's `trimFieldsForDualStackDowngrade` does with lists the client left as they were.
+    if spec["ipFamilyPolicy"] == "SingleStack" && old_spec["ipFamilyPolicy"] != "SingleStack" {
+        for key in ["ipFamilies", "clusterIPs"] {
+            let unchanged = spec[key] == old_spec[key];
+            if let Some(list) = spec.get_mut(key).and_then(Value::as_array_mut)
+                && unchanged
+                && list.len() == 2
+            {
+                list.truncate(1);
+            }
+        }
     }
     let keeps_node_ports = needs_node_ports(spec) || new_type == "LoadBalancer";
     if let Some(ports) = spec.get_mut("ports").and_then(Value::as_array_mut) {
@@ -291,8 +456,6 @@ pub fn apply_defaults(svc: &mut Value) {
         }
     }
     if needs_cluster_ip(&svc_type) {
-        default_if_missing(spec, "ipFamilies", json!(["IPv4"]));
-        default_if_missing(spec, "ipFamilyPolicy", json!("SingleStack"));
         default_if_missing(spec, "internalTrafficPolicy", json!("Cluster"));
     }
     if matches!(svc_type.as_str(), "NodePort" | "LoadBalancer") {
@@ -301,6 +464,129 @@ pub fn apply_defaults(svc: &mut Value) {
     if svc_type == "LoadBalancer" {
         default_if_missing(spec, "allocateLoadBalancerNodePorts", json!(true));
     }
+}
+
+const DUAL_STACK_OFF: &str = "this cluster is not configured for dual-stack services";
+
+/// Defaults `ipFamilies` and `ipFamilyPolicy` from what the Service asks (families, cluster
+/// IPs, policy) and what the cluster has, as kube-apiserver's `initIPFamilyFields` does,
+/// and says what cannot be served. `old` is the stored object on update.
+pub fn ip_families(svc: &mut Value, old: Option<&Value>, cidrs: &ServiceCidrs) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    let Some(spec) = svc.get_mut("spec") else {
+        return errors;
+    };
+    if !needs_cluster_ip(spec["type"].as_str().unwrap_or_default()) {
+        return errors;
+    }
+    let mut families = Vec::new();
+    for (i, name) in spec["ipFamilies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        match name.as_str().and_then(IpFamily::parse) {
+            Some(family) => families.push(family),
+            None => errors.push(FieldError::not_supported(
+                format!("spec.ipFamilies[{i}]"),
+                name.clone(),
+                &["IPv4", "IPv6"],
+            )),
+        }
+    }
+    let ips: Vec<IpAddr> = cluster_ips(spec)
+        .iter()
+        .filter_map(|ip| ip.parse().ok())
+        .collect();
+    for (i, ip) in ips.iter().enumerate() {
+        let family = IpFamily::of(*ip);
+        match families.get(i) {
+            None => families.push(family),
+            Some(want) if *want != family => errors.push(FieldError::invalid(
+                format!("spec.ipFamilies[{i}]"),
+                want.name(),
+                format!(
+                    "expected clusterIPs[{i}] to be of the {} family",
+                    want.name()
+                ),
+            )),
+            Some(_) => {}
+        }
+    }
+    let policy = match spec["ipFamilyPolicy"].as_str() {
+        Some(policy) => policy.to_owned(),
+        None if families.len() > 1 => "RequireDualStack".to_owned(),
+        None => "SingleStack".to_owned(),
+    };
+    if families.is_empty() {
+        families.push(cidrs.primary());
+    }
+    let dual = matches!(policy.as_str(), "PreferDualStack" | "RequireDualStack");
+    if dual && cidrs.is_dual_stack() && families.len() == 1 {
+        let first = families[0];
+        families.extend(cidrs.families().into_iter().filter(|f| *f != first));
+    }
+    if policy == "RequireDualStack" && !cidrs.is_dual_stack() {
+        errors.push(FieldError::invalid(
+            "spec.ipFamilyPolicy",
+            "RequireDualStack",
+            DUAL_STACK_OFF,
+        ));
+    }
+    if policy == "SingleStack" && families.len() > 1 {
+        errors.push(FieldError::invalid(
+            "spec.ipFamilyPolicy",
+            "SingleStack",
+            "must be RequireDualStack or PreferDualStack when multiple IP families are specified",
+        ));
+    }
+    if families.len() > 2 {
+        errors.push(FieldError::invalid(
+            "spec.ipFamilies",
+            json!(families.iter().map(|f| f.name()).collect::<Vec<_>>()),
+            "may specify no more than one IP for each IP family",
+        ));
+    } else if families.len() == 2 && families[0] == families[1] {
+        errors.push(FieldError::duplicate(
+            "spec.ipFamilies[1]",
+            families[1].name(),
+        ));
+    }
+    for (i, family) in families.iter().enumerate() {
+        if cidrs.of(*family).is_none() {
+            let detail = if cidrs.is_dual_stack() {
+                format!("{} is not configured on this cluster", family.name())
+            } else {
+                format!(
+                    "{DUAL_STACK_OFF}; {} is not configured on this cluster",
+                    family.name()
+                )
+            };
+            errors.push(FieldError::invalid(
+                format!("spec.ipFamilies[{i}]"),
+                family.name(),
+                detail,
+            ));
+        }
+    }
+    if let Some(old) = old
+        && let Some(old_primary) = old["spec"]["ipFamilies"][0].as_str()
+        && families.first().map(|f| f.name()) != Some(old_primary)
+    {
+        errors.push(FieldError::invalid(
+            "spec.ipFamilies[0]",
+            families.first().map_or("", |f| f.name()),
+            "field is immutable",
+        ));
+    }
+    set(
+        spec,
+        "ipFamilies",
+        json!(families.iter().map(|f| f.name()).collect::<Vec<_>>()),
+    );
+    set(spec, "ipFamilyPolicy", json!(policy));
+    errors
 }
 
 const TYPES: &[&str] = &["ClusterIP", "ExternalName", "LoadBalancer", "NodePort"];
@@ -373,15 +659,28 @@ pub fn validate(svc: &Value, old: Option<&Value>, allocator: &Allocator) -> Vec<
         errors.push(FieldError::required("spec.ports", ""));
     }
     validate_ports(ports, svc_type, allocator, &mut errors);
-    if !cluster_ip.is_empty() && !headless {
-        match cluster_ip.parse::<Ipv4Addr>() {
-            Err(_) => errors.push(FieldError::invalid("spec.clusterIP", cluster_ip, "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)")),
-            Ok(ip) if !allocator.ip_in_range(ip) => errors.push(FieldError::invalid(
-                "spec.clusterIP",
-                cluster_ip,
-                format!("failed to allocate IP {cluster_ip}: the provided IP ({cluster_ip}) is not in the valid range. The range of valid IPs is {}", allocator.ip_range()),
-            )),
-            Ok(_) => {}
+    if !headless {
+        for (i, ip) in cluster_ips(spec).into_iter().enumerate() {
+            let field = cluster_ip_field(i);
+            match ip.parse::<IpAddr>() {
+                Err(_) => errors.push(FieldError::invalid(
+                    field,
+                    ip,
+                    "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)",
+                )),
+                Ok(addr) if !allocator.ip_in_range(addr) => {
+                    let range = allocator
+                        .cidrs()
+                        .of(IpFamily::of(addr))
+                        .map_or_else(|| "none of its family".to_owned(), |net| net.to_string());
+                    errors.push(FieldError::invalid(
+                        field,
+                        ip,
+                        format!("failed to allocate IP {ip}: the provided IP ({ip}) is not in the valid range. The range of valid IPs is {range}"),
+                    ));
+                }
+                Ok(_) => {}
+            }
         }
     }
     if headless && svc_type != "ClusterIP" {
@@ -418,13 +717,15 @@ pub fn validate(svc: &Value, old: Option<&Value>, allocator: &Allocator) -> Vec<
         }
     }
     if let Some(ips) = spec["clusterIPs"].as_array() {
-        if ips.len() > 1 {
+        let families = spec["ipFamilies"].as_array().map_or(0, Vec::len);
+        if ips.len() > families.max(1) {
             errors.push(FieldError::invalid(
                 "spec.clusterIPs",
                 spec["clusterIPs"].clone(),
-                "this cluster is not configured for dual-stack services",
+                "may not have more IPs than the Service has IP families",
             ));
-        } else if let Some(first) = ips.first().and_then(Value::as_str)
+        }
+        if let Some(first) = ips.first().and_then(Value::as_str)
             && !cluster_ip.is_empty()
             && first != cluster_ip
         {
@@ -505,27 +806,6 @@ pub fn validate(svc: &Value, old: Option<&Value>, allocator: &Allocator) -> Vec<
         &["PreferDualStack", "RequireDualStack", "SingleStack"],
         &mut errors,
     );
-    if spec["ipFamilyPolicy"] == "RequireDualStack" {
-        errors.push(FieldError::invalid(
-            "spec.ipFamilyPolicy",
-            "RequireDualStack",
-            "this cluster is not configured for dual-stack services",
-        ));
-    }
-    for (i, family) in spec["ipFamilies"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .enumerate()
-    {
-        if family != "IPv4" {
-            errors.push(FieldError::not_supported(
-                format!("spec.ipFamilies[{i}]"),
-                family.clone(),
-                &["IPv4"],
-            ));
-        }
-    }
     if let Some(hc) = spec.get("healthCheckNodePort").filter(|v| !v.is_null()) {
         if !needs_health_check_port(spec) {
             errors.push(FieldError::invalid(
@@ -538,6 +818,15 @@ pub fn validate(svc: &Value, old: Option<&Value>, allocator: &Allocator) -> Vec<
         }
     }
     errors
+}
+
+/// The primary cluster IP is `spec.clusterIP`; the others are reported by index.
+fn cluster_ip_field(i: usize) -> String {
+    if i == 0 {
+        "spec.clusterIP".into()
+    } else {
+        format!("spec.clusterIPs[{i}]")
+    }
 }
 
 fn check_enum(spec: &Value, key: &str, allowed: &[&'static str], errors: &mut Vec<FieldError>) {
@@ -661,17 +950,28 @@ pub fn allocate(
     let spec_type = svc["spec"]["type"].as_str().unwrap_or_default().to_string();
     let wants_ip = needs_cluster_ip(&spec_type) && svc["spec"]["clusterIP"] != "None";
     let requested = held(svc);
-    if let Some(ip) = requested.ip
-        && previous.ip != Some(ip)
-        && allocator.ip_used(ip)
-    {
-        errors.push(FieldError::invalid(
-            "spec.clusterIP",
-            ip.to_string(),
-            format!("failed to allocate IP {ip}: provided IP is already allocated"),
-        ));
+    for (i, ip) in requested.ips.iter().enumerate() {
+        if !previous.ips.contains(ip) && allocator.ip_used(*ip) {
+            errors.push(FieldError::invalid(
+                cluster_ip_field(i),
+                ip.to_string(),
+                format!("failed to allocate IP {ip}: provided IP is already allocated"),
+            ));
+        }
     }
     let spec = &svc["spec"];
+    // The families still without an IP, in the Service's order.
+    let families: Vec<IpFamily> = spec["ipFamilies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f.as_str().and_then(IpFamily::parse))
+        .collect();
+    let missing_ips: Vec<IpFamily> = if wants_ip {
+        families.iter().skip(requested.ips.len()).copied().collect()
+    } else {
+        Vec::new()
+    };
     for (i, port) in spec["ports"].as_array().into_iter().flatten().enumerate() {
         if let Some(p) = port["nodePort"]
             .as_u64()
@@ -720,36 +1020,44 @@ pub fn allocate(
             "range for node ports is full",
         ));
     }
-    let missing_ip = wants_ip && requested.ip.is_none();
-    if missing_ip && previous.ip.is_none() && allocator.ips.len() >= allocator.ip_capacity() {
-        errors.push(FieldError::invalid(
-            "spec.clusterIP",
-            "",
-            "range for cluster IPs is full",
-        ));
+    for family in &missing_ips {
+        let freed = previous
+            .ips
+            .iter()
+            .filter(|ip| IpFamily::of(**ip) == *family && !requested.ips.contains(ip))
+            .count() as u64;
+        if allocator.ips_used(*family) >= allocator.ip_capacity(*family) + freed {
+            errors.push(FieldError::invalid(
+                "spec.clusterIPs",
+                family.name(),
+                format!("range for {} cluster IPs is full", family.name()),
+            ));
+        }
     }
     if !errors.is_empty() {
         return Err(errors);
     }
 
     // Commit: free what is dropped, take what is requested, then pick the rest.
-    if let Some(ip) = previous.ip.filter(|ip| requested.ip != Some(*ip)) {
-        allocator.ips.remove(&ip);
+    for ip in previous.ips.iter().filter(|ip| !requested.ips.contains(ip)) {
+        allocator.ips.remove(ip);
     }
     for p in previous.ports.difference(&requested.ports) {
         allocator.ports.remove(p);
     }
-    if let Some(ip) = requested.ip {
-        allocator.ips.insert(ip);
-    }
+    allocator.ips.extend(requested.ips.iter().copied());
     allocator.ports.extend(requested.ports.iter().copied());
     let spec = svc.get_mut("spec").ok_or_else(Vec::new)?;
-    if missing_ip && let Some(ip) = allocator.allocate_ip() {
-        set(spec, "clusterIP", json!(ip.to_string()));
-    }
     if wants_ip {
-        let ip = spec["clusterIP"].clone();
-        set(spec, "clusterIPs", json!([ip]));
+        let mut ips = requested.ips;
+        ips.extend(
+            missing_ips
+                .into_iter()
+                .filter_map(|family| allocator.allocate_ip(family)),
+        );
+        let ips: Vec<String> = ips.iter().map(ToString::to_string).collect();
+        set(spec, "clusterIP", json!(ips.first()));
+        set(spec, "clusterIPs", json!(ips));
     } else if spec["clusterIP"] == "None" {
         set(spec, "clusterIPs", json!(["None"]));
     }
@@ -783,7 +1091,8 @@ pub fn allocate(
 /// Create: defaults, validation, allocation; status starts empty.
 pub fn prepare_create(svc: &mut Value, allocator: &mut Allocator) -> Result<(), Vec<FieldError>> {
     apply_defaults(svc);
-    let errors = validate(svc, None, allocator);
+    let mut errors = ip_families(svc, None, allocator.cidrs());
+    errors.extend(validate(svc, None, allocator));
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -798,7 +1107,8 @@ pub fn prepare_update(
 ) -> Result<(), Vec<FieldError>> {
     carry_over(old, svc);
     apply_defaults(svc);
-    let errors = validate(svc, Some(old), allocator);
+    let mut errors = ip_families(svc, Some(old), allocator.cidrs());
+    errors.extend(validate(svc, Some(old), allocator));
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -812,6 +1122,13 @@ mod tests {
 
     fn allocator() -> Allocator {
         Allocator::new("10.96.0.0/16".parse().unwrap(), PortRange::default())
+    }
+
+    fn dual_stack() -> Allocator {
+        Allocator::new(
+            "10.96.0.0/16,fd00:10:96::/112".parse().unwrap(),
+            PortRange::default(),
+        )
     }
 
     fn svc(spec: Value) -> Value {
@@ -833,8 +1150,8 @@ mod tests {
         );
         prepare_create(&mut s, &mut alloc).unwrap();
         let spec = &s["spec"];
-        let ip: Ipv4Addr = spec["clusterIP"].as_str().unwrap().parse().unwrap();
-        assert!(alloc.ip_range().contains(&ip));
+        let ip: IpAddr = spec["clusterIP"].as_str().unwrap().parse().unwrap();
+        assert!(alloc.cidrs().of(IpFamily::V4).unwrap().contains(&ip));
         assert_eq!(spec["clusterIPs"], json!([ip.to_string()]));
         assert_eq!(spec["ports"][0]["protocol"], "TCP");
         assert_eq!(spec["ports"][0]["targetPort"], 80);
@@ -980,6 +1297,206 @@ mod tests {
             fields(&errors),
             vec![("spec.loadBalancerClass", "FieldValueForbidden")]
         );
+    }
+
+    fn families_and_ips(s: &Value) -> (Value, Value, Vec<IpFamily>) {
+        let spec = &s["spec"];
+        let ips = spec["clusterIPs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|ip| IpFamily::of(ip.as_str().unwrap().parse().unwrap()))
+            .collect();
+        (
+            spec["ipFamilyPolicy"].clone(),
+            spec["ipFamilies"].clone(),
+            ips,
+        )
+    }
+
+    #[test]
+    fn families_default_as_the_cluster_has_them() {
+        use IpFamily::{V4, V6};
+        let cases = [
+            // (cluster, requested spec fields, policy, families, IP families)
+            (
+                allocator(),
+                json!({}),
+                "SingleStack",
+                json!(["IPv4"]),
+                vec![V4],
+            ),
+            (
+                allocator(),
+                json!({"ipFamilyPolicy": "PreferDualStack"}),
+                "PreferDualStack",
+                json!(["IPv4"]),
+                vec![V4],
+            ),
+            (
+                dual_stack(),
+                json!({}),
+                "SingleStack",
+                json!(["IPv4"]),
+                vec![V4],
+            ),
+            (
+                dual_stack(),
+                json!({"ipFamilies": ["IPv6"]}),
+                "SingleStack",
+                json!(["IPv6"]),
+                vec![V6],
+            ),
+            (
+                dual_stack(),
+                json!({"ipFamilyPolicy": "PreferDualStack"}),
+                "PreferDualStack",
+                json!(["IPv4", "IPv6"]),
+                vec![V4, V6],
+            ),
+            (
+                dual_stack(),
+                json!({"ipFamilyPolicy": "RequireDualStack", "ipFamilies": ["IPv6"]}),
+                "RequireDualStack",
+                json!(["IPv6", "IPv4"]),
+                vec![V6, V4],
+            ),
+            // Two families without a policy ask for dual-stack.
+            (
+                dual_stack(),
+                json!({"ipFamilies": ["IPv6", "IPv4"]}),
+                "RequireDualStack",
+                json!(["IPv6", "IPv4"]),
+                vec![V6, V4],
+            ),
+            // A requested IPv6 cluster IP names the family.
+            (
+                dual_stack(),
+                json!({"clusterIP": "fd00:10:96::99"}),
+                "SingleStack",
+                json!(["IPv6"]),
+                vec![V6],
+            ),
+        ];
+        for (mut alloc, fields, policy, families, ips) in cases {
+            let mut spec = json!({"type": "LoadBalancer", "ports": [{"port": 80}]});
+            for (k, v) in fields.as_object().unwrap() {
+                spec[k] = v.clone();
+            }
+            let mut s = svc(spec);
+            prepare_create(&mut s, &mut alloc).unwrap_or_else(|e| panic!("{fields}: {e:?}"));
+            assert_eq!(
+                families_and_ips(&s),
+                (json!(policy), families, ips),
+                "{fields}"
+            );
+            assert_eq!(s["spec"]["clusterIP"], s["spec"]["clusterIPs"][0]);
+        }
+    }
+
+    #[test]
+    fn families_the_cluster_lacks_are_refused() {
+        let cases = [
+            (
+                allocator(),
+                json!({"ipFamilyPolicy": "RequireDualStack"}),
+                "spec.ipFamilyPolicy",
+            ),
+            (
+                allocator(),
+                json!({"ipFamilies": ["IPv6"]}),
+                "spec.ipFamilies[0]",
+            ),
+            (
+                dual_stack(),
+                json!({"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv4", "IPv6"]}),
+                "spec.ipFamilyPolicy",
+            ),
+            (
+                dual_stack(),
+                json!({"ipFamilyPolicy": "RequireDualStack", "ipFamilies": ["IPv4", "IPv4"]}),
+                "spec.ipFamilies[1]",
+            ),
+            (
+                dual_stack(),
+                json!({"ipFamilies": ["IPv4"], "clusterIP": "fd00:10:96::9"}),
+                "spec.ipFamilies[0]",
+            ),
+            (
+                dual_stack(),
+                json!({"ipFamilies": ["IPv5"]}),
+                "spec.ipFamilies[0]",
+            ),
+        ];
+        for (mut alloc, fields, field) in cases {
+            let mut spec = json!({"ports": [{"port": 80}]});
+            for (k, v) in fields.as_object().unwrap() {
+                spec[k] = v.clone();
+            }
+            let errors = prepare_create(&mut svc(spec), &mut alloc).unwrap_err();
+            assert!(fields_of(&errors).contains(&field), "{fields}: {errors:?}");
+            assert!(alloc.ips.is_empty(), "a refused Service holds no IP");
+        }
+    }
+
+    fn fields_of(errors: &[FieldError]) -> Vec<&str> {
+        errors.iter().map(|e| e.field.as_str()).collect()
+    }
+
+    #[test]
+    fn upgrade_to_dual_stack_and_back_allocates_and_frees_the_second_ip() {
+        let mut alloc = dual_stack();
+        let mut single = svc(json!({"ports": [{"port": 80}]}));
+        prepare_create(&mut single, &mut alloc).unwrap();
+        let mut dual = single.clone();
+        dual["spec"]["ipFamilyPolicy"] = json!("PreferDualStack");
+        prepare_update(&single, &mut dual, &mut alloc).unwrap();
+        assert_eq!(dual["spec"]["ipFamilies"], json!(["IPv4", "IPv6"]));
+        assert_eq!(dual["spec"]["clusterIPs"][0], single["spec"]["clusterIP"]);
+        assert_eq!(alloc.ips.len(), 2);
+        // The primary family cannot change.
+        let mut flipped = dual.clone();
+        flipped["spec"]["ipFamilies"] = json!(["IPv6", "IPv4"]);
+        flipped["spec"]["clusterIPs"] = json!([]);
+        flipped["spec"]["clusterIP"] = json!("");
+        let errors = prepare_update(&dual, &mut flipped, &mut alloc).unwrap_err();
+        assert!(
+            fields_of(&errors).contains(&"spec.ipFamilies[0]"),
+            "{errors:?}"
+        );
+        // Back to SingleStack: the second family and its IP go.
+        let mut back = dual.clone();
+        back["spec"]["ipFamilyPolicy"] = json!("SingleStack");
+        prepare_update(&dual, &mut back, &mut alloc).unwrap();
+        assert_eq!(back["spec"]["ipFamilies"], json!(["IPv4"]));
+        assert_eq!(
+            back["spec"]["clusterIPs"],
+            json!([single["spec"]["clusterIP"]])
+        );
+        assert_eq!(alloc.ips.len(), 1);
+        release(&back, &mut alloc);
+        assert!(alloc.ips.is_empty());
+    }
+
+    #[test]
+    fn service_cidrs_parse_one_or_one_per_family() {
+        let dual: ServiceCidrs = "10.96.0.0/16, fd00:10:96::/112".parse().unwrap();
+        assert!(dual.is_dual_stack());
+        assert_eq!(dual.primary(), IpFamily::V4);
+        assert_eq!(dual.to_string(), "10.96.0.0/16,fd00:10:96::/112");
+        assert!("10.96.0.0/16,10.97.0.0/16".parse::<ServiceCidrs>().is_err());
+        assert!("fd00::/64".parse::<ServiceCidrs>().unwrap().primary() == IpFamily::V6);
+        assert!("".parse::<ServiceCidrs>().is_err());
+    }
+
+    #[test]
+    fn a_large_ipv6_range_allocates_without_walking_it() {
+        let mut alloc = Allocator::new("fd00:10:96::/64".parse().unwrap(), PortRange::default());
+        let mut s = svc(json!({"ports": [{"port": 80}]}));
+        prepare_create(&mut s, &mut alloc).unwrap();
+        let ip: IpAddr = s["spec"]["clusterIP"].as_str().unwrap().parse().unwrap();
+        assert!(alloc.cidrs().of(IpFamily::V6).unwrap().contains(&ip));
+        assert_eq!(s["spec"]["ipFamilies"], json!(["IPv6"]));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::events;
 use crate::patch::{self, PatchError, PatchType};
 use crate::resources::{self, ResourceType, Storage, View};
 use crate::selector::Selectors;
-use crate::service::{self, Allocator, PortRange};
+use crate::service::{self, Allocator, PortRange, ServiceCidrs};
 use crate::status::{ApiError, FieldError};
 
 /// `(namespace, name)`; the namespace is empty for cluster-scoped objects.
@@ -99,7 +99,8 @@ pub struct Preconditions {
 
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
-    pub cluster_ip_range: ipnet::Ipv4Net,
+    /// `--service-cluster-ip-range`: one CIDR, or one per family (dual-stack).
+    pub service_cidrs: ServiceCidrs,
     pub node_port_range: PortRange,
     /// Changes kept per storage for watches that resume from an older resourceVersion.
     pub watch_cache_size: usize,
@@ -108,8 +109,7 @@ pub struct StoreConfig {
 impl Default for StoreConfig {
     fn default() -> Self {
         Self {
-            cluster_ip_range: ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 96, 0, 0), 16)
-                .unwrap_or_default(),
+            service_cidrs: ServiceCidrs::default(),
             node_port_range: PortRange::default(),
             watch_cache_size: 1000,
         }
@@ -302,7 +302,10 @@ impl Store {
             state: Mutex::new(State {
                 resource_version: 0,
                 tables,
-                allocator: Allocator::new(config.cluster_ip_range, config.node_port_range.clone()),
+                allocator: Allocator::new(
+                    config.service_cidrs.clone(),
+                    config.node_port_range.clone(),
+                ),
             }),
             history_limit: config.watch_cache_size.max(1),
         };

@@ -1103,3 +1103,30 @@ async fn dry_run_writes_answer_and_keep_nothing() {
     );
     server.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_dual_stack_cluster_gives_services_an_ip_per_family() {
+    let server = spawn(ServerConfig {
+        store: tandem_apiserver::StoreConfig {
+            service_cidrs: "10.96.0.0/16,fd00:10:96::/112".parse().unwrap(),
+            ..Default::default()
+        },
+        ..ServerConfig::default()
+    })
+    .await
+    .unwrap();
+    let client = server.client().await.unwrap();
+    let services: Api<Service> = Api::namespaced(client, "default");
+    let mut svc = lb_service("dual");
+    svc.spec.as_mut().unwrap().ip_family_policy = Some("RequireDualStack".into());
+    svc.spec.as_mut().unwrap().ip_families = Some(vec!["IPv6".into()]);
+    let created = services.create(&PostParams::default(), &svc).await.unwrap();
+    let spec = created.spec.unwrap();
+    assert_eq!(spec.ip_families, Some(vec!["IPv6".into(), "IPv4".into()]));
+    let ips = spec.cluster_ips.unwrap();
+    assert!(
+        ips[0].starts_with("fd00:10:96::") && ips[1].starts_with("10.96."),
+        "{ips:?}"
+    );
+    assert_eq!(spec.cluster_ip.as_ref(), Some(&ips[0]));
+}

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use tandem_apiserver::{PortRange, ServerConfig, StoreConfig, spawn};
+use tandem_apiserver::{PortRange, ServerConfig, ServiceCidrs, StoreConfig, spawn};
 use tandem_common::LogFormat;
 
 /// Kubernetes API server stand-in for the Tandem virtual cluster (HTTPS and plain HTTP on
@@ -30,13 +30,14 @@ struct Args {
     /// Address written into the kubeconfig (default: the listen address, or 127.0.0.1).
     #[arg(long, env = "TANDEM_APISERVER_ADVERTISE_ADDRESS")]
     advertise_address: Option<IpAddr>,
-    /// CIDR range from which Service cluster IPs are allocated.
+    /// CIDR range from which Service cluster IPs are allocated; two, comma-separated, one
+    /// per IP family, make a dual-stack cluster (the first is the primary family).
     #[arg(
         long,
         env = "TANDEM_APISERVER_SERVICE_CLUSTER_IP_RANGE",
         default_value = "10.96.0.0/16"
     )]
-    service_cluster_ip_range: ipnet::Ipv4Net,
+    service_cluster_ip_range: ServiceCidrs,
     /// Port range for Service node ports.
     #[arg(
         long,
@@ -72,7 +73,7 @@ async fn main() -> anyhow::Result<()> {
         listen: args.listen,
         token: args.token,
         store: StoreConfig {
-            cluster_ip_range: args.service_cluster_ip_range,
+            service_cidrs: args.service_cluster_ip_range,
             node_port_range: args.service_node_port_range,
             watch_cache_size: args.watch_cache_size,
         },
