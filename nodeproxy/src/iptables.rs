@@ -236,9 +236,9 @@ impl Syncer {
     ///
     /// `iptables-nft-save` of a big table is slow (10-30 s at 2,700 Services, it decodes
     /// every rule), so on nf_tables the chain names come from `nft list chains ip` (~0.3 s,
-    /// no rules) and the built-in chains' rules from `iptables-nft -S CHAIN` (~15 ms each:
-    /// it fetches only that chain). Without the `nft` CLI, and on legacy (where the save
-    /// is ~1 s), `iptables-save -t TABLE` is used.
+    /// no rules) and the rules of the built-in and shared chains from `iptables-nft -S
+    /// CHAIN` (~15 ms each: it fetches only that chain). Without the `nft` CLI, and on
+    /// legacy (where the save is ~1 s), `iptables-save -t TABLE` is used.
     async fn inspect(&self, table: &str) -> Result<TableInspection, SyncError> {
         if self.backend == Backend::Nft {
             match self.run("nft", &["list", "chains", "ip"], None).await {
@@ -255,14 +255,15 @@ impl Syncer {
     async fn inspect_nft(&self, table: &str, listing: &str) -> Result<TableInspection, SyncError> {
         let chains = restore::parse_nft_chains(listing, table);
         let mut save = format!("*{table}\n");
-        for builtin in restore::builtin_chains(table) {
-            if !chains.contains(*builtin) {
-                continue;
-            }
+        let listed = chains.iter().filter(|c| {
+            restore::builtin_chains(table).contains(&c.as_str())
+                || restore::is_shared_chain(table, c)
+        });
+        for chain in listed {
             let rules = self
                 .run(
                     self.backend.iptables(),
-                    &["-w", LOCK_WAIT_SECONDS, "-t", table, "-S", builtin],
+                    &["-w", LOCK_WAIT_SECONDS, "-t", table, "-S", chain],
                     None,
                 )
                 .await?;
@@ -349,31 +350,32 @@ impl Syncer {
         Ok(())
     }
 
-    /// `--cleanup`: remove the base jumps and every chain the node proxy owns from mangle,
-    /// nat and filter, leaving everything else alone. Idempotent.
+    /// `--cleanup`: remove from mangle, nat and filter what [`restore::cleanup`] finds ours
+    /// (the kubelet's chains and the shared ones it holds stay). Idempotent.
     pub async fn cleanup(&mut self) -> Result<(), SyncError> {
         self.forget();
-        for jump in BASE_JUMPS {
-            let rule = split_rule(jump.rule);
-            let mut delete = vec![
-                "-w",
-                LOCK_WAIT_SECONDS,
-                "-t",
-                jump.table.as_str(),
-                "-D",
-                jump.builtin_chain,
-            ];
-            delete.extend(rule.iter().map(String::as_str));
-            // Delete every copy; the loop ends when the rule is not found.
-            while spawn_with_stdin(self.backend.iptables(), &delete, None)
-                .await?
-                .status
-                .success()
-            {}
-        }
         for table in CANARY_TABLES {
             let inspection = self.inspect(table).await?;
-            if let Some(text) = restore::cleanup(table, &inspection) {
+            let plan = restore::cleanup(table, &inspection);
+            for jump in plan.jumps {
+                let rule = split_rule(jump.rule);
+                let mut delete = vec![
+                    "-w",
+                    LOCK_WAIT_SECONDS,
+                    "-t",
+                    table,
+                    "-D",
+                    jump.builtin_chain,
+                ];
+                delete.extend(rule.iter().map(String::as_str));
+                // Delete every copy; the loop ends when the rule is not found.
+                while spawn_with_stdin(self.backend.iptables(), &delete, None)
+                    .await?
+                    .status
+                    .success()
+                {}
+            }
+            if let Some(text) = plan.payload {
                 self.restore_noflush_text(table, &text).await?;
             }
         }

@@ -11,33 +11,46 @@
 //! own. The write is one transaction, so established connections (conntrack) are
 //! unaffected. Everything else — the steady state, and full writes into tables shared with
 //! others — uses `--noflush` and touches only our chains.
+//!
+//! Declaring a chain in a `--noflush` payload flushes it, so the chains the kubelet may hold
+//! too ([`SHARED_CHAINS`]) are never declared there: a full write creates them with `-N`
+//! when missing and appends (`-A`) only the rules they lack.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use tandem_proxy_rules::chains::{self, PER_SERVICE_PREFIXES};
-use tandem_proxy_rules::ruleset::{BASE_JUMPS, TableRules};
+use tandem_proxy_rules::ruleset::{BASE_JUMPS, BaseJump, SHARED_CHAINS, TableRules};
 
 /// Chain the node proxy creates (empty) in mangle, nat and filter to notice when someone
 /// flushes a table behind its back, as kube-proxy does.
 pub const CANARY_CHAIN: &str = "KUBE-PROXY-CANARY";
 
-/// Fixed-name chains the node proxy owns. Per-Service chains are recognised by prefix.
+/// The kubelet's canary chain (mangle, nat and filter): a table holding it is the kubelet's
+/// too, and so may be the [`SHARED_CHAINS`] in it.
+pub const KUBELET_CANARY_CHAIN: &str = "KUBE-KUBELET-CANARY";
+
+/// Fixed-name chains the node proxy owns. Per-Service chains are recognised by prefix. Not
+/// the kubelet's `KUBE-FIREWALL`, nor the [`SHARED_CHAINS`].
 const OWNED_CHAINS: &[&str] = &[
     chains::KUBE_SERVICES,
     chains::KUBE_EXTERNAL_SERVICES,
     chains::KUBE_NODEPORTS,
-    chains::KUBE_POSTROUTING,
-    chains::KUBE_MARK_MASQ,
-    chains::KUBE_MARK_DROP,
     chains::KUBE_FORWARD,
-    chains::KUBE_FIREWALL,
+    chains::KUBE_PROXY_FIREWALL,
     CANARY_CHAIN,
 ];
 
-/// True for every chain name the node proxy ever creates; it never touches any other.
+/// True for every chain name the node proxy alone creates and deletes.
 pub fn is_owned_chain(name: &str) -> bool {
     OWNED_CHAINS.contains(&name) || PER_SERVICE_PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
+/// True for a chain of [`SHARED_CHAINS`] in `table`: ensured, never rewritten.
+pub fn is_shared_chain(table: &str, name: &str) -> bool {
+    SHARED_CHAINS
+        .iter()
+        .any(|(t, chain)| t.as_str() == table && *chain == name)
 }
 
 /// The built-in chains of a table, in the order `iptables-save` prints them.
@@ -81,8 +94,14 @@ pub fn incremental(
     desired: &TableRules,
     candidates: &BTreeSet<String>,
 ) -> Option<Payload> {
+    // Shared chains never change (fixed rules) and must never be declared: skipped.
+    let candidates: Vec<&String> = candidates
+        .iter()
+        .filter(|name| !is_shared_chain(table, name))
+        .collect();
     let changed: Vec<&String> = candidates
         .iter()
+        .copied()
         .filter(|name| {
             desired
                 .chains
@@ -92,12 +111,13 @@ pub fn incremental(
         .collect();
     let deleted: Vec<&String> = candidates
         .iter()
+        .copied()
         .filter(|name| applied.chains.contains_key(*name) && !desired.chains.contains_key(*name))
         .collect();
     if changed.is_empty() && deleted.is_empty() {
         return None;
     }
-    Some(noflush_payload(table, desired, &changed, &deleted))
+    Some(noflush_payload(table, desired, &[], &changed, &deleted))
 }
 
 /// [`incremental`] with every chain of either table as a candidate: a full comparison.
@@ -111,17 +131,23 @@ pub fn between(table: &str, applied: &TableRules, desired: &TableRules) -> Optio
     incremental(table, applied, desired, &every_chain)
 }
 
+/// `ensure` lines (`-N`, `-A`) go first, so that the written chains' jumps find them.
 fn noflush_payload(
     table: &str,
     desired: &TableRules,
+    ensure: &[String],
     write: &[&String],
     delete: &[&String],
 ) -> Payload {
     let mut text = format!("*{table}\n");
+    let mut rules = 0;
+    for line in ensure {
+        let _ = writeln!(text, "{line}");
+        rules += usize::from(line.starts_with("-A "));
+    }
     for chain in write.iter().chain(delete) {
         let _ = writeln!(text, ":{chain} - [0:0]");
     }
-    let mut rules = 0;
     for chain in write {
         for rule in desired.chains.get(*chain).into_iter().flatten() {
             let _ = writeln!(text, "-A {chain} {rule}");
@@ -142,12 +168,21 @@ fn noflush_payload(
 }
 
 /// What an `iptables-save -t TABLE` showed: built-in chains with their policy and rules,
-/// and the names of all user-defined chains.
+/// the names of all user-defined chains, and the rules of the shared chains.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TableInspection {
     /// (chain, policy, rules as `iptables-save` prints them after `-A CHAIN `).
     pub builtins: Vec<(String, String, Vec<String>)>,
     pub user_chains: BTreeSet<String>,
+    /// The rules of the [`SHARED_CHAINS`] present, as `iptables-save` prints them.
+    pub shared: BTreeMap<String, Vec<String>>,
+}
+
+impl TableInspection {
+    /// The kubelet's canary is in the table: the shared chains and jumps may be its.
+    pub fn has_kubelet(&self) -> bool {
+        self.user_chains.contains(KUBELET_CANARY_CHAIN)
+    }
 }
 
 /// Parse `iptables-save` output for one table (the other tables' sections are ignored).
@@ -178,6 +213,11 @@ pub fn parse_save(text: &str, table: &str) -> TableInspection {
             let (chain, rule) = rest.split_once(' ').unwrap_or((rest, ""));
             if let Some(entry) = out.builtins.iter_mut().find(|(c, _, _)| c == chain) {
                 entry.2.push(rule.to_owned());
+            } else if is_shared_chain(table, chain) {
+                out.shared
+                    .entry(chain.to_owned())
+                    .or_default()
+                    .push(rule.to_owned());
             }
         }
     }
@@ -229,10 +269,14 @@ fn base_jumps(table: &str) -> impl Iterator<Item = (&'static str, &'static str)>
 }
 
 /// True when a flush-mode restore of the table loses nothing that is not ours: every user
-/// chain is one we own, and the built-in chains hold nothing but our base jumps.
+/// chain is one we own or a shared one (no kubelet's canary, so no kubelet, is there), and
+/// the built-in chains hold nothing but our base jumps.
 pub fn holds_only_ours(table: &str, inspection: &TableInspection) -> bool {
     let jumps: Vec<_> = base_jumps(table).collect();
-    inspection.user_chains.iter().all(|c| is_owned_chain(c))
+    inspection
+        .user_chains
+        .iter()
+        .all(|c| is_owned_chain(c) || is_shared_chain(table, c))
         && inspection.builtins.iter().all(|(chain, _, rules)| {
             rules
                 .iter()
@@ -245,19 +289,50 @@ pub fn holds_only_ours(table: &str, inspection: &TableInspection) -> bool {
 ///
 /// With a table that holds only what is ours this is a flush-mode restore that also writes
 /// the built-in chains (keeping their policies) with our base jumps in order. Otherwise it
-/// is a `--noflush` restore of all desired chains that also deletes the chains we own but no
-/// longer want (found by the inspection); the caller then ensures the base jumps itself.
+/// is a `--noflush` restore of all desired chains but the shared ones, which it only
+/// ensures ([`ensure_shared`]); it also deletes the chains we own but no longer want (found
+/// by the inspection). The caller then ensures the base jumps itself.
 pub fn full(table: &str, inspection: &TableInspection, desired: &TableRules) -> Payload {
     if holds_only_ours(table, inspection) {
         return flush_payload(table, inspection, desired);
     }
-    let write: Vec<&String> = desired.chains.keys().collect();
+    let write: Vec<&String> = desired
+        .chains
+        .keys()
+        .filter(|c| !is_shared_chain(table, c))
+        .collect();
     let stale: Vec<&String> = inspection
         .user_chains
         .iter()
         .filter(|c| is_owned_chain(c) && !desired.chains.contains_key(*c))
         .collect();
-    noflush_payload(table, desired, &write, &stale)
+    let ensure = ensure_shared(table, inspection, desired);
+    noflush_payload(table, desired, &ensure, &write, &stale)
+}
+
+/// Restore lines that give every desired shared chain at least its desired rules without
+/// touching what it holds: `-N` for a missing chain, `-A` for each rule it lacks. On a node
+/// with the kubelet v1.21 there is nothing to do: its rules are ours, byte for byte.
+pub fn ensure_shared(
+    table: &str,
+    inspection: &TableInspection,
+    desired: &TableRules,
+) -> Vec<String> {
+    let mut lines = Vec::new();
+    for (chain, rules) in desired
+        .chains
+        .iter()
+        .filter(|(c, _)| is_shared_chain(table, c))
+    {
+        if !inspection.user_chains.contains(chain) {
+            lines.push(format!("-N {chain}"));
+        }
+        let present = inspection.shared.get(chain).map_or(&[][..], Vec::as_slice);
+        for rule in rules.iter().filter(|rule| !present.contains(rule)) {
+            lines.push(format!("-A {chain} {rule}"));
+        }
+    }
+    lines
 }
 
 fn flush_payload(table: &str, inspection: &TableInspection, desired: &TableRules) -> Payload {
@@ -294,18 +369,32 @@ fn flush_payload(table: &str, inspection: &TableInspection, desired: &TableRules
     }
 }
 
-/// The `--noflush` payload that flushes and deletes every chain we own in the table (base
-/// jumps must be gone first), or `None` when there is none.
-pub fn cleanup(table: &str, inspection: &TableInspection) -> Option<String> {
-    let owned: Vec<&String> = inspection
+/// What `--cleanup` removes from one table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cleanup {
+    /// Base jumps to delete (every copy), before the chains.
+    pub jumps: Vec<&'static BaseJump>,
+    /// The `--noflush` payload that flushes and deletes the chains, or `None` for none.
+    pub payload: Option<String>,
+}
+
+/// Everything of ours in the table: our chains and base jumps, and the shared chains and
+/// jumps too where no kubelet is (then we made them); where the kubelet is, they stay,
+/// since the kubelet v1.21 puts them back only when its canary goes.
+pub fn cleanup(table: &str, inspection: &TableInspection) -> Cleanup {
+    let kubelet = inspection.has_kubelet();
+    let jumps = BASE_JUMPS
+        .iter()
+        .filter(|jump| jump.table.as_str() == table && !(jump.shared && kubelet))
+        .collect();
+    let chains: Vec<&String> = inspection
         .user_chains
         .iter()
-        .filter(|c| is_owned_chain(c))
+        .filter(|c| is_owned_chain(c) || (!kubelet && is_shared_chain(table, c)))
         .collect();
-    if owned.is_empty() {
-        return None;
-    }
-    Some(noflush_payload(table, &TableRules::default(), &[], &owned).text)
+    let payload = (!chains.is_empty())
+        .then(|| noflush_payload(table, &TableRules::default(), &[], &[], &chains).text);
+    Cleanup { jumps, payload }
 }
 
 /// The payload line an `iptables-restore` error message blames, if it names one.
@@ -434,11 +523,15 @@ mod tests {
         *mangle\n:PREROUTING ACCEPT [0:0]\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n\
         *filter\n\
         :INPUT ACCEPT [0:0]\n:FORWARD DROP [12:345]\n:OUTPUT ACCEPT [0:0]\n\
-        :KUBE-FIREWALL - [0:0]\n:KUBE-SVC-OLD - [0:0]\n\
-        -A INPUT -j KUBE-FIREWALL\n\
+        :KUBE-PROXY-FIREWALL - [0:0]\n:KUBE-SVC-OLD - [0:0]\n\
+        -A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL\n\
         -A FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD\n\
-        -A KUBE-FIREWALL -m mark --mark 0x8000/0x8000 -j DROP\n\
+        -A KUBE-PROXY-FIREWALL -m mark --mark 0x8000/0x8000 -j DROP\n\
         COMMIT\n";
+
+    /// The kubelet v1.21's chains (see the file's note).
+    const KUBELET: &str = include_str!("../tests/data/kubelet-v1.21.iptables");
+    const LB_FIREWALL_JUMP: &str = "-m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL";
 
     #[test]
     fn save_output_is_parsed_per_table() {
@@ -449,7 +542,7 @@ mod tests {
                 (
                     "INPUT".to_owned(),
                     "ACCEPT".to_owned(),
-                    vec!["-j KUBE-FIREWALL".to_owned()]
+                    vec![LB_FIREWALL_JUMP.to_owned()]
                 ),
                 (
                     "FORWARD".to_owned(),
@@ -464,7 +557,7 @@ mod tests {
         );
         assert_eq!(
             inspection.user_chains,
-            ["KUBE-FIREWALL".to_owned(), "KUBE-SVC-OLD".to_owned()].into()
+            ["KUBE-PROXY-FIREWALL".to_owned(), "KUBE-SVC-OLD".to_owned()].into()
         );
         assert_eq!(
             parse_save(SAVE, "mangle").user_chains,
@@ -477,11 +570,16 @@ mod tests {
     fn a_table_of_our_own_is_written_in_flush_mode_keeping_policies() {
         let inspection = parse_save(SAVE, "filter");
         assert!(holds_only_ours("filter", &inspection));
-        let desired = rules(&[("KUBE-FIREWALL", &["-m mark --mark 0x8000/0x8000 -j DROP"])]);
+        let desired = rules(&[(
+            "KUBE-PROXY-FIREWALL",
+            &["-m mark --mark 0x8000/0x8000 -j DROP"],
+        )]);
         let payload = full("filter", &inspection, &desired);
         assert_eq!(payload.mode, RestoreMode::Flush);
-        let expected_head = "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n:KUBE-FIREWALL - [0:0]\n-A INPUT -j KUBE-FIREWALL\n";
-        assert!(payload.text.starts_with(expected_head), "{}", payload.text);
+        let expected_head = format!(
+            "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n:KUBE-PROXY-FIREWALL - [0:0]\n-A INPUT {LB_FIREWALL_JUMP}\n"
+        );
+        assert!(payload.text.starts_with(&expected_head), "{}", payload.text);
         // Every filter base jump is in it, in BASE_JUMPS order, then our rules.
         let jump_lines: Vec<_> = payload
             .text
@@ -501,7 +599,7 @@ mod tests {
         assert!(
             payload
                 .text
-                .ends_with("-A KUBE-FIREWALL -m mark --mark 0x8000/0x8000 -j DROP\nCOMMIT\n")
+                .ends_with("-A KUBE-PROXY-FIREWALL -m mark --mark 0x8000/0x8000 -j DROP\nCOMMIT\n")
         );
         // The stale KUBE-SVC-OLD disappears with the flush.
         assert!(!payload.text.contains("KUBE-SVC-OLD"));
@@ -530,12 +628,12 @@ mod tests {
             let payload = full(
                 "filter",
                 &inspection,
-                &rules(&[("KUBE-FIREWALL", &["-j DROP"])]),
+                &rules(&[("KUBE-PROXY-FIREWALL", &["-j DROP"])]),
             );
             assert_eq!(payload.mode, RestoreMode::NoFlush);
             assert_eq!(
                 payload.text,
-                "*filter\n:KUBE-FIREWALL - [0:0]\n:KUBE-SVC-OLD - [0:0]\n-A KUBE-FIREWALL -j DROP\n-X KUBE-SVC-OLD\nCOMMIT\n"
+                "*filter\n:KUBE-PROXY-FIREWALL - [0:0]\n:KUBE-SVC-OLD - [0:0]\n-A KUBE-PROXY-FIREWALL -j DROP\n-X KUBE-SVC-OLD\nCOMMIT\n"
             );
         }
     }
@@ -549,13 +647,20 @@ mod tests {
             "KUBE-FW-X",
             "KUBE-XLB-X",
             "KUBE-SVL-X",
+            "KUBE-PROXY-FIREWALL",
             CANARY_CHAIN,
         ] {
             assert!(is_owned_chain(ours), "{ours}");
         }
+        // The kubelet's, and those it may share with us.
         for foreign in [
             "DOCKER",
             "KUBE-KUBELET-CANARY",
+            "KUBE-IPTABLES-HINT",
+            "KUBE-FIREWALL",
+            "KUBE-MARK-DROP",
+            "KUBE-MARK-MASQ",
+            "KUBE-POSTROUTING",
             "KUBE-SERVICES-X",
             "CILIUM_INPUT",
             "INPUT",
@@ -600,14 +705,122 @@ mod tests {
     #[test]
     fn cleanup_removes_only_our_chains() {
         let inspection = parse_save(
-            "*filter\n:INPUT ACCEPT [0:0]\n:DOCKER - [0:0]\n:KUBE-FIREWALL - [0:0]\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n",
+            "*filter\n:INPUT ACCEPT [0:0]\n:DOCKER - [0:0]\n:KUBE-FIREWALL - [0:0]\n:KUBE-PROXY-FIREWALL - [0:0]\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n",
             "filter",
         );
+        let plan = cleanup("filter", &inspection);
         assert_eq!(
-            cleanup("filter", &inspection).unwrap(),
-            "*filter\n:KUBE-FIREWALL - [0:0]\n:KUBE-PROXY-CANARY - [0:0]\n-X KUBE-FIREWALL\n-X KUBE-PROXY-CANARY\nCOMMIT\n"
+            plan.payload.unwrap(),
+            "*filter\n:KUBE-PROXY-CANARY - [0:0]\n:KUBE-PROXY-FIREWALL - [0:0]\n-X KUBE-PROXY-CANARY\n-X KUBE-PROXY-FIREWALL\nCOMMIT\n"
         );
-        assert_eq!(cleanup("nat", &TableInspection::default()), None);
+        assert_eq!(plan.jumps.len(), 9);
+        assert_eq!(cleanup("nat", &TableInspection::default()).payload, None);
+    }
+
+    /// The kubelet's chains plus ours, as a table looks after a sync on a kubelet's node.
+    fn kubelet_table_with_ours(table: &str) -> TableInspection {
+        let ours = "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-A - [0:0]\n:KUBE-PROXY-CANARY - [0:0]\n\
+            -A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\nCOMMIT\n\
+            *filter\n:KUBE-SERVICES - [0:0]\n:KUBE-PROXY-FIREWALL - [0:0]\nCOMMIT\n";
+        let mut inspection = parse_save(KUBELET, table);
+        let extra = parse_save(ours, table);
+        inspection.user_chains.extend(extra.user_chains);
+        inspection
+    }
+
+    #[test]
+    fn on_a_kubelets_node_the_shared_chains_are_neither_declared_nor_touched() {
+        let nat = parse_save(KUBELET, "nat");
+        assert!(nat.has_kubelet());
+        assert!(!holds_only_ours("nat", &nat));
+        assert_eq!(nat.shared.len(), 3);
+        let desired = rules(&[
+            ("KUBE-SERVICES", &["-j KUBE-MARK-MASQ"]),
+            ("KUBE-MARK-DROP", &["-j MARK --set-xmark 0x8000/0x8000"]),
+            ("KUBE-MARK-MASQ", &["-j MARK --set-xmark 0x4000/0x4000"]),
+            (
+                "KUBE-POSTROUTING",
+                &[
+                    "-m mark ! --mark 0x4000/0x4000 -j RETURN",
+                    "-j MARK --set-xmark 0x4000/0x0",
+                    "-m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully",
+                ],
+            ),
+        ]);
+        // The kubelet v1.21's rules are ours byte for byte: nothing to ensure.
+        assert_eq!(ensure_shared("nat", &nat, &desired), Vec::<String>::new());
+        let payload = full("nat", &nat, &desired);
+        assert_eq!(payload.mode, RestoreMode::NoFlush);
+        assert_eq!(
+            payload.text,
+            "*nat\n:KUBE-SERVICES - [0:0]\n-A KUBE-SERVICES -j KUBE-MARK-MASQ\nCOMMIT\n"
+        );
+        // Nor does an incremental sync declare them, even if they seemed to differ.
+        let payload = between("nat", &TableRules::default(), &desired).unwrap();
+        assert_eq!(
+            payload.text,
+            "*nat\n:KUBE-SERVICES - [0:0]\n-A KUBE-SERVICES -j KUBE-MARK-MASQ\nCOMMIT\n"
+        );
+
+        let filter = parse_save(KUBELET, "filter");
+        let payload = full(
+            "filter",
+            &filter,
+            &rules(&[("KUBE-PROXY-FIREWALL", &["-j DROP"])]),
+        );
+        assert_eq!(payload.mode, RestoreMode::NoFlush);
+        assert!(!payload.text.contains("KUBE-FIREWALL"), "{}", payload.text);
+    }
+
+    #[test]
+    fn missing_shared_chains_are_created_and_incomplete_ones_completed() {
+        let desired = rules(&[
+            ("KUBE-MARK-DROP", &["-j MARK --set-xmark 0x8000/0x8000"]),
+            ("KUBE-POSTROUTING", &["-j A", "-j B"]),
+        ]);
+        let inspection = parse_save(
+            "*nat\n:DOCKER - [0:0]\n:KUBE-POSTROUTING - [0:0]\n-A KUBE-POSTROUTING -j A\nCOMMIT\n",
+            "nat",
+        );
+        let payload = full("nat", &inspection, &desired);
+        assert_eq!(payload.mode, RestoreMode::NoFlush);
+        assert_eq!(
+            payload.text,
+            "*nat\n-N KUBE-MARK-DROP\n-A KUBE-MARK-DROP -j MARK --set-xmark 0x8000/0x8000\n-A KUBE-POSTROUTING -j B\nCOMMIT\n"
+        );
+        assert_eq!(payload.rules, 2);
+        // Without anything foreign the flush-mode write holds them whole.
+        let payload = full("nat", &TableInspection::default(), &desired);
+        assert_eq!(payload.mode, RestoreMode::Flush);
+        assert!(payload.text.contains(":KUBE-MARK-DROP - [0:0]\n"));
+    }
+
+    #[test]
+    fn cleanup_leaves_the_shared_chains_and_jumps_where_the_kubelet_is() {
+        let plan = cleanup("nat", &kubelet_table_with_ours("nat"));
+        assert_eq!(
+            plan.payload.unwrap(),
+            "*nat\n:KUBE-PROXY-CANARY - [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-A - [0:0]\n-X KUBE-PROXY-CANARY\n-X KUBE-SERVICES\n-X KUBE-SVC-A\nCOMMIT\n"
+        );
+        assert!(plan.jumps.iter().all(|jump| !jump.shared));
+        assert_eq!(plan.jumps.len(), 2);
+        let plan = cleanup("filter", &kubelet_table_with_ours("filter"));
+        assert!(!plan.payload.unwrap().contains("KUBE-FIREWALL -"));
+        assert!(
+            cleanup("mangle", &parse_save(KUBELET, "mangle"))
+                .payload
+                .is_none()
+        );
+
+        // Without the kubelet we made them: they go.
+        let mut alone = kubelet_table_with_ours("nat");
+        alone.user_chains.remove(KUBELET_CANARY_CHAIN);
+        let plan = cleanup("nat", &alone);
+        let payload = plan.payload.unwrap();
+        for chain in ["KUBE-MARK-DROP", "KUBE-MARK-MASQ", "KUBE-POSTROUTING"] {
+            assert!(payload.contains(&format!("-X {chain}\n")), "{payload}");
+        }
+        assert_eq!(plan.jumps.len(), 3);
     }
 
     #[test]
@@ -692,6 +905,7 @@ mod properties {
         fn a_full_payload_writes_desired_over_any_table_of_ours(existing in table(), desired in table()) {
             let inspection = TableInspection {
                 builtins: Vec::new(),
+                shared: BTreeMap::new(),
                 user_chains: existing.chains.keys().cloned().collect(),
             };
             let payload = full("nat", &inspection, &desired);

@@ -62,7 +62,7 @@ fn first_sync_writes_everything_and_equals_a_noflush_write() {
             assert!(flushed.contains(
                 "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"
             ));
-            assert!(flushed.contains("-A FORWARD -j KUBE-FIREWALL"));
+            assert!(flushed.contains("-A FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL"));
             for table in ["mangle", "nat", "filter"] {
                 assert!(
                     save(backend, table).contains(":KUBE-PROXY-CANARY -"),

@@ -183,7 +183,13 @@ fn lb_ip_reaches_a_pod_from_an_allowed_source_and_is_dropped_on_the_node_otherwi
         format!("{seen_by_pod} after restart")
     );
 
-    let dropped_before = packets(&node.netns, backend, "filter", "KUBE-FIREWALL", "DROP");
+    let dropped_before = packets(
+        &node.netns,
+        backend,
+        "filter",
+        "KUBE-PROXY-FIREWALL",
+        "DROP",
+    );
     let error = connect(&topo.client_out_of_range().netns, LB)
         .expect_err("disallowed client must not connect");
     assert!(
@@ -203,8 +209,14 @@ fn lb_ip_reaches_a_pod_from_an_allowed_source_and_is_dropped_on_the_node_otherwi
         ) >= 1
     );
     assert!(
-        packets(&node.netns, backend, "filter", "KUBE-FIREWALL", "DROP") > dropped_before,
-        "the FORWARD hook of KUBE-FIREWALL dropped the SYN"
+        packets(
+            &node.netns,
+            backend,
+            "filter",
+            "KUBE-PROXY-FIREWALL",
+            "DROP"
+        ) > dropped_before,
+        "the FORWARD hook of KUBE-PROXY-FIREWALL dropped the SYN"
     );
 }
 
@@ -532,4 +544,89 @@ fn internal_traffic_policy_local_keeps_cluster_ip_traffic_on_the_node() {
         .unwrap(),
         "remote"
     );
+}
+
+#[test]
+fn the_drop_fallback_drops_with_and_without_the_kubelets_chains() {
+    for with_kubelet in [false, true] {
+        let Some(topo) = topology(1, &[1]) else {
+            return;
+        };
+        let node = topo.node(1).unwrap();
+        let pod = topo.pods_on(1).next().unwrap();
+        tcp_pod(pod, 1);
+        let backend = Backend::Nft;
+        if with_kubelet {
+            node.netns
+                .run_in_thread(move || install_kubelet_chains(backend))
+                .unwrap();
+        }
+        let state = reference_state(vec![endpoint(pod.ip.octets(), POD_PORT, &node.name)]);
+        let kubelet_before = node.netns.run_in_thread(move || kubelet_lines(backend));
+        sync_on(
+            node,
+            backend,
+            &tandem_proxy_rules::build(&state, &node_named(&node.name)),
+        );
+        if with_kubelet {
+            assert_eq!(
+                node.netns
+                    .run_in_thread(move || kubelet_lines(backend))
+                    .unwrap(),
+                kubelet_before.unwrap(),
+                "the sync changed the kubelet's chains"
+            );
+        }
+        topo.edge()
+            .netns
+            .exec_checked([
+                "ip",
+                "route",
+                "add",
+                &format!("{LB_IP}/32"),
+                "via",
+                &node.ip.to_string(),
+            ])
+            .unwrap();
+        let mut allowed = connect(&topo.client_in_range().netns, LB)
+            .unwrap_or_else(|e| panic!("kubelet {with_kubelet}: allowed client: {e}"));
+        assert!(round_trip(&mut allowed, "hello").ends_with(" hello"));
+
+        let dropped = || {
+            packets(
+                &node.netns,
+                backend,
+                "filter",
+                "KUBE-PROXY-FIREWALL",
+                "DROP",
+            )
+        };
+        let before = dropped();
+        // Passthrough: forwarded to the pod, dropped in FORWARD (no kubelet chain hooks it).
+        let error = connect(&topo.client_out_of_range().netns, LB)
+            .expect_err("a client outside the source ranges must not connect");
+        assert!(
+            matches!(
+                error.kind(),
+                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+            ),
+            "kubelet {with_kubelet}: dropped silently: {error}"
+        );
+        // From the node itself (its address is outside the ranges too): dropped in OUTPUT.
+        let error = connect(&node.netns, LB).expect_err("the node is outside the ranges");
+        assert!(
+            matches!(
+                error.kind(),
+                std::io::ErrorKind::TimedOut
+                    | std::io::ErrorKind::WouldBlock
+                    | std::io::ErrorKind::PermissionDenied
+            ),
+            "kubelet {with_kubelet}: from the node: {error}"
+        );
+        assert!(
+            dropped() >= before + 2,
+            "kubelet {with_kubelet}: KUBE-PROXY-FIREWALL dropped {} packets",
+            dropped() - before
+        );
+    }
 }

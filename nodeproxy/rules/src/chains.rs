@@ -14,16 +14,19 @@ pub const KUBE_SERVICES: &str = "KUBE-SERVICES";
 pub const KUBE_EXTERNAL_SERVICES: &str = "KUBE-EXTERNAL-SERVICES";
 /// nat: node port captures; filter: health-check node port ACCEPTs.
 pub const KUBE_NODEPORTS: &str = "KUBE-NODEPORTS";
-/// nat: masquerades marked traffic.
+/// nat: masquerades marked traffic (shared with the kubelet, see
+/// [`SHARED_CHAINS`](crate::ruleset::SHARED_CHAINS)).
 pub const KUBE_POSTROUTING: &str = "KUBE-POSTROUTING";
-/// nat: marks a packet for masquerading.
+/// nat: marks a packet for masquerading (shared with the kubelet).
 pub const KUBE_MARK_MASQ: &str = "KUBE-MARK-MASQ";
-/// nat: marks a packet for dropping (by [`KUBE_FIREWALL`]).
+/// nat: marks a packet for dropping by [`KUBE_PROXY_FIREWALL`] (shared with the kubelet).
 pub const KUBE_MARK_DROP: &str = "KUBE-MARK-DROP";
 /// filter: accepts forwarded Service traffic.
 pub const KUBE_FORWARD: &str = "KUBE-FORWARD";
-/// filter: drops packets marked by [`KUBE_MARK_DROP`].
-pub const KUBE_FIREWALL: &str = "KUBE-FIREWALL";
+/// filter: drops packets marked by [`KUBE_MARK_DROP`]. kube-proxy >= 1.25's name for its
+/// own filter chain: the kubelet's `KUBE-FIREWALL` (with its localnet guard) is not ours
+/// to write, and kubelets >= 1.28 no longer drop the mark there.
+pub const KUBE_PROXY_FIREWALL: &str = "KUBE-PROXY-FIREWALL";
 
 /// The masquerade mark as `value/mask`.
 pub const MASQUERADE_MARK: &str = "0x4000/0x4000";

@@ -13,8 +13,8 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use ipnet::Ipv4Net;
 
 use crate::chains::{
-    self, DROP_MARK, KUBE_EXTERNAL_SERVICES, KUBE_FIREWALL, KUBE_FORWARD, KUBE_MARK_DROP,
-    KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_SERVICES, MASQUERADE_MARK,
+    self, DROP_MARK, KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_MARK_DROP, KUBE_MARK_MASQ,
+    KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_FIREWALL, KUBE_SERVICES, MASQUERADE_MARK,
 };
 use crate::model::{Endpoint, IpMode, NodeConfig, Protocol, ProxyState, ServicePort};
 use crate::ruleset::{Ruleset, Table};
@@ -257,7 +257,7 @@ impl RulesetBuilder {
             KUBE_EXTERNAL_SERVICES,
             KUBE_FORWARD,
             KUBE_NODEPORTS,
-            KUBE_FIREWALL,
+            KUBE_PROXY_FIREWALL,
         ] {
             out.declare(Table::Filter, chain);
         }
@@ -294,7 +294,7 @@ impl RulesetBuilder {
         );
 
         out.filter(
-            KUBE_FIREWALL,
+            KUBE_PROXY_FIREWALL,
             RuleText::new()
                 .comment("kubernetes firewall for dropping marked packets")
                 .matching(&format!("-m mark --mark {DROP_MARK}"))

@@ -5,6 +5,8 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use crate::chains;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Table {
@@ -24,8 +26,9 @@ impl Table {
     }
 }
 
-/// The chains the node proxy owns in one table, each with its rules in order. A rule is
-/// the text after `-A CHAIN ` exactly as `iptables-restore` accepts it, e.g.
+/// The chains the node proxy needs in one table (its own and the [`SHARED_CHAINS`]), each
+/// with its rules in order. A rule is the text after `-A CHAIN ` exactly as
+/// `iptables-restore` accepts it, e.g.
 /// `-m comment --comment "default/nginx-service:http" -j KUBE-SEP-XZBMABGU65WCSBQV`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TableRules {
@@ -123,6 +126,18 @@ impl ChangedChains {
     }
 }
 
+/// The nat chains the kubelet v1.21 creates too, with the same rules (kube-proxy and the
+/// kubelet keep them identical on purpose), and which the kubelet rebuilds only when its
+/// canary chain vanishes; kubelets >= 1.28 no longer create them. They are in the
+/// [`Ruleset`] because our rules jump to them, but on a node that may hold them already
+/// they are only ensured (created if missing, missing rules appended), never rewritten,
+/// and `--cleanup` removes them only from a table without the kubelet.
+pub const SHARED_CHAINS: [(Table, &str); 3] = [
+    (Table::Nat, chains::KUBE_MARK_DROP),
+    (Table::Nat, chains::KUBE_MARK_MASQ),
+    (Table::Nat, chains::KUBE_POSTROUTING),
+];
+
 /// A jump from a built-in chain into one of ours, installed once (prepended, idempotent).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BaseJump {
@@ -130,73 +145,94 @@ pub struct BaseJump {
     pub builtin_chain: &'static str,
     /// Rule text after `-A BUILTIN `, ending in `-j OURCHAIN`.
     pub rule: &'static str,
+    /// The kubelet v1.21 installs the same rule (into a [`SHARED_CHAINS`] chain): it is
+    /// ensured like ours, but left in place by `--cleanup` where the kubelet is.
+    pub shared: bool,
 }
 
 /// Every jump from a built-in chain the node proxy installs, in the order they must end up
 /// in each built-in chain (the installer prepends in reverse so this order holds).
 ///
-/// kube-proxy v1.21's own jumps, plus KUBE-FIREWALL from INPUT, OUTPUT and FORWARD: v1.21
-/// left KUBE-FIREWALL to the kubelet (INPUT/OUTPUT only), so a packet to a non-local LB IP
-/// from outside loadBalancerSourceRanges was forwarded instead of dropped.
+/// kube-proxy v1.21's own jumps, plus KUBE-PROXY-FIREWALL (kube-proxy >= 1.25's jump, first
+/// in INPUT, FORWARD and OUTPUT): it drops what KUBE-MARK-DROP marked. v1.21 left that to the
+/// kubelet's KUBE-FIREWALL, hooked from INPUT and OUTPUT only, so a packet to a non-local LB
+/// IP (passthrough) from outside loadBalancerSourceRanges was forwarded instead of dropped;
+/// and kubelets >= 1.28 no longer drop the mark at all.
 pub const BASE_JUMPS: &[BaseJump] = &[
     BaseJump {
         table: Table::Filter,
         builtin_chain: "INPUT",
-        rule: "-j KUBE-FIREWALL",
+        rule: LB_FIREWALL_JUMP,
+        shared: false,
     },
     BaseJump {
         table: Table::Filter,
         builtin_chain: "INPUT",
         rule: "-m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS",
+        shared: false,
     },
     BaseJump {
         table: Table::Filter,
         builtin_chain: "INPUT",
         rule: "-m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES",
+        shared: false,
     },
     BaseJump {
         table: Table::Filter,
         builtin_chain: "FORWARD",
-        rule: "-j KUBE-FIREWALL",
+        rule: LB_FIREWALL_JUMP,
+        shared: false,
     },
     BaseJump {
         table: Table::Filter,
         builtin_chain: "FORWARD",
         rule: "-m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD",
+        shared: false,
     },
     BaseJump {
         table: Table::Filter,
         builtin_chain: "FORWARD",
         rule: "-m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+        shared: false,
     },
     BaseJump {
         table: Table::Filter,
         builtin_chain: "FORWARD",
         rule: "-m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES",
+        shared: false,
     },
     BaseJump {
         table: Table::Filter,
         builtin_chain: "OUTPUT",
-        rule: "-j KUBE-FIREWALL",
+        rule: LB_FIREWALL_JUMP,
+        shared: false,
     },
     BaseJump {
         table: Table::Filter,
         builtin_chain: "OUTPUT",
         rule: "-m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+        shared: false,
     },
     BaseJump {
         table: Table::Nat,
         builtin_chain: "PREROUTING",
         rule: "-m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+        shared: false,
     },
     BaseJump {
         table: Table::Nat,
         builtin_chain: "OUTPUT",
         rule: "-m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+        shared: false,
     },
     BaseJump {
         table: Table::Nat,
         builtin_chain: "POSTROUTING",
         rule: "-m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING",
+        shared: true,
     },
 ];
+
+/// The jump into KUBE-PROXY-FIREWALL, as kube-proxy >= 1.25 writes it: the drop mark is
+/// set in nat, which sees only a connection's first packet.
+const LB_FIREWALL_JUMP: &str = "-m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL";

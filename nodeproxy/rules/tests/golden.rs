@@ -1,6 +1,7 @@
 //! The reference API state must produce exactly the rules kube-proxy v1.21.2 installed for
-//! it (`tests/data/`, an `iptables-save` dump), byte for byte, plus the KUBE-MARK-DROP and
-//! KUBE-FIREWALL rules that the kubelet used to install and we install ourselves.
+//! it (`tests/data/`, an `iptables-save` dump), byte for byte, plus the KUBE-MARK-DROP rule
+//! that the kubelet v1.21 installs (and we ensure where it is missing) and our
+//! KUBE-PROXY-FIREWALL, which drops what KUBE-MARK-DROP marked.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -48,7 +49,7 @@ fn reference_state_produces_the_reference_rules() {
         // Missing from the reference on purpose (no kubelet on that host): ours has them.
         match table {
             "filter" => {
-                let firewall = ours.remove("KUBE-FIREWALL").unwrap();
+                let firewall = ours.remove("KUBE-PROXY-FIREWALL").unwrap();
                 assert_eq!(
                     firewall,
                     [
@@ -66,7 +67,8 @@ fn reference_state_produces_the_reference_rules() {
 }
 
 #[test]
-fn base_jumps_are_the_reference_jumps_plus_kube_firewall() {
+fn base_jumps_are_the_reference_jumps_plus_the_load_balancer_firewall() {
+    let lb_firewall = "-m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL";
     for (table, name) in [(Table::Filter, "filter"), (Table::Nat, "nat")] {
         let reference = parse_dump(common::REFERENCE_DUMP, name);
         for builtin in BUILTIN_CHAINS {
@@ -74,7 +76,7 @@ fn base_jumps_are_the_reference_jumps_plus_kube_firewall() {
                 .iter()
                 .filter(|jump| jump.table == table && jump.builtin_chain == *builtin)
                 .map(|jump| jump.rule)
-                .filter(|rule| *rule != "-j KUBE-FIREWALL")
+                .filter(|rule| *rule != lb_firewall)
                 .collect();
             let theirs: Vec<&str> = reference
                 .get(*builtin)
@@ -85,10 +87,17 @@ fn base_jumps_are_the_reference_jumps_plus_kube_firewall() {
     }
     let firewall_hooks: Vec<&str> = BASE_JUMPS
         .iter()
-        .filter(|jump| jump.rule == "-j KUBE-FIREWALL")
+        .filter(|jump| jump.rule == lb_firewall)
         .map(|jump| jump.builtin_chain)
         .collect();
     assert_eq!(firewall_hooks, ["INPUT", "FORWARD", "OUTPUT"]);
+    // Only the POSTROUTING jump is the kubelet's too.
+    let shared: Vec<&str> = BASE_JUMPS
+        .iter()
+        .filter(|jump| jump.shared)
+        .map(|jump| jump.builtin_chain)
+        .collect();
+    assert_eq!(shared, ["POSTROUTING"]);
 }
 
 #[test]

@@ -117,7 +117,7 @@ fn disallowed_source_to_non_local_lb_ip_is_dropped_in_forward() {
         outcome.verdict,
         Verdict::Drop {
             table: Table::Filter,
-            chain: "KUBE-FIREWALL".into()
+            chain: "KUBE-PROXY-FIREWALL".into()
         }
     );
     let chains = walked_chains(&traced, 0);
@@ -143,7 +143,7 @@ fn disallowed_source_to_local_lb_ip_is_dropped_in_input() {
         outcome.verdict,
         Verdict::Drop {
             table: Table::Filter,
-            chain: "KUBE-FIREWALL".into()
+            chain: "KUBE-PROXY-FIREWALL".into()
         }
     );
     assert!(walked_chains(&traced, 0).contains(&"filter/INPUT".to_owned()));
@@ -275,7 +275,7 @@ fn external_traffic_policy_local_without_local_endpoints_drops() {
             traced.outcomes[0].verdict,
             Verdict::Drop {
                 table: Table::Filter,
-                chain: "KUBE-FIREWALL".into()
+                chain: "KUBE-PROXY-FIREWALL".into()
             }
         );
         assert!(
@@ -392,7 +392,10 @@ fn trace_serializes_and_displays() {
     );
     let json = serde_json::to_value(&traced).unwrap();
     assert_eq!(json["outcomes"][0]["verdict"]["kind"], "drop");
-    assert_eq!(json["outcomes"][0]["verdict"]["chain"], "KUBE-FIREWALL");
+    assert_eq!(
+        json["outcomes"][0]["verdict"]["chain"],
+        "KUBE-PROXY-FIREWALL"
+    );
     let back: Trace = serde_json::from_value(json).unwrap();
     assert_eq!(back, traced);
     let text = traced.to_string();
@@ -400,7 +403,10 @@ fn trace_serializes_and_displays() {
         text.starts_with("192.0.2.99 -> 198.51.100.20:80/tcp (from outside)\n"),
         "{text}"
     );
-    assert!(text.contains("DROP by filter KUBE-FIREWALL"), "{text}");
+    assert!(
+        text.contains("DROP by filter KUBE-PROXY-FIREWALL"),
+        "{text}"
+    );
     assert!(text.contains("  nat KUBE-FW-6IM33IEVEEV7U3GP: -m comment --comment \"default/nginx-service:http loadbalancer IP\" -j KUBE-MARK-DROP"), "{text}");
 }
 

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
 use std::fs::File;
 use std::net::Ipv4Addr;
 use std::process::Command;
@@ -201,4 +203,101 @@ pub fn reference_endpoints() -> Vec<Endpoint> {
         endpoint([10, 244, 1, 5], 80, "node-a"),
         endpoint([10, 244, 2, 7], 80, "node-b"),
     ]
+}
+
+/// What the kubelet v1.21 writes at start (`tests/data/`, with a note on its source).
+pub const KUBELET_V1_21: &str = include_str!("../data/kubelet-v1.21.iptables");
+
+/// The counters every kubelet rule is loaded with: a rule flushed and written again, even
+/// with the same text, comes back with zero counters, so a rewrite shows in the comparison.
+const KUBELET_COUNTERS: &str = "[7:420]";
+
+/// Loads the kubelet v1.21's chains into the current namespace's `backend`, as the kubelet
+/// leaves them, each rule with [`KUBELET_COUNTERS`].
+pub fn install_kubelet_chains(backend: Backend) {
+    use std::io::Write as _;
+    let text: String = KUBELET_V1_21
+        .lines()
+        .map(|line| match line.starts_with("-A ") {
+            true => format!("{KUBELET_COUNTERS} {line}\n"),
+            false => format!("{line}\n"),
+        })
+        .collect();
+    let mut child = Command::new(backend.restore())
+        .args(["--noflush", "--counters"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    assert!(
+        child.wait().unwrap().success(),
+        "loading the kubelet's chains"
+    );
+}
+
+/// The kubelet's lines of `iptables-save -c` of mangle, filter and nat, as the kernel prints
+/// them: the declarations of its chains, their rules and its jumps from the built-in chains,
+/// with counters. A chain or rule of the kubelet that went, moved or was rewritten changes it.
+pub fn kubelet_lines(backend: Backend) -> String {
+    let mut out = String::new();
+    for table in ["mangle", "filter", "nat"] {
+        let (chains, jumps) = kubelet_fixture(table);
+        let _ = writeln!(out, "*{table}");
+        for line in run(backend.save(), &["-c", "-t", table]).lines() {
+            let rule = line
+                .split_once("] ")
+                .filter(|_| line.starts_with('['))
+                .map(|(_, rule)| rule);
+            let keep = match (line.strip_prefix(':'), rule) {
+                (Some(declaration), _) => declaration
+                    .split_whitespace()
+                    .next()
+                    .is_some_and(|c| chains.contains(c)),
+                (None, Some(rule)) => {
+                    jumps.contains(rule)
+                        || rule
+                            .strip_prefix("-A ")
+                            .and_then(|r| r.split_whitespace().next())
+                            .is_some_and(|c| chains.contains(c))
+                }
+                (None, None) => false,
+            };
+            if keep {
+                let _ = writeln!(out, "{line}");
+            }
+        }
+    }
+    out
+}
+
+/// The kubelet's chains in one table of the fixture, and its jumps from built-in chains.
+fn kubelet_fixture(table: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let mut chains = BTreeSet::new();
+    let mut rules = Vec::new();
+    let mut in_table = false;
+    for line in KUBELET_V1_21.lines() {
+        if let Some(name) = line.strip_prefix('*') {
+            in_table = name == table;
+        } else if !in_table {
+            continue;
+        } else if let Some(declaration) = line.strip_prefix(':') {
+            chains.extend(declaration.split_whitespace().next().map(str::to_owned));
+        } else if line.starts_with("-A ") {
+            rules.push(line.to_owned());
+        }
+    }
+    // Rules of the kubelet's own chains are matched by their chain.
+    let jumps = rules
+        .into_iter()
+        .filter(|line| {
+            let chain = line.split_whitespace().nth(1).unwrap_or_default();
+            !chains.contains(chain)
+        })
+        .collect();
+    (chains, jumps)
 }

@@ -88,13 +88,13 @@ where
     }
 }
 
-/// Packets counted so far by KUBE-MARK-DROP, filter KUBE-FIREWALL and the KUBE-FW chains,
+/// Packets counted so far by KUBE-MARK-DROP, filter KUBE-PROXY-FIREWALL and the KUBE-FW chains,
 /// over all nodes.
 async fn drop_counters(lab: &Lab) -> [u64; 3] {
     let mut counters = [0; 3];
     for (slot, (table, chain)) in counters.iter_mut().zip([
         ("nat", "KUBE-MARK-DROP"),
-        ("filter", "KUBE-FIREWALL"),
+        ("filter", "KUBE-PROXY-FIREWALL"),
         ("nat", "KUBE-FW-"),
     ]) {
         *slot = lab.chain_packets_on_all_nodes(table, chain).await.unwrap();
@@ -220,7 +220,7 @@ fn passthrough_mode_takes_kube_fw_and_drops_clients_outside_source_ranges() {
             );
             assert!(
                 firewall > firewall_before,
-                "KUBE-FIREWALL dropped nothing ({firewall_before} -> {firewall})"
+                "KUBE-PROXY-FIREWALL dropped nothing ({firewall_before} -> {firewall})"
             );
         }
 

@@ -544,7 +544,7 @@ mod tests {
         );
         ruleset.nat.chains.insert("KUBE-POSTROUTING".into(), vec![]);
         ruleset.filter.chains.insert(
-            "KUBE-FIREWALL".into(),
+            "KUBE-PROXY-FIREWALL".into(),
             vec!["-m mark --mark 0x8000/0x8000 -j DROP".into()],
         );
         for chain in [
@@ -567,7 +567,7 @@ mod tests {
             traced.outcomes[0].verdict,
             Verdict::Drop {
                 table: Table::Filter,
-                chain: "KUBE-FIREWALL".into()
+                chain: "KUBE-PROXY-FIREWALL".into()
             }
         );
     }
