@@ -1,4 +1,8 @@
 //! End-to-end: the API server stand-in + cloud-mock + the real controller binary.
+//!
+//! With `TANDEM_E2E_KUBECONFIG` set (`tandem-k3s control-plane -- cargo test -p
+//! tandem-controller --test e2e`), the same tests run against that real API server, one at
+//! a time, each in a Namespace of its own (see `support`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
@@ -24,7 +28,7 @@ async fn two_nodes(h: &Harness) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn service_lifecycle_create_update_type_change_delete() {
-    let h = Harness::new("lifecycle").await;
+    let h = Harness::start("lifecycle").await;
     two_nodes(&h).await;
     let _controller = h.controller(&[]);
     let created = h
@@ -66,11 +70,8 @@ async fn service_lifecycle_create_update_type_change_delete() {
     assert_eq!(backend_ips(&lb), vec!["198.18.0.11", "198.18.0.12"]);
     assert_eq!(lb.spec.mode, sdk::Mode::Proxy);
     assert_eq!(
-        lb.spec
-            .tags
-            .get("kubernetes.io/cluster-id")
-            .map(String::as_str),
-        Some(CLUSTER)
+        lb.spec.tags.get("kubernetes.io/cluster-id"),
+        Some(&h.cluster_id)
     );
     assert_eq!(
         lb.spec.tags.get("kubernetes.io/service-uid"),
@@ -87,7 +88,7 @@ async fn service_lifecycle_create_update_type_change_delete() {
         .ingress
         .as_ref()
         .unwrap()[0];
-    assert_eq!(ingress.ip_mode.as_deref(), Some("Proxy"));
+    assert_eq!(ingress.ip_mode.as_deref(), h.ip_mode.then_some("Proxy"));
     assert_eq!(
         svc.metadata
             .annotations
@@ -209,7 +210,7 @@ async fn update_calls(c: &Controller) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backends_follow_nodes() {
-    let h = Harness::new("nodes").await;
+    let h = Harness::start("nodes").await;
     two_nodes(&h).await;
     let controller = h.controller(&["--node-debounce-ms", "1000"]);
     h.create_service(lb_service("web", &[(80, "TCP")])).await;
@@ -244,10 +245,7 @@ async fn backends_follow_nodes() {
             .await;
     }
     for i in 4..=7 {
-        h.nodes()
-            .delete(&format!("node-{i}"), &kube::api::DeleteParams::default())
-            .await
-            .unwrap();
+        h.delete_node(&format!("node-{i}")).await;
     }
     expect(&["198.18.0.11", "198.18.0.12", "198.18.0.13"]).await;
     let updates = update_calls(&controller).await - updates_before;
@@ -260,24 +258,16 @@ async fn backends_follow_nodes() {
     h.patch_node("node-2", json!({"spec": {"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}})).await;
     expect(&["198.18.0.13"]).await;
     // NotReady (and cordoned) stays in: the LB's health check handles it.
-    h.nodes()
-        .patch_status(
-            "node-3",
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(
-                json!({"status": {"conditions": [{"type": "Ready", "status": "False"}]}}),
-            ),
-        )
-        .await
-        .unwrap();
+    h.patch_node_status(
+        "node-3",
+        json!({"status": {"conditions": [{"type": "Ready", "status": "False"}]}}),
+    )
+    .await;
     h.patch_node("node-3", json!({"spec": {"unschedulable": true}}))
         .await;
     h.patch_node("node-1", json!({"metadata": {"labels": {"node.kubernetes.io/exclude-from-external-load-balancers": "false"}}})).await;
     expect(&["198.18.0.11", "198.18.0.13"]).await;
-    h.nodes()
-        .delete("node-1", &kube::api::DeleteParams::default())
-        .await
-        .unwrap();
+    h.delete_node("node-1").await;
     expect(&["198.18.0.13"]).await;
     let reasons: Vec<String> = h.events_for("web").await.into_iter().map(|e| e.1).collect();
     assert!(
@@ -289,7 +279,7 @@ async fn backends_follow_nodes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drift_is_repaired() {
-    let h = Harness::new("drift").await;
+    let h = Harness::start("drift").await;
     two_nodes(&h).await;
     let _controller = h.controller(&["--resync-seconds", "2"]);
     h.create_service(lb_service("web", &[(80, "TCP")])).await;
@@ -328,7 +318,7 @@ async fn drift_is_repaired() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn classes_foreign_lbs_and_orphans() {
-    let h = Harness::new("gc").await;
+    let h = Harness::start("gc").await;
     two_nodes(&h).await;
     // A foreign cluster's LB and an orphan of ours exist before the controller starts.
     let mut foreign_tags = std::collections::BTreeMap::new();
@@ -356,7 +346,7 @@ async fn classes_foreign_lbs_and_orphans() {
         .await
         .unwrap();
     let orphan_tags = [
-        ("kubernetes.io/cluster-id", CLUSTER),
+        ("kubernetes.io/cluster-id", h.cluster_id.as_str()),
         ("kubernetes.io/service-namespace", "default"),
         ("kubernetes.io/service-name", "gone"),
         ("kubernetes.io/service-uid", "gone-uid"),
@@ -415,7 +405,7 @@ async fn classes_foreign_lbs_and_orphans() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_annotations_and_impossible_requests_are_reported() {
-    let h = Harness::new("bad").await;
+    let h = Harness::start("bad").await;
     two_nodes(&h).await;
     let _controller = h.controller(&[]);
     let annotated = |name: &str, port: i32, annotations: &[(&str, &str)]| {
@@ -493,7 +483,7 @@ async fn bad_annotations_and_impossible_requests_are_reported() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn faults_converge_without_duplicates() {
-    let h = Harness::new("faults").await;
+    let h = Harness::start("faults").await;
     two_nodes(&h).await;
     h.cloud
         .set_faults(sdk::Faults {
@@ -538,7 +528,7 @@ async fn faults_converge_without_duplicates() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_requested_address_moves_the_same_lb_and_a_settled_one_is_left_alone() {
-    let h = Harness::new("moving").await;
+    let h = Harness::start("moving").await;
     two_nodes(&h).await;
     let controller = h.controller(&["--resync-seconds", "1"]);
     let mut svc = lb_service("moving", &[(80, "TCP")]);
@@ -582,16 +572,16 @@ async fn a_new_requested_address_moves_the_same_lb_and_a_settled_one_is_left_alo
     h.shutdown().await;
 }
 
-/// Annotates the Namespace `default` with `pool` (creating the Namespace if the API server
+/// Annotates the test's Namespace with `pool` (creating the Namespace if the API server
 /// has none yet).
 async fn set_namespace_pool(h: &Harness, pool: &str) {
     let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> =
         kube::Api::all(h.client.clone());
     let annotated = json!({ "metadata": { "annotations": { ANNOTATION_ADDRESS_POOL: pool } } });
-    if namespaces.get_opt("default").await.unwrap().is_some() {
+    if namespaces.get_opt(&h.namespace).await.unwrap().is_some() {
         namespaces
             .patch(
-                "default",
+                &h.namespace,
                 &kube::api::PatchParams::default(),
                 &kube::api::Patch::Merge(annotated),
             )
@@ -600,7 +590,7 @@ async fn set_namespace_pool(h: &Harness, pool: &str) {
     } else {
         let mut namespace: k8s_openapi::api::core::v1::Namespace =
             serde_json::from_value(annotated).unwrap();
-        namespace.metadata.name = Some("default".into());
+        namespace.metadata.name = Some(h.namespace.clone());
         namespaces
             .create(&kube::api::PostParams::default(), &namespace)
             .await
@@ -610,7 +600,7 @@ async fn set_namespace_pool(h: &Harness, pool: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pool_from_flag_then_namespace_and_a_namespace_change_re_ensures_at_once() {
-    let h = Harness::new("pools").await;
+    let h = Harness::start("pools").await;
     two_nodes(&h).await;
     let _controller = h.controller(&["--default-address-pool", "nowhere"]);
     h.create_service(lb_service("web", &[(80, "TCP")])).await;
@@ -642,7 +632,7 @@ fn an_answer_was_lost(metrics: &str) -> bool {
 /// The cloud commits a share of the changes and then loses the answer (`lost`): every
 /// Service still ends with exactly one LB, and deleting them all leaves no LB and no VIP.
 async fn lost_answers_converge_and_leak_nothing(label: &str, lost: sdk::LostAnswer) {
-    let h = Harness::new(label).await;
+    let h = Harness::start(label).await;
     two_nodes(&h).await;
     let lose_answers = |rate| sdk::Faults {
         lost_answer_rate: rate,
@@ -716,7 +706,7 @@ async fn lost_answers_hang_converge_and_leak_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_mid_provisioning_then_restart_gives_exactly_one_lb_each() {
-    let h = Harness::new("sigkill").await;
+    let h = Harness::start("sigkill").await;
     two_nodes(&h).await;
     let mut first = h.controller(&["--concurrency", "8"]);
     let names: Vec<String> = (0..50).map(|i| format!("s{i:02}")).collect();
@@ -744,12 +734,12 @@ async fn sigkill_mid_provisioning_then_restart_gives_exactly_one_lb_each() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_election_only_leader_writes_and_hands_over() {
-    let h = Harness::new("leader").await;
+    let h = Harness::start("leader").await;
     two_nodes(&h).await;
     let args = [
         "--leader-elect",
         "--leader-elect-namespace",
-        "default",
+        &h.namespace,
         "--leader-elect-lease-duration",
         "4",
     ];
@@ -795,7 +785,7 @@ async fn leader_election_only_leader_writes_and_hands_over() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_shuts_down_cleanly() {
-    let h = Harness::new("sigterm").await;
+    let h = Harness::start("sigterm").await;
     let mut c = h.controller(&[]);
     h.eventually("controller ready", WAIT, || async {
         reqwest::get(format!("http://{}/readyz", c.metrics_addr))
@@ -826,7 +816,7 @@ fn calls_of(metrics: &str, operation: &str) -> u64 {
 /// to ClusterIP loses its class with its type; our finalizer still makes it ours to clean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn class_service_switched_to_cluster_ip_leaves_no_lb_and_no_finalizer() {
-    let h = Harness::new("leak").await;
+    let h = Harness::start("leak").await;
     two_nodes(&h).await;
     let _controller = h.controller(&[
         "--load-balancer-class",
@@ -873,7 +863,7 @@ async fn class_service_switched_to_cluster_ip_leaves_no_lb_and_no_finalizer() {
 /// one read, and the controller's own writes wake nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_node_ports_served_in_passthrough_with_two_cloud_calls() {
-    let h = Harness::new("nonodeports").await;
+    let h = Harness::start("nonodeports").await;
     two_nodes(&h).await;
     let controller = h.controller(&[]);
     let mut svc = lb_service("direct", &[(80, "TCP"), (53, "UDP")]);
@@ -907,7 +897,10 @@ async fn no_node_ports_served_in_passthrough_with_two_cloud_calls() {
         .as_ref()
         .unwrap()
         .ingress;
-    assert_eq!(ingress.as_ref().unwrap()[0].ip_mode.as_deref(), Some("VIP"));
+    assert_eq!(
+        ingress.as_ref().unwrap()[0].ip_mode.as_deref(),
+        h.ip_mode.then_some("VIP")
+    );
     tokio::time::sleep(Duration::from_secs(3)).await;
     let metrics = controller.metrics().await;
     // The one LIST is the orphan collection at start-up, not this Service's.
@@ -928,7 +921,7 @@ async fn no_node_ports_served_in_passthrough_with_two_cloud_calls() {
 /// cloud is never asked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_node_ports_refused_by_flag_is_explained() {
-    let h = Harness::new("refused").await;
+    let h = Harness::start("refused").await;
     two_nodes(&h).await;
     let controller = h.controller(&["--without-node-ports", "refuse"]);
     let mut svc = lb_service("noports", &[(80, "TCP")]);

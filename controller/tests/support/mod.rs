@@ -1,17 +1,25 @@
 //! Test harness: the API server stand-in and cloud-mock in-process, the controller as its
 //! real binary. Everything binds 127.0.0.1 only; the cloud's data plane is off, so no
 //! address is ever configured and no packet is sent.
+//!
+//! [`Harness::start`] runs against a real API server instead when [`REAL_API_SERVER_ENV`]
+//! names its kubeconfig (`tandem-k3s control-plane -- cargo test …` sets it). A real server
+//! is shared, so each test gets its own Namespace, cluster id and Node names, removes them
+//! at the end (also when it fails), and the tests take turns: every controller watches all
+//! Namespaces and every Node, and tests assert exact backend sets.
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind};
 use cloud_mock_sdk as sdk;
 use k8s_openapi::api::core::v1::{
-    Event, Node, NodeAddress, NodeStatus, Service, ServicePort, ServiceSpec,
+    Event, Namespace, Node, NodeAddress, NodeStatus, Service, ServicePort, ServiceSpec,
 };
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
@@ -20,6 +28,18 @@ use tokio_util::sync::CancellationToken;
 
 pub const CLUSTER: &str = "lab";
 pub const POOL: &str = "198.51.100.0/24";
+/// A real API server's kubeconfig; unset: the stand-in (the lab's end-to-end suite reads
+/// the same variable).
+pub const REAL_API_SERVER_ENV: &str = "TANDEM_E2E_KUBECONFIG";
+
+/// Tests on a real server take turns (see the module comment); held for a Harness's life.
+static REAL_SERVER_TURN: LazyLock<Arc<tokio::sync::Mutex<()>>> =
+    LazyLock::new(|| Arc::new(tokio::sync::Mutex::new(())));
+
+/// Whether the tests run against a real API server.
+pub fn real_api_server() -> Option<PathBuf> {
+    std::env::var_os(REAL_API_SERVER_ENV).map(PathBuf::from)
+}
 
 pub struct TempDir(PathBuf);
 
@@ -179,37 +199,142 @@ pub fn free_port() -> SocketAddr {
     l.local_addr().unwrap()
 }
 
+/// The API server a harness talks to.
+pub enum ApiServer {
+    StandIn(tandem_apiserver::RunningServer),
+    /// A shared real server: what this test wrote there goes at the end.
+    Real {
+        cleanup: RealCleanup,
+        /// Whose turn it is (see [`REAL_SERVER_TURN`]); released after the cleanup.
+        _turn: tokio::sync::OwnedMutexGuard<()>,
+    },
+}
+
 pub struct Harness {
+    // Field order is drop order: the real server's cleanup runs before the turn passes on.
+    pub api: ApiServer,
     pub dir: TempDir,
-    pub api: tandem_apiserver::RunningServer,
     pub client: kube::Client,
     pub cloud: Cloud,
     pub kubeconfig: PathBuf,
     pub token_file: PathBuf,
+    /// The Namespace of this test's Services: `default` on the stand-in, a fresh one on a
+    /// real server.
+    pub namespace: String,
+    /// The controller's `--cluster-id`.
+    pub cluster_id: String,
+    /// Prepended to the Node names tests use (empty on the stand-in).
+    node_prefix: String,
+    /// Whether the server knows `status.loadBalancer.ingress[].ipMode` (1.29+; older ones
+    /// drop it).
+    pub ip_mode: bool,
 }
 
 impl Harness {
+    /// On the stand-in, always (tests that need it, or need the whole server alone).
     pub async fn new(label: &str) -> Self {
-        let dir = TempDir::new(label);
         let api = tandem_apiserver::spawn(tandem_apiserver::ServerConfig::default())
             .await
             .unwrap();
         let client = api.client().await.unwrap();
+        let dir = TempDir::new(label);
         let kubeconfig = dir.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig).await.unwrap();
+        Self::with_server(
+            ApiServer::StandIn(api),
+            dir,
+            client,
+            kubeconfig,
+            "default".into(),
+            CLUSTER.into(),
+            String::new(),
+            true,
+        )
+        .await
+    }
+
+    /// On the real API server of [`REAL_API_SERVER_ENV`] if set, else on the stand-in.
+    pub async fn start(label: &str) -> Self {
+        let Some(kubeconfig) = real_api_server() else {
+            return Self::new(label).await;
+        };
+        let turn = REAL_SERVER_TURN.clone().lock_owned().await;
+        let client = kube_client(&kubeconfig).await;
+        // Unique over runs too, so leftovers of a killed run never meet a new test.
+        static SEQUENCE: AtomicU32 = AtomicU32::new(1);
+        let run = format!(
+            "{}-{}",
+            std::process::id(),
+            SEQUENCE.fetch_add(1, Ordering::Relaxed)
+        );
+        let namespace = format!("e2e-{label}-{run}");
+        let namespaces: Api<Namespace> = Api::all(client.clone());
+        let mut created: Namespace = serde_json::from_value(json!({
+            "metadata": { "labels": { "tandem.io/e2e": "controller" } }
+        }))
+        .unwrap();
+        created.metadata.name = Some(namespace.clone());
+        namespaces
+            .create(&PostParams::default(), &created)
+            .await
+            .unwrap();
+        let node_prefix = format!("{namespace}-");
+        let ip_mode = server_has_ip_mode(&client).await;
+        let cleanup = RealCleanup {
+            kubeconfig: kubeconfig.clone(),
+            namespace: namespace.clone(),
+            node_prefix: node_prefix.clone(),
+            done: false,
+        };
+        Self::with_server(
+            ApiServer::Real {
+                cleanup,
+                _turn: turn,
+            },
+            TempDir::new(label),
+            client,
+            kubeconfig,
+            namespace,
+            format!("e2e-{run}"),
+            node_prefix,
+            ip_mode,
+        )
+        .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn with_server(
+        api: ApiServer,
+        dir: TempDir,
+        client: kube::Client,
+        kubeconfig: PathBuf,
+        namespace: String,
+        cluster_id: String,
+        node_prefix: String,
+        ip_mode: bool,
+    ) -> Self {
         let cloud_dir = dir.path().join("cloud");
         std::fs::create_dir_all(&cloud_dir).unwrap();
         let cloud = Cloud::start(&cloud_dir).await;
         let token_file = dir.path().join("cloud-token");
         std::fs::write(&token_file, format!("{}\n", cloud.token)).unwrap();
         Self {
-            dir,
             api,
+            dir,
             client,
             cloud,
             kubeconfig,
             token_file,
+            namespace,
+            cluster_id,
+            node_prefix,
+            ip_mode,
         }
+    }
+
+    /// The Node name a test's `name` stands for on this server.
+    pub fn node_name(&self, name: &str) -> String {
+        format!("{}{name}", self.node_prefix)
     }
 
     /// Starts the controller binary with fast test timings plus `extra` flags.
@@ -247,7 +372,7 @@ impl Harness {
             .args(["--cloud-url", &self.cloud.url])
             .arg("--cloud-token-file")
             .arg(&self.token_file)
-            .args(["--cluster-id", CLUSTER]);
+            .args(["--cluster-id", &self.cluster_id]);
         cmd
     }
 
@@ -268,7 +393,7 @@ impl Harness {
     }
 
     pub fn services(&self) -> Api<Service> {
-        Api::namespaced(self.client.clone(), "default")
+        Api::namespaced(self.client.clone(), &self.namespace)
     }
 
     pub fn nodes(&self) -> Api<Node> {
@@ -276,6 +401,7 @@ impl Harness {
     }
 
     pub async fn add_node(&self, name: &str, ip: &str) {
+        let name = &self.node_name(name);
         let node = Node {
             metadata: ObjectMeta {
                 name: Some(name.into()),
@@ -311,12 +437,36 @@ impl Harness {
 
     pub async fn patch_node(&self, name: &str, patch: serde_json::Value) {
         self.nodes()
-            .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+            .patch(
+                &self.node_name(name),
+                &PatchParams::default(),
+                &Patch::Merge(patch),
+            )
             .await
             .unwrap();
     }
 
-    pub async fn create_service(&self, svc: Service) -> Service {
+    pub async fn patch_node_status(&self, name: &str, patch: serde_json::Value) {
+        self.nodes()
+            .patch_status(
+                &self.node_name(name),
+                &PatchParams::default(),
+                &Patch::Merge(patch),
+            )
+            .await
+            .unwrap();
+    }
+
+    pub async fn delete_node(&self, name: &str) {
+        self.nodes()
+            .delete(&self.node_name(name), &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+
+    /// Creates the Service in this test's Namespace.
+    pub async fn create_service(&self, mut svc: Service) -> Service {
+        svc.metadata.namespace = Some(self.namespace.clone());
         self.services()
             .create(&PostParams::default(), &svc)
             .await
@@ -343,7 +493,7 @@ impl Harness {
 
     /// Event reasons recorded on the Service, with their messages.
     pub async fn events_for(&self, name: &str) -> Vec<(String, String, String)> {
-        let events: Api<Event> = Api::namespaced(self.client.clone(), "default");
+        let events: Api<Event> = Api::namespaced(self.client.clone(), &self.namespace);
         events
             .list(&ListParams::default())
             .await
@@ -403,9 +553,126 @@ impl Harness {
         .await
     }
 
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
+        match &mut self.api {
+            ApiServer::Real { cleanup, .. } => cleanup.run().await,
+            ApiServer::StandIn(_) => {}
+        }
         self.cloud.stop().await;
-        let _ = self.api.shutdown().await;
+        if let ApiServer::StandIn(api) = self.api {
+            let _ = api.shutdown().await;
+        }
+    }
+}
+
+/// A kube client for a kubeconfig file.
+pub async fn kube_client(kubeconfig: &Path) -> kube::Client {
+    let config = kube::Config::from_custom_kubeconfig(
+        kube::config::Kubeconfig::read_from(kubeconfig).unwrap(),
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .unwrap();
+    kube::Client::try_from(config).unwrap()
+}
+
+/// Whether the server's schema has `LoadBalancerIngress.ipMode` (its `/openapi/v2`).
+async fn server_has_ip_mode(client: &kube::Client) -> bool {
+    let request = kube::core::Request::new("")
+        .get("openapi/v2", &kube::core::params::GetParams::default())
+        .unwrap();
+    let text = client.request_text(request).await.unwrap();
+    let schema: serde_json::Value = serde_json::from_str(&text).unwrap();
+    !schema["definitions"]["io.k8s.api.core.v1.LoadBalancerIngress"]["properties"]["ipMode"]
+        .is_null()
+}
+
+/// Removes what one test wrote on a shared server: its Services (finalizers stripped, so a
+/// stopped or broken controller cannot hold them), its Nodes and its Namespace.
+pub struct RealCleanup {
+    kubeconfig: PathBuf,
+    namespace: String,
+    node_prefix: String,
+    done: bool,
+}
+
+impl RealCleanup {
+    async fn run(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        // A fresh client: this may run on another runtime than the test's (see Drop).
+        let client = kube_client(&self.kubeconfig).await;
+        let services: Api<Service> = Api::namespaced(client.clone(), &self.namespace);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let left = services.list(&ListParams::default()).await.unwrap().items;
+            if left.is_empty() {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "Services of {} not removed: {:?}",
+                self.namespace,
+                left.iter()
+                    .map(|s| s.metadata.name.clone())
+                    .collect::<Vec<_>>()
+            );
+            for svc in left {
+                let name = svc.metadata.name.unwrap_or_default();
+                // Either may find the Service gone already.
+                let _ = services.delete(&name, &DeleteParams::default()).await;
+                let _ = services
+                    .patch(
+                        &name,
+                        &PatchParams::default(),
+                        &Patch::Merge(json!({ "metadata": { "finalizers": null } })),
+                    )
+                    .await;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let nodes: Api<Node> = Api::all(client.clone());
+        for node in nodes.list(&ListParams::default()).await.unwrap().items {
+            let name = node.metadata.name.unwrap_or_default();
+            if name.starts_with(&self.node_prefix) {
+                let _ = nodes.delete(&name, &DeleteParams::default()).await;
+            }
+        }
+        // The namespace controller removes its Events and Leases; nothing waits for that.
+        let namespaces: Api<Namespace> = Api::all(client);
+        let _ = namespaces
+            .delete(&self.namespace, &DeleteParams::default())
+            .await;
+    }
+}
+
+impl Drop for RealCleanup {
+    /// A test that failed never reached `shutdown`: clean up on a thread of our own, whose
+    /// runtime works whatever state the test's runtime is in.
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut this = RealCleanup {
+            kubeconfig: self.kubeconfig.clone(),
+            namespace: self.namespace.clone(),
+            node_prefix: self.node_prefix.clone(),
+            done: false,
+        };
+        self.done = true;
+        let cleaned = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(this.run());
+        })
+        .join();
+        if cleaned.is_err() {
+            eprintln!("cleanup of {} failed", self.namespace);
+        }
     }
 }
 
