@@ -13,9 +13,8 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, MethodRouter, on};
 use cloud_mock_dataplane::DataPlane;
-use cloud_mock_sdk::{
-    Faults, ListFilter, LoadBalancerList, LoadBalancerSpec, LostAnswer, PoolList,
-};
+use cloud_mock_sdk::families::{LoadBalancer, LoadBalancerList, LoadBalancerSpec};
+use cloud_mock_sdk::{Faults, ListFilter, LostAnswer, PoolList};
 use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
@@ -355,7 +354,7 @@ async fn openapi() -> Response {
 }
 
 /// The API answer for `stored`, with the data plane's current backend health.
-fn answer(state: &AppState, stored: &StoredLoadBalancer) -> cloud_mock_sdk::LoadBalancer {
+fn answer(state: &AppState, stored: &StoredLoadBalancer) -> LoadBalancer {
     let observed: Vec<_> = state
         .dataplane
         .backend_health(&stored.id)
@@ -488,7 +487,7 @@ async fn create_load_balancer(
         .await?;
     let lb = created.load_balancer;
     if created.is_new {
-        tracing::info!(lb = %lb.id, vip = ?lb.vip(), name = %lb.spec.name, "load balancer created");
+        tracing::info!(lb = %lb.id, vips = ?lb.vips(), name = %lb.spec.name, "load balancer created");
         state.lifecycle_wake.notify_one();
     }
     let location = format!("/v1/loadbalancers/{}", lb.id);

@@ -32,8 +32,9 @@ pub struct Args {
     /// Bearer token clients must send.
     #[arg(long, env = "CLOUD_MOCK_TOKEN", hide_env_values = true)]
     pub token: String,
-    /// A VIP pool, NAME=CIDR; a bare CIDR is the pool `default` (e.g. 127.77.0.0/24:
-    /// loopback, needs no setup). Repeatable; the environment variable takes a
+    /// A VIP pool, NAME=CIDR, IPv4 or IPv6; a bare CIDR is the pool `default` (e.g.
+    /// 127.77.0.0/24: loopback, needs no setup). Repeatable; a name may come twice, once
+    /// per family, for dual-stack load balancers. The environment variable takes a
     /// comma-separated list. Pools may not overlap.
     #[arg(
         long,
@@ -140,8 +141,23 @@ mod tests {
             .unwrap();
         assert_eq!(repeated.vip_pools, listed.vip_pools);
         assert_eq!(
-            repeated.vip_pools.get("blue"),
+            repeated
+                .vip_pools
+                .cidr("blue", cloud_mock_sdk::IpFamily::Ipv4),
             Some("10.1.0.0/28".parse().unwrap())
+        );
+        let dual = parse(&[
+            "--vip-pool",
+            "blue=10.1.0.0/28",
+            "--vip-pool",
+            "blue=2001:db8:51:100::/64",
+        ])
+        .unwrap()
+        .settings()
+        .unwrap();
+        assert_eq!(
+            dual.vip_pools.cidr("blue", cloud_mock_sdk::IpFamily::Ipv6),
+            Some("2001:db8:51:100::/64".parse().unwrap())
         );
         let overlapping = parse(&["--vip-pool", "10.0.0.0/16", "--vip-pool", "b=10.0.1.0/24"]);
         assert!(matches!(

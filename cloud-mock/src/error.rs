@@ -9,6 +9,10 @@ use http::{HeaderValue, StatusCode, header};
 use crate::store::StoreError;
 use crate::validate::SpecError;
 
+/// The refusal of an address family the pool has no CIDR for (like `unknown-pool`, a
+/// pool that cannot serve the request as it stands).
+const POOL_LACKS_FAMILY: &str = "pool-lacks-family";
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     pub status: StatusCode,
@@ -39,12 +43,19 @@ impl ApiError {
 impl From<SpecError> for ApiError {
     fn from(err: SpecError) -> Self {
         match err {
-            SpecError::VipOutsidePool { .. } | SpecError::VipOutsidePools { .. } => {
+            SpecError::VipOutsidePool { .. }
+            | SpecError::VipOutsidePools { .. }
+            | SpecError::VipsInTwoPools { .. } => {
                 Self::bad_request("vip-outside-pool", err.to_string())
             }
             SpecError::UnknownPool { .. } => Self::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "unknown-pool",
+                err.to_string(),
+            ),
+            SpecError::PoolLacksFamily { .. } => Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                POOL_LACKS_FAMILY,
                 err.to_string(),
             ),
             SpecError::Invalid { .. } => {
@@ -71,6 +82,9 @@ impl From<StoreError> for ApiError {
             }
             StoreError::UnknownPool { .. } => {
                 Self::new(StatusCode::UNPROCESSABLE_ENTITY, "unknown-pool", message)
+            }
+            StoreError::PoolLacksFamily { .. } => {
+                Self::new(StatusCode::UNPROCESSABLE_ENTITY, POOL_LACKS_FAMILY, message)
             }
             StoreError::Deleting { .. } => Self::new(StatusCode::CONFLICT, "deleting", message),
             StoreError::VersionMismatch { .. } => Self::new(

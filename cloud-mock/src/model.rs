@@ -1,21 +1,22 @@
 //! What the store keeps per load balancer, and the pure mappings to the API's wire type
 //! and to the data plane's desired state.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use cloud_mock_dataplane as dataplane;
-use cloud_mock_sdk::{
-    BackendHealth, BackendStatus, HealthCheckProtocol, LoadBalancer, LoadBalancerSpec, Mode,
-    Protocol, State,
-};
+use cloud_mock_sdk::families::{BackendStatus, LoadBalancer, LoadBalancerSpec};
+use cloud_mock_sdk::{BackendHealth, HealthCheckProtocol, Mode, Protocol, State};
 use serde::{Deserialize, Serialize};
 
-/// One load balancer as persisted.
+/// One load balancer as persisted. Records written before IP families decode as IPv4
+/// load balancers: the spec's serde defaults fill `ipFamilies` with `["IPv4"]`, and their
+/// IPv4 backends and ranges read as addresses of any family.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StoredLoadBalancer {
     pub id: String,
-    /// The desired state with `vip` always set to the allocated VIP.
+    /// The desired state with the allocated VIPs in `address.vips` (family order) and the
+    /// IPv4 one, if any, in `vip`.
     pub spec: LoadBalancerSpec,
     pub state: State,
     pub version: u64,
@@ -27,18 +28,20 @@ pub struct StoredLoadBalancer {
 }
 
 impl StoredLoadBalancer {
-    /// The allocated VIP.
-    pub fn vip(&self) -> Option<Ipv4Addr> {
-        self.spec.vip
+    /// The allocated VIPs, in family order. Records from before `vips` was stored hold
+    /// their one VIP in `vip` alone.
+    pub fn vips(&self) -> Vec<IpAddr> {
+        if self.spec.address.vips.is_empty() {
+            self.spec.vip.map(IpAddr::V4).into_iter().collect()
+        } else {
+            self.spec.address.vips.clone()
+        }
     }
 }
 
 /// The API answer for `stored`, with per-backend health from `observed` (what the data
 /// plane reports; backends it does not report are `unknown`).
-pub fn to_wire(
-    stored: &StoredLoadBalancer,
-    observed: &[(Ipv4Addr, BackendHealth)],
-) -> LoadBalancer {
+pub fn to_wire(stored: &StoredLoadBalancer, observed: &[(IpAddr, BackendHealth)]) -> LoadBalancer {
     let health = stored
         .spec
         .backends
@@ -63,13 +66,14 @@ pub fn to_wire(
 /// The data plane's desired state for `stored`; `None` for a load balancer being deleted
 /// (or, which the store never produces, one without a VIP).
 pub fn to_dataplane(stored: &StoredLoadBalancer) -> Option<dataplane::LoadBalancer> {
-    if stored.state == State::Deleting {
+    let vips = stored.vips();
+    if stored.state == State::Deleting || vips.is_empty() {
         return None;
     }
     let spec = &stored.spec;
     Some(dataplane::LoadBalancer {
         id: stored.id.clone(),
-        vip: spec.vip?,
+        vips,
         mode: match spec.mode {
             Mode::Proxy => dataplane::Mode::Proxy,
             Mode::Passthrough => dataplane::Mode::Passthrough,
@@ -115,8 +119,10 @@ pub fn wire_health(health: dataplane::BackendHealth) -> BackendHealth {
 #[cfg(test)]
 pub(crate) mod tests {
     use std::collections::BTreeMap;
+    use std::net::Ipv4Addr;
 
-    use cloud_mock_sdk::{Backend, HealthCheck, Listener};
+    use cloud_mock_sdk::families::{Backend, DEFAULT_IP_FAMILIES};
+    use cloud_mock_sdk::{HealthCheck, Listener};
 
     use super::*;
 
@@ -125,6 +131,7 @@ pub(crate) mod tests {
             name: name.into(),
             tags: BTreeMap::from([("cluster".into(), "c1".into())]),
             mode: Mode::Proxy,
+            ip_families: DEFAULT_IP_FAMILIES.to_vec(),
             vip: None,
             listeners: vec![
                 Listener {
@@ -150,10 +157,10 @@ pub(crate) mod tests {
             ],
             backends: vec![
                 Backend {
-                    ip: Ipv4Addr::new(198, 18, 0, 11),
+                    ip: Ipv4Addr::new(198, 18, 0, 11).into(),
                 },
                 Backend {
-                    ip: Ipv4Addr::new(198, 18, 0, 12),
+                    ip: Ipv4Addr::new(198, 18, 0, 12).into(),
                 },
             ],
             source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
@@ -164,6 +171,7 @@ pub(crate) mod tests {
     fn stored(state: State) -> StoredLoadBalancer {
         let mut spec = spec("a");
         spec.vip = Some(Ipv4Addr::new(127, 77, 0, 9));
+        spec.address.vips = vec![Ipv4Addr::new(127, 77, 0, 9).into()];
         StoredLoadBalancer {
             id: "lb-00000001".into(),
             spec,
@@ -178,7 +186,7 @@ pub(crate) mod tests {
     fn dataplane_gets_every_listener_backend_and_range() {
         let lb = to_dataplane(&stored(State::Active)).unwrap();
         assert_eq!(lb.id, "lb-00000001");
-        assert_eq!(lb.vip, Ipv4Addr::new(127, 77, 0, 9));
+        assert_eq!(lb.vips, vec![IpAddr::from([127, 77, 0, 9])]);
         assert_eq!(lb.mode, dataplane::Mode::Proxy);
         assert_eq!(
             lb.listeners,
@@ -202,7 +210,10 @@ pub(crate) mod tests {
         );
         assert_eq!(
             lb.backends,
-            vec![Ipv4Addr::new(198, 18, 0, 11), Ipv4Addr::new(198, 18, 0, 12)]
+            vec![
+                IpAddr::from([198, 18, 0, 11]),
+                IpAddr::from([198, 18, 0, 12])
+            ]
         );
         assert_eq!(lb.source_ranges, vec!["203.0.113.0/24".parse().unwrap()]);
     }
@@ -215,22 +226,66 @@ pub(crate) mod tests {
 
     #[test]
     fn wire_health_lists_every_backend_in_order() {
-        let observed = [(Ipv4Addr::new(198, 18, 0, 12), BackendHealth::Unhealthy)];
+        let observed = [(IpAddr::from([198, 18, 0, 12]), BackendHealth::Unhealthy)];
         let lb = to_wire(&stored(State::Active), &observed);
         assert_eq!(
             lb.health,
             vec![
                 BackendStatus {
-                    ip: Ipv4Addr::new(198, 18, 0, 11),
+                    ip: Ipv4Addr::new(198, 18, 0, 11).into(),
                     health: BackendHealth::Unknown
                 },
                 BackendStatus {
-                    ip: Ipv4Addr::new(198, 18, 0, 12),
+                    ip: Ipv4Addr::new(198, 18, 0, 12).into(),
                     health: BackendHealth::Unhealthy
                 },
             ]
         );
         assert_eq!(lb.version, 3);
         assert_eq!(lb.spec.vip, Some(Ipv4Addr::new(127, 77, 0, 9)));
+    }
+
+    #[test]
+    fn a_record_of_the_ipv4_only_version_loads_as_an_ipv4_load_balancer() {
+        // Written by the previous version: no ipFamilies, IPv4 types throughout.
+        let old = r#"{"id": "lb-0000000a", "spec": {"name": "a", "tags": {}, "mode": "passthrough",
+          "vip": "198.51.100.3", "listeners": [{"protocol": "TCP", "port": 80, "backendPort": 30080}],
+          "backends": [{"ip": "198.18.0.11"}], "sourceRanges": ["203.0.113.0/24"],
+          "pool": "default", "vips": ["198.51.100.3"]},
+          "state": "active", "version": 4, "stateSinceMs": 17}"#;
+        let stored: StoredLoadBalancer = serde_json::from_str(old).unwrap();
+        assert_eq!(stored.spec.ip_families, DEFAULT_IP_FAMILIES.to_vec());
+        assert_eq!(stored.vips(), vec![IpAddr::from([198, 51, 100, 3])]);
+        let lb = to_dataplane(&stored).unwrap();
+        assert_eq!(lb.backends, vec![IpAddr::from([198, 18, 0, 11])]);
+        assert_eq!(lb.source_ranges, vec!["203.0.113.0/24".parse().unwrap()]);
+        // Older still: the VIP in `vip` alone.
+        let oldest = old.replace(r#", "vips": ["198.51.100.3"]"#, "");
+        let stored: StoredLoadBalancer = serde_json::from_str(&oldest).unwrap();
+        assert_eq!(stored.vips(), vec![IpAddr::from([198, 51, 100, 3])]);
+    }
+
+    #[test]
+    fn a_dual_stack_load_balancer_reaches_the_data_plane_whole() {
+        let mut dual = stored(State::Active);
+        dual.spec.ip_families = vec![
+            cloud_mock_sdk::IpFamily::Ipv6,
+            cloud_mock_sdk::IpFamily::Ipv4,
+        ];
+        let v6: IpAddr = "2001:db8:51:100::1".parse().unwrap();
+        dual.spec.address.vips.insert(0, v6);
+        dual.spec.backends.push(Backend {
+            ip: "2001:db8:18::11".parse().unwrap(),
+        });
+        dual.spec
+            .source_ranges
+            .push("2001:db8:203::/64".parse().unwrap());
+        let lb = to_dataplane(&dual).unwrap();
+        assert_eq!(lb.vips, vec![v6, IpAddr::from([127, 77, 0, 9])]);
+        assert_eq!(lb.backends.len(), 3);
+        assert_eq!(lb.source_ranges.len(), 2);
+        let wire = to_wire(&dual, &[]);
+        assert_eq!(wire.health.len(), 3);
+        assert_eq!(wire.spec.vip, Some(Ipv4Addr::new(127, 77, 0, 9)));
     }
 }

@@ -3,12 +3,13 @@
 //! an acknowledged change survives a crash, and a refused one leaves nothing behind.
 
 use std::collections::BTreeSet;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use cloud_mock_sdk::{LoadBalancerSpec, Mode, Pool, Protocol, State};
-use ipnet::Ipv4Net;
+use cloud_mock_sdk::families::LoadBalancerSpec;
+use cloud_mock_sdk::{IpFamily, Mode, Pool, Protocol, State};
+use ipnet::IpNet;
 use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
 use serde::{Deserialize, Serialize};
 
@@ -18,8 +19,11 @@ use crate::validate::Placement;
 
 /// id → JSON of [`StoredLoadBalancer`].
 const LOAD_BALANCERS: TableDefinition<&str, &[u8]> = TableDefinition::new("load_balancers");
-/// VIP (as u32) → JSON of the [`VipHolders`] sharing it.
+/// IPv4 VIP (as u32) → JSON of the [`VipHolders`] sharing it.
 const VIP_HOLDERS: TableDefinition<u32, &[u8]> = TableDefinition::new("vip_holders");
+/// IPv6 VIP (as u128) → JSON of the [`VipHolders`] sharing it. A table of its own, so
+/// that the IPv4 one of earlier versions stays as it was.
+const VIP6_HOLDERS: TableDefinition<u128, &[u8]> = TableDefinition::new("vip6_holders");
 /// Idempotency-Key of a create → id of the load balancer it made.
 const IDEMPOTENCY_KEYS: TableDefinition<&str, &str> = TableDefinition::new("idempotency_keys");
 
@@ -59,12 +63,12 @@ pub enum StoreError {
     #[error(
         "VIP {vip} is held by load balancer {holder} (share it by giving both the same sharingKey)"
     )]
-    VipTaken { vip: Ipv4Addr, holder: String },
+    VipTaken { vip: IpAddr, holder: String },
     #[error(
         "VIP {vip} is shared under key {key:?}, but {protocol} port {port} is already served there by load balancer {holder}"
     )]
     PortConflict {
-        vip: Ipv4Addr,
+        vip: IpAddr,
         key: String,
         protocol: Protocol,
         port: u16,
@@ -74,15 +78,17 @@ pub enum StoreError {
         "VIP {vip} is shared under key {key:?} by {holder}, a {holder_mode:?}-mode load balancer; sharers must use one mode"
     )]
     SharingModeMismatch {
-        vip: Ipv4Addr,
+        vip: IpAddr,
         key: String,
         holder: String,
         holder_mode: Mode,
     },
     #[error("the VIP pool {pool} ({cidr}) has no free address left")]
-    PoolExhausted { pool: String, cidr: Ipv4Net },
+    PoolExhausted { pool: String, cidr: IpNet },
     #[error("there is no VIP pool named {pool}")]
     UnknownPool { pool: String },
+    #[error("the VIP pool {pool} has no {family} addresses (ipFamilies asks for {family})")]
+    PoolLacksFamily { pool: String, family: IpFamily },
     #[error("load balancer {id} is at version {current}, not {expected}")]
     VersionMismatch {
         id: String,
@@ -133,6 +139,7 @@ impl Store {
             let txn = db.begin_write()?;
             txn.open_table(LOAD_BALANCERS)?;
             txn.open_table(VIP_HOLDERS)?;
+            txn.open_table(VIP6_HOLDERS)?;
             txn.open_table(IDEMPOTENCY_KEYS)?;
             txn.commit()?;
             Ok(db)
@@ -151,23 +158,40 @@ impl Store {
         &self.pools
     }
 
-    /// Every pool with the number of its addresses in use.
+    /// Every pool (one entry per name and family) with the number of its addresses in use.
     pub fn pool_use(&self) -> Result<Vec<Pool>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
-        let holders = txn.open_table(VIP_HOLDERS).map_err(db_error)?;
+        let holders = Holders {
+            v4: txn.open_table(VIP_HOLDERS).map_err(db_error)?,
+            v6: txn.open_table(VIP6_HOLDERS).map_err(db_error)?,
+        };
         self.pools
             .iter()
             .map(|(name, cidr)| {
-                let range = u32::from(cidr.network())..=u32::from(cidr.broadcast());
-                let allocated = holders.range(range).map_err(db_error)?.count() as u64;
                 Ok(Pool {
                     name: name.to_owned(),
+                    family: IpFamily::of_net(&cidr),
                     cidr,
                     size: pool_size(cidr),
-                    allocated,
+                    allocated: holders.held_in(cidr)?.len() as u64,
                 })
             })
             .collect()
+    }
+
+    /// The CIDR of pool `name` for `family`, or why there is none.
+    fn cidr(&self, name: &str, family: IpFamily) -> Result<IpNet, StoreError> {
+        if !self.pools.contains(name) {
+            return Err(StoreError::UnknownPool {
+                pool: name.to_owned(),
+            });
+        }
+        self.pools
+            .cidr(name, family)
+            .ok_or_else(|| StoreError::PoolLacksFamily {
+                pool: name.to_owned(),
+                family,
+            })
     }
 
     /// Runs the blocking store call `f` off the async runtime.
@@ -200,8 +224,8 @@ impl Store {
     }
 
     /// Creates a load balancer from a validated `spec` placed by `placement`, allocating
-    /// its VIP (see [`place`]). With an `idempotency_key` already used, returns the load
-    /// balancer that key created instead.
+    /// a VIP per family (see [`place`]), all or none. With an `idempotency_key` already
+    /// used, returns the load balancer that key created instead.
     pub fn create(
         &self,
         spec: &LoadBalancerSpec,
@@ -212,7 +236,10 @@ impl Store {
         let txn = self.db.begin_write().map_err(db_error)?;
         let created = {
             let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
-            let mut holders = txn.open_table(VIP_HOLDERS).map_err(db_error)?;
+            let mut holders = Holders {
+                v4: txn.open_table(VIP_HOLDERS).map_err(db_error)?,
+                v6: txn.open_table(VIP6_HOLDERS).map_err(db_error)?,
+            };
             let mut keys = txn.open_table(IDEMPOTENCY_KEYS).map_err(db_error)?;
             if let Some(key) = idempotency_key {
                 let known = keys
@@ -234,29 +261,32 @@ impl Store {
                     break candidate;
                 }
             };
-            let (pool, cidr) = match &placement.pool {
-                Some(pool) => pool.clone(),
-                None => {
-                    let cidr = self
-                        .pools
-                        .get(DEFAULT_POOL)
-                        .ok_or(StoreError::UnknownPool {
-                            pool: DEFAULT_POOL.to_owned(),
-                        })?;
-                    (DEFAULT_POOL.to_owned(), cidr)
-                }
-            };
-            let vip = place(&lbs, &holders, &id, spec, &pool, cidr, placement.requested)?;
+            let pool = placement.pool.as_deref().unwrap_or(DEFAULT_POOL);
+            let mut vips = Vec::with_capacity(placement.vips.len());
+            for wanted in &placement.vips {
+                let cidr = self.cidr(pool, wanted.family)?;
+                vips.push(place(
+                    &lbs,
+                    &holders,
+                    &id,
+                    spec,
+                    pool,
+                    cidr,
+                    wanted.requested,
+                )?);
+            }
             let lb = StoredLoadBalancer {
                 id: id.clone(),
-                spec: assigned(spec, vip, &pool),
+                spec: assigned(spec, &vips, pool),
                 state: State::Provisioning,
                 version: 1,
                 state_since_ms: now_ms,
                 idempotency_key: idempotency_key.map(str::to_owned),
             };
             write_lb(&mut lbs, &lb)?;
-            hold(&mut holders, vip, &id, spec.address.sharing_key.as_deref())?;
+            for &vip in &vips {
+                holders.hold(vip, &id, spec.address.sharing_key.as_deref())?;
+            }
             if let Some(key) = idempotency_key {
                 keys.insert(key, id.as_str()).map_err(db_error)?;
             }
@@ -269,10 +299,11 @@ impl Store {
         })
     }
 
-    /// Replaces the spec of `id` if it is at `expected_version`. A spec that requests no
-    /// VIP keeps the allocated one (if it lies in the pool the spec names); another VIP
-    /// or pool moves the allocation, within this one load balancer. An unchanged spec
-    /// changes nothing (not even the version).
+    /// Replaces the spec of `id` if it is at `expected_version`. A family that requests no
+    /// VIP keeps its allocated one (if it lies in the pool the spec names); another VIP or
+    /// pool moves the allocation, a new family allocates one and a family left out frees
+    /// its VIP, within this one load balancer. An unchanged spec changes nothing (not
+    /// even the version).
     pub fn update(
         &self,
         id: &str,
@@ -283,7 +314,10 @@ impl Store {
         let txn = self.db.begin_write().map_err(db_error)?;
         let updated = {
             let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
-            let mut holders = txn.open_table(VIP_HOLDERS).map_err(db_error)?;
+            let mut holders = Holders {
+                v4: txn.open_table(VIP_HOLDERS).map_err(db_error)?,
+                v6: txn.open_table(VIP6_HOLDERS).map_err(db_error)?,
+            };
             let mut lb =
                 read_lb(&lbs, id)?.ok_or_else(|| StoreError::NotFound { id: id.into() })?;
             if lb.state == State::Deleting {
@@ -296,7 +330,7 @@ impl Store {
                     expected: expected_version,
                 });
             }
-            let current_vip = lb.vip();
+            let current_vips = lb.vips();
             // Records written before pools existed name none: theirs is the default pool.
             let current_pool = lb
                 .spec
@@ -304,31 +338,29 @@ impl Store {
                 .pool
                 .clone()
                 .unwrap_or_else(|| DEFAULT_POOL.to_owned());
-            let (pool, cidr) = match &placement.pool {
-                Some(pool) => pool.clone(),
-                None => {
-                    let cidr =
-                        self.pools
-                            .get(&current_pool)
-                            .ok_or_else(|| StoreError::UnknownPool {
-                                pool: current_pool.clone(),
-                            })?;
-                    (current_pool.clone(), cidr)
-                }
-            };
-            // No address asked for: the current one stays if it still fits the pool.
-            let requested = placement
-                .requested
-                .or(current_vip.filter(|vip| vip_in_pool(*vip, cidr)));
-            let vip = place(&lbs, &holders, id, spec, &pool, cidr, requested)?;
-            let desired = assigned(spec, vip, &pool);
+            let pool = placement.pool.as_deref().unwrap_or(&current_pool);
+            let mut vips = Vec::with_capacity(placement.vips.len());
+            for wanted in &placement.vips {
+                let cidr = self.cidr(pool, wanted.family)?;
+                // No address asked for: the current one stays if it still fits the pool.
+                let requested = wanted.requested.or_else(|| {
+                    current_vips
+                        .iter()
+                        .copied()
+                        .find(|&vip| vip_in_pool(vip, cidr))
+                });
+                vips.push(place(&lbs, &holders, id, spec, pool, cidr, requested)?);
+            }
+            let desired = assigned(spec, &vips, pool);
             if desired == lb.spec {
                 return Ok(lb);
             }
-            if let Some(old) = current_vip {
-                release(&mut holders, old, id)?;
+            for &old in &current_vips {
+                holders.release(old, id)?;
             }
-            hold(&mut holders, vip, id, spec.address.sharing_key.as_deref())?;
+            for &vip in &vips {
+                holders.hold(vip, id, spec.address.sharing_key.as_deref())?;
+            }
             lb.spec = desired;
             lb.version += 1;
             write_lb(&mut lbs, &lb)?;
@@ -391,14 +423,17 @@ impl Store {
         let txn = self.db.begin_write().map_err(db_error)?;
         {
             let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
-            let mut holders = txn.open_table(VIP_HOLDERS).map_err(db_error)?;
+            let mut holders = Holders {
+                v4: txn.open_table(VIP_HOLDERS).map_err(db_error)?,
+                v6: txn.open_table(VIP6_HOLDERS).map_err(db_error)?,
+            };
             let mut keys = txn.open_table(IDEMPOTENCY_KEYS).map_err(db_error)?;
             let Some(lb) = read_lb(&lbs, id)? else {
                 return Ok(());
             };
             lbs.remove(id).map_err(db_error)?;
-            if let Some(vip) = lb.vip() {
-                release(&mut holders, vip, id)?;
+            for vip in lb.vips() {
+                holders.release(vip, id)?;
             }
             if let Some(key) = &lb.idempotency_key {
                 keys.remove(key.as_str()).map_err(db_error)?;
@@ -409,11 +444,13 @@ impl Store {
     }
 }
 
-/// The lowest address of `pool` that may be a VIP and is not taken.
+/// The lowest address of `pool` that may be a VIP and is not taken. An IPv6 pool is
+/// scanned from its start too: the scan ends after at most one more address than are
+/// taken, however large the pool.
 pub fn first_free_vip<E>(
-    pool: Ipv4Net,
-    mut is_taken: impl FnMut(Ipv4Addr) -> Result<bool, E>,
-) -> Result<Option<Ipv4Addr>, E> {
+    pool: IpNet,
+    mut is_taken: impl FnMut(IpAddr) -> Result<bool, E>,
+) -> Result<Option<IpAddr>, E> {
     for candidate in pool.hosts() {
         if vip_in_pool(candidate, pool) && !is_taken(candidate)? {
             return Ok(Some(candidate));
@@ -426,38 +463,43 @@ fn new_id() -> String {
     format!("lb-{:08x}", rand::random::<u32>())
 }
 
-/// The spec as stored: the assigned VIP in `vip` and `vips`, the pool named.
-fn assigned(spec: &LoadBalancerSpec, vip: Ipv4Addr, pool: &str) -> LoadBalancerSpec {
+/// The spec as stored: the assigned VIPs in `vips` (family order) and the IPv4 one in
+/// `vip`, the pool named.
+fn assigned(spec: &LoadBalancerSpec, vips: &[IpAddr], pool: &str) -> LoadBalancerSpec {
     let mut stored = spec.clone();
-    stored.vip = Some(vip);
-    stored.address.vips = vec![IpAddr::V4(vip)];
+    stored.vip = vips.iter().find_map(|vip| match vip {
+        IpAddr::V4(v4) => Some(*v4),
+        IpAddr::V6(_) => None,
+    });
+    stored.address.vips = vips.to_vec();
     stored.address.pool = Some(pool.to_owned());
     stored
 }
 
-/// The VIP load balancer `id` with `spec` gets from `pool`: `requested` if it is free or
-/// may be shared; without a request, an address its sharing key already holds in the pool
-/// where it fits (as MetalLB shares), else the lowest free one.
-fn place(
+/// The VIP load balancer `id` with `spec` gets from `cidr` (one family of `pool`):
+/// `requested` if it is free or may be shared; without a request, an address its sharing
+/// key already holds in the CIDR where it fits (as MetalLB shares), else the lowest free
+/// one. Each family shares on its own.
+fn place<T4, T6>(
     lbs: &impl ReadableTable<&'static str, &'static [u8]>,
-    holders: &impl ReadableTable<u32, &'static [u8]>,
+    holders: &Holders<T4, T6>,
     id: &str,
     spec: &LoadBalancerSpec,
     pool: &str,
-    cidr: Ipv4Net,
-    requested: Option<Ipv4Addr>,
-) -> Result<Ipv4Addr, StoreError> {
+    cidr: IpNet,
+    requested: Option<IpAddr>,
+) -> Result<IpAddr, StoreError>
+where
+    T4: ReadableTable<u32, &'static [u8]>,
+    T6: ReadableTable<u128, &'static [u8]>,
+{
     if let Some(vip) = requested {
-        let sharers = read_holders(holders, vip)?;
+        let sharers = holders.get(vip)?;
         check_sharing(lbs, vip, &sharers, id, spec)?;
         return Ok(vip);
     }
     if spec.address.sharing_key.is_some() {
-        let range = u32::from(cidr.network())..=u32::from(cidr.broadcast());
-        for entry in holders.range(range).map_err(db_error)? {
-            let (vip, value) = entry.map_err(db_error)?;
-            let vip = Ipv4Addr::from(vip.value());
-            let sharers = decode_holders(vip, value.value())?;
+        for (vip, sharers) in holders.held_in(cidr)? {
             if sharers.sharing_key != spec.address.sharing_key {
                 continue;
             }
@@ -473,15 +515,11 @@ fn place(
             }
         }
     }
-    first_free_vip(cidr, |candidate| {
-        Ok(holders
-            .get(u32::from(candidate))
-            .map_err(db_error)?
-            .is_some())
-    })?
-    .ok_or_else(|| StoreError::PoolExhausted {
-        pool: pool.to_owned(),
-        cidr,
+    first_free_vip(cidr, |candidate| holders.is_held(candidate))?.ok_or_else(|| {
+        StoreError::PoolExhausted {
+            pool: pool.to_owned(),
+            cidr,
+        }
     })
 }
 
@@ -490,7 +528,7 @@ fn place(
 /// (protocol, port) pairs.
 fn check_sharing(
     lbs: &impl ReadableTable<&'static str, &'static [u8]>,
-    vip: Ipv4Addr,
+    vip: IpAddr,
     sharers: &VipHolders,
     id: &str,
     spec: &LoadBalancerSpec,
@@ -542,68 +580,111 @@ fn check_sharing(
     Ok(())
 }
 
-fn read_holders(
-    holders: &impl ReadableTable<u32, &'static [u8]>,
-    vip: Ipv4Addr,
-) -> Result<VipHolders, StoreError> {
-    holders
-        .get(u32::from(vip))
-        .map_err(db_error)?
-        .map_or(Ok(VipHolders::default()), |value| {
-            decode_holders(vip, value.value())
-        })
+/// The holders of every VIP: one table per family, keyed by the address as a number.
+struct Holders<T4, T6> {
+    v4: T4,
+    v6: T6,
 }
 
-fn decode_holders(vip: Ipv4Addr, bytes: &[u8]) -> Result<VipHolders, StoreError> {
+impl<T4, T6> Holders<T4, T6>
+where
+    T4: ReadableTable<u32, &'static [u8]>,
+    T6: ReadableTable<u128, &'static [u8]>,
+{
+    fn get(&self, vip: IpAddr) -> Result<VipHolders, StoreError> {
+        let value = match vip {
+            IpAddr::V4(v4) => self.v4.get(u32::from(v4)).map_err(db_error)?,
+            IpAddr::V6(v6) => self.v6.get(u128::from(v6)).map_err(db_error)?,
+        };
+        value.map_or(Ok(VipHolders::default()), |value| {
+            decode_holders(vip, value.value())
+        })
+    }
+
+    fn is_held(&self, vip: IpAddr) -> Result<bool, StoreError> {
+        let held = match vip {
+            IpAddr::V4(v4) => self.v4.get(u32::from(v4)).map_err(db_error)?.is_some(),
+            IpAddr::V6(v6) => self.v6.get(u128::from(v6)).map_err(db_error)?.is_some(),
+        };
+        Ok(held)
+    }
+
+    /// Every held VIP in `cidr` with its holders, lowest first.
+    fn held_in(&self, cidr: IpNet) -> Result<Vec<(IpAddr, VipHolders)>, StoreError> {
+        let mut held = Vec::new();
+        match cidr {
+            IpNet::V4(cidr) => {
+                let range = u32::from(cidr.network())..=u32::from(cidr.broadcast());
+                for entry in self.v4.range(range).map_err(db_error)? {
+                    let (vip, value) = entry.map_err(db_error)?;
+                    let vip = IpAddr::V4(Ipv4Addr::from(vip.value()));
+                    held.push((vip, decode_holders(vip, value.value())?));
+                }
+            }
+            IpNet::V6(cidr) => {
+                let range = u128::from(cidr.network())..=u128::from(cidr.broadcast());
+                for entry in self.v6.range(range).map_err(db_error)? {
+                    let (vip, value) = entry.map_err(db_error)?;
+                    let vip = IpAddr::V6(Ipv6Addr::from(vip.value()));
+                    held.push((vip, decode_holders(vip, value.value())?));
+                }
+            }
+        }
+        Ok(held)
+    }
+}
+
+impl Holders<Table<'_, u32, &'static [u8]>, Table<'_, u128, &'static [u8]>> {
+    fn write(&mut self, vip: IpAddr, sharers: &VipHolders) -> Result<(), StoreError> {
+        if sharers.ids.is_empty() {
+            match vip {
+                IpAddr::V4(v4) => drop(self.v4.remove(u32::from(v4)).map_err(db_error)?),
+                IpAddr::V6(v6) => drop(self.v6.remove(u128::from(v6)).map_err(db_error)?),
+            }
+            return Ok(());
+        }
+        let bytes = serde_json::to_vec(sharers).map_err(|source| StoreError::Encode {
+            what: "VIP holders",
+            source,
+        })?;
+        match vip {
+            IpAddr::V4(v4) => drop(
+                self.v4
+                    .insert(u32::from(v4), bytes.as_slice())
+                    .map_err(db_error)?,
+            ),
+            IpAddr::V6(v6) => drop(
+                self.v6
+                    .insert(u128::from(v6), bytes.as_slice())
+                    .map_err(db_error)?,
+            ),
+        }
+        Ok(())
+    }
+
+    /// Adds `id` to the holders of `vip` (checked with [`check_sharing`] before).
+    fn hold(&mut self, vip: IpAddr, id: &str, sharing_key: Option<&str>) -> Result<(), StoreError> {
+        let mut sharers = self.get(vip)?;
+        sharers.ids.insert(id.to_owned());
+        sharers.sharing_key = sharing_key.map(str::to_owned);
+        self.write(vip, &sharers)
+    }
+
+    /// Removes `id` from the holders of `vip`; the last one frees it.
+    fn release(&mut self, vip: IpAddr, id: &str) -> Result<(), StoreError> {
+        let mut sharers = self.get(vip)?;
+        if sharers.ids.remove(id) {
+            self.write(vip, &sharers)?;
+        }
+        Ok(())
+    }
+}
+
+fn decode_holders(vip: IpAddr, bytes: &[u8]) -> Result<VipHolders, StoreError> {
     serde_json::from_slice(bytes).map_err(|source| StoreError::Corrupt {
         what: format!("holders of VIP {vip}"),
         source,
     })
-}
-
-fn write_holders(
-    holders: &mut Table<'_, u32, &'static [u8]>,
-    vip: Ipv4Addr,
-    sharers: &VipHolders,
-) -> Result<(), StoreError> {
-    if sharers.ids.is_empty() {
-        holders.remove(u32::from(vip)).map_err(db_error)?;
-        return Ok(());
-    }
-    let bytes = serde_json::to_vec(sharers).map_err(|source| StoreError::Encode {
-        what: "VIP holders",
-        source,
-    })?;
-    holders
-        .insert(u32::from(vip), bytes.as_slice())
-        .map_err(db_error)?;
-    Ok(())
-}
-
-/// Adds `id` to the holders of `vip` (checked with [`check_sharing`] before).
-fn hold(
-    holders: &mut Table<'_, u32, &'static [u8]>,
-    vip: Ipv4Addr,
-    id: &str,
-    sharing_key: Option<&str>,
-) -> Result<(), StoreError> {
-    let mut sharers = read_holders(holders, vip)?;
-    sharers.ids.insert(id.to_owned());
-    sharers.sharing_key = sharing_key.map(str::to_owned);
-    write_holders(holders, vip, &sharers)
-}
-
-/// Removes `id` from the holders of `vip`; the last one frees it.
-fn release(
-    holders: &mut Table<'_, u32, &'static [u8]>,
-    vip: Ipv4Addr,
-    id: &str,
-) -> Result<(), StoreError> {
-    let mut sharers = read_holders(holders, vip)?;
-    if sharers.ids.remove(id) {
-        write_holders(holders, vip, &sharers)?;
-    }
-    Ok(())
 }
 
 fn read_lb(
@@ -649,7 +730,7 @@ mod tests {
     use crate::testutil::TempDir;
     use crate::validate::validate_spec;
 
-    fn pool() -> Ipv4Net {
+    fn pool() -> IpNet {
         "127.77.0.0/29".parse().unwrap()
     }
 
@@ -702,11 +783,18 @@ mod tests {
 
     #[test]
     fn lowest_free_vip_skips_taken_and_edge_addresses() {
-        let taken = [Ipv4Addr::new(127, 77, 0, 1), Ipv4Addr::new(127, 77, 0, 3)];
+        let taken = [IpAddr::V4(ip(1)), IpAddr::V4(ip(3))];
         let free = first_free_vip::<Infallible>(pool(), |ip| Ok(taken.contains(&ip)));
-        assert_eq!(free, Ok(Some(Ipv4Addr::new(127, 77, 0, 2))));
+        assert_eq!(free, Ok(Some(IpAddr::V4(ip(2)))));
         let none = first_free_vip::<Infallible>(pool(), |_| Ok(true));
         assert_eq!(none, Ok(None));
+        let v6: IpNet = "2001:db8:51:100::/64".parse().unwrap();
+        let taken6: IpAddr = "2001:db8:51:100::1".parse().unwrap();
+        assert_eq!(
+            first_free_vip::<Infallible>(v6, |ip| Ok(ip == taken6)),
+            Ok(Some("2001:db8:51:100::2".parse().unwrap())),
+            "not the subnet-router anycast address, not a taken one"
+        );
     }
 
     #[test]
@@ -716,7 +804,7 @@ mod tests {
         let first = create(&store, &spec("a"), Some("key-a")).unwrap();
         assert!(first.is_new);
         let lb = first.load_balancer;
-        assert_eq!(lb.vip(), Some(Ipv4Addr::new(127, 77, 0, 1)));
+        assert_eq!(lb.spec.vip, Some(Ipv4Addr::new(127, 77, 0, 1)));
         assert_eq!(lb.state, State::Provisioning);
         assert_eq!(lb.spec.address.pool.as_deref(), Some("default"));
         assert_eq!(lb.spec.address.vips, vec![IpAddr::V4(ip(1))]);
@@ -730,7 +818,7 @@ mod tests {
         assert!(!again.is_new);
         assert_eq!(again.load_balancer, lb);
         let second = create(&store, &spec("b"), None).unwrap().load_balancer;
-        assert_eq!(second.vip(), Some(Ipv4Addr::new(127, 77, 0, 2)));
+        assert_eq!(second.spec.vip, Some(Ipv4Addr::new(127, 77, 0, 2)));
         assert_eq!(store.list().unwrap().len(), 2);
     }
 
@@ -774,7 +862,7 @@ mod tests {
         let mut blue = spec("b");
         blue.address.pool = Some("blue".into());
         let first = create(&store, &blue, None).unwrap().load_balancer;
-        assert_eq!(first.vip(), Some(Ipv4Addr::new(127, 78, 0, 1)));
+        assert_eq!(first.spec.vip, Some(Ipv4Addr::new(127, 78, 0, 1)));
         assert_eq!(first.spec.address.pool.as_deref(), Some("blue"));
         create(&store, &blue, None).unwrap();
         assert!(matches!(
@@ -784,17 +872,17 @@ mod tests {
         // Moving the first one to the default pool frees its blue address.
         let moved = update(&store, &first.id, &spec("b"), 1).unwrap();
         assert_eq!(
-            moved.vip(),
+            moved.spec.vip,
             Some(Ipv4Addr::new(127, 78, 0, 1)),
             "no pool named: it stays"
         );
         let mut to_default = spec("b");
         to_default.address.pool = Some("default".into());
         let moved = update(&store, &first.id, &to_default, 1).unwrap();
-        assert_eq!(moved.vip(), Some(ip(1)));
+        assert_eq!(moved.spec.vip, Some(ip(1)));
         assert_eq!(moved.spec.address.pool.as_deref(), Some("default"));
         assert_eq!(
-            create(&store, &blue, None).unwrap().load_balancer.vip(),
+            create(&store, &blue, None).unwrap().load_balancer.spec.vip,
             Some(Ipv4Addr::new(127, 78, 0, 1))
         );
     }
@@ -810,36 +898,35 @@ mod tests {
         let dns = create(&store, &sharer("dns", "k", &[53]), None)
             .unwrap()
             .load_balancer;
-        assert_eq!(dns.vip(), web.vip());
+        assert_eq!(dns.spec.vip, web.spec.vip);
         let clash = create(&store, &sharer("alt", "k", &[443]), None)
             .unwrap()
             .load_balancer;
         assert_ne!(
-            clash.vip(),
-            web.vip(),
+            clash.spec.vip, web.spec.vip,
             "an unrequested clash gets its own address"
         );
 
         let mut requested = sharer("alt2", "k", &[443, 8443]);
-        requested.vip = web.vip();
+        requested.vip = web.spec.vip;
         assert!(matches!(
             create(&store, &requested, None),
             Err(StoreError::PortConflict { port: 443, holder, .. }) if holder == web.id
         ));
         let mut other_key = sharer("x", "other", &[9000]);
-        other_key.vip = web.vip();
+        other_key.vip = web.spec.vip;
         assert!(matches!(
             create(&store, &other_key, None),
             Err(StoreError::VipTaken { .. })
         ));
         let mut no_key = spec("y");
-        no_key.vip = web.vip();
+        no_key.vip = web.spec.vip;
         assert!(matches!(
             create(&store, &no_key, None),
             Err(StoreError::VipTaken { .. })
         ));
         let mut passthrough = sharer("p", "k", &[9001]);
-        passthrough.vip = web.vip();
+        passthrough.vip = web.spec.vip;
         passthrough.mode = cloud_mock_sdk::Mode::Passthrough;
         assert!(matches!(
             create(&store, &passthrough, None),
@@ -847,7 +934,7 @@ mod tests {
         ));
         // An update may not grow into a sharer's port either.
         let mut dns_grows = sharer("dns", "k", &[53, 80]);
-        dns_grows.vip = dns.vip();
+        dns_grows.vip = dns.spec.vip;
         assert!(matches!(
             update(&store, &dns.id, &dns_grows, 1),
             Err(StoreError::PortConflict { port: 80, .. })
@@ -858,15 +945,19 @@ mod tests {
         }
         store.remove(&web.id).unwrap();
         let mut newcomer = spec("z");
-        newcomer.vip = web.vip();
+        newcomer.vip = web.spec.vip;
         assert!(
             matches!(create(&store, &newcomer, None), Err(StoreError::VipTaken { holder, .. }) if holder == dns.id),
             "the VIP stays with its last sharer"
         );
         store.remove(&dns.id).unwrap();
         assert_eq!(
-            create(&store, &newcomer, None).unwrap().load_balancer.vip(),
-            web.vip()
+            create(&store, &newcomer, None)
+                .unwrap()
+                .load_balancer
+                .spec
+                .vip,
+            web.spec.vip
         );
     }
 
@@ -902,7 +993,7 @@ mod tests {
         changed.backends.pop();
         let updated = update(&store, &lb.id, &changed, 1).unwrap();
         assert_eq!(updated.spec.address.pool.as_deref(), Some(DEFAULT_POOL));
-        assert_eq!(updated.vip(), lb.vip());
+        assert_eq!(updated.spec.vip, lb.spec.vip);
     }
 
     #[test]
@@ -922,16 +1013,16 @@ mod tests {
         ));
         let updated = update(&store, &lb.id, &changed, 1).unwrap();
         assert_eq!(updated.version, 2);
-        assert_eq!(updated.vip(), lb.vip());
+        assert_eq!(updated.spec.vip, lb.spec.vip);
         let unchanged = update(&store, &lb.id, &changed, 2).unwrap();
         assert_eq!(unchanged.version, 2);
 
         changed.vip = Some(Ipv4Addr::new(127, 77, 0, 6));
         let moved = update(&store, &lb.id, &changed, 2).unwrap();
-        assert_eq!(moved.vip(), Some(Ipv4Addr::new(127, 77, 0, 6)));
+        assert_eq!(moved.spec.vip, Some(Ipv4Addr::new(127, 77, 0, 6)));
         // The old VIP is free again: the next create gets it.
         let next = create(&store, &spec("b"), None).unwrap().load_balancer;
-        assert_eq!(next.vip(), lb.vip());
+        assert_eq!(next.spec.vip, lb.spec.vip);
         assert!(matches!(
             update(&store, "lb-missing", &changed, 1),
             Err(StoreError::NotFound { .. })
@@ -966,6 +1057,233 @@ mod tests {
         assert_eq!(store.mark_deleting(&lb.id, 70).unwrap(), None);
         let fresh = create(&store, &spec("a"), Some("k")).unwrap();
         assert!(fresh.is_new);
-        assert_eq!(fresh.load_balancer.vip(), lb.vip());
+        assert_eq!(fresh.load_balancer.spec.vip, lb.spec.vip);
+    }
+
+    fn dual_pools() -> VipPools {
+        "127.77.0.0/29,2001:db8:51:100::/125,blue=127.78.0.0/30,v6=2001:db8:51:200::/126"
+            .parse()
+            .unwrap()
+    }
+
+    fn v6(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    /// `spec` of these families, with backends of those families only.
+    fn of_families(mut s: LoadBalancerSpec, families: &[IpFamily]) -> LoadBalancerSpec {
+        s.ip_families = families.to_vec();
+        s.backends.extend(
+            ["2001:db8:18::11", "2001:db8:18::12"]
+                .map(|ip| cloud_mock_sdk::families::Backend { ip: v6(ip) }),
+        );
+        s.backends
+            .retain(|backend| families.contains(&IpFamily::of(&backend.ip)));
+        s
+    }
+
+    fn dual(name: &str) -> LoadBalancerSpec {
+        of_families(spec(name), &[IpFamily::Ipv6, IpFamily::Ipv4])
+    }
+
+    fn only6(name: &str) -> LoadBalancerSpec {
+        of_families(spec(name), &[IpFamily::Ipv6])
+    }
+
+    fn allocated(store: &Store) -> Vec<(String, IpFamily, u64)> {
+        store
+            .pool_use()
+            .unwrap()
+            .into_iter()
+            .map(|p| (p.name, p.family, p.allocated))
+            .collect()
+    }
+
+    #[test]
+    fn each_family_gets_its_vip_in_order_and_frees_it() {
+        let dir = TempDir::new("store-dual");
+        let store = Store::open(dir.path(), dual_pools()).unwrap();
+        let lb = create(&store, &dual("a"), None).unwrap().load_balancer;
+        assert_eq!(
+            lb.spec.address.vips,
+            vec![v6("2001:db8:51:100::1"), IpAddr::V4(ip(1))]
+        );
+        assert_eq!(lb.spec.vip, Some(ip(1)), "vip stays the IPv4 one");
+        let b = create(&store, &only6("b"), None).unwrap().load_balancer;
+        assert_eq!(b.vips(), vec![v6("2001:db8:51:100::2")]);
+        assert_eq!(b.spec.vip, None);
+        assert_eq!(
+            allocated(&store),
+            vec![
+                ("blue".to_owned(), IpFamily::Ipv4, 0),
+                ("default".to_owned(), IpFamily::Ipv4, 1),
+                ("default".to_owned(), IpFamily::Ipv6, 2),
+                ("v6".to_owned(), IpFamily::Ipv6, 0),
+            ]
+        );
+        for id in [&lb.id, &b.id] {
+            store.mark_deleting(id, 1).unwrap();
+            store.remove(id).unwrap();
+        }
+        assert!(allocated(&store).iter().all(|(_, _, n)| *n == 0));
+    }
+
+    #[test]
+    fn one_exhausted_family_refuses_the_whole_load_balancer() {
+        let dir = TempDir::new("store-dual-exhausted");
+        let store = Store::open(dir.path(), dual_pools()).unwrap();
+        let mut in_v6 = only6("x");
+        in_v6.address.pool = Some("v6".into());
+        for _ in 0..3 {
+            create(&store, &in_v6, None).unwrap();
+        }
+        assert!(matches!(
+            create(&store, &in_v6, None),
+            Err(StoreError::PoolExhausted { pool, .. }) if pool == "v6"
+        ));
+        // The default pool's IPv6 CIDR is full: a dual-stack create takes no IPv4 either.
+        let filler = only6("f");
+        for _ in 0..7 {
+            create(&store, &filler, None).unwrap();
+        }
+        let before = store.list().unwrap().len();
+        assert!(matches!(
+            create(&store, &dual("z"), None),
+            Err(StoreError::PoolExhausted {
+                cidr: IpNet::V6(_),
+                ..
+            })
+        ));
+        assert_eq!(store.list().unwrap().len(), before, "nothing half made");
+        assert!(
+            allocated(&store).contains(&("default".to_owned(), IpFamily::Ipv4, 0)),
+            "no IPv4 address was taken"
+        );
+    }
+
+    #[test]
+    fn sharing_keys_share_per_family() {
+        let dir = TempDir::new("store-dual-share");
+        let store = Store::open(dir.path(), dual_pools()).unwrap();
+        let web = of_families(sharer("web", "k", &[80]), &[IpFamily::Ipv4, IpFamily::Ipv6]);
+        let web = create(&store, &web, None).unwrap().load_balancer;
+        let dns = of_families(sharer("dns", "k", &[53]), &[IpFamily::Ipv6, IpFamily::Ipv4]);
+        let dns = create(&store, &dns, None).unwrap().load_balancer;
+        assert_eq!(
+            dns.vips(),
+            vec![web.vips()[1], web.vips()[0]],
+            "both addresses shared, in the sharer's own order"
+        );
+        // An IPv4-only sharer shares the IPv4 address.
+        let v4_only = create(&store, &sharer("ntp", "k", &[123]), None)
+            .unwrap()
+            .load_balancer;
+        assert_eq!(v4_only.vips(), vec![web.vips()[0]]);
+        // A port clash in one family: its own addresses, in both.
+        let clash = of_families(sharer("alt", "k", &[80]), &[IpFamily::Ipv6]);
+        let clash = create(&store, &clash, None).unwrap().load_balancer;
+        assert_ne!(clash.vips()[0], web.vips()[1]);
+        // Requesting the shared IPv6 address without the key is refused.
+        let mut taker = only6("t");
+        taker.address.vips = vec![web.vips()[1]];
+        assert!(matches!(
+            create(&store, &taker, None),
+            Err(StoreError::VipTaken { vip, .. }) if vip == web.vips()[1]
+        ));
+        for lb in [&web, &dns, &v4_only] {
+            store.mark_deleting(&lb.id, 1).unwrap();
+            store.remove(&lb.id).unwrap();
+        }
+        assert_eq!(
+            create(&store, &taker, None).unwrap().load_balancer.vips(),
+            vec![v6("2001:db8:51:100::1")],
+            "freed with the last sharer"
+        );
+    }
+
+    #[test]
+    fn updates_add_drop_and_reorder_families_keeping_addresses() {
+        let dir = TempDir::new("store-dual-update");
+        let store = Store::open(dir.path(), dual_pools()).unwrap();
+        let lb = create(&store, &spec("a"), None).unwrap().load_balancer;
+        assert_eq!(lb.vips(), vec![IpAddr::V4(ip(1))]);
+        let mut both = of_families(spec("a"), &[IpFamily::Ipv4, IpFamily::Ipv6]);
+        let grown = update(&store, &lb.id, &both, 1).unwrap();
+        assert_eq!(
+            grown.vips(),
+            vec![IpAddr::V4(ip(1)), v6("2001:db8:51:100::1")],
+            "the IPv4 address stays"
+        );
+        both.ip_families.reverse();
+        let reordered = update(&store, &lb.id, &both, 2).unwrap();
+        assert_eq!(
+            reordered.vips(),
+            vec![v6("2001:db8:51:100::1"), IpAddr::V4(ip(1))]
+        );
+        let shrunk = update(&store, &lb.id, &only6("a"), 3).unwrap();
+        assert_eq!(shrunk.vips(), vec![v6("2001:db8:51:100::1")]);
+        assert_eq!(shrunk.spec.vip, None);
+        assert_eq!(
+            create(&store, &spec("b"), None)
+                .unwrap()
+                .load_balancer
+                .vips(),
+            vec![IpAddr::V4(ip(1))],
+            "the dropped family's address is free again"
+        );
+
+        // In a pool without IPv6, an update that adds IPv6 is refused and changes nothing.
+        let mut blue = spec("c");
+        blue.address.pool = Some("blue".into());
+        let c = create(&store, &blue, None).unwrap().load_balancer;
+        let grow = of_families(spec("c"), &[IpFamily::Ipv4, IpFamily::Ipv6]);
+        assert!(matches!(
+            update(&store, &c.id, &grow, 1),
+            Err(StoreError::PoolLacksFamily { pool, family: IpFamily::Ipv6 }) if pool == "blue"
+        ));
+        assert_eq!(store.get(&c.id).unwrap(), Some(c));
+    }
+
+    #[test]
+    fn a_database_of_the_ipv4_only_version_opens_and_serves() {
+        let dir = TempDir::new("store-upgrade");
+        // What the previous version wrote: its three tables, an IPv4 LB and its holder.
+        {
+            let db = Database::create(dir.path().join("cloud-mock.redb")).unwrap();
+            let txn = db.begin_write().unwrap();
+            let record = r#"{"id": "lb-0000000a", "spec": {"name": "old", "tags": {}, "mode": "proxy",
+              "vip": "127.77.0.3", "listeners": [{"protocol": "TCP", "port": 80, "backendPort": 30080}],
+              "backends": [{"ip": "198.18.0.11"}], "sourceRanges": ["203.0.113.0/24"],
+              "pool": "default", "vips": ["127.77.0.3"]},
+              "state": "active", "version": 2, "stateSinceMs": 5}"#;
+            txn.open_table(LOAD_BALANCERS)
+                .unwrap()
+                .insert("lb-0000000a", record.as_bytes())
+                .unwrap();
+            txn.open_table(VIP_HOLDERS)
+                .unwrap()
+                .insert(u32::from(ip(3)), br#"{"ids": ["lb-0000000a"]}"#.as_slice())
+                .unwrap();
+            txn.open_table(IDEMPOTENCY_KEYS).unwrap();
+            txn.commit().unwrap();
+        }
+        let store = Store::open(dir.path(), dual_pools()).unwrap();
+        let old = store.get("lb-0000000a").unwrap().unwrap();
+        assert_eq!(old.spec.ip_families, vec![IpFamily::Ipv4]);
+        assert_eq!(old.vips(), vec![IpAddr::V4(ip(3))]);
+        // Its address stays taken, and it can grow an IPv6 VIP.
+        assert_ne!(
+            create(&store, &spec("new"), None)
+                .unwrap()
+                .load_balancer
+                .vips(),
+            vec![IpAddr::V4(ip(3))]
+        );
+        let grown = of_families(old.spec.clone(), &[IpFamily::Ipv4, IpFamily::Ipv6]);
+        let grown = update(&store, &old.id, &grown, 2).unwrap();
+        assert_eq!(
+            grown.vips(),
+            vec![IpAddr::V4(ip(3)), v6("2001:db8:51:100::1")]
+        );
     }
 }

@@ -1,11 +1,12 @@
 //! Semantic checks of a load-balancer spec (types and ranges of the JSON are checked by
-//! deserialisation already), and where its VIP is to come from.
+//! deserialisation already), and where its VIPs are to come from.
 
 use std::collections::BTreeSet;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
-use cloud_mock_sdk::{HealthCheckProtocol, LoadBalancerSpec};
-use ipnet::Ipv4Net;
+use cloud_mock_sdk::families::LoadBalancerSpec;
+use cloud_mock_sdk::{HealthCheckProtocol, IpFamily};
+use ipnet::IpNet;
 
 use crate::pools::{VipPools, vip_in_pool};
 use tandem_common::is_dns1123_label;
@@ -28,12 +29,23 @@ pub enum SpecError {
     VipOutsidePools { vip: IpAddr },
     #[error("vip: {vip} is outside the VIP pool {pool} ({cidr})")]
     VipOutsidePool {
-        vip: Ipv4Addr,
+        vip: IpAddr,
         pool: String,
-        cidr: Ipv4Net,
+        cidr: IpNet,
+    },
+    #[error(
+        "vips: {vip} is in the VIP pool {pool}, {other} in {other_pool}; the VIPs of one load balancer come from one pool"
+    )]
+    VipsInTwoPools {
+        vip: IpAddr,
+        pool: String,
+        other: IpAddr,
+        other_pool: String,
     },
     #[error("pool: there is no VIP pool named {pool}")]
     UnknownPool { pool: String },
+    #[error("pool: the VIP pool {pool} has no {family} addresses (ipFamilies asks for {family})")]
+    PoolLacksFamily { pool: String, family: IpFamily },
 }
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> SpecError {
@@ -43,13 +55,21 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> SpecError {
     }
 }
 
-/// Where a valid spec's VIP comes from.
+/// Where a valid spec's VIPs come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
-    /// The pool named, or the one holding the requested VIP; `None` when the spec names
-    /// neither (a create then takes the default pool, an update keeps its VIP).
-    pub pool: Option<(String, Ipv4Net)>,
-    pub requested: Option<Ipv4Addr>,
+    /// The pool named, or the one holding the requested VIPs, which has every family
+    /// asked for; `None` when the spec names neither (a create then takes the default
+    /// pool, an update keeps its pool).
+    pub pool: Option<String>,
+    /// One entry per family asked for, in the spec's order, with the VIP requested for it.
+    pub vips: Vec<FamilyVip>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FamilyVip {
+    pub family: IpFamily,
+    pub requested: Option<IpAddr>,
 }
 
 /// Checks everything about `spec` that its types do not, first problem first, and
@@ -137,6 +157,7 @@ pub fn validate_spec(spec: &LoadBalancerSpec, pools: &VipPools) -> Result<Placem
             }
         }
     }
+    let families: BTreeSet<IpFamily> = spec.ip_families.iter().copied().collect();
     if spec.backends.len() > MAX_BACKENDS {
         return Err(invalid(
             "backends",
@@ -146,10 +167,18 @@ pub fn validate_spec(spec: &LoadBalancerSpec, pools: &VipPools) -> Result<Placem
     let mut seen_backends = BTreeSet::new();
     for (index, backend) in spec.backends.iter().enumerate() {
         let ip = backend.ip;
-        if ip.is_unspecified() || ip.is_broadcast() || ip.is_multicast() {
+        let broadcast = matches!(ip, IpAddr::V4(v4) if v4.is_broadcast());
+        if ip.is_unspecified() || broadcast || ip.is_multicast() {
             return Err(invalid(
                 format!("backends[{index}].ip"),
                 format!("{ip} is not a unicast address"),
+            ));
+        }
+        let family = IpFamily::of(&ip);
+        if !families.contains(&family) {
+            return Err(invalid(
+                format!("backends[{index}].ip"),
+                format!("{ip} is an {family} address, but ipFamilies has no {family}"),
             ));
         }
         if !seen_backends.insert(ip) {
@@ -168,28 +197,51 @@ pub fn validate_spec(spec: &LoadBalancerSpec, pools: &VipPools) -> Result<Placem
     Ok(placement)
 }
 
-/// The requested VIP (from `vip` and `vips`, which must agree: one address per family)
-/// and the pool it belongs to, or the named pool.
+/// The families asked for, the requested VIPs (from `vip` and `vips`, which must agree:
+/// one address per family, of a family asked for) and the pool they come from: the named
+/// one, which must hold them, or the one that holds them, which must have every family.
 fn placement(spec: &LoadBalancerSpec, pools: &VipPools) -> Result<Placement, SpecError> {
-    let mut requested: Option<Ipv4Addr> = None;
+    let families = &spec.ip_families;
+    if families.is_empty() || families.len() > 2 {
+        return Err(invalid(
+            "ipFamilies",
+            "one or two families: IPv4, IPv6, or both in the order of their VIPs",
+        ));
+    }
+    if families.len() == 2 && families[0] == families[1] {
+        return Err(invalid(
+            "ipFamilies",
+            format!("{} is given twice", families[0]),
+        ));
+    }
+    let mut vips: Vec<FamilyVip> = families
+        .iter()
+        .map(|&family| FamilyVip {
+            family,
+            requested: None,
+        })
+        .collect();
     let asked = spec
         .vip
         .map(IpAddr::V4)
         .into_iter()
         .chain(spec.address.vips.iter().copied());
     for vip in asked {
-        // Every pool is IPv4: an IPv6 request lies outside them all.
-        let IpAddr::V4(v4) = vip else {
-            return Err(SpecError::VipOutsidePools { vip });
+        let family = IpFamily::of(&vip);
+        let Some(slot) = vips.iter_mut().find(|slot| slot.family == family) else {
+            return Err(invalid(
+                "vips",
+                format!("{vip} is an {family} address, but ipFamilies has no {family}"),
+            ));
         };
-        match requested {
-            Some(earlier) if earlier != v4 => {
+        match slot.requested {
+            Some(earlier) if earlier != vip => {
                 return Err(invalid(
                     "vips",
-                    format!("{earlier} and {v4}: at most one address per IP family"),
+                    format!("{earlier} and {vip}: at most one address per IP family"),
                 ));
             }
-            _ => requested = Some(v4),
+            _ => slot.requested = Some(vip),
         }
     }
     let named = match &spec.address.pool {
@@ -197,33 +249,62 @@ fn placement(spec: &LoadBalancerSpec, pools: &VipPools) -> Result<Placement, Spe
             if !is_dns1123_label(name) {
                 return Err(invalid("pool", format!("{name:?} is not a pool name")));
             }
-            let cidr = pools
-                .get(name)
-                .ok_or_else(|| SpecError::UnknownPool { pool: name.clone() })?;
-            Some((name.clone(), cidr))
+            if !pools.contains(name) {
+                return Err(SpecError::UnknownPool { pool: name.clone() });
+            }
+            Some(name.clone())
         }
         None => None,
     };
-    let pool = match (requested, named) {
-        (Some(vip), Some((name, cidr))) => {
-            if !vip_in_pool(vip, cidr) {
+    let mut pool = named;
+    let mut placed: Option<IpAddr> = None;
+    for vip in vips.iter().filter_map(|slot| slot.requested) {
+        match &pool {
+            Some(name) => {
+                let family = IpFamily::of(&vip);
+                let cidr = pools.cidr(name, family);
+                if cidr.is_some_and(|cidr| vip_in_pool(vip, cidr)) {
+                    continue;
+                }
+                // A pool found from an earlier VIP: say where this one lies instead.
+                if let (Some(other), Some((its_pool, _))) = (placed, pools.pool_of(vip)) {
+                    return Err(SpecError::VipsInTwoPools {
+                        vip,
+                        pool: its_pool.to_owned(),
+                        other,
+                        other_pool: name.clone(),
+                    });
+                }
+                let cidr = cidr.ok_or_else(|| SpecError::PoolLacksFamily {
+                    pool: name.clone(),
+                    family,
+                })?;
                 return Err(SpecError::VipOutsidePool {
                     vip,
-                    pool: name,
+                    pool: name.clone(),
                     cidr,
                 });
             }
-            Some((name, cidr))
+            None => {
+                let (name, _) = pools
+                    .pool_of(vip)
+                    .ok_or(SpecError::VipOutsidePools { vip })?;
+                pool = Some(name.to_owned());
+                placed = Some(vip);
+            }
         }
-        (Some(vip), None) => {
-            let (name, cidr) = pools.pool_of(vip).ok_or(SpecError::VipOutsidePools {
-                vip: IpAddr::V4(vip),
-            })?;
-            Some((name.to_owned(), cidr))
-        }
-        (None, named) => named,
-    };
-    Ok(Placement { pool, requested })
+    }
+    if let Some(name) = &pool
+        && let Some(slot) = vips
+            .iter()
+            .find(|slot| pools.cidr(name, slot.family).is_none())
+    {
+        return Err(SpecError::PoolLacksFamily {
+            pool: name.clone(),
+            family: slot.family,
+        });
+    }
+    Ok(Placement { pool, vips })
 }
 
 fn validate_text(field: &str, text: &str, min: usize, max: usize) -> Result<(), SpecError> {
@@ -242,13 +323,18 @@ fn validate_text(field: &str, text: &str, min: usize, max: usize) -> Result<(), 
 
 #[cfg(test)]
 mod tests {
-    use cloud_mock_sdk::{Backend, HealthCheck};
+    use std::net::Ipv4Addr;
+
+    use cloud_mock_sdk::HealthCheck;
+    use cloud_mock_sdk::families::Backend;
 
     use super::*;
     use crate::model::tests::spec;
 
     fn pool() -> VipPools {
-        "127.77.0.0/28,blue=127.78.0.0/29".parse().unwrap()
+        "127.77.0.0/28,blue=127.78.0.0/29,blue=2001:db8:51:100::/64,v6=2001:db8:51:200::/120"
+            .parse()
+            .unwrap()
     }
 
     fn field_of(result: Result<Placement, SpecError>) -> String {
@@ -258,42 +344,44 @@ mod tests {
         }
     }
 
+    fn v4(a: u8, b: u8, c: u8, d: u8) -> IpAddr {
+        Ipv4Addr::new(a, b, c, d).into()
+    }
+
+    fn asked(family: IpFamily, requested: Option<IpAddr>) -> FamilyVip {
+        FamilyVip { family, requested }
+    }
+
     #[test]
     fn a_complete_spec_is_valid_and_names_no_pool() {
         assert_eq!(
             validate_spec(&spec("a"), &pool()),
             Ok(Placement {
                 pool: None,
-                requested: None
+                vips: vec![asked(IpFamily::Ipv4, None)],
             })
         );
     }
 
     #[test]
     fn pool_edges_are_not_vips() {
-        let default: Ipv4Net = "127.77.0.0/28".parse().unwrap();
-        assert!(!vip_in_pool(Ipv4Addr::new(127, 77, 0, 0), default));
-        assert!(vip_in_pool(Ipv4Addr::new(127, 77, 0, 1), default));
-        assert!(vip_in_pool(Ipv4Addr::new(127, 77, 0, 14), default));
-        assert!(!vip_in_pool(Ipv4Addr::new(127, 77, 0, 15), default));
-        assert!(!vip_in_pool(Ipv4Addr::new(127, 77, 1, 1), default));
-        assert!(vip_in_pool(
-            Ipv4Addr::new(10, 0, 0, 1),
-            "10.0.0.1/32".parse().unwrap()
-        ));
+        let default: IpNet = "127.77.0.0/28".parse().unwrap();
+        assert!(!vip_in_pool(v4(127, 77, 0, 0), default));
+        assert!(vip_in_pool(v4(127, 77, 0, 1), default));
+        assert!(vip_in_pool(v4(127, 77, 0, 14), default));
+        assert!(!vip_in_pool(v4(127, 77, 0, 15), default));
+        assert!(!vip_in_pool(v4(127, 77, 1, 1), default));
+        assert!(vip_in_pool(v4(10, 0, 0, 1), "10.0.0.1/32".parse().unwrap()));
     }
 
     #[test]
     fn requested_vip_picks_its_pool_and_must_lie_in_a_named_one() {
-        let blue_vip = Ipv4Addr::new(127, 78, 0, 1);
+        let blue_vip = v4(127, 78, 0, 1);
         let mut s = spec("a");
-        s.address.vips = vec![IpAddr::V4(blue_vip)];
+        s.address.vips = vec![blue_vip];
         let placement = validate_spec(&s, &pool()).unwrap();
-        assert_eq!(placement.requested, Some(blue_vip));
-        assert_eq!(
-            placement.pool.map(|(name, _)| name).as_deref(),
-            Some("blue")
-        );
+        assert_eq!(placement.vips, vec![asked(IpFamily::Ipv4, Some(blue_vip))]);
+        assert_eq!(placement.pool.as_deref(), Some("blue"));
 
         s.address.pool = Some("default".into());
         assert!(matches!(
@@ -314,18 +402,103 @@ mod tests {
             validate_spec(&outside, &pool()),
             Err(SpecError::VipOutsidePools { .. })
         ));
-        let mut v6 = spec("a");
-        v6.address.vips = vec!["2001:db8::1".parse().unwrap()];
-        assert!(matches!(
-            validate_spec(&v6, &pool()),
-            Err(SpecError::VipOutsidePools { .. })
-        ));
         let mut two = spec("a");
         two.vip = Some(Ipv4Addr::new(127, 77, 0, 2));
-        two.address.vips = vec![IpAddr::V4(Ipv4Addr::new(127, 77, 0, 3))];
+        two.address.vips = vec![v4(127, 77, 0, 3)];
         assert_eq!(field_of(validate_spec(&two, &pool())), "vips");
-        two.address.vips = vec![IpAddr::V4(Ipv4Addr::new(127, 77, 0, 2))];
+        two.address.vips = vec![v4(127, 77, 0, 2)];
         assert!(validate_spec(&two, &pool()).is_ok(), "vip and vips agree");
+    }
+
+    #[test]
+    fn families_are_one_or_two_distinct_and_addresses_match_them() {
+        let mut s = spec("a");
+        s.ip_families = vec![];
+        assert_eq!(field_of(validate_spec(&s, &pool())), "ipFamilies");
+        s.ip_families = vec![IpFamily::Ipv6, IpFamily::Ipv6];
+        assert_eq!(field_of(validate_spec(&s, &pool())), "ipFamilies");
+
+        // An IPv6 address for an IPv4 load balancer (what a client before families sends
+        // for an IPv6 request) is refused, not half served.
+        let mut v6_for_v4 = spec("a");
+        v6_for_v4.address.vips = vec!["2001:db8:51:100::1".parse().unwrap()];
+        assert_eq!(field_of(validate_spec(&v6_for_v4, &pool())), "vips");
+
+        let mut dual = spec("a");
+        dual.ip_families = vec![IpFamily::Ipv6, IpFamily::Ipv4];
+        dual.address.pool = Some("blue".into());
+        assert_eq!(
+            validate_spec(&dual, &pool()).map(|p| p.vips),
+            Ok(vec![
+                asked(IpFamily::Ipv6, None),
+                asked(IpFamily::Ipv4, None)
+            ])
+        );
+        dual.address.vips = vec![
+            "2001:db8:51:100::9".parse().unwrap(),
+            "2001:db8:51:100::a".parse().unwrap(),
+        ];
+        assert_eq!(
+            field_of(validate_spec(&dual, &pool())),
+            "vips",
+            "one per family"
+        );
+
+        // Backends of a family the load balancer does not have serve nothing: refused.
+        let mut stray = spec("a");
+        stray.backends.push(Backend {
+            ip: "2001:db8:18::11".parse().unwrap(),
+        });
+        assert_eq!(field_of(validate_spec(&stray, &pool())), "backends[2].ip");
+        // Source ranges of either family are fine: each applies to its family's VIP.
+        let mut ranges = spec("a");
+        ranges
+            .source_ranges
+            .push("2001:db8:203::/64".parse().unwrap());
+        assert!(validate_spec(&ranges, &pool()).is_ok());
+    }
+
+    #[test]
+    fn a_pool_without_an_asked_family_is_refused() {
+        let mut s = spec("a");
+        s.ip_families = vec![IpFamily::Ipv4, IpFamily::Ipv6];
+        s.address.pool = Some("default".into());
+        assert_eq!(
+            validate_spec(&s, &pool()),
+            Err(SpecError::PoolLacksFamily {
+                pool: "default".into(),
+                family: IpFamily::Ipv6
+            })
+        );
+        s.address.pool = Some("v6".into());
+        assert_eq!(
+            validate_spec(&s, &pool()),
+            Err(SpecError::PoolLacksFamily {
+                pool: "v6".into(),
+                family: IpFamily::Ipv4
+            })
+        );
+        // The pool of a requested address must have the other family too.
+        s.address.pool = None;
+        s.address.vips = vec!["2001:db8:51:200::7".parse().unwrap()];
+        assert!(matches!(
+            validate_spec(&s, &pool()),
+            Err(SpecError::PoolLacksFamily { pool, family: IpFamily::Ipv4 }) if pool == "v6"
+        ));
+        s.address.vips = vec!["2001:db8:51:100::7".parse().unwrap()];
+        assert_eq!(
+            validate_spec(&s, &pool()).map(|p| p.pool),
+            Ok(Some("blue".into()))
+        );
+        // Both requested, from two pools: refused, naming both.
+        s.address.vips = vec![v4(127, 77, 0, 2), "2001:db8:51:100::7".parse().unwrap()];
+        assert!(matches!(
+            validate_spec(&s, &pool()),
+            Err(SpecError::VipsInTwoPools { pool, other_pool, .. })
+                if pool == "blue" && other_pool == "default"
+        ));
+        let message = validate_spec(&s, &pool()).unwrap_err().to_string();
+        assert!(message.contains("one pool"), "{message}");
     }
 
     #[test]
@@ -375,7 +548,7 @@ mod tests {
         assert_eq!(field_of(validate_spec(&s, &pool())), "backends[2].ip");
         s = spec("a");
         s.backends[0] = Backend {
-            ip: Ipv4Addr::UNSPECIFIED,
+            ip: Ipv4Addr::UNSPECIFIED.into(),
         };
         assert_eq!(field_of(validate_spec(&s, &pool())), "backends[0].ip");
 

@@ -354,8 +354,8 @@ async fn named_pools_are_listed_chosen_and_refused_clearly() {
     assert_eq!(
         pools,
         json!({"items": [
-            {"name": "blue", "cidr": "127.77.2.0/30", "size": 2, "allocated": 0},
-            {"name": "default", "cidr": "127.77.1.0/28", "size": 14, "allocated": 0},
+            {"name": "blue", "family": "IPv4", "cidr": "127.77.2.0/30", "size": 2, "allocated": 0},
+            {"name": "default", "family": "IPv4", "cidr": "127.77.1.0/28", "size": 14, "allocated": 0},
         ]})
     );
 
@@ -404,6 +404,185 @@ async fn named_pools_are_listed_chosen_and_refused_clearly() {
     let (_, pools) = app.call(Method::GET, "/v1/pools", None).await;
     assert_eq!(pools["items"][0]["allocated"], 2);
     assert_eq!(pools["items"][1]["allocated"], 1);
+}
+
+/// `spec(name)` asking for `families`, with node addresses of those families.
+fn spec_of(name: &str, families: &[&str]) -> Value {
+    let mut body = spec(name);
+    let mut backends = Vec::new();
+    for family in families {
+        match *family {
+            "IPv4" => backends.extend([json!({"ip": "198.18.0.11"}), json!({"ip": "198.18.0.12"})]),
+            _ => backends.extend([
+                json!({"ip": "2001:db8:18::11"}),
+                json!({"ip": "2001:db8:18::12"}),
+            ]),
+        }
+    }
+    body["ipFamilies"] = json!(families);
+    body["backends"] = json!(backends);
+    body["sourceRanges"] = json!(["203.0.113.0/24", "2001:db8:203::/64"]);
+    body
+}
+
+#[tokio::test]
+async fn ip_families_get_a_vip_each_and_a_pool_without_one_is_refused() {
+    let app = TestApp::start(
+        "127.77.3.0/28,2001:db8:51:100::/120,v4only=127.77.4.0/30",
+        Duration::ZERO,
+    );
+    let (_, pools) = app.call(Method::GET, "/v1/pools", None).await;
+    assert_eq!(
+        pools["items"][1],
+        json!({"name": "default", "family": "IPv6", "cidr": "2001:db8:51:100::/120",
+               "size": 255, "allocated": 0})
+    );
+
+    // Dual-stack, IPv6 first: one VIP per family in that order; `vip` stays IPv4.
+    let (status, dual) = create(&app, spec_of("d", &["IPv6", "IPv4"])).await;
+    assert_eq!(status, StatusCode::CREATED, "{dual}");
+    assert_eq!(dual["ipFamilies"], json!(["IPv6", "IPv4"]));
+    assert_eq!(dual["vips"], json!(["2001:db8:51:100::1", "127.77.3.1"]));
+    assert_eq!(dual["vip"], json!("127.77.3.1"));
+    assert_eq!(dual["sourceRanges"][1], json!("2001:db8:203::/64"));
+    assert_eq!(dual["health"][1]["ip"], json!("2001:db8:18::12"));
+    let active = wait_for_state(&app, dual["id"].as_str().unwrap(), "active").await;
+    assert_eq!(active["vips"], dual["vips"]);
+
+    // IPv6 alone: no `vip` at all.
+    let mut v6 = spec_of("six", &["IPv6"]);
+    v6["vips"] = json!(["2001:db8:51:100::80"]);
+    let (status, single) = create(&app, v6).await;
+    assert_eq!(status, StatusCode::CREATED, "{single}");
+    assert_eq!(single["vips"], json!(["2001:db8:51:100::80"]));
+    assert!(single.get("vip").is_none(), "{single}");
+
+    // A client that sends no families gets IPv4, as before families existed.
+    let (status, plain) = create(&app, spec("plain")).await;
+    assert_eq!(status, StatusCode::CREATED, "{plain}");
+    assert_eq!(plain["ipFamilies"], json!(["IPv4"]));
+    assert_eq!(plain["vips"], json!(["127.77.3.2"]));
+
+    // A pool without a family asked for: refused whole, with its own code.
+    let mut lacking = spec_of("l", &["IPv4", "IPv6"]);
+    lacking["pool"] = json!("v4only");
+    let (status, body) = create(&app, lacking).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(error_code(&body), "pool-lacks-family");
+    assert!(
+        error_message(&body).contains("v4only") && error_message(&body).contains("IPv6"),
+        "{body}"
+    );
+    // Backends of a family the LB does not have, an address of another family, twice
+    // the same family: clear 422s.
+    let mut stray = spec_of("s", &["IPv4"]);
+    stray["backends"] = json!([{"ip": "2001:db8:18::11"}]);
+    let (status, body) = create(&app, stray).await;
+    assert_eq!(
+        (status, error_code(&body)),
+        (StatusCode::UNPROCESSABLE_ENTITY, "invalid")
+    );
+    assert!(error_message(&body).starts_with("backends[0].ip"), "{body}");
+    let mut mismatch = spec("m");
+    mismatch["vips"] = json!(["2001:db8:51:100::9"]);
+    let (status, body) = create(&app, mismatch).await;
+    assert_eq!(
+        (status, error_code(&body)),
+        (StatusCode::UNPROCESSABLE_ENTITY, "invalid")
+    );
+    let (status, body) = create(&app, spec_of("x", &["IPv4", "IPv4"])).await;
+    assert_eq!(
+        (status, error_code(&body)),
+        (StatusCode::UNPROCESSABLE_ENTITY, "invalid")
+    );
+    let mut junk = spec("j");
+    junk["ipFamilies"] = json!(["IPv5"]);
+    let (status, body) = create(&app, junk).await;
+    assert_eq!(
+        (status, error_code(&body)),
+        (StatusCode::BAD_REQUEST, "invalid-field")
+    );
+    assert!(error_message(&body).contains("ipFamilies"), "{body}");
+
+    let (_, all) = app.call(Method::GET, "/v1/loadbalancers", None).await;
+    assert_eq!(
+        all["items"].as_array().unwrap().len(),
+        3,
+        "nothing half made"
+    );
+    let (_, pools) = app.call(Method::GET, "/v1/pools", None).await;
+    let held: Vec<&Value> = pools["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|pool| &pool["allocated"])
+        .collect();
+    assert_eq!(held, vec![&json!(2), &json!(2), &json!(0)]);
+
+    // An update adds IPv6 to the plain one, keeping its IPv4 address.
+    let id = plain["id"].as_str().unwrap();
+    let (status, _, grown) = app
+        .send(request(
+            Method::PUT,
+            &format!("/v1/loadbalancers/{id}"),
+            Some(spec_of("plain", &["IPv4", "IPv6"])),
+            &[("If-Match", "1")],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{grown}");
+    assert_eq!(grown["vips"], json!(["127.77.3.2", "2001:db8:51:100::2"]));
+}
+
+#[tokio::test]
+async fn the_sdk_sends_and_reads_both_views() {
+    let app = TestApp::start("127.77.5.0/28,2001:db8:51:100::/120", Duration::ZERO);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let router = app.router.clone();
+    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+    let client =
+        cloud_mock_sdk::Client::new(&url, TOKEN, cloud_mock_sdk::ClientOptions::default()).unwrap();
+    let spec: cloud_mock_sdk::families::LoadBalancerSpec =
+        serde_json::from_value(spec_of("sdk", &["IPv4", "IPv6"])).unwrap();
+    let made = client
+        .families()
+        .create_load_balancer(&spec, "sdk-key")
+        .await
+        .unwrap();
+    assert_eq!(
+        made.vip_of(cloud_mock_sdk::IpFamily::Ipv6),
+        Some("2001:db8:51:100::1".parse().unwrap())
+    );
+    assert_eq!(made.health.len(), 4);
+    // A client of the IPv4 view reads the same load balancer: its IPv4 half.
+    let seen = client.get_load_balancer(&made.id).await.unwrap();
+    assert_eq!(seen.vip(), Some("127.77.5.1".parse().unwrap()));
+    assert_eq!(seen.spec.backends.len(), 2);
+    assert_eq!(seen.health.len(), 2);
+    let listed = client
+        .families()
+        .list_load_balancers(&Default::default())
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].spec, made.spec);
+    let mut shrunk = spec.clone();
+    shrunk.ip_families = vec![cloud_mock_sdk::IpFamily::Ipv6];
+    shrunk.backends.retain(|b| b.ip.is_ipv6());
+    let updated = client
+        .families()
+        .update_load_balancer(&made.id, &shrunk, made.version)
+        .await
+        .unwrap();
+    assert_eq!(
+        updated.vips(),
+        ["2001:db8:51:100::1".parse::<std::net::IpAddr>().unwrap()]
+    );
+    assert_eq!(
+        client.get_load_balancer(&made.id).await.unwrap().vip(),
+        None
+    );
+    server.abort();
 }
 
 #[tokio::test]

@@ -1,6 +1,6 @@
 //! Do: the `ip` program, run without blocking the runtime.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::process::Stdio;
 
@@ -44,24 +44,37 @@ impl IpCommand {
     }
 }
 
-/// `ip` arguments that make `vip` a local /32 address on `device` (idempotent).
-pub(crate) fn add_address_args(vip: Ipv4Addr, device: &str) -> Vec<String> {
-    vec![
-        "-4".to_owned(),
-        "address".to_owned(),
-        "replace".to_owned(),
-        format!("{vip}/32"),
-        "dev".to_owned(),
-        device.to_owned(),
-    ]
+/// The `ip` program's flag for the family of `ip`: `-4` or `-6`.
+pub(crate) fn family_flag(ip: IpAddr) -> &'static str {
+    if ip.is_ipv4() { "-4" } else { "-6" }
 }
 
-pub(crate) fn delete_address_args(vip: Ipv4Addr, device: &str) -> Vec<String> {
+/// `ip` as a host prefix: `/32` or `/128`.
+pub(crate) fn host_prefix(ip: IpAddr) -> String {
+    let len = if ip.is_ipv4() { 32 } else { 128 };
+    format!("{ip}/{len}")
+}
+
+/// `ip` arguments that make `vip` a local host address on `device` (idempotent). An IPv6
+/// one skips duplicate address detection (`nodad`): until DAD ends the address is
+/// tentative and binding the listeners to it fails.
+pub(crate) fn add_address_args(vip: IpAddr, device: &str) -> Vec<String> {
+    let mut args: Vec<String> = [family_flag(vip), "address", "replace"]
+        .map(str::to_owned)
+        .to_vec();
+    args.extend([host_prefix(vip), "dev".to_owned(), device.to_owned()]);
+    if vip.is_ipv6() {
+        args.push("nodad".to_owned());
+    }
+    args
+}
+
+pub(crate) fn delete_address_args(vip: IpAddr, device: &str) -> Vec<String> {
     vec![
-        "-4".to_owned(),
+        family_flag(vip).to_owned(),
         "address".to_owned(),
         "delete".to_owned(),
-        format!("{vip}/32"),
+        host_prefix(vip),
         "dev".to_owned(),
         device.to_owned(),
     ]
@@ -79,7 +92,7 @@ mod tests {
 
     #[test]
     fn address_args() {
-        let vip = Ipv4Addr::new(198, 51, 100, 7);
+        let vip: IpAddr = "198.51.100.7".parse().unwrap();
         assert_eq!(
             add_address_args(vip, "lo").join(" "),
             "-4 address replace 198.51.100.7/32 dev lo"
@@ -87,6 +100,15 @@ mod tests {
         assert_eq!(
             delete_address_args(vip, "edge0").join(" "),
             "-4 address delete 198.51.100.7/32 dev edge0"
+        );
+        let vip6: IpAddr = "2001:db8:51:100::7".parse().unwrap();
+        assert_eq!(
+            add_address_args(vip6, "lo").join(" "),
+            "-6 address replace 2001:db8:51:100::7/128 dev lo nodad"
+        );
+        assert_eq!(
+            delete_address_args(vip6, "lo").join(" "),
+            "-6 address delete 2001:db8:51:100::7/128 dev lo"
         );
     }
 

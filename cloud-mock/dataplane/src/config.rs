@@ -28,7 +28,7 @@ pub struct DataPlaneConfig {
     pub udp_idle_timeout: Duration,
     /// Most UDP flows one listener tracks; packets of further new flows are dropped.
     pub udp_max_sessions: usize,
-    /// Add non-loopback proxy-mode VIPs as /32 addresses to `vip_device` (and remove them
+    /// Add non-loopback proxy-mode VIPs as /32 or /128 addresses to `vip_device` (and remove them
     /// when their load balancer goes). Only for a network namespace the cloud owns (the
     /// lab's cloud edge): outside one it would change the host.
     pub manage_vip_addresses: bool,

@@ -1,7 +1,7 @@
 //! The handle the API server drives: `apply` converges to the desired set.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use prometheus_client::registry::Registry;
@@ -60,7 +60,7 @@ struct Running {
     probes: BTreeMap<ProbeTarget, CancellationToken>,
     probe_tasks: TaskTracker,
     next_generation: u64,
-    addresses: BTreeSet<Ipv4Addr>,
+    addresses: BTreeSet<IpAddr>,
     routes: Option<RunningRoutes>,
     shut_down: bool,
 }
@@ -153,7 +153,7 @@ impl DataPlane {
     /// Health of each backend of `lb_id`, in the load balancer's order: healthy only if
     /// healthy under every distinct health check of its listeners (no checks: healthy).
     /// Empty for an unknown id.
-    pub fn backend_health(&self, lb_id: &str) -> Vec<(Ipv4Addr, BackendHealth)> {
+    pub fn backend_health(&self, lb_id: &str) -> Vec<(IpAddr, BackendHealth)> {
         let views = self
             .shared
             .views
@@ -237,10 +237,10 @@ impl DataPlane {
     async fn add_addresses(
         &self,
         running: &mut Running,
-        desired: &BTreeSet<Ipv4Addr>,
+        desired: &BTreeSet<IpAddr>,
         listeners: &BTreeMap<ListenerKey, ListenerRoute>,
         failures: &mut Vec<LbFailure>,
-    ) -> HashSet<Ipv4Addr> {
+    ) -> HashSet<IpAddr> {
         let (add, _) = plan_set(&running.addresses, desired);
         let mut unavailable = HashSet::new();
         for vip in add {
@@ -273,7 +273,7 @@ impl DataPlane {
         unavailable
     }
 
-    async fn remove_addresses(&self, running: &mut Running, desired: &BTreeSet<Ipv4Addr>) {
+    async fn remove_addresses(&self, running: &mut Running, desired: &BTreeSet<IpAddr>) {
         let (_, remove) = plan_set(&running.addresses, desired);
         for vip in remove {
             let args = delete_address_args(vip, &self.shared.config.vip_device);
@@ -295,7 +295,7 @@ impl DataPlane {
         &self,
         running: &mut Running,
         desired: &BTreeMap<ListenerKey, ListenerRoute>,
-        unavailable: &HashSet<Ipv4Addr>,
+        unavailable: &HashSet<IpAddr>,
         failures: &mut Vec<LbFailure>,
     ) {
         let current: BTreeMap<ListenerKey, ListenerRoute> = running
@@ -335,7 +335,7 @@ impl DataPlane {
                             lb_id,
                             reason: LbFailureReason::Bind {
                                 protocol: key.protocol,
-                                addr: SocketAddrV4::new(key.vip, key.port),
+                                addr: SocketAddr::new(key.vip, key.port),
                                 source,
                             },
                         }),
@@ -351,7 +351,7 @@ impl DataPlane {
         route: ListenerRoute,
     ) -> std::io::Result<RunningListener> {
         let shared = &self.shared;
-        let address = SocketAddrV4::new(key.vip, key.port);
+        let address = SocketAddr::new(key.vip, key.port);
         let (updates, route_rx) = watch::channel(Arc::new(route.clone()));
         let context = ListenerContext {
             route: route_rx,
@@ -385,7 +385,7 @@ impl DataPlane {
     fn converge_routes(
         &self,
         running: &mut Running,
-        passthrough: BTreeMap<Ipv4Addr, Vec<PassthroughRoute>>,
+        passthrough: BTreeMap<IpAddr, Vec<PassthroughRoute>>,
     ) {
         let wanted: WantedRoutes = Arc::new(passthrough);
         if let Some(routes) = &running.routes {
@@ -440,10 +440,10 @@ mod tests {
             mode: DataPlaneKind::None,
             ..DataPlaneConfig::default()
         });
-        let backend = Ipv4Addr::new(127, 77, 250, 11);
+        let backend = IpAddr::from([127, 77, 250, 11]);
         let lb = LoadBalancer {
             id: "lb-none".to_owned(),
-            vip: Ipv4Addr::new(127, 77, 250, 1),
+            vips: vec![IpAddr::from([127, 77, 250, 1])],
             mode: Mode::Proxy,
             listeners: vec![Listener {
                 protocol: Protocol::Tcp,

@@ -1,6 +1,6 @@
 use std::fmt;
 use std::io;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 use crate::Protocol;
 
@@ -29,24 +29,24 @@ pub enum LbFailureReason {
     DuplicateId,
     #[error("{protocol} listener on port {port} is given twice")]
     DuplicateListener { protocol: Protocol, port: u16 },
-    #[error("{protocol} {vip}:{port} is already served by load balancer {other}")]
+    /// `addr` is the VIP and port (an IPv6 one bracketed).
+    #[error("{protocol} {addr} is already served by load balancer {other}")]
     ListenerTaken {
         protocol: Protocol,
-        vip: Ipv4Addr,
-        port: u16,
+        addr: SocketAddr,
         other: String,
     },
     #[error("VIP {vip} is already used by load balancer {other} in the other mode")]
-    VipTaken { vip: Ipv4Addr, other: String },
+    VipTaken { vip: IpAddr, other: String },
     #[error("binding {protocol} {addr}: {source}")]
     Bind {
         protocol: Protocol,
-        addr: SocketAddrV4,
+        addr: SocketAddr,
         #[source]
         source: io::Error,
     },
     #[error("adding VIP address {vip}: {detail}")]
-    AddVip { vip: Ipv4Addr, detail: String },
+    AddVip { vip: IpAddr, detail: String },
 }
 
 /// A failed `ip` (or other helper) command, with what it printed.

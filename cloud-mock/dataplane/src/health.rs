@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -20,7 +20,7 @@ use crate::{BackendHealth, HealthCheck};
 /// What one probe task checks.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct ProbeTarget {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub check: HealthCheck,
 }
 
@@ -88,7 +88,7 @@ pub(crate) struct HealthTable {
 
 impl HealthTable {
     /// The backends that are healthy under `check`, in the given order.
-    pub fn healthy(&self, backends: &[Ipv4Addr], check: Option<&HealthCheck>) -> Vec<Ipv4Addr> {
+    pub fn healthy(&self, backends: &[IpAddr], check: Option<&HealthCheck>) -> Vec<IpAddr> {
         let Some(check) = check else {
             return backends.to_vec();
         };
@@ -259,7 +259,7 @@ async fn read_status_line(stream: &mut TcpStream) -> io::Result<Vec<u8>> {
 }
 
 /// The probe request, or `None` when `path` could smuggle extra request text.
-pub(crate) fn http_request(ip: Ipv4Addr, port: u16, path: &str) -> Option<String> {
+pub(crate) fn http_request(ip: IpAddr, port: u16, path: &str) -> Option<String> {
     if path.bytes().any(|b| b.is_ascii_control() || b == b' ') {
         return None;
     }
@@ -268,8 +268,10 @@ pub(crate) fn http_request(ip: Ipv4Addr, port: u16, path: &str) -> Option<String
     } else {
         format!("/{path}")
     };
+    // As a socket address, an IPv6 host is bracketed: `[2001:db8::1]:10256`.
+    let host = std::net::SocketAddr::new(ip, port);
     Some(format!(
-        "GET {path} HTTP/1.1\r\nHost: {ip}:{port}\r\nUser-Agent: cloud-mock-health-check\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: cloud-mock-health-check\r\nAccept: */*\r\nConnection: close\r\n\r\n"
     ))
 }
 
@@ -291,6 +293,8 @@ pub(crate) fn parse_status_code(head: &[u8]) -> Option<u16> {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
 
     fn run(results: &[bool], healthy: u32, unhealthy: u32) -> Vec<BackendHealth> {
@@ -352,7 +356,7 @@ mod tests {
 
     #[test]
     fn request_is_plain_http11_and_refuses_injection() {
-        let request = http_request(Ipv4Addr::new(198, 18, 0, 11), 10256, "/healthz");
+        let request = http_request(Ipv4Addr::new(198, 18, 0, 11).into(), 10256, "/healthz");
         assert_eq!(
             request.as_deref(),
             Some(
@@ -360,11 +364,19 @@ mod tests {
             )
         );
         assert!(
-            http_request(Ipv4Addr::LOCALHOST, 1, "healthz")
+            http_request(Ipv4Addr::LOCALHOST.into(), 1, "healthz")
                 .is_some_and(|r| r.starts_with("GET /healthz "))
         );
-        assert_eq!(http_request(Ipv4Addr::LOCALHOST, 1, "/a\r\nX: y"), None);
-        assert_eq!(http_request(Ipv4Addr::LOCALHOST, 1, "/a b"), None);
+        assert_eq!(
+            http_request(Ipv4Addr::LOCALHOST.into(), 1, "/a\r\nX: y"),
+            None
+        );
+        assert_eq!(http_request(Ipv4Addr::LOCALHOST.into(), 1, "/a b"), None);
+        let v6 = http_request("2001:db8:18::11".parse().unwrap(), 10256, "/healthz");
+        assert!(
+            v6.is_some_and(|r| r.contains("\r\nHost: [2001:db8:18::11]:10256\r\n")),
+            "an IPv6 host is bracketed"
+        );
     }
 
     /// A server on 127.0.0.1 that answers each connection with `answer` (or never).
@@ -390,7 +402,7 @@ mod tests {
 
     fn http(port: u16) -> ProbeTarget {
         ProbeTarget {
-            ip: Ipv4Addr::LOCALHOST,
+            ip: Ipv4Addr::LOCALHOST.into(),
             check: HealthCheck::Http {
                 port,
                 path: "/healthz".to_owned(),
@@ -419,7 +431,7 @@ mod tests {
             Err(ProbeFailure::Timeout(_))
         ));
         let tcp = |port| ProbeTarget {
-            ip: Ipv4Addr::LOCALHOST,
+            ip: Ipv4Addr::LOCALHOST.into(),
             check: HealthCheck::Tcp { port },
         };
         assert!(
@@ -439,7 +451,7 @@ mod tests {
     fn table_ignores_results_of_a_replaced_probe() {
         let table = HealthTable::default();
         let target = ProbeTarget {
-            ip: Ipv4Addr::LOCALHOST,
+            ip: Ipv4Addr::LOCALHOST.into(),
             check: HealthCheck::Tcp { port: 1 },
         };
         table.track(target.clone(), 1);
@@ -451,12 +463,12 @@ mod tests {
         table.forget(&target);
         assert_eq!(table.get(&target), BackendHealth::Unknown);
         assert_eq!(
-            table.healthy(&[Ipv4Addr::LOCALHOST], None),
-            vec![Ipv4Addr::LOCALHOST]
+            table.healthy(&[Ipv4Addr::LOCALHOST.into()], None),
+            vec![IpAddr::from(Ipv4Addr::LOCALHOST)]
         );
         assert!(
             table
-                .healthy(&[Ipv4Addr::LOCALHOST], Some(&target.check))
+                .healthy(&[Ipv4Addr::LOCALHOST.into()], Some(&target.check))
                 .is_empty()
         );
     }

@@ -3,15 +3,17 @@
 //! The API server hands the data plane the complete desired set of load balancers after
 //! every change (and once at start-up, from the store); the data plane converges to it:
 //! proxy-mode listeners on `VIP:port` forwarding TCP and UDP to healthy backends, or
-//! passthrough kernel routes for the VIP over healthy backends, with health checks.
+//! passthrough kernel routes for the VIP over healthy backends, with health checks. A load
+//! balancer has a VIP per IP family (IPv4, IPv6 or both); each VIP serves the backends and
+//! source ranges of its own family.
 //!
 //! Layout: `plan` and `routes` decide (pure functions of the desired set and the observed
 //! health); `tcp`, `udp`, `health`, `command` and `dataplane` do (sockets, probes, `ip`).
 
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 
 mod command;
 mod config;
@@ -80,12 +82,21 @@ pub struct Listener {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct LoadBalancer {
     pub id: String,
-    pub vip: Ipv4Addr,
+    /// At most one per IP family. Each VIP forwards to (or routes over) the backends of
+    /// its own family.
+    pub vips: Vec<IpAddr>,
     pub mode: Mode,
     pub listeners: Vec<Listener>,
-    pub backends: Vec<Ipv4Addr>,
-    /// Empty means every source is allowed.
-    pub source_ranges: Vec<Ipv4Net>,
+    /// Of any family; a backend of a family without a VIP is not used.
+    pub backends: Vec<IpAddr>,
+    /// Each range applies to the VIP of its family; a VIP whose family has no range here
+    /// takes every source (as kube-proxy reads `loadBalancerSourceRanges` per family).
+    pub source_ranges: Vec<IpNet>,
+}
+
+/// Whether `a` and `b` are of one IP family.
+pub(crate) fn same_family(a: IpAddr, b: IpAddr) -> bool {
+    a.is_ipv4() == b.is_ipv4()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

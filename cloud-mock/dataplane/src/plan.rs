@@ -2,18 +2,18 @@
 //! that realise them, and from what runs now to the changes that converge. Pure.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, SocketAddr};
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 
 use crate::error::{LbFailure, LbFailureReason};
 use crate::health::ProbeTarget;
-use crate::{BackendHealth, HealthCheck, LoadBalancer, Mode, Protocol};
+use crate::{BackendHealth, HealthCheck, Listener, LoadBalancer, Mode, Protocol, same_family};
 
 /// A socket the proxy binds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct ListenerKey {
-    pub vip: Ipv4Addr,
+    pub vip: IpAddr,
     pub protocol: Protocol,
     pub port: u16,
 }
@@ -23,10 +23,11 @@ pub(crate) struct ListenerKey {
 pub(crate) struct ListenerRoute {
     pub lb_id: String,
     pub backend_port: u16,
-    /// Sorted, without duplicates.
-    pub backends: Vec<Ipv4Addr>,
+    /// Of the VIP's family; sorted, without duplicates.
+    pub backends: Vec<IpAddr>,
     pub health_check: Option<HealthCheck>,
-    pub source_ranges: Vec<Ipv4Net>,
+    /// Of the VIP's family; empty allows every source.
+    pub source_ranges: Vec<IpNet>,
 }
 
 /// What one passthrough load balancer asks of its VIP's kernel route, before health
@@ -34,8 +35,8 @@ pub(crate) struct ListenerRoute {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PassthroughRoute {
     pub lb_id: String,
-    /// Sorted, without duplicates.
-    pub backends: Vec<Ipv4Addr>,
+    /// Of the VIP's family; sorted, without duplicates.
+    pub backends: Vec<IpAddr>,
     /// Every distinct health check of the load balancer's listeners.
     pub checks: Vec<HealthCheck>,
 }
@@ -44,7 +45,7 @@ pub(crate) struct PassthroughRoute {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct LbView {
     /// In the order the load balancer lists them, without duplicates.
-    pub backends: Vec<Ipv4Addr>,
+    pub backends: Vec<IpAddr>,
     pub checks: Vec<HealthCheck>,
     /// False when the load balancer was rejected (a conflict): nothing checks it.
     pub realised: bool,
@@ -54,10 +55,10 @@ pub(crate) struct LbView {
 pub(crate) struct Desired {
     pub listeners: BTreeMap<ListenerKey, ListenerRoute>,
     /// VIP → its passthrough load balancers, by id.
-    pub passthrough: BTreeMap<Ipv4Addr, Vec<PassthroughRoute>>,
+    pub passthrough: BTreeMap<IpAddr, Vec<PassthroughRoute>>,
     pub probes: BTreeSet<ProbeTarget>,
     /// VIPs the data plane must add as local addresses before binding.
-    pub addresses: BTreeSet<Ipv4Addr>,
+    pub addresses: BTreeSet<IpAddr>,
     pub views: HashMap<String, LbView>,
     pub rejected: Vec<LbFailure>,
 }
@@ -69,7 +70,7 @@ pub(crate) fn desired_state(lbs: &[LoadBalancer], manage_vip_addresses: bool) ->
     let mut sorted: Vec<&LoadBalancer> = lbs.iter().collect();
     sorted.sort_by(|a, b| a.id.cmp(&b.id));
     let mut desired = Desired::default();
-    let mut vip_owners: HashMap<Ipv4Addr, (Mode, &str)> = HashMap::new();
+    let mut vip_owners: HashMap<IpAddr, (Mode, &str)> = HashMap::new();
     let mut listener_owners: HashMap<ListenerKey, &str> = HashMap::new();
     for lb in sorted {
         let backends_in_order = dedup_in_order(&lb.backends);
@@ -96,58 +97,62 @@ pub(crate) fn desired_state(lbs: &[LoadBalancer], manage_vip_addresses: bool) ->
             desired.views.insert(lb.id.clone(), view);
             continue;
         }
-        vip_owners.entry(lb.vip).or_insert((lb.mode, &lb.id));
         let mut backends = backends_in_order.clone();
         backends.sort_unstable();
-        match lb.mode {
-            Mode::Proxy => {
-                for listener in &lb.listeners {
-                    let key = ListenerKey {
-                        vip: lb.vip,
-                        protocol: listener.protocol,
-                        port: listener.port,
-                    };
-                    desired.listeners.insert(
-                        key,
-                        ListenerRoute {
+        for &vip in &lb.vips {
+            vip_owners.entry(vip).or_insert((lb.mode, &lb.id));
+            // Each VIP serves its own family: an IPv4 client reaches IPv4 nodes.
+            let family_backends: Vec<IpAddr> = backends
+                .iter()
+                .copied()
+                .filter(|&ip| same_family(ip, vip))
+                .collect();
+            match lb.mode {
+                Mode::Proxy => {
+                    let source_ranges: Vec<IpNet> = lb
+                        .source_ranges
+                        .iter()
+                        .copied()
+                        .filter(|range| same_family(range.addr(), vip))
+                        .collect();
+                    for listener in &lb.listeners {
+                        desired.listeners.insert(
+                            listener_key(vip, listener),
+                            ListenerRoute {
+                                lb_id: lb.id.clone(),
+                                backend_port: listener.backend_port,
+                                backends: family_backends.clone(),
+                                health_check: listener.health_check.clone(),
+                                source_ranges: source_ranges.clone(),
+                            },
+                        );
+                    }
+                    if manage_vip_addresses && !vip.is_loopback() {
+                        desired.addresses.insert(vip);
+                    }
+                }
+                Mode::Passthrough => {
+                    desired
+                        .passthrough
+                        .entry(vip)
+                        .or_default()
+                        .push(PassthroughRoute {
                             lb_id: lb.id.clone(),
-                            backend_port: listener.backend_port,
-                            backends: backends.clone(),
-                            health_check: listener.health_check.clone(),
-                            source_ranges: lb.source_ranges.clone(),
-                        },
-                    );
-                }
-                if manage_vip_addresses && !lb.vip.is_loopback() {
-                    desired.addresses.insert(lb.vip);
+                            backends: family_backends.clone(),
+                            checks: checks.clone(),
+                        });
                 }
             }
-            Mode::Passthrough => {
-                desired
-                    .passthrough
-                    .entry(lb.vip)
-                    .or_default()
-                    .push(PassthroughRoute {
-                        lb_id: lb.id.clone(),
-                        backends: backends.clone(),
-                        checks: checks.clone(),
+            for listener in &lb.listeners {
+                listener_owners.insert(listener_key(vip, listener), &lb.id);
+            }
+            for &ip in &family_backends {
+                for check in &checks {
+                    desired.probes.insert(ProbeTarget {
+                        ip,
+                        check: check.clone(),
                     });
-            }
-        }
-        for listener in &lb.listeners {
-            let key = ListenerKey {
-                vip: lb.vip,
-                protocol: listener.protocol,
-                port: listener.port,
-            };
-            listener_owners.insert(key, &lb.id);
-        }
-        for &ip in &backends {
-            for check in &checks {
-                desired.probes.insert(ProbeTarget {
-                    ip,
-                    check: check.clone(),
-                });
+                }
             }
         }
         desired.views.insert(
@@ -161,41 +166,46 @@ pub(crate) fn desired_state(lbs: &[LoadBalancer], manage_vip_addresses: bool) ->
     desired
 }
 
+fn listener_key(vip: IpAddr, listener: &Listener) -> ListenerKey {
+    ListenerKey {
+        vip,
+        protocol: listener.protocol,
+        port: listener.port,
+    }
+}
+
 fn check_conflicts(
     lb: &LoadBalancer,
-    vip_owners: &HashMap<Ipv4Addr, (Mode, &str)>,
+    vip_owners: &HashMap<IpAddr, (Mode, &str)>,
     listener_owners: &HashMap<ListenerKey, &str>,
 ) -> Result<(), LbFailureReason> {
-    if let Some(&(mode, other)) = vip_owners.get(&lb.vip)
-        && mode != lb.mode
-    {
-        return Err(LbFailureReason::VipTaken {
-            vip: lb.vip,
-            other: other.to_owned(),
-        });
-    }
-    // Passthrough routes whole packets, ports and all, but the nodes behind demultiplex
-    // by port: sharers' ports must not overlap in either mode.
-    let mut own = HashSet::new();
-    for listener in &lb.listeners {
-        let key = ListenerKey {
-            vip: lb.vip,
-            protocol: listener.protocol,
-            port: listener.port,
-        };
-        if !own.insert(key) {
-            return Err(LbFailureReason::DuplicateListener {
-                protocol: listener.protocol,
-                port: listener.port,
+    for &vip in &lb.vips {
+        if let Some(&(mode, other)) = vip_owners.get(&vip)
+            && mode != lb.mode
+        {
+            return Err(LbFailureReason::VipTaken {
+                vip,
+                other: other.to_owned(),
             });
         }
-        if let Some(other) = listener_owners.get(&key) {
-            return Err(LbFailureReason::ListenerTaken {
-                protocol: listener.protocol,
-                vip: lb.vip,
-                port: listener.port,
-                other: (*other).to_owned(),
-            });
+        // Passthrough routes whole packets, ports and all, but the nodes behind
+        // demultiplex by port: sharers' ports must not overlap in either mode.
+        let mut own = HashSet::new();
+        for listener in &lb.listeners {
+            let key = listener_key(vip, listener);
+            if !own.insert(key) {
+                return Err(LbFailureReason::DuplicateListener {
+                    protocol: listener.protocol,
+                    port: listener.port,
+                });
+            }
+            if let Some(other) = listener_owners.get(&key) {
+                return Err(LbFailureReason::ListenerTaken {
+                    protocol: listener.protocol,
+                    addr: SocketAddr::new(vip, listener.port),
+                    other: (*other).to_owned(),
+                });
+            }
         }
     }
     Ok(())
@@ -208,7 +218,7 @@ fn failure(lb: &LoadBalancer, reason: LbFailureReason) -> LbFailure {
     }
 }
 
-fn dedup_in_order(ips: &[Ipv4Addr]) -> Vec<Ipv4Addr> {
+fn dedup_in_order(ips: &[IpAddr]) -> Vec<IpAddr> {
     let mut seen = HashSet::new();
     ips.iter().copied().filter(|ip| seen.insert(*ip)).collect()
 }
@@ -271,7 +281,7 @@ pub(crate) fn combined_health(
 pub(crate) fn lb_backend_health(
     view: &LbView,
     lookup: impl Fn(&ProbeTarget) -> BackendHealth,
-) -> Vec<(Ipv4Addr, BackendHealth)> {
+) -> Vec<(IpAddr, BackendHealth)> {
     view.backends
         .iter()
         .map(|&ip| {
@@ -291,7 +301,7 @@ pub(crate) fn lb_backend_health(
 }
 
 /// Whether a client at `source` may use a load balancer with these source ranges.
-pub(crate) fn source_allowed(ranges: &[Ipv4Net], source: Ipv4Addr) -> bool {
+pub(crate) fn source_allowed(ranges: &[IpNet], source: IpAddr) -> bool {
     ranges.is_empty() || ranges.iter().any(|range| range.contains(&source))
 }
 
@@ -304,13 +314,26 @@ pub(crate) fn try_order(len: usize, turn: usize) -> impl Iterator<Item = usize> 
 
 #[cfg(test)]
 mod tests {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
     use proptest::prelude::*;
 
     use super::*;
-    use crate::Listener;
 
-    fn ip(last: u8) -> Ipv4Addr {
-        Ipv4Addr::new(198, 18, 0, last)
+    fn ip(last: u8) -> IpAddr {
+        Ipv4Addr::new(198, 18, 0, last).into()
+    }
+
+    fn ip6(last: u16) -> IpAddr {
+        Ipv6Addr::new(0x2001, 0xdb8, 0x18, 0, 0, 0, 0, last).into()
+    }
+
+    fn vip4(last: u8) -> IpAddr {
+        Ipv4Addr::new(198, 51, 100, last).into()
+    }
+
+    fn vip6(last: u16) -> IpAddr {
+        Ipv6Addr::new(0x2001, 0xdb8, 0x51, 0x100, 0, 0, 0, last).into()
     }
 
     fn http_check() -> HealthCheck {
@@ -323,7 +346,7 @@ mod tests {
     fn lb(id: &str, vip: u8, mode: Mode, ports: &[(Protocol, u16)]) -> LoadBalancer {
         LoadBalancer {
             id: id.to_owned(),
-            vip: Ipv4Addr::new(198, 51, 100, vip),
+            vips: vec![vip4(vip)],
             mode,
             listeners: ports
                 .iter()
@@ -352,7 +375,7 @@ mod tests {
         );
         assert_eq!(desired.listeners.len(), 2);
         let route = &desired.listeners[&ListenerKey {
-            vip: Ipv4Addr::new(198, 51, 100, 5),
+            vip: vip4(5),
             protocol: Protocol::Tcp,
             port: 80,
         }];
@@ -365,7 +388,7 @@ mod tests {
         );
         assert_eq!(
             desired.addresses.iter().copied().collect::<Vec<_>>(),
-            vec![Ipv4Addr::new(198, 51, 100, 5)]
+            vec![vip4(5)]
         );
         assert!(desired.passthrough.is_empty());
         assert_eq!(desired.views["lb-a"].backends, vec![ip(12), ip(11)]);
@@ -373,9 +396,88 @@ mod tests {
     }
 
     #[test]
+    fn each_vip_of_a_dual_stack_lb_serves_its_own_family() {
+        let mut dual = lb("lb-d", 5, Mode::Proxy, &[(Protocol::Tcp, 80)]);
+        dual.vips = vec![vip6(5), vip4(5)];
+        dual.backends = vec![ip(11), ip6(11), ip(12), ip6(12)];
+        dual.source_ranges = vec![
+            "203.0.113.0/24".parse().unwrap(),
+            "2001:db8:203::/64".parse().unwrap(),
+            "2001:db8:204::/64".parse().unwrap(),
+        ];
+        let desired = desired_state(&[dual.clone()], true);
+        let route = |vip| {
+            &desired.listeners[&ListenerKey {
+                vip,
+                protocol: Protocol::Tcp,
+                port: 80,
+            }]
+        };
+        assert_eq!(route(vip4(5)).backends, vec![ip(11), ip(12)]);
+        assert_eq!(route(vip6(5)).backends, vec![ip6(11), ip6(12)]);
+        assert_eq!(
+            route(vip4(5)).source_ranges,
+            vec!["203.0.113.0/24".parse::<IpNet>().unwrap()]
+        );
+        assert_eq!(route(vip6(5)).source_ranges.len(), 2);
+        assert_eq!(
+            desired.addresses,
+            BTreeSet::from([vip4(5), vip6(5)]),
+            "both VIPs become addresses"
+        );
+        assert_eq!(desired.probes.len(), 4, "every backend of both families");
+        assert_eq!(
+            desired.views["lb-d"].backends, dual.backends,
+            "health in the LB's order"
+        );
+
+        // Ranges of one family only: the other VIP is open, as kube-proxy does it.
+        dual.source_ranges = vec!["203.0.113.0/24".parse().unwrap()];
+        let desired = desired_state(&[dual.clone()], false);
+        assert!(
+            desired
+                .listeners
+                .iter()
+                .any(|(key, route)| key.vip == vip6(5) && route.source_ranges.is_empty())
+        );
+
+        dual.mode = Mode::Passthrough;
+        let desired = desired_state(&[dual], false);
+        assert_eq!(
+            desired.passthrough[&vip6(5)][0].backends,
+            vec![ip6(11), ip6(12)]
+        );
+        assert_eq!(
+            desired.passthrough[&vip4(5)][0].backends,
+            vec![ip(11), ip(12)]
+        );
+    }
+
+    #[test]
+    fn a_vip_of_either_family_conflicts_like_an_ipv4_one() {
+        let mut a = lb("lb-a", 5, Mode::Proxy, &[(Protocol::Tcp, 80)]);
+        a.vips = vec![vip4(5), vip6(5)];
+        let mut b = lb("lb-b", 6, Mode::Proxy, &[(Protocol::Tcp, 80)]);
+        b.vips = vec![vip4(6), vip6(5)];
+        let desired = desired_state(&[b, a], false);
+        let rejected: Vec<String> = desired.rejected.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            rejected,
+            vec![
+                "load balancer lb-b: TCP [2001:db8:51:100::5]:80 is already served by load balancer lb-a"
+                    .to_owned()
+            ]
+        );
+        assert!(
+            !desired.listeners.keys().any(|key| key.vip == vip4(6)),
+            "a rejected LB is rejected as a whole, both families"
+        );
+    }
+
+    #[test]
     fn loopback_vips_and_unmanaged_addresses_need_no_address() {
         let mut loopback = lb("lb-a", 5, Mode::Proxy, &[(Protocol::Tcp, 80)]);
-        loopback.vip = Ipv4Addr::new(127, 77, 0, 9);
+        loopback.vips = vec![Ipv4Addr::new(127, 77, 0, 9).into()];
         assert!(desired_state(&[loopback], true).addresses.is_empty());
         let other = lb("lb-b", 5, Mode::Proxy, &[(Protocol::Tcp, 80)]);
         assert!(desired_state(&[other], false).addresses.is_empty());
@@ -389,7 +491,7 @@ mod tests {
         );
         assert!(desired.listeners.is_empty());
         assert!(desired.addresses.is_empty());
-        let route = &desired.passthrough[&Ipv4Addr::new(198, 51, 100, 7)][0];
+        let route = &desired.passthrough[&vip4(7)][0];
         assert_eq!(route.backends, vec![ip(11), ip(12)]);
         assert_eq!(route.checks, vec![http_check()]);
     }
@@ -447,7 +549,7 @@ mod tests {
         );
         // Two load balancers of one mode may share a VIP on different ports.
         assert_eq!(desired.listeners.len(), 3);
-        let sharers: Vec<&str> = desired.passthrough[&Ipv4Addr::new(198, 51, 100, 6)]
+        let sharers: Vec<&str> = desired.passthrough[&vip4(6)]
             .iter()
             .map(|route| route.lb_id.as_str())
             .collect();
@@ -464,7 +566,7 @@ mod tests {
     #[test]
     fn listener_plan_binds_updates_and_unbinds() {
         let key = |port| ListenerKey {
-            vip: Ipv4Addr::new(127, 77, 0, 1),
+            vip: Ipv4Addr::new(127, 77, 0, 1).into(),
             protocol: Protocol::Tcp,
             port,
         };
@@ -506,14 +608,18 @@ mod tests {
 
     #[test]
     fn source_ranges() {
-        let ranges: Vec<Ipv4Net> = vec![
+        let ranges: Vec<IpNet> = vec![
             "127.0.0.0/30".parse().unwrap(),
             "10.0.0.0/8".parse().unwrap(),
         ];
-        assert!(source_allowed(&ranges, Ipv4Addr::new(127, 0, 0, 3)));
-        assert!(!source_allowed(&ranges, Ipv4Addr::new(127, 0, 0, 4)));
-        assert!(source_allowed(&ranges, Ipv4Addr::new(10, 200, 0, 1)));
-        assert!(source_allowed(&[], Ipv4Addr::new(203, 0, 113, 9)));
+        let v4 = |a, b, c, d| IpAddr::from(Ipv4Addr::new(a, b, c, d));
+        assert!(source_allowed(&ranges, v4(127, 0, 0, 3)));
+        assert!(!source_allowed(&ranges, v4(127, 0, 0, 4)));
+        assert!(source_allowed(&ranges, v4(10, 200, 0, 1)));
+        assert!(source_allowed(&[], v4(203, 0, 113, 9)));
+        let v6: Vec<IpNet> = vec!["2001:db8:203::/64".parse().unwrap()];
+        assert!(source_allowed(&v6, "2001:db8:203::9".parse().unwrap()));
+        assert!(!source_allowed(&v6, "2001:db8:192::9".parse().unwrap()));
     }
 
     #[test]
@@ -525,7 +631,7 @@ mod tests {
     fn arb_routes() -> impl Strategy<Value = BTreeMap<ListenerKey, ListenerRoute>> {
         prop::collection::btree_map(
             (0_u8..4, any::<bool>(), 1_u16..6).prop_map(|(vip, udp, port)| ListenerKey {
-                vip: Ipv4Addr::new(127, 77, 0, vip),
+                vip: Ipv4Addr::new(127, 77, 0, vip).into(),
                 protocol: if udp { Protocol::Udp } else { Protocol::Tcp },
                 port,
             }),

@@ -1,4 +1,5 @@
-//! Passthrough mode: a kernel route `VIP/32` with ECMP nexthops over the healthy backends.
+//! Passthrough mode: a kernel route `VIP/32` (an IPv6 VIP: `VIP/128`, with `ip -6`) with
+//! ECMP nexthops over the healthy backends of the VIP's family.
 //!
 //! A route carries every port of its VIP, so load balancers sharing a VIP share its
 //! nexthops. Their backends' health may differ (a node with `externalTrafficPolicy: Local`
@@ -11,7 +12,7 @@
 //! the resulting `ip` commands whenever the desired set or any backend's health changes.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::BackendHealth;
-use crate::command::{IpCommand, already_gone};
+use crate::command::{IpCommand, already_gone, family_flag, host_prefix};
 use crate::config::PassthroughConfig;
 use crate::error::CommandError;
 use crate::health::{HealthTable, ProbeTarget};
@@ -29,34 +30,62 @@ use crate::plan::{PassthroughRoute, combined_health};
 
 /// VIP → nexthops (sorted). An empty list means "ours, nexthops unknown" (adopted from
 /// an earlier run); a desired route always has at least one nexthop.
-pub(crate) type RouteTable = BTreeMap<Ipv4Addr, Vec<Ipv4Addr>>;
+pub(crate) type RouteTable = BTreeMap<IpAddr, Vec<IpAddr>>;
 
-pub(crate) type WantedRoutes = Arc<BTreeMap<Ipv4Addr, Vec<PassthroughRoute>>>;
+pub(crate) type WantedRoutes = Arc<BTreeMap<IpAddr, Vec<PassthroughRoute>>>;
 
-const HASH_POLICY_PATH: &str = "/proc/sys/net/ipv4/fib_multipath_hash_policy";
-const IP_FORWARD_PATH: &str = "/proc/sys/net/ipv4/ip_forward";
+/// The `ip` family flags whose routes of ours are adopted at start.
+const FAMILY_FLAGS: [&str; 2] = ["-4", "-6"];
+
+/// The settings of one IP family that forwarding to passthrough nexthops depends on.
+struct FamilySysctls {
+    hash_policy: &'static str,
+    forwarding: &'static str,
+}
+
+const IPV4_SYSCTLS: FamilySysctls = FamilySysctls {
+    hash_policy: "net.ipv4.fib_multipath_hash_policy",
+    forwarding: "net.ipv4.ip_forward",
+};
+
+const IPV6_SYSCTLS: FamilySysctls = FamilySysctls {
+    hash_policy: "net.ipv6.fib_multipath_hash_policy",
+    forwarding: "net.ipv6.conf.all.forwarding",
+};
+
+fn sysctls_of(vip: IpAddr) -> &'static FamilySysctls {
+    if vip.is_ipv4() {
+        &IPV4_SYSCTLS
+    } else {
+        &IPV6_SYSCTLS
+    }
+}
+
+fn sysctl_path(name: &str) -> String {
+    format!("/proc/sys/{}", name.replace('.', "/"))
+}
 
 /// The routes to install: each VIP over its sharers' backends that pass every check (see
 /// the module documentation for sharers that disagree); VIPs with no healthy backend get
 /// no route.
 pub(crate) fn desired_routes(
-    wanted: &BTreeMap<Ipv4Addr, Vec<PassthroughRoute>>,
+    wanted: &BTreeMap<IpAddr, Vec<PassthroughRoute>>,
     lookup: impl Fn(&ProbeTarget) -> BackendHealth,
 ) -> RouteTable {
     wanted
         .iter()
         .filter_map(|(&vip, sharers)| {
-            let healthy: Vec<BTreeSet<Ipv4Addr>> = sharers
+            let healthy: Vec<BTreeSet<IpAddr>> = sharers
                 .iter()
                 .map(|route| healthy_backends(route, &lookup))
                 .filter(|set| !set.is_empty())
                 .collect();
             let mut serving_all = healthy.iter();
             let first = serving_all.next()?.clone();
-            let common: BTreeSet<Ipv4Addr> = serving_all.fold(first, |common, set| {
+            let common: BTreeSet<IpAddr> = serving_all.fold(first, |common, set| {
                 common.intersection(set).copied().collect()
             });
-            let nexthops: Vec<Ipv4Addr> = if common.is_empty() {
+            let nexthops: Vec<IpAddr> = if common.is_empty() {
                 healthy
                     .into_iter()
                     .flatten()
@@ -74,7 +103,7 @@ pub(crate) fn desired_routes(
 fn healthy_backends(
     route: &PassthroughRoute,
     lookup: &impl Fn(&ProbeTarget) -> BackendHealth,
-) -> BTreeSet<Ipv4Addr> {
+) -> BTreeSet<IpAddr> {
     route
         .backends
         .iter()
@@ -93,11 +122,12 @@ fn healthy_backends(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum RouteChange {
     Replace {
-        vip: Ipv4Addr,
-        nexthops: Vec<Ipv4Addr>,
+        vip: IpAddr,
+        /// Of the VIP's family.
+        nexthops: Vec<IpAddr>,
     },
     Delete {
-        vip: Ipv4Addr,
+        vip: IpAddr,
     },
 }
 
@@ -119,12 +149,15 @@ pub(crate) fn plan_routes(installed: &RouteTable, desired: &RouteTable) -> Vec<R
 
 /// `ip` arguments for one change; `protocol` marks the route as ours.
 pub(crate) fn route_args(change: &RouteChange, protocol: u8) -> Vec<String> {
-    let mut args: Vec<String> = ["-4", "route"].map(str::to_owned).to_vec();
+    let vip = match change {
+        RouteChange::Replace { vip, .. } | RouteChange::Delete { vip } => *vip,
+    };
+    let mut args: Vec<String> = [family_flag(vip), "route"].map(str::to_owned).to_vec();
     match change {
-        RouteChange::Replace { vip, nexthops } => {
+        RouteChange::Replace { nexthops, .. } => {
             args.extend([
                 "replace".to_owned(),
-                format!("{vip}/32"),
+                host_prefix(vip),
                 "proto".to_owned(),
                 protocol.to_string(),
             ]);
@@ -142,10 +175,10 @@ pub(crate) fn route_args(change: &RouteChange, protocol: u8) -> Vec<String> {
                 }
             }
         }
-        RouteChange::Delete { vip } => {
+        RouteChange::Delete { .. } => {
             args.extend([
                 "delete".to_owned(),
-                format!("{vip}/32"),
+                host_prefix(vip),
                 "proto".to_owned(),
                 protocol.to_string(),
             ]);
@@ -154,8 +187,9 @@ pub(crate) fn route_args(change: &RouteChange, protocol: u8) -> Vec<String> {
     args
 }
 
-pub(crate) fn list_args(protocol: u8) -> Vec<String> {
-    ["-4", "route", "show", "proto"]
+/// `ip` arguments listing our routes of one family (`family_flag`: `-4` or `-6`).
+pub(crate) fn list_args(family_flag: &str, protocol: u8) -> Vec<String> {
+    [family_flag, "route", "show", "proto"]
         .map(str::to_owned)
         .into_iter()
         .chain([protocol.to_string()])
@@ -163,17 +197,17 @@ pub(crate) fn list_args(protocol: u8) -> Vec<String> {
 }
 
 /// Host-route destinations in `ip route show` output (nexthop lines are indented).
-pub(crate) fn parse_destinations(output: &str) -> Vec<Ipv4Addr> {
+pub(crate) fn parse_destinations(output: &str) -> Vec<IpAddr> {
     output
         .lines()
         .filter(|line| !line.starts_with(char::is_whitespace))
         .filter_map(|line| line.split_whitespace().next())
         .filter_map(|destination| {
-            destination
+            let address = destination
                 .strip_suffix("/32")
-                .unwrap_or(destination)
-                .parse()
-                .ok()
+                .or_else(|| destination.strip_suffix("/128"))
+                .unwrap_or(destination);
+            address.parse().ok()
         })
         .collect()
 }
@@ -201,7 +235,8 @@ impl RouteManager {
     pub async fn run(mut self, cancel: CancellationToken) {
         let health_changed = self.health.changed();
         let mut installed = self.adopt().await;
-        let mut prepared = false;
+        // The families (by `ip` flag) whose forwarding is prepared.
+        let mut prepared: BTreeSet<&'static str> = BTreeSet::new();
         let mut failed_rounds: u32 = 0;
         loop {
             let desired = {
@@ -209,13 +244,12 @@ impl RouteManager {
                 desired_routes(&wanted, |target| self.health.get(target))
             };
             let changes = plan_routes(&installed, &desired);
-            if !prepared
-                && changes
-                    .iter()
-                    .any(|c| matches!(c, RouteChange::Replace { .. }))
-            {
-                self.prepare_forwarding().await;
-                prepared = true;
+            for change in &changes {
+                if let RouteChange::Replace { vip, .. } = change
+                    && prepared.insert(family_flag(*vip))
+                {
+                    self.prepare_forwarding(sysctls_of(*vip)).await;
+                }
             }
             let mut failed = false;
             for change in changes {
@@ -233,7 +267,7 @@ impl RouteManager {
                 () = tokio::time::sleep(retry_after(self.retry_delay, failed_rounds)), if failed => {}
             }
         }
-        let vips: Vec<Ipv4Addr> = installed.keys().copied().collect();
+        let vips: Vec<IpAddr> = installed.keys().copied().collect();
         for vip in vips {
             self.execute(&RouteChange::Delete { vip }, &mut installed)
                 .await;
@@ -242,25 +276,30 @@ impl RouteManager {
 
     /// Routes of ours left by an earlier run, so they are replaced or removed.
     async fn adopt(&self) -> RouteTable {
-        match self.ip.run(&list_args(self.settings.route_protocol)).await {
-            Ok(output) => {
-                let adopted: RouteTable = parse_destinations(&output)
-                    .into_iter()
-                    .map(|vip| (vip, Vec::new()))
-                    .collect();
-                if !adopted.is_empty() {
-                    info!(
-                        count = adopted.len(),
-                        "adopting passthrough routes of an earlier run"
-                    );
+        let mut adopted = RouteTable::new();
+        for flag in FAMILY_FLAGS {
+            match self
+                .ip
+                .run(&list_args(flag, self.settings.route_protocol))
+                .await
+            {
+                Ok(output) => adopted.extend(
+                    parse_destinations(&output)
+                        .into_iter()
+                        .map(|vip| (vip, Vec::new())),
+                ),
+                Err(error) => {
+                    warn!(%error, family = flag, "cannot list passthrough routes of an earlier run");
                 }
-                adopted
-            }
-            Err(error) => {
-                warn!(%error, "cannot list passthrough routes of an earlier run");
-                RouteTable::new()
             }
         }
+        if !adopted.is_empty() {
+            info!(
+                count = adopted.len(),
+                "adopting passthrough routes of an earlier run"
+            );
+        }
+        adopted
     }
 
     /// Runs one change and records it in `installed`; false when it failed.
@@ -294,43 +333,54 @@ impl RouteManager {
 }
 
 impl RouteManager {
-    /// Before the first route: make ECMP hash on ports too (L4), so flows from one client
-    /// spread over the backends, and warn when this namespace does not forward at all.
-    /// Best effort: routes work without the hash policy, only less evenly.
-    async fn prepare_forwarding(&self) {
+    /// Before the first route of a family: make its ECMP hash on ports too (L4), so flows
+    /// from one client spread over the backends, and warn when this namespace does not
+    /// forward that family at all. Best effort: routes work without the hash policy, only
+    /// less evenly.
+    async fn prepare_forwarding(&self, sysctls: &FamilySysctls) {
+        let hash_policy = sysctls.hash_policy;
         if self.settings.set_multipath_hash_policy {
-            match tokio::fs::write(HASH_POLICY_PATH, "1").await {
-                Ok(()) => info!("set net.ipv4.fib_multipath_hash_policy=1 (L4 hash)"),
+            match tokio::fs::write(sysctl_path(hash_policy), "1").await {
+                Ok(()) => info!("set {hash_policy}=1 (L4 hash)"),
                 Err(error) => warn!(
                     %error,
-                    "cannot set net.ipv4.fib_multipath_hash_policy=1; ECMP hashes on addresses only"
+                    "cannot set {hash_policy}=1; ECMP hashes on addresses only"
                 ),
             }
         }
-        if let Ok(forwarding) = tokio::fs::read_to_string(IP_FORWARD_PATH).await
-            && forwarding.trim() == "0"
+        let forwarding = sysctls.forwarding;
+        if let Ok(value) = tokio::fs::read_to_string(sysctl_path(forwarding)).await
+            && value.trim() == "0"
         {
-            warn!(
-                "net.ipv4.ip_forward is 0 here: packets to passthrough VIPs will not be forwarded"
-            );
+            warn!("{forwarding} is 0 here: packets to passthrough VIPs will not be forwarded");
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
     use super::*;
     use crate::HealthCheck;
 
-    fn ip(last: u8) -> Ipv4Addr {
-        Ipv4Addr::new(198, 18, 0, last)
+    fn ip(last: u8) -> IpAddr {
+        Ipv4Addr::new(198, 18, 0, last).into()
     }
 
-    fn vip(last: u8) -> Ipv4Addr {
-        Ipv4Addr::new(198, 51, 100, last)
+    fn vip(last: u8) -> IpAddr {
+        Ipv4Addr::new(198, 51, 100, last).into()
     }
 
-    fn wanted(checks: Vec<HealthCheck>) -> BTreeMap<Ipv4Addr, Vec<PassthroughRoute>> {
+    fn ip6(last: u16) -> IpAddr {
+        Ipv6Addr::new(0x2001, 0xdb8, 0x18, 0, 0, 0, 0, last).into()
+    }
+
+    fn vip6(last: u16) -> IpAddr {
+        Ipv6Addr::new(0x2001, 0xdb8, 0x51, 0x100, 0, 0, 0, last).into()
+    }
+
+    fn wanted(checks: Vec<HealthCheck>) -> BTreeMap<IpAddr, Vec<PassthroughRoute>> {
         BTreeMap::from([
             (
                 vip(5),
@@ -375,7 +425,10 @@ mod tests {
         let pods = |web: &[u8], dns: &[u8]| {
             let (web, dns) = (web.to_vec(), dns.to_vec());
             move |target: &ProbeTarget| {
-                let last = target.ip.octets()[3];
+                let IpAddr::V4(node) = target.ip else {
+                    return BackendHealth::Unknown;
+                };
+                let last = node.octets()[3];
                 let serves = match &target.check {
                     HealthCheck::Http { port: 32001, .. } => web.contains(&last),
                     HealthCheck::Http { port: 32002, .. } => dns.contains(&last),
@@ -495,7 +548,20 @@ mod tests {
             route_args(&RouteChange::Delete { vip: vip(5) }, 200).join(" "),
             "-4 route delete 198.51.100.5/32 proto 200"
         );
-        assert_eq!(list_args(77).join(" "), "-4 route show proto 77");
+        assert_eq!(list_args("-4", 77).join(" "), "-4 route show proto 77");
+        let ecmp6 = RouteChange::Replace {
+            vip: vip6(5),
+            nexthops: vec![ip6(0x11), ip6(0x12)],
+        };
+        assert_eq!(
+            route_args(&ecmp6, 77).join(" "),
+            "-6 route replace 2001:db8:51:100::5/128 proto 77 nexthop via 2001:db8:18::11 weight 1 nexthop via 2001:db8:18::12 weight 1"
+        );
+        assert_eq!(
+            route_args(&RouteChange::Delete { vip: vip6(5) }, 77).join(" "),
+            "-6 route delete 2001:db8:51:100::5/128 proto 77"
+        );
+        assert_eq!(list_args("-6", 77).join(" "), "-6 route show proto 77");
     }
 
     #[test]
@@ -513,5 +579,11 @@ mod tests {
         let output = "198.51.100.5 proto 77 \n\tnexthop via 198.18.0.11 dev eth0 weight 1 \n\tnexthop via 198.18.0.12 dev eth0 weight 1 \n198.51.100.6 via 198.18.0.11 dev eth0 proto 77 \n198.51.100.7/32 via 198.18.0.11 dev eth0 proto 77 \ndefault via 198.18.0.1 dev eth0 proto 77\n";
         assert_eq!(parse_destinations(output), vec![vip(5), vip(6), vip(7)]);
         assert!(parse_destinations("").is_empty());
+        let output6 = "2001:db8:51:100::5 proto 77 metric 1024 pref medium\n\tnexthop via 2001:db8:18::11 dev ve weight 1 \n\tnexthop via 2001:db8:18::12 dev ve weight 1 \n2001:db8:51:100::6 via 2001:db8:18::11 dev ve proto 77 metric 1024 pref medium\n2001:db8:51:100::7/128 via 2001:db8:18::11 dev ve proto 77\n";
+        assert_eq!(parse_destinations(output6), vec![vip6(5), vip6(6), vip6(7)]);
+        assert_eq!(
+            sysctl_path(IPV6_SYSCTLS.forwarding),
+            "/proc/sys/net/ipv6/conf/all/forwarding"
+        );
     }
 }

@@ -1,6 +1,6 @@
 //! Do: a proxy-mode TCP listener.
 
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,11 +51,7 @@ pub(crate) async fn serve_tcp(
             }
         };
         let route = Arc::clone(&context.route.borrow());
-        let SocketAddr::V4(peer) = peer else {
-            reset(client);
-            continue;
-        };
-        if !source_allowed(&route.source_ranges, *peer.ip()) {
+        if !source_allowed(&route.source_ranges, peer.ip()) {
             debug!(lb = %route.lb_id, %peer, "client outside the source ranges");
             context.metrics.connection(Protocol::Tcp, Outcome::Denied);
             reset(client);
@@ -72,8 +68,8 @@ pub(crate) async fn serve_tcp(
             reset(client);
             continue;
         }
-        let order: Vec<SocketAddrV4> = try_order(healthy.len(), turn)
-            .map(|i| SocketAddrV4::new(healthy[i], route.backend_port))
+        let order: Vec<SocketAddr> = try_order(healthy.len(), turn)
+            .map(|i| SocketAddr::new(healthy[i], route.backend_port))
             .collect();
         turn = turn.wrapping_add(1);
         connections.spawn(forward(
@@ -93,7 +89,7 @@ pub(crate) async fn serve_tcp(
 /// either side closes or the listener goes.
 async fn forward(
     client: TcpStream,
-    order: Vec<SocketAddrV4>,
+    order: Vec<SocketAddr>,
     connect_timeout: Duration,
     metrics: Metrics,
     cancel: CancellationToken,

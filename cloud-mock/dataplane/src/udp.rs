@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -31,13 +31,13 @@ pub(crate) struct FlowSettings {
 /// One client flow: its own upstream socket, connected to the chosen backend.
 #[derive(Debug, Clone)]
 struct Session {
-    backend: SocketAddrV4,
+    backend: SocketAddr,
     upstream: Arc<UdpSocket>,
     last_seen: Arc<LastSeen>,
     cancel: CancellationToken,
 }
 
-type Sessions = Arc<Mutex<HashMap<SocketAddrV4, Session>>>;
+type Sessions = Arc<Mutex<HashMap<SocketAddr, Session>>>;
 
 /// Milliseconds since the listener started at which a flow last carried a datagram.
 #[derive(Debug)]
@@ -86,15 +86,14 @@ pub(crate) async fn serve_udp(
             received = socket.recv_from(&mut buffer) => received,
         };
         let (length, peer) = match received {
-            Ok((length, SocketAddr::V4(peer))) => (length, peer),
-            Ok((_, SocketAddr::V6(_))) => continue,
+            Ok(received) => received,
             Err(error) => {
                 debug!(%error, "receive failed");
                 continue;
             }
         };
         let route = Arc::clone(&context.route.borrow());
-        if !source_allowed(&route.source_ranges, *peer.ip()) {
+        if !source_allowed(&route.source_ranges, peer.ip()) {
             context.metrics.connection(Protocol::Udp, Outcome::Denied);
             continue;
         }
@@ -121,7 +120,7 @@ pub(crate) async fn serve_udp(
                     continue;
                 };
                 turn = turn.wrapping_add(1);
-                let backend = SocketAddrV4::new(healthy[index], route.backend_port);
+                let backend = SocketAddr::new(healthy[index], route.backend_port);
                 let upstream = match open_upstream(backend).await {
                     Ok(upstream) => Arc::new(upstream),
                     Err(error) => {
@@ -167,13 +166,13 @@ pub(crate) async fn serve_udp(
 /// current; a stale flow is ended so that the client gets a healthy backend.
 fn current_session(
     sessions: &Sessions,
-    peer: SocketAddrV4,
-    healthy: &[Ipv4Addr],
+    peer: SocketAddr,
+    healthy: &[IpAddr],
     backend_port: u16,
 ) -> Option<Arc<UdpSocket>> {
     let mut sessions = lock(sessions);
     let session = sessions.get(&peer)?;
-    if healthy.contains(session.backend.ip()) && session.backend.port() == backend_port {
+    if healthy.contains(&session.backend.ip()) && session.backend.port() == backend_port {
         session.last_seen.touch();
         return Some(Arc::clone(&session.upstream));
     }
@@ -183,15 +182,19 @@ fn current_session(
     None
 }
 
-async fn open_upstream(backend: SocketAddrV4) -> io::Result<UdpSocket> {
-    let upstream = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
+async fn open_upstream(backend: SocketAddr) -> io::Result<UdpSocket> {
+    let any: IpAddr = match backend {
+        SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+        SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+    };
+    let upstream = UdpSocket::bind((any, 0)).await?;
     upstream.connect(backend).await?;
     Ok(upstream)
 }
 
 /// Sends the backend's datagrams back to `peer` until the flow idles out or is ended.
 async fn relay_replies(
-    peer: SocketAddrV4,
+    peer: SocketAddr,
     session: Session,
     listener: Arc<UdpSocket>,
     sessions: Sessions,
@@ -211,7 +214,7 @@ async fn relay_replies(
             received = session.upstream.recv(&mut buffer) => match received {
                 Ok(length) => {
                     session.last_seen.touch();
-                    match listener.send_to(&buffer[..length], SocketAddr::V4(peer)).await {
+                    match listener.send_to(&buffer[..length], peer).await {
                         Ok(sent) => metrics.bytes(Protocol::Udp, 0, sent as u64),
                         Err(error) => debug!(%peer, %error, "send to client failed"),
                     }
@@ -231,6 +234,6 @@ async fn relay_replies(
     }
 }
 
-fn lock(sessions: &Sessions) -> std::sync::MutexGuard<'_, HashMap<SocketAddrV4, Session>> {
+fn lock(sessions: &Sessions) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Session>> {
     sessions.lock().unwrap_or_else(PoisonError::into_inner)
 }

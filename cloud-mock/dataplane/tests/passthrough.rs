@@ -1,157 +1,26 @@
 //! Kernel tests (root only): each runs its body inside a fresh network namespace pair
-//! created here (`tdmdp<pid><test><e|n>`: a cloud edge and a node behind a veth), and
-//! always deletes them. Nothing touches the root namespace.
+//! (`support::netns::Lab`: a cloud edge and a node behind a veth), and always deletes
+//! them. Nothing touches the root namespace.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 
-use std::fs::File;
-use std::net::Ipv4Addr;
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::Duration;
 
 use cloud_mock_dataplane::{
     BackendHealth, DataPlane, DataPlaneConfig, HealthCheck, LoadBalancer, Mode, Protocol,
 };
-use nix::sched::{CloneFlags, setns};
-use nix::unistd::Uid;
 
+use support::netns::{
+    Lab, bind_in, block_on_in_netns, in_netns, ip, ip_async, is_root, wait_for_ip,
+};
 use support::{greet_on, listener, tcp_hello};
 
-const PREFIX: &str = "tdmdp";
 const NODE_A: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 11);
 const NODE_B: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 12);
 const HEALTH_PORT: u16 = 10256;
-
-fn ip(args: &[&str]) -> String {
-    let output = Command::new("ip").args(args).output().unwrap();
-    assert!(
-        output.status.success(),
-        "ip {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-/// An edge and a node namespace joined by a veth; deleted on drop, also on panic.
-struct Lab {
-    edge: String,
-    node: String,
-}
-
-impl Lab {
-    fn create(test: char) -> Self {
-        remove_stale_namespaces();
-        let pid = std::process::id();
-        let lab = Self {
-            edge: format!("{PREFIX}{pid}{test}e"),
-            node: format!("{PREFIX}{pid}{test}n"),
-        };
-        ip(&["netns", "add", &lab.edge]);
-        ip(&["netns", "add", &lab.node]);
-        let (edge, node) = (lab.edge.as_str(), lab.node.as_str());
-        ip(&[
-            "-n", edge, "link", "add", "ve", "type", "veth", "peer", "name", "vn", "netns", node,
-        ]);
-        ip(&["-n", edge, "address", "add", "10.77.0.1/24", "dev", "ve"]);
-        ip(&["-n", node, "address", "add", "10.77.0.11/24", "dev", "vn"]);
-        ip(&["-n", node, "address", "add", "10.77.0.12/24", "dev", "vn"]);
-        for (ns, dev) in [(edge, "ve"), (edge, "lo"), (node, "vn"), (node, "lo")] {
-            ip(&["-n", ns, "link", "set", dev, "up"]);
-        }
-        lab
-    }
-}
-
-impl Drop for Lab {
-    fn drop(&mut self) {
-        for name in [&self.edge, &self.node] {
-            let _ = Command::new("ip").args(["netns", "delete", name]).status();
-        }
-    }
-}
-
-/// Namespaces of earlier runs whose process is gone.
-fn remove_stale_namespaces() {
-    for line in ip(&["netns", "list"]).lines() {
-        let Some(name) = line.split_whitespace().next() else {
-            continue;
-        };
-        let Some(rest) = name.strip_prefix(PREFIX) else {
-            continue;
-        };
-        let pid: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        if !pid.is_empty() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = Command::new("ip").args(["netns", "delete", name]).status();
-        }
-    }
-}
-
-/// Runs `body` on a thread inside namespace `name` (threads it starts inherit it).
-fn in_netns<T: Send>(name: &str, body: impl FnOnce() -> T + Send) -> T {
-    std::thread::scope(|scope| {
-        let thread = scope.spawn(|| {
-            let netns = File::open(format!("/run/netns/{name}")).unwrap();
-            setns(&netns, CloneFlags::CLONE_NEWNET).unwrap();
-            body()
-        });
-        thread
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-    })
-}
-
-/// Runs the async `body` on a runtime whose every thread lives in namespace `name`.
-fn block_on_in_netns<F: Future<Output = ()>>(name: &str, body: impl FnOnce() -> F + Send) {
-    in_netns(name, || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(body());
-    });
-}
-
-fn is_root() -> bool {
-    if Uid::effective().is_root() {
-        return true;
-    }
-    eprintln!("skipped: network-namespace tests need root");
-    false
-}
-
-async fn ip_async(args: &[&str]) -> String {
-    let output = tokio::process::Command::new("ip")
-        .args(args)
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "ip {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-/// Polls `ip ARGS` until its output satisfies `condition`; the time it took.
-async fn wait_for_ip(args: &[&str], what: &str, condition: impl Fn(&str) -> bool) -> Duration {
-    let start = Instant::now();
-    loop {
-        let output = ip_async(args).await;
-        if condition(&output) {
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "timed out waiting for {what}; last: {output:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 /// Probes every 100 ms; one answer decides.
 fn quick_health() -> DataPlaneConfig {
@@ -164,13 +33,13 @@ fn quick_health() -> DataPlaneConfig {
     }
 }
 
-fn passthrough_lb(vip: Ipv4Addr, check: Option<HealthCheck>) -> LoadBalancer {
+fn passthrough_lb(vip: IpAddr, check: Option<HealthCheck>) -> LoadBalancer {
     LoadBalancer {
         id: "lb-pass".to_owned(),
-        vip,
+        vips: vec![vip],
         mode: Mode::Passthrough,
         listeners: vec![listener(Protocol::Tcp, 80, 30080, check)],
-        backends: vec![NODE_A, NODE_B],
+        backends: vec![NODE_A.into(), NODE_B.into()],
         source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
     }
 }
@@ -204,7 +73,7 @@ fn passthrough_ecmp_route_follows_backend_health() {
         let [a, b] = health
             .map(|l| support::greet_on(tokio::net::TcpListener::from_std(l).unwrap(), "health"));
         let dataplane = DataPlane::new(quick_health());
-        let vip = Ipv4Addr::new(198, 51, 100, 5);
+        let vip = IpAddr::from([198, 51, 100, 5]);
         let show = ["-4", "route", "show", "198.51.100.5/32"];
         let lb = passthrough_lb(vip, Some(HealthCheck::Tcp { port: HEALTH_PORT }));
         dataplane.apply(vec![lb.clone()]).await.unwrap();
@@ -248,8 +117,8 @@ fn passthrough_ecmp_route_follows_backend_health() {
         assert_eq!(
             dataplane.backend_health("lb-pass"),
             vec![
-                (NODE_A, BackendHealth::Healthy),
-                (NODE_B, BackendHealth::Unhealthy)
+                (NODE_A.into(), BackendHealth::Healthy),
+                (NODE_B.into(), BackendHealth::Unhealthy)
             ]
         );
 
@@ -299,13 +168,13 @@ fn proxy_mode_manages_non_loopback_vip_addresses() {
             manage_vip_addresses: true,
             ..DataPlaneConfig::default()
         });
-        let vip = Ipv4Addr::new(198, 51, 100, 9);
+        let vip = IpAddr::from([198, 51, 100, 9]);
         let lb = LoadBalancer {
             id: "lb-edge".to_owned(),
-            vip,
+            vips: vec![vip],
             mode: Mode::Proxy,
             listeners: vec![listener(Protocol::Tcp, 80, 30080, None)],
-            backends: vec![NODE_A],
+            backends: vec![NODE_A.into()],
             source_ranges: vec![],
         };
         dataplane.apply(vec![lb]).await.unwrap();
@@ -326,27 +195,17 @@ fn proxy_mode_manages_non_loopback_vip_addresses() {
     });
 }
 
-/// A listener bound inside the node namespace at `ip:port`, for a server started later
-/// in another namespace's runtime.
-fn bind_in(netns: &str, ip: Ipv4Addr, port: u16) -> std::net::TcpListener {
-    in_netns(netns, || {
-        let listener = std::net::TcpListener::bind((ip, port)).unwrap();
-        listener.set_nonblocking(true).unwrap();
-        listener
-    })
-}
-
 fn serve(listener: std::net::TcpListener, name: &'static str) -> support::Server {
     greet_on(tokio::net::TcpListener::from_std(listener).unwrap(), name)
 }
 
-fn sharer(id: &str, vip: Ipv4Addr, mode: Mode, port: u16, backend_port: u16) -> LoadBalancer {
+fn sharer(id: &str, vip: IpAddr, mode: Mode, port: u16, backend_port: u16) -> LoadBalancer {
     LoadBalancer {
         id: id.to_owned(),
-        vip,
+        vips: vec![vip],
         mode,
         listeners: vec![listener(Protocol::Tcp, port, backend_port, None)],
-        backends: vec![NODE_A, NODE_B],
+        backends: vec![NODE_A.into(), NODE_B.into()],
         source_ranges: vec![],
     }
 }
@@ -365,11 +224,11 @@ fn proxy_mode_serves_each_sharer_of_a_vip_on_its_own_ports() {
             manage_vip_addresses: true,
             ..DataPlaneConfig::default()
         });
-        let vip = Ipv4Addr::new(198, 51, 100, 20);
+        let vip = IpAddr::from([198, 51, 100, 20]);
         let mut web_lb = sharer("lb-web", vip, Mode::Proxy, 80, 30080);
-        web_lb.backends = vec![NODE_A];
+        web_lb.backends = vec![NODE_A.into()];
         let mut api_lb = sharer("lb-api", vip, Mode::Proxy, 81, 30081);
-        api_lb.backends = vec![NODE_B];
+        api_lb.backends = vec![NODE_B.into()];
         dataplane
             .apply(vec![web_lb.clone(), api_lb.clone()])
             .await
@@ -407,7 +266,7 @@ fn passthrough_sharers_route_over_the_nodes_that_serve_them_all() {
         return;
     }
     let lab = Lab::create('p');
-    let vip = Ipv4Addr::new(198, 51, 100, 21);
+    let vip = IpAddr::from([198, 51, 100, 21]);
     // The nodes take the VIP's packets unchanged (as kube-proxy's rules would).
     ip(&[
         "-n",

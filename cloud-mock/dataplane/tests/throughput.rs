@@ -6,7 +6,7 @@
 
 mod support;
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use cloud_mock_dataplane::{DataPlane, DataPlaneConfig, Protocol};
@@ -20,7 +20,7 @@ const CHUNK: usize = 64 << 10;
 const CONNECTIONS: usize = 200;
 
 /// Backend that drains each connection and answers with the byte count when it ends.
-async fn sink(ip: Ipv4Addr, port: u16) -> Server {
+async fn sink(ip: IpAddr, port: u16) -> Server {
     let listener = TcpListener::bind((ip, port)).await.unwrap();
     let task = tokio::spawn(async move {
         while let Ok((mut stream, _)) = listener.accept().await {
@@ -41,7 +41,7 @@ async fn sink(ip: Ipv4Addr, port: u16) -> Server {
 }
 
 /// Seconds to push `VOLUME` bytes to `ip:port` and get the backend's count back.
-async fn transfer(ip: Ipv4Addr, port: u16) -> f64 {
+async fn transfer(ip: IpAddr, port: u16) -> f64 {
     let chunk = vec![7_u8; CHUNK];
     let start = Instant::now();
     let mut stream = TcpStream::connect((ip, port)).await.unwrap();
@@ -56,7 +56,7 @@ async fn transfer(ip: Ipv4Addr, port: u16) -> f64 {
 }
 
 /// Seconds for `CONNECTIONS` sequential connect + one byte + answer round trips.
-async fn connection_round_trips(ip: Ipv4Addr, port: u16) -> f64 {
+async fn connection_round_trips(ip: IpAddr, port: u16) -> f64 {
     let start = Instant::now();
     for _ in 0..CONNECTIONS {
         let mut stream = TcpStream::connect((ip, port)).await.unwrap();

@@ -5,13 +5,14 @@ use std::time::Duration;
 
 use reqwest::header::{AUTHORIZATION, HeaderMap, RETRY_AFTER};
 use reqwest::{Method, RequestBuilder, StatusCode, Url};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::ListFilter;
 use crate::error::Error;
 use crate::types::{
     ErrorBody, Faults, LoadBalancer, LoadBalancerList, LoadBalancerSpec, Pool, PoolList,
 };
+use crate::{ListFilter, families};
 
 /// Header that makes a create idempotent: a repeated create with the same key returns the
 /// load balancer the first one made.
@@ -96,20 +97,13 @@ impl Client {
         spec: &LoadBalancerSpec,
         idempotency_key: &str,
     ) -> Result<LoadBalancer, Error> {
-        let url = self.url(&["v1", "loadbalancers"])?;
-        self.call(|| {
-            self.request(Method::POST, url.clone())
-                .header(IDEMPOTENCY_KEY, idempotency_key)
-                .json(spec)
-        })
-        .await
+        self.create(spec, idempotency_key).await
     }
 
     /// The load balancer `id`; [`Error::NotFound`] when there is none.
     #[tracing::instrument(skip(self))]
     pub async fn get_load_balancer(&self, id: &str) -> Result<LoadBalancer, Error> {
-        let url = self.url(&["v1", "loadbalancers", id])?;
-        self.call(|| self.request(Method::GET, url.clone())).await
+        self.get(id).await
     }
 
     /// Every load balancer that carries all of `filter.tags` and, if given, `filter.name`.
@@ -118,11 +112,7 @@ impl Client {
         &self,
         filter: &ListFilter,
     ) -> Result<Vec<LoadBalancer>, Error> {
-        let url = self.url(&["v1", "loadbalancers"])?;
-        let query = filter.query_pairs();
-        let list: LoadBalancerList = self
-            .call(|| self.request(Method::GET, url.clone()).query(&query))
-            .await?;
+        let list: LoadBalancerList = self.list(filter).await?;
         Ok(list.items)
     }
 
@@ -135,6 +125,47 @@ impl Client {
         spec: &LoadBalancerSpec,
         if_match_version: u64,
     ) -> Result<LoadBalancer, Error> {
+        self.update(id, spec, if_match_version).await
+    }
+
+    /// The same calls with the whole load balancer, of any IP family
+    /// ([`families::LoadBalancerSpec`]).
+    pub fn families(&self) -> FamiliesClient<'_> {
+        FamiliesClient { client: self }
+    }
+
+    async fn create<T: DeserializeOwned>(
+        &self,
+        spec: &impl Serialize,
+        idempotency_key: &str,
+    ) -> Result<T, Error> {
+        let url = self.url(&["v1", "loadbalancers"])?;
+        self.call(|| {
+            self.request(Method::POST, url.clone())
+                .header(IDEMPOTENCY_KEY, idempotency_key)
+                .json(spec)
+        })
+        .await
+    }
+
+    async fn get<T: DeserializeOwned>(&self, id: &str) -> Result<T, Error> {
+        let url = self.url(&["v1", "loadbalancers", id])?;
+        self.call(|| self.request(Method::GET, url.clone())).await
+    }
+
+    async fn list<T: DeserializeOwned>(&self, filter: &ListFilter) -> Result<T, Error> {
+        let url = self.url(&["v1", "loadbalancers"])?;
+        let query = filter.query_pairs();
+        self.call(|| self.request(Method::GET, url.clone()).query(&query))
+            .await
+    }
+
+    async fn update<T: DeserializeOwned>(
+        &self,
+        id: &str,
+        spec: &impl Serialize,
+        if_match_version: u64,
+    ) -> Result<T, Error> {
         let url = self.url(&["v1", "loadbalancers", id])?;
         let version = if_match_version.to_string();
         self.call(|| {
@@ -228,6 +259,52 @@ impl Client {
             tokio::time::sleep(delay).await;
             attempt += 1;
         }
+    }
+}
+
+/// The load-balancer calls of a [`Client`] with the whole load balancer, of any IP family
+/// (from [`Client::families`]); the same retries, timeouts and errors.
+#[derive(Debug, Clone, Copy)]
+pub struct FamiliesClient<'a> {
+    client: &'a Client,
+}
+
+impl FamiliesClient<'_> {
+    /// Creates a load balancer; see [`Client::create_load_balancer`].
+    #[tracing::instrument(skip(self, spec), fields(name = %spec.name))]
+    pub async fn create_load_balancer(
+        &self,
+        spec: &families::LoadBalancerSpec,
+        idempotency_key: &str,
+    ) -> Result<families::LoadBalancer, Error> {
+        self.client.create(spec, idempotency_key).await
+    }
+
+    /// The load balancer `id`; [`Error::NotFound`] when there is none.
+    #[tracing::instrument(skip(self))]
+    pub async fn get_load_balancer(&self, id: &str) -> Result<families::LoadBalancer, Error> {
+        self.client.get(id).await
+    }
+
+    /// Every load balancer that carries all of `filter.tags` and, if given, `filter.name`.
+    #[tracing::instrument(skip(self))]
+    pub async fn list_load_balancers(
+        &self,
+        filter: &ListFilter,
+    ) -> Result<Vec<families::LoadBalancer>, Error> {
+        let list: families::LoadBalancerList = self.client.list(filter).await?;
+        Ok(list.items)
+    }
+
+    /// Replaces the desired state of `id`; see [`Client::update_load_balancer`].
+    #[tracing::instrument(skip(self, spec))]
+    pub async fn update_load_balancer(
+        &self,
+        id: &str,
+        spec: &families::LoadBalancerSpec,
+        if_match_version: u64,
+    ) -> Result<families::LoadBalancer, Error> {
+        self.client.update(id, spec, if_match_version).await
     }
 }
 

@@ -4,19 +4,24 @@
 //! retries with exponential backoff that honour `Retry-After`, an `Idempotency-Key` on
 //! every create, `If-Match` on every update, and typed [`Error`]s. It has no dependency on
 //! the server.
+//!
+//! The types at the crate root are the IPv4 view of a load balancer, unchanged since
+//! before IP families; [`families`] has the whole one (IPv4, IPv6 or dual-stack), which
+//! [`Client::families`] sends and reads.
 
 mod client;
 mod error;
+pub mod families;
 mod types;
 
 use std::collections::BTreeMap;
 
-pub use client::{Client, ClientOptions, IDEMPOTENCY_KEY};
+pub use client::{Client, ClientOptions, FamiliesClient, IDEMPOTENCY_KEY};
 pub use error::Error;
 pub use types::{
     AddressRequest, Backend, BackendHealth, BackendStatus, ErrorBody, ErrorDetail, Faults,
-    HealthCheck, HealthCheckProtocol, Listener, LoadBalancer, LoadBalancerList, LoadBalancerSpec,
-    LostAnswer, Mode, Pool, PoolList, Protocol, State,
+    HealthCheck, HealthCheckProtocol, IpFamily, Listener, LoadBalancer, LoadBalancerList,
+    LoadBalancerSpec, LostAnswer, Mode, Pool, PoolList, Protocol, State,
 };
 
 /// Which load balancers a list returns: those carrying every tag in `tags` (and named

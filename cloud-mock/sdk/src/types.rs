@@ -3,10 +3,49 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 
-use ipnet::Ipv4Net;
-use serde::{Deserialize, Serialize};
+use ipnet::{IpNet, Ipv4Net};
+use serde::{Deserialize, Deserializer, Serialize};
 
-/// The desired state of a load balancer: the body of a create or an update.
+/// An IP address family, as Kubernetes spells it in `ipFamilies`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum IpFamily {
+    #[serde(rename = "IPv4")]
+    Ipv4,
+    #[serde(rename = "IPv6")]
+    Ipv6,
+}
+
+impl IpFamily {
+    pub const fn of(ip: &IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => Self::Ipv4,
+            IpAddr::V6(_) => Self::Ipv6,
+        }
+    }
+
+    pub const fn of_net(net: &IpNet) -> Self {
+        match net {
+            IpNet::V4(_) => Self::Ipv4,
+            IpNet::V6(_) => Self::Ipv6,
+        }
+    }
+}
+
+impl std::fmt::Display for IpFamily {
+    /// As the API spells it: `IPv4`, `IPv6`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Ipv4 => "IPv4",
+            Self::Ipv6 => "IPv6",
+        })
+    }
+}
+
+/// The desired state of a load balancer: the body of a create or an update, seen as an
+/// IPv4-only client sees it. It sends no `ipFamilies` (so it asks for IPv4 alone), and
+/// reading an answer it keeps the IPv4 entries of `backends`, `sourceRanges` and `health`
+/// only, so that it can read any load balancer. [`crate::families::LoadBalancerSpec`] is
+/// the whole spec.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct LoadBalancerSpec {
@@ -18,13 +57,51 @@ pub struct LoadBalancerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vip: Option<Ipv4Addr>,
     pub listeners: Vec<Listener>,
+    #[serde(deserialize_with = "ipv4_backends")]
     pub backends: Vec<Backend>,
     /// Client CIDRs allowed to reach the VIP; empty allows every source.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "ipv4_nets")]
     pub source_ranges: Vec<Ipv4Net>,
     /// Where the VIP comes from: pool, requested addresses, sharing.
     #[serde(flatten)]
     pub address: AddressRequest,
+}
+
+/// The IPv4 entries of a list of backends of any family.
+fn ipv4_backends<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<Backend>, D::Error> {
+    let all = Vec::<crate::families::Backend>::deserialize(deserializer)?;
+    Ok(all
+        .into_iter()
+        .filter_map(|backend| match backend.ip {
+            IpAddr::V4(ip) => Some(Backend { ip }),
+            IpAddr::V6(_) => None,
+        })
+        .collect())
+}
+
+fn ipv4_nets<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<Ipv4Net>, D::Error> {
+    let all = Vec::<IpNet>::deserialize(deserializer)?;
+    Ok(all
+        .into_iter()
+        .filter_map(|net| match net {
+            IpNet::V4(net) => Some(net),
+            IpNet::V6(_) => None,
+        })
+        .collect())
+}
+
+fn ipv4_health<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<BackendStatus>, D::Error> {
+    let all = Vec::<crate::families::BackendStatus>::deserialize(deserializer)?;
+    Ok(all
+        .into_iter()
+        .filter_map(|status| match status.ip {
+            IpAddr::V4(ip) => Some(BackendStatus {
+                ip,
+                health: status.health,
+            }),
+            IpAddr::V6(_) => None,
+        })
+        .collect())
 }
 
 /// How a load balancer's VIP is chosen. Every field is optional: the default takes the
@@ -37,7 +114,8 @@ pub struct AddressRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<String>,
     /// Requested VIPs, at most one per IP family; the IPv4 one may equally be sent as
-    /// `vip`. In an answer, the assigned VIPs.
+    /// `vip`. In an answer, the assigned VIPs, in the order of the load balancer's
+    /// `ipFamilies`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub vips: Vec<IpAddr>,
     /// Load balancers with the same key may share a VIP when their (protocol, port) sets
@@ -46,13 +124,15 @@ pub struct AddressRequest {
     pub sharing_key: Option<String>,
 }
 
-/// A VIP pool as the cloud reports it.
+/// A VIP pool as the cloud reports it: one entry per name and family (a pool name may
+/// have one CIDR of each family).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Pool {
     pub name: String,
-    pub cidr: Ipv4Net,
-    /// Addresses the pool can hand out.
+    pub family: IpFamily,
+    pub cidr: IpNet,
+    /// Addresses the pool can hand out (at most 2^64 - 1: a larger IPv6 pool says that).
     pub size: u64,
     /// Addresses held by at least one load balancer.
     pub allocated: u64,
@@ -129,19 +209,20 @@ pub struct Backend {
 pub struct LoadBalancer {
     /// Assigned by the cloud, like `lb-3f9a2c1e`.
     pub id: String,
-    /// The desired state; `spec.vip` is always the assigned VIP.
+    /// The desired state; `spec.vip` is the assigned IPv4 VIP.
     #[serde(flatten)]
     pub spec: LoadBalancerSpec,
     pub state: State,
     /// Increases by one with every accepted change of the spec; send it as `If-Match`.
     pub version: u64,
-    /// One entry per backend.
-    #[serde(default)]
+    /// One entry per (IPv4) backend.
+    #[serde(default, deserialize_with = "ipv4_health")]
     pub health: Vec<BackendStatus>,
 }
 
 impl LoadBalancer {
-    /// The assigned VIP (always present in the cloud's answers).
+    /// The assigned IPv4 VIP (present in the cloud's answers unless the load balancer has
+    /// IPv6 alone).
     pub fn vip(&self) -> Option<Ipv4Addr> {
         self.spec.vip
     }

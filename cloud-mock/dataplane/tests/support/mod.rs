@@ -1,8 +1,11 @@
-//! Loopback backends and helpers for the data-plane tests. Everything binds on 127/8 only.
+//! Backends and helpers for the data-plane tests. In the root namespace everything binds
+//! on 127/8 only; the namespace tests (`netns`) bind inside namespaces they create.
 
 #![allow(dead_code)]
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+pub mod netns;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
@@ -15,12 +18,12 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream, UdpSocket};
 use tokio::task::JoinHandle;
 
 /// `127.77.<net>.<host>`: each test uses its own `net`.
-pub fn addr(net: u8, host: u8) -> Ipv4Addr {
-    Ipv4Addr::new(127, 77, net, host)
+pub fn addr(net: u8, host: u8) -> IpAddr {
+    Ipv4Addr::new(127, 77, net, host).into()
 }
 
 /// A port free on `ip` for both TCP and UDP right now.
-pub async fn free_port(ip: Ipv4Addr) -> u16 {
+pub async fn free_port(ip: IpAddr) -> u16 {
     loop {
         let tcp = TcpListener::bind((ip, 0)).await.unwrap();
         let port = tcp.local_addr().unwrap().port();
@@ -46,7 +49,7 @@ impl Drop for Server {
 }
 
 /// TCP backend: greets every connection with `name\n`, then echoes.
-pub async fn tcp_backend(ip: Ipv4Addr, port: u16, name: &'static str) -> Server {
+pub async fn tcp_backend(ip: IpAddr, port: u16, name: &'static str) -> Server {
     greet_on(TcpListener::bind((ip, port)).await.unwrap(), name)
 }
 
@@ -70,8 +73,12 @@ pub fn greet_on(listener: TcpListener, name: &'static str) -> Server {
 }
 
 /// UDP backend: answers every datagram with `name:payload`.
-pub async fn udp_backend(ip: Ipv4Addr, port: u16, name: &'static str) -> Server {
-    let socket = UdpSocket::bind((ip, port)).await.unwrap();
+pub async fn udp_backend(ip: IpAddr, port: u16, name: &'static str) -> Server {
+    udp_greet_on(UdpSocket::bind((ip, port)).await.unwrap(), name)
+}
+
+/// Serves `socket` like `udp_backend`.
+pub fn udp_greet_on(socket: UdpSocket, name: &'static str) -> Server {
     Server(tokio::spawn(async move {
         let mut buffer = [0_u8; 2048];
         while let Ok((length, peer)) = socket.recv_from(&mut buffer).await {
@@ -89,7 +96,7 @@ pub struct HealthServer {
 }
 
 impl HealthServer {
-    pub async fn start(ip: Ipv4Addr, port: u16) -> Self {
+    pub async fn start(ip: IpAddr, port: u16) -> Self {
         let listener = TcpListener::bind((ip, port)).await.unwrap();
         let status = Arc::new(AtomicU16::new(200));
         let current = Arc::clone(&status);
@@ -117,15 +124,10 @@ impl HealthServer {
     }
 }
 
-pub fn lb(
-    id: &str,
-    vip: Ipv4Addr,
-    listeners: Vec<Listener>,
-    backends: Vec<Ipv4Addr>,
-) -> LoadBalancer {
+pub fn lb(id: &str, vip: IpAddr, listeners: Vec<Listener>, backends: Vec<IpAddr>) -> LoadBalancer {
     LoadBalancer {
         id: id.to_owned(),
-        vip,
+        vips: vec![vip],
         mode: Mode::Proxy,
         listeners,
         backends,
@@ -174,17 +176,21 @@ pub async fn wait_healthy(dataplane: &DataPlane, lb_id: &str, count: usize) {
 
 /// Connects to `vip:port` from `source` (any when `None`) and returns the greeting.
 pub async fn tcp_hello(
-    source: Option<Ipv4Addr>,
-    vip: Ipv4Addr,
+    source: Option<IpAddr>,
+    vip: IpAddr,
     port: u16,
 ) -> std::io::Result<(TcpStream, String)> {
-    let socket = TcpSocket::new_v4()?;
+    let socket = if vip.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
     if let Some(source) = source {
-        socket.bind(SocketAddr::V4(SocketAddrV4::new(source, 0)))?;
+        socket.bind(SocketAddr::new(source, 0))?;
     }
     let mut stream = tokio::time::timeout(
         Duration::from_secs(2),
-        socket.connect(SocketAddr::V4(SocketAddrV4::new(vip, port))),
+        socket.connect(SocketAddr::new(vip, port)),
     )
     .await
     .map_err(|_| std::io::Error::other("connect timed out"))??;
@@ -216,7 +222,7 @@ pub async fn read_line(stream: &mut TcpStream) -> std::io::Result<String> {
 /// when nothing comes back within `wait`.
 pub async fn udp_ask(
     socket: &UdpSocket,
-    vip: Ipv4Addr,
+    vip: IpAddr,
     port: u16,
     payload: &str,
     wait: Duration,
