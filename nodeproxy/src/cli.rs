@@ -4,9 +4,9 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::str::FromStr;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use ipnet::Ipv4Net;
-use tandem_proxy_rules::model::Protocol;
+use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
+use ipnet::{IpNet, Ipv4Net};
+use tandem_proxy_rules::model::{NodeConfig, NodePortAddresses, Protocol};
 
 pub use tandem_common::{GoDuration, LogFormat};
 
@@ -47,6 +47,109 @@ pub struct ClusterArgs {
     /// Pod CIDR of the cluster: traffic to cluster IPs from outside it is masqueraded.
     #[arg(long, env = "CLUSTER_CIDR", global = true)]
     pub cluster_cidr: Option<Ipv4Net>,
+    /// Masquerade every connection to a cluster IP, not only those from outside
+    /// --cluster-cidr.
+    #[arg(long, env = "MASQUERADE_ALL", global = true)]
+    pub masquerade_all: bool,
+    /// Serve node ports only on this node's addresses inside these CIDRs (comma-separated),
+    /// or `primary`: the node's own IP. Unset: every address in iptables mode, `primary` in
+    /// nftables mode.
+    #[arg(long, env = "NODEPORT_ADDRESSES", value_delimiter = ',', global = true)]
+    pub nodeport_addresses: Vec<NodePortAddress>,
+    /// iptables mode: also serve node ports on 127.0.0.0/8 (sets route_localnet). The
+    /// nftables mode never does.
+    #[arg(long, env = "IPTABLES_LOCALHOST_NODEPORTS", default_value_t = true, action = ArgAction::Set, global = true)]
+    pub iptables_localhost_nodeports: bool,
+    /// The Service CIDRs (kube-apiserver's flag of this name; comma-separated): in
+    /// nftables mode, new connections to an address in them that no Service holds are
+    /// dropped.
+    #[arg(
+        long,
+        env = "SERVICE_CLUSTER_IP_RANGE",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub service_cluster_ip_range: Vec<IpNet>,
+}
+
+/// One value of `--nodeport-addresses`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodePortAddress {
+    /// The node's primary IP (kube-proxy ≥ 1.29's `primary`).
+    Primary,
+    Cidr(IpNet),
+}
+
+impl FromStr for NodePortAddress {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "primary" {
+            return Ok(Self::Primary);
+        }
+        s.parse()
+            .map(Self::Cidr)
+            .map_err(|_| format!("{s:?} is neither a CIDR nor `primary`"))
+    }
+}
+
+/// Why the node-port flags cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NodePortAddressesError {
+    #[error("--nodeport-addresses: `primary` cannot be combined with CIDRs")]
+    PrimaryWithCidrs,
+}
+
+impl ClusterArgs {
+    /// The node port addresses in force for this mode, as kube-proxy resolves them: an
+    /// unset flag means every local address in iptables mode and `primary` in nftables
+    /// mode; `primary` is `node_ip`/32, or every address while the node's IP is unknown;
+    /// IPv6 CIDRs are for an IPv6 proxier this node proxy does not run.
+    pub fn node_port_addresses(
+        &self,
+        node_ip: Option<Ipv4Addr>,
+    ) -> Result<NodePortAddresses, NodePortAddressesError> {
+        let given = &self.nodeport_addresses;
+        let primary = given.contains(&NodePortAddress::Primary);
+        if primary && given.len() > 1 {
+            return Err(NodePortAddressesError::PrimaryWithCidrs);
+        }
+        if primary || (given.is_empty() && self.proxy_mode == ProxyMode::Nftables) {
+            let own: Vec<Ipv4Net> = node_ip.map(Ipv4Net::from).into_iter().collect();
+            return Ok(NodePortAddresses::from_cidrs(&own));
+        }
+        let cidrs: Vec<Ipv4Net> = given
+            .iter()
+            .filter_map(|address| match address {
+                NodePortAddress::Cidr(IpNet::V4(cidr)) => Some(*cidr),
+                _ => None,
+            })
+            .collect();
+        Ok(NodePortAddresses::from_cidrs(&cidrs))
+    }
+
+    /// This node's settings: the flags, and the node's IP from its Node object.
+    pub fn node_config(
+        &self,
+        node_name: String,
+        node_ip: Option<Ipv4Addr>,
+    ) -> Result<NodeConfig, NodePortAddressesError> {
+        Ok(NodeConfig {
+            node_name,
+            cluster_cidr: self.cluster_cidr,
+            node_ip,
+            masquerade_all: self.masquerade_all,
+            node_port_addresses: self.node_port_addresses(node_ip)?,
+            localhost_node_ports: self.iptables_localhost_nodeports,
+            service_cidrs: self
+                .service_cluster_ip_range
+                .iter()
+                .filter_map(|cidr| match cidr {
+                    IpNet::V4(cidr) => Some(cidr.trunc()),
+                    IpNet::V6(_) => None,
+                })
+                .collect(),
+        })
+    }
 }
 
 #[derive(Debug, Args)]
@@ -193,6 +296,58 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(nft.cluster.proxy_mode, ProxyMode::Nftables);
+    }
+
+    #[test]
+    fn kube_proxys_flags_resolve_as_kube_proxy_resolves_them() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["tandem-nodeproxy"];
+            all.extend(args);
+            Cli::try_parse_from(all).unwrap().cluster
+        };
+        let node_ip = Some(Ipv4Addr::new(198, 18, 0, 11));
+        let cidrs = |list: &[&str]| {
+            NodePortAddresses::Cidrs(list.iter().map(|c| c.parse().unwrap()).collect())
+        };
+        // Unset: every address in iptables mode, the node's own in nftables mode.
+        let defaults = parse(&[]);
+        assert_eq!(
+            defaults.node_port_addresses(node_ip),
+            Ok(NodePortAddresses::All)
+        );
+        assert!(!defaults.masquerade_all && defaults.iptables_localhost_nodeports);
+        let nft = parse(&["--proxy-mode", "nftables"]);
+        assert_eq!(
+            nft.node_port_addresses(node_ip),
+            Ok(cidrs(&["198.18.0.11/32"]))
+        );
+        // `primary` without a known node IP: every address (kube-proxy's fallback).
+        assert_eq!(nft.node_port_addresses(None), Ok(NodePortAddresses::All));
+        let given = parse(&[
+            "--nodeport-addresses",
+            "192.168.7.0/24,fd00::/64,10.0.0.0/8",
+            "--masquerade-all",
+            "--iptables-localhost-nodeports=false",
+            "--service-cluster-ip-range",
+            "10.96.0.0/16,fd00:96::/112",
+        ]);
+        assert_eq!(
+            given.node_port_addresses(node_ip),
+            Ok(cidrs(&["10.0.0.0/8", "192.168.7.0/24"]))
+        );
+        let node = given.node_config("node-a".into(), node_ip).unwrap();
+        assert!(node.masquerade_all && !node.localhost_node_ports);
+        assert_eq!(node.service_cidrs, vec!["10.96.0.0/16".parse().unwrap()]);
+        assert_eq!(node.node_ip, node_ip);
+        assert_eq!(
+            parse(&["--nodeport-addresses", "primary"]).node_port_addresses(node_ip),
+            Ok(cidrs(&["198.18.0.11/32"]))
+        );
+        assert_eq!(
+            parse(&["--nodeport-addresses", "primary,10.0.0.0/8"]).node_port_addresses(node_ip),
+            Err(NodePortAddressesError::PrimaryWithCidrs)
+        );
+        assert!(Cli::try_parse_from(["tandem-nodeproxy", "--nodeport-addresses", "eth0"]).is_err());
     }
 
     #[test]

@@ -316,6 +316,21 @@ pub fn node_addresses(node: &Node) -> Vec<Ipv4Addr> {
         .collect()
 }
 
+/// The node's primary IPv4 address as kube-proxy detects it: the first InternalIP, else
+/// the first ExternalIP, of `status.addresses`.
+pub fn node_primary_ip(node: &Node) -> Option<Ipv4Addr> {
+    let addresses = node
+        .status
+        .as_ref()
+        .and_then(|status| status.addresses.as_ref())?;
+    ["InternalIP", "ExternalIP"].into_iter().find_map(|kind| {
+        addresses
+            .iter()
+            .filter(|a| a.type_ == kind)
+            .find_map(|a| a.address.parse().ok())
+    })
+}
+
 /// `(namespace, name)` of a watched object.
 pub type ObjectKey = (String, String);
 
@@ -1001,6 +1016,22 @@ mod tests {
                 Ipv4Addr::new(203, 0, 113, 50)
             ]
         );
+        assert_eq!(node_primary_ip(&node), Some(Ipv4Addr::new(198, 18, 0, 11)));
+        let external_only = Node {
+            status: Some(NodeStatus {
+                addresses: Some(vec![
+                    address("InternalIP", "fd00::11"),
+                    address("ExternalIP", "203.0.113.50"),
+                ]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            node_primary_ip(&external_only),
+            Some(Ipv4Addr::new(203, 0, 113, 50))
+        );
+        assert_eq!(node_primary_ip(&Node::default()), None);
     }
 
     #[test]

@@ -34,6 +34,9 @@ pub async fn start(
             if let Err(error) = remove_nftables_table().await {
                 tracing::warn!(%error, "could not remove the nftables mode's table");
             }
+            if node.localhost_node_ports && node.node_port_addresses.overlap_loopback() {
+                enable_route_localnet().await?;
+            }
             Ok(DataPath::iptables(node, Syncer::new(backend)))
         }
         ProxyMode::Nftables => {
@@ -48,6 +51,22 @@ pub async fn start(
             Ok(DataPath::nftables(node, kernel))
         }
     }
+}
+
+/// Where the kernel keeps `route_localnet` for every interface.
+const ROUTE_LOCALNET: &str = "/proc/sys/net/ipv4/conf/all/route_localnet";
+
+/// Lets packets to 127.0.0.0/8 be DNATed to a pod, which node ports on localhost need (as
+/// kube-proxy does in iptables mode; left set on exit, as kube-proxy leaves it). Packets
+/// from other hosts to 127.0.0.0/8 are then routed too: the kubelet's "block incoming
+/// localnet connections" rule drops them.
+async fn enable_route_localnet() -> Result<(), StartError> {
+    tracing::info!(
+        "setting route_localnet=1 to serve node ports on 127.0.0.1; --iptables-localhost-nodeports=false or --nodeport-addresses without 127.0.0.0/8 turn this off"
+    );
+    tokio::fs::write(ROUTE_LOCALNET, "1")
+        .await
+        .map_err(StartError::RouteLocalnet)
 }
 
 /// `--cleanup`: everything either mode installs.
@@ -74,6 +93,8 @@ pub enum StartError {
     Nftables(#[from] KernelError),
     #[error("netlink task: {0}")]
     Task(String),
+    #[error("setting {ROUTE_LOCALNET}: {0}")]
+    RouteLocalnet(std::io::Error),
 }
 
 pub enum DataPath {

@@ -165,6 +165,7 @@ impl Syncer {
     ) -> Result<Option<TableSync>, SyncError> {
         let name = table.as_str();
         let started = Instant::now();
+        let mut inspection = TableInspection::default();
         let (payload, full) = match self.applied.get(&table) {
             // The canary is written by full writes only, so incremental diffs ignore it.
             Some(applied) => match restore::incremental(name, applied, wanted, changed) {
@@ -172,7 +173,7 @@ impl Syncer {
                 None => return Ok(None),
             },
             None => {
-                let inspection = self.inspect(name).await?;
+                inspection = self.inspect(name).await?;
                 if table == Table::Filter {
                     // The mangle canary goes in with the first full write.
                     self.restore_noflush_text("mangle", &canary_payload("mangle"))
@@ -191,6 +192,10 @@ impl Syncer {
         let restore = restore_started.elapsed();
         if payload.mode == RestoreMode::NoFlush && full {
             self.ensure_base_jumps(table).await?;
+            // Best effort: what an old version left behind does not stop the rules.
+            if let Err(error) = self.remove_old_firewall(name, &inspection).await {
+                tracing::warn!(%error, "could not remove an older node proxy's KUBE-FIREWALL rules");
+            }
         }
         Ok(Some(TableSync {
             table,
@@ -258,6 +263,7 @@ impl Syncer {
         let listed = chains.iter().filter(|c| {
             restore::builtin_chains(table).contains(&c.as_str())
                 || restore::is_shared_chain(table, c)
+                || (table == "filter" && c.as_str() == restore::KUBELET_FIREWALL_CHAIN)
         });
         for chain in listed {
             let rules = self
@@ -378,6 +384,34 @@ impl Syncer {
             if let Some(text) = plan.payload {
                 self.restore_noflush_text(table, &text).await?;
             }
+            self.remove_old_firewall(table, &inspection).await?;
+        }
+        Ok(())
+    }
+
+    /// Removes what [`restore::old_firewall`] finds an older node proxy left in `table`.
+    async fn remove_old_firewall(
+        &self,
+        table: &str,
+        inspection: &TableInspection,
+    ) -> Result<(), SyncError> {
+        let plan = restore::old_firewall(table, inspection);
+        if plan.is_empty() {
+            return Ok(());
+        }
+        tracing::info!(?plan.jumps, chain = plan.payload.is_some(), "removing an older node proxy's KUBE-FIREWALL rules");
+        for (builtin, rule) in plan.jumps {
+            let mut delete = vec!["-w", LOCK_WAIT_SECONDS, "-t", table, "-D", builtin];
+            let rule = split_rule(rule);
+            delete.extend(rule.iter().map(String::as_str));
+            while spawn_with_stdin(self.backend.iptables(), &delete, None)
+                .await?
+                .status
+                .success()
+            {}
+        }
+        if let Some(text) = plan.payload {
+            self.restore_noflush_text(table, &text).await?;
         }
         Ok(())
     }

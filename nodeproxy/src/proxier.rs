@@ -4,6 +4,7 @@
 
 use std::collections::HashSet;
 use std::fmt::Debug;
+use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -133,6 +134,39 @@ pub fn watch(
         }
     };
     (Observed { tracker, node }, run)
+}
+
+/// This node's primary IP from its Node object, read once at start as kube-proxy reads
+/// it (a change needs a restart, as there). A failing API server is asked again for a
+/// while; a Node that does not exist or has no IPv4 address gives `None`, logged: the LB
+/// IPs are then never allowed as their own sources, and `primary` node ports are served
+/// on every address.
+pub async fn node_ip(client: Client, node_name: &str) -> Option<Ipv4Addr> {
+    const ATTEMPTS: u32 = 5;
+    let nodes = Api::<Node>::all(client);
+    for attempt in 1..=ATTEMPTS {
+        match nodes.get_opt(node_name).await {
+            Ok(Some(node)) => {
+                let ip = convert::node_primary_ip(&node);
+                if ip.is_none() {
+                    tracing::warn!(node_name, "the Node has no IPv4 InternalIP or ExternalIP");
+                }
+                return ip;
+            }
+            Ok(None) => {
+                tracing::warn!(node_name, "no Node of this name: its IP is unknown");
+                return None;
+            }
+            Err(error) if attempt < ATTEMPTS => {
+                tracing::warn!(node_name, %error, attempt, "reading the Node failed; retrying");
+                tokio::time::sleep(Duration::from_secs(u64::from(attempt))).await;
+            }
+            Err(error) => {
+                tracing::warn!(node_name, %error, "reading the Node failed: its IP is unknown");
+            }
+        }
+    }
+    None
 }
 
 /// Consume one watch stream, handing each event to `record` and notifying `dirty` when it
@@ -376,10 +410,7 @@ mod tests {
     #[test]
     fn failed_syncs_back_off_up_to_the_sync_period() {
         let config = ProxierConfig {
-            node: NodeConfig {
-                node_name: "n".into(),
-                cluster_cidr: None,
-            },
+            node: NodeConfig::new("n", None),
             sync_period: Duration::from_secs(30),
             min_sync_period: Duration::from_secs(1),
         };

@@ -30,6 +30,17 @@ pub const CANARY_CHAIN: &str = "KUBE-PROXY-CANARY";
 /// too, and so may be the [`SHARED_CHAINS`] in it.
 pub const KUBELET_CANARY_CHAIN: &str = "KUBE-KUBELET-CANARY";
 
+/// The kubelet's filter chain, which node proxies before `KUBE-PROXY-FIREWALL` wrote too.
+pub const KUBELET_FIREWALL_CHAIN: &str = "KUBE-FIREWALL";
+
+/// The jump those node proxies put first in INPUT, FORWARD and OUTPUT; the kubelet v1.21
+/// writes the same one into INPUT and OUTPUT, never into FORWARD.
+const OLD_FIREWALL_JUMP: &str = "-j KUBE-FIREWALL";
+
+/// The only rule those node proxies wrote into `KUBE-FIREWALL` (the kubelet v1.21 writes
+/// it too, and its localnet guard after it).
+const OLD_FIREWALL_RULE: &str = "-m comment --comment \"kubernetes firewall for dropping marked packets\" -m mark --mark 0x8000/0x8000 -j DROP";
+
 /// Fixed-name chains the node proxy owns. Per-Service chains are recognised by prefix. Not
 /// the kubelet's `KUBE-FIREWALL`, nor the [`SHARED_CHAINS`].
 const OWNED_CHAINS: &[&str] = &[
@@ -176,6 +187,8 @@ pub struct TableInspection {
     pub user_chains: BTreeSet<String>,
     /// The rules of the [`SHARED_CHAINS`] present, as `iptables-save` prints them.
     pub shared: BTreeMap<String, Vec<String>>,
+    /// filter: the rules of [`KUBELET_FIREWALL_CHAIN`], when present.
+    pub kubelet_firewall: Vec<String>,
 }
 
 impl TableInspection {
@@ -218,6 +231,8 @@ pub fn parse_save(text: &str, table: &str) -> TableInspection {
                     .entry(chain.to_owned())
                     .or_default()
                     .push(rule.to_owned());
+            } else if table == "filter" && chain == KUBELET_FIREWALL_CHAIN {
+                out.kubelet_firewall.push(rule.to_owned());
             }
         }
     }
@@ -395,6 +410,58 @@ pub fn cleanup(table: &str, inspection: &TableInspection) -> Cleanup {
     let payload = (!chains.is_empty())
         .then(|| noflush_payload(table, &TableRules::default(), &[], &[], &chains).text);
     Cleanup { jumps, payload }
+}
+
+/// What node proxies before `KUBE-PROXY-FIREWALL` left in the filter table that is
+/// certainly theirs, to remove at start-up and by `--cleanup`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OldFirewall {
+    /// `(built-in chain, rule)` jumps to delete (every copy), before the chain.
+    pub jumps: Vec<(&'static str, &'static str)>,
+    /// The `--noflush` payload that deletes their `KUBE-FIREWALL`, or `None` to keep it.
+    pub payload: Option<String>,
+}
+
+impl OldFirewall {
+    pub fn is_empty(&self) -> bool {
+        self.jumps.is_empty() && self.payload.is_none()
+    }
+}
+
+/// Those versions jumped to `KUBE-FIREWALL` from FORWARD, which the kubelet never does:
+/// that jump goes wherever it is. Where no kubelet is (no canary in filter) they also
+/// created `KUBE-FIREWALL` and its INPUT and OUTPUT jumps: those go too, when the chain
+/// holds nothing but the rule they wrote (anything else was written by someone else).
+pub fn old_firewall(table: &str, inspection: &TableInspection) -> OldFirewall {
+    let mut out = OldFirewall::default();
+    if table != "filter" {
+        return out;
+    }
+    let jumps_from = |builtin: &str| {
+        inspection.builtins.iter().any(|(chain, _, rules)| {
+            chain == builtin && rules.iter().any(|r| r == OLD_FIREWALL_JUMP)
+        })
+    };
+    if jumps_from("FORWARD") {
+        out.jumps.push(("FORWARD", OLD_FIREWALL_JUMP));
+    }
+    let ours = inspection.user_chains.contains(KUBELET_FIREWALL_CHAIN)
+        && !inspection.has_kubelet()
+        && inspection
+            .kubelet_firewall
+            .iter()
+            .all(|rule| rule == OLD_FIREWALL_RULE);
+    if ours {
+        for builtin in ["INPUT", "OUTPUT"] {
+            if jumps_from(builtin) {
+                out.jumps.push((builtin, OLD_FIREWALL_JUMP));
+            }
+        }
+        let chain = KUBELET_FIREWALL_CHAIN.to_owned();
+        out.payload =
+            Some(noflush_payload(table, &TableRules::default(), &[], &[], &[&chain]).text);
+    }
+    out
 }
 
 /// The payload line an `iptables-restore` error message blames, if it names one.
@@ -823,6 +890,57 @@ mod tests {
         assert_eq!(plan.jumps.len(), 3);
     }
 
+    /// A filter table after an older node proxy: its `-j KUBE-FIREWALL` jumps from INPUT,
+    /// FORWARD and OUTPUT and the drop rule, with the kubelet's canary or without.
+    fn old_version_filter(kubelet: bool, extra_rule: Option<&str>) -> TableInspection {
+        let mut save = String::from(
+            "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n:KUBE-FIREWALL - [0:0]\n",
+        );
+        if kubelet {
+            save.push_str(":KUBE-KUBELET-CANARY - [0:0]\n");
+        }
+        for builtin in ["INPUT", "FORWARD", "OUTPUT"] {
+            save.push_str(&format!("-A {builtin} {OLD_FIREWALL_JUMP}\n"));
+        }
+        save.push_str(&format!("-A KUBE-FIREWALL {OLD_FIREWALL_RULE}\n"));
+        if let Some(rule) = extra_rule {
+            save.push_str(&format!("-A KUBE-FIREWALL {rule}\n"));
+        }
+        save.push_str("COMMIT\n");
+        parse_save(&save, "filter")
+    }
+
+    #[test]
+    fn an_older_versions_kube_firewall_goes_only_where_it_is_certainly_ours() {
+        // Without the kubelet: the chain and all three jumps.
+        let alone = old_firewall("filter", &old_version_filter(false, None));
+        assert_eq!(
+            alone.jumps,
+            vec![
+                ("FORWARD", OLD_FIREWALL_JUMP),
+                ("INPUT", OLD_FIREWALL_JUMP),
+                ("OUTPUT", OLD_FIREWALL_JUMP)
+            ]
+        );
+        assert_eq!(
+            alone.payload.as_deref(),
+            Some("*filter\n:KUBE-FIREWALL - [0:0]\n-X KUBE-FIREWALL\nCOMMIT\n")
+        );
+        // With the kubelet: only the FORWARD jump, which the kubelet never writes.
+        let kubelet = old_firewall("filter", &old_version_filter(true, None));
+        assert_eq!(kubelet.jumps, vec![("FORWARD", OLD_FIREWALL_JUMP)]);
+        assert_eq!(kubelet.payload, None);
+        // A chain holding a rule the old version never wrote is someone else's.
+        let guard = "! -s 127.0.0.0/8 -d 127.0.0.0/8 -m comment --comment \"block incoming localnet connections\" -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP";
+        let foreign = old_firewall("filter", &old_version_filter(false, Some(guard)));
+        assert_eq!(foreign.jumps, vec![("FORWARD", OLD_FIREWALL_JUMP)]);
+        assert_eq!(foreign.payload, None);
+        // Nothing old, or another table: nothing to do.
+        let clean = parse_save("*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n", "filter");
+        assert!(old_firewall("filter", &clean).is_empty());
+        assert!(old_firewall("nat", &old_version_filter(false, None)).is_empty());
+    }
+
     #[test]
     fn failing_lines_are_found_in_both_message_styles() {
         assert_eq!(failing_line("iptables-restore: line 7 failed\n"), Some(7));
@@ -904,9 +1022,8 @@ mod properties {
         #[test]
         fn a_full_payload_writes_desired_over_any_table_of_ours(existing in table(), desired in table()) {
             let inspection = TableInspection {
-                builtins: Vec::new(),
-                shared: BTreeMap::new(),
                 user_chains: existing.chains.keys().cloned().collect(),
+                ..TableInspection::default()
             };
             let payload = full("nat", &inspection, &desired);
             prop_assert_eq!(payload.mode, RestoreMode::Flush);

@@ -1,7 +1,8 @@
 //! A node with the kubelet v1.21 (`tests/data/kubelet-v1.21.iptables`): its chains and jumps
 //! must come through the node proxy's start, syncs, mode switches and `--cleanup`, in both
 //! modes and on both iptables backends, byte for byte as the kernel prints them, counters
-//! included (a chain flushed and written again with the same rules would lose them). Root
+//! included (a chain flushed and written again with the same rules would lose them); and
+//! what an older node proxy left in the kubelet's KUBE-FIREWALL goes, and only that. Root
 //! only, each backend in a fresh network namespace.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -159,4 +160,107 @@ fn without_the_kubelet_the_shared_chains_are_created_and_cleanup_removes_them() 
             assert_eq!(everything(backend), installed, "{backend}");
         });
     }
+}
+
+/// What a node proxy before KUBE-PROXY-FIREWALL left in filter: `-j KUBE-FIREWALL` first in
+/// INPUT, FORWARD and OUTPUT (ensured: the kubelet's INPUT and OUTPUT jumps are the same
+/// rule), and KUBE-FIREWALL flushed and holding only the drop rule (on a kubelet's node,
+/// its localnet guard lost).
+fn load_old_node_proxy_firewall(backend: Backend) {
+    let iptables = backend.iptables();
+    let filter = |args: &[&str]| {
+        let mut all = vec!["-t", "filter"];
+        all.extend(args);
+        run(iptables, &all);
+    };
+    let exists = Command::new(iptables)
+        .args(["-t", "filter", "-S", "KUBE-FIREWALL"])
+        .output()
+        .unwrap()
+        .status
+        .success();
+    if exists {
+        filter(&["-F", "KUBE-FIREWALL"]);
+    } else {
+        filter(&["-N", "KUBE-FIREWALL"]);
+    }
+    for builtin in ["INPUT", "FORWARD", "OUTPUT"] {
+        let present = Command::new(iptables)
+            .args(["-t", "filter", "-C", builtin, "-j", "KUBE-FIREWALL"])
+            .output()
+            .unwrap()
+            .status
+            .success();
+        if !present {
+            filter(&["-I", builtin, "1", "-j", "KUBE-FIREWALL"]);
+        }
+    }
+    filter(&[
+        "-A",
+        "KUBE-FIREWALL",
+        "-m",
+        "comment",
+        "--comment",
+        "kubernetes firewall for dropping marked packets",
+        "-m",
+        "mark",
+        "--mark",
+        "0x8000/0x8000",
+        "-j",
+        "DROP",
+    ]);
+}
+
+fn firewall_lines(backend: Backend) -> Vec<String> {
+    lines_with(&save(backend, "filter"), "KUBE-FIREWALL")
+}
+
+#[test]
+fn what_an_older_node_proxy_left_in_kube_firewall_is_removed_and_only_that() {
+    if !is_root() || Command::new("nft").arg("--version").output().is_err() {
+        eprintln!("skipped: needs root and the nft command");
+        return;
+    }
+    for backend in backends() {
+        for mode in [ProxyMode::Iptables, ProxyMode::Nftables] {
+            // A kubelet's node: the FORWARD jump goes, the kubelet's chain and jumps stay.
+            in_fresh_netns(move |_| async move {
+                install_kubelet_chains(backend);
+                load_old_node_proxy_firewall(backend);
+                let metrics = Metrics::register(&mut Registry::default());
+                start_and_sync(mode, &reference_lb(), &metrics).await;
+                assert_eq!(
+                    firewall_lines(backend),
+                    [
+                        ":KUBE-FIREWALL -",
+                        "-A INPUT -j KUBE-FIREWALL",
+                        "-A OUTPUT -j KUBE-FIREWALL",
+                        "-A KUBE-FIREWALL -m comment --comment \"kubernetes firewall for dropping marked packets\" -m mark --mark 0x8000/0x8000 -j DROP",
+                    ],
+                    "{backend} {mode}"
+                );
+            });
+            // No kubelet: the old chain and its three jumps go.
+            in_fresh_netns(move |_| async move {
+                load_old_node_proxy_firewall(backend);
+                let metrics = Metrics::register(&mut Registry::default());
+                start_and_sync(mode, &reference_lb(), &metrics).await;
+                assert_eq!(
+                    firewall_lines(backend),
+                    Vec::<String>::new(),
+                    "{backend} {mode}"
+                );
+            });
+        }
+        // --cleanup removes it too.
+        in_fresh_netns(move |_| async move {
+            load_old_node_proxy_firewall(backend);
+            datapath::cleanup(BackendChoice::Auto).await.unwrap();
+            assert_eq!(firewall_lines(backend), Vec::<String>::new(), "{backend}");
+        });
+    }
+}
+
+fn reference_lb() -> ProxyState {
+    reference_state(reference_endpoints())
 }

@@ -47,7 +47,12 @@ VALUE_SETS = {
     "nodeproxy-only": {
         "controller": {"enabled": False},
         "cloudMock": {"enabled": False},
-        "nodeProxy": {"clusterCIDR": "10.42.0.0/16", "proxyMode": "nftables", "iptablesBackend": "legacy", "syncPeriod": "1m", "minSyncPeriod": "500ms"},
+        "nodeProxy": {
+            "clusterCIDR": "10.42.0.0/16", "proxyMode": "nftables", "iptablesBackend": "legacy",
+            "syncPeriod": "1m", "minSyncPeriod": "500ms",
+            "nodePortAddresses": ["192.168.7.0/24", "fd00:7::/64"], "masqueradeAll": True,
+            "localhostNodePorts": False, "serviceClusterIPRange": ["10.43.0.0/16"],
+        },
     },
 }
 
@@ -124,6 +129,25 @@ def test_nodeproxy_runs_the_chosen_proxy_mode():
     assert "--proxy-mode=nftables" in args
 
 
+@pytest.mark.parametrize("values", [{}, VALUE_SETS["nodeproxy-only"], {"nodeProxy": {"nodePortAddresses": ["primary"]}}])
+def test_nodeproxy_gets_kube_proxys_flags_as_its_cli_reads_them(values):
+    """They go in the environment, so `kubectl exec ... tandem-nodeproxy trace` builds the
+    same rules; the binary must parse them (it then stops for want of a node name)."""
+    env = {e["name"]: e["value"] for e in container(render(values)[0], "DaemonSet", "-nodeproxy")["env"]
+           if "value" in e}
+    proxy = values.get("nodeProxy", {})
+    assert env.get("NODEPORT_ADDRESSES") == (",".join(proxy["nodePortAddresses"]) if proxy.get("nodePortAddresses") else None)
+    assert env["MASQUERADE_ALL"] == str(proxy.get("masqueradeAll", False)).lower()
+    assert env["IPTABLES_LOCALHOST_NODEPORTS"] == str(proxy.get("localhostNodePorts", True)).lower()
+    assert env.get("SERVICE_CLUSTER_IP_RANGE") == (",".join(proxy["serviceClusterIPRange"]) if proxy.get("serviceClusterIPRange") else None)
+    flags = {k: v for k, v in env.items()
+             if k in ("NODEPORT_ADDRESSES", "MASQUERADE_ALL", "IPTABLES_LOCALHOST_NODEPORTS", "SERVICE_CLUSTER_IP_RANGE")}
+    result = subprocess.run([binary("tandem-nodeproxy"), "trace", "--src", "192.0.2.1", "--dst", "192.0.2.2:80"],
+                            capture_output=True, text=True, timeout=30,
+                            env={"PATH": os.environ.get("PATH", ""), **flags})
+    assert "--node-name (or NODE_NAME) is required" in result.stderr, result.stderr
+
+
 def test_nodeproxy_has_only_the_capabilities_it_needs():
     objects, _ = render()
     ds = find(objects, "DaemonSet", "-nodeproxy")
@@ -187,6 +211,8 @@ def test_checkov_security_scan_passes(tmp_path):
         ({"nodeProxy": {"proxyMode": "ipvs"}}, "proxyMode"),
         ({"nodeProxy": {"clusterCIDR": "10.244.0.0"}}, "clusterCIDR"),
         ({"nodeProxy": {"syncPeriod": "soon"}}, "syncPeriod"),
+        ({"nodeProxy": {"nodePortAddresses": ["eth0"]}}, "nodePortAddresses"),
+        ({"nodeProxy": {"serviceClusterIPRange": "10.96.0.0/12"}}, "serviceClusterIPRange"),
         ({"log": {"format": "xml"}}, "format"),
         ({"clusterId": "Has Spaces"}, "clusterId"),
         ({"clusterId": "a-cluster-id-longer-than-24"}, "clusterId"),

@@ -629,6 +629,17 @@ fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
                 &typeof_entry(NFT_EXPR_KIND_CONCAT, &[]),
             );
         }
+        SetSpec::Addresses => {
+            w.u32(NFTA_SET_FLAGS, 0);
+            w.u32(NFTA_SET_KEY_TYPE, TYPE_IPADDR);
+            w.u32(NFTA_SET_KEY_LEN, 4);
+            w.u32(NFTA_SET_ID, id);
+            udata_u32(
+                &mut udata,
+                NFTNL_UDATA_SET_KEYBYTEORDER,
+                BYTEORDER_BIG_ENDIAN,
+            );
+        }
         SetSpec::Dynamic { timeout_seconds } => {
             w.u32(NFTA_SET_FLAGS, NFT_SET_TIMEOUT | NFT_SET_EVAL);
             w.u32(NFTA_SET_KEY_TYPE, TYPE_IPADDR);
@@ -985,6 +996,10 @@ impl Expressions<'_> {
             }
             Match::SourceInSet(set) => {
                 self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_SADDR_OFFSET, 4);
+                self.lookup(set, None);
+            }
+            Match::DestinationInSet(set) => {
+                self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_DADDR_OFFSET, 4);
                 self.lookup(set, None);
             }
             Match::AddressPairInSet(set) => {

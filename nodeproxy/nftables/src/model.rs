@@ -173,6 +173,8 @@ pub enum Match {
     /// `ip saddr . ip daddr @name`: the address pair is in a set of
     /// [`KeyType::AddressPair`].
     AddressPairInSet(String),
+    /// `ip daddr @name`: the destination is in a set of [`SetSpec::Addresses`].
+    DestinationInSet(String),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -270,7 +272,8 @@ pub enum Verdict {
 /// What an element maps its key to; the variant follows the set's [`SetSpec`].
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Value {
-    /// An element of a [`SetSpec::AddressPairs`] set: the key alone.
+    /// An element of a [`SetSpec::AddressPairs`] or [`SetSpec::Addresses`] set: the key
+    /// alone.
     Member,
     /// In a [`SetSpec::VerdictMap`].
     Verdict(Verdict),
@@ -294,6 +297,8 @@ pub enum SetSpec {
     EndpointMap(Protocol),
     /// `set name { type ipv4_addr . ipv4_addr; }`: elements are written by the node proxy.
     AddressPairs,
+    /// `set name { type ipv4_addr; }`: elements are written by the node proxy.
+    Addresses,
     /// `set name { type ipv4_addr; flags dynamic,timeout; timeout 10800s; }`: elements are
     /// added by the packet path ([`Statement::AddSourceToSet`]) and expire.
     Dynamic { timeout_seconds: u32 },

@@ -46,6 +46,10 @@ pub fn operation(op: &Op) -> String {
                 "add set ip {TABLE} {name} {{ {}; }}",
                 key_declaration(KeyType::AddressPair)
             ),
+            SetSpec::Addresses => format!(
+                "add set ip {TABLE} {name} {{ {}; }}",
+                key_declaration(KeyType::Address)
+            ),
             SetSpec::Dynamic { timeout_seconds } => format!(
                 "add set ip {TABLE} {name} {{ type ipv4_addr; flags dynamic,timeout; timeout {timeout_seconds}s; }}"
             ),
@@ -108,6 +112,7 @@ pub fn condition(m: &Match) -> String {
         Match::Mark { bit, set: false } => format!("meta mark & {bit:#010x} == 0x00000000"),
         Match::SourceInSet(set) => format!("ip saddr @{set}"),
         Match::AddressPairInSet(set) => format!("ip saddr . ip daddr @{set}"),
+        Match::DestinationInSet(set) => format!("ip daddr @{set}"),
     }
 }
 

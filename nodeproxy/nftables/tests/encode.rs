@@ -253,6 +253,21 @@ fn every_variant() -> Transaction {
                 Statement::Masquerade,
             ),
         ),
+        Op::AddSet {
+            name: "cips".into(),
+            spec: SetSpec::Addresses,
+        },
+        Op::AddElements {
+            set: "cips".into(),
+            elements: vec![(Key::Address(Ipv4Addr::new(10, 96, 0, 10)), Value::Member)],
+        },
+        rule(
+            "filt",
+            Rule::when(
+                vec![Match::DestinationInSet("cips".into())],
+                Statement::Reject,
+            ),
+        ),
     ];
     Transaction { ops }
 }
@@ -294,6 +309,9 @@ add set ip tandem pairs { type ipv4_addr . ipv4_addr; }
 add element ip tandem pairs { 10.244.1.2 . 10.244.1.2 }
 add rule ip tandem pre meta l4proto tcp dnat ip to numgen random mod 720720 map @eps
 add rule ip tandem post ct status dnat ip saddr . ip daddr @pairs masquerade fully-random
+add set ip tandem cips { type ipv4_addr; }
+add element ip tandem cips { 10.96.0.10 }
+add rule ip tandem filt ip daddr @cips reject
 ";
 
 #[test]

@@ -399,11 +399,28 @@ fn every_variant() -> Ruleset {
             ],
         ),
     );
+    rs.sets.insert(
+        "cluster-ips".into(),
+        Set {
+            spec: SetSpec::Addresses,
+            elements: BTreeMap::from([
+                (Key::Address(Ipv4Addr::new(10, 96, 0, 10)), Value::Member),
+                (Key::Address(Ipv4Addr::new(10, 96, 0, 11)), Value::Member),
+            ]),
+        },
+    );
     rs.chains.insert(
         "filter-output".into(),
         chain(
             base(ChainType::Filter, Hook::Output, 0),
-            vec![Rule::always(Statement::Goto("filter-common".into()))],
+            vec![
+                Rule::when(
+                    vec![Match::DestinationInSet("cluster-ips".into())],
+                    Statement::Reject,
+                )
+                .with_comment("Reject traffic to invalid ports of ClusterIPs"),
+                Rule::always(Statement::Goto("filter-common".into())),
+            ],
         ),
     );
     rs.chains.insert(

@@ -119,10 +119,7 @@ mod tests {
     }
 
     fn node() -> NodeConfig {
-        NodeConfig {
-            node_name: "node-a".into(),
-            cluster_cidr: None,
-        }
+        NodeConfig::new("node-a", None)
     }
 
     #[test]

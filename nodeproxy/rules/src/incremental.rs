@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::model::{NodeConfig, ProxyState, ServicePortName};
-use crate::rules::{DISPATCH_CHAINS, last_service_rule, port_rules};
+use crate::rules::{DISPATCH_CHAINS, last_service_rules, port_rules};
 use crate::ruleset::{ChangedChains, Ruleset, Table};
 
 /// What the assembled ruleset holds of one Service port.
@@ -90,7 +90,7 @@ impl IncrementalRuleset {
                 .cloned()
                 .collect();
             if (table, chain) == (Table::Nat, crate::chains::KUBE_SERVICES) {
-                rules.push(last_service_rule());
+                rules.extend(last_service_rules(&self.node));
             }
             let current = self.ruleset.table_mut(table).chains.entry(chain.to_owned());
             let current = current.or_default();
@@ -133,10 +133,7 @@ mod tests {
     use crate::model::{Endpoint, Protocol, ServicePort};
 
     fn node() -> NodeConfig {
-        NodeConfig {
-            node_name: "node-a".into(),
-            cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
-        }
+        NodeConfig::new("node-a", Some("10.244.0.0/16".parse().unwrap()))
     }
 
     fn name(n: &str) -> ServicePortName {

@@ -119,4 +119,81 @@ pub struct NodeConfig {
     pub node_name: String,
     /// `--cluster-cidr`: traffic to cluster IPs from outside it is masqueraded.
     pub cluster_cidr: Option<Ipv4Net>,
+    /// The node's primary IPv4 address (its Node's first InternalIP, else ExternalIP), as
+    /// kube-proxy detects it: a source range holding it also lets the LB IP itself in as a
+    /// source (traffic from this node looped back to it), kube-proxy's `allowFromNode`.
+    pub node_ip: Option<Ipv4Addr>,
+    /// `--masquerade-all`: every connection to a cluster IP is masqueraded, not only those
+    /// from outside the cluster CIDR.
+    pub masquerade_all: bool,
+    /// `--nodeport-addresses`: the local addresses node ports are served on.
+    pub node_port_addresses: NodePortAddresses,
+    /// `--iptables-localhost-nodeports`: the iptables mode serves node ports on
+    /// 127.0.0.0/8 too (which needs `route_localnet`). The nftables mode never does.
+    pub localhost_node_ports: bool,
+    /// The Service CIDRs: in the nftables mode, new connections to an address in them that
+    /// no Service holds are dropped (kube-proxy's `cluster-ips-check`).
+    pub service_cidrs: Vec<Ipv4Net>,
+}
+
+impl NodeConfig {
+    /// A node with kube-proxy's defaults for everything but its name and cluster CIDR.
+    pub fn new(node_name: impl Into<String>, cluster_cidr: Option<Ipv4Net>) -> Self {
+        Self {
+            node_name: node_name.into(),
+            cluster_cidr,
+            node_ip: None,
+            masquerade_all: false,
+            node_port_addresses: NodePortAddresses::All,
+            localhost_node_ports: true,
+            service_cidrs: Vec::new(),
+        }
+    }
+
+    /// Whether a source range of a Service lets in its LB IPs as sources too: it holds this
+    /// node's IP (kube-proxy's `allowFromNode`).
+    pub fn allows_from_node(&self, source_ranges: &[Ipv4Net]) -> bool {
+        self.node_ip
+            .is_some_and(|ip| source_ranges.iter().any(|range| range.contains(&ip)))
+    }
+}
+
+/// Where node ports are served (kube-proxy's `--nodeport-addresses`, resolved).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodePortAddresses {
+    /// Every local address of the node (no flag, or a CIDR of length 0).
+    All,
+    /// The node's local addresses inside these CIDRs (never empty; `primary` is the node's
+    /// IP as a /32).
+    Cidrs(Vec<Ipv4Net>),
+}
+
+impl NodePortAddresses {
+    /// kube-proxy's reading of a CIDR list: empty, or holding `0.0.0.0/0`, means every
+    /// address.
+    pub fn from_cidrs(cidrs: &[Ipv4Net]) -> Self {
+        if cidrs.is_empty() || cidrs.iter().any(|cidr| cidr.prefix_len() == 0) {
+            return Self::All;
+        }
+        let mut cidrs: Vec<Ipv4Net> = cidrs.iter().map(Ipv4Net::trunc).collect();
+        cidrs.sort();
+        cidrs.dedup();
+        Self::Cidrs(cidrs)
+    }
+
+    /// Whether node ports may be served on some loopback address (127.0.0.0/8).
+    pub fn overlap_loopback(&self) -> bool {
+        match self {
+            Self::All => true,
+            Self::Cidrs(cidrs) => cidrs.iter().any(|cidr| overlaps(*cidr, LOOPBACK)),
+        }
+    }
+}
+
+/// 127.0.0.0/8.
+pub const LOOPBACK: Ipv4Net = Ipv4Net::new_assert(Ipv4Addr::new(127, 0, 0, 0), 8);
+
+/// Two prefixes share an address exactly when one contains the other.
+pub fn overlaps(a: Ipv4Net, b: Ipv4Net) -> bool {
+    a.contains(&b) || b.contains(&a)
 }

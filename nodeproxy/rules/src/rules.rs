@@ -16,7 +16,10 @@ use crate::chains::{
     self, DROP_MARK, KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_MARK_DROP, KUBE_MARK_MASQ,
     KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_FIREWALL, KUBE_SERVICES, MASQUERADE_MARK,
 };
-use crate::model::{Endpoint, IpMode, NodeConfig, Protocol, ProxyState, ServicePort};
+use crate::model::{
+    Endpoint, IpMode, LOOPBACK as LOOPBACK_NET, NodeConfig, NodePortAddresses, Protocol,
+    ProxyState, ServicePort, overlaps,
+};
 use crate::ruleset::{Ruleset, Table};
 
 const REJECT: &str = "REJECT --reject-with icmp-port-unreachable";
@@ -34,7 +37,9 @@ pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
             node,
         );
     }
-    out.nat(KUBE_SERVICES, last_service_rule());
+    for rule in last_service_rules(node) {
+        out.nat(KUBE_SERVICES, rule);
+    }
     out.ruleset
 }
 
@@ -49,12 +54,45 @@ pub const DISPATCH_CHAINS: [(Table, &str); 5] = [
     (Table::Nat, KUBE_NODEPORTS),
 ];
 
-/// The rule nat KUBE-SERVICES ends with, after every Service port's rules.
-pub fn last_service_rule() -> String {
-    RuleText::new()
-        .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
-        .matching("-m addrtype --dst-type LOCAL")
-        .jump(KUBE_NODEPORTS)
+/// The rules nat KUBE-SERVICES ends with, after every Service port's rules: the jumps to
+/// KUBE-NODEPORTS for the node's local addresses, all of them or those inside
+/// `--nodeport-addresses`, without 127.0.0.0/8 when `--iptables-localhost-nodeports` is
+/// off. kube-proxy writes one `-d IP` jump per address of the node it finds in the CIDRs
+/// at each sync; a CIDR with `--dst-type LOCAL` is the same set of addresses, and follows
+/// address changes without a sync.
+pub fn last_service_rules(node: &NodeConfig) -> Vec<String> {
+    let nodeports = || {
+        RuleText::new()
+            .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
+            .matching("-m addrtype --dst-type LOCAL")
+    };
+    let cidrs = match &node.node_port_addresses {
+        NodePortAddresses::All if node.localhost_node_ports => {
+            return vec![nodeports().jump(KUBE_NODEPORTS)];
+        }
+        // kube-proxy ≥ 1.26's rule for `--iptables-localhost-nodeports=false`.
+        NodePortAddresses::All => {
+            return vec![
+                nodeports()
+                    .not_destination(LOOPBACK_NET)
+                    .jump(KUBE_NODEPORTS),
+            ];
+        }
+        NodePortAddresses::Cidrs(cidrs) => cidrs,
+    };
+    let mut rules = Vec::new();
+    // One match on the destination per rule: loopback leaves first when a CIDR holds more.
+    let loopback_in = |cidr: &Ipv4Net| overlaps(*cidr, LOOPBACK_NET);
+    if !node.localhost_node_ports && cidrs.iter().any(|c| loopback_in(c) && c.prefix_len() < 8) {
+        rules.push(nodeports().destination_net(LOOPBACK_NET).jump("RETURN"));
+    }
+    for cidr in cidrs {
+        if !node.localhost_node_ports && LOOPBACK_NET.contains(cidr) {
+            continue;
+        }
+        rules.push(nodeports().destination_net(*cidr).jump(KUBE_NODEPORTS));
+    }
+    rules
 }
 
 /// The rules of one Service port alone: its own chains with their rules, and (under the
@@ -204,8 +242,17 @@ impl RuleText {
         self
     }
 
-    fn destination(mut self, ip: Ipv4Addr) -> Self {
-        self.destination = Some(format!("-d {ip}/32"));
+    fn destination(self, ip: Ipv4Addr) -> Self {
+        self.destination_net(Ipv4Net::from(ip))
+    }
+
+    fn destination_net(mut self, net: Ipv4Net) -> Self {
+        self.destination = Some(format!("-d {net}"));
+        self
+    }
+
+    fn not_destination(mut self, net: Ipv4Net) -> Self {
+        self.destination = Some(format!("! -d {net}"));
         self
     }
 
@@ -423,12 +470,8 @@ impl RulesetBuilder {
             }
             return;
         }
-        if let Some(cidr) = port.cluster_cidr {
-            // Off-cluster clients reaching a cluster IP may be sent to another node.
-            self.nat(
-                KUBE_SERVICES,
-                capture().not_source(cidr).jump(KUBE_MARK_MASQ),
-            );
+        if let Some(masquerade) = port.cluster_ip_masquerade() {
+            self.nat(KUBE_SERVICES, masquerade);
         }
         self.nat(KUBE_SERVICES, capture().jump(&port.chains.service));
     }
@@ -596,6 +639,15 @@ impl RulesetBuilder {
         for range in sorted_unique(&ranges) {
             self.nat(&chains.firewall, rule().source(range).jump(allowed_target));
         }
+        if port.allow_from_node {
+            // The node reaching its LB IP through a route that loops the packet back
+            // (the VIP as a local address, or a cloud that sends it back) sends it from
+            // the LB IP itself.
+            for ingress in &port.vip_ingress {
+                let from_lb_ip = rule().source(Ipv4Net::from(*ingress));
+                self.nat(&chains.firewall, from_lb_ip.jump(allowed_target));
+            }
+        }
         // Whatever reaches the end was not let through: it must not be DNATed anywhere.
         self.nat(&chains.firewall, rule().jump(KUBE_MARK_DROP));
     }
@@ -605,9 +657,8 @@ impl RulesetBuilder {
     fn add_service_local_chain(&mut self, port: &PortContext) {
         let svl = port.chains.service_local.as_str();
         self.declare(Table::Nat, svl);
-        if let Some(cidr) = port.cluster_cidr {
-            let masquerade = port.capture(port.cluster_ip, "cluster IP").not_source(cidr);
-            self.nat(svl, masquerade.jump(KUBE_MARK_MASQ));
+        if let Some(masquerade) = port.cluster_ip_masquerade() {
+            self.nat(svl, masquerade);
         }
         let local = port.local_endpoint_chains();
         self.add_balancing_rules(port, svl, &local, |_| port.name.clone());
@@ -679,6 +730,10 @@ struct PortContext<'a> {
     /// without any, its IPs are rejected.
     has_endpoints: bool,
     cluster_cidr: Option<Ipv4Net>,
+    /// `--masquerade-all`.
+    masquerade_all: bool,
+    /// A source range holds the node's IP: the LB IPs are allowed sources too.
+    allow_from_node: bool,
 }
 
 impl<'a> PortContext<'a> {
@@ -708,7 +763,22 @@ impl<'a> PortContext<'a> {
             // a ready endpoint: the cluster-wide set alone says whether any exists.
             has_endpoints: endpoints.iter().any(|ep| ep.cluster),
             cluster_cidr: node.cluster_cidr.map(|cidr| cidr.trunc()),
+            masquerade_all: node.masquerade_all,
+            allow_from_node: node.allows_from_node(&svc.load_balancer_source_ranges),
         })
+    }
+
+    /// Marks cluster-IP traffic for masquerade: all of it with `--masquerade-all`, else
+    /// that from outside the cluster CIDR (such clients, routed here by a static route to
+    /// the Service range, may be sent to another node), else none.
+    fn cluster_ip_masquerade(&self) -> Option<String> {
+        let capture = self.capture(self.cluster_ip, "cluster IP");
+        let masquerade = match self.cluster_cidr {
+            _ if self.masquerade_all => capture,
+            Some(cidr) => capture.not_source(cidr),
+            None => return None,
+        };
+        Some(masquerade.jump(KUBE_MARK_MASQ))
     }
 
     fn has_local_endpoints(&self) -> bool {
@@ -769,10 +839,7 @@ mod tests {
 
     #[test]
     fn endpoints_are_ordered_as_text_and_deduplicated() {
-        let node = NodeConfig {
-            node_name: "a".into(),
-            cluster_cidr: None,
-        };
+        let node = NodeConfig::new("a", None);
         let ep = |ip: [u8; 4], node: &str| Endpoint {
             ip: Ipv4Addr::from(ip),
             port: 80,
@@ -794,10 +861,7 @@ mod tests {
 
     #[test]
     fn serving_terminating_endpoints_stand_in_only_where_nothing_is_ready() {
-        let node = NodeConfig {
-            node_name: "a".into(),
-            cluster_cidr: None,
-        };
+        let node = NodeConfig::new("a", None);
         let ep = |last: u8, node: &str, ready: bool, serving: bool| Endpoint {
             ip: Ipv4Addr::new(10, 0, 0, last),
             port: 80,

@@ -215,10 +215,7 @@ fn several_ingress_ips_share_one_firewall_chain() {
 
 #[test]
 fn without_cluster_cidr_there_is_no_local_traffic_detection() {
-    let node = NodeConfig {
-        node_name: "node-a".into(),
-        cluster_cidr: None,
-    };
+    let node = NodeConfig::new("node-a", None);
     let external = build(&common::external_ips_state(), &node);
     let services = rules_of(&external, Table::Nat, "KUBE-SERVICES").join("\n");
     assert!(!services.contains("! -s"), "{services}");

@@ -34,14 +34,27 @@ async fn client(cluster: &ClusterArgs) -> anyhow::Result<Client> {
     Ok(tandem_common::kube_client(cluster.kubeconfig.as_deref()).await?)
 }
 
-fn node_config(cluster: &ClusterArgs) -> anyhow::Result<NodeConfig> {
+fn node_name(cluster: &ClusterArgs) -> anyhow::Result<String> {
     let Some(node_name) = cluster.node_name.clone() else {
         bail!("--node-name (or NODE_NAME) is required");
     };
-    Ok(NodeConfig {
-        node_name,
-        cluster_cidr: cluster.cluster_cidr,
-    })
+    Ok(node_name)
+}
+
+/// The flags and the node's IP, logged: the node port addresses depend on both.
+fn node_config(
+    cluster: &ClusterArgs,
+    node_name: String,
+    node_ip: Option<Ipv4Addr>,
+) -> anyhow::Result<NodeConfig> {
+    let node = cluster.node_config(node_name, node_ip)?;
+    tracing::info!(
+        node_ip = ?node.node_ip,
+        node_port_addresses = ?node.node_port_addresses,
+        masquerade_all = node.masquerade_all,
+        "node settings"
+    );
+    Ok(node)
 }
 
 async fn cleanup(cli: &Cli) -> anyhow::Result<()> {
@@ -51,7 +64,7 @@ async fn cleanup(cli: &Cli) -> anyhow::Result<()> {
 }
 
 async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
-    let node = node_config(cluster)?;
+    let node_name = node_name(cluster)?;
     let Some(port) = args.port() else {
         bail!("give the destination port with --dport or --dst IP:PORT");
     };
@@ -62,7 +75,7 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
     let metrics = Metrics::register(&mut registry);
     let (observed, watches) = proxier::watch(
         client,
-        &node.node_name,
+        &node_name,
         Arc::clone(&dirty),
         metrics,
         shutdown.clone(),
@@ -77,12 +90,13 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
     for skipped in &conversion.skipped {
         tracing::warn!(%skipped, "invalid value left out of the rules");
     }
-    let local_addrs: Vec<_> = observed
-        .node
-        .state()
+    let nodes = observed.node.state();
+    let local_addrs: Vec<_> = nodes
         .iter()
         .flat_map(|n| convert::node_addresses(n))
         .collect();
+    let node_ip = nodes.iter().find_map(|n| convert::node_primary_ip(n));
+    let node = node_config(cluster, node_name, node_ip)?;
     let request = TraceRequest::new(
         Packet {
             src: args.src,
@@ -112,8 +126,10 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    let node = node_config(&cli.cluster)?;
+    let node_name = node_name(&cli.cluster)?;
     let client = client(&cli.cluster).await?;
+    let node_ip = proxier::node_ip(client.clone(), &node_name).await;
+    let node = node_config(&cli.cluster, node_name, node_ip)?;
     let datapath = datapath::start(
         cli.cluster.proxy_mode,
         cli.proxy.iptables_backend,

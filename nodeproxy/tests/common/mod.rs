@@ -128,10 +128,7 @@ pub fn node() -> NodeConfig {
 
 /// The node proxy's view of node `name` in the test cluster (pods in 10.244.0.0/16).
 pub fn node_named(name: &str) -> NodeConfig {
-    NodeConfig {
-        node_name: name.into(),
-        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
-    }
+    NodeConfig::new(name, Some("10.244.0.0/16".parse().unwrap()))
 }
 
 pub fn spn(namespace: &str, name: &str, port: &str) -> ServicePortName {

@@ -35,7 +35,10 @@ use tandem_nftables::{
 };
 
 use super::slots::{BucketSlot, BucketSlots, Spread};
-use crate::model::{Endpoint, NodeConfig, ProxyState, ServicePort, ServicePortName};
+use crate::model::{
+    Endpoint, LOOPBACK, NodeConfig, NodePortAddresses, ProxyState, ServicePort, ServicePortName,
+    overlaps,
+};
 use crate::rules::{PortPaths, UsableEndpoint, sorted_unique, usable_endpoints};
 
 pub const FILTER_PREROUTING_PRE_DNAT: &str = "filter-prerouting-pre-dnat";
@@ -43,6 +46,9 @@ pub const FILTER_OUTPUT_PRE_DNAT: &str = "filter-output-pre-dnat";
 pub const FILTER_INPUT: &str = "filter-input";
 pub const FILTER_FORWARD: &str = "filter-forward";
 pub const FILTER_OUTPUT: &str = "filter-output";
+/// After DNAT in the output hook: the node's own connections to cluster IPs that no
+/// Service port DNATed.
+pub const FILTER_OUTPUT_POST_DNAT: &str = "filter-output-post-dnat";
 pub const NAT_PREROUTING: &str = "nat-prerouting";
 pub const NAT_OUTPUT: &str = "nat-output";
 pub const NAT_POSTROUTING: &str = "nat-postrouting";
@@ -53,6 +59,9 @@ pub const FIREWALL_CHECK: &str = "firewall-check";
 pub const SERVICE_ENDPOINTS_CHECK: &str = "service-endpoints-check";
 /// Rejects (or drops) new connections to node ports without usable endpoints.
 pub const NODEPORT_ENDPOINTS_CHECK: &str = "nodeport-endpoints-check";
+/// After DNAT: rejects new connections to a cluster IP on a port it does not serve, drops
+/// those to an address of the Service CIDRs no Service holds.
+pub const CLUSTER_IPS_CHECK: &str = "cluster-ips-check";
 pub const REJECT_CHAIN: &str = "reject-chain";
 pub const MARK_FOR_MASQUERADE: &str = "mark-for-masquerade";
 pub const MASQUERADING: &str = "masquerading";
@@ -73,9 +82,11 @@ pub const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
 /// `endpoint . endpoint` for every endpoint: a connection from an endpoint DNATed back to
 /// itself (hairpin) is masqueraded, or the endpoint would answer itself directly.
 pub const HAIRPIN_ENDPOINTS: &str = "hairpin-endpoints";
+/// Every cluster IP: a connection still addressed to one after DNAT matched no port.
+pub const CLUSTER_IPS: &str = "cluster-ips";
 
 /// The sets every Service port may add elements to, with their declarations.
-pub const SHARED_SETS: [(&str, SetSpec); 6] = [
+pub const SHARED_SETS: [(&str, SetSpec); 7] = [
     (
         SERVICE_IPS,
         SetSpec::VerdictMap(KeyType::AddressProtocolPort),
@@ -97,11 +108,14 @@ pub const SHARED_SETS: [(&str, SetSpec); 6] = [
         SetSpec::VerdictMap(KeyType::ProtocolPort),
     ),
     (HAIRPIN_ENDPOINTS, SetSpec::AddressPairs),
+    (CLUSTER_IPS, SetSpec::Addresses),
 ];
 
-/// Node ports are not served on loopback addresses, as in kube-proxy's nftables mode
-/// (route_localnet is not needed; the iptables mode serves them there).
-const LOOPBACK: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 0);
+/// Whether a shared set holds members (the key alone) that several ports may claim
+/// alike: the ports of one Service share its endpoints' hairpin pairs and its cluster IP.
+pub fn is_member_set(set: &str) -> bool {
+    set == HAIRPIN_ENDPOINTS || set == CLUSTER_IPS
+}
 
 /// What one Service port adds to the ruleset.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -127,7 +141,7 @@ pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
 /// port's objects in [`ServicePortName`] order. Headless Services, and ports without a
 /// slot, get nothing.
 pub fn build_with_slots(state: &ProxyState, node: &NodeConfig, slots: &BucketSlots) -> Ruleset {
-    let mut ruleset = fixed_objects();
+    let mut ruleset = fixed_objects(node);
     for service in state.services.values() {
         let Some(slot) = slots.get(&service.name) else {
             continue;
@@ -167,8 +181,9 @@ pub fn merge_into(ruleset: &mut Ruleset, name: String, part: Set) {
         .extend(part.elements);
 }
 
-/// The objects that exist whatever the Services are.
-pub fn fixed_objects() -> Ruleset {
+/// The objects that exist whatever the Services are; the node's settings shape the node
+/// port dispatch and the cluster-IP check.
+pub fn fixed_objects(node: &NodeConfig) -> Ruleset {
     let mut ruleset = Ruleset::default();
     let base = |chain_type, hook, priority, rules| Chain {
         base: Some(BaseChain {
@@ -216,7 +231,10 @@ pub fn fixed_objects() -> Ruleset {
                 ChainType::Filter,
                 Hook::Forward,
                 -110,
-                vec![new_then(SERVICE_ENDPOINTS_CHECK)],
+                vec![
+                    new_then(SERVICE_ENDPOINTS_CHECK),
+                    new_then(CLUSTER_IPS_CHECK),
+                ],
             ),
         ),
         (
@@ -226,6 +244,15 @@ pub fn fixed_objects() -> Ruleset {
                 Hook::Output,
                 -110,
                 vec![new_then(SERVICE_ENDPOINTS_CHECK)],
+            ),
+        ),
+        (
+            FILTER_OUTPUT_POST_DNAT,
+            base(
+                ChainType::Filter,
+                Hook::Output,
+                -90,
+                vec![new_then(CLUSTER_IPS_CHECK)],
             ),
         ),
         (
@@ -271,11 +298,19 @@ pub fn fixed_objects() -> Ruleset {
         ),
         (
             NODEPORT_ENDPOINTS_CHECK,
-            chain(vec![Rule::when(
-                vec![Match::DestinationLocal],
-                dispatch(DispatchKey::ProtocolPort, NO_ENDPOINT_NODEPORTS),
-            )]),
+            chain(
+                node_port_addresses(node)
+                    .into_iter()
+                    .map(|to_node_port| {
+                        Rule::when(
+                            to_node_port,
+                            dispatch(DispatchKey::ProtocolPort, NO_ENDPOINT_NODEPORTS),
+                        )
+                    })
+                    .collect(),
+            ),
         ),
+        (CLUSTER_IPS_CHECK, chain(cluster_ips_check(node))),
         (REJECT_CHAIN, chain(vec![Rule::always(Statement::Reject)])),
         (
             MARK_FOR_MASQUERADE,
@@ -309,19 +344,18 @@ pub fn fixed_objects() -> Ruleset {
         ),
         (
             SERVICES,
-            chain(vec![
-                Rule::always(dispatch(DispatchKey::AddressProtocolPort, SERVICE_IPS)),
-                Rule::when(
-                    vec![
-                        Match::DestinationLocal,
-                        Match::DestinationAddress {
-                            net: Ipv4Net::new_assert(LOOPBACK, 8),
-                            negated: true,
-                        },
-                    ],
-                    jump(NODEPORTS),
-                ),
-            ]),
+            chain(
+                std::iter::once(Rule::always(dispatch(
+                    DispatchKey::AddressProtocolPort,
+                    SERVICE_IPS,
+                )))
+                .chain(
+                    node_port_addresses(node)
+                        .into_iter()
+                        .map(|to_node_port| Rule::when(to_node_port, jump(NODEPORTS))),
+                )
+                .collect(),
+            ),
         ),
         (
             NODEPORTS,
@@ -342,6 +376,61 @@ pub fn fixed_objects() -> Ruleset {
 
 fn chain(rules: Vec<Rule>) -> Chain {
     Chain { base: None, rules }
+}
+
+/// The matches of each rule that lets a packet on to the node ports: to a local address,
+/// never a loopback one (as kube-proxy's nftables mode: no route_localnet), and inside
+/// one of the `--nodeport-addresses` CIDRs when given. kube-proxy keeps the node's
+/// addresses inside those CIDRs in a set (`nodeport-ips`) it fills at each full sync; the
+/// CIDR with `fib daddr type local` is the same set of addresses and follows address
+/// changes without a sync.
+fn node_port_addresses(node: &NodeConfig) -> Vec<Vec<Match>> {
+    let not_loopback = Match::DestinationAddress {
+        net: LOOPBACK,
+        negated: true,
+    };
+    match &node.node_port_addresses {
+        NodePortAddresses::All => vec![vec![Match::DestinationLocal, not_loopback]],
+        NodePortAddresses::Cidrs(cidrs) => cidrs
+            .iter()
+            .filter(|cidr| !LOOPBACK.contains(*cidr))
+            .map(|cidr| {
+                let mut matches = vec![Match::DestinationAddress {
+                    net: *cidr,
+                    negated: false,
+                }];
+                if overlaps(*cidr, LOOPBACK) {
+                    matches.push(not_loopback.clone());
+                }
+                matches.push(Match::DestinationLocal);
+                matches
+            })
+            .collect(),
+    }
+}
+
+/// kube-proxy's `cluster-ips-check`, run after DNAT: a new connection still addressed to
+/// a cluster IP matched none of its ports and is rejected, so the client fails at once;
+/// one to an address of the Service CIDRs that no Service holds is dropped.
+fn cluster_ips_check(node: &NodeConfig) -> Vec<Rule> {
+    let mut rules = vec![
+        Rule::when(
+            vec![Match::DestinationInSet(CLUSTER_IPS.to_owned())],
+            Statement::Reject,
+        )
+        .with_comment("Reject traffic to invalid ports of ClusterIPs"),
+    ];
+    for cidr in &node.service_cidrs {
+        let to_service_cidr = Match::DestinationAddress {
+            net: cidr.trunc(),
+            negated: false,
+        };
+        rules.push(
+            Rule::when(vec![to_service_cidr], Statement::Drop)
+                .with_comment("Drop traffic to unallocated ClusterIPs"),
+        );
+    }
+    rules
 }
 
 fn jump(chain: &str) -> Statement {
@@ -467,6 +556,8 @@ pub fn port_objects(
     );
     let proto = svc.protocol;
     let ip_key = |ip: Ipv4Addr| Key::AddressProtocolPort(ip, proto, svc.port);
+    out.elements
+        .push((CLUSTER_IPS, Key::Address(cluster_ip), Value::Member));
     // External IPs and LB IPs, each once (a Service may list an address in both).
     let external_ips = sorted_unique(&[&port.external_ips[..], &port.paths.vip_ingress].concat());
 
@@ -546,8 +637,20 @@ pub fn port_objects(
         ));
     }
     if !port.source_ranges.is_empty() && !port.paths.vip_ingress.is_empty() {
-        let mut rules: Vec<Rule> = port
+        // allowFromNode: the node's own connections looped back to it come from the LB IP.
+        let from_node = node
+            .allows_from_node(&port.source_ranges)
+            .then_some(&port.paths.vip_ingress)
+            .into_iter()
+            .flatten()
+            .map(|ip| host(*ip));
+        let allowed: Vec<Ipv4Net> = port
             .source_ranges
+            .iter()
+            .copied()
+            .chain(from_node)
+            .collect();
+        let mut rules: Vec<Rule> = allowed
             .iter()
             .map(|range| {
                 Rule::when(
@@ -610,6 +713,8 @@ struct Port<'a> {
     /// Any usable endpoint in the cluster; without one, every address rejects.
     has_endpoints: bool,
     cluster_cidr: Option<Ipv4Net>,
+    /// `--masquerade-all`.
+    masquerade_all: bool,
 }
 
 impl<'a> Port<'a> {
@@ -645,30 +750,31 @@ impl<'a> Port<'a> {
             paths,
             has_endpoints: usable.iter().any(|ep| ep.cluster),
             cluster_cidr: node.cluster_cidr.map(|cidr| cidr.trunc()),
+            masquerade_all: node.masquerade_all,
         }
     }
 
     /// `ip daddr CIP P dport PORT ip saddr != CIDR jump mark-for-masquerade`: off-cluster
-    /// clients reaching a cluster IP (by a static route) may be sent to another node.
+    /// clients reaching a cluster IP (by a static route) may be sent to another node. With
+    /// `--masquerade-all`, without the source match: every client.
     fn cluster_ip_masquerade(&self) -> Option<Rule> {
-        let cidr = self.cluster_cidr?;
-        Some(Rule::when(
-            vec![
-                Match::DestinationAddress {
-                    net: host(self.cluster_ip),
-                    negated: false,
-                },
-                Match::DestinationPort {
-                    protocol: self.svc.protocol,
-                    port: self.svc.port,
-                },
-                Match::SourceAddress {
-                    net: cidr,
-                    negated: true,
-                },
-            ],
-            jump(MARK_FOR_MASQUERADE),
-        ))
+        let mut matches = vec![
+            Match::DestinationAddress {
+                net: host(self.cluster_ip),
+                negated: false,
+            },
+            Match::DestinationPort {
+                protocol: self.svc.protocol,
+                port: self.svc.port,
+            },
+        ];
+        if !self.masquerade_all {
+            matches.push(Match::SourceAddress {
+                net: self.cluster_cidr?,
+                negated: true,
+            });
+        }
+        Some(Rule::when(matches, jump(MARK_FOR_MASQUERADE)))
     }
 
     /// `endpoint-…` (session affinity only): remember the client, DNAT.
@@ -821,10 +927,7 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn node() -> NodeConfig {
-        NodeConfig {
-            node_name: "node-a".into(),
-            cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
-        }
+        NodeConfig::new("node-a", Some("10.244.0.0/16".parse().unwrap()))
     }
 
     /// `ns1/svc1:p80`, TCP port 80, nothing else set.
@@ -1029,6 +1132,11 @@ pub(crate) mod tests {
         assert_eq!(
             objects.elements,
             vec![
+                (
+                    CLUSTER_IPS,
+                    Key::Address(Ipv4Addr::new(172, 30, 0, 41)),
+                    Value::Member
+                ),
                 (
                     NO_ENDPOINT_SERVICES,
                     Key::AddressProtocolPort(Ipv4Addr::new(172, 30, 0, 41), Protocol::Tcp, 80),

@@ -248,6 +248,10 @@ impl Tracer<'_> {
                     .set(table, chain, set)?
                     .elements
                     .contains_key(&Key::AddressPair(packet.src, packet.dst)),
+                Match::DestinationInSet(set) => self
+                    .set(table, chain, set)?
+                    .elements
+                    .contains_key(&Key::Address(packet.dst)),
             };
             if !matched {
                 return Ok(false);

@@ -195,7 +195,8 @@ impl TraceRequest {
         }
     }
 
-    pub(crate) fn is_local(&self, addr: Ipv4Addr) -> bool {
+    /// Whether `addr` is one of the node's addresses (127.0.0.0/8 always is).
+    pub fn is_local(&self, addr: Ipv4Addr) -> bool {
         addr.is_loopback() || self.local_addrs.contains(&addr)
     }
 }

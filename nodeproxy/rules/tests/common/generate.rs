@@ -46,7 +46,12 @@ pub fn service() -> impl Strategy<Value = (ServicePort, Vec<Endpoint>)> {
         ip_mode: if vip { IpMode::Vip } else { IpMode::Proxy },
     });
     let ranges = prop::collection::vec(
-        prop_oneof![Just("203.0.113.0/24"), Just("192.0.2.128/25")],
+        // The last holds node-a's IP (allowFromNode).
+        prop_oneof![
+            Just("203.0.113.0/24"),
+            Just("192.0.2.128/25"),
+            Just("198.18.0.0/24")
+        ],
         0..3,
     );
     (

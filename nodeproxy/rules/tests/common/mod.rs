@@ -7,8 +7,8 @@ pub mod generate;
 pub mod netns;
 
 use tandem_proxy_rules::model::{
-    Endpoint, IpMode, LoadBalancerIngress, NodeConfig, Protocol, ProxyState, ServicePort,
-    ServicePortName,
+    Endpoint, IpMode, LoadBalancerIngress, NodeConfig, NodePortAddresses, Protocol, ProxyState,
+    ServicePort, ServicePortName,
 };
 
 pub fn ip(s: &str) -> Ipv4Addr {
@@ -65,9 +65,21 @@ pub fn ready(addr: &str, port: u16, node: &str) -> Endpoint {
 }
 
 pub fn node_a() -> NodeConfig {
+    NodeConfig::new("node-a", Some("10.244.0.0/16".parse().unwrap()))
+}
+
+/// node-a (198.18.0.11, inside the source range 198.18.0.0/24 some tests' Services
+/// have) with every flag both modes share: `--masquerade-all`, `--nodeport-addresses
+/// 198.18.0.0/24`, `--iptables-localhost-nodeports=false`, and the Service CIDR
+/// 10.96.0.0/16.
+pub fn node_with_flags() -> NodeConfig {
     NodeConfig {
-        node_name: "node-a".into(),
-        cluster_cidr: Some("10.244.0.0/16".parse().unwrap()),
+        node_ip: Some(ip("198.18.0.11")),
+        masquerade_all: true,
+        node_port_addresses: NodePortAddresses::from_cidrs(&["198.18.0.0/24".parse().unwrap()]),
+        localhost_node_ports: false,
+        service_cidrs: vec!["10.96.0.0/16".parse().unwrap()],
+        ..node_a()
     }
 }
 
