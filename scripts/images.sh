@@ -148,6 +148,9 @@ if $offline; then
         ;;
     esac
     build_args+=(--build-arg "BASE=$base")
+    # The base holds every package, so no build step needs a network; without one the
+    # engine creates no bridge or firewall rules (CNI chains) in the host's namespace.
+    build_args+=(--network none)
 fi
 
 build() {

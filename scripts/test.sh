@@ -82,6 +82,29 @@ step "container images: lab end to end" env TANDEM_E2E_IMAGES="$(image_registry)
     cargo test -p tandem-lab --locked --test e2e -- \
     proxy_mode_spreads passthrough_mode_takes a_pod_reaching_the_lb_ip
 
+# A real Kubernetes: TANDEM_K3S names a k3s binary (CI's .ci/run unpacks v1.21.2, the
+# oldest release Tandem supports; any newer release works the same). Against a real
+# control plane in a network namespace: the controller and lab end-to-end tests, both
+# proxy modes. On a real node (kubelet, containerd, runc pods): the chart's images built
+# above, installed by Helm, traffic, upgrade and uninstall. Without TANDEM_K3S these steps
+# say they are skipped and pass nothing.
+if [ -n "${TANDEM_K3S:-}" ]; then
+    k3s=target/debug/tandem-k3s
+    # This lab test starts its own stand-in, so the real server would add nothing to it.
+    own_stand_in=the_lab_runs_against_an_api_server_outside_it_through_the_relay
+    step "real cluster: controller end to end" "$k3s" control-plane -- \
+        cargo test -p tandem-controller --locked --test e2e
+    step "real cluster: lab end to end" "$k3s" control-plane -- \
+        cargo test -p tandem-lab --locked --test e2e -- --skip "$own_stand_in"
+    step "real cluster: lab end to end, nftables mode" env TANDEM_E2E_PROXY_MODE=nftables \
+        "$k3s" control-plane -- \
+        cargo test -p tandem-lab --locked --test e2e -- --skip "$own_stand_in"
+    step "real cluster: the chart on a real node" env TANDEM_K3S_IMAGES=local \
+        cargo test -p tandem-k3s --locked --test node -- --ignored --nocapture
+else
+    echo "=== real cluster: skipped (set TANDEM_K3S to a k3s binary to run it)"
+fi
+
 if [ ${#failed[@]} -ne 0 ]; then
     printf 'FAILED: %s\n' "${failed[@]}" >&2
     exit 1
