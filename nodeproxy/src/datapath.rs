@@ -24,7 +24,7 @@ use crate::metrics::{Metrics, TableLabel, TableLabels};
 pub async fn start(
     mode: ProxyMode,
     backend_choice: BackendChoice,
-    node: NodeConfig,
+    mut node: NodeConfig,
 ) -> Result<DataPath, StartError> {
     let (backend, reason) = backend::resolve(backend_choice).await;
     match mode {
@@ -34,8 +34,18 @@ pub async fn start(
             if let Err(error) = remove_nftables_table().await {
                 tracing::warn!(%error, "could not remove the nftables mode's table");
             }
-            if node.localhost_node_ports && node.node_port_addresses.overlap_loopback() {
-                enable_route_localnet().await?;
+            if node.localhost_node_ports
+                && node.node_port_addresses.overlap_loopback()
+                && let Err(error) = enable_route_localnet().await
+            {
+                // An unprivileged container sees /proc/sys read-only. Without the sysctl
+                // a DNATed packet to 127.0.0.1 is dropped as martian, so refuse such
+                // connections at once instead, as --iptables-localhost-nodeports=false does.
+                tracing::warn!(
+                    %error,
+                    "cannot set route_localnet: node ports are not served on 127.0.0.0/8 (set net.ipv4.conf.all.route_localnet=1 on the host, or run privileged, to serve them)"
+                );
+                node.localhost_node_ports = false;
             }
             Ok(DataPath::iptables(node, Syncer::new(backend)))
         }
@@ -61,6 +71,13 @@ const ROUTE_LOCALNET: &str = "/proc/sys/net/ipv4/conf/all/route_localnet";
 /// from other hosts to 127.0.0.0/8 are then routed too: the kubelet's "block incoming
 /// localnet connections" rule drops them.
 async fn enable_route_localnet() -> Result<(), StartError> {
+    // Set on the host already (or by an earlier run): nothing to write.
+    if tokio::fs::read_to_string(ROUTE_LOCALNET)
+        .await
+        .is_ok_and(|value| value.trim() == "1")
+    {
+        return Ok(());
+    }
     tracing::info!(
         "setting route_localnet=1 to serve node ports on 127.0.0.1; --iptables-localhost-nodeports=false or --nodeport-addresses without 127.0.0.0/8 turn this off"
     );
