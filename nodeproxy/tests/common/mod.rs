@@ -237,6 +237,20 @@ pub fn install_kubelet_chains(backend: Backend) {
     );
 }
 
+/// `lines` without the packet and byte counters `iptables-save -c` puts before each rule:
+/// for comparisons on a node that carries traffic meanwhile.
+pub fn without_counters(lines: &str) -> String {
+    lines
+        .lines()
+        .map(|line| {
+            line.split_once("] ")
+                .filter(|_| line.starts_with('['))
+                .map_or(line, |(_, rule)| rule)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// The kubelet's lines of `iptables-save -c` of mangle, filter and nat, as the kernel prints
 /// them: the declarations of its chains, their rules and its jumps from the built-in chains,
 /// with counters. A chain or rule of the kubelet that went, moved or was rewritten changes it.
