@@ -151,6 +151,18 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
         work: &work,
     };
     steps.must("echo pods and a client pod are Running", || {
+        // The controller-manager creates a Namespace's default ServiceAccount a moment after
+        // the node is Ready; a bare Pod created before it is refused.
+        wait_for(
+            "the default ServiceAccount",
+            Duration::from_secs(60),
+            || {
+                Ok(node
+                    .kubectl(["-n", "default", "get", "serviceaccount", "default"])
+                    .map(drop)
+                    .map_err(anyhow::Error::from))
+            },
+        )?;
         kube.apply("workloads.yaml", &workloads())?;
         kube.wait_pods_ready(
             "default",
