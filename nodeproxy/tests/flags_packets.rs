@@ -298,16 +298,7 @@ fn the_nftables_mode_rejects_unserved_cluster_ip_ports_and_drops_unallocated_add
             "lo",
         ])
         .unwrap();
-    node.netns
-        .exec_checked([
-            "ip",
-            "route",
-            "add",
-            &format!("{unallocated}/32"),
-            "via",
-            &server.ip.to_string(),
-        ])
-        .unwrap();
+    route_via(&node.netns, unallocated, server.ip);
     let echo = topo.echo_http_port();
     let with_cidr = NodeConfig {
         service_cidrs: vec!["10.43.0.0/16".parse().unwrap()],

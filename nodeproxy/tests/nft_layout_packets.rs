@@ -34,17 +34,7 @@ fn cluster(nodes: usize, pods_per_node: &[u32]) -> Option<Topology> {
         .unwrap();
     // Passthrough: the edge routes the LB IP to node 1 unchanged.
     let node = topo.node(1).unwrap();
-    topo.edge()
-        .netns
-        .exec_checked([
-            "ip",
-            "route",
-            "add",
-            &format!("{LB_IP}/32"),
-            "via",
-            &node.ip.to_string(),
-        ])
-        .unwrap();
+    route_via(&topo.edge().netns, LB_IP, node.ip);
     Some(topo)
 }
 

@@ -152,17 +152,7 @@ fn lb_ip_reaches_a_pod_from_an_allowed_source_and_is_dropped_on_the_node_otherwi
     let backend = Backend::Nft;
     sync_on(node, backend, &ruleset);
     // Passthrough: the edge routes the LB IP to the node unchanged.
-    topo.edge()
-        .netns
-        .exec_checked([
-            "ip",
-            "route",
-            "add",
-            &format!("{LB_IP}/32"),
-            "via",
-            &node.ip.to_string(),
-        ])
-        .unwrap();
+    route_via(&topo.edge().netns, LB_IP, node.ip);
 
     let mut allowed =
         connect(&topo.client_in_range().netns, LB).expect("allowed client gets through");
@@ -278,17 +268,7 @@ fn udp_through_a_service_follows_an_endpoint_replacement() {
             syncer
         })
         .unwrap();
-    topo.edge()
-        .netns
-        .exec_checked([
-            "ip",
-            "route",
-            "add",
-            &format!("{LB_IP}/32"),
-            "via",
-            &node.ip.to_string(),
-        ])
-        .unwrap();
+    route_via(&topo.edge().netns, LB_IP, node.ip);
 
     // One client socket (one conntrack entry) for the whole test.
     let client = topo
@@ -382,17 +362,7 @@ fn connections_survive_a_rolling_update_of_the_only_local_pod() {
         &tandem_proxy_rules::build(&local_state(vec![old_ready.clone()]), &config),
     );
     // Passthrough: the edge routes the LB IP to node 1, the node with the local pod.
-    topo.edge()
-        .netns
-        .exec_checked([
-            "ip",
-            "route",
-            "add",
-            &format!("{LB_IP}/32"),
-            "via",
-            &node1.ip.to_string(),
-        ])
-        .unwrap();
+    route_via(&topo.edge().netns, LB_IP, node1.ip);
     let client = topo.client_in_range();
     let mut established = connect(&client.netns, LB).expect("the local pod answers");
     // externalTrafficPolicy Local: the pod sees the client itself.
@@ -581,17 +551,7 @@ fn the_drop_fallback_drops_with_and_without_the_kubelets_chains() {
                 "the sync changed the kubelet's chains"
             );
         }
-        topo.edge()
-            .netns
-            .exec_checked([
-                "ip",
-                "route",
-                "add",
-                &format!("{LB_IP}/32"),
-                "via",
-                &node.ip.to_string(),
-            ])
-            .unwrap();
+        route_via(&topo.edge().netns, LB_IP, node.ip);
         let mut allowed = connect(&topo.client_in_range().netns, LB)
             .unwrap_or_else(|e| panic!("kubelet {with_kubelet}: allowed client: {e}"));
         assert!(round_trip(&mut allowed, "hello").ends_with(" hello"));

@@ -237,6 +237,21 @@ pub fn install_kubelet_chains(backend: Backend) {
     );
 }
 
+/// Routes `dst` via `gateway` in `netns` (e.g. the edge sending an LB IP to a node
+/// unchanged, as a passthrough load balancer does).
+pub fn route_via(netns: &tandem_netlab::Netns, dst: Ipv4Addr, gateway: Ipv4Addr) {
+    netns
+        .exec_checked([
+            "ip",
+            "route",
+            "add",
+            &format!("{dst}/32"),
+            "via",
+            &gateway.to_string(),
+        ])
+        .unwrap_or_else(|e| panic!("route {dst} via {gateway} in {}: {e}", netns.name()));
+}
+
 /// `lines` without the packet and byte counters `iptables-save -c` puts before each rule:
 /// for comparisons on a node that carries traffic meanwhile.
 pub fn without_counters(lines: &str) -> String {
