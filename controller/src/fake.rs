@@ -1,16 +1,20 @@
 //! `FakeProvider`: an in-memory cloud behind [`LoadBalancerProvider`], for in-process tests
 //! of reconcile (like the fake cloud of k8s.io/cloud-provider's service controller tests).
-//! It records every call, can fail the next call of an operation with a given error, and
-//! creates LBs either provisioning or already active.
+//! It records every call, can fail the next call of an operation with a given error,
+//! creates LBs either provisioning or already active, gives them a VIP per IP family, and
+//! refuses, all or nothing, an LB of a family its pool lacks.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::provider::{
-    ClusterId, DesiredLoadBalancer, LoadBalancerLookup, LoadBalancerPhase, LoadBalancerProvider,
-    ObservedLoadBalancer, Operation, ProviderError,
+    AddressRefusal, ClusterId, DesiredLoadBalancer, IpFamily, LoadBalancerLookup,
+    LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer, Operation, ProviderError,
 };
+
+/// The pool of an LB that names none, as in the mock cloud.
+const DEFAULT_POOL: &str = "default";
 
 /// A call as the fake saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,6 +36,8 @@ struct State {
     /// Deleted LBs stay `Deleting` until [`FakeProvider::finish_deletes`], as in a cloud
     /// that deletes asynchronously.
     delete_async: bool,
+    /// The families of pools that lack one; any other pool has both.
+    pool_families: BTreeMap<String, Vec<IpFamily>>,
 }
 
 /// Cheap to clone: clones share one cloud.
@@ -81,6 +87,14 @@ impl FakeProvider {
         self.state().delete_async = delete_async;
     }
 
+    /// Gives `pool` (`default`: the pool of LBs that name none) addresses of `families`
+    /// only: an LB asking it for another family is refused.
+    pub fn set_pool_families(&self, pool: &str, families: &[IpFamily]) {
+        self.state()
+            .pool_families
+            .insert(pool.to_owned(), families.to_vec());
+    }
+
     /// The cloud finishes every pending delete.
     pub fn finish_deletes(&self) {
         self.state()
@@ -113,6 +127,53 @@ impl FakeProvider {
             Some(error) => Err(error),
             None => Ok(state),
         }
+    }
+}
+
+impl State {
+    /// Refuses `desired` in `pool` when the pool lacks one of its families.
+    fn check_pool(&self, desired: &DesiredLoadBalancer, pool: &str) -> Result<(), ProviderError> {
+        let Some(has) = self.pool_families.get(pool) else {
+            return Ok(());
+        };
+        match desired.ip_families.iter().find(|f| !has.contains(f)) {
+            Some(missing) => Err(ProviderError::AddressRefused {
+                refusal: AddressRefusal::PoolLacksFamily,
+                message: format!(
+                    "the VIP pool {pool} has no {missing} addresses (ipFamilies asks for {missing})"
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// An address of `family` for the `n`th allocation.
+    fn fresh_vip(family: IpFamily, n: u32) -> IpAddr {
+        let host = u8::try_from(n % 250).unwrap_or(0) + 1;
+        match family {
+            IpFamily::Ipv4 => Ipv4Addr::new(198, 51, 100, host).into(),
+            IpFamily::Ipv6 => {
+                Ipv6Addr::new(0x2001, 0xdb8, 0x51, 0x100, 0, 0, 0, host.into()).into()
+            }
+        }
+    }
+
+    /// One VIP per family of `desired`, in its order: the requested one, else the one in
+    /// `current`, else a fresh one.
+    fn place(&mut self, desired: &DesiredLoadBalancer, current: &[IpAddr]) -> Vec<IpAddr> {
+        self.next_id += 1;
+        let n = self.next_id;
+        desired
+            .ip_families
+            .iter()
+            .map(|family| {
+                desired
+                    .address
+                    .requested_of(*family)
+                    .or_else(|| current.iter().copied().find(|v| IpFamily::of(v) == *family))
+                    .unwrap_or_else(|| Self::fresh_vip(*family, n))
+            })
+            .collect()
     }
 }
 
@@ -167,10 +228,13 @@ impl LoadBalancerProvider for FakeProvider {
             },
             Operation::Create,
         )?;
-        state.next_id += 1;
-        let n = state.next_id;
+        state.check_pool(
+            desired,
+            desired.address.pool.as_deref().unwrap_or(DEFAULT_POOL),
+        )?;
+        let vips = state.place(desired, &[]);
         let lb = ObservedLoadBalancer {
-            id: format!("lb-{n}"),
+            id: format!("lb-{}", state.next_id),
             version: 1,
             name: desired.name(),
             owner: Some(desired.owner.clone()),
@@ -179,12 +243,8 @@ impl LoadBalancerProvider for FakeProvider {
             } else {
                 LoadBalancerPhase::Provisioning
             },
-            vip: Some(desired.address.requested_ipv4().unwrap_or(Ipv4Addr::new(
-                198,
-                51,
-                100,
-                u8::try_from(n % 250).unwrap_or(0) + 1,
-            ))),
+            ip_families: desired.ip_families.clone(),
+            vips,
             pool: desired.address.pool.clone(),
             sharing_key: desired.address.sharing_key.clone(),
             mode: desired.mode,
@@ -207,21 +267,36 @@ impl LoadBalancerProvider for FakeProvider {
             },
             Operation::Update,
         )?;
-        let Some(lb) = state.lbs.get_mut(&current.id) else {
+        let Some(found) = state.lbs.get(&current.id) else {
             return Err(ProviderError::NotFound {
                 id: current.id.clone(),
             });
         };
-        if lb.version != current.version {
+        if found.version != current.version {
             return Err(ProviderError::Conflict {
                 operation: Operation::Update,
                 id: current.id.clone(),
             });
         }
+        let pool = desired
+            .address
+            .pool
+            .clone()
+            .or_else(|| found.pool.clone())
+            .unwrap_or_else(|| DEFAULT_POOL.to_owned());
+        let kept = found.vips.clone();
+        state.check_pool(desired, &pool)?;
+        let vips = state.place(desired, &kept);
+        let Some(lb) = state.lbs.get_mut(&current.id) else {
+            return Err(ProviderError::NotFound {
+                id: current.id.clone(),
+            });
+        };
         lb.version += 1;
         lb.owner = Some(desired.owner.clone());
         lb.mode = desired.mode;
-        lb.vip = desired.address.requested_ipv4().or(lb.vip);
+        lb.ip_families = desired.ip_families.clone();
+        lb.vips = vips;
         if desired.address.pool.is_some() {
             lb.pool = desired.address.pool.clone();
         }

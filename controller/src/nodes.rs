@@ -4,10 +4,12 @@
 //! health checks take them out, without a cloud call per node flap.
 
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::Node;
 use tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
+
+use crate::provider::IpFamily;
 
 pub const LABEL_EXCLUDE_FROM_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 
@@ -48,37 +50,41 @@ pub fn is_eligible(node: &Node) -> bool {
     !to_be_deleted
 }
 
-/// The node's first IPv4 InternalIP (falling back to an ExternalIP).
-pub fn node_ip(node: &Node) -> Option<Ipv4Addr> {
+/// The node's address of `family`: its first InternalIP of that family, else its first
+/// ExternalIP of it.
+pub fn node_ip(node: &Node, family: IpFamily) -> Option<IpAddr> {
     let addresses = node.status.as_ref()?.addresses.as_ref()?;
     ["InternalIP", "ExternalIP"].iter().find_map(|kind| {
         addresses
             .iter()
             .filter(|a| a.type_ == *kind)
-            .find_map(|a| a.address.parse::<Ipv4Addr>().ok())
+            .filter_map(|a| a.address.parse::<IpAddr>().ok())
+            .find(|ip| IpFamily::of(ip) == family)
     })
 }
 
-/// The backend set for every LB: eligible nodes that have an IPv4 address.
-pub fn eligible_backends<'a>(nodes: impl IntoIterator<Item = &'a Node>) -> BTreeSet<Ipv4Addr> {
+/// The backend addresses of every LB: each eligible node's address of each family it has
+/// one of. A node without an address of a family is no backend of that family's VIPs.
+pub fn eligible_backends<'a>(nodes: impl IntoIterator<Item = &'a Node>) -> BTreeSet<IpAddr> {
     nodes
         .into_iter()
         .filter(|n| is_eligible(n))
-        .filter_map(node_ip)
+        .flat_map(|n| [IpFamily::Ipv4, IpFamily::Ipv6].map(|family| node_ip(n, family)))
+        .flatten()
         .collect()
 }
 
 /// The node set last pushed to the LBs, and whether a new observation differs from it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NodeSet(Option<BTreeSet<Ipv4Addr>>);
+pub struct NodeSet(Option<BTreeSet<IpAddr>>);
 
 impl NodeSet {
     /// True when `current` must be pushed: nothing synced yet, or the set changed.
-    pub fn differs(&self, current: &BTreeSet<Ipv4Addr>) -> bool {
+    pub fn differs(&self, current: &BTreeSet<IpAddr>) -> bool {
         self.0.as_ref() != Some(current)
     }
 
-    pub fn record(&mut self, synced: BTreeSet<Ipv4Addr>) {
+    pub fn record(&mut self, synced: BTreeSet<IpAddr>) {
         self.0 = Some(synced);
     }
 }
@@ -93,6 +99,14 @@ pub(crate) mod tests {
     use std::collections::BTreeMap;
 
     pub(crate) fn node(name: &str, ip: &str) -> Node {
+        with_addresses(name, &[("InternalIP", ip)])
+    }
+
+    fn with_addresses(name: &str, addresses: &[(&str, &str)]) -> Node {
+        let hostname = NodeAddress {
+            type_: "Hostname".into(),
+            address: name.into(),
+        };
         Node {
             metadata: ObjectMeta {
                 name: Some(name.into()),
@@ -100,16 +114,14 @@ pub(crate) mod tests {
             },
             spec: Some(NodeSpec::default()),
             status: Some(NodeStatus {
-                addresses: Some(vec![
-                    NodeAddress {
-                        type_: "Hostname".into(),
-                        address: name.into(),
-                    },
-                    NodeAddress {
-                        type_: "InternalIP".into(),
-                        address: ip.into(),
-                    },
-                ]),
+                addresses: Some(
+                    std::iter::once(hostname)
+                        .chain(addresses.iter().map(|(kind, ip)| NodeAddress {
+                            type_: (*kind).into(),
+                            address: (*ip).into(),
+                        }))
+                        .collect(),
+                ),
                 ..Default::default()
             }),
         }
@@ -170,20 +182,48 @@ pub(crate) mod tests {
         assert!(is_eligible(&n));
     }
 
+    fn ips(texts: &[&str]) -> BTreeSet<IpAddr> {
+        texts.iter().map(|t| t.parse().unwrap()).collect()
+    }
+
     #[test]
-    fn backends_use_ipv4_internal_ip() {
-        let v6 = node("c", "2001:db8::1");
-        let nodes = [node("a", "198.18.0.11"), node("b", "198.18.0.12"), v6];
+    fn backends_are_each_nodes_internal_ip_of_each_family() {
+        let dual = with_addresses(
+            "a",
+            &[
+                ("InternalIP", "198.18.0.11"),
+                ("InternalIP", "2001:db8:18::11"),
+                ("InternalIP", "2001:db8:18::99"),
+            ],
+        );
+        let v4_only = node("b", "198.18.0.12");
+        let v6_only = node("c", "2001:db8:18::13");
+        // The external address stands in only for the family without an internal one.
+        let external_v6 = with_addresses(
+            "d",
+            &[
+                ("ExternalIP", "198.51.100.200"),
+                ("InternalIP", "198.18.0.14"),
+                ("ExternalIP", "2001:db8:ff::14"),
+            ],
+        );
         assert_eq!(
-            eligible_backends(&nodes),
-            BTreeSet::from([Ipv4Addr::new(198, 18, 0, 11), Ipv4Addr::new(198, 18, 0, 12)])
+            eligible_backends(&[dual, v4_only, v6_only, external_v6]),
+            ips(&[
+                "198.18.0.11",
+                "198.18.0.12",
+                "198.18.0.14",
+                "2001:db8:18::11",
+                "2001:db8:18::13",
+                "2001:db8:ff::14",
+            ])
         );
     }
 
     #[test]
     fn node_set_differs_only_on_change() {
         let mut synced = NodeSet::default();
-        let set = BTreeSet::from([Ipv4Addr::new(198, 18, 0, 11)]);
+        let set = ips(&["198.18.0.11"]);
         assert!(synced.differs(&set));
         synced.record(set.clone());
         assert!(!synced.differs(&set));
@@ -194,7 +234,7 @@ pub(crate) mod tests {
         #[test]
         fn backend_set_ignores_node_order(ips in prop::collection::vec(any::<[u8; 4]>(), 0..8)) {
             let nodes: Vec<Node> = ips.iter().enumerate()
-                .map(|(i, ip)| node(&format!("n{i}"), &Ipv4Addr::from(*ip).to_string()))
+                .map(|(i, ip)| node(&format!("n{i}"), &std::net::Ipv4Addr::from(*ip).to_string()))
                 .collect();
             let mut reversed = nodes.clone();
             reversed.reverse();

@@ -7,12 +7,14 @@
 //! LB-id annotation, the Events after it, the status (ingress + condition) and when to look
 //! again. `reconcile` performs it in a fixed order; node sync and drift repair use the same.
 
+use std::net::IpAddr;
+
 use k8s_openapi::api::core::v1::Service;
 use kube::ResourceExt;
 
 use crate::provider::{
-    DesiredLoadBalancer, Drift, LoadBalancerLookup, LoadBalancerPhase, ObservedLoadBalancer,
-    ProviderError,
+    DesiredLoadBalancer, Drift, IpFamily, LoadBalancerLookup, LoadBalancerPhase,
+    ObservedLoadBalancer, ProviderError,
 };
 use crate::spec::{
     ClassFilter, SpecError, is_being_deleted, is_load_balancer, owner_of, persisted_id,
@@ -175,11 +177,32 @@ pub struct Settled {
     pub outcome: Result<Next, PlanError>,
 }
 
-fn unavailable_event() -> EventDecision {
-    EventDecision::new(
+/// The families of the LB whose VIPs reach no node, as a phrase ("IPv6", "IPv4 or IPv6");
+/// `None` when every VIP has backends.
+fn families_without_nodes(desired: &DesiredLoadBalancer) -> Option<String> {
+    let missing = desired.families_without_backends();
+    (!missing.is_empty()).then(|| {
+        missing
+            .iter()
+            .map(IpFamily::to_string)
+            .collect::<Vec<_>>()
+            .join(" or ")
+    })
+}
+
+/// The Warning of a cloud call made while a VIP of the LB reaches no node: upstream's words
+/// when no node at all is eligible, else naming the family without nodes.
+fn unavailable_event(desired: &DesiredLoadBalancer) -> Option<EventDecision> {
+    let families = families_without_nodes(desired)?;
+    let message = if desired.backends.is_empty() {
+        "There are no available nodes for LoadBalancer".to_owned()
+    } else {
+        format!("There are no available nodes with an {families} address for LoadBalancer")
+    };
+    Some(EventDecision::new(
         EventReason::UnAvailableLoadBalancer,
-        "There are no available nodes for LoadBalancer",
-    )
+        message,
+    ))
 }
 
 fn failure_condition(error: &ProviderError) -> DesiredCondition {
@@ -214,7 +237,7 @@ pub fn plan_ensure(
         }
     };
     let add_finalizer = !has_finalizer(svc);
-    let no_nodes = desired.backends.is_empty();
+    let unavailable = unavailable_event(&desired);
     let (intent, cloud) = match seen {
         Seen::Failed(error) => (Intent::Unobservable(error), CloudAction::None),
         Seen::NotAsked | Seen::Missing => (
@@ -243,8 +266,10 @@ pub fn plan_ensure(
             "Ensuring load balancer",
         ));
     }
-    if no_nodes && cloud != CloudAction::None {
-        events_before.push(unavailable_event());
+    if let Some(unavailable) = unavailable
+        && cloud != CloudAction::None
+    {
+        events_before.push(unavailable);
     }
     Plan {
         add_finalizer,
@@ -417,24 +442,43 @@ impl Plan {
             );
         };
         let persist_id = (persisted_id(svc) != Some(lb.id.as_str())).then(|| lb.id.clone());
-        let (ingress, condition, next) = match (lb.phase, lb.vip) {
-            (LoadBalancerPhase::Active, Some(vip)) => {
-                let condition = if desired.backends.is_empty() {
-                    DesiredCondition {
+        let (ingress, condition, next) = match (lb.phase, lb.vips_of(&desired.ip_families)) {
+            (LoadBalancerPhase::Active, Ok(vips)) => {
+                let condition = match families_without_nodes(desired) {
+                    Some(families) => DesiredCondition {
                         reason: ConditionReason::NoEligibleNodes,
-                        message: "no node is eligible to receive traffic".into(),
-                    }
-                } else {
-                    DesiredCondition {
+                        message: format!("no eligible node has an {families} address"),
+                    },
+                    None => DesiredCondition {
                         reason: ConditionReason::Ready,
-                        message: format!("load balancer {} serves {vip}", lb.id),
-                    }
+                        message: format!(
+                            "load balancer {} serves {}",
+                            lb.id,
+                            vips.iter()
+                                .map(IpAddr::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    },
                 };
                 (
-                    IngressUpdate::Set(ingress_for(vip, desired)),
+                    IngressUpdate::Set(ingress_for(&vips, desired)),
                     condition,
                     Next::Resync,
                 )
+            }
+            // The cloud makes every family's VIP or none: one missing is a cloud fault.
+            (LoadBalancerPhase::Active, Err(family)) => {
+                return self.failed(
+                    ProviderError::Unavailable {
+                        operation: crate::provider::Operation::Get,
+                        message: format!(
+                            "the cloud answered load balancer {} without an {family} address",
+                            lb.id
+                        ),
+                    },
+                    true,
+                );
             }
             _ => (
                 IngressUpdate::Keep,
@@ -627,9 +671,9 @@ mod tests {
     }
 
     fn desired(svc: &Service, nodes: &[u8]) -> DesiredLoadBalancer {
-        let backends: BTreeSet<Ipv4Addr> = nodes
+        let backends: BTreeSet<IpAddr> = nodes
             .iter()
-            .map(|n| Ipv4Addr::new(198, 18, 0, *n))
+            .map(|n| IpAddr::V4(Ipv4Addr::new(198, 18, 0, *n)))
             .collect();
         desired_load_balancer(
             svc,
@@ -741,6 +785,123 @@ mod tests {
             settled.status.and_then(|(_, c)| c).map(|c| c.reason),
             Some(ConditionReason::NoEligibleNodes)
         );
+    }
+
+    fn dual_stack(svc: &Service, backends: &[&str]) -> DesiredLoadBalancer {
+        let mut svc = svc.clone();
+        svc.spec.as_mut().unwrap().ip_families = Some(vec!["IPv6".into(), "IPv4".into()]);
+        desired_load_balancer(
+            &svc,
+            &"c".parse().unwrap(),
+            backends.iter().map(|b| b.parse().unwrap()).collect(),
+            WithoutNodePorts::Passthrough,
+            None,
+        )
+        .unwrap()
+    }
+
+    fn ingress_ips(settled: &Settled) -> Vec<String> {
+        match &settled.status {
+            Some((IngressUpdate::Set(ingress), _)) => {
+                ingress.iter().filter_map(|i| i.ip.clone()).collect()
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_dual_stack_lb_is_served_per_family_in_the_services_order() {
+        let svc = with(finalized);
+        let d = dual_stack(&svc, &["198.18.0.11", "2001:db8:18::11"]);
+        let settled =
+            plan_ensure(&svc, Ok(d.clone()), Seen::Found(observed_from(&d))).settle(&svc, Ok(None));
+        assert_eq!(
+            ingress_ips(&settled),
+            ["2001:db8:51:100::7", "198.51.100.7"]
+        );
+        let condition = settled.status.unwrap().1.unwrap();
+        assert_eq!(condition.reason, ConditionReason::Ready);
+        assert!(
+            condition
+                .message
+                .contains("2001:db8:51:100::7, 198.51.100.7")
+        );
+        // Upgraded from IPv4 alone: the same LB is updated, and serves both afterwards.
+        let single = desired(&svc, &[11]);
+        let upgrade = plan_ensure(&svc, Ok(d.clone()), Seen::Found(observed_from(&single)));
+        assert!(
+            matches!(&upgrade.cloud, CloudAction::Update { current, .. } if current.id == "lb-1")
+        );
+        let settled = upgrade.settle(&svc, Ok(Some(observed_from(&d))));
+        assert_eq!(settled.events[0].reason, EventReason::EnsuredLoadBalancer);
+        assert_eq!(ingress_ips(&settled).len(), 2);
+    }
+
+    #[test]
+    fn a_family_without_nodes_is_named_and_its_vip_still_reported() {
+        let svc = with(finalized);
+        let d = dual_stack(&svc, &["198.18.0.11"]);
+        let plan = plan_ensure(&svc, Ok(d.clone()), Seen::Missing);
+        let warning = plan
+            .events_before
+            .iter()
+            .find(|e| e.reason == EventReason::UnAvailableLoadBalancer)
+            .unwrap();
+        assert_eq!(
+            warning.message,
+            "There are no available nodes with an IPv6 address for LoadBalancer"
+        );
+        let settled = plan.settle(&svc, Ok(Some(observed_from(&d))));
+        assert_eq!(ingress_ips(&settled).len(), 2);
+        let condition = settled.status.unwrap().1.unwrap();
+        assert_eq!(
+            (condition.reason, condition.message.as_str()),
+            (
+                ConditionReason::NoEligibleNodes,
+                "no eligible node has an IPv6 address"
+            )
+        );
+        let none = dual_stack(&svc, &[]);
+        let plan = plan_ensure(&svc, Ok(none), Seen::Missing);
+        assert_eq!(
+            plan.events_before[1].message,
+            "There are no available nodes for LoadBalancer"
+        );
+    }
+
+    #[test]
+    fn a_pool_lacking_a_family_refuses_the_upgrade_and_keeps_what_serves() {
+        let svc = with(finalized);
+        let single = desired(&svc, &[11]);
+        let d = dual_stack(&svc, &["198.18.0.11", "2001:db8:18::11"]);
+        let plan = plan_ensure(&svc, Ok(d), Seen::Found(observed_from(&single)));
+        let refused = ProviderError::AddressRefused {
+            refusal: crate::provider::AddressRefusal::PoolLacksFamily,
+            message: "the VIP pool default has no IPv6 addresses".into(),
+        };
+        let settled = plan.settle(&svc, Err(refused.clone()));
+        let (ingress, condition) = settled.status.unwrap();
+        assert_eq!(ingress, IngressUpdate::Keep);
+        assert_eq!(condition.unwrap().reason.as_str(), "AddressPoolLacksFamily");
+        assert!(settled.events[0].message.contains("no IPv6 addresses"));
+        assert_eq!(settled.outcome, Err(PlanError::Provider(refused)));
+    }
+
+    #[test]
+    fn an_active_lb_without_a_vip_of_a_family_is_a_cloud_fault() {
+        let svc = with(finalized);
+        let d = dual_stack(&svc, &["198.18.0.11", "2001:db8:18::11"]);
+        let mut half = observed_from(&d);
+        half.vips.retain(IpAddr::is_ipv4);
+        let settled =
+            plan_ensure(&svc, Ok(d), Seen::Found(half.clone())).settle(&svc, Ok(Some(half)));
+        let (ingress, condition) = settled.status.unwrap();
+        assert_eq!(ingress, IngressUpdate::Keep);
+        assert_eq!(condition.unwrap().reason, ConditionReason::CloudError);
+        assert!(matches!(
+            settled.outcome,
+            Err(PlanError::Provider(ProviderError::Unavailable { .. }))
+        ));
     }
 
     #[test]

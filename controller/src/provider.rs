@@ -8,11 +8,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::str::FromStr;
 use std::time::Duration;
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
+
+/// An IP family as Kubernetes names it in `spec.ipFamilies` (`IPv4`, `IPv6`). The SDK's
+/// type: it carries no mock-cloud meaning, so every provider can speak it.
+pub use cloud_mock_sdk::IpFamily;
 
 /// How the cloud delivers traffic to the nodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -134,25 +138,25 @@ impl Owner {
     }
 }
 
-/// Where an LB's address comes from.
+/// Where an LB's addresses come from.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AddressRequest {
     /// The address pool to allocate from; `None` leaves it to the cloud's default pool.
     pub pool: Option<String>,
-    /// Requested addresses, at most one per IP family.
+    /// Requested addresses, at most one per IP family, each of a family the LB has.
     pub requested: Vec<IpAddr>,
-    /// LBs with the same key may share one address when their (protocol, port) sets do not
-    /// overlap; without a key the address is the LB's alone.
+    /// LBs with the same key may share one address per family when their (protocol, port)
+    /// sets do not overlap; without a key the addresses are the LB's alone.
     pub sharing_key: Option<String>,
 }
 
 impl AddressRequest {
-    /// The requested IPv4 address, the one this cloud's VIPs are.
-    pub fn requested_ipv4(&self) -> Option<Ipv4Addr> {
-        self.requested.iter().find_map(|ip| match ip {
-            IpAddr::V4(v4) => Some(*v4),
-            IpAddr::V6(_) => None,
-        })
+    /// The requested address of `family`, if any.
+    pub fn requested_of(&self, family: IpFamily) -> Option<IpAddr> {
+        self.requested
+            .iter()
+            .copied()
+            .find(|ip| IpFamily::of(ip) == family)
     }
 }
 
@@ -161,17 +165,30 @@ impl AddressRequest {
 pub struct DesiredLoadBalancer {
     pub owner: Owner,
     pub mode: LoadBalancerMode,
+    /// The families of its VIPs, one VIP each, in the Service's `spec.ipFamilies` order.
+    pub ip_families: Vec<IpFamily>,
     pub address: AddressRequest,
     /// Sorted by (protocol, port).
     pub listeners: Vec<Listener>,
-    pub backends: BTreeSet<Ipv4Addr>,
-    /// Sorted and deduplicated.
-    pub source_ranges: Vec<Ipv4Net>,
+    /// Node addresses of the LB's families: each VIP goes to those of its own family.
+    pub backends: BTreeSet<IpAddr>,
+    /// Sorted and deduplicated, of the LB's families: each applies to its family's VIP (a
+    /// VIP whose family has none is open to every source, as kube-proxy reads them).
+    pub source_ranges: Vec<IpNet>,
 }
 
 impl DesiredLoadBalancer {
     pub fn name(&self) -> String {
         self.owner.load_balancer_name()
+    }
+
+    /// The LB's families that no backend has an address of: their VIPs reach no node.
+    pub fn families_without_backends(&self) -> Vec<IpFamily> {
+        self.ip_families
+            .iter()
+            .copied()
+            .filter(|family| !self.backends.iter().any(|ip| IpFamily::of(ip) == *family))
+            .collect()
     }
 }
 
@@ -200,20 +217,24 @@ pub struct ObservedLoadBalancer {
     pub name: String,
     pub owner: Option<Owner>,
     pub phase: LoadBalancerPhase,
-    pub vip: Option<Ipv4Addr>,
-    /// The pool the VIP belongs to, when the cloud says.
+    /// The families of its VIPs, in order.
+    pub ip_families: Vec<IpFamily>,
+    /// The assigned VIPs, one per family, in the order of `ip_families`.
+    pub vips: Vec<IpAddr>,
+    /// The pool the VIPs belong to, when the cloud says.
     pub pool: Option<String>,
     pub sharing_key: Option<String>,
     pub mode: LoadBalancerMode,
     pub listeners: Vec<Listener>,
-    pub backends: BTreeSet<Ipv4Addr>,
-    pub source_ranges: Vec<Ipv4Net>,
+    pub backends: BTreeSet<IpAddr>,
+    pub source_ranges: Vec<IpNet>,
 }
 
 /// The fields in which an observed LB differs from the desired one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Drift {
     Mode,
+    IpFamilies,
     Listeners,
     Backends,
     SourceRanges,
@@ -224,11 +245,31 @@ pub enum Drift {
 }
 
 impl ObservedLoadBalancer {
-    /// Compares in a canonical order, so listing order in the cloud never counts as drift.
+    /// The assigned VIP of `family`.
+    pub fn vip_of(&self, family: IpFamily) -> Option<IpAddr> {
+        self.vips
+            .iter()
+            .copied()
+            .find(|vip| IpFamily::of(vip) == family)
+    }
+
+    /// The VIPs of `families`, in that order, or the first family that has none.
+    pub fn vips_of(&self, families: &[IpFamily]) -> Result<Vec<IpAddr>, IpFamily> {
+        families
+            .iter()
+            .map(|family| self.vip_of(*family).ok_or(*family))
+            .collect()
+    }
+
+    /// Compares in a canonical order, so listing order in the cloud never counts as drift;
+    /// the order of the families does count (it is the order of the Service's ingress).
     pub fn drift(&self, desired: &DesiredLoadBalancer) -> Vec<Drift> {
         let mut drift = Vec::new();
         if self.mode != desired.mode {
             drift.push(Drift::Mode);
+        }
+        if self.ip_families != desired.ip_families {
+            drift.push(Drift::IpFamilies);
         }
         if canonical(&self.listeners) != canonical(&desired.listeners) {
             drift.push(Drift::Listeners);
@@ -239,9 +280,11 @@ impl ObservedLoadBalancer {
         if canonical(&self.source_ranges) != canonical(&desired.source_ranges) {
             drift.push(Drift::SourceRanges);
         }
-        if let (Some(requested), Some(vip)) = (desired.address.requested_ipv4(), self.vip)
-            && requested != vip
-        {
+        let moved = desired.address.requested.iter().any(|requested| {
+            self.vip_of(IpFamily::of(requested))
+                .is_some_and(|vip| vip != *requested)
+        });
+        if moved {
             drift.push(Drift::Vip);
         }
         // No pool named: whichever pool the cloud chose is fine.
@@ -316,6 +359,8 @@ pub enum AddressRefusal {
     PortConflict,
     /// A sharer of the address uses the other LB mode.
     SharingModeMismatch,
+    /// The pool has no addresses of a family the LB asks for.
+    PoolLacksFamily,
 }
 
 impl AddressRefusal {
@@ -328,6 +373,7 @@ impl AddressRefusal {
             AddressRefusal::Taken => "address_taken",
             AddressRefusal::PortConflict => "port_conflict",
             AddressRefusal::SharingModeMismatch => "sharing_mode_mismatch",
+            AddressRefusal::PoolLacksFamily => "pool_lacks_family",
         }
     }
 }
@@ -488,18 +534,24 @@ pub(crate) mod tests {
         }
     }
 
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
     fn desired() -> DesiredLoadBalancer {
         DesiredLoadBalancer {
             owner: owner(),
             mode: LoadBalancerMode::Proxy,
+            ip_families: vec![IpFamily::Ipv4],
             address: AddressRequest::default(),
             listeners: vec![listener(80), listener(443)],
-            backends: BTreeSet::from([Ipv4Addr::new(198, 18, 0, 11)]),
+            backends: BTreeSet::from([ip("198.18.0.11")]),
             source_ranges: vec![],
         }
     }
 
-    /// The LB the cloud reports once `d` is in place: active, id `lb-1`, version 1.
+    /// The LB the cloud reports once `d` is in place: active, id `lb-1`, version 1, its
+    /// VIPs 198.51.100.7 and 2001:db8:51:100::7 (of the families it has).
     pub(crate) fn observed_from(d: &DesiredLoadBalancer) -> ObservedLoadBalancer {
         ObservedLoadBalancer {
             id: "lb-1".into(),
@@ -507,7 +559,17 @@ pub(crate) mod tests {
             name: d.name(),
             owner: Some(d.owner.clone()),
             phase: LoadBalancerPhase::Active,
-            vip: Some(Ipv4Addr::new(198, 51, 100, 7)),
+            ip_families: d.ip_families.clone(),
+            vips: d
+                .ip_families
+                .iter()
+                .map(|family| {
+                    d.address.requested_of(*family).unwrap_or(match family {
+                        IpFamily::Ipv4 => ip("198.51.100.7"),
+                        IpFamily::Ipv6 => ip("2001:db8:51:100::7"),
+                    })
+                })
+                .collect(),
             pool: d.address.pool.clone(),
             sharing_key: d.address.sharing_key.clone(),
             mode: d.mode,
@@ -559,7 +621,7 @@ pub(crate) mod tests {
     fn drift_detects_each_field() {
         let d = desired();
         let mut o = observed_from(&d);
-        o.backends.insert(Ipv4Addr::new(198, 18, 0, 12));
+        o.backends.insert(ip("198.18.0.12"));
         o.mode = LoadBalancerMode::Passthrough;
         o.listeners.pop();
         o.source_ranges.push("203.0.113.0/24".parse().unwrap());
@@ -575,7 +637,7 @@ pub(crate) mod tests {
             ]
         );
         let mut d2 = desired();
-        d2.address.requested = vec![IpAddr::V4(Ipv4Addr::new(198, 51, 100, 9))];
+        d2.address.requested = vec![ip("198.51.100.9")];
         assert_eq!(observed_from(&desired()).drift(&d2), vec![Drift::Vip]);
         let mut d3 = desired();
         d3.address.pool = Some("blue".into());
@@ -584,6 +646,48 @@ pub(crate) mod tests {
             observed_from(&desired()).drift(&d3),
             vec![Drift::Pool, Drift::SharingKey]
         );
+    }
+
+    #[test]
+    fn families_drift_in_order_and_vips_per_family() {
+        let mut dual = desired();
+        dual.ip_families = vec![IpFamily::Ipv6, IpFamily::Ipv4];
+        dual.backends.insert(ip("2001:db8:18::11"));
+        let o = observed_from(&dual);
+        assert!(o.drift(&dual).is_empty());
+        assert_eq!(
+            o.vips_of(&dual.ip_families),
+            Ok(vec![ip("2001:db8:51:100::7"), ip("198.51.100.7")])
+        );
+        // Upgrade and downgrade: the family list differs; so does its order.
+        assert_eq!(
+            observed_from(&desired()).drift(&dual),
+            vec![Drift::IpFamilies, Drift::Backends]
+        );
+        let mut reordered = dual.clone();
+        reordered.ip_families.reverse();
+        assert_eq!(o.drift(&reordered), vec![Drift::IpFamilies]);
+        assert_eq!(
+            observed_from(&desired()).vips_of(&dual.ip_families),
+            Err(IpFamily::Ipv6)
+        );
+        // A request moves the VIP of its own family only.
+        let mut moved = dual.clone();
+        moved.address.requested = vec![ip("2001:db8:51:100::9")];
+        assert_eq!(o.drift(&moved), vec![Drift::Vip]);
+        moved.address.requested = vec![ip("198.51.100.7"), ip("2001:db8:51:100::7")];
+        assert!(o.drift(&moved).is_empty());
+    }
+
+    #[test]
+    fn families_without_backends() {
+        let mut dual = desired();
+        dual.ip_families = vec![IpFamily::Ipv4, IpFamily::Ipv6];
+        assert_eq!(dual.families_without_backends(), vec![IpFamily::Ipv6]);
+        dual.backends.insert(ip("2001:db8:18::11"));
+        assert!(dual.families_without_backends().is_empty());
+        dual.backends.clear();
+        assert_eq!(dual.families_without_backends(), dual.ip_families);
     }
 
     #[test]

@@ -1,18 +1,19 @@
 //! Service → desired load balancer: which Services are ours, and what their LB must look
-//! like (listeners, health checks, mode, source ranges, address pool, requested addresses,
-//! sharing key), from the Service spec, its `service.beta.kubernetes.io/mockcloud-load-balancer-*`
-//! annotations and the address pool its Namespace or the controller names.
+//! like (IP families, listeners, health checks, mode, source ranges, address pool,
+//! requested addresses, sharing key), from the Service spec, its
+//! `service.beta.kubernetes.io/mockcloud-load-balancer-*` annotations and the address pool
+//! its Namespace or the controller names.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Namespace, Service};
 use tandem_common::is_dns1123_label;
 
 use crate::provider::{
-    AddressRequest, ClusterId, DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, Listener,
-    LoadBalancerMode, Owner, Protocol,
+    AddressRequest, ClusterId, DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, IpFamily,
+    Listener, LoadBalancerMode, Owner, Protocol,
 };
 
 pub const ANNOTATION_PREFIX: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-";
@@ -79,7 +80,7 @@ pub enum SpecError {
     NodePortsNotAllocated(i32),
     #[error("externalTrafficPolicy Local but no healthCheckNodePort allocated")]
     MissingHealthCheckNodePort,
-    #[error("loadBalancerSourceRanges entry {0:?} is not an IPv4 CIDR")]
+    #[error("loadBalancerSourceRanges entry {0:?} is not a CIDR")]
     BadSourceRange(String),
     #[error("requested address {0:?} is not an IP address")]
     BadRequestedIp(String),
@@ -89,8 +90,18 @@ pub enum SpecError {
         "spec.loadBalancerIP {spec} is not among the addresses of annotation {ANNOTATION_REQUESTED_IP} ({annotation}); set one of them, or make them agree"
     )]
     ConflictingRequestedIp { spec: IpAddr, annotation: String },
-    #[error("IPv6-only Services are not supported by this cloud")]
-    Ipv6Only,
+    #[error(
+        "spec.ipFamilies {0:?} cannot be served: this controller serves IPv4, IPv6, or one of each"
+    )]
+    UnsupportedIpFamilies(Vec<String>),
+    #[error(
+        "requested address {address} is {family}, but the Service's ipFamilies are [{families}]: request addresses of its families only"
+    )]
+    RequestedFamilyNotInService {
+        address: IpAddr,
+        family: IpFamily,
+        families: String,
+    },
     #[error(
         "address pool {0:?} (from {ANNOTATION_ADDRESS_POOL} on the Service or its Namespace, or --default-address-pool) is not a pool name: want up to 63 characters of [a-z0-9-], not starting or ending with -"
     )]
@@ -295,7 +306,8 @@ pub fn address_request(
     })
 }
 
-fn source_ranges(svc: &Service) -> Result<Vec<Ipv4Net>, SpecError> {
+/// The Service's `loadBalancerSourceRanges` (else the annotation's), of every family.
+fn source_ranges(svc: &Service) -> Result<Vec<IpNet>, SpecError> {
     let from_spec: Vec<String> = svc
         .spec
         .as_ref()
@@ -318,7 +330,7 @@ fn source_ranges(svc: &Service) -> Result<Vec<Ipv4Net>, SpecError> {
         .iter()
         .map(|r| {
             r.trim()
-                .parse::<Ipv4Net>()
+                .parse::<IpNet>()
                 .map(|net| net.trunc())
                 .map_err(|_| SpecError::BadSourceRange(r.clone()))
         })
@@ -450,41 +462,87 @@ fn check_annotations(svc: &Service) -> Result<(), SpecError> {
     }
 }
 
-fn check_ip_families(svc: &Service) -> Result<(), SpecError> {
-    let families = svc
+/// The Service's IP families in its order: `spec.ipFamilies`, which the API server
+/// defaults since 1.20; a server older than that leaves it unset, and its Services are
+/// IPv4. Anything but one or two distinct known families cannot be served.
+pub fn ip_families(svc: &Service) -> Result<Vec<IpFamily>, SpecError> {
+    let names = svc
         .spec
         .as_ref()
-        .and_then(|s| s.ip_families.as_ref())
-        .cloned()
+        .and_then(|s| s.ip_families.as_deref())
         .unwrap_or_default();
-    if !families.is_empty() && families.iter().all(|f| f == "IPv6") {
-        return Err(SpecError::Ipv6Only);
+    if names.is_empty() {
+        return Ok(vec![IpFamily::Ipv4]);
     }
-    Ok(())
+    let families: Vec<IpFamily> = names
+        .iter()
+        .map(|name| match name.as_str() {
+            "IPv4" => Some(IpFamily::Ipv4),
+            "IPv6" => Some(IpFamily::Ipv6),
+            _ => None,
+        })
+        .collect::<Option<_>>()
+        .ok_or_else(|| SpecError::UnsupportedIpFamilies(names.to_vec()))?;
+    match families.as_slice() {
+        [_] => Ok(families),
+        [a, b] if a != b => Ok(families),
+        _ => Err(SpecError::UnsupportedIpFamilies(names.to_vec())),
+    }
 }
 
-/// The LB the Service needs, with the given backends (see [`crate::nodes`]);
-/// `inherited_pool` is the pool its Namespace or the controller names (see
-/// [`address_request`]).
+/// Every requested address must be of one of the Service's families: an address of
+/// another would be dropped silently, or refused by the cloud for a reason that does not
+/// name the Service's families.
+fn check_requested_families(
+    address: &AddressRequest,
+    families: &[IpFamily],
+) -> Result<(), SpecError> {
+    match address
+        .requested
+        .iter()
+        .find(|ip| !families.contains(&IpFamily::of(ip)))
+    {
+        Some(ip) => Err(SpecError::RequestedFamilyNotInService {
+            address: *ip,
+            family: IpFamily::of(ip),
+            families: families
+                .iter()
+                .map(IpFamily::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The LB the Service needs, with the backends of its families out of `backends` (see
+/// [`crate::nodes`]); `inherited_pool` is the pool its Namespace or the controller names
+/// (see [`address_request`]).
 pub fn desired_load_balancer(
     svc: &Service,
     cluster_id: &ClusterId,
-    backends: BTreeSet<Ipv4Addr>,
+    backends: BTreeSet<IpAddr>,
     without_node_ports: WithoutNodePorts,
     inherited_pool: Option<&str>,
 ) -> Result<DesiredLoadBalancer, SpecError> {
     let owner = owner_of(svc, cluster_id)?;
     check_annotations(svc)?;
-    check_ip_families(svc)?;
+    let ip_families = ip_families(svc)?;
+    let of_families = |ip: &IpAddr| ip_families.contains(&IpFamily::of(ip));
     let mode = parse_mode(svc, without_node_ports)?;
     let check = health_check(svc)?;
+    let address = address_request(svc, inherited_pool)?;
+    check_requested_families(&address, &ip_families)?;
+    let mut source_ranges = source_ranges(svc)?;
+    source_ranges.retain(|net| of_families(&net.addr()));
     Ok(DesiredLoadBalancer {
         owner,
         mode,
-        address: address_request(svc, inherited_pool)?,
+        address,
         listeners: listeners(svc, mode, &check)?,
-        backends,
-        source_ranges: source_ranges(svc)?,
+        backends: backends.into_iter().filter(of_families).collect(),
+        source_ranges,
+        ip_families,
     })
 }
 
@@ -495,6 +553,7 @@ pub(crate) mod tests {
     use kube::api::ObjectMeta;
     use proptest::prelude::*;
     use std::collections::BTreeMap;
+    use std::net::Ipv4Addr;
 
     pub(crate) fn service(name: &str) -> Service {
         Service {
@@ -726,7 +785,10 @@ pub(crate) mod tests {
             Err(SpecError::ConflictingRequestedIp { .. })
         ));
         // The annotation's list wins and lists the families in order, IPv4 first.
-        let dual = with_annotation(svc, ANNOTATION_REQUESTED_IP, " 2001:db8::1, 198.51.100.10");
+        let dual = with_families(
+            with_annotation(svc, ANNOTATION_REQUESTED_IP, " 2001:db8::1, 198.51.100.10"),
+            &["IPv6", "IPv4"],
+        );
         assert_eq!(
             requested(&dual),
             Ok(vec![v4(10), "2001:db8::1".parse().unwrap()])
@@ -807,7 +869,7 @@ pub(crate) mod tests {
         assert_eq!(
             desired(&svc).unwrap().source_ranges,
             vec![
-                "10.0.0.0/8".parse::<Ipv4Net>().unwrap(),
+                "10.0.0.0/8".parse::<IpNet>().unwrap(),
                 "203.0.113.0/24".parse().unwrap()
             ]
         );
@@ -821,13 +883,112 @@ pub(crate) mod tests {
         assert_eq!(desired(&annotated).unwrap().source_ranges.len(), 2);
     }
 
+    fn with_families(mut svc: Service, families: &[&str]) -> Service {
+        svc.spec.as_mut().unwrap().ip_families =
+            Some(families.iter().map(|f| (*f).to_owned()).collect());
+        svc
+    }
+
+    fn ips(texts: &[&str]) -> BTreeSet<IpAddr> {
+        texts.iter().map(|t| t.parse().unwrap()).collect()
+    }
+
     #[test]
-    fn ipv6_only_is_rejected() {
-        let mut svc = service("s");
-        svc.spec.as_mut().unwrap().ip_families = Some(vec!["IPv6".into()]);
-        assert_eq!(desired(&svc), Err(SpecError::Ipv6Only));
-        svc.spec.as_mut().unwrap().ip_families = Some(vec!["IPv4".into(), "IPv6".into()]);
-        assert!(desired(&svc).is_ok());
+    fn ip_families_in_the_services_order_ipv4_when_unset() {
+        let families = |svc: &Service| desired(svc).map(|d| d.ip_families);
+        // A server before 1.20 sets no ipFamilies: its Services are IPv4.
+        assert_eq!(families(&service("s")), Ok(vec![IpFamily::Ipv4]));
+        for (names, want) in [
+            (vec!["IPv6"], vec![IpFamily::Ipv6]),
+            (vec!["IPv4", "IPv6"], vec![IpFamily::Ipv4, IpFamily::Ipv6]),
+            (vec!["IPv6", "IPv4"], vec![IpFamily::Ipv6, IpFamily::Ipv4]),
+        ] {
+            assert_eq!(families(&with_families(service("s"), &names)), Ok(want));
+        }
+        // What no controller can serve is refused, naming the field.
+        for names in [
+            vec!["IPv5"],
+            vec!["IPv4", "IPv4"],
+            vec!["IPv4", "IPv6", "IPv4"],
+        ] {
+            let err = families(&with_families(service("s"), &names)).unwrap_err();
+            assert_eq!(
+                err,
+                SpecError::UnsupportedIpFamilies(names.iter().map(|n| (*n).into()).collect())
+            );
+            assert!(err.to_string().contains("spec.ipFamilies"), "{err}");
+        }
+    }
+
+    #[test]
+    fn backends_and_source_ranges_of_the_services_families_only() {
+        let nodes = ips(&["198.18.0.11", "198.18.0.12", "2001:db8:18::11"]);
+        let ranges = |svc: &mut Service| {
+            svc.spec.as_mut().unwrap().load_balancer_source_ranges =
+                Some(vec!["2001:db8:203::/64".into(), "203.0.113.0/24".into()]);
+        };
+        let of = |families: &[&str]| {
+            let mut svc = with_families(service("s"), families);
+            ranges(&mut svc);
+            let d = desired_load_balancer(
+                &svc,
+                &cluster(),
+                nodes.clone(),
+                WithoutNodePorts::Passthrough,
+                None,
+            )
+            .unwrap();
+            let ranges: Vec<String> = d.source_ranges.iter().map(IpNet::to_string).collect();
+            (d.backends, ranges)
+        };
+        assert_eq!(
+            of(&["IPv4"]),
+            (
+                ips(&["198.18.0.11", "198.18.0.12"]),
+                vec!["203.0.113.0/24".to_owned()]
+            )
+        );
+        assert_eq!(
+            of(&["IPv6"]),
+            (
+                ips(&["2001:db8:18::11"]),
+                vec!["2001:db8:203::/64".to_owned()]
+            )
+        );
+        let (backends, ranges) = of(&["IPv6", "IPv4"]);
+        assert_eq!((backends, ranges.len()), (nodes.clone(), 2));
+    }
+
+    #[test]
+    fn requested_addresses_must_be_of_the_services_families() {
+        let dual_request = with_annotation(
+            service("s"),
+            ANNOTATION_REQUESTED_IP,
+            "2001:db8:51:100::9,198.51.100.9",
+        );
+        assert_eq!(
+            desired(&dual_request),
+            Err(SpecError::RequestedFamilyNotInService {
+                address: "2001:db8:51:100::9".parse().unwrap(),
+                family: IpFamily::Ipv6,
+                families: "IPv4".into()
+            })
+        );
+        let dual = with_families(dual_request, &["IPv6", "IPv4"]);
+        let address = desired(&dual).unwrap().address;
+        assert_eq!(
+            address.requested_of(IpFamily::Ipv6),
+            Some("2001:db8:51:100::9".parse().unwrap())
+        );
+        assert_eq!(address.requested_of(IpFamily::Ipv4), Some(v4(9)));
+        let mut v6_only = with_families(service("s"), &["IPv6"]);
+        v6_only.spec.as_mut().unwrap().load_balancer_ip = Some("2001:db8:51:100::9".into());
+        assert!(desired(&v6_only).is_ok());
+        v6_only.spec.as_mut().unwrap().load_balancer_ip = Some("198.51.100.9".into());
+        assert!(matches!(
+            desired(&v6_only),
+            Err(SpecError::RequestedFamilyNotInService { .. })
+        ));
     }
 
     #[test]

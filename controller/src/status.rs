@@ -4,7 +4,7 @@
 //! condition go in one strategic merge patch that touches only our condition, so
 //! conditions of other writers are never overwritten.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{LoadBalancerIngress, PortStatus, Service};
@@ -40,6 +40,7 @@ impl ConditionReason {
                 AddressRefusal::Taken => "AddressInUse",
                 AddressRefusal::PortConflict => "SharedAddressPortConflict",
                 AddressRefusal::SharingModeMismatch => "SharedAddressModeMismatch",
+                AddressRefusal::PoolLacksFamily => "AddressPoolLacksFamily",
             },
             ConditionReason::CloudError => "CloudError",
             ConditionReason::InvalidConfiguration => "InvalidConfiguration",
@@ -71,15 +72,16 @@ pub enum IngressUpdate {
     Clear,
 }
 
-/// The ingress entry for an LB with this VIP: ipMode `VIP` in passthrough mode (traffic
-/// arrives addressed to the VIP, so in-cluster clients may short-cut it), `Proxy` in proxy
-/// mode (traffic arrives from the LB; in-cluster clients must go through it too).
-pub fn ingress_for(vip: Ipv4Addr, desired: &DesiredLoadBalancer) -> Vec<LoadBalancerIngress> {
+/// The ingress of an LB with these VIPs (one per family, in the Service's family order),
+/// one entry each: ipMode `VIP` in passthrough mode (traffic arrives addressed to the VIP,
+/// so in-cluster clients may short-cut it), `Proxy` in proxy mode (traffic arrives from
+/// the LB; in-cluster clients must go through it too).
+pub fn ingress_for(vips: &[IpAddr], desired: &DesiredLoadBalancer) -> Vec<LoadBalancerIngress> {
     let ip_mode = match desired.mode {
         LoadBalancerMode::Passthrough => "VIP",
         LoadBalancerMode::Proxy => "Proxy",
     };
-    let ports = desired
+    let ports: Vec<PortStatus> = desired
         .listeners
         .iter()
         .map(|l| PortStatus {
@@ -91,12 +93,14 @@ pub fn ingress_for(vip: Ipv4Addr, desired: &DesiredLoadBalancer) -> Vec<LoadBala
             error: None,
         })
         .collect();
-    vec![LoadBalancerIngress {
-        ip: Some(vip.to_string()),
-        ip_mode: Some(ip_mode.into()),
-        ports: Some(ports),
-        hostname: None,
-    }]
+    vips.iter()
+        .map(|vip| LoadBalancerIngress {
+            ip: Some(vip.to_string()),
+            ip_mode: Some(ip_mode.into()),
+            ports: Some(ports.clone()),
+            hostname: None,
+        })
+        .collect()
 }
 
 /// The Service's `status.loadBalancer.ingress` (empty when unset).
@@ -284,7 +288,7 @@ pub fn status_write(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::{Listener, Owner};
+    use crate::provider::{IpFamily, Listener, Owner};
     use k8s_openapi::api::core::v1::{LoadBalancerStatus, ServiceStatus};
     use std::collections::BTreeSet;
 
@@ -297,6 +301,7 @@ mod tests {
                 uid: "u".into(),
             },
             mode,
+            ip_families: vec![IpFamily::Ipv4],
             address: Default::default(),
             listeners: vec![
                 Listener {
@@ -317,8 +322,8 @@ mod tests {
         }
     }
 
-    fn vip() -> Ipv4Addr {
-        Ipv4Addr::new(198, 51, 100, 5)
+    fn vip() -> [IpAddr; 1] {
+        ["198.51.100.5".parse().unwrap()]
     }
 
     fn ready() -> DesiredCondition {
@@ -396,7 +401,7 @@ mod tests {
     fn a_v1_21_server_gets_no_ip_mode_and_is_not_rewritten() {
         let svc = crate::spec::tests::service("web");
         let v1_21 = IngressFields::of_minor(21);
-        let ingress = IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)));
+        let ingress = IngressUpdate::Set(ingress_for(&vip(), &desired(LoadBalancerMode::Proxy)));
         let patch = status_write(&svc, &ingress, Some(&ready()), v1_21, t(1)).unwrap();
         let sent = &patch.body["status"]["loadBalancer"]["ingress"][0];
         assert_eq!(sent["ip"], "198.51.100.5");
@@ -409,6 +414,42 @@ mod tests {
     }
 
     #[test]
+    fn one_entry_per_family_in_order_on_a_v1_21_server_and_a_family_less_rewrites() {
+        let svc = crate::spec::tests::service("web");
+        let v1_21 = IngressFields::of_minor(21);
+        let mut dual = desired(LoadBalancerMode::Passthrough);
+        dual.ip_families = vec![IpFamily::Ipv6, IpFamily::Ipv4];
+        let vips: Vec<IpAddr> = ["2001:db8:51:100::5", "198.51.100.5"]
+            .iter()
+            .map(|v| v.parse().unwrap())
+            .collect();
+        let ingress = IngressUpdate::Set(ingress_for(&vips, &dual));
+        let patch = status_write(&svc, &ingress, Some(&ready()), v1_21, t(1)).unwrap();
+        let sent = patch.body["status"]["loadBalancer"]["ingress"]
+            .as_array()
+            .unwrap();
+        let sent_ips: Vec<&str> = sent.iter().map(|e| e["ip"].as_str().unwrap()).collect();
+        assert_eq!(sent_ips, ["2001:db8:51:100::5", "198.51.100.5"]);
+        assert!(
+            sent.iter()
+                .all(|e| e.get("ipMode").is_none() && e["ports"].as_array().unwrap().len() == 2)
+        );
+        let written = apply_as(&svc, &patch, v1_21);
+        assert_eq!(
+            status_write(&written, &ingress, Some(&ready()), v1_21, t(2)),
+            None
+        );
+        // Downgraded to its primary family: the other entry goes, in one write.
+        let single = IngressUpdate::Set(ingress_for(&vips[..1], &dual));
+        let patch = status_write(&written, &single, Some(&ready()), v1_21, t(3)).unwrap();
+        let ips: Vec<String> = current_ingress(&apply_as(&written, &patch, v1_21))
+            .iter()
+            .filter_map(|e| e.ip.clone())
+            .collect();
+        assert_eq!(ips, ["2001:db8:51:100::5"]);
+    }
+
+    #[test]
     fn a_field_the_server_drops_is_learned_and_then_not_compared() {
         let svc = crate::spec::tests::service("web");
         // A 1.29 server with its LoadBalancerIPMode gate off.
@@ -417,7 +458,7 @@ mod tests {
             ports: true,
         };
         let guess = IngressFields::of_minor(29);
-        let ingress = IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)));
+        let ingress = IngressUpdate::Set(ingress_for(&vip(), &desired(LoadBalancerMode::Proxy)));
         let patch = status_write(&svc, &ingress, Some(&ready()), guess, t(1)).unwrap();
         let written = apply_as(&svc, &patch, server);
         let learned = guess.learn(patch.ingress.as_deref().unwrap(), &ingress_of(&written));
@@ -435,18 +476,18 @@ mod tests {
 
     #[test]
     fn ip_mode_follows_lb_mode() {
-        let proxy = ingress_for(vip(), &desired(LoadBalancerMode::Proxy));
+        let proxy = ingress_for(&vip(), &desired(LoadBalancerMode::Proxy));
         assert_eq!(proxy[0].ip_mode.as_deref(), Some("Proxy"));
         assert_eq!(proxy[0].ip.as_deref(), Some("198.51.100.5"));
         assert_eq!(proxy[0].ports.as_ref().unwrap().len(), 2);
-        let pass = ingress_for(vip(), &desired(LoadBalancerMode::Passthrough));
+        let pass = ingress_for(&vip(), &desired(LoadBalancerMode::Passthrough));
         assert_eq!(pass[0].ip_mode.as_deref(), Some("VIP"));
     }
 
     #[test]
     fn patch_only_on_change() {
         let svc = crate::spec::tests::service("web");
-        let ingress = IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)));
+        let ingress = IngressUpdate::Set(ingress_for(&vip(), &desired(LoadBalancerMode::Proxy)));
         let patch = write(&svc, &ingress, Some(&ready()), t(100)).unwrap();
         let updated = apply(&svc, &patch);
         assert_eq!(write(&updated, &ingress, Some(&ready()), t(200)), None);
@@ -514,7 +555,7 @@ mod tests {
             for (i, (reason, serving)) in steps.into_iter().enumerate() {
                 let now = t(1000 + i64::try_from(i).unwrap());
                 let ingress = if serving {
-                    IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)))
+                    IngressUpdate::Set(ingress_for(&vip(), &desired(LoadBalancerMode::Proxy)))
                 } else {
                     IngressUpdate::Keep
                 };
@@ -551,7 +592,7 @@ mod tests {
             conditions: Some(vec![foreign.clone()]),
             load_balancer: None,
         });
-        let ingress = IngressUpdate::Set(ingress_for(vip(), &desired(LoadBalancerMode::Proxy)));
+        let ingress = IngressUpdate::Set(ingress_for(&vip(), &desired(LoadBalancerMode::Proxy)));
         let patch = write(&svc, &ingress, Some(&ready()), t(5)).unwrap();
         // The patch carries our condition only; the other writer's is not ours to send.
         let sent = patch.body["status"]["conditions"].as_array().unwrap();

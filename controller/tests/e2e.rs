@@ -2,12 +2,14 @@
 //!
 //! With `TANDEM_E2E_KUBECONFIG` set (`tandem-k3s control-plane -- cargo test -p
 //! tandem-controller --test e2e`), the same tests run against that real API server, one at
-//! a time, each in a Namespace of its own (see `support`).
+//! a time, each in a Namespace of its own (see `support`). The IP-family tests at the end
+//! run on a dual-stack stand-in, or on the real server when it serves both families.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 
 use std::collections::BTreeSet;
+use std::net::IpAddr;
 use std::time::Duration;
 
 use cloud_mock_sdk as sdk;
@@ -16,6 +18,7 @@ use support::*;
 use tandem_controller::spec::{
     ANNOTATION_ADDRESS_POOL, ANNOTATION_MODE, ANNOTATION_REQUESTED_IP, ANNOTATION_SHARED_IP,
 };
+use tandem_controller::status::current_ingress;
 
 const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
 const ID_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-id";
@@ -78,16 +81,7 @@ async fn service_lifecycle_create_update_type_change_delete() {
         created.metadata.uid.as_ref()
     );
     // Status, annotation, finalizer, condition, Events.
-    let ingress = &svc
-        .status
-        .as_ref()
-        .unwrap()
-        .load_balancer
-        .as_ref()
-        .unwrap()
-        .ingress
-        .as_ref()
-        .unwrap()[0];
+    let ingress = &current_ingress(&svc)[0];
     assert_eq!(ingress.ip_mode.as_deref(), h.ip_mode.then_some("Proxy"));
     assert_eq!(
         svc.metadata
@@ -944,5 +938,200 @@ async fn no_node_ports_refused_by_flag_is_explained() {
         assert_eq!(calls_of(&metrics, operation), 0, "{operation}\n{metrics}");
     }
     assert!(h.cloud.all().await.is_empty());
+    h.shutdown().await;
+}
+
+// IP families, on a dual-stack cluster (a real server that serves one family skips these):
+// IPv6-only and dual-stack Services in either order, backends and source ranges per
+// family, upgrades and downgrades in place, and a pool lacking a family refused without a
+// half-made LB.
+
+/// A dual-stack harness with a node of each family and one of IPv4 alone, and a
+/// controller; `None` on a real server that serves one family.
+async fn dual_stack(label: &str) -> Option<(Harness, Controller)> {
+    let h = Harness::start_dual_stack(label).await?;
+    h.add_node("node-1", "198.18.0.11,2001:db8:18::11").await;
+    h.add_node("node-2", "198.18.0.12").await;
+    let controller = h.controller(&[]);
+    Some((h, controller))
+}
+
+fn with_families(
+    name: &str,
+    policy: &str,
+    families: &[&str],
+) -> k8s_openapi::api::core::v1::Service {
+    let mut svc = lb_service(name, &[(80, "TCP")]);
+    let spec = svc.spec.as_mut().unwrap();
+    spec.ip_family_policy = Some(policy.into());
+    spec.ip_families = Some(families.iter().map(|f| (*f).to_owned()).collect());
+    svc
+}
+
+fn strings<T: ToString>(items: impl IntoIterator<Item = T>) -> Vec<String> {
+    let mut out: Vec<String> = items.into_iter().map(|i| i.to_string()).collect();
+    out.sort();
+    out
+}
+
+fn backends(lb: &sdk::families::LoadBalancer) -> Vec<String> {
+    strings(lb.spec.backends.iter().map(|b| b.ip))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_and_dual_stack_services_get_a_vip_per_family_in_order() {
+    let Some((h, _controller)) = dual_stack("families").await else {
+        return;
+    };
+    h.create_service(with_families("v6", "SingleStack", &["IPv6"]))
+        .await;
+    let mut dual = with_families("dual", "RequireDualStack", &["IPv4", "IPv6"]);
+    dual.spec.as_mut().unwrap().load_balancer_source_ranges =
+        Some(vec!["2001:db8:203::/64".into(), "203.0.113.0/24".into()]);
+    h.create_service(dual).await;
+    let mut dual6 = with_families("dual6", "RequireDualStack", &["IPv6", "IPv4"]);
+    dual6.spec.as_mut().unwrap().external_traffic_policy = Some("Local".into());
+    dual6.metadata.annotations = Some(
+        [(
+            ANNOTATION_REQUESTED_IP.to_owned(),
+            "198.51.100.42,2001:db8:51:100::42".to_owned(),
+        )]
+        .into(),
+    );
+    h.create_service(dual6).await;
+
+    let (v6, v6_lb) = h.wait_served_as("v6", &["IPv6"]).await;
+    // node-2 has no IPv6 address: it backs no IPv6 VIP.
+    assert_eq!(backends(&v6_lb), ["2001:db8:18::11"]);
+    assert_eq!(condition_reason(&v6).as_deref(), Some("LoadBalancerActive"));
+
+    let (_, dual_lb) = h.wait_served_as("dual", &["IPv4", "IPv6"]).await;
+    assert_eq!(
+        backends(&dual_lb),
+        ["198.18.0.11", "198.18.0.12", "2001:db8:18::11"]
+    );
+    assert_eq!(
+        strings(&dual_lb.spec.source_ranges),
+        ["2001:db8:203::/64", "203.0.113.0/24"]
+    );
+
+    let (dual6, dual6_lb) = h.wait_served_as("dual6", &["IPv6", "IPv4"]).await;
+    let requested: Vec<IpAddr> = vec![
+        "2001:db8:51:100::42".parse().unwrap(),
+        "198.51.100.42".parse().unwrap(),
+    ];
+    assert_eq!(ingress_ips(&dual6), requested);
+    // externalTrafficPolicy Local: every family's backends are checked on the Service's
+    // health-check node port.
+    let hc_port = dual6.spec.as_ref().unwrap().health_check_node_port.unwrap();
+    for listener in &dual6_lb.spec.listeners {
+        assert_eq!(
+            listener.health_check.as_ref().map(|c| i32::from(c.port)),
+            Some(hc_port)
+        );
+    }
+    // Every entry carries the fields the server keeps, as a single-family one does.
+    for entry in current_ingress(&dual6) {
+        assert_eq!(entry.ip_mode.as_deref(), h.ip_mode.then_some("Proxy"));
+        assert_eq!(entry.ports.as_ref().map(Vec::len), Some(1));
+    }
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_and_downgrade_update_the_same_lb_in_place() {
+    let Some((h, _controller)) = dual_stack("upgrade").await else {
+        return;
+    };
+    h.create_service(lb_service("web", &[(80, "TCP")])).await;
+    let (svc, single) = h.wait_served_as("web", &["IPv4"]).await;
+    let uid = svc.metadata.uid.clone().unwrap();
+
+    h.patch_service(
+        "web",
+        json!({ "spec": { "ipFamilyPolicy": "PreferDualStack" } }),
+    )
+    .await;
+    let (_, dual) = h.wait_served_as("web", &["IPv4", "IPv6"]).await;
+    assert_eq!(dual.id, single.id, "upgraded in place");
+    assert_eq!(dual.vips()[0], single.vips()[0], "the IPv4 VIP stays");
+    assert_eq!(
+        backends(&dual),
+        ["198.18.0.11", "198.18.0.12", "2001:db8:18::11"]
+    );
+
+    h.patch_service(
+        "web",
+        json!({ "spec": { "ipFamilyPolicy": "SingleStack" } }),
+    )
+    .await;
+    let (_, back) = h.wait_served_as("web", &["IPv4"]).await;
+    assert_eq!(back.id, single.id, "downgraded in place");
+    assert_eq!(back.vips(), single.vips());
+    assert_eq!(backends(&back), ["198.18.0.11", "198.18.0.12"]);
+    assert_eq!(h.cloud.families_for_uid(&uid).await.len(), 1);
+    // The IPv6 VIP went back to its pool.
+    let pools = h.cloud.client.list_pools().await.unwrap();
+    let v6 = pools
+        .iter()
+        .find(|p| p.name == "default" && p.family == sdk::IpFamily::Ipv6)
+        .unwrap();
+    assert_eq!(v6.allocated, 0);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_lacking_a_family_is_refused_whole_and_retried_on_change() {
+    let Some((h, _controller)) = dual_stack("lacks").await else {
+        return;
+    };
+    let mut svc = with_families("web", "RequireDualStack", &["IPv4", "IPv6"]);
+    svc.metadata.annotations =
+        Some([(ANNOTATION_ADDRESS_POOL.to_owned(), V4_ONLY_POOL.to_owned())].into());
+    let uid = h.create_service(svc).await.metadata.uid.unwrap();
+    let refused = |needle: &'static str| {
+        let h = &h;
+        async move {
+            let svc = h.get_service("web").await?;
+            let warned = h.events_for("web").await.iter().any(|(t, r, m)| {
+                t == "Warning" && r == "SyncLoadBalancerFailed" && m.contains(needle)
+            });
+            (condition_reason(&svc).as_deref() == Some("AddressPoolLacksFamily") && warned)
+                .then_some(svc)
+        }
+    };
+    let svc = h
+        .eventually("the refusal reported", WAIT, || refused("IPv6"))
+        .await;
+    // Nothing half-made: no LB of the IPv4 family alone, no ingress.
+    assert!(h.cloud.families_for_uid(&uid).await.is_empty());
+    assert!(ingress_ips(&svc).is_empty());
+
+    // The Service changes to what the pool has: served at once.
+    h.patch_service(
+        "web",
+        json!({ "spec": { "ipFamilyPolicy": "SingleStack" } }),
+    )
+    .await;
+    let (_, lb) = h.wait_served_as("web", &["IPv4"]).await;
+    assert_eq!(lb.spec.address.pool.as_deref(), Some(V4_ONLY_POOL));
+
+    // An upgrade the pool cannot serve is refused; the IPv4 VIP keeps serving.
+    h.patch_service(
+        "web",
+        json!({ "spec": { "ipFamilyPolicy": "PreferDualStack" } }),
+    )
+    .await;
+    let svc = h
+        .eventually("the upgrade refused", WAIT, || async {
+            let svc = refused("IPv6").await?;
+            (ingress_families(&svc) == ["IPv4"]).then_some(svc)
+        })
+        .await;
+    assert_eq!(ingress_ips(&svc), lb.vips());
+    let now = h.cloud.families_for_uid(&uid).await;
+    assert_eq!(now.len(), 1);
+    assert_eq!(now[0].spec.ip_families, [sdk::IpFamily::Ipv4]);
+    assert_eq!(now[0].version, lb.version, "the LB was not touched");
     h.shutdown().await;
 }

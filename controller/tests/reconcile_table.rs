@@ -1,8 +1,9 @@
 //! Reconcile in process, table-driven like k8s.io/cloud-provider's `controller_test.go`:
 //! every row is a starting state (the Service as the API server holds it, the nodes, the
 //! LBs in a `FakeProvider`), one reconcile, and the expected cloud calls, Service state and
-//! Events. The API server is the stand-in, in process; no binary and no network beyond
-//! 127.0.0.1.
+//! Events. The API server is the stand-in, in process, serving a dual-stack cluster (IPv4
+//! first, so a Service that names no family is IPv4 alone); no binary and no network
+//! beyond 127.0.0.1.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[allow(dead_code)]
@@ -12,17 +13,19 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Event, Namespace, Node, NodeAddress, NodeStatus, Service};
+use k8s_openapi::api::core::v1::{Event, Namespace, Node, NodeStatus, Service};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector;
 use kube::runtime::watcher;
 use serde_json::json;
-use support::{condition_reason, ingress_ip, lb_service};
+use support::{
+    DUAL_STACK_SERVICE_CIDRS, condition_reason, ingress_families, internal_ips, lb_service,
+};
 use tandem_controller::fake::{Call, FakeProvider};
 use tandem_controller::metrics::Metrics;
 use tandem_controller::plan::FINALIZER;
-use tandem_controller::provider::{AddressRefusal, Operation, ProviderError};
+use tandem_controller::provider::{AddressRefusal, IpFamily, Operation, ProviderError};
 use tandem_controller::reconcile::{Context, reconcile};
 use tandem_controller::spec::{
     ANNOTATION_ADDRESS_POOL, ANNOTATION_LB_ID, ANNOTATION_MODE, ANNOTATION_REQUESTED_IP,
@@ -61,7 +64,7 @@ struct Row {
     service: ServiceStart,
     /// Extra Service fields, merged into the Service before it is created.
     edit: fn(&mut Service),
-    /// Nodes other than `NODE_A`.
+    /// Nodes other than `NODE_A`, each its comma-separated InternalIPs.
     extra_nodes: &'static [&'static str],
     cloud: CloudStart,
     /// Fails the next call of this operation.
@@ -74,6 +77,8 @@ struct Row {
     namespace_pool: Option<&'static str>,
     /// The controller's `--default-address-pool`.
     default_pool: Option<&'static str>,
+    /// The families of the cloud's pool `default` (`None`: both).
+    default_pool_families: Option<&'static [IpFamily]>,
     /// A user's edit after the starting state, before the reconcile.
     then: Option<fn(&mut Service)>,
     // Expected:
@@ -82,14 +87,30 @@ struct Row {
     /// `None`: the Service is gone after the reconcile.
     finalizer: Option<bool>,
     condition: Option<&'static str>,
-    ingress: bool,
+    /// The families of `status.loadBalancer.ingress`, entry by entry.
+    ingress: &'static [&'static str],
     id_persisted: bool,
     events: &'static [&'static str],
     /// The pool of the Service's LB in the cloud, when it must have one.
     pool: Option<&'static str>,
+    /// The families of the Service's LB in the cloud, when checked (`[]`: it has none).
+    lb_families: Option<&'static [IpFamily]>,
+    /// The backends of the Service's LB in the cloud, when checked.
+    backends: Option<&'static [&'static str]>,
 }
 
-const NODE_A: &str = "198.18.0.11";
+/// A dual-stack node.
+const NODE_A: &str = "198.18.0.11,2001:db8:18::11";
+const V4: &[&str] = &["IPv4"];
+const NONE: &[&str] = &[];
+
+fn require_dual_stack(svc: &mut Service) {
+    svc.spec.as_mut().unwrap().ip_family_policy = Some("RequireDualStack".into());
+}
+
+fn set_policy(svc: &mut Service, policy: &str) {
+    svc.spec.as_mut().unwrap().ip_family_policy = Some(policy.into());
+}
 
 fn no_edit(_: &mut Service) {}
 
@@ -161,15 +182,18 @@ fn rows() -> Vec<Row> {
         without_node_ports: WithoutNodePorts::Passthrough,
         namespace_pool: None,
         default_pool: None,
+        default_pool_families: None,
         then: None,
         ok: true,
         calls: |_| vec![],
         finalizer: Some(true),
         condition: Some("LoadBalancerActive"),
-        ingress: true,
+        ingress: V4,
         id_persisted: true,
         events: &[],
         pool: None,
+        lb_families: None,
+        backends: None,
     };
     // The cloud refuses the address: its own condition reason, a Warning Event, no LB.
     let refused = |name, refusal, reason| Row {
@@ -183,7 +207,7 @@ fn rows() -> Vec<Row> {
         ok: false,
         calls: |_| vec![Call::Create { replaces: None }],
         condition: Some(reason),
-        ingress: false,
+        ingress: NONE,
         id_persisted: false,
         events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
         ..row(name)
@@ -207,7 +231,7 @@ fn rows() -> Vec<Row> {
         ok: false,
         finalizer: Some(false),
         condition: Some("InvalidConfiguration"),
-        ingress: false,
+        ingress: NONE,
         id_persisted: false,
         events: &["SyncLoadBalancerFailed"],
         ..row(name)
@@ -285,7 +309,7 @@ fn rows() -> Vec<Row> {
             create_active: false,
             calls: |_| vec![Call::Create { replaces: None }],
             condition: Some("Provisioning"),
-            ingress: false,
+            ingress: NONE,
             events: &["EnsuringLoadBalancer", "EnsuredLoadBalancer"],
             ..row("create-provisioning")
         },
@@ -294,7 +318,7 @@ fn rows() -> Vec<Row> {
             ok: false,
             calls: |_| vec![Call::Create { replaces: None }],
             condition: Some("CloudError"),
-            ingress: false,
+            ingress: NONE,
             id_persisted: false,
             events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
             ..row("create-cloud-error")
@@ -388,7 +412,7 @@ fn rows() -> Vec<Row> {
             },
             finalizer: None,
             condition: None,
-            ingress: false,
+            ingress: NONE,
             id_persisted: false,
             events: &["DeletingLoadBalancer", "DeletedLoadBalancer"],
             ..row("deleted-service-lb-deleted-finalizer-removed")
@@ -433,10 +457,101 @@ fn rows() -> Vec<Row> {
             },
             finalizer: Some(false),
             condition: None,
-            ingress: false,
+            ingress: NONE,
             id_persisted: false,
             events: &["DeletingLoadBalancer", "DeletedLoadBalancer"],
             ..row("class-service-switched-to-cluster-ip-no-leak")
+        },
+        // IP families: one VIP per family, in the Service's order.
+        Row {
+            edit: |s| s.spec.as_mut().unwrap().ip_families = Some(vec!["IPv6".into()]),
+            ingress: &["IPv6"],
+            lb_families: Some(&[IpFamily::Ipv6]),
+            backends: Some(&["2001:db8:18::11"]),
+            ..created("ipv6-only")
+        },
+        Row {
+            edit: require_dual_stack,
+            ingress: &["IPv4", "IPv6"],
+            lb_families: Some(&[IpFamily::Ipv4, IpFamily::Ipv6]),
+            ..created("dual-stack-ipv4-first")
+        },
+        Row {
+            edit: |s| {
+                require_dual_stack(s);
+                s.spec.as_mut().unwrap().ip_families = Some(vec!["IPv6".into(), "IPv4".into()]);
+            },
+            ingress: &["IPv6", "IPv4"],
+            lb_families: Some(&[IpFamily::Ipv6, IpFamily::Ipv4]),
+            ..created("dual-stack-ipv6-first")
+        },
+        Row {
+            edit: |s| {
+                require_dual_stack(s);
+                s.spec.as_mut().unwrap().load_balancer_source_ranges =
+                    Some(vec!["2001:db8:203::/64".into(), "203.0.113.0/24".into()]);
+            },
+            ingress: &["IPv4", "IPv6"],
+            ..created("dual-stack-mixed-source-ranges")
+        },
+        Row {
+            edit: |s| {
+                require_dual_stack(s);
+                annotate(
+                    s,
+                    ANNOTATION_REQUESTED_IP,
+                    "2001:db8:51:100::42,198.51.100.42",
+                );
+            },
+            ingress: &["IPv4", "IPv6"],
+            ..created("dual-stack-requested-address-per-family")
+        },
+        Row {
+            edit: |s| annotate(s, ANNOTATION_REQUESTED_IP, "2001:db8:51:100::42"),
+            ..invalid("requested-address-of-another-family-refused-before-the-cloud")
+        },
+        Row {
+            service: ServiceStart::Served,
+            cloud: CloudStart::Matching,
+            edit: require_dual_stack,
+            extra_nodes: &["198.18.0.12"],
+            calls: read_then_update,
+            ingress: &["IPv4", "IPv6"],
+            events: &["UpdatedLoadBalancer"],
+            backends: Some(&["198.18.0.11", "198.18.0.12", "2001:db8:18::11"]),
+            ..row("node-without-an-ipv6-address-backs-ipv4-only")
+        },
+        Row {
+            edit: require_dual_stack,
+            default_pool_families: Some(&[IpFamily::Ipv4]),
+            fail: None,
+            lb_families: Some(&[]),
+            ..refused(
+                "pool-lacks-a-family-nothing-made",
+                AddressRefusal::PoolLacksFamily,
+                "AddressPoolLacksFamily",
+            )
+        },
+        Row {
+            then: Some(|s| set_policy(s, "PreferDualStack")),
+            ingress: &["IPv4", "IPv6"],
+            lb_families: Some(&[IpFamily::Ipv4, IpFamily::Ipv6]),
+            ..updated("upgrade-to-dual-stack-updates-the-same-lb")
+        },
+        Row {
+            edit: require_dual_stack,
+            then: Some(|s| set_policy(s, "SingleStack")),
+            lb_families: Some(&[IpFamily::Ipv4]),
+            ..updated("downgrade-to-single-stack-updates-the-same-lb")
+        },
+        Row {
+            then: Some(|s| set_policy(s, "PreferDualStack")),
+            default_pool_families: Some(&[IpFamily::Ipv4]),
+            ok: false,
+            condition: Some("AddressPoolLacksFamily"),
+            events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
+            lb_families: Some(&[IpFamily::Ipv4]),
+            ..updated("upgrade-refused-by-the-pool-keeps-the-ipv4-lb")
         },
         Row {
             edit: |s| {
@@ -444,14 +559,15 @@ fn rows() -> Vec<Row> {
             },
             finalizer: Some(false),
             condition: None,
-            ingress: false,
+            ingress: NONE,
             id_persisted: false,
             ..row("other-class-untouched")
         },
     ]
 }
 
-fn node(name: &str, ip: &str) -> Node {
+/// A node with these comma-separated InternalIPs.
+fn node(name: &str, ips: &str) -> Node {
     Node {
         metadata: ObjectMeta {
             name: Some(name.into()),
@@ -459,10 +575,7 @@ fn node(name: &str, ip: &str) -> Node {
         },
         spec: None,
         status: Some(NodeStatus {
-            addresses: Some(vec![NodeAddress {
-                type_: "InternalIP".into(),
-                address: ip.into(),
-            }]),
+            addresses: Some(internal_ips(ips)),
             ..Default::default()
         }),
     }
@@ -597,9 +710,15 @@ async fn start_service(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconcile_table() {
-    let server = tandem_apiserver::spawn(tandem_apiserver::ServerConfig::default())
-        .await
-        .unwrap();
+    let server = tandem_apiserver::spawn(tandem_apiserver::ServerConfig {
+        store: tandem_apiserver::StoreConfig {
+            service_cidrs: DUAL_STACK_SERVICE_CIDRS.parse().unwrap(),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     let client = server.client().await.unwrap();
     let api: Api<Service> = Api::namespaced(client.clone(), "default");
     let mut failures = Vec::new();
@@ -607,6 +726,9 @@ async fn reconcile_table() {
         let (nodes, mut writer) = reflector::store::<Node>();
         writer.apply_watcher_event(&watcher::Event::Apply(node("a", NODE_A)));
         let provider = FakeProvider::new(true);
+        if let Some(families) = row.default_pool_families {
+            provider.set_pool_families("default", families);
+        }
         let start = start_service(&client, &provider, &nodes, &row).await;
         let ctx = context(&client, &provider, &nodes, &row, row.namespace_pool);
         let events_before = event_reasons(&client, row.name).await.len();
@@ -654,12 +776,9 @@ async fn reconcile_table() {
                 if reason.as_deref() != row.condition {
                     problems.push(format!("condition {reason:?}, want {:?}", row.condition));
                 }
-                if ingress_ip(svc).is_some() != row.ingress {
-                    problems.push(format!(
-                        "ingress {}, want {}",
-                        ingress_ip(svc).is_some(),
-                        row.ingress
-                    ));
+                let ingress = ingress_families(svc);
+                if ingress != row.ingress {
+                    problems.push(format!("ingress {ingress:?}, want {:?}", row.ingress));
                 }
                 let id = svc
                     .metadata
@@ -674,6 +793,23 @@ async fn reconcile_table() {
                 "Service exists: {}, want finalizer {want:?}",
                 after.is_some()
             )),
+        }
+        // Each row has a cloud of its own.
+        let lbs = provider.load_balancers();
+        if let Some(want) = row.lb_families {
+            let families: Vec<IpFamily> = lbs.iter().flat_map(|l| l.ip_families.clone()).collect();
+            if families != want {
+                problems.push(format!("cloud LB families {families:?}, want {want:?}"));
+            }
+        }
+        if let Some(want) = row.backends {
+            let backends: Vec<String> = lbs
+                .iter()
+                .flat_map(|l| l.backends.iter().map(ToString::to_string))
+                .collect();
+            if backends != want {
+                problems.push(format!("cloud LB backends {backends:?}, want {want:?}"));
+            }
         }
         // What the cloud holds matches the Service's need.
         if row.ok

@@ -1,14 +1,14 @@
 //! Pure translations between the provider-neutral LB description and the mock cloud's
 //! API types, and the identity rules: idempotency keys and which LBs we may touch.
 
-use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use cloud_mock_sdk as sdk;
+use cloud_mock_sdk::families;
 use sha2::{Digest, Sha256};
 
 use crate::provider::{
-    DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, Listener, LoadBalancerMode,
+    DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, IpFamily, Listener, LoadBalancerMode,
     LoadBalancerPhase, ObservedLoadBalancer, Owner, Protocol, TAG_CLUSTER_ID, TAG_SERVICE_UID,
 };
 
@@ -64,20 +64,17 @@ fn from_sdk_listener(l: &sdk::Listener) -> Listener {
     }
 }
 
-pub fn backends(ips: &BTreeSet<Ipv4Addr>) -> Vec<sdk::Backend> {
-    ips.iter().map(|ip| sdk::Backend { ip: *ip }).collect()
-}
-
-/// The VIP an update keeps when none is requested: the assigned one, unless the LB moves
-/// to another pool (then the cloud allocates from the new pool) or leaves the sharing key
-/// it had (then it leaves that key's shared VIP, as MetalLB re-allocates; the cloud gives
-/// it the new key's VIP or a fresh one). Taking a key when it had none keeps the VIP.
-pub fn kept_vip(
+/// The VIPs an update keeps where none is requested: the assigned ones of the families
+/// the LB keeps, unless the LB moves to another pool (then the cloud allocates from the
+/// new pool) or leaves the sharing key it had (then it leaves that key's shared VIPs, as
+/// MetalLB re-allocates; the cloud gives it the new key's VIPs or fresh ones). Taking a
+/// key when it had none keeps them.
+pub fn kept_vips(
     desired: &DesiredLoadBalancer,
-    vip: Option<Ipv4Addr>,
+    vips: &[IpAddr],
     pool: Option<&str>,
     sharing_key: Option<&str>,
-) -> Option<Ipv4Addr> {
+) -> Vec<IpAddr> {
     let moves_pool = desired
         .address
         .pool
@@ -85,39 +82,51 @@ pub fn kept_vip(
         .is_some_and(|wanted| pool.is_some_and(|current| current != wanted));
     let leaves_key =
         sharing_key.is_some_and(|current| desired.address.sharing_key.as_deref() != Some(current));
-    if moves_pool || leaves_key { None } else { vip }
+    if moves_pool || leaves_key {
+        return Vec::new();
+    }
+    vips.iter()
+        .copied()
+        .filter(|vip| desired.ip_families.contains(&IpFamily::of(vip)))
+        .collect()
 }
 
-/// The SDK spec for `desired`; `current_vip` keeps an assigned VIP when none is requested
-/// (see `kept_vip`).
-pub fn to_sdk_spec(
-    desired: &DesiredLoadBalancer,
-    current_vip: Option<Ipv4Addr>,
-) -> sdk::LoadBalancerSpec {
+/// The SDK spec for `desired`, with one VIP per family: the requested one, else the one
+/// in `kept` (see `kept_vips`), else none (the cloud allocates it).
+pub fn to_sdk_spec(desired: &DesiredLoadBalancer, kept: &[IpAddr]) -> families::LoadBalancerSpec {
     let address = &desired.address;
-    sdk::LoadBalancerSpec {
+    families::LoadBalancerSpec {
         name: desired.name(),
         tags: desired.owner.tags(),
         mode: to_sdk_mode(desired.mode),
-        vip: address.requested_ipv4().or(current_vip),
+        ip_families: desired.ip_families.clone(),
+        vip: None,
         listeners: desired.listeners.iter().map(to_sdk_listener).collect(),
-        backends: backends(&desired.backends),
+        backends: desired
+            .backends
+            .iter()
+            .map(|ip| families::Backend { ip: *ip })
+            .collect(),
         source_ranges: desired.source_ranges.clone(),
         address: sdk::AddressRequest {
             pool: address.pool.clone(),
-            // The IPv4 address travels as `vip`; the others (other families) here.
-            vips: address
-                .requested
+            vips: desired
+                .ip_families
                 .iter()
-                .filter(|ip| ip.is_ipv6())
-                .copied()
+                .filter_map(|family| {
+                    address.requested_of(*family).or_else(|| {
+                        kept.iter()
+                            .copied()
+                            .find(|vip| IpFamily::of(vip) == *family)
+                    })
+                })
                 .collect(),
             sharing_key: address.sharing_key.clone(),
         },
     }
 }
 
-pub fn observe(lb: &sdk::LoadBalancer) -> ObservedLoadBalancer {
+pub fn observe(lb: &families::LoadBalancer) -> ObservedLoadBalancer {
     ObservedLoadBalancer {
         id: lb.id.clone(),
         version: lb.version,
@@ -128,7 +137,8 @@ pub fn observe(lb: &sdk::LoadBalancer) -> ObservedLoadBalancer {
             sdk::State::Active => LoadBalancerPhase::Active,
             sdk::State::Deleting => LoadBalancerPhase::Deleting,
         },
-        vip: lb.vip(),
+        ip_families: lb.spec.ip_families.clone(),
+        vips: lb.vips().to_vec(),
         pool: lb.spec.address.pool.clone(),
         sharing_key: lb.spec.address.sharing_key.clone(),
         mode: from_sdk_mode(lb.spec.mode),
@@ -141,7 +151,11 @@ pub fn observe(lb: &sdk::LoadBalancer) -> ObservedLoadBalancer {
 /// The `Idempotency-Key` of a create: the Service UID, the spec, and the LB this create
 /// replaces (if any), so re-creating after an LB vanished is a new request, while a retry
 /// of the same create is not.
-pub fn idempotency_key(spec: &sdk::LoadBalancerSpec, uid: &str, replaces: Option<&str>) -> String {
+pub fn idempotency_key(
+    spec: &families::LoadBalancerSpec,
+    uid: &str,
+    replaces: Option<&str>,
+) -> String {
     let mut hasher = Sha256::new();
     hasher.update(uid.as_bytes());
     hasher.update([0]);
@@ -154,14 +168,14 @@ pub fn idempotency_key(spec: &sdk::LoadBalancerSpec, uid: &str, replaces: Option
 
 /// Whether an LB found by id may be treated as the owner's: its tags name the owner's
 /// cluster, or it carries no cluster tag but the owner's deterministic name.
-pub fn may_touch(lb: &sdk::LoadBalancer, owner: &Owner) -> bool {
+pub fn may_touch(lb: &families::LoadBalancer, owner: &Owner) -> bool {
     match lb.spec.tags.get(TAG_CLUSTER_ID) {
         Some(cluster) => cluster == owner.cluster_id.as_str(),
         None => lb.spec.name == owner.load_balancer_name(),
     }
 }
 
-pub fn belongs_to(lb: &sdk::LoadBalancer, owner: &Owner) -> bool {
+pub fn belongs_to(lb: &families::LoadBalancer, owner: &Owner) -> bool {
     lb.spec.tags.get(TAG_SERVICE_UID) == Some(&owner.uid)
         || lb.spec.name == owner.load_balancer_name()
 }
@@ -170,6 +184,11 @@ pub fn belongs_to(lb: &sdk::LoadBalancer, owner: &Owner) -> bool {
 mod tests {
     use super::*;
     use crate::provider::AddressRequest;
+    use std::collections::BTreeSet;
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
 
     fn desired() -> DesiredLoadBalancer {
         DesiredLoadBalancer {
@@ -180,6 +199,7 @@ mod tests {
                 uid: "11111111-2222-3333-4444-555555555555".into(),
             },
             mode: LoadBalancerMode::Passthrough,
+            ip_families: vec![IpFamily::Ipv4],
             address: AddressRequest {
                 pool: Some("blue".into()),
                 requested: vec![],
@@ -195,16 +215,49 @@ mod tests {
                     path: Some("/healthz".into()),
                 }),
             }],
-            backends: BTreeSet::from([Ipv4Addr::new(198, 18, 0, 11)]),
+            backends: BTreeSet::from([ip("198.18.0.11")]),
             source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
         }
     }
 
-    fn lb_from(spec: sdk::LoadBalancerSpec) -> sdk::LoadBalancer {
-        sdk::LoadBalancer {
+    fn dual() -> DesiredLoadBalancer {
+        let mut d = desired();
+        d.ip_families = vec![IpFamily::Ipv6, IpFamily::Ipv4];
+        d.backends.insert(ip("2001:db8:18::11"));
+        d.source_ranges.push("2001:db8:203::/64".parse().unwrap());
+        d
+    }
+
+    /// The LB the cloud answers for `spec`: the VIPs it asks for, else 198.51.100.3 and
+    /// 2001:db8:51:100::3.
+    fn lb_from(spec: families::LoadBalancerSpec) -> families::LoadBalancer {
+        let vips: Vec<IpAddr> = spec
+            .ip_families
+            .iter()
+            .map(|family| {
+                let asked = spec
+                    .address
+                    .vips
+                    .iter()
+                    .copied()
+                    .find(|v| IpFamily::of(v) == *family);
+                asked.unwrap_or(match family {
+                    IpFamily::Ipv4 => ip("198.51.100.3"),
+                    IpFamily::Ipv6 => ip("2001:db8:51:100::3"),
+                })
+            })
+            .collect();
+        families::LoadBalancer {
             id: "lb-1".into(),
-            spec: sdk::LoadBalancerSpec {
-                vip: Some(Ipv4Addr::new(198, 51, 100, 3)),
+            spec: families::LoadBalancerSpec {
+                vip: vips.iter().find_map(|v| match v {
+                    IpAddr::V4(v4) => Some(*v4),
+                    IpAddr::V6(_) => None,
+                }),
+                address: sdk::AddressRequest {
+                    vips,
+                    ..spec.address.clone()
+                },
                 ..spec
             },
             state: sdk::State::Active,
@@ -215,55 +268,90 @@ mod tests {
 
     #[test]
     fn spec_round_trips_without_drift() {
-        let d = desired();
-        let observed = observe(&lb_from(to_sdk_spec(&d, None)));
-        assert!(observed.drift(&d).is_empty(), "{:?}", observed.drift(&d));
-        assert_eq!(observed.owner.as_ref(), Some(&d.owner));
-        assert_eq!(observed.vip, Some(Ipv4Addr::new(198, 51, 100, 3)));
-        assert_eq!(observed.phase, LoadBalancerPhase::Active);
+        for d in [desired(), dual()] {
+            let observed = observe(&lb_from(to_sdk_spec(&d, &[])));
+            assert!(observed.drift(&d).is_empty(), "{:?}", observed.drift(&d));
+            assert_eq!(observed.owner.as_ref(), Some(&d.owner));
+            assert_eq!(observed.vip_of(IpFamily::Ipv4), Some(ip("198.51.100.3")));
+            assert_eq!(observed.phase, LoadBalancerPhase::Active);
+        }
+        let observed = observe(&lb_from(to_sdk_spec(&dual(), &[])));
+        assert_eq!(
+            observed.vips,
+            [ip("2001:db8:51:100::3"), ip("198.51.100.3")]
+        );
     }
 
     #[test]
-    fn requested_ip_wins_over_current_vip() {
-        let mut d = desired();
-        let current = Some(Ipv4Addr::new(198, 51, 100, 3));
-        assert_eq!(to_sdk_spec(&d, current).vip, current);
-        let requested = Ipv4Addr::new(198, 51, 100, 9);
-        d.address.requested = vec![requested.into()];
-        let spec = to_sdk_spec(&d, current);
-        assert_eq!(spec.vip, Some(requested));
-        assert!(spec.address.vips.is_empty());
+    fn the_spec_carries_families_mixed_backends_and_ranges() {
+        let json = serde_json::to_value(to_sdk_spec(&dual(), &[])).unwrap();
+        assert_eq!(json["ipFamilies"], serde_json::json!(["IPv6", "IPv4"]));
+        assert_eq!(json["backends"].as_array().unwrap().len(), 2);
+        assert_eq!(json["sourceRanges"].as_array().unwrap().len(), 2);
+        assert!(json.get("vip").is_none() && json.get("vips").is_none());
+    }
+
+    #[test]
+    fn requested_vips_win_over_kept_ones_per_family() {
+        let mut d = dual();
+        let kept = [ip("198.51.100.3"), ip("2001:db8:51:100::3")];
+        // In the LB's family order, whatever order they were kept in.
+        assert_eq!(
+            to_sdk_spec(&d, &kept).address.vips,
+            [ip("2001:db8:51:100::3"), ip("198.51.100.3")]
+        );
+        d.address.requested = vec![ip("2001:db8:51:100::9")];
+        let spec = to_sdk_spec(&d, &kept);
+        assert_eq!(
+            spec.address.vips,
+            [ip("2001:db8:51:100::9"), ip("198.51.100.3")]
+        );
+        assert_eq!(spec.vip, None);
         assert_eq!(spec.address.pool.as_deref(), Some("blue"));
         assert_eq!(spec.address.sharing_key.as_deref(), Some("dns"));
     }
 
     #[test]
-    fn moving_to_another_pool_gives_up_the_vip() {
-        let d = desired();
-        let vip = Some(Ipv4Addr::new(198, 51, 100, 3));
-        assert_eq!(kept_vip(&d, vip, Some("blue"), None), vip);
-        assert_eq!(kept_vip(&d, vip, Some("default"), None), None);
-        let mut any_pool = desired();
-        any_pool.address.pool = None;
-        assert_eq!(kept_vip(&any_pool, vip, Some("default"), None), vip);
+    fn a_downgrade_keeps_the_vip_of_the_family_that_stays() {
+        let vips = [ip("2001:db8:51:100::3"), ip("198.51.100.3")];
+        assert_eq!(
+            kept_vips(&desired(), &vips, Some("blue"), Some("dns")),
+            [ip("198.51.100.3")]
+        );
+        assert_eq!(kept_vips(&dual(), &vips, Some("blue"), Some("dns")), vips);
     }
 
     #[test]
-    fn leaving_a_sharing_key_gives_up_its_vip_and_taking_one_keeps_it() {
+    fn moving_to_another_pool_gives_up_the_vips() {
+        let d = dual();
+        let vips = [ip("2001:db8:51:100::3"), ip("198.51.100.3")];
+        assert_eq!(kept_vips(&d, &vips, Some("blue"), Some("dns")), vips);
+        assert!(kept_vips(&d, &vips, Some("default"), Some("dns")).is_empty());
+        let mut any_pool = dual();
+        any_pool.address.pool = None;
+        assert_eq!(
+            kept_vips(&any_pool, &vips, Some("default"), Some("dns")),
+            vips
+        );
+    }
+
+    #[test]
+    fn leaving_a_sharing_key_gives_up_its_vips_and_taking_one_keeps_them() {
         let mut d = desired();
         d.address.pool = None;
-        let vip = Some(Ipv4Addr::new(198, 51, 100, 3));
-        assert_eq!(kept_vip(&d, vip, None, Some("team-a")), None);
+        let vips = [ip("198.51.100.3")];
+        d.address.sharing_key = None;
+        assert!(kept_vips(&d, &vips, None, Some("team-a")).is_empty());
         d.address.sharing_key = Some("team-b".to_owned());
-        assert_eq!(kept_vip(&d, vip, None, Some("team-a")), None);
-        assert_eq!(kept_vip(&d, vip, None, None), vip);
+        assert!(kept_vips(&d, &vips, None, Some("team-a")).is_empty());
+        assert_eq!(kept_vips(&d, &vips, None, None), vips);
         d.address.sharing_key = Some("team-a".to_owned());
-        assert_eq!(kept_vip(&d, vip, None, Some("team-a")), vip);
+        assert_eq!(kept_vips(&d, &vips, None, Some("team-a")), vips);
     }
 
     #[test]
     fn idempotency_key_is_stable_and_distinguishes_replacements() {
-        let spec = to_sdk_spec(&desired(), None);
+        let spec = to_sdk_spec(&desired(), &[]);
         let uid = &desired().owner.uid;
         let a = idempotency_key(&spec, uid, None);
         assert_eq!(a, idempotency_key(&spec, uid, None));
@@ -271,6 +359,7 @@ mod tests {
         let mut other = spec.clone();
         other.listeners[0].port = 54;
         assert_ne!(a, idempotency_key(&other, uid, None));
+        assert_ne!(a, idempotency_key(&to_sdk_spec(&dual(), &[]), uid, None));
         assert!(a.starts_with(uid.as_str()));
         assert!(a.len() < 100);
     }
@@ -278,7 +367,7 @@ mod tests {
     #[test]
     fn foreign_cluster_lbs_are_untouchable() {
         let d = desired();
-        let ours = lb_from(to_sdk_spec(&d, None));
+        let ours = lb_from(to_sdk_spec(&d, &[]));
         assert!(may_touch(&ours, &d.owner));
         let mut foreign = ours.clone();
         foreign

@@ -7,13 +7,14 @@ use cloud_mock_sdk as sdk;
 use crate::provider::{AddressRefusal, Operation, ProviderError};
 
 /// The cloud's error code for each address refusal.
-const ADDRESS_REFUSALS: [(&str, AddressRefusal); 6] = [
+const ADDRESS_REFUSALS: [(&str, AddressRefusal); 7] = [
     ("unknown-pool", AddressRefusal::UnknownPool),
     ("pool-exhausted", AddressRefusal::PoolExhausted),
     ("vip-outside-pool", AddressRefusal::OutsidePools),
     ("vip-taken", AddressRefusal::Taken),
     ("port-conflict", AddressRefusal::PortConflict),
     ("sharing-mode-mismatch", AddressRefusal::SharingModeMismatch),
+    ("pool-lacks-family", AddressRefusal::PoolLacksFamily),
 ];
 
 /// The address refusal an SDK error carries, by the cloud's error code.

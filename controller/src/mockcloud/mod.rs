@@ -14,6 +14,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use cloud_mock_sdk as sdk;
+use cloud_mock_sdk::families;
 
 pub use convert::{idempotency_key, may_touch, observe, to_sdk_spec};
 pub use errors::classify;
@@ -24,7 +25,7 @@ use crate::provider::{
     Operation, ProviderError, TAG_CLUSTER_ID, TAG_SERVICE_UID,
 };
 use crate::ratelimit::SharedTokenBucket;
-use convert::{belongs_to, kept_vip};
+use convert::{belongs_to, kept_vips};
 use errors::{is_address_refusal, outcome, retry_delay};
 
 /// Attempts per cloud call for retryable failures (429, 503, transport).
@@ -92,9 +93,10 @@ impl MockCloudProvider {
         }
     }
 
-    async fn get_raw(&self, id: &str) -> Result<Option<sdk::LoadBalancer>, ProviderError> {
+    async fn get_raw(&self, id: &str) -> Result<Option<families::LoadBalancer>, ProviderError> {
+        let cloud = self.client.families();
         match self
-            .call(Operation::Get, || self.client.get_load_balancer(id))
+            .call(Operation::Get, || cloud.get_load_balancer(id))
             .await
         {
             Ok(lb) => Ok(Some(lb)),
@@ -108,7 +110,7 @@ impl MockCloudProvider {
     async fn find_raw(
         &self,
         lookup: &LoadBalancerLookup,
-    ) -> Result<Vec<sdk::LoadBalancer>, ProviderError> {
+    ) -> Result<Vec<families::LoadBalancer>, ProviderError> {
         let owner = &lookup.owner;
         if let Some(id) = lookup.known_id.as_deref()
             && let Some(lb) = self.get_raw(id).await?
@@ -132,8 +134,9 @@ impl MockCloudProvider {
             .into(),
             name: Some(owner.load_balancer_name()),
         };
+        let cloud = self.client.families();
         let listed = self
-            .call(Operation::List, || self.client.list_load_balancers(&filter))
+            .call(Operation::List, || cloud.list_load_balancers(&filter))
             .await
             .map_err(|e| classify(&e, Operation::List, None))?;
         Ok(listed)
@@ -148,8 +151,8 @@ impl MockCloudProvider {
     /// Keeps the first LB and deletes any duplicates, so a Service never has two.
     async fn keep_one(
         &self,
-        mut found: Vec<sdk::LoadBalancer>,
-    ) -> Result<Option<sdk::LoadBalancer>, ProviderError> {
+        mut found: Vec<families::LoadBalancer>,
+    ) -> Result<Option<families::LoadBalancer>, ProviderError> {
         if found.is_empty() {
             return Ok(None);
         }
@@ -166,15 +169,16 @@ impl MockCloudProvider {
         &self,
         id: &str,
         mut version: u64,
-        mut vip: Option<std::net::Ipv4Addr>,
+        mut kept: Vec<std::net::IpAddr>,
         desired: &DesiredLoadBalancer,
-    ) -> Result<sdk::LoadBalancer, ProviderError> {
+    ) -> Result<families::LoadBalancer, ProviderError> {
+        let cloud = self.client.families();
         let mut conflicts = 0;
         loop {
-            let spec = to_sdk_spec(desired, vip);
+            let spec = to_sdk_spec(desired, &kept);
             match self
                 .call(Operation::Update, || {
-                    self.client.update_load_balancer(id, &spec, version)
+                    cloud.update_load_balancer(id, &spec, version)
                 })
                 .await
             {
@@ -192,9 +196,9 @@ impl MockCloudProvider {
                         return Err(classify(&conflict, Operation::Update, Some(id)));
                     }
                     version = fresh.version;
-                    vip = kept_vip(
+                    kept = kept_vips(
                         desired,
-                        fresh.vip(),
+                        fresh.vips(),
                         fresh.spec.address.pool.as_deref(),
                         fresh.spec.address.sharing_key.as_deref(),
                     );
@@ -226,11 +230,12 @@ impl LoadBalancerProvider for MockCloudProvider {
         desired: &DesiredLoadBalancer,
         replaces: Option<&str>,
     ) -> Result<ObservedLoadBalancer, ProviderError> {
-        let spec = to_sdk_spec(desired, None);
+        let spec = to_sdk_spec(desired, &[]);
         let key = idempotency_key(&spec, &desired.owner.uid, replaces);
+        let cloud = self.client.families();
         let lb = self
             .call(Operation::Create, || {
-                self.client.create_load_balancer(&spec, &key)
+                cloud.create_load_balancer(&spec, &key)
             })
             .await
             .map_err(|e| classify(&e, Operation::Create, None))?;
@@ -247,9 +252,9 @@ impl LoadBalancerProvider for MockCloudProvider {
             .update_with_retry(
                 &current.id,
                 current.version,
-                kept_vip(
+                kept_vips(
                     desired,
-                    current.vip,
+                    &current.vips,
                     current.pool.as_deref(),
                     current.sharing_key.as_deref(),
                 ),
@@ -283,8 +288,9 @@ impl LoadBalancerProvider for MockCloudProvider {
             tags: [(TAG_CLUSTER_ID.to_owned(), cluster_id.to_string())].into(),
             name: None,
         };
+        let cloud = self.client.families();
         let listed = self
-            .call(Operation::List, || self.client.list_load_balancers(&filter))
+            .call(Operation::List, || cloud.list_load_balancers(&filter))
             .await
             .map_err(|e| classify(&e, Operation::List, None))?;
         Ok(listed

@@ -9,7 +9,7 @@
 //! Namespaces and every Node, and tests assert exact backend sets.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -28,6 +28,13 @@ use tokio_util::sync::CancellationToken;
 
 pub const CLUSTER: &str = "lab";
 pub const POOL: &str = "198.51.100.0/24";
+/// The stand-in's `--service-cluster-ip-range` for a dual-stack cluster, IPv4 first.
+pub const DUAL_STACK_SERVICE_CIDRS: &str = "10.96.0.0/16,fd00:10:96::/108";
+/// The cloud's pools on a dual-stack cluster: `default` of both families, and one of IPv4
+/// alone.
+pub const DUAL_STACK_POOLS: &str =
+    "default=198.51.100.0/24,default=2001:db8:51:100::/64,v4only=203.0.113.0/24";
+pub const V4_ONLY_POOL: &str = "v4only";
 /// A real API server's kubeconfig; unset: the stand-in (the lab's end-to-end suite reads
 /// the same variable).
 pub const REAL_API_SERVER_ENV: &str = "TANDEM_E2E_KUBECONFIG";
@@ -81,12 +88,13 @@ pub struct Cloud {
 }
 
 impl Cloud {
-    pub async fn start(data_dir: &Path) -> Self {
+    /// With the VIP pools `pools` (`--vip-pool` values, comma-separated).
+    pub async fn start(data_dir: &Path, pools: &str) -> Self {
         let token = "cloud-token".to_string();
         let settings = cloud_mock::Settings {
             data_dir: data_dir.to_path_buf(),
             token: token.clone(),
-            vip_pools: POOL.parse().unwrap(),
+            vip_pools: pools.parse().unwrap(),
             provisioning_delay: Duration::from_millis(300),
             dataplane: DataPlaneConfig {
                 mode: DataPlaneKind::None,
@@ -131,10 +139,19 @@ impl Cloud {
 
     pub async fn for_uid(&self, uid: &str) -> Vec<sdk::LoadBalancer> {
         self.client
-            .list_load_balancers(&sdk::ListFilter {
-                tags: BTreeMap::from([("kubernetes.io/service-uid".to_string(), uid.to_string())]),
-                name: None,
-            })
+            .list_load_balancers(&uid_filter(uid))
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|lb| lb.state != sdk::State::Deleting)
+            .collect()
+    }
+
+    /// As [`Self::for_uid`], the whole LBs of any family.
+    pub async fn families_for_uid(&self, uid: &str) -> Vec<sdk::families::LoadBalancer> {
+        self.client
+            .families()
+            .list_load_balancers(&uid_filter(uid))
             .await
             .unwrap()
             .into_iter()
@@ -144,6 +161,13 @@ impl Cloud {
 
     pub async fn set_faults(&self, faults: sdk::Faults) {
         self.client.set_faults(&faults).await.unwrap();
+    }
+}
+
+fn uid_filter(uid: &str) -> sdk::ListFilter {
+    sdk::ListFilter {
+        tags: BTreeMap::from([("kubernetes.io/service-uid".to_string(), uid.to_string())]),
+        name: None,
     }
 }
 
@@ -233,9 +257,16 @@ pub struct Harness {
 impl Harness {
     /// On the stand-in, always (tests that need it, or need the whole server alone).
     pub async fn new(label: &str) -> Self {
-        let api = tandem_apiserver::spawn(tandem_apiserver::ServerConfig::default())
-            .await
-            .unwrap();
+        Self::on_stand_in(label, tandem_apiserver::StoreConfig::default(), POOL).await
+    }
+
+    async fn on_stand_in(label: &str, store: tandem_apiserver::StoreConfig, pools: &str) -> Self {
+        let api = tandem_apiserver::spawn(tandem_apiserver::ServerConfig {
+            store,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
         let client = api.client().await.unwrap();
         let dir = TempDir::new(label);
         let kubeconfig = dir.path().join("kubeconfig");
@@ -249,15 +280,60 @@ impl Harness {
             CLUSTER.into(),
             String::new(),
             true,
+            pools,
         )
         .await
     }
 
     /// On the real API server of [`REAL_API_SERVER_ENV`] if set, else on the stand-in.
     pub async fn start(label: &str) -> Self {
+        match real_api_server() {
+            Some(kubeconfig) => Self::on_real_server(label, kubeconfig, POOL).await,
+            None => Self::new(label).await,
+        }
+    }
+
+    /// On a dual-stack cluster, with a cloud whose pools are [`DUAL_STACK_POOLS`]: the real
+    /// API server of [`REAL_API_SERVER_ENV`] if set, else the stand-in serving
+    /// [`DUAL_STACK_SERVICE_CIDRS`]. `None` when the real server serves one family only:
+    /// there is no dual-stack cluster to test on.
+    pub async fn start_dual_stack(label: &str) -> Option<Self> {
         let Some(kubeconfig) = real_api_server() else {
-            return Self::new(label).await;
+            let store = tandem_apiserver::StoreConfig {
+                service_cidrs: DUAL_STACK_SERVICE_CIDRS.parse().unwrap(),
+                ..Default::default()
+            };
+            return Some(Self::on_stand_in(label, store, DUAL_STACK_POOLS).await);
         };
+        let h = Self::on_real_server(label, kubeconfig, DUAL_STACK_POOLS).await;
+        if h.serves_dual_stack().await {
+            return Some(h);
+        }
+        eprintln!("{label}: the API server is not dual-stack; nothing to test on");
+        h.shutdown().await;
+        None
+    }
+
+    /// Whether the server gives a Service both families (it refuses `RequireDualStack`
+    /// when it has one service CIDR).
+    async fn serves_dual_stack(&self) -> bool {
+        let mut probe = lb_service("dual-stack-probe", &[(80, "TCP")]);
+        let spec = probe.spec.as_mut().unwrap();
+        spec.type_ = Some("ClusterIP".into());
+        spec.ip_family_policy = Some("RequireDualStack".into());
+        probe.metadata.namespace = Some(self.namespace.clone());
+        let created = self
+            .services()
+            .create(&PostParams::default(), &probe)
+            .await
+            .is_ok();
+        if created {
+            self.delete_service("dual-stack-probe").await;
+        }
+        created
+    }
+
+    async fn on_real_server(label: &str, kubeconfig: PathBuf, pools: &str) -> Self {
         let turn = REAL_SERVER_TURN.clone().lock_owned().await;
         let client = kube_client(&kubeconfig).await;
         // Unique over runs too, so leftovers of a killed run never meet a new test.
@@ -298,6 +374,7 @@ impl Harness {
             format!("e2e-{run}"),
             node_prefix,
             ip_mode,
+            pools,
         )
         .await
     }
@@ -312,10 +389,11 @@ impl Harness {
         cluster_id: String,
         node_prefix: String,
         ip_mode: bool,
+        pools: &str,
     ) -> Self {
         let cloud_dir = dir.path().join("cloud");
         std::fs::create_dir_all(&cloud_dir).unwrap();
-        let cloud = Cloud::start(&cloud_dir).await;
+        let cloud = Cloud::start(&cloud_dir, pools).await;
         let token_file = dir.path().join("cloud-token");
         std::fs::write(&token_file, format!("{}\n", cloud.token)).unwrap();
         Self {
@@ -400,7 +478,8 @@ impl Harness {
         Api::all(self.client.clone())
     }
 
-    pub async fn add_node(&self, name: &str, ip: &str) {
+    /// A Ready node with these comma-separated InternalIPs.
+    pub async fn add_node(&self, name: &str, ips: &str) {
         let name = &self.node_name(name);
         let node = Node {
             metadata: ObjectMeta {
@@ -414,10 +493,7 @@ impl Harness {
             .await
             .unwrap();
         let status = NodeStatus {
-            addresses: Some(vec![NodeAddress {
-                type_: "InternalIP".into(),
-                address: ip.into(),
-            }]),
+            addresses: Some(internal_ips(ips)),
             conditions: Some(vec![k8s_openapi::api::core::v1::NodeCondition {
                 type_: "Ready".into(),
                 status: "True".into(),
@@ -553,6 +629,37 @@ impl Harness {
         .await
     }
 
+    /// Waits until the Service's ingress is its LB's VIPs, of `families` in that order, and
+    /// the LB is active with those families; returns both.
+    pub async fn wait_served_as(
+        &self,
+        name: &str,
+        families: &[&str],
+    ) -> (Service, sdk::families::LoadBalancer) {
+        self.eventually(
+            &format!("{name} served as {families:?}"),
+            Duration::from_secs(30),
+            || async {
+                let svc = self.get_service(name).await?;
+                let uid = svc.metadata.uid.clone()?;
+                let lbs = self.cloud.families_for_uid(&uid).await;
+                let [lb] = lbs.as_slice() else { return None };
+                let lb_families: Vec<String> = lb
+                    .spec
+                    .ip_families
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect();
+                let served = lb.state == sdk::State::Active
+                    && ingress_ips(&svc) == lb.vips()
+                    && ingress_families(&svc) == families
+                    && lb_families == families;
+                served.then(|| (svc, lb.clone()))
+            },
+        )
+        .await
+    }
+
     pub async fn shutdown(mut self) {
         match &mut self.api {
             ApiServer::Real { cleanup, .. } => cleanup.run().await,
@@ -676,18 +783,38 @@ impl Drop for RealCleanup {
     }
 }
 
+/// The first ingress entry's IP, when it is an IPv4 address.
 pub fn ingress_ip(svc: &Service) -> Option<Ipv4Addr> {
-    svc.status
-        .as_ref()?
-        .load_balancer
-        .as_ref()?
-        .ingress
-        .as_ref()?
-        .first()?
-        .ip
-        .as_ref()?
-        .parse()
-        .ok()
+    match ingress_ips(svc).first()? {
+        IpAddr::V4(ip) => Some(*ip),
+        IpAddr::V6(_) => None,
+    }
+}
+
+/// The IP of each `status.loadBalancer.ingress` entry, in order.
+pub fn ingress_ips(svc: &Service) -> Vec<IpAddr> {
+    tandem_controller::status::current_ingress(svc)
+        .iter()
+        .filter_map(|entry| entry.ip.as_ref()?.parse().ok())
+        .collect()
+}
+
+/// The family of each `status.loadBalancer.ingress` entry, in order.
+pub fn ingress_families(svc: &Service) -> Vec<&'static str> {
+    ingress_ips(svc)
+        .iter()
+        .map(|ip| if ip.is_ipv4() { "IPv4" } else { "IPv6" })
+        .collect()
+}
+
+/// A node's InternalIP addresses, from a comma-separated list.
+pub fn internal_ips(ips: &str) -> Vec<NodeAddress> {
+    ips.split(',')
+        .map(|ip| NodeAddress {
+            type_: "InternalIP".into(),
+            address: ip.into(),
+        })
+        .collect()
 }
 
 pub fn condition_reason(svc: &Service) -> Option<String> {
