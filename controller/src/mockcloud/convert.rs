@@ -126,6 +126,16 @@ pub fn to_sdk_spec(desired: &DesiredLoadBalancer, kept: &[IpAddr]) -> families::
     }
 }
 
+/// The LB's VIPs in family order. A cloud from before IP families answers with `vip`
+/// alone, the IPv4 one.
+fn assigned_vips(lb: &families::LoadBalancer) -> Vec<IpAddr> {
+    if lb.vips().is_empty() {
+        lb.spec.vip.map(IpAddr::V4).into_iter().collect()
+    } else {
+        lb.vips().to_vec()
+    }
+}
+
 pub fn observe(lb: &families::LoadBalancer) -> ObservedLoadBalancer {
     ObservedLoadBalancer {
         id: lb.id.clone(),
@@ -138,7 +148,7 @@ pub fn observe(lb: &families::LoadBalancer) -> ObservedLoadBalancer {
             sdk::State::Deleting => LoadBalancerPhase::Deleting,
         },
         ip_families: lb.spec.ip_families.clone(),
-        vips: lb.vips().to_vec(),
+        vips: assigned_vips(lb),
         pool: lb.spec.address.pool.clone(),
         sharing_key: lb.spec.address.sharing_key.clone(),
         mode: from_sdk_mode(lb.spec.mode),
@@ -280,6 +290,15 @@ mod tests {
             observed.vips,
             [ip("2001:db8:51:100::3"), ip("198.51.100.3")]
         );
+    }
+
+    #[test]
+    fn an_answer_from_before_families_is_read_as_ipv4() {
+        let mut old = lb_from(to_sdk_spec(&desired(), &[]));
+        old.spec.address.vips.clear();
+        let observed = observe(&old);
+        assert_eq!(observed.vips, [ip("198.51.100.3")]);
+        assert!(observed.drift(&desired()).is_empty());
     }
 
     #[test]
