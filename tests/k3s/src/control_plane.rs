@@ -12,15 +12,19 @@
 //!   listening socket (127.0.0.1, a free port) is made in the caller's namespace and whose
 //!   upstream sockets are made by a thread that entered the k3s namespace: no packet
 //!   crosses namespaces, and k3s's own certificate (its SANs hold 127.0.0.1) verifies.
+//! * IPv4 only by default; [`ClusterFamilies::Dual`] makes it dual-stack (IPv4 primary):
+//!   a cluster CIDR and a Service CIDR per family, and the `IPv6DualStack` gate where the
+//!   release needs it.
 //! * [`ControlPlane::stop`] (or, as a fallback, drop) ends k3s with SIGTERM, then SIGKILL,
 //!   kills whatever is left in the namespace and removes it and the run directory.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use ipnet::{IpNet, Ipv6Net};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
@@ -79,29 +83,71 @@ pub enum ControlPlaneError {
 
 type Result<T, E = ControlPlaneError> = std::result::Result<T, E>;
 
+/// The IPv6 pod network of a dual-stack control plane: the lab's IPv6 plan gives node N the
+/// pods `fd00:10:244:N::/64`, and the node-IPAM controller refuses Nodes whose pod CIDRs lie
+/// outside the cluster CIDRs.
+pub const CLUSTER_CIDR_V6: Ipv6Net =
+    Ipv6Net::new_assert(Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0), 56);
+/// The IPv6 Service CIDR of a dual-stack control plane (a /112, the widest
+/// kube-apiserver v1.21 takes for IPv6).
+pub const SERVICE_CIDR_V6: Ipv6Net =
+    Ipv6Net::new_assert(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0), 112);
+
+/// The IP families of the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ClusterFamilies {
+    /// IPv4 only.
+    #[default]
+    Ipv4,
+    /// IPv4 and IPv6, IPv4 first: a Service that names no family gets IPv4.
+    Dual,
+}
+
 /// How to run the control plane. The defaults fit the lab (tests/netlab/src/addr.rs): its
 /// pod CIDR must lie inside the cluster CIDR, or the node-IPAM controller refuses its
 /// Nodes.
 #[derive(Debug, Clone)]
 pub struct ControlPlaneOptions {
-    pub cluster_cidr: String,
-    pub service_cidr: String,
+    /// `--cluster-cidr`: one CIDR per family, the primary family first.
+    pub cluster_cidrs: Vec<IpNet>,
+    /// `--service-cidr`: one CIDR per family, in the same order.
+    pub service_cidrs: Vec<IpNet>,
     /// The API server's `--feature-gates`; `None` picks what the suites need for the
-    /// binary's version (see [`feature_gates_for`]).
+    /// binary's version (see [`feature_gates_for`]). The dual-stack gate is added to
+    /// either where the cluster has two families (see [`dual_stack_gate_for`]).
     pub feature_gates: Option<String>,
     /// How long start-up may take before it is an error.
     pub ready_timeout: Duration,
 }
 
-impl Default for ControlPlaneOptions {
-    fn default() -> Self {
+impl ControlPlaneOptions {
+    /// The lab's CIDRs for the families, with the other options at their defaults.
+    pub fn new(families: ClusterFamilies) -> Self {
+        let mut cluster_cidrs = vec![IpNet::V4(tandem_netlab::PodNetwork::DEFAULT.cidr())];
+        let mut service_cidrs = vec![IpNet::V4(tandem_netlab::addr::SERVICE_CIDR)];
+        if families == ClusterFamilies::Dual {
+            cluster_cidrs.push(IpNet::V6(CLUSTER_CIDR_V6));
+            service_cidrs.push(IpNet::V6(SERVICE_CIDR_V6));
+        }
         Self {
-            cluster_cidr: tandem_netlab::PodNetwork::DEFAULT.cidr().to_string(),
-            service_cidr: tandem_netlab::addr::SERVICE_CIDR.to_string(),
+            cluster_cidrs,
+            service_cidrs,
             feature_gates: None,
             // About 10 s on an idle machine; much more while the suite builds beside it.
             ready_timeout: Duration::from_secs(120),
         }
+    }
+
+    /// Whether the Service CIDRs hold both families.
+    pub fn dual_stack(&self) -> bool {
+        self.service_cidrs.iter().any(|c| matches!(c, IpNet::V4(_)))
+            && self.service_cidrs.iter().any(|c| matches!(c, IpNet::V6(_)))
+    }
+}
+
+impl Default for ControlPlaneOptions {
+    fn default() -> Self {
+        Self::new(ClusterFamilies::default())
     }
 }
 
@@ -136,6 +182,14 @@ pub fn feature_gates_for(minor: u32) -> Vec<&'static str> {
     gates
 }
 
+/// The gate a dual-stack cluster needs in the API server and the controller-manager on
+/// Kubernetes `1.minor`: `IPv6DualStack` until it is GA in 1.23 (beta and on by default in
+/// 1.21 and 1.22, where k3s's and upstream's dual-stack instructions still name it). Never
+/// named from 1.23 on: locked there, and gone from 1.25 (a removed gate stops the server).
+pub fn dual_stack_gate_for(minor: u32) -> Option<&'static str> {
+    (minor <= 22).then_some("IPv6DualStack=true")
+}
+
 /// `major.minor` of the k3s binary.
 pub fn k3s_version(k3s: &Path) -> Result<(u32, u32)> {
     let mut cmd = Command::new(k3s);
@@ -147,8 +201,8 @@ pub fn k3s_version(k3s: &Path) -> Result<(u32, u32)> {
     })
 }
 
-/// The `k3s server` arguments for a run directory.
-fn server_args(dir: &Path, options: &ControlPlaneOptions, feature_gates: &str) -> Vec<String> {
+/// The `k3s server` arguments for a run directory and the binary's Kubernetes `1.minor`.
+fn server_args(dir: &Path, options: &ControlPlaneOptions, minor: u32) -> Vec<String> {
     let data = dir.join("data");
     let mut args: Vec<String> = [
         "server",
@@ -156,6 +210,8 @@ fn server_args(dir: &Path, options: &ControlPlaneOptions, feature_gates: &str) -
         "--disable=traefik,servicelb,metrics-server,local-storage,coredns",
         "--disable-cloud-controller",
         "--disable-network-policy",
+        // No agent, so no flannel; k3s v1.21 also refuses dual-stack CIDRs unless it is off.
+        "--flannel-backend=none",
         "--bind-address=127.0.0.1",
         "--advertise-address=127.0.0.1",
         "--node-ip=127.0.0.1",
@@ -167,20 +223,48 @@ fn server_args(dir: &Path, options: &ControlPlaneOptions, feature_gates: &str) -
         format!("--https-listen-port={API_PORT}"),
         format!("--data-dir={}", data.display()),
         format!("--write-kubeconfig={}", k3s_kubeconfig(dir).display()),
-        format!("--cluster-cidr={}", options.cluster_cidr),
-        format!("--service-cidr={}", options.service_cidr),
+        format!("--cluster-cidr={}", cidr_list(&options.cluster_cidrs)),
+        format!("--service-cidr={}", cidr_list(&options.service_cidrs)),
         // Its default is under /usr/libexec, which it would create on the host.
         format!(
             "--kube-controller-manager-arg=flex-volume-plugin-dir={}",
             data.join("flexvolume").display()
         ),
     ]);
-    if !feature_gates.is_empty() {
+    let dual_stack_gate = options
+        .dual_stack()
+        .then(|| dual_stack_gate_for(minor))
+        .flatten();
+    let suite_gates = options
+        .feature_gates
+        .clone()
+        .unwrap_or_else(|| feature_gates_for(minor).join(","));
+    let api_gates: Vec<&str> = [suite_gates.as_str()]
+        .into_iter()
+        .chain(dual_stack_gate)
+        .filter(|gates| !gates.is_empty())
+        .collect();
+    if !api_gates.is_empty() {
         args.push(format!(
-            "--kube-apiserver-arg=feature-gates={feature_gates}"
+            "--kube-apiserver-arg=feature-gates={}",
+            api_gates.join(",")
+        ));
+    }
+    if let Some(gate) = dual_stack_gate {
+        args.push(format!(
+            "--kube-controller-manager-arg=feature-gates={gate}"
         ));
     }
     args
+}
+
+/// CIDRs as a flag value: comma-separated, in order.
+pub fn cidr_list(cidrs: &[IpNet]) -> String {
+    cidrs
+        .iter()
+        .map(IpNet::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// The kubeconfig k3s writes: it names 127.0.0.1:6443 inside the k3s namespace.
@@ -191,7 +275,7 @@ fn k3s_kubeconfig(dir: &Path) -> PathBuf {
 /// A running k3s control plane.
 #[derive(Debug)]
 pub struct ControlPlane {
-    netns: Netns,
+    netns: OwnedNetns,
     dir: PathBuf,
     kubeconfig: PathBuf,
     log: PathBuf,
@@ -223,7 +307,7 @@ impl ControlPlane {
             return Err(e);
         }
         tracing::info!(
-            netns = %plane.netns.name(),
+            netns = %plane.netns.netns().name(),
             api = %plane.api,
             version = ?plane.version,
             elapsed = ?started.elapsed(),
@@ -236,16 +320,12 @@ impl ControlPlane {
     fn launch(k3s: &Path, options: &ControlPlaneOptions) -> Result<Self> {
         remove_stale();
         let version = k3s_version(k3s)?;
-        let feature_gates = options
-            .feature_gates
-            .clone()
-            .unwrap_or_else(|| feature_gates_for(version.1).join(","));
-        let name = format!("{}-k3s", RunPrefix::next_for_this_process());
-        let dir = std::env::temp_dir().join(&name);
+        let netns = OwnedNetns::create("k3s")?;
+        let dir = std::env::temp_dir().join(netns.netns().name());
         std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
         // From here on drop cleans up whatever part exists.
         let mut plane = Self {
-            netns: Netns::attach(&name),
+            netns,
             kubeconfig: dir.join("kubeconfig.yaml"),
             log: dir.join("k3s.log"),
             dir,
@@ -255,20 +335,14 @@ impl ControlPlane {
             relay: None,
             stopped: false,
         };
-        let mut add = Command::new("ip");
-        add.args(["netns", "add", &name]);
-        run_checked(add)?;
-        plane
-            .netns
-            .exec_checked(["ip", "link", "set", "lo", "up"])?;
-        plane.spawn_k3s(k3s, options, &feature_gates)?;
+        plane.spawn_k3s(k3s, options)?;
         let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
             .map_err(io("binding the API relay on 127.0.0.1".into()))?;
         plane.api = listener
             .local_addr()
             .map_err(io("reading the API relay's address".into()))?;
         plane.relay = Some(RelayThread::start(
-            &plane.netns,
+            plane.netns.netns(),
             listener,
             SocketAddr::from((Ipv4Addr::LOCALHOST, API_PORT)),
         )?);
@@ -277,12 +351,7 @@ impl ControlPlane {
 
     /// `ip netns exec NS sh -c 'mount overlay on /etc; exec k3s server …'`, in its own
     /// process group, logging to the run directory.
-    fn spawn_k3s(
-        &mut self,
-        k3s: &Path,
-        options: &ControlPlaneOptions,
-        feature_gates: &str,
-    ) -> Result<()> {
+    fn spawn_k3s(&mut self, k3s: &Path, options: &ControlPlaneOptions) -> Result<()> {
         let upper = self.dir.join("etc-upper");
         let work = self.dir.join("etc-work");
         for d in [&upper, &work] {
@@ -293,7 +362,7 @@ impl ControlPlane {
         let log_err = log
             .try_clone()
             .map_err(io(format!("opening {}", self.log.display())))?;
-        let mut cmd = self.netns.command("sh");
+        let mut cmd = self.netns.netns().command("sh");
         cmd.arg("-c")
             .arg(
                 "mount -t overlay overlay -o \"lowerdir=/etc,upperdir=$1,workdir=$2\" /etc \
@@ -303,7 +372,7 @@ impl ControlPlane {
             .arg(&upper)
             .arg(&work)
             .arg(k3s)
-            .args(server_args(&self.dir, options, feature_gates))
+            .args(server_args(&self.dir, options, self.version.1))
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log_err));
@@ -354,12 +423,7 @@ impl ControlPlane {
             write_relayed_kubeconfig(&original, &self.kubeconfig, self.api)
                 .map_err(|e| e.to_string())?;
         }
-        let kubeconfig = Kubeconfig::read_from(&self.kubeconfig).map_err(|e| e.to_string())?;
-        let config =
-            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-                .await
-                .map_err(|e| e.to_string())?;
-        let client = kube::Client::try_from(config).map_err(|e| e.to_string())?;
+        let client = self.client().await.map_err(|e| e.to_string())?;
         let request = kube::core::Request::new("")
             .get("readyz", &kube::core::params::GetParams::default())
             .map_err(|e| e.to_string())?;
@@ -381,6 +445,20 @@ impl ControlPlane {
         }
     }
 
+    /// A cluster-admin client of the API server, through the relay.
+    pub async fn client(&self) -> Result<kube::Client> {
+        let bad = |reason: String| ControlPlaneError::Kubeconfig {
+            path: self.kubeconfig.display().to_string(),
+            reason,
+        };
+        let kubeconfig = Kubeconfig::read_from(&self.kubeconfig).map_err(|e| bad(e.to_string()))?;
+        let config =
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .map_err(|e| bad(e.to_string()))?;
+        kube::Client::try_from(config).map_err(|e| bad(e.to_string()))
+    }
+
     /// A kubeconfig (cluster-admin) for the API server, as reached through the relay.
     pub fn kubeconfig(&self) -> &Path {
         &self.kubeconfig
@@ -398,7 +476,7 @@ impl ControlPlane {
 
     /// The network namespace k3s runs in.
     pub fn netns(&self) -> &Netns {
-        &self.netns
+        self.netns.netns()
     }
 
     /// k3s's log file (removed with the run directory on stop).
@@ -430,7 +508,7 @@ impl ControlPlane {
         if let Some(child) = self.k3s.take() {
             stop_child(child);
         }
-        remove_netns(self.netns.name());
+        self.netns.remove();
         if let Err(e) = std::fs::remove_dir_all(&self.dir)
             && e.kind() != std::io::ErrorKind::NotFound
         {
@@ -478,23 +556,66 @@ fn stop_child(mut child: Child) {
     }
 }
 
-/// Kills every process left in `netns` (only this run's: the namespace is ours) and
-/// deletes it. Best effort: a namespace that is already gone is not an error.
-fn remove_netns(netns: &str) {
-    let mut pids = Command::new("ip");
-    pids.args(["netns", "pids", netns]);
-    if let Ok(out) = run_checked(pids) {
-        for pid in out.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
-            tracing::warn!(netns, pid, "killing a process left in the k3s namespace");
-            if let Err(e) = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL) {
-                tracing::debug!(netns, pid, error = %e, "kill");
+/// A network namespace made by this process, `tdm<pid>x<seq>-<role>` (netlab's scheme, so a
+/// later run removes it should this process die first), with `lo` up. Dropping it kills
+/// whatever runs inside and deletes it.
+#[derive(Debug)]
+pub struct OwnedNetns {
+    netns: Netns,
+    removed: bool,
+}
+
+impl OwnedNetns {
+    /// `ip netns add tdm<pid>x<seq>-<role>`, then `lo` up.
+    pub fn create(role: &str) -> Result<Self> {
+        let name = format!("{}-{role}", RunPrefix::next_for_this_process());
+        let mut add = Command::new("ip");
+        add.args(["netns", "add", &name]);
+        run_checked(add)?;
+        // From here on drop deletes it.
+        let owned = Self {
+            netns: Netns::attach(name),
+            removed: false,
+        };
+        owned
+            .netns
+            .exec_checked(["ip", "link", "set", "lo", "up"])?;
+        Ok(owned)
+    }
+
+    pub fn netns(&self) -> &Netns {
+        &self.netns
+    }
+
+    /// Kills every process left inside (only this run's: the namespace is ours) and deletes
+    /// the namespace, with every rule and socket in it. Best effort; done once (also on
+    /// drop).
+    pub fn remove(&mut self) {
+        if std::mem::replace(&mut self.removed, true) {
+            return;
+        }
+        let netns = self.netns.name();
+        let mut pids = Command::new("ip");
+        pids.args(["netns", "pids", netns]);
+        if let Ok(out) = run_checked(pids) {
+            for pid in out.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+                tracing::warn!(netns, pid, "killing a process left in the namespace");
+                if let Err(e) = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL) {
+                    tracing::debug!(netns, pid, error = %e, "kill");
+                }
             }
         }
+        let mut del = Command::new("ip");
+        del.args(["netns", "delete", netns]);
+        if let Err(e) = run_checked(del) {
+            tracing::debug!(netns, error = %e, "netns delete");
+        }
     }
-    let mut del = Command::new("ip");
-    del.args(["netns", "delete", netns]);
-    if let Err(e) = run_checked(del) {
-        tracing::debug!(netns, error = %e, "netns delete");
+}
+
+impl Drop for OwnedNetns {
+    fn drop(&mut self) {
+        self.remove();
     }
 }
 
@@ -732,10 +853,19 @@ mod tests {
         assert!(feature_gates_for(34).is_empty());
     }
 
+    /// Whether `args` holds exactly `wanted`.
+    fn has(args: &[String], wanted: &str) -> bool {
+        args.iter().any(|a| a == wanted)
+    }
+
     #[test]
     fn server_args_keep_everything_in_the_run_directory() {
         let dir = Path::new("/tmp/tdm1x1-k3s");
-        let args = server_args(dir, &ControlPlaneOptions::default(), "A=true");
+        let options = ControlPlaneOptions {
+            feature_gates: Some("A=true".into()),
+            ..ControlPlaneOptions::default()
+        };
+        let args = server_args(dir, &options, 21);
         assert_eq!(args[..2], ["server", "--disable-agent"]);
         for wanted in [
             "--data-dir=/tmp/tdm1x1-k3s/data",
@@ -745,16 +875,74 @@ mod tests {
             "--kube-controller-manager-arg=flex-volume-plugin-dir=/tmp/tdm1x1-k3s/data/flexvolume",
             "--kube-apiserver-arg=feature-gates=A=true",
         ] {
-            assert!(
-                args.iter().any(|a| a == wanted),
-                "{wanted} missing: {args:?}"
-            );
+            assert!(has(&args, wanted), "{wanted} missing: {args:?}");
         }
-        let none = server_args(dir, &ControlPlaneOptions::default(), "");
+        let none = ControlPlaneOptions {
+            feature_gates: Some(String::new()),
+            ..ControlPlaneOptions::default()
+        };
+        let none = server_args(dir, &none, 21);
         assert!(
             !none.iter().any(|a| a.contains("feature-gates")),
             "{none:?}"
         );
+    }
+
+    #[test]
+    fn the_suites_gates_follow_the_version() {
+        let dir = Path::new("/tmp/tdm1x1-k3s");
+        let options = ControlPlaneOptions::default();
+        assert!(!options.dual_stack());
+        let args = server_args(dir, &options, 21);
+        assert!(has(
+            &args,
+            "--kube-apiserver-arg=feature-gates=ServiceLoadBalancerClass=true,\
+             ServiceLBNodePortControl=true,MixedProtocolLBService=true"
+        ));
+        assert!(
+            !args.iter().any(|a| a.contains("IPv6DualStack")),
+            "{args:?}"
+        );
+        let args = server_args(dir, &options, 24);
+        assert!(
+            !args.iter().any(|a| a.contains("feature-gates")),
+            "{args:?}"
+        );
+    }
+
+    #[test]
+    fn a_dual_stack_cluster_has_a_cidr_per_family_and_the_gate_where_it_exists() {
+        let dir = Path::new("/tmp/tdm1x1-k3s");
+        let dual = ControlPlaneOptions::new(ClusterFamilies::Dual);
+        assert!(dual.dual_stack());
+        let args = server_args(dir, &dual, 21);
+        for wanted in [
+            "--cluster-cidr=10.244.0.0/16,fd00:10:244::/56",
+            "--service-cidr=10.96.0.0/16,fd00:10:96::/112",
+            "--flannel-backend=none",
+            "--kube-apiserver-arg=feature-gates=ServiceLoadBalancerClass=true,\
+             ServiceLBNodePortControl=true,MixedProtocolLBService=true,IPv6DualStack=true",
+            "--kube-controller-manager-arg=feature-gates=IPv6DualStack=true",
+        ] {
+            assert!(has(&args, wanted), "{wanted} missing: {args:?}");
+        }
+        // Given gates replace the suite's, never the cluster's.
+        let given = ControlPlaneOptions {
+            feature_gates: Some(String::new()),
+            ..dual.clone()
+        };
+        assert!(has(
+            &server_args(dir, &given, 22),
+            "--kube-apiserver-arg=feature-gates=IPv6DualStack=true"
+        ));
+        for minor in [23, 25, 34] {
+            let args = server_args(dir, &dual, minor);
+            assert!(
+                !args.iter().any(|a| a.contains("IPv6DualStack")),
+                "{args:?}"
+            );
+            assert!(has(&args, "--service-cidr=10.96.0.0/16,fd00:10:96::/112"));
+        }
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use tandem_k3s::K3S_ENV;
-use tandem_k3s::control_plane::{ControlPlane, ControlPlaneOptions};
+use tandem_k3s::control_plane::{ClusterFamilies, ControlPlane, ControlPlaneOptions, cidr_list};
 use tokio::signal::unix::{SignalKind, signal};
 
 /// The variable the end-to-end suites read a real API server's kubeconfig from.
@@ -45,9 +45,13 @@ struct ControlPlaneArgs {
     #[arg(long, env = "TANDEM_K3S_READY_TIMEOUT", default_value_t = 120)]
     ready_timeout: u64,
     /// The API server's --feature-gates; default: the gates the suites need on the
-    /// binary's Kubernetes version.
+    /// binary's Kubernetes version (a dual-stack cluster's gate is added either way).
     #[arg(long, env = "TANDEM_K3S_FEATURE_GATES")]
     feature_gates: Option<String>,
+    /// The cluster's IP families: `dual` adds an IPv6 cluster CIDR and Service CIDR to the
+    /// IPv4 ones, IPv4 staying primary (the ready message names the Service CIDRs).
+    #[arg(long, env = "TANDEM_K3S_IP_FAMILY", value_enum, default_value_t)]
+    ip_family: ClusterFamilies,
     /// The command to run against the control plane; without one, keep it up until
     /// interrupted.
     #[arg(last = true)]
@@ -107,7 +111,7 @@ async fn control_plane(args: ControlPlaneArgs) -> Result<ExitCode> {
     let options = ControlPlaneOptions {
         ready_timeout: Duration::from_secs(args.ready_timeout),
         feature_gates: args.feature_gates,
-        ..ControlPlaneOptions::default()
+        ..ControlPlaneOptions::new(args.ip_family)
     };
     let mut interrupt = signal(SignalKind::interrupt()).context("handling SIGINT")?;
     let mut terminate = signal(SignalKind::terminate()).context("handling SIGTERM")?;
@@ -121,10 +125,12 @@ async fn control_plane(args: ControlPlaneArgs) -> Result<ExitCode> {
     };
     let (major, minor) = plane.version();
     eprintln!(
-        "tandem-k3s: k3s v{major}.{minor} control plane ready in {:.1}s at https://{} (namespace {})",
+        "tandem-k3s: k3s v{major}.{minor} control plane ready in {:.1}s at https://{} \
+         (namespace {}, service CIDRs {})",
         started.elapsed().as_secs_f64(),
         plane.api_addr(),
-        plane.netns().name()
+        plane.netns().name(),
+        cidr_list(&options.service_cidrs)
     );
     let ended = if args.command.is_empty() {
         println!("export KUBECONFIG={}", plane.kubeconfig().display());
@@ -230,6 +236,18 @@ mod tests {
         .unwrap();
         let Command::ControlPlane(args) = cli.command;
         assert_eq!(args.k3s.as_deref(), Some(std::path::Path::new("/opt/k3s")));
+        assert_eq!(args.ip_family, ClusterFamilies::Ipv4);
         assert_eq!(args.command, ["cargo", "test", "--", "--test-threads=1"]);
+    }
+
+    #[test]
+    fn the_ip_family_picks_a_dual_stack_cluster() {
+        let cli =
+            Cli::try_parse_from(["tandem-k3s", "control-plane", "--ip-family", "dual"]).unwrap();
+        let Command::ControlPlane(args) = cli.command;
+        assert_eq!(args.ip_family, ClusterFamilies::Dual);
+        assert!(
+            Cli::try_parse_from(["tandem-k3s", "control-plane", "--ip-family", "ipv5"]).is_err()
+        );
     }
 }
