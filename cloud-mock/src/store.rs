@@ -342,13 +342,22 @@ impl Store {
             let mut vips = Vec::with_capacity(placement.vips.len());
             for wanted in &placement.vips {
                 let cidr = self.cidr(pool, wanted.family)?;
-                // No address asked for: the current one stays if it still fits the pool.
-                let requested = wanted.requested.or_else(|| {
-                    current_vips
-                        .iter()
-                        .copied()
-                        .find(|&vip| vip_in_pool(vip, cidr))
-                });
+                // No address asked for: the current one stays while it fits the pool and
+                // the LB may still hold it. A sharing key removed or changed while others
+                // share the address may not: the LB moves, as MetalLB re-allocates.
+                let requested = match wanted.requested {
+                    Some(vip) => Some(vip),
+                    None => {
+                        let mut kept = None;
+                        for &vip in current_vips.iter().filter(|&&vip| vip_in_pool(vip, cidr)) {
+                            if may_share(&lbs, vip, &holders.get(vip)?, id, spec)? {
+                                kept = Some(vip);
+                                break;
+                            }
+                        }
+                        kept
+                    }
+                };
                 vips.push(place(&lbs, &holders, id, spec, pool, cidr, requested)?);
             }
             let desired = assigned(spec, &vips, pool);
@@ -503,15 +512,8 @@ where
             if sharers.sharing_key != spec.address.sharing_key {
                 continue;
             }
-            // A refusal means "look further"; a database or decoding error is no answer.
-            match check_sharing(lbs, vip, &sharers, id, spec) {
-                Ok(()) => return Ok(vip),
-                Err(
-                    StoreError::VipTaken { .. }
-                    | StoreError::PortConflict { .. }
-                    | StoreError::SharingModeMismatch { .. },
-                ) => {}
-                Err(err) => return Err(err),
+            if may_share(lbs, vip, &sharers, id, spec)? {
+                return Ok(vip);
             }
         }
     }
@@ -521,6 +523,26 @@ where
             cidr,
         }
     })
+}
+
+/// [`check_sharing`] as a yes or no: a refusal means "look elsewhere", while a database
+/// or decoding error is no answer.
+fn may_share(
+    lbs: &impl ReadableTable<&'static str, &'static [u8]>,
+    vip: IpAddr,
+    sharers: &VipHolders,
+    id: &str,
+    spec: &LoadBalancerSpec,
+) -> Result<bool, StoreError> {
+    match check_sharing(lbs, vip, sharers, id, spec) {
+        Ok(()) => Ok(true),
+        Err(
+            StoreError::VipTaken { .. }
+            | StoreError::PortConflict { .. }
+            | StoreError::SharingModeMismatch { .. },
+        ) => Ok(false),
+        Err(err) => Err(err),
+    }
 }
 
 /// Whether `id` with `spec` may hold `vip` beside `sharers`: nobody else holds it, or
@@ -959,6 +981,37 @@ mod tests {
                 .vip,
             web.spec.vip
         );
+    }
+
+    #[test]
+    fn a_sharer_whose_key_goes_or_changes_moves_and_a_lone_holder_stays() {
+        let dir = TempDir::new("store-share-rekey");
+        let store = open(&dir);
+        let web = create(&store, &sharer("web", "k", &[80]), None)
+            .unwrap()
+            .load_balancer;
+        let dns = create(&store, &sharer("dns", "k", &[53]), None)
+            .unwrap()
+            .load_balancer;
+        assert_eq!(dns.spec.vip, web.spec.vip);
+
+        // The key removed while web still shares: dns gets a fresh address.
+        let mut unkeyed = sharer("dns", "k", &[53]);
+        unkeyed.address.sharing_key = None;
+        let moved = update(&store, &dns.id, &unkeyed, dns.version).unwrap();
+        assert_ne!(moved.spec.vip, web.spec.vip);
+
+        // Another key: it moves again only if someone else holds its address under
+        // another key; alone on its address, it keeps it.
+        let rekeyed = update(&store, &dns.id, &sharer("dns", "j", &[53]), moved.version).unwrap();
+        assert_eq!(
+            rekeyed.spec.vip, moved.spec.vip,
+            "a lone holder keeps its address"
+        );
+
+        // web changes its key while alone on its address: it stays there too.
+        let web_rekeyed = update(&store, &web.id, &sharer("web", "j", &[80]), web.version).unwrap();
+        assert_eq!(web_rekeyed.spec.vip, web.spec.vip);
     }
 
     #[test]
