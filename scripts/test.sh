@@ -92,7 +92,9 @@ if [ -n "${TANDEM_K3S:-}" ]; then
     k3s=target/debug/tandem-k3s
     # This lab test starts its own stand-in, so the real server would add nothing to it.
     own_stand_in=the_lab_runs_against_an_api_server_outside_it_through_the_relay
-    step "real cluster: controller end to end" "$k3s" control-plane -- \
+    # Dual-stack, so the controller's IPv6 and dual-stack Services meet a real server too
+    # (every other Service there is single-stack IPv4, as on any cluster).
+    step "real cluster: controller end to end, dual-stack" "$k3s" control-plane --ip-family dual -- \
         cargo test -p tandem-controller --locked --test e2e
     step "real cluster: lab end to end" "$k3s" control-plane -- \
         cargo test -p tandem-lab --locked --test e2e -- --skip "$own_stand_in"
