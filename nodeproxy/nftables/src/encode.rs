@@ -40,6 +40,12 @@ const NFT_MSG_NEWSET: u16 = 9;
 const NFT_MSG_DELSET: u16 = 11;
 const NFT_MSG_NEWSETELEM: u16 = 12;
 const NFT_MSG_DELSETELEM: u16 = 14;
+/// Dump requests: the message types that read chains, rules, sets and elements.
+pub(crate) const NFT_MSG_GETCHAIN: u16 = 4;
+pub(crate) const NFT_MSG_GETRULE: u16 = 7;
+pub(crate) const NFT_MSG_GETSET: u16 = 10;
+pub(crate) const NFT_MSG_GETSETELEM: u16 = 13;
+const NLM_F_DUMP: u16 = 0x300;
 
 // Attributes of tables, chains, rules, sets and element lists.
 const NFTA_TABLE_NAME: u16 = 1;
@@ -318,10 +324,25 @@ pub fn batch(tx: &Transaction, first_seq: u32) -> Result<Batch, EncodeError> {
     })
 }
 
+/// A dump request for `kind` (one of the `NFT_MSG_GET…` types) in family `ip`, with the
+/// attributes `body` writes (the table, and a chain or set to narrow it to).
+pub(crate) fn dump_request(kind: u16, seq: u32, body: impl FnOnce(&mut Writer)) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.message(
+        (NFNL_SUBSYS_NFTABLES << 8) | kind,
+        NLM_F_REQUEST | NLM_F_DUMP,
+        seq,
+        NFPROTO_IPV4,
+        0,
+        body,
+    );
+    w.buf
+}
+
 /// A netlink byte buffer with nested attributes.
 #[derive(Default)]
-struct Writer {
-    buf: Vec<u8>,
+pub(crate) struct Writer {
+    pub(crate) buf: Vec<u8>,
     /// Set when an attribute outgrew its 16-bit length.
     overflow: bool,
 }
@@ -346,7 +367,7 @@ impl Writer {
         self.attr(kind, &value.to_be_bytes());
     }
 
-    fn string(&mut self, kind: u16, value: &str) {
+    pub(crate) fn string(&mut self, kind: u16, value: &str) {
         let mut bytes = Vec::with_capacity(value.len() + 1);
         bytes.extend_from_slice(value.as_bytes());
         bytes.push(0);
@@ -470,23 +491,13 @@ impl Encoder {
                 w.string(NFTA_CHAIN_NAME, name);
             }),
             Op::AddRule { chain, rule } => {
-                let set_ids = &self.set_ids;
-                let mut expressions = Writer::default();
-                rule_expressions(&mut expressions, rule, set_ids);
+                let mut body = Writer::default();
+                rule_body(&mut body, rule, &self.set_ids);
                 self.message(index, NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, |w| {
                     w.string(NFTA_RULE_TABLE, TABLE);
                     w.string(NFTA_RULE_CHAIN, chain);
-                    w.nest(NFTA_RULE_EXPRESSIONS, |w| {
-                        w.buf.extend_from_slice(&expressions.buf);
-                        w.overflow |= expressions.overflow;
-                    });
-                    if let Some(comment) = &rule.comment {
-                        // A user-data TLV holds at most 255 bytes (NUL included).
-                        w.overflow |= comment.len() >= usize::from(u8::MAX);
-                        let mut udata = Vec::new();
-                        udata_string(&mut udata, NFTNL_UDATA_RULE_COMMENT, comment);
-                        w.attr(NFTA_RULE_USERDATA, &udata);
-                    }
+                    w.buf.extend_from_slice(&body.buf);
+                    w.overflow |= body.overflow;
                 })
             }
             Op::AddSet { name, spec } => {
@@ -512,6 +523,10 @@ impl Encoder {
                     .collect();
                 self.element_messages(index, NFT_MSG_NEWSETELEM, NLM_F_CREATE, set, id, &encoded);
             }
+            Op::FlushSet(name) => self.message(index, NFT_MSG_DELSETELEM, 0, |w| {
+                w.string(NFTA_SET_ELEM_LIST_TABLE, TABLE);
+                w.string(NFTA_SET_ELEM_LIST_SET, name);
+            }),
             Op::DeleteElements { set, keys } => {
                 let encoded: Vec<Vec<u8>> =
                     keys.iter().flat_map(|key| element(key, None)).collect();
@@ -558,6 +573,57 @@ impl Encoder {
                 });
             });
         }
+    }
+}
+
+/// A rule's attributes after its table and chain: its expressions and its comment.
+fn rule_body(w: &mut Writer, rule: &Rule, set_ids: &BTreeMap<String, u32>) {
+    w.nest(NFTA_RULE_EXPRESSIONS, |w| {
+        rule_expressions(w, rule, set_ids)
+    });
+    if let Some(comment) = &rule.comment {
+        // A user-data TLV holds at most 255 bytes (NUL included).
+        w.overflow |= comment.len() >= usize::from(u8::MAX);
+        let mut udata = Vec::new();
+        udata_string(&mut udata, NFTNL_UDATA_RULE_COMMENT, comment);
+        w.attr(NFTA_RULE_USERDATA, &udata);
+    }
+}
+
+/// The attributes of the messages that create what the model describes, as the kernel
+/// reads them: what [`crate::digest`] compares with what the kernel lists.
+pub(crate) mod attributes {
+    use std::collections::BTreeMap;
+
+    use super::{Writer, base_chain, rule_body, set_declaration};
+    use crate::model::{BaseChain, Key, Rule, SetSpec, Value};
+
+    /// A chain's hook, type and policy (none for a regular chain).
+    pub(crate) fn chain(base: Option<&BaseChain>) -> Vec<u8> {
+        let mut w = Writer::default();
+        if let Some(base) = base {
+            base_chain(&mut w, base);
+        }
+        w.buf
+    }
+
+    /// A rule's expressions and comment; the sets it names are not declared alongside.
+    pub(crate) fn rule(rule: &Rule) -> Vec<u8> {
+        let mut w = Writer::default();
+        rule_body(&mut w, rule, &BTreeMap::new());
+        w.buf
+    }
+
+    /// A set's declaration.
+    pub(crate) fn set(name: &str, spec: SetSpec) -> Vec<u8> {
+        let mut w = Writer::default();
+        set_declaration(&mut w, name, spec, 0);
+        w.buf
+    }
+
+    /// The entries of one element (two for a run of buckets).
+    pub(crate) fn element(key: &Key, value: &Value) -> Vec<Vec<u8>> {
+        super::element(key, Some(value))
     }
 }
 

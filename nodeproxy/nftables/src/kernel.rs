@@ -9,17 +9,35 @@
 //! the send returns, so an empty answer queue means committed, as `nft` relies on too.
 //! (An ACK of the batch end would confirm it only on kernels from 6.10 on.)
 
+use std::collections::BTreeMap;
 use std::io::{self, IoSlice};
 use std::os::fd::{AsFd, AsRawFd};
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 use nix::sys::socket::{MsgFlags, NetlinkAddr, sendmsg, setsockopt, sockopt};
 
+use crate::digest::{self, ChainDigest, SetDigest, TableDigest};
 use crate::encode::{self, Batch, EncodeError};
 use crate::render;
 use crate::transaction::Transaction;
 
 const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+/// The answer to a dump of a table that does not exist.
+const ENOENT: i32 = 2;
+/// Set on the messages of a dump during which the ruleset changed.
+const NLM_F_DUMP_INTR: u16 = 0x10;
+/// The nfgenmsg header after each netlink header.
+const NFGENMSG_LEN: usize = 4;
+/// How often a dump the ruleset changed under is tried again before giving up.
+const DUMP_ATTEMPTS: usize = 3;
+// Attributes of dump requests.
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_SET_TABLE: u16 = 1;
+const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
+const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NLM_F_CAPPED: u16 = 0x100;
 const NLM_F_ACK_TLVS: u16 = 0x200;
 const NLMSGERR_ATTR_MSG: u16 = 1;
@@ -68,6 +86,11 @@ pub enum KernelError {
         errno: io::Error,
         message: Option<String>,
     },
+    #[error("listing {what}: {errno}")]
+    Dump { what: String, errno: io::Error },
+    /// The ruleset kept changing while it was listed.
+    #[error("listing {what}: the ruleset changed {DUMP_ATTEMPTS} times while it was read")]
+    Interrupted { what: String },
 }
 
 fn detail(message: &Option<String>) -> String {
@@ -201,6 +224,202 @@ impl Netlink {
         first_error.map_or(Ok(()), Err)
     }
 }
+
+impl Netlink {
+    /// What table `ip TABLE` holds (`ip tandem`, or one of iptables-nft's tables such as
+    /// `ip nat`), as digests; an absent table reads as empty. With `elements`, also its
+    /// sets' elements (not those packets fill). A dump that the ruleset changed under is
+    /// read again, a few times.
+    pub fn read_table(&mut self, table: &str, elements: bool) -> Result<TableDigest, KernelError> {
+        match self.read_existing_table(table, elements) {
+            Err(error) if is_absent(&error) => Ok(TableDigest::default()),
+            read => read,
+        }
+    }
+
+    fn read_existing_table(
+        &mut self,
+        table: &str,
+        elements: bool,
+    ) -> Result<TableDigest, KernelError> {
+        let chains = self.read_chains(table)?;
+        // One dump per chain: the kernel resumes a dump of a whole table by walking it
+        // from the start again, so that dump costs the square of the rules (7 s for the
+        // 100,000 rules of 2,700 iptables-nft Services, against 0.7 s chain by chain).
+        let rules = self.read_rules(table, chains.keys().map(String::as_str))?;
+        let mut digest = TableDigest::default();
+        for ((name, declaration), (_, rules)) in chains.iter().zip(rules) {
+            digest.chains.insert(
+                name.clone(),
+                ChainDigest {
+                    declaration: *declaration,
+                    rules,
+                },
+            );
+        }
+        let mut sets = Vec::new();
+        self.dump_retried(
+            encode::NFT_MSG_GETSET,
+            table,
+            |w| w.string(NFTA_SET_TABLE, table),
+            |message| {
+                sets.extend(digest::listed_set(message, table));
+            },
+        )?;
+        for (name, declaration, dynamic) in sets {
+            let mut set = SetDigest {
+                declaration,
+                ..SetDigest::default()
+            };
+            if elements && !dynamic {
+                let what = format!("{table} set {name}");
+                self.dump_retried(
+                    encode::NFT_MSG_GETSETELEM,
+                    &what,
+                    |w| {
+                        w.string(NFTA_SET_ELEM_LIST_TABLE, table);
+                        w.string(NFTA_SET_ELEM_LIST_SET, &name);
+                    },
+                    |message| {
+                        for entry in digest::listed_elements(message) {
+                            set.add_element(entry);
+                        }
+                    },
+                )?;
+            }
+            digest.sets.insert(name, set);
+        }
+        Ok(digest)
+    }
+
+    /// The chains of table `ip TABLE`, each with the digest of its declaration (the kernel
+    /// dumps the chains of every table: the others are left out here).
+    pub fn read_chains(&mut self, table: &str) -> Result<BTreeMap<String, u64>, KernelError> {
+        let mut chains = BTreeMap::new();
+        let listed = self.dump_retried(
+            encode::NFT_MSG_GETCHAIN,
+            table,
+            |w| w.string(NFTA_CHAIN_TABLE, table),
+            |message| chains.extend(digest::listed_chain(message, table)),
+        );
+        match listed {
+            Err(error) if is_absent(&error) => Ok(BTreeMap::new()),
+            listed => listed.map(|()| chains),
+        }
+    }
+
+    /// The rules of the given chains of table `ip TABLE`, one small dump per chain (a
+    /// chain that does not exist reads as empty).
+    pub fn read_rules<'a>(
+        &mut self,
+        table: &str,
+        chains: impl IntoIterator<Item = &'a str>,
+    ) -> Result<Vec<(&'a str, Vec<u64>)>, KernelError> {
+        chains
+            .into_iter()
+            .map(|chain| {
+                let mut rules = Vec::new();
+                self.dump_retried(
+                    encode::NFT_MSG_GETRULE,
+                    chain,
+                    |w| {
+                        w.string(NFTA_RULE_TABLE, table);
+                        w.string(NFTA_RULE_CHAIN, chain);
+                    },
+                    |message| rules.extend(digest::listed_rule(message).map(|(_, r)| r)),
+                )?;
+                Ok((chain, rules))
+            })
+            .collect()
+    }
+
+    /// [`Netlink::dump`], again from the start while the ruleset changes under it.
+    fn dump_retried(
+        &mut self,
+        kind: u16,
+        what: &str,
+        request: impl Fn(&mut encode::Writer),
+        mut each: impl FnMut(&[u8]),
+    ) -> Result<(), KernelError> {
+        // Messages of an interrupted attempt are kept until the dump completes whole.
+        for _ in 0..DUMP_ATTEMPTS {
+            let mut messages: Vec<Vec<u8>> = Vec::new();
+            if self.dump(kind, what, &request, |m| messages.push(m.to_vec()))? {
+                messages.iter().for_each(|m| each(m));
+                return Ok(());
+            }
+        }
+        Err(KernelError::Interrupted {
+            what: what.to_owned(),
+        })
+    }
+
+    /// Sends one dump request and hands the attributes of each message of the answer to
+    /// `each`. Returns false when the ruleset changed during the dump (the answer may have
+    /// skipped or repeated objects).
+    fn dump(
+        &mut self,
+        kind: u16,
+        what: &str,
+        request: &impl Fn(&mut encode::Writer),
+        mut each: impl FnMut(&[u8]),
+    ) -> Result<bool, KernelError> {
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1);
+        let message = encode::dump_request(kind, seq, request);
+        self.socket
+            .send(&message, 0)
+            .map_err(|source| KernelError::Send {
+                bytes: message.len(),
+                source,
+            })?;
+        let mut consistent = true;
+        let mut buf: Vec<u8> = Vec::with_capacity(DUMP_BUFFER_BYTES);
+        loop {
+            buf.clear();
+            self.socket
+                .recv(&mut buf, 0)
+                .map_err(KernelError::Receive)?;
+            let mut rest = &buf[..];
+            while rest.len() >= NLMSG_HEADER_LEN {
+                let len = read_u32(rest, 0)? as usize;
+                if len < NLMSG_HEADER_LEN || len > rest.len() {
+                    return Err(KernelError::Malformed("message length"));
+                }
+                let (message, flags) = (&rest[..len], read_u16(rest, 6)?);
+                rest = rest.get((len + 3) & !3..).unwrap_or_default();
+                // Answers to an earlier request that was given up.
+                if read_u32(message, 8)? != seq {
+                    continue;
+                }
+                consistent &= flags & NLM_F_DUMP_INTR == 0;
+                match read_u16(message, 4)? {
+                    NLMSG_DONE => return Ok(consistent),
+                    NLMSG_ERROR => {
+                        let answer = error_answer(message, flags)?;
+                        return Err(KernelError::Dump {
+                            what: what.to_owned(),
+                            errno: io::Error::from_raw_os_error(answer.errno),
+                        });
+                    }
+                    _ => each(
+                        message
+                            .get(NLMSG_HEADER_LEN + NFGENMSG_LEN..)
+                            .unwrap_or_default(),
+                    ),
+                }
+            }
+        }
+    }
+}
+
+/// The kernel's answer to a dump of a table (or set) that does not exist.
+fn is_absent(error: &KernelError) -> bool {
+    matches!(error, KernelError::Dump { errno, .. } if errno.raw_os_error() == Some(ENOENT))
+}
+
+/// Room for one datagram of a dump (the kernel fills at most 32 KiB per read).
+const DUMP_BUFFER_BYTES: usize = 256 << 10;
 
 /// One `NLMSG_ERROR` answer: `errno` 0 is an ACK.
 struct Answer {

@@ -7,8 +7,11 @@
 //! - [`render`]: a transaction (or the whole ruleset) as `nft -f` text, for people and
 //!   for the `nft` command;
 //! - [`encode`] and [`kernel`]: the same transaction as one nfnetlink batch, sent straight
-//!   to the kernel, which is what the node proxy does on its hot path.
+//!   to the kernel, which is what the node proxy does on its hot path;
+//! - [`digest`]: a table reduced to digests per chain and set, from the model or as the
+//!   kernel lists it ([`kernel::Netlink::read_table`]), to find what someone else changed.
 
+pub mod digest;
 pub mod encode;
 pub mod kernel;
 pub mod model;
@@ -16,4 +19,4 @@ pub mod render;
 pub mod transaction;
 
 pub use model::*;
-pub use transaction::{Op, Transaction};
+pub use transaction::{Op, Transaction, Written};

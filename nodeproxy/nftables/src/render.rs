@@ -55,6 +55,7 @@ pub fn operation(op: &Op) -> String {
             ),
         },
         Op::DeleteSet(name) => format!("delete set ip {TABLE} {name}"),
+        Op::FlushSet(name) => format!("flush set ip {TABLE} {name}"),
         Op::AddElements { set, elements } => {
             let list: Vec<String> = elements.iter().map(|(k, v)| element(k, v)).collect();
             format!("add element ip {TABLE} {set} {{ {} }}", list.join(", "))

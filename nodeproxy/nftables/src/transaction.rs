@@ -2,8 +2,9 @@
 //! them, so every reference names an object that exists at that point of the batch and
 //! nothing is deleted while still referenced.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
+use crate::digest::{Drift, TableDrift};
 use crate::model::{BaseChain, Chain, Key, Rule, Ruleset, Set, SetSpec, Value};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +32,8 @@ pub enum Op {
         spec: SetSpec,
     },
     DeleteSet(String),
+    /// `flush set ip tandem NAME`: removes its elements.
+    FlushSet(String),
     AddElements {
         set: String,
         elements: Vec<(Key, Value)>,
@@ -47,6 +50,23 @@ pub struct Transaction {
     pub ops: Vec<Op>,
 }
 
+/// The chains and sets a transaction writes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Written {
+    /// The whole table (it was deleted, so everything in it is written anew).
+    pub table: bool,
+    pub chains: BTreeSet<String>,
+    pub sets: BTreeSet<String>,
+}
+
+impl Written {
+    pub fn merge(&mut self, other: Written) {
+        self.table |= other.table;
+        self.chains.extend(other.chains);
+        self.sets.extend(other.sets);
+    }
+}
+
 impl Transaction {
     pub fn is_empty(&self) -> bool {
         self.ops.is_empty()
@@ -59,6 +79,115 @@ impl Transaction {
         let all_chains: BTreeSet<&str> = ruleset.chains.keys().map(String::as_str).collect();
         let all_sets: BTreeSet<&str> = ruleset.sets.keys().map(String::as_str).collect();
         ops.extend(Self::between(&empty, ruleset, &all_chains, &all_sets).ops);
+        Self { ops }
+    }
+
+    /// What the operations write.
+    pub fn written(&self) -> Written {
+        let mut written = Written::default();
+        for op in &self.ops {
+            match op {
+                Op::AddTable => {}
+                Op::DeleteTable => written.table = true,
+                Op::AddChain { name, .. } | Op::FlushChain(name) | Op::DeleteChain(name) => {
+                    written.chains.insert(name.clone());
+                }
+                Op::AddRule { chain, .. } => {
+                    written.chains.insert(chain.clone());
+                }
+                Op::AddSet { name, .. } | Op::DeleteSet(name) | Op::FlushSet(name) => {
+                    written.sets.insert(name.clone());
+                }
+                Op::AddElements { set, .. } | Op::DeleteElements { set, .. } => {
+                    written.sets.insert(set.clone());
+                }
+            }
+        }
+        written
+    }
+
+    /// Brings the chains and sets `drift` names back to what `ruleset` holds, whatever the
+    /// kernel made of them, in the order of [`Transaction::between`]: missing chains
+    /// first, sets and chains emptied, unexpected or re-declared ones deleted, then sets
+    /// declared, elements added and rules written. Starts with [`Op::AddTable`], in case
+    /// the table itself went.
+    pub fn repair(ruleset: &Ruleset, drift: &TableDrift) -> Self {
+        fn named<'a>(objects: &'a BTreeMap<String, Drift>, wanted: &[Drift]) -> Vec<&'a str> {
+            objects
+                .iter()
+                .filter(|(_, drift)| wanted.contains(drift))
+                .map(|(name, _)| name.as_str())
+                .collect()
+        }
+        let chains = |wanted: &[Drift]| named(&drift.chains, wanted);
+        let sets = |wanted: &[Drift]| named(&drift.sets, wanted);
+        let mut ops = vec![Op::AddTable];
+        for name in chains(&[Drift::Missing]) {
+            if let Some(chain) = ruleset.chains.get(name) {
+                ops.push(Op::AddChain {
+                    name: name.to_owned(),
+                    base: chain.base,
+                });
+            }
+        }
+        ops.extend(
+            sets(&[Drift::Content])
+                .into_iter()
+                .map(|name| Op::FlushSet(name.to_owned())),
+        );
+        let emptied = [Drift::Content, Drift::Declaration, Drift::Unexpected];
+        ops.extend(
+            chains(&emptied)
+                .into_iter()
+                .map(|name| Op::FlushChain(name.to_owned())),
+        );
+        let deleted = [Drift::Declaration, Drift::Unexpected];
+        ops.extend(
+            sets(&deleted)
+                .into_iter()
+                .map(|name| Op::DeleteSet(name.to_owned())),
+        );
+        ops.extend(
+            chains(&deleted)
+                .into_iter()
+                .map(|name| Op::DeleteChain(name.to_owned())),
+        );
+        let mut declared = sets(&[Drift::Missing, Drift::Declaration]);
+        declared.sort_by_key(|name| {
+            ruleset
+                .sets
+                .get(*name)
+                .is_some_and(|set| matches!(set.spec, SetSpec::Dynamic { .. }))
+        });
+        for name in declared {
+            if let Some(set) = ruleset.sets.get(name) {
+                ops.push(Op::AddSet {
+                    name: name.to_owned(),
+                    spec: set.spec,
+                });
+            }
+        }
+        for name in chains(&[Drift::Declaration]) {
+            if let Some(chain) = ruleset.chains.get(name) {
+                ops.push(Op::AddChain {
+                    name: name.to_owned(),
+                    base: chain.base,
+                });
+            }
+        }
+        for name in sets(&[Drift::Missing, Drift::Declaration, Drift::Content]) {
+            ops.extend(
+                ruleset
+                    .sets
+                    .get(name)
+                    .and_then(|set| elements_of(name, set)),
+            );
+        }
+        for name in chains(&[Drift::Missing, Drift::Declaration, Drift::Content]) {
+            if let Some(chain) = ruleset.chains.get(name) {
+                ops.extend(rules_of(name, chain));
+            }
+        }
         Self { ops }
     }
 
@@ -280,6 +409,56 @@ mod tests {
             })
             .collect();
         assert_eq!(declared, ["b-map", "a-dynamic"]);
+    }
+
+    #[test]
+    fn a_transaction_says_what_it_writes() {
+        let tx = Transaction::between(
+            &ruleset(Some("a")),
+            &ruleset(Some("b")),
+            &BTreeSet::from(["a", "b"]),
+            &BTreeSet::from(["m"]),
+        );
+        let written = tx.written();
+        assert!(!written.table);
+        assert_eq!(written.chains, BTreeSet::from(["a".into(), "b".into()]));
+        assert_eq!(written.sets, BTreeSet::from(["m".into()]));
+        assert!(Transaction::replace_all(&ruleset(None)).written().table);
+    }
+
+    #[test]
+    fn a_repair_declares_before_it_fills_and_empties_before_it_deletes() {
+        let rs = ruleset(Some("a"));
+        let drift = TableDrift {
+            chains: [
+                ("a".to_owned(), Drift::Missing),
+                ("x".to_owned(), Drift::Unexpected),
+            ]
+            .into(),
+            sets: [("m".to_owned(), Drift::Content)].into(),
+        };
+        let tx = Transaction::repair(&rs, &drift);
+        assert_eq!(
+            tx.ops,
+            vec![
+                Op::AddTable,
+                Op::AddChain {
+                    name: "a".into(),
+                    base: None
+                },
+                Op::FlushSet("m".into()),
+                Op::FlushChain("x".into()),
+                Op::DeleteChain("x".into()),
+                Op::AddElements {
+                    set: "m".into(),
+                    elements: vec![(Key::Index(0), Verdict::Goto("a".into()).into())],
+                },
+                Op::AddRule {
+                    chain: "a".into(),
+                    rule: Rule::always(Statement::Return),
+                },
+            ]
+        );
     }
 
     #[test]

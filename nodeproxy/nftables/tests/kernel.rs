@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::sched::{CloneFlags, setns};
+use tandem_nftables::digest::{Drift, TableDigest, TableDrift};
 use tandem_nftables::kernel::{KernelError, Netlink};
 use tandem_nftables::render;
 use tandem_nftables::{
@@ -912,4 +913,109 @@ fn a_large_ruleset_and_a_one_endpoint_change() {
         endpoints + 1,
         services / 2
     )));
+}
+
+impl ScratchNetns {
+    /// What table `ip tandem` holds, as digests (elements included).
+    fn read(&self) -> TableDigest {
+        self.run(|| Netlink::open()?.read_table("tandem", true))
+            .expect("read the table back")
+    }
+
+    /// `nft CMD…` in the namespace; panics when nft fails.
+    fn nft(&self, args: &[&str]) {
+        let output = Command::new("ip")
+            .args(["netns", "exec", &self.0, "nft"])
+            .args(args)
+            .output()
+            .expect("run nft");
+        assert!(
+            output.status.success(),
+            "nft {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}
+
+fn no_drift(written: &Ruleset, kernel: &TableDigest) -> TableDrift {
+    TableDrift::between(&TableDigest::of(written), kernel, |_, _| false)
+}
+
+#[test]
+fn what_netlink_writes_reads_back_the_same_and_drift_is_found_and_repaired() {
+    if !can_run() {
+        return;
+    }
+    let ns = ScratchNetns::new("readback");
+    let (old, new) = (every_variant(), every_variant_changed());
+    ns.apply(&Transaction::replace_all(&old))
+        .expect("initial ruleset");
+    let drift = no_drift(&old, &ns.read());
+    assert!(drift.is_empty(), "a fresh table differs: {drift:?}");
+    ns.apply(&between(&old, &new)).expect("the change");
+    let kernel = ns.read();
+    let drift = no_drift(&new, &kernel);
+    assert!(drift.is_empty(), "a changed table differs: {drift:?}");
+    // Packets fill a dynamic set; its elements are not compared.
+    ns.nft(&[
+        "add",
+        "element",
+        "ip",
+        "tandem",
+        "affinity-ep-a-0",
+        "{ 192.0.2.1 }",
+    ]);
+    assert!(no_drift(&new, &ns.read()).is_empty());
+
+    // Someone else: an endpoint's run of buckets deleted, a chain flushed, a rule added,
+    // a base chain's policy changed, a chain and a set of their own added, a set emptied
+    // and a base chain deleted.
+    let run = format!("{}-{}", SVC_B_OFFSET, SVC_B_OFFSET + BUCKETS / 3 - 1);
+    for command in [
+        format!("delete element ip tandem svc-b-endpoints {{ {run} }}"),
+        "flush chain ip tandem svc-b-spread".to_owned(),
+        "add rule ip tandem svc-b accept".to_owned(),
+        "chain ip tandem filter-input { policy drop; }".to_owned(),
+        "add chain ip tandem intruder".to_owned(),
+        "add set ip tandem intruders { type ipv4_addr; }".to_owned(),
+        "flush set ip tandem hairpins".to_owned(),
+        "flush chain ip tandem filter-output".to_owned(),
+        "delete chain ip tandem filter-output".to_owned(),
+    ] {
+        ns.nft_script(&command);
+    }
+    let drift = no_drift(&new, &ns.read());
+    let chains: Vec<(&str, Drift)> = drift.chains.iter().map(|(n, d)| (n.as_str(), *d)).collect();
+    assert_eq!(
+        chains,
+        [
+            ("filter-input", Drift::Declaration),
+            ("filter-output", Drift::Missing),
+            ("intruder", Drift::Unexpected),
+            ("svc-b", Drift::Content),
+            ("svc-b-spread", Drift::Content),
+        ]
+    );
+    let sets: Vec<(&str, Drift)> = drift.sets.iter().map(|(n, d)| (n.as_str(), *d)).collect();
+    assert_eq!(
+        sets,
+        [
+            ("hairpins", Drift::Content),
+            ("intruders", Drift::Unexpected),
+            ("svc-b-endpoints", Drift::Content),
+        ]
+    );
+    let repair = Transaction::repair(&new, &drift);
+    ns.apply(&repair).expect("the repair applies");
+    let left = no_drift(&new, &ns.read());
+    assert!(left.is_empty(), "left after the repair: {left:?}");
+    // A table deleted whole reads as empty: everything is missing, and the repair
+    // writes it all.
+    ns.apply(&Transaction::delete_all()).expect("delete");
+    let drift = no_drift(&new, &ns.read());
+    assert_eq!(drift.chains.len(), new.chains.len());
+    assert!(drift.chains.values().all(|d| *d == Drift::Missing));
+    ns.apply(&Transaction::repair(&new, &drift))
+        .expect("the repair applies");
+    assert!(no_drift(&new, &ns.read()).is_empty());
 }

@@ -410,6 +410,7 @@ fn apply(ruleset: &mut Ruleset, tx: &Transaction) {
                     );
                 }
             }
+            Op::FlushSet(set) => ruleset.sets.get_mut(set).unwrap().elements.clear(),
             Op::DeleteElements { set, keys } => {
                 let set_elements = &mut ruleset.sets.get_mut(set).unwrap().elements;
                 for key in keys {
