@@ -35,7 +35,8 @@ pub struct Cli {
 #[derive(Debug, Args)]
 pub struct ClusterArgs {
     /// Which data path to program: kube-proxy v1.21's iptables chains, or one nftables table
-    /// (`ip tandem`) written through netlink. Starting in one mode removes the other's rules.
+    /// (`ip tandem`) written through netlink. Starting in one mode removes the other's rules
+    /// once its own first sync is in.
     #[arg(long, alias = "mode", env = "PROXY_MODE", value_enum, default_value_t = ProxyMode::Iptables, global = true)]
     pub proxy_mode: ProxyMode,
     /// kubeconfig file; without it the in-cluster config (or the usual defaults) is used.

@@ -1,26 +1,31 @@
 //! The two data paths the sync loop can program, behind one interface: the kube-proxy v1.21
 //! iptables layout (the default) and the nftables table `ip tandem`. Each keeps its desired
 //! rules current one changed Service port at a time, can be checked against a full rebuild,
-//! and writes only what changed.
+//! writes only what changed, and is read back from the kernel every sync period to repair
+//! what someone else changed.
 
 use std::collections::BTreeSet;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_common::ProxyMode;
+use tandem_nftables::digest::{ChainDigest, ObjectKind, SetDigest, TableDigest, TableDrift};
 use tandem_nftables::kernel::{KernelError, Netlink};
-use tandem_nftables::{Fingerprint, Transaction};
+use tandem_nftables::{Fingerprint, TABLE, Transaction, Written};
 use tandem_proxy_rules::incremental::IncrementalRuleset;
 use tandem_proxy_rules::model::{NodeConfig, ProxyState, ServicePortName};
 use tandem_proxy_rules::nft;
 use tandem_proxy_rules::ruleset::{ChangedChains, Table};
+use tokio::task::JoinHandle;
 
-use crate::backend::{self, BackendChoice};
-use crate::iptables::{SyncError, Syncer};
-use crate::metrics::{Metrics, TableLabel, TableLabels};
+use crate::backend::{self, Backend, BackendChoice};
+use crate::iptables::{self, IptablesReadBack, SyncError, Syncer};
+use crate::metrics::{Metrics, RepairLabels, RepairedObject, TableLabel, TableLabels};
 
-/// Opens the data path of `mode`, after removing the other mode's rules, as kube-proxy does
-/// when it starts: two data paths answering for the same Service addresses would fight, and a
-/// node switched between modes must keep no stale rules.
+/// Opens the data path of `mode`. The other mode's rules, if a node switched modes, stay
+/// until this mode's first sync is in (see [`DataPath::apply`]), so the node is never
+/// without rules: while both are there, the first NAT chain to bind a new connection
+/// decides it (both send it to the same endpoints), a connection is masqueraded once
+/// (one source binding per connection), and both drop the same sources.
 pub async fn start(
     mode: ProxyMode,
     backend_choice: BackendChoice,
@@ -30,10 +35,6 @@ pub async fn start(
     match mode {
         ProxyMode::Iptables => {
             tracing::info!(%backend, %reason, restore = backend.restore(), "iptables mode; backend chosen");
-            // A kernel without nf_tables has no table of ours to remove either.
-            if let Err(error) = remove_nftables_table().await {
-                tracing::warn!(%error, "could not remove the nftables mode's table");
-            }
             if node.localhost_node_ports
                 && node.node_port_addresses.overlap_loopback()
                 && let Err(error) = enable_route_localnet().await
@@ -54,11 +55,7 @@ pub async fn start(
                 .await
                 .map_err(|e| StartError::Task(e.to_string()))??;
             tracing::info!("nftables mode: table ip tandem, written through netlink");
-            // A host without iptables has no iptables-mode rules to remove either.
-            if let Err(error) = Syncer::new(backend).cleanup().await {
-                tracing::warn!(%error, %backend, "could not remove iptables-mode rules");
-            }
-            Ok(DataPath::nftables(node, kernel))
+            Ok(DataPath::nftables(node, kernel, backend))
         }
     }
 }
@@ -124,6 +121,9 @@ pub struct IptablesPath {
     syncer: Syncer,
     /// Chains changed since the last successful apply.
     changed: ChangedChains,
+    /// Table `ip tandem` of the nftables mode may be there: removed after the first
+    /// successful apply.
+    remove_nftables_table: bool,
 }
 
 pub struct NftablesPath {
@@ -135,7 +135,30 @@ pub struct NftablesPath {
     /// False until a whole-table write succeeded, and again after any failed transaction:
     /// the next apply then replaces the table in full instead of sending `pending`.
     in_sync: bool,
+    /// The iptables mode's rules may be there (in this backend): removed after the first
+    /// successful apply.
+    remove_iptables: Option<Backend>,
+    /// The digests of the chains and sets as written, for the read-back; an object is
+    /// dropped when written and digested again when the next read-back is compared.
+    digests: TableDigest,
+    /// What was written since the read-back in flight began.
+    written_since_read: Written,
 }
+
+/// A finished read-back of the kernel.
+pub struct ReadBack {
+    kernel: KernelRead,
+    /// From its start to its end, beside the sync loop.
+    pub elapsed: Duration,
+}
+
+enum KernelRead {
+    Iptables(Result<IptablesReadBack, SyncError>),
+    Nftables(Result<TableDigest, KernelError>),
+}
+
+/// Chains logged one by one per read-back; the rest are counted.
+const LOGGED_OBJECTS: usize = 10;
 
 impl DataPath {
     pub fn iptables(node: NodeConfig, syncer: Syncer) -> Self {
@@ -143,15 +166,20 @@ impl DataPath {
             rules: IncrementalRuleset::new(node),
             syncer,
             changed: ChangedChains::default(),
+            remove_nftables_table: true,
         })
     }
 
-    pub fn nftables(node: NodeConfig, kernel: Netlink) -> Self {
+    /// `backend`: where the iptables mode's rules would be, to remove them.
+    pub fn nftables(node: NodeConfig, kernel: Netlink, backend: Backend) -> Self {
         DataPath::Nftables(NftablesPath {
             rules: nft::incremental::IncrementalRuleset::new(node),
             kernel: Some(kernel),
             pending: Transaction::default(),
             in_sync: false,
+            remove_iptables: Some(backend),
+            digests: TableDigest::default(),
+            written_since_read: Written::default(),
         })
     }
 
@@ -230,14 +258,68 @@ impl DataPath {
         }
     }
 
-    /// Periodic checks of the kernel state: the iptables canary chains (a flush by someone
-    /// else makes the next sync rewrite everything, as kube-proxy does).
-    pub async fn housekeeping(&mut self) {
-        if let DataPath::Iptables(path) = self
-            && let Err(error) = path.syncer.canaries_present().await
-        {
-            tracing::warn!(%error, "checking canary chains");
+    /// Starts reading back what the kernel holds of our rules, on its own task beside
+    /// the sync loop; what is written meanwhile is left out of the comparison
+    /// ([`DataPath::take_read_back`]).
+    pub fn start_read_back(&mut self) -> JoinHandle<ReadBack> {
+        let started = Instant::now();
+        match self {
+            DataPath::Iptables(path) => {
+                let backend = path.syncer.begin_read();
+                tokio::spawn(async move {
+                    let kernel = KernelRead::Iptables(iptables::read_back(backend).await);
+                    ReadBack {
+                        kernel,
+                        elapsed: started.elapsed(),
+                    }
+                })
+            }
+            DataPath::Nftables(path) => {
+                path.written_since_read = Written::default();
+                tokio::task::spawn_blocking(move || {
+                    let read =
+                        Netlink::open().and_then(|mut kernel| kernel.read_table(TABLE, true));
+                    ReadBack {
+                        kernel: KernelRead::Nftables(read),
+                        elapsed: started.elapsed(),
+                    }
+                })
+            }
         }
+    }
+
+    /// Compares a finished read-back with what was written (leaving out what was written
+    /// since it began), logs and counts what differs, and schedules its repair with the
+    /// next apply. Returns how many objects are to be repaired.
+    pub fn take_read_back(&mut self, read: ReadBack, metrics: &Metrics) -> usize {
+        metrics
+            .readback_duration
+            .observe(read.elapsed.as_secs_f64());
+        let repairs = match (self, read.kernel) {
+            (DataPath::Iptables(path), KernelRead::Iptables(Ok(kernel))) => {
+                path.repair(kernel, metrics)
+            }
+            (DataPath::Nftables(path), KernelRead::Nftables(Ok(kernel))) => {
+                path.repair(&kernel, metrics)
+            }
+            (_, KernelRead::Iptables(Err(error))) => {
+                tracing::warn!(%error, "reading back the iptables rules failed; trying again next period");
+                metrics.readback_failures.inc();
+                0
+            }
+            (_, KernelRead::Nftables(Err(error))) => {
+                tracing::warn!(%error, "reading back table ip tandem failed; trying again next period");
+                metrics.readback_failures.inc();
+                0
+            }
+            _ => 0,
+        };
+        tracing::debug!(
+            elapsed_ms = read.elapsed.as_millis() as u64,
+            repairs,
+            "read-back compared"
+        );
+        repairs
     }
 
     /// Sets the chain and rule gauges from the desired ruleset (they count everything, so
@@ -272,13 +354,23 @@ impl DataPath {
         }
     }
 
-    /// Writes what changed since the last successful apply. Returns false when the kernel
-    /// refused it; the next apply then rewrites in full.
+    /// Writes what changed since the last successful apply (and the repairs a read-back
+    /// queued). Returns false when the kernel refused it; the next apply then rewrites in
+    /// full. The first successful apply also removes the other mode's rules.
     pub async fn apply(&mut self, metrics: &Metrics) -> bool {
         match self {
             DataPath::Iptables(path) => path.apply(metrics).await,
             DataPath::Nftables(path) => path.apply(metrics).await,
         }
+    }
+}
+
+fn count_repairs(metrics: &Metrics, object: RepairedObject, count: usize) {
+    if count > 0 {
+        metrics
+            .sync_repairs
+            .get_or_create(&RepairLabels { object })
+            .inc_by(count as u64);
     }
 }
 
@@ -303,6 +395,17 @@ impl IptablesPath {
                         "iptables-restore applied"
                     );
                 }
+                if std::mem::take(&mut self.remove_nftables_table) {
+                    // A kernel without nf_tables has no table of ours to remove either.
+                    match remove_nftables_table().await {
+                        Ok(()) => tracing::info!(
+                            "table ip tandem of the nftables mode removed, if it was there"
+                        ),
+                        Err(error) => {
+                            tracing::warn!(%error, "could not remove the nftables mode's table")
+                        }
+                    }
+                }
                 true
             }
             Err(error) => {
@@ -319,6 +422,68 @@ impl IptablesPath {
                 false
             }
         }
+    }
+
+    /// Schedules the repair of what the read-back found (see [`Syncer::take_read_back`]),
+    /// and logs and counts it.
+    fn repair(&mut self, kernel: IptablesReadBack, metrics: &Metrics) -> usize {
+        let mut repairs = 0;
+        for found in self.syncer.take_read_back(kernel, self.rules.ruleset()) {
+            let (table, drift) = (found.table.as_str(), &found.drift);
+            let chains = drift.chains.len() + drift.unexpected.len();
+            if found.whole {
+                tracing::warn!(
+                    table,
+                    canary_missing = drift.canary_missing,
+                    chains,
+                    "our chains in this table were flushed or deleted wholesale; writing the table in full"
+                );
+                count_repairs(metrics, RepairedObject::Table, 1);
+                repairs += 1;
+                continue;
+            }
+            for (chain, chain_drift) in drift.chains.iter().take(LOGGED_OBJECTS) {
+                let missing = found.missing_rules.get(chain).cloned().unwrap_or_default();
+                tracing::warn!(
+                    table,
+                    chain = %chain,
+                    absent = chain_drift.absent,
+                    missing = ?missing,
+                    missing_count = chain_drift.missing.len(),
+                    unexpected = chain_drift.unexpected,
+                    "chain differs from what was written; rewriting it"
+                );
+            }
+            for chain in drift.unexpected.iter().take(LOGGED_OBJECTS) {
+                tracing::warn!(table, chain = %chain, "chain of ours that we did not write; deleting it");
+            }
+            if chains > LOGGED_OBJECTS {
+                tracing::warn!(
+                    table,
+                    chains,
+                    "more chains differ than logged; repairing them all"
+                );
+            }
+            for jump in &drift.jumps {
+                tracing::warn!(
+                    table,
+                    chain = jump.builtin_chain,
+                    rule = jump.rule,
+                    "base jump missing; inserting it again"
+                );
+            }
+            for line in &drift.shared {
+                tracing::warn!(table, line = %line, "shared chain lacks our rule; adding it");
+            }
+            let shared_chains = drift.shared_chains().len();
+            count_repairs(metrics, RepairedObject::Chain, chains + shared_chains);
+            count_repairs(metrics, RepairedObject::Jump, drift.jumps.len());
+            repairs += chains + shared_chains + drift.jumps.len();
+            self.changed
+                .table_mut(found.table)
+                .extend(drift.chains.keys().chain(&drift.unexpected).cloned());
+        }
+        repairs
     }
 }
 
@@ -339,6 +504,7 @@ impl NftablesPath {
             return self.reopen();
         };
         let ops = tx.ops.len();
+        let written = tx.written();
         let started = Instant::now();
         let (kernel, result) = match tokio::task::spawn_blocking(move || {
             let result = kernel.apply(&tx);
@@ -363,6 +529,19 @@ impl NftablesPath {
                     elapsed_ms = started.elapsed().as_millis() as u64,
                     "nftables transaction applied"
                 );
+                self.forget_digests(&written);
+                self.written_since_read.merge(written);
+                if let Some(backend) = self.remove_iptables.take() {
+                    match Syncer::new(backend).cleanup().await {
+                        Ok(()) => {
+                            tracing::info!(%backend, "the iptables mode's rules removed, if they were there")
+                        }
+                        // A host without iptables has no iptables-mode rules either.
+                        Err(error) => {
+                            tracing::warn!(%error, %backend, "could not remove iptables-mode rules")
+                        }
+                    }
+                }
                 true
             }
             Err(error) => {
@@ -381,5 +560,96 @@ impl NftablesPath {
         }
         self.in_sync = false;
         false
+    }
+
+    /// Drops the digests of what a transaction wrote.
+    fn forget_digests(&mut self, written: &Written) {
+        if written.table {
+            self.digests = TableDigest::default();
+            return;
+        }
+        for chain in &written.chains {
+            self.digests.chains.remove(chain);
+        }
+        for set in &written.sets {
+            self.digests.sets.remove(set);
+        }
+    }
+
+    /// The digests of every chain and set as written: those kept, and the rest computed
+    /// (after a transaction wrote them).
+    fn refresh_digests(&mut self) {
+        let ruleset = self.rules.ruleset();
+        let digests = &mut self.digests;
+        digests
+            .chains
+            .retain(|name, _| ruleset.chains.contains_key(name));
+        digests
+            .sets
+            .retain(|name, _| ruleset.sets.contains_key(name));
+        for (name, chain) in &ruleset.chains {
+            if !digests.chains.contains_key(name) {
+                digests.chains.insert(name.clone(), ChainDigest::of(chain));
+            }
+        }
+        for (name, set) in &ruleset.sets {
+            if !digests.sets.contains_key(name) {
+                digests.sets.insert(name.clone(), SetDigest::of(name, set));
+            }
+        }
+    }
+
+    /// Compares the kernel's table with what was written and queues the repair of what
+    /// differs (what was written since the read began is left for the next one).
+    fn repair(&mut self, kernel: &TableDigest, metrics: &Metrics) -> usize {
+        if !self.in_sync || !self.pending.is_empty() {
+            // The next apply replaces the table in full, or has yet to send what the
+            // kernel is compared with.
+            return 0;
+        }
+        self.refresh_digests();
+        let since = &self.written_since_read;
+        let found = TableDrift::between(&self.digests, kernel, |kind, name| {
+            since.table
+                || match kind {
+                    ObjectKind::Chain => since.chains.contains(name),
+                    ObjectKind::Set => since.sets.contains(name),
+                }
+        });
+        if found.is_empty() {
+            return 0;
+        }
+        if kernel.chains.is_empty() {
+            tracing::warn!("table ip tandem is gone; writing it whole");
+            count_repairs(metrics, RepairedObject::Table, 1);
+            self.in_sync = false;
+            return 1;
+        }
+        for (name, drift) in found.chains.iter().take(LOGGED_OBJECTS) {
+            let (ours, theirs) = (
+                self.digests.chains.get(name).map_or(0, |c| c.rules.len()),
+                kernel.chains.get(name).map_or(0, |c| c.rules.len()),
+            );
+            tracing::warn!(chain = %name, ?drift, rules_written = ours, rules_in_kernel = theirs, "chain of table ip tandem differs from what was written; repairing it");
+        }
+        for (name, drift) in found.sets.iter().take(LOGGED_OBJECTS) {
+            let (ours, theirs) = (
+                self.digests.sets.get(name).map_or(0, |s| s.elements),
+                kernel.sets.get(name).map_or(0, |s| s.elements),
+            );
+            tracing::warn!(set = %name, ?drift, elements_written = ours, elements_in_kernel = theirs, "set of table ip tandem differs from what was written; repairing it");
+        }
+        let (chains, sets) = (found.chains.len(), found.sets.len());
+        if chains + sets > LOGGED_OBJECTS {
+            tracing::warn!(
+                chains,
+                sets,
+                "table ip tandem: more chains and sets differ than logged; repairing them all"
+            );
+        }
+        count_repairs(metrics, RepairedObject::Chain, chains);
+        count_repairs(metrics, RepairedObject::Set, sets);
+        self.pending = Transaction::repair(self.rules.ruleset(), &found);
+        chains + sets
     }
 }

@@ -2,18 +2,22 @@
 //! changed table, remembering what it applied so the next sync writes only what changed.
 //!
 //! What it applied is forgotten (and the next sync of that table is a full write, see
-//! [`restore::full`]) at start-up, after a restore failure and when a canary chain has
-//! vanished, i.e. someone flushed or deleted our chains.
+//! [`restore::full`]) at start-up, after a restore failure and when the periodic read-back
+//! ([`read_back`]) finds a canary chain gone or most of our chains changed, i.e. someone
+//! flushed or deleted our chains. Smaller drift is repaired chain by chain
+//! ([`Syncer::take_read_back`]) by the next sync's restore.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use tandem_nftables::kernel::{KernelError, Netlink};
 use tandem_proxy_rules::ruleset::{BASE_JUMPS, ChangedChains, Ruleset, Table, TableRules};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
 use crate::backend::Backend;
+use crate::drift::{self, TableDrift, TableReadBack};
 use crate::restore::{self, CANARY_CHAIN, Payload, RestoreMode, TableInspection};
 
 /// Seconds `iptables*` wait for the xtables lock (legacy) before failing.
@@ -46,6 +50,13 @@ pub enum SyncError {
         status: std::process::ExitStatus,
         stderr: String,
     },
+    #[error("reading table {table} over netlink: {source}")]
+    Netlink {
+        table: &'static str,
+        source: KernelError,
+    },
+    #[error("a blocking task failed: {0}")]
+    Task(String),
 }
 
 /// What one table's restore did.
@@ -64,7 +75,28 @@ pub struct TableSync {
     pub restore: Duration,
     /// The exact payload, kept for tests and debug logs.
     pub payload: String,
+    /// The chains it wrote or deleted.
+    pub chains: BTreeSet<String>,
 }
+
+/// What a read-back found in one table, and how it is repaired.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableRepair {
+    pub table: Table,
+    pub drift: TableDrift,
+    /// The table is written in full.
+    pub whole: bool,
+    /// The first few rules each of the first few drifted chains lacks, for the log.
+    pub missing_rules: BTreeMap<String, Vec<String>>,
+}
+
+/// Drifted chains and rules per chain whose text goes into the log.
+const LOGGED_CHAINS: usize = 10;
+const LOGGED_RULES: usize = 3;
+
+/// Above this share of a table's chains drifted, the table is written in full: someone
+/// flushed it, and a full write can replace it in one flush-mode restore.
+const FULL_WRITE_DRIFT_DIVISOR: usize = 2;
 
 /// Applies rulesets; owns the memory of what is in the kernel.
 #[derive(Debug)]
@@ -72,6 +104,15 @@ pub struct Syncer {
     backend: Backend,
     /// What is in the kernel per table, or `None` when unknown.
     applied: BTreeMap<Table, TableRules>,
+    /// Per table, a digest per rule of each of our chains as last written (see
+    /// [`drift`]): what the read-back compares the kernel with.
+    written: BTreeMap<Table, BTreeMap<String, Vec<u64>>>,
+    /// Chains written since the read-back in flight began, and tables written in full
+    /// since: that read may predate them.
+    written_since_read: BTreeSet<(Table, String)>,
+    rewritten_since_read: BTreeSet<Table>,
+    /// Repair lines (base jumps, shared chains) for the next write of a table.
+    ensure: BTreeMap<Table, Vec<String>>,
 }
 
 impl Syncer {
@@ -80,6 +121,10 @@ impl Syncer {
         Self {
             backend,
             applied: BTreeMap::new(),
+            written: BTreeMap::new(),
+            written_since_read: BTreeSet::new(),
+            rewritten_since_read: BTreeSet::new(),
+            ensure: BTreeMap::new(),
         }
     }
 
@@ -90,6 +135,96 @@ impl Syncer {
     /// Forget what is applied: the next sync writes every table in full.
     pub fn forget(&mut self) {
         self.applied.clear();
+        self.written.clear();
+        self.ensure.clear();
+    }
+
+    /// Forget one table: its next sync writes it in full.
+    fn forget_table(&mut self, table: Table) {
+        self.applied.remove(&table);
+        self.written.remove(&table);
+        self.ensure.remove(&table);
+    }
+
+    /// A read-back of the kernel begins: from now on, what is written is left out of its
+    /// comparison. Returns the backend to read.
+    pub fn begin_read(&mut self) -> Backend {
+        self.written_since_read.clear();
+        self.rewritten_since_read.clear();
+        self.backend
+    }
+
+    /// Compares a finished read-back with what was written and schedules the repairs:
+    /// drifted chains are forgotten (so the next sync writes them), unexpected ones are
+    /// deleted by it, missing base jumps and shared rules go into its restore; a table
+    /// without its canary, or with most of its chains drifted, is written in full.
+    /// Returns what was found per table; the caller adds the chains to the next sync.
+    pub fn take_read_back(
+        &mut self,
+        read: IptablesReadBack,
+        desired: &Ruleset,
+    ) -> Vec<TableRepair> {
+        let mut found = Vec::new();
+        for (table, read_table) in read.tables {
+            if self.rewritten_since_read.contains(&table) {
+                continue;
+            }
+            let (Some(written), Some(applied)) =
+                (self.written.get(&table), self.applied.get_mut(&table))
+            else {
+                // Unknown, so written in full next anyway.
+                continue;
+            };
+            let since = &self.written_since_read;
+            let mut drift =
+                TableDrift::between(table, written, desired.table(table), &read_table, |chain| {
+                    since.contains(&(table, chain.to_owned()))
+                });
+            // The mangle canary goes in with the filter table's full write.
+            drift.canary_missing |= table == Table::Filter && !read.mangle_canary;
+            if drift.is_empty() {
+                continue;
+            }
+            let drifted = drift.chains.len() + drift.unexpected.len();
+            let whole = drift.canary_missing || drifted > written.len() / FULL_WRITE_DRIFT_DIVISOR;
+            let missing_rules = drift
+                .chains
+                .iter()
+                .take(LOGGED_CHAINS)
+                .map(|(chain, chain_drift)| {
+                    let rules = applied.chains.get(chain).map_or(&[][..], Vec::as_slice);
+                    let texts = chain_drift
+                        .missing
+                        .iter()
+                        .take(LOGGED_RULES)
+                        .filter_map(|position| rules.get(*position).cloned())
+                        .collect();
+                    (chain.clone(), texts)
+                })
+                .collect();
+            if whole {
+                self.forget_table(table);
+            } else {
+                for chain in drift.chains.keys() {
+                    applied.chains.remove(chain);
+                }
+                for chain in &drift.unexpected {
+                    // Held as written, so the next sync deletes it.
+                    applied.chains.insert(chain.clone(), Vec::new());
+                }
+                self.ensure
+                    .entry(table)
+                    .or_default()
+                    .extend(drift.ensure_lines());
+            }
+            found.push(TableRepair {
+                table,
+                drift,
+                whole,
+                missing_rules,
+            });
+        }
+        found
     }
 
     /// Bring the kernel to `desired`, comparing every chain with what was applied.
@@ -122,8 +257,11 @@ impl Syncer {
         for table in Table::ALL {
             let wanted = desired.table(table);
             let chains = changed.table(table);
-            match self.sync_table(table, wanted, chains).await {
+            let ensure = self.ensure.remove(&table).unwrap_or_default();
+            match self.sync_table(table, wanted, chains, &ensure).await {
                 Ok(Some(report)) => {
+                    self.record(table, report.full, &report.chains, wanted)
+                        .await;
                     match self.applied.get_mut(&table) {
                         // Only the chains written are copied; an idle sync copies nothing.
                         Some(applied) if !report.full => {
@@ -146,7 +284,7 @@ impl Syncer {
                 }
                 Ok(None) => {}
                 Err(error) => {
-                    self.applied.remove(&table);
+                    self.forget_table(table);
                     first_error.get_or_insert(error);
                 }
             }
@@ -157,23 +295,74 @@ impl Syncer {
         }
     }
 
+    /// Keeps the digests of what a write left in `chains` (all of the table's after a
+    /// full write), for the read-back: of the text on the legacy backend, of what the
+    /// kernel holds, read right away, on nf_tables. A chain that cannot be read is not
+    /// compared until it is written again.
+    async fn record(
+        &mut self,
+        table: Table,
+        full: bool,
+        chains: &BTreeSet<String>,
+        wanted: &TableRules,
+    ) {
+        let name = table.as_str();
+        if full {
+            self.written.insert(table, BTreeMap::new());
+            self.rewritten_since_read.insert(table);
+        }
+        self.written_since_read
+            .extend(chains.iter().map(|chain| (table, chain.clone())));
+        let Some(written) = self.written.get_mut(&table) else {
+            return;
+        };
+        let compared = chains
+            .iter()
+            .filter(|chain| drift::is_compared_chain(name, chain));
+        let mut present = Vec::new();
+        for chain in compared {
+            match wanted.chains.get(chain) {
+                Some(rules) => present.push((chain, rules)),
+                None => {
+                    written.remove(chain);
+                }
+            }
+        }
+        match self.backend {
+            Backend::Legacy => written.extend(drift::chain_digests(present)),
+            Backend::Nft => {
+                let names: Vec<String> = present.into_iter().map(|(c, _)| c.clone()).collect();
+                match read_rules(name, names.clone()).await {
+                    Ok(read) => written.extend(read),
+                    Err(error) => {
+                        tracing::warn!(%error, table = name, "reading back the chains just written; they are not checked for drift until written again");
+                        for chain in &names {
+                            written.remove(chain);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     async fn sync_table(
         &self,
         table: Table,
         wanted: &TableRules,
         changed: &BTreeSet<String>,
+        ensure: &[String],
     ) -> Result<Option<TableSync>, SyncError> {
         let name = table.as_str();
         let started = Instant::now();
         let mut inspection = TableInspection::default();
         let (payload, full) = match self.applied.get(&table) {
             // The canary is written by full writes only, so incremental diffs ignore it.
-            Some(applied) => match restore::incremental(name, applied, wanted, changed) {
+            Some(applied) => match restore::incremental(name, applied, wanted, changed, ensure) {
                 Some(payload) => (payload, false),
                 None => return Ok(None),
             },
             None => {
-                inspection = self.inspect(name).await?;
+                inspection = inspect(self.backend, name).await?;
                 if table == Table::Filter {
                     // The mangle canary goes in with the first full write.
                     self.restore_noflush_text("mangle", &canary_payload("mangle"))
@@ -207,81 +396,8 @@ impl Syncer {
             elapsed: started.elapsed(),
             restore,
             payload: payload.text,
+            chains: payload.chains,
         }))
-    }
-
-    /// True when every canary chain is still there. When one is missing, everything is
-    /// forgotten so the next sync rewrites all tables, as kube-proxy does after a flush.
-    pub async fn canaries_present(&mut self) -> Result<bool, SyncError> {
-        for table in CANARY_TABLES {
-            let status = Command::new(self.backend.iptables())
-                .args(["-w", LOCK_WAIT_SECONDS, "-t", table, "-S", CANARY_CHAIN])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .await
-                .map_err(|source| SyncError::Spawn {
-                    program: self.backend.iptables(),
-                    source,
-                })?;
-            if !status.success() {
-                tracing::warn!(
-                    table,
-                    "canary chain gone: someone flushed iptables; rewriting all rules"
-                );
-                self.forget();
-                return Ok(false);
-            }
-        }
-        Ok(true)
-    }
-
-    /// What is in a table, only for full writes and cleanup (never on the hot path).
-    ///
-    /// `iptables-nft-save` of a big table is slow (10-30 s at 2,700 Services, it decodes
-    /// every rule), so on nf_tables the chain names come from `nft list chains ip` (~0.3 s,
-    /// no rules) and the rules of the built-in and shared chains from `iptables-nft -S
-    /// CHAIN` (~15 ms each: it fetches only that chain). Without the `nft` CLI, and on
-    /// legacy (where the save is ~1 s), `iptables-save -t TABLE` is used.
-    async fn inspect(&self, table: &str) -> Result<TableInspection, SyncError> {
-        if self.backend == Backend::Nft {
-            match self.run("nft", &["list", "chains", "ip"], None).await {
-                Ok(listing) => return self.inspect_nft(table, &listing).await,
-                Err(error) => {
-                    tracing::debug!(%error, "nft CLI unavailable; inspecting with iptables-nft-save");
-                }
-            }
-        }
-        let output = self.run(self.backend.save(), &["-t", table], None).await?;
-        Ok(restore::parse_save(&output, table))
-    }
-
-    async fn inspect_nft(&self, table: &str, listing: &str) -> Result<TableInspection, SyncError> {
-        let chains = restore::parse_nft_chains(listing, table);
-        let mut save = format!("*{table}\n");
-        let listed = chains.iter().filter(|c| {
-            restore::builtin_chains(table).contains(&c.as_str())
-                || restore::is_shared_chain(table, c)
-                || (table == "filter" && c.as_str() == restore::KUBELET_FIREWALL_CHAIN)
-        });
-        for chain in listed {
-            let rules = self
-                .run(
-                    self.backend.iptables(),
-                    &["-w", LOCK_WAIT_SECONDS, "-t", table, "-S", chain],
-                    None,
-                )
-                .await?;
-            save.push_str(&restore::chain_listing_as_save(&rules));
-        }
-        for chain in chains
-            .iter()
-            .filter(|c| !restore::builtin_chains(table).contains(&c.as_str()))
-        {
-            save.push_str(&format!(":{chain} - [0:0]\n"));
-        }
-        Ok(restore::parse_save(&save, table))
     }
 
     async fn restore(&self, table: &str, payload: &Payload) -> Result<(), SyncError> {
@@ -313,6 +429,7 @@ impl Syncer {
             written_chains: 0,
             deleted_chains: 0,
             rules: 0,
+            chains: BTreeSet::new(),
         };
         self.restore(table, &payload).await
     }
@@ -351,7 +468,7 @@ impl Syncer {
                 "1",
             ];
             insert.extend(rule.iter().map(String::as_str));
-            self.run(self.backend.iptables(), &insert, None).await?;
+            run(self.backend.iptables(), &insert, None).await?;
         }
         Ok(())
     }
@@ -361,7 +478,7 @@ impl Syncer {
     pub async fn cleanup(&mut self) -> Result<(), SyncError> {
         self.forget();
         for table in CANARY_TABLES {
-            let inspection = self.inspect(table).await?;
+            let inspection = inspect(self.backend, table).await?;
             let plan = restore::cleanup(table, &inspection);
             for jump in plan.jumps {
                 let rule = split_rule(jump.rule);
@@ -415,24 +532,163 @@ impl Syncer {
         }
         Ok(())
     }
+}
 
-    async fn run(
-        &self,
-        program: &'static str,
-        args: &[&str],
-        stdin: Option<&str>,
-    ) -> Result<String, SyncError> {
-        let output = spawn_with_stdin(program, args, stdin).await?;
-        if output.status.success() {
-            return Ok(String::from_utf8_lossy(&output.stdout).into_owned());
-        }
-        Err(SyncError::Command {
-            program,
-            args: args.join(" "),
-            status: output.status,
-            stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
-        })
+/// What a read-back found in the tables we write.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IptablesReadBack {
+    pub tables: BTreeMap<Table, TableReadBack>,
+    /// Whether the mangle table still holds our canary.
+    pub mangle_canary: bool,
+}
+
+/// Reads back the nat and filter tables (and the mangle canary), beside the sync loop.
+///
+/// On legacy `iptables-save -t TABLE` is cheap (0.4 s at 2,700 Services, 1.4 s at 10,000)
+/// and prints exactly our text. On nf_tables it is not (10 s at 2,700 Services, over 100 s
+/// at 10,000, as it decodes every rule into text), so there the chain names and each of
+/// our chains' rules are read over netlink, one small dump per chain, and compared with
+/// the nf_tables form recorded right after each write; only the built-in and shared
+/// chains, where our rules sit among others', are listed as text (`iptables -S CHAIN`).
+pub async fn read_back(backend: Backend) -> Result<IptablesReadBack, SyncError> {
+    let mut read = IptablesReadBack::default();
+    for table in Table::ALL {
+        let name = table.as_str();
+        let table_read = match backend {
+            Backend::Legacy => {
+                let save = run(backend.save(), &["-t", name], None).await?;
+                blocking(move || Ok(TableReadBack::from_save(&save, name))).await?
+            }
+            Backend::Nft => {
+                let chains = chain_names(name).await?;
+                let inspection = inspect_chains(backend, name, &chains).await?;
+                let compared: Vec<String> = chains
+                    .into_iter()
+                    .filter(|chain| drift::is_compared_chain(name, chain))
+                    .collect();
+                TableReadBack {
+                    inspection,
+                    chains: read_rules(name, compared).await?,
+                }
+            }
+        };
+        read.tables.insert(table, table_read);
     }
+    read.mangle_canary = match backend {
+        Backend::Legacy => restore::parse_save(
+            &run(backend.save(), &["-t", "mangle"], None).await?,
+            "mangle",
+        )
+        .user_chains
+        .contains(CANARY_CHAIN),
+        Backend::Nft => chain_names("mangle").await?.contains(CANARY_CHAIN),
+    };
+    Ok(read)
+}
+
+/// What is in a table, only for full writes and cleanup (never on the hot path).
+///
+/// `iptables-nft-save` of a big table is slow (10-30 s at 2,700 Services, it decodes
+/// every rule), so on nf_tables the chain names come over netlink (no rules) and the rules
+/// of the built-in and shared chains from `iptables-nft -S CHAIN` (~15 ms each: it fetches
+/// only that chain). On legacy (where the save is ~1 s), `iptables-save -t TABLE` is used.
+async fn inspect(backend: Backend, table: &'static str) -> Result<TableInspection, SyncError> {
+    match backend {
+        Backend::Nft => inspect_chains(backend, table, &chain_names(table).await?).await,
+        Backend::Legacy => {
+            let output = run(backend.save(), &["-t", table], None).await?;
+            Ok(restore::parse_save(&output, table))
+        }
+    }
+}
+
+/// The inspection of an nf_tables table of which `chains` are all the chains.
+async fn inspect_chains(
+    backend: Backend,
+    table: &str,
+    chains: &BTreeSet<String>,
+) -> Result<TableInspection, SyncError> {
+    let mut save = format!("*{table}\n");
+    let listed = chains.iter().filter(|c| {
+        restore::builtin_chains(table).contains(&c.as_str())
+            || restore::is_shared_chain(table, c)
+            || (table == "filter" && c.as_str() == restore::KUBELET_FIREWALL_CHAIN)
+    });
+    for chain in listed {
+        let rules = run(
+            backend.iptables(),
+            &["-w", LOCK_WAIT_SECONDS, "-t", table, "-S", chain],
+            None,
+        )
+        .await?;
+        save.push_str(&restore::chain_listing_as_save(&rules));
+    }
+    for chain in chains
+        .iter()
+        .filter(|c| !restore::builtin_chains(table).contains(&c.as_str()))
+    {
+        save.push_str(&format!(":{chain} - [0:0]\n"));
+    }
+    Ok(restore::parse_save(&save, table))
+}
+
+/// The chain names of an nf_tables table (iptables-nft keeps each iptables table as the
+/// nftables table of the same name in family `ip`).
+async fn chain_names(table: &'static str) -> Result<BTreeSet<String>, SyncError> {
+    blocking(move || {
+        let chains = Netlink::open()
+            .and_then(|mut netlink| netlink.read_chains(table))
+            .map_err(|source| SyncError::Netlink { table, source })?;
+        Ok(chains.into_keys().collect())
+    })
+    .await
+}
+
+/// The digests of the rules of `chains` in an nf_tables table, as the kernel holds them.
+async fn read_rules(
+    table: &'static str,
+    chains: Vec<String>,
+) -> Result<BTreeMap<String, Vec<u64>>, SyncError> {
+    if chains.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    blocking(move || {
+        let mut netlink = Netlink::open().map_err(|source| SyncError::Netlink { table, source })?;
+        let read = netlink
+            .read_rules(table, chains.iter().map(String::as_str))
+            .map_err(|source| SyncError::Netlink { table, source })?;
+        Ok(read
+            .into_iter()
+            .map(|(chain, rules)| (chain.to_owned(), rules))
+            .collect())
+    })
+    .await
+}
+
+/// Runs `work` on the blocking pool (netlink dumps, parsing large listings).
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, SyncError> + Send + 'static,
+) -> Result<T, SyncError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|error| SyncError::Task(error.to_string()))?
+}
+
+async fn run(
+    program: &'static str,
+    args: &[&str],
+    stdin: Option<&str>,
+) -> Result<String, SyncError> {
+    let output = spawn_with_stdin(program, args, stdin).await?;
+    if output.status.success() {
+        return Ok(String::from_utf8_lossy(&output.stdout).into_owned());
+    }
+    Err(SyncError::Command {
+        program,
+        args: args.join(" "),
+        status: output.status,
+        stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+    })
 }
 
 fn canary_payload(table: &str) -> String {

@@ -3,7 +3,8 @@
 //! nftables table of our own (`--proxy-mode nftables`).
 //!
 //! Pure parts ([`convert`]: API objects → model, [`change_tracker`], [`restore`]:
-//! iptables-restore payloads, [`backend::detect`], [`conntrack::deletions`]) decide;
+//! iptables-restore payloads, [`drift`]: what a read-back of the kernel found changed,
+//! [`backend::detect`], [`conntrack::deletions`]) decide;
 //! [`iptables`] (runs iptables and iptables-restore), [`datapath`] (either mode behind one
 //! interface; nftables transactions go to the kernel through `tandem-nftables`),
 //! [`conntrack`], [`healthcheck`] and [`proxier`] (the watches and the sync loop) do the I/O.
@@ -14,6 +15,7 @@ pub mod cli;
 pub mod conntrack;
 pub mod convert;
 pub mod datapath;
+pub mod drift;
 pub mod healthcheck;
 pub mod iptables;
 pub mod metrics;

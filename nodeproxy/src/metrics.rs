@@ -56,6 +56,22 @@ pub struct SyncLabels {
     pub result: SyncResult,
 }
 
+/// What a repair of drift wrote again: a chain (iptables: one of ours, or a shared one
+/// lacking our rules; nftables: a chain of table ip tandem), a set or map of table ip
+/// tandem, a jump from a built-in chain, or a whole table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+pub enum RepairedObject {
+    Chain,
+    Set,
+    Jump,
+    Table,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RepairLabels {
+    pub object: RepairedObject,
+}
+
 /// Everything the node proxy counts. Labels are bounded enums, never object names.
 #[derive(Debug, Clone)]
 pub struct Metrics {
@@ -79,6 +95,11 @@ pub struct Metrics {
     pub nftables_chains: Gauge,
     pub nftables_rules: Gauge,
     pub nftables_elements: Gauge,
+    /// Objects someone else changed, found by the periodic read-back and written again.
+    pub sync_repairs: Family<RepairLabels, Counter>,
+    /// The periodic read-back of the kernel, beside the sync loop.
+    pub readback_duration: Histogram,
+    pub readback_failures: Counter,
 }
 
 /// A histogram of durations from 1 ms to about 65 s.
@@ -104,6 +125,9 @@ impl Metrics {
             nftables_chains: Gauge::default(),
             nftables_rules: Gauge::default(),
             nftables_elements: Gauge::default(),
+            sync_repairs: Family::default(),
+            readback_duration: seconds_histogram(),
+            readback_failures: Counter::default(),
         };
         let registry = registry.sub_registry_with_prefix("tandem_nodeproxy");
         registry.register(
@@ -175,6 +199,21 @@ impl Metrics {
             "nftables_rules",
             "Rules in table ip tandem (nftables mode)",
             metrics.nftables_rules.clone(),
+        );
+        registry.register(
+            "sync_repairs",
+            "Chains, sets, base jumps and tables someone else changed, found by the periodic read-back of the kernel and written again",
+            metrics.sync_repairs.clone(),
+        );
+        registry.register(
+            "sync_readback_duration_seconds",
+            "Duration of the periodic read-back of our rules from the kernel (beside the sync loop)",
+            metrics.readback_duration.clone(),
+        );
+        registry.register(
+            "sync_readback_failures",
+            "Periodic read-backs of our rules that failed",
+            metrics.readback_failures.clone(),
         );
         registry.register(
             "nftables_set_elements",

@@ -19,13 +19,14 @@ use serde::de::DeserializeOwned;
 use tandem_proxy_rules::health::health_check_services;
 use tandem_proxy_rules::model::NodeConfig;
 use tokio::sync::Notify;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::change_tracker::{self, ChangeTracker, Changes, SharedTracker};
 use crate::conntrack;
 use crate::convert;
-use crate::datapath::DataPath;
+use crate::datapath::{DataPath, ReadBack};
 use crate::healthcheck::{NodeHealth, ServiceHealthServers};
 use crate::metrics::{Metrics, SyncLabels, SyncResult};
 
@@ -243,8 +244,10 @@ impl Proxier {
 
     /// Run until `shutdown`: wait for the first full list of every watch, then sync on
     /// change (at most once per `min_sync_period`) and every `sync_period`, when the
-    /// incremental ruleset is also checked against a full rebuild. Rules stay in place on
-    /// shutdown, as with kube-proxy, so traffic keeps flowing across restarts.
+    /// incremental ruleset is also checked against a full rebuild and the kernel's rules
+    /// are read back, beside the loop, to repair what someone else changed (as kube-proxy
+    /// v1.21's rewrite of everything each period did). Rules stay in place on shutdown, as
+    /// with kube-proxy, so traffic keeps flowing across restarts.
     pub async fn run(
         mut self,
         observed: Observed,
@@ -263,11 +266,31 @@ impl Proxier {
         // The first periodic sync comes one period after the first sync.
         let mut next_periodic = Instant::now() + self.config.sync_period;
         let mut failures = 0u32;
+        // At most one read-back at a time; a period that finds one still running skips.
+        let mut read_back: Option<JoinHandle<ReadBack>> = None;
         loop {
             let periodic = tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = dirty.notified() => false,
                 () = tokio::time::sleep_until(next_periodic) => true,
+                done = async {
+                    match read_back.as_mut() {
+                        Some(task) => task.await,
+                        None => std::future::pending().await,
+                    }
+                }, if read_back.is_some() => {
+                    read_back = None;
+                    match done {
+                        Ok(read) => {
+                            if self.datapath.take_read_back(read, &self.metrics) > 0 {
+                                // Repaired by the next sync, as soon as one may run.
+                                dirty.notify_one();
+                            }
+                        }
+                        Err(error) => tracing::warn!(%error, "the read-back task failed"),
+                    }
+                    continue;
+                }
             };
             // Coalesce bursts: changes arriving while we wait are folded into this sync.
             tokio::select! {
@@ -276,7 +299,6 @@ impl Proxier {
             }
             if periodic {
                 next_periodic = Instant::now() + self.config.sync_period;
-                self.datapath.housekeeping().await;
             }
             last_sync = Instant::now();
             if self.sync_once(&observed, periodic).await {
@@ -285,6 +307,9 @@ impl Proxier {
                 // Try again, backing off; the failed tables are rewritten in full.
                 failures = failures.saturating_add(1);
                 dirty.notify_one();
+            }
+            if periodic && read_back.is_none() {
+                read_back = Some(self.datapath.start_read_back());
             }
         }
     }

@@ -91,6 +91,8 @@ pub struct Payload {
     pub deleted_chains: usize,
     /// `-A` lines in the payload.
     pub rules: usize,
+    /// The chains it writes or deletes, by name.
+    pub chains: BTreeSet<String>,
 }
 
 /// The payload that takes a table from `applied` to `desired`, where only the chains
@@ -98,12 +100,14 @@ pub struct Payload {
 /// deletes those that went away, or `None` when nothing changed. Declaring an existing
 /// chain in `--noflush` mode flushes it; deleted chains are flushed too and removed with
 /// `-X` after all rewritten chains, so nothing jumps to them any more by the time they go
-/// (all in one transaction).
+/// (all in one transaction). `ensure` lines (repairs of built-in and shared chains) go
+/// first.
 pub fn incremental(
     table: &str,
     applied: &TableRules,
     desired: &TableRules,
     candidates: &BTreeSet<String>,
+    ensure: &[String],
 ) -> Option<Payload> {
     // Shared chains never change (fixed rules) and must never be declared: skipped.
     let candidates: Vec<&String> = candidates
@@ -125,10 +129,10 @@ pub fn incremental(
         .copied()
         .filter(|name| applied.chains.contains_key(*name) && !desired.chains.contains_key(*name))
         .collect();
-    if changed.is_empty() && deleted.is_empty() {
+    if changed.is_empty() && deleted.is_empty() && ensure.is_empty() {
         return None;
     }
-    Some(noflush_payload(table, desired, &[], &changed, &deleted))
+    Some(noflush_payload(table, desired, ensure, &changed, &deleted))
 }
 
 /// [`incremental`] with every chain of either table as a candidate: a full comparison.
@@ -139,7 +143,7 @@ pub fn between(table: &str, applied: &TableRules, desired: &TableRules) -> Optio
         .chain(desired.chains.keys())
         .cloned()
         .collect();
-    incremental(table, applied, desired, &every_chain)
+    incremental(table, applied, desired, &every_chain, &[])
 }
 
 /// `ensure` lines (`-N`, `-A`) go first, so that the written chains' jumps find them.
@@ -175,6 +179,7 @@ fn noflush_payload(
         written_chains: write.len(),
         deleted_chains: delete.len(),
         rules,
+        chains: write.iter().chain(delete).map(|c| (*c).clone()).collect(),
     }
 }
 
@@ -381,6 +386,7 @@ fn flush_payload(table: &str, inspection: &TableInspection, desired: &TableRules
         written_chains: desired.chains.len(),
         deleted_chains: 0,
         rules,
+        chains: desired.chains.keys().cloned().collect(),
     }
 }
 

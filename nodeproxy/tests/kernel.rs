@@ -7,11 +7,11 @@ mod common;
 
 use common::*;
 use tandem_nodeproxy::backend::Backend;
-use tandem_nodeproxy::iptables::{SyncError, Syncer};
+use tandem_nodeproxy::iptables::{self, SyncError, Syncer, TableRepair};
 use tandem_nodeproxy::restore::RestoreMode;
 use tandem_proxy_rules::chains::{endpoint_chain, service_chain};
 use tandem_proxy_rules::model::{Protocol, ProxyState};
-use tandem_proxy_rules::ruleset::{Ruleset, Table};
+use tandem_proxy_rules::ruleset::{ChangedChains, Ruleset, Table};
 
 /// A scenario run once per backend, in its own fresh namespace.
 type Scenario = fn(Backend, String) -> std::pin::Pin<Box<dyn Future<Output = ()>>>;
@@ -260,22 +260,115 @@ fn foreign_rules_survive_and_cleanup_restores_the_tables() {
     });
 }
 
+/// A read-back by `syncer` and its comparison (the repairs are scheduled).
+async fn read_back(syncer: &mut Syncer, desired: &Ruleset) -> Vec<TableRepair> {
+    let backend = syncer.begin_read();
+    let read = iptables::read_back(backend).await.unwrap();
+    syncer.take_read_back(read, desired)
+}
+
 #[test]
-fn a_flushed_table_is_noticed_by_the_canaries_and_rewritten() {
+fn a_flushed_table_is_found_by_the_read_back_and_rewritten_in_full() {
     for_each_backend(|backend, _| {
         Box::pin(async move {
             let desired = ruleset(&reference_state(reference_endpoints()));
             let mut syncer = Syncer::new(backend);
             syncer.sync(&desired).await.unwrap();
             let expected = tables(backend);
-            assert!(syncer.canaries_present().await.unwrap());
+            assert_eq!(read_back(&mut syncer, &desired).await, vec![]);
             // Someone wipes nat.
             run(backend.iptables(), &["-t", "nat", "-F"]);
             run(backend.iptables(), &["-t", "nat", "-X"]);
-            assert!(!syncer.canaries_present().await.unwrap());
+            let found = read_back(&mut syncer, &desired).await;
+            assert_eq!(found.len(), 1, "{found:?}");
+            assert!(found[0].whole && found[0].drift.canary_missing);
             let done = syncer.sync(&desired).await.unwrap();
             assert!(done.iter().all(|t| t.full));
             assert_eq!(tables(backend), expected);
+            assert_eq!(read_back(&mut syncer, &desired).await, vec![]);
+        })
+    });
+}
+
+#[test]
+fn drifted_rules_chains_and_jumps_are_found_by_the_read_back_and_repaired_in_one_restore() {
+    for_each_backend(|backend, _| {
+        Box::pin(async move {
+            let state = reference_state(reference_endpoints());
+            let desired = ruleset(&state);
+            let mut syncer = Syncer::new(backend);
+            syncer.sync(&desired).await.unwrap();
+            let expected = tables(backend);
+            let sep = desired
+                .nat
+                .chains
+                .keys()
+                .find(|c| c.starts_with("KUBE-SEP-"))
+                .unwrap()
+                .clone();
+            let dnat = desired.nat.chains[&sep]
+                .iter()
+                .find(|r| r.contains("DNAT"))
+                .unwrap()
+                .clone();
+            let svc = desired
+                .nat
+                .chains
+                .keys()
+                .find(|c| c.starts_with("KUBE-SVC-"))
+                .unwrap()
+                .clone();
+            let ipt = |args: &[&str]| {
+                let mut all = vec!["-t", "nat"];
+                all.extend_from_slice(args);
+                run(backend.iptables(), &all);
+            };
+            // A DNAT rule deleted, a rule changed, the PREROUTING jump deleted, a rule
+            // taken from a shared chain, and a chain named as ours that we never wrote.
+            let mut delete = vec!["-D", sep.as_str()];
+            let dnat_args = iptables::split_rule(&dnat);
+            delete.extend(dnat_args.iter().map(String::as_str));
+            ipt(&delete);
+            ipt(&["-R", &svc, "1", "-j", "RETURN"]);
+            let jump = "-m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES";
+            let mut delete_jump = vec!["-D", "PREROUTING"];
+            let jump_args = iptables::split_rule(jump);
+            delete_jump.extend(jump_args.iter().map(String::as_str));
+            ipt(&delete_jump);
+            ipt(&["-F", "KUBE-MARK-DROP"]);
+            ipt(&["-N", "KUBE-SVC-NOTOURSATALL1"]);
+
+            let found = read_back(&mut syncer, &desired).await;
+            assert_eq!(found.len(), 1, "{found:?}");
+            let nat = &found[0];
+            assert!(!nat.whole);
+            assert_eq!(nat.table, Table::Nat);
+            assert_eq!(
+                nat.drift.chains.keys().collect::<Vec<_>>(),
+                [&sep, &svc],
+                "{nat:?}"
+            );
+            assert_eq!(nat.missing_rules[&sep], vec![dnat.clone()]);
+            assert_eq!(
+                nat.drift.unexpected,
+                ["KUBE-SVC-NOTOURSATALL1".to_owned()].into()
+            );
+            assert_eq!(nat.drift.jumps.len(), 1);
+            assert_eq!(nat.drift.shared_chains(), ["KUBE-MARK-DROP"].into());
+
+            let mut changed = ChangedChains::default();
+            changed.nat.extend(
+                nat.drift
+                    .chains
+                    .keys()
+                    .chain(&nat.drift.unexpected)
+                    .cloned(),
+            );
+            let done = syncer.sync_changed(&desired, &changed).await.unwrap();
+            assert_eq!(done.len(), 1, "one restore");
+            assert!(!done[0].full);
+            assert_eq!(tables(backend), expected);
+            assert_eq!(read_back(&mut syncer, &desired).await, vec![]);
         })
     });
 }
