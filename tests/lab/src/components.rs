@@ -1,11 +1,12 @@
 //! Starting the lab's processes inside their namespaces and waiting until they serve.
 
-use std::fs::File;
+use std::fs::OpenOptions;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::Signal;
 use tandem_netlab::{ChildGuard, NetlabError, Netns};
 
 use crate::images::{ContainerGuard, ContainerRun};
@@ -26,6 +27,8 @@ pub enum ComponentError {
         log: PathBuf,
         tail: String,
     },
+    #[error("signalling {name}: {source}")]
+    Signal { name: String, source: NetlabError },
     #[error(
         "{name} did not accept connections on {addr} within {waited:?}; last lines of {log}:\n{tail}"
     )]
@@ -50,7 +53,8 @@ pub struct Component {
 }
 
 impl Component {
-    /// Starts `program args` in `netns`, stdout and stderr to `log_dir/name.log`.
+    /// Starts `program args` in `netns`, stdout and stderr to `log_dir/name.log` (appended
+    /// to, so that a component started again keeps its earlier run's log).
     pub fn start(
         netns: &Netns,
         name: &str,
@@ -94,10 +98,14 @@ impl Component {
         log_dir: &Path,
     ) -> Result<Self, ComponentError> {
         let log = log_dir.join(format!("{name}.log"));
-        let out = File::create(&log).map_err(|source| ComponentError::Log {
-            path: log.clone(),
-            source,
-        })?;
+        let out = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .map_err(|source| ComponentError::Log {
+                path: log.clone(),
+                source,
+            })?;
         let err = out.try_clone().map_err(|source| ComponentError::Log {
             path: log.clone(),
             source,
@@ -118,6 +126,35 @@ impl Component {
 
     pub fn pid(&self) -> u32 {
         self.guard.pid()
+    }
+
+    /// Whether the process is still running (false once it exited, however).
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.guard.try_wait(), Ok(None))
+    }
+
+    /// Sends `signal` and waits up to `grace` for the process to exit; what is left then is
+    /// killed when the component drops. Returns how long the process took to exit, or
+    /// `None` when it did not within `grace`.
+    pub async fn stop(
+        mut self,
+        signal: Signal,
+        grace: Duration,
+    ) -> Result<Option<Duration>, ComponentError> {
+        let start = Instant::now();
+        self.guard
+            .signal(signal)
+            .map_err(|source| ComponentError::Signal {
+                name: self.name.clone(),
+                source,
+            })?;
+        while start.elapsed() < grace {
+            if !self.is_running() {
+                return Ok(Some(start.elapsed()));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(None)
     }
 
     /// Waits until `addr` accepts TCP connections (from the lab's own namespace), failing

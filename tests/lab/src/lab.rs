@@ -1,13 +1,15 @@
 //! The running lab: topology, processes, and the API/cloud clients to drive them.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Event, Service};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use tandem_common::{NODE_HEALTHZ_PORT, ProxyMode};
+use nix::sys::signal::Signal;
+use tandem_common::{GoDuration, NODE_HEALTHZ_PORT, ProxyMode};
 use tandem_netlab::cluster::{Endpoint, EndpointSliceWriter, LabNode, NodeAgent, NodeAgentConfig};
 use tandem_netlab::{Host, Netns, Node, PodNetwork, Topology};
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -17,10 +19,20 @@ use crate::bridge::RelayThread;
 use crate::components::Component;
 use crate::images::{ContainerRun, Images};
 use crate::netns;
+use crate::rules;
 use crate::scenario::{ServicePlan, Spread};
+use crate::traffic::{Traffic, TrafficArgs};
 
 const API_PORT: u16 = 6443;
 const CLOUD_PORT: u16 = 8080;
+/// The first controller replica's metrics and health ports; replica N adds 10 × N.
+const CONTROLLER_METRICS_PORT: u16 = 10257;
+const CONTROLLER_HEALTH_PORT: u16 = 10258;
+/// The Lease the controller replicas elect their leader on (the controller's defaults).
+const LEADER_LEASE_NAMESPACE: &str = "kube-system";
+const LEADER_LEASE_NAME: &str = "tandem-controller";
+/// How long a stopped process may take to exit before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(10);
 /// The mock cloud's VIP pools: the lab's VIP range (198.51.100.0/24, routed to the cloud
 /// edge) split in halves, so the second pool's addresses stay inside the lab too.
 pub const VIP_POOLS: [(&str, &str); 2] = [
@@ -44,6 +56,12 @@ pub struct LabOptions {
     pub images: Option<Images>,
     /// The node proxies' data path.
     pub proxy_mode: ProxyMode,
+    /// Controller replicas; with more than one they elect a leader on a Lease, as the
+    /// chart's Deployment runs them.
+    pub controller_replicas: usize,
+    /// The node proxies' `--sync-period` (how often they rewrite their rules in full);
+    /// their default when `None`.
+    pub sync_period: Option<Duration>,
 }
 
 impl Default for LabOptions {
@@ -57,11 +75,12 @@ impl Default for LabOptions {
             pod_network: PodNetwork::DEFAULT,
             images: None,
             proxy_mode: ProxyMode::default(),
+            controller_replicas: 1,
+            sync_period: None,
         }
     }
 }
 
-/// A running lab. Dropping it stops every process and removes every namespace.
 /// A built virtual cluster, before its processes start: see [`Lab::prepare`].
 pub struct Prepared {
     topology: Topology,
@@ -69,13 +88,27 @@ pub struct Prepared {
     relay: Option<RelayThread>,
 }
 
+/// A running lab. Dropping it stops every process and removes every namespace.
 pub struct Lab {
     // Field order is drop order: the node agent stops before the API server it talks to,
     // and processes go before the namespaces they run in.
     /// Stops the node agent (Lease renewals, Ready heartbeats) when the lab goes.
     _node_agent: DropGuard,
-    /// Held for their drop: it stops the processes.
+    /// The controller's replicas, in the order they were started; stopped ones are gone.
+    controllers: Vec<ControllerReplica>,
+    /// Controller replicas started so far: the next one's number.
+    controllers_started: usize,
+    /// Whether the replicas elect a leader, and on which Lease (namespace, name).
+    leader_lease: Option<(String, String)>,
+    /// The controller's flags every replica shares.
+    controller_args: Vec<String>,
+    /// One per node, in node order.
+    node_proxies: Vec<NodeProxy>,
+    /// The node proxies' `--sync-period`, when the lab sets it.
+    sync_period: Option<Duration>,
+    /// Held for their drop: the API server stand-in and the mock cloud.
     _components: Vec<Component>,
+    launcher: Launcher,
     relay: Option<RelayThread>,
     pub topology: Topology,
     pub run_dir: PathBuf,
@@ -193,10 +226,10 @@ impl Lab {
             None => None,
         };
         let launcher = Launcher {
-            images: options.images.as_ref().zip(engine_config.as_deref()),
-            prefix: topology.prefix(),
-            run_dir: &run_dir,
-            logs: &logs,
+            images: options.images.clone().zip(engine_config),
+            prefix: topology.prefix().to_owned(),
+            run_dir: run_dir.clone(),
+            logs: logs.clone(),
         };
         let mut cloud_args = vec![
             format!("--listen={cloud_addr}"),
@@ -235,60 +268,53 @@ impl Lab {
         .map_err(|e| anyhow!("cloud client: {e}"))?;
 
         progress("starting a node proxy on every node");
-        for node in topology.nodes() {
-            let mut proxy = launcher.start(
-                &node.netns,
-                &format!("nodeproxy-{}", node.name),
-                "tandem-nodeproxy",
-                // What the chart's DaemonSet grants: iptables and conntrack.
-                &["NET_ADMIN", "NET_RAW"],
-                &[
-                    format!("--kubeconfig={}", kubeconfig.display()),
-                    format!("--node-name={}", node.name),
-                    format!("--cluster-cidr={}", topology.pod_network()),
-                    format!("--healthz-bind-address=0.0.0.0:{NODE_HEALTHZ_PORT}"),
-                    "--metrics-bind-address=127.0.0.1:10249".to_owned(),
-                    "--min-sync-period=200ms".to_owned(),
-                    format!("--proxy-mode={}", options.proxy_mode),
-                ],
-            )?;
-            proxy
-                .wait_serving(
-                    SocketAddr::from((node.ip, NODE_HEALTHZ_PORT)),
-                    Duration::from_secs(20),
-                )
-                .await?;
-            components.push(proxy);
-        }
+        let node_proxies = topology
+            .nodes()
+            .iter()
+            .map(|node| NodeProxy {
+                node: node.clone(),
+                mode: options.proxy_mode,
+                process: None,
+            })
+            .collect();
 
-        progress("starting the controller");
-        let health = SocketAddr::from((cp.ip, 10258));
-        let mut args = vec![
+        let mut controller_args = vec![
             format!("--kubeconfig={}", kubeconfig.display()),
             format!("--cloud-url={cloud_url}"),
             format!("--cloud-token-file={}", token_file.display()),
             format!("--cluster-id={}", options.cluster_id),
-            format!("--health-bind-address={health}"),
-            format!(
-                "--metrics-bind-address={}",
-                SocketAddr::from((cp.ip, 10257))
-            ),
         ];
         if let Some(class) = &load_balancer_class {
-            args.extend([
+            controller_args.extend([
                 format!("--load-balancer-class={class}"),
                 "--claim-unclassed=false".to_owned(),
             ]);
         }
-        let mut controller =
-            launcher.start(&cp.netns, "controller", "tandem-controller", &[], &args)?;
-        controller
-            .wait_serving(health, Duration::from_secs(20))
-            .await?;
-        components.push(controller);
+        // On a shared API server each lab elects on a Lease of its own.
+        let leader_lease = (options.controller_replicas > 1).then(|| {
+            let name = match relay {
+                Some(_) => format!("tandem-lab-{}", topology.prefix()),
+                None => LEADER_LEASE_NAME.to_owned(),
+            };
+            (LEADER_LEASE_NAMESPACE.to_owned(), name)
+        });
+        if let Some((namespace, name)) = &leader_lease {
+            controller_args.extend([
+                "--leader-elect".to_owned(),
+                format!("--leader-elect-namespace={namespace}"),
+                format!("--leader-elect-lease-name={name}"),
+            ]);
+        }
 
-        Ok(Self {
+        let mut lab = Self {
             _components: components,
+            controllers: Vec::new(),
+            controllers_started: 0,
+            leader_lease,
+            controller_args,
+            node_proxies,
+            sync_period: options.sync_period,
+            launcher,
             relay,
             load_balancer_class,
             created: std::sync::Mutex::new(Vec::new()),
@@ -302,7 +328,20 @@ impl Lab {
             cloud: cloud_client,
             cloud_url,
             _node_agent: stop_agent.drop_guard(),
-        })
+        };
+        for index in 0..lab.node_proxies.len() {
+            lab.start_node_proxy(index, options.proxy_mode)?;
+            lab.wait_node_proxy_serving(index).await?;
+        }
+        progress(if options.controller_replicas > 1 {
+            "starting the controller's replicas (leader election)"
+        } else {
+            "starting the controller"
+        });
+        for _ in 0..options.controller_replicas.max(1) {
+            lab.start_controller_replica().await?;
+        }
+        Ok(lab)
     }
 
     /// Stops the lab. On a real API server it first removes what the lab wrote there: its
@@ -338,6 +377,12 @@ impl Lab {
                 .unregister()
                 .await
                 .context("removing the lab's Nodes and Leases")?;
+            if let Some((namespace, name)) = &self.leader_lease {
+                let leases: Api<Lease> = Api::namespaced(self.kube.clone(), namespace);
+                if let Err(e) = leases.delete(name, &DeleteParams::default()).await {
+                    tracing::warn!(error = %e, lease = %name, "removing the controllers' leader Lease");
+                }
+            }
         }
         Ok(())
     }
@@ -466,7 +511,7 @@ impl Lab {
             }
             if start.elapsed() > timeout {
                 bail!(
-                    "Service {}/{} got no ingress IP within {timeout:?}; check {} (controller.log, cloud-mock.log) and its Events",
+                    "Service {}/{} got no ingress IP within {timeout:?}; check {} (controller*.log, cloud-mock.log) and its Events",
                     plan.namespace,
                     plan.name,
                     self.run_dir.join("logs").display()
@@ -573,22 +618,9 @@ impl Lab {
         timeout: Duration,
     ) -> Result<()> {
         let start = Instant::now();
-        let (command, needle): (&[&str], String) = match self.proxy_mode {
-            ProxyMode::Iptables => (
-                &["iptables", "-w", "-t", "nat", "-S"],
-                format!("-d {ip}/32"),
-            ),
-            ProxyMode::Nftables => (
-                &["nft", "list", "table", "ip", "tandem"],
-                format!("{ip} . "),
-            ),
-        };
         loop {
-            let out = node
-                .exec_async(command.iter().copied())
-                .await
-                .context("listing the node's rules")?;
-            if String::from_utf8_lossy(&out.stdout).contains(&needle) {
+            let listing = node_rules(node, self.proxy_mode).await?;
+            if rules::mentions(self.proxy_mode, &listing, ip) {
                 return Ok(());
             }
             if start.elapsed() > timeout {
@@ -596,6 +628,281 @@ impl Lab {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// The endpoints (pod address and target port) the plan's pods give its TCP port.
+    pub fn endpoints_of(&self, plan: &ServicePlan) -> Result<Vec<SocketAddrV4>> {
+        plan.pods
+            .iter()
+            .map(|name| {
+                let pod = self.topology.pod(name)?;
+                Ok(SocketAddrV4::new(pod.ip, plan.target_port))
+            })
+            .collect()
+    }
+
+    /// Starts client traffic (`tandem-traffic`, see [`crate::traffic`]) from `client`; its
+    /// log is `logs/traffic-NAME.log`.
+    pub async fn start_traffic(
+        &self,
+        client: &Host,
+        args: &TrafficArgs,
+        name: &str,
+    ) -> Result<Traffic> {
+        let log = self
+            .run_dir
+            .join("logs")
+            .join(format!("traffic-{name}.log"));
+        Ok(Traffic::start(&client.netns, args, &log).await?)
+    }
+
+    /// The mode node `index`'s proxy runs in, or last ran in (nodes in topology order, from 0).
+    pub fn node_proxy_mode(&self, index: usize) -> Result<ProxyMode> {
+        Ok(self.node_proxy(index)?.mode)
+    }
+
+    fn node_proxy(&self, index: usize) -> Result<&NodeProxy> {
+        self.node_proxies
+            .get(index)
+            .ok_or_else(|| anyhow!("the lab has no node {index} (from 0)"))
+    }
+
+    fn node_proxy_mut(&mut self, index: usize) -> Result<&mut NodeProxy> {
+        self.node_proxies
+            .get_mut(index)
+            .ok_or_else(|| anyhow!("the lab has no node {index} (from 0)"))
+    }
+
+    /// Starts node `index`'s proxy in `mode` and returns when it was spawned; it must not
+    /// be running. [`Lab::wait_node_proxy_serving`] waits until it serves.
+    pub fn start_node_proxy(&mut self, index: usize, mode: ProxyMode) -> Result<Instant> {
+        let node = self.node_proxy(index)?.node.clone();
+        if self.node_proxy(index)?.process.is_some() {
+            bail!("the node proxy of {} runs already", node.name);
+        }
+        let mut args = vec![
+            format!("--kubeconfig={}", self.kubeconfig.display()),
+            format!("--node-name={}", node.name),
+            format!("--cluster-cidr={}", self.topology.pod_network()),
+            format!("--healthz-bind-address=0.0.0.0:{NODE_HEALTHZ_PORT}"),
+            "--metrics-bind-address=127.0.0.1:10249".to_owned(),
+            "--min-sync-period=200ms".to_owned(),
+            format!("--proxy-mode={mode}"),
+        ];
+        if let Some(period) = self.sync_period {
+            args.push(format!("--sync-period={}", GoDuration(period)));
+        }
+        let spawned = Instant::now();
+        let process = self.launcher.start(
+            &node.netns,
+            &format!("nodeproxy-{}", node.name),
+            "tandem-nodeproxy",
+            // What the chart's DaemonSet grants: iptables and conntrack.
+            &["NET_ADMIN", "NET_RAW"],
+            &args,
+        )?;
+        let proxy = self.node_proxy_mut(index)?;
+        proxy.mode = mode;
+        proxy.process = Some(process);
+        Ok(spawned)
+    }
+
+    /// Waits until node `index`'s proxy serves its health port.
+    pub async fn wait_node_proxy_serving(&mut self, index: usize) -> Result<()> {
+        let proxy = self.node_proxy_mut(index)?;
+        let addr = SocketAddr::from((proxy.node.ip, NODE_HEALTHZ_PORT));
+        let name = proxy.node.name.clone();
+        let process = proxy
+            .process
+            .as_mut()
+            .ok_or_else(|| anyhow!("the node proxy of {name} is not running"))?;
+        process.wait_serving(addr, Duration::from_secs(20)).await?;
+        Ok(())
+    }
+
+    /// Waits until node `index`'s proxy answers `/healthz` with 200 (it has synced), as a
+    /// DaemonSet's readiness probe does; returns how long it took.
+    pub async fn wait_node_proxy_healthy(&self, index: usize) -> Result<Duration> {
+        let node = &self.node_proxy(index)?.node;
+        let healthz = SocketAddr::from((node.ip, NODE_HEALTHZ_PORT));
+        let start = Instant::now();
+        loop {
+            let answer = tokio::time::timeout(
+                Duration::from_secs(1),
+                crate::traffic::http_get(healthz, "/healthz"),
+            )
+            .await;
+            let last = match answer {
+                Ok(Ok((200, _))) => return Ok(start.elapsed()),
+                Ok(Ok((status, body))) => format!("HTTP {status}: {body}"),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "no answer within 1 s".to_owned(),
+            };
+            if start.elapsed() > Duration::from_secs(20) {
+                bail!(
+                    "the node proxy of {} is not healthy after 20 s: {last}",
+                    node.name
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Sends `signal` to node `index`'s proxy and waits until it exited (it is killed when
+    /// it has not within 10 s); returns how long it took.
+    pub async fn stop_node_proxy(&mut self, index: usize, signal: Signal) -> Result<Duration> {
+        let proxy = self.node_proxy_mut(index)?;
+        let name = proxy.node.name.clone();
+        let process = proxy
+            .process
+            .take()
+            .ok_or_else(|| anyhow!("the node proxy of {name} is not running"))?;
+        process.stop(signal, STOP_GRACE).await?.ok_or_else(|| {
+            anyhow!("the node proxy of {name} did not exit within {STOP_GRACE:?} of {signal}")
+        })
+    }
+
+    /// Stops node `index`'s proxy with SIGTERM, starts it again in `mode`, and waits until
+    /// it is healthy: a DaemonSet's rolling restart on one node. Returns how long the node
+    /// was without a healthy node proxy.
+    pub async fn restart_node_proxy(&mut self, index: usize, mode: ProxyMode) -> Result<Duration> {
+        let start = Instant::now();
+        self.stop_node_proxy(index, Signal::SIGTERM).await?;
+        self.start_node_proxy(index, mode)?;
+        self.wait_node_proxy_healthy(index).await?;
+        Ok(start.elapsed())
+    }
+
+    /// Starts one more controller replica, with an identity of its own (as a Deployment's
+    /// new pod), and waits until it serves its health port; returns its identity. Without
+    /// leader election only one replica may run.
+    pub async fn start_controller_replica(&mut self) -> Result<String> {
+        let running = self.controller_replicas();
+        if self.leader_lease.is_none() && !running.is_empty() {
+            bail!(
+                "a second controller replica needs leader election (LabOptions::controller_replicas > 1)"
+            );
+        }
+        self.controllers_started += 1;
+        let identity = match self.leader_lease {
+            Some(_) => format!("controller-{}", self.controllers_started),
+            None => "controller".to_owned(),
+        };
+        // Each replica binds ports of its own: the lowest slot no running replica uses.
+        let cp = self.topology.control_plane().clone();
+        let slot = (0u16..)
+            .find(|slot| {
+                let health = SocketAddr::from((cp.ip, CONTROLLER_HEALTH_PORT + 10 * slot));
+                self.controllers.iter().all(|c| c.health != health)
+            })
+            .unwrap_or_default();
+        let health = SocketAddr::from((cp.ip, CONTROLLER_HEALTH_PORT + 10 * slot));
+        let metrics = SocketAddr::from((cp.ip, CONTROLLER_METRICS_PORT + 10 * slot));
+        let mut args = self.controller_args.clone();
+        args.extend([
+            format!("--health-bind-address={health}"),
+            format!("--metrics-bind-address={metrics}"),
+            format!("--identity={identity}"),
+        ]);
+        let mut component =
+            self.launcher
+                .start(&cp.netns, &identity, "tandem-controller", &[], &args)?;
+        component
+            .wait_serving(health, Duration::from_secs(20))
+            .await?;
+        self.controllers.push(ControllerReplica {
+            identity: identity.clone(),
+            health,
+            component,
+        });
+        Ok(identity)
+    }
+
+    /// The identities of the running controller replicas, oldest first. A replica that
+    /// exited by itself (e.g. after losing the leader Lease) is logged and forgotten; the
+    /// lab does not restart it (no kubelet here): see [`Lab::start_controller_replica`].
+    pub fn controller_replicas(&mut self) -> Vec<String> {
+        self.controllers.retain_mut(|replica| {
+            let running = replica.component.is_running();
+            if !running {
+                tracing::warn!(identity = %replica.identity, log = %replica.component.log.display(), "a controller replica exited");
+            }
+            running
+        });
+        self.controllers
+            .iter()
+            .map(|c| c.identity.clone())
+            .collect()
+    }
+
+    /// The holder of the controllers' leader Lease, if any (`None` also without leader
+    /// election).
+    pub async fn controller_leader(&self) -> Result<Option<String>> {
+        let Some((namespace, name)) = &self.leader_lease else {
+            return Ok(None);
+        };
+        let leases: Api<Lease> = Api::namespaced(self.kube.clone(), namespace);
+        let lease = leases
+            .get_opt(name)
+            .await
+            .with_context(|| format!("reading Lease {namespace}/{name}"))?;
+        Ok(lease
+            .and_then(|l| l.spec)
+            .and_then(|s| s.holder_identity)
+            .filter(|holder| !holder.is_empty()))
+    }
+
+    /// Sends `signal` to the controller replica `identity` and waits until it exited.
+    pub async fn stop_controller(&mut self, identity: &str, signal: Signal) -> Result<()> {
+        let position = self
+            .controllers
+            .iter()
+            .position(|c| c.identity == identity)
+            .ok_or_else(|| anyhow!("no controller replica {identity} runs"))?;
+        let replica = self.controllers.remove(position);
+        replica
+            .component
+            .stop(signal, STOP_GRACE)
+            .await?
+            .ok_or_else(|| {
+                anyhow!(
+                    "controller replica {identity} did not exit within {STOP_GRACE:?} of {signal}"
+                )
+            })?;
+        Ok(())
+    }
+
+    /// Makes the API server unreachable from everything in the lab (the node proxies, the
+    /// controllers and the lab's own node agent) until the returned outage ends: its
+    /// packets are dropped in the control plane, so connections stall rather than close,
+    /// as when a network path fails. Nothing in the API server is lost.
+    pub async fn block_api_server(&self) -> Result<ApiOutage> {
+        let cp = self.topology.control_plane();
+        let outage = ApiOutage {
+            netns: cp.netns.clone(),
+            rule: [
+                "INPUT",
+                "-d",
+                &cp.ip.to_string(),
+                "-p",
+                "tcp",
+                "--dport",
+                &API_PORT.to_string(),
+                "-m",
+                "comment",
+                "--comment",
+                "tandem-lab: API server outage",
+                "-j",
+                "DROP",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+            ended: false,
+        };
+        outage
+            .iptables("--insert", "blocking the API server")
+            .await?;
+        Ok(outage)
     }
 
     /// Packets counted by the rules of the chains named `chain` (or, when it ends in `-`,
@@ -618,6 +925,70 @@ impl Lab {
     }
 }
 
+/// A node's proxy: the mode it runs (or last ran) in, and its process while it runs.
+struct NodeProxy {
+    node: Node,
+    mode: ProxyMode,
+    process: Option<Component>,
+}
+
+/// One controller replica: the identity it elects its leader with, and its process.
+struct ControllerReplica {
+    identity: String,
+    health: SocketAddr,
+    component: Component,
+}
+
+/// The API server unreachable from inside the lab (see [`Lab::block_api_server`]); ends
+/// with [`ApiOutage::end`], or when dropped.
+pub struct ApiOutage {
+    netns: Netns,
+    /// The DROP rule's chain and matches.
+    rule: Vec<String>,
+    ended: bool,
+}
+
+impl ApiOutage {
+    /// `iptables OPERATION` of the rule.
+    fn command(&self, operation: &str) -> Vec<String> {
+        ["iptables", "-w", operation]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .chain(self.rule.iter().cloned())
+            .collect()
+    }
+
+    async fn iptables(&self, operation: &str, what: &str) -> Result<()> {
+        let out = self
+            .netns
+            .exec_async(self.command(operation))
+            .await
+            .context(what.to_owned())?;
+        if !out.status.success() {
+            bail!("{what}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(())
+    }
+
+    /// Makes the API server reachable again.
+    pub async fn end(mut self) -> Result<()> {
+        self.iptables("--delete", "ending the API server outage")
+            .await?;
+        self.ended = true;
+        Ok(())
+    }
+}
+
+impl Drop for ApiOutage {
+    fn drop(&mut self) {
+        if !self.ended
+            && let Err(e) = self.netns.exec(self.command("--delete"))
+        {
+            tracing::warn!(error = %e, "ending the API server outage");
+        }
+    }
+}
+
 impl Drop for Lab {
     fn drop(&mut self) {
         if self.keep_run_dir || std::thread::panicking() {
@@ -629,15 +1000,15 @@ impl Drop for Lab {
 }
 
 /// Starts Tandem's binaries: as processes in the lab's namespaces, or from their images.
-struct Launcher<'a> {
+struct Launcher {
     /// The images and the engine configuration, or `None` for processes.
-    images: Option<(&'a Images, &'a Path)>,
-    prefix: &'a str,
-    run_dir: &'a Path,
-    logs: &'a Path,
+    images: Option<(Images, PathBuf)>,
+    prefix: String,
+    run_dir: PathBuf,
+    logs: PathBuf,
 }
 
-impl Launcher<'_> {
+impl Launcher {
     /// Starts `binary args` in `netns` as `name`; a container gets `capabilities` (a
     /// process runs as root with all of them).
     fn start(
@@ -648,14 +1019,14 @@ impl Launcher<'_> {
         capabilities: &[&'static str],
         args: &[String],
     ) -> Result<Component> {
-        let component = match self.images {
+        let component = match &self.images {
             None => Component::start(
                 netns,
                 name,
                 &binaries::locate(binary)?,
                 args,
                 &[],
-                self.logs,
+                &self.logs,
             )?,
             Some((images, config)) => {
                 let run = ContainerRun {
@@ -665,9 +1036,9 @@ impl Launcher<'_> {
                     netns: netns.name().to_owned(),
                     add_capabilities: capabilities.to_vec(),
                     // Kubeconfig, cloud token and the cloud's data, at the same paths.
-                    mounts: vec![self.run_dir.to_owned()],
+                    mounts: vec![self.run_dir.clone()],
                 };
-                Component::start_container(&run, name, args, self.logs)?
+                Component::start_container(&run, name, args, &self.logs)?
             }
         };
         Ok(component)
@@ -698,6 +1069,23 @@ async fn start_stand_in(
         .wait_serving(api_addr, Duration::from_secs(20))
         .await?;
     Ok(apiserver)
+}
+
+/// What a node's kernel holds of a node proxy's rules in `mode` (see
+/// [`rules::listing_command`]); empty when there is no table `ip tandem`.
+pub async fn node_rules(node: &Netns, mode: ProxyMode) -> Result<String> {
+    let out = node
+        .exec_async(rules::listing_command(mode).iter().copied())
+        .await
+        .context("listing the node's rules")?;
+    if out.status.success() {
+        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    let error = String::from_utf8_lossy(&out.stderr);
+    if mode == ProxyMode::Nftables && error.contains("No such file or directory") {
+        return Ok(String::new());
+    }
+    bail!("{}: {error}", rules::listing_command(mode).join(" "))
 }
 
 /// The first IPv4 ingress address of a Service's status.

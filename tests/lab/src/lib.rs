@@ -8,11 +8,14 @@
 pub mod binaries;
 pub mod bridge;
 pub mod components;
+pub mod harness;
 pub mod images;
 pub mod lab;
 pub mod netns;
 pub mod report;
+pub mod rules;
 pub mod scenario;
+pub mod traffic;
 
 pub use lab::{Lab, LabOptions, Prepared};
 pub use scenario::{LbMode, ServicePlan};

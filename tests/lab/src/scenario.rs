@@ -9,10 +9,14 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tandem_netlab::{EchoReply, Node};
 
+use crate::rules;
+
 /// The annotation that picks the load balancer's mode in the mock cloud.
 pub const MODE_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-mode";
 /// The annotation that picks the address pool.
 pub const POOL_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-address-pool";
+/// The name of a lab Service's TCP port (its UDP port is `udp`).
+pub const HTTP_PORT_NAME: &str = "http";
 /// The annotation whose value lets Services share one address.
 pub const SHARED_IP_ANNOTATION: &str =
     "service.beta.kubernetes.io/mockcloud-load-balancer-allow-shared-ip";
@@ -97,7 +101,7 @@ impl ServicePlan {
             },
             spec: Some(ServiceSpec {
                 type_: Some("LoadBalancer".to_owned()),
-                ports: Some(vec![port("http", "TCP"), port("udp", "UDP")]),
+                ports: Some(vec![port(HTTP_PORT_NAME, "TCP"), port("udp", "UDP")]),
                 external_traffic_policy: Some(
                     if self.external_traffic_policy_local {
                         "Local"
@@ -113,6 +117,15 @@ impl ServicePlan {
                 ..ServiceSpec::default()
             }),
             status: None,
+        }
+    }
+
+    /// The TCP port, as the node proxies name it in their rules.
+    pub fn http_port(&self) -> rules::ServicePort {
+        rules::ServicePort {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            port: HTTP_PORT_NAME.to_owned(),
         }
     }
 }

@@ -6,49 +6,22 @@
 use std::future::Future;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tandem_common::ProxyMode;
-use tandem_lab::images::Images;
-use tandem_lab::lab::{Lab, LabOptions};
+use tandem_lab::harness;
+use tandem_lab::lab::Lab;
 use tandem_lab::scenario::{LbMode, POOL_ANNOTATION, SHARED_IP_ANNOTATION, ServicePlan, Spread};
 
-static ONE_LAB_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-/// Set to a kubeconfig to run the whole suite against that (real) API server instead of
-/// the stand-in: `TANDEM_E2E_KUBECONFIG=~/.kube/config cargo test -p tandem-lab --test e2e`.
-const REAL_API_SERVER_ENV: &str = "TANDEM_E2E_KUBECONFIG";
-
-/// Set to an image registry prefix to run the suite's components from the images
-/// `scripts/images.sh` built (`TANDEM_E2E_IMAGES=ghcr.io/tandem`); a missing image then
-/// fails the test, never falls back to the binaries.
-const IMAGES_ENV: &str = "TANDEM_E2E_IMAGES";
-/// The node proxies' `--proxy-mode` (`iptables`, the default, or `nftables`): CI runs the
-/// data-path tests in both.
-const PROXY_MODE_ENV: &str = "TANDEM_E2E_PROXY_MODE";
-
-fn proxy_mode() -> ProxyMode {
-    use clap::ValueEnum;
-    match std::env::var(PROXY_MODE_ENV) {
-        Ok(value) => ProxyMode::from_str(&value, true)
-            .unwrap_or_else(|e| panic!("{PROXY_MODE_ENV}={value}: {e}")),
-        Err(_) => ProxyMode::default(),
-    }
-}
-
-/// Builds a lab with `pods_per_node`, runs `body` on it inside the control-plane namespace,
-/// and tears it down.
+/// Builds a lab with `pods_per_node` (on the API server, images and proxy mode the
+/// environment names, see `tandem_lab::harness`), runs `body` on it inside the
+/// control-plane namespace, and tears it down.
 fn with_lab<F, Fut>(pods_per_node: &[u32], body: F)
 where
     F: FnOnce(Lab) -> Fut + Send + 'static,
     Fut: Future<Output = Lab>,
 {
-    with_lab_on(
-        pods_per_node,
-        std::env::var_os(REAL_API_SERVER_ENV).map(PathBuf::from),
-        body,
-    );
+    harness::run(harness::options_from_env(pods_per_node).unwrap(), body).unwrap();
 }
 
 /// [`with_lab`] against the API server of `api_server` (a kubeconfig), or the stand-in.
@@ -57,35 +30,9 @@ where
     F: FnOnce(Lab) -> Fut + Send + 'static,
     Fut: Future<Output = Lab>,
 {
-    let _serial = ONE_LAB_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let options = LabOptions {
-        nodes: pods_per_node.len(),
-        pods_per_node: pods_per_node.to_vec(),
-        api_server,
-        images: std::env::var(IMAGES_ENV).ok().map(Images::new),
-        proxy_mode: proxy_mode(),
-        ..LabOptions::default()
-    };
-    // The lab's thread moves into the control-plane namespace and its runtime's threads are
-    // born there; the test's own thread stays where it was.
-    let lab_thread = std::thread::spawn(move || {
-        let prepared = Lab::prepare(&options).unwrap();
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let start = Instant::now();
-            let progress =
-                |what: &str| eprintln!("[{:>5.1}s] {what}", start.elapsed().as_secs_f64());
-            let lab = Lab::start(prepared, options, &progress).await.unwrap();
-            body(lab).await.shutdown().await.unwrap();
-        });
-    });
-    if let Err(panic) = lab_thread.join() {
-        std::panic::resume_unwind(panic);
-    }
+    let mut options = harness::options_from_env(pods_per_node).unwrap();
+    options.api_server = api_server;
+    harness::run(options, body).unwrap();
 }
 
 /// Packets counted so far by KUBE-MARK-DROP, filter KUBE-PROXY-FIREWALL and the KUBE-FW chains,
