@@ -813,6 +813,7 @@ impl Lab {
         self.controllers.push(ControllerReplica {
             identity: identity.clone(),
             health,
+            metrics,
             component,
         });
         Ok(identity)
@@ -832,6 +833,15 @@ impl Lab {
         self.controllers
             .iter()
             .map(|c| c.identity.clone())
+            .collect()
+    }
+
+    /// Each running controller replica's identity and metrics address, oldest first.
+    pub fn controller_metrics_addresses(&mut self) -> Vec<(String, SocketAddr)> {
+        self.controller_replicas();
+        self.controllers
+            .iter()
+            .map(|c| (c.identity.clone(), c.metrics))
             .collect()
     }
 
@@ -936,6 +946,7 @@ struct NodeProxy {
 struct ControllerReplica {
     identity: String,
     health: SocketAddr,
+    metrics: SocketAddr,
     component: Component,
 }
 
@@ -1071,6 +1082,31 @@ async fn start_stand_in(
     Ok(apiserver)
 }
 
+/// The controller's gauge that is 1 while a replica leads (writes), 0 while it stands by.
+const LEADER_GAUGE: &str = "tandem_controller_leader_election_master_status";
+
+/// Whether the controller replica serving metrics on `metrics` says it leads.
+pub async fn controller_leads(metrics: SocketAddr) -> Result<bool> {
+    let (status, body) = tokio::time::timeout(
+        Duration::from_secs(2),
+        crate::traffic::http_get(metrics, "/metrics"),
+    )
+    .await
+    .map_err(|_| anyhow!("{metrics}/metrics: no answer within 2 s"))??;
+    if status != 200 {
+        bail!("{metrics}/metrics: HTTP {status}");
+    }
+    leads(&body).with_context(|| format!("{metrics}/metrics has no {LEADER_GAUGE}"))
+}
+
+/// The leader gauge's value in a Prometheus exposition, as a flag.
+fn leads(exposition: &str) -> Option<bool> {
+    exposition.lines().find_map(|line| {
+        let value = line.strip_prefix(LEADER_GAUGE)?.strip_prefix(' ')?;
+        Some(value.trim().parse::<f64>().ok()? > 0.0)
+    })
+}
+
 /// What a node's kernel holds of a node proxy's rules in `mode` (see
 /// [`rules::listing_command`]); empty when there is no table `ip tandem`.
 pub async fn node_rules(node: &Netns, mode: ProxyMode) -> Result<String> {
@@ -1131,6 +1167,20 @@ pub async fn kube_client(kubeconfig: &Path) -> Result<kube::Client> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_leader_gauge_is_read_from_the_exposition() {
+        let exposition = "# HELP tandem_controller_leader_election_master_status 1 while ...\n\
+            # TYPE tandem_controller_leader_election_master_status gauge\n\
+            tandem_controller_leader_election_master_status 1\n\
+            tandem_controller_leader_election_master_status_other 0\n";
+        assert_eq!(leads(exposition), Some(true));
+        assert_eq!(
+            leads("tandem_controller_leader_election_master_status 0\n"),
+            Some(false)
+        );
+        assert_eq!(leads("other_metric 1\n"), None);
+    }
 
     #[test]
     fn packet_counters_are_summed_over_matching_chains() {
