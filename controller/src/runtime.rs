@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::WatchStreamExt;
@@ -54,8 +56,8 @@ pub enum RuntimeError {
     Lease(#[source] kube_lease_manager::LeaseManagerError),
     #[error("the leader-election task ended unexpectedly")]
     LeaseTaskEnded,
-    #[error("lost leadership")]
-    LostLeadership,
+    #[error("lost leadership: {0}")]
+    LostLeadership(String),
 }
 
 pub async fn read_token(path: &Path) -> Result<String, RuntimeError> {
@@ -75,6 +77,18 @@ pub struct LeaderElection {
     pub identity: String,
     pub lease_duration: Duration,
 }
+
+impl LeaderElection {
+    /// How long a leader may go without seeing its Lease renewed before it stops leading:
+    /// four fifths of the lease duration, so it stops before a standby may take the Lease
+    /// (client-go's leader election stops at its renew deadline for the same reason).
+    fn renew_deadline(&self) -> Duration {
+        self.lease_duration * 4 / 5
+    }
+}
+
+/// How often a leader reads its Lease back to see that it still holds it.
+const LEASE_CHECK_PERIOD: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -351,7 +365,8 @@ async fn run_elected<P: LoadBalancerProvider>(
         .with_namespace(&election.namespace)
         .with_identity(&election.identity)
         .with_duration(duration)
-        .with_grace((duration / 3).max(1))
+        // Renew halfway through the lease, well before the renew deadline.
+        .with_grace((duration / 2).max(1))
         .build()
         .await
         .map_err(RuntimeError::Lease)?;
@@ -370,6 +385,7 @@ async fn run_elected<P: LoadBalancerProvider>(
         }
     }
     tracing::info!(identity = %election.identity, "acquired leadership");
+    let client_for_lease = client.clone();
     let work_cancel = cancel.child_token();
     let work = run_leader(
         client,
@@ -380,13 +396,21 @@ async fn run_elected<P: LoadBalancerProvider>(
         work_cancel.clone(),
     );
     let mut work = std::pin::pin!(work);
+    let lapsed = renewal_lapsed(
+        Api::namespaced(client_for_lease, &election.namespace),
+        election,
+    );
+    let mut lapsed = std::pin::pin!(lapsed);
     let outcome = loop {
         tokio::select! {
             _ = &mut work => break Ok(()),
             _ = &mut lease_task => break Err(RuntimeError::LeaseTaskEnded),
+            reason = &mut lapsed => break Err(RuntimeError::LostLeadership(reason)),
             changed = leader.changed() => match changed {
                 Err(_) => break Err(RuntimeError::LeaseTaskEnded),
-                Ok(()) if !*leader.borrow_and_update() => break Err(RuntimeError::LostLeadership),
+                Ok(()) if !*leader.borrow_and_update() => break Err(RuntimeError::LostLeadership(
+                    "the lease manager saw the Lease taken".to_owned(),
+                )),
                 Ok(()) => {}
             },
         }
@@ -397,6 +421,44 @@ async fn run_elected<P: LoadBalancerProvider>(
         return outcome;
     }
     release(leader, lease_task).await
+}
+
+/// Resolves, with the reason, when this leader can no longer be sure it holds the Lease:
+/// the last renewal it saw (`renewTime`, written from this replica's own clock) is older
+/// than the renew deadline, or the Lease names another holder. The lease manager retries a
+/// renewal that fails or hangs (a dropped connection waits for the client's long read
+/// timeout) without ever saying the Lease is lost, while a standby takes the Lease once it
+/// expires: without this check two replicas led at once after the API server was
+/// unreachable for a minute.
+async fn renewal_lapsed(leases: Api<Lease>, election: &LeaderElection) -> String {
+    let deadline = election.renew_deadline();
+    // Leadership was confirmed just now.
+    let mut renewed = jiff::Timestamp::now();
+    loop {
+        tokio::time::sleep(LEASE_CHECK_PERIOD).await;
+        match tokio::time::timeout(LEASE_CHECK_PERIOD, leases.get_opt(&election.lease_name)).await {
+            Ok(Ok(Some(lease))) => {
+                let spec = lease.spec.unwrap_or_default();
+                if spec.holder_identity.as_deref() != Some(election.identity.as_str()) {
+                    return format!("the Lease is held by {:?}", spec.holder_identity);
+                }
+                if let Some(MicroTime(time)) = spec.renew_time {
+                    renewed = renewed.max(time);
+                }
+            }
+            Ok(Ok(None)) => return "the Lease is gone".to_owned(),
+            Ok(Err(error)) => tracing::warn!(%error, "cannot read the Lease"),
+            Err(_) => tracing::warn!("reading the Lease timed out"),
+        }
+        let age = jiff::Timestamp::now().duration_since(renewed);
+        if age.as_secs_f64() > deadline.as_secs_f64() {
+            return format!(
+                "the Lease was last renewed {:.1} s ago, beyond the renew deadline of {} s",
+                age.as_secs_f64(),
+                deadline.as_secs_f64()
+            );
+        }
+    }
 }
 
 /// Dropping the receiver makes the lease task release the lease, so a standby replica
