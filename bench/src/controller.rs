@@ -5,7 +5,8 @@
 //! Measured: N LoadBalancer Services created at once (time until all have an ingress IP,
 //! p50/p99 time-to-ingress, cloud calls and API writes per Service), then one node added
 //! (backend updates and time). Each time is compared with the ideal the cloud's latency and
-//! the configured concurrency allow.
+//! the configured concurrency allow. [`sweep`] runs the same at more sizes: the points of
+//! the time-to-ingress curve.
 
 mod harness;
 
@@ -37,13 +38,66 @@ const LB_ITEM: &str = "/v1/loadbalancers/{id}";
 
 pub fn run(options: &BenchOptions) -> anyhow::Result<Vec<Section>> {
     let scale = Scale::for_options(options);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let measured = runtime()?.block_on(harness::measure(&scale))?;
+    Ok(vec![sections(&scale, &measured)])
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .context("building the benchmark's tokio runtime")?;
-    let measured = runtime.block_on(harness::measure(&scale))?;
-    Ok(vec![sections(&scale, &measured)])
+        .context("building the benchmark's tokio runtime")
+}
+
+/// How many Services the time-to-ingress curve creates at once, run by run.
+fn curve_sizes(quick: bool) -> &'static [usize] {
+    if quick {
+        &[20, 50]
+    } else {
+        &[100, 300, 1_000, 2_700, 10_000]
+    }
+}
+
+/// One point of the time-to-ingress curve: `scale.services` created at once.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IngressPoint {
+    pub scale: Scale,
+    pub p50: Duration,
+    pub p99: Duration,
+    /// Until the last Service had its ingress IP.
+    pub all: Duration,
+    /// The fastest the cloud's latency and the concurrency allow for all of them.
+    pub ideal: Duration,
+}
+
+/// The benchmark's runs at every size of the curve, one after another.
+pub fn sweep(options: &BenchOptions) -> anyhow::Result<Vec<IngressPoint>> {
+    let runtime = runtime()?;
+    curve_sizes(options.quick)
+        .iter()
+        .map(|&services| {
+            let scale = Scale {
+                services,
+                ..Scale::for_options(options)
+            };
+            eprintln!("scale curves: controller, {services} Services");
+            let measured = runtime
+                .block_on(harness::measure(&scale))
+                .with_context(|| format!("controller, {services} Services"))?;
+            let at = |q| {
+                quantile(&measured.time_to_ingress, q)
+                    .with_context(|| format!("no time to ingress measured at {services} Services"))
+            };
+            Ok(IngressPoint {
+                scale,
+                p50: at(0.5)?,
+                p99: at(0.99)?,
+                all: measured.create_total,
+                ideal: create_ideal(&scale),
+            })
+        })
+        .collect()
 }
 
 /// What one run is sized and configured as.
@@ -189,17 +243,22 @@ fn breakdown(counts: &RouteCounts, services: usize) -> String {
         .join(", ")
 }
 
-/// The report of one run: rows with their ideals and targets, notes on method and misses.
-pub fn sections(scale: &Scale, m: &Measured) -> Section {
-    let n = scale.services;
-    let create_calls = load_balancer_calls(&m.create_cloud_calls) / n as f64;
-    let create_ideal = ideal(
-        n,
+/// The ideal time until every Service of `scale` has an ingress IP.
+fn create_ideal(scale: &Scale) -> Duration {
+    ideal(
+        scale.services,
         CREATE_CALLS_TARGET,
         scale.cloud_latency,
         scale.concurrency,
         scale.provisioning_delay,
-    );
+    )
+}
+
+/// The report of one run: rows with their ideals and targets, notes on method and misses.
+pub fn sections(scale: &Scale, m: &Measured) -> Section {
+    let n = scale.services;
+    let create_calls = load_balancer_calls(&m.create_cloud_calls) / n as f64;
+    let create_ideal = create_ideal(scale);
     let node_calls = load_balancer_calls(&m.node_add_cloud_calls) / n as f64;
     let node_ideal = ideal(
         n,
@@ -352,6 +411,7 @@ pub fn sections(scale: &Scale, m: &Measured) -> Section {
         title: format!("Controller: {n} LoadBalancer Services, {latency_ms} ms cloud latency"),
         rows,
         notes,
+        ..Section::default()
     }
 }
 

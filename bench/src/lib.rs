@@ -3,6 +3,7 @@
 //! run (these machines are noisy), next to the target it is held to.
 
 pub mod controller;
+pub mod curves;
 pub mod dataplane;
 pub mod nodeproxy;
 pub mod report;
@@ -14,4 +15,11 @@ pub struct BenchOptions {
     pub quick: bool,
     /// The node proxy benchmark measures this data path only (both when `None`).
     pub proxy_mode: Option<tandem_common::ProxyMode>,
+}
+
+impl BenchOptions {
+    /// Whether the node proxy benchmarks measure `mode`'s data path.
+    pub fn measures(&self, mode: tandem_common::ProxyMode) -> bool {
+        self.proxy_mode.is_none_or(|only| only == mode)
+    }
 }

@@ -11,6 +11,9 @@
 //! Then the same scales in nftables mode (`nft`), each figure against the kernel's own part
 //! (the same netlink batch sent alone) and `nft -f` of the same transaction, plus the
 //! first-packet latency with 10,000 Services in the table.
+//!
+//! [`sweep`] measures one endpoint added at more sizes, in every data path, with the same
+//! code: the points of the scale curves.
 
 mod cluster;
 mod kernel;
@@ -28,9 +31,9 @@ use tandem_nodeproxy::backend::Backend;
 
 use crate::BenchOptions;
 use crate::report::Section;
-use cluster::{Scale, ServiceKind};
+pub use cluster::{Scale, ServiceKind, thousands};
 use rss::DataPathFlags;
-use summary::{BackendResult, RssResult, ScaleResult};
+use summary::{BackendResult, RssResult, ScaleResult, median};
 
 /// One scale to measure and how often.
 #[derive(Debug, Clone, Copy)]
@@ -61,6 +64,9 @@ struct NftPlan {
     first_packet_rounds: usize,
     connects_per_round: usize,
     rss_scale: Scale,
+    /// The first rounds whose changes also go through `nft -f` (seconds each at 10,000
+    /// Services).
+    nft_cli_rounds: usize,
 }
 
 fn plan(quick: bool) -> Plan {
@@ -91,6 +97,7 @@ fn plan(quick: bool) -> Plan {
                 first_packet_rounds: 2,
                 connects_per_round: 50,
                 rss_scale: cip(300),
+                nft_cli_rounds: 3,
             },
         };
     }
@@ -109,11 +116,13 @@ fn plan(quick: bool) -> Plan {
             first_packet_rounds: 6,
             connects_per_round: 500,
             rss_scale: cip(10_000),
+            nft_cli_rounds: 3,
         },
     }
 }
 
-pub fn run(options: &BenchOptions) -> anyhow::Result<Vec<Section>> {
+/// Root, and no namespaces left by dead runs: what every measurement here starts from.
+fn start() -> anyhow::Result<RunPrefix> {
     anyhow::ensure!(
         nix::unistd::Uid::effective().is_root(),
         "the node proxy benchmark needs root (network namespaces, iptables, nftables)"
@@ -121,16 +130,23 @@ pub fn run(options: &BenchOptions) -> anyhow::Result<Vec<Section>> {
     if let Err(error) = tandem_netlab::remove_stale_namespaces() {
         tracing::warn!(%error, "cannot remove namespaces of dead runs");
     }
+    Ok(RunPrefix::next_for_this_process())
+}
+
+fn iptables_backends() -> anyhow::Result<Vec<Backend>> {
+    let backends = kernel::available_backends();
+    anyhow::ensure!(!backends.is_empty(), "no iptables-restore found");
+    Ok(backends)
+}
+
+pub fn run(options: &BenchOptions) -> anyhow::Result<Vec<Section>> {
+    let prefix = start()?;
     let binary = tandem_lab::binaries::locate("tandem-nodeproxy")?;
     let plan = plan(options.quick);
-    let prefix = RunPrefix::next_for_this_process();
-    let wanted = |mode: ProxyMode| options.proxy_mode.is_none_or(|only| only == mode);
     let mut sections = Vec::new();
-    if wanted(ProxyMode::Iptables) {
-        let backends = kernel::available_backends();
-        anyhow::ensure!(!backends.is_empty(), "no iptables-restore found");
+    if options.measures(ProxyMode::Iptables) {
         let mut results = Vec::new();
-        for backend in backends {
+        for backend in iptables_backends()? {
             let mut scales = Vec::new();
             for planned in &plan.scales {
                 scales.push(
@@ -155,7 +171,7 @@ pub fn run(options: &BenchOptions) -> anyhow::Result<Vec<Section>> {
         }
         sections.extend(summary::sections(&results));
     }
-    if wanted(ProxyMode::Nftables) {
+    if options.measures(ProxyMode::Nftables) {
         sections.push(nft_summary::section(&measure_nftables(
             &prefix, &binary, &plan,
         )?));
@@ -181,7 +197,14 @@ fn measure_nftables(
                 planned.repetitions
             );
             // Alternate which goes first, so a drift in the machine's load hits both alike.
-            let measure_run = || nft::measure_sync(prefix, generated.clone(), rounds);
+            let measure_run = || {
+                nft::measure_sync(
+                    prefix,
+                    generated.clone(),
+                    rounds,
+                    plan.nftables.nft_cli_rounds,
+                )
+            };
             let measure_limits = || nft::measure_first_limits(prefix, &generated);
             if repetition % 2 == 0 {
                 runs.push(measure_run()?);
@@ -271,6 +294,113 @@ fn measure_scale(
     })
 }
 
+/// The sizes of the scale curves: LoadBalancer Services as far as the default node port
+/// range allows, ClusterIP Services on to 10,000.
+fn curve_scales(quick: bool) -> Vec<Scale> {
+    let (load_balancers, cluster_ips): (&[usize], &[usize]) = if quick {
+        (&[30, 100], &[30, 100, 300])
+    } else {
+        (&[100, 300, 1_000, 2_700], &[100, 300, 1_000, 2_700, 10_000])
+    };
+    let scales = |kind, sizes: &[usize]| {
+        sizes
+            .iter()
+            .map(move |&services| Scale {
+                kind,
+                services,
+                endpoints: 10,
+            })
+            .collect::<Vec<_>>()
+    };
+    [
+        scales(ServiceKind::LoadBalancer, load_balancers),
+        scales(ServiceKind::ClusterIp, cluster_ips),
+    ]
+    .concat()
+}
+
+/// Endpoint add/remove pairs at each size of the curves; the adds' median is the point.
+fn curve_rounds(quick: bool) -> usize {
+    if quick { 2 } else { 5 }
+}
+
+/// One point of a scale curve: one endpoint added at `scale` (event seen → rules applied,
+/// the median of the rounds), and the limit measured beside it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CurvePoint {
+    pub scale: Scale,
+    pub ours: Duration,
+    pub limit: Duration,
+    /// How many endpoints were added.
+    pub changes: usize,
+}
+
+/// The points of one data path.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModeCurve {
+    /// `iptables, nf_tables`, `iptables, legacy` or `nftables`.
+    pub mode: String,
+    /// What the limit is.
+    pub limit: &'static str,
+    pub points: Vec<CurvePoint>,
+}
+
+/// The cost of one endpoint added at every size of the curves, in each data path asked
+/// for: a first sync of the whole cluster in a fresh namespace, then the rounds, through
+/// the same measurements as the tables.
+pub fn sweep(options: &BenchOptions) -> anyhow::Result<Vec<ModeCurve>> {
+    let prefix = start()?;
+    let scales = curve_scales(options.quick);
+    let rounds = curve_rounds(options.quick);
+    let point = |scale: Scale, added: Vec<(Duration, Duration)>| {
+        let (ours, limits): (Vec<Duration>, Vec<Duration>) = added.into_iter().unzip();
+        CurvePoint {
+            scale,
+            ours: median(&ours),
+            limit: median(&limits),
+            changes: ours.len(),
+        }
+    };
+    let mut curves = Vec::new();
+    if options.measures(ProxyMode::Iptables) {
+        for backend in iptables_backends()? {
+            let mut points = Vec::new();
+            for &scale in &scales {
+                eprintln!("scale curves: iptables, {backend}, {}", scale.label());
+                let run = kernel::measure_sync(&prefix, backend, cluster::generate(scale)?, rounds)
+                    .with_context(|| format!("{backend}, {}", scale.label()))?;
+                points.push(point(
+                    scale,
+                    run.added.iter().map(|c| (c.ours, c.raw)).collect(),
+                ));
+            }
+            curves.push(ModeCurve {
+                mode: format!("iptables, {backend}"),
+                limit: "raw iptables-restore of the same payload",
+                points,
+            });
+        }
+    }
+    if options.measures(ProxyMode::Nftables) {
+        let mut points = Vec::new();
+        for &scale in &scales {
+            eprintln!("scale curves: nftables, {}", scale.label());
+            let run = nft::measure_sync(&prefix, cluster::generate(scale)?, rounds, 0)
+                .with_context(|| format!("nftables, {}", scale.label()))?;
+            points.push(point(
+                scale,
+                run.added.iter().map(|c| (c.ours, c.raw)).collect(),
+            ));
+        }
+        curves.push(ModeCurve {
+            mode: "nftables".into(),
+            limit: "the kernel alone: the same batch sent again",
+            points,
+        });
+    }
+    Ok(curves)
+}
+
 fn measure_rss(
     prefix: &RunPrefix,
     data_path: DataPathFlags,
@@ -334,5 +464,25 @@ mod tests {
             }
             cluster::generate(plan.nftables.first_packet_scale).unwrap();
         }
+    }
+
+    #[test]
+    fn the_curves_reach_10_000_services_and_every_size_fits() {
+        for quick in [false, true] {
+            let scales = curve_scales(quick);
+            for kind in [ServiceKind::LoadBalancer, ServiceKind::ClusterIp] {
+                let sizes: Vec<usize> = scales
+                    .iter()
+                    .filter(|s| s.kind == kind)
+                    .map(|s| s.services)
+                    .collect();
+                assert!(sizes.len() >= 2 && sizes.is_sorted(), "{kind:?}: {sizes:?}");
+            }
+            for scale in scales {
+                cluster::generate(scale).unwrap();
+            }
+        }
+        let largest = curve_scales(false).iter().map(|s| s.services).max();
+        assert_eq!(largest, Some(10_000));
     }
 }

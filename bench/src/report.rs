@@ -68,10 +68,22 @@ impl Row {
     }
 }
 
+/// A picture beside the report (an SVG file), shown above its section's table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Figure {
+    /// The file, relative to the report.
+    pub path: String,
+    /// What it shows, in a few words (the image's alternative text).
+    pub title: String,
+    /// What was measured, shown under it.
+    pub caption: String,
+}
+
 /// A titled group of rows, with notes that explain misses and method.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Section {
     pub title: String,
+    pub figures: Vec<Figure>,
     pub rows: Vec<Row>,
     pub notes: Vec<String>,
 }
@@ -95,9 +107,16 @@ fn verdict(row: &Row) -> &'static str {
 
 /// Markdown table of one section (also readable in a terminal).
 pub fn markdown(section: &Section) -> String {
-    let mut out = format!(
-        "### {}\n\n| what | ours | limit (same run) | ratio | target | |\n|---|---|---|---|---|---|\n",
-        section.title
+    let mut out = format!("### {}\n\n", section.title);
+    for figure in &section.figures {
+        let _ = write!(
+            out,
+            "![{}]({})\n\n{}\n\n",
+            figure.title, figure.path, figure.caption
+        );
+    }
+    out.push_str(
+        "| what | ours | limit (same run) | ratio | target | |\n|---|---|---|---|---|---|\n",
     );
     for row in &section.rows {
         let limit = row
@@ -123,6 +142,38 @@ pub fn markdown(section: &Section) -> String {
     }
     out.push('\n');
     out
+}
+
+/// `body` between the markers of the block `name`, so that a later run can find and
+/// replace it (see [`splice`]).
+pub fn marked(name: &str, body: &str) -> String {
+    let (begin, end) = markers(name);
+    format!("{begin}\n{}\n{end}\n", body.trim_end())
+}
+
+/// `document` with its block `name` replaced by `body`, the rest untouched; a document
+/// without the block gets it at its end.
+pub fn splice(document: &str, name: &str, body: &str) -> String {
+    let (begin, end) = markers(name);
+    let block = marked(name, body);
+    if let Some(start) = document.find(&begin)
+        && let Some(length) = document[start..].find(&end)
+    {
+        let after = &document[start + length + end.len()..];
+        let after = after.strip_prefix('\n').unwrap_or(after);
+        return format!("{}{block}{after}", &document[..start]);
+    }
+    if document.trim().is_empty() {
+        return block;
+    }
+    format!("{}\n\n{block}", document.trim_end())
+}
+
+fn markers(name: &str) -> (String, String) {
+    (
+        format!("<!-- {name}: written by tandem-bench, replaced by its next run -->"),
+        format!("<!-- end of {name} -->"),
+    )
 }
 
 #[cfg(test)]
@@ -155,6 +206,7 @@ mod tests {
             title: "t".into(),
             rows: vec![slow, absolute],
             notes: vec!["why".into()],
+            ..Section::default()
         });
         assert!(
             text.contains("MISSED")
@@ -162,5 +214,36 @@ mod tests {
                 && text.contains("150 MiB")
                 && text.contains("- why")
         );
+    }
+
+    #[test]
+    fn figures_come_before_the_table() {
+        let text = markdown(&Section {
+            title: "curves".into(),
+            figures: vec![Figure {
+                path: "docs/bench/a.svg".into(),
+                title: "a plot".into(),
+                caption: "what it shows".into(),
+            }],
+            ..Section::default()
+        });
+        let image = text
+            .find("![a plot](docs/bench/a.svg)\n\nwhat it shows")
+            .unwrap();
+        assert!(image < text.find("| what |").unwrap());
+    }
+
+    #[test]
+    fn a_spliced_block_replaces_its_old_self_and_nothing_else() {
+        let first = splice("# Report\n\n### other\n\ntext\n", "curves", "old body\n");
+        assert!(first.starts_with("# Report\n\n### other\n\ntext\n\n<!-- curves: "));
+        assert!(first.contains("old body\n<!-- end of curves -->\n"));
+        let edited = first.replace("text", "text edited by hand") + "\n## after\n";
+        let second = splice(&edited, "curves", "new body");
+        assert!(!second.contains("old body"));
+        assert!(second.contains("new body\n<!-- end of curves -->\n\n## after\n"));
+        assert!(second.starts_with("# Report\n\n### other\n\ntext edited by hand\n"));
+        assert_eq!(splice(&second, "curves", "new body"), second);
+        assert_eq!(splice("", "curves", "body"), marked("curves", "body"));
     }
 }

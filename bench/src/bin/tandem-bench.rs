@@ -1,12 +1,12 @@
 //! `tandem-bench`: runs the benchmarks, prints their tables and writes BENCHMARKS.md.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
-use tandem_bench::report::{Section, markdown};
-use tandem_bench::{BenchOptions, controller, dataplane, nodeproxy};
+use tandem_bench::report::{Section, markdown, marked, splice};
+use tandem_bench::{BenchOptions, controller, curves, dataplane, nodeproxy};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -24,9 +24,12 @@ struct Cli {
     /// The node proxy benchmark measures only this data path (both by default).
     #[arg(long, env = "TANDEM_BENCH_PROXY_MODE", value_enum)]
     proxy_mode: Option<tandem_common::ProxyMode>,
-    /// Where to write the report.
+    /// Where to write the report. `curves` alone replaces only its own block in it.
     #[arg(long, env = "TANDEM_BENCH_OUT", default_value = "BENCHMARKS.md")]
     out: PathBuf,
+    /// Where the scale curves' SVG files go, relative to the report's folder.
+    #[arg(long, env = "TANDEM_BENCH_PLOTS", default_value = "docs/bench")]
+    plots: PathBuf,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -35,6 +38,8 @@ enum Which {
     Nodeproxy,
     Controller,
     Dataplane,
+    /// The scale curves: the node proxy and the controller at more sizes, drawn as SVG.
+    Curves,
 }
 
 fn main() -> Result<()> {
@@ -60,10 +65,36 @@ fn main() -> Result<()> {
     if wanted(Which::Dataplane) {
         sections.extend(dataplane::run(&options).context("data plane benchmark")?);
     }
+    let curves = if wanted(Which::Curves) {
+        let report_dir = cli.out.parent().unwrap_or(Path::new("."));
+        let section =
+            curves::run(&options, report_dir, &cli.plots).context("scale curves benchmark")?;
+        Some(markdown(&section))
+    } else {
+        None
+    };
     let tables: Vec<String> = sections.iter().map(markdown).collect();
-    for table in &tables {
+    for table in tables.iter().chain(&curves) {
         println!("{table}");
     }
+    if let (Which::Curves, Some(curves)) = (cli.which, &curves) {
+        // The other sections come from other runs: only this block is replaced.
+        let existing = match std::fs::read_to_string(&cli.out) {
+            Ok(text) => text,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(error) => {
+                return Err(error).with_context(|| format!("reading {}", cli.out.display()));
+            }
+        };
+        std::fs::write(&cli.out, splice(&existing, curves::BLOCK, curves))
+            .with_context(|| format!("writing {}", cli.out.display()))?;
+        println!("wrote its block into {}", cli.out.display());
+        return Ok(());
+    }
+    let tables: Vec<String> = tables
+        .into_iter()
+        .chain(curves.map(|c| marked(curves::BLOCK, &c)))
+        .collect();
     let report = format!(
         "# Benchmarks\n\nEvery figure is compared with a limit measured in the same run on the same machine.\n\n\
          Machine: {}\n\nReproduce (as root): `cargo build --release --workspace --bins && sudo target/release/tandem-bench {}{}{}`\n\n{}",

@@ -25,8 +25,12 @@ use tokio::time::Instant;
 use super::{LB_ITEM, Measured, RouteCounts, Scale, calls_of, counts_delta, parse_request_counts};
 
 const CLOUD_TOKEN: &str = "bench-cloud-token";
-/// VIPs are only bookkeeping here (no data plane): a loopback range large enough for 1,000.
-const VIP_POOL: &str = "127.77.0.0/20";
+/// VIPs are only bookkeeping here (no data plane): a loopback range large enough for the
+/// largest run (10,000 Services).
+const VIP_POOL: &str = "127.77.0.0/16";
+/// The stand-in's `--service-node-port-range`: every LoadBalancer Service takes a node
+/// port, and the default range (30000-32767) holds 2,768.
+const NODE_PORT_RANGE: &str = "20000-32767";
 const CLUSTER_ID: &str = "bench";
 const NAMESPACE: &str = "default";
 /// Bound on each phase, so a broken controller ends the run instead of hanging it.
@@ -250,6 +254,9 @@ pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
         // Room for every change of both phases, so no watch is sent 410 Gone mid-run.
         store: tandem_apiserver::StoreConfig {
             watch_cache_size: scale.services * 20 + 1000,
+            node_port_range: NODE_PORT_RANGE
+                .parse()
+                .map_err(|e| anyhow::anyhow!("node port range {NODE_PORT_RANGE}: {e}"))?,
             ..Default::default()
         },
         ..Default::default()
@@ -525,4 +532,22 @@ async fn probe_cloud_calls(client: &sdk::Client) -> anyhow::Result<(Duration, Du
     }
     let count = u32::try_from(probed.len())?;
     Ok((get_total / count, list_total / count))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_vip_pool_and_the_node_ports_hold_the_largest_curve_run() {
+        let largest = super::super::curve_sizes(false)
+            .iter()
+            .max()
+            .copied()
+            .unwrap();
+        let pool: ipnet::Ipv4Net = VIP_POOL.parse().unwrap();
+        assert!(pool.hosts().count() >= largest);
+        let ports: tandem_apiserver::PortRange = NODE_PORT_RANGE.parse().unwrap();
+        assert!(ports.0.len() >= largest);
+    }
 }

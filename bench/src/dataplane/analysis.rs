@@ -316,11 +316,13 @@ pub fn sections(m: &Measurements) -> Vec<Section> {
             title: "Data plane: throughput of one TCP stream, client → VIP → node → pod".to_owned(),
             rows: throughput_rows,
             notes: throughput_notes,
+            ..Section::default()
         },
         Section {
             title: "Data plane: latency of small requests, client → VIP → node → pod".to_owned(),
             rows: latency_rows,
             notes: latency_notes,
+            ..Section::default()
         },
     ]
 }

@@ -69,8 +69,8 @@ pub struct Change {
     pub own: Duration,
     /// The same batch sent again from the same starting state: the kernel's part.
     pub raw: Duration,
-    /// `nft -f` of the same transaction from the same starting state (the first
-    /// [`NFT_CLI_ROUNDS`] rounds only).
+    /// `nft -f` of the same transaction from the same starting state (the first rounds
+    /// only, as many as asked).
     pub nft_cli: Option<Duration>,
     pub size: Size,
 }
@@ -85,14 +85,15 @@ pub struct SyncRun {
 /// In a fresh namespace: the first sync of `cluster`, then `rounds` times one endpoint
 /// added and removed again. After each pair the kernel is back where the added one
 /// started, so the same two batches are sent again (the kernel's part), and then the same
-/// two transactions go through `nft -f`.
+/// two transactions of the first `nft_cli_rounds` rounds go through `nft -f`.
 pub fn measure_sync(
     prefix: &RunPrefix,
     cluster: Cluster,
     rounds: usize,
+    nft_cli_rounds: usize,
 ) -> anyhow::Result<SyncRun> {
     let netns = FreshNetns::create(prefix)?;
-    netns.run_blocking(move || sync_in_namespace(cluster, rounds))
+    netns.run_blocking(move || sync_in_namespace(cluster, rounds, nft_cli_rounds))
 }
 
 /// The node proxy's own machinery, driven as its nftables data path drives it.
@@ -102,7 +103,11 @@ struct NodeProxy {
     kernel: Netlink,
 }
 
-fn sync_in_namespace(mut cluster: Cluster, rounds: usize) -> anyhow::Result<SyncRun> {
+fn sync_in_namespace(
+    mut cluster: Cluster,
+    rounds: usize,
+    nft_cli_rounds: usize,
+) -> anyhow::Result<SyncRun> {
     let mut proxy = NodeProxy {
         tracker: ChangeTracker::default(),
         rules: IncrementalRuleset::new(cluster::node_config()),
@@ -153,7 +158,7 @@ fn sync_in_namespace(mut cluster: Cluster, rounds: usize) -> anyhow::Result<Sync
     // node proxy never does, and that would slow the timed change after it.
     let (mut added, mut removed) = (Vec::new(), Vec::new());
     for (round, (add, add_raw, remove, remove_raw)) in pairs.into_iter().enumerate() {
-        let through_nft = round < NFT_CLI_ROUNDS;
+        let through_nft = round < nft_cli_rounds;
         added.push(add.with_limits(add_raw, through_nft)?);
         removed.push(remove.with_limits(remove_raw, through_nft)?);
     }
@@ -163,9 +168,6 @@ fn sync_in_namespace(mut cluster: Cluster, rounds: usize) -> anyhow::Result<Sync
         removed,
     })
 }
-
-/// The rounds whose changes also go through `nft -f` (seconds each at 10,000 Services).
-const NFT_CLI_ROUNDS: usize = 3;
 
 /// One change the node proxy applied, with its transaction and batch to send again.
 struct Applied {
