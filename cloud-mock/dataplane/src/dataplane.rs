@@ -29,8 +29,8 @@ use crate::{BackendHealth, LoadBalancer, Protocol};
 /// The mock cloud's data plane. Clones share one data plane.
 ///
 /// Proxy mode spreads new TCP connections and new UDP flows round-robin over the backends
-/// that are healthy at that moment; a backend that refuses a TCP connect is skipped for
-/// the next healthy one.
+/// that are healthy at that moment (all of them when none is: it fails open, as cloud
+/// load balancers do); a backend that refuses a TCP connect is skipped for the next one.
 #[derive(Clone)]
 pub struct DataPlane {
     shared: Arc<Shared>,

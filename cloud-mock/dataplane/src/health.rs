@@ -87,13 +87,17 @@ pub(crate) struct HealthTable {
 }
 
 impl HealthTable {
-    /// The backends that are healthy under `check`, in the given order.
-    pub fn healthy(&self, backends: &[IpAddr], check: Option<&HealthCheck>) -> Vec<IpAddr> {
+    /// The backends that serve under `check`, in the given order: the healthy ones, or all
+    /// of them when none is healthy. Cloud load balancers fail open so (an AWS NLB, a GCP
+    /// backend service): a check failing on every backend at once says more about the
+    /// check, or a node agent being restarted, than about the backends, and dropping
+    /// everything would turn a one-node rollout into an outage.
+    pub fn serving(&self, backends: &[IpAddr], check: Option<&HealthCheck>) -> Vec<IpAddr> {
         let Some(check) = check else {
             return backends.to_vec();
         };
         let entries = self.entries.read().unwrap_or_else(PoisonError::into_inner);
-        backends
+        let healthy: Vec<IpAddr> = backends
             .iter()
             .copied()
             .filter(|&ip| {
@@ -105,7 +109,12 @@ impl HealthTable {
                     .get(&target)
                     .is_some_and(|entry| entry.health == BackendHealth::Healthy)
             })
-            .collect()
+            .collect();
+        if healthy.is_empty() {
+            backends.to_vec()
+        } else {
+            healthy
+        }
     }
 
     pub fn get(&self, target: &ProbeTarget) -> BackendHealth {
@@ -462,14 +471,22 @@ mod tests {
         assert_eq!(table.get(&target), BackendHealth::Healthy);
         table.forget(&target);
         assert_eq!(table.get(&target), BackendHealth::Unknown);
+        let (a, b) = (
+            IpAddr::from(Ipv4Addr::LOCALHOST),
+            IpAddr::from([127, 0, 0, 2]),
+        );
+        assert_eq!(table.serving(&[a], None), vec![a], "nothing checks it");
         assert_eq!(
-            table.healthy(&[Ipv4Addr::LOCALHOST.into()], None),
-            vec![IpAddr::from(Ipv4Addr::LOCALHOST)]
+            table.serving(&[a, b], Some(&target.check)),
+            vec![a, b],
+            "none healthy: all serve (fail open)"
         );
-        assert!(
-            table
-                .healthy(&[Ipv4Addr::LOCALHOST.into()], Some(&target.check))
-                .is_empty()
-        );
+        let b_target = ProbeTarget {
+            ip: b,
+            check: target.check.clone(),
+        };
+        table.track(b_target.clone(), 1);
+        table.record(&b_target, 1, BackendHealth::Healthy);
+        assert_eq!(table.serving(&[a, b], Some(&target.check)), vec![b]);
     }
 }

@@ -7,7 +7,8 @@
 //! cannot serve its port is dropped there. So the nexthops are the backends healthy for
 //! every sharer that has a healthy backend at all; when no backend is healthy for all of
 //! them, the union (each sharer then reaches the flows hashed to its own nodes, instead of
-//! every sharer losing all).
+//! every sharer losing all). When no backend is healthy for any sharer, the route fails
+//! open over every sharer's backends, as the proxy mode's listeners do.
 //! Deciding is pure (`desired_routes`, `plan_routes`, `route_args`); `RouteManager` runs
 //! the resulting `ip` commands whenever the desired set or any backend's health changes.
 
@@ -66,8 +67,8 @@ fn sysctl_path(name: &str) -> String {
 }
 
 /// The routes to install: each VIP over its sharers' backends that pass every check (see
-/// the module documentation for sharers that disagree); VIPs with no healthy backend get
-/// no route.
+/// the module documentation for sharers that disagree); a VIP with no healthy backend is
+/// routed over all its backends (fail open), one without backends gets no route.
 pub(crate) fn desired_routes(
     wanted: &BTreeMap<IpAddr, Vec<PassthroughRoute>>,
     lookup: impl Fn(&ProbeTarget) -> BackendHealth,
@@ -81,7 +82,13 @@ pub(crate) fn desired_routes(
                 .filter(|set| !set.is_empty())
                 .collect();
             let mut serving_all = healthy.iter();
-            let first = serving_all.next()?.clone();
+            let Some(first) = serving_all.next().cloned() else {
+                let every: BTreeSet<IpAddr> = sharers
+                    .iter()
+                    .flat_map(|route| route.backends.iter().copied())
+                    .collect();
+                return (!every.is_empty()).then(|| (vip, every.into_iter().collect()));
+            };
             let common: BTreeSet<IpAddr> = serving_all.fold(first, |common, set| {
                 common.intersection(set).copied().collect()
             });
@@ -453,8 +460,8 @@ mod tests {
         );
         assert_eq!(
             desired_routes(&wanted, pods(&[], &[])),
-            RouteTable::new(),
-            "nobody healthy: no route"
+            RouteTable::from([(vip(5), vec![ip(11), ip(12), ip(13)])]),
+            "nobody healthy: every backend (fail open)"
         );
     }
 
@@ -475,8 +482,8 @@ mod tests {
         };
         assert_eq!(
             desired_routes(&wanted, lookup),
-            RouteTable::from([(vip(5), vec![ip(11)])]),
-            "vip 6 has no healthy backend: no route"
+            RouteTable::from([(vip(5), vec![ip(11)]), (vip(6), vec![ip(13)])]),
+            "vip 6 has no healthy backend: all of its backends (fail open)"
         );
     }
 

@@ -26,7 +26,8 @@ pub(crate) struct ListenerContext {
 }
 
 /// Accepts until cancelled, then waits for its connections (cancelled too) to end.
-/// New connections go round-robin over the backends healthy at accept time.
+/// New connections go round-robin over the backends serving at accept time (the healthy
+/// ones, or all when none is).
 pub(crate) async fn serve_tcp(
     listener: TcpListener,
     context: ListenerContext,
@@ -57,19 +58,19 @@ pub(crate) async fn serve_tcp(
             reset(client);
             continue;
         }
-        let healthy = context
+        let serving = context
             .health
-            .healthy(&route.backends, route.health_check.as_ref());
-        if healthy.is_empty() {
-            debug!(lb = %route.lb_id, %peer, "no healthy backend");
+            .serving(&route.backends, route.health_check.as_ref());
+        if serving.is_empty() {
+            debug!(lb = %route.lb_id, %peer, "no backend");
             context
                 .metrics
                 .connection(Protocol::Tcp, Outcome::NoBackend);
             reset(client);
             continue;
         }
-        let order: Vec<SocketAddr> = try_order(healthy.len(), turn)
-            .map(|i| SocketAddr::new(healthy[i], route.backend_port))
+        let order: Vec<SocketAddr> = try_order(serving.len(), turn)
+            .map(|i| SocketAddr::new(serving[i], route.backend_port))
             .collect();
         turn = turn.wrapping_add(1);
         connections.spawn(forward(

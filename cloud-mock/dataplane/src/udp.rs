@@ -97,14 +97,14 @@ pub(crate) async fn serve_udp(
             context.metrics.connection(Protocol::Udp, Outcome::Denied);
             continue;
         }
-        let healthy = context
+        let serving = context
             .health
-            .healthy(&route.backends, route.health_check.as_ref());
-        let existing = current_session(&sessions, peer, &healthy, route.backend_port);
+            .serving(&route.backends, route.health_check.as_ref());
+        let existing = current_session(&sessions, peer, &serving, route.backend_port);
         let upstream = match existing {
             Some(upstream) => upstream,
             None => {
-                if healthy.is_empty() {
+                if serving.is_empty() {
                     context
                         .metrics
                         .connection(Protocol::Udp, Outcome::NoBackend);
@@ -116,11 +116,11 @@ pub(crate) async fn serve_udp(
                         .connection(Protocol::Udp, Outcome::TableFull);
                     continue;
                 }
-                let Some(index) = try_order(healthy.len(), turn).next() else {
+                let Some(index) = try_order(serving.len(), turn).next() else {
                     continue;
                 };
                 turn = turn.wrapping_add(1);
-                let backend = SocketAddr::new(healthy[index], route.backend_port);
+                let backend = SocketAddr::new(serving[index], route.backend_port);
                 let upstream = match open_upstream(backend).await {
                     Ok(upstream) => Arc::new(upstream),
                     Err(error) => {
@@ -162,17 +162,17 @@ pub(crate) async fn serve_udp(
     relays.wait().await;
 }
 
-/// The flow's upstream socket if the flow exists and its backend is still healthy and
-/// current; a stale flow is ended so that the client gets a healthy backend.
+/// The flow's upstream socket if the flow exists and its backend still serves and is
+/// current; a stale flow is ended so that the client gets a serving backend.
 fn current_session(
     sessions: &Sessions,
     peer: SocketAddr,
-    healthy: &[IpAddr],
+    serving: &[IpAddr],
     backend_port: u16,
 ) -> Option<Arc<UdpSocket>> {
     let mut sessions = lock(sessions);
     let session = sessions.get(&peer)?;
-    if healthy.contains(&session.backend.ip()) && session.backend.port() == backend_port {
+    if serving.contains(&session.backend.ip()) && session.backend.port() == backend_port {
         session.last_seen.touch();
         return Some(Arc::clone(&session.upstream));
     }

@@ -257,7 +257,15 @@ fn passthrough_routes_an_ipv6_vip_over_the_nodes_ipv6_addresses() {
         .await;
         assert_eq!(tcp_hello(None, vip, 80).await.unwrap().1, "web");
         drop(a);
-        wait_for_ip(&show, "no route without healthy nodes", str::is_empty).await;
+        wait_for_ip(
+            &show,
+            "both nodes again once none is healthy (fail open)",
+            |out| {
+                out.contains("nexthop via 2001:db8:18::11")
+                    && out.contains("nexthop via 2001:db8:18::12")
+            },
+        )
+        .await;
         dataplane.shutdown().await;
         assert_eq!(ip_async(&show).await, "", "shutdown removes routes");
     });

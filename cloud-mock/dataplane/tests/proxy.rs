@@ -261,7 +261,7 @@ async fn backend_failing_its_health_check_stops_getting_traffic() {
 }
 
 #[tokio::test]
-async fn no_healthy_backend_refuses_tcp_and_drops_udp() {
+async fn with_no_healthy_backend_every_backend_serves_and_without_backends_none() {
     let (vip, a) = (addr(204, 1), addr(204, 11));
     let backend_port = free_port(a).await;
     let _servers = [
@@ -274,28 +274,37 @@ async fn no_healthy_backend_refuses_tcp_and_drops_udp() {
     });
     let port = free_port(vip).await;
     let dataplane = DataPlane::new(fast_config());
-    let lb = lb(
-        "lb-down",
-        vip,
-        vec![
-            listener(Protocol::Tcp, port, backend_port, check.clone()),
-            listener(Protocol::Udp, port, backend_port, check),
-        ],
-        vec![a],
-    );
-    dataplane.apply(vec![lb]).await.unwrap();
+    let listeners = vec![
+        listener(Protocol::Tcp, port, backend_port, check.clone()),
+        listener(Protocol::Udp, port, backend_port, check),
+    ];
+    dataplane
+        .apply(vec![lb("lb-down", vip, listeners.clone(), vec![a])])
+        .await
+        .unwrap();
     wait_for("backend unhealthy", Duration::from_secs(3), || {
         dataplane.backend_health("lb-down") == vec![(a, BackendHealth::Unhealthy)]
     })
     .await;
+    // Fail open, as cloud load balancers do when every check fails.
+    assert_eq!(tcp_hello(None, vip, port).await.unwrap().1, "a");
+    let client = UdpSocket::bind((addr(204, 100), 0)).await.unwrap();
+    let answer = udp_ask(&client, vip, port, "x", Duration::from_secs(2)).await;
+    assert_eq!(answer.map(|(reply, _)| reply).as_deref(), Some("a:x"));
+
+    // An LB without backends has nothing to send to.
+    dataplane
+        .apply(vec![lb("lb-down", vip, listeners, vec![])])
+        .await
+        .unwrap();
     let refused = tcp_hello(None, vip, port).await;
     assert!(
         refused.is_err(),
         "connection must be refused, got {refused:?}"
     );
-    let client = UdpSocket::bind((addr(204, 100), 0)).await.unwrap();
+    let other = UdpSocket::bind((addr(204, 101), 0)).await.unwrap();
     assert!(
-        udp_ask(&client, vip, port, "x", Duration::from_millis(300))
+        udp_ask(&other, vip, port, "x", Duration::from_millis(300))
             .await
             .is_none()
     );
