@@ -35,6 +35,12 @@ step "lab end to end, nftables mode" env TANDEM_E2E_PROXY_MODE=nftables \
     external_traffic_policy_local a_failed_node_is_taken_out scaling_pods_changes \
     services_sharing_a_vip
 
+# The day-2 scenarios again in nftables mode (the run above used iptables): restarts, a
+# mode switch, the controller's leader killed, the API server gone for a minute, rules
+# flushed and drifted, each under traffic through both LB modes.
+step "lab day-2 scenarios, nftables mode" env TANDEM_E2E_PROXY_MODE=nftables \
+    cargo test -p tandem-lab --locked --test day2
+
 # The mock cloud's API fuzzed from its OpenAPI document (schemathesis in its own venv).
 step "cloud-mock API fuzz" env CLOUD_MOCK_BIN="$PWD/target/debug/cloud-mock" \
     FUZZ_VENV="$PWD/target/pyenv-fuzz" bash cloud-mock/tests/fuzz_openapi.sh
