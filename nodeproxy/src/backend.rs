@@ -8,6 +8,8 @@ use std::process::Stdio;
 
 use tokio::process::Command;
 
+use crate::restore::CANARY_CHAIN;
+
 /// `--iptables-backend`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendChoice {
@@ -67,6 +69,8 @@ pub enum Reason {
     KubeRules(usize, usize),
     /// More rules of any kind in this backend (legacy, nft counts); nft wins ties.
     AnyRules(usize, usize),
+    /// Only this backend holds our canary chain: a node proxy wrote there before.
+    OurCanary,
 }
 
 impl fmt::Display for Reason {
@@ -81,22 +85,45 @@ impl fmt::Display for Reason {
                 f,
                 "rules: {legacy} legacy, {nft} nf_tables (nf_tables unless legacy has more)"
             ),
+            Reason::OurCanary => f.write_str("a node proxy's canary chain is in this backend"),
         }
     }
 }
 
 const HINT_CHAINS: &[&str] = &[":KUBE-IPTABLES-HINT ", ":KUBE-KUBELET-CANARY "];
 
+fn has_chain(save: &str, declarations: &[&str]) -> bool {
+    save.lines()
+        .any(|l| declarations.iter().any(|d| l.starts_with(d)))
+}
+
+/// Decide from the kubelet's hint chains and our canary, which all sit in the mangle table
+/// (`iptables-save -t mangle` of both backends, cheap however many Services a node has);
+/// `None` when they do not tell.
+pub fn detect_from_mangle(legacy_mangle: &str, nft_mangle: &str) -> Option<(Backend, Reason)> {
+    if has_chain(nft_mangle, HINT_CHAINS) {
+        return Some((Backend::Nft, Reason::KubeletHint));
+    }
+    if has_chain(legacy_mangle, HINT_CHAINS) {
+        return Some((Backend::Legacy, Reason::KubeletHint));
+    }
+    let canary = format!(":{CANARY_CHAIN} ");
+    match (
+        has_chain(legacy_mangle, &[&canary]),
+        has_chain(nft_mangle, &[&canary]),
+    ) {
+        (true, false) => Some((Backend::Legacy, Reason::OurCanary)),
+        (false, true) => Some((Backend::Nft, Reason::OurCanary)),
+        _ => None,
+    }
+}
+
 /// Decide from the `iptables-save` output of both backends (all tables).
 pub fn detect(legacy_save: &str, nft_save: &str) -> (Backend, Reason) {
-    let has_hint = |text: &str| {
-        text.lines()
-            .any(|l| HINT_CHAINS.iter().any(|h| l.starts_with(h)))
-    };
-    if has_hint(nft_save) {
+    if has_chain(nft_save, HINT_CHAINS) {
         return (Backend::Nft, Reason::KubeletHint);
     }
-    if has_hint(legacy_save) {
+    if has_chain(legacy_save, HINT_CHAINS) {
         return (Backend::Legacy, Reason::KubeletHint);
     }
     let count = |text: &str, kube_only: bool| {
@@ -122,24 +149,35 @@ pub fn detect(legacy_save: &str, nft_save: &str) -> (Backend, Reason) {
     (backend, Reason::AnyRules(legacy_any, nft_any))
 }
 
-/// Resolve `--iptables-backend`: run both `*-save` binaries once (a missing binary or a
-/// failing save counts as an empty ruleset) and apply [`detect`].
+/// Resolve `--iptables-backend`: the mangle tables of both backends first
+/// ([`detect_from_mangle`]); only when they do not tell, both whole rulesets ([`detect`]),
+/// whose save takes seconds on nf_tables once it holds thousands of Services. A missing
+/// binary or a failing save counts as an empty ruleset.
 pub async fn resolve(choice: BackendChoice) -> (Backend, Reason) {
     match choice {
         BackendChoice::Nft => (Backend::Nft, Reason::Flag),
         BackendChoice::Legacy => (Backend::Legacy, Reason::Flag),
         BackendChoice::Auto => {
+            let mangle = ["-t", "mangle"];
             let (legacy, nft) = tokio::join!(
-                save_all(Backend::Legacy.save()),
-                save_all(Backend::Nft.save())
+                save(Backend::Legacy.save(), &mangle),
+                save(Backend::Nft.save(), &mangle)
+            );
+            if let Some(found) = detect_from_mangle(&legacy, &nft) {
+                return found;
+            }
+            let (legacy, nft) = tokio::join!(
+                save(Backend::Legacy.save(), &[]),
+                save(Backend::Nft.save(), &[])
             );
             detect(&legacy, &nft)
         }
     }
 }
 
-async fn save_all(program: &str) -> String {
+async fn save(program: &str, args: &[&str]) -> String {
     let output = Command::new(program)
+        .args(args)
         .stdin(Stdio::null())
         .stderr(Stdio::null())
         .output()
@@ -178,6 +216,28 @@ mod tests {
             detect(legacy_hint, ""),
             (Backend::Legacy, Reason::KubeletHint)
         );
+    }
+
+    #[test]
+    fn the_mangle_table_tells_by_the_kubelets_hint_or_our_canary_alone() {
+        let hint = "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n";
+        let canary = "*mangle\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n";
+        let empty = "*mangle\n:PREROUTING ACCEPT [0:0]\nCOMMIT\n";
+        assert_eq!(
+            detect_from_mangle(canary, hint),
+            Some((Backend::Nft, Reason::KubeletHint))
+        );
+        assert_eq!(
+            detect_from_mangle(canary, empty),
+            Some((Backend::Legacy, Reason::OurCanary))
+        );
+        assert_eq!(
+            detect_from_mangle(empty, canary),
+            Some((Backend::Nft, Reason::OurCanary))
+        );
+        // Our canary in both, or in neither: the whole rulesets decide.
+        assert_eq!(detect_from_mangle(canary, canary), None);
+        assert_eq!(detect_from_mangle(empty, ""), None);
     }
 
     #[test]

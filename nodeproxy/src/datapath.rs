@@ -288,6 +288,15 @@ impl DataPath {
         }
     }
 
+    /// True when a read-back should start now rather than at the next period (the
+    /// iptables-nft tables written in full take their digests from it).
+    pub fn wants_read_back(&self) -> bool {
+        match self {
+            DataPath::Iptables(path) => path.syncer.wants_read_back(),
+            DataPath::Nftables(_) => false,
+        }
+    }
+
     /// Compares a finished read-back with what was written (leaving out what was written
     /// since it began), logs and counts what differs, and schedules its repair with the
     /// next apply. Returns how many objects are to be repaired.

@@ -109,10 +109,14 @@ pub struct Syncer {
     written: BTreeMap<Table, BTreeMap<String, Vec<u64>>>,
     /// Chains written since the read-back in flight began, and tables written in full
     /// since: that read may predate them.
-    written_since_read: BTreeSet<(Table, String)>,
+    written_since_read: BTreeMap<Table, BTreeSet<String>>,
     rewritten_since_read: BTreeSet<Table>,
     /// Repair lines (base jumps, shared chains) for the next write of a table.
     ensure: BTreeMap<Table, Vec<String>>,
+    /// nf_tables: tables written in full whose digests the next read-back takes as they
+    /// are, instead of comparing (reading every chain right after the write would hold
+    /// up the sync loop: 0.6 s at 2,700 Services, 2.4 s at 10,000).
+    baseline_pending: BTreeSet<Table>,
 }
 
 impl Syncer {
@@ -122,9 +126,10 @@ impl Syncer {
             backend,
             applied: BTreeMap::new(),
             written: BTreeMap::new(),
-            written_since_read: BTreeSet::new(),
+            written_since_read: BTreeMap::new(),
             rewritten_since_read: BTreeSet::new(),
             ensure: BTreeMap::new(),
+            baseline_pending: BTreeSet::new(),
         }
     }
 
@@ -144,6 +149,13 @@ impl Syncer {
         self.applied.remove(&table);
         self.written.remove(&table);
         self.ensure.remove(&table);
+        self.baseline_pending.remove(&table);
+    }
+
+    /// A table was written in full on nf_tables: a read-back should take its digests
+    /// now, rather than a sync period later.
+    pub fn wants_read_back(&self) -> bool {
+        !self.baseline_pending.is_empty()
     }
 
     /// A read-back of the kernel begins: from now on, what is written is left out of its
@@ -170,15 +182,24 @@ impl Syncer {
                 continue;
             }
             let (Some(written), Some(applied)) =
-                (self.written.get(&table), self.applied.get_mut(&table))
+                (self.written.get_mut(&table), self.applied.get_mut(&table))
             else {
                 // Unknown, so written in full next anyway.
                 continue;
             };
-            let since = &self.written_since_read;
+            let none = BTreeSet::new();
+            let since = self.written_since_read.get(&table).unwrap_or(&none);
+            if self.baseline_pending.remove(&table) {
+                // Read right after the full write: what the kernel made of our chains.
+                for (chain, rules) in &read_table.chains {
+                    if applied.chains.contains_key(chain) && !since.contains(chain) {
+                        written.insert(chain.clone(), rules.clone());
+                    }
+                }
+            }
             let mut drift =
                 TableDrift::between(table, written, desired.table(table), &read_table, |chain| {
-                    since.contains(&(table, chain.to_owned()))
+                    since.contains(chain)
                 });
             // The mangle canary goes in with the filter table's full write.
             drift.canary_missing |= table == Table::Filter && !read.mangle_canary;
@@ -297,8 +318,9 @@ impl Syncer {
 
     /// Keeps the digests of what a write left in `chains` (all of the table's after a
     /// full write), for the read-back: of the text on the legacy backend, of what the
-    /// kernel holds, read right away, on nf_tables. A chain that cannot be read is not
-    /// compared until it is written again.
+    /// kernel holds on nf_tables, read right away (after a full write, by the read-back
+    /// that follows at once). A chain that cannot be read is not compared until it is
+    /// written again.
     async fn record(
         &mut self,
         table: Table,
@@ -312,7 +334,9 @@ impl Syncer {
             self.rewritten_since_read.insert(table);
         }
         self.written_since_read
-            .extend(chains.iter().map(|chain| (table, chain.clone())));
+            .entry(table)
+            .or_default()
+            .extend(chains.iter().cloned());
         let Some(written) = self.written.get_mut(&table) else {
             return;
         };
@@ -330,6 +354,9 @@ impl Syncer {
         }
         match self.backend {
             Backend::Legacy => written.extend(drift::chain_digests(present)),
+            Backend::Nft if full => {
+                self.baseline_pending.insert(table);
+            }
             Backend::Nft => {
                 let names: Vec<String> = present.into_iter().map(|(c, _)| c.clone()).collect();
                 match read_rules(name, names.clone()).await {

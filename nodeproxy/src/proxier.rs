@@ -289,6 +289,9 @@ impl Proxier {
                         }
                         Err(error) => tracing::warn!(%error, "the read-back task failed"),
                     }
+                    if self.datapath.wants_read_back() {
+                        read_back = Some(self.datapath.start_read_back());
+                    }
                     continue;
                 }
             };
@@ -308,7 +311,7 @@ impl Proxier {
                 failures = failures.saturating_add(1);
                 dirty.notify_one();
             }
-            if periodic && read_back.is_none() {
+            if (periodic || self.datapath.wants_read_back()) && read_back.is_none() {
                 read_back = Some(self.datapath.start_read_back());
             }
         }

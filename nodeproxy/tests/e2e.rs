@@ -160,7 +160,7 @@ fn the_binary_programs_rules_serves_health_and_cleans_up() {
             .unwrap();
         let cluster_ip = nginx.spec.unwrap().cluster_ip.unwrap();
 
-        let mut proxy = spawn_proxy(
+        let proxy = spawn_proxy(
             &kubeconfig,
             &["--min-sync-period", "100ms", "--sync-period", "2s"],
         );
@@ -453,16 +453,7 @@ fn the_binary_programs_rules_serves_health_and_cleans_up() {
 
         // SIGTERM: clean exit, rules stay.
         let before_stop = save(backend, "nat");
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(proxy.id().unwrap() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .unwrap();
-        let status = tokio::time::timeout(Duration::from_secs(10), proxy.wait())
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(status.success(), "{status}");
+        terminate(proxy).await;
         assert_eq!(save(backend, "nat"), before_stop);
 
         run_to_end(&["--cleanup", "--iptables-backend", "nft"]).await;

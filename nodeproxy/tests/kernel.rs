@@ -299,6 +299,8 @@ fn drifted_rules_chains_and_jumps_are_found_by_the_read_back_and_repaired_in_one
             let mut syncer = Syncer::new(backend);
             syncer.sync(&desired).await.unwrap();
             let expected = tables(backend);
+            // The read-back after the first sync (which gives nf_tables its digests).
+            assert_eq!(read_back(&mut syncer, &desired).await, vec![]);
             let sep = desired
                 .nat
                 .chains

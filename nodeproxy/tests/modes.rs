@@ -1,7 +1,8 @@
 //! Switching a node between the iptables and the nftables mode, and `--cleanup`, against
-//! real netfilter in a fresh network namespace: each mode starts by removing the other's
+//! real netfilter in a fresh network namespace: each mode's first sync removes the other's
 //! rules, so nothing stale stays behind. Also each mode's periodic full-rebuild check
-//! after Services come and go. Root only (skipped with a message otherwise).
+//! after Services come and go, and its read-back of the kernel while rules change. Root
+//! only (skipped with a message otherwise).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -13,7 +14,7 @@ use std::process::Command;
 use common::*;
 use prometheus_client::registry::Registry;
 use tandem_common::ProxyMode;
-use tandem_nodeproxy::backend::BackendChoice;
+use tandem_nodeproxy::backend::{Backend, BackendChoice};
 use tandem_nodeproxy::datapath::{self, DataPath};
 use tandem_nodeproxy::metrics::Metrics;
 
@@ -123,4 +124,66 @@ fn the_full_rebuild_check_finds_nothing_after_services_come_and_go() {
         }
         datapath::cleanup(BackendChoice::Auto).await.unwrap();
     });
+}
+
+#[test]
+fn an_endpoint_change_written_after_a_read_back_began_is_not_taken_for_drift() {
+    if !is_root() || Command::new("nft").arg("--version").output().is_err() {
+        eprintln!("skipped: needs root and the nft command");
+        return;
+    }
+    let configs = [
+        (ProxyMode::Iptables, BackendChoice::Nft),
+        (ProxyMode::Iptables, BackendChoice::Legacy),
+        (ProxyMode::Nftables, BackendChoice::Auto),
+    ];
+    for (mode, backend) in configs {
+        in_fresh_netns(move |_| async move {
+            let metrics = Metrics::register(&mut Registry::default());
+            let state = reference_state(reference_endpoints());
+            let ports: BTreeSet<_> = state.services.keys().cloned().collect();
+            let mut path = datapath::start(mode, backend, node()).await.unwrap();
+            path.update(&state, &ports);
+            assert!(path.apply(&metrics).await);
+            let read = path.start_read_back().await.unwrap();
+            assert_eq!(
+                path.take_read_back(read, &metrics),
+                0,
+                "{mode}: drift after the first sync"
+            );
+
+            // A read-back begins and reads the kernel; an endpoint moves before the read
+            // is compared: the new rules go in, and the read, which predates them, leaves
+            // their chains and sets out instead of taking them for drift.
+            let read = path.start_read_back().await.unwrap();
+            let mut moved = state.clone();
+            let nginx = spn("default", "nginx-service", "http");
+            moved.endpoints.get_mut(&nginx).unwrap()[1] = endpoint([10, 244, 3, 9], 80, "node-c");
+            path.update(&moved, &[nginx].into());
+            assert!(path.apply(&metrics).await);
+            assert_eq!(
+                path.take_read_back(read, &metrics),
+                0,
+                "{mode} {backend:?}: the change taken for drift"
+            );
+            let rules = match mode {
+                ProxyMode::Iptables => {
+                    let backend = match backend {
+                        BackendChoice::Legacy => Backend::Legacy,
+                        _ => Backend::Nft,
+                    };
+                    save(backend, "nat")
+                }
+                ProxyMode::Nftables => run("nft", &["list", "table", "ip", "tandem"]),
+            };
+            assert!(
+                rules.contains("10.244.3.9") && !rules.contains("10.244.2.7"),
+                "{rules}"
+            );
+            // The next read-back compares them, and finds them as written.
+            let read = path.start_read_back().await.unwrap();
+            assert_eq!(path.take_read_back(read, &metrics), 0);
+            datapath::cleanup(backend).await.unwrap();
+        });
+    }
 }

@@ -327,3 +327,17 @@ fn kubelet_fixture(table: &str) -> (BTreeSet<String>, BTreeSet<String>) {
         .collect();
     (chains, jumps)
 }
+
+/// Stops a node proxy with SIGTERM; it must exit cleanly within ten seconds.
+pub async fn terminate(mut proxy: tokio::process::Child) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(proxy.id().unwrap() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = tokio::time::timeout(std::time::Duration::from_secs(10), proxy.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status}");
+}

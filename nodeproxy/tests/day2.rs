@@ -1,0 +1,957 @@
+//! The `tandem-nodeproxy` binary through a node's life, with real packets, in the virtual
+//! cluster of `tandem-netlab` (root only): rules someone else deletes or changes are back
+//! within a sync period, counted by the repair metric (both modes, both iptables
+//! backends); a switch between the modes never leaves the node without rules; SIGTERM
+//! leaves the rules in place and a restart opens no gap; after SIGKILL and a flush the
+//! rules are back within a second of the start.
+//!
+//! One node with two pods serving a line echo; the edge routes the LB IP to the node
+//! unchanged (passthrough); the API server stand-in runs in the node's namespace, as does
+//! the node proxy. Clients connect from their own namespace.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{Value, json};
+use tandem_apiserver::resources::{ENDPOINT_SLICES, NODES, SERVICES};
+use tandem_apiserver::store::{Store, Subresource};
+use tandem_netlab::{Host, Netns, Node, Pod, Topology};
+use tandem_nodeproxy::backend::{Backend, BackendChoice};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tandem-nodeproxy");
+const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
+const LB: SocketAddr = SocketAddr::V4(SocketAddrV4::new(LB_IP, 80));
+const POD_PORT: u16 = 8080;
+const METRICS: &str = "127.0.0.1:10249";
+const SYNC_PERIOD: Duration = Duration::from_secs(2);
+/// How long past one sync period a repair may take on a loaded machine: the read-back,
+/// the min sync period (100 ms here) and the restore.
+const REPAIR_SLACK: Duration = Duration::from_secs(3);
+/// New connections a check sends; each must succeed.
+const CHECKED_CONNECTIONS: usize = 20;
+
+/// A data path configuration: the mode, and the iptables backend (for the iptables mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Config {
+    Iptables(Backend),
+    Nftables,
+}
+
+impl Config {
+    fn args(self) -> Vec<&'static str> {
+        match self {
+            Config::Iptables(backend) => vec![
+                "--proxy-mode",
+                "iptables",
+                "--iptables-backend",
+                match backend {
+                    Backend::Nft => "nft",
+                    Backend::Legacy => "legacy",
+                },
+            ],
+            Config::Nftables => vec!["--proxy-mode", "nftables"],
+        }
+    }
+
+    /// Every configuration this machine can run.
+    fn all() -> Vec<Config> {
+        backends()
+            .into_iter()
+            .map(Config::Iptables)
+            .chain([Config::Nftables])
+            .collect()
+    }
+
+    /// Our rules as the kernel lists them, in a form that compares across rewrites.
+    fn rules(self) -> String {
+        match self {
+            Config::Iptables(backend) => {
+                format!("{}{}", save(backend, "nat"), save(backend, "filter"))
+            }
+            Config::Nftables => nft_table().map(|t| t.to_string()).unwrap_or_default(),
+        }
+    }
+
+    /// Someone else flushes the rules: `iptables -t nat -F`, or deletes table ip tandem.
+    fn flush(self) {
+        match self {
+            Config::Iptables(backend) => exec(backend.iptables(), &["-t", "nat", "-F"]),
+            Config::Nftables => exec("nft", &["delete", "table", "ip", "tandem"]),
+        };
+    }
+
+    /// True when the kernel holds our rules for the Service.
+    fn installed(self) -> bool {
+        match self {
+            Config::Iptables(backend) => {
+                let nat = save(backend, "nat");
+                nat.contains("-j KUBE-SERVICES") && nat.contains(&format!(":{POD_PORT}"))
+            }
+            Config::Nftables => nft_table().is_some_and(|t| t.to_string().contains("\"dnat\"")),
+        }
+    }
+}
+
+/// `nft -j list table ip tandem` without handles, objects and set elements sorted; `None`
+/// without the table.
+fn nft_table() -> Option<Value> {
+    let output = std::process::Command::new("nft")
+        .args(["-j", "list", "table", "ip", "tandem"])
+        .output()
+        .unwrap();
+    if !output.status.success() {
+        return None;
+    }
+    let mut listing: Value = serde_json::from_slice(&output.stdout).unwrap();
+    fn canonical(value: &mut Value) {
+        match value {
+            Value::Object(map) => {
+                map.remove("handle");
+                map.values_mut().for_each(canonical);
+                if let Some(Value::Array(elements)) = map.get_mut("elem") {
+                    elements.sort_by_key(|e| e.to_string());
+                }
+            }
+            Value::Array(items) => items.iter_mut().for_each(canonical),
+            _ => {}
+        }
+    }
+    canonical(&mut listing);
+    if let Some(Value::Array(objects)) = listing.get_mut("nftables") {
+        objects.retain(|o| o.get("metainfo").is_none());
+        objects.sort_by_key(|o| o.to_string());
+    }
+    Some(listing)
+}
+
+/// A TCP server in a pod answering each line with `<pod> <line>`, until dropped.
+struct LineEcho {
+    stop: Arc<AtomicBool>,
+}
+
+impl LineEcho {
+    fn start(pod: &Pod) -> Self {
+        let listener = pod
+            .netns
+            .run_in_thread(|| TcpListener::bind(("0.0.0.0", POD_PORT)))
+            .unwrap()
+            .unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (name, stopped) = (pod.name.clone(), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                let Ok((stream, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(2));
+                    continue;
+                };
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    stream.set_nonblocking(false).unwrap();
+                    stream
+                        .set_read_timeout(Some(Duration::from_secs(60)))
+                        .unwrap();
+                    let mut writer = stream.try_clone().unwrap();
+                    for line in BufReader::new(stream).lines() {
+                        let Ok(line) = line else { break };
+                        if writer
+                            .write_all(format!("{name} {line}\n").as_bytes())
+                            .is_err()
+                        {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        Self { stop }
+    }
+}
+
+impl Drop for LineEcho {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// One round trip on `stream`; the answer names a pod.
+fn round_trip(stream: &mut TcpStream, line: &str) -> std::io::Result<String> {
+    stream.write_all(format!("{line}\n").as_bytes())?;
+    let mut answer = String::new();
+    BufReader::new(stream.try_clone()?).read_line(&mut answer)?;
+    if answer.ends_with(&format!(" {line}\n")) {
+        Ok(answer.trim_end().to_owned())
+    } else {
+        Err(std::io::Error::other(format!("answer {answer:?}")))
+    }
+}
+
+/// A new connection to the LB and one round trip; from the calling thread's namespace.
+fn new_connection(line: &str) -> std::io::Result<String> {
+    let mut stream = TcpStream::connect_timeout(&LB, Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(1)))?;
+    round_trip(&mut stream, line)
+}
+
+/// `count` new connections from `client`, one after the other; the failures.
+fn connections(client: &Netns, count: usize) -> Vec<String> {
+    client
+        .run_in_thread(move || {
+            (0..count)
+                .filter_map(|i| new_connection(&format!("check-{i}")).err())
+                .map(|e| e.to_string())
+                .collect()
+        })
+        .unwrap()
+}
+
+/// What a client saw while traffic ran.
+#[derive(Debug, Default)]
+struct TrafficReport {
+    new_connections: usize,
+    failed: Vec<String>,
+    long_lived_round_trips: usize,
+    long_lived_failure: Option<String>,
+}
+
+impl TrafficReport {
+    /// Logs what the client saw and asserts that nothing failed.
+    fn assert_clean(&self, what: &str) {
+        eprintln!(
+            "{what}: {} new connections, {} failed; long-lived: {} round trips, {:?}",
+            self.new_connections,
+            self.failed.len(),
+            self.long_lived_round_trips,
+            self.long_lived_failure
+        );
+        assert!(self.failed.is_empty(), "{what}: {:?}", self.failed);
+        assert_eq!(self.long_lived_failure, None, "{what}");
+        assert!(
+            self.new_connections > 50 && self.long_lived_round_trips > 10,
+            "{what}: too little traffic to tell"
+        );
+    }
+}
+
+/// New connections every 10 ms and one long-lived connection with a round trip every
+/// 50 ms, from `client`, until stopped (at most two minutes).
+struct Traffic {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<TrafficReport>,
+}
+
+impl Traffic {
+    fn start(client: &Netns) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (client, stopped) = (client.clone(), Arc::clone(&stop));
+        let thread = std::thread::spawn(move || {
+            client
+                .run_in_thread(move || {
+                    let deadline = Instant::now() + Duration::from_secs(120);
+                    let mut report = TrafficReport::default();
+                    let mut long_lived = TcpStream::connect_timeout(&LB, Duration::from_secs(1))
+                        .and_then(|s| s.set_read_timeout(Some(Duration::from_secs(1))).map(|()| s))
+                        .expect("the long-lived connection");
+                    let mut last_round_trip = Instant::now();
+                    while !stopped.load(Ordering::Relaxed) && Instant::now() < deadline {
+                        let n = report.new_connections;
+                        if let Err(error) = new_connection(&format!("new-{n}")) {
+                            report.failed.push(format!("connection {n}: {error}"));
+                        }
+                        report.new_connections += 1;
+                        if report.long_lived_failure.is_none()
+                            && last_round_trip.elapsed() >= Duration::from_millis(50)
+                        {
+                            let n = report.long_lived_round_trips;
+                            match round_trip(&mut long_lived, &format!("long-{n}")) {
+                                Ok(_) => report.long_lived_round_trips += 1,
+                                Err(error) => {
+                                    report.long_lived_failure =
+                                        Some(format!("round trip {n}: {error}"))
+                                }
+                            }
+                            last_round_trip = Instant::now();
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    report
+                })
+                .unwrap()
+        });
+        Self { stop, thread }
+    }
+
+    fn stop(self) -> TrafficReport {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap()
+    }
+}
+
+/// The test's cluster: the topology, the pods' servers, and what runs in the node.
+struct Scene {
+    topo: Topology,
+    _servers: Vec<LineEcho>,
+}
+
+impl Scene {
+    /// `None` (the test is skipped) unless root.
+    fn new() -> Option<Self> {
+        if !is_root()
+            || std::process::Command::new("nft")
+                .arg("--version")
+                .output()
+                .is_err()
+        {
+            eprintln!("skipped: needs root and the nft command");
+            return None;
+        }
+        let topo = Topology::builder()
+            .nodes(1)
+            .pods_per_node(&[2])
+            .without_echo()
+            .handle_signals(false)
+            .build()
+            .unwrap();
+        route_via(&topo.edge().netns, LB_IP, topo.node(1).unwrap().ip);
+        let servers = topo.pods().iter().map(LineEcho::start).collect();
+        Some(Self {
+            topo,
+            _servers: servers,
+        })
+    }
+
+    fn client(&self) -> Host {
+        self.topo.client_in_range().clone()
+    }
+
+    /// Runs `body` on a runtime inside the node's namespace, with the API server
+    /// stand-in there holding the node, the Service and its endpoints.
+    fn in_node<F, Fut>(&self, body: F)
+    where
+        F: FnOnce(NodeScene) -> Fut + Send + 'static,
+        Fut: Future<Output = ()>,
+    {
+        let node = self.topo.node(1).unwrap().clone();
+        let pods: Vec<Pod> = self.topo.pods().to_vec();
+        let client = self.client();
+        let netns = node.netns.clone();
+        netns
+            .run_in_thread(move || {
+                let runtime = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                runtime.block_on(async move {
+                    let server = tandem_apiserver::spawn(tandem_apiserver::ServerConfig::default())
+                        .await
+                        .unwrap();
+                    load(server.store(), &node, &pods);
+                    let kubeconfig = format!("/tmp/{}-kubeconfig.json", node.netns.name());
+                    server
+                        .write_kubeconfig(std::path::Path::new(&kubeconfig))
+                        .await
+                        .unwrap();
+                    body(NodeScene {
+                        node,
+                        client,
+                        kubeconfig: kubeconfig.clone(),
+                        store: Arc::clone(server.store()),
+                    })
+                    .await;
+                    let _ = std::fs::remove_file(&kubeconfig);
+                    server.shutdown().await.unwrap();
+                });
+            })
+            .unwrap();
+    }
+}
+
+/// What a test body inside the node sees.
+struct NodeScene {
+    node: Node,
+    client: Host,
+    kubeconfig: String,
+    store: Arc<Store>,
+}
+
+impl NodeScene {
+    /// Starts the node proxy with `config`.
+    fn start(&self, config: Config) -> Child {
+        self.start_logging(config, "warn", Stdio::inherit(), &[])
+    }
+
+    /// Starts the node proxy with `config` and `extra` flags, its log at `level` going to
+    /// `log`.
+    fn start_logging(
+        &self,
+        config: Config,
+        level: &str,
+        log: impl Into<Stdio>,
+        extra: &[&str],
+    ) -> Child {
+        Command::new(BIN)
+            .args([
+                "--kubeconfig",
+                &self.kubeconfig,
+                "--node-name",
+                &self.node.name,
+                "--cluster-cidr",
+                "10.244.0.0/16",
+                "--healthz-bind-address",
+                "127.0.0.1:10256",
+                "--metrics-bind-address",
+                METRICS,
+                "--sync-period",
+                "2s",
+                "--min-sync-period",
+                "100ms",
+            ])
+            .args(config.args())
+            .args(extra)
+            .env("RUST_LOG", level)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+    }
+
+    /// Starts the node proxy and waits until every check connection succeeds.
+    async fn start_serving(&self, config: Config) -> Child {
+        let proxy = self.start(config);
+        let client = self.client.netns.clone();
+        eventually(
+            Duration::from_secs(30),
+            "the Service to answer",
+            move || connections(&client, 3).is_empty(),
+        )
+        .await;
+        proxy
+    }
+
+    /// `CHECKED_CONNECTIONS` new connections, all of which must succeed.
+    fn assert_serving(&self, what: &str) {
+        let failed = connections(&self.client.netns, CHECKED_CONNECTIONS);
+        assert!(failed.is_empty(), "{what}: {failed:?}");
+    }
+}
+
+/// The Node, one LoadBalancer Service (source range 203.0.113.0/24, LB IP in its status)
+/// and an EndpointSlice with both pods on the echo's port.
+fn load(store: &Store, node: &Node, pods: &[Pod]) {
+    store
+        .create(
+            NODES,
+            None,
+            json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node.name},
+                   "status": {"addresses": [{"type": "InternalIP", "address": node.ip.to_string()}]}}),
+        )
+        .unwrap();
+    let created = store
+        .create(
+            SERVICES,
+            Some("default"),
+            json!({"apiVersion": "v1", "kind": "Service",
+                   "metadata": {"name": "web", "namespace": "default"},
+                   "spec": {"type": "LoadBalancer",
+                            "ports": [{"name": "http", "port": 80, "targetPort": POD_PORT, "protocol": "TCP"}],
+                            "loadBalancerSourceRanges": ["203.0.113.0/24"]}}),
+        )
+        .unwrap();
+    let mut with_status = created.clone();
+    with_status["status"] = json!({"loadBalancer": {"ingress": [{"ip": LB_IP.to_string()}]}});
+    store
+        .update(
+            SERVICES,
+            Some("default"),
+            "web",
+            with_status,
+            Subresource::Status,
+        )
+        .unwrap();
+    let endpoints: Vec<Value> = pods
+        .iter()
+        .map(|pod| json!({"addresses": [pod.ip.to_string()], "conditions": {"ready": true}, "nodeName": pod.node_name}))
+        .collect();
+    store
+        .create(
+            ENDPOINT_SLICES,
+            Some("default"),
+            json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                   "metadata": {"name": "web-a", "namespace": "default",
+                                "labels": {"kubernetes.io/service-name": "web"}},
+                   "addressType": "IPv4",
+                   "ports": [{"name": "http", "port": POD_PORT, "protocol": "TCP"}],
+                   "endpoints": endpoints}),
+        )
+        .unwrap();
+}
+
+/// Polls `check` (on the blocking pool) every 20 ms until it holds or `limit` passes;
+/// returns how long it took.
+async fn eventually(
+    limit: Duration,
+    what: &str,
+    check: impl FnMut() -> bool + Send + Clone + 'static,
+) -> Duration {
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if tokio::task::spawn_blocking(check.clone()).await.unwrap() {
+            return started.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out after {limit:?} waiting for {what}");
+}
+
+/// The node proxy's metrics page; `None` before it serves it.
+async fn metrics_page() -> Option<String> {
+    let mut stream = tokio::net::TcpStream::connect(METRICS).await.ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")
+        .await
+        .ok()?;
+    let mut page = String::new();
+    stream.read_to_string(&mut page).await.ok()?;
+    Some(page)
+}
+
+/// The repair counter per object, from the node proxy's metrics.
+async fn repairs() -> BTreeMap<String, u64> {
+    let page = metrics_page().await.expect("the metrics");
+    page.lines()
+        .filter_map(|line| line.strip_prefix("tandem_nodeproxy_sync_repairs_total{object=\""))
+        .filter_map(|rest| {
+            let (object, value) = rest.split_once("\"} ")?;
+            Some((object.to_owned(), value.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// `program args…` in the current (node's) namespace.
+fn exec(program: &str, args: &[&str]) -> String {
+    run(program, args)
+}
+
+/// Someone else's change to the node's rules, and the repair it should cause.
+struct Drift {
+    what: &'static str,
+    change: Box<dyn Fn(&str) + Send>,
+    /// The repair counter's object label.
+    object: &'static str,
+}
+
+fn drifts(config: Config) -> Vec<Drift> {
+    match config {
+        Config::Iptables(backend) => {
+            let ipt = move |args: Vec<String>| {
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                exec(backend.iptables(), &[&["-t", "nat"][..], &args].concat());
+            };
+            vec![
+                Drift {
+                    what: "a KUBE-SEP DNAT rule deleted",
+                    change: Box::new(move |rules| {
+                        let line = rules
+                            .lines()
+                            .find(|l| l.starts_with("-A KUBE-SEP-") && l.contains("-j DNAT"))
+                            .unwrap();
+                        let mut args = vec!["-D".to_owned()];
+                        args.extend(tandem_nodeproxy::iptables::split_rule(&line[3..]));
+                        ipt(args);
+                    }),
+                    object: "Chain",
+                },
+                Drift {
+                    what: "the PREROUTING jump deleted",
+                    change: Box::new(move |_| {
+                        let mut args = vec!["-D".to_owned(), "PREROUTING".to_owned()];
+                        args.extend(tandem_nodeproxy::iptables::split_rule(
+                            "-m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+                        ));
+                        ipt(args);
+                    }),
+                    object: "Jump",
+                },
+                Drift {
+                    what: "a KUBE-SEP DNAT rule changed to another address",
+                    change: Box::new(move |rules| {
+                        let chain = rules
+                            .lines()
+                            .find(|l| l.starts_with("-A KUBE-SEP-") && l.contains("-j DNAT"))
+                            .and_then(|l| l.split_whitespace().nth(1))
+                            .unwrap()
+                            .to_owned();
+                        let args = [
+                            "-R",
+                            &chain,
+                            "2",
+                            "-p",
+                            "tcp",
+                            "-j",
+                            "DNAT",
+                            "--to-destination",
+                            "10.244.99.99:8080",
+                        ];
+                        ipt(args.iter().map(|a| (*a).to_owned()).collect());
+                    }),
+                    object: "Chain",
+                },
+            ]
+        }
+        Config::Nftables => vec![
+            Drift {
+                what: "an endpoints map element deleted",
+                change: Box::new(|_| {
+                    let listing = exec("nft", &["list", "map", "ip", "tandem", "endpoints-tcp-0"]);
+                    let elements = listing.split_once("elements = {").unwrap().1;
+                    let first = elements.split([',', ':']).next().unwrap().trim();
+                    exec(
+                        "nft",
+                        &[
+                            "delete",
+                            "element",
+                            "ip",
+                            "tandem",
+                            "endpoints-tcp-0",
+                            &format!("{{ {first} }}"),
+                        ],
+                    );
+                }),
+                object: "Set",
+            },
+            Drift {
+                what: "the prerouting base chain flushed",
+                change: Box::new(|_| {
+                    exec("nft", &["flush", "chain", "ip", "tandem", "nat-prerouting"]);
+                }),
+                object: "Chain",
+            },
+            Drift {
+                what: "a drop rule put first in the services chain",
+                change: Box::new(|_| {
+                    exec(
+                        "nft",
+                        &["insert", "rule", "ip", "tandem", "services", "drop"],
+                    );
+                }),
+                object: "Chain",
+            },
+        ],
+    }
+}
+
+#[test]
+fn rules_someone_else_deletes_or_changes_are_back_within_a_sync_period() {
+    let Some(scene) = Scene::new() else {
+        return;
+    };
+    for config in Config::all() {
+        eprintln!("{config:?}");
+        scene.in_node(move |node| async move {
+            let proxy = node.start_serving(config).await;
+            // A periodic sync has run, so the rules are as a full sync leaves them.
+            tokio::time::sleep(SYNC_PERIOD + Duration::from_millis(500)).await;
+            let expected = config.rules();
+            for drift in drifts(config) {
+                let before = repairs().await;
+                (drift.change)(&expected);
+                assert_ne!(config.rules(), expected, "{}: no change", drift.what);
+                let expected_rules = expected.clone();
+                let took = eventually(SYNC_PERIOD + REPAIR_SLACK, drift.what, move || {
+                    config.rules() == expected_rules
+                })
+                .await;
+                eprintln!(
+                    "{config:?}: {} repaired {took:?} after the change",
+                    drift.what
+                );
+                let after = repairs().await;
+                let counted =
+                    |map: &BTreeMap<String, u64>| map.get(drift.object).copied().unwrap_or(0);
+                assert!(
+                    counted(&after) > counted(&before),
+                    "{}: {} repairs counted {before:?} -> {after:?}",
+                    drift.what,
+                    drift.object
+                );
+                node.assert_serving(drift.what);
+            }
+            terminate(proxy).await;
+            cleanup(config).await;
+        });
+    }
+}
+
+/// Removes every rule of `config`'s mode from the node (`--cleanup`).
+async fn cleanup(config: Config) {
+    let backend = match config {
+        Config::Iptables(Backend::Legacy) => BackendChoice::Legacy,
+        _ => BackendChoice::Nft,
+    };
+    tandem_nodeproxy::datapath::cleanup(backend).await.unwrap();
+}
+
+#[test]
+fn a_switch_between_modes_and_back_leaves_no_moment_without_rules() {
+    let Some(scene) = Scene::new() else {
+        return;
+    };
+    for backend in backends() {
+        let client = scene.client();
+        scene.in_node(move |node| async move {
+            let iptables = Config::Iptables(backend);
+            let proxy = node.start_serving(iptables).await;
+            let traffic = Traffic::start(&client.netns);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let mut proxy = Some(proxy);
+            for (from, to) in [(iptables, Config::Nftables), (Config::Nftables, iptables)] {
+                terminate(proxy.take().unwrap()).await;
+                let started = Instant::now();
+                proxy = Some(node.start(to));
+                // The new mode's rules in, then the old mode's gone.
+                eventually(Duration::from_secs(30), "the switch", move || {
+                    to.installed() && !from.installed()
+                })
+                .await;
+                eprintln!(
+                    "{backend}: {from:?} -> {to:?} done {:?} after the start",
+                    started.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            let report = tokio::task::spawn_blocking(move || traffic.stop())
+                .await
+                .unwrap();
+            report.assert_clean(&format!("{backend}: iptables -> nftables -> iptables"));
+            terminate(proxy.unwrap()).await;
+            cleanup(iptables).await;
+            cleanup(Config::Nftables).await;
+        });
+    }
+}
+
+#[test]
+fn sigterm_leaves_the_rules_a_restart_opens_no_gap_and_flushed_rules_are_back_within_a_second() {
+    let Some(scene) = Scene::new() else {
+        return;
+    };
+    for config in Config::all() {
+        let client = scene.client();
+        scene.in_node(move |node| async move {
+            let proxy = node.start_serving(config).await;
+            let expected = config.rules();
+            let traffic = Traffic::start(&client.netns);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            terminate(proxy).await;
+            assert_eq!(
+                config.rules(),
+                expected,
+                "{config:?}: SIGTERM left the rules as they were"
+            );
+            // Down for a while: the rules keep serving.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let proxy = node.start(config);
+            // The restart's first sync replaces the rules in one restore or transaction.
+            eventually(
+                Duration::from_secs(30),
+                "the restart's first sync",
+                move || config.installed(),
+            )
+            .await;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let report = tokio::task::spawn_blocking(move || traffic.stop())
+                .await
+                .unwrap();
+            report.assert_clean(&format!("{config:?}: across SIGTERM and a restart"));
+            assert_eq!(config.rules(), expected);
+
+            // SIGKILL, and someone flushes the rules while the node proxy is down.
+            let mut proxy = proxy;
+            proxy.kill().await.unwrap();
+            config.flush();
+            assert!(!config.installed());
+            let started = Instant::now();
+            let proxy = node.start(config);
+            let took = eventually(
+                Duration::from_secs(30),
+                "the rules after a flush",
+                move || config.installed(),
+            )
+            .await;
+            eprintln!("{config:?}: rules back {took:?} after the start (lab-sized state)");
+            assert!(
+                started.elapsed() < Duration::from_secs(1),
+                "{config:?}: rules back only {:?} after the start",
+                started.elapsed()
+            );
+            node.assert_serving("after the flush");
+            terminate(proxy).await;
+            cleanup(config).await;
+        });
+    }
+}
+
+/// Successful syncs so far, from the node proxy's metrics; `None` before it serves them.
+async fn successful_syncs() -> Option<u64> {
+    metrics_page()
+        .await?
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("tandem_nodeproxy_sync_proxy_rules_total{result=\"Success\"} ")
+        })
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Starts the node proxy with its log in `log` and returns it with the time from the
+/// start to its first successful sync (its rules applied), polled every 10 ms.
+async fn start_until_synced(node: &NodeScene, config: Config, log: &str) -> (Child, Duration) {
+    let file = std::fs::File::create(log).unwrap();
+    let started = Instant::now();
+    let proxy = node.start_logging(config, "info", file, &["--log-format", "json"]);
+    while successful_syncs().await.unwrap_or(0) == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no sync in two minutes"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (proxy, started.elapsed())
+}
+
+/// When each start-up step of a JSON log happened, from its first line.
+fn start_up_steps(log: &str) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let entries: Vec<(jiff::Timestamp, String)> = text
+        .lines()
+        .filter_map(|line| {
+            let entry: Value = serde_json::from_str(line).ok()?;
+            let at = entry["timestamp"].as_str()?.parse().ok()?;
+            Some((at, entry["fields"]["message"].as_str()?.to_owned()))
+        })
+        .collect();
+    let Some((first, _)) = entries.first() else {
+        return String::new();
+    };
+    let steps = [
+        "node settings",
+        "backend chosen",
+        "nftables mode: table ip tandem",
+        "initial lists received",
+        "iptables-restore applied",
+        "nftables transaction applied",
+    ];
+    entries
+        .iter()
+        .filter_map(|(at, message)| {
+            let step = steps.iter().find(|s| message.contains(*s))?;
+            let offset = at.duration_since(*first).as_secs_f64() * 1000.0;
+            Some(format!("{step} +{offset:.0} ms"))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// 2,700 more LoadBalancer Services with 10 endpoints each (addresses nothing answers on).
+fn load_many(store: &Store) {
+    for i in 0..2_700u32 {
+        let name = format!("svc-{i}");
+        let created = store
+            .create(
+                SERVICES,
+                Some("default"),
+                json!({"apiVersion": "v1", "kind": "Service",
+                       "metadata": {"name": name, "namespace": "default"},
+                       "spec": {"type": "LoadBalancer",
+                                "ports": [{"name": "http", "port": 80, "targetPort": 80, "protocol": "TCP"}],
+                                "loadBalancerSourceRanges": ["203.0.113.0/24"]}}),
+            )
+            .unwrap();
+        let mut with_status = created.clone();
+        with_status["status"] = json!({"loadBalancer": {"ingress": [
+            {"ip": format!("198.51.{}.{}", 101 + i / 250, i % 250 + 1)}]}});
+        store
+            .update(
+                SERVICES,
+                Some("default"),
+                &name,
+                with_status,
+                Subresource::Status,
+            )
+            .unwrap();
+        let endpoints: Vec<Value> = (0..10)
+            .map(|e| {
+                let n = i * 10 + e;
+                json!({"addresses": [format!("10.245.{}.{}", n / 250, n % 250 + 1)],
+                       "conditions": {"ready": true}, "nodeName": "elsewhere"})
+            })
+            .collect();
+        store
+            .create(
+                ENDPOINT_SLICES,
+                Some("default"),
+                json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                       "metadata": {"name": format!("{name}-a"), "namespace": "default",
+                                    "labels": {"kubernetes.io/service-name": name}},
+                       "addressType": "IPv4",
+                       "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
+                       "endpoints": endpoints}),
+            )
+            .unwrap();
+    }
+}
+
+/// From the process start to the rules applied, with 2,700 LoadBalancer Services × 10
+/// endpoints: in an empty node, after SIGTERM (the rules in place), and after SIGKILL and
+/// a flush; each start-up step's time from the log. Release build:
+///
+/// `cargo test --release -p tandem-nodeproxy --test day2 -- --ignored --nocapture start_up`
+#[test]
+#[ignore = "benchmark: a minute per data path; run by hand with --ignored --nocapture"]
+fn start_up_to_rules_with_2700_services() {
+    let Some(scene) = Scene::new() else {
+        return;
+    };
+    for config in Config::all() {
+        scene.in_node(move |node| async move {
+            load_many(&node.store);
+            let log = format!("/tmp/{}-start.log", node.node.netns.name());
+            let (proxy, cold) = start_until_synced(&node, config, &log).await;
+            println!(
+                "{config:?}, 2,700 Services: empty node {cold:.2?} ({})",
+                start_up_steps(&log)
+            );
+            terminate(proxy).await;
+            let (proxy, restart) = start_until_synced(&node, config, &log).await;
+            println!(
+                "{config:?}, 2,700 Services: restart, rules in place {restart:.2?} ({})",
+                start_up_steps(&log)
+            );
+            let mut proxy = proxy;
+            proxy.kill().await.unwrap();
+            config.flush();
+            let (proxy, flushed) = start_until_synced(&node, config, &log).await;
+            println!(
+                "{config:?}, 2,700 Services: after SIGKILL and a flush {flushed:.2?} ({})",
+                start_up_steps(&log)
+            );
+            node.assert_serving("after the flush, at 2,700 Services");
+            terminate(proxy).await;
+            let _ = std::fs::remove_file(&log);
+            cleanup(config).await;
+        });
+    }
+}
