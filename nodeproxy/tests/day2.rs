@@ -460,41 +460,51 @@ fn load(store: &Store, node: &Node, pods: &[Pod]) {
                    "status": {"addresses": [{"type": "InternalIP", "address": node.ip.to_string()}]}}),
         )
         .unwrap();
+    let endpoints: Vec<(String, &str)> = pods
+        .iter()
+        .map(|pod| (pod.ip.to_string(), pod.node_name.as_str()))
+        .collect();
+    load_service(store, "web", &LB_IP.to_string(), POD_PORT, &endpoints);
+}
+
+/// A LoadBalancer Service `name` (port 80, source range 203.0.113.0/24) with `lb_ip` in
+/// its status, and an EndpointSlice of `endpoints` (address, node) on `port`.
+fn load_service(store: &Store, name: &str, lb_ip: &str, port: u16, endpoints: &[(String, &str)]) {
     let created = store
         .create(
             SERVICES,
             Some("default"),
             json!({"apiVersion": "v1", "kind": "Service",
-                   "metadata": {"name": "web", "namespace": "default"},
+                   "metadata": {"name": name, "namespace": "default"},
                    "spec": {"type": "LoadBalancer",
-                            "ports": [{"name": "http", "port": 80, "targetPort": POD_PORT, "protocol": "TCP"}],
+                            "ports": [{"name": "http", "port": 80, "targetPort": port, "protocol": "TCP"}],
                             "loadBalancerSourceRanges": ["203.0.113.0/24"]}}),
         )
         .unwrap();
     let mut with_status = created.clone();
-    with_status["status"] = json!({"loadBalancer": {"ingress": [{"ip": LB_IP.to_string()}]}});
+    with_status["status"] = json!({"loadBalancer": {"ingress": [{"ip": lb_ip}]}});
     store
         .update(
             SERVICES,
             Some("default"),
-            "web",
+            name,
             with_status,
             Subresource::Status,
         )
         .unwrap();
-    let endpoints: Vec<Value> = pods
+    let endpoints: Vec<Value> = endpoints
         .iter()
-        .map(|pod| json!({"addresses": [pod.ip.to_string()], "conditions": {"ready": true}, "nodeName": pod.node_name}))
+        .map(|(ip, node)| json!({"addresses": [ip], "conditions": {"ready": true}, "nodeName": node}))
         .collect();
     store
         .create(
             ENDPOINT_SLICES,
             Some("default"),
             json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                   "metadata": {"name": "web-a", "namespace": "default",
-                                "labels": {"kubernetes.io/service-name": "web"}},
+                   "metadata": {"name": format!("{name}-a"), "namespace": "default",
+                                "labels": {"kubernetes.io/service-name": name}},
                    "addressType": "IPv4",
-                   "ports": [{"name": "http", "port": POD_PORT, "protocol": "TCP"}],
+                   "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
                    "endpoints": endpoints}),
         )
         .unwrap();
@@ -868,49 +878,14 @@ fn start_up_steps(log: &str) -> String {
 /// 2,700 more LoadBalancer Services with 10 endpoints each (addresses nothing answers on).
 fn load_many(store: &Store) {
     for i in 0..2_700u32 {
-        let name = format!("svc-{i}");
-        let created = store
-            .create(
-                SERVICES,
-                Some("default"),
-                json!({"apiVersion": "v1", "kind": "Service",
-                       "metadata": {"name": name, "namespace": "default"},
-                       "spec": {"type": "LoadBalancer",
-                                "ports": [{"name": "http", "port": 80, "targetPort": 80, "protocol": "TCP"}],
-                                "loadBalancerSourceRanges": ["203.0.113.0/24"]}}),
-            )
-            .unwrap();
-        let mut with_status = created.clone();
-        with_status["status"] = json!({"loadBalancer": {"ingress": [
-            {"ip": format!("198.51.{}.{}", 101 + i / 250, i % 250 + 1)}]}});
-        store
-            .update(
-                SERVICES,
-                Some("default"),
-                &name,
-                with_status,
-                Subresource::Status,
-            )
-            .unwrap();
-        let endpoints: Vec<Value> = (0..10)
+        let endpoints: Vec<(String, &str)> = (0..10)
             .map(|e| {
                 let n = i * 10 + e;
-                json!({"addresses": [format!("10.245.{}.{}", n / 250, n % 250 + 1)],
-                       "conditions": {"ready": true}, "nodeName": "elsewhere"})
+                (format!("10.245.{}.{}", n / 250, n % 250 + 1), "elsewhere")
             })
             .collect();
-        store
-            .create(
-                ENDPOINT_SLICES,
-                Some("default"),
-                json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                       "metadata": {"name": format!("{name}-a"), "namespace": "default",
-                                    "labels": {"kubernetes.io/service-name": name}},
-                       "addressType": "IPv4",
-                       "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
-                       "endpoints": endpoints}),
-            )
-            .unwrap();
+        let lb_ip = format!("198.51.{}.{}", 101 + i / 250, i % 250 + 1);
+        load_service(store, &format!("svc-{i}"), &lb_ip, 80, &endpoints);
     }
 }
 
