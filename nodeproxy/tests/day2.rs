@@ -303,7 +303,12 @@ impl Traffic {
 struct Scene {
     topo: Topology,
     _servers: Vec<LineEcho>,
+    /// One scene at a time: each runs steady traffic, and on two cores three at once
+    /// starve each other's packets.
+    _alone: std::sync::MutexGuard<'static, ()>,
 }
+
+static ONE_SCENE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl Scene {
     /// `None` (the test is skipped) unless root.
@@ -317,6 +322,10 @@ impl Scene {
             eprintln!("skipped: needs root and the nft command");
             return None;
         }
+        // A test that failed while holding it leaves nothing behind that matters.
+        let alone = ONE_SCENE_AT_A_TIME
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let topo = Topology::builder()
             .nodes(1)
             .pods_per_node(&[2])
@@ -329,6 +338,7 @@ impl Scene {
         Some(Self {
             topo,
             _servers: servers,
+            _alone: alone,
         })
     }
 
