@@ -594,22 +594,7 @@ impl OwnedNetns {
         if std::mem::replace(&mut self.removed, true) {
             return;
         }
-        let netns = self.netns.name();
-        let mut pids = Command::new("ip");
-        pids.args(["netns", "pids", netns]);
-        if let Ok(out) = run_checked(pids) {
-            for pid in out.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
-                tracing::warn!(netns, pid, "killing a process left in the namespace");
-                if let Err(e) = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL) {
-                    tracing::debug!(netns, pid, error = %e, "kill");
-                }
-            }
-        }
-        let mut del = Command::new("ip");
-        del.args(["netns", "delete", netns]);
-        if let Err(e) = run_checked(del) {
-            tracing::debug!(netns, error = %e, "netns delete");
-        }
+        tandem_netlab::remove_netns(self.netns.name());
     }
 }
 

@@ -49,7 +49,7 @@ fn parse_netns_list(output: &str) -> Vec<String> {
 
 /// Kills every process inside `netns` and deletes it. Best effort: a namespace that is
 /// already gone is not an error.
-pub(crate) fn remove_netns(netns: &str) {
+pub fn remove_netns(netns: &str) {
     let mut pids = Command::new("ip");
     pids.args(["netns", "pids", netns]);
     if let Ok(out) = run_checked(pids) {
