@@ -19,7 +19,6 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -27,12 +26,12 @@ use cloud_mock_sdk::Faults;
 use jiff::Timestamp;
 use serde_json::Value;
 use tandem_common::ProxyMode;
+use tandem_lab::bridge::NamespaceRelay;
 use tandem_lab::components::Component;
 use tandem_lab::lab::{Lab, LabOptions};
 use tandem_lab::scenario::{LbMode, ServicePlan};
-use tandem_netlab::{Netns, Relay};
+use tandem_netlab::Netns;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::sync::oneshot;
 
 /// Where Prometheus listens, inside the control-plane namespace (the test's runtime is there).
 const PROMETHEUS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9090);
@@ -208,7 +207,8 @@ async fn metrics_targets(lab: &Lab) -> Result<(Vec<Target>, Vec<NamespaceRelay>)
             let (address, relay) = match listen.ip() {
                 ip if ip.is_unspecified() => (reachable, None),
                 ip if ip.is_loopback() && netns.name() != control_plane.netns.name() => {
-                    let relay = NamespaceRelay::start(netns.clone(), reachable, listen).await?;
+                    let relay =
+                        NamespaceRelay::start(Some(netns), netns, reachable, listen.to_string())?;
                     (reachable, Some(relay))
                 }
                 _ => (listen, None),
@@ -572,68 +572,6 @@ async fn iptables(node: &Netns, args: &[&str]) -> Result<String> {
         );
     }
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
-}
-
-/// Forwards `listen` to `upstream`, both inside `netns`, from a thread of its own that
-/// entered it (the relay dials from its runtime's namespace); stopped and joined on drop.
-struct NamespaceRelay {
-    stop: Option<oneshot::Sender<()>>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl NamespaceRelay {
-    async fn start(netns: Netns, listen: SocketAddr, upstream: SocketAddr) -> Result<Self> {
-        let (ready_tx, ready_rx) = oneshot::channel::<Result<()>>();
-        let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        let thread = std::thread::spawn(move || {
-            let runtime = tandem_lab::netns::enter(netns.name())
-                .map_err(anyhow::Error::from)
-                .and_then(|()| {
-                    Ok(tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()?)
-                });
-            let runtime = match runtime {
-                Ok(runtime) => runtime,
-                Err(error) => {
-                    let _ = ready_tx.send(Err(error));
-                    return;
-                }
-            };
-            runtime.block_on(async move {
-                match Relay::start(&netns, listen, upstream.to_string()).await {
-                    Ok(relay) => {
-                        let _ = ready_tx.send(Ok(()));
-                        let _ = stop_rx.await;
-                        relay.stop().await;
-                    }
-                    Err(error) => {
-                        let _ = ready_tx.send(Err(error.into()));
-                    }
-                }
-            });
-        });
-        let relay = Self {
-            stop: Some(stop_tx),
-            thread: Some(thread),
-        };
-        ready_rx
-            .await
-            .context("the relay thread ended")?
-            .with_context(|| format!("relaying {listen} to {upstream}"))?;
-        Ok(relay)
-    }
-}
-
-impl Drop for NamespaceRelay {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
 }
 
 #[test]
