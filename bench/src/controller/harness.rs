@@ -18,7 +18,6 @@ use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use serde_json::json;
 use tandem_controller::provider::{TAG_CLUSTER_ID, TAG_SERVICE_UID};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
@@ -79,26 +78,9 @@ fn spawn_logged(program: &Path, args: &[String], log: &Path) -> anyhow::Result<C
         .with_context(|| format!("starting {}", program.display()))
 }
 
-/// `GET path` over plain HTTP/1.0 on loopback: status code and body.
+/// `GET path` on loopback: status code and body.
 async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await?;
-    let mut response = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut response))
-        .await
-        .context("reading an HTTP response")??;
-    let text = String::from_utf8_lossy(&response);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .context("HTTP response without a body")?;
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .context("HTTP response without a status")?;
-    Ok((status, body.to_owned()))
+    Ok(tandem_netlab::http::get(addr, path, Duration::from_secs(10)).await?)
 }
 
 /// Polls `addr` + `path` until it answers 200, failing if `child` exits or time runs out.

@@ -31,7 +31,6 @@ use tandem_lab::components::Component;
 use tandem_lab::lab::{Lab, LabOptions};
 use tandem_lab::scenario::{LbMode, ServicePlan};
 use tandem_netlab::Netns;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 /// Where Prometheus listens, inside the control-plane namespace (the test's runtime is there).
 const PROMETHEUS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9090);
@@ -506,30 +505,9 @@ async fn api(path: &str) -> Result<Value> {
     Ok(answer["data"].clone())
 }
 
-/// `GET path` over HTTP/1.0: the status code and the body.
+/// `GET path`: the status code and the body.
 async fn http_get(address: SocketAddr, path: &str) -> Result<(u16, String)> {
-    let exchange = async {
-        let mut stream = tokio::net::TcpStream::connect(address).await?;
-        stream
-            .write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
-            .await?;
-        let mut response = Vec::new();
-        stream.read_to_end(&mut response).await?;
-        anyhow::Ok(response)
-    };
-    let response = tokio::time::timeout(Duration::from_secs(5), exchange)
-        .await
-        .with_context(|| format!("GET {address}{path} timed out"))??;
-    let text = String::from_utf8_lossy(&response);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .context("an HTTP response without a body")?;
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .context("an HTTP response without a status")?;
-    Ok((status, body.to_owned()))
+    Ok(tandem_netlab::http::get(address, path, Duration::from_secs(5)).await?)
 }
 
 /// The `KUBE-SVC-…` chain of the Service's first port on a node, once the node proxy wrote

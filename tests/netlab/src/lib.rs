@@ -36,6 +36,7 @@ mod cleanup;
 pub mod cluster;
 pub mod echo;
 mod error;
+pub mod http;
 mod naming;
 mod netns;
 pub mod plan;
