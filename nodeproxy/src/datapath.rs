@@ -138,6 +138,9 @@ pub struct NftablesPath {
     /// The iptables mode's rules may be there (in this backend): removed after the first
     /// successful apply.
     remove_iptables: Option<Backend>,
+    /// True until the first whole-table write: a table an earlier run left that already
+    /// holds exactly these rules is kept as it is, so a restart writes nothing.
+    adopt_kernel_table: bool,
     /// The digests of the chains and sets as written, for the read-back; an object is
     /// dropped when written and digested again when the next read-back is compared.
     digests: TableDigest,
@@ -178,6 +181,7 @@ impl DataPath {
             pending: Transaction::default(),
             in_sync: false,
             remove_iptables: Some(backend),
+            adopt_kernel_table: true,
             digests: TableDigest::default(),
             written_since_read: Written::default(),
         })
@@ -512,11 +516,18 @@ impl NftablesPath {
             tracing::error!("the netlink socket was lost; reopening");
             return self.reopen();
         };
+        let adopt = (full && std::mem::take(&mut self.adopt_kernel_table)).then(|| {
+            self.refresh_digests();
+            self.digests.clone()
+        });
         let ops = tx.ops.len();
         let written = tx.written();
         let started = Instant::now();
         let (kernel, result) = match tokio::task::spawn_blocking(move || {
-            let result = kernel.apply(&tx);
+            let result = match adopt {
+                Some(expected) if kernel_holds(&mut kernel, &expected) => Ok(Write::Adopted),
+                _ => kernel.apply(&tx).map(|()| Write::Applied),
+            };
             (kernel, result)
         })
         .await
@@ -530,16 +541,23 @@ impl NftablesPath {
         };
         self.kernel = Some(kernel);
         match result {
-            Ok(()) => {
+            Ok(write) => {
                 self.in_sync = true;
-                tracing::info!(
-                    full,
-                    ops,
-                    elapsed_ms = started.elapsed().as_millis() as u64,
-                    "nftables transaction applied"
-                );
-                self.forget_digests(&written);
-                self.written_since_read.merge(written);
+                if write == Write::Adopted {
+                    tracing::info!(
+                        elapsed_ms = started.elapsed().as_millis() as u64,
+                        "table ip tandem already holds these rules; kept as it is"
+                    );
+                } else {
+                    tracing::info!(
+                        full,
+                        ops,
+                        elapsed_ms = started.elapsed().as_millis() as u64,
+                        "nftables transaction applied"
+                    );
+                    self.forget_digests(&written);
+                    self.written_since_read.merge(written);
+                }
                 if let Some(backend) = self.remove_iptables.take() {
                     match Syncer::new(backend).cleanup().await {
                         Ok(()) => {
@@ -660,5 +678,26 @@ impl NftablesPath {
         count_repairs(metrics, RepairedObject::Set, sets);
         self.pending = Transaction::repair(self.rules.ruleset(), &found);
         chains + sets
+    }
+}
+
+/// How the first whole-table write of a run went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Write {
+    Applied,
+    /// The kernel's table already matched: nothing was sent.
+    Adopted,
+}
+
+/// Whether the kernel's table ip tandem holds exactly the chains and sets of `expected`.
+/// Replacing a table in one transaction is atomic for the rules, but a restart that
+/// writes nothing cannot open a gap for any packet, and costs one read instead of a write.
+fn kernel_holds(kernel: &mut Netlink, expected: &TableDigest) -> bool {
+    match kernel.read_table(TABLE, true) {
+        Ok(found) => TableDrift::between(expected, &found, |_, _| false).is_empty(),
+        Err(error) => {
+            tracing::warn!(%error, "reading table ip tandem before the first write failed; replacing it");
+            false
+        }
     }
 }

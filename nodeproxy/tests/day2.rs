@@ -136,6 +136,19 @@ fn nft_table() -> Option<Value> {
     Some(listing)
 }
 
+/// The kernel's handle of table ip tandem: a new one whenever the table is replaced.
+fn nft_table_handle() -> Option<u64> {
+    let output = std::process::Command::new("nft")
+        .args(["-j", "list", "tables", "ip"])
+        .output()
+        .unwrap();
+    let listing: Value = serde_json::from_slice(&output.stdout).ok()?;
+    listing["nftables"].as_array()?.iter().find_map(|object| {
+        let table = object.get("table")?;
+        (table["name"] == "tandem").then(|| table["handle"].as_u64())?
+    })
+}
+
 /// A TCP server in a pod answering each line with `<pod> <line>`, until dropped.
 struct LineEcho {
     stop: Arc<AtomicBool>,
@@ -259,7 +272,8 @@ impl Traffic {
         let thread = std::thread::spawn(move || {
             client
                 .run_in_thread(move || {
-                    let deadline = Instant::now() + Duration::from_secs(120);
+                    let started = Instant::now();
+                    let deadline = started + Duration::from_secs(120);
                     let mut report = TrafficReport::default();
                     let mut long_lived = TcpStream::connect_timeout(&LB, Duration::from_secs(1))
                         .and_then(|s| s.set_read_timeout(Some(Duration::from_secs(1))).map(|()| s))
@@ -268,7 +282,10 @@ impl Traffic {
                     while !stopped.load(Ordering::Relaxed) && Instant::now() < deadline {
                         let n = report.new_connections;
                         if let Err(error) = new_connection(&format!("new-{n}")) {
-                            report.failed.push(format!("connection {n}: {error}"));
+                            let at = started.elapsed();
+                            report
+                                .failed
+                                .push(format!("connection {n} at {at:?}: {error}"));
                         }
                         report.new_connections += 1;
                         if report.long_lived_failure.is_none()
@@ -774,6 +791,7 @@ fn sigterm_leaves_the_rules_a_restart_opens_no_gap_and_flushed_rules_are_back_wi
         scene.in_node(move |node| async move {
             let proxy = node.start_serving(config).await;
             let expected = config.rules();
+            let table = nft_table_handle();
             let traffic = Traffic::start(&client.netns);
             tokio::time::sleep(Duration::from_millis(300)).await;
             terminate(proxy).await;
@@ -785,13 +803,23 @@ fn sigterm_leaves_the_rules_a_restart_opens_no_gap_and_flushed_rules_are_back_wi
             // Down for a while: the rules keep serving.
             tokio::time::sleep(Duration::from_secs(1)).await;
             let proxy = node.start(config);
-            // The restart's first sync replaces the rules in one restore or transaction.
-            eventually(
-                Duration::from_secs(30),
-                "the restart's first sync",
-                move || config.installed(),
-            )
-            .await;
+            // The restart's first sync rewrites the iptables rules in one restore, and
+            // keeps a table ip tandem that already holds its rules.
+            let restarted = Instant::now();
+            while successful_syncs().await.unwrap_or(0) == 0 {
+                assert!(
+                    restarted.elapsed() < Duration::from_secs(30),
+                    "{config:?}: no sync after the restart"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            if config == Config::Nftables {
+                assert_eq!(
+                    nft_table_handle(),
+                    table,
+                    "the restart kept table ip tandem as it was"
+                );
+            }
             tokio::time::sleep(Duration::from_secs(1)).await;
             let report = tokio::task::spawn_blocking(move || traffic.stop())
                 .await
