@@ -354,7 +354,7 @@ mod tests {
 
     fn endpoints(last: u8) -> Vec<Endpoint> {
         vec![Endpoint {
-            ip: std::net::Ipv4Addr::new(10, 244, 1, last),
+            ip: std::net::Ipv4Addr::new(10, 244, 1, last).into(),
             port: 80,
             ready: true,
             serving: true,

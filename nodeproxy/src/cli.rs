@@ -1,12 +1,12 @@
 //! Command-line flags (each with an environment fallback).
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::str::FromStr;
 
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use ipnet::{IpNet, Ipv4Net};
-use tandem_proxy_rules::model::{NodeConfig, NodePortAddresses, Protocol};
+use tandem_proxy_rules::model::{IpFamily, NodeConfig, NodePortAddresses, Protocol};
 
 pub use tandem_common::{GoDuration, LogFormat};
 
@@ -107,7 +107,7 @@ impl ClusterArgs {
     /// IPv6 CIDRs are for an IPv6 proxier this node proxy does not run.
     pub fn node_port_addresses(
         &self,
-        node_ip: Option<Ipv4Addr>,
+        node_ip: Option<IpAddr>,
     ) -> Result<NodePortAddresses, NodePortAddressesError> {
         let given = &self.nodeport_addresses;
         let primary = given.contains(&NodePortAddress::Primary);
@@ -115,13 +115,13 @@ impl ClusterArgs {
             return Err(NodePortAddressesError::PrimaryWithCidrs);
         }
         if primary || (given.is_empty() && self.proxy_mode == ProxyMode::Nftables) {
-            let own: Vec<Ipv4Net> = node_ip.map(Ipv4Net::from).into_iter().collect();
+            let own: Vec<IpNet> = node_ip.map(IpNet::from).into_iter().collect();
             return Ok(NodePortAddresses::from_cidrs(&own));
         }
-        let cidrs: Vec<Ipv4Net> = given
+        let cidrs: Vec<IpNet> = given
             .iter()
             .filter_map(|address| match address {
-                NodePortAddress::Cidr(IpNet::V4(cidr)) => Some(*cidr),
+                NodePortAddress::Cidr(cidr @ IpNet::V4(_)) => Some(*cidr),
                 _ => None,
             })
             .collect();
@@ -134,9 +134,11 @@ impl ClusterArgs {
         node_name: String,
         node_ip: Option<Ipv4Addr>,
     ) -> Result<NodeConfig, NodePortAddressesError> {
+        let node_ip = node_ip.map(IpAddr::V4);
         Ok(NodeConfig {
             node_name,
-            cluster_cidr: self.cluster_cidr,
+            family: IpFamily::V4,
+            cluster_cidr: self.cluster_cidr.map(IpNet::V4),
             node_ip,
             masquerade_all: self.masquerade_all,
             node_port_addresses: self.node_port_addresses(node_ip)?,
@@ -144,10 +146,8 @@ impl ClusterArgs {
             service_cidrs: self
                 .service_cluster_ip_range
                 .iter()
-                .filter_map(|cidr| match cidr {
-                    IpNet::V4(cidr) => Some(cidr.trunc()),
-                    IpNet::V6(_) => None,
-                })
+                .filter(|cidr| matches!(cidr, IpNet::V4(_)))
+                .map(IpNet::trunc)
                 .collect(),
         })
     }
@@ -306,7 +306,7 @@ mod tests {
             all.extend(args);
             Cli::try_parse_from(all).unwrap().cluster
         };
-        let node_ip = Some(Ipv4Addr::new(198, 18, 0, 11));
+        let node_ip = Some(IpAddr::from([198, 18, 0, 11]));
         let cidrs = |list: &[&str]| {
             NodePortAddresses::Cidrs(list.iter().map(|c| c.parse().unwrap()).collect())
         };
@@ -336,7 +336,9 @@ mod tests {
             given.node_port_addresses(node_ip),
             Ok(cidrs(&["10.0.0.0/8", "192.168.7.0/24"]))
         );
-        let node = given.node_config("node-a".into(), node_ip).unwrap();
+        let node = given
+            .node_config("node-a".into(), Some(Ipv4Addr::new(198, 18, 0, 11)))
+            .unwrap();
         assert!(node.masquerade_all && !node.localhost_node_ports);
         assert_eq!(node.service_cidrs, vec!["10.96.0.0/16".parse().unwrap()]);
         assert_eq!(node.node_ip, node_ip);

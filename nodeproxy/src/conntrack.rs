@@ -4,19 +4,19 @@
 use std::process::Stdio;
 
 use tandem_proxy_rules::conntrack::{ConntrackDeletion, stale_udp_deletions};
-use tandem_proxy_rules::model::ProxyState;
+use tandem_proxy_rules::model::{IpFamily, ProxyState};
 use tokio::process::Command;
 
 /// How `conntrack` reports that nothing matched (with exit status 1): success for us.
 const NOTHING_DELETED: &str = "0 flow entries have been deleted";
 
-/// Run the deletions for going from `previous` to `current`. Failures are logged, never
+/// Run the deletions for going from `previous` to `current`, both of `family`. Failures are logged, never
 /// fatal: a missed deletion costs a UDP client a timeout, not the node its rules.
 /// Returns how many deletions failed.
-pub async fn clear_stale(previous: &ProxyState, current: &ProxyState) -> usize {
+pub async fn clear_stale(previous: &ProxyState, current: &ProxyState, family: IpFamily) -> usize {
     let mut failed = 0;
     for deletion in stale_udp_deletions(previous, current) {
-        match run(&deletion).await {
+        match run(&deletion, family).await {
             Ok(()) => tracing::debug!(?deletion, "conntrack entries deleted"),
             Err(error) => {
                 failed += 1;
@@ -27,8 +27,8 @@ pub async fn clear_stale(previous: &ProxyState, current: &ProxyState) -> usize {
     failed
 }
 
-async fn run(deletion: &ConntrackDeletion) -> Result<(), String> {
-    let args = deletion.conntrack_args();
+async fn run(deletion: &ConntrackDeletion, family: IpFamily) -> Result<(), String> {
+    let args = deletion.conntrack_args(family);
     let output = Command::new("conntrack")
         .args(&args)
         .stdin(Stdio::null())

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr};
 
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net};
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort as K8sServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -104,7 +104,7 @@ struct SliceEndpoint {
 impl SliceEndpoint {
     fn at(&self, port: u16) -> Endpoint {
         Endpoint {
-            ip: self.ip,
+            ip: self.ip.into(),
             port,
             ready: self.ready,
             serving: self.serving,
@@ -273,7 +273,7 @@ pub fn join<'a>(
 /// per address is kept, preferring the one that is ready.
 pub fn join_endpoints(all: impl IntoIterator<Item = Endpoint>) -> Vec<Endpoint> {
     let set: BTreeSet<Endpoint> = all.into_iter().collect();
-    let mut by_address: BTreeMap<(Ipv4Addr, u16), Endpoint> = BTreeMap::new();
+    let mut by_address: BTreeMap<(IpAddr, u16), Endpoint> = BTreeMap::new();
     for endpoint in set {
         let key = (endpoint.ip, endpoint.port);
         let better = match by_address.get(&key) {
@@ -383,7 +383,7 @@ fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePo
         .iter()
         .flatten()
         .filter_map(|value| match value.trim().parse::<Ipv4Addr>() {
-            Ok(ip) => Some(ip),
+            Ok(ip) => Some(IpAddr::V4(ip)),
             Err(_) => {
                 skip("spec.externalIPs", value, "not an IPv4 address");
                 None
@@ -425,7 +425,10 @@ fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePo
                         IpMode::Vip
                     }
                 };
-                Some(LoadBalancerIngress { ip, ip_mode })
+                Some(LoadBalancerIngress {
+                    ip: ip.into(),
+                    ip_mode,
+                })
             })
             .collect()
     } else {
@@ -437,7 +440,7 @@ fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePo
             .iter()
             .flatten()
             .filter_map(|value| match value.trim().parse::<Ipv4Net>() {
-                Ok(net) => Some(net.trunc()),
+                Ok(net) => Some(IpNet::V4(net.trunc())),
                 Err(_) => {
                     skip("spec.loadBalancerSourceRanges", value, "not an IPv4 CIDR");
                     None
@@ -522,7 +525,7 @@ fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePo
                 port: port_name,
             },
             protocol,
-            cluster_ip: Some(cluster_ip),
+            cluster_ip: Some(cluster_ip.into()),
             port: service_port,
             node_port,
             external_ips: external_ips.clone(),
@@ -709,19 +712,19 @@ mod tests {
         let name = spn("nginx-service", "http");
         let port = &out.state.services[&name];
         assert_eq!(port.protocol, Protocol::Tcp);
-        assert_eq!(port.cluster_ip, Some(Ipv4Addr::new(10, 43, 35, 197)));
+        assert_eq!(port.cluster_ip, Some(Ipv4Addr::new(10, 43, 35, 197).into()));
         assert_eq!(port.port, 80);
         assert_eq!(port.node_port, Some(30166));
         assert_eq!(
             port.load_balancer_ingress,
             vec![LoadBalancerIngress {
-                ip: Ipv4Addr::new(198, 51, 100, 20),
+                ip: Ipv4Addr::new(198, 51, 100, 20).into(),
                 ip_mode: IpMode::Vip
             }]
         );
         assert_eq!(
             port.load_balancer_source_ranges,
-            vec!["203.0.113.0/24".parse::<Ipv4Net>().unwrap()]
+            vec!["203.0.113.0/24".parse::<IpNet>().unwrap()]
         );
         assert_eq!(port.session_affinity_timeout, None);
         assert!(!port.external_traffic_policy_local);
@@ -756,9 +759,9 @@ mod tests {
         // Host bits are cleared, as the kernel would store the range.
         assert_eq!(
             port.load_balancer_source_ranges,
-            vec!["203.0.113.0/24".parse::<Ipv4Net>().unwrap()]
+            vec!["203.0.113.0/24".parse::<IpNet>().unwrap()]
         );
-        assert_eq!(port.external_ips, vec![Ipv4Addr::new(1, 2, 3, 4)]);
+        assert_eq!(port.external_ips, vec![IpAddr::from([1, 2, 3, 4])]);
         let fields: Vec<_> = out
             .skipped
             .iter()
@@ -805,7 +808,7 @@ mod tests {
         let out = proxy_state([&service], []);
         assert_eq!(
             out.state.services[&spn("nginx-service", "http")].cluster_ip,
-            Some(Ipv4Addr::new(10, 43, 0, 9))
+            Some(IpAddr::from([10, 43, 0, 9]))
         );
     }
 
@@ -928,11 +931,11 @@ mod tests {
         assert_eq!(http.len(), 2);
         assert_eq!(
             (http[0].ip, http[0].port, http[0].ready, http[0].terminating),
-            (Ipv4Addr::new(10, 244, 1, 5), 8080, true, false)
+            (IpAddr::from([10, 244, 1, 5]), 8080, true, false)
         );
         assert_eq!(
             (http[1].ip, http[1].ready, http[1].terminating),
-            (Ipv4Addr::new(10, 244, 2, 7), false, true)
+            (IpAddr::from([10, 244, 2, 7]), false, true)
         );
         let metrics = &out.state.endpoints[&spn("nginx-service", "metrics")];
         assert!(metrics.iter().all(|e| e.port == 9090));
@@ -956,12 +959,12 @@ mod tests {
         let served: Vec<&str> = entry.served_ports().map(|n| n.port.as_str()).collect();
         assert_eq!(served, ["http", "metrics"]);
         let metrics = port_endpoints(&spn("nginx-service", "metrics"), [&entry]);
-        let targets: Vec<(Ipv4Addr, u16)> = metrics.iter().map(|e| (e.ip, e.port)).collect();
+        let targets: Vec<(IpAddr, u16)> = metrics.iter().map(|e| (e.ip, e.port)).collect();
         assert_eq!(
             targets,
             [
-                (Ipv4Addr::new(10, 244, 1, 5), 9090),
-                (Ipv4Addr::new(10, 244, 2, 7), 9090)
+                (IpAddr::from([10, 244, 1, 5]), 9090),
+                (IpAddr::from([10, 244, 2, 7]), 9090)
             ]
         );
         // Without endpoints a slice serves no port: its changes touch nothing.

@@ -36,7 +36,7 @@ pub async fn start(
         ProxyMode::Iptables => {
             tracing::info!(%backend, %reason, restore = backend.restore(), "iptables mode; backend chosen");
             if node.localhost_node_ports
-                && node.node_port_addresses.overlap_loopback()
+                && node.node_ports_overlap_loopback()
                 && let Err(error) = enable_route_localnet().await
             {
                 // An unprivileged container sees /proc/sys read-only. Without the sysctl

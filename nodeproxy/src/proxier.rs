@@ -364,7 +364,8 @@ impl Proxier {
                     .network_programming
                     .observe(seen.elapsed().as_secs_f64());
             }
-            conntrack::clear_stale(&changes.previous, &changes.current).await;
+            conntrack::clear_stale(&changes.previous, &changes.current, self.config.node.family)
+                .await;
             self.node_health.record_sync(Timestamp::now());
             self.metrics
                 .last_sync_timestamp

@@ -9,7 +9,7 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -70,7 +70,7 @@ fn program(node: &tandem_netlab::Node, mode: ProxyMode, config: NodeConfig, stat
 /// node-1 as the node proxy sees it: its IP known, as from its Node object.
 fn config(node: &tandem_netlab::Node) -> NodeConfig {
     NodeConfig {
-        node_ip: Some(node.ip),
+        node_ip: Some(node.ip.into()),
         ..node_named(&node.name)
     }
 }
@@ -217,7 +217,7 @@ fn node_ports_answer_only_on_the_given_addresses() {
     for mode in MODES {
         // `primary` resolves to the node's IP.
         let primary = NodeConfig {
-            node_port_addresses: NodePortAddresses::from_cidrs(&[node.ip.into()]),
+            node_port_addresses: NodePortAddresses::from_cidrs(&[IpAddr::V4(node.ip).into()]),
             ..config(node)
         };
         program(node, mode, primary, &state);

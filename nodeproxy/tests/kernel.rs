@@ -10,7 +10,7 @@ use tandem_nodeproxy::backend::Backend;
 use tandem_nodeproxy::iptables::{self, SyncError, Syncer, TableRepair};
 use tandem_nodeproxy::restore::RestoreMode;
 use tandem_proxy_rules::chains::{endpoint_chain, service_chain};
-use tandem_proxy_rules::model::{Protocol, ProxyState};
+use tandem_proxy_rules::model::{IpFamily, Protocol, ProxyState};
 use tandem_proxy_rules::ruleset::{ChangedChains, Ruleset, Table};
 
 /// A scenario run once per backend, in its own fresh namespace.
@@ -420,7 +420,7 @@ fn conntrack_accepts_the_deletions_of_a_udp_endpoint_change() {
         assert!(!tandem_proxy_rules::conntrack::stale_udp_deletions(&before, &after).is_empty());
         // Every command is accepted by the real conntrack ("0 flow entries" is success).
         assert_eq!(
-            tandem_nodeproxy::conntrack::clear_stale(&before, &after).await,
+            tandem_nodeproxy::conntrack::clear_stale(&before, &after, IpFamily::V4).await,
             0
         );
     });

@@ -105,7 +105,7 @@ fn the_full_rebuild_check_finds_nothing_after_services_come_and_go() {
             let nginx = spn("default", "nginx-service", "http");
             let mut zeta = state.services[&nginx].clone();
             zeta.name = spn("default", "zeta", "http");
-            zeta.cluster_ip = Some(std::net::Ipv4Addr::new(10, 43, 9, 9));
+            zeta.cluster_ip = Some(std::net::Ipv4Addr::new(10, 43, 9, 9).into());
             zeta.node_port = Some(30999);
             zeta.load_balancer_ingress.clear();
             state.services.remove(&gone);

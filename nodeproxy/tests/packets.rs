@@ -15,7 +15,7 @@ use tandem_netlab::Topology;
 use tandem_nodeproxy::backend::Backend;
 use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::restore::RestoreMode;
-use tandem_proxy_rules::model::Protocol;
+use tandem_proxy_rules::model::{IpFamily, Protocol};
 
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
 const POD_PORT: u16 = 8080;
@@ -299,7 +299,7 @@ fn udp_through_a_service_follows_an_endpoint_replacement() {
             runtime.block_on(async {
                 syncer.sync(&rules_after).await.unwrap();
                 assert_eq!(
-                    tandem_nodeproxy::conntrack::clear_stale(&before, &after).await,
+                    tandem_nodeproxy::conntrack::clear_stale(&before, &after, IpFamily::V4).await,
                     0
                 );
             });

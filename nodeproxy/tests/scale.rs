@@ -150,13 +150,13 @@ fn state_of(services: usize, load_balancers: bool) -> ProxyState {
             ServicePort {
                 name: name.clone(),
                 protocol: Protocol::Tcp,
-                cluster_ip: Some(Ipv4Addr::new(10, 96, hi, lo)),
+                cluster_ip: Some(Ipv4Addr::new(10, 96, hi, lo).into()),
                 port: 80,
                 node_port: load_balancers.then_some(30_000 + i as u16),
                 external_ips: vec![],
                 load_balancer_ingress: if load_balancers {
                     vec![LoadBalancerIngress {
-                        ip: Ipv4Addr::new(198, 51, 100 + hi, lo),
+                        ip: Ipv4Addr::new(198, 51, 100 + hi, lo).into(),
                         ip_mode: IpMode::Vip,
                     }]
                 } else {

@@ -268,7 +268,7 @@ pub fn node() -> Node {
 
 /// What the node proxy is told about its node.
 pub fn node_config() -> NodeConfig {
-    NodeConfig::new(NODE_NAME, Some(POD_IPS))
+    NodeConfig::new(NODE_NAME, Some(POD_IPS.into()))
 }
 
 /// `--cluster-cidr` for the node proxy binary.

@@ -1,7 +1,7 @@
 //! Chain names, exactly as kube-proxy derives them, so that existing tooling and
 //! people who know kube-proxy can read our rules.
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use data_encoding::BASE32;
 use sha2::{Digest, Sha256};
@@ -65,11 +65,7 @@ pub fn external_local_chain(name: &ServicePortName, protocol: Protocol) -> Strin
 }
 
 /// `KUBE-SEP-…`: DNATs to one endpoint of a Service port.
-pub fn endpoint_chain(
-    name: &ServicePortName,
-    protocol: Protocol,
-    endpoint: SocketAddrV4,
-) -> String {
+pub fn endpoint_chain(name: &ServicePortName, protocol: Protocol, endpoint: SocketAddr) -> String {
     hashed_chain(
         "KUBE-SEP-",
         &format!("{name}{}{endpoint}", protocol.as_str()),
@@ -120,7 +116,7 @@ mod tests {
     #[test]
     fn endpoint_chains_match_the_reference_dump() {
         let name = nginx_http();
-        let ep = |s: &str| s.parse::<SocketAddrV4>().unwrap();
+        let ep = |s: &str| s.parse::<SocketAddr>().unwrap();
         assert_eq!(
             endpoint_chain(&name, Protocol::Tcp, ep("10.244.1.5:80")),
             "KUBE-SEP-XZBMABGU65WCSBQV"

@@ -3,32 +3,33 @@
 //! sending to a removed pod (or to the REJECT of a Service that had no endpoints).
 
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{IpMode, Protocol, ProxyState, ServicePort, ServicePortName};
+use crate::model::{IpFamily, IpMode, Protocol, ProxyState, ServicePort, ServicePortName};
 
 /// One `conntrack -D` to run after the new rules are in place.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum ConntrackDeletion {
     /// Every UDP flow to a Service IP (cluster, external or load-balancer IP).
-    ServiceIp { ip: Ipv4Addr },
+    ServiceIp { ip: IpAddr },
     /// Every UDP flow to a node port.
     NodePort { port: u16 },
     /// UDP flows to a Service IP that were DNATed to a removed endpoint.
     ServiceIpToEndpoint {
-        service_ip: Ipv4Addr,
-        endpoint_ip: Ipv4Addr,
+        service_ip: IpAddr,
+        endpoint_ip: IpAddr,
     },
     /// UDP flows to a node port that were DNATed to a removed endpoint.
-    NodePortToEndpoint { port: u16, endpoint_ip: Ipv4Addr },
+    NodePortToEndpoint { port: u16, endpoint_ip: IpAddr },
 }
 
 impl ConntrackDeletion {
-    /// The arguments of the `conntrack` command that performs it (kube-proxy's).
-    pub fn conntrack_args(&self) -> Vec<String> {
+    /// The arguments of the `conntrack` command that performs it in the proxier of
+    /// `family` (kube-proxy's: `-f ipv6` last for IPv6).
+    pub fn conntrack_args(&self, family: IpFamily) -> Vec<String> {
         let args: Vec<String> = match self {
             Self::ServiceIp { ip } => vec!["-D".into(), "--orig-dst".into(), ip.to_string()],
             Self::NodePort { port } => vec![
@@ -58,12 +59,16 @@ impl ConntrackDeletion {
                 endpoint_ip.to_string(),
             ],
         };
-        match self {
+        let mut args = match self {
             Self::ServiceIp { .. } | Self::ServiceIpToEndpoint { .. } => {
                 [args, vec!["-p".into(), "udp".into()]].concat()
             }
             Self::NodePort { .. } | Self::NodePortToEndpoint { .. } => args,
+        };
+        if family == IpFamily::V6 {
+            args.extend(["-f".into(), "ipv6".into()]);
         }
+        args
     }
 }
 
@@ -132,7 +137,7 @@ pub fn stale_udp_deletions(previous: &ProxyState, current: &ProxyState) -> Vec<C
 /// (ip, port) of the serving endpoints of a Service port, as kube-proxy counts them for
 /// stale flows: a terminating endpoint that still serves may still get traffic (KEP-1669
 /// fallback), so its flows stay until it stops serving or goes away.
-fn serving_endpoints(state: &ProxyState, name: &ServicePortName) -> BTreeSet<(Ipv4Addr, u16)> {
+fn serving_endpoints(state: &ProxyState, name: &ServicePortName) -> BTreeSet<(IpAddr, u16)> {
     state
         .endpoints
         .get(name)
@@ -144,7 +149,7 @@ fn serving_endpoints(state: &ProxyState, name: &ServicePortName) -> BTreeSet<(Ip
 }
 
 /// The IPs the node DNATs for a Service port: cluster IP, external IPs, VIP-mode LB IPs.
-fn service_ips(service: &ServicePort) -> impl Iterator<Item = Ipv4Addr> + '_ {
+fn service_ips(service: &ServicePort) -> impl Iterator<Item = IpAddr> + '_ {
     let lb_ips = service
         .load_balancer_ingress
         .iter()
@@ -159,6 +164,8 @@ fn service_ips(service: &ServicePort) -> impl Iterator<Item = Ipv4Addr> + '_ {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
     use crate::model::{Endpoint, LoadBalancerIngress};
 
@@ -174,17 +181,17 @@ mod tests {
         ServicePort {
             name: dns_name(),
             protocol,
-            cluster_ip: Some(Ipv4Addr::new(10, 96, 0, 53)),
+            cluster_ip: Some(Ipv4Addr::new(10, 96, 0, 53).into()),
             port: 53,
             node_port: Some(30053),
-            external_ips: vec![Ipv4Addr::new(192, 0, 2, 53)],
+            external_ips: vec![Ipv4Addr::new(192, 0, 2, 53).into()],
             load_balancer_ingress: vec![
                 LoadBalancerIngress {
-                    ip: Ipv4Addr::new(198, 51, 100, 53),
+                    ip: Ipv4Addr::new(198, 51, 100, 53).into(),
                     ip_mode: IpMode::Vip,
                 },
                 LoadBalancerIngress {
-                    ip: Ipv4Addr::new(198, 51, 100, 54),
+                    ip: Ipv4Addr::new(198, 51, 100, 54).into(),
                     ip_mode: IpMode::Proxy,
                 },
             ],
@@ -198,7 +205,7 @@ mod tests {
 
     fn ep(last: u8) -> Endpoint {
         Endpoint {
-            ip: Ipv4Addr::new(10, 244, 1, last),
+            ip: Ipv4Addr::new(10, 244, 1, last).into(),
             port: 5353,
             ready: true,
             serving: true,
@@ -216,8 +223,8 @@ mod tests {
         state
     }
 
-    fn ip(a: u8, b: u8, c: u8, d: u8) -> Ipv4Addr {
-        Ipv4Addr::new(a, b, c, d)
+    fn ip(a: u8, b: u8, c: u8, d: u8) -> IpAddr {
+        IpAddr::from([a, b, c, d])
     }
 
     #[test]
@@ -367,7 +374,21 @@ mod tests {
             ),
         ];
         for (deletion, args) in cases {
-            assert_eq!(deletion.conntrack_args().join(" "), args);
+            assert_eq!(deletion.conntrack_args(IpFamily::V4).join(" "), args);
         }
+        // kube-proxy's IPv6 proxier adds the family last.
+        let v6 = ConntrackDeletion::ServiceIpToEndpoint {
+            service_ip: "fd00:10:96::53".parse().unwrap(),
+            endpoint_ip: "fd00:10:244:1::5".parse().unwrap(),
+        };
+        assert_eq!(
+            v6.conntrack_args(IpFamily::V6).join(" "),
+            "-D --orig-dst fd00:10:96::53 --dst-nat fd00:10:244:1::5 -p udp -f ipv6"
+        );
+        let node_port = ConntrackDeletion::NodePort { port: 30053 };
+        assert_eq!(
+            node_port.conntrack_args(IpFamily::V6).join(" "),
+            "-D -p udp --dport 30053 -f ipv6"
+        );
     }
 }

@@ -2,7 +2,7 @@
 //! load balancer sends a Service's traffic only to nodes with ready local endpoints.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
@@ -28,7 +28,7 @@ pub struct HealthCheckService {
 /// One entry per Service (not per Service port) with externalTrafficPolicy Local and a
 /// health-check node port, sorted by namespace and name.
 pub fn health_check_services(state: &ProxyState, node: &NodeConfig) -> Vec<HealthCheckService> {
-    let mut services: BTreeMap<(&str, &str), (u16, BTreeSet<Ipv4Addr>)> = BTreeMap::new();
+    let mut services: BTreeMap<(&str, &str), (u16, BTreeSet<IpAddr>)> = BTreeMap::new();
     for svc in state.services.values() {
         let Some(port) = svc
             .health_check_node_port
@@ -83,6 +83,8 @@ fn json_string(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
     use crate::model::{Endpoint, Protocol, ServicePort, ServicePortName};
 
@@ -94,7 +96,7 @@ mod tests {
                 port: port.into(),
             },
             protocol: Protocol::Tcp,
-            cluster_ip: Some(Ipv4Addr::new(10, 96, 0, 12)),
+            cluster_ip: Some(Ipv4Addr::new(10, 96, 0, 12).into()),
             port: 80,
             node_port: Some(30082),
             external_ips: vec![],
@@ -109,7 +111,7 @@ mod tests {
 
     fn ep(last: u8, port: u16, node: &str, ready: bool, terminating: bool) -> Endpoint {
         Endpoint {
-            ip: Ipv4Addr::new(10, 244, 1, last),
+            ip: Ipv4Addr::new(10, 244, 1, last).into(),
             port,
             ready,
             serving: ready,

@@ -148,7 +148,7 @@ mod tests {
         ServicePort {
             name: name(n),
             protocol: Protocol::Tcp,
-            cluster_ip: Some(Ipv4Addr::new(10, 96, 0, last)),
+            cluster_ip: Some(Ipv4Addr::new(10, 96, 0, last).into()),
             port: 80,
             node_port: Some(30_000 + u16::from(last)),
             external_ips: vec![],
@@ -163,7 +163,7 @@ mod tests {
 
     fn endpoint(last: u8) -> Endpoint {
         Endpoint {
-            ip: Ipv4Addr::new(10, 244, 1, last),
+            ip: Ipv4Addr::new(10, 244, 1, last).into(),
             port: 8080,
             ready: true,
             serving: true,

@@ -5,9 +5,9 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 /// `namespace/name:portname` (or `namespace/name` when the port has no name): kube-proxy's
 /// `ServicePortName`, the unit that gets one KUBE-SVC chain.
@@ -44,7 +44,7 @@ pub enum IpMode {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct LoadBalancerIngress {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub ip_mode: IpMode,
 }
 
@@ -55,12 +55,12 @@ pub struct ServicePort {
     pub name: ServicePortName,
     pub protocol: Protocol,
     /// None for headless Services (`clusterIP: None`), which get no rules.
-    pub cluster_ip: Option<Ipv4Addr>,
+    pub cluster_ip: Option<IpAddr>,
     pub port: u16,
     pub node_port: Option<u16>,
-    pub external_ips: Vec<Ipv4Addr>,
+    pub external_ips: Vec<IpAddr>,
     pub load_balancer_ingress: Vec<LoadBalancerIngress>,
-    pub load_balancer_source_ranges: Vec<Ipv4Net>,
+    pub load_balancer_source_ranges: Vec<IpNet>,
     /// `sessionAffinity: ClientIP` with its timeout in seconds.
     pub session_affinity_timeout: Option<u32>,
     /// `externalTrafficPolicy: Local` (only meaningful for NodePort/LoadBalancer Services).
@@ -73,7 +73,7 @@ pub struct ServicePort {
 /// One endpoint of a Service port, from an EndpointSlice.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Endpoint {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     /// The target port resolved from the EndpointSlice port of the same name.
     pub port: u16,
     /// `conditions.ready` (unset counts as ready, as in the API).
@@ -99,7 +99,10 @@ impl Endpoint {
     }
 }
 
-/// Everything the node proxy observes, keyed for deterministic output.
+/// Everything the node proxy observes of one IP family, keyed for deterministic output: as
+/// kube-proxy's proxier per family, the Services with a cluster IP of that family, only
+/// their addresses and source ranges of that family, and the EndpointSlices of its
+/// `addressType`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ProxyState {
     pub services: BTreeMap<ServicePortName, ServicePort>,
@@ -113,34 +116,95 @@ impl ProxyState {
     }
 }
 
-/// This node's settings.
+/// An IP family: each has its own proxier, its own tables (`iptables` and `ip6tables`)
+/// and the same chain names in both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum IpFamily {
+    #[default]
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => Self::V4,
+            IpAddr::V6(_) => Self::V6,
+        }
+    }
+
+    /// The Kubernetes name: `IPv4` or `IPv6` (`ipFamilies`, an EndpointSlice's
+    /// `addressType`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::V4 => "IPv4",
+            Self::V6 => "IPv6",
+        }
+    }
+
+    /// The loopback addresses: 127.0.0.0/8, or ::1/128.
+    pub fn loopback(self) -> IpNet {
+        match self {
+            Self::V4 => IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(127, 0, 0, 0), 8)),
+            Self::V6 => IpNet::V6(Ipv6Net::new_assert(Ipv6Addr::LOCALHOST, 128)),
+        }
+    }
+
+    /// The ICMP error iptables rejects a connection with.
+    pub fn port_unreachable(self) -> &'static str {
+        match self {
+            Self::V4 => "icmp-port-unreachable",
+            Self::V6 => "icmp6-port-unreachable",
+        }
+    }
+
+    pub fn holds(self, ip: IpAddr) -> bool {
+        Self::of(ip) == self
+    }
+}
+
+impl fmt::Display for IpFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// This node's settings, for the proxier of one family.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeConfig {
     pub node_name: String,
-    /// `--cluster-cidr`: traffic to cluster IPs from outside it is masqueraded.
-    pub cluster_cidr: Option<Ipv4Net>,
-    /// The node's primary IPv4 address (its Node's first InternalIP, else ExternalIP), as
-    /// kube-proxy detects it: a source range holding it also lets the LB IP itself in as a
-    /// source (traffic from this node looped back to it), kube-proxy's `allowFromNode`.
-    pub node_ip: Option<Ipv4Addr>,
+    /// The family of every address the proxier writes.
+    pub family: IpFamily,
+    /// `--cluster-cidr` of this family: traffic to cluster IPs from outside it is
+    /// masqueraded.
+    pub cluster_cidr: Option<IpNet>,
+    /// The node's primary address of this family (its Node's first InternalIP, else
+    /// ExternalIP), as kube-proxy detects it: a source range holding it also lets the LB
+    /// IP itself in as a source (traffic from this node looped back to it), kube-proxy's
+    /// `allowFromNode`.
+    pub node_ip: Option<IpAddr>,
     /// `--masquerade-all`: every connection to a cluster IP is masqueraded, not only those
     /// from outside the cluster CIDR.
     pub masquerade_all: bool,
-    /// `--nodeport-addresses`: the local addresses node ports are served on.
+    /// `--nodeport-addresses` of this family: the local addresses node ports are served on.
     pub node_port_addresses: NodePortAddresses,
     /// `--iptables-localhost-nodeports`: the iptables mode serves node ports on
-    /// 127.0.0.0/8 too (which needs `route_localnet`). The nftables mode never does.
+    /// 127.0.0.0/8 too (which needs `route_localnet`; IPv6 has no such switch, and
+    /// kube-proxy never writes the loopback exception there). The nftables mode never does.
     pub localhost_node_ports: bool,
-    /// The Service CIDRs: in the nftables mode, new connections to an address in them that
-    /// no Service holds are dropped (kube-proxy's `cluster-ips-check`).
-    pub service_cidrs: Vec<Ipv4Net>,
+    /// The Service CIDRs of this family: in the nftables mode, new connections to an
+    /// address in them that no Service holds are dropped (kube-proxy's
+    /// `cluster-ips-check`).
+    pub service_cidrs: Vec<IpNet>,
 }
 
 impl NodeConfig {
-    /// A node with kube-proxy's defaults for everything but its name and cluster CIDR.
-    pub fn new(node_name: impl Into<String>, cluster_cidr: Option<Ipv4Net>) -> Self {
+    /// An IPv4 node with kube-proxy's defaults for everything but its name and cluster
+    /// CIDR.
+    pub fn new(node_name: impl Into<String>, cluster_cidr: Option<IpNet>) -> Self {
         Self {
             node_name: node_name.into(),
+            family: IpFamily::V4,
             cluster_cidr,
             node_ip: None,
             masquerade_all: false,
@@ -152,9 +216,24 @@ impl NodeConfig {
 
     /// Whether a source range of a Service lets in its LB IPs as sources too: it holds this
     /// node's IP (kube-proxy's `allowFromNode`).
-    pub fn allows_from_node(&self, source_ranges: &[Ipv4Net]) -> bool {
+    pub fn allows_from_node(&self, source_ranges: &[IpNet]) -> bool {
         self.node_ip
             .is_some_and(|ip| source_ranges.iter().any(|range| range.contains(&ip)))
+    }
+
+    /// This family's loopback addresses.
+    pub fn loopback(&self) -> IpNet {
+        self.family.loopback()
+    }
+
+    /// Whether node ports may be served on a loopback address of this family.
+    pub fn node_ports_overlap_loopback(&self) -> bool {
+        match &self.node_port_addresses {
+            NodePortAddresses::All => true,
+            NodePortAddresses::Cidrs(cidrs) => {
+                cidrs.iter().any(|cidr| overlaps(*cidr, self.loopback()))
+            }
+        }
     }
 }
 
@@ -164,36 +243,26 @@ pub enum NodePortAddresses {
     /// Every local address of the node (no flag, or a CIDR of length 0).
     All,
     /// The node's local addresses inside these CIDRs (never empty; `primary` is the node's
-    /// IP as a /32).
-    Cidrs(Vec<Ipv4Net>),
+    /// IP as a host prefix).
+    Cidrs(Vec<IpNet>),
 }
 
 impl NodePortAddresses {
-    /// kube-proxy's reading of a CIDR list: empty, or holding `0.0.0.0/0`, means every
-    /// address.
-    pub fn from_cidrs(cidrs: &[Ipv4Net]) -> Self {
+    /// kube-proxy's reading of a CIDR list of one family: empty, or holding `0.0.0.0/0`
+    /// (`::/0`), means every address.
+    pub fn from_cidrs(cidrs: &[IpNet]) -> Self {
         if cidrs.is_empty() || cidrs.iter().any(|cidr| cidr.prefix_len() == 0) {
             return Self::All;
         }
-        let mut cidrs: Vec<Ipv4Net> = cidrs.iter().map(Ipv4Net::trunc).collect();
+        let mut cidrs: Vec<IpNet> = cidrs.iter().map(IpNet::trunc).collect();
         cidrs.sort();
         cidrs.dedup();
         Self::Cidrs(cidrs)
     }
-
-    /// Whether node ports may be served on some loopback address (127.0.0.0/8).
-    pub fn overlap_loopback(&self) -> bool {
-        match self {
-            Self::All => true,
-            Self::Cidrs(cidrs) => cidrs.iter().any(|cidr| overlaps(*cidr, LOOPBACK)),
-        }
-    }
 }
 
-/// 127.0.0.0/8.
-pub const LOOPBACK: Ipv4Net = Ipv4Net::new_assert(Ipv4Addr::new(127, 0, 0, 0), 8);
-
-/// Two prefixes share an address exactly when one contains the other.
-pub fn overlaps(a: Ipv4Net, b: Ipv4Net) -> bool {
+/// Two prefixes share an address exactly when one contains the other (never across
+/// families).
+pub fn overlaps(a: IpNet, b: IpNet) -> bool {
     a.contains(&b) || b.contains(&a)
 }

@@ -8,22 +8,19 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 
 use crate::chains::{
     self, DROP_MARK, KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_MARK_DROP, KUBE_MARK_MASQ,
     KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_FIREWALL, KUBE_SERVICES, MASQUERADE_MARK,
 };
 use crate::model::{
-    Endpoint, IpMode, LOOPBACK as LOOPBACK_NET, NodeConfig, NodePortAddresses, Protocol,
-    ProxyState, ServicePort, overlaps,
+    Endpoint, IpFamily, IpMode, NodeConfig, NodePortAddresses, Protocol, ProxyState, ServicePort,
+    overlaps,
 };
 use crate::ruleset::{Ruleset, Table};
-
-const REJECT: &str = "REJECT --reject-with icmp-port-unreachable";
-const LOOPBACK: &str = "127.0.0.0/8";
 
 /// The complete desired ruleset for this node: every chain the node proxy owns in the nat
 /// and filter tables, with all of its rules. Headless Services get no rules; which endpoints
@@ -57,7 +54,7 @@ pub const DISPATCH_CHAINS: [(Table, &str); 5] = [
 /// The rules nat KUBE-SERVICES ends with, after every Service port's rules: the jumps to
 /// KUBE-NODEPORTS for the node's local addresses, all of them or those inside
 /// `--nodeport-addresses`, without 127.0.0.0/8 when `--iptables-localhost-nodeports` is
-/// off. kube-proxy writes one `-d IP` jump per address of the node it finds in the CIDRs
+/// off (`::1/128` in IPv6). kube-proxy writes one `-d IP` jump per address of the node it finds in the CIDRs
 /// at each sync; a CIDR with `--dst-type LOCAL` is the same set of addresses, and follows
 /// address changes without a sync.
 pub fn last_service_rules(node: &NodeConfig) -> Vec<String> {
@@ -66,28 +63,25 @@ pub fn last_service_rules(node: &NodeConfig) -> Vec<String> {
             .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
             .matching("-m addrtype --dst-type LOCAL")
     };
+    let loopback = node.loopback();
     let cidrs = match &node.node_port_addresses {
         NodePortAddresses::All if node.localhost_node_ports => {
             return vec![nodeports().jump(KUBE_NODEPORTS)];
         }
         // kube-proxy ≥ 1.26's rule for `--iptables-localhost-nodeports=false`.
         NodePortAddresses::All => {
-            return vec![
-                nodeports()
-                    .not_destination(LOOPBACK_NET)
-                    .jump(KUBE_NODEPORTS),
-            ];
+            return vec![nodeports().not_destination(loopback).jump(KUBE_NODEPORTS)];
         }
         NodePortAddresses::Cidrs(cidrs) => cidrs,
     };
     let mut rules = Vec::new();
     // One match on the destination per rule: loopback leaves first when a CIDR holds more.
-    let loopback_in = |cidr: &Ipv4Net| overlaps(*cidr, LOOPBACK_NET);
-    if !node.localhost_node_ports && cidrs.iter().any(|c| loopback_in(c) && c.prefix_len() < 8) {
-        rules.push(nodeports().destination_net(LOOPBACK_NET).jump("RETURN"));
+    let holds_more = |c: &IpNet| overlaps(*c, loopback) && c.prefix_len() < loopback.prefix_len();
+    if !node.localhost_node_ports && cidrs.iter().any(holds_more) {
+        rules.push(nodeports().destination_net(loopback).jump("RETURN"));
     }
     for cidr in cidrs {
-        if !node.localhost_node_ports && LOOPBACK_NET.contains(cidr) {
+        if !node.localhost_node_ports && loopback.contains(cidr) {
             continue;
         }
         rules.push(nodeports().destination_net(*cidr).jump(KUBE_NODEPORTS));
@@ -114,7 +108,7 @@ pub fn port_rules(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig) 
 /// cluster IP), or both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct UsableEndpoint {
-    pub(crate) addr: SocketAddrV4,
+    pub(crate) addr: SocketAddr,
     pub(crate) cluster: bool,
     pub(crate) local: bool,
 }
@@ -144,7 +138,7 @@ pub(crate) fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec
         if !cluster && !local {
             continue;
         }
-        let addr = SocketAddrV4::new(ep.ip, ep.port);
+        let addr = SocketAddr::new(ep.ip, ep.port);
         let entry = usable.entry(addr.to_string()).or_insert(UsableEndpoint {
             addr,
             cluster: false,
@@ -162,7 +156,7 @@ pub(crate) fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec
 pub(crate) struct PortPaths {
     /// Ingress IPs the node captures: `ipMode: Proxy` ones are reached through node
     /// ports only (KEP-1860), so the node must not short-cut them.
-    pub(crate) vip_ingress: Vec<Ipv4Addr>,
+    pub(crate) vip_ingress: Vec<IpAddr>,
     /// Reachable other than by the cluster IP: a node port, external or LB IPs.
     pub(crate) external: bool,
     /// externalTrafficPolicy Local, where it applies: to node ports, external and LB IPs
@@ -180,7 +174,7 @@ pub(crate) struct PortPaths {
 
 impl PortPaths {
     pub(crate) fn of(svc: &ServicePort) -> Self {
-        let vip_ingress: Vec<Ipv4Addr> = svc
+        let vip_ingress: Vec<IpAddr> = svc
             .load_balancer_ingress
             .iter()
             .filter(|ingress| ingress.ip_mode == IpMode::Vip)
@@ -242,16 +236,16 @@ impl RuleText {
         self
     }
 
-    fn destination(self, ip: Ipv4Addr) -> Self {
-        self.destination_net(Ipv4Net::from(ip))
+    fn destination(self, ip: IpAddr) -> Self {
+        self.destination_net(IpNet::from(ip))
     }
 
-    fn destination_net(mut self, net: Ipv4Net) -> Self {
+    fn destination_net(mut self, net: IpNet) -> Self {
         self.destination = Some(format!("-d {net}"));
         self
     }
 
-    fn not_destination(mut self, net: Ipv4Net) -> Self {
+    fn not_destination(mut self, net: IpNet) -> Self {
         self.destination = Some(format!("! -d {net}"));
         self
     }
@@ -457,7 +451,7 @@ impl RulesetBuilder {
             self.filter(
                 KUBE_SERVICES,
                 port.capture(port.cluster_ip, "has no endpoints")
-                    .jump(REJECT),
+                    .jump(&port.reject),
             );
             return;
         }
@@ -479,7 +473,9 @@ impl RulesetBuilder {
     fn add_external_ips(&mut self, port: &PortContext) {
         for &external_ip in &sorted_unique(&port.svc.external_ips) {
             if !port.has_endpoints {
-                let reject = port.capture(external_ip, "has no endpoints").jump(REJECT);
+                let reject = port
+                    .capture(external_ip, "has no endpoints")
+                    .jump(&port.reject);
                 self.filter(KUBE_EXTERNAL_SERVICES, reject);
                 continue;
             }
@@ -505,7 +501,9 @@ impl RulesetBuilder {
                     .jump(&port.chains.firewall);
                 self.nat(KUBE_SERVICES, capture);
             } else {
-                let reject = port.capture(ingress_ip, "has no endpoints").jump(REJECT);
+                let reject = port
+                    .capture(ingress_ip, "has no endpoints")
+                    .jump(&port.reject);
                 self.filter(KUBE_EXTERNAL_SERVICES, reject);
             }
         }
@@ -533,13 +531,13 @@ impl RulesetBuilder {
                 .comment(&format!("{} has no endpoints", port.name))
                 .matching("-m addrtype --dst-type LOCAL")
                 .dport(proto, node_port)
-                .jump(REJECT);
+                .jump(&port.reject);
             self.filter(KUBE_EXTERNAL_SERVICES, reject);
         } else if port.local_policy {
             // Locally generated traffic to a node port would be a martian source after DNAT.
             self.nat(
                 KUBE_NODEPORTS,
-                capture().source(LOOPBACK).jump(KUBE_MARK_MASQ),
+                capture().source(port.loopback).jump(KUBE_MARK_MASQ),
             );
             self.nat(KUBE_NODEPORTS, capture().jump(&port.chains.external_local));
         } else {
@@ -567,12 +565,15 @@ impl RulesetBuilder {
         for ep in &port.endpoints {
             let chain = &ep.chain;
             let hairpin = RuleText::new()
-                .source(format!("{}/32", ep.addr.ip()))
+                .source(IpNet::from(ep.addr.ip()))
                 .comment(&port.name);
             self.nat(chain, hairpin.jump(KUBE_MARK_MASQ));
             let mut dnat = RuleText::new().protocol(proto).comment(&port.name);
             if port.svc.session_affinity_timeout.is_some() {
-                dnat = dnat.matching(&format!("-m recent --set --name {chain} {RECENT_SOURCE}"));
+                dnat = dnat.matching(&format!(
+                    "-m recent --set --name {chain} {}",
+                    recent_source(port.family)
+                ));
             }
             let dnat = dnat.matching(&format!("-m {}", proto.as_str()));
             self.nat(
@@ -595,7 +596,8 @@ impl RulesetBuilder {
         if let Some(timeout) = svc.session_affinity_timeout {
             for target in targets {
                 let sticky = RuleText::new().comment(&port.name).matching(&format!(
-                    "-m recent --rcheck --seconds {timeout} --reap --name {target} {RECENT_SOURCE}"
+                    "-m recent --rcheck --seconds {timeout} --reap --name {target} {}",
+                    recent_source(port.family)
                 ));
                 self.nat(from_chain, sticky.jump(target));
             }
@@ -627,11 +629,11 @@ impl RulesetBuilder {
             self.nat(&chains.firewall, rule().jump(KUBE_MARK_MASQ));
             &chains.service
         };
-        let ranges: Vec<Ipv4Net> = port
+        let ranges: Vec<IpNet> = port
             .svc
             .load_balancer_source_ranges
             .iter()
-            .map(Ipv4Net::trunc)
+            .map(IpNet::trunc)
             .collect();
         if ranges.is_empty() {
             self.nat(&chains.firewall, rule().jump(allowed_target));
@@ -644,7 +646,7 @@ impl RulesetBuilder {
             // (the VIP as a local address, or a cloud that sends it back) sends it from
             // the LB IP itself.
             for ingress in &port.vip_ingress {
-                let from_lb_ip = rule().source(Ipv4Net::from(*ingress));
+                let from_lb_ip = rule().source(IpNet::from(*ingress));
                 self.nat(&chains.firewall, from_lb_ip.jump(allowed_target));
             }
         }
@@ -700,7 +702,7 @@ impl RulesetBuilder {
 
 /// A usable endpoint of one Service port, with its KUBE-SEP chain.
 struct PortEndpoint {
-    addr: SocketAddrV4,
+    addr: SocketAddr,
     cluster: bool,
     local: bool,
     chain: String,
@@ -709,14 +711,14 @@ struct PortEndpoint {
 /// Everything the rules of one (non-headless) Service port are derived from.
 struct PortContext<'a> {
     svc: &'a ServicePort,
-    cluster_ip: Ipv4Addr,
+    cluster_ip: IpAddr,
     /// `namespace/name:port`, the comment on most of its rules.
     name: String,
     chains: ServiceChains,
     endpoints: Vec<PortEndpoint>,
     /// Ingress IPs the node captures: `ipMode: Proxy` ones are reached through node
     /// ports only (KEP-1860), so the node must not short-cut them.
-    vip_ingress: Vec<Ipv4Addr>,
+    vip_ingress: Vec<IpAddr>,
     /// externalTrafficPolicy Local, where it applies: to node ports, external and LB IPs
     /// (the API refuses Local on a Service that has none of them).
     local_policy: bool,
@@ -729,7 +731,12 @@ struct PortContext<'a> {
     /// The port has endpoints somewhere in the cluster (ready, else serving terminating):
     /// without any, its IPs are rejected.
     has_endpoints: bool,
-    cluster_cidr: Option<Ipv4Net>,
+    cluster_cidr: Option<IpNet>,
+    /// The node's family: host prefixes, loopback and ICMP errors differ.
+    family: IpFamily,
+    loopback: IpNet,
+    /// The REJECT target of this family.
+    reject: String,
     /// `--masquerade-all`.
     masquerade_all: bool,
     /// A source range holds the node's IP: the LB IPs are allowed sources too.
@@ -763,6 +770,9 @@ impl<'a> PortContext<'a> {
             // a ready endpoint: the cluster-wide set alone says whether any exists.
             has_endpoints: endpoints.iter().any(|ep| ep.cluster),
             cluster_cidr: node.cluster_cidr.map(|cidr| cidr.trunc()),
+            family: node.family,
+            loopback: node.loopback(),
+            reject: format!("REJECT --reject-with {}", node.family.port_unreachable()),
             masquerade_all: node.masquerade_all,
             allow_from_node: node.allows_from_node(&svc.load_balancer_source_ranges),
         })
@@ -795,7 +805,7 @@ impl<'a> PortContext<'a> {
     }
 
     /// Matches this port's traffic to `ip`, commented "<name> <what>".
-    fn capture(&self, ip: Ipv4Addr, what: &str) -> RuleText {
+    fn capture(&self, ip: IpAddr, what: &str) -> RuleText {
         let proto = self.svc.protocol;
         RuleText::new()
             .destination(ip)
@@ -805,8 +815,14 @@ impl<'a> PortContext<'a> {
     }
 }
 
-/// `-m recent` options iptables-save adds to every `--set` / `--rcheck`.
-const RECENT_SOURCE: &str = "--mask 255.255.255.255 --rsource";
+/// `-m recent` options iptables-save adds to every `--set` / `--rcheck`: the whole source
+/// address of the family.
+fn recent_source(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => "--mask 255.255.255.255 --rsource",
+        IpFamily::V6 => "--mask ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff --rsource",
+    }
+}
 
 struct ServiceChains {
     service: String,
@@ -841,7 +857,7 @@ mod tests {
     fn endpoints_are_ordered_as_text_and_deduplicated() {
         let node = NodeConfig::new("a", None);
         let ep = |ip: [u8; 4], node: &str| Endpoint {
-            ip: Ipv4Addr::from(ip),
+            ip: IpAddr::from(ip),
             port: 80,
             ready: true,
             serving: true,
@@ -859,11 +875,18 @@ mod tests {
         assert!(!usable[0].local && usable[1].local);
     }
 
+    fn last_octet(ip: IpAddr) -> u8 {
+        match ip {
+            IpAddr::V4(ip) => ip.octets()[3],
+            IpAddr::V6(ip) => ip.octets()[15],
+        }
+    }
+
     #[test]
     fn serving_terminating_endpoints_stand_in_only_where_nothing_is_ready() {
         let node = NodeConfig::new("a", None);
         let ep = |last: u8, node: &str, ready: bool, serving: bool| Endpoint {
-            ip: Ipv4Addr::new(10, 0, 0, last),
+            ip: IpAddr::from([10, 0, 0, last]),
             port: 80,
             ready,
             serving,
@@ -873,7 +896,7 @@ mod tests {
         let flags = |endpoints: &[Endpoint]| -> Vec<(u8, bool, bool)> {
             usable_endpoints(endpoints, &node)
                 .iter()
-                .map(|u| (u.addr.ip().octets()[3], u.cluster, u.local))
+                .map(|u| (last_octet(u.addr.ip()), u.cluster, u.local))
                 .collect()
         };
         // A rolling update of the only local pod: the old one still serves locally.
@@ -913,7 +936,7 @@ mod tests {
             .comment("c")
             .dport(Protocol::Udp, 53)
             .protocol(Protocol::Udp)
-            .destination(Ipv4Addr::new(10, 0, 0, 1))
+            .destination(IpAddr::from([10, 0, 0, 1]))
             .not_source("10.244.0.0/16")
             .jump("X");
         assert_eq!(

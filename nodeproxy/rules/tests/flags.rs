@@ -137,7 +137,7 @@ fn lb_with_ranges(ranges: &[&str]) -> ProxyState {
 
 fn node(node_ip: Option<&str>) -> NodeConfig {
     NodeConfig {
-        node_ip: node_ip.map(ip),
+        node_ip: node_ip.map(|text| ip(text).into()),
         ..common::node_a()
     }
 }

@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use tandem_proxy_rules::build;
-use tandem_proxy_rules::ruleset::{BASE_JUMPS, Table};
+use tandem_proxy_rules::ruleset::{BASE_JUMPS, Ruleset, Table};
 
 const BUILTIN_CHAINS: &[&str] = &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"];
 
@@ -39,8 +39,31 @@ fn parse_dump(dump: &str, table: &str) -> BTreeMap<String, Vec<String>> {
 #[test]
 fn reference_state_produces_the_reference_rules() {
     let ours = build(&common::reference_state(), &common::node_a());
+    assert_reference_rules(&ours, common::REFERENCE_DUMP, |_| {});
+}
+
+/// The IPv6 proxier, against what kube-proxy v1.21.2's dual-stack proxier wrote in
+/// `ip6tables` for the same Services (`/128` hosts, `[address]:port` DNATs and endpoint
+/// hashes, `icmp6-port-unreachable`, `::1/128` for node ports of eTP Local). kube-proxy
+/// adds the Services to the shared chains in Go's map order, so each chain's runs of
+/// per-Service rules are sorted by Service on both sides.
+#[test]
+fn ipv6_reference_state_produces_the_ip6tables_reference_rules() {
+    let ours = build(
+        &common::dual_stack_reference_state_v6(),
+        &common::node_a_v6(),
+    );
+    assert_reference_rules(&ours, common::REFERENCE_DUMP_DUAL_STACK_V6, |chain| {
+        sort_service_runs(chain)
+    });
+}
+
+/// Our filter and nat chains equal those of `dump` (after `canonical` on each chain of
+/// both), but for the KUBE-MARK-DROP rule and KUBE-PROXY-FIREWALL that a host without a
+/// kubelet lacks and we write.
+fn assert_reference_rules(ours: &Ruleset, dump: &str, canonical: impl Fn(&mut Vec<String>)) {
     for (table, ours) in [("filter", &ours.filter.chains), ("nat", &ours.nat.chains)] {
-        let mut reference = parse_dump(common::REFERENCE_DUMP, table);
+        let mut reference = parse_dump(dump, table);
         reference.remove("KUBE-PROXY-CANARY"); // the runtime's canary, not part of the ruleset
         for builtin in BUILTIN_CHAINS {
             reference.remove(*builtin);
@@ -62,7 +85,28 @@ fn reference_state_produces_the_reference_rules() {
                 assert_eq!(mark_drop, ["-j MARK --set-xmark 0x8000/0x8000"]);
             }
         }
+        ours.values_mut().for_each(&canonical);
+        reference.values_mut().for_each(&canonical);
         assert_eq!(ours, reference, "{table} table differs from the reference");
+    }
+}
+
+/// Each run of consecutive rules naming a Service port in their comment, sorted by that
+/// name (stable: each Service's own rules keep their order).
+fn sort_service_runs(rules: &mut [String]) {
+    let service = |rule: &String| {
+        let comment = rule.split("--comment \"").nth(1)?;
+        let name = comment.split(['"', ' ']).next()?;
+        name.contains('/').then(|| name.to_owned())
+    };
+    let mut start = 0;
+    while start < rules.len() {
+        let run = rules[start..]
+            .iter()
+            .take_while(|rule| service(rule).is_some())
+            .count();
+        rules[start..start + run].sort_by_key(service);
+        start += run.max(1);
     }
 }
 

@@ -9,7 +9,7 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddrV4};
 
 use common::generate::{MAX_PORTS, port_name, state};
 use common::ip;
@@ -113,7 +113,7 @@ fn assert_same_fates(state: &ProxyState, node: &NodeConfig) {
             let protocol = state.services[name].protocol;
             request
                 .recent_lists
-                .insert(endpoint_chain(name, protocol, *ep));
+                .insert(endpoint_chain(name, protocol, (*ep).into()));
             nft_request
                 .recent_lists
                 .insert(affinity_set(name, protocol, *ep));
@@ -150,10 +150,14 @@ fn cluster_ips_check(state: &ProxyState, node: &NodeConfig, iptables: &Trace) ->
     if state
         .services
         .values()
-        .any(|svc| svc.cluster_ip == Some(dst))
+        .any(|svc| svc.cluster_ip == Some(dst.into()))
     {
         Some(Fate::Rejected)
-    } else if node.service_cidrs.iter().any(|cidr| cidr.contains(&dst)) {
+    } else if node
+        .service_cidrs
+        .iter()
+        .any(|cidr| cidr.contains(&IpAddr::from(dst)))
+    {
         Some(Fate::Dropped)
     } else {
         None
@@ -179,7 +183,13 @@ fn external_claims(state: &ProxyState) -> ExternalClaims {
             .iter()
             .filter(|ingress| ingress.ip_mode == IpMode::Vip)
             .map(|ingress| &ingress.ip);
-        let addresses: BTreeSet<Ipv4Addr> = svc.external_ips.iter().chain(vips).copied().collect();
+        let addresses: BTreeSet<Ipv4Addr> = svc
+            .external_ips
+            .iter()
+            .chain(vips)
+            .copied()
+            .map(common::v4)
+            .collect();
         for addr in addresses {
             claims
                 .entry((addr, svc.protocol, svc.port))
@@ -198,7 +208,7 @@ fn cases(state: &ProxyState) -> Vec<Case> {
     for (name, svc) in &state.services {
         let proto = svc.protocol;
         let endpoints = state.endpoints_of(name);
-        if let Some(cip) = svc.cluster_ip {
+        if let Some(cip) = svc.cluster_ip.map(common::v4) {
             for src in [POD_ON_NODE, ALLOWED_CLIENT] {
                 cases.push(case(proto, src, cip, svc.port, Entry::FromOutside));
             }
@@ -222,10 +232,17 @@ fn cases(state: &ProxyState) -> Vec<Case> {
                 cases.push(case(proto, &src, cip, svc.port, Entry::FromOutside));
                 // The endpoint reaching its own address, not through the Service: no
                 // DNAT, so no masquerade either.
-                cases.push(case(proto, &src, ep.ip, ep.port, Entry::FromOutside));
+                cases.push(case(
+                    proto,
+                    &src,
+                    common::v4(ep.ip),
+                    ep.port,
+                    Entry::FromOutside,
+                ));
                 if svc.session_affinity_timeout.is_some() {
                     let mut pinned = case(proto, ALLOWED_CLIENT, cip, svc.port, Entry::FromOutside);
-                    pinned.pinned = Some((name.clone(), SocketAddrV4::new(ep.ip, ep.port)));
+                    pinned.pinned =
+                        Some((name.clone(), SocketAddrV4::new(common::v4(ep.ip), ep.port)));
                     cases.push(pinned);
                 }
             }
@@ -234,7 +251,7 @@ fn cases(state: &ProxyState) -> Vec<Case> {
             .external_ips
             .iter()
             .chain(svc.load_balancer_ingress.iter().map(|ingress| &ingress.ip));
-        for &addr in external {
+        for addr in external.copied().map(common::v4) {
             let claimants = claims
                 .get(&(addr, proto, svc.port))
                 .map_or(&[][..], Vec::as_slice);
@@ -259,7 +276,7 @@ fn cases(state: &ProxyState) -> Vec<Case> {
             }
             if let (Some(_), Some(ep)) = (svc.session_affinity_timeout, endpoints.first()) {
                 let mut pinned = case(proto, ALLOWED_CLIENT, addr, svc.port, Entry::FromOutside);
-                pinned.pinned = Some((name.clone(), SocketAddrV4::new(ep.ip, ep.port)));
+                pinned.pinned = Some((name.clone(), SocketAddrV4::new(common::v4(ep.ip), ep.port)));
                 cases.push(pinned);
             }
         }
@@ -790,7 +807,7 @@ fn an_address_two_ports_list_goes_to_the_first_in_name_order_whichever_changes()
     let node = common::node_a();
     let listing = |name: ServicePortName, cluster_ip: &str, endpoint: &str| {
         let svc = ServicePort {
-            external_ips: vec![ip("192.0.2.10")],
+            external_ips: vec![ip("192.0.2.10").into()],
             ..common::cluster_ip_service(name.clone(), Protocol::Tcp, cluster_ip, 80)
         };
         (svc, vec![common::ready(endpoint, 80, "node-b")])

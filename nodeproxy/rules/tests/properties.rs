@@ -9,7 +9,7 @@ mod common;
 use common::generate::{MAX_PORTS, port_name, state};
 
 use std::collections::BTreeSet;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddrV4};
 
 use proptest::prelude::*;
 use tandem_proxy_rules::build;
@@ -85,7 +85,10 @@ fn usable(
                 ep.is_serving_terminating()
             }
         })
-        .map(|ep| SocketAddrV4::new(ep.ip, ep.port))
+        .filter_map(|ep| match ep.ip {
+            IpAddr::V4(ip) => Some(SocketAddrV4::new(ip, ep.port)),
+            IpAddr::V6(_) => None,
+        })
         .collect()
 }
 
@@ -122,7 +125,7 @@ proptest! {
         let node = common::node_a();
         let ruleset = build(&state, &node);
         for (name, service) in &state.services {
-            let Some(cluster_ip) = service.cluster_ip else { continue };
+            let Some(IpAddr::V4(cluster_ip)) = service.cluster_ip else { continue };
             let packet = Packet { src: Ipv4Addr::new(10, 244, 1, 200), dst: cluster_ip, protocol: service.protocol, dst_port: service.port };
             let traced = trace(&ruleset, &TraceRequest::new(packet, Entry::FromOutside, [Ipv4Addr::new(198, 18, 0, 11)])).unwrap();
             let anywhere = usable(&state, name, |_| true);

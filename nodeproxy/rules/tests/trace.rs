@@ -292,9 +292,11 @@ fn session_affinity_pins_a_known_client() {
     assert_eq!(from_outside(&state, packet).outcomes.len(), 2);
     let pinned: SocketAddrV4 = "10.244.2.7:80".parse().unwrap();
     let mut request = TraceRequest::new(packet, Entry::FromOutside, [ip(NODE_IP)]);
-    request
-        .recent_lists
-        .insert(endpoint_chain(&common::sticky(), Protocol::Tcp, pinned));
+    request.recent_lists.insert(endpoint_chain(
+        &common::sticky(),
+        Protocol::Tcp,
+        pinned.into(),
+    ));
     let traced = trace(&build(&state, &common::node_a()), &request).unwrap();
     assert_eq!(traced.outcomes.len(), 1, "{traced}");
     assert_eq!(traced.outcomes[0].dnat, Some(pinned));

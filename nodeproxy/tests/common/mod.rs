@@ -141,7 +141,7 @@ pub fn spn(namespace: &str, name: &str, port: &str) -> ServicePortName {
 
 pub fn endpoint(ip: [u8; 4], port: u16, node: &str) -> Endpoint {
     Endpoint {
-        ip: Ipv4Addr::from(ip),
+        ip: Ipv4Addr::from(ip).into(),
         port,
         ready: true,
         serving: true,
@@ -157,7 +157,7 @@ pub fn reference_state(endpoints: Vec<Endpoint>) -> ProxyState {
     let kubernetes = ServicePort {
         name: spn("default", "kubernetes", "https"),
         protocol: Protocol::Tcp,
-        cluster_ip: Some(Ipv4Addr::new(10, 43, 0, 1)),
+        cluster_ip: Some(Ipv4Addr::new(10, 43, 0, 1).into()),
         port: 443,
         node_port: None,
         external_ips: vec![],
@@ -171,12 +171,12 @@ pub fn reference_state(endpoints: Vec<Endpoint>) -> ProxyState {
     let nginx = ServicePort {
         name: spn("default", "nginx-service", "http"),
         protocol: Protocol::Tcp,
-        cluster_ip: Some(Ipv4Addr::new(10, 43, 35, 197)),
+        cluster_ip: Some(Ipv4Addr::new(10, 43, 35, 197).into()),
         port: 80,
         node_port: Some(30166),
         external_ips: vec![],
         load_balancer_ingress: vec![LoadBalancerIngress {
-            ip: Ipv4Addr::new(198, 51, 100, 20),
+            ip: Ipv4Addr::new(198, 51, 100, 20).into(),
             ip_mode: IpMode::Vip,
         }],
         load_balancer_source_ranges: vec!["203.0.113.0/24".parse().unwrap()],

@@ -24,10 +24,10 @@
 //! mode's ACCEPT in filter INPUT has no nftables equivalent).
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 
 use data_encoding::BASE32;
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net};
 use sha2::{Digest, Sha256};
 use tandem_nftables::{
     BUCKETS, BaseChain, Chain, ChainType, DispatchKey, Hook, Key, KeyType, MASQUERADE_MARK, Match,
@@ -36,7 +36,7 @@ use tandem_nftables::{
 
 use super::slots::{BucketSlot, BucketSlots, Spread};
 use crate::model::{
-    Endpoint, LOOPBACK, NodeConfig, NodePortAddresses, ProxyState, ServicePort, ServicePortName,
+    Endpoint, IpFamily, NodeConfig, NodePortAddresses, ProxyState, ServicePort, ServicePortName,
     overlaps,
 };
 use crate::rules::{PortPaths, UsableEndpoint, sorted_unique, usable_endpoints};
@@ -385,21 +385,23 @@ fn chain(rules: Vec<Rule>) -> Chain {
 /// CIDR with `fib daddr type local` is the same set of addresses and follows address
 /// changes without a sync.
 fn node_port_addresses(node: &NodeConfig) -> Vec<Vec<Match>> {
+    let loopback = IpFamily::V4.loopback();
     let not_loopback = Match::DestinationAddress {
-        net: LOOPBACK,
+        net: ipv4_net(loopback).unwrap_or_default(),
         negated: true,
     };
     match &node.node_port_addresses {
         NodePortAddresses::All => vec![vec![Match::DestinationLocal, not_loopback]],
         NodePortAddresses::Cidrs(cidrs) => cidrs
             .iter()
-            .filter(|cidr| !LOOPBACK.contains(*cidr))
-            .map(|cidr| {
+            .filter(|cidr| !loopback.contains(*cidr))
+            .filter_map(|cidr| Some((*cidr, ipv4_net(*cidr)?)))
+            .map(|(cidr, net)| {
                 let mut matches = vec![Match::DestinationAddress {
-                    net: *cidr,
+                    net,
                     negated: false,
                 }];
-                if overlaps(*cidr, LOOPBACK) {
+                if overlaps(cidr, loopback) {
                     matches.push(not_loopback.clone());
                 }
                 matches.push(Match::DestinationLocal);
@@ -420,7 +422,7 @@ fn cluster_ips_check(node: &NodeConfig) -> Vec<Rule> {
         )
         .with_comment("Reject traffic to invalid ports of ClusterIPs"),
     ];
-    for cidr in &node.service_cidrs {
+    for cidr in node.service_cidrs.iter().filter_map(|cidr| ipv4_net(*cidr)) {
         let to_service_cidr = Match::DestinationAddress {
             net: cidr.trunc(),
             negated: false,
@@ -450,6 +452,30 @@ fn dispatch(key: DispatchKey, map: &str) -> Statement {
 
 fn host(addr: Ipv4Addr) -> Ipv4Net {
     Ipv4Net::from(addr)
+}
+
+/// `ip` if it is IPv4: the nftables mode writes table `ip tandem`, and each of its
+/// inputs is of that family (an `ip6 tandem` is not written yet), as a kube-proxy proxier
+/// keeps the addresses of its own family only.
+fn ipv4(ip: IpAddr) -> Option<Ipv4Addr> {
+    match ip {
+        IpAddr::V4(ip) => Some(ip),
+        IpAddr::V6(_) => None,
+    }
+}
+
+fn ipv4_net(net: IpNet) -> Option<Ipv4Net> {
+    match net {
+        IpNet::V4(net) => Some(net),
+        IpNet::V6(_) => None,
+    }
+}
+
+fn ipv4_endpoint(addr: SocketAddr) -> Option<SocketAddrV4> {
+    match addr {
+        SocketAddr::V4(addr) => Some(addr),
+        SocketAddr::V6(_) => None,
+    }
 }
 
 /// kube-proxy's `servicePortChainNameBase`: `namespace/name/protocol/portname`. Its parts
@@ -544,7 +570,7 @@ pub fn port_objects(
     slot: BucketSlot,
 ) -> PortObjects {
     let mut out = PortObjects::default();
-    let Some(cluster_ip) = svc.cluster_ip else {
+    let Some(cluster_ip) = svc.cluster_ip.and_then(ipv4) else {
         return out; // headless: DNS only, no proxying
     };
     let port = Port::new(
@@ -559,7 +585,7 @@ pub fn port_objects(
     out.elements
         .push((CLUSTER_IPS, Key::Address(cluster_ip), Value::Member));
     // External IPs and LB IPs, each once (a Service may list an address in both).
-    let external_ips = sorted_unique(&[&port.external_ips[..], &port.paths.vip_ingress].concat());
+    let external_ips = sorted_unique(&[&port.external_ips[..], &port.vip_ingress].concat());
 
     if !port.has_endpoints {
         let reject = Value::from(Verdict::Goto(REJECT_CHAIN.to_owned()));
@@ -636,11 +662,11 @@ pub fn port_objects(
             external,
         ));
     }
-    if !port.source_ranges.is_empty() && !port.paths.vip_ingress.is_empty() {
+    if !port.source_ranges.is_empty() && !port.vip_ingress.is_empty() {
         // allowFromNode: the node's own connections looped back to it come from the LB IP.
         let from_node = node
-            .allows_from_node(&port.source_ranges)
-            .then_some(&port.paths.vip_ingress)
+            .allows_from_node(&svc.load_balancer_source_ranges)
+            .then_some(&port.vip_ingress)
             .into_iter()
             .flatten()
             .map(|ip| host(*ip));
@@ -668,7 +694,7 @@ pub fn port_objects(
         );
         out.chains.insert(port.names.firewall.clone(), chain(rules));
         let firewall = Value::from(Verdict::Goto(port.names.firewall.clone()));
-        for &ip in &port.paths.vip_ingress {
+        for &ip in &port.vip_ingress {
             out.elements
                 .push((FIREWALL_IPS, ip_key(ip), firewall.clone()));
         }
@@ -706,6 +732,8 @@ struct Port<'a> {
     /// Endpoints some chain of this port spreads over.
     endpoints: Vec<PortEndpoint>,
     external_ips: Vec<Ipv4Addr>,
+    /// The ingress IPs the node captures (`paths.vip_ingress`).
+    vip_ingress: Vec<Ipv4Addr>,
     source_ranges: Vec<Ipv4Net>,
     /// Which paths exist: `service-…` exists when the cluster-wide set is used, `local-…`
     /// when this node's is (and holds an endpoint).
@@ -729,8 +757,11 @@ impl<'a> Port<'a> {
         let ranges: Vec<Ipv4Net> = svc
             .load_balancer_source_ranges
             .iter()
-            .map(Ipv4Net::trunc)
+            .filter_map(|range| ipv4_net(*range))
+            .map(|range| range.trunc())
             .collect();
+        let external_ips: Vec<Ipv4Addr> =
+            svc.external_ips.iter().filter_map(|ip| ipv4(*ip)).collect();
         Self {
             svc,
             cluster_ip,
@@ -739,17 +770,27 @@ impl<'a> Port<'a> {
             endpoints: usable
                 .iter()
                 .filter(|ep| paths.spreads_over(ep))
-                .map(|ep| PortEndpoint {
-                    addr: ep.addr,
-                    cluster: ep.cluster,
-                    local: ep.local,
+                .filter_map(|ep| {
+                    Some(PortEndpoint {
+                        addr: ipv4_endpoint(ep.addr)?,
+                        cluster: ep.cluster,
+                        local: ep.local,
+                    })
                 })
                 .collect(),
-            external_ips: sorted_unique(&svc.external_ips),
+            external_ips: sorted_unique(&external_ips),
+            vip_ingress: paths
+                .vip_ingress
+                .iter()
+                .filter_map(|ip| ipv4(*ip))
+                .collect(),
             source_ranges: sorted_unique(&ranges),
             paths,
             has_endpoints: usable.iter().any(|ep| ep.cluster),
-            cluster_cidr: node.cluster_cidr.map(|cidr| cidr.trunc()),
+            cluster_cidr: node
+                .cluster_cidr
+                .and_then(ipv4_net)
+                .map(|cidr| cidr.trunc()),
             masquerade_all: node.masquerade_all,
         }
     }
@@ -935,7 +976,7 @@ pub(crate) mod tests {
         ServicePort {
             name: name("ns1", "svc1", "p80"),
             protocol: Protocol::Tcp,
-            cluster_ip,
+            cluster_ip: cluster_ip.map(IpAddr::V4),
             port: 80,
             node_port: None,
             external_ips: vec![],
@@ -959,7 +1000,7 @@ pub(crate) mod tests {
     /// A ready endpoint `10.180.0.LAST:80` on `node`.
     pub(crate) fn endpoint(last: u8, node: &str) -> Endpoint {
         Endpoint {
-            ip: Ipv4Addr::new(10, 180, 0, last),
+            ip: Ipv4Addr::new(10, 180, 0, last).into(),
             port: 80,
             ready: true,
             serving: true,
@@ -1123,7 +1164,7 @@ pub(crate) mod tests {
     fn without_endpoints_every_address_rejects_and_nothing_else_exists() {
         let svc = ServicePort {
             node_port: Some(30080),
-            external_ips: vec![Ipv4Addr::new(192, 0, 2, 1)],
+            external_ips: vec![Ipv4Addr::new(192, 0, 2, 1).into()],
             ..service(Some(Ipv4Addr::new(172, 30, 0, 41)))
         };
         let objects = port_objects(&svc, &[], &node(), slot());

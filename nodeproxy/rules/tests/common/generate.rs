@@ -28,7 +28,7 @@ pub fn endpoint() -> impl Strategy<Value = Endpoint> {
     )
         .prop_map(
             |(subnet, host, port, ready, serving, terminating, node)| Endpoint {
-                ip: Ipv4Addr::new(10, 244, subnet, host),
+                ip: Ipv4Addr::new(10, 244, subnet, host).into(),
                 port,
                 ready,
                 serving,
@@ -42,7 +42,7 @@ pub fn endpoint() -> impl Strategy<Value = Endpoint> {
 /// A Service port and its endpoints; identity fields are filled in by [`state`].
 pub fn service() -> impl Strategy<Value = (ServicePort, Vec<Endpoint>)> {
     let ingress = (1u8..4, prop::bool::weighted(0.8)).prop_map(|(host, vip)| LoadBalancerIngress {
-        ip: Ipv4Addr::new(198, 51, 100, host),
+        ip: Ipv4Addr::new(198, 51, 100, host).into(),
         ip_mode: if vip { IpMode::Vip } else { IpMode::Proxy },
     });
     let ranges = prop::collection::vec(
@@ -79,12 +79,12 @@ pub fn service() -> impl Strategy<Value = (ServicePort, Vec<Endpoint>)> {
                 let service = ServicePort {
                     name: super::port_name("ns", "placeholder", ""),
                     protocol,
-                    cluster_ip: has_cluster_ip.then_some(Ipv4Addr::UNSPECIFIED),
+                    cluster_ip: has_cluster_ip.then_some(Ipv4Addr::UNSPECIFIED.into()),
                     port: 0,
                     node_port: node_port.map(|()| 0),
                     external_ips: external
                         .into_iter()
-                        .map(|h| Ipv4Addr::new(192, 0, 2, h))
+                        .map(|h| Ipv4Addr::new(192, 0, 2, h).into())
                         .collect(),
                     load_balancer_ingress: ingress,
                     load_balancer_source_ranges: ranges
@@ -127,7 +127,7 @@ pub fn state() -> impl Strategy<Value = ProxyState> {
             service.name = port_name(i);
             service.cluster_ip = service
                 .cluster_ip
-                .map(|_| Ipv4Addr::new(10, 96, 0, 10 + index));
+                .map(|_| Ipv4Addr::new(10, 96, 0, 10 + index).into());
             // Ports in common make Services that list the same external or LB IP
             // compete for it, as a misconfigured cluster can.
             service.port = if common_port { 8000 } else { 8000 + index16 };

@@ -1,17 +1,22 @@
 //! Shared fixtures: the reference API state and small builders for scenario states.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 pub mod generate;
 pub mod netns;
 
 use tandem_proxy_rules::model::{
-    Endpoint, IpMode, LoadBalancerIngress, NodeConfig, NodePortAddresses, Protocol, ProxyState,
-    ServicePort, ServicePortName,
+    Endpoint, IpFamily, IpMode, LoadBalancerIngress, NodeConfig, NodePortAddresses, Protocol,
+    ProxyState, ServicePort, ServicePortName,
 };
 
 pub fn ip(s: &str) -> Ipv4Addr {
+    s.parse().unwrap()
+}
+
+/// An address of either family.
+pub fn addr(s: &str) -> IpAddr {
     s.parse().unwrap()
 }
 
@@ -33,7 +38,7 @@ pub fn cluster_ip_service(
     ServicePort {
         name,
         protocol,
-        cluster_ip: Some(ip(cluster_ip)),
+        cluster_ip: Some(addr(cluster_ip)),
         port,
         node_port: None,
         external_ips: vec![],
@@ -46,16 +51,16 @@ pub fn cluster_ip_service(
     }
 }
 
-pub fn vip(addr: &str) -> LoadBalancerIngress {
+pub fn vip(ip: &str) -> LoadBalancerIngress {
     LoadBalancerIngress {
-        ip: ip(addr),
+        ip: addr(ip),
         ip_mode: IpMode::Vip,
     }
 }
 
-pub fn ready(addr: &str, port: u16, node: &str) -> Endpoint {
+pub fn ready(ip: &str, port: u16, node: &str) -> Endpoint {
     Endpoint {
-        ip: ip(addr),
+        ip: addr(ip),
         port,
         ready: true,
         serving: true,
@@ -74,7 +79,7 @@ pub fn node_a() -> NodeConfig {
 /// 10.96.0.0/16.
 pub fn node_with_flags() -> NodeConfig {
     NodeConfig {
-        node_ip: Some(ip("198.18.0.11")),
+        node_ip: Some(ip("198.18.0.11").into()),
         masquerade_all: true,
         node_port_addresses: NodePortAddresses::from_cidrs(&["198.18.0.0/24".parse().unwrap()]),
         localhost_node_ports: false,
@@ -127,6 +132,11 @@ pub fn reference_state() -> ProxyState {
 /// (`tests/data/`, with a README on how it was made).
 pub const REFERENCE_DUMP: &str =
     include_str!("../data/kube-proxy-v1.21-loadbalancer-sourceranges.iptables");
+
+/// kube-proxy v1.21.2's `ip6tables` rules for the dual-stack reference state
+/// ([`dual_stack_reference_state_v6`] is its IPv6 half).
+pub const REFERENCE_DUMP_DUAL_STACK_V6: &str =
+    include_str!("../data/kube-proxy-v1.21-dualstack.ip6tables");
 
 /// Named states covering every feature; snapshot, trace and kernel tests share them.
 pub fn scenarios() -> Vec<(&'static str, ProxyState)> {
@@ -248,7 +258,7 @@ pub fn empty() -> ServicePortName {
 pub fn no_endpoints_state() -> ProxyState {
     let svc = ServicePort {
         node_port: Some(30084),
-        external_ips: vec![ip("192.0.2.50")],
+        external_ips: vec![ip("192.0.2.50").into()],
         load_balancer_ingress: vec![vip("198.51.100.13")],
         ..cluster_ip_service(empty(), Protocol::Tcp, "10.96.0.14", 80)
     };
@@ -273,7 +283,7 @@ pub fn ext() -> ServicePortName {
 /// externalIPs on a ClusterIP Service.
 pub fn external_ips_state() -> ProxyState {
     let svc = ServicePort {
-        external_ips: vec![ip("192.0.2.10"), ip("192.0.2.11")],
+        external_ips: vec![ip("192.0.2.10").into(), ip("192.0.2.11").into()],
         ..cluster_ip_service(ext(), Protocol::Tcp, "10.96.0.15", 8080)
     };
     state_of(
@@ -413,4 +423,71 @@ pub fn itp_local_state() -> ProxyState {
             ),
         ],
     )
+}
+
+/// The IPv4 address `ip` is: the tracer follows IPv4 packets, and these tests' states are
+/// IPv4 ones.
+pub fn v4(ip: IpAddr) -> Ipv4Addr {
+    match ip {
+        IpAddr::V4(ip) => ip,
+        IpAddr::V6(ip) => panic!("an IPv4 address expected, not {ip}"),
+    }
+}
+
+/// The IPv6 proxier's view of the dual-stack reference state
+/// (`tests/data/REFERENCE-README.md`): the IPv6 cluster IPs, ingress IPs, source ranges
+/// and EndpointSlices; `default/kubernetes` is IPv4 only.
+pub fn dual_stack_reference_state_v6() -> ProxyState {
+    let nginx = ServicePort {
+        node_port: Some(30166),
+        load_balancer_ingress: vec![vip("2001:db8:51:100::20")],
+        load_balancer_source_ranges: vec!["2001:db8:203::/64".parse().unwrap()],
+        ..cluster_ip_service(nginx_http(), Protocol::Tcp, "fd00:10:96::197", 80)
+    };
+    let echo_http = port_name("default", "echo-v6", "http");
+    let echo = ServicePort {
+        node_port: Some(30380),
+        load_balancer_ingress: vec![vip("2001:db8:51:100::21")],
+        external_traffic_policy_local: true,
+        health_check_node_port: Some(30381),
+        ..cluster_ip_service(echo_http.clone(), Protocol::Tcp, "fd00:10:96::80", 80)
+    };
+    let empty = ServicePort {
+        node_port: Some(30480),
+        load_balancer_ingress: vec![vip("2001:db8:51:100::22")],
+        ..cluster_ip_service(
+            port_name("default", "empty-v6", "http"),
+            Protocol::Tcp,
+            "fd00:10:96::81",
+            80,
+        )
+    };
+    state_of(
+        vec![nginx, echo, empty],
+        vec![
+            (
+                nginx_http(),
+                vec![
+                    ready("fd00:10:244:1::5", 80, "node-a"),
+                    ready("fd00:10:244:2::7", 80, "node-b"),
+                ],
+            ),
+            (
+                echo_http,
+                vec![
+                    ready("fd00:10:244:1::8", 8080, "node-a"),
+                    ready("fd00:10:244:2::9", 8080, "node-b"),
+                ],
+            ),
+        ],
+    )
+}
+
+/// node-a's IPv6 proxier in the dual-stack reference: `--cluster-cidr`'s IPv6 half.
+pub fn node_a_v6() -> NodeConfig {
+    NodeConfig {
+        family: IpFamily::V6,
+        node_ip: Some(addr("2001:db8:18::11")),
+        ..NodeConfig::new("node-a", Some("fd00:10:244::/56".parse().unwrap()))
+    }
 }
