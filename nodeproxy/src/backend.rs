@@ -6,6 +6,7 @@
 use std::fmt;
 use std::process::Stdio;
 
+use tandem_proxy_rules::model::IpFamily;
 use tokio::process::Command;
 
 use crate::restore::CANARY_CHAIN;
@@ -29,24 +30,69 @@ impl Backend {
     /// The `iptables` binary of this backend, named explicitly: plain `iptables` is
     /// whichever backend the distribution's alternatives point at.
     pub fn iptables(self) -> &'static str {
-        match self {
-            Backend::Nft => "iptables-nft",
-            Backend::Legacy => "iptables-legacy",
+        Tools::new(self, IpFamily::V4).iptables()
+    }
+
+    pub fn restore(self) -> &'static str {
+        Tools::new(self, IpFamily::V4).restore()
+    }
+
+    pub fn save(self) -> &'static str {
+        Tools::new(self, IpFamily::V4).save()
+    }
+}
+
+/// The programs of one backend for one IP family: the proxier of each family writes the
+/// same chains, IPv4's with `iptables-*`, IPv6's with `ip6tables-*`, as kube-proxy's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tools {
+    pub backend: Backend,
+    pub family: IpFamily,
+}
+
+impl Tools {
+    pub fn new(backend: Backend, family: IpFamily) -> Self {
+        Self { backend, family }
+    }
+
+    pub fn iptables(self) -> &'static str {
+        match (self.backend, self.family) {
+            (Backend::Nft, IpFamily::V4) => "iptables-nft",
+            (Backend::Legacy, IpFamily::V4) => "iptables-legacy",
+            (Backend::Nft, IpFamily::V6) => "ip6tables-nft",
+            (Backend::Legacy, IpFamily::V6) => "ip6tables-legacy",
         }
     }
 
     pub fn restore(self) -> &'static str {
-        match self {
-            Backend::Nft => "iptables-nft-restore",
-            Backend::Legacy => "iptables-legacy-restore",
+        match (self.backend, self.family) {
+            (Backend::Nft, IpFamily::V4) => "iptables-nft-restore",
+            (Backend::Legacy, IpFamily::V4) => "iptables-legacy-restore",
+            (Backend::Nft, IpFamily::V6) => "ip6tables-nft-restore",
+            (Backend::Legacy, IpFamily::V6) => "ip6tables-legacy-restore",
         }
     }
 
     pub fn save(self) -> &'static str {
-        match self {
-            Backend::Nft => "iptables-nft-save",
-            Backend::Legacy => "iptables-legacy-save",
+        match (self.backend, self.family) {
+            (Backend::Nft, IpFamily::V4) => "iptables-nft-save",
+            (Backend::Legacy, IpFamily::V4) => "iptables-legacy-save",
+            (Backend::Nft, IpFamily::V6) => "ip6tables-nft-save",
+            (Backend::Legacy, IpFamily::V6) => "ip6tables-legacy-save",
         }
+    }
+}
+
+/// A backend's IPv4 programs.
+impl From<Backend> for Tools {
+    fn from(backend: Backend) -> Self {
+        Self::new(backend, IpFamily::V4)
+    }
+}
+
+impl fmt::Display for Tools {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.backend, self.family)
     }
 }
 

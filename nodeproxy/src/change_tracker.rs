@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Resource;
 use kube::runtime::watcher::Event;
-use tandem_proxy_rules::model::{ProxyState, ServicePortName};
+use tandem_proxy_rules::model::{IpFamily, ProxyState, ServicePortName};
 
 use crate::convert::{self, ObjectKey, ServiceEntry, Skipped, SliceEntry, object_key};
 
@@ -150,11 +150,12 @@ impl<V> Objects<V> {
     }
 }
 
-/// The watched Services and EndpointSlices (converted as they arrive), the state joined
-/// from them as of the last [`take`](ChangeTracker::take), and the Service ports changed
-/// since.
+/// The watched Services and EndpointSlices (converted as they arrive, for one IP family),
+/// the state joined from them as of the last [`take`](ChangeTracker::take), and the
+/// Service ports changed since.
 #[derive(Debug, Default)]
 pub struct ChangeTracker {
+    family: IpFamily,
     services: Objects<ServiceEntry>,
     slices: Objects<SliceEntry>,
     /// Slice names by the `(namespace, Service name)` their label points to.
@@ -174,6 +175,14 @@ pub fn lock(tracker: &SharedTracker) -> MutexGuard<'_, ChangeTracker> {
 }
 
 impl ChangeTracker {
+    /// The tracker of the proxier of `family` (the default one is IPv4's).
+    pub fn new(family: IpFamily) -> Self {
+        Self {
+            family,
+            ..Self::default()
+        }
+    }
+
     /// True once both watches delivered their first full list.
     pub fn listed(&self) -> bool {
         self.services.listed && self.slices.listed
@@ -183,7 +192,9 @@ impl ChangeTracker {
     pub fn record_service(&mut self, event: Event<Service>) -> bool {
         let finishes_list = matches!(event, Event::InitDone);
         let before = self.changed.len();
-        for replaced in self.services.record(event, ServiceEntry::of) {
+        let family = self.family;
+        let convert = |service: &Service| ServiceEntry::of(service, family);
+        for replaced in self.services.record(event, convert) {
             for entry in replaced.previous.iter().chain(&replaced.current) {
                 self.changed
                     .extend(entry.ports.iter().map(|port| port.name.clone()));
@@ -197,11 +208,13 @@ impl ChangeTracker {
     pub fn record_slice(&mut self, event: Event<EndpointSlice>) -> bool {
         let finishes_list = matches!(event, Event::InitDone);
         let before = self.changed.len();
+        let family = self.family;
+        let convert = |slice: &EndpointSlice| SliceEntry::of(slice, family);
         for Replaced {
             key,
             previous,
             current,
-        } in self.slices.record(event, SliceEntry::of)
+        } in self.slices.record(event, convert)
         {
             if let Some(service) = previous.as_ref().and_then(|entry| entry.service.as_ref()) {
                 self.index_slice(service, &key, false);

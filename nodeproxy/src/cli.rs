@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
-use ipnet::{IpNet, Ipv4Net};
+use ipnet::IpNet;
 use tandem_proxy_rules::model::{IpFamily, NodeConfig, NodePortAddresses, Protocol};
 
 pub use tandem_common::{GoDuration, LogFormat};
@@ -45,9 +45,11 @@ pub struct ClusterArgs {
     /// This node's name, as in its Node object.
     #[arg(long, env = "NODE_NAME", global = true)]
     pub node_name: Option<String>,
-    /// Pod CIDR of the cluster: traffic to cluster IPs from outside it is masqueraded.
-    #[arg(long, env = "CLUSTER_CIDR", global = true)]
-    pub cluster_cidr: Option<Ipv4Net>,
+    /// Pod CIDRs of the cluster, at most one per IP family (comma-separated): traffic to
+    /// cluster IPs from outside them is masqueraded, and each family given gets a proxier
+    /// (none given: IPv4 only).
+    #[arg(long, env = "CLUSTER_CIDR", value_delimiter = ',', global = true)]
+    pub cluster_cidr: Vec<IpNet>,
     /// Masquerade every connection to a cluster IP, not only those from outside
     /// --cluster-cidr.
     #[arg(long, env = "MASQUERADE_ALL", global = true)]
@@ -93,20 +95,41 @@ impl FromStr for NodePortAddress {
     }
 }
 
-/// Why the node-port flags cannot be used.
+/// Why the cluster flags cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NodePortAddressesError {
     #[error("--nodeport-addresses: `primary` cannot be combined with CIDRs")]
     PrimaryWithCidrs,
+    #[error("--cluster-cidr: at most one CIDR per IP family ({0} given twice)")]
+    ClusterCidrsOfOneFamily(IpFamily),
 }
 
 impl ClusterArgs {
-    /// The node port addresses in force for this mode, as kube-proxy resolves them: an
-    /// unset flag means every local address in iptables mode and `primary` in nftables
-    /// mode; `primary` is `node_ip`/32, or every address while the node's IP is unknown;
-    /// IPv6 CIDRs are for an IPv6 proxier this node proxy does not run.
+    /// The IP families to proxy, IPv4 first: those of `--cluster-cidr`, or IPv4 alone
+    /// without it.
+    pub fn families(&self) -> Result<Vec<IpFamily>, NodePortAddressesError> {
+        let mut families: Vec<IpFamily> = self
+            .cluster_cidr
+            .iter()
+            .map(|cidr| IpFamily::of(cidr.addr()))
+            .collect();
+        families.sort();
+        if let Some(twice) = families.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(NodePortAddressesError::ClusterCidrsOfOneFamily(twice[0]));
+        }
+        if families.is_empty() {
+            families.push(IpFamily::V4);
+        }
+        Ok(families)
+    }
+
+    /// The node port addresses of `family` in force for this mode, as kube-proxy resolves
+    /// them: an unset flag means every local address in iptables mode and `primary` in
+    /// nftables mode; `primary` is `node_ip` as a host prefix, or every address while the
+    /// node's IP is unknown; CIDRs of the other family are the other proxier's.
     pub fn node_port_addresses(
         &self,
+        family: IpFamily,
         node_ip: Option<IpAddr>,
     ) -> Result<NodePortAddresses, NodePortAddressesError> {
         let given = &self.nodeport_addresses;
@@ -121,32 +144,35 @@ impl ClusterArgs {
         let cidrs: Vec<IpNet> = given
             .iter()
             .filter_map(|address| match address {
-                NodePortAddress::Cidr(cidr @ IpNet::V4(_)) => Some(*cidr),
+                NodePortAddress::Cidr(cidr) if family.holds(cidr.addr()) => Some(*cidr),
                 _ => None,
             })
             .collect();
         Ok(NodePortAddresses::from_cidrs(&cidrs))
     }
 
-    /// This node's settings: the flags, and the node's IP from its Node object.
+    /// The settings of this node's proxier of `family`: the flags of that family, and
+    /// the node's IP of it from its Node object. `--iptables-localhost-nodeports` is
+    /// IPv4's (`route_localnet`); the IPv6 proxier writes what kube-proxy v1.21 does.
     pub fn node_config(
         &self,
         node_name: String,
-        node_ip: Option<Ipv4Addr>,
+        family: IpFamily,
+        node_ip: Option<IpAddr>,
     ) -> Result<NodeConfig, NodePortAddressesError> {
-        let node_ip = node_ip.map(IpAddr::V4);
+        let of_family = |cidr: &&IpNet| family.holds(cidr.addr());
         Ok(NodeConfig {
             node_name,
-            family: IpFamily::V4,
-            cluster_cidr: self.cluster_cidr.map(IpNet::V4),
+            family,
+            cluster_cidr: self.cluster_cidr.iter().find(of_family).map(IpNet::trunc),
             node_ip,
             masquerade_all: self.masquerade_all,
-            node_port_addresses: self.node_port_addresses(node_ip)?,
-            localhost_node_ports: self.iptables_localhost_nodeports,
+            node_port_addresses: self.node_port_addresses(family, node_ip)?,
+            localhost_node_ports: family == IpFamily::V6 || self.iptables_localhost_nodeports,
             service_cidrs: self
                 .service_cluster_ip_range
                 .iter()
-                .filter(|cidr| matches!(cidr, IpNet::V4(_)))
+                .filter(of_family)
                 .map(IpNet::trunc)
                 .collect(),
         })
@@ -313,17 +339,20 @@ mod tests {
         // Unset: every address in iptables mode, the node's own in nftables mode.
         let defaults = parse(&[]);
         assert_eq!(
-            defaults.node_port_addresses(node_ip),
+            defaults.node_port_addresses(IpFamily::V4, node_ip),
             Ok(NodePortAddresses::All)
         );
         assert!(!defaults.masquerade_all && defaults.iptables_localhost_nodeports);
         let nft = parse(&["--proxy-mode", "nftables"]);
         assert_eq!(
-            nft.node_port_addresses(node_ip),
+            nft.node_port_addresses(IpFamily::V4, node_ip),
             Ok(cidrs(&["198.18.0.11/32"]))
         );
         // `primary` without a known node IP: every address (kube-proxy's fallback).
-        assert_eq!(nft.node_port_addresses(None), Ok(NodePortAddresses::All));
+        assert_eq!(
+            nft.node_port_addresses(IpFamily::V4, None),
+            Ok(NodePortAddresses::All)
+        );
         let given = parse(&[
             "--nodeport-addresses",
             "192.168.7.0/24,fd00::/64,10.0.0.0/8",
@@ -333,21 +362,52 @@ mod tests {
             "10.96.0.0/16,fd00:96::/112",
         ]);
         assert_eq!(
-            given.node_port_addresses(node_ip),
+            given.node_port_addresses(IpFamily::V4, node_ip),
             Ok(cidrs(&["10.0.0.0/8", "192.168.7.0/24"]))
         );
+        assert_eq!(
+            given.node_port_addresses(IpFamily::V6, None),
+            Ok(cidrs(&["fd00::/64"]))
+        );
         let node = given
-            .node_config("node-a".into(), Some(Ipv4Addr::new(198, 18, 0, 11)))
+            .node_config("node-a".into(), IpFamily::V4, node_ip)
             .unwrap();
         assert!(node.masquerade_all && !node.localhost_node_ports);
         assert_eq!(node.service_cidrs, vec!["10.96.0.0/16".parse().unwrap()]);
         assert_eq!(node.node_ip, node_ip);
+        let v6 = given
+            .node_config("node-a".into(), IpFamily::V6, None)
+            .unwrap();
+        assert_eq!(v6.service_cidrs, vec!["fd00:96::/112".parse().unwrap()]);
+        assert!(v6.localhost_node_ports, "IPv6 has no route_localnet switch");
+        // A proxier per family of --cluster-cidr; IPv4 alone without it.
+        assert_eq!(defaults.families(), Ok(vec![IpFamily::V4]));
+        let dual = parse(&["--cluster-cidr", "fd00:10:244::/56,10.244.0.0/16"]);
+        assert_eq!(dual.families(), Ok(vec![IpFamily::V4, IpFamily::V6]));
+        let dual_v6 = dual
+            .node_config("node-a".into(), IpFamily::V6, None)
+            .unwrap();
         assert_eq!(
-            parse(&["--nodeport-addresses", "primary"]).node_port_addresses(node_ip),
+            dual_v6.cluster_cidr,
+            Some("fd00:10:244::/56".parse().unwrap())
+        );
+        assert_eq!(
+            parse(&["--cluster-cidr", "fd00:10:244::/56"]).families(),
+            Ok(vec![IpFamily::V6])
+        );
+        assert_eq!(
+            parse(&["--cluster-cidr", "10.244.0.0/16,10.245.0.0/16"]).families(),
+            Err(NodePortAddressesError::ClusterCidrsOfOneFamily(
+                IpFamily::V4
+            ))
+        );
+        assert_eq!(
+            parse(&["--nodeport-addresses", "primary"]).node_port_addresses(IpFamily::V4, node_ip),
             Ok(cidrs(&["198.18.0.11/32"]))
         );
         assert_eq!(
-            parse(&["--nodeport-addresses", "primary,10.0.0.0/8"]).node_port_addresses(node_ip),
+            parse(&["--nodeport-addresses", "primary,10.0.0.0/8"])
+                .node_port_addresses(IpFamily::V4, node_ip),
             Err(NodePortAddressesError::PrimaryWithCidrs)
         );
         assert!(Cli::try_parse_from(["tandem-nodeproxy", "--nodeport-addresses", "eth0"]).is_err());

@@ -1,19 +1,26 @@
 //! Kubernetes objects → [`ProxyState`]: pure conversion, no I/O.
 //!
-//! Bad values (an unparsable CIDR, an IPv6 address, a port out of range) never abort the
-//! conversion: the offending value is left out and reported as a [`Skipped`] entry, so
-//! one bad Service never breaks the rules of the others.
+//! One IP family at a time, as kube-proxy's proxier per family sees the cluster: a Service
+//! has rules in a family only with a cluster IP of it, and brings along only its external
+//! IPs, LB ingress IPs and source ranges of that family; an EndpointSlice counts only in
+//! the family of its `addressType`. Values of the other family are the other proxier's,
+//! not errors.
+//!
+//! Bad values (an unparsable CIDR, a port out of range) never abort the conversion: the
+//! offending value is left out and reported as a [`Skipped`] entry, so one bad Service
+//! never breaks the rules of the others.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
-use ipnet::{IpNet, Ipv4Net};
+use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort as K8sServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
 use tandem_proxy_rules::model::{
-    Endpoint, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort, ServicePortName,
+    Endpoint, IpFamily, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort,
+    ServicePortName,
 };
 
 /// Label that ties an EndpointSlice to its Service.
@@ -73,9 +80,10 @@ pub struct ServiceEntry {
 }
 
 impl ServiceEntry {
-    pub fn of(service: &Service) -> Self {
+    /// The Service as the proxier of `family` sees it.
+    pub fn of(service: &Service, family: IpFamily) -> Self {
         let mut skipped = Vec::new();
-        let ports = service_ports(service, &mut skipped);
+        let ports = service_ports(service, family, &mut skipped);
         Self { ports, skipped }
     }
 }
@@ -94,7 +102,7 @@ pub struct SliceEntry {
 /// An endpoint of a slice, before a port is given to it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct SliceEndpoint {
-    ip: Ipv4Addr,
+    ip: IpAddr,
     ready: bool,
     serving: bool,
     terminating: bool,
@@ -104,7 +112,7 @@ struct SliceEndpoint {
 impl SliceEndpoint {
     fn at(&self, port: u16) -> Endpoint {
         Endpoint {
-            ip: self.ip.into(),
+            ip: self.ip,
             port,
             ready: self.ready,
             serving: self.serving,
@@ -115,7 +123,9 @@ impl SliceEndpoint {
 }
 
 impl SliceEntry {
-    pub fn of(slice: &EndpointSlice) -> Self {
+    /// The slice as the proxier of `family` sees it: without endpoints unless its
+    /// `addressType` is that family.
+    pub fn of(slice: &EndpointSlice, family: IpFamily) -> Self {
         let service = slice
             .metadata
             .labels
@@ -125,9 +135,12 @@ impl SliceEntry {
                 let namespace = slice.metadata.namespace.clone().unwrap_or_default();
                 (namespace, service.clone())
             });
-        let (Some((namespace, service_name)), "IPv4") = (&service, slice.address_type.as_str())
+        let Some((namespace, service_name)) = service
+            .as_ref()
+            .filter(|_| slice.address_type == family.as_str())
         else {
-            // No Service, or an IPv6 or FQDN slice: nothing the IPv4 rules can use.
+            // No Service, or a slice of the other family or of FQDNs: nothing this
+            // family's rules can use.
             return Self {
                 service,
                 ..Self::default()
@@ -169,8 +182,17 @@ impl SliceEntry {
             let Some(address) = endpoint.addresses.first() else {
                 continue;
             };
-            let Ok(ip) = address.trim().parse::<Ipv4Addr>() else {
-                skip("endpoints.addresses", address, "not an IPv4 address");
+            let Some(ip) = address
+                .trim()
+                .parse::<IpAddr>()
+                .ok()
+                .filter(|ip| family.holds(*ip))
+            else {
+                skip(
+                    "endpoints.addresses",
+                    address,
+                    "not an address of the slice's addressType",
+                );
                 continue;
             };
             let conditions = endpoint.conditions.as_ref();
@@ -225,13 +247,21 @@ pub fn port_endpoints<'a>(
     )
 }
 
-/// Build the node proxy's view of the cluster from the Services and EndpointSlices it sees.
+/// Build the view of the cluster of the proxier of `family` from the Services and
+/// EndpointSlices it sees.
 pub fn proxy_state<'a>(
     services: impl IntoIterator<Item = &'a Service>,
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    family: IpFamily,
 ) -> Conversion {
-    let services: Vec<ServiceEntry> = services.into_iter().map(ServiceEntry::of).collect();
-    let slices: Vec<SliceEntry> = slices.into_iter().map(SliceEntry::of).collect();
+    let services: Vec<ServiceEntry> = services
+        .into_iter()
+        .map(|service| ServiceEntry::of(service, family))
+        .collect();
+    let slices: Vec<SliceEntry> = slices
+        .into_iter()
+        .map(|slice| SliceEntry::of(slice, family))
+        .collect();
     join(&services, &slices)
 }
 
@@ -303,9 +333,9 @@ pub fn node_is_draining(node: &Node) -> bool {
         })
 }
 
-/// The node's IPv4 addresses from `status.addresses` (InternalIP and ExternalIP): what
+/// The node's addresses from `status.addresses` (InternalIP and ExternalIP): what
 /// `-m addrtype --dst-type LOCAL` matches on it.
-pub fn node_addresses(node: &Node) -> Vec<Ipv4Addr> {
+pub fn node_addresses(node: &Node) -> Vec<IpAddr> {
     node.status
         .as_ref()
         .and_then(|status| status.addresses.as_ref())
@@ -316,9 +346,9 @@ pub fn node_addresses(node: &Node) -> Vec<Ipv4Addr> {
         .collect()
 }
 
-/// The node's primary IPv4 address as kube-proxy detects it: the first InternalIP, else
-/// the first ExternalIP, of `status.addresses`.
-pub fn node_primary_ip(node: &Node) -> Option<Ipv4Addr> {
+/// The node's primary address of `family` as kube-proxy detects it: the first InternalIP,
+/// else the first ExternalIP, of that family in `status.addresses`.
+pub fn node_primary_ip(node: &Node, family: IpFamily) -> Option<IpAddr> {
     let addresses = node
         .status
         .as_ref()
@@ -327,7 +357,8 @@ pub fn node_primary_ip(node: &Node) -> Option<Ipv4Addr> {
         addresses
             .iter()
             .filter(|a| a.type_ == kind)
-            .find_map(|a| a.address.parse().ok())
+            .filter_map(|a| a.address.parse().ok())
+            .find(|ip| family.holds(*ip))
     })
 }
 
@@ -342,8 +373,13 @@ pub(crate) fn object_key(meta: &ObjectMeta) -> ObjectKey {
     )
 }
 
-/// The Service ports of one Service (none for headless and ExternalName Services).
-fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePort> {
+/// The Service ports of one Service in `family` (none for headless and ExternalName
+/// Services, and none without a cluster IP of that family).
+fn service_ports(
+    service: &Service,
+    family: IpFamily,
+    skipped: &mut Vec<Skipped>,
+) -> Vec<ServicePort> {
     let (namespace, name) = object_key(&service.metadata);
     let id = format!("{namespace}/{name}");
     let Some(spec) = service.spec.as_ref() else {
@@ -362,9 +398,13 @@ fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePo
         });
     };
 
-    let Some(cluster_ip) = cluster_ipv4(spec.cluster_ip.as_deref(), spec.cluster_ips.as_deref())
-    else {
-        // Headless, not yet allocated, or IPv6-only: kube-proxy writes nothing for it.
+    let Some(cluster_ip) = cluster_ip_of(
+        family,
+        spec.cluster_ip.as_deref(),
+        spec.cluster_ips.as_deref(),
+    ) else {
+        // Headless, not yet allocated, or of the other family only: this proxier writes
+        // nothing for it.
         if let Some(value) = spec.cluster_ip.as_deref()
             && !value.is_empty()
             && value != "None"
@@ -382,10 +422,10 @@ fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePo
         .external_ips
         .iter()
         .flatten()
-        .filter_map(|value| match value.trim().parse::<Ipv4Addr>() {
-            Ok(ip) => Some(IpAddr::V4(ip)),
+        .filter_map(|value| match value.trim().parse::<IpAddr>() {
+            Ok(ip) => family.holds(ip).then_some(ip),
             Err(_) => {
-                skip("spec.externalIPs", value, "not an IPv4 address");
+                skip("spec.externalIPs", value, "not an IP address");
                 None
             }
         })
@@ -402,14 +442,11 @@ fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePo
             .filter_map(|ingress| {
                 // Hostname-only ingress entries have nothing for iptables to match.
                 let value = ingress.ip.as_deref()?;
-                let ip = match value.trim().parse::<Ipv4Addr>() {
-                    Ok(ip) => ip,
+                let ip = match value.trim().parse::<IpAddr>() {
+                    Ok(ip) if family.holds(ip) => ip,
+                    Ok(_) => return None,
                     Err(_) => {
-                        skip(
-                            "status.loadBalancer.ingress.ip",
-                            value,
-                            "not an IPv4 address",
-                        );
+                        skip("status.loadBalancer.ingress.ip", value, "not an IP address");
                         return None;
                     }
                 };
@@ -425,10 +462,7 @@ fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePo
                         IpMode::Vip
                     }
                 };
-                Some(LoadBalancerIngress {
-                    ip: ip.into(),
-                    ip_mode,
-                })
+                Some(LoadBalancerIngress { ip, ip_mode })
             })
             .collect()
     } else {
@@ -439,10 +473,10 @@ fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePo
         spec.load_balancer_source_ranges
             .iter()
             .flatten()
-            .filter_map(|value| match value.trim().parse::<Ipv4Net>() {
-                Ok(net) => Some(IpNet::V4(net.trunc())),
+            .filter_map(|value| match value.trim().parse::<IpNet>() {
+                Ok(net) => (family.holds(net.addr())).then(|| net.trunc()),
                 Err(_) => {
-                    skip("spec.loadBalancerSourceRanges", value, "not an IPv4 CIDR");
+                    skip("spec.loadBalancerSourceRanges", value, "not a CIDR");
                     None
                 }
             })
@@ -525,7 +559,7 @@ fn service_ports(service: &Service, skipped: &mut Vec<Skipped>) -> Vec<ServicePo
                 port: port_name,
             },
             protocol,
-            cluster_ip: Some(cluster_ip.into()),
+            cluster_ip: Some(cluster_ip),
             port: service_port,
             node_port,
             external_ips: external_ips.clone(),
@@ -560,13 +594,18 @@ fn node_port(
     parsed
 }
 
-/// The Service's IPv4 cluster IP: `clusterIP` when it is IPv4, else the IPv4 entry of
-/// `clusterIPs` (dual-stack Services with IPv6 as primary family).
-fn cluster_ipv4(cluster_ip: Option<&str>, cluster_ips: Option<&[String]>) -> Option<Ipv4Addr> {
+/// The Service's cluster IP of `family`: `clusterIP` when it is of that family, else the
+/// entry of that family in `clusterIPs` (the secondary family of a dual-stack Service).
+fn cluster_ip_of(
+    family: IpFamily,
+    cluster_ip: Option<&str>,
+    cluster_ips: Option<&[String]>,
+) -> Option<IpAddr> {
     cluster_ip
         .into_iter()
         .chain(cluster_ips.into_iter().flatten().map(String::as_str))
-        .find_map(|value| value.trim().parse::<Ipv4Addr>().ok())
+        .filter_map(|value| value.trim().parse::<IpAddr>().ok())
+        .find(|ip| family.holds(*ip))
 }
 
 fn parse_protocol(value: Option<&str>) -> Option<Protocol> {
@@ -584,6 +623,8 @@ fn positive_port(value: i32) -> Option<u16> {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
     use k8s_openapi::api::core::v1::{
         ClientIPConfig, LoadBalancerIngress as K8sIngress, LoadBalancerStatus, NodeSpec,
@@ -707,7 +748,7 @@ mod tests {
                 endpoint("10.244.2.7", "node-b", None, None),
             ],
         )];
-        let out = proxy_state(&services, &slices);
+        let out = proxy_state(&services, &slices, IpFamily::V4);
         assert_eq!(out.skipped, vec![]);
         let name = spn("nginx-service", "http");
         let port = &out.state.services[&name];
@@ -753,7 +794,7 @@ mod tests {
             port(Some("bad"), "ICMP", 81, None),
             port(Some("huge"), "TCP", 70000, None),
         ]);
-        let out = proxy_state([&service], []);
+        let out = proxy_state([&service], [], IpFamily::V4);
         assert_eq!(out.state.services.len(), 1);
         let port = &out.state.services[&spn("nginx-service", "http")];
         // Host bits are cleared, as the kernel would store the range.
@@ -770,16 +811,98 @@ mod tests {
                 Skipped::SliceValue { field, .. } => *field,
             })
             .collect();
+        // The IPv6 range is the IPv6 proxier's, not an error.
         assert_eq!(
             fields,
             vec![
                 "spec.externalIPs",
                 "spec.loadBalancerSourceRanges",
-                "spec.loadBalancerSourceRanges",
                 "spec.ports.protocol",
                 "spec.ports.port"
             ]
         );
+    }
+
+    /// The dual-stack reference Service (`nodeproxy/rules/tests/data/`), as each family's
+    /// proxier sees it: its cluster IP, ingress IP, source range, external IP and
+    /// EndpointSlice of that family only, and nothing reported as skipped.
+    #[test]
+    fn each_family_sees_its_own_half_of_a_dual_stack_service() {
+        let mut service = nginx();
+        let spec = service.spec.as_mut().unwrap();
+        spec.ip_families = Some(vec!["IPv4".into(), "IPv6".into()]);
+        spec.cluster_ips = Some(vec!["10.43.35.197".into(), "fd00:10:96::197".into()]);
+        spec.load_balancer_source_ranges =
+            Some(vec!["203.0.113.0/24".into(), "2001:db8:203::/64".into()]);
+        spec.external_ips = Some(vec!["2001:db8:1::1".into(), "192.0.2.1".into()]);
+        let status = service.status.as_mut().unwrap();
+        status.load_balancer.as_mut().unwrap().ingress = Some(
+            ["198.51.100.20", "2001:db8:51:100::20"]
+                .map(|ip| K8sIngress {
+                    ip: Some(ip.into()),
+                    ..Default::default()
+                })
+                .to_vec(),
+        );
+        let v4_slice = slice(
+            "nginx-v4",
+            "nginx-service",
+            &[(Some("http"), 80)],
+            vec![endpoint("10.244.1.5", "node-a", Some(true), None)],
+        );
+        let mut v6_slice = slice(
+            "nginx-v6",
+            "nginx-service",
+            &[(Some("http"), 80)],
+            vec![endpoint("fd00:10:244:1::5", "node-a", Some(true), None)],
+        );
+        v6_slice.address_type = "IPv6".into();
+        let name = spn("nginx-service", "http");
+        for (family, cluster_ip, ingress, range, external, endpoint) in [
+            (
+                IpFamily::V4,
+                "10.43.35.197",
+                "198.51.100.20",
+                "203.0.113.0/24",
+                "192.0.2.1",
+                "10.244.1.5",
+            ),
+            (
+                IpFamily::V6,
+                "fd00:10:96::197",
+                "2001:db8:51:100::20",
+                "2001:db8:203::/64",
+                "2001:db8:1::1",
+                "fd00:10:244:1::5",
+            ),
+        ] {
+            let out = proxy_state([&service], [&v4_slice, &v6_slice], family);
+            assert!(out.skipped.is_empty(), "{family}: {:?}", out.skipped);
+            let port = &out.state.services[&name];
+            assert_eq!(
+                port.cluster_ip,
+                Some(cluster_ip.parse().unwrap()),
+                "{family}"
+            );
+            let ingress_ips: Vec<IpAddr> =
+                port.load_balancer_ingress.iter().map(|i| i.ip).collect();
+            assert_eq!(
+                ingress_ips,
+                [ingress.parse::<IpAddr>().unwrap()],
+                "{family}"
+            );
+            assert_eq!(
+                port.load_balancer_source_ranges,
+                [range.parse::<IpNet>().unwrap()],
+                "{family}"
+            );
+            assert_eq!(port.external_ips, [external.parse::<IpAddr>().unwrap()]);
+            let endpoints: Vec<IpAddr> = out.state.endpoints[&name].iter().map(|e| e.ip).collect();
+            assert_eq!(endpoints, [endpoint.parse::<IpAddr>().unwrap()], "{family}");
+        }
+        // An IPv4-only Service has no IPv6 rules at all.
+        let out = proxy_state([&nginx()], [&v4_slice], IpFamily::V6);
+        assert!(out.state.services.is_empty() && out.skipped.is_empty());
     }
 
     #[test]
@@ -794,7 +917,7 @@ mod tests {
         let mut external = nginx();
         external.metadata.name = Some("ext".into());
         external.spec.as_mut().unwrap().type_ = Some("ExternalName".into());
-        let out = proxy_state([&headless, &v6, &external], []);
+        let out = proxy_state([&headless, &v6, &external], [], IpFamily::V4);
         assert!(out.state.services.is_empty());
         assert!(out.skipped.is_empty());
     }
@@ -805,7 +928,7 @@ mod tests {
         service.spec.as_mut().unwrap().cluster_ip = Some("fd00::1".into());
         service.spec.as_mut().unwrap().cluster_ips =
             Some(vec!["fd00::1".into(), "10.43.0.9".into()]);
-        let out = proxy_state([&service], []);
+        let out = proxy_state([&service], [], IpFamily::V4);
         assert_eq!(
             out.state.services[&spn("nginx-service", "http")].cluster_ip,
             Some(IpAddr::from([10, 43, 0, 9]))
@@ -816,7 +939,7 @@ mod tests {
     fn session_affinity_timeout_defaults_and_is_read() {
         let mut service = nginx();
         service.spec.as_mut().unwrap().session_affinity = Some("ClientIP".into());
-        let out = proxy_state([&service], []);
+        let out = proxy_state([&service], [], IpFamily::V4);
         assert_eq!(
             out.state.services[&spn("nginx-service", "http")].session_affinity_timeout,
             Some(10_800)
@@ -826,7 +949,7 @@ mod tests {
                 timeout_seconds: Some(60),
             }),
         });
-        let out = proxy_state([&service], []);
+        let out = proxy_state([&service], [], IpFamily::V4);
         assert_eq!(
             out.state.services[&spn("nginx-service", "http")].session_affinity_timeout,
             Some(60)
@@ -841,7 +964,7 @@ mod tests {
         let mut cluster_ip = lb.clone();
         cluster_ip.metadata.name = Some("plain".into());
         cluster_ip.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
-        let out = proxy_state([&lb, &cluster_ip], []);
+        let out = proxy_state([&lb, &cluster_ip], [], IpFamily::V4);
         let lb_port = &out.state.services[&spn("nginx-service", "http")];
         assert!(lb_port.external_traffic_policy_local);
         assert_eq!(lb_port.health_check_node_port, Some(32000));
@@ -863,7 +986,7 @@ mod tests {
         let mut default = nginx();
         default.metadata.name = Some("default".into());
         default.spec.as_mut().unwrap().internal_traffic_policy = Some("Cluster".into());
-        let out = proxy_state([&lb, &cluster_ip, &default], []);
+        let out = proxy_state([&lb, &cluster_ip, &default], [], IpFamily::V4);
         let itp_local = |name| out.state.services[&spn(name, "http")].internal_traffic_policy_local;
         assert!(itp_local("nginx-service"));
         assert!(itp_local("plain"));
@@ -885,7 +1008,7 @@ mod tests {
             .as_mut()
             .unwrap()[0]
             .ip_mode = Some("Proxy".into());
-        let out = proxy_state([&service], []);
+        let out = proxy_state([&service], [], IpFamily::V4);
         assert_eq!(
             out.state.services[&spn("nginx-service", "http")].load_balancer_ingress[0].ip_mode,
             IpMode::Proxy
@@ -926,7 +1049,7 @@ mod tests {
         ];
         let mut unlabelled = slices[0].clone();
         unlabelled.metadata.labels = None;
-        let out = proxy_state([&service], slices.iter().chain([&unlabelled]));
+        let out = proxy_state([&service], slices.iter().chain([&unlabelled]), IpFamily::V4);
         let http = &out.state.endpoints[&spn("nginx-service", "http")];
         assert_eq!(http.len(), 2);
         assert_eq!(
@@ -954,7 +1077,7 @@ mod tests {
                 endpoint("10.244.2.7", "node-b", None, None),
             ],
         );
-        let entry = SliceEntry::of(&two);
+        let entry = SliceEntry::of(&two, IpFamily::V4);
         assert_eq!(entry.endpoints.len(), 2);
         let served: Vec<&str> = entry.served_ports().map(|n| n.port.as_str()).collect();
         assert_eq!(served, ["http", "metrics"]);
@@ -968,7 +1091,7 @@ mod tests {
             ]
         );
         // Without endpoints a slice serves no port: its changes touch nothing.
-        let empty = SliceEntry::of(&slice("b", "nginx-service", &ports, vec![]));
+        let empty = SliceEntry::of(&slice("b", "nginx-service", &ports, vec![]), IpFamily::V4);
         assert_eq!(empty.served_ports().count(), 0);
     }
 
@@ -986,7 +1109,7 @@ mod tests {
             addresses: vec!["junk".into()],
             ..Default::default()
         });
-        let out = proxy_state([&service], [&s]);
+        let out = proxy_state([&service], [&s], IpFamily::V4);
         let name = spn("nginx-service", "");
         assert_eq!(out.state.services[&name].protocol, Protocol::Udp);
         assert_eq!(out.state.endpoints[&name][0].port, 5353);
@@ -994,7 +1117,7 @@ mod tests {
     }
 
     #[test]
-    fn node_addresses_are_the_ipv4_internal_and_external_ones() {
+    fn node_addresses_are_the_internal_and_external_ones_and_each_family_has_its_primary() {
         use k8s_openapi::api::core::v1::{NodeAddress, NodeStatus};
         let address = |type_: &str, address: &str| NodeAddress {
             type_: type_.into(),
@@ -1014,12 +1137,16 @@ mod tests {
         };
         assert_eq!(
             node_addresses(&node),
-            vec![
-                Ipv4Addr::new(198, 18, 0, 11),
-                Ipv4Addr::new(203, 0, 113, 50)
-            ]
+            ["198.18.0.11", "203.0.113.50", "fd00::11"].map(|ip| ip.parse::<IpAddr>().unwrap())
         );
-        assert_eq!(node_primary_ip(&node), Some(Ipv4Addr::new(198, 18, 0, 11)));
+        assert_eq!(
+            node_primary_ip(&node, IpFamily::V4),
+            Some(IpAddr::from([198, 18, 0, 11]))
+        );
+        assert_eq!(
+            node_primary_ip(&node, IpFamily::V6),
+            Some("fd00::11".parse().unwrap())
+        );
         let external_only = Node {
             status: Some(NodeStatus {
                 addresses: Some(vec![
@@ -1031,10 +1158,10 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            node_primary_ip(&external_only),
-            Some(Ipv4Addr::new(203, 0, 113, 50))
+            node_primary_ip(&external_only, IpFamily::V4),
+            Some(IpAddr::from([203, 0, 113, 50]))
         );
-        assert_eq!(node_primary_ip(&Node::default()), None);
+        assert_eq!(node_primary_ip(&Node::default(), IpFamily::V4), None);
     }
 
     #[test]

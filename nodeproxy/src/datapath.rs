@@ -4,7 +4,7 @@
 //! writes only what changed, and is read back from the kernel every sync period to repair
 //! what someone else changed.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use tandem_common::ProxyMode;
@@ -12,12 +12,12 @@ use tandem_nftables::digest::{ChainDigest, ObjectKind, SetDigest, TableDigest, T
 use tandem_nftables::kernel::{KernelError, Netlink};
 use tandem_nftables::{Fingerprint, TABLE, Transaction, Written};
 use tandem_proxy_rules::incremental::IncrementalRuleset;
-use tandem_proxy_rules::model::{NodeConfig, ProxyState, ServicePortName};
+use tandem_proxy_rules::model::{IpFamily, NodeConfig, ProxyState, ServicePortName};
 use tandem_proxy_rules::nft;
 use tandem_proxy_rules::ruleset::{ChangedChains, Table};
 use tokio::task::JoinHandle;
 
-use crate::backend::{self, Backend, BackendChoice};
+use crate::backend::{self, Backend, BackendChoice, Tools};
 use crate::iptables::{self, IptablesReadBack, SyncError, Syncer};
 use crate::metrics::{Metrics, RepairLabels, RepairedObject, TableLabel, TableLabels};
 
@@ -32,10 +32,12 @@ pub async fn start(
     mut node: NodeConfig,
 ) -> Result<DataPath, StartError> {
     let (backend, reason) = backend::resolve(backend_choice).await;
+    let tools = Tools::new(backend, node.family);
     match mode {
         ProxyMode::Iptables => {
-            tracing::info!(%backend, %reason, restore = backend.restore(), "iptables mode; backend chosen");
-            if node.localhost_node_ports
+            tracing::info!(%backend, %reason, family = %node.family, restore = tools.restore(), "iptables mode; backend chosen");
+            if node.family == IpFamily::V4
+                && node.localhost_node_ports
                 && node.node_ports_overlap_loopback()
                 && let Err(error) = enable_route_localnet().await
             {
@@ -48,8 +50,9 @@ pub async fn start(
                 );
                 node.localhost_node_ports = false;
             }
-            Ok(DataPath::iptables(node, Syncer::new(backend)))
+            Ok(DataPath::iptables(node, Syncer::new(tools)))
         }
+        ProxyMode::Nftables if node.family == IpFamily::V6 => Err(StartError::NftablesIpv6),
         ProxyMode::Nftables => {
             let kernel = tokio::task::spawn_blocking(Netlink::open)
                 .await
@@ -83,11 +86,13 @@ async fn enable_route_localnet() -> Result<(), StartError> {
         .map_err(StartError::RouteLocalnet)
 }
 
-/// `--cleanup`: everything either mode installs.
+/// `--cleanup`: everything either mode installs, in both families.
 pub async fn cleanup(backend_choice: BackendChoice) -> Result<(), StartError> {
     let (backend, reason) = backend::resolve(backend_choice).await;
     tracing::info!(%backend, %reason, "removing all node proxy rules");
-    Syncer::new(backend).cleanup().await?;
+    for family in [IpFamily::V4, IpFamily::V6] {
+        Syncer::new(Tools::new(backend, family)).cleanup().await?;
+    }
     remove_nftables_table().await
 }
 
@@ -109,6 +114,10 @@ pub enum StartError {
     Task(String),
     #[error("setting {ROUTE_LOCALNET}: {0}")]
     RouteLocalnet(std::io::Error),
+    #[error(
+        "the nftables mode serves IPv4 only in this release; run the iptables mode for IPv6 (--cluster-cidr holds an IPv6 CIDR)"
+    )]
+    NftablesIpv6,
 }
 
 pub enum DataPath {
@@ -335,36 +344,33 @@ impl DataPath {
         repairs
     }
 
-    /// Sets the chain and rule gauges from the desired ruleset (they count everything, so
-    /// callers run this only when something changed).
-    pub fn record_size(&self, metrics: &Metrics) {
+    /// How many chains, rules and elements it holds.
+    pub fn size(&self) -> DataPathSize {
+        let mut size = DataPathSize::default();
         match self {
             DataPath::Iptables(path) => {
                 let ruleset = path.rules.ruleset();
                 for table in Table::ALL {
-                    let labels = TableLabels {
-                        table: table.into(),
-                    };
                     let rules = ruleset.table(table);
-                    metrics
-                        .chains
-                        .get_or_create(&labels)
-                        .set(rules.chains.len() as i64);
-                    metrics
-                        .rules
-                        .get_or_create(&labels)
-                        .set(rules.chains.values().map(Vec::len).sum::<usize>() as i64);
+                    size.iptables.insert(
+                        table,
+                        (
+                            rules.chains.len(),
+                            rules.chains.values().map(Vec::len).sum(),
+                        ),
+                    );
                 }
             }
             DataPath::Nftables(path) => {
                 let ruleset = path.rules.ruleset();
-                metrics.nftables_chains.set(ruleset.chains.len() as i64);
-                metrics.nftables_rules.set(ruleset.rule_count() as i64);
-                metrics
-                    .nftables_elements
-                    .set(ruleset.element_count() as i64);
+                size.nftables = Some((
+                    ruleset.chains.len(),
+                    ruleset.rule_count(),
+                    ruleset.element_count(),
+                ));
             }
         }
+        size
     }
 
     /// Writes what changed since the last successful apply (and the repairs a read-back
@@ -559,13 +565,16 @@ impl NftablesPath {
                     self.written_since_read.merge(written);
                 }
                 if let Some(backend) = self.remove_iptables.take() {
-                    match Syncer::new(backend).cleanup().await {
-                        Ok(()) => {
-                            tracing::info!(%backend, "the iptables mode's rules removed, if they were there")
-                        }
-                        // A host without iptables has no iptables-mode rules either.
-                        Err(error) => {
-                            tracing::warn!(%error, %backend, "could not remove iptables-mode rules")
+                    // Both families': this mode serves neither in iptables.
+                    for tools in [IpFamily::V4, IpFamily::V6].map(|f| Tools::new(backend, f)) {
+                        match Syncer::new(tools).cleanup().await {
+                            Ok(()) => {
+                                tracing::info!(%tools, "the iptables mode's rules removed, if they were there")
+                            }
+                            // A host without iptables has no iptables-mode rules either.
+                            Err(error) => {
+                                tracing::warn!(%error, %tools, "could not remove iptables-mode rules")
+                            }
                         }
                     }
                 }
@@ -698,6 +707,49 @@ fn kernel_holds(kernel: &mut Netlink, expected: &TableDigest) -> bool {
         Err(error) => {
             tracing::warn!(%error, "reading table ip tandem before the first write failed; replacing it");
             false
+        }
+    }
+}
+
+/// The size of one data path, or of several (the proxiers of both families) added up.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DataPathSize {
+    /// iptables mode: chains and rules per table.
+    iptables: BTreeMap<Table, (usize, usize)>,
+    /// nftables mode: chains, rules and set elements.
+    nftables: Option<(usize, usize, usize)>,
+}
+
+impl std::ops::Add for DataPathSize {
+    type Output = Self;
+
+    fn add(mut self, other: Self) -> Self {
+        for (table, (chains, rules)) in other.iptables {
+            let total = self.iptables.entry(table).or_default();
+            *total = (total.0 + chains, total.1 + rules);
+        }
+        self.nftables = match (self.nftables, other.nftables) {
+            (Some(a), Some(b)) => Some((a.0 + b.0, a.1 + b.1, a.2 + b.2)),
+            (a, b) => a.or(b),
+        };
+        self
+    }
+}
+
+impl DataPathSize {
+    /// Sets the size gauges of the modes it covers.
+    pub fn record(&self, metrics: &Metrics) {
+        for (&table, &(chains, rules)) in &self.iptables {
+            let labels = TableLabels {
+                table: table.into(),
+            };
+            metrics.chains.get_or_create(&labels).set(chains as i64);
+            metrics.rules.get_or_create(&labels).set(rules as i64);
+        }
+        if let Some((chains, rules, elements)) = self.nftables {
+            metrics.nftables_chains.set(chains as i64);
+            metrics.nftables_rules.set(rules as i64);
+            metrics.nftables_elements.set(elements as i64);
         }
     }
 }

@@ -12,11 +12,12 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use tandem_nftables::kernel::{KernelError, Netlink};
+use tandem_proxy_rules::model::IpFamily;
 use tandem_proxy_rules::ruleset::{BASE_JUMPS, ChangedChains, Ruleset, Table, TableRules};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Tools};
 use crate::drift::{self, TableDrift, TableReadBack};
 use crate::restore::{self, CANARY_CHAIN, Payload, RestoreMode, TableInspection};
 
@@ -101,7 +102,8 @@ const FULL_WRITE_DRIFT_DIVISOR: usize = 2;
 /// Applies rulesets; owns the memory of what is in the kernel.
 #[derive(Debug)]
 pub struct Syncer {
-    backend: Backend,
+    /// The backend's programs for the family this syncer writes.
+    tools: Tools,
     /// What is in the kernel per table, or `None` when unknown.
     applied: BTreeMap<Table, TableRules>,
     /// Per table, a digest per rule of each of our chains as last written (see
@@ -121,9 +123,9 @@ pub struct Syncer {
 
 impl Syncer {
     /// A syncer that knows nothing about the kernel yet: its first sync is a full write.
-    pub fn new(backend: Backend) -> Self {
+    pub fn new(tools: impl Into<Tools>) -> Self {
         Self {
-            backend,
+            tools: tools.into(),
             applied: BTreeMap::new(),
             written: BTreeMap::new(),
             written_since_read: BTreeMap::new(),
@@ -133,8 +135,8 @@ impl Syncer {
         }
     }
 
-    pub fn backend(&self) -> Backend {
-        self.backend
+    pub fn tools(&self) -> Tools {
+        self.tools
     }
 
     /// Forget what is applied: the next sync writes every table in full.
@@ -159,11 +161,11 @@ impl Syncer {
     }
 
     /// A read-back of the kernel begins: from now on, what is written is left out of its
-    /// comparison. Returns the backend to read.
-    pub fn begin_read(&mut self) -> Backend {
+    /// comparison. Returns the programs to read with.
+    pub fn begin_read(&mut self) -> Tools {
         self.written_since_read.clear();
         self.rewritten_since_read.clear();
-        self.backend
+        self.tools
     }
 
     /// Compares a finished read-back with what was written and schedules the repairs:
@@ -352,14 +354,14 @@ impl Syncer {
                 }
             }
         }
-        match self.backend {
+        match self.tools.backend {
             Backend::Legacy => written.extend(drift::chain_digests(present)),
             Backend::Nft if full => {
                 self.baseline_pending.insert(table);
             }
             Backend::Nft => {
                 let names: Vec<String> = present.into_iter().map(|(c, _)| c.clone()).collect();
-                match read_rules(name, names.clone()).await {
+                match read_rules(self.tools.family, name, names.clone()).await {
                     Ok(read) => written.extend(read),
                     Err(error) => {
                         tracing::warn!(%error, table = name, "reading back the chains just written; they are not checked for drift until written again");
@@ -389,7 +391,7 @@ impl Syncer {
                 None => return Ok(None),
             },
             None => {
-                inspection = inspect(self.backend, name).await?;
+                inspection = inspect(self.tools, name).await?;
                 if table == Table::Filter {
                     // The mangle canary goes in with the first full write.
                     self.restore_noflush_text("mangle", &canary_payload("mangle"))
@@ -432,7 +434,7 @@ impl Syncer {
         if payload.mode == RestoreMode::NoFlush {
             args.push("--noflush");
         }
-        let program = self.backend.restore();
+        let program = self.tools.restore();
         let output = spawn_with_stdin(program, &args, Some(&payload.text)).await?;
         if output.status.success() {
             return Ok(());
@@ -481,7 +483,7 @@ impl Syncer {
                 jump.builtin_chain,
             ];
             check.extend(rule.iter().map(String::as_str));
-            let output = spawn_with_stdin(self.backend.iptables(), &check, None).await?;
+            let output = spawn_with_stdin(self.tools.iptables(), &check, None).await?;
             if output.status.success() {
                 continue;
             }
@@ -495,7 +497,7 @@ impl Syncer {
                 "1",
             ];
             insert.extend(rule.iter().map(String::as_str));
-            run(self.backend.iptables(), &insert, None).await?;
+            run(self.tools.iptables(), &insert, None).await?;
         }
         Ok(())
     }
@@ -505,7 +507,7 @@ impl Syncer {
     pub async fn cleanup(&mut self) -> Result<(), SyncError> {
         self.forget();
         for table in CANARY_TABLES {
-            let inspection = inspect(self.backend, table).await?;
+            let inspection = inspect(self.tools, table).await?;
             let plan = restore::cleanup(table, &inspection);
             for jump in plan.jumps {
                 let rule = split_rule(jump.rule);
@@ -519,7 +521,7 @@ impl Syncer {
                 ];
                 delete.extend(rule.iter().map(String::as_str));
                 // Delete every copy; the loop ends when the rule is not found.
-                while spawn_with_stdin(self.backend.iptables(), &delete, None)
+                while spawn_with_stdin(self.tools.iptables(), &delete, None)
                     .await?
                     .status
                     .success()
@@ -548,7 +550,7 @@ impl Syncer {
             let mut delete = vec!["-w", LOCK_WAIT_SECONDS, "-t", table, "-D", builtin];
             let rule = split_rule(rule);
             delete.extend(rule.iter().map(String::as_str));
-            while spawn_with_stdin(self.backend.iptables(), &delete, None)
+            while spawn_with_stdin(self.tools.iptables(), &delete, None)
                 .await?
                 .status
                 .success()
@@ -577,38 +579,39 @@ pub struct IptablesReadBack {
 /// our chains' rules are read over netlink, one small dump per chain, and compared with
 /// the nf_tables form recorded right after each write; only the built-in and shared
 /// chains, where our rules sit among others', are listed as text (`iptables -S CHAIN`).
-pub async fn read_back(backend: Backend) -> Result<IptablesReadBack, SyncError> {
+pub async fn read_back(tools: Tools) -> Result<IptablesReadBack, SyncError> {
     let mut read = IptablesReadBack::default();
     for table in Table::ALL {
         let name = table.as_str();
-        let table_read = match backend {
+        let table_read = match tools.backend {
             Backend::Legacy => {
-                let save = run(backend.save(), &["-t", name], None).await?;
+                let save = run(tools.save(), &["-t", name], None).await?;
                 blocking(move || Ok(TableReadBack::from_save(&save, name))).await?
             }
             Backend::Nft => {
-                let chains = chain_names(name).await?;
-                let inspection = inspect_chains(backend, name, &chains).await?;
+                let chains = chain_names(tools.family, name).await?;
+                let inspection = inspect_chains(tools, name, &chains).await?;
                 let compared: Vec<String> = chains
                     .into_iter()
                     .filter(|chain| drift::is_compared_chain(name, chain))
                     .collect();
                 TableReadBack {
                     inspection,
-                    chains: read_rules(name, compared).await?,
+                    chains: read_rules(tools.family, name, compared).await?,
                 }
             }
         };
         read.tables.insert(table, table_read);
     }
-    read.mangle_canary = match backend {
-        Backend::Legacy => restore::parse_save(
-            &run(backend.save(), &["-t", "mangle"], None).await?,
-            "mangle",
-        )
-        .user_chains
-        .contains(CANARY_CHAIN),
-        Backend::Nft => chain_names("mangle").await?.contains(CANARY_CHAIN),
+    read.mangle_canary = match tools.backend {
+        Backend::Legacy => {
+            restore::parse_save(&run(tools.save(), &["-t", "mangle"], None).await?, "mangle")
+                .user_chains
+                .contains(CANARY_CHAIN)
+        }
+        Backend::Nft => chain_names(tools.family, "mangle")
+            .await?
+            .contains(CANARY_CHAIN),
     };
     Ok(read)
 }
@@ -619,11 +622,13 @@ pub async fn read_back(backend: Backend) -> Result<IptablesReadBack, SyncError> 
 /// every rule), so on nf_tables the chain names come over netlink (no rules) and the rules
 /// of the built-in and shared chains from `iptables-nft -S CHAIN` (~15 ms each: it fetches
 /// only that chain). On legacy (where the save is ~1 s), `iptables-save -t TABLE` is used.
-async fn inspect(backend: Backend, table: &'static str) -> Result<TableInspection, SyncError> {
-    match backend {
-        Backend::Nft => inspect_chains(backend, table, &chain_names(table).await?).await,
+async fn inspect(tools: Tools, table: &'static str) -> Result<TableInspection, SyncError> {
+    match tools.backend {
+        Backend::Nft => {
+            inspect_chains(tools, table, &chain_names(tools.family, table).await?).await
+        }
         Backend::Legacy => {
-            let output = run(backend.save(), &["-t", table], None).await?;
+            let output = run(tools.save(), &["-t", table], None).await?;
             Ok(restore::parse_save(&output, table))
         }
     }
@@ -631,7 +636,7 @@ async fn inspect(backend: Backend, table: &'static str) -> Result<TableInspectio
 
 /// The inspection of an nf_tables table of which `chains` are all the chains.
 async fn inspect_chains(
-    backend: Backend,
+    tools: Tools,
     table: &str,
     chains: &BTreeSet<String>,
 ) -> Result<TableInspection, SyncError> {
@@ -643,7 +648,7 @@ async fn inspect_chains(
     });
     for chain in listed {
         let rules = run(
-            backend.iptables(),
+            tools.iptables(),
             &["-w", LOCK_WAIT_SECONDS, "-t", table, "-S", chain],
             None,
         )
@@ -660,11 +665,11 @@ async fn inspect_chains(
 }
 
 /// The chain names of an nf_tables table (iptables-nft keeps each iptables table as the
-/// nftables table of the same name in family `ip`).
-async fn chain_names(table: &'static str) -> Result<BTreeSet<String>, SyncError> {
+/// nftables table of the same name in family `ip`, each ip6tables table in family `ip6`).
+async fn chain_names(family: IpFamily, table: &'static str) -> Result<BTreeSet<String>, SyncError> {
     blocking(move || {
         let chains = Netlink::open()
-            .and_then(|mut netlink| netlink.read_chains(table))
+            .and_then(|netlink| netlink.reading(family).read_chains(table))
             .map_err(|source| SyncError::Netlink { table, source })?;
         Ok(chains.into_keys().collect())
     })
@@ -673,6 +678,7 @@ async fn chain_names(table: &'static str) -> Result<BTreeSet<String>, SyncError>
 
 /// The digests of the rules of `chains` in an nf_tables table, as the kernel holds them.
 async fn read_rules(
+    family: IpFamily,
     table: &'static str,
     chains: Vec<String>,
 ) -> Result<BTreeMap<String, Vec<u64>>, SyncError> {
@@ -680,7 +686,9 @@ async fn read_rules(
         return Ok(BTreeMap::new());
     }
     blocking(move || {
-        let mut netlink = Netlink::open().map_err(|source| SyncError::Netlink { table, source })?;
+        let mut netlink = Netlink::open()
+            .map(|netlink| netlink.reading(family))
+            .map_err(|source| SyncError::Netlink { table, source })?;
         let read = netlink
             .read_rules(table, chains.iter().map(String::as_str))
             .map_err(|source| SyncError::Netlink { table, source })?;

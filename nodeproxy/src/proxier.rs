@@ -1,10 +1,15 @@
 //! Wiring: reflectors on Services, EndpointSlices and this node's Node feed a sync loop
 //! that coalesces changes (`--min-sync-period`), resyncs periodically (`--sync-period`)
 //! and applies the ruleset, health-check servers and conntrack clean-up.
+//!
+//! As kube-proxy's dual-stack "meta proxier", a proxier per IP family of the cluster: each
+//! has its own change tracker, fed the same watch events, and its own data path
+//! (`iptables` or `ip6tables`). One loop syncs them in turn; a family whose objects did
+//! not change has nothing to write. The health-check servers and `/healthz` are shared.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt::Debug;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,8 +21,8 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
-use tandem_proxy_rules::health::health_check_services;
-use tandem_proxy_rules::model::NodeConfig;
+use tandem_proxy_rules::health::{health_check_services, merge_families};
+use tandem_proxy_rules::model::{IpFamily, NodeConfig};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -26,32 +31,31 @@ use tokio_util::sync::CancellationToken;
 use crate::change_tracker::{self, ChangeTracker, Changes, SharedTracker};
 use crate::conntrack;
 use crate::convert;
-use crate::datapath::{DataPath, ReadBack};
+use crate::datapath::{DataPath, DataPathSize, ReadBack};
 use crate::healthcheck::{NodeHealth, ServiceHealthServers};
 use crate::metrics::{Metrics, SyncLabels, SyncResult};
 
 #[derive(Debug, Clone)]
 pub struct ProxierConfig {
-    pub node: NodeConfig,
     pub sync_period: Duration,
     pub min_sync_period: Duration,
 }
 
-/// The observed cluster, kept current by [`watch`]: Services and EndpointSlices in the
-/// change tracker, this node's Node in a reflector store.
+/// The observed cluster, kept current by [`watch`]: Services and EndpointSlices in a
+/// change tracker per IP family, this node's Node in a reflector store.
 #[derive(Clone)]
 pub struct Observed {
-    pub tracker: SharedTracker,
+    pub trackers: BTreeMap<IpFamily, SharedTracker>,
     pub node: Store<Node>,
 }
 
 impl Observed {
-    /// The state of every Service and EndpointSlice held, joined from scratch, plus the
-    /// values left out; joined after the tracker lock is released, so the watches are
-    /// not held up.
-    pub fn joined(&self) -> convert::Conversion {
-        let snapshot = change_tracker::lock(&self.tracker).snapshot();
-        snapshot.joined()
+    /// The state of every Service and EndpointSlice held in `family`, joined from
+    /// scratch, plus the values left out (`None`: that family is not watched); joined
+    /// after the tracker lock is released, so the watches are not held up.
+    pub fn joined(&self, family: IpFamily) -> Option<convert::Conversion> {
+        let snapshot = change_tracker::lock(self.trackers.get(&family)?).snapshot();
+        Some(snapshot.joined())
     }
 
     pub fn node_draining(&self) -> bool {
@@ -70,7 +74,11 @@ impl Observed {
         loop {
             // Register before checking, so a list finished in between is not missed.
             let notified = dirty.notified();
-            if change_tracker::lock(&self.tracker).listed() {
+            if self
+                .trackers
+                .values()
+                .all(|tracker| change_tracker::lock(tracker).listed())
+            {
                 // The permit this wait may have consumed stands for changes to sync.
                 dirty.notify_one();
                 return true;
@@ -80,17 +88,22 @@ impl Observed {
     }
 }
 
-/// Start the watches; `dirty` is notified whenever a change waits for a sync. The
-/// returned future runs them until `shutdown`. As kube-proxy does, Services another proxy
-/// owns (`service.kubernetes.io/service-proxy-name`) and headless ones are not watched.
+/// Start the watches, feeding a change tracker for each of `families`; `dirty` is
+/// notified whenever a change waits for a sync. The returned future runs them until
+/// `shutdown`. As kube-proxy does, Services another proxy owns
+/// (`service.kubernetes.io/service-proxy-name`) and headless ones are not watched.
 pub fn watch(
     client: Client,
     node_name: &str,
+    families: &[IpFamily],
     dirty: Arc<Notify>,
     metrics: Metrics,
     shutdown: CancellationToken,
 ) -> (Observed, impl Future<Output = ()> + use<>) {
-    let tracker: SharedTracker = Arc::new(Mutex::new(ChangeTracker::default()));
+    let trackers: BTreeMap<IpFamily, SharedTracker> = families
+        .iter()
+        .map(|&family| (family, Arc::new(Mutex::new(ChangeTracker::new(family)))))
+        .collect();
     let (node, node_writer) = reflector::store();
     let service_events = watcher(
         Api::<Service>::all(client.clone()),
@@ -109,14 +122,14 @@ pub fn watch(
     );
     let run = {
         let dirty = Arc::clone(&dirty);
-        let tracker = Arc::clone(&tracker);
+        let trackers = trackers.clone();
         async move {
             let on_service = {
-                let tracker = Arc::clone(&tracker);
-                move |event| change_tracker::lock(&tracker).record_service(event)
+                let trackers = trackers.clone();
+                move |event| record_in_every_family(&trackers, event, ChangeTracker::record_service)
             };
             let on_slice = move |event| {
-                let changed = change_tracker::lock(&tracker).record_slice(event);
+                let changed = record_in_every_family(&trackers, event, ChangeTracker::record_slice);
                 if changed {
                     metrics.endpoints_changes.inc();
                 }
@@ -134,29 +147,57 @@ pub fn watch(
             }
         }
     };
-    (Observed { tracker, node }, run)
+    (Observed { trackers, node }, run)
 }
 
-/// This node's primary IP from its Node object, read once at start as kube-proxy reads
-/// it (a change needs a restart, as there). A failing API server is asked again for a
-/// while; a Node that does not exist or has no IPv4 address gives `None`, logged: the LB
-/// IPs are then never allowed as their own sources, and `primary` node ports are served
-/// on every address.
-pub async fn node_ip(client: Client, node_name: &str) -> Option<Ipv4Addr> {
+/// Hands `event` to the tracker of every family (a copy to all but the last, so a node
+/// proxy of one family copies nothing); true when it changed something in any.
+fn record_in_every_family<E: Clone>(
+    trackers: &BTreeMap<IpFamily, SharedTracker>,
+    event: E,
+    record: impl Fn(&mut ChangeTracker, E) -> bool,
+) -> bool {
+    let trackers: Vec<&SharedTracker> = trackers.values().collect();
+    let Some((last, others)) = trackers.split_last() else {
+        return false;
+    };
+    let mut changed = false;
+    for tracker in others {
+        changed |= record(&mut change_tracker::lock(tracker), event.clone());
+    }
+    record(&mut change_tracker::lock(last), event) || changed
+}
+
+/// This node's primary IP of each of `families` from its Node object, read once at start
+/// as kube-proxy reads it (a change needs a restart, as there). A failing API server is
+/// asked again for a while; a Node that does not exist or has no address of a family
+/// gives `None` for it, logged: the LB IPs are then never allowed as their own sources,
+/// and `primary` node ports are served on every address.
+pub async fn node_ips(
+    client: Client,
+    node_name: &str,
+    families: &[IpFamily],
+) -> BTreeMap<IpFamily, Option<IpAddr>> {
     const ATTEMPTS: u32 = 5;
+    let unknown = || families.iter().map(|&family| (family, None)).collect();
     let nodes = Api::<Node>::all(client);
     for attempt in 1..=ATTEMPTS {
         match nodes.get_opt(node_name).await {
             Ok(Some(node)) => {
-                let ip = convert::node_primary_ip(&node);
-                if ip.is_none() {
-                    tracing::warn!(node_name, "the Node has no IPv4 InternalIP or ExternalIP");
+                let ips = families
+                    .iter()
+                    .map(|&family| (family, convert::node_primary_ip(&node, family)))
+                    .collect::<BTreeMap<_, _>>();
+                for (family, ip) in &ips {
+                    if ip.is_none() {
+                        tracing::warn!(node_name, %family, "the Node has no InternalIP or ExternalIP of this family");
+                    }
                 }
-                return ip;
+                return ips;
             }
             Ok(None) => {
                 tracing::warn!(node_name, "no Node of this name: its IP is unknown");
-                return None;
+                return unknown();
             }
             Err(error) if attempt < ATTEMPTS => {
                 tracing::warn!(node_name, %error, attempt, "reading the Node failed; retrying");
@@ -167,7 +208,7 @@ pub async fn node_ip(client: Client, node_name: &str) -> Option<Ipv4Addr> {
             }
         }
     }
-    None
+    unknown()
 }
 
 /// Consume one watch stream, handing each event to `record` and notifying `dirty` when it
@@ -206,40 +247,137 @@ pub fn retry_delay(config: &ProxierConfig, failures: u32) -> Duration {
     backoff.min(config.sync_period.max(config.min_sync_period))
 }
 
+/// The proxier of one IP family: its settings, its rules and their writer, and the changes
+/// it took but could not apply yet (their conntrack clean-up and latency wait for its
+/// next successful sync).
+pub struct FamilyProxier {
+    pub node: NodeConfig,
+    pub datapath: DataPath,
+    unapplied: Option<Changes>,
+}
+
+impl FamilyProxier {
+    pub fn new(node: NodeConfig, datapath: DataPath) -> Self {
+        Self {
+            node,
+            datapath,
+            unapplied: None,
+        }
+    }
+
+    /// This family's part of a sync: take its changes, rebuild the changed Service ports
+    /// (checked against a full rebuild with `full_check`), apply what differs, then clean
+    /// up conntrack. Returns what it did.
+    async fn sync(
+        &mut self,
+        tracker: &SharedTracker,
+        full_check: bool,
+        metrics: &Metrics,
+        skipped: &mut Vec<convert::Skipped>,
+    ) -> FamilySync {
+        // The check's objects are taken under the same lock as the changes, so the full
+        // rebuild sees exactly what the incremental state now reflects.
+        let (changes, snapshot) = {
+            let mut tracker = change_tracker::lock(tracker);
+            (tracker.take(), full_check.then(|| tracker.snapshot()))
+        };
+        skipped.extend(changes.skipped.iter().cloned());
+        let mut changed = self.datapath.update(&changes.current, &changes.ports);
+        if let Some(snapshot) = snapshot {
+            changed += self.check_against_full_rebuild(tracker, &snapshot, metrics);
+        }
+        let ports = changes.ports.len();
+        let changes = match self.unapplied.take() {
+            Some(mut earlier) => {
+                earlier.merge(changes);
+                earlier
+            }
+            None => changes,
+        };
+        let applied = self.datapath.apply(metrics).await;
+        if applied {
+            if let Some(seen) = changes.first_slice_change {
+                metrics
+                    .network_programming
+                    .observe(seen.elapsed().as_secs_f64());
+            }
+            conntrack::clear_stale(&changes.previous, &changes.current, self.node.family).await;
+        } else {
+            self.unapplied = Some(changes);
+        }
+        FamilySync {
+            ports,
+            changed,
+            applied,
+        }
+    }
+
+    /// The safety net: a join and build from scratch of every entry in `snapshot`,
+    /// compared with the incremental state and rules. A difference is a bug in the change
+    /// tracking: it is logged and counted, and the rebuild replaces both the incremental
+    /// rules and the tracker's state. Returns how many chains or objects differed.
+    fn check_against_full_rebuild(
+        &mut self,
+        tracker: &SharedTracker,
+        snapshot: &change_tracker::Snapshot,
+        metrics: &Metrics,
+    ) -> usize {
+        let conversion = snapshot.joined();
+        let Some(differing) = self
+            .datapath
+            .check_against_full_rebuild(&self.node, &conversion.state)
+        else {
+            return 0;
+        };
+        metrics.sync_divergence.inc();
+        change_tracker::lock(tracker).replace_state(conversion.state);
+        differing
+    }
+}
+
+/// What one family's part of a sync did.
+struct FamilySync {
+    /// Service ports changed.
+    ports: usize,
+    /// Chains (iptables) or operations (nftables) the change needed.
+    changed: usize,
+    applied: bool,
+}
+
 /// The sync loop and what it drives.
 pub struct Proxier {
     pub config: ProxierConfig,
-    /// The desired rules, kept current one changed Service port at a time, and their writer.
-    pub datapath: DataPath,
+    /// One per IP family of the cluster, IPv4's first.
+    pub families: Vec<FamilyProxier>,
     pub metrics: Metrics,
     pub node_health: Arc<NodeHealth>,
     pub health_servers: ServiceHealthServers,
     /// Skipped values already logged, so each is warned about once, not every sync.
     reported: HashSet<convert::Skipped>,
-    /// Changes taken but not applied yet (the apply failed): their conntrack clean-up and
-    /// latency wait for the next successful sync.
-    unapplied: Option<Changes>,
 }
+
+/// The read-backs of one period, one per family (`None`: not read this time).
+type ReadBacks = JoinHandle<Vec<Option<ReadBack>>>;
 
 impl Proxier {
     pub fn new(
         config: ProxierConfig,
-        datapath: DataPath,
+        families: Vec<FamilyProxier>,
         metrics: Metrics,
         node_health: Arc<NodeHealth>,
         health_servers: ServiceHealthServers,
     ) -> Self {
-        // From here on the gauges follow the syncs that change something.
-        datapath.record_size(&metrics);
-        Self {
+        let proxier = Self {
             config,
-            datapath,
+            families,
             metrics,
             node_health,
             health_servers,
             reported: HashSet::new(),
-            unapplied: None,
-        }
+        };
+        // From here on the gauges follow the syncs that change something.
+        proxier.record_size();
+        proxier
     }
 
     /// Run until `shutdown`: wait for the first full list of every watch, then sync on
@@ -266,8 +404,9 @@ impl Proxier {
         // The first periodic sync comes one period after the first sync.
         let mut next_periodic = Instant::now() + self.config.sync_period;
         let mut failures = 0u32;
-        // At most one read-back at a time; a period that finds one still running skips.
-        let mut read_back: Option<JoinHandle<ReadBack>> = None;
+        // At most one round of read-backs at a time; a period that finds one still
+        // running skips.
+        let mut read_back: Option<ReadBacks> = None;
         loop {
             let periodic = tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -281,16 +420,16 @@ impl Proxier {
                 }, if read_back.is_some() => {
                     read_back = None;
                     match done {
-                        Ok(read) => {
-                            if self.datapath.take_read_back(read, &self.metrics) > 0 {
+                        Ok(reads) => {
+                            if self.take_read_backs(reads) > 0 {
                                 // Repaired by the next sync, as soon as one may run.
                                 dirty.notify_one();
                             }
                         }
                         Err(error) => tracing::warn!(%error, "the read-back task failed"),
                     }
-                    if self.datapath.wants_read_back() {
-                        read_back = Some(self.datapath.start_read_back());
+                    if self.wants_read_back() {
+                        read_back = Some(self.start_read_backs(false));
                     }
                     continue;
                 }
@@ -311,67 +450,96 @@ impl Proxier {
                 failures = failures.saturating_add(1);
                 dirty.notify_one();
             }
-            if (periodic || self.datapath.wants_read_back()) && read_back.is_none() {
-                read_back = Some(self.datapath.start_read_back());
+            if (periodic || self.wants_read_back()) && read_back.is_none() {
+                read_back = Some(self.start_read_backs(periodic));
             }
         }
     }
 
-    /// One sync: take the changes, rebuild the changed Service ports, apply the chains
-    /// that differ, then the health-check servers and conntrack. With `full_check`, the
-    /// incremental ruleset is compared with a full rebuild first. Returns false when
-    /// applying the rules failed.
+    /// True when a family's read-back should start now rather than at the next period.
+    fn wants_read_back(&self) -> bool {
+        self.families.iter().any(|f| f.datapath.wants_read_back())
+    }
+
+    /// Starts reading back the rules of every family (`all`), or of those that want it
+    /// now, each on a task of its own; the returned task collects them.
+    fn start_read_backs(&mut self, all: bool) -> ReadBacks {
+        let reads: Vec<Option<JoinHandle<ReadBack>>> = self
+            .families
+            .iter_mut()
+            .map(|family| {
+                (all || family.datapath.wants_read_back())
+                    .then(|| family.datapath.start_read_back())
+            })
+            .collect();
+        tokio::spawn(async move {
+            let mut done = Vec::with_capacity(reads.len());
+            for read in reads {
+                done.push(match read {
+                    Some(task) => task
+                        .await
+                        .inspect_err(|error| tracing::warn!(%error, "the read-back task failed"))
+                        .ok(),
+                    None => None,
+                });
+            }
+            done
+        })
+    }
+
+    /// Compares each finished read-back with what its family wrote; returns how many
+    /// objects are to be repaired.
+    fn take_read_backs(&mut self, reads: Vec<Option<ReadBack>>) -> usize {
+        self.families
+            .iter_mut()
+            .zip(reads)
+            .filter_map(|(family, read)| Some(family.datapath.take_read_back(read?, &self.metrics)))
+            .sum()
+    }
+
+    /// One sync: each family's part in turn (take its changes, rebuild the changed Service
+    /// ports, apply the chains that differ, clean up conntrack), then the health-check
+    /// servers. With `full_check`, each incremental ruleset is compared with a full
+    /// rebuild first. Returns false when applying some family's rules failed.
     #[tracing::instrument(skip_all)]
     pub async fn sync_once(&mut self, observed: &Observed, full_check: bool) -> bool {
         let started = std::time::Instant::now();
-        // The check's objects are taken under the same lock as the changes, so the full
-        // rebuild sees exactly what the incremental state now reflects.
-        let (changes, snapshot) = {
-            let mut tracker = change_tracker::lock(&observed.tracker);
-            (tracker.take(), full_check.then(|| tracker.snapshot()))
-        };
-        self.report_skipped(&changes.skipped);
-        let mut changed = self.datapath.update(&changes.current, &changes.ports);
-        if let Some(snapshot) = snapshot {
-            changed += self.check_against_full_rebuild(observed, &snapshot);
+        let (mut ports, mut changed, mut applied) = (0, 0, true);
+        let mut skipped = Vec::new();
+        for family in &mut self.families {
+            let Some(tracker) = observed.trackers.get(&family.node.family) else {
+                continue;
+            };
+            let done = family
+                .sync(tracker, full_check, &self.metrics, &mut skipped)
+                .await;
+            ports += done.ports;
+            changed += done.changed;
+            applied &= done.applied;
         }
-        let ports = changes.ports.len();
-        let changes = match self.unapplied.take() {
-            Some(mut earlier) => {
-                earlier.merge(changes);
-                earlier
-            }
-            None => changes,
-        };
-        self.node_health.set_draining(observed.node_draining());
+        self.report_skipped(&skipped);
         if changed > 0 {
-            self.datapath.record_size(&self.metrics);
+            self.record_size();
         }
-        let applied = self.datapath.apply(&self.metrics).await;
+        self.node_health.set_draining(observed.node_draining());
         // Only a changed port or a divergence (found by a periodic sync) alters the
-        // tracker's state the health-check Services come from; periodic syncs also retry
+        // trackers' state the health-check Services come from; periodic syncs also retry
         // ports that could not be bound.
         if ports > 0 || full_check {
-            let health_services = {
-                let tracker = change_tracker::lock(&observed.tracker);
-                health_check_services(tracker.state(), &self.config.node)
-            };
+            let health_services = merge_families(self.families.iter().filter_map(|family| {
+                let tracker = observed.trackers.get(&family.node.family)?;
+                Some(health_check_services(
+                    change_tracker::lock(tracker).state(),
+                    &family.node,
+                ))
+            }));
             self.health_servers.update(health_services).await;
         }
         if applied {
-            if let Some(seen) = changes.first_slice_change {
-                self.metrics
-                    .network_programming
-                    .observe(seen.elapsed().as_secs_f64());
-            }
-            conntrack::clear_stale(&changes.previous, &changes.current, self.config.node.family)
-                .await;
             self.node_health.record_sync(Timestamp::now());
             self.metrics
                 .last_sync_timestamp
                 .set(Timestamp::now().as_millisecond() as f64 / 1000.0);
-        } else {
-            self.unapplied = Some(changes);
         }
         let elapsed = started.elapsed();
         self.metrics.sync_duration.observe(elapsed.as_secs_f64());
@@ -399,25 +567,14 @@ impl Proxier {
         applied
     }
 
-    /// The safety net: a join and build from scratch of every entry in `snapshot`,
-    /// compared with the incremental state and rules. A difference is a bug in the change
-    /// tracking: it is logged and counted, and the rebuild replaces both the incremental
-    /// rules and the tracker's state. Returns how many chains or objects differed.
-    fn check_against_full_rebuild(
-        &mut self,
-        observed: &Observed,
-        snapshot: &change_tracker::Snapshot,
-    ) -> usize {
-        let conversion = snapshot.joined();
-        let Some(differing) = self
-            .datapath
-            .check_against_full_rebuild(&self.config.node, &conversion.state)
-        else {
-            return 0;
-        };
-        self.metrics.sync_divergence.inc();
-        change_tracker::lock(&observed.tracker).replace_state(conversion.state);
-        differing
+    /// The size gauges: the rules of every family together.
+    fn record_size(&self) {
+        let size = self
+            .families
+            .iter()
+            .map(|family| family.datapath.size())
+            .fold(DataPathSize::default(), |total, size| total + size);
+        size.record(&self.metrics);
     }
 
     /// Warns once about each value left out (they come again whenever their object
@@ -439,7 +596,6 @@ mod tests {
     #[test]
     fn failed_syncs_back_off_up_to_the_sync_period() {
         let config = ProxierConfig {
-            node: NodeConfig::new("n", None),
             sync_period: Duration::from_secs(30),
             min_sync_period: Duration::from_secs(1),
         };

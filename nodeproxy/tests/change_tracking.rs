@@ -16,6 +16,7 @@ use proptest::prelude::*;
 use tandem_nodeproxy::change_tracker::ChangeTracker;
 use tandem_nodeproxy::convert::{SERVICE_NAME_LABEL, proxy_state};
 use tandem_proxy_rules::incremental::IncrementalRuleset;
+use tandem_proxy_rules::model::IpFamily;
 use tandem_proxy_rules::ruleset::ChangedChains;
 
 const SERVICES: usize = 3;
@@ -269,7 +270,8 @@ proptest! {
             }
             let changes = tracker.take();
             let changed = rules.update(&changes.current, &changes.ports);
-            let full_state = proxy_state(cluster.services.values(), cluster.slices.values()).state;
+            let full_state =
+                proxy_state(cluster.services.values(), cluster.slices.values(), IpFamily::V4).state;
             prop_assert_eq!(tracker.state(), &full_state);
             let full = tandem_proxy_rules::build(&full_state, &common::node());
             prop_assert_eq!(rules.ruleset(), &full);

@@ -15,7 +15,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -149,53 +149,20 @@ fn nft_table_handle() -> Option<u64> {
     })
 }
 
-/// A TCP server in a pod answering each line with `<pod> <line>`, until dropped.
-struct LineEcho {
-    stop: Arc<AtomicBool>,
-}
-
-impl LineEcho {
-    fn start(pod: &Pod) -> Self {
-        let listener = pod
-            .netns
-            .run_in_thread(|| TcpListener::bind(("0.0.0.0", POD_PORT)))
-            .unwrap()
-            .unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let (name, stopped) = (pod.name.clone(), Arc::clone(&stop));
-        std::thread::spawn(move || {
-            while !stopped.load(Ordering::Relaxed) {
-                let Ok((stream, _)) = listener.accept() else {
-                    std::thread::sleep(Duration::from_millis(2));
-                    continue;
-                };
-                let name = name.clone();
-                std::thread::spawn(move || {
-                    stream.set_nonblocking(false).unwrap();
-                    stream
-                        .set_read_timeout(Some(Duration::from_secs(60)))
-                        .unwrap();
-                    let mut writer = stream.try_clone().unwrap();
-                    for line in BufReader::new(stream).lines() {
-                        let Ok(line) = line else { break };
-                        if writer
-                            .write_all(format!("{name} {line}\n").as_bytes())
-                            .is_err()
-                        {
-                            break;
-                        }
-                    }
-                });
-            }
-        });
-        Self { stop }
-    }
-}
-
-impl Drop for LineEcho {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+/// A pod's server answering each line with `<pod> <line>`.
+fn line_echo(stream: TcpStream, _client: SocketAddr, name: &str) {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    for line in BufReader::new(stream).lines() {
+        let Ok(line) = line else { break };
+        if writer
+            .write_all(format!("{name} {line}\n").as_bytes())
+            .is_err()
+        {
+            break;
+        }
     }
 }
 
@@ -319,7 +286,7 @@ impl Traffic {
 /// The test's cluster: the topology, the pods' servers, and what runs in the node.
 struct Scene {
     topo: Topology,
-    _servers: Vec<LineEcho>,
+    _servers: Vec<PodServer>,
     /// One scene at a time: each runs steady traffic, and on two cores three at once
     /// starve each other's packets.
     _alone: std::sync::MutexGuard<'static, ()>,
@@ -351,7 +318,11 @@ impl Scene {
             .build()
             .unwrap();
         route_via(&topo.edge().netns, LB_IP, topo.node(1).unwrap().ip);
-        let servers = topo.pods().iter().map(LineEcho::start).collect();
+        let servers = topo
+            .pods()
+            .iter()
+            .map(|pod| PodServer::start(pod, Ipv4Addr::UNSPECIFIED.into(), POD_PORT, line_echo))
+            .collect();
         Some(Self {
             topo,
             _servers: servers,
@@ -374,35 +345,26 @@ impl Scene {
         let pods: Vec<Pod> = self.topo.pods().to_vec();
         let client = self.client();
         let netns = node.netns.clone();
-        netns
-            .run_in_thread(move || {
-                let runtime = tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                runtime.block_on(async move {
-                    let server = tandem_apiserver::spawn(tandem_apiserver::ServerConfig::default())
-                        .await
-                        .unwrap();
-                    load(server.store(), &node, &pods);
-                    let kubeconfig = format!("/tmp/{}-kubeconfig.json", node.netns.name());
-                    server
-                        .write_kubeconfig(std::path::Path::new(&kubeconfig))
-                        .await
-                        .unwrap();
-                    body(NodeScene {
-                        node,
-                        client,
-                        kubeconfig: kubeconfig.clone(),
-                        store: Arc::clone(server.store()),
-                    })
-                    .await;
-                    let _ = std::fs::remove_file(&kubeconfig);
-                    server.shutdown().await.unwrap();
-                });
+        block_on_in(&netns, move || async move {
+            let server = tandem_apiserver::spawn(tandem_apiserver::ServerConfig::default())
+                .await
+                .unwrap();
+            load(server.store(), &node, &pods);
+            let kubeconfig = format!("/tmp/{}-kubeconfig.json", node.netns.name());
+            server
+                .write_kubeconfig(std::path::Path::new(&kubeconfig))
+                .await
+                .unwrap();
+            body(NodeScene {
+                node,
+                client,
+                kubeconfig: kubeconfig.clone(),
+                store: Arc::clone(server.store()),
             })
-            .unwrap();
+            .await;
+            let _ = std::fs::remove_file(&kubeconfig);
+            server.shutdown().await.unwrap();
+        });
     }
 }
 

@@ -280,6 +280,7 @@ pub fn cluster_cidr() -> Ipv4Net {
 mod tests {
     use super::*;
     use tandem_nodeproxy::convert::proxy_state;
+    use tandem_proxy_rules::model::IpFamily;
 
     fn scale(kind: ServiceKind, services: usize, endpoints: usize) -> Scale {
         Scale {
@@ -292,7 +293,7 @@ mod tests {
     #[test]
     fn load_balancers_convert_to_services_with_every_endpoint() {
         let cluster = generate(scale(ServiceKind::LoadBalancer, 30, 4)).unwrap();
-        let conversion = proxy_state(&cluster.services, &cluster.slices);
+        let conversion = proxy_state(&cluster.services, &cluster.slices, IpFamily::V4);
         assert!(conversion.skipped.is_empty(), "{:?}", conversion.skipped);
         assert_eq!(conversion.state.services.len(), 30);
         assert!(conversion.state.endpoints.values().all(|e| e.len() == 4));
@@ -319,7 +320,7 @@ mod tests {
     #[test]
     fn cluster_ip_services_have_no_node_ports_or_ingress() {
         let cluster = generate(scale(ServiceKind::ClusterIp, 5, 2)).unwrap();
-        let state = proxy_state(&cluster.services, &cluster.slices).state;
+        let state = proxy_state(&cluster.services, &cluster.slices, IpFamily::V4).state;
         assert_eq!(state.services.len(), 5);
         assert!(state.services.values().all(|s| s.node_port.is_none()
             && s.load_balancer_ingress.is_empty()
@@ -349,8 +350,8 @@ mod tests {
         let mut cluster = original.clone();
         let index = cluster.changed_service(3);
         cluster.add_endpoint(index, 3);
-        let before = proxy_state(&original.services, &original.slices).state;
-        let after = proxy_state(&cluster.services, &cluster.slices).state;
+        let before = proxy_state(&original.services, &original.slices, IpFamily::V4).state;
+        let after = proxy_state(&cluster.services, &cluster.slices, IpFamily::V4).state;
         let changed: Vec<_> = after
             .endpoints
             .iter()

@@ -17,6 +17,7 @@ use tandem_nftables::kernel::Netlink;
 use tandem_nftables::{Transaction, render};
 use tandem_nodeproxy::change_tracker::ChangeTracker;
 use tandem_nodeproxy::convert::proxy_state;
+use tandem_proxy_rules::model::IpFamily;
 use tandem_proxy_rules::nft::incremental::IncrementalRuleset;
 use tandem_proxy_rules::nft::layout;
 
@@ -271,7 +272,7 @@ pub fn measure_first_limits(
     prefix: &RunPrefix,
     cluster: &Cluster,
 ) -> anyhow::Result<FirstSyncLimits> {
-    let state = proxy_state(&cluster.services, &cluster.slices).state;
+    let state = proxy_state(&cluster.services, &cluster.slices, IpFamily::V4).state;
     let tx = Transaction::replace_all(&layout::build(&state, &cluster::node_config()));
     let text = render::transaction(&tx);
     let netns = FreshNetns::create(prefix)?;
@@ -402,7 +403,7 @@ impl FirstPacketNetns {
         for endpoint in endpoints {
             ip(&["addr", "add", &format!("{endpoint}/32"), "dev", "lo"])?;
         }
-        let state = proxy_state(&cluster.services, &cluster.slices).state;
+        let state = proxy_state(&cluster.services, &cluster.slices, IpFamily::V4).state;
         let tx = Transaction::replace_all(&layout::build(&state, &cluster::node_config()));
         netns.run_blocking(move || Ok(Netlink::open()?.apply(&tx)?))?;
         Ok(Self { netns })

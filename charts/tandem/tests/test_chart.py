@@ -44,6 +44,16 @@ VALUE_SETS = {
             "extraVipPools": {"blue": "198.51.100.128/25"},
         },
     },
+    "dual-stack": {
+        "nodeProxy": {
+            "clusterCIDR": "10.244.0.0/16,fd00:10:244::/56",
+            "serviceClusterIPRange": ["10.96.0.0/16", "fd00:10:96::/112"],
+        },
+        "cloudMock": {
+            "vipPool": "198.51.100.0/24,2001:db8:51:100::/120",
+            "extraVipPools": {"blue": "198.51.101.0/24,2001:db8:51:101::/120"},
+        },
+    },
     "nodeproxy-only": {
         "controller": {"enabled": False},
         "cloudMock": {"enabled": False},
@@ -148,6 +158,20 @@ def test_nodeproxy_gets_kube_proxys_flags_as_its_cli_reads_them(values):
     assert "--node-name (or NODE_NAME) is required" in result.stderr, result.stderr
 
 
+def test_dual_stack_values_give_a_proxier_and_a_pool_per_family():
+    objects, _ = render(VALUE_SETS["dual-stack"])
+    proxy = container(objects, "DaemonSet", "-nodeproxy")["args"]
+    assert "--cluster-cidr=10.244.0.0/16,fd00:10:244::/56" in proxy
+    mock = container(objects, "Deployment", "-cloud-mock")["args"]
+    pools = [a for a in mock if a.startswith("--vip-pool=")]
+    assert pools == [
+        "--vip-pool=198.51.100.0/24",
+        "--vip-pool=2001:db8:51:100::/120",
+        "--vip-pool=blue=198.51.101.0/24",
+        "--vip-pool=blue=2001:db8:51:101::/120",
+    ]
+
+
 def test_nodeproxy_has_only_the_capabilities_it_needs():
     objects, _ = render()
     ds = find(objects, "DaemonSet", "-nodeproxy")
@@ -210,6 +234,7 @@ def test_checkov_security_scan_passes(tmp_path):
         ({"nodeProxy": {"iptablesBackend": "ebpf"}}, "iptablesBackend"),
         ({"nodeProxy": {"proxyMode": "ipvs"}}, "proxyMode"),
         ({"nodeProxy": {"clusterCIDR": "10.244.0.0"}}, "clusterCIDR"),
+        ({"nodeProxy": {"clusterCIDR": "10.244.0.0/16,fd00::/56,10.245.0.0/16"}}, "clusterCIDR"),
         ({"nodeProxy": {"syncPeriod": "soon"}}, "syncPeriod"),
         ({"nodeProxy": {"nodePortAddresses": ["eth0"]}}, "nodePortAddresses"),
         ({"nodeProxy": {"serviceClusterIPRange": "10.96.0.0/12"}}, "serviceClusterIPRange"),

@@ -13,8 +13,8 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use ipnet::Ipv4Net;
 
 use crate::model::{
-    BUCKETS, BaseChain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Protocol, Rule, SetSpec,
-    Statement, TABLE, Value, Verdict,
+    BUCKETS, BaseChain, ChainType, DispatchKey, Hook, IpFamily, Key, KeyType, Match, Protocol,
+    Rule, SetSpec, Statement, TABLE, Value, Verdict,
 };
 use crate::transaction::{Op, Transaction};
 
@@ -28,6 +28,7 @@ const NFNL_MSG_BATCH_END: u16 = 0x11;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFPROTO_UNSPEC: u8 = 0;
 const NFPROTO_IPV4: u8 = 2;
+const NFPROTO_IPV6: u8 = 10;
 
 // Message types (`enum nf_tables_msg_types`).
 const NFT_MSG_NEWTABLE: u16 = 0;
@@ -324,15 +325,24 @@ pub fn batch(tx: &Transaction, first_seq: u32) -> Result<Batch, EncodeError> {
     })
 }
 
-/// A dump request for `kind` (one of the `NFT_MSG_GET…` types) in family `ip`, with the
-/// attributes `body` writes (the table, and a chain or set to narrow it to).
-pub(crate) fn dump_request(kind: u16, seq: u32, body: impl FnOnce(&mut Writer)) -> Vec<u8> {
+/// A dump request for `kind` (one of the `NFT_MSG_GET…` types) in the tables of
+/// `family` (`ip` or `ip6`), with the attributes `body` writes (the table, and a chain or
+/// set to narrow it to).
+pub(crate) fn dump_request(
+    kind: u16,
+    seq: u32,
+    family: IpFamily,
+    body: impl FnOnce(&mut Writer),
+) -> Vec<u8> {
     let mut w = Writer::default();
     w.message(
         (NFNL_SUBSYS_NFTABLES << 8) | kind,
         NLM_F_REQUEST | NLM_F_DUMP,
         seq,
-        NFPROTO_IPV4,
+        match family {
+            IpFamily::V4 => NFPROTO_IPV4,
+            IpFamily::V6 => NFPROTO_IPV6,
+        },
         0,
         body,
     );

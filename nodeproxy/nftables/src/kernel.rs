@@ -18,6 +18,7 @@ use nix::sys::socket::{MsgFlags, NetlinkAddr, sendmsg, setsockopt, sockopt};
 
 use crate::digest::{self, ChainDigest, SetDigest, TableDigest};
 use crate::encode::{self, Batch, EncodeError};
+use crate::model::IpFamily;
 use crate::render;
 use crate::transaction::Transaction;
 
@@ -105,9 +106,17 @@ pub struct Netlink {
     socket: Socket,
     next_seq: u32,
     send_buffer: usize,
+    /// The family of the tables it reads: `ip`, or `ip6` for iptables-nft's IPv6 tables.
+    read_family: IpFamily,
 }
 
 impl Netlink {
+    /// Reads tables of `family` from now on (`ip6 nat` for IPv6, rather than `ip nat`).
+    pub fn reading(mut self, family: IpFamily) -> Self {
+        self.read_family = family;
+        self
+    }
+
     /// Opens the socket in the calling thread's network namespace.
     pub fn open() -> Result<Self, KernelError> {
         let mut socket = Socket::new(NETLINK_NETFILTER).map_err(KernelError::Open)?;
@@ -134,6 +143,7 @@ impl Netlink {
             socket,
             next_seq,
             send_buffer: 0,
+            read_family: IpFamily::V4,
         })
     }
 
@@ -226,8 +236,8 @@ impl Netlink {
 }
 
 impl Netlink {
-    /// What table `ip TABLE` holds (`ip tandem`, or one of iptables-nft's tables such as
-    /// `ip nat`), as digests; an absent table reads as empty. With `elements`, also its
+    /// What table `TABLE` of the read family holds (`ip tandem`, or one of iptables-nft's
+    /// tables such as `ip nat` or `ip6 nat`), as digests; an absent table reads as empty. With `elements`, also its
     /// sets' elements (not those packets fill). A dump that the ruleset changed under is
     /// read again, a few times.
     pub fn read_table(&mut self, table: &str, elements: bool) -> Result<TableDigest, KernelError> {
@@ -292,7 +302,7 @@ impl Netlink {
         Ok(digest)
     }
 
-    /// The chains of table `ip TABLE`, each with the digest of its declaration (the kernel
+    /// The chains of table `TABLE` (of the read family), each with the digest of its declaration (the kernel
     /// dumps the chains of every table: the others are left out here).
     pub fn read_chains(&mut self, table: &str) -> Result<BTreeMap<String, u64>, KernelError> {
         let mut chains = BTreeMap::new();
@@ -308,7 +318,7 @@ impl Netlink {
         }
     }
 
-    /// The rules of the given chains of table `ip TABLE`, one small dump per chain (a
+    /// The rules of the given chains of table `TABLE` (of the read family), one small dump per chain (a
     /// chain that does not exist reads as empty).
     pub fn read_rules<'a>(
         &mut self,
@@ -366,7 +376,7 @@ impl Netlink {
     ) -> Result<bool, KernelError> {
         let seq = self.next_seq;
         self.next_seq = self.next_seq.wrapping_add(1);
-        let message = encode::dump_request(kind, seq, request);
+        let message = encode::dump_request(kind, seq, self.read_family, request);
         self.socket
             .send(&message, 0)
             .map_err(|source| KernelError::Send {

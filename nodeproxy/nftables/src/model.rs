@@ -8,9 +8,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4};
 
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde::{Deserialize, Serialize};
 
 /// Our table's family and name: `table ip tandem`.
@@ -25,6 +25,59 @@ pub const MASQUERADE_MARK: u32 = 0x4000;
 /// never the rule. 720720 is the least common multiple of 1 to 16: up to 16 endpoints
 /// share it exactly, and more are off by at most one bucket (0.00014% of the traffic).
 pub const BUCKETS: u32 = 720_720;
+
+/// An IP family. The node proxy runs a proxier per family, with tables of its own
+/// (`iptables` and `ip6tables`, `ip` and `ip6` in nftables) holding the same chain names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum IpFamily {
+    #[default]
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => Self::V4,
+            IpAddr::V6(_) => Self::V6,
+        }
+    }
+
+    /// The Kubernetes name: `IPv4` or `IPv6` (`ipFamilies`, an EndpointSlice's
+    /// `addressType`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::V4 => "IPv4",
+            Self::V6 => "IPv6",
+        }
+    }
+
+    /// The loopback addresses: 127.0.0.0/8, or ::1/128.
+    pub fn loopback(self) -> IpNet {
+        match self {
+            Self::V4 => IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(127, 0, 0, 0), 8)),
+            Self::V6 => IpNet::V6(Ipv6Net::new_assert(Ipv6Addr::LOCALHOST, 128)),
+        }
+    }
+
+    /// The ICMP error iptables rejects a connection with.
+    pub fn port_unreachable(self) -> &'static str {
+        match self {
+            Self::V4 => "icmp-port-unreachable",
+            Self::V6 => "icmp6-port-unreachable",
+        }
+    }
+
+    pub fn holds(self, ip: IpAddr) -> bool {
+        Self::of(ip) == self
+    }
+}
+
+impl fmt::Display for IpFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

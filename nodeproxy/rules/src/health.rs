@@ -81,6 +81,26 @@ fn json_string(text: &str) -> String {
     serde_json::Value::from(text).to_string()
 }
 
+/// The health-check Services of the proxiers of both families as one list: a Service of
+/// both families has one health-check node port, and its servers answer for both. A pod
+/// has an address of each family, so its local endpoints are counted in one family, the
+/// one with more.
+pub fn merge_families(
+    families: impl IntoIterator<Item = Vec<HealthCheckService>>,
+) -> Vec<HealthCheckService> {
+    let mut merged: BTreeMap<(String, String), HealthCheckService> = BTreeMap::new();
+    for service in families.into_iter().flatten() {
+        let key = (service.namespace.clone(), service.name.clone());
+        match merged.get_mut(&key) {
+            Some(seen) => seen.local_endpoints = seen.local_endpoints.max(service.local_endpoints),
+            None => {
+                merged.insert(key, service);
+            }
+        }
+    }
+    merged.into_values().collect()
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::Ipv4Addr;
@@ -196,5 +216,27 @@ mod tests {
         assert_eq!(parsed["service"]["namespace"], "a\"b");
         assert_eq!(parsed["service"]["name"], "c\\d");
         assert_eq!(parsed["localEndpoints"], 3);
+    }
+
+    #[test]
+    fn the_families_of_a_service_share_one_server_counting_pods_once() {
+        let service = |name: &str, port, local_endpoints| HealthCheckService {
+            namespace: "default".into(),
+            name: name.into(),
+            port,
+            local_endpoints,
+        };
+        let merged = merge_families([
+            vec![service("echo", 30381, 2), service("v4-only", 30382, 1)],
+            vec![service("echo", 30381, 2), service("v6-only", 30383, 0)],
+        ]);
+        assert_eq!(
+            merged,
+            [
+                service("echo", 30381, 2),
+                service("v4-only", 30382, 1),
+                service("v6-only", 30383, 0)
+            ]
+        );
     }
 }

@@ -5,9 +5,9 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::IpAddr;
 
-use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use ipnet::IpNet;
 
 /// `namespace/name:portname` (or `namespace/name` when the port has no name): kube-proxy's
 /// `ServicePortName`, the unit that gets one KUBE-SVC chain.
@@ -116,58 +116,8 @@ impl ProxyState {
     }
 }
 
-/// An IP family: each has its own proxier, its own tables (`iptables` and `ip6tables`)
-/// and the same chain names in both.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub enum IpFamily {
-    #[default]
-    V4,
-    V6,
-}
-
-impl IpFamily {
-    pub fn of(ip: IpAddr) -> Self {
-        match ip {
-            IpAddr::V4(_) => Self::V4,
-            IpAddr::V6(_) => Self::V6,
-        }
-    }
-
-    /// The Kubernetes name: `IPv4` or `IPv6` (`ipFamilies`, an EndpointSlice's
-    /// `addressType`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::V4 => "IPv4",
-            Self::V6 => "IPv6",
-        }
-    }
-
-    /// The loopback addresses: 127.0.0.0/8, or ::1/128.
-    pub fn loopback(self) -> IpNet {
-        match self {
-            Self::V4 => IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(127, 0, 0, 0), 8)),
-            Self::V6 => IpNet::V6(Ipv6Net::new_assert(Ipv6Addr::LOCALHOST, 128)),
-        }
-    }
-
-    /// The ICMP error iptables rejects a connection with.
-    pub fn port_unreachable(self) -> &'static str {
-        match self {
-            Self::V4 => "icmp-port-unreachable",
-            Self::V6 => "icmp6-port-unreachable",
-        }
-    }
-
-    pub fn holds(self, ip: IpAddr) -> bool {
-        Self::of(ip) == self
-    }
-}
-
-impl fmt::Display for IpFamily {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// An IP family: the nftables model's, so both modes share one type.
+pub use tandem_nftables::IpFamily;
 
 /// This node's settings, for the proxier of one family.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! `tandem-nodeproxy`: flags and wiring; the work is in the library.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
@@ -13,8 +13,8 @@ use tandem_nodeproxy::convert;
 use tandem_nodeproxy::datapath;
 use tandem_nodeproxy::healthcheck::{self, NodeHealth, ServiceHealthServers};
 use tandem_nodeproxy::metrics::{self, Metrics};
-use tandem_nodeproxy::proxier::{self, Proxier, ProxierConfig};
-use tandem_proxy_rules::model::NodeConfig;
+use tandem_nodeproxy::proxier::{self, FamilyProxier, Proxier, ProxierConfig};
+use tandem_proxy_rules::model::{IpFamily, NodeConfig};
 use tandem_proxy_rules::trace::{Entry, Packet, TraceRequest};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -41,14 +41,18 @@ fn node_name(cluster: &ClusterArgs) -> anyhow::Result<String> {
     Ok(node_name)
 }
 
-/// The flags and the node's IP, logged: the node port addresses depend on both.
+/// The flags and the node's IP of `family`, logged: the node port addresses depend on
+/// both.
 fn node_config(
     cluster: &ClusterArgs,
     node_name: String,
-    node_ip: Option<Ipv4Addr>,
+    family: IpFamily,
+    node_ip: Option<IpAddr>,
 ) -> anyhow::Result<NodeConfig> {
-    let node = cluster.node_config(node_name, node_ip)?;
+    let node = cluster.node_config(node_name, family, node_ip)?;
     tracing::info!(
+        %family,
+        cluster_cidr = ?node.cluster_cidr,
         node_ip = ?node.node_ip,
         node_port_addresses = ?node.node_port_addresses,
         masquerade_all = node.masquerade_all,
@@ -73,9 +77,12 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
     let dirty = Arc::new(Notify::new());
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
+    // The tracer follows IPv4 packets: the IPv4 proxier's view is all it needs.
+    let family = IpFamily::V4;
     let (observed, watches) = proxier::watch(
         client,
         &node_name,
+        &[family],
         Arc::clone(&dirty),
         metrics,
         shutdown.clone(),
@@ -86,17 +93,25 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
     }
     shutdown.cancel();
     watching.await?;
-    let conversion = observed.joined();
+    let conversion = observed
+        .joined(family)
+        .context("the IPv4 family is watched")?;
     for skipped in &conversion.skipped {
         tracing::warn!(%skipped, "invalid value left out of the rules");
     }
     let nodes = observed.node.state();
-    let local_addrs: Vec<_> = nodes
+    let local_addrs: Vec<Ipv4Addr> = nodes
         .iter()
         .flat_map(|n| convert::node_addresses(n))
+        .filter_map(|ip| match ip {
+            IpAddr::V4(ip) => Some(ip),
+            IpAddr::V6(_) => None,
+        })
         .collect();
-    let node_ip = nodes.iter().find_map(|n| convert::node_primary_ip(n));
-    let node = node_config(cluster, node_name, node_ip)?;
+    let node_ip = nodes
+        .iter()
+        .find_map(|n| convert::node_primary_ip(n, family));
+    let node = node_config(cluster, node_name, family, node_ip)?;
     let request = TraceRequest::new(
         Packet {
             src: args.src,
@@ -127,16 +142,22 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let node_name = node_name(&cli.cluster)?;
+    let families = cli.cluster.families()?;
     let client = client(&cli.cluster).await?;
-    let node_ip = proxier::node_ip(client.clone(), &node_name).await;
-    let node = node_config(&cli.cluster, node_name, node_ip)?;
-    let datapath = datapath::start(
-        cli.cluster.proxy_mode,
-        cli.proxy.iptables_backend,
-        node.clone(),
-    )
-    .await
-    .context("starting the data path")?;
+    let node_ips = proxier::node_ips(client.clone(), &node_name, &families).await;
+    let mut family_proxiers = Vec::new();
+    for &family in &families {
+        let node_ip = node_ips.get(&family).copied().flatten();
+        let node = node_config(&cli.cluster, node_name.clone(), family, node_ip)?;
+        let datapath = datapath::start(
+            cli.cluster.proxy_mode,
+            cli.proxy.iptables_backend,
+            node.clone(),
+        )
+        .await
+        .with_context(|| format!("starting the {family} data path"))?;
+        family_proxiers.push(FamilyProxier::new(node, datapath));
+    }
 
     let shutdown = CancellationToken::new();
     tandem_common::cancel_on_shutdown_signal(shutdown.clone());
@@ -146,9 +167,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let sync_period = cli.proxy.sync_period.0;
     // Healthy while syncs keep succeeding; two periods leave room for one slow sync.
     let node_health = Arc::new(NodeHealth::new(sync_period * 2));
+    let serves_ipv6 = families.contains(&IpFamily::V6);
 
+    let healthz_address = cli.proxy.healthz_bind_address;
     let healthz = serve(
-        cli.proxy.healthz_bind_address,
+        SocketAddr::new(
+            every_family(healthz_address.ip(), serves_ipv6),
+            healthz_address.port(),
+        ),
         healthcheck::healthz_router(Arc::clone(&node_health)),
         shutdown.clone(),
     )
@@ -163,7 +189,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let dirty = Arc::new(Notify::new());
     let (observed, watches) = proxier::watch(
         client,
-        &node.node_name,
+        &node_name,
+        &families,
         Arc::clone(&dirty),
         metrics.clone(),
         shutdown.clone(),
@@ -171,14 +198,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let watching = tokio::spawn(watches);
     let proxier = Proxier::new(
         ProxierConfig {
-            node,
             sync_period,
             min_sync_period: cli.proxy.min_sync_period.0,
         },
-        datapath,
+        family_proxiers,
         metrics,
         node_health,
-        ServiceHealthServers::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), shutdown.clone()),
+        ServiceHealthServers::new(
+            every_family(IpAddr::V4(Ipv4Addr::UNSPECIFIED), serves_ipv6),
+            shutdown.clone(),
+        ),
     );
     proxier.run(observed, dirty, shutdown.clone()).await;
     // The sync loop also ends when the watches die; make everything else stop too.
@@ -189,6 +218,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     tracing::info!("stopped; rules left in place");
     Ok(())
+}
+
+/// `0.0.0.0` as kube-proxy reads it when it serves IPv6 too: every address of both
+/// families (Go listens on `[::]`, which takes IPv4 connections as well). Load balancers
+/// probe a node's `/healthz` and health-check node ports on its address of each family.
+fn every_family(ip: IpAddr, serves_ipv6: bool) -> IpAddr {
+    if serves_ipv6 && ip == IpAddr::V4(Ipv4Addr::UNSPECIFIED) {
+        IpAddr::V6(Ipv6Addr::UNSPECIFIED)
+    } else {
+        ip
+    }
 }
 
 async fn serve(

@@ -341,3 +341,67 @@ pub async fn terminate(mut proxy: tokio::process::Child) {
         .unwrap();
     assert!(status.success(), "{status}");
 }
+
+/// A TCP server in a pod's namespace: each connection, with the client's address and the
+/// pod's name, goes to `serve` on a thread of its own, until the server is dropped.
+pub struct PodServer {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl PodServer {
+    /// Listens on `bind` (`0.0.0.0`, or `::` for both families) at `port`.
+    pub fn start(
+        pod: &tandem_netlab::Pod,
+        bind: std::net::IpAddr,
+        port: u16,
+        serve: fn(std::net::TcpStream, std::net::SocketAddr, &str),
+    ) -> Self {
+        use std::sync::atomic::AtomicBool;
+        let listener = pod
+            .netns
+            .run_in_thread(move || std::net::TcpListener::bind((bind, port)))
+            .unwrap()
+            .unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let (name, stopped) = (pod.name.clone(), std::sync::Arc::clone(&stop));
+        std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                let Ok((stream, peer)) = listener.accept() else {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                    continue;
+                };
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    stream.set_nonblocking(false).unwrap();
+                    serve(stream, peer, &name);
+                });
+            }
+        });
+        Self { stop }
+    }
+}
+
+impl Drop for PodServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Runs the future `body` makes to its end on a runtime of two threads inside `netns`.
+pub fn block_on_in<F, Fut>(netns: &tandem_netlab::Netns, body: F)
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    netns
+        .run_in_thread(move || {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(body())
+        })
+        .unwrap();
+}

@@ -1,0 +1,494 @@
+//! The `tandem-nodeproxy` binary with a proxier per IP family, with real packets of both
+//! families, in the virtual cluster of `tandem-netlab` (root only) with IPv6 added on
+//! every link. One node with two pods; the API server stand-in (dual-stack Service CIDRs)
+//! and the node proxy (`--cluster-cidr` of both families, iptables mode) run in the
+//! node's namespace; the edge routes each LB IP to the node's address of its family
+//! (passthrough). Clients connect from their own namespaces: the in-range client's
+//! networks are in every Service's source ranges, the out-of-range client's are not.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpStream};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::*;
+use k8s_openapi::api::core::v1::{Node as K8sNode, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use tandem_apiserver::service::ServiceCidrs;
+use tandem_netlab::{Host, Netns, Pod, Topology};
+use tandem_nodeproxy::backend::Backend;
+use tokio::process::{Child, Command};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tandem-nodeproxy");
+const POD_PORT: u16 = 8080;
+const NODE_V6: &str = "2001:db8:18::11";
+const EDGE_NODE_NET_V6: &str = "2001:db8:18::1";
+const CLIENT_IN_RANGE_V6: &str = "2001:db8:203::7";
+const EDGE_CLIENT_IN_RANGE_V6: &str = "2001:db8:203::1";
+const CLIENT_OUT_OF_RANGE_V6: &str = "2001:db8:204::9";
+const EDGE_CLIENT_OUT_OF_RANGE_V6: &str = "2001:db8:204::1";
+const POD_GATEWAY_V6: &str = "fd00:10:244:1::1";
+/// The LB IPs of the Cluster-policy Service and of the Local-policy one, per family.
+const LB_V4: &str = "198.51.100.20";
+const LB_V6: &str = "2001:db8:51:100::20";
+const LOCAL_LB_V4: &str = "198.51.100.21";
+const LOCAL_LB_V6: &str = "2001:db8:51:100::21";
+
+/// The pod's IPv6 address: its IPv4 address's last byte in the node's IPv6 pod subnet.
+fn pod_v6(pod: &Pod) -> String {
+    format!("fd00:10:244:1::{}", pod.ip.octets()[3])
+}
+
+fn ip(netns: &Netns, args: &[&str]) {
+    netns.exec_checked(["ip"].iter().chain(args)).unwrap();
+}
+
+/// IPv6 on every link of a one-node topology, as the lab plans IPv4: the node network
+/// 2001:db8:18::/64, the clients' networks 2001:db8:203::/64 (in range) and
+/// 2001:db8:204::/64, the node's pods fd00:10:244:1::/64; the edge routes the IPv6 LB
+/// IPs to the node.
+fn add_ipv6(topo: &Topology) {
+    let forwarding = ["sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"];
+    let edge = &topo.edge().netns;
+    edge.exec_checked(forwarding).unwrap();
+    for (address, dev) in [
+        (EDGE_NODE_NET_V6, "eth0"),
+        (EDGE_CLIENT_IN_RANGE_V6, "eth1"),
+        (EDGE_CLIENT_OUT_OF_RANGE_V6, "eth2"),
+    ] {
+        ip(
+            edge,
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{address}/64"),
+                "dev",
+                dev,
+                "nodad",
+            ],
+        );
+    }
+    for vip in [LB_V6, LOCAL_LB_V6] {
+        ip(edge, &["-6", "route", "add", vip, "via", NODE_V6]);
+    }
+    let node = &topo.node(1).unwrap().netns;
+    node.exec_checked(forwarding).unwrap();
+    ip(
+        node,
+        &[
+            "-6",
+            "addr",
+            "add",
+            &format!("{NODE_V6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ],
+    );
+    ip(
+        node,
+        &[
+            "-6",
+            "addr",
+            "add",
+            &format!("{POD_GATEWAY_V6}/64"),
+            "dev",
+            "cni0",
+            "nodad",
+        ],
+    );
+    ip(
+        node,
+        &["-6", "route", "add", "default", "via", EDGE_NODE_NET_V6],
+    );
+    for pod in topo.pods() {
+        ip(
+            &pod.netns,
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{}/64", pod_v6(pod)),
+                "dev",
+                "eth0",
+                "nodad",
+            ],
+        );
+        ip(
+            &pod.netns,
+            &["-6", "route", "add", "default", "via", POD_GATEWAY_V6],
+        );
+    }
+    for (host, address, gateway) in [
+        (
+            topo.client_in_range(),
+            CLIENT_IN_RANGE_V6,
+            EDGE_CLIENT_IN_RANGE_V6,
+        ),
+        (
+            topo.client_out_of_range(),
+            CLIENT_OUT_OF_RANGE_V6,
+            EDGE_CLIENT_OUT_OF_RANGE_V6,
+        ),
+    ] {
+        ip(
+            &host.netns,
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{address}/64"),
+                "dev",
+                "eth0",
+                "nodad",
+            ],
+        );
+        ip(
+            &host.netns,
+            &["-6", "route", "add", "default", "via", gateway],
+        );
+    }
+    // The IPv4 LB IPs, as the IPv6 ones.
+    for vip in [LB_V4, LOCAL_LB_V4] {
+        route_via(edge, vip.parse().unwrap(), topo.node(1).unwrap().ip);
+    }
+    // New IPv6 links take a moment (neighbour discovery, the edge turning router): wait
+    // until both clients reach the node, whose closed port answers with a reset.
+    for client in [topo.client_in_range(), topo.client_out_of_range()] {
+        let started = Instant::now();
+        while !client
+            .netns
+            .run_in_thread(|| {
+                let closed_port = socket(NODE_V6, 1);
+                TcpStream::connect_timeout(&closed_port, Duration::from_millis(500))
+                    .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+            })
+            .unwrap()
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "{} never reached the node over IPv6",
+                client.netns.name()
+            );
+        }
+    }
+}
+
+/// A pod's server answering each connection with `<pod> <client address>`.
+fn who_am_i(mut stream: TcpStream, client: SocketAddr, name: &str) {
+    let answer = format!("{name} {}\n", client.ip().to_canonical());
+    let _ = std::io::Write::write_all(&mut stream, answer.as_bytes());
+}
+
+/// `count` connections to `target` from `netns`: per answer, the pod and the client
+/// address it saw; the failures as errors.
+fn ask(netns: &Netns, target: SocketAddr, count: usize) -> Vec<Result<(String, IpAddr), String>> {
+    netns
+        .run_in_thread(move || {
+            (0..count)
+                .map(|_| {
+                    let stream = TcpStream::connect_timeout(&target, Duration::from_secs(1))
+                        .map_err(|e| e.to_string())?;
+                    stream
+                        .set_read_timeout(Some(Duration::from_secs(1)))
+                        .map_err(|e| e.to_string())?;
+                    let mut line = String::new();
+                    BufReader::new(stream)
+                        .read_line(&mut line)
+                        .map_err(|e| e.to_string())?;
+                    let (pod, client) = line.trim().split_once(' ').ok_or(line.clone())?;
+                    Ok((pod.to_owned(), client.parse().map_err(|_| line.clone())?))
+                })
+                .collect()
+        })
+        .unwrap()
+}
+
+/// Asserts that `count` connections to `target` all succeed, spread over both pods, each
+/// pod seeing `client` as the source when given; returns the pods that answered.
+fn assert_served(netns: &Netns, target: SocketAddr, client: Option<IpAddr>) {
+    let answers = ask(netns, target, 24);
+    let mut pods = std::collections::BTreeMap::<String, usize>::new();
+    for answer in &answers {
+        let (pod, seen) = answer
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{target} from {}: {e}", netns.name()));
+        if let Some(client) = client {
+            assert_eq!(*seen, client, "{target}: the pod saw the client's address");
+        }
+        *pods.entry(pod.clone()).or_default() += 1;
+    }
+    eprintln!("  {target} from {}: {pods:?}", netns.name());
+    assert_eq!(pods.len(), 2, "{target}: spread over both pods: {pods:?}");
+}
+
+fn assert_dropped(netns: &Netns, target: SocketAddr) {
+    let answers = ask(netns, target, 2);
+    assert!(
+        answers
+            .iter()
+            .all(|a| a.as_ref().is_err_and(|e| e.contains("timed out"))),
+        "{target} from {}: {answers:?}",
+        netns.name()
+    );
+}
+
+fn socket(ip: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.parse().unwrap(), port)
+}
+
+fn node_object(topo: &Topology) -> K8sNode {
+    let node = topo.node(1).unwrap();
+    serde_json::from_value(json!({
+        "metadata": {"name": node.name},
+        "status": {"addresses": [
+            {"type": "InternalIP", "address": node.ip.to_string()},
+            {"type": "InternalIP", "address": NODE_V6},
+        ]},
+    }))
+    .unwrap()
+}
+
+fn dual_stack_load_balancer(name: &str, local: bool) -> Service {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "type": "LoadBalancer",
+            "ipFamilyPolicy": "RequireDualStack",
+            "ipFamilies": ["IPv4", "IPv6"],
+            "ports": [{"name": "http", "port": 80, "targetPort": POD_PORT, "protocol": "TCP"}],
+            "loadBalancerSourceRanges": ["203.0.113.0/24", "2001:db8:203::/64"],
+            "externalTrafficPolicy": if local { "Local" } else { "Cluster" },
+        }
+    }))
+    .unwrap()
+}
+
+fn slice(service: &str, family: &str, pods: &[Pod]) -> EndpointSlice {
+    let address = |pod: &Pod| match family {
+        "IPv4" => pod.ip.to_string(),
+        _ => pod_v6(pod),
+    };
+    serde_json::from_value(json!({
+        "metadata": {
+            "name": format!("{service}-{}", family.to_lowercase()),
+            "namespace": "default",
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": family,
+        "ports": [{"name": "http", "port": POD_PORT, "protocol": "TCP"}],
+        "endpoints": pods.iter().map(|pod| json!({
+            "addresses": [address(pod)], "conditions": {"ready": true}, "nodeName": pod.node_name,
+        })).collect::<Vec<_>>(),
+    }))
+    .unwrap()
+}
+
+fn spawn_proxy(kubeconfig: &str, node_name: &str, mode: &str) -> Child {
+    Command::new(BIN)
+        .args([
+            "--kubeconfig",
+            kubeconfig,
+            "--node-name",
+            node_name,
+            "--proxy-mode",
+            mode,
+            "--cluster-cidr",
+            "10.244.0.0/16,fd00:10:244::/56",
+            "--healthz-bind-address",
+            "0.0.0.0:10256",
+            "--metrics-bind-address",
+            "127.0.0.1:10249",
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
+fn ip6tables_save(table: &str) -> String {
+    run(
+        tandem_nodeproxy::backend::Tools::new(
+            Backend::Nft,
+            tandem_proxy_rules::model::IpFamily::V6,
+        )
+        .save(),
+        &["-t", table],
+    )
+}
+
+#[test]
+fn both_families_are_served_with_real_packets() {
+    if !is_root() {
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let topo = Topology::builder()
+        .nodes(1)
+        .pods_per_node(&[2])
+        .without_echo()
+        .handle_signals(false)
+        .build()
+        .unwrap();
+    add_ipv6(&topo);
+    let _servers: Vec<PodServer> = topo
+        .pods()
+        .iter()
+        .map(|pod| PodServer::start(pod, Ipv6Addr::UNSPECIFIED.into(), POD_PORT, who_am_i))
+        .collect();
+    let pods = topo.pods().to_vec();
+    let node = topo.node(1).unwrap().clone();
+    let node_object = node_object(&topo);
+    let (c1, c2): (Host, Host) = (
+        topo.client_in_range().clone(),
+        topo.client_out_of_range().clone(),
+    );
+    let netns = node.netns.clone();
+    block_on_in(&netns, move || async move {
+        let mut config = tandem_apiserver::ServerConfig::default();
+        config.store.service_cidrs = "10.43.0.0/16,fd00:10:96::/112"
+            .parse::<ServiceCidrs>()
+            .unwrap();
+        let server = tandem_apiserver::spawn(config).await.unwrap();
+        let kubeconfig = format!("/tmp/{}-kubeconfig.json", node.netns.name());
+        server
+            .write_kubeconfig(std::path::Path::new(&kubeconfig))
+            .await
+            .unwrap();
+        let client = server.client().await.unwrap();
+        let post = PostParams::default();
+        Api::<K8sNode>::all(client.clone())
+            .create(&post, &node_object)
+            .await
+            .unwrap();
+        let services: Api<Service> = Api::namespaced(client.clone(), "default");
+        let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+        for (name, local, ingress) in [
+            ("web", false, [LB_V4, LB_V6]),
+            ("local", true, [LOCAL_LB_V4, LOCAL_LB_V6]),
+        ] {
+            services
+                .create(&post, &dual_stack_load_balancer(name, local))
+                .await
+                .unwrap();
+            let status = json!({"status": {"loadBalancer": {"ingress":
+                ingress.iter().map(|ip| json!({"ip": ip})).collect::<Vec<_>>()}}});
+            services
+                .patch_status(name, &PatchParams::default(), &Patch::Merge(status))
+                .await
+                .unwrap();
+            for family in ["IPv4", "IPv6"] {
+                slices
+                    .create(&post, &slice(name, family, &pods))
+                    .await
+                    .unwrap();
+            }
+        }
+        let web: Value = serde_json::to_value(services.get("web").await.unwrap()).unwrap();
+        let cluster_ip_v6 = web["spec"]["clusterIPs"][1].as_str().unwrap().to_owned();
+        let node_port = web["spec"]["ports"][0]["nodePort"].as_u64().unwrap() as u16;
+
+        // The nftables mode serves IPv4 only: with an IPv6 cluster CIDR it refuses
+        // to start, and says why.
+        let refused = spawn_proxy(&kubeconfig, &node.name, "nftables")
+            .wait_with_output()
+            .await
+            .unwrap();
+        assert!(!refused.status.success());
+        let log = String::from_utf8_lossy(&refused.stderr);
+        assert!(log.contains("nftables mode serves IPv4 only"), "{log}");
+
+        let proxy = spawn_proxy(&kubeconfig, &node.name, "iptables");
+        let started = Instant::now();
+        while !ip6tables_save("nat").contains(&format!("[{}]:{POD_PORT}", pod_v6(&pods[1]))) {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "no IPv6 rules:\n{}",
+                ip6tables_save("nat")
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        eprintln!(
+            "IPv6 rules in ip6tables {:?} after the start",
+            started.elapsed()
+        );
+
+        let (c1_ns, c2_ns) = (c1.netns.clone(), c2.netns.clone());
+        let node_ns = node.netns.clone();
+        let node_v4 = node.ip;
+        tokio::task::spawn_blocking(move || {
+            eprintln!("a dual-stack LoadBalancer answers on both LB IPs, over both pods");
+            assert_served(&c1_ns, socket(LB_V4, 80), None);
+            assert_served(&c1_ns, socket(LB_V6, 80), None);
+            eprintln!("a client outside the source ranges is dropped, in both families");
+            assert_dropped(&c2_ns, socket(LB_V4, 80));
+            assert_dropped(&c2_ns, socket(LB_V6, 80));
+            eprintln!("externalTrafficPolicy Local keeps the IPv6 client's address");
+            assert_served(
+                &c1_ns,
+                socket(LOCAL_LB_V6, 80),
+                Some(CLIENT_IN_RANGE_V6.parse().unwrap()),
+            );
+            assert_served(&c1_ns, socket(LOCAL_LB_V4, 80), Some(c1.ip.into()));
+            eprintln!("ClusterIP over IPv6 from the node, NodePort over IPv6 from outside");
+            assert_served(&node_ns, socket(&cluster_ip_v6, 80), None);
+            assert_served(&c1_ns, socket(NODE_V6, node_port), None);
+            assert_served(&c1_ns, SocketAddr::new(node_v4.into(), node_port), None);
+        })
+        .await
+        .unwrap();
+
+        // /healthz answers on the node's IPv6 address too (`0.0.0.0` means both).
+        let healthz = ask_http(&c1.netns, socket(NODE_V6, 10256)).await;
+        assert!(healthz.starts_with("HTTP/1.1 200"), "{healthz}");
+
+        terminate(proxy).await;
+        // --cleanup removes the rules of both families.
+        let cleaned = Command::new(BIN)
+            .args(["--cleanup"])
+            .status()
+            .await
+            .unwrap();
+        assert!(cleaned.success());
+        assert!(
+            !ip6tables_save("nat").contains("KUBE-SVC-"),
+            "{}",
+            ip6tables_save("nat")
+        );
+        assert!(!save(Backend::Nft, "nat").contains("KUBE-SVC-"));
+        let _ = std::fs::remove_file(&kubeconfig);
+        server.shutdown().await.unwrap();
+    });
+}
+
+/// A plain HTTP GET of `/healthz` from `netns`: the whole answer.
+async fn ask_http(netns: &Netns, target: SocketAddr) -> String {
+    let netns = netns.clone();
+    tokio::task::spawn_blocking(move || {
+        netns
+            .run_in_thread(move || {
+                let mut stream = TcpStream::connect_timeout(&target, Duration::from_secs(2))?;
+                std::io::Write::write_all(
+                    &mut stream,
+                    b"GET /healthz HTTP/1.1\r\nHost: node\r\nConnection: close\r\n\r\n",
+                )?;
+                let mut answer = String::new();
+                std::io::Read::read_to_string(&mut stream, &mut answer)?;
+                Ok::<_, std::io::Error>(answer)
+            })
+            .unwrap()
+            .unwrap_or_else(|e| e.to_string())
+    })
+    .await
+    .unwrap()
+}
