@@ -11,7 +11,9 @@ MIB=$((1024 * 1024))
 declare -A BUDGET=([tandem-controller]=$((30 * MIB)) [cloud-mock]=$((30 * MIB)) [tandem-nodeproxy]=$((100 * MIB)))
 NONROOT=(tandem-controller cloud-mock)
 NODEPROXY_TOOLS="iptables-nft iptables-nft-save iptables-nft-restore iptables-legacy
-iptables-legacy-save iptables-legacy-restore ip6tables-nft ip6tables-legacy conntrack nft"
+iptables-legacy-save iptables-legacy-restore ip6tables-nft ip6tables-nft-save
+ip6tables-nft-restore ip6tables-legacy ip6tables-legacy-save ip6tables-legacy-restore
+conntrack nft"
 # Every container of this run has this prefix, so the trap removes exactly these.
 RUN=tandem-image-test-$$
 trap 'podman ps -aq --filter "name=^$RUN-" | xargs -r podman rm -f >/dev/null 2>&1' EXIT

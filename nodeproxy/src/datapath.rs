@@ -90,8 +90,13 @@ async fn enable_route_localnet() -> Result<(), StartError> {
 pub async fn cleanup(backend_choice: BackendChoice) -> Result<(), StartError> {
     let (backend, reason) = backend::resolve(backend_choice).await;
     tracing::info!(%backend, %reason, "removing all node proxy rules");
-    for family in [IpFamily::V4, IpFamily::V6] {
-        Syncer::new(Tools::new(backend, family)).cleanup().await?;
+    Syncer::new(Tools::new(backend, IpFamily::V4))
+        .cleanup()
+        .await?;
+    // A host without IPv6 (or its ip6tables) has no IPv6 rules of ours either.
+    let ipv6 = Tools::new(backend, IpFamily::V6);
+    if let Err(error) = Syncer::new(ipv6).cleanup().await {
+        tracing::warn!(%error, tools = %ipv6, "could not remove IPv6 rules");
     }
     remove_nftables_table().await
 }

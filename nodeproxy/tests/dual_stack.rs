@@ -23,7 +23,8 @@ use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use tandem_apiserver::service::ServiceCidrs;
 use tandem_netlab::{Host, Netns, Pod, Topology};
-use tandem_nodeproxy::backend::Backend;
+use tandem_nodeproxy::backend::{Backend, Tools};
+use tandem_proxy_rules::model::IpFamily;
 use tokio::process::{Child, Command};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tandem-nodeproxy");
@@ -292,7 +293,7 @@ fn slice(service: &str, family: &str, pods: &[Pod]) -> EndpointSlice {
     .unwrap()
 }
 
-fn spawn_proxy(kubeconfig: &str, node_name: &str, mode: &str) -> Child {
+fn spawn_proxy(kubeconfig: &str, node_name: &str, mode: &str, log: Stdio) -> Child {
     Command::new(BIN)
         .args([
             "--kubeconfig",
@@ -307,26 +308,27 @@ fn spawn_proxy(kubeconfig: &str, node_name: &str, mode: &str) -> Child {
             "0.0.0.0:10256",
             "--metrics-bind-address",
             "127.0.0.1:10249",
+            "--sync-period",
+            "2s",
+            "--min-sync-period",
+            "100ms",
         ])
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stderr(log)
         .kill_on_drop(true)
         .spawn()
         .unwrap()
 }
 
-fn ip6tables_save(table: &str) -> String {
-    run(
-        tandem_nodeproxy::backend::Tools::new(
-            Backend::Nft,
-            tandem_proxy_rules::model::IpFamily::V6,
-        )
-        .save(),
-        &["-t", table],
-    )
+/// The ip6tables programs of the backend an empty namespace gets (nf_tables).
+fn ip6tables() -> Tools {
+    Tools::new(Backend::Nft, IpFamily::V6)
 }
 
+fn ip6tables_save(table: &str) -> String {
+    run(ip6tables().save(), &["-t", table])
+}
 #[test]
 fn both_families_are_served_with_real_packets() {
     if !is_root() {
@@ -400,7 +402,7 @@ fn both_families_are_served_with_real_packets() {
 
         // The nftables mode serves IPv4 only: with an IPv6 cluster CIDR it refuses
         // to start, and says why.
-        let refused = spawn_proxy(&kubeconfig, &node.name, "nftables")
+        let refused = spawn_proxy(&kubeconfig, &node.name, "nftables", Stdio::piped())
             .wait_with_output()
             .await
             .unwrap();
@@ -408,7 +410,7 @@ fn both_families_are_served_with_real_packets() {
         let log = String::from_utf8_lossy(&refused.stderr);
         assert!(log.contains("nftables mode serves IPv4 only"), "{log}");
 
-        let proxy = spawn_proxy(&kubeconfig, &node.name, "iptables");
+        let proxy = spawn_proxy(&kubeconfig, &node.name, "iptables", Stdio::inherit());
         let started = Instant::now();
         while !ip6tables_save("nat").contains(&format!("[{}]:{POD_PORT}", pod_v6(&pods[1]))) {
             assert!(
@@ -451,6 +453,32 @@ fn both_families_are_served_with_real_packets() {
         // /healthz answers on the node's IPv6 address too (`0.0.0.0` means both).
         let healthz = ask_http(&c1.netns, socket(NODE_V6, 10256)).await;
         assert!(healthz.starts_with("HTTP/1.1 200"), "{healthz}");
+
+        // The IPv6 proxier's read-back repairs its own rules: a DNAT rule someone deletes
+        // with ip6tables is back within a sync period.
+        let nat = ip6tables_save("nat");
+        let sep = nat
+            .lines()
+            .find(|l| l.starts_with("-A KUBE-SEP-") && l.contains("-j DNAT"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .unwrap()
+            .to_owned();
+        let dnat_rules = |nat: &str| nat.lines().filter(|l| l.contains("-j DNAT")).count();
+        let before = dnat_rules(&nat);
+        run(ip6tables().iptables(), &["-t", "nat", "-D", &sep, "2"]);
+        assert_eq!(dnat_rules(&ip6tables_save("nat")), before - 1);
+        let deleted = Instant::now();
+        while dnat_rules(&ip6tables_save("nat")) < before {
+            assert!(
+                deleted.elapsed() < Duration::from_secs(10),
+                "the IPv6 DNAT rule of {sep} was not repaired"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        eprintln!(
+            "IPv6 DNAT rule back {:?} after it was deleted",
+            deleted.elapsed()
+        );
 
         terminate(proxy).await;
         // --cleanup removes the rules of both families.
