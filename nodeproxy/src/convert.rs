@@ -474,7 +474,7 @@ fn service_ports(
             .iter()
             .flatten()
             .filter_map(|value| match value.trim().parse::<IpNet>() {
-                Ok(net) => (family.holds(net.addr())).then(|| net.trunc()),
+                Ok(net) => family.holds(net.addr()).then(|| net.trunc()),
                 Err(_) => {
                     skip("spec.loadBalancerSourceRanges", value, "not a CIDR");
                     None

@@ -527,19 +527,20 @@ impl NftablesPath {
             tracing::error!("the netlink socket was lost; reopening");
             return self.reopen();
         };
+        // The digests go to the blocking task and come back with the kernel.
         let adopt = (full && std::mem::take(&mut self.adopt_kernel_table)).then(|| {
             self.refresh_digests();
-            self.digests.clone()
+            std::mem::take(&mut self.digests)
         });
         let ops = tx.ops.len();
         let written = tx.written();
         let started = Instant::now();
-        let (kernel, result) = match tokio::task::spawn_blocking(move || {
-            let result = match adopt {
-                Some(expected) if kernel_holds(&mut kernel, &expected) => Ok(Write::Adopted),
+        let (kernel, result, expected) = match tokio::task::spawn_blocking(move || {
+            let result = match &adopt {
+                Some(expected) if kernel_holds(&mut kernel, expected) => Ok(Write::Adopted),
                 _ => kernel.apply(&tx).map(|()| Write::Applied),
             };
-            (kernel, result)
+            (kernel, result, adopt)
         })
         .await
         {
@@ -551,6 +552,9 @@ impl NftablesPath {
             }
         };
         self.kernel = Some(kernel);
+        if let Some(digests) = expected {
+            self.digests = digests;
+        }
         match result {
             Ok(write) => {
                 self.in_sync = true;

@@ -135,10 +135,6 @@ impl Syncer {
         }
     }
 
-    pub fn tools(&self) -> Tools {
-        self.tools
-    }
-
     /// Forget what is applied: the next sync writes every table in full.
     pub fn forget(&mut self) {
         self.applied.clear();

@@ -157,8 +157,8 @@ fn record_in_every_family<E: Clone>(
     event: E,
     record: impl Fn(&mut ChangeTracker, E) -> bool,
 ) -> bool {
-    let trackers: Vec<&SharedTracker> = trackers.values().collect();
-    let Some((last, others)) = trackers.split_last() else {
+    let mut others = trackers.values();
+    let Some(last) = others.next_back() else {
         return false;
     };
     let mut changed = false;

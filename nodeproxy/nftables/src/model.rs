@@ -60,14 +60,6 @@ impl IpFamily {
         }
     }
 
-    /// The ICMP error iptables rejects a connection with.
-    pub fn port_unreachable(self) -> &'static str {
-        match self {
-            Self::V4 => "icmp-port-unreachable",
-            Self::V6 => "icmp6-port-unreachable",
-        }
-    }
-
     pub fn holds(self, ip: IpAddr) -> bool {
         Self::of(ip) == self
     }

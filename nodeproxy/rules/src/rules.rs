@@ -451,7 +451,7 @@ impl RulesetBuilder {
             self.filter(
                 KUBE_SERVICES,
                 port.capture(port.cluster_ip, "has no endpoints")
-                    .jump(&port.reject),
+                    .jump(reject(port.family)),
             );
             return;
         }
@@ -475,7 +475,7 @@ impl RulesetBuilder {
             if !port.has_endpoints {
                 let reject = port
                     .capture(external_ip, "has no endpoints")
-                    .jump(&port.reject);
+                    .jump(reject(port.family));
                 self.filter(KUBE_EXTERNAL_SERVICES, reject);
                 continue;
             }
@@ -503,7 +503,7 @@ impl RulesetBuilder {
             } else {
                 let reject = port
                     .capture(ingress_ip, "has no endpoints")
-                    .jump(&port.reject);
+                    .jump(reject(port.family));
                 self.filter(KUBE_EXTERNAL_SERVICES, reject);
             }
         }
@@ -531,13 +531,15 @@ impl RulesetBuilder {
                 .comment(&format!("{} has no endpoints", port.name))
                 .matching("-m addrtype --dst-type LOCAL")
                 .dport(proto, node_port)
-                .jump(&port.reject);
+                .jump(reject(port.family));
             self.filter(KUBE_EXTERNAL_SERVICES, reject);
         } else if port.local_policy {
             // Locally generated traffic to a node port would be a martian source after DNAT.
             self.nat(
                 KUBE_NODEPORTS,
-                capture().source(port.loopback).jump(KUBE_MARK_MASQ),
+                capture()
+                    .source(port.family.loopback())
+                    .jump(KUBE_MARK_MASQ),
             );
             self.nat(KUBE_NODEPORTS, capture().jump(&port.chains.external_local));
         } else {
@@ -734,9 +736,6 @@ struct PortContext<'a> {
     cluster_cidr: Option<IpNet>,
     /// The node's family: host prefixes, loopback and ICMP errors differ.
     family: IpFamily,
-    loopback: IpNet,
-    /// The REJECT target of this family.
-    reject: String,
     /// `--masquerade-all`.
     masquerade_all: bool,
     /// A source range holds the node's IP: the LB IPs are allowed sources too.
@@ -771,8 +770,6 @@ impl<'a> PortContext<'a> {
             has_endpoints: endpoints.iter().any(|ep| ep.cluster),
             cluster_cidr: node.cluster_cidr.map(|cidr| cidr.trunc()),
             family: node.family,
-            loopback: node.loopback(),
-            reject: format!("REJECT --reject-with {}", node.family.port_unreachable()),
             masquerade_all: node.masquerade_all,
             allow_from_node: node.allows_from_node(&svc.load_balancer_source_ranges),
         })
@@ -812,6 +809,14 @@ impl<'a> PortContext<'a> {
             .protocol(proto)
             .comment(&format!("{} {what}", self.name))
             .dport(proto, self.svc.port)
+    }
+}
+
+/// The REJECT target of a family: the ICMP error a refused connection gets.
+fn reject(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => "REJECT --reject-with icmp-port-unreachable",
+        IpFamily::V6 => "REJECT --reject-with icmp6-port-unreachable",
     }
 }
 
