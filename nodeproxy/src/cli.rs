@@ -1,6 +1,6 @@
 //! Command-line flags (each with an environment fallback).
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::str::FromStr;
 
@@ -206,9 +206,11 @@ pub enum Command {
 
 #[derive(Debug, Args)]
 pub struct TraceArgs {
+    /// The source address, of the destination's family.
     #[arg(long, env = "TRACE_SRC")]
-    pub src: Ipv4Addr,
-    /// Destination `IP` (with --dport) or `IP:PORT`.
+    pub src: IpAddr,
+    /// Destination `IP` (with --dport) or `IP:PORT` (`[IPv6]:PORT`); its family picks the
+    /// proxier traced.
     #[arg(long, env = "TRACE_DST")]
     pub dst: Destination,
     #[arg(long, env = "TRACE_DPORT")]
@@ -227,26 +229,26 @@ impl TraceArgs {
     }
 }
 
-/// `IP` or `IP:PORT`.
+/// `IP` or `IP:PORT`, an IPv6 one as `ADDRESS` or `[ADDRESS]:PORT`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Destination {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub port: Option<u16>,
 }
 
 impl FromStr for Destination {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.split_once(':') {
-            None => Ok(Self {
-                ip: s.parse().map_err(|e| format!("{s:?}: {e}"))?,
-                port: None,
-            }),
-            Some((ip, port)) => Ok(Self {
-                ip: ip.parse().map_err(|e| format!("{ip:?}: {e}"))?,
-                port: Some(port.parse().map_err(|e| format!("{port:?}: {e}"))?),
-            }),
+        if let Ok(ip) = s.parse::<IpAddr>() {
+            return Ok(Self { ip, port: None });
         }
+        let with_port: SocketAddr = s
+            .parse()
+            .map_err(|_| format!("{s:?}: neither an address nor address:port"))?;
+        Ok(Self {
+            ip: with_port.ip(),
+            port: Some(with_port.port()),
+        })
     }
 }
 
@@ -269,6 +271,7 @@ impl From<ProtocolArg> for Protocol {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
     use std::time::Duration;
 
     use super::*;
@@ -447,8 +450,31 @@ mod tests {
         };
         assert_eq!(
             (args.dst.ip, args.port(), args.protocol),
-            (Ipv4Addr::new(198, 51, 100, 20), Some(443), ProtocolArg::Tcp)
+            (
+                Ipv4Addr::new(198, 51, 100, 20).into(),
+                Some(443),
+                ProtocolArg::Tcp
+            )
         );
+        for (dst, port) in [
+            ("2001:db8:100::20", None),
+            ("[2001:db8:100::20]:80", Some(80)),
+        ] {
+            let cli = Cli::try_parse_from([
+                "tandem-nodeproxy",
+                "trace",
+                "--src",
+                "2001:db8::5",
+                "--dst",
+                dst,
+            ])
+            .unwrap();
+            let Some(Command::Trace(args)) = cli.command else {
+                panic!("not trace")
+            };
+            assert_eq!(args.dst.ip, "2001:db8:100::20".parse::<IpAddr>().unwrap());
+            assert_eq!(args.dst.port, port);
+        }
         assert!(
             Cli::try_parse_from([
                 "tandem-nodeproxy",

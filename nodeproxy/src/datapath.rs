@@ -1,5 +1,5 @@
 //! The two data paths the sync loop can program, behind one interface: the kube-proxy v1.21
-//! iptables layout (the default) and the nftables table `ip tandem`. Each keeps its desired
+//! iptables layout (the default) and the nftables table `ip tandem` (`ip6 tandem`). Each keeps its desired
 //! rules current one changed Service port at a time, can be checked against a full rebuild,
 //! writes only what changed, and is read back from the kernel every sync period to repair
 //! what someone else changed.
@@ -52,12 +52,12 @@ pub async fn start(
             }
             Ok(DataPath::iptables(node, Syncer::new(tools)))
         }
-        ProxyMode::Nftables if node.family == IpFamily::V6 => Err(StartError::NftablesIpv6),
         ProxyMode::Nftables => {
-            let kernel = tokio::task::spawn_blocking(Netlink::open)
+            let family = node.family;
+            let kernel = tokio::task::spawn_blocking(move || open_netlink(family))
                 .await
                 .map_err(|e| StartError::Task(e.to_string()))??;
-            tracing::info!("nftables mode: table ip tandem, written through netlink");
+            tracing::info!(table = %family.nft_table(), "nftables mode, written through netlink");
             Ok(DataPath::nftables(node, kernel, backend))
         }
     }
@@ -86,6 +86,11 @@ async fn enable_route_localnet() -> Result<(), StartError> {
         .map_err(StartError::RouteLocalnet)
 }
 
+/// A netlink socket that reads our table of `family`.
+fn open_netlink(family: IpFamily) -> Result<Netlink, KernelError> {
+    Ok(Netlink::open()?.reading(family))
+}
+
 /// `--cleanup`: everything either mode installs, in both families.
 pub async fn cleanup(backend_choice: BackendChoice) -> Result<(), StartError> {
     let (backend, reason) = backend::resolve(backend_choice).await;
@@ -98,12 +103,13 @@ pub async fn cleanup(backend_choice: BackendChoice) -> Result<(), StartError> {
     if let Err(error) = Syncer::new(ipv6).cleanup().await {
         tracing::warn!(%error, tools = %ipv6, "could not remove IPv6 rules");
     }
-    remove_nftables_table().await
+    remove_nftables_table(IpFamily::V4).await?;
+    remove_nftables_table(IpFamily::V6).await
 }
 
-/// Deletes table `ip tandem` (no error when it is not there).
-pub async fn remove_nftables_table() -> Result<(), StartError> {
-    tokio::task::spawn_blocking(|| Netlink::open()?.apply(&Transaction::delete_all()))
+/// Deletes our table of `family` (no error when it is not there).
+pub async fn remove_nftables_table(family: IpFamily) -> Result<(), StartError> {
+    tokio::task::spawn_blocking(move || Netlink::open()?.apply(&Transaction::delete_all(family)))
         .await
         .map_err(|e| StartError::Task(e.to_string()))??;
     Ok(())
@@ -119,10 +125,6 @@ pub enum StartError {
     Task(String),
     #[error("setting {ROUTE_LOCALNET}: {0}")]
     RouteLocalnet(std::io::Error),
-    #[error(
-        "the nftables mode serves IPv4 only in this release; run the iptables mode for IPv6 (--cluster-cidr holds an IPv6 CIDR)"
-    )]
-    NftablesIpv6,
 }
 
 pub enum DataPath {
@@ -135,7 +137,7 @@ pub struct IptablesPath {
     syncer: Syncer,
     /// Chains changed since the last successful apply.
     changed: ChangedChains,
-    /// Table `ip tandem` of the nftables mode may be there: removed after the first
+    /// The nftables mode's table of this family may be there: removed after the first
     /// successful apply.
     remove_nftables_table: bool,
 }
@@ -294,9 +296,10 @@ impl DataPath {
             }
             DataPath::Nftables(path) => {
                 path.written_since_read = Written::default();
+                let family = path.family();
                 tokio::task::spawn_blocking(move || {
                     let read =
-                        Netlink::open().and_then(|mut kernel| kernel.read_table(TABLE, true));
+                        open_netlink(family).and_then(|mut kernel| kernel.read_table(TABLE, true));
                     ReadBack {
                         kernel: KernelRead::Nftables(read),
                         elapsed: started.elapsed(),
@@ -335,7 +338,7 @@ impl DataPath {
                 0
             }
             (_, KernelRead::Nftables(Err(error))) => {
-                tracing::warn!(%error, "reading back table ip tandem failed; trying again next period");
+                tracing::warn!(%error, "reading back our nftables table failed; trying again next period");
                 metrics.readback_failures.inc();
                 0
             }
@@ -421,9 +424,11 @@ impl IptablesPath {
                 }
                 if std::mem::take(&mut self.remove_nftables_table) {
                     // A kernel without nf_tables has no table of ours to remove either.
-                    match remove_nftables_table().await {
+                    let family = self.rules.node().family;
+                    match remove_nftables_table(family).await {
                         Ok(()) => tracing::info!(
-                            "table ip tandem of the nftables mode removed, if it was there"
+                            table = %family.nft_table(),
+                            "the nftables mode's table removed, if it was there"
                         ),
                         Err(error) => {
                             tracing::warn!(%error, "could not remove the nftables mode's table")
@@ -512,6 +517,10 @@ impl IptablesPath {
 }
 
 impl NftablesPath {
+    fn family(&self) -> IpFamily {
+        self.rules.ruleset().family
+    }
+
     async fn apply(&mut self, metrics: &Metrics) -> bool {
         let full = !self.in_sync;
         let tx = if full {
@@ -560,11 +569,13 @@ impl NftablesPath {
                 self.in_sync = true;
                 if write == Write::Adopted {
                     tracing::info!(
+                        table = %self.family().nft_table(),
                         elapsed_ms = started.elapsed().as_millis() as u64,
-                        "table ip tandem already holds these rules; kept as it is"
+                        "the table already holds these rules; kept as it is"
                     );
                 } else {
                     tracing::info!(
+                        table = %self.family().nft_table(),
                         full,
                         ops,
                         elapsed_ms = started.elapsed().as_millis() as u64,
@@ -599,7 +610,7 @@ impl NftablesPath {
     }
 
     fn reopen(&mut self) -> bool {
-        match Netlink::open() {
+        match open_netlink(self.family()) {
             Ok(kernel) => self.kernel = Some(kernel),
             Err(error) => tracing::error!(%error, "opening a netlink socket"),
         }
@@ -625,6 +636,7 @@ impl NftablesPath {
     /// (after a transaction wrote them).
     fn refresh_digests(&mut self) {
         let ruleset = self.rules.ruleset();
+        let family = ruleset.family;
         let digests = &mut self.digests;
         digests
             .chains
@@ -634,12 +646,16 @@ impl NftablesPath {
             .retain(|name, _| ruleset.sets.contains_key(name));
         for (name, chain) in &ruleset.chains {
             if !digests.chains.contains_key(name) {
-                digests.chains.insert(name.clone(), ChainDigest::of(chain));
+                digests
+                    .chains
+                    .insert(name.clone(), ChainDigest::of(chain, family));
             }
         }
         for (name, set) in &ruleset.sets {
             if !digests.sets.contains_key(name) {
-                digests.sets.insert(name.clone(), SetDigest::of(name, set));
+                digests
+                    .sets
+                    .insert(name.clone(), SetDigest::of(name, set, family));
             }
         }
     }
@@ -664,8 +680,9 @@ impl NftablesPath {
         if found.is_empty() {
             return 0;
         }
+        let table = self.family().nft_table();
         if kernel.chains.is_empty() {
-            tracing::warn!("table ip tandem is gone; writing it whole");
+            tracing::warn!(%table, "our table is gone; writing it whole");
             count_repairs(metrics, RepairedObject::Table, 1);
             self.in_sync = false;
             return 1;
@@ -675,21 +692,22 @@ impl NftablesPath {
                 self.digests.chains.get(name).map_or(0, |c| c.rules.len()),
                 kernel.chains.get(name).map_or(0, |c| c.rules.len()),
             );
-            tracing::warn!(chain = %name, ?drift, rules_written = ours, rules_in_kernel = theirs, "chain of table ip tandem differs from what was written; repairing it");
+            tracing::warn!(%table, chain = %name, ?drift, rules_written = ours, rules_in_kernel = theirs, "chain differs from what was written; repairing it");
         }
         for (name, drift) in found.sets.iter().take(LOGGED_OBJECTS) {
             let (ours, theirs) = (
                 self.digests.sets.get(name).map_or(0, |s| s.elements),
                 kernel.sets.get(name).map_or(0, |s| s.elements),
             );
-            tracing::warn!(set = %name, ?drift, elements_written = ours, elements_in_kernel = theirs, "set of table ip tandem differs from what was written; repairing it");
+            tracing::warn!(%table, set = %name, ?drift, elements_written = ours, elements_in_kernel = theirs, "set differs from what was written; repairing it");
         }
         let (chains, sets) = (found.chains.len(), found.sets.len());
         if chains + sets > LOGGED_OBJECTS {
             tracing::warn!(
+                %table,
                 chains,
                 sets,
-                "table ip tandem: more chains and sets differ than logged; repairing them all"
+                "more chains and sets differ than logged; repairing them all"
             );
         }
         count_repairs(metrics, RepairedObject::Chain, chains);
@@ -707,14 +725,15 @@ enum Write {
     Adopted,
 }
 
-/// Whether the kernel's table ip tandem holds exactly the chains and sets of `expected`.
+/// Whether our table in the kernel (of the family `kernel` reads) holds exactly the chains
+/// and sets of `expected`.
 /// Replacing a table in one transaction is atomic for the rules, but a restart that
 /// writes nothing cannot open a gap for any packet, and costs one read instead of a write.
 fn kernel_holds(kernel: &mut Netlink, expected: &TableDigest) -> bool {
     match kernel.read_table(TABLE, true) {
         Ok(found) => TableDrift::between(expected, &found, |_, _| false).is_empty(),
         Err(error) => {
-            tracing::warn!(%error, "reading table ip tandem before the first write failed; replacing it");
+            tracing::warn!(%error, "reading our table before the first write failed; replacing it");
             false
         }
     }

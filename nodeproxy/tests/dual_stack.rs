@@ -1,8 +1,8 @@
 //! The `tandem-nodeproxy` binary with a proxier per IP family, with real packets of both
 //! families, in the virtual cluster of `tandem-netlab` (root only) with IPv6 added on
 //! every link. One node with two pods; the API server stand-in (dual-stack Service CIDRs)
-//! and the node proxy (`--cluster-cidr` of both families, iptables mode) run in the
-//! node's namespace; the edge routes each LB IP to the node's address of its family
+//! and the node proxy (`--cluster-cidr` of both families, each proxy mode in turn) run in
+//! the node's namespace; the edge routes each LB IP to the node's address of its family
 //! (passthrough). Clients connect from their own namespaces: the in-range client's
 //! networks are in every Service's source ranges, the out-of-range client's are not.
 
@@ -22,13 +22,14 @@ use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use tandem_apiserver::service::ServiceCidrs;
-use tandem_netlab::{Host, Netns, Pod, Topology};
+use tandem_netlab::{Host, Netns, Node, Pod, Topology};
 use tandem_nodeproxy::backend::{Backend, Tools};
 use tandem_proxy_rules::model::IpFamily;
 use tokio::process::{Child, Command};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tandem-nodeproxy");
 const POD_PORT: u16 = 8080;
+const CLUSTER_CIDRS: &str = "10.244.0.0/16,fd00:10:244::/56";
 const NODE_V6: &str = "2001:db8:18::11";
 const EDGE_NODE_NET_V6: &str = "2001:db8:18::1";
 const CLIENT_IN_RANGE_V6: &str = "2001:db8:203::7";
@@ -303,7 +304,7 @@ fn spawn_proxy(kubeconfig: &str, node_name: &str, mode: &str, log: Stdio) -> Chi
             "--proxy-mode",
             mode,
             "--cluster-cidr",
-            "10.244.0.0/16,fd00:10:244::/56",
+            CLUSTER_CIDRS,
             "--healthz-bind-address",
             "0.0.0.0:10256",
             "--metrics-bind-address",
@@ -328,6 +329,107 @@ fn ip6tables() -> Tools {
 
 fn ip6tables_save(table: &str) -> String {
     run(ip6tables().save(), &["-t", table])
+}
+
+/// `nft list table ip tandem` (or `ip6`); empty without the table.
+fn nft_table(family: IpFamily) -> String {
+    let table = family.nft_table();
+    let output = std::process::Command::new("nft")
+        .arg("list")
+        .arg("table")
+        .args(table.split(' '))
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The node proxy's IPv6 NAT rules in `mode`, as the kernel lists them.
+fn ipv6_rules(mode: &str) -> String {
+    match mode {
+        "iptables" => ip6tables_save("nat"),
+        _ => nft_table(IpFamily::V6),
+    }
+}
+
+/// How `pod`'s IPv6 endpoint shows in [`ipv6_rules`]: a DNAT target, or an endpoint map
+/// element.
+fn endpoint_in_rules(mode: &str, pod: &Pod) -> String {
+    match mode {
+        "iptables" => format!("[{}]:{POD_PORT}", pod_v6(pod)),
+        _ => format!("{} . {POD_PORT}", pod_v6(pod)),
+    }
+}
+
+/// An IPv6 rule someone else deleted: a KUBE-SEP DNAT rule with ip6tables, or the
+/// dispatch rule of `services` in `ip6 tandem` with nft.
+struct Deleted {
+    mode: &'static str,
+    count: usize,
+    at: Instant,
+}
+
+impl Deleted {
+    fn counted(mode: &str) -> usize {
+        let needle = match mode {
+            "iptables" => "-j DNAT",
+            _ => "vmap @service-ips",
+        };
+        ipv6_rules(mode).matches(needle).count()
+    }
+
+    fn is_back(&self) -> bool {
+        Self::counted(self.mode) == self.count
+    }
+}
+
+fn delete_an_ipv6_rule(mode: &'static str) -> Deleted {
+    let count = Deleted::counted(mode);
+    if mode == "iptables" {
+        let sep = ip6tables_save("nat")
+            .lines()
+            .find(|l| l.starts_with("-A KUBE-SEP-") && l.contains("-j DNAT"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .unwrap()
+            .to_owned();
+        run(ip6tables().iptables(), &["-t", "nat", "-D", &sep, "2"]);
+    } else {
+        run("nft", &["flush", "chain", "ip6", "tandem", "services"]);
+    }
+    assert_eq!(Deleted::counted(mode), count - 1, "{mode}: nothing deleted");
+    Deleted {
+        mode,
+        count,
+        at: Instant::now(),
+    }
+}
+
+/// From outside and from the node, both families: LB IPs spread over both pods, the
+/// source ranges, eTP Local's client address, ClusterIP and NodePort over IPv6.
+fn assert_both_families_served(
+    c1: &Host,
+    c2: &Host,
+    node: &Node,
+    cluster_ip_v6: &str,
+    node_port: u16,
+) {
+    let (c1_ns, c2_ns) = (&c1.netns, &c2.netns);
+    eprintln!("a dual-stack LoadBalancer answers on both LB IPs, over both pods");
+    assert_served(c1_ns, socket(LB_V4, 80), None);
+    assert_served(c1_ns, socket(LB_V6, 80), None);
+    eprintln!("a client outside the source ranges is dropped, in both families");
+    assert_dropped(c2_ns, socket(LB_V4, 80));
+    assert_dropped(c2_ns, socket(LB_V6, 80));
+    eprintln!("externalTrafficPolicy Local keeps the IPv6 client's address");
+    assert_served(
+        c1_ns,
+        socket(LOCAL_LB_V6, 80),
+        Some(CLIENT_IN_RANGE_V6.parse().unwrap()),
+    );
+    assert_served(c1_ns, socket(LOCAL_LB_V4, 80), Some(c1.ip.into()));
+    eprintln!("ClusterIP over IPv6 from the node, NodePort over IPv6 from outside");
+    assert_served(&node.netns, socket(cluster_ip_v6, 80), None);
+    assert_served(c1_ns, socket(NODE_V6, node_port), None);
+    assert_served(c1_ns, SocketAddr::new(node.ip.into(), node_port), None);
 }
 #[test]
 fn both_families_are_served_with_real_packets() {
@@ -400,100 +502,90 @@ fn both_families_are_served_with_real_packets() {
         let cluster_ip_v6 = web["spec"]["clusterIPs"][1].as_str().unwrap().to_owned();
         let node_port = web["spec"]["ports"][0]["nodePort"].as_u64().unwrap() as u16;
 
-        // The nftables mode serves IPv4 only: with an IPv6 cluster CIDR it refuses
-        // to start, and says why.
-        let refused = spawn_proxy(&kubeconfig, &node.name, "nftables", Stdio::piped())
-            .wait_with_output()
+        for mode in ["iptables", "nftables"] {
+            eprintln!("{mode} mode");
+            let proxy = spawn_proxy(&kubeconfig, &node.name, mode, Stdio::inherit());
+            let started = Instant::now();
+            let pod_endpoint = endpoint_in_rules(mode, &pods[1]);
+            while !ipv6_rules(mode).contains(&pod_endpoint) {
+                assert!(
+                    started.elapsed() < Duration::from_secs(30),
+                    "no IPv6 rules:\n{}",
+                    ipv6_rules(mode)
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            eprintln!(
+                "{mode}: IPv6 rules in {:?} after the start",
+                started.elapsed()
+            );
+            let (client, outsider, this_node) = (c1.clone(), c2.clone(), node.clone());
+            let cluster_ip_v6 = cluster_ip_v6.clone();
+            tokio::task::spawn_blocking(move || {
+                assert_both_families_served(
+                    &client,
+                    &outsider,
+                    &this_node,
+                    &cluster_ip_v6,
+                    node_port,
+                )
+            })
             .await
             .unwrap();
-        assert!(!refused.status.success());
-        let log = String::from_utf8_lossy(&refused.stderr);
-        assert!(log.contains("nftables mode serves IPv4 only"), "{log}");
 
-        let proxy = spawn_proxy(&kubeconfig, &node.name, "iptables", Stdio::inherit());
-        let started = Instant::now();
-        while !ip6tables_save("nat").contains(&format!("[{}]:{POD_PORT}", pod_v6(&pods[1]))) {
+            // The tracer follows an IPv6 packet through the IPv6 proxier's rules.
+            let traced = Command::new(BIN)
+                .args(["--kubeconfig", &kubeconfig, "--node-name", &node.name])
+                .args(["--cluster-cidr", CLUSTER_CIDRS, "--proxy-mode", mode])
+                .args(["trace", "--src", CLIENT_IN_RANGE_V6])
+                .args(["--dst", &format!("[{LB_V6}]:80")])
+                .output()
+                .await
+                .unwrap();
+            let traced = String::from_utf8_lossy(&traced.stdout);
+            for pod in &pods {
+                let dnat = format!("DNAT to [{}]:{POD_PORT}", pod_v6(pod));
+                assert!(traced.contains(&dnat), "{mode}: {dnat} not in\n{traced}");
+            }
+
+            // /healthz answers on the node's IPv6 address too (`0.0.0.0` means both).
+            let healthz = ask_http(&c1.netns, socket(NODE_V6, 10256)).await;
+            assert!(healthz.starts_with("HTTP/1.1 200"), "{healthz}");
+
+            // The IPv6 proxier's read-back repairs its own rules: what someone deletes
+            // is back within a sync period.
+            let deleted = delete_an_ipv6_rule(mode);
+            while !deleted.is_back() {
+                assert!(
+                    deleted.at.elapsed() < Duration::from_secs(10),
+                    "{mode}: the IPv6 rule was not repaired:\n{}",
+                    ipv6_rules(mode)
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            eprintln!(
+                "{mode}: the IPv6 rule deleted is back {:?} later",
+                deleted.at.elapsed()
+            );
+
+            terminate(proxy).await;
+            // --cleanup removes the rules of both families, in both modes.
+            let cleaned = Command::new(BIN)
+                .args(["--cleanup"])
+                .status()
+                .await
+                .unwrap();
+            assert!(cleaned.success());
+            for family in [IpFamily::V4, IpFamily::V6] {
+                assert_eq!(nft_table(family), "", "{mode}: {family} table left");
+            }
             assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "no IPv6 rules:\n{}",
+                !ip6tables_save("nat").contains("KUBE-SVC-"),
+                "{}",
                 ip6tables_save("nat")
             );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(!save(Backend::Nft, "nat").contains("KUBE-SVC-"));
         }
-        eprintln!(
-            "IPv6 rules in ip6tables {:?} after the start",
-            started.elapsed()
-        );
-
-        let (c1_ns, c2_ns) = (c1.netns.clone(), c2.netns.clone());
-        let node_ns = node.netns.clone();
-        let node_v4 = node.ip;
-        tokio::task::spawn_blocking(move || {
-            eprintln!("a dual-stack LoadBalancer answers on both LB IPs, over both pods");
-            assert_served(&c1_ns, socket(LB_V4, 80), None);
-            assert_served(&c1_ns, socket(LB_V6, 80), None);
-            eprintln!("a client outside the source ranges is dropped, in both families");
-            assert_dropped(&c2_ns, socket(LB_V4, 80));
-            assert_dropped(&c2_ns, socket(LB_V6, 80));
-            eprintln!("externalTrafficPolicy Local keeps the IPv6 client's address");
-            assert_served(
-                &c1_ns,
-                socket(LOCAL_LB_V6, 80),
-                Some(CLIENT_IN_RANGE_V6.parse().unwrap()),
-            );
-            assert_served(&c1_ns, socket(LOCAL_LB_V4, 80), Some(c1.ip.into()));
-            eprintln!("ClusterIP over IPv6 from the node, NodePort over IPv6 from outside");
-            assert_served(&node_ns, socket(&cluster_ip_v6, 80), None);
-            assert_served(&c1_ns, socket(NODE_V6, node_port), None);
-            assert_served(&c1_ns, SocketAddr::new(node_v4.into(), node_port), None);
-        })
-        .await
-        .unwrap();
-
-        // /healthz answers on the node's IPv6 address too (`0.0.0.0` means both).
-        let healthz = ask_http(&c1.netns, socket(NODE_V6, 10256)).await;
-        assert!(healthz.starts_with("HTTP/1.1 200"), "{healthz}");
-
-        // The IPv6 proxier's read-back repairs its own rules: a DNAT rule someone deletes
-        // with ip6tables is back within a sync period.
-        let nat = ip6tables_save("nat");
-        let sep = nat
-            .lines()
-            .find(|l| l.starts_with("-A KUBE-SEP-") && l.contains("-j DNAT"))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .unwrap()
-            .to_owned();
-        let dnat_rules = |nat: &str| nat.lines().filter(|l| l.contains("-j DNAT")).count();
-        let before = dnat_rules(&nat);
-        run(ip6tables().iptables(), &["-t", "nat", "-D", &sep, "2"]);
-        assert_eq!(dnat_rules(&ip6tables_save("nat")), before - 1);
-        let deleted = Instant::now();
-        while dnat_rules(&ip6tables_save("nat")) < before {
-            assert!(
-                deleted.elapsed() < Duration::from_secs(10),
-                "the IPv6 DNAT rule of {sep} was not repaired"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        eprintln!(
-            "IPv6 DNAT rule back {:?} after it was deleted",
-            deleted.elapsed()
-        );
-
-        terminate(proxy).await;
-        // --cleanup removes the rules of both families.
-        let cleaned = Command::new(BIN)
-            .args(["--cleanup"])
-            .status()
-            .await
-            .unwrap();
-        assert!(cleaned.success());
-        assert!(
-            !ip6tables_save("nat").contains("KUBE-SVC-"),
-            "{}",
-            ip6tables_save("nat")
-        );
-        assert!(!save(Backend::Nft, "nat").contains("KUBE-SVC-"));
         let _ = std::fs::remove_file(&kubeconfig);
         server.shutdown().await.unwrap();
     });

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::hash::{DefaultHasher, Hasher};
 
 use crate::encode::attributes;
-use crate::model::{Chain, Ruleset, Set, SetSpec};
+use crate::model::{Chain, IpFamily, Ruleset, Set, SetSpec};
 
 /// One chain: its declaration (hook, priority, type and policy of a base chain) and a
 /// digest per rule, in order.
@@ -27,13 +27,14 @@ pub struct ChainDigest {
 }
 
 impl ChainDigest {
-    pub fn of(chain: &Chain) -> Self {
+    /// The digest of `chain` in our table of `family`.
+    pub fn of(chain: &Chain, family: IpFamily) -> Self {
         Self {
             declaration: chain_declaration(&attributes::chain(chain.base.as_ref())),
             rules: chain
                 .rules
                 .iter()
-                .map(|rule| rule_digest(&attributes::rule(rule)))
+                .map(|rule| rule_digest(&attributes::rule(rule, family)))
                 .collect(),
         }
     }
@@ -50,9 +51,10 @@ pub struct SetDigest {
 }
 
 impl SetDigest {
-    pub fn of(name: &str, set: &Set) -> Self {
+    /// The digest of set `name` in our table of `family`.
+    pub fn of(name: &str, set: &Set, family: IpFamily) -> Self {
         let mut digest = Self {
-            declaration: set_declaration(&attributes::set(name, set.spec)).0,
+            declaration: set_declaration(&attributes::set(name, set.spec, family)).0,
             ..Self::default()
         };
         if !matches!(set.spec, SetSpec::Dynamic { .. }) {
@@ -87,12 +89,12 @@ impl TableDigest {
             chains: ruleset
                 .chains
                 .iter()
-                .map(|(name, chain)| (name.clone(), ChainDigest::of(chain)))
+                .map(|(name, chain)| (name.clone(), ChainDigest::of(chain, ruleset.family)))
                 .collect(),
             sets: ruleset
                 .sets
                 .iter()
-                .map(|(name, set)| (name.clone(), SetDigest::of(name, set)))
+                .map(|(name, set)| (name.clone(), SetDigest::of(name, set, ruleset.family)))
                 .collect(),
         }
     }
@@ -431,7 +433,7 @@ pub(crate) fn listed_elements(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
 
 #[cfg(test)]
 mod tests {
-    use std::net::{Ipv4Addr, SocketAddrV4};
+    use std::net::{Ipv4Addr, SocketAddr};
 
     use super::*;
     use crate::model::{Key, KeyType, Match, Protocol, Rule, Statement, Value as ElementValue};
@@ -439,7 +441,7 @@ mod tests {
     fn dnat(port: u16) -> Rule {
         Rule::when(
             vec![Match::Protocol(Protocol::Tcp)],
-            Statement::Dnat(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 2), port)),
+            Statement::Dnat(SocketAddr::new(Ipv4Addr::new(10, 244, 1, 2).into(), port)),
         )
     }
 
@@ -455,7 +457,7 @@ mod tests {
 
     #[test]
     fn a_rule_digest_follows_what_the_rule_does() {
-        let digest = |rule: &Rule| rule_digest(&attributes::rule(rule));
+        let digest = |rule: &Rule| rule_digest(&attributes::rule(rule, IpFamily::V4));
         assert_eq!(digest(&dnat(80)), digest(&dnat(80)));
         assert_ne!(digest(&dnat(80)), digest(&dnat(81)));
         assert_ne!(
@@ -495,6 +497,7 @@ mod tests {
         map.elements
             .insert(Key::Index(0), ElementValue::Verdict(crate::Verdict::Drop));
         let written = Ruleset {
+            family: IpFamily::V4,
             chains: [
                 ("a".to_owned(), Chain::default()),
                 (

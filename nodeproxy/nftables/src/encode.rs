@@ -8,9 +8,9 @@
 //! order for marks, conntrack state, fib results and `numgen` indexes).
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 
 use crate::model::{
     BUCKETS, BaseChain, ChainType, DispatchKey, Hook, IpFamily, Key, KeyType, Match, Protocol,
@@ -98,6 +98,7 @@ const NFT_DATA_VERDICT: u32 = 0xffff_ff00;
 /// nft's data types (`enum datatypes`), concatenated 6 bits each for a concat key.
 const TYPE_INTEGER: u32 = 4;
 const TYPE_IPADDR: u32 = 7;
+const TYPE_IP6ADDR: u32 = 8;
 const TYPE_INET_PROTOCOL: u32 = 12;
 const TYPE_INET_SERVICE: u32 = 13;
 const CONCAT_TYPE_BITS: u32 = 6;
@@ -129,19 +130,20 @@ const PROTO_DESC_UDP: u32 = 6;
 const PROTO_DESC_TCP: u32 = 8;
 const PROTO_DESC_SCTP: u32 = 10;
 const PROTO_DESC_IP: u32 = 12;
+const PROTO_DESC_IP6: u32 = 13;
 const IPHDR_DADDR: u32 = 12;
+const IP6HDR_DADDR: u32 = 9;
 const TRANSPORT_HDR_DPORT: u32 = 2;
 const BYTEORDER_UNKNOWN: u32 = 0;
 const BYTEORDER_HOST: u32 = 1;
 const BYTEORDER_BIG_ENDIAN: u32 = 2;
 
-// Registers: the verdict register, the first 16-byte register (as nft names its first
-// 4 bytes) and the 32-bit registers that follow it in a concatenation.
+// Registers: the verdict register, the 16-byte registers and the first 32-bit one (the
+// 32-bit registers share the 16-byte ones' storage, four to one).
 const NFT_REG_VERDICT: u32 = 0;
 const NFT_REG_1: u32 = 1;
 const NFT_REG_2: u32 = 2;
-const NFT_REG32_01: u32 = 9;
-const NFT_REG32_02: u32 = 10;
+const NFT_REG32_00: u32 = 8;
 
 // Verdict codes.
 const NF_DROP: u32 = 0;
@@ -217,16 +219,68 @@ const NFTA_REJECT_TYPE: u16 = 1;
 const NFTA_REJECT_ICMP_CODE: u16 = 2;
 const NFT_REJECT_ICMP_UNREACH: u32 = 0;
 const ICMP_PORT_UNREACH: u8 = 3;
+const ICMPV6_PORT_UNREACH: u8 = 4;
 const NFTA_DYNSET_SET_NAME: u16 = 1;
 const NFTA_DYNSET_SET_ID: u16 = 2;
 const NFTA_DYNSET_OP: u16 = 3;
 const NFTA_DYNSET_SREG_KEY: u16 = 4;
 const NFT_DYNSET_OP_UPDATE: u32 = 1;
 
-// IPv4 header offsets and the transport destination port.
-const IP_SADDR_OFFSET: u32 = 12;
-const IP_DADDR_OFFSET: u32 = 16;
 const TRANSPORT_DPORT_OFFSET: u32 = 2;
+
+/// What the encoding of each family differs in.
+#[derive(Debug, Clone, Copy)]
+struct Family {
+    nfproto: u8,
+    /// nft's address data type.
+    address_type: u32,
+    address_len: u32,
+    saddr_offset: u32,
+    daddr_offset: u32,
+    /// `ip daddr` or `ip6 daddr` in typeof user data.
+    daddr_typeof: (u32, u32),
+    port_unreachable: u8,
+}
+
+impl Family {
+    fn of(family: IpFamily) -> Self {
+        match family {
+            IpFamily::V4 => Self {
+                nfproto: NFPROTO_IPV4,
+                address_type: TYPE_IPADDR,
+                address_len: 4,
+                saddr_offset: 12,
+                daddr_offset: 16,
+                daddr_typeof: (PROTO_DESC_IP, IPHDR_DADDR),
+                port_unreachable: ICMP_PORT_UNREACH,
+            },
+            IpFamily::V6 => Self {
+                nfproto: NFPROTO_IPV6,
+                address_type: TYPE_IP6ADDR,
+                address_len: 16,
+                saddr_offset: 8,
+                daddr_offset: 24,
+                daddr_typeof: (PROTO_DESC_IP6, IP6HDR_DADDR),
+                port_unreachable: ICMPV6_PORT_UNREACH,
+            },
+        }
+    }
+
+    /// The address's 32-bit words in a concatenation: the register of the field after it.
+    fn address_words(self) -> u32 {
+        self.address_len / 4
+    }
+}
+
+/// The register a concatenation's field lands in when `words` 32-bit words precede it,
+/// named as nft names it: a 16-byte register where one starts there, else a 32-bit one.
+fn concat_register(words: u32) -> u32 {
+    if words.is_multiple_of(4) {
+        NFT_REG_1 + words / 4
+    } else {
+        NFT_REG32_00 + words
+    }
+}
 
 /// The batch is built in buffers of this size, each holding whole messages and sent
 /// together in one `sendmsg` (an iovec each): no single allocation as large as a whole
@@ -299,6 +353,7 @@ impl Batch {
 /// `tx` as one batch whose messages are numbered from `first_seq` (the batch begin).
 pub fn batch(tx: &Transaction, first_seq: u32) -> Result<Batch, EncodeError> {
     let mut encoder = Encoder {
+        family: Family::of(tx.family),
         out: Writer::default(),
         chunks: Vec::new(),
         seq: first_seq,
@@ -312,7 +367,7 @@ pub fn batch(tx: &Transaction, first_seq: u32) -> Result<Batch, EncodeError> {
         if encoder.out.overflow {
             return Err(EncodeError::TooLarge {
                 index,
-                operation: crate::render::operation(op),
+                operation: crate::render::operation(op, tx.family),
             });
         }
     }
@@ -339,10 +394,7 @@ pub(crate) fn dump_request(
         (NFNL_SUBSYS_NFTABLES << 8) | kind,
         NLM_F_REQUEST | NLM_F_DUMP,
         seq,
-        match family {
-            IpFamily::V4 => NFPROTO_IPV4,
-            IpFamily::V6 => NFPROTO_IPV6,
-        },
+        Family::of(family).nfproto,
         0,
         body,
     );
@@ -420,6 +472,7 @@ impl Writer {
 }
 
 struct Encoder {
+    family: Family,
     /// The chunk being written.
     out: Writer,
     /// Full chunks.
@@ -462,7 +515,7 @@ impl Encoder {
             (NFNL_SUBSYS_NFTABLES << 8) | kind,
             NLM_F_REQUEST | flags,
             seq,
-            NFPROTO_IPV4,
+            self.family.nfproto,
             0,
             body,
         );
@@ -502,7 +555,7 @@ impl Encoder {
             }),
             Op::AddRule { chain, rule } => {
                 let mut body = Writer::default();
-                rule_body(&mut body, rule, &self.set_ids);
+                rule_body(&mut body, rule, &self.set_ids, self.family);
                 self.message(index, NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, |w| {
                     w.string(NFTA_RULE_TABLE, TABLE);
                     w.string(NFTA_RULE_CHAIN, chain);
@@ -514,8 +567,9 @@ impl Encoder {
                 self.last_set_id += 1;
                 let id = self.last_set_id;
                 self.set_ids.insert(name.clone(), id);
+                let family = self.family;
                 self.message(index, NFT_MSG_NEWSET, NLM_F_CREATE, |w| {
-                    set_declaration(w, name, *spec, id)
+                    set_declaration(w, name, *spec, id, family)
                 })
             }
             Op::DeleteSet(name) => {
@@ -587,9 +641,9 @@ impl Encoder {
 }
 
 /// A rule's attributes after its table and chain: its expressions and its comment.
-fn rule_body(w: &mut Writer, rule: &Rule, set_ids: &BTreeMap<String, u32>) {
+fn rule_body(w: &mut Writer, rule: &Rule, set_ids: &BTreeMap<String, u32>, family: Family) {
     w.nest(NFTA_RULE_EXPRESSIONS, |w| {
-        rule_expressions(w, rule, set_ids)
+        rule_expressions(w, rule, set_ids, family)
     });
     if let Some(comment) = &rule.comment {
         // A user-data TLV holds at most 255 bytes (NUL included).
@@ -605,8 +659,8 @@ fn rule_body(w: &mut Writer, rule: &Rule, set_ids: &BTreeMap<String, u32>) {
 pub(crate) mod attributes {
     use std::collections::BTreeMap;
 
-    use super::{Writer, base_chain, rule_body, set_declaration};
-    use crate::model::{BaseChain, Key, Rule, SetSpec, Value};
+    use super::{Family, Writer, base_chain, rule_body, set_declaration};
+    use crate::model::{BaseChain, IpFamily, Key, Rule, SetSpec, Value};
 
     /// A chain's hook, type and policy (none for a regular chain).
     pub(crate) fn chain(base: Option<&BaseChain>) -> Vec<u8> {
@@ -617,17 +671,18 @@ pub(crate) mod attributes {
         w.buf
     }
 
-    /// A rule's expressions and comment; the sets it names are not declared alongside.
-    pub(crate) fn rule(rule: &Rule) -> Vec<u8> {
+    /// A rule's expressions and comment in a table of `family`; the sets it names are
+    /// not declared alongside.
+    pub(crate) fn rule(rule: &Rule, family: IpFamily) -> Vec<u8> {
         let mut w = Writer::default();
-        rule_body(&mut w, rule, &BTreeMap::new());
+        rule_body(&mut w, rule, &BTreeMap::new(), Family::of(family));
         w.buf
     }
 
-    /// A set's declaration.
-    pub(crate) fn set(name: &str, spec: SetSpec) -> Vec<u8> {
+    /// A set's declaration in a table of `family`.
+    pub(crate) fn set(name: &str, spec: SetSpec, family: IpFamily) -> Vec<u8> {
         let mut w = Writer::default();
-        set_declaration(&mut w, name, spec, 0);
+        set_declaration(&mut w, name, spec, 0, Family::of(family));
         w.buf
     }
 
@@ -657,13 +712,13 @@ fn base_chain(w: &mut Writer, base: &BaseChain) {
     });
 }
 
-fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
+fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32, family: Family) {
     w.string(NFTA_SET_TABLE, TABLE);
     w.string(NFTA_SET_NAME, name);
     let mut udata = Vec::new();
     match spec {
         SetSpec::VerdictMap(key) => {
-            let (key_type, key_len) = key_type_and_len(key);
+            let (key_type, key_len) = key_type_and_len(key, family);
             w.u32(NFTA_SET_FLAGS, NFT_SET_MAP);
             w.u32(NFTA_SET_KEY_TYPE, key_type);
             w.u32(NFTA_SET_KEY_LEN, key_len);
@@ -678,9 +733,9 @@ fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
             w.u32(NFTA_SET_KEY_LEN, 4);
             w.u32(
                 NFTA_SET_DATA_TYPE,
-                concat_type(&[TYPE_IPADDR, TYPE_INET_SERVICE]),
+                concat_type(&[family.address_type, TYPE_INET_SERVICE]),
             );
-            w.u32(NFTA_SET_DATA_LEN, 8);
+            w.u32(NFTA_SET_DATA_LEN, family.address_len + 4);
             w.u32(NFTA_SET_ID, id);
             udata_u32(&mut udata, NFTNL_UDATA_SET_KEYBYTEORDER, BYTEORDER_HOST);
             udata_u32(&mut udata, NFTNL_UDATA_SET_DATABYTEORDER, BYTEORDER_UNKNOWN);
@@ -688,12 +743,12 @@ fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
             udata_raw(
                 &mut udata,
                 NFTNL_UDATA_SET_DATA_TYPEOF,
-                &endpoint_typeof(protocol),
+                &endpoint_typeof(protocol, family),
             );
             udata_u32(&mut udata, NFTNL_UDATA_SET_DATA_INTERVAL, 0);
         }
         SetSpec::AddressPairs => {
-            let (key_type, key_len) = key_type_and_len(KeyType::AddressPair);
+            let (key_type, key_len) = key_type_and_len(KeyType::AddressPair, family);
             w.u32(NFTA_SET_FLAGS, 0);
             w.u32(NFTA_SET_KEY_TYPE, key_type);
             w.u32(NFTA_SET_KEY_LEN, key_len);
@@ -707,8 +762,8 @@ fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
         }
         SetSpec::Addresses => {
             w.u32(NFTA_SET_FLAGS, 0);
-            w.u32(NFTA_SET_KEY_TYPE, TYPE_IPADDR);
-            w.u32(NFTA_SET_KEY_LEN, 4);
+            w.u32(NFTA_SET_KEY_TYPE, family.address_type);
+            w.u32(NFTA_SET_KEY_LEN, family.address_len);
             w.u32(NFTA_SET_ID, id);
             udata_u32(
                 &mut udata,
@@ -718,8 +773,8 @@ fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
         }
         SetSpec::Dynamic { timeout_seconds } => {
             w.u32(NFTA_SET_FLAGS, NFT_SET_TIMEOUT | NFT_SET_EVAL);
-            w.u32(NFTA_SET_KEY_TYPE, TYPE_IPADDR);
-            w.u32(NFTA_SET_KEY_LEN, 4);
+            w.u32(NFTA_SET_KEY_TYPE, family.address_type);
+            w.u32(NFTA_SET_KEY_LEN, family.address_len);
             w.u32(NFTA_SET_ID, id);
             w.attr(
                 NFTA_SET_TIMEOUT,
@@ -737,16 +792,17 @@ fn set_declaration(w: &mut Writer, name: &str, spec: SetSpec, id: u32) {
 
 /// nft's key type (concatenations pack one type per 6 bits) and the key length (each
 /// field of a concatenation padded to 4 bytes).
-fn key_type_and_len(key: KeyType) -> (u32, u32) {
+fn key_type_and_len(key: KeyType, family: Family) -> (u32, u32) {
+    let (address, len) = (family.address_type, family.address_len);
     match key {
         KeyType::AddressProtocolPort => (
-            concat_type(&[TYPE_IPADDR, TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]),
-            12,
+            concat_type(&[address, TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]),
+            len + 8,
         ),
         KeyType::ProtocolPort => (concat_type(&[TYPE_INET_PROTOCOL, TYPE_INET_SERVICE]), 8),
         KeyType::Index => (TYPE_INTEGER, 4),
-        KeyType::Address => (TYPE_IPADDR, 4),
-        KeyType::AddressPair => (concat_type(&[TYPE_IPADDR, TYPE_IPADDR]), 8),
+        KeyType::Address => (address, len),
+        KeyType::AddressPair => (concat_type(&[address, address]), 2 * len),
     }
 }
 
@@ -773,9 +829,9 @@ fn numgen_typeof() -> Vec<u8> {
     typeof_entry(NFT_EXPR_KIND_NUMGEN, &numgen)
 }
 
-/// `typeof ip daddr . tcp dport` (the protocol's own port field, so nft accepts the
-/// map after a `meta l4proto` match of that protocol).
-fn endpoint_typeof(protocol: Protocol) -> Vec<u8> {
+/// `typeof ip daddr . tcp dport` (`ip6 daddr` for IPv6; the protocol's own port field,
+/// so nft accepts the map after a `meta l4proto` match of that protocol).
+fn endpoint_typeof(protocol: Protocol, family: Family) -> Vec<u8> {
     let field = |desc: u32, field: u32| {
         let mut payload = Vec::new();
         udata_u32(&mut payload, NFTNL_UDATA_PAYLOAD_DESC, desc);
@@ -788,7 +844,8 @@ fn endpoint_typeof(protocol: Protocol) -> Vec<u8> {
         Protocol::Sctp => PROTO_DESC_SCTP,
     };
     let mut fields = Vec::new();
-    udata_raw(&mut fields, 0, &field(PROTO_DESC_IP, IPHDR_DADDR));
+    let (desc, daddr) = family.daddr_typeof;
+    udata_raw(&mut fields, 0, &field(desc, daddr));
     udata_raw(&mut fields, 1, &field(transport, TRANSPORT_HDR_DPORT));
     typeof_entry(NFT_EXPR_KIND_CONCAT, &fields)
 }
@@ -853,7 +910,7 @@ fn udata_string(udata: &mut Vec<u8>, kind: u8, value: &str) {
 fn key_bytes(key: &Key) -> Vec<u8> {
     match key {
         Key::AddressProtocolPort(addr, protocol, port) => {
-            let mut bytes = addr.octets().to_vec();
+            let mut bytes = octets(addr);
             bytes.extend_from_slice(&[protocol.number(), 0, 0, 0]);
             bytes.extend_from_slice(&port.to_be_bytes());
             bytes.extend_from_slice(&[0, 0]);
@@ -867,8 +924,8 @@ fn key_bytes(key: &Key) -> Vec<u8> {
         }
         // `numgen` writes its result in host order.
         Key::Index(index) => index.to_ne_bytes().to_vec(),
-        Key::Address(addr) => addr.octets().to_vec(),
-        Key::AddressPair(src, dst) => [src.octets(), dst.octets()].concat(),
+        Key::Address(addr) => octets(addr),
+        Key::AddressPair(src, dst) => [octets(src), octets(dst)].concat(),
         // Interval keys are compared as bytes: the rule turns the bucket big-endian.
         Key::Buckets { first, .. } => first.to_be_bytes().to_vec(),
     }
@@ -901,9 +958,17 @@ fn element(key: &Key, value: Option<&Value>) -> Vec<Vec<u8>> {
     vec![start.buf, end.buf]
 }
 
+/// An address in network order: 4 or 16 bytes.
+fn octets(addr: &IpAddr) -> Vec<u8> {
+    match addr {
+        IpAddr::V4(addr) => addr.octets().to_vec(),
+        IpAddr::V6(addr) => addr.octets().to_vec(),
+    }
+}
+
 /// `10.244.1.2 . 8080` in registers: the address, then the port padded to 4 bytes.
-fn endpoint_bytes(endpoint: &SocketAddrV4) -> Vec<u8> {
-    let mut bytes = endpoint.ip().octets().to_vec();
+fn endpoint_bytes(endpoint: &SocketAddr) -> Vec<u8> {
+    let mut bytes = octets(&endpoint.ip());
     bytes.extend_from_slice(&endpoint.port().to_be_bytes());
     bytes.extend_from_slice(&[0, 0]);
     bytes
@@ -925,8 +990,8 @@ fn verdict_attr(w: &mut Writer, code: u32, chain: Option<&str>) {
     });
 }
 
-fn rule_expressions(w: &mut Writer, rule: &Rule, set_ids: &BTreeMap<String, u32>) {
-    let mut e = Expressions { w, set_ids };
+fn rule_expressions(w: &mut Writer, rule: &Rule, set_ids: &BTreeMap<String, u32>, family: Family) {
+    let mut e = Expressions { w, set_ids, family };
     for m in &rule.matches {
         e.condition(m);
     }
@@ -936,6 +1001,7 @@ fn rule_expressions(w: &mut Writer, rule: &Rule, set_ids: &BTreeMap<String, u32>
 struct Expressions<'a> {
     w: &'a mut Writer,
     set_ids: &'a BTreeMap<String, u32>,
+    family: Family,
 }
 
 impl Expressions<'_> {
@@ -1020,23 +1086,30 @@ impl Expressions<'_> {
         self.cmp(NFT_CMP_EQ, &[protocol.number()]);
     }
 
-    fn address(&mut self, offset: u32, net: &Ipv4Net, negated: bool) {
+    fn address(&mut self, offset: u32, net: &IpNet, negated: bool) {
         let op = if negated { NFT_CMP_NEQ } else { NFT_CMP_EQ };
         let prefix = u32::from(net.prefix_len());
-        let addr = net.trunc().addr().octets();
-        if prefix == 32 {
-            self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, 4);
-            self.cmp(op, &net.addr().octets());
+        let addr = octets(&net.trunc().addr());
+        let full = self.family.address_len;
+        if prefix == full * 8 {
+            self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, full);
+            self.cmp(op, &octets(&net.addr()));
         } else if prefix > 0 && prefix % 8 == 0 {
             // A byte-aligned prefix loads just its bytes.
             let len = prefix / 8;
             self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
             self.cmp(op, &addr[..len as usize]);
         } else {
-            self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, 4);
-            self.bitwise(&net.netmask().octets(), &[0; 4], false);
+            self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, full);
+            self.bitwise(&octets(&net.netmask()), &vec![0; full as usize], false);
             self.cmp(op, &addr);
         }
+    }
+
+    /// The source or destination address, whole, into `dreg`.
+    fn load_address(&mut self, dreg: u32, offset: u32) {
+        let len = self.family.address_len;
+        self.payload(dreg, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
     }
 
     fn mark_bitwise(&mut self, mask: u32, xor: u32) {
@@ -1046,9 +1119,11 @@ impl Expressions<'_> {
 
     fn condition(&mut self, m: &Match) {
         match m {
-            Match::SourceAddress { net, negated } => self.address(IP_SADDR_OFFSET, net, *negated),
+            Match::SourceAddress { net, negated } => {
+                self.address(self.family.saddr_offset, net, *negated)
+            }
             Match::DestinationAddress { net, negated } => {
-                self.address(IP_DADDR_OFFSET, net, *negated)
+                self.address(self.family.daddr_offset, net, *negated)
             }
             Match::Protocol(protocol) => self.protocol(*protocol),
             Match::DestinationPort { protocol, port } => {
@@ -1071,16 +1146,17 @@ impl Expressions<'_> {
                 self.cmp(NFT_CMP_EQ, &wanted.to_ne_bytes());
             }
             Match::SourceInSet(set) => {
-                self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_SADDR_OFFSET, 4);
+                self.load_address(NFT_REG_1, self.family.saddr_offset);
                 self.lookup(set, None);
             }
             Match::DestinationInSet(set) => {
-                self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_DADDR_OFFSET, 4);
+                self.load_address(NFT_REG_1, self.family.daddr_offset);
                 self.lookup(set, None);
             }
             Match::AddressPairInSet(set) => {
-                self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_SADDR_OFFSET, 4);
-                self.payload(NFT_REG32_01, NFT_PAYLOAD_NETWORK_HEADER, IP_DADDR_OFFSET, 4);
+                let after_source = concat_register(self.family.address_words());
+                self.load_address(NFT_REG_1, self.family.saddr_offset);
+                self.load_address(after_source, self.family.daddr_offset);
                 self.lookup(set, None);
             }
         }
@@ -1112,22 +1188,26 @@ impl Expressions<'_> {
             Statement::Return => self.immediate_verdict(NFT_RETURN, None),
             Statement::Accept => self.immediate_verdict(NF_ACCEPT, None),
             Statement::Drop => self.immediate_verdict(NF_DROP, None),
-            Statement::Reject => self.expr("reject", |w| {
-                w.u32(NFTA_REJECT_TYPE, NFT_REJECT_ICMP_UNREACH);
-                w.attr(NFTA_REJECT_ICMP_CODE, &[ICMP_PORT_UNREACH]);
-            }),
+            Statement::Reject => {
+                let code = self.family.port_unreachable;
+                self.expr("reject", |w| {
+                    w.u32(NFTA_REJECT_TYPE, NFT_REJECT_ICMP_UNREACH);
+                    w.attr(NFTA_REJECT_ICMP_CODE, &[code]);
+                })
+            }
             Statement::Dispatch { key, map } => {
-                // The first field goes to register 1, the next ones to the 32-bit
-                // registers after it, as nft lays out a concatenation.
+                // The first field goes to register 1, the next ones to the registers
+                // after it, as nft lays out a concatenation.
                 let port_reg = match key {
                     DispatchKey::AddressProtocolPort => {
-                        self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_DADDR_OFFSET, 4);
-                        self.meta_load(NFT_META_L4PROTO, NFT_REG32_01);
-                        NFT_REG32_02
+                        let words = self.family.address_words();
+                        self.load_address(NFT_REG_1, self.family.daddr_offset);
+                        self.meta_load(NFT_META_L4PROTO, concat_register(words));
+                        concat_register(words + 1)
                     }
                     DispatchKey::ProtocolPort => {
                         self.meta_load(NFT_META_L4PROTO, NFT_REG_1);
-                        NFT_REG32_01
+                        concat_register(1)
                     }
                 };
                 self.payload(
@@ -1151,14 +1231,18 @@ impl Expressions<'_> {
                     w.u32(NFTA_BYTEORDER_LEN, 4);
                     w.u32(NFTA_BYTEORDER_SIZE, 4);
                 });
-                // The endpoint's address lands in register 1, its port in the next
-                // 32-bit register; nat sets "port given" itself when it has a port.
+                // The endpoint's address lands in register 1, its port in the register
+                // after it; nat sets "port given" itself when it has a port.
                 self.lookup(map, Some(NFT_REG_1));
+                let (nfproto, port_reg) = (
+                    self.family.nfproto,
+                    concat_register(self.family.address_words()),
+                );
                 self.expr("nat", |w| {
                     w.u32(NFTA_NAT_TYPE, NFT_NAT_DNAT);
-                    w.u32(NFTA_NAT_FAMILY, u32::from(NFPROTO_IPV4));
+                    w.u32(NFTA_NAT_FAMILY, u32::from(nfproto));
                     w.u32(NFTA_NAT_REG_ADDR_MIN, NFT_REG_1);
-                    w.u32(NFTA_NAT_REG_PROTO_MIN, NFT_REG32_01);
+                    w.u32(NFTA_NAT_REG_PROTO_MIN, port_reg);
                 });
             }
             Statement::SetMark(bit) => {
@@ -1175,7 +1259,7 @@ impl Expressions<'_> {
             Statement::Dnat(to) => self.dnat(to),
             Statement::AddSourceToSet(set) => {
                 let id = self.set_ids.get(set).copied();
-                self.payload(NFT_REG_1, NFT_PAYLOAD_NETWORK_HEADER, IP_SADDR_OFFSET, 4);
+                self.load_address(NFT_REG_1, self.family.saddr_offset);
                 self.expr("dynset", |w| {
                     w.u32(NFTA_DYNSET_SREG_KEY, NFT_REG_1);
                     w.u32(NFTA_DYNSET_OP, NFT_DYNSET_OP_UPDATE);
@@ -1204,13 +1288,13 @@ impl Expressions<'_> {
         });
     }
 
-    fn dnat(&mut self, to: &SocketAddrV4) {
-        let addr: Ipv4Addr = *to.ip();
-        self.immediate_data(NFT_REG_1, &addr.octets());
+    fn dnat(&mut self, to: &SocketAddr) {
+        self.immediate_data(NFT_REG_1, &octets(&to.ip()));
         self.immediate_data(NFT_REG_2, &to.port().to_be_bytes());
+        let nfproto = self.family.nfproto;
         self.expr("nat", |w| {
             w.u32(NFTA_NAT_TYPE, NFT_NAT_DNAT);
-            w.u32(NFTA_NAT_FAMILY, u32::from(NFPROTO_IPV4));
+            w.u32(NFTA_NAT_FAMILY, u32::from(nfproto));
             w.u32(NFTA_NAT_REG_ADDR_MIN, NFT_REG_1);
             w.u32(NFTA_NAT_REG_PROTO_MIN, NFT_REG_2);
             w.u32(NFTA_NAT_FLAGS, NF_NAT_RANGE_PROTO_SPECIFIED);

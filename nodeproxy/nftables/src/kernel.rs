@@ -106,12 +106,12 @@ pub struct Netlink {
     socket: Socket,
     next_seq: u32,
     send_buffer: usize,
-    /// The family of the tables it reads: `ip`, or `ip6` for iptables-nft's IPv6 tables.
+    /// The family of the tables it reads: `ip`, or `ip6` for IPv6 (ours or iptables-nft's).
     read_family: IpFamily,
 }
 
 impl Netlink {
-    /// Reads tables of `family` from now on (`ip6 nat` for IPv6, rather than `ip nat`).
+    /// Reads tables of `family` from now on (`ip6 tandem` or `ip6 nat` rather than `ip …`).
     pub fn reading(mut self, family: IpFamily) -> Self {
         self.read_family = family;
         self
@@ -220,7 +220,11 @@ impl Netlink {
                 first_error = Some(match batch.op_index(answer.seq) {
                     Some(index) => KernelError::Rejected {
                         index,
-                        operation: tx.ops.get(index).map(render::operation).unwrap_or_default(),
+                        operation: tx
+                            .ops
+                            .get(index)
+                            .map(|op| render::operation(op, tx.family))
+                            .unwrap_or_default(),
                         errno,
                         message: answer.message,
                     },

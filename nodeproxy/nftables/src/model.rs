@@ -1,4 +1,4 @@
-//! The ruleset of table `ip tandem`, as typed values.
+//! The ruleset of table `ip tandem` (or `ip6 tandem`), as typed values.
 //!
 //! Each variant is one construct of the nft language with one fixed meaning; its doc
 //! comment gives the nft text it stands for. [`crate::render`] writes exactly that text and
@@ -8,12 +8,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde::{Deserialize, Serialize};
 
-/// Our table's family and name: `table ip tandem`.
+/// Our table's name: `table ip tandem`, and `table ip6 tandem` for IPv6.
 pub const TABLE: &str = "tandem";
 
 /// The masquerade bit of the packet mark, as in the iptables mode (`0x4000`).
@@ -62,6 +62,19 @@ impl IpFamily {
 
     pub fn holds(self, ip: IpAddr) -> bool {
         Self::of(ip) == self
+    }
+
+    /// The nftables family: `ip` or `ip6`.
+    pub fn nft_family(self) -> &'static str {
+        match self {
+            Self::V4 => "ip",
+            Self::V6 => "ip6",
+        }
+    }
+
+    /// Our table of this family, as nft names it: `ip tandem` or `ip6 tandem`.
+    pub fn nft_table(self) -> String {
+        format!("{} {TABLE}", self.nft_family())
     }
 }
 
@@ -193,11 +206,11 @@ impl Rule {
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Match {
-    /// `ip saddr 10.244.0.0/16`, or `ip saddr != 10.244.0.0/16` when negated; a /32 is
-    /// written as the bare address.
-    SourceAddress { net: Ipv4Net, negated: bool },
+    /// `ip saddr 10.244.0.0/16`, or `ip saddr != 10.244.0.0/16` when negated; a host
+    /// prefix is written as the bare address (`ip6 saddr` in `ip6 tandem`).
+    SourceAddress { net: IpNet, negated: bool },
     /// `ip daddr 10.96.0.10` (same forms as [`Match::SourceAddress`]).
-    DestinationAddress { net: Ipv4Net, negated: bool },
+    DestinationAddress { net: IpNet, negated: bool },
     /// `meta l4proto tcp`.
     Protocol(Protocol),
     /// `tcp dport 80` (also matches the protocol).
@@ -252,9 +265,9 @@ pub enum Statement {
     ToggleMark(u32),
     /// `masquerade fully-random`.
     Masquerade,
-    /// `dnat to 10.244.1.2:8080`; rules put a [`Match::Protocol`] first, since a port
-    /// mapping needs a known transport protocol.
-    Dnat(SocketAddrV4),
+    /// `dnat to 10.244.1.2:8080` (`dnat to [fd00::2]:8080`); rules put a
+    /// [`Match::Protocol`] first, since a port mapping needs a known transport protocol.
+    Dnat(SocketAddr),
     /// `update @name { ip saddr }`: adds (or refreshes) the source in a dynamic set.
     AddSourceToSet(String),
 }
@@ -269,7 +282,8 @@ pub enum DispatchKey {
 /// A set's key, with the nft type it is declared with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum KeyType {
-    /// `type ipv4_addr . inet_proto . inet_service` (destination address, protocol, port).
+    /// `type ipv4_addr . inet_proto . inet_service` (destination address, protocol, port;
+    /// `ipv6_addr` in `ip6 tandem`, and so for every address below).
     AddressProtocolPort,
     /// `type inet_proto . inet_service`.
     ProtocolPort,
@@ -294,15 +308,15 @@ impl From<DispatchKey> for KeyType {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Key {
     /// `10.96.0.10 . tcp . 80`.
-    AddressProtocolPort(Ipv4Addr, Protocol, u16),
+    AddressProtocolPort(IpAddr, Protocol, u16),
     /// `tcp . 30080`.
     ProtocolPort(Protocol, u16),
     /// `3`.
     Index(u32),
     /// `10.244.1.2`.
-    Address(Ipv4Addr),
+    Address(IpAddr),
     /// `10.244.1.2 . 10.244.1.2`.
-    AddressPair(Ipv4Addr, Ipv4Addr),
+    AddressPair(IpAddr, IpAddr),
     /// `0-72071`: the buckets `first ..= last` of an [`SetSpec::EndpointMap`].
     Buckets { first: u32, last: u32 },
 }
@@ -323,7 +337,7 @@ pub enum Value {
     /// In a [`SetSpec::VerdictMap`].
     Verdict(Verdict),
     /// In a [`SetSpec::EndpointMap`]: `10.244.1.2 . 8080`.
-    Endpoint(SocketAddrV4),
+    Endpoint(SocketAddr),
 }
 
 impl From<Verdict> for Value {
@@ -373,15 +387,25 @@ impl Set {
     }
 }
 
-/// Everything in table `ip tandem`. Chains and sets have separate name spaces, as in
-/// nftables.
+/// Everything in table `ip tandem` (`ip6 tandem` for [`IpFamily::V6`]). Chains and sets
+/// have separate name spaces, as in nftables.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ruleset {
+    /// The table's family; every address in it is of this family.
+    pub family: IpFamily,
     pub chains: BTreeMap<String, Chain>,
     pub sets: BTreeMap<String, Set>,
 }
 
 impl Ruleset {
+    /// An empty table of `family`.
+    pub fn empty(family: IpFamily) -> Self {
+        Self {
+            family,
+            ..Self::default()
+        }
+    }
+
     pub fn rule_count(&self) -> usize {
         self.chains.values().map(|chain| chain.rules.len()).sum()
     }
@@ -446,6 +470,7 @@ mod tests {
         let mut map = Set::verdict_map(KeyType::Index);
         map.elements.extend(element);
         Ruleset {
+            family: IpFamily::V4,
             chains: [("c".to_owned(), Chain { base: None, rules })].into(),
             sets: [("m".to_owned(), map)].into(),
         }

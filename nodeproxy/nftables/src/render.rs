@@ -3,11 +3,11 @@
 
 use std::fmt::Write as _;
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 
 use crate::model::{
-    BUCKETS, BaseChain, DispatchKey, Key, KeyType, Match, Rule, SetSpec, Statement, TABLE, Value,
-    Verdict,
+    BUCKETS, BaseChain, DispatchKey, IpFamily, Key, KeyType, Match, Rule, SetSpec, Statement,
+    Value, Verdict,
 };
 use crate::transaction::{Op, Transaction};
 
@@ -15,54 +15,59 @@ use crate::transaction::{Op, Transaction};
 pub fn transaction(tx: &Transaction) -> String {
     let mut out = String::new();
     for op in &tx.ops {
-        out.push_str(&operation(op));
+        out.push_str(&operation(op, tx.family));
         out.push('\n');
     }
     out
 }
 
-/// One operation as an nft command.
-pub fn operation(op: &Op) -> String {
+/// One operation on our table of `family` as an nft command.
+pub fn operation(op: &Op, family: IpFamily) -> String {
+    let table = family.nft_table();
+    let address = address_type(family);
     match op {
-        Op::AddTable => format!("add table ip {TABLE}"),
-        Op::DeleteTable => format!("delete table ip {TABLE}"),
-        Op::AddChain { name, base: None } => format!("add chain ip {TABLE} {name}"),
+        Op::AddTable => format!("add table {table}"),
+        Op::DeleteTable => format!("delete table {table}"),
+        Op::AddChain { name, base: None } => format!("add chain {table} {name}"),
         Op::AddChain {
             name,
             base: Some(base),
-        } => format!("add chain ip {TABLE} {name} {{ {} }}", base_chain(base)),
-        Op::FlushChain(name) => format!("flush chain ip {TABLE} {name}"),
-        Op::DeleteChain(name) => format!("delete chain ip {TABLE} {name}"),
-        Op::AddRule { chain, rule: r } => format!("add rule ip {TABLE} {chain} {}", rule(r)),
+        } => format!("add chain {table} {name} {{ {} }}", base_chain(base)),
+        Op::FlushChain(name) => format!("flush chain {table} {name}"),
+        Op::DeleteChain(name) => format!("delete chain {table} {name}"),
+        Op::AddRule { chain, rule: r } => {
+            format!("add rule {table} {chain} {}", rule(r, family))
+        }
         Op::AddSet { name, spec } => match spec {
             SetSpec::VerdictMap(key) => format!(
-                "add map ip {TABLE} {name} {{ {} : verdict; }}",
-                key_declaration(*key)
+                "add map {table} {name} {{ {} : verdict; }}",
+                key_declaration(*key, family)
             ),
             SetSpec::EndpointMap(protocol) => format!(
-                "add map ip {TABLE} {name} {{ typeof numgen random mod 1 : ip daddr . {protocol} dport; flags interval; }}"
+                "add map {table} {name} {{ typeof numgen random mod 1 : {} daddr . {protocol} dport; flags interval; }}",
+                family.nft_family()
             ),
             SetSpec::AddressPairs => format!(
-                "add set ip {TABLE} {name} {{ {}; }}",
-                key_declaration(KeyType::AddressPair)
+                "add set {table} {name} {{ {}; }}",
+                key_declaration(KeyType::AddressPair, family)
             ),
             SetSpec::Addresses => format!(
-                "add set ip {TABLE} {name} {{ {}; }}",
-                key_declaration(KeyType::Address)
+                "add set {table} {name} {{ {}; }}",
+                key_declaration(KeyType::Address, family)
             ),
             SetSpec::Dynamic { timeout_seconds } => format!(
-                "add set ip {TABLE} {name} {{ type ipv4_addr; flags dynamic,timeout; timeout {timeout_seconds}s; }}"
+                "add set {table} {name} {{ type {address}; flags dynamic,timeout; timeout {timeout_seconds}s; }}"
             ),
         },
-        Op::DeleteSet(name) => format!("delete set ip {TABLE} {name}"),
-        Op::FlushSet(name) => format!("flush set ip {TABLE} {name}"),
+        Op::DeleteSet(name) => format!("delete set {table} {name}"),
+        Op::FlushSet(name) => format!("flush set {table} {name}"),
         Op::AddElements { set, elements } => {
             let list: Vec<String> = elements.iter().map(|(k, v)| element(k, v)).collect();
-            format!("add element ip {TABLE} {set} {{ {} }}", list.join(", "))
+            format!("add element {table} {set} {{ {} }}", list.join(", "))
         }
         Op::DeleteElements { set, keys } => {
             let list: Vec<String> = keys.iter().map(key).collect();
-            format!("delete element ip {TABLE} {set} {{ {} }}", list.join(", "))
+            format!("delete element {table} {set} {{ {} }}", list.join(", "))
         }
     }
 }
@@ -77,21 +82,31 @@ pub fn base_chain(base: &BaseChain) -> String {
     )
 }
 
-/// `type ipv4_addr . inet_proto . inet_service` and the like.
-pub fn key_declaration(key: KeyType) -> &'static str {
-    match key {
-        KeyType::AddressProtocolPort => "type ipv4_addr . inet_proto . inet_service",
-        KeyType::ProtocolPort => "type inet_proto . inet_service",
-        KeyType::Index => "typeof numgen random mod 1",
-        KeyType::Address => "type ipv4_addr",
-        KeyType::AddressPair => "type ipv4_addr . ipv4_addr",
+/// nft's address type: `ipv4_addr` or `ipv6_addr`.
+fn address_type(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => "ipv4_addr",
+        IpFamily::V6 => "ipv6_addr",
     }
 }
 
-/// A rule as `nft list` prints it (matches, statement, comment).
-pub fn rule(rule: &Rule) -> String {
-    let mut parts: Vec<String> = rule.matches.iter().map(condition).collect();
-    parts.push(statement(&rule.statement));
+/// `type ipv4_addr . inet_proto . inet_service` and the like.
+pub fn key_declaration(key: KeyType, family: IpFamily) -> String {
+    let address = address_type(family);
+    match key {
+        KeyType::AddressProtocolPort => format!("type {address} . inet_proto . inet_service"),
+        KeyType::ProtocolPort => "type inet_proto . inet_service".to_owned(),
+        KeyType::Index => "typeof numgen random mod 1".to_owned(),
+        KeyType::Address => format!("type {address}"),
+        KeyType::AddressPair => format!("type {address} . {address}"),
+    }
+}
+
+/// A rule of our table of `family` as `nft list` prints it (matches, statement,
+/// comment).
+pub fn rule(rule: &Rule, family: IpFamily) -> String {
+    let mut parts: Vec<String> = rule.matches.iter().map(|m| condition(m, family)).collect();
+    parts.push(statement(&rule.statement, family));
     let mut text = parts.join(" ");
     if let Some(comment) = &rule.comment {
         let _ = write!(text, " comment \"{comment}\"");
@@ -99,10 +114,11 @@ pub fn rule(rule: &Rule) -> String {
     text
 }
 
-pub fn condition(m: &Match) -> String {
+pub fn condition(m: &Match, family: IpFamily) -> String {
+    let ip = family.nft_family();
     match m {
-        Match::SourceAddress { net, negated } => address_match("saddr", net, *negated),
-        Match::DestinationAddress { net, negated } => address_match("daddr", net, *negated),
+        Match::SourceAddress { net, negated } => address_match(ip, "saddr", net, *negated),
+        Match::DestinationAddress { net, negated } => address_match(ip, "daddr", net, *negated),
         Match::Protocol(protocol) => format!("meta l4proto {protocol}"),
         Match::DestinationPort { protocol, port } => format!("{protocol} dport {port}"),
         Match::ConnectionNew => "ct state new".to_owned(),
@@ -111,22 +127,23 @@ pub fn condition(m: &Match) -> String {
         Match::SourceLocal => "fib saddr type local".to_owned(),
         Match::Mark { bit, set: true } => format!("meta mark & {bit:#010x} == {bit:#010x}"),
         Match::Mark { bit, set: false } => format!("meta mark & {bit:#010x} == 0x00000000"),
-        Match::SourceInSet(set) => format!("ip saddr @{set}"),
-        Match::AddressPairInSet(set) => format!("ip saddr . ip daddr @{set}"),
-        Match::DestinationInSet(set) => format!("ip daddr @{set}"),
+        Match::SourceInSet(set) => format!("{ip} saddr @{set}"),
+        Match::AddressPairInSet(set) => format!("{ip} saddr . {ip} daddr @{set}"),
+        Match::DestinationInSet(set) => format!("{ip} daddr @{set}"),
     }
 }
 
-fn address_match(field: &str, net: &Ipv4Net, negated: bool) -> String {
+fn address_match(ip: &str, field: &str, net: &IpNet, negated: bool) -> String {
     let op = if negated { "!= " } else { "" };
-    if net.prefix_len() == 32 {
-        format!("ip {field} {op}{}", net.addr())
+    if net.prefix_len() == net.max_prefix_len() {
+        format!("{ip} {field} {op}{}", net.addr())
     } else {
-        format!("ip {field} {op}{}", net.trunc())
+        format!("{ip} {field} {op}{}", net.trunc())
     }
 }
 
-pub fn statement(s: &Statement) -> String {
+pub fn statement(s: &Statement, family: IpFamily) -> String {
+    let ip = family.nft_family();
     match s {
         Statement::Jump(chain) => format!("jump {chain}"),
         Statement::Goto(chain) => format!("goto {chain}"),
@@ -137,7 +154,7 @@ pub fn statement(s: &Statement) -> String {
         Statement::Dispatch {
             key: DispatchKey::AddressProtocolPort,
             map,
-        } => format!("ip daddr . meta l4proto . th dport vmap @{map}"),
+        } => format!("{ip} daddr . meta l4proto . th dport vmap @{map}"),
         Statement::Dispatch {
             key: DispatchKey::ProtocolPort,
             map,
@@ -147,16 +164,16 @@ pub fn statement(s: &Statement) -> String {
         }
         // nft lists a zero offset by leaving it out.
         Statement::RandomDnat { map, offset: 0 } => {
-            format!("dnat ip to numgen random mod {BUCKETS} map @{map}")
+            format!("dnat {ip} to numgen random mod {BUCKETS} map @{map}")
         }
         Statement::RandomDnat { map, offset } => {
-            format!("dnat ip to numgen random mod {BUCKETS} offset {offset} map @{map}")
+            format!("dnat {ip} to numgen random mod {BUCKETS} offset {offset} map @{map}")
         }
         Statement::SetMark(bit) => format!("meta mark set meta mark | {bit:#010x}"),
         Statement::ToggleMark(bit) => format!("meta mark set meta mark ^ {bit:#010x}"),
         Statement::Masquerade => "masquerade fully-random".to_owned(),
         Statement::Dnat(addr) => format!("dnat to {addr}"),
-        Statement::AddSourceToSet(set) => format!("update @{set} {{ ip saddr }}"),
+        Statement::AddSourceToSet(set) => format!("update @{set} {{ {ip} saddr }}"),
     }
 }
 
@@ -196,14 +213,14 @@ pub fn verdict(v: &Verdict) -> String {
 mod tests {
     use super::*;
     use crate::model::Protocol;
-    use std::net::{Ipv4Addr, SocketAddrV4};
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
     #[test]
     fn rules_read_as_nft_lists_them() {
         let masq = Rule::when(
             vec![
                 Match::DestinationAddress {
-                    net: Ipv4Net::from(Ipv4Addr::new(10, 96, 0, 10)),
+                    net: IpNet::from(IpAddr::from(Ipv4Addr::new(10, 96, 0, 10))),
                     negated: false,
                 },
                 Match::DestinationPort {
@@ -218,22 +235,45 @@ mod tests {
             Statement::Jump("mark-for-masquerade".into()),
         );
         assert_eq!(
-            rule(&masq),
+            rule(&masq, IpFamily::V4),
             "ip daddr 10.96.0.10 tcp dport 80 ip saddr != 10.244.0.0/16 jump mark-for-masquerade"
         );
         let dnat = Rule::when(
             vec![Match::Protocol(Protocol::Udp)],
-            Statement::Dnat(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 2), 53)),
+            Statement::Dnat(SocketAddr::new(Ipv4Addr::new(10, 244, 1, 2).into(), 53)),
         );
-        assert_eq!(rule(&dnat), "meta l4proto udp dnat to 10.244.1.2:53");
         assert_eq!(
-            rule(&Rule::when(
-                vec![Match::Mark {
-                    bit: 0x4000,
-                    set: false
-                }],
-                Statement::Return
+            rule(&dnat, IpFamily::V4),
+            "meta l4proto udp dnat to 10.244.1.2:53"
+        );
+        let dnat6 = Rule::when(
+            vec![
+                Match::SourceAddress {
+                    net: "fd42::/56".parse().unwrap(),
+                    negated: true,
+                },
+                Match::Protocol(Protocol::Tcp),
+            ],
+            Statement::Dnat(SocketAddr::new(
+                Ipv6Addr::new(0xfd42, 0, 0, 1, 0, 0, 0, 2).into(),
+                8080,
             )),
+        );
+        assert_eq!(
+            rule(&dnat6, IpFamily::V6),
+            "ip6 saddr != fd42::/56 meta l4proto tcp dnat to [fd42:0:0:1::2]:8080"
+        );
+        assert_eq!(
+            rule(
+                &Rule::when(
+                    vec![Match::Mark {
+                        bit: 0x4000,
+                        set: false
+                    }],
+                    Statement::Return
+                ),
+                IpFamily::V6
+            ),
             "meta mark & 0x00004000 == 0x00000000 return"
         );
     }

@@ -1,11 +1,11 @@
-//! One atomic change of table `ip tandem`: the operations in the order the kernel needs
+//! One atomic change of table `ip tandem` (or `ip6 tandem`): the operations in the order the kernel needs
 //! them, so every reference names an object that exists at that point of the batch and
 //! nothing is deleted while still referenced.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::digest::{Drift, TableDrift};
-use crate::model::{BaseChain, Chain, Key, Rule, Ruleset, Set, SetSpec, Value};
+use crate::model::{BaseChain, Chain, IpFamily, Key, Rule, Ruleset, Set, SetSpec, Value};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
@@ -44,9 +44,10 @@ pub enum Op {
     },
 }
 
-/// Operations applied all or nothing.
+/// Operations on the table of one family, applied all or nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Transaction {
+    pub family: IpFamily,
     pub ops: Vec<Op>,
 }
 
@@ -72,14 +73,18 @@ impl Transaction {
         self.ops.is_empty()
     }
 
-    /// Replaces whatever table `ip tandem` holds (or creates it) with `ruleset`.
+    /// Replaces whatever our table of the ruleset's family holds (or creates it) with
+    /// `ruleset`.
     pub fn replace_all(ruleset: &Ruleset) -> Self {
         let mut ops = vec![Op::AddTable, Op::DeleteTable, Op::AddTable];
-        let empty = Ruleset::default();
+        let empty = Ruleset::empty(ruleset.family);
         let all_chains: BTreeSet<&str> = ruleset.chains.keys().map(String::as_str).collect();
         let all_sets: BTreeSet<&str> = ruleset.sets.keys().map(String::as_str).collect();
         ops.extend(Self::between(&empty, ruleset, &all_chains, &all_sets).ops);
-        Self { ops }
+        Self {
+            family: ruleset.family,
+            ops,
+        }
     }
 
     /// What the operations write.
@@ -188,17 +193,22 @@ impl Transaction {
                 ops.extend(rules_of(name, chain));
             }
         }
-        Self { ops }
+        Self {
+            family: ruleset.family,
+            ops,
+        }
     }
 
-    /// Removes table `ip tandem` (after [`Op::AddTable`], so a missing table is no error).
-    pub fn delete_all() -> Self {
+    /// Removes our table of `family` (after [`Op::AddTable`], so a missing table is no
+    /// error).
+    pub fn delete_all(family: IpFamily) -> Self {
         Self {
+            family,
             ops: vec![Op::AddTable, Op::DeleteTable],
         }
     }
 
-    /// The operations that turn `old` into `new`, looking only at the named chains and
+    /// The operations that turn `old` into `new` (of the same family), looking only at the named chains and
     /// sets: everything else must be equal in both. The names must include every chain
     /// that references a named set whose declaration changed.
     ///
@@ -325,7 +335,10 @@ impl Transaction {
             add_rules,
         ]
         .concat();
-        Self { ops }
+        Self {
+            family: new.family,
+            ops,
+        }
     }
 }
 

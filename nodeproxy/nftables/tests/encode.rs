@@ -1,23 +1,25 @@
 //! The encoding is byte-for-byte what `nft` 1.0.6 sends for the rendered text.
 //!
-//! `fixtures/nft-1.0.6-every-variant.bin` is the batch `nft -f` sent (captured with
-//! `strace -e trace=sendmsg -e write=3`) for the text `render::transaction` writes for
-//! the transaction below, which uses every model variant but one: elements of an
-//! endpoint map (runs of buckets), which nft 1.0.6 reorders and sends twice when the map
-//! is declared in the same batch. `tests/kernel.rs` checks those by their listing.
+//! `fixtures/nft-1.0.6-every-variant.bin` (and `…-ipv6.bin` for table `ip6 tandem`) is
+//! the batch `nft -f` sent (captured with `strace -e trace=sendmsg -e write=3`) for the
+//! text `render::transaction` writes for the transaction below, which uses every model
+//! variant but one: elements of an endpoint map (runs of buckets), which nft 1.0.6
+//! reorders and sends twice when the map is declared in the same batch.
+//! `tests/kernel.rs` checks those by their listing.
 
 #![allow(clippy::expect_used)]
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 use tandem_nftables::encode;
 use tandem_nftables::render;
 use tandem_nftables::{
-    BaseChain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Op, Protocol, Rule, SetSpec,
-    Statement, Transaction, Value, Verdict,
+    BaseChain, ChainType, DispatchKey, Hook, IpFamily, Key, KeyType, Match, Op, Protocol, Rule,
+    SetSpec, Statement, Transaction, Value, Verdict,
 };
 
 const NFT_BATCH: &[u8] = include_bytes!("fixtures/nft-1.0.6-every-variant.bin");
+const NFT_BATCH_IPV6: &[u8] = include_bytes!("fixtures/nft-1.0.6-every-variant-ipv6.bin");
 
 fn chain(name: &str, base: Option<BaseChain>) -> Op {
     Op::AddChain {
@@ -33,14 +35,20 @@ fn rule(chain: &str, rule: Rule) -> Op {
     }
 }
 
-fn net(text: &str) -> ipnet::Ipv4Net {
-    text.parse().expect("test prefix")
+/// The IPv4 text, or its IPv6 counterpart, for `family`.
+fn of(family: IpFamily, v4: &'static str, v6: &'static str) -> &'static str {
+    match family {
+        IpFamily::V4 => v4,
+        IpFamily::V6 => v6,
+    }
 }
 
-fn every_variant() -> Transaction {
+fn every_variant(family: IpFamily) -> Transaction {
     let goto = |chain: &str| Value::from(Verdict::Goto(chain.into()));
     let drop = || Value::from(Verdict::Drop);
-    let pod = |last: u8| Ipv4Addr::new(10, 244, 1, last);
+    let ip = |v4, v6| -> IpAddr { of(family, v4, v6).parse().expect("test address") };
+    let net = |v4, v6| -> ipnet::IpNet { of(family, v4, v6).parse().expect("test prefix") };
+    let pod = ip("10.244.1.2", "fd42:0:0:1::2");
     let mark = 0x4000;
     let ops = vec![
         Op::AddTable,
@@ -90,11 +98,11 @@ fn every_variant() -> Transaction {
             set: "disp".into(),
             elements: vec![
                 (
-                    Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 10), Protocol::Tcp, 80),
+                    Key::AddressProtocolPort(ip("10.96.0.10", "fd43::10"), Protocol::Tcp, 80),
                     goto("svc"),
                 ),
                 (
-                    Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 11), Protocol::Udp, 53),
+                    Key::AddressProtocolPort(ip("10.96.0.11", "fd43::11"), Protocol::Udp, 53),
                     drop(),
                 ),
             ],
@@ -109,7 +117,7 @@ fn every_variant() -> Transaction {
         },
         Op::AddElements {
             set: "addrs".into(),
-            elements: vec![(Key::Address(Ipv4Addr::new(10, 1, 2, 3)), drop())],
+            elements: vec![(Key::Address(ip("10.1.2.3", "fd01::3")), drop())],
         },
         rule(
             "pre",
@@ -130,11 +138,11 @@ fn every_variant() -> Transaction {
             Rule::when(
                 vec![
                     Match::SourceAddress {
-                        net: net("10.244.0.0/16"),
+                        net: net("10.244.0.0/16", "fd42::/56"),
                         negated: true,
                     },
                     Match::DestinationAddress {
-                        net: net("10.96.0.10/32"),
+                        net: net("10.96.0.10/32", "fd43::10/128"),
                         negated: false,
                     },
                     Match::DestinationPort {
@@ -189,7 +197,7 @@ fn every_variant() -> Transaction {
             "ep",
             Rule::when(
                 vec![Match::Protocol(Protocol::Udp)],
-                Statement::Dnat(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 2), 53)),
+                Statement::Dnat(SocketAddr::new(pod, 53)),
             ),
         ),
         chain(
@@ -210,11 +218,11 @@ fn every_variant() -> Transaction {
             Rule::when(
                 vec![
                     Match::SourceAddress {
-                        net: net("10.1.1.1/32"),
+                        net: net("10.1.1.1/32", "fd01::1/128"),
                         negated: false,
                     },
                     Match::DestinationAddress {
-                        net: net("10.0.0.0/8"),
+                        net: net("10.0.0.0/8", "fd00::/12"),
                         negated: false,
                     },
                 ],
@@ -231,7 +239,7 @@ fn every_variant() -> Transaction {
         },
         Op::AddElements {
             set: "pairs".into(),
-            elements: vec![(Key::AddressPair(pod(2), pod(2)), Value::Member)],
+            elements: vec![(Key::AddressPair(pod, pod), Value::Member)],
         },
         rule(
             "pre",
@@ -259,7 +267,7 @@ fn every_variant() -> Transaction {
         },
         Op::AddElements {
             set: "cips".into(),
-            elements: vec![(Key::Address(Ipv4Addr::new(10, 96, 0, 10)), Value::Member)],
+            elements: vec![(Key::Address(ip("10.96.0.10", "fd43::10")), Value::Member)],
         },
         rule(
             "filt",
@@ -269,7 +277,7 @@ fn every_variant() -> Transaction {
             ),
         ),
     ];
-    Transaction { ops }
+    Transaction { family, ops }
 }
 
 const RENDERED: &str = "\
@@ -314,20 +322,47 @@ add element ip tandem cips { 10.96.0.10 }
 add rule ip tandem filt ip daddr @cips reject
 ";
 
+/// The IPv4 text with each IPv4 construct swapped for its IPv6 counterpart.
+fn rendered_ipv6() -> String {
+    [
+        (" ip tandem", " ip6 tandem"),
+        ("ipv4_addr", "ipv6_addr"),
+        ("ip saddr", "ip6 saddr"),
+        ("ip daddr", "ip6 daddr"),
+        ("dnat ip to", "dnat ip6 to"),
+        ("10.96.0.10 . tcp", "fd43::10 . tcp"),
+        ("10.96.0.11", "fd43::11"),
+        ("10.1.2.3", "fd01::3"),
+        ("10.244.0.0/16", "fd42::/56"),
+        ("10.96.0.10", "fd43::10"),
+        ("10.244.1.2:53", "[fd42:0:0:1::2]:53"),
+        ("10.244.1.2", "fd42:0:0:1::2"),
+        ("10.1.1.1", "fd01::1"),
+        ("10.0.0.0/8", "fd00::/12"),
+    ]
+    .iter()
+    .fold(RENDERED.to_owned(), |text, (v4, v6)| text.replace(v4, v6))
+}
+
 #[test]
 fn the_batch_is_what_nft_sends_for_the_rendered_text() {
-    let tx = every_variant();
-    assert_eq!(render::transaction(&tx), RENDERED);
-    let batch = encode::batch(&tx, 0).expect("encodes");
-    let ours = batch.chunks().concat();
-    assert_eq!(ours.len(), NFT_BATCH.len());
-    let first_difference = ours.iter().zip(NFT_BATCH).position(|(a, b)| a != b);
-    assert_eq!(first_difference, None, "bytes differ");
+    for (family, rendered, nft_batch) in [
+        (IpFamily::V4, RENDERED.to_owned(), NFT_BATCH),
+        (IpFamily::V6, rendered_ipv6(), NFT_BATCH_IPV6),
+    ] {
+        let tx = every_variant(family);
+        assert_eq!(render::transaction(&tx), rendered, "{family}");
+        let batch = encode::batch(&tx, 0).expect("encodes");
+        let ours = batch.chunks().concat();
+        assert_eq!(ours.len(), nft_batch.len(), "{family}");
+        let first_difference = ours.iter().zip(nft_batch).position(|(a, b)| a != b);
+        assert_eq!(first_difference, None, "{family}: bytes differ");
+    }
 }
 
 #[test]
 fn every_message_maps_back_to_its_operation() {
-    let tx = every_variant();
+    let tx = every_variant(IpFamily::V4);
     let batch = encode::batch(&tx, 1000).expect("encodes");
     assert_eq!(batch.begin_seq(), 1000);
     assert_eq!(batch.message_count(), tx.ops.len());
@@ -352,6 +387,7 @@ fn large_element_lists_are_split_over_messages_of_the_same_operation() {
         })
         .collect();
     let tx = Transaction {
+        family: IpFamily::V4,
         ops: vec![
             Op::AddTable,
             Op::AddElements {
@@ -389,6 +425,7 @@ fn large_element_lists_are_split_over_messages_of_the_same_operation() {
 #[test]
 fn an_oversized_comment_is_an_error_naming_its_operation() {
     let tx = Transaction {
+        family: IpFamily::V4,
         ops: vec![rule(
             "c",
             Rule::always(Statement::Accept).with_comment("x".repeat(300)),

@@ -1,8 +1,8 @@
 //! Netlink programming against the real kernel, in scratch network namespaces (root
 //! only; skipped with a message otherwise or without `nft`).
 //!
-//! The contract: a transaction applied by netlink lists (`nft list table ip tandem`)
-//! exactly as its rendered text applied by `nft -f`.
+//! The contract: a transaction applied by netlink lists (`nft list table ip tandem`, and
+//! `ip6 tandem` for IPv6) exactly as its rendered text applied by `nft -f`.
 //!
 //! `TANDEM_NFT_SCALE_SERVICES` (default 2700) sets the size of the scale case, whose
 //! timings are printed (run with `--nocapture`); only its listing counts are asserted.
@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io::Write;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -22,17 +22,22 @@ use tandem_nftables::digest::{Drift, TableDigest, TableDrift};
 use tandem_nftables::kernel::{KernelError, Netlink};
 use tandem_nftables::render;
 use tandem_nftables::{
-    BUCKETS, BaseChain, Chain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Op, Protocol,
-    Rule, Ruleset, Set, SetSpec, Statement, Transaction, Value, Verdict,
+    BUCKETS, BaseChain, Chain, ChainType, DispatchKey, Hook, IpFamily, Key, KeyType, Match, Op,
+    Protocol, Rule, Ruleset, Set, SetSpec, Statement, Transaction, Value, Verdict,
 };
 
 const MARK: u32 = 0x4000;
 
-/// A network namespace of this test process, removed on drop.
-struct ScratchNetns(String);
+/// A network namespace of this test process, removed on drop, and the family of our
+/// table in it that the test looks at.
+struct ScratchNetns(String, IpFamily);
 
 impl ScratchNetns {
     fn new(role: &str) -> Self {
+        Self::of(role, IpFamily::V4)
+    }
+
+    fn of(role: &str, family: IpFamily) -> Self {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let name = format!(
             "tandem-nftnl-{}-{}-{role}",
@@ -44,7 +49,7 @@ impl ScratchNetns {
             .status()
             .expect("run ip netns add");
         assert!(status.success(), "ip netns add {name}");
-        Self(name)
+        Self(name, family)
     }
 
     /// Runs `f` on a thread that entered this namespace (netlink sockets belong to
@@ -92,12 +97,13 @@ impl ScratchNetns {
         took
     }
 
-    /// `nft list table ip tandem`, with each set's elements sorted (the kernel lists
-    /// hash sets in an order of its own).
+    /// `nft list table ip tandem` (or `ip6`), with each set's elements sorted (the
+    /// kernel lists hash sets in an order of its own).
     fn listing(&self) -> String {
+        let family = self.1.nft_family();
         let output = Command::new("ip")
             .args([
-                "netns", "exec", &self.0, "nft", "list", "table", "ip", "tandem",
+                "netns", "exec", &self.0, "nft", "list", "table", family, "tandem",
             ])
             .output()
             .expect("run nft list");
@@ -114,7 +120,8 @@ impl ScratchNetns {
             .args(["netns", "exec", &self.0, "nft", "list", "tables"])
             .output()
             .expect("run nft list tables");
-        String::from_utf8_lossy(&output.stdout).contains("table ip tandem")
+        let table = format!("table {} tandem", self.1.nft_family());
+        String::from_utf8_lossy(&output.stdout).contains(&table)
     }
 }
 
@@ -162,12 +169,28 @@ fn can_run() -> bool {
     true
 }
 
-fn host(addr: [u8; 4]) -> ipnet::Ipv4Net {
-    ipnet::Ipv4Net::from(Ipv4Addr::from(addr))
+/// The test's IPv4 address, or for IPv6 the same 32 bits under `fd00::/96`.
+fn ip(family: IpFamily, addr: [u8; 4]) -> IpAddr {
+    let v4 = Ipv4Addr::from(addr);
+    match family {
+        IpFamily::V4 => v4.into(),
+        IpFamily::V6 => Ipv6Addr::from((0xfd00_u128 << 112) | u128::from(u32::from(v4))).into(),
+    }
 }
 
-fn net(text: &str) -> ipnet::Ipv4Net {
-    text.parse().expect("test prefix")
+fn host(family: IpFamily, addr: [u8; 4]) -> ipnet::IpNet {
+    ipnet::IpNet::from(ip(family, addr))
+}
+
+/// The test's IPv4 prefix, or for IPv6 its counterpart under `fd00::/96`.
+fn net(family: IpFamily, text: &str) -> ipnet::IpNet {
+    let v4: ipnet::Ipv4Net = text.parse().expect("test prefix");
+    let addr = ip(family, v4.addr().octets());
+    let len = match family {
+        IpFamily::V4 => v4.prefix_len(),
+        IpFamily::V6 => 96 + v4.prefix_len(),
+    };
+    ipnet::IpNet::new(addr, len).expect("prefix length")
 }
 
 fn base(chain_type: ChainType, hook: Hook, priority: i32) -> Option<BaseChain> {
@@ -195,7 +218,7 @@ fn drop_verdict() -> Value {
 /// holds most of them.
 const SVC_B_OFFSET: u32 = 2 * BUCKETS;
 
-fn udp_endpoints(lasts: &[u8]) -> Set {
+fn udp_endpoints(family: IpFamily, lasts: &[u8]) -> Set {
     let count = lasts.len() as u32;
     let run = BUCKETS / count;
     Set {
@@ -213,7 +236,7 @@ fn udp_endpoints(lasts: &[u8]) -> Set {
                                 (i + 1) * run - 1
                             },
                     },
-                    Value::Endpoint(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, *last), 53)),
+                    Value::Endpoint(SocketAddr::new(ip(family, [10, 244, 1, *last]), 53)),
                 )
             })
             .collect(),
@@ -222,17 +245,17 @@ fn udp_endpoints(lasts: &[u8]) -> Set {
 
 /// A ruleset with every model variant: each match, statement, key type, set kind and
 /// verdict, base chains of both types on every hook, comments.
-fn every_variant() -> Ruleset {
-    let mut rs = Ruleset::default();
+fn every_variant(family: IpFamily) -> Ruleset {
+    let mut rs = Ruleset::empty(family);
     let services = Set {
         spec: tandem_nftables::SetSpec::VerdictMap(KeyType::AddressProtocolPort),
         elements: BTreeMap::from([
             (
-                Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 10), Protocol::Tcp, 80),
+                Key::AddressProtocolPort(ip(family, [10, 96, 0, 10]), Protocol::Tcp, 80),
                 goto("svc-a"),
             ),
             (
-                Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 11), Protocol::Udp, 53),
+                Key::AddressProtocolPort(ip(family, [10, 96, 0, 11]), Protocol::Udp, 53),
                 drop_verdict(),
             ),
         ]),
@@ -250,7 +273,7 @@ fn every_variant() -> Ruleset {
     };
     let firewall = Set {
         spec: tandem_nftables::SetSpec::VerdictMap(KeyType::Address),
-        elements: BTreeMap::from([(Key::Address(Ipv4Addr::new(10, 1, 2, 3)), drop_verdict())]),
+        elements: BTreeMap::from([(Key::Address(ip(family, [10, 1, 2, 3])), drop_verdict())]),
     };
     rs.sets.insert("service-ips".into(), services);
     rs.sets.insert("node-ports".into(), node_ports);
@@ -259,8 +282,8 @@ fn every_variant() -> Ruleset {
     rs.sets
         .insert("affinity-ep-a-0".into(), Set::dynamic(10800));
     rs.sets
-        .insert("svc-b-endpoints".into(), udp_endpoints(&[5, 6]));
-    let endpoint = Ipv4Addr::new(10, 244, 1, 5);
+        .insert("svc-b-endpoints".into(), udp_endpoints(family, &[5, 6]));
+    let endpoint = ip(family, [10, 244, 1, 5]);
     rs.sets.insert(
         "hairpins".into(),
         Set {
@@ -352,7 +375,7 @@ fn every_variant() -> Ruleset {
                 Rule::when(
                     vec![
                         Match::DestinationAddress {
-                            net: host([10, 96, 0, 11]),
+                            net: host(family, [10, 96, 0, 11]),
                             negated: false,
                         },
                         Match::DestinationPort {
@@ -373,11 +396,11 @@ fn every_variant() -> Ruleset {
                 Rule::when(
                     vec![
                         Match::SourceAddress {
-                            net: net("10.240.0.0/12"),
+                            net: net(family, "10.240.0.0/12"),
                             negated: false,
                         },
                         Match::DestinationAddress {
-                            net: net("10.0.0.0/8"),
+                            net: net(family, "10.0.0.0/8"),
                             negated: true,
                         },
                     ],
@@ -387,11 +410,11 @@ fn every_variant() -> Ruleset {
                     vec![
                         Match::SourceLocal,
                         Match::SourceAddress {
-                            net: net("0.0.0.0/0"),
+                            net: net(family, "0.0.0.0/0"),
                             negated: false,
                         },
                         Match::DestinationAddress {
-                            net: net("10.0.0.0/31"),
+                            net: net(family, "10.0.0.0/31"),
                             negated: true,
                         },
                     ],
@@ -405,8 +428,8 @@ fn every_variant() -> Ruleset {
         Set {
             spec: SetSpec::Addresses,
             elements: BTreeMap::from([
-                (Key::Address(Ipv4Addr::new(10, 96, 0, 10)), Value::Member),
-                (Key::Address(Ipv4Addr::new(10, 96, 0, 11)), Value::Member),
+                (Key::Address(ip(family, [10, 96, 0, 10])), Value::Member),
+                (Key::Address(ip(family, [10, 96, 0, 11])), Value::Member),
             ]),
         },
     );
@@ -446,11 +469,11 @@ fn every_variant() -> Ruleset {
                 Rule::when(
                     vec![
                         Match::SourceAddress {
-                            net: net("10.244.0.0/16"),
+                            net: net(family, "10.244.0.0/16"),
                             negated: true,
                         },
                         Match::DestinationAddress {
-                            net: host([10, 96, 0, 10]),
+                            net: host(family, [10, 96, 0, 10]),
                             negated: false,
                         },
                         Match::DestinationPort {
@@ -475,7 +498,7 @@ fn every_variant() -> Ruleset {
             vec![
                 Rule::when(
                     vec![Match::SourceAddress {
-                        net: host([10, 244, 1, 2]),
+                        net: host(family, [10, 244, 1, 2]),
                         negated: false,
                     }],
                     Statement::Jump("mark-for-masquerade".into()),
@@ -483,22 +506,22 @@ fn every_variant() -> Ruleset {
                 Rule::always(Statement::AddSourceToSet("affinity-ep-a-0".into())),
                 Rule::when(
                     vec![Match::Protocol(Protocol::Tcp)],
-                    Statement::Dnat(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 2), 8080)),
+                    Statement::Dnat(SocketAddr::new(ip(family, [10, 244, 1, 2]), 8080)),
                 ),
             ],
         ),
     );
-    rs.chains.insert("ep-a-1".into(), udp_endpoint(53));
+    rs.chains.insert("ep-a-1".into(), udp_endpoint(family, 53));
     rs
 }
 
 /// An endpoint chain DNATing UDP to 10.244.1.3:`port`.
-fn udp_endpoint(port: u16) -> Chain {
+fn udp_endpoint(family: IpFamily, port: u16) -> Chain {
     chain(
         None,
         vec![Rule::when(
             vec![Match::Protocol(Protocol::Udp)],
-            Statement::Dnat(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 3), port)),
+            Statement::Dnat(SocketAddr::new(ip(family, [10, 244, 1, 3]), port)),
         )],
     )
 }
@@ -506,15 +529,15 @@ fn udp_endpoint(port: u16) -> Chain {
 /// `every_variant` changed: a service element added (to a new chain) and one removed,
 /// an endpoint chain rewritten, a base chain moved to another priority (so made anew)
 /// and the chain it jumped to removed, a set deleted with the rule that used it.
-fn every_variant_changed() -> Ruleset {
-    let mut rs = every_variant();
+fn every_variant_changed(family: IpFamily) -> Ruleset {
+    let mut rs = every_variant(family);
     let services = rs.sets.get_mut("service-ips").expect("service map");
     services.elements.insert(
-        Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 12), Protocol::Tcp, 443),
+        Key::AddressProtocolPort(ip(family, [10, 96, 0, 12]), Protocol::Tcp, 443),
         goto("svc-b"),
     );
     services.elements.remove(&Key::AddressProtocolPort(
-        Ipv4Addr::new(10, 96, 0, 11),
+        ip(family, [10, 96, 0, 11]),
         Protocol::Udp,
         53,
     ));
@@ -522,10 +545,11 @@ fn every_variant_changed() -> Ruleset {
         "svc-b".into(),
         chain(None, vec![Rule::always(Statement::Drop)]),
     );
-    rs.chains.insert("ep-a-1".into(), udp_endpoint(5353));
+    rs.chains
+        .insert("ep-a-1".into(), udp_endpoint(family, 5353));
     // A third endpoint: every run of buckets moves.
     rs.sets
-        .insert("svc-b-endpoints".into(), udp_endpoints(&[5, 6, 7]));
+        .insert("svc-b-endpoints".into(), udp_endpoints(family, &[5, 6, 7]));
     rs.chains.insert(
         "filter-output".into(),
         chain(
@@ -562,8 +586,23 @@ fn netlink_and_nft_program_the_same_ruleset() {
     if !can_run() {
         return;
     }
-    let (by_netlink, by_nft) = (ScratchNetns::new("netlink"), ScratchNetns::new("nft"));
-    let (old, new) = (every_variant(), every_variant_changed());
+    for family in [IpFamily::V4, IpFamily::V6] {
+        eprintln!("{family}");
+        the_same_ruleset_by_netlink_and_nft(family);
+    }
+}
+
+fn the_same_ruleset_by_netlink_and_nft(family: IpFamily) {
+    let (by_netlink, by_nft) = (
+        ScratchNetns::of("netlink", family),
+        ScratchNetns::of("nft", family),
+    );
+    let (old, new) = (every_variant(family), every_variant_changed(family));
+    let nft_ip = family.nft_family();
+    let address = match family {
+        IpFamily::V4 => "ipv4_addr",
+        IpFamily::V6 => "ipv6_addr",
+    };
 
     let full = Transaction::replace_all(&old);
     by_netlink
@@ -573,12 +612,15 @@ fn netlink_and_nft_program_the_same_ruleset() {
     let listed = by_netlink.listing();
     assert_eq!(listed, by_nft.listing());
     for needle in [
-        "typeof numgen random mod 1 : verdict",
-        "type ipv4_addr . inet_proto . inet_service : verdict",
-        "comment \"default/a:http cluster IP\"",
-        "update @affinity-ep-a-0 { ip saddr }",
+        "typeof numgen random mod 1 : verdict".to_owned(),
+        format!("type {address} . inet_proto . inet_service : verdict"),
+        "comment \"default/a:http cluster IP\"".to_owned(),
+        format!("update @affinity-ep-a-0 {{ {nft_ip} saddr }}"),
+        format!(
+            "dnat {nft_ip} to numgen random mod {BUCKETS} offset {SVC_B_OFFSET} map @svc-b-endpoints"
+        ),
     ] {
-        assert!(listed.contains(needle), "{needle} missing from\n{listed}");
+        assert!(listed.contains(&needle), "{needle} missing from\n{listed}");
     }
 
     let change = between(&old, &new);
@@ -589,7 +631,8 @@ fn netlink_and_nft_program_the_same_ruleset() {
     let changed = by_netlink.listing();
     assert_eq!(changed, by_nft.listing());
     assert!(changed.contains("goto svc-b") && !changed.contains("firewall-sources"));
-    assert!(changed.contains("dnat to 10.244.1.3:5353"));
+    let moved = SocketAddr::new(ip(family, [10, 244, 1, 3]), 5353);
+    assert!(changed.contains(&format!("dnat to {moved}")), "{changed}");
     assert!(
         changed.contains("hook output priority filter + 10") && !changed.contains("filter-common")
     );
@@ -601,11 +644,11 @@ fn netlink_and_nft_program_the_same_ruleset() {
         .expect("netlink replaces the ruleset");
     assert_eq!(by_netlink.listing(), listed);
     by_netlink
-        .apply(&Transaction::delete_all())
+        .apply(&Transaction::delete_all(family))
         .expect("netlink deletes the table");
     assert!(!by_netlink.has_table());
     by_netlink
-        .apply(&Transaction::delete_all())
+        .apply(&Transaction::delete_all(family))
         .expect("deleting a missing table is no error");
 }
 
@@ -614,12 +657,14 @@ fn a_rejected_transaction_names_its_operation_and_changes_nothing() {
     if !can_run() {
         return;
     }
+    let family = IpFamily::V4;
     let ns = ScratchNetns::new("reject");
-    ns.apply(&Transaction::replace_all(&every_variant()))
+    ns.apply(&Transaction::replace_all(&every_variant(family)))
         .expect("initial ruleset");
     let before = ns.listing();
 
     let tx = Transaction {
+        family,
         ops: vec![
             Op::AddChain {
                 name: "new-chain".into(),
@@ -628,7 +673,7 @@ fn a_rejected_transaction_names_its_operation_and_changes_nothing() {
             Op::AddElements {
                 set: "service-ips".into(),
                 elements: vec![(
-                    Key::AddressProtocolPort(Ipv4Addr::new(10, 96, 0, 99), Protocol::Tcp, 80),
+                    Key::AddressProtocolPort(ip(family, [10, 96, 0, 99]), Protocol::Tcp, 80),
                     goto("new-chain"),
                 )],
             },
@@ -662,6 +707,7 @@ fn a_rejected_transaction_names_its_operation_and_changes_nothing() {
         rule: Rule::always(Statement::Jump(to.into())),
     };
     let looping = Transaction {
+        family,
         ops: vec![
             Op::AddChain {
                 name: "loop".into(),
@@ -686,7 +732,8 @@ fn a_rejected_transaction_names_its_operation_and_changes_nothing() {
 
 /// A kube-proxy-like ruleset: `services` services of `endpoints` endpoints each.
 fn scale_ruleset(services: u32, endpoints: u32) -> Ruleset {
-    let mut rs = Ruleset::default();
+    let family = IpFamily::V4;
+    let mut rs = Ruleset::empty(family);
     rs.chains.insert(
         "nat-prerouting".into(),
         chain(
@@ -719,7 +766,7 @@ fn scale_ruleset(services: u32, endpoints: u32) -> Ruleset {
         let [_, _, high, low] = service.to_be_bytes();
         let service_chain = format!("service-{service:05}-tcp");
         dispatch.elements.insert(
-            Key::AddressProtocolPort(Ipv4Addr::new(10, 96, high, low), Protocol::Tcp, 80),
+            Key::AddressProtocolPort(ip(family, [10, 96, high, low]), Protocol::Tcp, 80),
             goto(&service_chain),
         );
         let map = format!("{service_chain}-endpoints");
@@ -753,20 +800,20 @@ fn endpoint_chain(service: u32, endpoint: u32) -> String {
 
 fn endpoint_rules(service: u32, endpoint: u32) -> Chain {
     let [_, _, high, low] = service.to_be_bytes();
-    let addr = Ipv4Addr::new(10, 128 + (high & 0x3f), low, endpoint as u8);
+    let addr = ip(IpFamily::V4, [10, 128 + (high & 0x3f), low, endpoint as u8]);
     chain(
         None,
         vec![
             Rule::when(
                 vec![Match::SourceAddress {
-                    net: ipnet::Ipv4Net::from(addr),
+                    net: ipnet::IpNet::from(addr),
                     negated: false,
                 }],
                 Statement::Jump("mark-for-masquerade".into()),
             ),
             Rule::when(
                 vec![Match::Protocol(Protocol::Tcp)],
-                Statement::Dnat(SocketAddrV4::new(addr, 8080)),
+                Statement::Dnat(SocketAddr::new(addr, 8080)),
             ),
         ],
     )
@@ -916,9 +963,10 @@ fn a_large_ruleset_and_a_one_endpoint_change() {
 }
 
 impl ScratchNetns {
-    /// What table `ip tandem` holds, as digests (elements included).
+    /// What our table of the namespace's family holds, as digests (elements included).
     fn read(&self) -> TableDigest {
-        self.run(|| Netlink::open()?.read_table("tandem", true))
+        let family = self.1;
+        self.run(|| Netlink::open()?.reading(family).read_table("tandem", true))
             .expect("read the table back")
     }
 
@@ -946,8 +994,19 @@ fn what_netlink_writes_reads_back_the_same_and_drift_is_found_and_repaired() {
     if !can_run() {
         return;
     }
-    let ns = ScratchNetns::new("readback");
-    let (old, new) = (every_variant(), every_variant_changed());
+    for family in [IpFamily::V4, IpFamily::V6] {
+        eprintln!("{family}");
+        drift_found_and_repaired(family);
+    }
+}
+
+fn drift_found_and_repaired(family: IpFamily) {
+    let ns = ScratchNetns::of("readback", family);
+    let (old, new) = (every_variant(family), every_variant_changed(family));
+    let (table, address) = match family {
+        IpFamily::V4 => ("ip tandem", "ipv4_addr"),
+        IpFamily::V6 => ("ip6 tandem", "ipv6_addr"),
+    };
     ns.apply(&Transaction::replace_all(&old))
         .expect("initial ruleset");
     let drift = no_drift(&old, &ns.read());
@@ -957,13 +1016,14 @@ fn what_netlink_writes_reads_back_the_same_and_drift_is_found_and_repaired() {
     let drift = no_drift(&new, &kernel);
     assert!(drift.is_empty(), "a changed table differs: {drift:?}");
     // Packets fill a dynamic set; its elements are not compared.
+    let client = format!("{{ {} }}", ip(family, [192, 0, 2, 1]));
     ns.nft(&[
         "add",
         "element",
-        "ip",
+        family.nft_family(),
         "tandem",
         "affinity-ep-a-0",
-        "{ 192.0.2.1 }",
+        &client,
     ]);
     assert!(no_drift(&new, &ns.read()).is_empty());
 
@@ -972,15 +1032,15 @@ fn what_netlink_writes_reads_back_the_same_and_drift_is_found_and_repaired() {
     // and a base chain deleted.
     let run = format!("{}-{}", SVC_B_OFFSET, SVC_B_OFFSET + BUCKETS / 3 - 1);
     for command in [
-        format!("delete element ip tandem svc-b-endpoints {{ {run} }}"),
-        "flush chain ip tandem svc-b-spread".to_owned(),
-        "add rule ip tandem svc-b accept".to_owned(),
-        "chain ip tandem filter-input { policy drop; }".to_owned(),
-        "add chain ip tandem intruder".to_owned(),
-        "add set ip tandem intruders { type ipv4_addr; }".to_owned(),
-        "flush set ip tandem hairpins".to_owned(),
-        "flush chain ip tandem filter-output".to_owned(),
-        "delete chain ip tandem filter-output".to_owned(),
+        format!("delete element {table} svc-b-endpoints {{ {run} }}"),
+        format!("flush chain {table} svc-b-spread"),
+        format!("add rule {table} svc-b accept"),
+        format!("chain {table} filter-input {{ policy drop; }}"),
+        format!("add chain {table} intruder"),
+        format!("add set {table} intruders {{ type {address}; }}"),
+        format!("flush set {table} hairpins"),
+        format!("flush chain {table} filter-output"),
+        format!("delete chain {table} filter-output"),
     ] {
         ns.nft_script(&command);
     }
@@ -1011,7 +1071,7 @@ fn what_netlink_writes_reads_back_the_same_and_drift_is_found_and_repaired() {
     assert!(left.is_empty(), "left after the repair: {left:?}");
     // A table deleted whole reads as empty: everything is missing, and the repair
     // writes it all.
-    ns.apply(&Transaction::delete_all()).expect("delete");
+    ns.apply(&Transaction::delete_all(family)).expect("delete");
     let drift = no_drift(&new, &ns.read());
     assert_eq!(drift.chains.len(), new.chains.len());
     assert!(drift.chains.values().all(|d| *d == Drift::Missing));

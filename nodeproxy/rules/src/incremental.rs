@@ -47,6 +47,11 @@ impl IncrementalRuleset {
         &self.ruleset
     }
 
+    /// The node the rules are for.
+    pub fn node(&self) -> &NodeConfig {
+        &self.node
+    }
+
     /// Rebuilds the given Service ports from `state` (a port `state` no longer has is
     /// removed) and returns the chains whose rules changed or that went away.
     pub fn update<'a>(

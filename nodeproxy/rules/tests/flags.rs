@@ -7,7 +7,7 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use common::ip;
 use tandem_proxy_rules::model::{NodeConfig, NodePortAddresses, Protocol, ProxyState};
@@ -60,7 +60,7 @@ fn traced(
 /// none), whether it was masqueraded, and whether it was dropped or rejected.
 #[derive(Debug, PartialEq, Eq)]
 struct Fate {
-    dnat: BTreeSet<SocketAddrV4>,
+    dnat: BTreeSet<SocketAddr>,
     masqueraded: bool,
     stopped: Option<&'static str>,
 }
@@ -92,7 +92,7 @@ fn fate(trace: &Trace) -> Fate {
     }
 }
 
-fn endpoints() -> BTreeSet<SocketAddrV4> {
+fn endpoints() -> BTreeSet<SocketAddr> {
     BTreeSet::from([
         "10.244.1.5:80".parse().unwrap(),
         "10.244.2.7:80".parse().unwrap(),
@@ -137,7 +137,7 @@ fn lb_with_ranges(ranges: &[&str]) -> ProxyState {
 
 fn node(node_ip: Option<&str>) -> NodeConfig {
     NodeConfig {
-        node_ip: node_ip.map(|text| ip(text).into()),
+        node_ip: node_ip.map(ip),
         ..common::node_a()
     }
 }

@@ -9,7 +9,7 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 use common::generate::{MAX_PORTS, port_name, state};
 use common::ip;
@@ -20,7 +20,7 @@ use tandem_nftables::{
 };
 use tandem_proxy_rules::chains::endpoint_chain;
 use tandem_proxy_rules::model::{
-    Endpoint, IpMode, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName,
+    Endpoint, IpFamily, IpMode, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName,
 };
 use tandem_proxy_rules::nft::incremental::IncrementalRuleset;
 use tandem_proxy_rules::nft::layout::{self, affinity_set};
@@ -28,10 +28,37 @@ use tandem_proxy_rules::nft::slots::BucketSlots;
 use tandem_proxy_rules::nft::trace::trace as nft_trace;
 use tandem_proxy_rules::trace::{Entry, Packet, Route, Trace, TraceRequest, Verdict, trace};
 
-const NODE_IP: &str = "198.18.0.11";
-const ALLOWED_CLIENT: &str = "203.0.113.7";
-const DISALLOWED_CLIENT: &str = "192.0.2.99";
-const POD_ON_NODE: &str = "10.244.1.20";
+/// The addresses the cases use, in one family: node-a's, a client inside the source
+/// ranges and one outside them, a pod on node-a, and an address of the node network
+/// that is no node's.
+struct Addresses {
+    node: &'static str,
+    allowed_client: &'static str,
+    disallowed_client: &'static str,
+    pod_on_node: &'static str,
+    not_a_node: &'static str,
+}
+
+const V4: Addresses = Addresses {
+    node: "198.18.0.11",
+    allowed_client: "203.0.113.7",
+    disallowed_client: "192.0.2.99",
+    pod_on_node: "10.244.1.20",
+    not_a_node: "198.18.0.99",
+};
+
+/// Within the IPv6 reference state's ranges (`common::dual_stack_reference_state_v6`).
+const V6: Addresses = Addresses {
+    node: "2001:db8:18::11",
+    allowed_client: "2001:db8:203::7",
+    disallowed_client: "2001:db8:204::9",
+    pod_on_node: "fd00:10:244:1::20",
+    not_a_node: "2001:db8:18::99",
+};
+
+const NODE_IP: &str = V4.node;
+const ALLOWED_CLIENT: &str = V4.allowed_client;
+const DISALLOWED_CLIENT: &str = V4.disallowed_client;
 
 /// One packet to trace through both modes: `pinned` is an endpoint the client already
 /// has session affinity to.
@@ -39,11 +66,11 @@ const POD_ON_NODE: &str = "10.244.1.20";
 struct Case {
     packet: Packet,
     entry: Entry,
-    local: Vec<Ipv4Addr>,
-    pinned: Option<(ServicePortName, SocketAddrV4)>,
+    local: Vec<IpAddr>,
+    pinned: Option<(ServicePortName, SocketAddr)>,
 }
 
-fn case(protocol: Protocol, src: &str, dst: Ipv4Addr, port: u16, entry: Entry) -> Case {
+fn case(protocol: Protocol, src: &str, dst: IpAddr, port: u16, entry: Entry) -> Case {
     Case {
         packet: Packet {
             src: ip(src),
@@ -52,7 +79,7 @@ fn case(protocol: Protocol, src: &str, dst: Ipv4Addr, port: u16, entry: Entry) -
             dst_port: port,
         },
         entry,
-        local: vec![ip(NODE_IP)],
+        local: Vec::new(),
         pinned: None,
     }
 }
@@ -66,7 +93,7 @@ enum Fate {
 
 /// What a packet's outcomes amount to, by (DNAT, masqueraded, delivered locally, fate),
 /// with the summed probability of each; for a dropped or rejected packet, the fate alone.
-type Summary = BTreeMap<(Option<SocketAddrV4>, bool, bool, Fate), f64>;
+type Summary = BTreeMap<(Option<SocketAddr>, bool, bool, Fate), f64>;
 
 fn summary(trace: &Trace) -> Summary {
     let mut out = Summary::new();
@@ -104,16 +131,20 @@ fn same_fates(iptables: &Trace, nft: &Trace) -> bool {
 /// Traces every case of `state` through both modes' rulesets on `node` and asserts the
 /// same fates.
 fn assert_same_fates(state: &ProxyState, node: &NodeConfig) {
+    assert_same_fates_at(state, node, &V4);
+}
+
+fn assert_same_fates_at(state: &ProxyState, node: &NodeConfig, at: &Addresses) {
     let iptables_rules = tandem_proxy_rules::build(state, node);
     let nft_rules = layout::build(state, node);
-    for case in cases(state) {
+    for case in cases(state, at) {
         let mut request = TraceRequest::new(case.packet, case.entry, case.local.iter().copied());
         let mut nft_request = request.clone();
         if let Some((name, ep)) = &case.pinned {
             let protocol = state.services[name].protocol;
             request
                 .recent_lists
-                .insert(endpoint_chain(name, protocol, (*ep).into()));
+                .insert(endpoint_chain(name, protocol, *ep));
             nft_request
                 .recent_lists
                 .insert(affinity_set(name, protocol, *ep));
@@ -150,14 +181,10 @@ fn cluster_ips_check(state: &ProxyState, node: &NodeConfig, iptables: &Trace) ->
     if state
         .services
         .values()
-        .any(|svc| svc.cluster_ip == Some(dst.into()))
+        .any(|svc| svc.cluster_ip == Some(dst))
     {
         Some(Fate::Rejected)
-    } else if node
-        .service_cidrs
-        .iter()
-        .any(|cidr| cidr.contains(&IpAddr::from(dst)))
-    {
+    } else if node.service_cidrs.iter().any(|cidr| cidr.contains(&dst)) {
         Some(Fate::Dropped)
     } else {
         None
@@ -166,7 +193,7 @@ fn cluster_ips_check(state: &ProxyState, node: &NodeConfig, iptables: &Trace) ->
 
 /// The Service ports that capture each external address (`ip . protocol . port`), as
 /// whether each has a usable endpoint.
-type ExternalClaims = BTreeMap<(Ipv4Addr, Protocol, u16), Vec<bool>>;
+type ExternalClaims = BTreeMap<(IpAddr, Protocol, u16), Vec<bool>>;
 
 fn external_claims(state: &ProxyState) -> ExternalClaims {
     let mut claims = ExternalClaims::new();
@@ -183,13 +210,7 @@ fn external_claims(state: &ProxyState) -> ExternalClaims {
             .iter()
             .filter(|ingress| ingress.ip_mode == IpMode::Vip)
             .map(|ingress| &ingress.ip);
-        let addresses: BTreeSet<Ipv4Addr> = svc
-            .external_ips
-            .iter()
-            .chain(vips)
-            .copied()
-            .map(common::v4)
-            .collect();
+        let addresses: BTreeSet<IpAddr> = svc.external_ips.iter().chain(vips).copied().collect();
         for addr in addresses {
             claims
                 .entry((addr, svc.protocol, svc.port))
@@ -201,21 +222,27 @@ fn external_claims(state: &ProxyState) -> ExternalClaims {
 }
 
 /// The packets that exercise every path of every Service port of `state`.
-fn cases(state: &ProxyState) -> Vec<Case> {
+fn cases(state: &ProxyState, at: &Addresses) -> Vec<Case> {
     let mut cases = Vec::new();
-    let node_ip = ip(NODE_IP);
+    let (node, pod_on_node, allowed, disallowed) = (
+        at.node,
+        at.pod_on_node,
+        at.allowed_client,
+        at.disallowed_client,
+    );
+    let node_ip = ip(node);
     let claims = external_claims(state);
     for (name, svc) in &state.services {
         let proto = svc.protocol;
         let endpoints = state.endpoints_of(name);
-        if let Some(cip) = svc.cluster_ip.map(common::v4) {
-            for src in [POD_ON_NODE, ALLOWED_CLIENT] {
+        if let Some(cip) = svc.cluster_ip {
+            for src in [pod_on_node, allowed] {
                 cases.push(case(proto, src, cip, svc.port, Entry::FromOutside));
             }
-            cases.push(case(proto, NODE_IP, cip, svc.port, Entry::Local));
+            cases.push(case(proto, node, cip, svc.port, Entry::Local));
             cases.push(case(
                 proto,
-                POD_ON_NODE,
+                pod_on_node,
                 cip,
                 svc.port + 1,
                 Entry::FromOutside,
@@ -225,24 +252,17 @@ fn cases(state: &ProxyState) -> Vec<Case> {
             } else {
                 Protocol::Udp
             };
-            cases.push(case(other, POD_ON_NODE, cip, svc.port, Entry::FromOutside));
+            cases.push(case(other, pod_on_node, cip, svc.port, Entry::FromOutside));
             if let Some(ep) = endpoints.first() {
                 // Hairpin: an endpoint reaching its own Service.
                 let src = ep.ip.to_string();
                 cases.push(case(proto, &src, cip, svc.port, Entry::FromOutside));
                 // The endpoint reaching its own address, not through the Service: no
                 // DNAT, so no masquerade either.
-                cases.push(case(
-                    proto,
-                    &src,
-                    common::v4(ep.ip),
-                    ep.port,
-                    Entry::FromOutside,
-                ));
+                cases.push(case(proto, &src, ep.ip, ep.port, Entry::FromOutside));
                 if svc.session_affinity_timeout.is_some() {
-                    let mut pinned = case(proto, ALLOWED_CLIENT, cip, svc.port, Entry::FromOutside);
-                    pinned.pinned =
-                        Some((name.clone(), SocketAddrV4::new(common::v4(ep.ip), ep.port)));
+                    let mut pinned = case(proto, allowed, cip, svc.port, Entry::FromOutside);
+                    pinned.pinned = Some((name.clone(), SocketAddr::new(ep.ip, ep.port)));
                     cases.push(pinned);
                 }
             }
@@ -251,7 +271,7 @@ fn cases(state: &ProxyState) -> Vec<Case> {
             .external_ips
             .iter()
             .chain(svc.load_balancer_ingress.iter().map(|ingress| &ingress.ip));
-        for addr in external.copied().map(common::v4) {
+        for addr in external.copied() {
             let claimants = claims
                 .get(&(addr, proto, svc.port))
                 .map_or(&[][..], Vec::as_slice);
@@ -262,7 +282,7 @@ fn cases(state: &ProxyState) -> Vec<Case> {
             }
             // The LB IP as its own source: the node's connection looped back to it.
             let looped = addr.to_string();
-            for src in [ALLOWED_CLIENT, DISALLOWED_CLIENT, POD_ON_NODE, &looped] {
+            for src in [allowed, disallowed, pod_on_node, &looped] {
                 cases.push(case(proto, src, addr, svc.port, Entry::FromOutside));
                 // The LB IP assigned to the node itself: INPUT instead of FORWARD.
                 let mut local = case(proto, src, addr, svc.port, Entry::FromOutside);
@@ -272,24 +292,24 @@ fn cases(state: &ProxyState) -> Vec<Case> {
             // The iptables mode lets the node's own connections to an external address
             // without endpoints through; the nftables mode rejects them (see below).
             if !claimants.contains(&false) {
-                cases.push(case(proto, NODE_IP, addr, svc.port, Entry::Local));
+                cases.push(case(proto, node, addr, svc.port, Entry::Local));
             }
             if let (Some(_), Some(ep)) = (svc.session_affinity_timeout, endpoints.first()) {
-                let mut pinned = case(proto, ALLOWED_CLIENT, addr, svc.port, Entry::FromOutside);
-                pinned.pinned = Some((name.clone(), SocketAddrV4::new(common::v4(ep.ip), ep.port)));
+                let mut pinned = case(proto, allowed, addr, svc.port, Entry::FromOutside);
+                pinned.pinned = Some((name.clone(), SocketAddr::new(ep.ip, ep.port)));
                 cases.push(pinned);
             }
         }
         if let Some(node_port) = svc.node_port {
-            for src in [ALLOWED_CLIENT, POD_ON_NODE] {
+            for src in [allowed, pod_on_node] {
                 cases.push(case(proto, src, node_ip, node_port, Entry::FromOutside));
             }
-            cases.push(case(proto, NODE_IP, node_ip, node_port, Entry::Local));
+            cases.push(case(proto, node, node_ip, node_port, Entry::Local));
             // Not a node address: no node port.
             cases.push(case(
                 proto,
-                ALLOWED_CLIENT,
-                ip("198.18.0.99"),
+                allowed,
+                ip(at.not_a_node),
                 node_port,
                 Entry::FromOutside,
             ));
@@ -297,13 +317,17 @@ fn cases(state: &ProxyState) -> Vec<Case> {
         if let Some(health) = svc.health_check_node_port {
             cases.push(case(
                 Protocol::Tcp,
-                ALLOWED_CLIENT,
+                allowed,
                 node_ip,
                 health,
                 Entry::FromOutside,
             ));
-            cases.push(case(Protocol::Tcp, NODE_IP, node_ip, health, Entry::Local));
+            cases.push(case(Protocol::Tcp, node, node_ip, health, Entry::Local));
         }
+    }
+    // Every case runs on node-a, whatever else is local.
+    for case in &mut cases {
+        case.local.push(node_ip);
     }
     cases
 }
@@ -311,9 +335,48 @@ fn cases(state: &ProxyState) -> Vec<Case> {
 #[test]
 fn every_scenario_meets_the_same_fates_in_both_modes() {
     for (name, state) in common::scenarios() {
-        assert!(!cases(&state).is_empty(), "{name}");
+        assert!(!cases(&state, &V4).is_empty(), "{name}");
         assert_same_fates(&state, &common::node_a());
     }
+}
+
+#[test]
+fn the_ipv6_reference_state_meets_the_same_fates_in_both_modes() {
+    let state = common::dual_stack_reference_state_v6();
+    let node = common::node_a_v6();
+    assert!(cases(&state, &V6).len() > 20);
+    assert_same_fates_at(&state, &node, &V6);
+    // The cases reach endpoints: the LB IP from inside the ranges is DNATed to IPv6 pods.
+    let mut lb = case(
+        Protocol::Tcp,
+        V6.allowed_client,
+        ip("2001:db8:51:100::20"),
+        80,
+        Entry::FromOutside,
+    );
+    lb.local.push(ip(V6.node));
+    let request = TraceRequest::new(lb.packet, lb.entry, lb.local);
+    let traced = nft_trace(&layout::build(&state, &node), &request).unwrap();
+    assert!(
+        traced
+            .outcomes
+            .iter()
+            .all(|o| o.dnat.is_some_and(|to| to.is_ipv6())),
+        "{traced}"
+    );
+    // The IPv6 table is of its family, and holds IPv6 addresses only.
+    let table = layout::build(&state, &node);
+    assert_eq!(table.family, IpFamily::V6);
+    let text = render::transaction(&Transaction::replace_all(&table));
+    assert!(text.contains("add table ip6 tandem"));
+    assert!(
+        text.contains("2001:db8:51:100::20 . tcp . 80 : goto firewall-"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("ipv4_addr") && !text.contains(" ip saddr"),
+        "{text}"
+    );
 }
 
 /// `(chain, target)` of every jump and goto, in rules and in map elements.
@@ -797,7 +860,7 @@ fn the_kernel_takes_every_transaction_and_ends_with_the_full_builds_table() {
         assert!(table.len() > 20, "step {i}: {table:?}");
         assert_eq!(table, kernel_table(&full_ns), "step {i}");
     }
-    nft_apply(&full_ns, &Transaction::delete_all());
+    nft_apply(&full_ns, &Transaction::delete_all(IpFamily::V4));
     let tables = full_ns.run("nft", &["list", "tables"], "");
     assert!(!tables.contains("tandem"), "{tables}");
 }
@@ -807,7 +870,7 @@ fn an_address_two_ports_list_goes_to_the_first_in_name_order_whichever_changes()
     let node = common::node_a();
     let listing = |name: ServicePortName, cluster_ip: &str, endpoint: &str| {
         let svc = ServicePort {
-            external_ips: vec![ip("192.0.2.10").into()],
+            external_ips: vec![ip("192.0.2.10")],
             ..common::cluster_ip_service(name.clone(), Protocol::Tcp, cluster_ip, 80)
         };
         (svc, vec![common::ready(endpoint, 80, "node-b")])

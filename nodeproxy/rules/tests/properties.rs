@@ -9,7 +9,7 @@ mod common;
 use common::generate::{MAX_PORTS, port_name, state};
 
 use std::collections::BTreeSet;
-use std::net::{IpAddr, Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use proptest::prelude::*;
 use tandem_proxy_rules::build;
@@ -73,7 +73,7 @@ fn usable(
     state: &ProxyState,
     name: &ServicePortName,
     on: impl Fn(&Endpoint) -> bool,
-) -> BTreeSet<SocketAddrV4> {
+) -> BTreeSet<SocketAddr> {
     let endpoints: Vec<&Endpoint> = state.endpoints[name].iter().filter(|ep| on(ep)).collect();
     let any_ready = endpoints.iter().any(|ep| ep.is_ready());
     endpoints
@@ -85,10 +85,8 @@ fn usable(
                 ep.is_serving_terminating()
             }
         })
-        .filter_map(|ep| match ep.ip {
-            IpAddr::V4(ip) => Some(SocketAddrV4::new(ip, ep.port)),
-            IpAddr::V6(_) => None,
-        })
+        .filter(|ep| ep.ip.is_ipv4())
+        .map(|ep| SocketAddr::new(ep.ip, ep.port))
         .collect()
 }
 
@@ -125,9 +123,9 @@ proptest! {
         let node = common::node_a();
         let ruleset = build(&state, &node);
         for (name, service) in &state.services {
-            let Some(IpAddr::V4(cluster_ip)) = service.cluster_ip else { continue };
-            let packet = Packet { src: Ipv4Addr::new(10, 244, 1, 200), dst: cluster_ip, protocol: service.protocol, dst_port: service.port };
-            let traced = trace(&ruleset, &TraceRequest::new(packet, Entry::FromOutside, [Ipv4Addr::new(198, 18, 0, 11)])).unwrap();
+            let Some(cluster_ip) = service.cluster_ip.filter(IpAddr::is_ipv4) else { continue };
+            let packet = Packet { src: Ipv4Addr::new(10, 244, 1, 200).into(), dst: cluster_ip, protocol: service.protocol, dst_port: service.port };
+            let traced = trace(&ruleset, &TraceRequest::new(packet, Entry::FromOutside, [Ipv4Addr::new(198, 18, 0, 11).into()])).unwrap();
             let anywhere = usable(&state, name, |_| true);
             // internalTrafficPolicy Local: this node's endpoints only, dropped without any.
             let expected = if service.internal_traffic_policy_local {
@@ -148,7 +146,7 @@ proptest! {
             }
             let total: f64 = traced.outcomes.iter().map(|o| o.probability).sum();
             prop_assert!((total - 1.0).abs() < 1e-6, "probabilities sum to {}", total);
-            let reached: BTreeSet<SocketAddrV4> = traced.outcomes.iter().map(|o| o.dnat.unwrap()).collect();
+            let reached: BTreeSet<SocketAddr> = traced.outcomes.iter().map(|o| o.dnat.unwrap()).collect();
             prop_assert_eq!(&reached, &expected);
             for outcome in &traced.outcomes {
                 let share = 1.0 / expected.len() as f64;

@@ -183,7 +183,7 @@ fn proxy_mode_ingress_is_left_to_the_node_port() {
     let mut state = common::lb_open_state();
     for svc in state.services.values_mut() {
         svc.load_balancer_ingress.push(LoadBalancerIngress {
-            ip: ip("198.51.100.99").into(),
+            ip: ip("198.51.100.99"),
             ip_mode: IpMode::Proxy,
         });
     }

@@ -5,7 +5,7 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use common::ip;
 use tandem_proxy_rules::build;
@@ -290,13 +290,11 @@ fn session_affinity_pins_a_known_client() {
     let state = common::affinity_state();
     let packet = tcp(ALLOWED_CLIENT, "198.51.100.12", 80);
     assert_eq!(from_outside(&state, packet).outcomes.len(), 2);
-    let pinned: SocketAddrV4 = "10.244.2.7:80".parse().unwrap();
+    let pinned: SocketAddr = "10.244.2.7:80".parse().unwrap();
     let mut request = TraceRequest::new(packet, Entry::FromOutside, [ip(NODE_IP)]);
-    request.recent_lists.insert(endpoint_chain(
-        &common::sticky(),
-        Protocol::Tcp,
-        pinned.into(),
-    ));
+    request
+        .recent_lists
+        .insert(endpoint_chain(&common::sticky(), Protocol::Tcp, pinned));
     let traced = trace(&build(&state, &common::node_a()), &request).unwrap();
     assert_eq!(traced.outcomes.len(), 1, "{traced}");
     assert_eq!(traced.outcomes[0].dnat, Some(pinned));

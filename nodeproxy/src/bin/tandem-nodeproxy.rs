@@ -77,8 +77,15 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
     let dirty = Arc::new(Notify::new());
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
-    // The tracer follows IPv4 packets: the IPv4 proxier's view is all it needs.
-    let family = IpFamily::V4;
+    // The proxier of the packet's family is all the trace needs.
+    let family = IpFamily::of(args.dst.ip);
+    if !family.holds(args.src) {
+        bail!(
+            "--src {} and --dst {} are of different families",
+            args.src,
+            args.dst.ip
+        );
+    }
     let (observed, watches) = proxier::watch(
         client,
         &node_name,
@@ -95,18 +102,15 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
     watching.await?;
     let conversion = observed
         .joined(family)
-        .context("the IPv4 family is watched")?;
+        .with_context(|| format!("the {family} family is watched"))?;
     for skipped in &conversion.skipped {
         tracing::warn!(%skipped, "invalid value left out of the rules");
     }
     let nodes = observed.node.state();
-    let local_addrs: Vec<Ipv4Addr> = nodes
+    let local_addrs: Vec<IpAddr> = nodes
         .iter()
         .flat_map(|n| convert::node_addresses(n))
-        .filter_map(|ip| match ip {
-            IpAddr::V4(ip) => Some(ip),
-            IpAddr::V6(_) => None,
-        })
+        .filter(|ip| family.holds(*ip))
         .collect();
     let node_ip = nodes
         .iter()

@@ -197,8 +197,8 @@ impl IncrementalRuleset {
     ) -> Touched {
         // The touched objects only: before as the ruleset held them, after as rebuilt.
         // Both declare the shared maps, holding only the touched elements.
-        let mut before = Ruleset::default();
-        let mut after = Ruleset::default();
+        let mut before = Ruleset::empty(self.ruleset.family);
+        let mut after = Ruleset::empty(self.ruleset.family);
         for (name, spec) in SHARED_SETS {
             before.sets.insert(name.to_owned(), Set::with_spec(spec));
             after.sets.insert(name.to_owned(), Set::with_spec(spec));
@@ -369,7 +369,7 @@ impl IncrementalRuleset {
     /// Puts the rebuilt objects in. The touched ports' own sets were taken out, so a set
     /// still here is shared: it gets the new elements; every other set comes in whole.
     fn absorb(&mut self, rebuilt: Ruleset) {
-        let Ruleset { chains, sets } = rebuilt;
+        let Ruleset { chains, sets, .. } = rebuilt;
         self.ruleset.chains.extend(chains);
         for (name, set) in sets {
             merge_into(&mut self.ruleset, name, set);
@@ -488,7 +488,10 @@ mod tests {
                 .map(|n| (port(*n).name, vec![endpoint(1, "node-a")]))
                 .collect(),
         };
-        let pair = Key::AddressPair(Ipv4Addr::new(10, 180, 0, 1), Ipv4Addr::new(10, 180, 0, 1));
+        let pair = Key::AddressPair(
+            Ipv4Addr::new(10, 180, 0, 1).into(),
+            Ipv4Addr::new(10, 180, 0, 1).into(),
+        );
         let held = |rules: &IncrementalRuleset| {
             rules.ruleset().sets[layout::HAIRPIN_ENDPOINTS]
                 .elements

@@ -1,4 +1,5 @@
-//! Observed state in, the ruleset of table `ip tandem` out: kube-proxy's nftables layout.
+//! Observed state in, the ruleset of table `ip tandem` (`ip6 tandem` for an IPv6 node)
+//! out: kube-proxy's nftables layout.
 //!
 //! Fixed objects: base chains that only jump into ours, the dispatch chains, five shared
 //! verdict maps keyed by what a packet is addressed to (`service-ips`,
@@ -24,10 +25,10 @@
 //! mode's ACCEPT in filter INPUT has no nftables equivalent).
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 use data_encoding::BASE32;
-use ipnet::{IpNet, Ipv4Net};
+use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 use tandem_nftables::{
     BUCKETS, BaseChain, Chain, ChainType, DispatchKey, Hook, Key, KeyType, MASQUERADE_MARK, Match,
@@ -36,8 +37,7 @@ use tandem_nftables::{
 
 use super::slots::{BucketSlot, BucketSlots, Spread};
 use crate::model::{
-    Endpoint, IpFamily, NodeConfig, NodePortAddresses, ProxyState, ServicePort, ServicePortName,
-    overlaps,
+    Endpoint, NodeConfig, NodePortAddresses, ProxyState, ServicePort, ServicePortName, overlaps,
 };
 use crate::rules::{PortPaths, UsableEndpoint, sorted_unique, usable_endpoints};
 
@@ -131,7 +131,7 @@ pub struct PortObjects {
     pub buckets: Option<(String, Set)>,
 }
 
-/// The complete ruleset of table `ip tandem` on a fresh start: slots given out in name
+/// The complete ruleset of our table of the node's family on a fresh start: slots given out in name
 /// order ([`BucketSlots::in_name_order`]).
 pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
     build_with_slots(state, node, &BucketSlots::in_name_order(state))
@@ -184,7 +184,7 @@ pub fn merge_into(ruleset: &mut Ruleset, name: String, part: Set) {
 /// The objects that exist whatever the Services are; the node's settings shape the node
 /// port dispatch and the cluster-IP check.
 pub fn fixed_objects(node: &NodeConfig) -> Ruleset {
-    let mut ruleset = Ruleset::default();
+    let mut ruleset = Ruleset::empty(node.family);
     let base = |chain_type, hook, priority, rules| Chain {
         base: Some(BaseChain {
             chain_type,
@@ -385,20 +385,19 @@ fn chain(rules: Vec<Rule>) -> Chain {
 /// CIDR with `fib daddr type local` is the same set of addresses and follows address
 /// changes without a sync.
 fn node_port_addresses(node: &NodeConfig) -> Vec<Vec<Match>> {
-    let loopback = IpFamily::V4.loopback();
+    let loopback = node.loopback();
     let not_loopback = Match::DestinationAddress {
-        net: ipv4_net(loopback).unwrap_or_default(),
+        net: loopback,
         negated: true,
     };
     match &node.node_port_addresses {
         NodePortAddresses::All => vec![vec![Match::DestinationLocal, not_loopback]],
         NodePortAddresses::Cidrs(cidrs) => cidrs
             .iter()
-            .filter(|cidr| !loopback.contains(*cidr))
-            .filter_map(|cidr| Some((*cidr, ipv4_net(*cidr)?)))
-            .map(|(cidr, net)| {
+            .filter(|cidr| node.family.holds(cidr.addr()) && !loopback.contains(*cidr))
+            .map(|&cidr| {
                 let mut matches = vec![Match::DestinationAddress {
-                    net,
+                    net: cidr,
                     negated: false,
                 }];
                 if overlaps(cidr, loopback) {
@@ -422,7 +421,11 @@ fn cluster_ips_check(node: &NodeConfig) -> Vec<Rule> {
         )
         .with_comment("Reject traffic to invalid ports of ClusterIPs"),
     ];
-    for cidr in node.service_cidrs.iter().filter_map(|cidr| ipv4_net(*cidr)) {
+    for cidr in node
+        .service_cidrs
+        .iter()
+        .filter(|cidr| node.family.holds(cidr.addr()))
+    {
         let to_service_cidr = Match::DestinationAddress {
             net: cidr.trunc(),
             negated: false,
@@ -450,32 +453,8 @@ fn dispatch(key: DispatchKey, map: &str) -> Statement {
     }
 }
 
-fn host(addr: Ipv4Addr) -> Ipv4Net {
-    Ipv4Net::from(addr)
-}
-
-/// `ip` if it is IPv4: the nftables mode writes table `ip tandem`, and each of its
-/// inputs is of that family (an `ip6 tandem` is not written yet), as a kube-proxy proxier
-/// keeps the addresses of its own family only.
-fn ipv4(ip: IpAddr) -> Option<Ipv4Addr> {
-    match ip {
-        IpAddr::V4(ip) => Some(ip),
-        IpAddr::V6(_) => None,
-    }
-}
-
-fn ipv4_net(net: IpNet) -> Option<Ipv4Net> {
-    match net {
-        IpNet::V4(net) => Some(net),
-        IpNet::V6(_) => None,
-    }
-}
-
-fn ipv4_endpoint(addr: SocketAddr) -> Option<SocketAddrV4> {
-    match addr {
-        SocketAddr::V4(addr) => Some(addr),
-        SocketAddr::V6(_) => None,
-    }
+fn host(addr: IpAddr) -> IpNet {
+    IpNet::from(addr)
 }
 
 /// kube-proxy's `servicePortChainNameBase`: `namespace/name/protocol/portname`. Its parts
@@ -490,16 +469,17 @@ pub fn port_name_base(name: &ServicePortName, protocol: Protocol) -> String {
     )
 }
 
-/// kube-proxy's `servicePortEndpointChainNameBase`: the port's base, `__`, `ip/port`.
+/// kube-proxy's `servicePortEndpointChainNameBase`: the port's base, `__`, `ip/port`;
+/// an IPv6 address's colons become dots, as a chain name cannot hold them.
 pub fn endpoint_name_base(
     name: &ServicePortName,
     protocol: Protocol,
-    endpoint: SocketAddrV4,
+    endpoint: SocketAddr,
 ) -> String {
     format!(
         "{}__{}/{}",
         port_name_base(name, protocol),
-        endpoint.ip(),
+        endpoint.ip().to_string().replace(':', "."),
         endpoint.port()
     )
 }
@@ -545,7 +525,7 @@ impl PortNames {
 }
 
 /// `endpoint-…`: DNATs to one endpoint of a Service port.
-pub fn endpoint_chain(name: &ServicePortName, protocol: Protocol, ep: SocketAddrV4) -> String {
+pub fn endpoint_chain(name: &ServicePortName, protocol: Protocol, ep: SocketAddr) -> String {
     format!(
         "endpoint-{}",
         hash_and_truncate(&endpoint_name_base(name, protocol, ep))
@@ -553,7 +533,7 @@ pub fn endpoint_chain(name: &ServicePortName, protocol: Protocol, ep: SocketAddr
 }
 
 /// `affinity-…`: the clients recently sent to one endpoint (session affinity).
-pub fn affinity_set(name: &ServicePortName, protocol: Protocol, ep: SocketAddrV4) -> String {
+pub fn affinity_set(name: &ServicePortName, protocol: Protocol, ep: SocketAddr) -> String {
     format!(
         "affinity-{}",
         hash_and_truncate(&endpoint_name_base(name, protocol, ep))
@@ -570,7 +550,8 @@ pub fn port_objects(
     slot: BucketSlot,
 ) -> PortObjects {
     let mut out = PortObjects::default();
-    let Some(cluster_ip) = svc.cluster_ip.and_then(ipv4) else {
+    // A proxier keeps the addresses of its own family only.
+    let Some(cluster_ip) = svc.cluster_ip.filter(|ip| node.family.holds(*ip)) else {
         return out; // headless: DNS only, no proxying
     };
     let port = Port::new(
@@ -581,7 +562,7 @@ pub fn port_objects(
         slot,
     );
     let proto = svc.protocol;
-    let ip_key = |ip: Ipv4Addr| Key::AddressProtocolPort(ip, proto, svc.port);
+    let ip_key = |ip: IpAddr| Key::AddressProtocolPort(ip, proto, svc.port);
     out.elements
         .push((CLUSTER_IPS, Key::Address(cluster_ip), Value::Member));
     // External IPs and LB IPs, each once (a Service may list an address in both).
@@ -604,7 +585,7 @@ pub fn port_objects(
     }
 
     for ep in &port.endpoints {
-        let ip = *ep.addr.ip();
+        let ip = ep.addr.ip();
         out.elements
             .push((HAIRPIN_ENDPOINTS, Key::AddressPair(ip, ip), Value::Member));
         port.add_endpoint_chain(&mut out, ep);
@@ -670,7 +651,7 @@ pub fn port_objects(
             .into_iter()
             .flatten()
             .map(|ip| host(*ip));
-        let allowed: Vec<Ipv4Net> = port
+        let allowed: Vec<IpNet> = port
             .source_ranges
             .iter()
             .copied()
@@ -717,7 +698,7 @@ fn bucket_runs(count: usize, offset: u32) -> impl Iterator<Item = Key> {
 
 /// A usable endpoint of one Service port.
 struct PortEndpoint {
-    addr: SocketAddrV4,
+    addr: SocketAddr,
     cluster: bool,
     local: bool,
 }
@@ -726,21 +707,21 @@ struct PortEndpoint {
 /// decisions as the iptables mode's `PortContext`.
 struct Port<'a> {
     svc: &'a ServicePort,
-    cluster_ip: Ipv4Addr,
+    cluster_ip: IpAddr,
     names: PortNames,
     slot: BucketSlot,
     /// Endpoints some chain of this port spreads over.
     endpoints: Vec<PortEndpoint>,
-    external_ips: Vec<Ipv4Addr>,
+    external_ips: Vec<IpAddr>,
     /// The ingress IPs the node captures (`paths.vip_ingress`).
-    vip_ingress: Vec<Ipv4Addr>,
-    source_ranges: Vec<Ipv4Net>,
+    vip_ingress: Vec<IpAddr>,
+    source_ranges: Vec<IpNet>,
     /// Which paths exist: `service-…` exists when the cluster-wide set is used, `local-…`
     /// when this node's is (and holds an endpoint).
     paths: PortPaths,
     /// Any usable endpoint in the cluster; without one, every address rejects.
     has_endpoints: bool,
-    cluster_cidr: Option<Ipv4Net>,
+    cluster_cidr: Option<IpNet>,
     /// `--masquerade-all`.
     masquerade_all: bool,
 }
@@ -748,20 +729,25 @@ struct Port<'a> {
 impl<'a> Port<'a> {
     fn new(
         svc: &'a ServicePort,
-        cluster_ip: Ipv4Addr,
+        cluster_ip: IpAddr,
         usable: &[UsableEndpoint],
         node: &NodeConfig,
         slot: BucketSlot,
     ) -> Self {
         let paths = PortPaths::of(svc);
-        let ranges: Vec<Ipv4Net> = svc
+        let family = node.family;
+        let ranges: Vec<IpNet> = svc
             .load_balancer_source_ranges
             .iter()
-            .filter_map(|range| ipv4_net(*range))
+            .filter(|range| family.holds(range.addr()))
             .map(|range| range.trunc())
             .collect();
-        let external_ips: Vec<Ipv4Addr> =
-            svc.external_ips.iter().filter_map(|ip| ipv4(*ip)).collect();
+        let external_ips: Vec<IpAddr> = svc
+            .external_ips
+            .iter()
+            .copied()
+            .filter(|ip| family.holds(*ip))
+            .collect();
         Self {
             svc,
             cluster_ip,
@@ -769,27 +755,26 @@ impl<'a> Port<'a> {
             slot,
             endpoints: usable
                 .iter()
-                .filter(|ep| paths.spreads_over(ep))
-                .filter_map(|ep| {
-                    Some(PortEndpoint {
-                        addr: ipv4_endpoint(ep.addr)?,
-                        cluster: ep.cluster,
-                        local: ep.local,
-                    })
+                .filter(|ep| paths.spreads_over(ep) && family.holds(ep.addr.ip()))
+                .map(|ep| PortEndpoint {
+                    addr: ep.addr,
+                    cluster: ep.cluster,
+                    local: ep.local,
                 })
                 .collect(),
             external_ips: sorted_unique(&external_ips),
             vip_ingress: paths
                 .vip_ingress
                 .iter()
-                .filter_map(|ip| ipv4(*ip))
+                .copied()
+                .filter(|ip| family.holds(*ip))
                 .collect(),
             source_ranges: sorted_unique(&ranges),
             paths,
             has_endpoints: usable.iter().any(|ep| ep.cluster),
             cluster_cidr: node
                 .cluster_cidr
-                .and_then(ipv4_net)
+                .filter(|cidr| family.holds(cidr.addr()))
                 .map(|cidr| cidr.trunc()),
             masquerade_all: node.masquerade_all,
         }
@@ -912,7 +897,7 @@ impl<'a> Port<'a> {
     fn external_rules(&self, has_local: bool) -> Vec<Rule> {
         let names = &self.names;
         let mut rules = Vec::new();
-        let from_pods = |cidr: Ipv4Net| Match::SourceAddress {
+        let from_pods = |cidr: IpNet| Match::SourceAddress {
             net: cidr,
             negated: false,
         };
@@ -958,6 +943,7 @@ impl<'a> Port<'a> {
 pub(crate) mod tests {
     use super::*;
     use crate::nft::slots::PORTS_PER_ENDPOINT_MAP;
+    use std::net::Ipv4Addr;
 
     fn name(namespace: &str, service: &str, port: &str) -> ServicePortName {
         ServicePortName {
@@ -1071,7 +1057,7 @@ pub(crate) mod tests {
         assert_eq!(map, "endpoints-tcp-1");
         let runs: Vec<(&Key, &Value)> = runs.elements.iter().collect();
         let endpoint_value =
-            |last: u8| Value::Endpoint(SocketAddrV4::new(Ipv4Addr::new(10, 180, 0, last), 80));
+            |last: u8| Value::Endpoint(SocketAddr::new(Ipv4Addr::new(10, 180, 0, last).into(), 80));
         assert_eq!(
             runs,
             vec![
@@ -1106,8 +1092,8 @@ pub(crate) mod tests {
             .collect();
         assert_eq!(hairpins.len(), 3);
         assert!(hairpins.contains(&&Key::AddressPair(
-            Ipv4Addr::new(10, 180, 0, 2),
-            Ipv4Addr::new(10, 180, 0, 2)
+            Ipv4Addr::new(10, 180, 0, 2).into(),
+            Ipv4Addr::new(10, 180, 0, 2).into()
         )));
     }
 
@@ -1175,17 +1161,21 @@ pub(crate) mod tests {
             vec![
                 (
                     CLUSTER_IPS,
-                    Key::Address(Ipv4Addr::new(172, 30, 0, 41)),
+                    Key::Address(Ipv4Addr::new(172, 30, 0, 41).into()),
                     Value::Member
                 ),
                 (
                     NO_ENDPOINT_SERVICES,
-                    Key::AddressProtocolPort(Ipv4Addr::new(172, 30, 0, 41), Protocol::Tcp, 80),
+                    Key::AddressProtocolPort(
+                        Ipv4Addr::new(172, 30, 0, 41).into(),
+                        Protocol::Tcp,
+                        80
+                    ),
                     reject.clone()
                 ),
                 (
                     NO_ENDPOINT_SERVICES,
-                    Key::AddressProtocolPort(Ipv4Addr::new(192, 0, 2, 1), Protocol::Tcp, 80),
+                    Key::AddressProtocolPort(Ipv4Addr::new(192, 0, 2, 1).into(), Protocol::Tcp, 80),
                     reject.clone()
                 ),
                 (

@@ -1,4 +1,4 @@
-//! The packet tracer over table `ip tandem`: which base chains, rules and map elements a
+//! The packet tracer over table `ip tandem` (or `ip6 tandem`): which base chains, rules and map elements a
 //! new connection's first packet walks through on this node, and what becomes of it.
 //!
 //! Hooks run in netfilter order (prerouting, then input or forward after the routing
@@ -60,7 +60,7 @@ struct Walk {
     mark: u32,
     probability: f64,
     hops: Vec<Hop>,
-    dnat: Option<std::net::SocketAddrV4>,
+    dnat: Option<std::net::SocketAddr>,
     masqueraded: bool,
     /// The last filter chain that accepted the packet explicitly.
     accepted: Option<(Table, String)>,
@@ -202,7 +202,7 @@ impl Tracer<'_> {
                 walk.hops.push(Hop::Rule {
                     table,
                     chain: name.to_owned(),
-                    rule: render::rule(rule),
+                    rule: render::rule(rule, self.ruleset.family),
                 });
                 for (walk, step) in self.execute(table, name, &rule.statement, walk, depth)? {
                     match step {
@@ -420,9 +420,9 @@ impl Tracer<'_> {
     }
 }
 
-fn dnat(mut walk: Walk, to: std::net::SocketAddrV4) -> Walk {
+fn dnat(mut walk: Walk, to: std::net::SocketAddr) -> Walk {
     walk.dnat = Some(to);
-    walk.packet.dst = *to.ip();
+    walk.packet.dst = to.ip();
     walk.packet.dst_port = to.port();
     walk
 }
@@ -443,8 +443,8 @@ mod tests {
 
     fn request() -> TraceRequest {
         let packet = Packet {
-            src: Ipv4Addr::new(192, 0, 2, 1),
-            dst: Ipv4Addr::new(192, 0, 2, 2),
+            src: Ipv4Addr::new(192, 0, 2, 1).into(),
+            dst: Ipv4Addr::new(192, 0, 2, 2).into(),
             protocol: tandem_nftables::Protocol::Tcp,
             dst_port: 1,
         };
@@ -453,6 +453,7 @@ mod tests {
 
     fn ruleset(chains: Vec<(&str, Chain)>) -> Ruleset {
         Ruleset {
+            family: tandem_nftables::IpFamily::V4,
             chains: chains
                 .into_iter()
                 .map(|(name, chain)| (name.to_owned(), chain))

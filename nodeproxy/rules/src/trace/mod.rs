@@ -9,7 +9,7 @@
 //! lists the caller names as already holding the source address.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 use serde::{Deserialize, Serialize};
 
@@ -26,8 +26,8 @@ pub(crate) const MAX_DEPTH: usize = 32;
 /// The first packet of a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Packet {
-    pub src: Ipv4Addr,
-    pub dst: Ipv4Addr,
+    pub src: IpAddr,
+    pub dst: IpAddr,
     pub protocol: Protocol,
     pub dst_port: u16,
 }
@@ -48,8 +48,8 @@ pub struct TraceRequest {
     pub packet: Packet,
     pub entry: Entry,
     /// The node's own addresses (`-m addrtype LOCAL`, and local delivery vs forwarding);
-    /// 127.0.0.0/8 is always local.
-    pub local_addrs: BTreeSet<Ipv4Addr>,
+    /// loopback addresses (127.0.0.0/8, ::1) always are.
+    pub local_addrs: BTreeSet<IpAddr>,
     /// `-m recent` lists (KUBE-SEP chain names) that already hold the source address, as
     /// after an earlier connection with session affinity; in the nftables mode, the
     /// `affinity-…` sets that do.
@@ -75,7 +75,7 @@ pub enum Hop {
         rule: String,
     },
     /// The routing decision, with the destination it was made for (after DNAT).
-    Route { route: Route, dst: Ipv4Addr },
+    Route { route: Route, dst: IpAddr },
 }
 
 /// What finally happens to the packet.
@@ -111,7 +111,7 @@ impl Verdict {
 pub struct Outcome {
     pub probability: f64,
     /// The endpoint the packet was DNATed to, if any.
-    pub dnat: Option<SocketAddrV4>,
+    pub dnat: Option<SocketAddr>,
     /// Whether nat POSTROUTING masqueraded it (the endpoint sees the node's address).
     pub masqueraded: bool,
     pub route: Route,
@@ -185,7 +185,7 @@ impl TraceRequest {
     pub fn new(
         packet: Packet,
         entry: Entry,
-        local_addrs: impl IntoIterator<Item = Ipv4Addr>,
+        local_addrs: impl IntoIterator<Item = IpAddr>,
     ) -> Self {
         Self {
             packet,
@@ -195,8 +195,8 @@ impl TraceRequest {
         }
     }
 
-    /// Whether `addr` is one of the node's addresses (127.0.0.0/8 always is).
-    pub fn is_local(&self, addr: Ipv4Addr) -> bool {
+    /// Whether `addr` is one of the node's addresses (loopback ones always are).
+    pub fn is_local(&self, addr: IpAddr) -> bool {
         addr.is_loopback() || self.local_addrs.contains(&addr)
     }
 }
@@ -207,7 +207,7 @@ struct Walk {
     mark: u32,
     probability: f64,
     hops: Vec<Hop>,
-    dnat: Option<SocketAddrV4>,
+    dnat: Option<SocketAddr>,
     masqueraded: bool,
 }
 
@@ -433,7 +433,7 @@ impl Tracer {
                     }
                     Target::Dnat(to) => {
                         walk.dnat = Some(*to);
-                        walk.packet.dst = *to.ip();
+                        walk.packet.dst = to.ip();
                         walk.packet.dst_port = to.port();
                         done.push((
                             walk,
@@ -530,6 +530,8 @@ fn syntax_error(table: Table, chain: &str, rule: &str, reason: String) -> TraceE
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
 
     #[test]
@@ -557,8 +559,8 @@ mod tests {
             ruleset.filter.chains.entry(chain.into()).or_default();
         }
         let packet = Packet {
-            src: Ipv4Addr::new(192, 0, 2, 1),
-            dst: Ipv4Addr::new(192, 0, 2, 2),
+            src: Ipv4Addr::new(192, 0, 2, 1).into(),
+            dst: Ipv4Addr::new(192, 0, 2, 2).into(),
             protocol: Protocol::Tcp,
             dst_port: 1,
         };
@@ -581,8 +583,8 @@ mod tests {
             .chains
             .insert("KUBE-SERVICES".into(), vec!["-j KUBE-SVC-MISSING".into()]);
         let packet = Packet {
-            src: Ipv4Addr::new(192, 0, 2, 1),
-            dst: Ipv4Addr::new(192, 0, 2, 2),
+            src: Ipv4Addr::new(192, 0, 2, 1).into(),
+            dst: Ipv4Addr::new(192, 0, 2, 2).into(),
             protocol: Protocol::Udp,
             dst_port: 1,
         };

@@ -1,9 +1,9 @@
 //! The rule syntax [`crate::rules::build`] emits, read back into matches and targets; any
 //! other syntax is an error.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 
 use crate::model::Protocol;
 
@@ -11,11 +11,11 @@ use crate::model::Protocol;
 pub(super) enum Cond {
     Source {
         negated: bool,
-        net: Ipv4Net,
+        net: IpNet,
     },
     Destination {
         negated: bool,
-        net: Ipv4Net,
+        net: IpNet,
     },
     Protocol(Protocol),
     DestPort(u16),
@@ -39,7 +39,7 @@ pub(super) enum Target {
     Drop,
     Reject,
     Return,
-    Dnat(SocketAddrV4),
+    Dnat(SocketAddr),
     Masquerade,
     SetXMark { value: u32, mask: u32 },
 }
@@ -190,8 +190,12 @@ pub(super) fn parse_rule(text: &str) -> Result<ParsedRule, String> {
                 value("--seconds")?;
             }
             ("recent", "--mask") => {
+                // The whole source address, in either family.
                 let mask = value("--mask")?;
-                if mask != "255.255.255.255" {
+                if !matches!(
+                    mask,
+                    "255.255.255.255" | "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"
+                ) {
                     return Err(format!("recent mask {mask} is not supported"));
                 }
             }
@@ -230,7 +234,14 @@ fn parse_target(name: &str, options: &[&str]) -> Result<Target, String> {
         ("ACCEPT", []) => Target::Accept,
         ("DROP", []) => Target::Drop,
         ("RETURN", []) => Target::Return,
-        ("REJECT", [] | ["--reject-with", "icmp-port-unreachable"]) => Target::Reject,
+        (
+            "REJECT",
+            []
+            | [
+                "--reject-with",
+                "icmp-port-unreachable" | "icmp6-port-unreachable",
+            ],
+        ) => Target::Reject,
         ("MASQUERADE", [] | ["--random-fully"]) => Target::Masquerade,
         ("DNAT", ["--to-destination", to]) => Target::Dnat(
             to.parse()
@@ -251,9 +262,9 @@ fn parse_target(name: &str, options: &[&str]) -> Result<Target, String> {
     Ok(target)
 }
 
-fn parse_net(text: &str) -> Result<Ipv4Net, String> {
-    text.parse::<Ipv4Net>()
-        .or_else(|_| text.parse::<Ipv4Addr>().map(Ipv4Net::from))
+fn parse_net(text: &str) -> Result<IpNet, String> {
+    text.parse::<IpNet>()
+        .or_else(|_| text.parse::<IpAddr>().map(IpNet::from))
         .map_err(|_| format!("bad address {text}"))
 }
 

@@ -1,7 +1,7 @@
 //! Shared fixtures: the reference API state and small builders for scenario states.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
 pub mod generate;
 pub mod netns;
@@ -11,12 +11,8 @@ use tandem_proxy_rules::model::{
     ProxyState, ServicePort, ServicePortName,
 };
 
-pub fn ip(s: &str) -> Ipv4Addr {
-    s.parse().unwrap()
-}
-
 /// An address of either family.
-pub fn addr(s: &str) -> IpAddr {
+pub fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()
 }
 
@@ -38,7 +34,7 @@ pub fn cluster_ip_service(
     ServicePort {
         name,
         protocol,
-        cluster_ip: Some(addr(cluster_ip)),
+        cluster_ip: Some(ip(cluster_ip)),
         port,
         node_port: None,
         external_ips: vec![],
@@ -53,14 +49,14 @@ pub fn cluster_ip_service(
 
 pub fn vip(ip: &str) -> LoadBalancerIngress {
     LoadBalancerIngress {
-        ip: addr(ip),
+        ip: self::ip(ip),
         ip_mode: IpMode::Vip,
     }
 }
 
 pub fn ready(ip: &str, port: u16, node: &str) -> Endpoint {
     Endpoint {
-        ip: addr(ip),
+        ip: self::ip(ip),
         port,
         ready: true,
         serving: true,
@@ -79,7 +75,7 @@ pub fn node_a() -> NodeConfig {
 /// 10.96.0.0/16.
 pub fn node_with_flags() -> NodeConfig {
     NodeConfig {
-        node_ip: Some(ip("198.18.0.11").into()),
+        node_ip: Some(ip("198.18.0.11")),
         masquerade_all: true,
         node_port_addresses: NodePortAddresses::from_cidrs(&["198.18.0.0/24".parse().unwrap()]),
         localhost_node_ports: false,
@@ -258,7 +254,7 @@ pub fn empty() -> ServicePortName {
 pub fn no_endpoints_state() -> ProxyState {
     let svc = ServicePort {
         node_port: Some(30084),
-        external_ips: vec![ip("192.0.2.50").into()],
+        external_ips: vec![ip("192.0.2.50")],
         load_balancer_ingress: vec![vip("198.51.100.13")],
         ..cluster_ip_service(empty(), Protocol::Tcp, "10.96.0.14", 80)
     };
@@ -283,7 +279,7 @@ pub fn ext() -> ServicePortName {
 /// externalIPs on a ClusterIP Service.
 pub fn external_ips_state() -> ProxyState {
     let svc = ServicePort {
-        external_ips: vec![ip("192.0.2.10").into(), ip("192.0.2.11").into()],
+        external_ips: vec![ip("192.0.2.10"), ip("192.0.2.11")],
         ..cluster_ip_service(ext(), Protocol::Tcp, "10.96.0.15", 8080)
     };
     state_of(
@@ -425,15 +421,6 @@ pub fn itp_local_state() -> ProxyState {
     )
 }
 
-/// The IPv4 address `ip` is: the tracer follows IPv4 packets, and these tests' states are
-/// IPv4 ones.
-pub fn v4(ip: IpAddr) -> Ipv4Addr {
-    match ip {
-        IpAddr::V4(ip) => ip,
-        IpAddr::V6(ip) => panic!("an IPv4 address expected, not {ip}"),
-    }
-}
-
 /// The IPv6 proxier's view of the dual-stack reference state
 /// (`tests/data/REFERENCE-README.md`): the IPv6 cluster IPs, ingress IPs, source ranges
 /// and EndpointSlices; `default/kubernetes` is IPv4 only.
@@ -487,7 +474,7 @@ pub fn dual_stack_reference_state_v6() -> ProxyState {
 pub fn node_a_v6() -> NodeConfig {
     NodeConfig {
         family: IpFamily::V6,
-        node_ip: Some(addr("2001:db8:18::11")),
+        node_ip: Some(ip("2001:db8:18::11")),
         ..NodeConfig::new("node-a", Some("fd00:10:244::/56".parse().unwrap()))
     }
 }
