@@ -187,14 +187,60 @@ fn new_connection(line: &str) -> std::io::Result<String> {
 
 /// `count` new connections from `client`, one after the other; the failures.
 fn connections(client: &Netns, count: usize) -> Vec<String> {
-    client
+    let failed: Vec<String> = client
         .run_in_thread(move || {
             (0..count)
                 .filter_map(|i| new_connection(&format!("check-{i}")).err())
                 .map(|e| e.to_string())
                 .collect()
         })
-        .unwrap()
+        .unwrap();
+    if !failed.is_empty() {
+        eprintln!("{}", network_state(client));
+    }
+    failed
+}
+
+/// What the scene's namespaces (those named like `client`'s) say after a failed
+/// connection, for the reader of a failed run: the ICMP errors each sent and received,
+/// its neighbours, and the node's connections to the LB IP that were not translated.
+fn network_state(client: &Netns) -> String {
+    let prefix = client
+        .name()
+        .rsplit_once('-')
+        .map_or(client.name(), |(prefix, _)| prefix);
+    let sh = |netns: &str, command: &str| {
+        std::process::Command::new("ip")
+            .args(["netns", "exec", netns, "sh", "-c", command])
+            .output()
+            .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+            .unwrap_or_else(|e| e.to_string())
+    };
+    let namespaces = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+        .unwrap_or_default();
+    let mut state = String::from("network state after a failed connection:\n");
+    for netns in namespaces
+        .lines()
+        .filter_map(|line| line.split_whitespace().next())
+        .filter(|name| name.starts_with(prefix))
+    {
+        state.push_str(&format!(
+            "== {netns}\n{}{}{}",
+            sh(
+                netns,
+                "nstat -az | grep -E 'Icmp(In|Out)(DestUnreachs|TimeExcds)'"
+            ),
+            sh(netns, "ip -s neigh"),
+            sh(
+                netns,
+                &format!("conntrack -L -d {LB_IP} 2>/dev/null | grep -v 'src=10.244' | head -5"),
+            ),
+        ));
+    }
+    state
 }
 
 /// What a client saw while traffic ran.
@@ -237,7 +283,8 @@ impl Traffic {
         let stop = Arc::new(AtomicBool::new(false));
         let (client, stopped) = (client.clone(), Arc::clone(&stop));
         let thread = std::thread::spawn(move || {
-            client
+            let netns = client.clone();
+            netns
                 .run_in_thread(move || {
                     let started = Instant::now();
                     let deadline = started + Duration::from_secs(120);
@@ -250,6 +297,9 @@ impl Traffic {
                         let n = report.new_connections;
                         if let Err(error) = new_connection(&format!("new-{n}")) {
                             let at = started.elapsed();
+                            if report.failed.is_empty() {
+                                eprintln!("{}", network_state(&client));
+                            }
                             report
                                 .failed
                                 .push(format!("connection {n} at {at:?}: {error}"));
