@@ -279,6 +279,7 @@ mod tests {
                 kind,
                 services,
                 endpoints: 10,
+                dual_stack: false,
             },
             ours: ms(ours),
             limit: ms(ours),

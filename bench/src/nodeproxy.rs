@@ -57,6 +57,8 @@ struct Plan {
 /// What the nftables mode measures beyond the shared scales.
 #[derive(Debug, Clone)]
 struct NftPlan {
+    /// Dual-stack clusters: both tables written, the changes made to `ip6 tandem`.
+    dual_stack: Vec<Planned>,
     /// At least this many add/remove pairs per run (a change is cheap next to a restore).
     min_rounds: usize,
     /// The table the first-packet latency is measured through (its last Service the target).
@@ -74,11 +76,17 @@ fn plan(quick: bool) -> Plan {
         kind: ServiceKind::LoadBalancer,
         services,
         endpoints: 10,
+        dual_stack: false,
     };
     let cip = |services| Scale {
         kind: ServiceKind::ClusterIp,
         services,
         endpoints: 10,
+        dual_stack: false,
+    };
+    let dual = |services| Scale {
+        dual_stack: true,
+        ..lb(services)
     };
     let planned = |scale, headline, repetitions, rounds| Planned {
         scale,
@@ -92,6 +100,7 @@ fn plan(quick: bool) -> Plan {
             rss_scale: lb(100),
             rss_timeout: Duration::from_secs(60),
             nftables: NftPlan {
+                dual_stack: vec![planned(dual(100), false, 1, 2)],
                 min_rounds: 2,
                 first_packet_scale: cip(300),
                 first_packet_rounds: 2,
@@ -111,6 +120,7 @@ fn plan(quick: bool) -> Plan {
         rss_scale: lb(2_700),
         rss_timeout: Duration::from_secs(300),
         nftables: NftPlan {
+            dual_stack: vec![planned(dual(2_700), false, 2, 25)],
             min_rounds: 10,
             first_packet_scale: cip(10_000),
             first_packet_rounds: 6,
@@ -185,7 +195,7 @@ fn measure_nftables(
     plan: &Plan,
 ) -> anyhow::Result<nft_summary::NftResult> {
     let mut scales = Vec::new();
-    for planned in &plan.scales {
+    for planned in plan.scales.iter().chain(&plan.nftables.dual_stack) {
         let label = planned.scale.label();
         let generated = cluster::generate(planned.scale)?;
         let rounds = planned.rounds.max(plan.nftables.min_rounds);
@@ -309,6 +319,7 @@ fn curve_scales(quick: bool) -> Vec<Scale> {
                 kind,
                 services,
                 endpoints: 10,
+                dual_stack: false,
             })
             .collect::<Vec<_>>()
     };
@@ -444,8 +455,15 @@ mod tests {
         assert_eq!(headline.len(), 1);
         assert_eq!(headline[0].scale.services, 2_700);
         assert_eq!(full.rss_scale.services, 2_700);
-        // The nftables mode's targets name 10,000 Services.
+        // The nftables mode's targets name 10,000 Services, and 2,700 dual-stack ones.
         assert_eq!(full.nftables.first_packet_scale.services, 10_000);
+        let dual: Vec<String> = full
+            .nftables
+            .dual_stack
+            .iter()
+            .map(|p| p.scale.label())
+            .collect();
+        assert_eq!(dual, ["2,700 dual-stack LoadBalancer × 10"]);
         assert_eq!(full.nftables.rss_scale.services, 10_000);
         for plan in [full, plan(true)] {
             assert!(
@@ -459,7 +477,7 @@ mod tests {
                     .iter()
                     .any(|p| p.scale.kind == ServiceKind::ClusterIp)
             );
-            for p in &plan.scales {
+            for p in plan.scales.iter().chain(&plan.nftables.dual_stack) {
                 cluster::generate(p.scale).unwrap();
             }
             cluster::generate(plan.nftables.first_packet_scale).unwrap();

@@ -1,6 +1,6 @@
 //! The `tandem-nodeproxy` binary with a proxier per IP family, with real packets of both
-//! families, in the virtual cluster of `tandem-netlab` (root only) with IPv6 added on
-//! every link. One node with two pods; the API server stand-in (dual-stack Service CIDRs)
+//! families, in a dual-stack virtual cluster of `tandem-netlab` (root only; IPv6 beside
+//! IPv4 on every link). One node with two pods; the API server stand-in (dual-stack Service CIDRs)
 //! and the node proxy (`--cluster-cidr` of both families, each proxy mode in turn) run in
 //! the node's namespace; the edge routes each LB IP to the node's address of its family
 //! (passthrough). Clients connect from their own namespaces: the in-range client's
@@ -22,7 +22,7 @@ use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use tandem_apiserver::service::ServiceCidrs;
-use tandem_netlab::{Host, Netns, Node, Pod, Topology};
+use tandem_netlab::{Host, Netns, Node, Pod, Topology, addr};
 use tandem_nodeproxy::backend::{Backend, Tools};
 use tandem_proxy_rules::model::IpFamily;
 use tokio::process::{Child, Command};
@@ -30,137 +30,35 @@ use tokio::process::{Child, Command};
 const BIN: &str = env!("CARGO_BIN_EXE_tandem-nodeproxy");
 const POD_PORT: u16 = 8080;
 const CLUSTER_CIDRS: &str = "10.244.0.0/16,fd00:10:244::/56";
+/// The node's and the in-range client's IPv6 addresses in netlab's plan
+/// (`tandem_netlab::addr::v6`).
 const NODE_V6: &str = "2001:db8:18::11";
-const EDGE_NODE_NET_V6: &str = "2001:db8:18::1";
-const CLIENT_IN_RANGE_V6: &str = "2001:db8:203::7";
-const EDGE_CLIENT_IN_RANGE_V6: &str = "2001:db8:203::1";
-const CLIENT_OUT_OF_RANGE_V6: &str = "2001:db8:204::9";
-const EDGE_CLIENT_OUT_OF_RANGE_V6: &str = "2001:db8:204::1";
-const POD_GATEWAY_V6: &str = "fd00:10:244:1::1";
+const CLIENT_IN_RANGE_V6: &str = "2001:db8:203::10";
 /// The LB IPs of the Cluster-policy Service and of the Local-policy one, per family.
 const LB_V4: &str = "198.51.100.20";
 const LB_V6: &str = "2001:db8:51:100::20";
 const LOCAL_LB_V4: &str = "198.51.100.21";
 const LOCAL_LB_V6: &str = "2001:db8:51:100::21";
 
-/// The pod's IPv6 address: its IPv4 address's last byte in the node's IPv6 pod subnet.
 fn pod_v6(pod: &Pod) -> String {
-    format!("fd00:10:244:1::{}", pod.ip.octets()[3])
+    pod.ip6.expect("a dual-stack topology").to_string()
 }
 
 fn ip(netns: &Netns, args: &[&str]) {
     netns.exec_checked(["ip"].iter().chain(args)).unwrap();
 }
 
-/// IPv6 on every link of a one-node topology, as the lab plans IPv4: the node network
-/// 2001:db8:18::/64, the clients' networks 2001:db8:203::/64 (in range) and
-/// 2001:db8:204::/64, the node's pods fd00:10:244:1::/64; the edge routes the IPv6 LB
-/// IPs to the node.
-fn add_ipv6(topo: &Topology) {
-    let forwarding = ["sysctl", "-qw", "net.ipv6.conf.all.forwarding=1"];
+/// The edge routes each LB IP to the node's address of its family (passthrough), once
+/// the topology's IPv6 links work.
+fn route_lb_ips(topo: &Topology) {
     let edge = &topo.edge().netns;
-    edge.exec_checked(forwarding).unwrap();
-    for (address, dev) in [
-        (EDGE_NODE_NET_V6, "eth0"),
-        (EDGE_CLIENT_IN_RANGE_V6, "eth1"),
-        (EDGE_CLIENT_OUT_OF_RANGE_V6, "eth2"),
-    ] {
-        ip(
-            edge,
-            &[
-                "-6",
-                "addr",
-                "add",
-                &format!("{address}/64"),
-                "dev",
-                dev,
-                "nodad",
-            ],
-        );
+    let node = topo.node(1).unwrap();
+    assert_eq!(node.ip6, Some(NODE_V6.parse().unwrap()));
+    for vip in [LB_V4, LOCAL_LB_V4] {
+        route_via(edge, vip.parse().unwrap(), node.ip);
     }
     for vip in [LB_V6, LOCAL_LB_V6] {
         ip(edge, &["-6", "route", "add", vip, "via", NODE_V6]);
-    }
-    let node = &topo.node(1).unwrap().netns;
-    node.exec_checked(forwarding).unwrap();
-    ip(
-        node,
-        &[
-            "-6",
-            "addr",
-            "add",
-            &format!("{NODE_V6}/64"),
-            "dev",
-            "eth0",
-            "nodad",
-        ],
-    );
-    ip(
-        node,
-        &[
-            "-6",
-            "addr",
-            "add",
-            &format!("{POD_GATEWAY_V6}/64"),
-            "dev",
-            "cni0",
-            "nodad",
-        ],
-    );
-    ip(
-        node,
-        &["-6", "route", "add", "default", "via", EDGE_NODE_NET_V6],
-    );
-    for pod in topo.pods() {
-        ip(
-            &pod.netns,
-            &[
-                "-6",
-                "addr",
-                "add",
-                &format!("{}/64", pod_v6(pod)),
-                "dev",
-                "eth0",
-                "nodad",
-            ],
-        );
-        ip(
-            &pod.netns,
-            &["-6", "route", "add", "default", "via", POD_GATEWAY_V6],
-        );
-    }
-    for (host, address, gateway) in [
-        (
-            topo.client_in_range(),
-            CLIENT_IN_RANGE_V6,
-            EDGE_CLIENT_IN_RANGE_V6,
-        ),
-        (
-            topo.client_out_of_range(),
-            CLIENT_OUT_OF_RANGE_V6,
-            EDGE_CLIENT_OUT_OF_RANGE_V6,
-        ),
-    ] {
-        ip(
-            &host.netns,
-            &[
-                "-6",
-                "addr",
-                "add",
-                &format!("{address}/64"),
-                "dev",
-                "eth0",
-                "nodad",
-            ],
-        );
-        ip(
-            &host.netns,
-            &["-6", "route", "add", "default", "via", gateway],
-        );
-    }
-    // The IPv4 LB IPs, as the IPv6 ones.
-    for vip in [LB_V4, LOCAL_LB_V4] {
-        route_via(edge, vip.parse().unwrap(), topo.node(1).unwrap().ip);
     }
     // New IPv6 links take a moment (neighbour discovery, the edge turning router): wait
     // until both clients reach the node, whose closed port answers with a reset.
@@ -442,9 +340,10 @@ fn both_families_are_served_with_real_packets() {
         .pods_per_node(&[2])
         .without_echo()
         .handle_signals(false)
+        .ipv6()
         .build()
         .unwrap();
-    add_ipv6(&topo);
+    route_lb_ips(&topo);
     let _servers: Vec<PodServer> = topo
         .pods()
         .iter()
@@ -460,7 +359,7 @@ fn both_families_are_served_with_real_packets() {
     let netns = node.netns.clone();
     block_on_in(&netns, move || async move {
         let mut config = tandem_apiserver::ServerConfig::default();
-        config.store.service_cidrs = "10.43.0.0/16,fd00:10:96::/112"
+        config.store.service_cidrs = format!("{},{}", addr::SERVICE_CIDR, addr::v6::SERVICE_CIDR)
             .parse::<ServiceCidrs>()
             .unwrap();
         let server = tandem_apiserver::spawn(config).await.unwrap();

@@ -300,7 +300,7 @@ async fn sync_in_namespace(
 ) -> anyhow::Result<SyncRun> {
     let mut proxy = NodeProxy {
         tracker: ChangeTracker::default(),
-        rules: IncrementalRuleset::new(cluster::node_config()),
+        rules: IncrementalRuleset::new(cluster::V4.node_config()),
         syncer: Syncer::new(backend),
     };
     let lists = InitialLists::of(&cluster);

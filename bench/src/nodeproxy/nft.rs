@@ -3,7 +3,9 @@
 //! incremental nftables build and netlink transactions, each against the kernel's own part
 //! (the same batch sent again) and against `nft -f` of the same transaction (what a proxy
 //! driving the nft command pays); and the latency of a new connection's first packet with
-//! many Services in the table against a table holding the target Service alone.
+//! many Services in the table against a table holding the target Service alone. A
+//! dual-stack cluster gets a proxier per family, as the node proxy runs them: both tables
+//! written by the first sync, the changes made to `ip6 tandem` beside a full `ip tandem`.
 
 use std::io::Write as _;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
@@ -25,8 +27,9 @@ use super::cluster::{self, Cluster};
 use super::kernel::{FreshNetns, InitialLists, slice_update};
 use super::summary::median;
 
-/// What one transaction was, for the report.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What one transaction was (or the first sync's, added up over the tables), for the
+/// report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Size {
     pub ops: usize,
     pub bytes: usize,
@@ -41,8 +44,8 @@ impl Size {
     }
 }
 
-/// The node proxy's first sync into an empty namespace.
-#[derive(Debug, Clone, Copy)]
+/// The node proxy's first sync into an empty namespace (every family's table).
+#[derive(Debug, Clone, Copy, Default)]
 pub struct FirstSync {
     /// Watch events recorded → changes taken → ruleset built.
     pub convert_build: Duration,
@@ -97,11 +100,24 @@ pub fn measure_sync(
     netns.run_blocking(move || sync_in_namespace(cluster, rounds, nft_cli_rounds))
 }
 
-/// The node proxy's own machinery, driven as its nftables data path drives it.
+/// One proxier of the node proxy's own machinery, driven as its nftables data path
+/// drives it.
 struct NodeProxy {
+    family: IpFamily,
     tracker: ChangeTracker,
     rules: IncrementalRuleset,
     kernel: Netlink,
+}
+
+impl NodeProxy {
+    fn new(plan: &cluster::AddressPlan) -> anyhow::Result<Self> {
+        Ok(Self {
+            family: plan.family,
+            tracker: ChangeTracker::new(plan.family),
+            rules: IncrementalRuleset::new(plan.node_config()),
+            kernel: Netlink::open()?,
+        })
+    }
 }
 
 fn sync_in_namespace(
@@ -109,44 +125,51 @@ fn sync_in_namespace(
     rounds: usize,
     nft_cli_rounds: usize,
 ) -> anyhow::Result<SyncRun> {
-    let mut proxy = NodeProxy {
-        tracker: ChangeTracker::default(),
-        rules: IncrementalRuleset::new(cluster::node_config()),
-        kernel: Netlink::open()?,
-    };
-    let lists = InitialLists::of(&cluster);
+    let mut proxies = cluster
+        .plans
+        .iter()
+        .map(NodeProxy::new)
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Every proxier sees every watch event, as in the node proxy.
+    let lists: Vec<InitialLists> = proxies.iter().map(|_| InitialLists::of(&cluster)).collect();
     let started = Instant::now();
-    lists.feed(&mut proxy.tracker);
-    let changes = proxy.tracker.take();
-    // As the data path does before its first apply, which replaces the whole table.
-    proxy
-        .rules
-        .update_without_transaction(&changes.current, &changes.ports);
-    let convert_build = started.elapsed();
-    let tx = Transaction::replace_all(proxy.rules.ruleset());
-    let batch = proxy.kernel.encode(&tx)?;
-    let encode = started.elapsed() - convert_build;
-    let sending = Instant::now();
-    proxy.kernel.send(&tx, &batch)?;
-    let send = sending.elapsed();
-    let ruleset = proxy.rules.ruleset();
-    let first = FirstSync {
-        convert_build,
-        encode,
-        send,
-        total: started.elapsed(),
-        size: Size::of(&tx, &batch),
-        chains: ruleset.chains.len(),
-        rules: ruleset.rule_count(),
-        elements: ruleset.element_count(),
-    };
+    let mut first = FirstSync::default();
+    for (proxy, lists) in proxies.iter_mut().zip(lists) {
+        let building = Instant::now();
+        lists.feed(&mut proxy.tracker);
+        let changes = proxy.tracker.take();
+        // As the data path does before its first apply, which replaces the whole table.
+        proxy
+            .rules
+            .update_without_transaction(&changes.current, &changes.ports);
+        first.convert_build += building.elapsed();
+        let encoding = Instant::now();
+        let tx = Transaction::replace_all(proxy.rules.ruleset());
+        let batch = proxy.kernel.encode(&tx)?;
+        first.encode += encoding.elapsed();
+        let sending = Instant::now();
+        proxy.kernel.send(&tx, &batch)?;
+        first.send += sending.elapsed();
+        let ruleset = proxy.rules.ruleset();
+        first.size.ops += tx.ops.len();
+        first.size.bytes += batch.byte_len();
+        first.chains += ruleset.chains.len();
+        first.rules += ruleset.rule_count();
+        first.elements += ruleset.element_count();
+    }
+    first.total = started.elapsed();
     let mut pairs = Vec::new();
     for round in 0..rounds {
         let index = cluster.changed_service(round);
+        let family = cluster.family_of(index);
+        let proxy = proxies
+            .iter_mut()
+            .find(|proxy| proxy.family == family)
+            .context("no proxier of the changed slice's family")?;
         cluster.add_endpoint(index, round);
-        let add = apply_change(&mut proxy, &cluster, index)?;
+        let add = apply_change(proxy, &cluster, index)?;
         cluster.remove_last_endpoint(index);
-        let remove = apply_change(&mut proxy, &cluster, index)?;
+        let remove = apply_change(proxy, &cluster, index)?;
         // The kernel is back where `add` started: each batch again.
         let raws = [
             add.resend(&mut proxy.kernel)?,
@@ -272,18 +295,35 @@ pub fn measure_first_limits(
     prefix: &RunPrefix,
     cluster: &Cluster,
 ) -> anyhow::Result<FirstSyncLimits> {
-    let state = proxy_state(&cluster.services, &cluster.slices, IpFamily::V4).state;
-    let tx = Transaction::replace_all(&layout::build(&state, &cluster::node_config()));
-    let text = render::transaction(&tx);
+    let txs: Vec<Transaction> = cluster
+        .plans
+        .iter()
+        .map(|plan| full_table(cluster, plan))
+        .collect();
+    let text: String = txs.iter().map(render::transaction).collect();
     let netns = FreshNetns::create(prefix)?;
     let raw = netns.run_blocking(move || {
         let mut kernel = Netlink::open()?;
-        let batch = kernel.encode(&tx)?;
-        timed(|| Ok(kernel.send(&tx, &batch)?))
+        let batches = txs
+            .iter()
+            .map(|tx| kernel.encode(tx))
+            .collect::<Result<Vec<_>, _>>()?;
+        timed(|| {
+            for (tx, batch) in txs.iter().zip(&batches) {
+                kernel.send(tx, batch)?;
+            }
+            Ok(())
+        })
     })?;
     let netns = FreshNetns::create(prefix)?;
     let nft_cli = netns.run_blocking(move || nft_file(&text))?;
     Ok(FirstSyncLimits { raw, nft_cli })
+}
+
+/// The whole table of `plan`'s family for `cluster`, as one transaction.
+fn full_table(cluster: &Cluster, plan: &cluster::AddressPlan) -> Transaction {
+    let state = proxy_state(&cluster.services, &cluster.slices, plan.family).state;
+    Transaction::replace_all(&layout::build(&state, &plan.node_config()))
 }
 
 /// First-packet latency: the median time a TCP connect to the target Service's cluster IP
@@ -311,6 +351,7 @@ pub fn measure_first_packet(
     let alone = Cluster {
         services: vec![service.clone()],
         slices: vec![slice.clone()],
+        plans: cluster.plans,
     };
     let target = cluster_ip_target(service)?;
     let endpoints: Vec<Ipv4Addr> = slice
@@ -394,7 +435,7 @@ impl FirstPacketNetns {
         ip(&[
             "addr",
             "add",
-            &format!("{}/24", cluster::NODE_IP),
+            &format!("{}/24", cluster::V4.node_ip),
             "dev",
             "node0",
         ])?;
@@ -403,8 +444,7 @@ impl FirstPacketNetns {
         for endpoint in endpoints {
             ip(&["addr", "add", &format!("{endpoint}/32"), "dev", "lo"])?;
         }
-        let state = proxy_state(&cluster.services, &cluster.slices, IpFamily::V4).state;
-        let tx = Transaction::replace_all(&layout::build(&state, &cluster::node_config()));
+        let tx = full_table(cluster, &cluster::V4);
         netns.run_blocking(move || Ok(Netlink::open()?.apply(&tx)?))?;
         Ok(Self { netns })
     }

@@ -315,6 +315,7 @@ mod tests {
                 kind,
                 services,
                 endpoints: 10,
+                dual_stack: false,
             },
             headline,
             runs: vec![run],
@@ -344,6 +345,7 @@ mod tests {
                     kind: ServiceKind::ClusterIp,
                     services: 10_000,
                     endpoints: 10,
+                    dual_stack: false,
                 },
                 loaded: RssRun {
                     peak_mib: 210.0,

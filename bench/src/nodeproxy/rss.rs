@@ -94,6 +94,9 @@ async fn run_against_stand_in(
         .await
         .context("starting the API server stand-in")?;
     load(server.store(), cluster.as_ref())?;
+    let plans = cluster
+        .as_ref()
+        .map_or(&[cluster::V4][..], |cluster| cluster.plans);
     let kubeconfig = workdir.join("kubeconfig");
     server.write_kubeconfig(&kubeconfig).await?;
     let log_path = workdir.join("nodeproxy.log");
@@ -104,7 +107,7 @@ async fn run_against_stand_in(
         .arg("--kubeconfig")
         .arg(&kubeconfig)
         .args(["--node-name", cluster::NODE_NAME])
-        .args(["--cluster-cidr", &cluster::cluster_cidr().to_string()])
+        .args(["--cluster-cidr", &cluster::cluster_cidr(plans)])
         .args(data_path.args())
         .args(["--sync-period", SYNC_PERIOD])
         .args(["--healthz-bind-address", &HEALTHZ.to_string()])
@@ -186,7 +189,8 @@ fn load(store: &Store, cluster: Option<&Cluster>) -> anyhow::Result<()> {
         None,
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": cluster::NAMESPACE}}),
     )?;
-    store.create(NODES, None, serde_json::to_value(cluster::node())?)?;
+    let plans = cluster.map_or(&[cluster::V4][..], |cluster| cluster.plans);
+    store.create(NODES, None, serde_json::to_value(cluster::node(plans))?)?;
     let Some(cluster) = cluster else {
         return Ok(());
     };
@@ -304,6 +308,7 @@ mod tests {
             kind: cluster::ServiceKind::LoadBalancer,
             services: 20,
             endpoints: 3,
+            dual_stack: false,
         };
         let generated = cluster::generate(scale).unwrap();
         let store = Store::new(&tandem_apiserver::StoreConfig::default());

@@ -357,6 +357,7 @@ mod tests {
             kind: ServiceKind::LoadBalancer,
             services,
             endpoints: 10,
+            dual_stack: false,
         }
     }
 

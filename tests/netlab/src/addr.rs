@@ -134,6 +134,92 @@ fn host(cidr: Ipv4Net, offset: u32) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(cidr.network()) + offset)
 }
 
+/// The IPv6 plan of a dual-stack topology: every host keeps its IPv4 address and gets an
+/// IPv6 one on the same link, whose last group reads like the IPv4 address's last number
+/// (node 1, `198.18.0.11`, is `2001:db8:18::11`; pod `10.244.2.3` is `fd00:10:244:2::3`).
+pub mod v6 {
+    use std::net::Ipv6Addr;
+
+    use ipnet::Ipv6Net;
+
+    use super::{MAX_POD_INDEX, check_node};
+    use crate::error::NetlabError;
+
+    /// The node network.
+    pub const NODE_NETWORK: Ipv6Net = net(Ipv6Addr::new(0x2001, 0xdb8, 0x18, 0, 0, 0, 0, 0), 64);
+    /// The cloud edge on the node network: every node's default gateway.
+    pub const EDGE_NODE_IP: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x18, 0, 0, 0, 0, 1);
+    pub const CONTROL_PLANE_IP: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x18, 0, 0, 0, 0, 2);
+    /// Service cluster IPs of the IPv6 family.
+    pub const SERVICE_CIDR: Ipv6Net = net(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0), 112);
+    /// IPv6 load-balancer VIPs.
+    pub const VIP_POOL: Ipv6Net = net(Ipv6Addr::new(0x2001, 0xdb8, 0x51, 0x100, 0, 0, 0, 0), 120);
+    /// The pod network: node N's pods in `fd00:10:244:N::/64` (a /48, so N may read 200).
+    pub const POD_NETWORK: Ipv6Net = net(Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0), 48);
+    pub const CLIENT_NETWORK_IN_RANGE: Ipv6Net =
+        net(Ipv6Addr::new(0x2001, 0xdb8, 0x203, 0, 0, 0, 0, 0), 64);
+    pub const CLIENT_NETWORK_OUT_OF_RANGE: Ipv6Net =
+        net(Ipv6Addr::new(0x2001, 0xdb8, 0x192, 0, 0, 0, 0, 0), 64);
+    pub const EDGE_CLIENT_IN_RANGE_IP: Ipv6Addr =
+        Ipv6Addr::new(0x2001, 0xdb8, 0x203, 0, 0, 0, 0, 1);
+    pub const EDGE_CLIENT_OUT_OF_RANGE_IP: Ipv6Addr =
+        Ipv6Addr::new(0x2001, 0xdb8, 0x192, 0, 0, 0, 0, 1);
+    pub const CLIENT_IN_RANGE_IP: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x203, 0, 0, 0, 0, 0x10);
+    pub const CLIENT_OUT_OF_RANGE_IP: Ipv6Addr =
+        Ipv6Addr::new(0x2001, 0xdb8, 0x192, 0, 0, 0, 0, 0x10);
+
+    const fn net(addr: Ipv6Addr, prefix: u8) -> Ipv6Net {
+        Ipv6Net::new_assert(addr, prefix)
+    }
+
+    /// `n`'s decimal digits read as hexadecimal: the group that looks like `n`.
+    fn looks_like(n: u32) -> u16 {
+        u16::from_str_radix(&n.to_string(), 16).unwrap_or(u16::MAX)
+    }
+
+    /// Node N's address on the node network: `2001:db8:18::(10+N)`.
+    pub fn node_ip(node: usize) -> Result<Ipv6Addr, NetlabError> {
+        let n = u32::from(check_node(node)?);
+        Ok(with_last(NODE_NETWORK, looks_like(10 + n)))
+    }
+
+    /// Node N's pod CIDR: `fd00:10:244:N::/64`.
+    pub fn node_pod_cidr(node: usize) -> Result<Ipv6Net, NetlabError> {
+        let n = u32::from(check_node(node)?);
+        let segments = POD_NETWORK.network().segments();
+        let base = Ipv6Addr::new(
+            segments[0],
+            segments[1],
+            segments[2],
+            looks_like(n),
+            0,
+            0,
+            0,
+            0,
+        );
+        Ok(net(base, 64))
+    }
+
+    /// Node N's address on its `cni0` bridge, the pods' gateway: `fd00:10:244:N::1`.
+    pub fn pod_gateway(node: usize) -> Result<Ipv6Addr, NetlabError> {
+        Ok(with_last(node_pod_cidr(node)?, 1))
+    }
+
+    /// Pod `index` on node N: `fd00:10:244:N::(1+index)`, as its IPv4 address ends.
+    pub fn pod_ip(node: usize, index: u32) -> Result<Ipv6Addr, NetlabError> {
+        if !(1..=MAX_POD_INDEX).contains(&index) {
+            return Err(NetlabError::PodIndexOutOfRange { node, index });
+        }
+        Ok(with_last(node_pod_cidr(node)?, looks_like(index + 1)))
+    }
+
+    fn with_last(net: Ipv6Net, last: u16) -> Ipv6Addr {
+        let mut segments = net.network().segments();
+        segments[7] = last;
+        Ipv6Addr::from(segments)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,6 +269,35 @@ mod tests {
                 assert!(cidr.contains(&ip));
                 assert_ne!(ip, cidr.broadcast());
                 assert_ne!(ip, pods.gateway(node).unwrap());
+            }
+        }
+    }
+
+    #[test]
+    fn the_ipv6_plan_reads_like_the_ipv4_one() {
+        assert_eq!(v6::node_ip(1).unwrap().to_string(), "2001:db8:18::11");
+        assert_eq!(v6::node_ip(200).unwrap().to_string(), "2001:db8:18::210");
+        assert_eq!(
+            v6::node_pod_cidr(2).unwrap().to_string(),
+            "fd00:10:244:2::/64"
+        );
+        assert_eq!(v6::pod_gateway(2).unwrap().to_string(), "fd00:10:244:2::1");
+        assert_eq!(v6::pod_ip(2, 2).unwrap().to_string(), "fd00:10:244:2::3");
+        assert!(v6::pod_ip(2, 0).is_err() && v6::node_ip(0).is_err());
+        for node in 1..=MAX_NODES {
+            assert!(v6::NODE_NETWORK.contains(&v6::node_ip(node).unwrap()));
+            let cidr = v6::node_pod_cidr(node).unwrap();
+            assert!(v6::POD_NETWORK.contains(&cidr));
+            assert!(cidr.contains(&v6::pod_ip(node, MAX_POD_INDEX).unwrap()));
+        }
+        for cluster in [
+            v6::NODE_NETWORK,
+            v6::POD_NETWORK,
+            v6::SERVICE_CIDR,
+            v6::VIP_POOL,
+        ] {
+            for client in [v6::CLIENT_NETWORK_IN_RANGE, v6::CLIENT_NETWORK_OUT_OF_RANGE] {
+                assert!(!cluster.contains(&client) && !client.contains(&cluster));
             }
         }
     }

@@ -3,7 +3,7 @@
 //! The doing side (`topology.rs`) runs each step with `ip`/`sysctl`; keeping the steps
 //! as data lets the tests check the wiring (names, addresses, routes) without root.
 
-use crate::addr::{self, PodNetwork};
+use crate::addr::{self, PodNetwork, v6};
 use crate::error::NetlabError;
 use crate::naming::RunPrefix;
 
@@ -79,8 +79,9 @@ fn switch_port(local: &str, bridge: &str, peer_netns: &str, peer_if: &str) -> Ve
     ]
 }
 
-/// The fixed part of every topology: switch, control plane, edge and the two clients.
-pub fn base(prefix: &RunPrefix, pods: PodNetwork) -> Vec<Step> {
+/// The fixed part of every topology: switch, control plane, edge and the two clients;
+/// with `ipv6`, each of them also gets its address of [`v6`].
+pub fn base(prefix: &RunPrefix, pods: PodNetwork, ipv6: bool) -> Vec<Step> {
     use ifname::*;
     let sw = prefix.switch();
     let cp = prefix.control_plane();
@@ -119,37 +120,55 @@ pub fn base(prefix: &RunPrefix, pods: PodNetwork) -> Vec<Step> {
     switch.extend(switch_port("c2", CLIENT_OUT_OF_RANGE_BRIDGE, &c2, UPLINK));
     steps.push(ip(&sw, switch));
 
+    let cp_v6 = ipv6.then_some((v6::CONTROL_PLANE_IP, v6::EDGE_NODE_IP));
     steps.push(ip(
         &cp,
-        host_uplink(addr::CONTROL_PLANE_IP, 24, addr::EDGE_NODE_IP),
+        host_uplink(addr::CONTROL_PLANE_IP, 24, addr::EDGE_NODE_IP, cp_v6),
     ));
 
-    steps.push(sysctl(&edge, &[("net.ipv4.ip_forward", "1")]));
-    steps.push(ip(
-        &edge,
-        vec![
-            format!("link set {EDGE_VIPS} up"),
-            format!("addr add {}/24 dev {UPLINK}", addr::EDGE_NODE_IP),
-            format!("link set {UPLINK} up"),
+    steps.push(sysctl(&edge, &forwarding(ipv6)));
+    let mut edge_commands = vec![
+        format!("link set {EDGE_VIPS} up"),
+        format!("addr add {}/24 dev {UPLINK}", addr::EDGE_NODE_IP),
+        format!("link set {UPLINK} up"),
+        format!(
+            "addr add {}/24 dev {EDGE_CLIENT_IN_RANGE}",
+            addr::EDGE_CLIENT_IN_RANGE_IP
+        ),
+        format!("link set {EDGE_CLIENT_IN_RANGE} up"),
+        format!(
+            "addr add {}/24 dev {EDGE_CLIENT_OUT_OF_RANGE}",
+            addr::EDGE_CLIENT_OUT_OF_RANGE_IP
+        ),
+        format!("link set {EDGE_CLIENT_OUT_OF_RANGE} up"),
+        // The cloud never routes to pod IPs: external clients must go through a VIP or
+        // a node port. `prohibit` answers with an ICMP error, so a client fails fast.
+        format!("route add prohibit {}", pods.cidr()),
+    ];
+    if ipv6 {
+        edge_commands.extend([
+            format!("addr add {}/64 dev {UPLINK} nodad", v6::EDGE_NODE_IP),
             format!(
-                "addr add {}/24 dev {EDGE_CLIENT_IN_RANGE}",
-                addr::EDGE_CLIENT_IN_RANGE_IP
+                "addr add {}/64 dev {EDGE_CLIENT_IN_RANGE} nodad",
+                v6::EDGE_CLIENT_IN_RANGE_IP
             ),
-            format!("link set {EDGE_CLIENT_IN_RANGE} up"),
             format!(
-                "addr add {}/24 dev {EDGE_CLIENT_OUT_OF_RANGE}",
-                addr::EDGE_CLIENT_OUT_OF_RANGE_IP
+                "addr add {}/64 dev {EDGE_CLIENT_OUT_OF_RANGE} nodad",
+                v6::EDGE_CLIENT_OUT_OF_RANGE_IP
             ),
-            format!("link set {EDGE_CLIENT_OUT_OF_RANGE} up"),
-            // The cloud never routes to pod IPs: external clients must go through a VIP or
-            // a node port. `prohibit` answers with an ICMP error, so a client fails fast.
-            format!("route add prohibit {}", pods.cidr()),
-        ],
-    ));
+            format!("route add prohibit {}", v6::POD_NETWORK),
+        ]);
+    }
+    steps.push(ip(&edge, edge_commands));
 
     steps.push(ip(
         &c1,
-        host_uplink(addr::CLIENT_IN_RANGE_IP, 24, addr::EDGE_CLIENT_IN_RANGE_IP),
+        host_uplink(
+            addr::CLIENT_IN_RANGE_IP,
+            24,
+            addr::EDGE_CLIENT_IN_RANGE_IP,
+            ipv6.then_some((v6::CLIENT_IN_RANGE_IP, v6::EDGE_CLIENT_IN_RANGE_IP)),
+        ),
     ));
     steps.push(ip(
         &c2,
@@ -157,68 +176,111 @@ pub fn base(prefix: &RunPrefix, pods: PodNetwork) -> Vec<Step> {
             addr::CLIENT_OUT_OF_RANGE_IP,
             24,
             addr::EDGE_CLIENT_OUT_OF_RANGE_IP,
+            ipv6.then_some((v6::CLIENT_OUT_OF_RANGE_IP, v6::EDGE_CLIENT_OUT_OF_RANGE_IP)),
         ),
     ));
     steps
 }
 
-fn host_uplink(ip: std::net::Ipv4Addr, prefix_len: u8, gateway: std::net::Ipv4Addr) -> Vec<String> {
+/// IP forwarding, of IPv6 too with `ipv6`.
+fn forwarding(ipv6: bool) -> Vec<(&'static str, &'static str)> {
+    let mut settings = vec![("net.ipv4.ip_forward", "1")];
+    if ipv6 {
+        settings.push(("net.ipv6.conf.all.forwarding", "1"));
+    }
+    settings
+}
+
+/// The uplink's address (a /`prefix_len`) and default route, and the IPv6 ones (a /64,
+/// without duplicate address detection, so the address works at once) when given.
+fn host_uplink(
+    ip: std::net::Ipv4Addr,
+    prefix_len: u8,
+    gateway: std::net::Ipv4Addr,
+    ipv6: Option<(std::net::Ipv6Addr, std::net::Ipv6Addr)>,
+) -> Vec<String> {
     use ifname::UPLINK;
-    vec![
+    let mut commands = vec![
         "link set lo up".to_owned(),
         format!("addr add {ip}/{prefix_len} dev {UPLINK}"),
         format!("link set {UPLINK} up"),
         format!("route add default via {gateway}"),
-    ]
+    ];
+    if let Some((ip, gateway)) = ipv6 {
+        commands.extend([
+            format!("addr add {ip}/64 dev {UPLINK} nodad"),
+            format!("route add default via {gateway}"),
+        ]);
+    }
+    commands
 }
 
 /// Node `node` of `node_count`: uplink on the node bridge, `cni0`, host-gw routes to the
-/// other nodes' pod CIDRs.
+/// other nodes' pod CIDRs; of both families with `ipv6`.
 pub fn node(
     prefix: &RunPrefix,
     pods: PodNetwork,
     node: usize,
     node_count: usize,
+    ipv6: bool,
 ) -> Result<Vec<Step>, NetlabError> {
     use ifname::*;
     let name = prefix.node(node);
     let node_ip = addr::node_ip(node)?;
     let switch = switch_port(&format!("n{node}"), NODE_BRIDGE, &name, UPLINK);
-    let mut commands = host_uplink(node_ip, 24, addr::EDGE_NODE_IP);
+    let uplink_v6 = match ipv6 {
+        true => Some((v6::node_ip(node)?, v6::EDGE_NODE_IP)),
+        false => None,
+    };
+    let mut commands = host_uplink(node_ip, 24, addr::EDGE_NODE_IP, uplink_v6);
     commands.extend([
         format!("link add {POD_BRIDGE} type bridge"),
         format!("addr add {}/24 dev {POD_BRIDGE}", pods.gateway(node)?),
         format!("link set {POD_BRIDGE} up"),
     ]);
+    if ipv6 {
+        commands.push(format!(
+            "addr add {}/64 dev {POD_BRIDGE} nodad",
+            v6::pod_gateway(node)?
+        ));
+    }
     for other in (1..=node_count).filter(|&o| o != node) {
         commands.push(format!(
             "route add {} via {}",
             pods.node_cidr(other)?,
             addr::node_ip(other)?
         ));
+        if ipv6 {
+            commands.push(format!(
+                "route add {} via {}",
+                v6::node_pod_cidr(other)?,
+                v6::node_ip(other)?
+            ));
+        }
+    }
+    let mut settings = forwarding(ipv6);
+    // kube-proxy needs bridged pod traffic to pass netfilter (hairpin, same-node service
+    // traffic); it is per namespace and on by default, made explicit.
+    settings.push(("net.bridge.bridge-nf-call-iptables", "1"));
+    if ipv6 {
+        settings.push(("net.bridge.bridge-nf-call-ip6tables", "1"));
     }
     Ok(vec![
         Step::AddNetns(name.clone()),
         ip(&prefix.switch(), switch),
-        sysctl(
-            &name,
-            &[
-                ("net.ipv4.ip_forward", "1"),
-                // kube-proxy needs bridged pod traffic to pass netfilter (hairpin, same-node
-                // service traffic); it is per namespace and on by default, made explicit.
-                ("net.bridge.bridge-nf-call-iptables", "1"),
-            ],
-        ),
+        sysctl(&name, &settings),
         ip(&name, commands),
     ])
 }
 
-/// Pod `index` on node `node`: a namespace with `eth0` on the node's `cni0`.
+/// Pod `index` on node `node`: a namespace with `eth0` on the node's `cni0`, with an
+/// IPv6 address too with `ipv6`.
 pub fn pod(
     prefix: &RunPrefix,
     pods: PodNetwork,
     node: usize,
     index: u32,
+    ipv6: bool,
 ) -> Result<Vec<Step>, NetlabError> {
     use ifname::*;
     let pod = prefix.pod(node, index);
@@ -238,7 +300,15 @@ pub fn pod(
         ),
         ip(
             &pod,
-            host_uplink(pods.pod_ip(node, index)?, 24, pods.gateway(node)?),
+            host_uplink(
+                pods.pod_ip(node, index)?,
+                24,
+                pods.gateway(node)?,
+                match ipv6 {
+                    true => Some((v6::pod_ip(node, index)?, v6::pod_gateway(node)?)),
+                    false => None,
+                },
+            ),
         ),
     ])
 }
@@ -253,10 +323,10 @@ mod tests {
     fn all_steps() -> Vec<Step> {
         let p = RunPrefix::new(4194304, 4000);
         let pods = PodNetwork::DEFAULT;
-        let mut steps = base(&p, pods);
+        let mut steps = base(&p, pods, true);
         for n in 1..=3 {
-            steps.extend(node(&p, pods, n, 3).unwrap());
-            steps.extend(pod(&p, pods, n, addr::MAX_POD_INDEX).unwrap());
+            steps.extend(node(&p, pods, n, 3, true).unwrap());
+            steps.extend(pod(&p, pods, n, addr::MAX_POD_INDEX, true).unwrap());
         }
         steps
     }
@@ -313,25 +383,32 @@ mod tests {
     #[test]
     fn nodes_get_host_gw_routes_to_every_other_node() {
         let p = RunPrefix::new(1, 1);
-        let lines = ip_lines(&node(&p, PodNetwork::DEFAULT, 2, 3).unwrap());
+        let lines = ip_lines(&node(&p, PodNetwork::DEFAULT, 2, 3, true).unwrap());
         let routes: Vec<&str> = lines
             .iter()
-            .filter(|(ns, l)| ns == &p.node(2) && l.starts_with("route add 10.244"))
+            .filter(|(ns, l)| ns == &p.node(2) && l.starts_with("route add "))
             .map(|(_, l)| l.as_str())
             .collect();
         assert_eq!(
             routes,
             [
+                "route add default via 198.18.0.1",
+                "route add default via 2001:db8:18::1",
                 "route add 10.244.1.0/24 via 198.18.0.11",
-                "route add 10.244.3.0/24 via 198.18.0.13"
+                "route add fd00:10:244:1::/64 via 2001:db8:18::11",
+                "route add 10.244.3.0/24 via 198.18.0.13",
+                "route add fd00:10:244:3::/64 via 2001:db8:18::13",
             ]
         );
+        // IPv4 alone: no IPv6 address or route anywhere.
+        let v4_only = ip_lines(&node(&p, PodNetwork::DEFAULT, 2, 3, false).unwrap());
+        assert!(v4_only.iter().all(|(_, l)| !l.contains(':')), "{v4_only:?}");
     }
 
     #[test]
     fn the_edge_forwards_but_prohibits_pod_addresses() {
         let p = RunPrefix::new(1, 1);
-        let steps = base(&p, PodNetwork::DEFAULT);
+        let steps = base(&p, PodNetwork::DEFAULT, false);
         assert!(steps.contains(&Step::Sysctl {
             netns: p.edge(),
             settings: vec![("net.ipv4.ip_forward".into(), "1".into())]
@@ -340,16 +417,30 @@ mod tests {
         assert!(lines.contains(&(p.edge(), "route add prohibit 10.244.0.0/16".into())));
         assert!(lines.contains(&(p.client(1), "route add default via 203.0.113.1".into())));
         assert!(lines.contains(&(p.client(2), "route add default via 192.0.2.1".into())));
+        let lines = ip_lines(&base(&p, PodNetwork::DEFAULT, true));
+        for (netns, line) in [
+            (p.edge(), "route add prohibit fd00:10:244::/48"),
+            (p.client(1), "addr add 2001:db8:203::10/64 dev eth0 nodad"),
+            (p.client(1), "route add default via 2001:db8:203::1"),
+            (p.client(2), "route add default via 2001:db8:192::1"),
+        ] {
+            assert!(lines.contains(&(netns, line.into())), "{line}");
+        }
     }
 
     #[test]
     fn pods_use_their_node_bridge_as_gateway() {
         let p = RunPrefix::new(1, 1);
-        let lines = ip_lines(&pod(&p, PodNetwork::DEFAULT, 3, 2).unwrap());
+        let lines = ip_lines(&pod(&p, PodNetwork::DEFAULT, 3, 2, true).unwrap());
         assert!(lines.contains(&(p.pod(3, 2), "addr add 10.244.3.3/24 dev eth0".into())));
         assert!(lines.contains(&(p.pod(3, 2), "route add default via 10.244.3.1".into())));
+        assert!(lines.contains(&(
+            p.pod(3, 2),
+            "addr add fd00:10:244:3::3/64 dev eth0 nodad".into()
+        )));
+        assert!(lines.contains(&(p.pod(3, 2), "route add default via fd00:10:244:3::1".into())));
         let other: PodNetwork = "10.42.0.0/16".parse().unwrap();
-        let lines = ip_lines(&pod(&p, other, 3, 2).unwrap());
+        let lines = ip_lines(&pod(&p, other, 3, 2, false).unwrap());
         assert!(lines.contains(&(p.pod(3, 2), "addr add 10.42.3.3/24 dev eth0".into())));
         assert!(lines.contains(&(p.node(3), "link set veth2 master cni0".into())));
     }

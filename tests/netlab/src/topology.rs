@@ -2,13 +2,13 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use ipnet::Ipv4Net;
 
-use crate::addr::{self, PodNetwork};
+use crate::addr::{self, PodNetwork, v6};
 use crate::cleanup;
 use crate::echo::{DEFAULT_ECHO_PORT, EchoClient, READY_LINE, echo_binary};
 use crate::error::NetlabError;
@@ -16,11 +16,13 @@ use crate::naming::RunPrefix;
 use crate::netns::{ChildGuard, Netns, run_checked};
 use crate::plan::{self, Step, ifname};
 
-/// A namespace with one address: the control plane and the external clients.
+/// A namespace with one address (and an IPv6 one in a dual-stack topology): the control
+/// plane and the external clients.
 #[derive(Debug, Clone)]
 pub struct Host {
     pub netns: Netns,
     pub ip: Ipv4Addr,
+    pub ip6: Option<Ipv6Addr>,
 }
 
 /// The cloud edge: gateway of the node network and of both client networks.
@@ -43,6 +45,8 @@ pub struct Node {
     pub netns: Netns,
     pub ip: Ipv4Addr,
     pub pod_cidr: Ipv4Net,
+    /// The IPv6 address and pod CIDR in a dual-stack topology.
+    pub ip6: Option<Ipv6Addr>,
 }
 
 /// A pod namespace on a node.
@@ -57,6 +61,7 @@ pub struct Pod {
     pub index: u32,
     pub netns: Netns,
     pub ip: Ipv4Addr,
+    pub ip6: Option<Ipv6Addr>,
 }
 
 /// Whether and how pods run the echo server.
@@ -78,9 +83,17 @@ pub struct TopologyBuilder {
     http_port: u16,
     udp_port: u16,
     handle_signals: bool,
+    ipv6: bool,
 }
 
 impl TopologyBuilder {
+    /// IPv6 beside IPv4 on every link, host and pod ([`addr::v6`]): a dual-stack
+    /// topology (default: IPv4 alone).
+    pub fn ipv6(mut self) -> Self {
+        self.ipv6 = true;
+        self
+    }
+
     /// Number of nodes (default 2).
     pub fn nodes(mut self, nodes: usize) -> Self {
         self.nodes = nodes;
@@ -165,22 +178,36 @@ impl TopologyBuilder {
         cleanup::remove_stale_once();
 
         let prefix = RunPrefix::next_for_this_process();
-        let host = |netns: String, ip| Host {
+        let ipv6 = self.ipv6;
+        let host = |netns: String, ip, ip6| Host {
             netns: Netns::attach(netns),
             ip,
+            ip6: ipv6.then_some(ip6),
         };
         // The Topology exists before the first namespace, so an error below drops it and
         // removes whatever was already created.
         let mut topology = Topology {
             switch: Netns::attach(prefix.switch()),
-            control_plane: host(prefix.control_plane(), addr::CONTROL_PLANE_IP),
+            control_plane: host(
+                prefix.control_plane(),
+                addr::CONTROL_PLANE_IP,
+                v6::CONTROL_PLANE_IP,
+            ),
             edge: Edge {
                 netns: Netns::attach(prefix.edge()),
                 node_network_ip: addr::EDGE_NODE_IP,
                 vip_interface: ifname::EDGE_VIPS.to_owned(),
             },
-            client_in_range: host(prefix.client(1), addr::CLIENT_IN_RANGE_IP),
-            client_out_of_range: host(prefix.client(2), addr::CLIENT_OUT_OF_RANGE_IP),
+            client_in_range: host(
+                prefix.client(1),
+                addr::CLIENT_IN_RANGE_IP,
+                v6::CLIENT_IN_RANGE_IP,
+            ),
+            client_out_of_range: host(
+                prefix.client(2),
+                addr::CLIENT_OUT_OF_RANGE_IP,
+                v6::CLIENT_OUT_OF_RANGE_IP,
+            ),
             nodes: Vec::new(),
             pods: Vec::new(),
             next_pod_index: vec![1; self.nodes],
@@ -190,19 +217,31 @@ impl TopologyBuilder {
             echoes: HashMap::new(),
             prefix,
             pod_network: self.pods,
+            ipv6,
         };
         cleanup::register(&topology.prefix, self.handle_signals);
         tracing::info!(prefix = %topology.prefix, nodes = self.nodes, "building topology");
 
-        run_steps(&plan::base(&topology.prefix, self.pods))?;
+        run_steps(&plan::base(&topology.prefix, self.pods, ipv6))?;
         for index in 1..=self.nodes {
-            run_steps(&plan::node(&topology.prefix, self.pods, index, self.nodes)?)?;
+            run_steps(&plan::node(
+                &topology.prefix,
+                self.pods,
+                index,
+                self.nodes,
+                ipv6,
+            )?)?;
             topology.nodes.push(Node {
                 index,
                 name: node_name(index),
                 netns: Netns::attach(topology.prefix.node(index)),
                 ip: addr::node_ip(index)?,
                 pod_cidr: self.pods.node_cidr(index)?,
+                ip6: if ipv6 {
+                    Some(v6::node_ip(index)?)
+                } else {
+                    None
+                },
             });
         }
         let mut starting = Vec::new();
@@ -313,6 +352,8 @@ fn wait_ready(guard: &mut ChildGuard) -> Result<(), NetlabError> {
 pub struct Topology {
     prefix: RunPrefix,
     pod_network: PodNetwork,
+    /// IPv6 beside IPv4 everywhere.
+    ipv6: bool,
     switch: Netns,
     control_plane: Host,
     edge: Edge,
@@ -337,6 +378,7 @@ impl Topology {
             http_port: DEFAULT_ECHO_PORT,
             udp_port: DEFAULT_ECHO_PORT,
             handle_signals: true,
+            ipv6: false,
         }
     }
 
@@ -467,6 +509,11 @@ impl Topology {
             .ok_or(NetlabError::UnknownNode(node))?;
         let index = *slot;
         let ip = self.pod_network.pod_ip(node, index)?;
+        let ip6 = if self.ipv6 {
+            Some(v6::pod_ip(node, index)?)
+        } else {
+            None
+        };
         *slot += 1;
         let pod = Pod {
             name: format!("n{node}p{index}"),
@@ -475,8 +522,15 @@ impl Topology {
             index,
             netns: Netns::attach(self.prefix.pod(node, index)),
             ip,
+            ip6,
         };
-        run_steps(&plan::pod(&self.prefix, self.pod_network, node, index)?)?;
+        run_steps(&plan::pod(
+            &self.prefix,
+            self.pod_network,
+            node,
+            index,
+            self.ipv6,
+        )?)?;
         Ok(pod)
     }
 

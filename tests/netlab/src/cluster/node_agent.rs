@@ -443,6 +443,7 @@ mod tests {
             netns: crate::Netns::attach("x"),
             ip: crate::addr::node_ip(2).unwrap(),
             pod_cidr: crate::addr::PodNetwork::DEFAULT.node_cidr(2).unwrap(),
+            ip6: None,
         };
         assert_eq!(LabNode::from(&node), lab());
     }
