@@ -175,9 +175,16 @@ fn the_binary_programs_rules_serves_health_and_cleans_up() {
         assert!(nat.contains("-s 203.0.113.0/24 -m comment --comment \"default/nginx-service:http loadbalancer IP\" -j KUBE-SVC-6IM33IEVEEV7U3GP"));
         assert!(nat.contains("--to-destination 10.244.2.7:80"));
 
+        // Healthy once the sync loop has recorded the first sync, a moment after its rules
+        // are in the kernel (the restore returns, then the other mode's table is removed).
         let healthz: SocketAddr = HEALTHZ.parse().unwrap();
-        let (status, body) = http_get(healthz, "/healthz").await.unwrap();
-        assert_eq!(status, 200, "{body}");
+        let mut answer = None;
+        eventually(Duration::from_secs(5), "/healthz 200", async || {
+            answer = http_get(healthz, "/healthz").await;
+            answer.as_ref().is_some_and(|(status, _)| *status == 200)
+        })
+        .await;
+        let (_, body) = answer.unwrap();
         let body: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert!(body["lastUpdated"].is_string() && body["currentTime"].is_string());
 
