@@ -925,7 +925,7 @@ fn key_bytes(key: &Key) -> Vec<u8> {
         // `numgen` writes its result in host order.
         Key::Index(index) => index.to_ne_bytes().to_vec(),
         Key::Address(addr) => octets(addr),
-        Key::AddressPair(src, dst) => [octets(src), octets(dst)].concat(),
+        Key::SelfPair(ip) => [octets(ip), octets(ip)].concat(),
         // Interval keys are compared as bytes: the rule turns the bucket big-endian.
         Key::Buckets { first, .. } => first.to_be_bytes().to_vec(),
     }

@@ -315,8 +315,10 @@ pub enum Key {
     Index(u32),
     /// `10.244.1.2`.
     Address(IpAddr),
-    /// `10.244.1.2 . 10.244.1.2`.
-    AddressPair(IpAddr, IpAddr),
+    /// `10.244.1.2 . 10.244.1.2`: an address paired with itself, the only pairs the node
+    /// proxy writes (an endpoint reaching itself, a hairpin). One address rather than two
+    /// keeps a key at 20 bytes, not 36: there are hundreds of thousands of keys.
+    SelfPair(IpAddr),
     /// `0-72071`: the buckets `first ..= last` of an [`SetSpec::EndpointMap`].
     Buckets { first: u32, last: u32 },
 }

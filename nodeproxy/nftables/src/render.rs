@@ -184,7 +184,7 @@ pub fn key(k: &Key) -> String {
         Key::ProtocolPort(protocol, port) => format!("{protocol} . {port}"),
         Key::Index(index) => index.to_string(),
         Key::Address(addr) => addr.to_string(),
-        Key::AddressPair(src, dst) => format!("{src} . {dst}"),
+        Key::SelfPair(ip) => format!("{ip} . {ip}"),
         Key::Buckets { first, last } => format!("{first}-{last}"),
     }
 }
@@ -195,9 +195,7 @@ pub fn element(k: &Key, value: &Value) -> String {
     match value {
         Value::Member => key(k),
         Value::Verdict(v) => format!("{} : {}", key(k), verdict(v)),
-        Value::Endpoint(endpoint) => {
-            format!("{} : {} . {}", key(k), endpoint.ip(), endpoint.port())
-        }
+        Value::Endpoint(to) => format!("{} : {} . {}", key(k), to.ip(), to.port()),
     }
 }
 

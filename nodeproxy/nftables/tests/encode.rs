@@ -239,7 +239,7 @@ fn every_variant(family: IpFamily) -> Transaction {
         },
         Op::AddElements {
             set: "pairs".into(),
-            elements: vec![(Key::AddressPair(pod, pod), Value::Member)],
+            elements: vec![(Key::SelfPair(pod), Value::Member)],
         },
         rule(
             "pre",

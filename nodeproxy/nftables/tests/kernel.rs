@@ -288,7 +288,7 @@ fn every_variant(family: IpFamily) -> Ruleset {
         "hairpins".into(),
         Set {
             spec: SetSpec::AddressPairs,
-            elements: BTreeMap::from([(Key::AddressPair(endpoint, endpoint), Value::Member)]),
+            elements: BTreeMap::from([(Key::SelfPair(endpoint), Value::Member)]),
         },
     );
     rs.chains.insert(

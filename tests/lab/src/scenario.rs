@@ -206,6 +206,7 @@ mod tests {
             netns: Netns::attach(format!("t-n{index}")),
             ip: Ipv4Addr::new(198, 18, 0, 10 + index as u8),
             pod_cidr: format!("10.244.{index}.0/24").parse().unwrap(),
+            ip6: None,
         }
     }
 

@@ -488,10 +488,7 @@ mod tests {
                 .map(|n| (port(*n).name, vec![endpoint(1, "node-a")]))
                 .collect(),
         };
-        let pair = Key::AddressPair(
-            Ipv4Addr::new(10, 180, 0, 1).into(),
-            Ipv4Addr::new(10, 180, 0, 1).into(),
-        );
+        let pair = Key::SelfPair(Ipv4Addr::new(10, 180, 0, 1).into());
         let held = |rules: &IncrementalRuleset| {
             rules.ruleset().sets[layout::HAIRPIN_ENDPOINTS]
                 .elements

@@ -587,7 +587,7 @@ pub fn port_objects(
     for ep in &port.endpoints {
         let ip = ep.addr.ip();
         out.elements
-            .push((HAIRPIN_ENDPOINTS, Key::AddressPair(ip, ip), Value::Member));
+            .push((HAIRPIN_ENDPOINTS, Key::SelfPair(ip), Value::Member));
         port.add_endpoint_chain(&mut out, ep);
     }
     let cluster: Vec<&PortEndpoint> = port.endpoints.iter().filter(|ep| ep.cluster).collect();
@@ -1091,10 +1091,7 @@ pub(crate) mod tests {
             .map(|(_, key, _)| key)
             .collect();
         assert_eq!(hairpins.len(), 3);
-        assert!(hairpins.contains(&&Key::AddressPair(
-            Ipv4Addr::new(10, 180, 0, 2).into(),
-            Ipv4Addr::new(10, 180, 0, 2).into()
-        )));
+        assert!(hairpins.contains(&&Key::SelfPair(Ipv4Addr::new(10, 180, 0, 2).into())));
     }
 
     #[test]

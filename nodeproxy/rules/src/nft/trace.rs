@@ -244,10 +244,11 @@ impl Tracer<'_> {
                     self.set(table, chain, set)?;
                     self.request.recent_lists.contains(set)
                 }
-                Match::AddressPairInSet(set) => self
-                    .set(table, chain, set)?
-                    .elements
-                    .contains_key(&Key::AddressPair(packet.src, packet.dst)),
+                // The set holds addresses paired with themselves only.
+                Match::AddressPairInSet(set) => {
+                    let pairs = &self.set(table, chain, set)?.elements;
+                    packet.src == packet.dst && pairs.contains_key(&Key::SelfPair(packet.src))
+                }
                 Match::DestinationInSet(set) => self
                     .set(table, chain, set)?
                     .elements
