@@ -28,12 +28,13 @@ step "cargo tests" cargo test --workspace --locked --no-fail-fast
 
 # The end-to-end data-path tests again with the node proxies in nftables mode (the run
 # above used the default, iptables): both LB modes, the source-range drop, a pod taking the
-# LB IP short-cut, externalTrafficPolicy Local, node failure and scaling.
+# LB IP short-cut, externalTrafficPolicy Local, node failure, scaling, and dual-stack and
+# IPv6 Services on a dual-stack lab (ip tandem and ip6 tandem).
 step "lab end to end, nftables mode" env TANDEM_E2E_PROXY_MODE=nftables \
     cargo test -p tandem-lab --locked --test e2e -- \
     proxy_mode_spreads passthrough_mode_takes passthrough_serves a_pod_reaching_the_lb_ip \
     external_traffic_policy_local a_failed_node_is_taken_out scaling_pods_changes \
-    services_sharing_a_vip
+    services_sharing_a_vip dual_stack_and_ipv6
 
 # The day-2 scenarios again in nftables mode (the run above used iptables): restarts, a
 # mode switch, the controller's leader killed, the API server gone for a minute, rules
@@ -102,10 +103,13 @@ if [ -n "${TANDEM_K3S:-}" ]; then
     # (every other Service there is single-stack IPv4, as on any cluster).
     step "real cluster: controller end to end, dual-stack" "$k3s" control-plane --ip-family dual -- \
         cargo test -p tandem-controller --locked --test e2e
-    step "real cluster: lab end to end" "$k3s" control-plane -- \
+    # The lab's tests on a dual-stack k3s too: its dual-stack and IPv6 Services get their
+    # families and cluster IPs from the real server; the others are IPv4, as a Service that
+    # names no family is on a cluster whose first family is IPv4.
+    step "real cluster: lab end to end, dual-stack" "$k3s" control-plane --ip-family dual -- \
         cargo test -p tandem-lab --locked --test e2e -- --skip "$own_stand_in"
-    step "real cluster: lab end to end, nftables mode" env TANDEM_E2E_PROXY_MODE=nftables \
-        "$k3s" control-plane -- \
+    step "real cluster: lab end to end, dual-stack, nftables mode" \
+        env TANDEM_E2E_PROXY_MODE=nftables "$k3s" control-plane --ip-family dual -- \
         cargo test -p tandem-lab --locked --test e2e -- --skip "$own_stand_in"
     step "real cluster: the chart on a real node" env TANDEM_K3S_IMAGES=local \
         cargo test -p tandem-k3s --locked --test node -- --ignored --nocapture

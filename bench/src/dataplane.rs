@@ -10,7 +10,7 @@ mod analysis;
 mod probe;
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path as FsPath, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -210,9 +210,10 @@ async fn measure_in(
         vips.insert(plan.name.clone(), vip);
     }
     let vip = |plan: &ServicePlan| -> Result<Ipv4Addr> {
-        vips.get(&plan.name)
-            .copied()
-            .with_context(|| format!("no VIP for {}", plan.name))
+        match vips.get(&plan.name) {
+            Some(IpAddr::V4(vip)) => Ok(*vip),
+            other => bail!("{} has no IPv4 VIP ({other:?})", plan.name),
+        }
     };
 
     progress("starting haproxy (TCP mode) in the cloud edge");

@@ -29,8 +29,8 @@ pub const PROXY_MODE_ENV: &str = "TANDEM_E2E_PROXY_MODE";
 /// several clusters.
 static ONE_LAB_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// A lab with `pods_per_node`, on the API server, images and proxy mode the environment
-/// names.
+/// An IPv4 lab with `pods_per_node`, on the API server, images and proxy mode the
+/// environment names.
 pub fn options_from_env(pods_per_node: &[u32]) -> Result<LabOptions> {
     let proxy_mode = match std::env::var(PROXY_MODE_ENV) {
         Ok(value) => ProxyMode::from_str(&value, true)

@@ -1,6 +1,6 @@
 //! The running lab: topology, processes, and the API/cloud clients to drive them.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -10,8 +10,9 @@ use k8s_openapi::api::core::v1::{Event, Service};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use nix::sys::signal::Signal;
 use tandem_common::{GoDuration, NODE_HEALTHZ_PORT, ProxyMode};
+use tandem_netlab::addr::{self, v6};
 use tandem_netlab::cluster::{Endpoint, EndpointSliceWriter, LabNode, NodeAgent, NodeAgentConfig};
-use tandem_netlab::{Host, Netns, Node, PodNetwork, Topology};
+use tandem_netlab::{ClusterFamilies, Host, IpFamily, Netns, Node, PodNetwork, Topology};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::binaries;
@@ -39,6 +40,10 @@ pub const VIP_POOLS: [(&str, &str); 2] = [
     ("default", "198.51.100.0/25"),
     ("blue", "198.51.100.128/25"),
 ];
+/// The IPv6 CIDRs of the pools, when the lab has IPv6: the first half of the IPv6 VIP range
+/// (2001:db8:51:100::/120). Pool `blue` stays IPv4 only, so that an IPv6 Service asking
+/// for it shows the refusal of a pool without the family.
+pub const VIP_POOLS_V6: [(&str, &str); 1] = [("default", "2001:db8:51:100::/121")];
 
 #[derive(Debug, Clone)]
 pub struct LabOptions {
@@ -62,6 +67,10 @@ pub struct LabOptions {
     /// The node proxies' `--sync-period` (how often they rewrite their rules in full);
     /// their default when `None`.
     pub sync_period: Option<Duration>,
+    /// The cluster's IP families: what the Nodes report, the Services get (the stand-in's
+    /// Service CIDRs), the pools hold and the node proxies serve. With IPv6 the topology is
+    /// dual-stack underneath.
+    pub ip_family: ClusterFamilies,
 }
 
 impl Default for LabOptions {
@@ -77,6 +86,7 @@ impl Default for LabOptions {
             proxy_mode: ProxyMode::default(),
             controller_replicas: 1,
             sync_period: None,
+            ip_family: ClusterFamilies::default(),
         }
     }
 }
@@ -121,6 +131,7 @@ pub struct Lab {
     pub keep_run_dir: bool,
     /// The node proxies' data path.
     pub proxy_mode: ProxyMode,
+    pub ip_family: ClusterFamilies,
     /// The loadBalancerClass of the lab's Services on a real API server, so that the lab's
     /// controller never touches the cluster's own LoadBalancer Services.
     load_balancer_class: Option<String>,
@@ -135,13 +146,19 @@ impl Lab {
     /// runtime the caller builds next, and every socket the process opens, lives inside the
     /// lab. Call before building the runtime.
     pub fn prepare(options: &LabOptions) -> Result<Prepared> {
-        let topology = Topology::builder()
+        let builder = Topology::builder()
             .nodes(options.nodes)
             .pods_per_node(&options.pods_per_node)
             .pod_network(options.pod_network)
             // The lab handles SIGINT/SIGTERM itself: it must stop its processes before the
             // namespaces go, and the topology's own handler would exit without them.
-            .handle_signals(false)
+            .handle_signals(false);
+        let builder = if options.ip_family.has(IpFamily::Ipv6) {
+            builder.ipv6()
+        } else {
+            builder
+        };
+        let topology = builder
             .build()
             .context("building the virtual cluster (network namespaces)")?;
         let run_dir = match &options.run_dir {
@@ -193,12 +210,13 @@ impl Lab {
             progress("using the real API server through the relay at 198.18.0.2:6443");
         } else {
             progress("starting the API server stand-in");
-            components.push(start_stand_in(&cp, &token, &kubeconfig, &logs).await?);
+            components
+                .push(start_stand_in(&cp, options.ip_family, &token, &kubeconfig, &logs).await?);
         }
         let kube = kube_client(&kubeconfig).await?;
 
         progress("registering the nodes (a kubelet's Node, Lease and Ready heartbeats)");
-        let lab_nodes = topology.nodes().iter().map(LabNode::from).collect();
+        let lab_nodes = lab_nodes(&topology, options.ip_family)?;
         let mut agent = NodeAgent::new(kube.clone(), lab_nodes, NodeAgentConfig::default());
         agent.register().await.context("registering the nodes")?;
         let stop_agent = CancellationToken::new();
@@ -236,9 +254,19 @@ impl Lab {
             format!("--data-dir={}", cloud_data.display()),
             format!("--token={token}"),
         ];
+        let v4_pools = options
+            .ip_family
+            .has(IpFamily::Ipv4)
+            .then_some(VIP_POOLS.as_slice());
+        let v6_pools = options
+            .ip_family
+            .has(IpFamily::Ipv6)
+            .then_some(VIP_POOLS_V6.as_slice());
         cloud_args.extend(
-            VIP_POOLS
-                .iter()
+            v4_pools
+                .into_iter()
+                .chain(v6_pools)
+                .flatten()
                 .map(|(name, cidr)| format!("--vip-pool={name}={cidr}")),
         );
         cloud_args.extend([
@@ -323,6 +351,7 @@ impl Lab {
             kubeconfig,
             keep_run_dir: false,
             proxy_mode: options.proxy_mode,
+            ip_family: options.ip_family,
             endpoints: EndpointSliceWriter::new(kube.clone()),
             kube,
             cloud: cloud_client,
@@ -372,7 +401,7 @@ impl Lab {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
-            let lab_nodes = self.topology.nodes().iter().map(LabNode::from).collect();
+            let lab_nodes = lab_nodes(&self.topology, self.ip_family)?;
             NodeAgent::new(self.kube.clone(), lab_nodes, NodeAgentConfig::default())
                 .unregister()
                 .await
@@ -387,14 +416,14 @@ impl Lab {
         Ok(())
     }
 
-    /// Creates the Service and the EndpointSlice for its pods.
+    /// Creates the Service and the EndpointSlices for its pods.
     pub async fn create_service(&self, plan: &ServicePlan) -> Result<()> {
         let services: Api<Service> = Api::namespaced(self.kube.clone(), &plan.namespace);
         let mut service = plan.service();
         if let (Some(spec), Some(class)) = (service.spec.as_mut(), &self.load_balancer_class) {
             spec.load_balancer_class = Some(class.clone());
         }
-        services
+        let created = services
             .create(&PostParams::default(), &service)
             .await
             .with_context(|| format!("creating Service {}/{}", plan.namespace, plan.name))?;
@@ -402,18 +431,28 @@ impl Lab {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push((plan.namespace.clone(), plan.name.clone()));
-        self.write_endpoints(plan).await
+        self.write_endpoints_of(plan, &created).await
     }
 
-    /// Makes the Service's EndpointSlice list exactly `plan.pods` (all ready).
+    /// Makes the Service's EndpointSlices list exactly `plan.pods` (all ready), a slice
+    /// per family the API server gave the Service.
     pub async fn write_endpoints(&self, plan: &ServicePlan) -> Result<()> {
-        let endpoints = plan
-            .pods
-            .iter()
-            .map(|name| self.topology.pod(name).map(Endpoint::ready))
-            .collect::<Result<Vec<_>, _>>()
-            .context("the plan names a pod the topology does not have")?;
-        self.endpoints.sync(&plan.service(), &endpoints).await?;
+        let service = self.service(plan).await?;
+        self.write_endpoints_of(plan, &service).await
+    }
+
+    async fn write_endpoints_of(&self, plan: &ServicePlan, service: &Service) -> Result<()> {
+        for family in service_families(service)? {
+            let endpoints = plan
+                .pods
+                .iter()
+                .map(|name| Ok(Endpoint::ready(self.topology.pod(name)?, family)?))
+                .collect::<Result<Vec<_>>>()
+                .context("the plan's pods")?;
+            self.endpoints
+                .sync(&plan.service(), family, &endpoints)
+                .await?;
+        }
         Ok(())
     }
 
@@ -497,23 +536,35 @@ impl Lab {
         }
     }
 
-    /// Waits until the Service has an ingress IP, and returns it.
-    pub async fn wait_for_ingress(
+    /// Waits until the Service has an ingress IP, and returns the first.
+    pub async fn wait_for_ingress(&self, plan: &ServicePlan, timeout: Duration) -> Result<IpAddr> {
+        let ips = self.wait_for_ingresses(plan, 1, timeout).await?;
+        ips.first()
+            .copied()
+            .ok_or_else(|| anyhow!("Service {} has no ingress IP", plan.name))
+    }
+
+    /// Waits until the Service has `count` ingress IPs (one per family it has), and
+    /// returns them in the status's order.
+    pub async fn wait_for_ingresses(
         &self,
         plan: &ServicePlan,
+        count: usize,
         timeout: Duration,
-    ) -> Result<Ipv4Addr> {
+    ) -> Result<Vec<IpAddr>> {
         let start = Instant::now();
         loop {
             let svc = self.service(plan).await?;
-            if let Some(ip) = ingress_ip(&svc) {
-                return Ok(ip);
+            let ips = ingress_ips(&svc);
+            if ips.len() >= count {
+                return Ok(ips);
             }
             if start.elapsed() > timeout {
                 bail!(
-                    "Service {}/{} got no ingress IP within {timeout:?}; check {} (controller*.log, cloud-mock.log) and its Events",
+                    "Service {}/{} got {} of {count} ingress IPs within {timeout:?}; check {} (controller*.log, cloud-mock.log) and its Events",
                     plan.namespace,
                     plan.name,
+                    ips.len(),
                     self.run_dir.join("logs").display()
                 );
             }
@@ -525,15 +576,24 @@ impl Lab {
     pub async fn http_requests(
         &self,
         client: &Host,
-        vip: Ipv4Addr,
+        vip: IpAddr,
         port: u16,
         count: u32,
     ) -> Result<Spread> {
-        let url = format!("http://{vip}:{port}/");
-        let replies = self
-            .echo()?
-            .http_get_many_async(&client.netns, &url, count)
-            .await;
+        self.http_requests_in(&client.netns, SocketAddr::new(vip, port), count)
+            .await
+    }
+
+    /// Sends `count` HTTP requests from inside `netns` (a client, a node) to `target`, each
+    /// on a new connection.
+    pub async fn http_requests_in(
+        &self,
+        netns: &Netns,
+        target: SocketAddr,
+        count: u32,
+    ) -> Result<Spread> {
+        let url = format!("http://{target}/");
+        let replies = self.echo()?.http_get_many_async(netns, &url, count).await;
         self.spread(replies)
     }
 
@@ -541,11 +601,11 @@ impl Lab {
     pub async fn udp_requests(
         &self,
         client: &Host,
-        vip: Ipv4Addr,
+        vip: IpAddr,
         port: u16,
         count: u32,
     ) -> Result<Spread> {
-        let target = SocketAddr::from((vip, port));
+        let target = SocketAddr::new(vip, port);
         let replies = self
             .echo()?
             .udp_request_many_async(&client.netns, target, count)
@@ -568,13 +628,7 @@ impl Lab {
     }
 
     /// `tandem-nodeproxy trace` on a node: where a packet goes there, chain by chain.
-    pub async fn trace(
-        &self,
-        node: &Node,
-        src: Ipv4Addr,
-        dst: Ipv4Addr,
-        dport: u16,
-    ) -> Result<String> {
+    pub async fn trace(&self, node: &Node, src: IpAddr, dst: IpAddr, dport: u16) -> Result<String> {
         let out = node
             .netns
             .tokio_command(binaries::locate("tandem-nodeproxy")?)
@@ -582,7 +636,7 @@ impl Lab {
                 "trace".to_owned(),
                 format!("--kubeconfig={}", self.kubeconfig.display()),
                 format!("--node-name={}", node.name),
-                format!("--cluster-cidr={}", self.topology.pod_network()),
+                format!("--cluster-cidr={}", self.cluster_cidrs()),
                 format!("--proxy-mode={}", self.proxy_mode),
                 format!("--src={src}"),
                 format!("--dst={dst}"),
@@ -609,17 +663,18 @@ impl Lab {
         Ok(total)
     }
 
-    /// Waits until the node's rules mention `ip` (its nat table in iptables mode, table
-    /// `ip tandem` in nftables mode): the node proxy has synced it.
+    /// Waits until the node's rules of `ip`'s family mention it (the nat table in iptables
+    /// mode, table `ip tandem` or `ip6 tandem` in nftables mode): the node proxy has synced
+    /// it.
     pub async fn wait_for_nat_rules(
         &self,
         node: &Netns,
-        ip: Ipv4Addr,
+        ip: IpAddr,
         timeout: Duration,
     ) -> Result<()> {
         let start = Instant::now();
         loop {
-            let listing = node_rules(node, self.proxy_mode).await?;
+            let listing = node_rules(node, self.proxy_mode, IpFamily::of(ip)).await?;
             if rules::mentions(self.proxy_mode, &listing, ip) {
                 return Ok(());
             }
@@ -628,6 +683,19 @@ impl Lab {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// The node proxies' `--cluster-cidr`: the pod network of each cluster family.
+    fn cluster_cidrs(&self) -> String {
+        self.ip_family
+            .families()
+            .iter()
+            .map(|family| match family {
+                IpFamily::Ipv4 => self.topology.pod_network().to_string(),
+                IpFamily::Ipv6 => v6::POD_NETWORK.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     /// The endpoints (pod address and target port) the plan's pods give its TCP port.
@@ -683,7 +751,7 @@ impl Lab {
         let mut args = vec![
             format!("--kubeconfig={}", self.kubeconfig.display()),
             format!("--node-name={}", node.name),
-            format!("--cluster-cidr={}", self.topology.pod_network()),
+            format!("--cluster-cidr={}", self.cluster_cidrs()),
             format!("--healthz-bind-address=0.0.0.0:{NODE_HEALTHZ_PORT}"),
             "--metrics-bind-address=127.0.0.1:10249".to_owned(),
             "--min-sync-period=200ms".to_owned(),
@@ -1056,14 +1124,50 @@ impl Launcher {
     }
 }
 
-/// Starts the API server stand-in in the control plane; it writes the lab's kubeconfig.
+/// The lab's Nodes as the API sees them: an InternalIP and a pod CIDR per cluster family.
+fn lab_nodes(topology: &Topology, families: ClusterFamilies) -> Result<Vec<LabNode>> {
+    topology
+        .nodes()
+        .iter()
+        .map(|node| LabNode::new(node, families))
+        .collect::<Result<_, _>>()
+        .context("the lab's Nodes")
+}
+
+/// The families the API server gave a Service (`spec.ipFamilies`); IPv4 where a server
+/// older than dual-stack leaves it out.
+fn service_families(service: &Service) -> Result<Vec<IpFamily>> {
+    let Some(families) = service.spec.as_ref().and_then(|s| s.ip_families.as_ref()) else {
+        return Ok(vec![IpFamily::Ipv4]);
+    };
+    families
+        .iter()
+        .map(|family| match family.as_str() {
+            "IPv4" => Ok(IpFamily::Ipv4),
+            "IPv6" => Ok(IpFamily::Ipv6),
+            other => bail!("the Service has the unknown IP family {other:?}"),
+        })
+        .collect()
+}
+
+/// Starts the API server stand-in in the control plane with a Service CIDR per cluster
+/// family; it writes the lab's kubeconfig.
 async fn start_stand_in(
     cp: &Host,
+    families: ClusterFamilies,
     token: &str,
     kubeconfig: &Path,
     logs: &Path,
 ) -> Result<Component> {
     let api_addr = SocketAddr::from((cp.ip, API_PORT));
+    let service_cidrs: Vec<String> = families
+        .families()
+        .iter()
+        .map(|family| match family {
+            IpFamily::Ipv4 => addr::SERVICE_CIDR.to_string(),
+            IpFamily::Ipv6 => v6::SERVICE_CIDR.to_string(),
+        })
+        .collect();
     let mut apiserver = Component::start(
         &cp.netns,
         "apiserver",
@@ -1072,6 +1176,7 @@ async fn start_stand_in(
             format!("--listen={api_addr}"),
             format!("--token={token}"),
             format!("--kubeconfig-out={}", kubeconfig.display()),
+            format!("--service-cluster-ip-range={}", service_cidrs.join(",")),
         ],
         &[],
         logs,
@@ -1107,11 +1212,11 @@ fn leads(exposition: &str) -> Option<bool> {
     })
 }
 
-/// What a node's kernel holds of a node proxy's rules in `mode` (see
-/// [`rules::listing_command`]); empty when there is no table `ip tandem`.
-pub async fn node_rules(node: &Netns, mode: ProxyMode) -> Result<String> {
+/// What a node's kernel holds of a node proxy's rules of `family` in `mode` (see
+/// [`rules::listing_command`]); empty when there is no table `ip tandem` (`ip6 tandem`).
+pub async fn node_rules(node: &Netns, mode: ProxyMode, family: IpFamily) -> Result<String> {
     let out = node
-        .exec_async(rules::listing_command(mode).iter().copied())
+        .exec_async(rules::listing_command(mode, family).iter().copied())
         .await
         .context("listing the node's rules")?;
     if out.status.success() {
@@ -1121,19 +1226,20 @@ pub async fn node_rules(node: &Netns, mode: ProxyMode) -> Result<String> {
     if mode == ProxyMode::Nftables && error.contains("No such file or directory") {
         return Ok(String::new());
     }
-    bail!("{}: {error}", rules::listing_command(mode).join(" "))
+    bail!(
+        "{}: {error}",
+        rules::listing_command(mode, family).join(" ")
+    )
 }
 
-/// The first IPv4 ingress address of a Service's status.
-pub fn ingress_ip(svc: &Service) -> Option<Ipv4Addr> {
+/// The ingress addresses of a Service's status, in its order.
+pub fn ingress_ips(svc: &Service) -> Vec<IpAddr> {
     svc.status
-        .as_ref()?
-        .load_balancer
-        .as_ref()?
-        .ingress
-        .as_ref()?
         .iter()
-        .find_map(|i| i.ip.as_deref()?.parse().ok())
+        .filter_map(|s| s.load_balancer.as_ref()?.ingress.as_ref())
+        .flatten()
+        .filter_map(|i| i.ip.as_deref()?.parse().ok())
+        .collect()
 }
 
 /// Sum of the packet column of the rules of the matching chains in `iptables -L -v -x -n`

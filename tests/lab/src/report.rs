@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use cloud_mock_sdk::LoadBalancer;
+use cloud_mock_sdk::families::LoadBalancer;
 use serde::Serialize;
 
 use crate::scenario::Spread;
@@ -17,20 +17,21 @@ fn api_name(value: &impl Serialize) -> String {
     }
 }
 
-/// The cloud's view of a load balancer, one line per listener and backend.
+/// The cloud's view of a load balancer, one line per listener and VIP, and per backend.
 pub fn load_balancer(lb: &LoadBalancer) -> String {
     let mut out = String::new();
-    let vip = lb
-        .spec
-        .vip
-        .map(|v| v.to_string())
-        .unwrap_or_else(|| "-".to_owned());
+    let vips: Vec<String> = lb.vips().iter().map(ToString::to_string).collect();
     let _ = writeln!(
         out,
-        "  id {}  name {}  mode {}  VIP {vip}  state {}  version {}",
+        "  id {}  name {}  mode {}  VIP {}  state {}  version {}",
         lb.id,
         lb.spec.name,
         api_name(&lb.spec.mode),
+        if vips.is_empty() {
+            "-".to_owned()
+        } else {
+            vips.join(", ")
+        },
         api_name(&lb.state),
         lb.version
     );
@@ -44,13 +45,15 @@ pub fn load_balancer(lb: &LoadBalancer) -> String {
             ),
             None => "no health check".to_owned(),
         };
-        let _ = writeln!(
-            out,
-            "  listener {} {vip}:{} -> backends :{}  ({check})",
-            api_name(&l.protocol),
-            l.port,
-            l.backend_port
-        );
+        for vip in lb.vips() {
+            let _ = writeln!(
+                out,
+                "  listener {} {} -> backends :{}  ({check})",
+                api_name(&l.protocol),
+                std::net::SocketAddr::new(*vip, l.port),
+                l.backend_port
+            );
+        }
     }
     for b in &lb.spec.backends {
         let health = lb
@@ -128,20 +131,26 @@ mod tests {
     #[test]
     fn load_balancers_are_shown_with_the_api_names() {
         let lb: LoadBalancer = serde_json::from_value(serde_json::json!({
-            "id": "lb-1", "name": "k8s-lab-0a", "mode": "passthrough", "vip": "198.51.100.7",
+            "id": "lb-1", "name": "k8s-lab-0a", "mode": "passthrough",
+            "ipFamilies": ["IPv4", "IPv6"],
+            "vips": ["198.51.100.7", "2001:db8:51:100::7"],
             "listeners": [{"protocol": "UDP", "port": 53, "backendPort": 53,
                            "healthCheck": {"protocol": "HTTP", "port": 10256, "path": "/healthz"}}],
-            "backends": [{"ip": "198.18.0.11"}], "sourceRanges": ["203.0.113.0/24"],
+            "backends": [{"ip": "198.18.0.11"}, {"ip": "2001:db8:18::11"}],
+            "sourceRanges": ["203.0.113.0/24", "2001:db8:203::/64"],
             "state": "active", "version": 3,
-            "health": [{"ip": "198.18.0.11", "health": "healthy"}]
+            "health": [{"ip": "198.18.0.11", "health": "healthy"},
+                       {"ip": "2001:db8:18::11", "health": "unhealthy"}]
         }))
         .unwrap();
         assert_eq!(
             load_balancer(&lb),
-            "  id lb-1  name k8s-lab-0a  mode passthrough  VIP 198.51.100.7  state active  version 3\n  \
+            "  id lb-1  name k8s-lab-0a  mode passthrough  VIP 198.51.100.7, 2001:db8:51:100::7  state active  version 3\n  \
              listener UDP 198.51.100.7:53 -> backends :53  (health check HTTP :10256/healthz)\n  \
+             listener UDP [2001:db8:51:100::7]:53 -> backends :53  (health check HTTP :10256/healthz)\n  \
              backend 198.18.0.11  healthy\n  \
-             source ranges 203.0.113.0/24\n"
+             backend 2001:db8:18::11  unhealthy\n  \
+             source ranges 203.0.113.0/24, 2001:db8:203::/64\n"
         );
     }
 

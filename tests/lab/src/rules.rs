@@ -3,24 +3,29 @@
 //! and single rules or map elements of it (for tests that play someone else editing the
 //! node's rules).
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddrV4};
+
 use std::ops::Range;
+use tandem_netlab::IpFamily;
 
 use tandem_common::ProxyMode;
 
-/// The command that lists what a node proxy of `mode` owns: the nat table in iptables
-/// mode, table `ip tandem` in nftables mode.
-pub fn listing_command(mode: ProxyMode) -> &'static [&'static str] {
-    match mode {
-        ProxyMode::Iptables => &["iptables", "-w", "-t", "nat", "-S"],
-        ProxyMode::Nftables => &["nft", "list", "table", "ip", "tandem"],
+/// The command that lists what a node proxy of `mode` owns for `family`: the nat table in
+/// iptables mode (`ip6tables` for IPv6), table `ip tandem` (`ip6 tandem`) in nftables mode.
+pub fn listing_command(mode: ProxyMode, family: IpFamily) -> &'static [&'static str] {
+    match (mode, family) {
+        (ProxyMode::Iptables, IpFamily::Ipv4) => &["iptables", "-w", "-t", "nat", "-S"],
+        (ProxyMode::Iptables, IpFamily::Ipv6) => &["ip6tables", "-w", "-t", "nat", "-S"],
+        (ProxyMode::Nftables, IpFamily::Ipv4) => &["nft", "list", "table", "ip", "tandem"],
+        (ProxyMode::Nftables, IpFamily::Ipv6) => &["nft", "list", "table", "ip6", "tandem"],
     }
 }
 
 /// Whether a listing of `mode` matches packets addressed to `ip`.
-pub fn mentions(mode: ProxyMode, listing: &str, ip: Ipv4Addr) -> bool {
+pub fn mentions(mode: ProxyMode, listing: &str, ip: IpAddr) -> bool {
+    let host_prefix = if ip.is_ipv4() { 32 } else { 128 };
     match mode {
-        ProxyMode::Iptables => listing.contains(&format!("-d {ip}/32")),
+        ProxyMode::Iptables => listing.contains(&format!("-d {ip}/{host_prefix}")),
         ProxyMode::Nftables => listing.contains(&format!("{ip} . ")),
     }
 }

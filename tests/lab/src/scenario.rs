@@ -7,7 +7,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use tandem_netlab::{EchoReply, Node};
+use tandem_netlab::{EchoReply, IpFamily, Node};
 
 use crate::rules;
 
@@ -54,6 +54,11 @@ pub struct ServicePlan {
     pub allocate_node_ports: bool,
     /// `spec.loadBalancerIP`.
     pub load_balancer_ip: Option<Ipv4Addr>,
+    /// `spec.ipFamilies`; empty leaves them to the API server (the policy's defaults).
+    pub ip_families: Vec<IpFamily>,
+    /// `spec.ipFamilyPolicy` (`SingleStack`, `PreferDualStack`, `RequireDualStack`); the
+    /// API server's default (`SingleStack`) when `None`.
+    pub ip_family_policy: Option<String>,
     /// Annotations besides the mode's (pool, sharing key).
     pub annotations: BTreeMap<String, String>,
     /// Names of the pods (topology pods) that serve it.
@@ -72,6 +77,8 @@ impl ServicePlan {
             source_ranges: Vec::new(),
             allocate_node_ports: true,
             load_balancer_ip: None,
+            ip_families: Vec::new(),
+            ip_family_policy: None,
             annotations: BTreeMap::new(),
             pods: Vec::new(),
         }
@@ -114,6 +121,13 @@ impl ServicePlan {
                     .then(|| self.source_ranges.clone()),
                 allocate_load_balancer_node_ports: (!self.allocate_node_ports).then_some(false),
                 load_balancer_ip: self.load_balancer_ip.map(|ip| ip.to_string()),
+                ip_families: (!self.ip_families.is_empty()).then(|| {
+                    self.ip_families
+                        .iter()
+                        .map(|f| f.api_name().to_owned())
+                        .collect()
+                }),
+                ip_family_policy: self.ip_family_policy.clone(),
                 ..ServiceSpec::default()
             }),
             status: None,
@@ -179,19 +193,21 @@ impl Spread {
 }
 
 fn source_label(ip: IpAddr, nodes: &[Node]) -> String {
-    match ip {
-        IpAddr::V4(v4) => nodes
-            .iter()
-            .find(|n| n.ip == v4 || node_owns_pod_gateway(n, v4))
-            .map(|n| n.name.clone())
-            .unwrap_or_else(|| v4.to_string()),
-        IpAddr::V6(v6) => v6.to_string(),
-    }
+    nodes
+        .iter()
+        .find(|n| n.ip_of(IpFamily::of(ip)) == Some(ip) || node_owns_pod_gateway(n, ip))
+        .map(|n| n.name.clone())
+        .unwrap_or_else(|| ip.to_string())
 }
 
 /// A node masquerading towards a local pod uses its cni0 address (the pod CIDR's first).
-fn node_owns_pod_gateway(node: &Node, ip: Ipv4Addr) -> bool {
-    node.pod_cidr.contains(&ip) && u32::from(ip) == u32::from(node.pod_cidr.network()) + 1
+fn node_owns_pod_gateway(node: &Node, ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(ip) => {
+            node.pod_cidr.contains(&ip) && u32::from(ip) == u32::from(node.pod_cidr.network()) + 1
+        }
+        IpAddr::V6(ip) => tandem_netlab::addr::v6::pod_gateway(node.index).ok() == Some(ip),
+    }
 }
 
 #[cfg(test)]
@@ -237,6 +253,36 @@ mod tests {
             spread.nodes_seen(&nodes).collect::<Vec<_>>(),
             vec!["node-1"]
         );
+    }
+
+    #[test]
+    fn ipv6_sources_name_the_node_that_masqueraded() {
+        let dual = |index| Node {
+            ip6: Some(tandem_netlab::addr::v6::node_ip(index).unwrap()),
+            ..node(index)
+        };
+        let nodes = [dual(1), dual(2)];
+        let replies = [
+            reply("n1p1", "[2001:db8:18::12]:4000"),
+            reply("n1p1", "[fd00:10:244:1::1]:4001"),
+            reply("n2p1", "[2001:db8:203::10]:4002"),
+        ];
+        let spread = Spread::from_replies(&replies, &nodes);
+        assert_eq!(spread.by_seen_source["node-2"], 1);
+        assert_eq!(spread.by_seen_source["node-1"], 1);
+        assert_eq!(spread.by_seen_source["2001:db8:203::10"], 1);
+    }
+
+    #[test]
+    fn families_are_left_to_the_server_unless_the_plan_names_them() {
+        let mut plan = ServicePlan::new("web", LbMode::Proxy);
+        let spec = plan.service().spec.unwrap();
+        assert!(spec.ip_families.is_none() && spec.ip_family_policy.is_none());
+        plan.ip_families = vec![IpFamily::Ipv6, IpFamily::Ipv4];
+        plan.ip_family_policy = Some("RequireDualStack".to_owned());
+        let spec = plan.service().spec.unwrap();
+        assert_eq!(spec.ip_families.unwrap(), ["IPv6", "IPv4"]);
+        assert_eq!(spec.ip_family_policy.as_deref(), Some("RequireDualStack"));
     }
 
     #[test]

@@ -22,7 +22,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::fmt::Write as _;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -33,7 +33,7 @@ use tandem_lab::lab::{Lab, controller_leads, node_rules};
 use tandem_lab::rules::{self, ServicePort};
 use tandem_lab::scenario::{LbMode, ServicePlan};
 use tandem_lab::traffic::{Summary, Traffic, TrafficArgs};
-use tandem_netlab::Netns;
+use tandem_netlab::{IpFamily, Netns};
 use tokio_util::sync::CancellationToken;
 
 /// The node proxies' `--sync-period`: drift must be repaired within it.
@@ -116,7 +116,7 @@ const DRIFT: &str = "a DNAT rule / map element of each Service deleted";
 /// A Service under traffic, its LB mode's.
 struct LabService {
     plan: ServicePlan,
-    vip: Ipv4Addr,
+    vip: IpAddr,
 }
 
 /// The two Services under traffic, in LB mode order (proxy, passthrough), both over every
@@ -144,7 +144,7 @@ fn all_pods(lab: &Lab) -> Vec<String> {
 }
 
 /// Waits until 10 requests in a row to `vip:80` all succeed; returns how long it took.
-async fn serve_within(lab: &Lab, vip: Ipv4Addr, bound: Duration) -> Result<Duration> {
+async fn serve_within(lab: &Lab, vip: IpAddr, bound: Duration) -> Result<Duration> {
     let start = Instant::now();
     loop {
         let spread = lab
@@ -404,8 +404,8 @@ async fn sample_switch(
     let mut samples = Vec::new();
     let mut switched_at = None;
     loop {
-        let old_rules = all_programmed(old, &node_rules(&node, old).await?, &ports);
-        let new_rules = all_programmed(new, &node_rules(&node, new).await?, &ports);
+        let old_rules = all_programmed(old, &node_rules(&node, old, IpFamily::Ipv4).await?, &ports);
+        let new_rules = all_programmed(new, &node_rules(&node, new, IpFamily::Ipv4).await?, &ports);
         samples.push(Sample {
             at: start.elapsed(),
             old: old_rules,
@@ -675,7 +675,11 @@ async fn kill_and_flush_a_node_proxy(lab: &mut Lab, services: &[LabService]) -> 
         String::from_utf8_lossy(&out.stderr)
     );
     ensure!(
-        !all_programmed(mode, &node_rules(&node, mode).await?, &ports),
+        !all_programmed(
+            mode,
+            &node_rules(&node, mode, IpFamily::Ipv4).await?,
+            &ports
+        ),
         "the node still serves the Services after `{}`",
         flush.join(" ")
     );
@@ -683,7 +687,11 @@ async fn kill_and_flush_a_node_proxy(lab: &mut Lab, services: &[LabService]) -> 
     tokio::time::sleep(SETTLE).await;
     let spawned = lab.start_node_proxy(0, mode)?;
     let restored = loop {
-        if all_programmed(mode, &node_rules(&node, mode).await?, &ports) {
+        if all_programmed(
+            mode,
+            &node_rules(&node, mode, IpFamily::Ipv4).await?,
+            &ports,
+        ) {
             break Some(spawned.elapsed());
         }
         if spawned.elapsed() > Duration::from_secs(20) {
@@ -736,7 +744,7 @@ async fn repair_deleted_rules(lab: &mut Lab, services: &[LabService]) -> Result<
     let node = lab.topology.nodes()[0].netns.clone();
     let mode = lab.node_proxy_mode(0)?;
     let traffic = start_traffic(lab, services, "drift").await?;
-    let listing = node_rules(&node, mode).await?;
+    let listing = node_rules(&node, mode, IpFamily::Ipv4).await?;
     let mut deleted = Vec::new();
     for (port, endpoints) in ports(lab, services)? {
         let (endpoint, command) = match mode {
@@ -773,14 +781,14 @@ async fn repair_deleted_rules(lab: &mut Lab, services: &[LabService]) -> Result<
         deleted.push(Deleted { port, endpoint });
     }
     let deleted_at = Instant::now();
-    let listing = node_rules(&node, mode).await?;
+    let listing = node_rules(&node, mode, IpFamily::Ipv4).await?;
     ensure!(
         deleted.iter().all(|d| !d.present(mode, &listing)),
         "the deleted rules are still listed"
     );
     let limit = SYNC_PERIOD * 2 + REPAIR_SLACK;
     let repaired = loop {
-        let listing = node_rules(&node, mode).await?;
+        let listing = node_rules(&node, mode, IpFamily::Ipv4).await?;
         if deleted.iter().all(|d| d.present(mode, &listing)) {
             break Some(deleted_at.elapsed());
         }

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::future::Future;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -12,6 +12,8 @@ use tandem_common::ProxyMode;
 use tandem_lab::harness;
 use tandem_lab::lab::Lab;
 use tandem_lab::scenario::{LbMode, POOL_ANNOTATION, SHARED_IP_ANNOTATION, ServicePlan, Spread};
+use tandem_netlab::addr::{self, v6};
+use tandem_netlab::{ClusterFamilies, IpFamily};
 
 /// Builds a lab with `pods_per_node` (on the API server, images and proxy mode the
 /// environment names, see `tandem_lab::harness`), runs `body` on it inside the
@@ -22,6 +24,17 @@ where
     Fut: Future<Output = Lab>,
 {
     harness::run(harness::options_from_env(pods_per_node).unwrap(), body).unwrap();
+}
+
+/// [`with_lab`] on a cluster of `families`.
+fn with_lab_of<F, Fut>(families: ClusterFamilies, pods_per_node: &[u32], body: F)
+where
+    F: FnOnce(Lab) -> Fut + Send + 'static,
+    Fut: Future<Output = Lab>,
+{
+    let mut options = harness::options_from_env(pods_per_node).unwrap();
+    options.ip_family = families;
+    harness::run(options, body).unwrap();
 }
 
 /// [`with_lab`] against the API server of `api_server` (a kubeconfig), or the stand-in.
@@ -59,7 +72,7 @@ fn pods(lab: &Lab, nodes: &[usize]) -> Vec<String> {
 }
 
 /// Creates the Service and its EndpointSlice and waits for its ingress IP.
-async fn create_and_wait_for_ingress(lab: &Lab, plan: &ServicePlan) -> Ipv4Addr {
+async fn create_and_wait_for_ingress(lab: &Lab, plan: &ServicePlan) -> IpAddr {
     lab.create_service(plan).await.unwrap();
     lab.wait_for_ingress(plan, Duration::from_secs(60))
         .await
@@ -67,7 +80,7 @@ async fn create_and_wait_for_ingress(lab: &Lab, plan: &ServicePlan) -> Ipv4Addr 
 }
 
 /// Requests to `vip:port` until they all succeed or `bound` passes; returns how long it took.
-async fn until_all_succeed(lab: &Lab, vip: Ipv4Addr, port: u16, bound: Duration) -> Duration {
+async fn until_all_succeed(lab: &Lab, vip: IpAddr, port: u16, bound: Duration) -> Duration {
     let start = Instant::now();
     loop {
         let spread = lab
@@ -173,7 +186,7 @@ fn passthrough_mode_takes_kube_fw_and_drops_clients_outside_source_ranges() {
 
         let node = &lab.topology.nodes()[0];
         let trace = lab
-            .trace(node, Ipv4Addr::new(192, 0, 2, 10), vip, 80)
+            .trace(node, Ipv4Addr::new(192, 0, 2, 10).into(), vip, 80)
             .await
             .unwrap();
         let (firewall_chain, drop) = match lab.proxy_mode {
@@ -396,7 +409,7 @@ fn a_pod_reaching_the_lb_ip_is_served_through_the_kube_fw_short_cut() {
                 "the pod's node did not take the LB IP through KUBE-FW"
             );
         }
-        let trace = lab.trace(node, client.ip, vip, 80).await.unwrap();
+        let trace = lab.trace(node, client.ip.into(), vip, 80).await.unwrap();
         let short_cut = match lab.proxy_mode {
             ProxyMode::Iptables => "KUBE-FW-",
             ProxyMode::Nftables => "external-",
@@ -416,7 +429,7 @@ async fn create_and_wait_for_refusal(lab: &Lab, plan: &ServicePlan, reason: &str
 }
 
 /// The pods that answered `count` requests to `vip:port`; every request must succeed.
-async fn answering_pods(lab: &Lab, vip: Ipv4Addr, port: u16, count: u32) -> Vec<String> {
+async fn answering_pods(lab: &Lab, vip: IpAddr, port: u16, count: u32) -> Vec<String> {
     let spread = lab
         .http_requests(lab.topology.client_in_range(), vip, port, count)
         .await
@@ -433,9 +446,10 @@ fn a_second_pool_and_a_requested_address_serve_and_an_unknown_pool_is_refused() 
         blue.annotations
             .insert(POOL_ANNOTATION.to_owned(), "blue".to_owned());
         let blue_vip = create_and_wait_for_ingress(&lab, &blue).await;
+        let blue_pool = "198.51.100.128/25";
         assert!(
-            blue_vip.octets()[..3] == [198, 51, 100] && blue_vip.octets()[3] >= 128,
-            "{blue_vip} is not in the blue pool 198.51.100.128/25"
+            matches!(blue_vip, IpAddr::V4(v4) if v4.octets()[..3] == [198, 51, 100] && v4.octets()[3] >= 128),
+            "{blue_vip} is not in the blue pool {blue_pool}"
         );
         until_all_succeed(&lab, blue_vip, 80, Duration::from_secs(20)).await;
         assert_eq!(answering_pods(&lab, blue_vip, 80, 20).await, blue.pods);
@@ -515,7 +529,10 @@ fn services_sharing_a_vip_reach_their_own_pods_in_both_modes() {
             // A third asking for the VIP on a port the first serves is refused, and only it
             // hears of it (without asking, it would get an address of its own).
             let mut clash = plan("clash", 80, 2);
-            clash.load_balancer_ip = Some(vip);
+            let IpAddr::V4(requested) = vip else {
+                panic!("{vip}: the lab's default Services are IPv4")
+            };
+            clash.load_balancer_ip = Some(requested);
             let message =
                 create_and_wait_for_refusal(&lab, &clash, "SharedAddressPortConflict").await;
             assert!(message.contains("80"), "{message}");
@@ -635,4 +652,102 @@ fn the_lab_runs_against_an_api_server_outside_it_through_the_relay() {
     let _ = server.kill();
     let _ = server.wait();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn dual_stack_and_ipv6_services_answer_on_every_vip_in_both_lb_modes() {
+    with_lab_of(ClusterFamilies::Dual, &[2, 2, 0], |lab| async move {
+        let client = lab.topology.client_in_range().clone();
+        let outsider = lab.topology.client_out_of_range().clone();
+        for mode in [LbMode::Proxy, LbMode::Passthrough] {
+            // RequireDualStack: a VIP per family, the cluster's primary (IPv4) first.
+            let mut plan = ServicePlan::new(&format!("dual-{}", mode.as_str()), mode);
+            plan.pods = pods(&lab, &[1, 2]);
+            plan.ip_family_policy = Some("RequireDualStack".to_owned());
+            // Each family's range applies to its own VIP.
+            plan.source_ranges = vec![
+                addr::CLIENT_NETWORK_IN_RANGE.to_string(),
+                v6::CLIENT_NETWORK_IN_RANGE.to_string(),
+            ];
+            lab.create_service(&plan).await.unwrap();
+            let vips = lab
+                .wait_for_ingresses(&plan, 2, Duration::from_secs(60))
+                .await
+                .unwrap();
+            assert!(vips[0].is_ipv4() && vips[1].is_ipv6(), "{mode:?}: {vips:?}");
+            for vip in vips {
+                until_all_succeed(&lab, vip, 80, Duration::from_secs(30)).await;
+                let http = lab.http_requests(&client, vip, 80, 40).await.unwrap();
+                assert_eq!(http.failed, 0, "{mode:?} {vip}: {http:?}");
+                assert_eq!(
+                    http.by_pod.len(),
+                    4,
+                    "{mode:?} {vip}: every pod answers: {http:?}"
+                );
+                let udp = lab.udp_requests(&client, vip, 80, 10).await.unwrap();
+                assert_eq!(udp.failed, 0, "{mode:?} {vip}: {udp:?}");
+                if mode == LbMode::Passthrough {
+                    // Outside the source ranges: dropped, in either family.
+                    let denied = lab.http_requests(&outsider, vip, 80, 3).await.unwrap();
+                    assert_eq!(denied.succeeded(), 0, "{vip}: {denied:?}");
+                }
+            }
+        }
+
+        // IPv6 alone, externalTrafficPolicy Local: the pods see the IPv6 client itself.
+        let mut local = ServicePlan::new("v6-local", LbMode::Passthrough);
+        local.pods = pods(&lab, &[1]);
+        local.ip_families = vec![IpFamily::Ipv6];
+        local.external_traffic_policy_local = true;
+        lab.create_service(&local).await.unwrap();
+        let vips = lab
+            .wait_for_ingresses(&local, 1, Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert!(vips.len() == 1 && vips[0].is_ipv6(), "{vips:?}");
+        until_all_succeed(&lab, vips[0], 80, Duration::from_secs(30)).await;
+        let spread = lab.http_requests(&client, vips[0], 80, 20).await.unwrap();
+        let client_v6 = client.ip6.unwrap().to_string();
+        assert_eq!(
+            spread.by_seen_source.keys().collect::<Vec<_>>(),
+            vec![&client_v6],
+            "{spread:?}"
+        );
+
+        // Its ClusterIP from a node, and its NodePort on the node with the pods, over IPv6.
+        let svc = lab.service(&local).await.unwrap();
+        let spec = svc.spec.unwrap();
+        let cluster_ip: IpAddr = spec.cluster_ip.unwrap().parse().unwrap();
+        assert!(cluster_ip.is_ipv6(), "{cluster_ip}");
+        let node = lab.topology.nodes()[1].clone();
+        let from_node = lab
+            .http_requests_in(&node.netns, SocketAddr::new(cluster_ip, 80), 10)
+            .await
+            .unwrap();
+        assert_eq!(from_node.failed, 0, "ClusterIP {cluster_ip}: {from_node:?}");
+        let node_port = spec.ports.unwrap()[0].node_port.unwrap();
+        let node_port = SocketAddr::new(
+            lab.topology.nodes()[0].ip6.unwrap().into(),
+            u16::try_from(node_port).unwrap(),
+        );
+        let via_node_port = lab
+            .http_requests_in(&client.netns, node_port, 10)
+            .await
+            .unwrap();
+        assert_eq!(
+            via_node_port.failed, 0,
+            "NodePort {node_port}: {via_node_port:?}"
+        );
+
+        // A pool without the family the Service needs is a refusal, not half a load
+        // balancer.
+        let mut blue = ServicePlan::new("v6-blue", LbMode::Proxy);
+        blue.pods = pods(&lab, &[1]);
+        blue.ip_families = vec![IpFamily::Ipv6];
+        blue.annotations
+            .insert(POOL_ANNOTATION.to_owned(), "blue".to_owned());
+        let message = create_and_wait_for_refusal(&lab, &blue, "AddressPoolLacksFamily").await;
+        assert!(message.contains("blue"), "{message}");
+        lab
+    });
 }

@@ -3,11 +3,63 @@
 //! Pure functions only: every address the topology configures comes from here, so tests
 //! and other crates can compute them without a running topology.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::Ipv4Net;
 
 use crate::error::NetlabError;
+
+/// An IP family as Kubernetes names it (`ipFamilies`, an EndpointSlice's `addressType`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum IpFamily {
+    Ipv4,
+    Ipv6,
+}
+
+impl IpFamily {
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => Self::Ipv4,
+            IpAddr::V6(_) => Self::Ipv6,
+        }
+    }
+
+    /// `IPv4` / `IPv6`: the API's spelling.
+    pub fn api_name(self) -> &'static str {
+        match self {
+            Self::Ipv4 => "IPv4",
+            Self::Ipv6 => "IPv6",
+        }
+    }
+}
+
+/// The IP families of a lab cluster: what its Nodes report, its Services get and its node
+/// proxies serve. The topology underneath is dual-stack whenever IPv6 is among them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ClusterFamilies {
+    /// IPv4 only.
+    #[default]
+    Ipv4,
+    /// IPv6 only.
+    Ipv6,
+    /// IPv4 and IPv6, IPv4 first: a Service that names no family gets IPv4.
+    Dual,
+}
+
+impl ClusterFamilies {
+    /// The families, primary first.
+    pub fn families(self) -> &'static [IpFamily] {
+        match self {
+            Self::Ipv4 => &[IpFamily::Ipv4],
+            Self::Ipv6 => &[IpFamily::Ipv6],
+            Self::Dual => &[IpFamily::Ipv4, IpFamily::Ipv6],
+        }
+    }
+
+    pub fn has(self, family: IpFamily) -> bool {
+        self.families().contains(&family)
+    }
+}
 
 /// Node network shared by the control plane, the nodes and the cloud edge.
 pub const NODE_NETWORK: Ipv4Net = net(Ipv4Addr::new(198, 18, 0, 0), 24);

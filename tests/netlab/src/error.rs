@@ -5,6 +5,8 @@ use std::path::PathBuf;
 /// Everything that can go wrong building or using a topology.
 #[derive(Debug, thiserror::Error)]
 pub enum NetlabError {
+    #[error("{host} has no IPv6 address: IPv6 needs a dual-stack topology (TopologyBuilder::ipv6)")]
+    NoIpv6 { host: String },
     #[error("node {0} is outside 1..={max}", max = crate::addr::MAX_NODES)]
     NodeOutOfRange(usize),
     #[error("pod index {index} on node {node} is outside 1..={max}", max = crate::addr::MAX_POD_INDEX)]

@@ -43,7 +43,7 @@ pub mod plan;
 pub mod relay;
 mod topology;
 
-pub use addr::PodNetwork;
+pub use addr::{ClusterFamilies, IpFamily, PodNetwork};
 pub use cleanup::{list_netns, remove_netns, remove_stale_namespaces};
 pub use echo::{EchoClient, EchoReply, echo_binary, http_get_in, udp_request_in};
 pub use error::NetlabError;

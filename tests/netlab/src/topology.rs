@@ -2,13 +2,13 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use ipnet::Ipv4Net;
 
-use crate::addr::{self, PodNetwork, v6};
+use crate::addr::{self, IpFamily, PodNetwork, v6};
 use crate::cleanup;
 use crate::echo::{DEFAULT_ECHO_PORT, EchoClient, READY_LINE, echo_binary};
 use crate::error::NetlabError;
@@ -23,6 +23,35 @@ pub struct Host {
     pub netns: Netns,
     pub ip: Ipv4Addr,
     pub ip6: Option<Ipv6Addr>,
+}
+
+/// The address of `family` of a host, node or pod: IPv6 only in a dual-stack topology.
+fn address_of(family: IpFamily, ip: Ipv4Addr, ip6: Option<Ipv6Addr>) -> Option<IpAddr> {
+    match family {
+        IpFamily::Ipv4 => Some(ip.into()),
+        IpFamily::Ipv6 => ip6.map(IpAddr::from),
+    }
+}
+
+impl Host {
+    /// Its address of `family`.
+    pub fn ip_of(&self, family: IpFamily) -> Option<IpAddr> {
+        address_of(family, self.ip, self.ip6)
+    }
+}
+
+impl Node {
+    /// Its address of `family` on the node network.
+    pub fn ip_of(&self, family: IpFamily) -> Option<IpAddr> {
+        address_of(family, self.ip, self.ip6)
+    }
+}
+
+impl Pod {
+    /// Its address of `family`.
+    pub fn ip_of(&self, family: IpFamily) -> Option<IpAddr> {
+        address_of(family, self.ip, self.ip6)
+    }
 }
 
 /// The cloud edge: gateway of the node network and of both client networks.

@@ -10,6 +10,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::client::Body;
 use serde_json::{Value, json};
+use tandem_netlab::IpFamily;
 use tandem_netlab::cluster::{
     Endpoint, EndpointSliceWriter, LabNode, NodeAgent, NodeAgentConfig, endpoint_slice_for,
 };
@@ -105,7 +106,11 @@ const SLICE_PATH: &str = "/apis/discovery.k8s.io/v1/namespaces/s1/endpointslices
 async fn a_missing_slice_is_created() {
     let (client, mut handle) = mock_client();
     let writer = EndpointSliceWriter::new(client);
-    let task = tokio::spawn(async move { writer.sync(&service(), &[endpoint(2, "node-1")]).await });
+    let task = tokio::spawn(async move {
+        writer
+            .sync(&service(), IpFamily::Ipv4, &[endpoint(2, "node-1")])
+            .await
+    });
 
     let (method, path, _, send) = expect(&mut handle).await;
     assert_eq!((method, path.as_str()), (Method::GET, SLICE_PATH));
@@ -134,8 +139,9 @@ async fn an_equal_slice_is_not_written_again() {
     let (client, mut handle) = mock_client();
     let writer = EndpointSliceWriter::new(client);
     let endpoints = [endpoint(2, "node-1"), endpoint(3, "node-1")];
-    let desired = endpoint_slice_for(&service(), &endpoints).unwrap();
-    let task = tokio::spawn(async move { writer.sync(&service(), &endpoints).await });
+    let desired = endpoint_slice_for(&service(), IpFamily::Ipv4, &endpoints).unwrap();
+    let task =
+        tokio::spawn(async move { writer.sync(&service(), IpFamily::Ipv4, &endpoints).await });
 
     let (_, path, _, send) = expect(&mut handle).await;
     assert_eq!(path, SLICE_PATH);
@@ -148,10 +154,14 @@ async fn an_equal_slice_is_not_written_again() {
 async fn a_changed_slice_is_replaced_and_a_conflict_is_retried_with_the_new_version() {
     let (client, mut handle) = mock_client();
     let writer = EndpointSliceWriter::new(client);
-    let old = endpoint_slice_for(&service(), &[endpoint(2, "node-1")]).unwrap();
+    let old = endpoint_slice_for(&service(), IpFamily::Ipv4, &[endpoint(2, "node-1")]).unwrap();
     let task = tokio::spawn(async move {
         writer
-            .sync(&service(), &[endpoint(2, "node-1"), endpoint(3, "node-2")])
+            .sync(
+                &service(),
+                IpFamily::Ipv4,
+                &[endpoint(2, "node-1"), endpoint(3, "node-2")],
+            )
             .await
     });
 
@@ -176,14 +186,21 @@ async fn a_changed_slice_is_replaced_and_a_conflict_is_retried_with_the_new_vers
 }
 
 #[tokio::test]
-async fn deleting_a_missing_slice_is_fine() {
+async fn deleting_removes_both_families_slices_and_a_missing_one_is_fine() {
     let (client, mut handle) = mock_client();
     let writer = EndpointSliceWriter::new(client);
     let task = tokio::spawn(async move { writer.delete(&service()).await });
     let (method, path, _, send) = expect(&mut handle).await;
     assert_eq!((method, path.as_str()), (Method::DELETE, SLICE_PATH));
     respond(send, StatusCode::NOT_FOUND, &status(404, "NotFound"));
+    let (method, path, _, send) = expect(&mut handle).await;
+    assert_eq!(
+        (method, path),
+        (Method::DELETE, format!("{SLICE_PATH}-ipv6"))
+    );
+    respond(send, StatusCode::NOT_FOUND, &status(404, "NotFound"));
     task.await.unwrap().unwrap();
+    expect_no_more(&mut handle).await;
 }
 
 #[tokio::test]
@@ -191,8 +208,8 @@ async fn registering_creates_the_node_posts_ready_and_creates_its_lease() {
     let (client, mut handle) = mock_client();
     let node = LabNode {
         name: "node-1".into(),
-        internal_ip: [198, 18, 0, 11].into(),
-        pod_cidr: "10.244.1.0/24".parse().unwrap(),
+        internal_ips: vec![[198, 18, 0, 11].into()],
+        pod_cidrs: vec!["10.244.1.0/24".parse().unwrap()],
     };
     let mut agent = NodeAgent::new(client, vec![node], NodeAgentConfig::default());
     let task = tokio::spawn(async move { agent.register().await });
@@ -250,8 +267,8 @@ async fn heartbeats_repeat_until_cancelled_and_survive_errors() {
     let (client, mut handle) = mock_client();
     let node = LabNode {
         name: "node-1".into(),
-        internal_ip: [198, 18, 0, 11].into(),
-        pod_cidr: "10.244.1.0/24".parse().unwrap(),
+        internal_ips: vec![[198, 18, 0, 11].into()],
+        pod_cidrs: vec!["10.244.1.0/24".parse().unwrap()],
     };
     let config = NodeAgentConfig {
         lease_renew_interval: Duration::from_millis(50),

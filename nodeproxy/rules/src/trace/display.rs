@@ -33,10 +33,9 @@ impl fmt::Display for Trace {
         };
         writeln!(
             f,
-            "{} -> {}:{}/{} ({entry})",
+            "{} -> {}/{} ({entry})",
             p.src,
-            p.dst,
-            p.dst_port,
+            std::net::SocketAddr::new(p.dst, p.dst_port),
             p.protocol.as_str()
         )?;
         for (i, outcome) in self.outcomes.iter().enumerate() {

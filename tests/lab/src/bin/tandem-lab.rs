@@ -1,12 +1,12 @@
 //! `tandem-lab`: a virtual cluster with a LoadBalancer Service reachable from an outside
 //! client, through the cloud's load balancer and the node proxy.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
@@ -15,7 +15,8 @@ use tandem_lab::images::Images;
 use tandem_lab::lab::{Lab, LabOptions};
 use tandem_lab::report;
 use tandem_lab::scenario::{LbMode, ServicePlan};
-use tandem_netlab::{Node, PodNetwork};
+use tandem_netlab::addr;
+use tandem_netlab::{ClusterFamilies, Host, IpFamily, Node, PodNetwork};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -52,6 +53,12 @@ struct Cli {
     /// table (`ip tandem`) written through netlink.
     #[arg(long, global = true, env = "TANDEM_LAB_PROXY_MODE", value_enum, default_value_t = ProxyMode::Iptables)]
     proxy_mode: ProxyMode,
+    /// The cluster's IP families: `ipv6` and `dual` give every link, node, pod and client
+    /// an IPv6 address too, register the Nodes with an InternalIP and a pod CIDR per family,
+    /// give the stand-in a Service CIDR per family, the cloud's pools IPv6 addresses and the
+    /// node proxies a proxier per family. With `dual` the demo's Services are dual-stack.
+    #[arg(long, global = true, env = "TANDEM_LAB_IP_FAMILY", value_enum, default_value_t = ClusterFamilies::Ipv4)]
+    ip_family: ClusterFamilies,
 }
 
 #[derive(Subcommand, Debug)]
@@ -130,6 +137,7 @@ fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) 
         pod_network: cli.pod_cidr,
         images: cli.images.clone().map(Images::new),
         proxy_mode: cli.proxy_mode,
+        ip_family: cli.ip_family,
         ..LabOptions::default()
     };
     progress("building the virtual cluster (network namespaces, bridges, veth pairs, pods)");
@@ -165,82 +173,102 @@ async fn demo(lab: &mut Lab) -> Result<()> {
     let client = lab.topology.client_in_range().clone();
     let outsider = lab.topology.client_out_of_range().clone();
     let node = lab.topology.nodes()[0].clone();
+    let families = lab.ip_family.families();
 
     section("1. proxy mode: the cloud proxies VIP:80 to nodeIP:nodePort; nodes DNAT to pods");
     let mut proxy = ServicePlan::new("web", LbMode::Proxy);
     proxy.pods = all_pods.clone();
+    in_every_family(&mut proxy, lab.ip_family);
     lab.create_service(&proxy).await?;
-    let vip = lab
-        .wait_for_ingress(&proxy, Duration::from_secs(60))
+    let vips = lab
+        .wait_for_ingresses(&proxy, families.len(), Duration::from_secs(60))
         .await?;
     show_service_and_lb(lab, &proxy).await?;
-    let http = lab.http_requests(&client, vip, proxy.port, 60).await?;
-    show_spread(
-        &format!("60 HTTP requests from {} to {vip}:80", client.ip),
-        &http,
-    );
-    let udp = lab.udp_requests(&client, vip, proxy.port, 20).await?;
-    show_spread(
-        &format!("20 UDP requests from {} to {vip}:80", client.ip),
-        &udp,
-    );
+    for &vip in &vips {
+        let from = address(&client, vip)?;
+        let target = SocketAddr::new(vip, proxy.port);
+        let http = lab.http_requests(&client, vip, proxy.port, 60).await?;
+        show_spread(&format!("60 HTTP requests from {from} to {target}"), &http);
+        let udp = lab.udp_requests(&client, vip, proxy.port, 20).await?;
+        show_spread(&format!("20 UDP requests from {from} to {target}"), &udp);
+    }
     let node_port =
         node_port(&lab.service(&proxy).await?).context("the Service has no nodePort")?;
-    let title = format!("a request from the cloud to {}:{node_port}", node.ip);
-    show_trace(
-        lab,
-        &node,
-        &title,
-        lab.topology.edge().node_network_ip,
-        node.ip,
-        node_port,
-    )
-    .await?;
+    let family = families[0];
+    let node_ip = node
+        .ip_of(family)
+        .context("the node has no address of the family")?;
+    let title = format!(
+        "a request from the cloud to {}",
+        SocketAddr::new(node_ip, node_port)
+    );
+    show_trace(lab, &node, &title, edge_ip(lab, family), node_ip, node_port).await?;
 
     section("2. passthrough mode: the cloud routes the VIP to nodes; nodes take it with KUBE-FW");
     let mut direct = ServicePlan::new("web-direct", LbMode::Passthrough);
     direct.pods = all_pods;
-    direct.source_ranges = vec!["203.0.113.0/24".to_owned()];
+    in_every_family(&mut direct, lab.ip_family);
+    direct.source_ranges = families
+        .iter()
+        .map(|family| match family {
+            IpFamily::Ipv4 => addr::CLIENT_NETWORK_IN_RANGE.to_string(),
+            IpFamily::Ipv6 => addr::v6::CLIENT_NETWORK_IN_RANGE.to_string(),
+        })
+        .collect();
     lab.create_service(&direct).await?;
-    let vip = lab
-        .wait_for_ingress(&direct, Duration::from_secs(60))
+    let vips = lab
+        .wait_for_ingresses(&direct, families.len(), Duration::from_secs(60))
         .await?;
     show_service_and_lb(lab, &direct).await?;
-    let allowed = lab.http_requests(&client, vip, direct.port, 40).await?;
-    show_spread(
-        &format!(
-            "40 HTTP requests from {} (inside loadBalancerSourceRanges)",
-            client.ip
-        ),
-        &allowed,
-    );
-    let denied = lab.http_requests(&outsider, vip, direct.port, 5).await?;
-    show_spread(
-        &format!(
-            "5 HTTP requests from {} (outside loadBalancerSourceRanges)",
-            outsider.ip
-        ),
-        &denied,
-    );
-    show_trace(
-        lab,
-        &node,
-        "the allowed client",
-        client.ip,
-        vip,
-        direct.port,
-    )
-    .await?;
-    show_trace(
-        lab,
-        &node,
-        "the client outside the source ranges",
-        outsider.ip,
-        vip,
-        direct.port,
-    )
-    .await?;
+    for &vip in &vips {
+        let target = SocketAddr::new(vip, direct.port);
+        let (from, outside) = (address(&client, vip)?, address(&outsider, vip)?);
+        let allowed = lab.http_requests(&client, vip, direct.port, 40).await?;
+        show_spread(
+            &format!("40 HTTP requests from {from} to {target} (inside loadBalancerSourceRanges)"),
+            &allowed,
+        );
+        let denied = lab.http_requests(&outsider, vip, direct.port, 5).await?;
+        show_spread(
+            &format!(
+                "5 HTTP requests from {outside} to {target} (outside loadBalancerSourceRanges)"
+            ),
+            &denied,
+        );
+        show_trace(lab, &node, "the allowed client", from, vip, direct.port).await?;
+        show_trace(
+            lab,
+            &node,
+            "the client outside the source ranges",
+            outside,
+            vip,
+            direct.port,
+        )
+        .await?;
+    }
     Ok(())
+}
+
+/// On a dual-stack lab the demo's Services ask for both families (a VIP each).
+fn in_every_family(plan: &mut ServicePlan, families: ClusterFamilies) {
+    if families == ClusterFamilies::Dual {
+        plan.ip_family_policy = Some("RequireDualStack".to_owned());
+    }
+}
+
+/// The client's address of the VIP's family: where its requests come from.
+fn address(client: &Host, vip: IpAddr) -> Result<IpAddr> {
+    client
+        .ip_of(IpFamily::of(vip))
+        .with_context(|| format!("the client has no address of {vip}'s family"))
+}
+
+/// The cloud edge's address on the node network: where proxied requests come from.
+fn edge_ip(lab: &Lab, family: IpFamily) -> IpAddr {
+    match family {
+        IpFamily::Ipv4 => lab.topology.edge().node_network_ip.into(),
+        IpFamily::Ipv6 => addr::v6::EDGE_NODE_IP.into(),
+    }
 }
 
 fn show_spread(title: &str, spread: &tandem_lab::scenario::Spread) {
@@ -251,13 +279,15 @@ async fn show_trace(
     lab: &Lab,
     node: &Node,
     title: &str,
-    src: Ipv4Addr,
-    dst: Ipv4Addr,
+    src: IpAddr,
+    dst: IpAddr,
     port: u16,
 ) -> Result<()> {
-    let rules = match lab.proxy_mode {
-        ProxyMode::Iptables => "KUBE-* chains",
-        ProxyMode::Nftables => "table ip tandem",
+    let rules = match (lab.proxy_mode, IpFamily::of(dst)) {
+        (ProxyMode::Iptables, IpFamily::Ipv4) => "KUBE-* chains",
+        (ProxyMode::Iptables, IpFamily::Ipv6) => "KUBE-* chains (ip6tables)",
+        (ProxyMode::Nftables, IpFamily::Ipv4) => "table ip tandem",
+        (ProxyMode::Nftables, IpFamily::Ipv6) => "table ip6 tandem",
     };
     println!(
         "{rules} on {} for {title} (tandem-nodeproxy trace):",
@@ -299,6 +329,7 @@ async fn show_service_and_lb(lab: &Lab, plan: &ServicePlan) -> Result<()> {
         .context("the controller wrote no load-balancer id annotation")?;
     let lb = lab
         .cloud
+        .families()
         .get_load_balancer(id)
         .await
         .map_err(|e| anyhow::anyhow!("reading {id} from the cloud: {e}"))?;
@@ -325,11 +356,16 @@ fn section(title: &str) {
 async fn serve(lab: &mut Lab) -> Result<()> {
     let mut plan = ServicePlan::new("web", LbMode::Proxy);
     plan.pods = lab.topology.pods().iter().map(|p| p.name.clone()).collect();
+    in_every_family(&mut plan, lab.ip_family);
     lab.create_service(&plan).await?;
-    let vip: Option<Ipv4Addr> = lab
-        .wait_for_ingress(&plan, Duration::from_secs(60))
+    let vips = lab
+        .wait_for_ingresses(
+            &plan,
+            lab.ip_family.families().len(),
+            Duration::from_secs(60),
+        )
         .await
-        .ok();
+        .unwrap_or_default();
     let state = LabState {
         pid: std::process::id(),
         prefix: lab.topology.prefix().to_owned(),
@@ -346,7 +382,10 @@ async fn serve(lab: &mut Lab) -> Result<()> {
             .collect(),
         services: vec![(
             plan.name.clone(),
-            vip.map(|v| v.to_string()).unwrap_or_default(),
+            vips.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
         )],
     };
     std::fs::write(STATE_FILE, serde_json::to_vec_pretty(&state)?)
@@ -380,6 +419,9 @@ fn up(cli: &Cli) -> Result<()> {
     cmd.args(["serve", "--nodes", &cli.nodes.to_string()]);
     cmd.arg("--pod-cidr").arg(cli.pod_cidr.to_string());
     cmd.arg("--proxy-mode").arg(cli.proxy_mode.as_str());
+    if let Some(family) = cli.ip_family.to_possible_value() {
+        cmd.arg("--ip-family").arg(family.get_name());
+    }
     if let Some(kubeconfig) = &cli.kubeconfig {
         cmd.arg("--kubeconfig").arg(kubeconfig);
     }

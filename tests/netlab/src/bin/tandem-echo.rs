@@ -5,7 +5,7 @@
 //! `tandem-echo get URL` and `tandem-echo udp ADDR` are the clients tests run inside
 //! namespaces: one line per request, a JSON reply or `error: ...`; exit 1 if any failed.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -102,10 +102,11 @@ struct Identity {
 }
 
 impl Identity {
+    /// The reply names the client as it is, not as the `[::]` socket maps an IPv4 one.
     fn reply(&self, client: SocketAddr) -> EchoReply {
         EchoReply {
             pod: self.pod.clone(),
-            client,
+            client: SocketAddr::new(client.ip().to_canonical(), client.port()),
             node: self.node.clone(),
         }
     }
@@ -116,12 +117,20 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         pod: args.name.context("--name is required")?,
         node: args.node,
     };
-    let tcp = TcpListener::bind((Ipv4Addr::UNSPECIFIED, args.http_port))
-        .await
-        .with_context(|| format!("binding HTTP port {}", args.http_port))?;
-    let udp = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, args.udp_port))
-        .await
-        .with_context(|| format!("binding UDP port {}", args.udp_port))?;
+    // `[::]` takes both families (IPv4 arrives mapped); a namespace without IPv6 has
+    // only the IPv4 wildcard.
+    let tcp = match TcpListener::bind((Ipv6Addr::UNSPECIFIED, args.http_port)).await {
+        Ok(tcp) => tcp,
+        Err(_) => TcpListener::bind((Ipv4Addr::UNSPECIFIED, args.http_port))
+            .await
+            .with_context(|| format!("binding HTTP port {}", args.http_port))?,
+    };
+    let udp = match UdpSocket::bind((Ipv6Addr::UNSPECIFIED, args.udp_port)).await {
+        Ok(udp) => udp,
+        Err(_) => UdpSocket::bind((Ipv4Addr::UNSPECIFIED, args.udp_port))
+            .await
+            .with_context(|| format!("binding UDP port {}", args.udp_port))?,
+    };
     let mut stdout = tokio::io::stdout();
     stdout
         .write_all(format!("{READY_LINE}\n").as_bytes())
@@ -214,7 +223,11 @@ async fn http_once(client: &reqwest::Client, url: &str) -> anyhow::Result<String
 }
 
 async fn udp_once(addr: SocketAddr, timeout: Duration) -> anyhow::Result<String> {
-    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?;
+    let any: IpAddr = match addr {
+        SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+        SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+    };
+    let socket = UdpSocket::bind((any, 0)).await?;
     socket.connect(addr).await?;
     socket.send(b"ping").await?;
     let mut buf = vec![0u8; 2048];

@@ -1,7 +1,7 @@
 //! EndpointSlices for selectorless Services, from the pods the harness chose.
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::{
@@ -12,6 +12,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, PostParams};
 
 use super::{ClusterError, MANAGED_BY, is_status};
+use crate::addr::IpFamily;
+use crate::error::NetlabError;
 
 /// `endpointslice.kubernetes.io/managed-by` of the slices the lab writes; the cluster's own
 /// EndpointSlice controller leaves them alone.
@@ -27,7 +29,7 @@ const CONFLICT_RETRIES: usize = 3;
 /// One backend of a Service.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub node_name: String,
     pub ready: bool,
     pub serving: bool,
@@ -35,37 +37,45 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// A running pod: ready and serving.
-    pub fn ready(pod: &crate::Pod) -> Self {
-        Self {
-            ip: pod.ip,
+    /// A running pod's address of `family`: ready and serving. IPv6 needs a dual-stack
+    /// topology.
+    pub fn ready(pod: &crate::Pod, family: IpFamily) -> Result<Self, NetlabError> {
+        let ip = pod.ip_of(family).ok_or_else(|| NetlabError::NoIpv6 {
+            host: pod.name.clone(),
+        })?;
+        Ok(Self {
+            ip,
             node_name: pod.node_name.clone(),
             ready: true,
             serving: true,
             terminating: false,
-        }
+        })
     }
 
     /// A pod being deleted that still serves (graceful termination): not ready.
-    pub fn terminating(pod: &crate::Pod) -> Self {
-        Self {
+    pub fn terminating(pod: &crate::Pod, family: IpFamily) -> Result<Self, NetlabError> {
+        Ok(Self {
             ready: false,
             terminating: true,
-            ..Self::ready(pod)
-        }
+            ..Self::ready(pod, family)?
+        })
     }
 }
 
-/// The name of the lab's slice for a Service.
-pub fn slice_name_for(service_name: &str) -> String {
-    format!("{service_name}-{MANAGED_BY}")
+/// The name of the lab's slice of `family` for a Service (a slice holds one family).
+pub fn slice_name_for(service_name: &str, family: IpFamily) -> String {
+    match family {
+        IpFamily::Ipv4 => format!("{service_name}-{MANAGED_BY}"),
+        IpFamily::Ipv6 => format!("{service_name}-{MANAGED_BY}-ipv6"),
+    }
 }
 
-/// The EndpointSlice listing `endpoints` for a selectorless `service`: one port per
-/// Service port (same name and protocol, the numeric targetPort or else the port),
-/// endpoints sorted by address so equal inputs give equal slices.
+/// The EndpointSlice of `family` listing `endpoints` for a selectorless `service`: one
+/// port per Service port (same name and protocol, the numeric targetPort or else the
+/// port), endpoints sorted by address so equal inputs give equal slices.
 pub fn endpoint_slice_for(
     service: &Service,
+    family: IpFamily,
     endpoints: &[Endpoint],
 ) -> Result<EndpointSlice, ClusterError> {
     let name = service
@@ -81,6 +91,12 @@ pub fn endpoint_slice_for(
     if endpoints.len() > MAX_ENDPOINTS_PER_SLICE {
         return Err(ClusterError::TooManyEndpoints {
             count: endpoints.len(),
+        });
+    }
+    if let Some(other) = endpoints.iter().find(|e| IpFamily::of(e.ip) != family) {
+        return Err(ClusterError::EndpointOfOtherFamily {
+            ip: other.ip,
+            address_type: family.api_name(),
         });
     }
     let ports = service
@@ -141,7 +157,7 @@ pub fn endpoint_slice_for(
     });
     Ok(EndpointSlice {
         metadata: ObjectMeta {
-            name: Some(slice_name_for(name)),
+            name: Some(slice_name_for(name, family)),
             namespace: Some(namespace.to_owned()),
             labels: Some(BTreeMap::from([
                 (SERVICE_NAME_LABEL.to_owned(), name.to_owned()),
@@ -153,7 +169,7 @@ pub fn endpoint_slice_for(
             owner_references: owner,
             ..ObjectMeta::default()
         },
-        address_type: "IPv4".to_owned(),
+        address_type: family.api_name().to_owned(),
         endpoints,
         ports: Some(ports),
     })
@@ -187,14 +203,15 @@ impl EndpointSliceWriter {
         Self { client }
     }
 
-    /// Makes the Service's slice list exactly `endpoints`; writes only on change. Returns
-    /// whether it wrote.
+    /// Makes the Service's slice of `family` list exactly `endpoints`; writes only on
+    /// change. Returns whether it wrote.
     pub async fn sync(
         &self,
         service: &Service,
+        family: IpFamily,
         endpoints: &[Endpoint],
     ) -> Result<bool, ClusterError> {
-        let desired = endpoint_slice_for(service, endpoints)?;
+        let desired = endpoint_slice_for(service, family, endpoints)?;
         let name = desired.metadata.name.clone().unwrap_or_default();
         let namespace = desired.metadata.namespace.clone().unwrap_or_default();
         let api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), &namespace);
@@ -227,7 +244,7 @@ impl EndpointSliceWriter {
         }
     }
 
-    /// Deletes the Service's slice; a missing one is fine.
+    /// Deletes the Service's slices of both families; a missing one is fine.
     pub async fn delete(&self, service: &Service) -> Result<(), ClusterError> {
         let name = service
             .metadata
@@ -240,12 +257,15 @@ impl EndpointSliceWriter {
             .as_deref()
             .ok_or(ClusterError::ServiceWithout("namespace"))?;
         let api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), namespace);
-        let slice = slice_name_for(name);
-        match api.delete(&slice, &DeleteParams::default()).await {
-            Ok(_) => Ok(()),
-            Err(e) if is_status(&e, 404) => Ok(()),
-            Err(e) => Err(ClusterError::api("delete", "EndpointSlice", &slice)(e)),
+        for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
+            let slice = slice_name_for(name, family);
+            match api.delete(&slice, &DeleteParams::default()).await {
+                Ok(_) => {}
+                Err(e) if is_status(&e, 404) => {}
+                Err(e) => return Err(ClusterError::api("delete", "EndpointSlice", &slice)(e)),
+            }
         }
+        Ok(())
     }
 }
 
@@ -287,7 +307,7 @@ mod tests {
 
     fn ep(ip: [u8; 4], node: &str, ready: bool) -> Endpoint {
         Endpoint {
-            ip: Ipv4Addr::from(ip),
+            ip: std::net::Ipv4Addr::from(ip).into(),
             node_name: node.into(),
             ready,
             serving: true,
@@ -305,6 +325,7 @@ mod tests {
         )]);
         let slice = endpoint_slice_for(
             &svc,
+            IpFamily::Ipv4,
             &[
                 ep([10, 244, 2, 2], "node-2", true),
                 ep([10, 244, 1, 2], "node-1", false),
@@ -346,13 +367,43 @@ mod tests {
     }
 
     #[test]
+    fn a_slice_holds_one_family_under_a_name_of_its_own() {
+        let svc = service(vec![port(Some("http"), 80, None, None)]);
+        let v6 = Endpoint {
+            ip: "fd00:10:244:1::2".parse().unwrap(),
+            ..ep([10, 244, 1, 2], "node-1", true)
+        };
+        let slice = endpoint_slice_for(&svc, IpFamily::Ipv6, std::slice::from_ref(&v6)).unwrap();
+        assert_eq!(slice.address_type, "IPv6");
+        assert_eq!(slice.metadata.name.as_deref(), Some("web-tandem-lab-ipv6"));
+        assert_eq!(slice.endpoints[0].addresses, ["fd00:10:244:1::2"]);
+        assert!(matches!(
+            endpoint_slice_for(&svc, IpFamily::Ipv4, &[v6]),
+            Err(ClusterError::EndpointOfOtherFamily {
+                address_type: "IPv4",
+                ..
+            })
+        ));
+        assert!(matches!(
+            endpoint_slice_for(&svc, IpFamily::Ipv6, &[ep([10, 244, 1, 2], "node-1", true)]),
+            Err(ClusterError::EndpointOfOtherFamily {
+                address_type: "IPv6",
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn ports_carry_service_port_names_protocols_and_target_ports() {
         let svc = service(vec![
             port(Some("http"), 80, Some(IntOrString::Int(8080)), Some("TCP")),
             port(Some("dns"), 53, None, Some("UDP")),
             port(None, 9000, None, None),
         ]);
-        let ports = endpoint_slice_for(&svc, &[]).unwrap().ports.unwrap();
+        let ports = endpoint_slice_for(&svc, IpFamily::Ipv4, &[])
+            .unwrap()
+            .ports
+            .unwrap();
         let got: Vec<(String, i32, String)> = ports
             .into_iter()
             .map(|p| (p.name.unwrap(), p.port.unwrap(), p.protocol.unwrap()))
@@ -376,7 +427,7 @@ mod tests {
             None,
         )]);
         assert!(matches!(
-            endpoint_slice_for(&named, &[]),
+            endpoint_slice_for(&named, IpFamily::Ipv4, &[]),
             Err(ClusterError::NamedTargetPort { port: 80, .. })
         ));
         let svc = service(vec![]);
@@ -390,13 +441,13 @@ mod tests {
             })
             .collect();
         assert!(matches!(
-            endpoint_slice_for(&svc, &many),
+            endpoint_slice_for(&svc, IpFamily::Ipv4, &many),
             Err(ClusterError::TooManyEndpoints { .. })
         ));
         let mut anonymous = service(vec![]);
         anonymous.metadata.namespace = None;
         assert!(matches!(
-            endpoint_slice_for(&anonymous, &[]),
+            endpoint_slice_for(&anonymous, IpFamily::Ipv4, &[]),
             Err(ClusterError::ServiceWithout("namespace"))
         ));
     }
@@ -409,8 +460,11 @@ mod tests {
             ep([10, 244, 2, 2], "node-2", true),
         ];
         let b = [a[1].clone(), a[0].clone(), a[0].clone()];
-        let slice_a = endpoint_slice_for(&svc, &a).unwrap();
-        assert_eq!(slice_a, endpoint_slice_for(&svc, &b).unwrap());
+        let slice_a = endpoint_slice_for(&svc, IpFamily::Ipv4, &a).unwrap();
+        assert_eq!(
+            slice_a,
+            endpoint_slice_for(&svc, IpFamily::Ipv4, &b).unwrap()
+        );
 
         // What the API server returns has more metadata; it still matches.
         let mut stored = slice_a.clone();
@@ -424,11 +478,14 @@ mod tests {
             .insert("extra".into(), "x".into());
         assert!(slice_matches(&stored, &slice_a));
 
-        let fewer = endpoint_slice_for(&svc, &a[..1]).unwrap();
+        let fewer = endpoint_slice_for(&svc, IpFamily::Ipv4, &a[..1]).unwrap();
         assert!(!slice_matches(&stored, &fewer));
-        let not_ready =
-            endpoint_slice_for(&svc, &[ep([10, 244, 1, 2], "node-1", false), a[1].clone()])
-                .unwrap();
+        let not_ready = endpoint_slice_for(
+            &svc,
+            IpFamily::Ipv4,
+            &[ep([10, 244, 1, 2], "node-1", false), a[1].clone()],
+        )
+        .unwrap();
         assert!(!slice_matches(&stored, &not_ready));
     }
 }

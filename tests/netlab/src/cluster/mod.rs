@@ -37,6 +37,11 @@ pub enum ClusterError {
          target ports"
     )]
     NamedTargetPort { port: i32, target: String },
+    #[error("endpoint {ip} does not belong in an EndpointSlice of addressType {address_type}")]
+    EndpointOfOtherFamily {
+        ip: std::net::IpAddr,
+        address_type: &'static str,
+    },
     #[error("{count} endpoints exceed the {max} one EndpointSlice may hold", max = MAX_ENDPOINTS_PER_SLICE)]
     TooManyEndpoints { count: usize },
 }

@@ -2,10 +2,10 @@
 //! addresses and pod CIDR, report Ready, renew its Lease in `kube-node-lease`.
 
 use std::collections::{BTreeMap, HashMap};
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::time::Duration;
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use jiff::Timestamp;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeCondition, NodeSpec, NodeSystemInfo};
@@ -16,6 +16,8 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use super::{ClusterError, MANAGED_BY, is_status};
+use crate::addr::{ClusterFamilies, IpFamily, v6};
+use crate::error::NetlabError;
 
 /// Where kubelets keep their heartbeat Leases.
 pub const NODE_LEASE_NAMESPACE: &str = "kube-node-lease";
@@ -24,17 +26,39 @@ pub const NODE_LEASE_NAMESPACE: &str = "kube-node-lease";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LabNode {
     pub name: String,
-    pub internal_ip: Ipv4Addr,
-    pub pod_cidr: Ipv4Net,
+    /// Its InternalIPs, one per cluster family, primary first (as a dual-stack kubelet
+    /// reports them).
+    pub internal_ips: Vec<IpAddr>,
+    /// Its pod CIDRs, in the same order (`spec.podCIDRs`).
+    pub pod_cidrs: Vec<IpNet>,
 }
 
-impl From<&crate::Node> for LabNode {
-    fn from(node: &crate::Node) -> Self {
-        Self {
-            name: node.name.clone(),
-            internal_ip: node.ip,
-            pod_cidr: node.pod_cidr,
+impl LabNode {
+    /// The topology's node as a cluster of `families` registers it; IPv6 needs a
+    /// dual-stack topology.
+    pub fn new(node: &crate::Node, families: ClusterFamilies) -> Result<Self, NetlabError> {
+        let mut internal_ips = Vec::new();
+        let mut pod_cidrs = Vec::new();
+        for family in families.families() {
+            match family {
+                IpFamily::Ipv4 => {
+                    internal_ips.push(node.ip.into());
+                    pod_cidrs.push(node.pod_cidr.into());
+                }
+                IpFamily::Ipv6 => {
+                    let ip = node.ip6.ok_or(NetlabError::NoIpv6 {
+                        host: node.name.clone(),
+                    })?;
+                    internal_ips.push(ip.into());
+                    pod_cidrs.push(v6::node_pod_cidr(node.index)?.into());
+                }
+            }
         }
+        Ok(Self {
+            name: node.name.clone(),
+            internal_ips,
+            pod_cidrs,
+        })
     }
 }
 
@@ -76,8 +100,8 @@ pub fn node_object(node: &LabNode) -> Node {
             ..ObjectMeta::default()
         },
         spec: Some(NodeSpec {
-            pod_cidr: Some(node.pod_cidr.to_string()),
-            pod_cidrs: Some(vec![node.pod_cidr.to_string()]),
+            pod_cidr: node.pod_cidrs.first().map(ToString::to_string),
+            pod_cidrs: Some(node.pod_cidrs.iter().map(ToString::to_string).collect()),
             ..NodeSpec::default()
         }),
         status: None,
@@ -113,16 +137,18 @@ pub fn node_status_patch(
     now: Timestamp,
     last_transition: Timestamp,
 ) -> serde_json::Value {
-    let addresses = vec![
-        NodeAddress {
+    let addresses: Vec<NodeAddress> = node
+        .internal_ips
+        .iter()
+        .map(|ip| NodeAddress {
             type_: "InternalIP".to_owned(),
-            address: node.internal_ip.to_string(),
-        },
-        NodeAddress {
+            address: ip.to_string(),
+        })
+        .chain([NodeAddress {
             type_: "Hostname".to_owned(),
             address: node.name.clone(),
-        },
-    ];
+        }])
+        .collect();
     let resources = BTreeMap::from([
         ("cpu".to_owned(), Quantity("2".to_owned())),
         ("memory".to_owned(), Quantity("4Gi".to_owned())),
@@ -234,7 +260,7 @@ impl NodeAgent {
                 node.name.clone(),
                 ready_transition_time(existing.as_ref(), now),
             );
-            tracing::info!(node = %node.name, ip = %node.internal_ip, "node registered");
+            tracing::info!(node = %node.name, ips = ?node.internal_ips, "node registered");
         }
         self.report_status().await?;
         self.renew_leases().await
@@ -345,8 +371,8 @@ mod tests {
     fn lab() -> LabNode {
         LabNode {
             name: "node-2".into(),
-            internal_ip: Ipv4Addr::new(198, 18, 0, 12),
-            pod_cidr: "10.244.2.0/24".parse().unwrap(),
+            internal_ips: vec!["198.18.0.12".parse().unwrap()],
+            pod_cidrs: vec!["10.244.2.0/24".parse().unwrap()],
         }
     }
 
@@ -445,7 +471,51 @@ mod tests {
             pod_cidr: crate::addr::PodNetwork::DEFAULT.node_cidr(2).unwrap(),
             ip6: None,
         };
-        assert_eq!(LabNode::from(&node), lab());
+        assert_eq!(LabNode::new(&node, ClusterFamilies::Ipv4).unwrap(), lab());
+        assert!(matches!(
+            LabNode::new(&node, ClusterFamilies::Dual),
+            Err(NetlabError::NoIpv6 { .. })
+        ));
+        let dual_stack = crate::Node {
+            ip6: Some(crate::addr::v6::node_ip(2).unwrap()),
+            ..node
+        };
+        let dual = LabNode::new(&dual_stack, ClusterFamilies::Dual).unwrap();
+        assert_eq!(
+            dual.internal_ips,
+            [
+                "198.18.0.12".parse::<IpAddr>().unwrap(),
+                "2001:db8:18::12".parse().unwrap()
+            ]
+        );
+        assert_eq!(
+            dual.pod_cidrs,
+            [
+                "10.244.2.0/24".parse::<IpNet>().unwrap(),
+                "fd00:10:244:2::/64".parse().unwrap()
+            ]
+        );
+        let node = node_object(&dual);
+        let spec = node.spec.unwrap();
+        assert_eq!(spec.pod_cidr.as_deref(), Some("10.244.2.0/24"));
+        assert_eq!(spec.pod_cidrs.unwrap().len(), 2);
+        let patch = node_status_patch(
+            &dual,
+            ts("2026-01-01T00:00:00Z"),
+            ts("2026-01-01T00:00:00Z"),
+        );
+        let addresses: Vec<&str> = patch["status"]["addresses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["address"].as_str().unwrap())
+            .collect();
+        assert_eq!(addresses, ["198.18.0.12", "2001:db8:18::12", "node-2"]);
+        let v6_only = LabNode::new(&dual_stack, ClusterFamilies::Ipv6).unwrap();
+        assert_eq!(
+            v6_only.internal_ips,
+            ["2001:db8:18::12".parse::<IpAddr>().unwrap()]
+        );
     }
 
     #[test]
