@@ -1,10 +1,11 @@
 //! Benchmark: the data plane, client → VIP → node → pod in the virtual cluster.
 //!
-//! One lab (one node, one pod, so every path crosses the same hops) with four
-//! LoadBalancer Services: an echo and an iperf3 Service in each LB mode. Each path is
-//! measured against its limit in the same run: passthrough against the client routed
-//! straight to the pod with no NAT, proxy mode against Debian's haproxy in TCP mode doing
-//! the cloud's job (edge → nodeIP:nodePort).
+//! One dual-stack lab (one node, one pod, so every path crosses the same hops) with four
+//! LoadBalancer Services: an echo and an iperf3 Service in each LB mode, the passthrough
+//! ones dual-stack. Each path is measured against its limit in the same run: passthrough
+//! (over IPv4 and over IPv6) against the client routed straight to the pod with no NAT in
+//! the same family, proxy mode against Debian's haproxy in TCP mode doing the cloud's job
+//! (edge → nodeIP:nodePort).
 
 mod analysis;
 mod probe;
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use tandem_lab::{Lab, LabOptions, LbMode, Prepared, ServicePlan};
-use tandem_netlab::{ChildGuard, Netns};
+use tandem_netlab::{ChildGuard, ClusterFamilies, IpFamily, Netns};
 
 use crate::BenchOptions;
 use crate::report::Section;
@@ -76,6 +77,7 @@ pub fn run(options: &BenchOptions) -> Result<Vec<Section>> {
                 nodes: 1,
                 pods_per_node: vec![1],
                 cluster_id: "bench".to_owned(),
+                ip_family: ClusterFamilies::Dual,
                 ..LabOptions::default()
             };
             let prepared = Lab::prepare(&lab_options)?;
@@ -189,6 +191,9 @@ async fn measure_in(
         plan.port = port;
         plan.target_port = target_port;
         plan.pods = vec![pod.name.clone()];
+        if mode == LbMode::Passthrough {
+            plan.ip_family_policy = Some("RequireDualStack".to_owned());
+        }
         plan
     };
     let echo_proxy = plan("echo-proxy", LbMode::Proxy, ECHO_SERVICE_PORT, echo_port);
@@ -206,15 +211,30 @@ async fn measure_in(
     }
     let mut vips = BTreeMap::new();
     for plan in plans {
-        let vip = lab.wait_for_ingress(plan, Duration::from_secs(60)).await?;
-        vips.insert(plan.name.clone(), vip);
+        let families = if plan.ip_family_policy.is_some() {
+            2
+        } else {
+            1
+        };
+        let ips = lab
+            .wait_for_ingresses(plan, families, Duration::from_secs(60))
+            .await?;
+        vips.insert(plan.name.clone(), ips);
     }
-    let vip = |plan: &ServicePlan| -> Result<Ipv4Addr> {
-        match vips.get(&plan.name) {
-            Some(IpAddr::V4(vip)) => Ok(*vip),
-            other => bail!("{} has no IPv4 VIP ({other:?})", plan.name),
-        }
+    let vip = |plan: &ServicePlan, family: IpFamily| -> Result<IpAddr> {
+        vips.get(&plan.name)
+            .into_iter()
+            .flatten()
+            .copied()
+            .find(|ip| IpFamily::of(*ip) == family)
+            .with_context(|| format!("{} has no {family:?} VIP", plan.name))
     };
+    let pod_ip6 = pod
+        .ip6
+        .context("the dual-stack lab's pod has no IPv6 address")?;
+    let node_ip6 = node
+        .ip6
+        .context("the dual-stack lab's node has no IPv6 address")?;
 
     progress("starting haproxy (TCP mode) in the cloud edge");
     let edge = lab.topology.edge().netns.clone();
@@ -241,30 +261,46 @@ async fn measure_in(
     let bench = Bench {
         client: lab.topology.client_in_range().netns.clone(),
         edge,
-        pod_route: format!("{} via {}", node.pod_cidr, node.ip),
+        pod_routes: BTreeMap::from([
+            (Path::Direct, format!("{} via {}", node.pod_cidr, node.ip)),
+            (Path::DirectIpv6, format!("{pod_ip6}/128 via {node_ip6}")),
+        ]),
         echo: BTreeMap::from([
-            (Path::Direct, SocketAddrV4::new(pod.ip, echo_port)),
+            (Path::Direct, SocketAddr::new(pod.ip.into(), echo_port)),
             (
                 Path::Passthrough,
-                SocketAddrV4::new(vip(&echo_pass)?, ECHO_SERVICE_PORT),
+                SocketAddr::new(vip(&echo_pass, IpFamily::Ipv4)?, ECHO_SERVICE_PORT),
             ),
             (
                 Path::Proxy,
-                SocketAddrV4::new(vip(&echo_proxy)?, ECHO_SERVICE_PORT),
+                SocketAddr::new(vip(&echo_proxy, IpFamily::Ipv4)?, ECHO_SERVICE_PORT),
             ),
-            (Path::Haproxy, haproxy_echo),
+            (Path::Haproxy, haproxy_echo.into()),
+            (Path::DirectIpv6, SocketAddr::new(pod_ip6.into(), echo_port)),
+            (
+                Path::PassthroughIpv6,
+                SocketAddr::new(vip(&echo_pass, IpFamily::Ipv6)?, ECHO_SERVICE_PORT),
+            ),
         ]),
         iperf: BTreeMap::from([
-            (Path::Direct, SocketAddrV4::new(pod.ip, IPERF_PORT)),
+            (Path::Direct, SocketAddr::new(pod.ip.into(), IPERF_PORT)),
             (
                 Path::Passthrough,
-                SocketAddrV4::new(vip(&iperf_pass)?, IPERF_PORT),
+                SocketAddr::new(vip(&iperf_pass, IpFamily::Ipv4)?, IPERF_PORT),
             ),
             (
                 Path::Proxy,
-                SocketAddrV4::new(vip(&iperf_proxy)?, IPERF_PORT),
+                SocketAddr::new(vip(&iperf_proxy, IpFamily::Ipv4)?, IPERF_PORT),
             ),
-            (Path::Haproxy, haproxy_iperf),
+            (Path::Haproxy, haproxy_iperf.into()),
+            (
+                Path::DirectIpv6,
+                SocketAddr::new(pod_ip6.into(), IPERF_PORT),
+            ),
+            (
+                Path::PassthroughIpv6,
+                SocketAddr::new(vip(&iperf_pass, IpFamily::Ipv6)?, IPERF_PORT),
+            ),
         ]),
     };
 
@@ -318,14 +354,15 @@ async fn measure_in(
 struct Bench {
     client: Netns,
     edge: Netns,
-    /// The edge route that makes the pod reachable directly (the reference path only).
-    pod_route: String,
-    echo: BTreeMap<Path, SocketAddrV4>,
-    iperf: BTreeMap<Path, SocketAddrV4>,
+    /// The edge routes that make the pod reachable directly, by direct path (the reference
+    /// paths only).
+    pod_routes: BTreeMap<Path, String>,
+    echo: BTreeMap<Path, SocketAddr>,
+    iperf: BTreeMap<Path, SocketAddr>,
 }
 
 impl Bench {
-    fn target(map: &BTreeMap<Path, SocketAddrV4>, path: Path) -> Result<SocketAddrV4> {
+    fn target(map: &BTreeMap<Path, SocketAddr>, path: Path) -> Result<SocketAddr> {
         map.get(&path)
             .copied()
             .with_context(|| format!("no target for {}", path.label()))
@@ -341,7 +378,7 @@ impl Bench {
 
     /// `count` timed requests over `path`.
     async fn requests(&self, path: Path, count: u32) -> Result<probe::RequestTimes> {
-        let target = SocketAddr::V4(Self::target(&self.echo, path)?);
+        let target = Self::target(&self.echo, path)?;
         let client = self.client.clone();
         let timed = async move {
             tokio::task::spawn_blocking(move || {
@@ -356,27 +393,27 @@ impl Bench {
             .with_context(|| format!("requests over the {}", path.label()))
     }
 
-    /// Runs `work`; for the direct path with the edge routing the pod range to the node
-    /// for just that long (the lab normally forbids reaching pods from outside).
+    /// Runs `work`; for a direct path with the edge routing the pod to the node for just
+    /// that long (the lab normally forbids reaching pods from outside).
     async fn on_path<T>(
         &self,
         path: Path,
         work: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        if path != Path::Direct {
+        let Some(route) = self.pod_routes.get(&path) else {
             return work.await;
-        }
-        self.edge_route("add").await?;
+        };
+        self.edge_route("add", route).await?;
         let result = work.await;
-        let removed = self.edge_route("del").await;
+        let removed = self.edge_route("del", route).await;
         let value = result?;
         removed?;
         Ok(value)
     }
 
-    async fn edge_route(&self, verb: &str) -> Result<()> {
+    async fn edge_route(&self, verb: &str, route: &str) -> Result<()> {
         let mut argv = vec!["ip", "route", verb];
-        argv.extend(self.pod_route.split_whitespace());
+        argv.extend(route.split_whitespace());
         let out = self.edge.exec_async(&argv).await?;
         if !out.status.success() {
             bail!(
@@ -388,7 +425,7 @@ impl Bench {
         Ok(())
     }
 
-    async fn iperf3(&self, target: SocketAddrV4, seconds: u32) -> Result<f64> {
+    async fn iperf3(&self, target: SocketAddr, seconds: u32) -> Result<f64> {
         let mut cmd = self.client.tokio_command("iperf3");
         cmd.args([
             "-c".to_owned(),

@@ -27,10 +27,21 @@ pub enum Path {
     Proxy,
     /// Debian's haproxy in TCP mode in the cloud edge to nodeIP:nodePort: proxy mode's peer.
     Haproxy,
+    /// [`Path::Direct`] over IPv6: the pod's IPv6 address routed straight, no NAT.
+    DirectIpv6,
+    /// [`Path::Passthrough`] over IPv6: the dual-stack Service's IPv6 VIP.
+    PassthroughIpv6,
 }
 
 impl Path {
-    pub const ALL: [Path; 4] = [Path::Direct, Path::Passthrough, Path::Proxy, Path::Haproxy];
+    pub const ALL: [Path; 6] = [
+        Path::Direct,
+        Path::Passthrough,
+        Path::Proxy,
+        Path::Haproxy,
+        Path::DirectIpv6,
+        Path::PassthroughIpv6,
+    ];
 
     pub fn label(self) -> &'static str {
         match self {
@@ -38,11 +49,13 @@ impl Path {
             Path::Passthrough => "passthrough VIP → node DNAT",
             Path::Proxy => "proxy-mode VIP (cloud-mock) → NodePort",
             Path::Haproxy => "haproxy TCP → NodePort",
+            Path::DirectIpv6 => "IPv6 direct route to the pod, no NAT",
+            Path::PassthroughIpv6 => "IPv6 passthrough VIP → node DNAT",
         }
     }
 
     /// `ALL` rotated by `round`, so that no path always runs first (or last) in a round.
-    pub fn order_for_round(round: usize) -> [Path; 4] {
+    pub fn order_for_round(round: usize) -> [Path; 6] {
         let mut order = Path::ALL;
         let len = order.len();
         order.rotate_left(round % len);
@@ -189,6 +202,13 @@ pub fn sections(m: &Measurements) -> Vec<Section> {
             Some(Target::RatioAtLeast(PASSTHROUGH_VS_DIRECT)),
         ),
         row(
+            format!("throughput, {}", Path::PassthroughIpv6.label()),
+            throughput(Path::PassthroughIpv6),
+            Path::DirectIpv6,
+            throughput(Path::DirectIpv6),
+            Some(Target::RatioAtLeast(PASSTHROUGH_VS_DIRECT)),
+        ),
+        row(
             format!("throughput, {}", Path::Proxy.label()),
             throughput(Path::Proxy),
             Path::Haproxy,
@@ -224,6 +244,13 @@ pub fn sections(m: &Measurements) -> Vec<Section> {
             Some(Target::RatioAtMost(PASSTHROUGH_LATENCY_VS_DIRECT)),
         ));
         latency_rows.extend(row(
+            format!("p{p} request, {}", Path::PassthroughIpv6.label()),
+            latency(Path::PassthroughIpv6, p),
+            Path::DirectIpv6,
+            latency(Path::DirectIpv6, p),
+            Some(Target::RatioAtMost(PASSTHROUGH_LATENCY_VS_DIRECT)),
+        ));
+        latency_rows.extend(row(
             format!("p{p} request, {}", Path::Proxy.label()),
             latency(Path::Proxy, p),
             Path::Haproxy,
@@ -240,7 +267,7 @@ pub fn sections(m: &Measurements) -> Vec<Section> {
     }
 
     let mut throughput_notes = vec![format!(
-        "Method: one node, one pod, so every path has the same hops (client → edge → node → pod) and differs only in NAT/proxying. One TCP stream, `iperf3 -c … -t {}` from the outside client `c1`, server in the pod; receiver-side rate; median of {} rounds, the paths interleaved in a rotating order. Direct: a route to the pod range added in the edge for that measurement only.",
+        "Method: one node, one pod, so every path has the same hops (client → edge → node → pod) and differs only in NAT/proxying; the lab is dual-stack, and the passthrough Services are dual-stack, so the IPv6 paths cross the same hops over IPv6. One TCP stream, `iperf3 -c … -t {}` from the outside client `c1`, server in the pod; receiver-side rate; median of {} rounds, the paths interleaved in a rotating order. Direct: a route to the pod range (IPv6: the pod's address) added in the edge for that measurement only.",
         m.transfer_seconds, m.rounds
     )];
     for path in Path::ALL {
@@ -400,9 +427,9 @@ mod tests {
 
     #[test]
     fn every_path_leads_one_round_in_turn() {
-        let firsts: Vec<Path> = (0..4).map(|r| Path::order_for_round(r)[0]).collect();
+        let firsts: Vec<Path> = (0..6).map(|r| Path::order_for_round(r)[0]).collect();
         assert_eq!(firsts, Path::ALL);
-        assert_eq!(Path::order_for_round(4), Path::ALL);
+        assert_eq!(Path::order_for_round(6), Path::ALL);
     }
 
     #[test]
