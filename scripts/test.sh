@@ -29,12 +29,12 @@ step "cargo tests" cargo test --workspace --locked --no-fail-fast
 # The end-to-end data-path tests again with the node proxies in nftables mode (the run
 # above used the default, iptables): both LB modes, the source-range drop, a pod taking the
 # LB IP short-cut, externalTrafficPolicy Local, node failure, scaling, and dual-stack and
-# IPv6 Services on a dual-stack lab (ip tandem and ip6 tandem).
+# IPv6 Services on a dual-stack lab (ip tandem and ip6 tandem), and an IPv6-only lab.
 step "lab end to end, nftables mode" env TANDEM_E2E_PROXY_MODE=nftables \
     cargo test -p tandem-lab --locked --test e2e -- \
     proxy_mode_spreads passthrough_mode_takes passthrough_serves a_pod_reaching_the_lb_ip \
     external_traffic_policy_local a_failed_node_is_taken_out scaling_pods_changes \
-    services_sharing_a_vip dual_stack_and_ipv6
+    services_sharing_a_vip dual_stack_and_ipv6 an_ipv6_only
 
 # The day-2 scenarios again in nftables mode (the run above used iptables): restarts, a
 # mode switch, the controller's leader killed, the API server gone for a minute, rules

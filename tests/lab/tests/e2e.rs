@@ -751,3 +751,45 @@ fn dual_stack_and_ipv6_services_answer_on_every_vip_in_both_lb_modes() {
         lab
     });
 }
+
+#[test]
+fn an_ipv6_only_cluster_serves_in_both_lb_modes() {
+    if std::env::var_os(harness::REAL_API_SERVER_ENV).is_some() {
+        // The real-cluster suite's k3s is dual-stack with IPv4 first; an IPv6-only lab
+        // needs a server whose only Service CIDR is IPv6, as the stand-in here has.
+        eprintln!("skipped on a real API server: it is not IPv6-only");
+        return;
+    }
+    with_lab_of(ClusterFamilies::Ipv6, &[1, 1, 0], |lab| async move {
+        let client = lab.topology.client_in_range().clone();
+        for mode in [LbMode::Proxy, LbMode::Passthrough] {
+            // No family named: the cluster's only one.
+            let mut plan = ServicePlan::new(&format!("v6-{}", mode.as_str()), mode);
+            plan.pods = pods(&lab, &[1, 2]);
+            let vip = create_and_wait_for_ingress(&lab, &plan).await;
+            assert!(vip.is_ipv6(), "{mode:?}: {vip}");
+            let spec = lab.service(&plan).await.unwrap().spec.unwrap();
+            assert_eq!(spec.ip_families.unwrap(), ["IPv6"], "{mode:?}");
+            until_all_succeed(&lab, vip, 80, Duration::from_secs(30)).await;
+            let spread = lab.http_requests(&client, vip, 80, 30).await.unwrap();
+            assert_eq!(spread.failed, 0, "{mode:?}: {spread:?}");
+            assert_eq!(
+                spread.by_pod.len(),
+                2,
+                "{mode:?}: both pods answer: {spread:?}"
+            );
+        }
+        // The node proxies run the IPv6 proxier alone: no IPv4 Service rules anywhere.
+        for node in lab.topology.nodes() {
+            let listing = tandem_lab::lab::node_rules(&node.netns, lab.proxy_mode, IpFamily::Ipv4)
+                .await
+                .unwrap();
+            assert!(!listing.contains("v6-proxy"), "{}: {listing}", node.name);
+            let listing = tandem_lab::lab::node_rules(&node.netns, lab.proxy_mode, IpFamily::Ipv6)
+                .await
+                .unwrap();
+            assert!(listing.contains("v6-proxy"), "{}: {listing}", node.name);
+        }
+        lab
+    });
+}
