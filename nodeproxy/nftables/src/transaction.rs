@@ -324,6 +324,8 @@ impl Transaction {
                 }
             )
         });
+        // Moved, not cloned: a first sync's operations carry every map element, and a
+        // copy of them would be the node proxy's largest allocation at its peak.
         let ops = [
             add_chains,
             delete_elements,
@@ -334,7 +336,9 @@ impl Transaction {
             add_elements,
             add_rules,
         ]
-        .concat();
+        .into_iter()
+        .flatten()
+        .collect();
         Self {
             family: new.family,
             ops,
