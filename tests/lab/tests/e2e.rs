@@ -713,6 +713,19 @@ fn dual_stack_and_ipv6_services_answer_on_every_vip_in_both_lb_modes() {
             vec![&client_v6],
             "{spread:?}"
         );
+        // The cloud health-checks the nodes' IPv6 addresses: only the node with the pod is
+        // healthy.
+        let svc = lab.service(&local).await.unwrap();
+        let id = &svc.metadata.annotations.unwrap()["service.beta.kubernetes.io/mockcloud-load-balancer-id"];
+        let lb = lab.cloud.families().get_load_balancer(id).await.unwrap();
+        let healthy: Vec<IpAddr> = lb
+            .health
+            .iter()
+            .filter(|h| h.health == cloud_mock_sdk::BackendHealth::Healthy)
+            .map(|h| h.ip)
+            .collect();
+        let node_with_pod = lab.topology.nodes()[0].ip6.unwrap();
+        assert_eq!(healthy, vec![IpAddr::from(node_with_pod)], "{lb:?}");
 
         // Its ClusterIP from a node, and its NodePort on the node with the pods, over IPv6.
         let svc = lab.service(&local).await.unwrap();
