@@ -131,6 +131,7 @@ pub struct Lab {
     pub keep_run_dir: bool,
     /// The node proxies' data path.
     pub proxy_mode: ProxyMode,
+    /// The cluster's IP families (see [`LabOptions::ip_family`]).
     pub ip_family: ClusterFamilies,
     /// The loadBalancerClass of the lab's Services on a real API server, so that the lab's
     /// controller never touches the cluster's own LoadBalancer Services.
@@ -1142,10 +1143,9 @@ fn service_families(service: &Service) -> Result<Vec<IpFamily>> {
     };
     families
         .iter()
-        .map(|family| match family.as_str() {
-            "IPv4" => Ok(IpFamily::Ipv4),
-            "IPv6" => Ok(IpFamily::Ipv6),
-            other => bail!("the Service has the unknown IP family {other:?}"),
+        .map(|name| {
+            IpFamily::from_api_name(name)
+                .with_context(|| format!("the Service has the unknown IP family {name:?}"))
         })
         .collect()
 }

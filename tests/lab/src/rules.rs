@@ -4,11 +4,10 @@
 //! node's rules).
 
 use std::net::{IpAddr, SocketAddrV4};
-
 use std::ops::Range;
-use tandem_netlab::IpFamily;
 
 use tandem_common::ProxyMode;
+use tandem_netlab::IpFamily;
 
 /// The command that lists what a node proxy of `mode` owns for `family`: the nat table in
 /// iptables mode (`ip6tables` for IPv6), table `ip tandem` (`ip6 tandem`) in nftables mode.

@@ -31,6 +31,13 @@ impl IpFamily {
             Self::Ipv6 => "IPv6",
         }
     }
+
+    /// The family the API spells `name`, if any.
+    pub fn from_api_name(name: &str) -> Option<Self> {
+        [Self::Ipv4, Self::Ipv6]
+            .into_iter()
+            .find(|family| family.api_name() == name)
+    }
 }
 
 /// The IP families of a lab cluster: what its Nodes report, its Services get and its node
@@ -275,6 +282,21 @@ pub mod v6 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn families_are_spelled_as_the_api_spells_them_and_the_primary_comes_first() {
+        for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
+            assert_eq!(IpFamily::from_api_name(family.api_name()), Some(family));
+        }
+        assert_eq!(IpFamily::from_api_name("ipv6"), None);
+        assert_eq!(IpFamily::of(Ipv4Addr::LOCALHOST.into()), IpFamily::Ipv4);
+        assert_eq!(
+            ClusterFamilies::Dual.families(),
+            [IpFamily::Ipv4, IpFamily::Ipv6]
+        );
+        assert!(!ClusterFamilies::Ipv6.has(IpFamily::Ipv4));
+        assert!(ClusterFamilies::Ipv4.has(IpFamily::Ipv4));
+    }
 
     #[test]
     fn nodes_and_pods_follow_the_design_plan() {

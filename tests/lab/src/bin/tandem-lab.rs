@@ -87,6 +87,7 @@ struct LabState {
     client_in_range: String,
     client_out_of_range: String,
     nodes: Vec<String>,
+    /// (name, its ingress addresses comma-separated)
     services: Vec<(String, String)>,
 }
 
@@ -500,15 +501,18 @@ fn print_usage(state: &LabState) {
         "  ip netns exec {} kubectl --kubeconfig {kc} create service loadbalancer mine --tcp=80:8080",
         state.control_plane
     );
-    if let Some((_, vip)) = state.services.first() {
+    if let Some((_, vips)) = state.services.first() {
         println!("a request from the outside client (inside the source ranges):");
         let echo = tandem_lab::binaries::locate("tandem-echo")
             .map(|p| p.display().to_string())
             .unwrap_or_else(|_| "tandem-echo".to_owned());
-        println!(
-            "  ip netns exec {} {echo} get http://{vip}/",
-            state.client_in_range
-        );
+        for vip in vips.split(',').filter_map(|vip| vip.parse::<IpAddr>().ok()) {
+            println!(
+                "  ip netns exec {} {echo} get http://{}/",
+                state.client_in_range,
+                SocketAddr::new(vip, 80)
+            );
+        }
     }
     println!("the node proxy's rules on a node:");
     if let Some(node) = state.nodes.first() {
