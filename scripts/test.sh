@@ -13,16 +13,19 @@ fi
 
 failed=()
 step() {
-    local name=$1
+    local name=$1 start=$SECONDS
     shift
     echo "=== $name"
     if ! "$@"; then
         failed+=("$name")
     fi
+    echo "=== $name: $((SECONDS - start)) s"
 }
 
 # Binaries that the integration and chart tests start as real processes.
+build_start=$SECONDS
 cargo build --workspace --locked --bins
+echo "=== build: $((SECONDS - build_start)) s"
 
 step "cargo tests" cargo test --workspace --locked --no-fail-fast
 
@@ -121,4 +124,4 @@ if [ ${#failed[@]} -ne 0 ]; then
     printf 'FAILED: %s\n' "${failed[@]}" >&2
     exit 1
 fi
-echo "all tests passed"
+echo "all tests passed ($SECONDS s)"
