@@ -11,6 +11,21 @@ if [ "$(id -u)" != 0 ]; then
     exit 1
 fi
 
+# Every program the steps below run, with the Debian package that brings it: the missing
+# ones are named before the first step, not one by one as steps fail. `.ci/run` installs
+# the packages (kubectl aside: any release a user has).
+missing=()
+for need in cc:gcc kubectl:kubectl iptables:iptables ip6tables:iptables nft:nftables \
+    conntrack:conntrack ip:iproute2 podman:podman runc:runc \
+    mmdebstrap:mmdebstrap promtool:prometheus; do
+    command -v "${need%%:*}" >/dev/null || missing+=("${need%%:*} (${need#*:})")
+done
+python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=("python3 -m venv (python3-venv)")
+if [ ${#missing[@]} -ne 0 ]; then
+    echo "scripts/test.sh cannot find what it runs: ${missing[*]}. Install them (bash .ci/run does)." >&2
+    exit 1
+fi
+
 failed=()
 step() {
     local name=$1 start=$SECONDS

@@ -124,11 +124,48 @@ fn require_root() -> Result<()> {
     Ok(())
 }
 
+/// The programs a lab of these options runs, with the Debian package of each: all the
+/// missing ones are named before anything is built, not one at a time halfway through.
+fn require_programs(cli: &Cli) -> Result<()> {
+    let mut needed = vec![("ip", "iproute2"), ("conntrack", "conntrack")];
+    if cli.images.is_none() {
+        // The node proxies run on the host, with its iptables (in nftables mode too: they
+        // remove the iptables mode's rules); from images they bring their own.
+        needed.push(("iptables-restore", "iptables"));
+        if cli.ip_family != ClusterFamilies::Ipv4 {
+            needed.push(("ip6tables-restore", "iptables"));
+        }
+    } else {
+        needed.push(("podman", "podman"));
+    }
+    if matches!(cli.command, Command::Demo) {
+        needed.push(("kubectl", "kubectl"));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let missing: Vec<_> = needed
+        .into_iter()
+        .filter(|(program, _)| !std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
+        .collect();
+    if !missing.is_empty() {
+        let programs: Vec<_> = missing.iter().map(|(program, _)| *program).collect();
+        let mut packages: Vec<_> = missing.iter().map(|(_, package)| *package).collect();
+        packages.sort_unstable();
+        packages.dedup();
+        bail!(
+            "the lab runs programs that are not on PATH: {} (Debian: apt-get install {})",
+            programs.join(", "),
+            packages.join(" ")
+        );
+    }
+    Ok(())
+}
+
 type LabFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + 'a>>;
 
 /// Builds the lab, runs `body` on it, and tears it down (also when `body` fails).
 fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) -> Result<()> {
     require_root()?;
+    require_programs(cli)?;
     let start = Instant::now();
     let progress = move |what: &str| println!("[{:>5.1}s] {what}", start.elapsed().as_secs_f64());
     let options = LabOptions {
@@ -404,6 +441,7 @@ fn read_state() -> Result<LabState> {
 
 fn up(cli: &Cli) -> Result<()> {
     require_root()?;
+    require_programs(cli)?;
     if let Ok(state) = read_state() {
         if kill(Pid::from_raw(state.pid as i32), None).is_ok() {
             bail!(
