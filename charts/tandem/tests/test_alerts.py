@@ -41,7 +41,8 @@ def metric_names(expr):
 
 
 def rendered_rules(values=None):
-    objects, _ = render({"metrics": {"prometheusRule": {"enabled": True, **(values or {})}}})
+    objects, _ = render({"metrics": {"prometheusRule": {"enabled": True, **(values or {})},
+                                     "serviceMonitor": {"enabled": True}}})
     return find(objects, "PrometheusRule")
 
 

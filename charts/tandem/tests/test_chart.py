@@ -4,6 +4,7 @@ schemas, scanned for security problems, and checked against the binaries' real C
 import json
 import os
 import pathlib
+import re
 import subprocess
 import tempfile
 
@@ -53,6 +54,10 @@ VALUE_SETS = {
             "vipPool": "198.51.100.0/24,2001:db8:51:100::/120",
             "extraVipPools": {"blue": "198.51.101.0/24,2001:db8:51:101::/120"},
         },
+    },
+    # Both proxy modes serve IPv6 (nftables: table ip6 tandem).
+    "dual-stack-nftables": {
+        "nodeProxy": {"clusterCIDR": "10.244.0.0/16,fd00:10:244::/56", "proxyMode": "nftables"},
     },
     "nodeproxy-only": {
         "controller": {"enabled": False},
@@ -156,6 +161,42 @@ def test_nodeproxy_gets_kube_proxys_flags_as_its_cli_reads_them(values):
                             capture_output=True, text=True, timeout=30,
                             env={"PATH": os.environ.get("PATH", ""), **flags})
     assert "--node-name (or NODE_NAME) is required" in result.stderr, result.stderr
+
+
+# Flags the trace shares with the node proxy whose value need not reach it.
+NOT_FOR_THE_TRACE = {"--log-format": "the trace prints for a person at a terminal, whatever the pod logs"}
+
+
+def env_of_help(exe, args, env):
+    """Each flag of `exe ARGS --help` with the environment variable it reads and the value
+    clap shows it has in `env` (`[env: NAME=VALUE]`)."""
+    result = subprocess.run([exe, *args, "--help"], capture_output=True, text=True, timeout=30, check=True,
+                            env={"PATH": os.environ.get("PATH", ""), **env})
+    flags, flag = {}, None
+    for line in result.stdout.splitlines():
+        head = re.match(r" {2,6}(?:-\w, )?(--[\w-]+)", line)
+        if head:
+            flag = head.group(1)
+        elif flag and (shown := re.search(r"\[env: (\w+)=([^\]]*)\]", line)):
+            flags[flag] = (shown.group(1), shown.group(2))
+    return flags
+
+
+@pytest.mark.parametrize("name", ["defaults", "dual-stack", "nodeproxy-only"])
+def test_the_trace_sees_every_setting_the_node_proxy_runs_with(name):
+    """`kubectl exec ... tandem-nodeproxy trace` is a new process that sees the container's
+    environment, not the node proxy's arguments: it once traced the iptables rules on an
+    nftables install, because the mode was only an argument."""
+    c = container(render(VALUE_SETS[name])[0], "DaemonSet", "-nodeproxy")
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    env["NODE_NAME"] = "node-a"  # what the kubelet puts in from the pod's spec.nodeName
+    args = dict(a.split("=", 1) for a in expand_env(c["args"], env))
+    seen = env_of_help(binary("tandem-nodeproxy"), ["trace"], env)
+    assert "--proxy-mode" in seen and "--cluster-cidr" in seen, seen
+    shared = [flag for flag in args if flag in seen and flag not in NOT_FOR_THE_TRACE]
+    assert "--proxy-mode" in shared
+    for flag in shared:
+        assert seen[flag][1] == args[flag], f"trace reads {flag} as {seen[flag]}, the node proxy runs with {args[flag]}"
 
 
 def test_dual_stack_values_give_a_proxier_and_a_pool_per_family():

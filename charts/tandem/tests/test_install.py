@@ -23,6 +23,17 @@ def pod_specs(objects):
         yield job["spec"]["template"]["spec"]
 
 
+def test_default_registry_is_one_no_one_else_can_publish_to():
+    """No registry publishes Tandem's images; a default naming a public namespace would run
+    whatever someone else publishes there, as root with NET_ADMIN on every node."""
+    registry = yaml.safe_load((CHART / "values.yaml").read_text())["image"]["registry"]
+    assert registry.split("/")[0] == "localhost", registry
+    objects, _ = render()
+    for spec in pod_specs(objects):
+        for c in spec["containers"]:
+            assert c["image"].startswith("localhost/"), c["image"]
+
+
 def test_default_images_are_what_images_sh_builds():
     built = subprocess.run([str(REPO / "scripts/images.sh"), "--print-names"], check=True,
                            capture_output=True, text=True, timeout=60).stdout.split()
@@ -209,6 +220,40 @@ def test_api_server_address_reaches_nodeproxy_and_controller():
     objects, _ = render()
     for kind, suffix in WORKLOADS[:2]:
         assert "KUBERNETES_SERVICE_HOST" not in env_of(container(objects, kind, suffix))
+
+
+@pytest.mark.parametrize("host", ["192.0.2.10", "api.cluster.example.net"])
+def test_nodeproxy_resolves_the_api_server_without_the_cluster_dns(host):
+    """The cluster DNS's ClusterIP works only once the node proxy has programmed it, so a
+    name in apiServer.host must be resolved by the node's resolver (it once ran with
+    ClusterFirstWithHostNet)."""
+    objects, _ = render({"apiServer": {"host": host}})
+    spec = find(objects, "DaemonSet", "-nodeproxy")["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] and spec["dnsPolicy"] == "Default"
+
+
+# 7. Values that would break what another part relies on are refused with the reason.
+
+def test_health_port_other_than_the_controllers_is_refused_while_it_runs(chart):
+    """The controller's LBs health-check 10256 whatever nodeProxy.healthzPort says."""
+    with pytest.raises(helm.HelmError, match="10256"):
+        render({"nodeProxy": {"healthzPort": 10257}})
+    objects, _ = render({"controller": {"enabled": False}, "cloudMock": {"enabled": False},
+                         "nodeProxy": {"healthzPort": 10257}})
+    c = container(objects, "DaemonSet", "-nodeproxy")
+    assert "--healthz-bind-address=0.0.0.0:10257" in c["args"]
+    assert c["ports"][0]["containerPort"] == 10257
+
+
+def test_alerts_need_the_service_monitors():
+    """Without them TandemNoControllerLeader's absent() fires for ever and the node proxy's
+    metrics stay on 127.0.0.1."""
+    with pytest.raises(helm.HelmError, match="serviceMonitor"):
+        render({"metrics": {"prometheusRule": {"enabled": True}}})
+    objects, _ = render({"metrics": {"prometheusRule": {"enabled": True}, "serviceMonitor": {"enabled": True}}})
+    assert find(objects, "PrometheusRule", "-alerts")
+    args = container(objects, "DaemonSet", "-nodeproxy")["args"]
+    assert any(a.startswith("--metrics-bind-address=0.0.0.0:") for a in args), args
 
 
 # 6. helm uninstall: a pre-delete hook releases what the controller leaves behind.

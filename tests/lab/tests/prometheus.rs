@@ -275,7 +275,8 @@ fn config(targets: &[Target]) -> String {
 }
 
 /// The chart's alert rules as a Prometheus rule file: the PrometheusRule's `spec`, rendered
-/// by Helm with the rule enabled and every other value at its default.
+/// by Helm with the rule and the ServiceMonitors it needs enabled, every other value at its
+/// default.
 fn alert_rules() -> Result<String> {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     // The same Helm, at the same place, as the real-node test.
@@ -289,6 +290,7 @@ fn alert_rules() -> Result<String> {
         .args([
             "--namespace=tandem-system",
             "--set=metrics.prometheusRule.enabled=true",
+            "--set=metrics.serviceMonitor.enabled=true",
             "--show-only=templates/prometheusrule.yaml",
         ]))?;
     rule_file(&rendered)
