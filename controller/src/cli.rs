@@ -5,13 +5,16 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::builder::PossibleValuesParser;
 use clap::{Parser, Subcommand};
 
 pub use tandem_common::LogFormat;
 
+use crate::mockcloud;
 use crate::provider::ClusterId;
+use crate::registry::{self, RegistryError};
 use crate::release::ReleaseArgs;
-use crate::runtime::{LeaderElection, Settings};
+use crate::runtime::{self, LeaderElection, RuntimeError, Settings};
 use crate::spec::{ClassFilter, WithoutNodePorts};
 use tandem_common::is_dns1123_label;
 
@@ -22,22 +25,26 @@ pub struct Args {
     /// Kubeconfig file; the in-cluster config is used when absent.
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
-    /// Base URL of the cloud API.
-    #[arg(long, env = "TANDEM_CLOUD_URL")]
-    pub cloud_url: String,
-    /// File holding the cloud API bearer token.
-    #[arg(long, env = "TANDEM_CLOUD_TOKEN_FILE")]
-    pub cloud_token_file: PathBuf,
+    /// The cloud provider, by its registered name.
+    #[arg(long, env = "TANDEM_CLOUD_PROVIDER", default_value = mockcloud::PROFILE.name, value_parser = PossibleValuesParser::new(registry::names()))]
+    pub cloud_provider: String,
+    /// The provider's configuration file, in the provider's own format (docs/providers.md).
+    #[arg(long, env = "TANDEM_CLOUD_CONFIG", conflicts_with_all = ["cloud_url", "cloud_token_file"])]
+    pub cloud_config: Option<PathBuf>,
+    /// Base URL of the cloud API: with --cloud-token-file, the mockcloud provider's
+    /// configuration without a file.
+    #[arg(long, env = "TANDEM_CLOUD_URL", requires = "cloud_token_file")]
+    pub cloud_url: Option<String>,
+    /// File holding the cloud API bearer token (with --cloud-url).
+    #[arg(long, env = "TANDEM_CLOUD_TOKEN_FILE", requires = "cloud_url")]
+    pub cloud_token_file: Option<PathBuf>,
     /// This cluster's id, written as a tag on every LB (1-24 chars of [a-z0-9-]).
     #[arg(long, env = "TANDEM_CLUSTER_ID")]
     pub cluster_id: ClusterId,
-    /// The spec.loadBalancerClass this controller implements.
-    #[arg(
-        long,
-        env = "TANDEM_LOAD_BALANCER_CLASS",
-        default_value = "tandem.io/mockcloud"
-    )]
-    pub load_balancer_class: String,
+    /// The spec.loadBalancerClass this controller implements; unset: the provider's own
+    /// (mockcloud: tandem.io/mockcloud).
+    #[arg(long, env = "TANDEM_LOAD_BALANCER_CLASS")]
+    pub load_balancer_class: Option<String>,
     /// Also manage Services that set no loadBalancerClass.
     #[arg(long, env = "TANDEM_CLAIM_UNCLASSED", default_value_t = true, action = clap::ArgAction::Set)]
     pub claim_unclassed: bool,
@@ -117,6 +124,21 @@ pub enum Command {
     ReleaseLoadBalancers(ReleaseArgs),
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error(
+        "--cloud-url and --cloud-token-file configure the {} provider; give --cloud-provider {provider} its --cloud-config",
+        mockcloud::PROFILE.name
+    )]
+    ShortcutOfAnotherProvider { provider: String },
+    #[error("--cloud-url: {0}")]
+    Shortcut(#[from] mockcloud::ConfigError),
+}
+
 fn parse_pool_name(raw: &str) -> Result<String, String> {
     if is_dns1123_label(raw) {
         Ok(raw.to_owned())
@@ -137,18 +159,39 @@ impl Args {
             .unwrap_or_else(|| format!("tandem-controller-{}", std::process::id()))
     }
 
-    pub fn settings(&self, cloud_token: String) -> Settings {
+    /// The text of the provider's configuration: the `--cloud-config` file, or the file
+    /// `--cloud-url` and `--cloud-token-file` stand for; `None` without either.
+    pub async fn cloud_config(&self) -> Result<Option<String>, CliError> {
+        if let Some(path) = &self.cloud_config {
+            return Ok(Some(runtime::read_cloud_config(path).await?));
+        }
+        let (Some(url), Some(token_file)) = (&self.cloud_url, &self.cloud_token_file) else {
+            return Ok(None);
+        };
+        if self.cloud_provider != mockcloud::PROFILE.name {
+            return Err(CliError::ShortcutOfAnotherProvider {
+                provider: self.cloud_provider.clone(),
+            });
+        }
+        Ok(Some(mockcloud::Config::shortcut(url, token_file)?))
+    }
+
+    pub fn settings(&self, cloud_config: Option<String>) -> Result<Settings, CliError> {
         let identity = self.identity();
-        Settings {
+        let profile = registry::find(&self.cloud_provider)?.profile;
+        Ok(Settings {
             cluster_id: self.cluster_id.clone(),
             classes: ClassFilter {
-                class: self.load_balancer_class.clone(),
+                class: self
+                    .load_balancer_class
+                    .clone()
+                    .unwrap_or_else(|| profile.default_class.to_owned()),
                 claim_unclassed: self.claim_unclassed,
             },
             without_node_ports: self.without_node_ports,
             default_pool: self.default_address_pool.clone(),
-            cloud_url: self.cloud_url.clone(),
-            cloud_token,
+            cloud_provider: self.cloud_provider.clone(),
+            cloud_config,
             cloud_timeout: Duration::from_secs(self.cloud_timeout_seconds.max(1)),
             cloud_rate_per_second: self.cloud_rate,
             cloud_burst: self.cloud_burst,
@@ -165,7 +208,7 @@ impl Args {
             gc_period: Duration::from_secs(self.gc_seconds.max(1)),
             node_debounce: Duration::from_millis(self.node_debounce_ms),
             identity,
-        }
+        })
     }
 }
 
@@ -200,13 +243,72 @@ mod tests {
             "json",
         ])
         .unwrap();
-        let settings = args.settings("tok".into());
+        let settings = args.settings(Some("{}".into())).unwrap();
+        assert_eq!(settings.cloud_provider, "mockcloud");
+        assert_eq!(settings.classes.class, "tandem.io/mockcloud");
         assert_eq!(settings.cluster_id.as_str(), "lab");
         assert_eq!(settings.concurrency, 3);
         assert_eq!(settings.leader_election.unwrap().identity, "a");
         assert_eq!(settings.default_pool, None);
         assert!(settings.classes.claim_unclassed);
         assert_eq!(args.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn provider_flags() {
+        let parse = |extra: &[&str]| {
+            Args::try_parse_from(
+                ["tandem-controller", "--cluster-id", "c"]
+                    .iter()
+                    .chain(extra)
+                    .copied(),
+            )
+        };
+        let args = parse(&["--cloud-provider", "mockcloud", "--cloud-config", "/c.json"]).unwrap();
+        assert_eq!(
+            args.cloud_config.as_deref(),
+            Some(std::path::Path::new("/c.json"))
+        );
+        assert!(parse(&["--cloud-provider", "nope"]).is_err());
+        // The shortcut flags go together, and not with a file.
+        assert!(parse(&["--cloud-url", "http://x"]).is_err());
+        assert!(
+            parse(&[
+                "--cloud-config",
+                "/c",
+                "--cloud-url",
+                "http://x",
+                "--cloud-token-file",
+                "/t"
+            ])
+            .is_err()
+        );
+        let class = parse(&["--load-balancer-class", "example.com/lb"]).unwrap();
+        assert_eq!(
+            class.settings(None).unwrap().classes.class,
+            "example.com/lb"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_url_flags_are_the_mock_clouds_config() {
+        let args = Args::try_parse_from([
+            "tandem-controller",
+            "--cluster-id",
+            "c",
+            "--cloud-url",
+            "http://127.0.0.1:1",
+            "--cloud-token-file",
+            "/t",
+        ])
+        .unwrap();
+        let text = args.cloud_config().await.unwrap().unwrap();
+        assert_eq!(
+            mockcloud::Config::parse(&text).unwrap().url,
+            "http://127.0.0.1:1"
+        );
+        let none = Args::try_parse_from(["tandem-controller", "--cluster-id", "c"]).unwrap();
+        assert_eq!(none.cloud_config().await.unwrap(), None);
     }
 
     #[test]

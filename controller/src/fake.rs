@@ -9,8 +9,16 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::provider::{
-    AddressRefusal, ClusterId, DesiredLoadBalancer, IpFamily, LoadBalancerLookup,
-    LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer, Operation, ProviderError,
+    AddressRefusal, Capabilities, ClusterId, DesiredLoadBalancer, IpFamily, LoadBalancerLookup,
+    LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer, Operation, Profile,
+    ProviderError,
+};
+
+/// The fake's own annotations and class, so tests prove nothing is fixed to the mock cloud's.
+pub const PROFILE: Profile = Profile {
+    name: "fake",
+    annotation_prefix: "fake.tandem.io/load-balancer-",
+    default_class: "tandem.io/fake",
 };
 
 /// The pool of an LB that names none, as in the mock cloud.
@@ -38,6 +46,18 @@ struct State {
     delete_async: bool,
     /// The families of pools that lack one; any other pool has both.
     pool_families: BTreeMap<String, Vec<IpFamily>>,
+    capabilities: Option<Capabilities>,
+    /// Given to every LB created from now on.
+    hostname: Option<Hostnames>,
+}
+
+/// How the fake names its LBs by DNS (see [`FakeProvider::set_hostnames`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hostnames {
+    /// A hostname beside the VIPs.
+    Beside,
+    /// A hostname and no VIP, as an AWS NLB.
+    Instead,
 }
 
 /// Cheap to clone: clones share one cloud.
@@ -93,6 +113,17 @@ impl FakeProvider {
         self.state()
             .pool_families
             .insert(pool.to_owned(), families.to_vec());
+    }
+
+    /// What the fake's LBs can do (all of it unless set).
+    pub fn set_capabilities(&self, capabilities: Capabilities) {
+        self.state().capabilities = Some(capabilities);
+    }
+
+    /// LBs created from now on get the hostname `<id>.lb.example.net`, beside their VIPs
+    /// or instead of them; `None`: VIPs alone.
+    pub fn set_hostnames(&self, hostnames: Option<Hostnames>) {
+        self.state().hostname = hostnames;
     }
 
     /// The cloud finishes every pending delete.
@@ -200,8 +231,12 @@ fn find(
 }
 
 impl LoadBalancerProvider for FakeProvider {
-    fn name(&self) -> &'static str {
-        "fake"
+    fn profile(&self) -> &'static Profile {
+        &PROFILE
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.state().capabilities.unwrap_or(Capabilities::ALL)
     }
 
     async fn get(
@@ -232,9 +267,17 @@ impl LoadBalancerProvider for FakeProvider {
             desired,
             desired.address.pool.as_deref().unwrap_or(DEFAULT_POOL),
         )?;
-        let vips = state.place(desired, &[]);
+        let mut vips = state.place(desired, &[]);
+        let id = format!("lb-{}", state.next_id);
+        let hostname = state.hostname.map(|how| {
+            if how == Hostnames::Instead {
+                vips.clear();
+            }
+            format!("{id}.lb.example.net")
+        });
         let lb = ObservedLoadBalancer {
-            id: format!("lb-{}", state.next_id),
+            id,
+            hostname,
             version: 1,
             name: desired.name(),
             owner: Some(desired.owner.clone()),
@@ -285,8 +328,13 @@ impl LoadBalancerProvider for FakeProvider {
             .or_else(|| found.pool.clone())
             .unwrap_or_else(|| DEFAULT_POOL.to_owned());
         let kept = found.vips.clone();
+        let hostname_only = found.hostname.is_some() && kept.is_empty();
         state.check_pool(desired, &pool)?;
-        let vips = state.place(desired, &kept);
+        let vips = if hostname_only {
+            kept
+        } else {
+            state.place(desired, &kept)
+        };
         let Some(lb) = state.lbs.get_mut(&current.id) else {
             return Err(ProviderError::NotFound {
                 id: current.id.clone(),

@@ -134,6 +134,7 @@ mod tests {
             phase: LoadBalancerPhase::Active,
             ip_families: vec![],
             vips: vec![],
+            hostname: None,
             pool: None,
             sharing_key: None,
             mode: LoadBalancerMode::Proxy,

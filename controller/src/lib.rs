@@ -19,6 +19,7 @@ pub mod plan;
 pub mod provider;
 pub mod ratelimit;
 pub mod reconcile;
+pub mod registry;
 pub mod release;
 pub mod runtime;
 pub mod spec;

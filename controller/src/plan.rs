@@ -13,11 +13,11 @@ use k8s_openapi::api::core::v1::Service;
 use kube::ResourceExt;
 
 use crate::provider::{
-    DesiredLoadBalancer, Drift, IpFamily, LoadBalancerLookup, LoadBalancerPhase,
-    ObservedLoadBalancer, ProviderError,
+    Capabilities, DesiredLoadBalancer, Drift, IpFamily, LoadBalancerLookup, LoadBalancerPhase,
+    ObservedLoadBalancer, ProviderError, Unsupported,
 };
 use crate::spec::{
-    ClassFilter, SpecError, is_being_deleted, is_load_balancer, owner_of, persisted_id,
+    AnnotationKeys, ClassFilter, SpecError, is_being_deleted, is_load_balancer, owner_of,
 };
 use crate::status::{
     CONDITION_TYPE, ConditionReason, DesiredCondition, IngressUpdate, ingress_for,
@@ -67,9 +67,9 @@ pub fn ownership(svc: &Service, classes: &ClassFilter) -> Ownership {
 /// Whether the cloud may hold an LB for this Service. The finalizer is written before the
 /// first cloud call and the id and condition after it, so a Service with none of them was
 /// never sent to the cloud: its create needs no lookup.
-pub fn may_have_load_balancer(svc: &Service) -> bool {
+pub fn may_have_load_balancer(svc: &Service, keys: &AnnotationKeys) -> bool {
     has_finalizer(svc)
-        || persisted_id(svc).is_some()
+        || keys.persisted_id(svc).is_some()
         || svc
             .status
             .as_ref()
@@ -108,13 +108,50 @@ pub enum CloudAction {
     Delete(LoadBalancerLookup),
 }
 
-/// Why a plan ends in an error without a cloud call.
+/// Why a Service cannot have the LB it asks for, known before any cloud call.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Refusal {
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    /// It needs what its provider's LBs cannot do ([`Capabilities`]).
+    #[error("the {provider} provider's load balancers have {need}")]
+    Unsupported {
+        provider: &'static str,
+        need: Unsupported,
+    },
+}
+
+/// The LB a Service needs, if it is valid and its provider can make it.
+pub fn servable(
+    desired: Result<DesiredLoadBalancer, SpecError>,
+    provider: &'static str,
+    capabilities: Capabilities,
+) -> Result<DesiredLoadBalancer, Refusal> {
+    let desired = desired?;
+    capabilities
+        .check(&desired)
+        .map_err(|need| Refusal::Unsupported { provider, need })?;
+    Ok(desired)
+}
+
+/// Why a plan ends in an error.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PlanError {
     #[error("cloud: {0}")]
     Provider(#[from] ProviderError),
     #[error("invalid Service: {0}")]
-    Spec(#[from] SpecError),
+    Spec(SpecError),
+    #[error("unsupported: {0}")]
+    Unsupported(Refusal),
+}
+
+impl From<Refusal> for PlanError {
+    fn from(refusal: Refusal) -> Self {
+        match refusal {
+            Refusal::Spec(error) => PlanError::Spec(error),
+            unsupported @ Refusal::Unsupported { .. } => PlanError::Unsupported(unsupported),
+        }
+    }
 }
 
 impl PlanError {
@@ -122,6 +159,7 @@ impl PlanError {
         match self {
             PlanError::Provider(e) => e.category(),
             PlanError::Spec(e) => e.category(),
+            PlanError::Unsupported(_) => "unsupported",
         }
     }
 }
@@ -142,7 +180,7 @@ pub enum Next {
 #[derive(Debug, Clone, PartialEq)]
 enum Intent {
     Ignore,
-    Invalid(SpecError),
+    Refused(Refusal),
     Unobservable(ProviderError),
     InSync(ObservedLoadBalancer, DesiredLoadBalancer),
     Create(DesiredLoadBalancer),
@@ -162,6 +200,8 @@ pub struct Plan {
     pub events_before: Vec<EventDecision>,
     pub cloud: CloudAction,
     intent: Intent,
+    /// The LB id persisted on the Service when the plan was made.
+    known_id: Option<String>,
 }
 
 /// The writes that follow the cloud call, given its result.
@@ -221,18 +261,21 @@ fn failure_condition(error: &ProviderError) -> DesiredCondition {
 /// why it cannot have one), `seen` what the cloud has.
 pub fn plan_ensure(
     svc: &Service,
-    desired: Result<DesiredLoadBalancer, SpecError>,
+    keys: &AnnotationKeys,
+    desired: Result<DesiredLoadBalancer, Refusal>,
     seen: Seen,
 ) -> Plan {
+    let known_id = keys.persisted_id(svc).map(str::to_owned);
     let desired = match desired {
         Ok(desired) => desired,
-        Err(error) => {
+        Err(refusal) => {
             return Plan {
                 // No cloud call will follow, so no finalizer is needed for it.
                 add_finalizer: false,
                 events_before: Vec::new(),
                 cloud: CloudAction::None,
-                intent: Intent::Invalid(error),
+                intent: Intent::Refused(refusal),
+                known_id,
             };
         }
     };
@@ -243,7 +286,7 @@ pub fn plan_ensure(
         Seen::NotAsked | Seen::Missing => (
             Intent::Create(desired.clone()),
             CloudAction::Create {
-                replaces: persisted_id(svc).map(str::to_owned),
+                replaces: known_id.clone(),
                 desired,
             },
         ),
@@ -276,11 +319,17 @@ pub fn plan_ensure(
         events_before,
         cloud,
         intent,
+        known_id,
     }
 }
 
 /// Decides the cleanup of a Service that holds our finalizer but wants no LB.
-pub fn plan_cleanup(svc: &Service, cluster_id: &crate::provider::ClusterId) -> Plan {
+pub fn plan_cleanup(
+    svc: &Service,
+    keys: &AnnotationKeys,
+    cluster_id: &crate::provider::ClusterId,
+) -> Plan {
+    let known_id = keys.persisted_id(svc).map(str::to_owned);
     match owner_of(svc, cluster_id) {
         Ok(owner) => Plan {
             add_finalizer: false,
@@ -289,18 +338,20 @@ pub fn plan_cleanup(svc: &Service, cluster_id: &crate::provider::ClusterId) -> P
                 "Deleting load balancer",
             )],
             cloud: CloudAction::Delete(LoadBalancerLookup {
-                known_id: persisted_id(svc).map(str::to_owned),
+                known_id: known_id.clone(),
                 owner,
             }),
             intent: Intent::Cleanup {
                 being_deleted: is_being_deleted(svc),
             },
+            known_id,
         },
         Err(error) => Plan {
             add_finalizer: false,
             events_before: Vec::new(),
             cloud: CloudAction::None,
-            intent: Intent::Invalid(error),
+            intent: Intent::Refused(error.into()),
+            known_id,
         },
     }
 }
@@ -312,6 +363,7 @@ pub fn plan_nothing() -> Plan {
         events_before: Vec::new(),
         cloud: CloudAction::None,
         intent: Intent::Ignore,
+        known_id: None,
     }
 }
 
@@ -319,11 +371,7 @@ impl Plan {
     /// The writes after the cloud call: `result` is the LB the call returned (for a
     /// delete, the LB the cloud still lists as being deleted, `None` once it is gone), or
     /// `None` when the plan made no call.
-    pub fn settle(
-        &self,
-        svc: &Service,
-        result: Result<Option<ObservedLoadBalancer>, ProviderError>,
-    ) -> Settled {
+    pub fn settle(&self, result: Result<Option<ObservedLoadBalancer>, ProviderError>) -> Settled {
         let nothing = Settled {
             persist_id: None,
             events: Vec::new(),
@@ -333,7 +381,7 @@ impl Plan {
         };
         match &self.intent {
             Intent::Ignore => nothing,
-            Intent::Invalid(error) => Settled {
+            Intent::Refused(error) => Settled {
                 events: vec![EventDecision::new(
                     EventReason::SyncLoadBalancerFailed,
                     format!("Error syncing load balancer: {error}"),
@@ -341,7 +389,10 @@ impl Plan {
                 status: Some((
                     IngressUpdate::Keep,
                     Some(DesiredCondition {
-                        reason: ConditionReason::InvalidConfiguration,
+                        reason: match error {
+                            Refusal::Spec(_) => ConditionReason::InvalidConfiguration,
+                            Refusal::Unsupported { .. } => ConditionReason::Unsupported,
+                        },
                         message: error.to_string(),
                     }),
                 )),
@@ -379,12 +430,12 @@ impl Plan {
             },
             Intent::InSync(current, desired) => {
                 // The plan made no call: what it observed is the result.
-                self.served(svc, Some(current.clone()), desired)
+                self.served(Some(current.clone()), desired)
             }
             Intent::Create(desired) | Intent::Repair(desired) | Intent::UpdateBackends(desired) => {
                 match result {
                     Ok(lb) => {
-                        let mut settled = self.served(svc, lb, desired);
+                        let mut settled = self.served(lb, desired);
                         settled.events.insert(0, self.success_event());
                         settled
                     }
@@ -425,12 +476,7 @@ impl Plan {
     }
 
     /// Status and id for an LB the cloud holds now.
-    fn served(
-        &self,
-        svc: &Service,
-        lb: Option<ObservedLoadBalancer>,
-        desired: &DesiredLoadBalancer,
-    ) -> Settled {
+    fn served(&self, lb: Option<ObservedLoadBalancer>, desired: &DesiredLoadBalancer) -> Settled {
         let Some(lb) = lb else {
             // A create or update always answers with the LB; treat silence as a cloud fault.
             return self.failed(
@@ -441,8 +487,18 @@ impl Plan {
                 true,
             );
         };
-        let persist_id = (persisted_id(svc) != Some(lb.id.as_str())).then(|| lb.id.clone());
-        let (ingress, condition, next) = match (lb.phase, lb.vips_of(&desired.ip_families)) {
+        let persist_id = (self.known_id.as_deref() != Some(lb.id.as_str())).then(|| lb.id.clone());
+        // An LB known by a hostname needs no VIP of every family; it lists those it has.
+        let vips = match (&lb.hostname, lb.vips_of(&desired.ip_families)) {
+            (Some(_), Err(_)) => Ok(lb
+                .vips
+                .iter()
+                .copied()
+                .filter(|vip| desired.ip_families.contains(&IpFamily::of(vip)))
+                .collect()),
+            (_, vips) => vips,
+        };
+        let (ingress, condition, next) = match (lb.phase, vips) {
             (LoadBalancerPhase::Active, Ok(vips)) => {
                 let condition = match families_without_nodes(desired) {
                     Some(families) => DesiredCondition {
@@ -456,13 +512,14 @@ impl Plan {
                             lb.id,
                             vips.iter()
                                 .map(IpAddr::to_string)
+                                .chain(lb.hostname.clone())
                                 .collect::<Vec<_>>()
                                 .join(", ")
                         ),
                     },
                 };
                 (
-                    IngressUpdate::Set(ingress_for(&vips, desired)),
+                    IngressUpdate::Set(ingress_for(&vips, lb.hostname.as_deref(), desired)),
                     condition,
                     Next::Resync,
                 )
@@ -559,7 +616,7 @@ impl EventDecision {
 mod tests {
     use super::*;
     use crate::provider::tests::observed_from;
-    use crate::spec::tests::service;
+    use crate::spec::tests::{KEYS, service};
     use crate::spec::{WithoutNodePorts, desired_load_balancer};
     use std::collections::BTreeSet;
     use std::net::Ipv4Addr;
@@ -662,12 +719,14 @@ mod tests {
 
     #[test]
     fn only_a_service_never_sent_to_the_cloud_skips_the_lookup() {
-        assert!(!may_have_load_balancer(&service("web")));
-        assert!(may_have_load_balancer(&with(finalized)));
-        assert!(may_have_load_balancer(&with(|s| {
-            s.metadata.annotations =
-                Some([(crate::spec::ANNOTATION_LB_ID.to_owned(), "lb-1".to_owned())].into())
-        })));
+        assert!(!may_have_load_balancer(&service("web"), &KEYS));
+        assert!(may_have_load_balancer(&with(finalized), &KEYS));
+        assert!(may_have_load_balancer(
+            &with(|s| {
+                s.metadata.annotations = Some([(KEYS.lb_id.clone(), "lb-1".to_owned())].into())
+            }),
+            &KEYS
+        ));
     }
 
     fn desired(svc: &Service, nodes: &[u8]) -> DesiredLoadBalancer {
@@ -677,12 +736,74 @@ mod tests {
             .collect();
         desired_load_balancer(
             svc,
+            &KEYS,
             &"c".parse().unwrap(),
             backends,
             WithoutNodePorts::Passthrough,
             None,
         )
         .unwrap()
+    }
+
+    #[test]
+    fn what_the_provider_cannot_do_is_refused_before_any_cloud_call() {
+        let svc = with(finalized);
+        let d = desired(&svc, &[11]);
+        let no_proxy = Capabilities {
+            proxy: false,
+            ..Capabilities::ALL
+        };
+        let refused = servable(Ok(d.clone()), "edge", no_proxy);
+        assert_eq!(
+            refused,
+            Err(Refusal::Unsupported {
+                provider: "edge",
+                need: Unsupported::Mode(crate::provider::LoadBalancerMode::Proxy)
+            })
+        );
+        let plan = plan_ensure(&svc, &KEYS, refused, Seen::NotAsked);
+        assert_eq!(
+            (plan.cloud.clone(), plan.add_finalizer),
+            (CloudAction::None, false)
+        );
+        let settled = plan.settle(Ok(None));
+        let (ingress, condition) = settled.status.unwrap();
+        assert_eq!(ingress, IngressUpdate::Keep);
+        let condition = condition.unwrap();
+        assert_eq!(condition.reason, ConditionReason::Unsupported);
+        assert_eq!(
+            condition.message,
+            "the edge provider's load balancers have no proxy mode"
+        );
+        assert_eq!(
+            settled.events[0].reason,
+            EventReason::SyncLoadBalancerFailed
+        );
+        let error = settled.outcome.unwrap_err();
+        assert_eq!(error.category(), "unsupported");
+        assert_eq!(servable(Ok(d.clone()), "edge", Capabilities::ALL), Ok(d));
+    }
+
+    #[test]
+    fn an_lb_known_by_a_hostname_alone_is_served() {
+        let svc = with(finalized);
+        let d = desired(&svc, &[11]);
+        let mut lb = observed_from(&d);
+        lb.vips.clear();
+        lb.hostname = Some("lb-1.example.net".into());
+        let settled = plan_ensure(&svc, &KEYS, Ok(d), Seen::Found(lb.clone())).settle(Ok(None));
+        let (IngressUpdate::Set(ingress), Some(condition)) = settled.status.unwrap() else {
+            panic!("no ingress");
+        };
+        assert_eq!(ingress[0].hostname.as_deref(), Some("lb-1.example.net"));
+        assert_eq!(ingress[0].ip, None);
+        assert_eq!(condition.reason, ConditionReason::Ready);
+        assert!(condition.message.ends_with("serves lb-1.example.net"));
+        // Without a hostname, a missing VIP is still a cloud fault.
+        lb.hostname = None;
+        let d = desired(&svc, &[11]);
+        let settled = plan_ensure(&svc, &KEYS, Ok(d), Seen::Found(lb)).settle(Ok(None));
+        assert!(settled.outcome.is_err());
     }
 
     #[test]
@@ -699,7 +820,7 @@ mod tests {
         ] {
             let mut moved = d.clone();
             change(&mut moved);
-            let plan = plan_ensure(&svc, Ok(moved.clone()), Seen::Found(lb.clone()));
+            let plan = plan_ensure(&svc, &KEYS, Ok(moved.clone()), Seen::Found(lb.clone()));
             assert_eq!(
                 plan.cloud,
                 CloudAction::Update {
@@ -714,12 +835,12 @@ mod tests {
     fn an_address_refusal_is_its_own_reason_and_permanent() {
         let svc = with(finalized);
         let d = desired(&svc, &[11]);
-        let plan = plan_ensure(&svc, Ok(d), Seen::Missing);
+        let plan = plan_ensure(&svc, &KEYS, Ok(d), Seen::Missing);
         let refused = ProviderError::AddressRefused {
             refusal: crate::provider::AddressRefusal::PortConflict,
             message: "TCP port 53 of 198.51.100.7 is served by lb-2".into(),
         };
-        let settled = plan.settle(&svc, Err(refused.clone()));
+        let settled = plan.settle(Err(refused.clone()));
         let (ingress, condition) = settled.status.unwrap();
         assert_eq!(ingress, IngressUpdate::Keep);
         assert_eq!(
@@ -743,21 +864,26 @@ mod tests {
     fn one_cloud_call_chosen_by_what_was_seen() {
         let svc = with(finalized);
         let d = desired(&svc, &[11]);
-        let create = plan_ensure(&service("web"), Ok(d.clone()), Seen::NotAsked);
+        let create = plan_ensure(&service("web"), &KEYS, Ok(d.clone()), Seen::NotAsked);
         assert!(create.add_finalizer);
         assert!(matches!(
             create.cloud,
             CloudAction::Create { replaces: None, .. }
         ));
-        let in_sync = plan_ensure(&svc, Ok(d.clone()), Seen::Found(observed_from(&d)));
+        let in_sync = plan_ensure(&svc, &KEYS, Ok(d.clone()), Seen::Found(observed_from(&d)));
         assert_eq!(in_sync.cloud, CloudAction::None);
         assert!(!in_sync.add_finalizer && in_sync.events_before.is_empty());
-        let settled = in_sync.settle(&svc, Ok(None));
+        let settled = in_sync.settle(Ok(None));
         assert_eq!(settled.outcome, Ok(Next::Resync));
         assert_eq!(settled.persist_id.as_deref(), Some("lb-1"));
         // One more node: an update of the LB as observed, at its version.
         let moved = desired(&svc, &[11, 12]);
-        let update = plan_ensure(&svc, Ok(moved.clone()), Seen::Found(observed_from(&d)));
+        let update = plan_ensure(
+            &svc,
+            &KEYS,
+            Ok(moved.clone()),
+            Seen::Found(observed_from(&d)),
+        );
         match &update.cloud {
             CloudAction::Update { current, desired } => {
                 assert_eq!((current.version, desired), (1, &moved));
@@ -765,7 +891,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         let reasons: Vec<_> = update
-            .settle(&svc, Ok(Some(observed_from(&moved))))
+            .settle(Ok(Some(observed_from(&moved))))
             .events
             .iter()
             .map(|e| e.reason)
@@ -773,14 +899,19 @@ mod tests {
         assert_eq!(reasons, vec![EventReason::UpdatedLoadBalancer]);
         // No node at all: still ensured, and said so.
         let none = desired(&svc, &[]);
-        let empty = plan_ensure(&svc, Ok(none.clone()), Seen::Found(observed_from(&d)));
+        let empty = plan_ensure(
+            &svc,
+            &KEYS,
+            Ok(none.clone()),
+            Seen::Found(observed_from(&d)),
+        );
         assert!(
             empty
                 .events_before
                 .iter()
                 .any(|e| e.reason == EventReason::UnAvailableLoadBalancer)
         );
-        let settled = empty.settle(&svc, Ok(Some(observed_from(&none))));
+        let settled = empty.settle(Ok(Some(observed_from(&none))));
         assert_eq!(
             settled.status.and_then(|(_, c)| c).map(|c| c.reason),
             Some(ConditionReason::NoEligibleNodes)
@@ -792,6 +923,7 @@ mod tests {
         svc.spec.as_mut().unwrap().ip_families = Some(vec!["IPv6".into(), "IPv4".into()]);
         desired_load_balancer(
             &svc,
+            &KEYS,
             &"c".parse().unwrap(),
             backends.iter().map(|b| b.parse().unwrap()).collect(),
             WithoutNodePorts::Passthrough,
@@ -813,8 +945,8 @@ mod tests {
     fn a_dual_stack_lb_is_served_per_family_in_the_services_order() {
         let svc = with(finalized);
         let d = dual_stack(&svc, &["198.18.0.11", "2001:db8:18::11"]);
-        let settled =
-            plan_ensure(&svc, Ok(d.clone()), Seen::Found(observed_from(&d))).settle(&svc, Ok(None));
+        let settled = plan_ensure(&svc, &KEYS, Ok(d.clone()), Seen::Found(observed_from(&d)))
+            .settle(Ok(None));
         assert_eq!(
             ingress_ips(&settled),
             ["2001:db8:51:100::7", "198.51.100.7"]
@@ -828,11 +960,16 @@ mod tests {
         );
         // Upgraded from IPv4 alone: the same LB is updated, and serves both afterwards.
         let single = desired(&svc, &[11]);
-        let upgrade = plan_ensure(&svc, Ok(d.clone()), Seen::Found(observed_from(&single)));
+        let upgrade = plan_ensure(
+            &svc,
+            &KEYS,
+            Ok(d.clone()),
+            Seen::Found(observed_from(&single)),
+        );
         assert!(
             matches!(&upgrade.cloud, CloudAction::Update { current, .. } if current.id == "lb-1")
         );
-        let settled = upgrade.settle(&svc, Ok(Some(observed_from(&d))));
+        let settled = upgrade.settle(Ok(Some(observed_from(&d))));
         assert_eq!(settled.events[0].reason, EventReason::EnsuredLoadBalancer);
         assert_eq!(ingress_ips(&settled).len(), 2);
     }
@@ -841,7 +978,7 @@ mod tests {
     fn a_family_without_nodes_is_named_and_its_vip_still_reported() {
         let svc = with(finalized);
         let d = dual_stack(&svc, &["198.18.0.11"]);
-        let plan = plan_ensure(&svc, Ok(d.clone()), Seen::Missing);
+        let plan = plan_ensure(&svc, &KEYS, Ok(d.clone()), Seen::Missing);
         let warning = plan
             .events_before
             .iter()
@@ -851,7 +988,7 @@ mod tests {
             warning.message,
             "There are no available nodes with an IPv6 address for LoadBalancer"
         );
-        let settled = plan.settle(&svc, Ok(Some(observed_from(&d))));
+        let settled = plan.settle(Ok(Some(observed_from(&d))));
         assert_eq!(ingress_ips(&settled).len(), 2);
         let condition = settled.status.unwrap().1.unwrap();
         assert_eq!(
@@ -862,7 +999,7 @@ mod tests {
             )
         );
         let none = dual_stack(&svc, &[]);
-        let plan = plan_ensure(&svc, Ok(none), Seen::Missing);
+        let plan = plan_ensure(&svc, &KEYS, Ok(none), Seen::Missing);
         assert_eq!(
             plan.events_before[1].message,
             "There are no available nodes for LoadBalancer"
@@ -874,12 +1011,12 @@ mod tests {
         let svc = with(finalized);
         let single = desired(&svc, &[11]);
         let d = dual_stack(&svc, &["198.18.0.11", "2001:db8:18::11"]);
-        let plan = plan_ensure(&svc, Ok(d), Seen::Found(observed_from(&single)));
+        let plan = plan_ensure(&svc, &KEYS, Ok(d), Seen::Found(observed_from(&single)));
         let refused = ProviderError::AddressRefused {
             refusal: crate::provider::AddressRefusal::PoolLacksFamily,
             message: "the VIP pool default has no IPv6 addresses".into(),
         };
-        let settled = plan.settle(&svc, Err(refused.clone()));
+        let settled = plan.settle(Err(refused.clone()));
         let (ingress, condition) = settled.status.unwrap();
         assert_eq!(ingress, IngressUpdate::Keep);
         assert_eq!(condition.unwrap().reason.as_str(), "AddressPoolLacksFamily");
@@ -894,7 +1031,7 @@ mod tests {
         let mut half = observed_from(&d);
         half.vips.retain(IpAddr::is_ipv4);
         let settled =
-            plan_ensure(&svc, Ok(d), Seen::Found(half.clone())).settle(&svc, Ok(Some(half)));
+            plan_ensure(&svc, &KEYS, Ok(d), Seen::Found(half.clone())).settle(Ok(Some(half)));
         let (ingress, condition) = settled.status.unwrap();
         assert_eq!(ingress, IngressUpdate::Keep);
         assert_eq!(condition.unwrap().reason, ConditionReason::CloudError);
@@ -910,18 +1047,15 @@ mod tests {
             finalized(s);
             s.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
         });
-        let plan = plan_cleanup(&svc, &"c".parse().unwrap());
+        let plan = plan_cleanup(&svc, &KEYS, &"c".parse().unwrap());
         assert!(matches!(plan.cloud, CloudAction::Delete(_)));
-        let done = plan.settle(&svc, Ok(None));
+        let done = plan.settle(Ok(None));
         assert!(done.remove_finalizer);
         assert_eq!(done.status, Some((IngressUpdate::Clear, None)));
-        let failed = plan.settle(
-            &svc,
-            Err(ProviderError::Unavailable {
-                operation: crate::provider::Operation::Delete,
-                message: "down".into(),
-            }),
-        );
+        let failed = plan.settle(Err(ProviderError::Unavailable {
+            operation: crate::provider::Operation::Delete,
+            message: "down".into(),
+        }));
         assert!(!failed.remove_finalizer && failed.outcome.is_err());
         assert_eq!(
             failed.events[0].reason,

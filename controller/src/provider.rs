@@ -138,6 +138,98 @@ impl Owner {
     }
 }
 
+/// What a provider is, said once in its module: the name `--cloud-provider` picks it by,
+/// the prefix of the Service annotations it reads, and the `spec.loadBalancerClass` it
+/// serves unless `--load-balancer-class` names another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Profile {
+    pub name: &'static str,
+    /// E.g. `service.beta.kubernetes.io/mockcloud-load-balancer-`: the annotations are this
+    /// followed by `id`, `mode`, `ip`, … (see [`crate::spec::AnnotationKeys`]).
+    pub annotation_prefix: &'static str,
+    pub default_class: &'static str,
+}
+
+impl Profile {
+    pub fn annotation_keys(&self) -> crate::spec::AnnotationKeys {
+        crate::spec::AnnotationKeys::with_prefix(self.annotation_prefix)
+    }
+}
+
+/// What a provider's load balancers can do. The controller checks every desired LB
+/// against them before any cloud call: a Service that needs what its provider lacks gets
+/// a condition and an Event that say so, never a lesser LB in silence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// UDP listeners.
+    pub udp: bool,
+    /// Proxy mode: the LB forwards to `nodeIP:nodePort`.
+    pub proxy: bool,
+    /// Passthrough mode: the LB routes the VIP to a node unchanged.
+    pub passthrough: bool,
+    /// IPv6 VIPs (IPv6-only and dual-stack Services).
+    pub ipv6: bool,
+}
+
+impl Capabilities {
+    /// Everything the controller can ask for.
+    pub const ALL: Self = Self {
+        udp: true,
+        proxy: true,
+        passthrough: true,
+        ipv6: true,
+    };
+
+    /// The first thing `desired` needs that these capabilities lack.
+    pub fn check(&self, desired: &DesiredLoadBalancer) -> Result<(), Unsupported> {
+        let udp_ports: Vec<u16> = desired
+            .listeners
+            .iter()
+            .filter(|l| l.protocol == Protocol::Udp)
+            .map(|l| l.port)
+            .collect();
+        let mode = match desired.mode {
+            LoadBalancerMode::Proxy => self.proxy,
+            LoadBalancerMode::Passthrough => self.passthrough,
+        };
+        if !mode {
+            Err(Unsupported::Mode(desired.mode))
+        } else if !self.udp && !udp_ports.is_empty() {
+            Err(Unsupported::Udp(udp_ports))
+        } else if !self.ipv6 && desired.ip_families.contains(&IpFamily::Ipv6) {
+            Err(Unsupported::Ipv6)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// What a Service needs that its provider cannot do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unsupported {
+    #[error("no UDP listeners (the Service's UDP ports: {})", joined(.0))]
+    Udp(Vec<u16>),
+    #[error("no {} mode", mode_name(*.0))]
+    Mode(LoadBalancerMode),
+    #[error("no IPv6 addresses (the Service's ipFamilies include IPv6)")]
+    Ipv6,
+}
+
+fn joined(ports: &[u16]) -> String {
+    ports
+        .iter()
+        .map(u16::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn mode_name(mode: LoadBalancerMode) -> &'static str {
+    match mode {
+        LoadBalancerMode::Proxy => "proxy",
+        LoadBalancerMode::Passthrough => "passthrough",
+    }
+}
+
 /// Where an LB's addresses come from.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AddressRequest {
@@ -219,8 +311,12 @@ pub struct ObservedLoadBalancer {
     pub phase: LoadBalancerPhase,
     /// The families of its VIPs, in order.
     pub ip_families: Vec<IpFamily>,
-    /// The assigned VIPs, one per family, in the order of `ip_families`.
+    /// The assigned VIPs, one per family, in the order of `ip_families`; may be empty when
+    /// the LB has a `hostname`.
     pub vips: Vec<IpAddr>,
+    /// The DNS name clients reach the LB by, when the cloud gives one (as AWS NLBs do),
+    /// beside the VIPs or instead of them.
+    pub hostname: Option<String>,
     /// The pool the VIPs belong to, when the cloud says.
     pub pool: Option<String>,
     pub sharing_key: Option<String>,
@@ -470,8 +566,11 @@ pub async fn delete_ours<P: LoadBalancerProvider>(
 /// the write it decided on. Implementations must be idempotent: every method may be retried
 /// after a timeout, and `create` must never make a second LB for the same request.
 pub trait LoadBalancerProvider: Send + Sync + 'static {
-    /// A short name for logs.
-    fn name(&self) -> &'static str;
+    /// Its name, annotation prefix and default class.
+    fn profile(&self) -> &'static Profile;
+
+    /// What its LBs can do; the controller refuses a Service that needs more.
+    fn capabilities(&self) -> Capabilities;
 
     /// Finds the LB of `lookup.owner`, by id first, then by its deterministic name and tags.
     /// `ForeignLoadBalancer` when the id names an LB of another cluster.
@@ -570,6 +669,7 @@ pub(crate) mod tests {
                     })
                 })
                 .collect(),
+            hostname: None,
             pool: d.address.pool.clone(),
             sharing_key: d.address.sharing_key.clone(),
             mode: d.mode,

@@ -23,17 +23,14 @@ use crate::nodes::eligible_backends;
 use crate::plan::{
     CloudAction, EventDecision, FINALIZER, Next, Ownership, Plan, PlanError, Seen,
     finalizers_without_ours, may_have_load_balancer, ownership, plan_cleanup, plan_ensure,
-    plan_nothing,
+    plan_nothing, servable,
 };
 use crate::provider::{
     ClusterId, LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
     delete_ours,
 };
 use crate::ratelimit::{PERMANENT_ERROR_RETRY, service_backoff};
-use crate::spec::{
-    ANNOTATION_LB_ID, ClassFilter, WithoutNodePorts, desired_load_balancer, namespace_pool,
-    owner_of, persisted_id,
-};
+use crate::spec::{AnnotationKeys, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of};
 use crate::status::{IngressFields, IngressUpdate, StatusWrite, current_ingress, status_write};
 
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +58,7 @@ impl ReconcileError {
     pub fn is_permanent(&self) -> bool {
         match self {
             ReconcileError::Plan(PlanError::Provider(e)) => e.is_permanent(),
-            ReconcileError::Plan(PlanError::Spec(_)) => true,
+            ReconcileError::Plan(PlanError::Spec(_) | PlanError::Unsupported(_)) => true,
             ReconcileError::Kube { .. } => false,
         }
     }
@@ -75,6 +72,8 @@ fn kube_err(action: &'static str) -> impl FnOnce(kube::Error) -> ReconcileError 
 pub struct Context<P> {
     pub client: kube::Client,
     pub provider: P,
+    /// The provider's annotations.
+    pub keys: AnnotationKeys,
     pub cluster_id: ClusterId,
     pub classes: ClassFilter,
     pub without_node_ports: WithoutNodePorts,
@@ -114,6 +113,7 @@ impl<P: LoadBalancerProvider> Context<P> {
     ) -> Self {
         Self {
             client,
+            keys: provider.profile().annotation_keys(),
             provider,
             cluster_id,
             classes,
@@ -162,7 +162,7 @@ impl<P: LoadBalancerProvider> Context<P> {
             .and_then(|ns| self.namespaces.get(&ObjectRef::new(&ns)));
         namespace
             .as_deref()
-            .and_then(namespace_pool)
+            .and_then(|ns| self.keys.namespace_pool(ns))
             .map(str::to_owned)
             .or_else(|| self.default_pool.clone())
     }
@@ -252,7 +252,7 @@ async fn observe<P: LoadBalancerProvider>(
     ctx: &Context<P>,
     owner_known: bool,
 ) -> Seen {
-    if !owner_known || !may_have_load_balancer(svc) {
+    if !owner_known || !may_have_load_balancer(svc, &ctx.keys) {
         return Seen::NotAsked;
     }
     let owner = match owner_of(svc, &ctx.cluster_id) {
@@ -260,7 +260,7 @@ async fn observe<P: LoadBalancerProvider>(
         Err(_) => return Seen::NotAsked,
     };
     let lookup = LoadBalancerLookup {
-        known_id: persisted_id(svc).map(str::to_owned),
+        known_id: ctx.keys.persisted_id(svc).map(str::to_owned),
         owner,
     };
     match ctx.provider.get(&lookup).await {
@@ -274,19 +274,24 @@ async fn observe<P: LoadBalancerProvider>(
 pub async fn decide<P: LoadBalancerProvider>(svc: &Service, ctx: &Context<P>) -> Plan {
     match ownership(svc, &ctx.classes) {
         Ownership::Ignore => plan_nothing(),
-        Ownership::Cleanup => plan_cleanup(svc, &ctx.cluster_id),
+        Ownership::Cleanup => plan_cleanup(svc, &ctx.keys, &ctx.cluster_id),
         Ownership::Ensure => {
             let backends = eligible_backends(ctx.nodes.state().iter().map(Arc::as_ref));
             let inherited_pool = ctx.inherited_pool(svc);
-            let desired = desired_load_balancer(
-                svc,
-                &ctx.cluster_id,
-                backends,
-                ctx.without_node_ports,
-                inherited_pool.as_deref(),
+            let desired = servable(
+                desired_load_balancer(
+                    svc,
+                    &ctx.keys,
+                    &ctx.cluster_id,
+                    backends,
+                    ctx.without_node_ports,
+                    inherited_pool.as_deref(),
+                ),
+                ctx.provider.profile().name,
+                ctx.provider.capabilities(),
             );
             let seen = observe(svc, ctx, desired.is_ok()).await;
-            plan_ensure(svc, desired, seen)
+            plan_ensure(svc, &ctx.keys, desired, seen)
         }
     }
 }
@@ -334,12 +339,12 @@ pub async fn act<P: LoadBalancerProvider>(
         ctx.publish(&current, event).await;
     }
     let result = call_cloud(&plan.cloud, ctx).await;
-    let settled = plan.settle(&current, result);
+    let settled = plan.settle(result);
     if let Some(id) = &settled.persist_id {
         current = patch_metadata(
             &ctx.client,
             &current,
-            json!({ "annotations": { ANNOTATION_LB_ID: id } }),
+            json!({ "annotations": { &ctx.keys.lb_id: id } }),
             Guard::None,
             "persist load balancer id",
         )
@@ -380,8 +385,10 @@ pub async fn act<P: LoadBalancerProvider>(
     }
     if settled.remove_finalizer {
         let mut metadata = json!({ "finalizers": finalizers_without_ours(&current) });
-        if persisted_id(&current).is_some() && current.metadata.deletion_timestamp.is_none() {
-            metadata["annotations"] = json!({ ANNOTATION_LB_ID: null });
+        if ctx.keys.persisted_id(&current).is_some()
+            && current.metadata.deletion_timestamp.is_none()
+        {
+            metadata["annotations"] = json!({ &ctx.keys.lb_id: null });
         }
         patch_metadata(
             &ctx.client,

@@ -23,7 +23,7 @@ use crate::provider::{
     ClusterId, LoadBalancerLookup, LoadBalancerProvider, ProviderError, delete_ours,
 };
 use crate::runtime::{self, RuntimeError, Settings};
-use crate::spec::{ClassFilter, is_load_balancer, owner_of, persisted_id};
+use crate::spec::{AnnotationKeys, ClassFilter, is_load_balancer, owner_of};
 use crate::status::current_ingress;
 
 /// Flags of `release-load-balancers`.
@@ -93,6 +93,7 @@ fn has_ingress(svc: &Service) -> bool {
 /// (LoadBalancer Services in use only with `release_in_use`).
 pub fn plan(
     services: &[Service],
+    keys: &AnnotationKeys,
     classes: &ClassFilter,
     cluster_id: &ClusterId,
     release_in_use: bool,
@@ -121,7 +122,7 @@ pub fn plan(
             lookup: owner_of(svc, cluster_id)
                 .ok()
                 .map(|owner| LoadBalancerLookup {
-                    known_id: persisted_id(svc).map(str::to_owned),
+                    known_id: keys.persisted_id(svc).map(str::to_owned),
                     owner,
                 }),
             namespace,
@@ -162,8 +163,10 @@ async fn release(
         .await
         .map_err(kube_err("listing Services"))?
         .items;
+    let provider = runtime::cloud_provider(settings, CloudMetrics::default()).await?;
     let plan = plan(
         &services,
+        &provider.profile().annotation_keys(),
         &settings.classes,
         &settings.cluster_id,
         args.release_in_use,
@@ -172,7 +175,6 @@ async fn release(
         return Err(ReleaseError::InUse(plan.in_use));
     }
 
-    let provider = runtime::cloud_provider(settings, CloudMetrics::default())?;
     for svc in &plan.services {
         let service = format!("{}/{}", svc.namespace, svc.name);
         let api = Api::<Service>::namespaced(client.clone(), &svc.namespace);
@@ -277,6 +279,7 @@ async fn remove_finalizer(api: &Api<Service>, name: &str) -> Result<(), kube::Er
 mod tests {
     use super::*;
     use crate::plan::FINALIZER;
+    use crate::spec::tests::KEYS;
     use k8s_openapi::api::core::v1::{
         LoadBalancerIngress, LoadBalancerStatus, ServiceSpec, ServiceStatus,
     };
@@ -324,7 +327,7 @@ mod tests {
             svc("web", "LoadBalancer", true, true),
             svc("plain", "ClusterIP", false, false),
         ];
-        let plan = plan(&services, &classes(), &cluster(), false);
+        let plan = plan(&services, &KEYS, &classes(), &cluster(), false);
         assert_eq!(plan.in_use, vec!["default/web"]);
         assert!(plan.services.is_empty());
     }
@@ -332,7 +335,7 @@ mod tests {
     #[test]
     fn release_in_use_releases_everything_of_ours() {
         let services = [svc("web", "LoadBalancer", true, true)];
-        let plan = plan(&services, &classes(), &cluster(), true);
+        let plan = plan(&services, &KEYS, &classes(), &cluster(), true);
         let release = &plan.services[0];
         assert!(release.clear_ingress && release.remove_finalizer);
         assert_eq!(
@@ -348,7 +351,7 @@ mod tests {
             k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
         );
         let services = [svc("was-lb", "NodePort", true, false), terminating];
-        let plan = plan(&services, &classes(), &cluster(), false);
+        let plan = plan(&services, &KEYS, &classes(), &cluster(), false);
         assert!(plan.in_use.is_empty());
         let names: Vec<_> = plan.services.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, vec!["was-lb", "gone"]);
@@ -367,7 +370,7 @@ mod tests {
             claim_unclassed: false,
             ..classes()
         };
-        let plan = plan(&[leftover], &unclaimed, &cluster(), false);
+        let plan = plan(&[leftover], &KEYS, &unclaimed, &cluster(), false);
         assert_eq!(plan.services.len(), 1);
         assert!(plan.services[0].remove_finalizer);
         assert!(plan.in_use.is_empty());
@@ -379,7 +382,7 @@ mod tests {
         if let Some(spec) = foreign.spec.as_mut() {
             spec.load_balancer_class = Some("example.com/other".into());
         }
-        let plan = plan(&[foreign], &classes(), &cluster(), true);
+        let plan = plan(&[foreign], &KEYS, &classes(), &cluster(), true);
         assert_eq!(plan, ReleasePlan::default());
     }
 }

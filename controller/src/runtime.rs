@@ -25,10 +25,11 @@ use tokio::sync::{broadcast, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{CloudMetrics, Metrics};
-use crate::mockcloud::MockCloudProvider;
 use crate::provider::{ClusterId, LoadBalancerProvider};
 use crate::ratelimit::SharedTokenBucket;
 use crate::reconcile::{Context, error_policy, reconcile};
+use crate::registry::{self, DynProvider, RegistryError};
+use crate::spec::AnnotationKeys;
 use crate::spec::{ClassFilter, WithoutNodePorts};
 use crate::status::IngressFields;
 use crate::triggers::{namespace_fingerprint, reensure_fingerprint};
@@ -38,14 +39,16 @@ pub const CONTROLLER_NAME: &str = "tandem-controller";
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
-    #[error("cloud token file {path}: {source}")]
-    TokenFile {
+    #[error("cloud config file {path}: {source}")]
+    CloudConfig {
         path: String,
         #[source]
         source: std::io::Error,
     },
-    #[error("cloud client: {0}")]
-    Cloud(#[source] cloud_mock_sdk::Error),
+    #[error(transparent)]
+    Provider(#[from] RegistryError),
+    #[error("building the cloud provider: {0}")]
+    ProviderTask(#[source] tokio::task::JoinError),
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -60,11 +63,11 @@ pub enum RuntimeError {
     LostLeadership(String),
 }
 
-pub async fn read_token(path: &Path) -> Result<String, RuntimeError> {
+/// The text of a `--cloud-config` file, for its provider to parse.
+pub async fn read_cloud_config(path: &Path) -> Result<String, RuntimeError> {
     tokio::fs::read_to_string(path)
         .await
-        .map(|t| t.trim().to_owned())
-        .map_err(|source| RuntimeError::TokenFile {
+        .map_err(|source| RuntimeError::CloudConfig {
             path: path.display().to_string(),
             source,
         })
@@ -96,8 +99,10 @@ pub struct Settings {
     pub classes: ClassFilter,
     pub without_node_ports: WithoutNodePorts,
     pub default_pool: Option<String>,
-    pub cloud_url: String,
-    pub cloud_token: String,
+    /// The registered provider to run with (`--cloud-provider`).
+    pub cloud_provider: String,
+    /// The text of its configuration (`--cloud-config`, or the flags that stand for it).
+    pub cloud_config: Option<String>,
     pub cloud_timeout: Duration,
     pub cloud_rate_per_second: f64,
     pub cloud_burst: u32,
@@ -133,7 +138,7 @@ struct Watches {
 }
 
 impl Watches {
-    fn start(client: &kube::Client, cancel: &CancellationToken) -> Self {
+    fn start(client: &kube::Client, keys: &AnnotationKeys, cancel: &CancellationToken) -> Self {
         let (services, services_writer) = reflector::store::<Service>();
         let (service_changes, _) = broadcast::channel(SERVICE_CHANGE_BUFFER);
         let service_stream = watcher(
@@ -144,7 +149,10 @@ impl Watches {
         .reflect(services_writer)
         .applied_objects()
         .predicate_filter(
-            |svc: &Service| Some(reensure_fingerprint(svc)),
+            {
+                let keys = keys.clone();
+                move |svc: &Service| Some(reensure_fingerprint(svc, &keys))
+            },
             PredicateConfig::default(),
         );
         let changes = service_changes.clone();
@@ -175,7 +183,10 @@ impl Watches {
         .reflect(namespaces_writer)
         .applied_objects()
         .predicate_filter(
-            |ns: &Namespace| Some(namespace_fingerprint(ns)),
+            {
+                let keys = keys.clone();
+                move |ns: &Namespace| Some(namespace_fingerprint(ns, &keys))
+            },
             PredicateConfig::default(),
         );
         let changes = service_changes.clone();
@@ -258,19 +269,26 @@ where
     }
 }
 
-/// The cloud provider the settings name, with the shared rate limit and its metrics.
-pub fn cloud_provider(
+/// The cloud provider the settings name, built from its configuration, with the shared
+/// rate limit and its metrics.
+pub async fn cloud_provider(
     settings: &Settings,
     metrics: CloudMetrics,
-) -> Result<MockCloudProvider, RuntimeError> {
-    let sdk_client = cloud_mock_sdk::Client::new(
-        &settings.cloud_url,
-        settings.cloud_token.clone(),
-        MockCloudProvider::client_options(settings.cloud_timeout),
-    )
-    .map_err(RuntimeError::Cloud)?;
-    let bucket = SharedTokenBucket::new(settings.cloud_rate_per_second, settings.cloud_burst);
-    Ok(MockCloudProvider::new(sdk_client, bucket, metrics))
+) -> Result<DynProvider, RuntimeError> {
+    let shared = registry::Shared {
+        bucket: SharedTokenBucket::new(settings.cloud_rate_per_second, settings.cloud_burst),
+        metrics,
+        timeout: settings.cloud_timeout,
+    };
+    let name = settings.cloud_provider.clone();
+    let config = settings.cloud_config.clone();
+    // A provider may read the files its configuration names.
+    let provider =
+        tokio::task::spawn_blocking(move || registry::build(&name, config.as_deref(), shared))
+            .await
+            .map_err(RuntimeError::ProviderTask)??;
+    tracing::info!(provider = provider.profile().name, "cloud provider");
+    Ok(provider)
 }
 
 /// Runs until `cancel` (clean shutdown, `Ok`) or until leadership is lost or the lease task
@@ -282,9 +300,13 @@ pub async fn run(
 ) -> Result<(), RuntimeError> {
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
-    let provider = cloud_provider(&settings, metrics.cloud.clone())?;
+    let provider = cloud_provider(&settings, metrics.cloud.clone()).await?;
     let watch_cancel = cancel.child_token();
-    let watches = Watches::start(&client, &watch_cancel);
+    let watches = Watches::start(
+        &client,
+        &provider.profile().annotation_keys(),
+        &watch_cancel,
+    );
     Metrics::register_services(
         &mut registry,
         watches.services.clone(),

@@ -1,8 +1,9 @@
 //! Service → desired load balancer: which Services are ours, and what their LB must look
 //! like (IP families, listeners, health checks, mode, source ranges, address pool,
-//! requested addresses, sharing key), from the Service spec, its
-//! `service.beta.kubernetes.io/mockcloud-load-balancer-*` annotations and the address pool
-//! its Namespace or the controller names.
+//! requested addresses, sharing key), from the Service spec, the annotations under its
+//! provider's prefix ([`AnnotationKeys`]; the mock cloud's is
+//! `service.beta.kubernetes.io/mockcloud-load-balancer-*`) and the address pool its
+//! Namespace or the controller names.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -16,38 +17,85 @@ use crate::provider::{
     Listener, LoadBalancerMode, Owner, Protocol,
 };
 
-pub const ANNOTATION_PREFIX: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-";
-/// The LB id, persisted right after create so a restart finds the LB by id.
-pub const ANNOTATION_LB_ID: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-id";
-pub const ANNOTATION_MODE: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-mode";
-pub const ANNOTATION_HC_PROTOCOL: &str =
-    "service.beta.kubernetes.io/mockcloud-load-balancer-health-check-protocol";
-pub const ANNOTATION_HC_PATH: &str =
-    "service.beta.kubernetes.io/mockcloud-load-balancer-health-check-path";
-pub const ANNOTATION_HC_PORT: &str =
-    "service.beta.kubernetes.io/mockcloud-load-balancer-health-check-port";
-/// Requested addresses: a comma-separated list, at most one per IP family.
-pub const ANNOTATION_REQUESTED_IP: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-ip";
-/// The address pool, on the Service or (as the default of its Services) on a Namespace.
-pub const ANNOTATION_ADDRESS_POOL: &str =
-    "service.beta.kubernetes.io/mockcloud-load-balancer-address-pool";
-/// The sharing key: Services with the same key may share one address (MetalLB's
-/// `allow-shared-ip`).
-pub const ANNOTATION_SHARED_IP: &str =
-    "service.beta.kubernetes.io/mockcloud-load-balancer-allow-shared-ip";
+/// The annotation keys of one provider: its prefix (e.g.
+/// `service.beta.kubernetes.io/mockcloud-load-balancer-`, see
+/// [`crate::provider::Profile::annotation_prefix`]) followed by each name below.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnnotationKeys {
+    pub prefix: String,
+    /// The LB id, persisted right after create so a restart finds the LB by id.
+    pub lb_id: String,
+    pub mode: String,
+    pub hc_protocol: String,
+    pub hc_path: String,
+    pub hc_port: String,
+    /// Requested addresses: a comma-separated list, at most one per IP family.
+    pub requested_ip: String,
+    /// The address pool, on the Service or (as the default of its Services) on a Namespace.
+    pub address_pool: String,
+    /// The sharing key: Services with the same key may share one address (MetalLB's
+    /// `allow-shared-ip`).
+    pub shared_ip: String,
+}
+
+impl AnnotationKeys {
+    pub fn with_prefix(prefix: &str) -> Self {
+        let key = |name: &str| format!("{prefix}{name}");
+        Self {
+            prefix: prefix.to_owned(),
+            lb_id: key("id"),
+            mode: key("mode"),
+            hc_protocol: key("health-check-protocol"),
+            hc_path: key("health-check-path"),
+            hc_port: key("health-check-port"),
+            requested_ip: key("ip"),
+            address_pool: key("address-pool"),
+            shared_ip: key("allow-shared-ip"),
+        }
+    }
+
+    fn known(&self) -> [&str; 8] {
+        [
+            &self.lb_id,
+            &self.mode,
+            &self.hc_protocol,
+            &self.hc_path,
+            &self.hc_port,
+            &self.requested_ip,
+            &self.address_pool,
+            &self.shared_ip,
+        ]
+    }
+
+    /// The LB id persisted on the Service, if any.
+    pub fn persisted_id<'a>(&self, svc: &'a Service) -> Option<&'a str> {
+        svc.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(&self.lb_id))
+            .map(String::as_str)
+            .filter(|id| !id.is_empty())
+    }
+
+    /// The address pool a Namespace names as the default of its Services.
+    pub fn namespace_pool<'a>(&self, namespace: &'a Namespace) -> Option<&'a str> {
+        self.pool_annotation(namespace.metadata.annotations.as_ref())
+    }
+
+    /// The address-pool annotation of a Service or a Namespace; empty counts as unset.
+    fn pool_annotation<'a>(
+        &self,
+        annotations: Option<&'a BTreeMap<String, String>>,
+    ) -> Option<&'a str> {
+        annotations
+            .and_then(|a| a.get(&self.address_pool))
+            .map(|v| v.trim())
+            .filter(|v| !v.is_empty())
+    }
+}
+
 /// The upstream annotation, honoured when `spec.loadBalancerSourceRanges` is empty.
 pub const ANNOTATION_SOURCE_RANGES: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
-
-const KNOWN_ANNOTATIONS: [&str; 8] = [
-    ANNOTATION_LB_ID,
-    ANNOTATION_MODE,
-    ANNOTATION_HC_PROTOCOL,
-    ANNOTATION_HC_PATH,
-    ANNOTATION_HC_PORT,
-    ANNOTATION_REQUESTED_IP,
-    ANNOTATION_ADDRESS_POOL,
-    ANNOTATION_SHARED_IP,
-];
 
 pub const HEALTHZ_PATH: &str = "/healthz";
 
@@ -75,9 +123,9 @@ pub enum SpecError {
     #[error("port {0} has no nodePort allocated (needed in proxy mode)")]
     MissingNodePort(i32),
     #[error(
-        "port {0} has no nodePort because spec.allocateLoadBalancerNodePorts is false, and proxy mode forwards to node ports; set annotation {ANNOTATION_MODE}: passthrough to serve it without them"
+        "port {port} has no nodePort because spec.allocateLoadBalancerNodePorts is false, and proxy mode forwards to node ports; set annotation {mode_annotation}: passthrough to serve it without them"
     )]
-    NodePortsNotAllocated(i32),
+    NodePortsNotAllocated { port: i32, mode_annotation: String },
     #[error("externalTrafficPolicy Local but no healthCheckNodePort allocated")]
     MissingHealthCheckNodePort,
     #[error("loadBalancerSourceRanges entry {0:?} is not a CIDR")]
@@ -87,9 +135,13 @@ pub enum SpecError {
     #[error("requested addresses {first} and {second}: at most one address per IP family")]
     TwoAddressesOfOneFamily { first: IpAddr, second: IpAddr },
     #[error(
-        "spec.loadBalancerIP {spec} is not among the addresses of annotation {ANNOTATION_REQUESTED_IP} ({annotation}); set one of them, or make them agree"
+        "spec.loadBalancerIP {spec} is not among the addresses of annotation {key} ({annotation}); set one of them, or make them agree"
     )]
-    ConflictingRequestedIp { spec: IpAddr, annotation: String },
+    ConflictingRequestedIp {
+        spec: IpAddr,
+        key: String,
+        annotation: String,
+    },
     #[error(
         "spec.ipFamilies {0:?} cannot be served: this controller serves IPv4, IPv6, or one of each"
     )]
@@ -103,9 +155,9 @@ pub enum SpecError {
         families: String,
     },
     #[error(
-        "address pool {0:?} (from {ANNOTATION_ADDRESS_POOL} on the Service or its Namespace, or --default-address-pool) is not a pool name: want up to 63 characters of [a-z0-9-], not starting or ending with -"
+        "address pool {pool:?} (from {key} on the Service or its Namespace, or --default-address-pool) is not a pool name: want up to 63 characters of [a-z0-9-], not starting or ending with -"
     )]
-    BadPoolName(String),
+    BadPoolName { pool: String, key: String },
 }
 
 impl SpecError {
@@ -164,16 +216,6 @@ pub fn is_being_deleted(svc: &Service) -> bool {
     svc.metadata.deletion_timestamp.is_some()
 }
 
-/// The LB id persisted on the Service, if any.
-pub fn persisted_id(svc: &Service) -> Option<&str> {
-    svc.metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(ANNOTATION_LB_ID))
-        .map(String::as_str)
-        .filter(|id| !id.is_empty())
-}
-
 pub fn owner_of(svc: &Service, cluster_id: &ClusterId) -> Result<Owner, SpecError> {
     Ok(Owner {
         cluster_id: cluster_id.clone(),
@@ -213,9 +255,10 @@ fn bad(annotation: &str, value: &str, reason: &'static str) -> SpecError {
 
 fn parse_mode(
     svc: &Service,
+    keys: &AnnotationKeys,
     without_node_ports: WithoutNodePorts,
 ) -> Result<LoadBalancerMode, SpecError> {
-    match annotation(svc, ANNOTATION_MODE) {
+    match annotation(svc, &keys.mode) {
         None if !allocates_node_ports(svc)
             && without_node_ports == WithoutNodePorts::Passthrough =>
         {
@@ -224,7 +267,7 @@ fn parse_mode(
         None => Ok(LoadBalancerMode::Proxy),
         Some(v) if v.eq_ignore_ascii_case("proxy") => Ok(LoadBalancerMode::Proxy),
         Some(v) if v.eq_ignore_ascii_case("passthrough") => Ok(LoadBalancerMode::Passthrough),
-        Some(v) => Err(bad(ANNOTATION_MODE, v, "want proxy or passthrough")),
+        Some(v) => Err(bad(&keys.mode, v, "want proxy or passthrough")),
     }
 }
 
@@ -238,7 +281,7 @@ fn parse_ip(raw: &str) -> Result<IpAddr, SpecError> {
 /// or `spec.loadBalancerIP` (deprecated upstream, still honoured). When both are set the
 /// annotation wins, and the spec's address must be one of its addresses: a Service that
 /// asks for two different addresses of one family is refused, not guessed at.
-pub fn requested_ips(svc: &Service) -> Result<Vec<IpAddr>, SpecError> {
+pub fn requested_ips(svc: &Service, keys: &AnnotationKeys) -> Result<Vec<IpAddr>, SpecError> {
     let from_spec = svc
         .spec
         .as_ref()
@@ -246,7 +289,7 @@ pub fn requested_ips(svc: &Service) -> Result<Vec<IpAddr>, SpecError> {
         .filter(|v| !v.trim().is_empty())
         .map(parse_ip)
         .transpose()?;
-    let Some(raw) = annotation(svc, ANNOTATION_REQUESTED_IP).filter(|v| !v.is_empty()) else {
+    let Some(raw) = annotation(svc, &keys.requested_ip).filter(|v| !v.is_empty()) else {
         return Ok(from_spec.into_iter().collect());
     };
     let mut listed: Vec<IpAddr> = Vec::new();
@@ -268,39 +311,33 @@ pub fn requested_ips(svc: &Service) -> Result<Vec<IpAddr>, SpecError> {
     match from_spec {
         Some(spec) if !listed.contains(&spec) => Err(SpecError::ConflictingRequestedIp {
             spec,
+            key: keys.requested_ip.clone(),
             annotation: raw.to_owned(),
         }),
         _ => Ok(listed),
     }
 }
 
-/// The address-pool annotation of a Service or a Namespace; empty counts as unset.
-fn pool_annotation(annotations: Option<&BTreeMap<String, String>>) -> Option<&str> {
-    annotations
-        .and_then(|a| a.get(ANNOTATION_ADDRESS_POOL))
-        .map(|v| v.trim())
-        .filter(|v| !v.is_empty())
-}
-
-/// The address pool a Namespace names as the default of its Services.
-pub fn namespace_pool(namespace: &Namespace) -> Option<&str> {
-    pool_annotation(namespace.metadata.annotations.as_ref())
-}
-
 /// Where the LB's address comes from: the Service's pool annotation, else `inherited_pool`
 /// (its Namespace's, else the controller's default); the requested addresses; the sharing key.
 pub fn address_request(
     svc: &Service,
+    keys: &AnnotationKeys,
     inherited_pool: Option<&str>,
 ) -> Result<AddressRequest, SpecError> {
-    let pool = pool_annotation(svc.metadata.annotations.as_ref()).or(inherited_pool);
+    let pool = keys
+        .pool_annotation(svc.metadata.annotations.as_ref())
+        .or(inherited_pool);
     if let Some(pool) = pool.filter(|p| !is_dns1123_label(p)) {
-        return Err(SpecError::BadPoolName(pool.to_owned()));
+        return Err(SpecError::BadPoolName {
+            pool: pool.to_owned(),
+            key: keys.address_pool.clone(),
+        });
     }
     Ok(AddressRequest {
         pool: pool.map(str::to_owned),
-        requested: requested_ips(svc)?,
-        sharing_key: annotation(svc, ANNOTATION_SHARED_IP)
+        requested: requested_ips(svc, keys)?,
+        sharing_key: annotation(svc, &keys.shared_ip)
             .filter(|v| !v.is_empty())
             .map(str::to_owned),
     })
@@ -340,7 +377,7 @@ fn source_ranges(svc: &Service) -> Result<Vec<IpNet>, SpecError> {
     Ok(ranges)
 }
 
-fn health_check(svc: &Service) -> Result<HealthCheck, SpecError> {
+fn health_check(svc: &Service, keys: &AnnotationKeys) -> Result<HealthCheck, SpecError> {
     let spec = svc.spec.as_ref();
     let local = spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
     let default_port = if local {
@@ -354,26 +391,26 @@ fn health_check(svc: &Service) -> Result<HealthCheck, SpecError> {
     } else {
         tandem_common::NODE_HEALTHZ_PORT
     };
-    let protocol = match annotation(svc, ANNOTATION_HC_PROTOCOL) {
+    let protocol = match annotation(svc, &keys.hc_protocol) {
         None => HealthCheckProtocol::Http,
         Some(v) if v.eq_ignore_ascii_case("http") => HealthCheckProtocol::Http,
         Some(v) if v.eq_ignore_ascii_case("tcp") => HealthCheckProtocol::Tcp,
-        Some(v) => return Err(bad(ANNOTATION_HC_PROTOCOL, v, "want http or tcp")),
+        Some(v) => return Err(bad(&keys.hc_protocol, v, "want http or tcp")),
     };
-    let port = match annotation(svc, ANNOTATION_HC_PORT) {
+    let port = match annotation(svc, &keys.hc_port) {
         None => default_port,
         Some(v) => v
             .parse::<u16>()
             .ok()
             .filter(|p| *p != 0)
-            .ok_or_else(|| bad(ANNOTATION_HC_PORT, v, "want a port number 1-65535"))?,
+            .ok_or_else(|| bad(&keys.hc_port, v, "want a port number 1-65535"))?,
     };
-    let path = match (protocol, annotation(svc, ANNOTATION_HC_PATH)) {
+    let path = match (protocol, annotation(svc, &keys.hc_path)) {
         (HealthCheckProtocol::Http, None) => Some(HEALTHZ_PATH.to_owned()),
         (HealthCheckProtocol::Http, Some(p)) => {
             if !p.starts_with('/') || p.chars().any(|c| c.is_whitespace() || c.is_control()) {
                 return Err(bad(
-                    ANNOTATION_HC_PATH,
+                    &keys.hc_path,
                     p,
                     "want an absolute path without spaces",
                 ));
@@ -383,7 +420,7 @@ fn health_check(svc: &Service) -> Result<HealthCheck, SpecError> {
         (HealthCheckProtocol::Tcp, None) => None,
         (HealthCheckProtocol::Tcp, Some(p)) => {
             return Err(bad(
-                ANNOTATION_HC_PATH,
+                &keys.hc_path,
                 p,
                 "a path needs the http health-check protocol",
             ));
@@ -398,6 +435,7 @@ fn health_check(svc: &Service) -> Result<HealthCheck, SpecError> {
 
 fn listeners(
     svc: &Service,
+    keys: &AnnotationKeys,
     mode: LoadBalancerMode,
     check: &HealthCheck,
 ) -> Result<Vec<Listener>, SpecError> {
@@ -433,7 +471,10 @@ fn listeners(
                     .ok_or(SpecError::PortOutOfRange(np))?,
                 (None, LoadBalancerMode::Passthrough) => port,
                 (None, LoadBalancerMode::Proxy) if !allocates_node_ports(svc) => {
-                    return Err(SpecError::NodePortsNotAllocated(p.port));
+                    return Err(SpecError::NodePortsNotAllocated {
+                        port: p.port,
+                        mode_annotation: keys.mode.clone(),
+                    });
                 }
                 (None, LoadBalancerMode::Proxy) => return Err(SpecError::MissingNodePort(p.port)),
             };
@@ -449,13 +490,13 @@ fn listeners(
     Ok(listeners)
 }
 
-fn check_annotations(svc: &Service) -> Result<(), SpecError> {
+fn check_annotations(svc: &Service, keys: &AnnotationKeys) -> Result<(), SpecError> {
     let Some(annotations) = svc.metadata.annotations.as_ref() else {
         return Ok(());
     };
     match annotations
         .keys()
-        .find(|k| k.starts_with(ANNOTATION_PREFIX) && !KNOWN_ANNOTATIONS.contains(&k.as_str()))
+        .find(|k| k.starts_with(&keys.prefix) && !keys.known().contains(&k.as_str()))
     {
         Some(unknown) => Err(SpecError::UnknownAnnotation(unknown.clone())),
         None => Ok(()),
@@ -520,18 +561,19 @@ fn check_requested_families(
 /// (see [`address_request`]).
 pub fn desired_load_balancer(
     svc: &Service,
+    keys: &AnnotationKeys,
     cluster_id: &ClusterId,
     backends: BTreeSet<IpAddr>,
     without_node_ports: WithoutNodePorts,
     inherited_pool: Option<&str>,
 ) -> Result<DesiredLoadBalancer, SpecError> {
     let owner = owner_of(svc, cluster_id)?;
-    check_annotations(svc)?;
+    check_annotations(svc, keys)?;
     let ip_families = ip_families(svc)?;
     let of_families = |ip: &IpAddr| ip_families.contains(&IpFamily::of(ip));
-    let mode = parse_mode(svc, without_node_ports)?;
-    let check = health_check(svc)?;
-    let address = address_request(svc, inherited_pool)?;
+    let mode = parse_mode(svc, keys, without_node_ports)?;
+    let check = health_check(svc, keys)?;
+    let address = address_request(svc, keys, inherited_pool)?;
     check_requested_families(&address, &ip_families)?;
     let mut source_ranges = source_ranges(svc)?;
     source_ranges.retain(|net| of_families(&net.addr()));
@@ -539,7 +581,7 @@ pub fn desired_load_balancer(
         owner,
         mode,
         address,
-        listeners: listeners(svc, mode, &check)?,
+        listeners: listeners(svc, keys, mode, &check)?,
         backends: backends.into_iter().filter(of_families).collect(),
         source_ranges,
         ip_families,
@@ -554,6 +596,11 @@ pub(crate) mod tests {
     use proptest::prelude::*;
     use std::collections::BTreeMap;
     use std::net::Ipv4Addr;
+    use std::sync::LazyLock;
+
+    /// The keys of a provider whose prefix is `example.com/lb-`.
+    pub(crate) static KEYS: LazyLock<AnnotationKeys> =
+        LazyLock::new(|| AnnotationKeys::with_prefix("example.com/lb-"));
 
     pub(crate) fn service(name: &str) -> Service {
         Service {
@@ -594,6 +641,7 @@ pub(crate) mod tests {
     fn desired(svc: &Service) -> Result<DesiredLoadBalancer, SpecError> {
         desired_load_balancer(
             svc,
+            &KEYS,
             &cluster(),
             BTreeSet::new(),
             WithoutNodePorts::Passthrough,
@@ -612,17 +660,31 @@ pub(crate) mod tests {
         assert_eq!(served.listeners[0].backend_port, 80);
         let refused = desired_load_balancer(
             &svc,
+            &KEYS,
             &cluster(),
             BTreeSet::new(),
             WithoutNodePorts::Refuse,
             None,
         );
-        assert_eq!(refused, Err(SpecError::NodePortsNotAllocated(80)));
-        let proxy = with_annotation(svc.clone(), ANNOTATION_MODE, "proxy");
-        assert_eq!(desired(&proxy), Err(SpecError::NodePortsNotAllocated(80)));
-        let asked = with_annotation(svc, ANNOTATION_MODE, "passthrough");
+        assert_eq!(
+            refused,
+            Err(SpecError::NodePortsNotAllocated {
+                port: 80,
+                mode_annotation: KEYS.mode.clone()
+            })
+        );
+        let proxy = with_annotation(svc.clone(), &KEYS.mode, "proxy");
+        assert_eq!(
+            desired(&proxy),
+            Err(SpecError::NodePortsNotAllocated {
+                port: 80,
+                mode_annotation: KEYS.mode.clone()
+            })
+        );
+        let asked = with_annotation(svc, &KEYS.mode, "passthrough");
         let asked = desired_load_balancer(
             &asked,
+            &KEYS,
             &cluster(),
             BTreeSet::new(),
             WithoutNodePorts::Refuse,
@@ -716,7 +778,7 @@ pub(crate) mod tests {
         let mut svc = service("s");
         svc.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].node_port = None;
         assert_eq!(desired(&svc), Err(SpecError::MissingNodePort(80)));
-        let svc = with_annotation(svc, ANNOTATION_MODE, "passthrough");
+        let svc = with_annotation(svc, &KEYS.mode, "passthrough");
         let d = desired(&svc).unwrap();
         assert_eq!(d.mode, LoadBalancerMode::Passthrough);
         assert_eq!(d.listeners[0].backend_port, 80);
@@ -724,14 +786,14 @@ pub(crate) mod tests {
 
     #[test]
     fn annotations_override_health_check() {
-        let svc = with_annotation(service("s"), ANNOTATION_HC_PATH, "/ready");
-        let svc = with_annotation(svc, ANNOTATION_HC_PORT, "8080");
+        let svc = with_annotation(service("s"), &KEYS.hc_path, "/ready");
+        let svc = with_annotation(svc, &KEYS.hc_port, "8080");
         let hc = desired(&svc).unwrap().listeners[0]
             .health_check
             .clone()
             .unwrap();
         assert_eq!((hc.port, hc.path.as_deref()), (8080, Some("/ready")));
-        let svc = with_annotation(service("s"), ANNOTATION_HC_PROTOCOL, "TCP");
+        let svc = with_annotation(service("s"), &KEYS.hc_protocol, "TCP");
         let hc = desired(&svc).unwrap().listeners[0]
             .health_check
             .clone()
@@ -742,11 +804,11 @@ pub(crate) mod tests {
     #[test]
     fn bad_annotations_are_typed_errors() {
         for (k, v) in [
-            (ANNOTATION_MODE, "bridge"),
-            (ANNOTATION_HC_PROTOCOL, "grpc"),
-            (ANNOTATION_HC_PORT, "0"),
-            (ANNOTATION_HC_PORT, "70000"),
-            (ANNOTATION_HC_PATH, "healthz"),
+            (&KEYS.mode, "bridge"),
+            (&KEYS.hc_protocol, "grpc"),
+            (&KEYS.hc_port, "0"),
+            (&KEYS.hc_port, "70000"),
+            (&KEYS.hc_path, "healthz"),
         ] {
             let err = desired(&with_annotation(service("s"), k, v)).unwrap_err();
             assert!(
@@ -754,13 +816,13 @@ pub(crate) mod tests {
                 "{k}={v}: {err}"
             );
         }
-        let svc = with_annotation(service("s"), ANNOTATION_HC_PROTOCOL, "tcp");
-        let svc = with_annotation(svc, ANNOTATION_HC_PATH, "/x");
+        let svc = with_annotation(service("s"), &KEYS.hc_protocol, "tcp");
+        let svc = with_annotation(svc, &KEYS.hc_path, "/x");
         assert!(matches!(
             desired(&svc),
             Err(SpecError::BadAnnotation { .. })
         ));
-        let typo = format!("{ANNOTATION_PREFIX}mdoe");
+        let typo = format!("{}mdoe", KEYS.prefix);
         assert_eq!(
             desired(&with_annotation(service("s"), &typo, "proxy")),
             Err(SpecError::UnknownAnnotation(typo))
@@ -777,27 +839,27 @@ pub(crate) mod tests {
         let mut svc = service("s");
         svc.spec.as_mut().unwrap().load_balancer_ip = Some("198.51.100.10".into());
         assert_eq!(requested(&svc), Ok(vec![v4(10)]));
-        let same = with_annotation(svc.clone(), ANNOTATION_REQUESTED_IP, "198.51.100.10");
+        let same = with_annotation(svc.clone(), &KEYS.requested_ip, "198.51.100.10");
         assert_eq!(requested(&same), Ok(vec![v4(10)]));
-        let other = with_annotation(svc.clone(), ANNOTATION_REQUESTED_IP, "198.51.100.11");
+        let other = with_annotation(svc.clone(), &KEYS.requested_ip, "198.51.100.11");
         assert!(matches!(
             requested(&other),
             Err(SpecError::ConflictingRequestedIp { .. })
         ));
         // The annotation's list wins and lists the families in order, IPv4 first.
         let dual = with_families(
-            with_annotation(svc, ANNOTATION_REQUESTED_IP, " 2001:db8::1, 198.51.100.10"),
+            with_annotation(svc, &KEYS.requested_ip, " 2001:db8::1, 198.51.100.10"),
             &["IPv6", "IPv4"],
         );
         assert_eq!(
             requested(&dual),
             Ok(vec![v4(10), "2001:db8::1".parse().unwrap()])
         );
-        let annotated = with_annotation(service("s"), ANNOTATION_REQUESTED_IP, "198.51.100.12");
+        let annotated = with_annotation(service("s"), &KEYS.requested_ip, "198.51.100.12");
         assert_eq!(requested(&annotated), Ok(vec![v4(12)]));
         let two_v4 = with_annotation(
             service("s"),
-            ANNOTATION_REQUESTED_IP,
+            &KEYS.requested_ip,
             "198.51.100.12,198.51.100.13",
         );
         assert_eq!(
@@ -807,7 +869,7 @@ pub(crate) mod tests {
                 second: v4(13)
             })
         );
-        let garbage = with_annotation(service("s"), ANNOTATION_REQUESTED_IP, "198.51.100.x");
+        let garbage = with_annotation(service("s"), &KEYS.requested_ip, "198.51.100.x");
         assert!(matches!(
             requested(&garbage),
             Err(SpecError::BadRequestedIp(_))
@@ -820,6 +882,7 @@ pub(crate) mod tests {
         let pool = |svc: &Service, inherited: Option<&str>| {
             desired_load_balancer(
                 svc,
+                &KEYS,
                 &cluster(),
                 BTreeSet::new(),
                 WithoutNodePorts::Passthrough,
@@ -832,32 +895,35 @@ pub(crate) mod tests {
         let plain = service("s");
         assert_eq!(pool(&plain, None), None);
         assert_eq!(pool(&plain, Some("ns-pool")), Some("ns-pool".into()));
-        let own = with_annotation(plain.clone(), ANNOTATION_ADDRESS_POOL, " blue ");
+        let own = with_annotation(plain.clone(), &KEYS.address_pool, " blue ");
         assert_eq!(pool(&own, Some("ns-pool")), Some("blue".into()));
-        let empty = with_annotation(plain.clone(), ANNOTATION_ADDRESS_POOL, "");
+        let empty = with_annotation(plain.clone(), &KEYS.address_pool, "");
         assert_eq!(pool(&empty, Some("ns-pool")), Some("ns-pool".into()));
         for bad in ["Blue", "-blue", "blue pool", &"x".repeat(64)] {
-            let named = with_annotation(plain.clone(), ANNOTATION_ADDRESS_POOL, bad);
+            let named = with_annotation(plain.clone(), &KEYS.address_pool, bad);
             assert_eq!(
                 desired(&named),
-                Err(SpecError::BadPoolName(bad.to_owned())),
+                Err(SpecError::BadPoolName {
+                    pool: bad.to_owned(),
+                    key: KEYS.address_pool.clone()
+                }),
                 "{bad}"
             );
         }
         let mut namespace = Namespace::default();
-        assert_eq!(namespace_pool(&namespace), None);
+        assert_eq!(KEYS.namespace_pool(&namespace), None);
         namespace.metadata.annotations = Some(BTreeMap::from([(
-            ANNOTATION_ADDRESS_POOL.into(),
+            KEYS.address_pool.clone(),
             "green".into(),
         )]));
-        assert_eq!(namespace_pool(&namespace), Some("green"));
+        assert_eq!(KEYS.namespace_pool(&namespace), Some("green"));
     }
 
     #[test]
     fn sharing_key_from_annotation() {
         let key = |svc: &Service| desired(svc).unwrap().address.sharing_key;
         assert_eq!(key(&service("s")), None);
-        let shared = with_annotation(service("s"), ANNOTATION_SHARED_IP, "dns");
+        let shared = with_annotation(service("s"), &KEYS.shared_ip, "dns");
         assert_eq!(key(&shared), Some("dns".into()));
     }
 
@@ -932,6 +998,7 @@ pub(crate) mod tests {
             ranges(&mut svc);
             let d = desired_load_balancer(
                 &svc,
+                &KEYS,
                 &cluster(),
                 nodes.clone(),
                 WithoutNodePorts::Passthrough,
@@ -963,7 +1030,7 @@ pub(crate) mod tests {
     fn requested_addresses_must_be_of_the_services_families() {
         let dual_request = with_annotation(
             service("s"),
-            ANNOTATION_REQUESTED_IP,
+            &KEYS.requested_ip,
             "2001:db8:51:100::9,198.51.100.9",
         );
         assert_eq!(
@@ -1012,13 +1079,13 @@ pub(crate) mod tests {
 
     #[test]
     fn persisted_id_ignores_empty() {
-        assert_eq!(persisted_id(&service("s")), None);
+        assert_eq!(KEYS.persisted_id(&service("s")), None);
         assert_eq!(
-            persisted_id(&with_annotation(service("s"), ANNOTATION_LB_ID, "lb-1")),
+            KEYS.persisted_id(&with_annotation(service("s"), &KEYS.lb_id, "lb-1")),
             Some("lb-1")
         );
         assert_eq!(
-            persisted_id(&with_annotation(service("s"), ANNOTATION_LB_ID, "")),
+            KEYS.persisted_id(&with_annotation(service("s"), &KEYS.lb_id, "")),
             None
         );
     }
@@ -1028,10 +1095,10 @@ pub(crate) mod tests {
         // deterministic.
         #[test]
         fn arbitrary_annotations_never_panic(
-            key in prop::sample::select(KNOWN_ANNOTATIONS.to_vec()),
+            key in prop::sample::select(KEYS.known().map(str::to_owned).to_vec()),
             value in ".{0,40}",
         ) {
-            let svc = with_annotation(service("s"), key, &value);
+            let svc = with_annotation(service("s"), &key, &value);
             let first = desired(&svc);
             prop_assert_eq!(first, desired(&svc));
         }

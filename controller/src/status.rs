@@ -25,6 +25,8 @@ pub enum ConditionReason {
     AddressRefused(AddressRefusal),
     CloudError,
     InvalidConfiguration,
+    /// The Service needs what its provider cannot do.
+    Unsupported,
 }
 
 impl ConditionReason {
@@ -44,6 +46,7 @@ impl ConditionReason {
             },
             ConditionReason::CloudError => "CloudError",
             ConditionReason::InvalidConfiguration => "InvalidConfiguration",
+            ConditionReason::Unsupported => "UnsupportedByProvider",
         }
     }
 
@@ -75,8 +78,14 @@ pub enum IngressUpdate {
 /// The ingress of an LB with these VIPs (one per family, in the Service's family order),
 /// one entry each: ipMode `VIP` in passthrough mode (traffic arrives addressed to the VIP,
 /// so in-cluster clients may short-cut it), `Proxy` in proxy mode (traffic arrives from
-/// the LB; in-cluster clients must go through it too).
-pub fn ingress_for(vips: &[IpAddr], desired: &DesiredLoadBalancer) -> Vec<LoadBalancerIngress> {
+/// the LB; in-cluster clients must go through it too). A `hostname` goes on every entry,
+/// or, for an LB without VIPs, on one entry of its own with no ipMode (the API allows
+/// one only beside an ip; kube-proxy takes no short-cut to a hostname).
+pub fn ingress_for(
+    vips: &[IpAddr],
+    hostname: Option<&str>,
+    desired: &DesiredLoadBalancer,
+) -> Vec<LoadBalancerIngress> {
     let ip_mode = match desired.mode {
         LoadBalancerMode::Passthrough => "VIP",
         LoadBalancerMode::Proxy => "Proxy",
@@ -93,12 +102,23 @@ pub fn ingress_for(vips: &[IpAddr], desired: &DesiredLoadBalancer) -> Vec<LoadBa
             error: None,
         })
         .collect();
+    let hostname = hostname.map(str::to_owned);
+    if vips.is_empty() {
+        return hostname
+            .map(|hostname| LoadBalancerIngress {
+                hostname: Some(hostname),
+                ports: Some(ports),
+                ..LoadBalancerIngress::default()
+            })
+            .into_iter()
+            .collect();
+    }
     vips.iter()
         .map(|vip| LoadBalancerIngress {
             ip: Some(vip.to_string()),
             ip_mode: Some(ip_mode.into()),
             ports: Some(ports.clone()),
-            hostname: None,
+            hostname: hostname.clone(),
         })
         .collect()
 }
@@ -401,7 +421,8 @@ mod tests {
     fn a_v1_21_server_gets_no_ip_mode_and_is_not_rewritten() {
         let svc = crate::spec::tests::service("web");
         let v1_21 = IngressFields::of_minor(21);
-        let ingress = IngressUpdate::Set(ingress_for(&vip(), &desired(LoadBalancerMode::Proxy)));
+        let ingress =
+            IngressUpdate::Set(ingress_for(&vip(), None, &desired(LoadBalancerMode::Proxy)));
         let patch = status_write(&svc, &ingress, Some(&ready()), v1_21, t(1)).unwrap();
         let sent = &patch.body["status"]["loadBalancer"]["ingress"][0];
         assert_eq!(sent["ip"], "198.51.100.5");
@@ -423,7 +444,7 @@ mod tests {
             .iter()
             .map(|v| v.parse().unwrap())
             .collect();
-        let ingress = IngressUpdate::Set(ingress_for(&vips, &dual));
+        let ingress = IngressUpdate::Set(ingress_for(&vips, None, &dual));
         let patch = status_write(&svc, &ingress, Some(&ready()), v1_21, t(1)).unwrap();
         let sent = patch.body["status"]["loadBalancer"]["ingress"]
             .as_array()
@@ -440,7 +461,7 @@ mod tests {
             None
         );
         // Downgraded to its primary family: the other entry goes, in one write.
-        let single = IngressUpdate::Set(ingress_for(&vips[..1], &dual));
+        let single = IngressUpdate::Set(ingress_for(&vips[..1], None, &dual));
         let patch = status_write(&written, &single, Some(&ready()), v1_21, t(3)).unwrap();
         let ips: Vec<String> = current_ingress(&apply_as(&written, &patch, v1_21))
             .iter()
@@ -458,7 +479,8 @@ mod tests {
             ports: true,
         };
         let guess = IngressFields::of_minor(29);
-        let ingress = IngressUpdate::Set(ingress_for(&vip(), &desired(LoadBalancerMode::Proxy)));
+        let ingress =
+            IngressUpdate::Set(ingress_for(&vip(), None, &desired(LoadBalancerMode::Proxy)));
         let patch = status_write(&svc, &ingress, Some(&ready()), guess, t(1)).unwrap();
         let written = apply_as(&svc, &patch, server);
         let learned = guess.learn(patch.ingress.as_deref().unwrap(), &ingress_of(&written));
@@ -476,18 +498,48 @@ mod tests {
 
     #[test]
     fn ip_mode_follows_lb_mode() {
-        let proxy = ingress_for(&vip(), &desired(LoadBalancerMode::Proxy));
+        let proxy = ingress_for(&vip(), None, &desired(LoadBalancerMode::Proxy));
         assert_eq!(proxy[0].ip_mode.as_deref(), Some("Proxy"));
         assert_eq!(proxy[0].ip.as_deref(), Some("198.51.100.5"));
         assert_eq!(proxy[0].ports.as_ref().unwrap().len(), 2);
-        let pass = ingress_for(&vip(), &desired(LoadBalancerMode::Passthrough));
+        let pass = ingress_for(&vip(), None, &desired(LoadBalancerMode::Passthrough));
         assert_eq!(pass[0].ip_mode.as_deref(), Some("VIP"));
+    }
+
+    #[test]
+    fn a_hostname_goes_beside_the_vips_or_alone() {
+        let d = desired(LoadBalancerMode::Passthrough);
+        let both = ingress_for(&vip(), Some("lb-1.example.net"), &d);
+        assert_eq!(both.len(), 1);
+        assert_eq!(
+            (both[0].ip.as_deref(), both[0].hostname.as_deref()),
+            (Some("198.51.100.5"), Some("lb-1.example.net"))
+        );
+        let alone = ingress_for(&[], Some("lb-1.example.net"), &d);
+        assert_eq!(alone.len(), 1);
+        assert_eq!(alone[0].hostname.as_deref(), Some("lb-1.example.net"));
+        // The API accepts an ipMode only beside an ip.
+        assert_eq!(
+            (alone[0].ip.as_deref(), alone[0].ip_mode.as_deref()),
+            (None, None)
+        );
+        assert_eq!(alone[0].ports.as_ref().map(Vec::len), Some(2));
+        assert!(ingress_for(&[], None, &d).is_empty());
+        // A hostname that changes is a status write; the same one is not.
+        let svc = crate::spec::tests::service("web");
+        let named = IngressUpdate::Set(alone);
+        let patch = write(&svc, &named, Some(&ready()), t(100)).unwrap();
+        let updated = apply(&svc, &patch);
+        assert_eq!(write(&updated, &named, Some(&ready()), t(200)), None);
+        let renamed = IngressUpdate::Set(ingress_for(&[], Some("lb-2.example.net"), &d));
+        assert!(write(&updated, &renamed, Some(&ready()), t(200)).is_some());
     }
 
     #[test]
     fn patch_only_on_change() {
         let svc = crate::spec::tests::service("web");
-        let ingress = IngressUpdate::Set(ingress_for(&vip(), &desired(LoadBalancerMode::Proxy)));
+        let ingress =
+            IngressUpdate::Set(ingress_for(&vip(), None, &desired(LoadBalancerMode::Proxy)));
         let patch = write(&svc, &ingress, Some(&ready()), t(100)).unwrap();
         let updated = apply(&svc, &patch);
         assert_eq!(write(&updated, &ingress, Some(&ready()), t(200)), None);
@@ -555,7 +607,7 @@ mod tests {
             for (i, (reason, serving)) in steps.into_iter().enumerate() {
                 let now = t(1000 + i64::try_from(i).unwrap());
                 let ingress = if serving {
-                    IngressUpdate::Set(ingress_for(&vip(), &desired(LoadBalancerMode::Proxy)))
+                    IngressUpdate::Set(ingress_for(&vip(), None, &desired(LoadBalancerMode::Proxy)))
                 } else {
                     IngressUpdate::Keep
                 };
@@ -592,7 +644,8 @@ mod tests {
             conditions: Some(vec![foreign.clone()]),
             load_balancer: None,
         });
-        let ingress = IngressUpdate::Set(ingress_for(&vip(), &desired(LoadBalancerMode::Proxy)));
+        let ingress =
+            IngressUpdate::Set(ingress_for(&vip(), None, &desired(LoadBalancerMode::Proxy)));
         let patch = write(&svc, &ingress, Some(&ready()), t(5)).unwrap();
         // The patch carries our condition only; the other writer's is not ours to send.
         let sent = patch.body["status"]["conditions"].as_array().unwrap();

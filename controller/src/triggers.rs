@@ -15,16 +15,16 @@ use kube::ResourceExt;
 use serde_json::json;
 
 use crate::plan::FINALIZER;
-use crate::spec::{ANNOTATION_LB_ID, namespace_pool};
+use crate::spec::AnnotationKeys;
 
 /// A hash of every field that can require a cloud call; used as the kube-runtime
 /// predicate so status writes and label edits do not wake the reconciler.
-pub fn reensure_fingerprint(svc: &Service) -> u64 {
+pub fn reensure_fingerprint(svc: &Service, keys: &AnnotationKeys) -> u64 {
     let spec = svc.spec.as_ref();
     let annotations: Vec<(&String, &String)> = svc
         .annotations()
         .iter()
-        .filter(|(k, _)| k.as_str() != ANNOTATION_LB_ID)
+        .filter(|(k, _)| **k != keys.lb_id)
         .collect();
     let finalizers: Vec<&String> = svc
         .finalizers()
@@ -57,9 +57,9 @@ pub fn reensure_fingerprint(svc: &Service) -> u64 {
 
 /// A hash of what a Namespace gives its Services (the address pool), so only a change of
 /// it re-ensures them.
-pub fn namespace_fingerprint(namespace: &Namespace) -> u64 {
+pub fn namespace_fingerprint(namespace: &Namespace, keys: &AnnotationKeys) -> u64 {
     let mut hasher = DefaultHasher::new();
-    namespace_pool(namespace).hash(&mut hasher);
+    keys.namespace_pool(namespace).hash(&mut hasher);
     hasher.finish()
 }
 
@@ -69,9 +69,9 @@ mod tests {
 
     /// What the runtime's predicate decides for an update from `old` to `new`.
     fn needs_reensure(old: &Service, new: &Service) -> bool {
-        reensure_fingerprint(old) != reensure_fingerprint(new)
+        reensure_fingerprint(old, &KEYS) != reensure_fingerprint(new, &KEYS)
     }
-    use crate::spec::ANNOTATION_ADDRESS_POOL;
+    use crate::spec::tests::KEYS;
     use crate::spec::tests::service;
     use k8s_openapi::api::core::v1::{LoadBalancerIngress, LoadBalancerStatus, ServiceStatus};
     use std::collections::BTreeMap;
@@ -157,8 +157,7 @@ mod tests {
         let base = service("web");
         let mut ours = base.clone();
         ours.metadata.finalizers = Some(vec![FINALIZER.into()]);
-        ours.metadata.annotations =
-            Some(BTreeMap::from([(ANNOTATION_LB_ID.into(), "lb-1".into())]));
+        ours.metadata.annotations = Some(BTreeMap::from([(KEYS.lb_id.clone(), "lb-1".into())]));
         assert!(!needs_reensure(&base, &ours));
         let mut foreign = ours.clone();
         foreign
@@ -173,13 +172,11 @@ mod tests {
     #[test]
     fn only_the_pool_of_a_namespace_counts() {
         let mut namespace = Namespace::default();
-        let before = namespace_fingerprint(&namespace);
+        let before = namespace_fingerprint(&namespace, &KEYS);
         namespace.metadata.labels = Some(BTreeMap::from([("team".into(), "a".into())]));
-        assert_eq!(namespace_fingerprint(&namespace), before);
-        namespace.metadata.annotations = Some(BTreeMap::from([(
-            ANNOTATION_ADDRESS_POOL.into(),
-            "blue".into(),
-        )]));
-        assert_ne!(namespace_fingerprint(&namespace), before);
+        assert_eq!(namespace_fingerprint(&namespace, &KEYS), before);
+        namespace.metadata.annotations =
+            Some(BTreeMap::from([(KEYS.address_pool.clone(), "blue".into())]));
+        assert_ne!(namespace_fingerprint(&namespace, &KEYS), before);
     }
 }

@@ -15,13 +15,17 @@ use std::time::Duration;
 use cloud_mock_sdk as sdk;
 use serde_json::json;
 use support::*;
-use tandem_controller::spec::{
-    ANNOTATION_ADDRESS_POOL, ANNOTATION_MODE, ANNOTATION_REQUESTED_IP, ANNOTATION_SHARED_IP,
-};
 use tandem_controller::status::current_ingress;
 
 const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
+// The mock cloud's annotations, as users write them.
 const ID_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-id";
+const ANNOTATION_ADDRESS_POOL: &str =
+    "service.beta.kubernetes.io/mockcloud-load-balancer-address-pool";
+const ANNOTATION_MODE: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-mode";
+const ANNOTATION_REQUESTED_IP: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-ip";
+const ANNOTATION_SHARED_IP: &str =
+    "service.beta.kubernetes.io/mockcloud-load-balancer-allow-shared-ip";
 const WAIT: Duration = Duration::from_secs(30);
 
 async fn two_nodes(h: &Harness) {

@@ -28,12 +28,14 @@ use tandem_controller::plan::FINALIZER;
 use tandem_controller::provider::{AddressRefusal, IpFamily, Operation, ProviderError};
 use tandem_controller::reconcile::{Context, reconcile};
 use tandem_controller::spec::{
-    ANNOTATION_ADDRESS_POOL, ANNOTATION_LB_ID, ANNOTATION_MODE, ANNOTATION_REQUESTED_IP,
-    ANNOTATION_SHARED_IP, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of,
+    AnnotationKeys, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of,
 };
 use tandem_controller::status::IngressFields;
 
-const CLASS: &str = "tandem.io/mockcloud";
+const CLASS: &str = "tandem.io/fake";
+/// The fake provider's annotations.
+static KEYS: std::sync::LazyLock<AnnotationKeys> =
+    std::sync::LazyLock::new(|| tandem_controller::fake::PROFILE.annotation_keys());
 const CLUSTER: &str = "table";
 
 /// What the cloud holds before the reconcile.
@@ -144,10 +146,8 @@ fn namespaces(pool: Option<&str>) -> reflector::Store<Namespace> {
         ..Default::default()
     };
     if let Some(pool) = pool {
-        namespace.metadata.annotations = Some(BTreeMap::from([(
-            ANNOTATION_ADDRESS_POOL.into(),
-            pool.into(),
-        )]));
+        namespace.metadata.annotations =
+            Some(BTreeMap::from([(KEYS.address_pool.clone(), pool.into())]));
     }
     writer.apply_watcher_event(&watcher::Event::Apply(namespace));
     store
@@ -279,7 +279,7 @@ fn rows() -> Vec<Row> {
             ..created("pool-from-flag")
         },
         Row {
-            edit: |s| annotate(s, ANNOTATION_ADDRESS_POOL, "svc-pool"),
+            edit: |s| annotate(s, &KEYS.address_pool, "svc-pool"),
             namespace_pool: Some("ns-pool"),
             pool: Some("svc-pool"),
             ..created("pool-of-service-beats-namespace")
@@ -290,18 +290,18 @@ fn rows() -> Vec<Row> {
             ..updated("namespace-pool-moves-the-same-lb")
         },
         Row {
-            then: Some(|s| annotate(s, ANNOTATION_REQUESTED_IP, "198.51.100.42")),
+            then: Some(|s| annotate(s, &KEYS.requested_ip, "198.51.100.42")),
             ..updated("requested-ip-changed-updates-the-same-lb")
         },
         Row {
             edit: |s| {
                 s.spec.as_mut().unwrap().load_balancer_ip = Some("198.51.100.40".into());
-                annotate(s, ANNOTATION_REQUESTED_IP, "198.51.100.41");
+                annotate(s, &KEYS.requested_ip, "198.51.100.41");
             },
             ..invalid("requested-ip-conflict-refused-before-the-cloud")
         },
         Row {
-            edit: |s| annotate(s, ANNOTATION_SHARED_IP, "dns"),
+            edit: |s| annotate(s, &KEYS.shared_ip, "dns"),
             ..created("sharing-key-reaches-the-cloud")
         },
         created("create-never-looks-up-first"),
@@ -324,7 +324,7 @@ fn rows() -> Vec<Row> {
             ..row("create-cloud-error")
         },
         Row {
-            edit: |s| annotate(s, ANNOTATION_MODE, "sideways"),
+            edit: |s| annotate(s, &KEYS.mode, "sideways"),
             ..invalid("invalid-annotation-no-cloud-call-no-finalizer")
         },
         Row {
@@ -497,17 +497,13 @@ fn rows() -> Vec<Row> {
         Row {
             edit: |s| {
                 require_dual_stack(s);
-                annotate(
-                    s,
-                    ANNOTATION_REQUESTED_IP,
-                    "2001:db8:51:100::42,198.51.100.42",
-                );
+                annotate(s, &KEYS.requested_ip, "2001:db8:51:100::42,198.51.100.42");
             },
             ingress: &["IPv4", "IPv6"],
             ..created("dual-stack-requested-address-per-family")
         },
         Row {
-            edit: |s| annotate(s, ANNOTATION_REQUESTED_IP, "2001:db8:51:100::42"),
+            edit: |s| annotate(s, &KEYS.requested_ip, "2001:db8:51:100::42"),
             ..invalid("requested-address-of-another-family-refused-before-the-cloud")
         },
         Row {
@@ -662,7 +658,7 @@ async fn start_service(
     let ctx = context(client, provider, nodes, row, None);
     reconcile(Arc::new(created), Arc::new(ctx)).await.unwrap();
     let mut served = api.get(row.name).await.unwrap();
-    let id = served.metadata.annotations.as_ref().unwrap()[ANNOTATION_LB_ID].clone();
+    let id = served.metadata.annotations.as_ref().unwrap()[&KEYS.lb_id].clone();
     match row.cloud {
         CloudStart::Empty => provider.remove(&id),
         CloudStart::Matching => {}
@@ -744,7 +740,7 @@ async fn reconcile_table() {
             .metadata
             .annotations
             .as_ref()
-            .and_then(|a| a.get(ANNOTATION_LB_ID))
+            .and_then(|a| a.get(&KEYS.lb_id))
             .cloned();
         let result = reconcile(Arc::new(start), Arc::new(ctx)).await;
         let all_nodes: Vec<Node> = nodes.state().iter().map(|n| n.as_ref().clone()).collect();
@@ -784,7 +780,7 @@ async fn reconcile_table() {
                     .metadata
                     .annotations
                     .as_ref()
-                    .and_then(|a| a.get(ANNOTATION_LB_ID));
+                    .and_then(|a| a.get(&KEYS.lb_id));
                 if id.is_some() != row.id_persisted {
                     problems.push(format!("id {id:?}, want persisted: {}", row.id_persisted));
                 }
@@ -825,6 +821,7 @@ async fn reconcile_table() {
             let backends = tandem_controller::nodes::eligible_backends(&all_nodes);
             let desired = desired_load_balancer(
                 svc,
+                &KEYS,
                 &CLUSTER.parse().unwrap(),
                 backends,
                 row.without_node_ports,

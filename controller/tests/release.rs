@@ -13,7 +13,9 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::Api;
 use support::*;
-use tandem_controller::spec::ANNOTATION_LB_ID;
+
+/// The mock cloud's LB-id annotation.
+const ANNOTATION_LB_ID: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-id";
 
 const FINALIZER: &str = "service.kubernetes.io/load-balancer-cleanup";
 const LEASE: &str = "tandem-controller";

@@ -11,15 +11,15 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     tandem_common::init_logging(args.log_format);
     let client = tandem_common::kube_client(args.kubeconfig.as_deref()).await?;
-    let token = runtime::read_token(&args.cloud_token_file).await?;
+    let settings = args.settings(args.cloud_config().await?)?;
     if let Some(Command::ReleaseLoadBalancers(release_args)) = &args.command {
-        return release::run(client, &args.settings(token), release_args)
+        return release::run(client, &settings, release_args)
             .await
             .context("release-load-balancers");
     }
     let cancel = CancellationToken::new();
     tandem_common::cancel_on_shutdown_signal(cancel.clone());
-    runtime::run(client, args.settings(token), cancel)
+    runtime::run(client, settings, cancel)
         .await
         .context("controller stopped")
 }

@@ -149,6 +149,7 @@ pub fn observe(lb: &families::LoadBalancer) -> ObservedLoadBalancer {
         },
         ip_families: lb.spec.ip_families.clone(),
         vips: assigned_vips(lb),
+        hostname: None,
         pool: lb.spec.address.pool.clone(),
         sharing_key: lb.spec.address.sharing_key.clone(),
         mode: from_sdk_mode(lb.spec.mode),

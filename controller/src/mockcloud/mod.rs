@@ -7,6 +7,7 @@
 //! LBs whose tags name another cluster are never touched. Every call goes through the
 //! shared token bucket; a 429 pauses it for everyone.
 
+mod config;
 mod convert;
 mod errors;
 
@@ -16,15 +17,49 @@ use std::time::Duration;
 use cloud_mock_sdk as sdk;
 use cloud_mock_sdk::families;
 
+pub use config::{Config, ConfigError};
 pub use convert::{idempotency_key, may_touch, observe, to_sdk_spec};
 pub use errors::classify;
 
 use crate::metrics::CloudMetrics;
 use crate::provider::{
-    ClusterId, DesiredLoadBalancer, LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer,
-    Operation, ProviderError, TAG_CLUSTER_ID, TAG_SERVICE_UID,
+    Capabilities, ClusterId, DesiredLoadBalancer, LoadBalancerLookup, LoadBalancerProvider,
+    ObservedLoadBalancer, Operation, Profile, ProviderError, TAG_CLUSTER_ID, TAG_SERVICE_UID,
 };
 use crate::ratelimit::SharedTokenBucket;
+use crate::registry::{DynProvider, Registration, Shared};
+
+pub const PROFILE: Profile = Profile {
+    name: "mockcloud",
+    annotation_prefix: "service.beta.kubernetes.io/mockcloud-load-balancer-",
+    default_class: "tandem.io/mockcloud",
+};
+
+pub const REGISTRATION: Registration = Registration {
+    profile: &PROFILE,
+    build,
+};
+
+/// Builds the provider from its configuration file (see [`Config`]).
+fn build(
+    config: Option<&str>,
+    shared: Shared,
+) -> Result<DynProvider, crate::registry::ConfigError> {
+    let config = Config::parse(config.ok_or(ConfigError::Missing)?)?;
+    if let Some(ca_file) = &config.ca_file {
+        return Err(ConfigError::CaUnsupported(ca_file.display().to_string()).into());
+    }
+    let client = sdk::Client::new(
+        &config.url,
+        config.token()?,
+        MockCloudProvider::client_options(shared.timeout),
+    )?;
+    Ok(DynProvider::new(MockCloudProvider::new(
+        client,
+        shared.bucket,
+        shared.metrics,
+    )))
+}
 use convert::{belongs_to, kept_vips};
 use errors::{is_address_refusal, outcome, retry_delay};
 
@@ -212,8 +247,13 @@ impl MockCloudProvider {
 }
 
 impl LoadBalancerProvider for MockCloudProvider {
-    fn name(&self) -> &'static str {
-        "mockcloud"
+    fn profile(&self) -> &'static Profile {
+        &PROFILE
+    }
+
+    /// The edge's API takes TCP and UDP listeners in either mode and VIPs of both families.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::ALL
     }
 
     async fn get(
