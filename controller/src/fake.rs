@@ -47,6 +47,9 @@ struct State {
     /// The families of pools that lack one; any other pool has both.
     pool_families: BTreeMap<String, Vec<IpFamily>>,
     capabilities: Option<Capabilities>,
+    /// The LB each create request made, so a repeated request answers the same LB (the
+    /// mock cloud's `Idempotency-Key`).
+    requests: BTreeMap<String, String>,
     /// Given to every LB created from now on.
     hostname: Option<Hostnames>,
 }
@@ -263,6 +266,14 @@ impl LoadBalancerProvider for FakeProvider {
             },
             Operation::Create,
         )?;
+        let request = format!("{desired:?} replacing {replaces:?}");
+        if let Some(lb) = state
+            .requests
+            .get(&request)
+            .and_then(|id| state.lbs.get(id))
+        {
+            return Ok(lb.clone());
+        }
         state.check_pool(
             desired,
             desired.address.pool.as_deref().unwrap_or(DEFAULT_POOL),
@@ -296,6 +307,7 @@ impl LoadBalancerProvider for FakeProvider {
             source_ranges: desired.source_ranges.clone(),
         };
         state.lbs.insert(lb.id.clone(), lb.clone());
+        state.requests.insert(request, lb.id.clone());
         Ok(lb)
     }
 

@@ -7,6 +7,8 @@
 //! edge and wiring).
 
 pub mod cli;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 #[cfg(any(test, feature = "test-support"))]
 pub mod fake;
 pub mod gc;

@@ -1,0 +1,275 @@
+//! The conformance kit: one suite that any [`LoadBalancerProvider`] must pass, written
+//! once (as `csi-sanity` is for CSI drivers). The controller's tests run it against the
+//! mock-cloud provider on a real cloud-mock and against the fake; a provider of your own
+//! runs it with the `conformance` feature:
+//!
+//! ```ignore
+//! tandem_controller::conformance::run(&my_provider, &Kit::new("conformance".parse()?)).await?;
+//! ```
+//!
+//! It checks create, get by id and by owner, a create repeated as after a lost answer,
+//! update, an update from a stale version (a conflict), an address refusal that makes
+//! nothing, list_owned, a foreign cluster's lookup, and delete until gone. It makes LBs
+//! for the owners of its own cluster id and deletes them again.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use crate::provider::{
+    AddressRequest, ClusterId, DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, IpFamily,
+    Listener, LoadBalancerLookup, LoadBalancerMode, LoadBalancerPhase, LoadBalancerProvider,
+    ObservedLoadBalancer, Owner, Protocol, ProviderError,
+};
+
+/// What the suite asks of the cloud.
+#[derive(Debug, Clone)]
+pub struct Kit {
+    pub cluster_id: ClusterId,
+    /// Node addresses to use as backends (nothing needs to listen there).
+    pub backends: Vec<IpAddr>,
+    /// A pool name the cloud refuses.
+    pub refused_pool: String,
+    /// How long an LB may take to become active, and to go.
+    pub patience: Duration,
+}
+
+impl Kit {
+    pub fn new(cluster_id: ClusterId) -> Self {
+        Self {
+            cluster_id,
+            backends: vec![
+                IpAddr::from([198, 18, 0, 11]),
+                IpAddr::from([198, 18, 0, 12]),
+            ],
+            refused_pool: "conformance-no-such-pool".into(),
+            patience: Duration::from_secs(30),
+        }
+    }
+
+    fn desired(&self, uid: &str) -> DesiredLoadBalancer {
+        DesiredLoadBalancer {
+            owner: Owner {
+                cluster_id: self.cluster_id.clone(),
+                namespace: "conformance".into(),
+                name: uid.into(),
+                uid: format!("00000000-0000-4000-8000-{uid:0>12}"),
+            },
+            mode: LoadBalancerMode::Proxy,
+            ip_families: vec![IpFamily::Ipv4],
+            address: AddressRequest::default(),
+            listeners: vec![Listener {
+                protocol: Protocol::Tcp,
+                port: 80,
+                backend_port: 30080,
+                health_check: Some(HealthCheck {
+                    protocol: HealthCheckProtocol::Http,
+                    port: 10256,
+                    path: Some("/healthz".into()),
+                }),
+            }],
+            backends: self.backends.iter().copied().take(1).collect(),
+            source_ranges: vec![],
+        }
+    }
+}
+
+/// The first check a provider failed.
+#[derive(Debug, thiserror::Error)]
+#[error("conformance: {check}: {problem}")]
+pub struct Failure {
+    pub check: &'static str,
+    pub problem: String,
+}
+
+fn fail<T>(check: &'static str, problem: impl Into<String>) -> Result<T, Failure> {
+    Err(Failure {
+        check,
+        problem: problem.into(),
+    })
+}
+
+fn lookup(desired: &DesiredLoadBalancer, known_id: Option<&str>) -> LoadBalancerLookup {
+    LoadBalancerLookup {
+        known_id: known_id.map(str::to_owned),
+        owner: desired.owner.clone(),
+    }
+}
+
+/// Runs every check against `provider`; the LBs it made are deleted also when a check fails
+/// after they were made.
+pub async fn run<P: LoadBalancerProvider>(provider: &P, kit: &Kit) -> Result<(), Failure> {
+    let desired = kit.desired("1");
+    let result = lifecycle(provider, kit, &desired).await;
+    if result.is_err() {
+        let _ = provider.delete(&lookup(&desired, None)).await;
+    }
+    result?;
+    refusal(provider, kit).await
+}
+
+async fn lifecycle<P: LoadBalancerProvider>(
+    provider: &P,
+    kit: &Kit,
+    desired: &DesiredLoadBalancer,
+) -> Result<(), Failure> {
+    let created = provider
+        .create(desired, None)
+        .await
+        .or_else(|e| fail("create", e.to_string()))?;
+    if created.owner.as_ref() != Some(&desired.owner) {
+        return fail("create", "the LB does not report its owner from its tags");
+    }
+    let active = until_active(provider, kit, desired, &created.id).await?;
+    if !active.drift(desired).is_empty() {
+        return fail("create", format!("drifted: {:?}", active.drift(desired)));
+    }
+    // A create repeated after a lost answer is the same request: the same LB.
+    let again = provider
+        .create(desired, None)
+        .await
+        .or_else(|e| fail("repeated create", e.to_string()))?;
+    if again.id != created.id {
+        return fail("repeated create", format!("made a second LB {}", again.id));
+    }
+    let by_owner = provider
+        .get(&lookup(desired, None))
+        .await
+        .or_else(|e| fail("get by owner", e.to_string()))?;
+    if by_owner.map(|lb| lb.id) != Some(created.id.clone()) {
+        return fail("get by owner", "did not find the LB by name and tags");
+    }
+
+    let mut moved = desired.clone();
+    moved.backends = kit.backends.iter().copied().collect::<BTreeSet<_>>();
+    let updated = provider
+        .update(&active, &moved)
+        .await
+        .or_else(|e| fail("update", e.to_string()))?;
+    if !updated.drift(&moved).is_empty() || updated.version == active.version {
+        return fail(
+            "update",
+            format!(
+                "drift {:?}, version {} after {}",
+                updated.drift(&moved),
+                updated.version,
+                active.version
+            ),
+        );
+    }
+    // From a stale version: converge anyway (after a re-read) or say Conflict.
+    match provider.update(&active, desired).await {
+        Ok(lb) if lb.drift(desired).is_empty() => {}
+        Ok(lb) => return fail("stale update", format!("drifted: {:?}", lb.drift(desired))),
+        Err(ProviderError::Conflict { .. }) => {}
+        Err(e) => {
+            return fail(
+                "stale update",
+                format!("neither converged nor Conflict: {e}"),
+            );
+        }
+    }
+
+    let listed = provider
+        .list_owned(&kit.cluster_id)
+        .await
+        .or_else(|e| fail("list_owned", e.to_string()))?;
+    if !listed.iter().any(|lb| lb.id == created.id) {
+        return fail("list_owned", "the LB is not listed for its cluster");
+    }
+    let other: ClusterId = "conformance-other"
+        .parse()
+        .or_else(|e: crate::provider::InvalidClusterId| fail("list_owned", e.to_string()))?;
+    let foreign_listed = provider
+        .list_owned(&other)
+        .await
+        .or_else(|e| fail("list_owned", e.to_string()))?;
+    if foreign_listed.iter().any(|lb| lb.id == created.id) {
+        return fail("list_owned", "the LB is listed for another cluster");
+    }
+    let mut foreign = lookup(desired, Some(&created.id));
+    foreign.owner.cluster_id = other;
+    match provider.get(&foreign).await {
+        Err(ProviderError::ForeignLoadBalancer { .. }) => {}
+        other => {
+            return fail(
+                "foreign id",
+                format!("want ForeignLoadBalancer, got {other:?}"),
+            );
+        }
+    }
+
+    until_gone(provider, kit, &lookup(desired, Some(&created.id))).await?;
+    match provider.get(&lookup(desired, Some(&created.id))).await {
+        Ok(None) => {}
+        other => return fail("get after delete", format!("want nothing, got {other:?}")),
+    }
+    match provider.delete(&lookup(desired, Some(&created.id))).await {
+        Ok(None) => Ok(()),
+        other => fail(
+            "delete of a missing LB",
+            format!("want Ok(None), got {other:?}"),
+        ),
+    }
+}
+
+/// An address the cloud cannot give is refused as such, and nothing is made.
+async fn refusal<P: LoadBalancerProvider>(provider: &P, kit: &Kit) -> Result<(), Failure> {
+    let mut desired = kit.desired("2");
+    desired.address.pool = Some(kit.refused_pool.clone());
+    match provider.create(&desired, None).await {
+        Err(ProviderError::AddressRefused { .. }) => {}
+        other => {
+            let _ = provider.delete(&lookup(&desired, None)).await;
+            return fail("refusal", format!("want AddressRefused, got {other:?}"));
+        }
+    }
+    match provider.get(&lookup(&desired, None)).await {
+        Ok(None) => Ok(()),
+        other => fail("refusal", format!("a refused create made {other:?}")),
+    }
+}
+
+async fn until_active<P: LoadBalancerProvider>(
+    provider: &P,
+    kit: &Kit,
+    desired: &DesiredLoadBalancer,
+    id: &str,
+) -> Result<ObservedLoadBalancer, Failure> {
+    let deadline = tokio::time::Instant::now() + kit.patience;
+    loop {
+        match provider.get(&lookup(desired, Some(id))).await {
+            Ok(Some(lb)) if lb.phase == LoadBalancerPhase::Active => return Ok(lb),
+            Ok(Some(_)) => {}
+            Ok(None) => return fail("get by id", "the created LB is not found"),
+            Err(e) => return fail("get by id", e.to_string()),
+        }
+        if tokio::time::Instant::now() > deadline {
+            return fail("create", "the LB never became active");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `delete` answers the LB while the cloud still lists it, then nothing.
+async fn until_gone<P: LoadBalancerProvider>(
+    provider: &P,
+    kit: &Kit,
+    lookup: &LoadBalancerLookup,
+) -> Result<(), Failure> {
+    let deadline = tokio::time::Instant::now() + kit.patience;
+    loop {
+        match provider.delete(lookup).await {
+            Ok(None) => return Ok(()),
+            Ok(Some(lb)) if lb.phase == LoadBalancerPhase::Deleting => {}
+            Ok(Some(lb)) => {
+                return fail("delete", format!("answered {:?}, not Deleting", lb.phase));
+            }
+            Err(e) => return fail("delete", e.to_string()),
+        }
+        if tokio::time::Instant::now() > deadline {
+            return fail("delete", "the LB was never gone");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
