@@ -7,8 +7,40 @@ pub enum DataPlaneKind {
     /// Realise every load balancer: proxy-mode ones with sockets on `VIP:port`,
     /// passthrough ones with kernel routes.
     Proxy,
+    /// Proxy-mode load balancers are served by a real HAProxy (`haproxy` settings);
+    /// passthrough ones by kernel routes, as with `Proxy`. UDP listeners are refused.
+    Haproxy,
     /// Realise nothing (an API-only mock): no sockets, no probes, health stays unknown.
     None,
+}
+
+impl DataPlaneKind {
+    /// Whether proxy-mode listeners may be UDP.
+    pub const fn serves_udp(self) -> bool {
+        !matches!(self, Self::Haproxy)
+    }
+}
+
+/// Where and how the HAProxy data plane runs HAProxy.
+#[derive(Debug, Clone)]
+pub struct HaproxySettings {
+    /// The `haproxy` program (2.6 or newer).
+    pub program: PathBuf,
+    /// HAProxy's configuration file and its two command sockets (the master CLI and the
+    /// runtime API, both Unix sockets of mode 600: never on the network) live here.
+    pub state_dir: PathBuf,
+    /// Least time between two reloads; changes in between wait and go in one reload.
+    pub min_reload_interval: Duration,
+}
+
+impl Default for HaproxySettings {
+    fn default() -> Self {
+        Self {
+            program: PathBuf::from("haproxy"),
+            state_dir: PathBuf::from("/var/lib/cloud-mock/haproxy"),
+            min_reload_interval: Duration::from_millis(500),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -34,6 +66,8 @@ pub struct DataPlaneConfig {
     pub manage_vip_addresses: bool,
     pub vip_device: String,
     pub passthrough: PassthroughConfig,
+    /// Used by `DataPlaneKind::Haproxy` only.
+    pub haproxy: HaproxySettings,
     /// The iproute2 `ip` program.
     pub ip_program: PathBuf,
 }
@@ -72,6 +106,7 @@ impl Default for DataPlaneConfig {
             manage_vip_addresses: false,
             vip_device: "lo".to_owned(),
             passthrough: PassthroughConfig::default(),
+            haproxy: HaproxySettings::default(),
             ip_program: PathBuf::from("ip"),
         }
     }

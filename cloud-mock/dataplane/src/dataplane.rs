@@ -15,11 +15,12 @@ use tracing::{info, warn};
 use crate::command::{IpCommand, add_address_args, already_gone, delete_address_args};
 use crate::config::{DataPlaneConfig, DataPlaneKind};
 use crate::error::{DataPlaneError, LbFailure, LbFailureReason};
+use crate::haproxy::{CheckTiming, Haproxy, proxies};
 use crate::health::{HealthTable, ProbeSettings, ProbeTarget, run_checker};
 use crate::metrics::Metrics;
 use crate::plan::{
     Desired, LbView, ListenerChange, ListenerKey, ListenerRoute, PassthroughRoute, desired_state,
-    lb_backend_health, plan_listeners, plan_set,
+    lb_backend_health, passthrough_probes, plan_listeners, plan_set,
 };
 use crate::routes::{RouteManager, WantedRoutes};
 use crate::tcp::{ListenerContext, serve_tcp};
@@ -28,7 +29,8 @@ use crate::{BackendHealth, LoadBalancer, Protocol};
 
 /// The mock cloud's data plane. Clones share one data plane.
 ///
-/// Proxy mode spreads new TCP connections and new UDP flows round-robin over the backends
+/// With `DataPlaneKind::Haproxy` a real HAProxy serves proxy mode (and checks its
+/// backends); otherwise proxy mode spreads new TCP connections and new UDP flows round-robin over the backends
 /// that are healthy at that moment (all of them when none is: it fails open, as cloud
 /// load balancers do); a backend that refuses a TCP connect is skipped for the next one.
 #[derive(Clone)]
@@ -41,6 +43,8 @@ struct Shared {
     ip: IpCommand,
     health: HealthTable,
     metrics: Metrics,
+    /// Serves proxy mode with `DataPlaneKind::Haproxy`.
+    haproxy: Option<Haproxy>,
     /// What `backend_health` answers from; replaced whole by every `apply`.
     views: RwLock<HashMap<String, LbView>>,
     cancel: CancellationToken,
@@ -80,14 +84,32 @@ struct RunningRoutes {
 impl DataPlane {
     pub fn new(config: DataPlaneConfig) -> Self {
         let ip = IpCommand::new(config.ip_program.clone());
+        let metrics = Metrics::default();
+        let cancel = CancellationToken::new();
+        let haproxy = (config.mode == DataPlaneKind::Haproxy).then(|| {
+            let timing = CheckTiming {
+                interval: config.health_interval,
+                timeout: config.health_timeout,
+                rise: config.healthy_threshold,
+                fall: config.unhealthy_threshold,
+            };
+            Haproxy::new(
+                config.haproxy.clone(),
+                timing,
+                config.connect_timeout,
+                metrics.clone(),
+                cancel.child_token(),
+            )
+        });
         Self {
             shared: Arc::new(Shared {
                 config,
                 ip,
                 health: HealthTable::default(),
-                metrics: Metrics::default(),
+                metrics,
+                haproxy,
                 views: RwLock::default(),
-                cancel: CancellationToken::new(),
+                cancel,
                 running: Mutex::default(),
             }),
         }
@@ -131,12 +153,24 @@ impl DataPlane {
             rejected,
         } = plan;
         let mut failures = rejected;
+        let probes = if shared.haproxy.is_some() {
+            passthrough_probes(&passthrough)
+        } else {
+            probes
+        };
         self.converge_probes(&mut running, &probes);
         let unavailable = self
             .add_addresses(&mut running, &addresses, &listeners, &mut failures)
             .await;
-        self.converge_listeners(&mut running, &listeners, &unavailable, &mut failures)
-            .await;
+        match &shared.haproxy {
+            Some(haproxy) => {
+                converge_haproxy(haproxy, &listeners, &unavailable, &mut failures).await;
+            }
+            None => {
+                self.converge_listeners(&mut running, &listeners, &unavailable, &mut failures)
+                    .await;
+            }
+        }
         self.remove_addresses(&mut running, &addresses).await;
         self.converge_routes(&mut running, passthrough);
         *shared.views.write().unwrap_or_else(PoisonError::into_inner) = views;
@@ -159,8 +193,13 @@ impl DataPlane {
             .views
             .read()
             .unwrap_or_else(PoisonError::into_inner);
+        let haproxy = self.shared.haproxy.as_ref();
         views.get(lb_id).map_or_else(Vec::new, |view| {
-            lb_backend_health(view, |target| self.shared.health.get(target))
+            lb_backend_health(view, |target| {
+                haproxy
+                    .and_then(|haproxy| haproxy.health(target))
+                    .unwrap_or_else(|| self.shared.health.get(target))
+            })
         })
     }
 
@@ -178,6 +217,9 @@ impl DataPlane {
         }
         running.shut_down = true;
         shared.cancel.cancel();
+        if let Some(haproxy) = &shared.haproxy {
+            haproxy.shutdown().await;
+        }
         for (key, listener) in std::mem::take(&mut running.listeners) {
             if let Err(error) = listener.task.await {
                 warn!(vip = %key.vip, port = key.port, %error, "listener task failed");
@@ -415,6 +457,45 @@ impl DataPlane {
             wanted: sender,
             task: tokio::spawn(manager.run(shared.cancel.child_token())),
         });
+    }
+}
+
+/// Hands the proxy-mode TCP listeners to HAProxy; UDP ones, and ones HAProxy must not be
+/// given, are failures of their load balancers.
+async fn converge_haproxy(
+    haproxy: &Haproxy,
+    listeners: &BTreeMap<ListenerKey, ListenerRoute>,
+    unavailable: &HashSet<IpAddr>,
+    failures: &mut Vec<LbFailure>,
+) {
+    let mut tcp = BTreeMap::new();
+    for (key, route) in listeners {
+        if key.protocol != Protocol::Tcp {
+            failures.push(LbFailure {
+                lb_id: route.lb_id.clone(),
+                reason: LbFailureReason::ProtocolUnsupported {
+                    protocol: key.protocol,
+                    port: key.port,
+                },
+            });
+        } else if !unavailable.contains(&key.vip) {
+            tcp.insert(*key, route.clone());
+        }
+    }
+    let (desired, refused) = proxies(&tcp);
+    for (lb_id, reason) in refused {
+        failures.push(LbFailure {
+            lb_id,
+            reason: reason.into(),
+        });
+    }
+    if let Err((error, lb_ids)) = haproxy.apply(desired).await {
+        warn!(%error, "HAProxy not converged");
+        let detail = error.to_string();
+        failures.extend(lb_ids.into_iter().map(|lb_id| LbFailure {
+            lb_id,
+            reason: LbFailureReason::Haproxy(detail.clone()),
+        }));
     }
 }
 

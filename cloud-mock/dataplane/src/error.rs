@@ -47,6 +47,12 @@ pub enum LbFailureReason {
     },
     #[error("adding VIP address {vip}: {detail}")]
     AddVip { vip: IpAddr, detail: String },
+    #[error("{protocol} listener on port {port}: this data plane serves TCP only")]
+    ProtocolUnsupported { protocol: Protocol, port: u16 },
+    #[error("{0}")]
+    Unrenderable(#[from] crate::haproxy::Unrenderable),
+    #[error("{0}")]
+    Haproxy(String),
 }
 
 /// A failed `ip` (or other helper) command, with what it printed.

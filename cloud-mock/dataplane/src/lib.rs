@@ -7,8 +7,12 @@
 //! balancer has a VIP per IP family (IPv4, IPv6 or both); each VIP serves the backends and
 //! source ranges of its own family.
 //!
-//! Layout: `plan` and `routes` decide (pure functions of the desired set and the observed
-//! health); `tcp`, `udp`, `health`, `command` and `dataplane` do (sockets, probes, `ip`).
+//! Proxy mode is served by our own listeners or, with `DataPlaneKind::Haproxy`, by a real
+//! HAProxy (module `haproxy`).
+//!
+//! Layout: `plan`, `routes` and `haproxy::render` decide (pure functions of the desired
+//! set and the observed health); `tcp`, `udp`, `health`, `command`, `haproxy` and
+//! `dataplane` do (sockets, probes, `ip`, HAProxy).
 
 use std::fmt;
 use std::net::IpAddr;
@@ -19,6 +23,7 @@ mod command;
 mod config;
 mod dataplane;
 mod error;
+mod haproxy;
 mod health;
 mod metrics;
 mod plan;
@@ -27,9 +32,10 @@ mod splice;
 mod tcp;
 mod udp;
 
-pub use config::{DataPlaneConfig, DataPlaneKind, PassthroughConfig};
+pub use config::{DataPlaneConfig, DataPlaneKind, HaproxySettings, PassthroughConfig};
 pub use dataplane::DataPlane;
 pub use error::{DataPlaneError, LbFailure, LbFailureReason};
+pub use haproxy::{HaproxyError, Unrenderable};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Mode {

@@ -60,7 +60,7 @@ struct HealthCheckLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct RouteLabels {
+struct ResultLabels {
     result: &'static str,
 }
 
@@ -71,7 +71,10 @@ pub(crate) struct Metrics {
     bytes: Family<BytesLabels, Counter>,
     active: Family<ProtocolLabels, Gauge>,
     health_checks: Family<HealthCheckLabels, Counter>,
-    route_changes: Family<RouteLabels, Counter>,
+    route_changes: Family<ResultLabels, Counter>,
+    haproxy_reloads: Family<ResultLabels, Counter>,
+    haproxy_runtime_commands: Family<ResultLabels, Counter>,
+    haproxy_restarts: Counter,
 }
 
 impl Metrics {
@@ -100,6 +103,21 @@ impl Metrics {
             "cloud_mock_dataplane_route_changes",
             "Passthrough kernel route changes by result",
             self.route_changes.clone(),
+        );
+        registry.register(
+            "cloud_mock_haproxy_reloads",
+            "HAProxy reloads (frontend changes) by result",
+            self.haproxy_reloads.clone(),
+        );
+        registry.register(
+            "cloud_mock_haproxy_runtime_commands",
+            "HAProxy runtime API server changes by result (a refused one falls back to a reload)",
+            self.haproxy_runtime_commands.clone(),
+        );
+        registry.register(
+            "cloud_mock_haproxy_restarts",
+            "Times HAProxy exited on its own and was started again",
+            self.haproxy_restarts.clone(),
         );
     }
 
@@ -149,11 +167,25 @@ impl Metrics {
     }
 
     pub fn route_change(&self, succeeded: bool) {
-        let result = if succeeded { "ok" } else { "error" };
-        self.route_changes
-            .get_or_create(&RouteLabels { result })
-            .inc();
+        count_result(&self.route_changes, succeeded);
     }
+
+    pub fn haproxy_reload(&self, succeeded: bool) {
+        count_result(&self.haproxy_reloads, succeeded);
+    }
+
+    pub fn haproxy_runtime_command(&self, succeeded: bool) {
+        count_result(&self.haproxy_runtime_commands, succeeded);
+    }
+
+    pub fn haproxy_restart(&self) {
+        self.haproxy_restarts.inc();
+    }
+}
+
+fn count_result(family: &Family<ResultLabels, Counter>, succeeded: bool) {
+    let result = if succeeded { "ok" } else { "error" };
+    family.get_or_create(&ResultLabels { result }).inc();
 }
 
 #[derive(Debug)]

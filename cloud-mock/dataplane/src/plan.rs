@@ -250,6 +250,24 @@ pub(crate) fn plan_listeners(
     unbinds.chain(binds_and_updates).collect()
 }
 
+/// The probes passthrough routes need alone (when proxy mode checks its backends itself).
+pub(crate) fn passthrough_probes(
+    passthrough: &BTreeMap<IpAddr, Vec<PassthroughRoute>>,
+) -> BTreeSet<ProbeTarget> {
+    passthrough
+        .values()
+        .flatten()
+        .flat_map(|route| {
+            route.backends.iter().flat_map(|&ip| {
+                route.checks.iter().map(move |check| ProbeTarget {
+                    ip,
+                    check: check.clone(),
+                })
+            })
+        })
+        .collect()
+}
+
 /// `(to start, to stop)` turning `current` into `desired`.
 pub(crate) fn plan_set<T: Ord + Clone>(
     current: &BTreeSet<T>,

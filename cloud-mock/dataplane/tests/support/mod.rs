@@ -33,6 +33,23 @@ pub async fn free_port(ip: IpAddr) -> u16 {
     }
 }
 
+/// Listeners on one port, free on every one of `ips` (a port free on one address may be
+/// held on another by a connection of a test running beside).
+pub async fn listen_on_all(ips: &[IpAddr]) -> (u16, Vec<TcpListener>) {
+    'port: loop {
+        let first = TcpListener::bind((ips[0], 0)).await.unwrap();
+        let port = first.local_addr().unwrap().port();
+        let mut listeners = vec![first];
+        for &ip in &ips[1..] {
+            match TcpListener::bind((ip, port)).await {
+                Ok(listener) => listeners.push(listener),
+                Err(_) => continue 'port,
+            }
+        }
+        return (port, listeners);
+    }
+}
+
 /// A task that is aborted when dropped.
 pub struct Server(JoinHandle<()>);
 
@@ -97,7 +114,11 @@ pub struct HealthServer {
 
 impl HealthServer {
     pub async fn start(ip: IpAddr, port: u16) -> Self {
-        let listener = TcpListener::bind((ip, port)).await.unwrap();
+        Self::on(TcpListener::bind((ip, port)).await.unwrap())
+    }
+
+    /// Answers on `listener`.
+    pub fn on(listener: TcpListener) -> Self {
         let status = Arc::new(AtomicU16::new(200));
         let current = Arc::clone(&status);
         let server = Server(tokio::spawn(async move {

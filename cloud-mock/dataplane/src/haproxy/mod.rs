@@ -1,0 +1,608 @@
+//! The HAProxy data plane for proxy-mode load balancers: a real HAProxy in master-worker
+//! mode, driven by a rendered configuration for its frontends and by its runtime API for
+//! its servers, as HAProxy's own controllers drive it.
+//!
+//! - The configuration file always holds the current servers, so a reload or a restart
+//!   starts from the truth (HAProxy forgets runtime changes that are not in the file).
+//! - A file is checked with `haproxy -c` before it is used; a refused one is reported and
+//!   the running one stays.
+//! - Frontend changes take a reload through the master CLI, which hands the listening
+//!   sockets to the new worker (nothing is refused; old workers finish their connections).
+//!   Reloads are spaced by `min_reload_interval` and each waits for its new worker, so a
+//!   burst of changes is one reload: the caller converges to the whole desired set.
+//! - Server changes (nodes joining and leaving) go through the runtime API, no reload.
+//! - Health is what HAProxy's checks say (`show stat`), read every check interval.
+//! - The master is a child of the edge; if it dies it is started again from the file.
+
+mod render;
+mod socket;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::config::HaproxySettings;
+use crate::health::ProbeTarget;
+use crate::metrics::Metrics;
+use crate::{BackendHealth, HealthCheck};
+
+pub use render::Unrenderable;
+pub(crate) use render::{CheckTiming, Proxy, proxies};
+
+/// How long a started or reloaded HAProxy may take to have its new worker.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Wait before starting a master that exited on its own again.
+const RESTART_DELAY: Duration = Duration::from_secs(1);
+
+#[derive(Debug, thiserror::Error)]
+pub enum HaproxyError {
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot run {program}: {source}")]
+    Spawn {
+        program: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("HAProxy refused the configuration (the running one stays): {detail}")]
+    Invalid { detail: String },
+    #[error("HAProxy's reload failed (the running configuration stays); its log says why")]
+    ReloadFailed,
+    #[error("HAProxy did not answer on {socket}: {source}")]
+    Socket {
+        socket: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("HAProxy had no new worker within {0:?}")]
+    NotReady(Duration),
+    #[error("socket path {0} is longer than a Unix socket address may be")]
+    PathTooLong(PathBuf),
+}
+
+/// Where HAProxy's files live, all in the edge's state directory.
+#[derive(Debug, Clone)]
+struct Paths {
+    config: PathBuf,
+    master_socket: PathBuf,
+    runtime_socket: PathBuf,
+}
+
+impl Paths {
+    fn new(dir: &Path) -> Result<Self, HaproxyError> {
+        let paths = Self {
+            config: dir.join("haproxy.cfg"),
+            master_socket: dir.join("master.sock"),
+            runtime_socket: dir.join("runtime.sock"),
+        };
+        // sockaddr_un holds 108 bytes, the terminating NUL included.
+        for socket in [&paths.master_socket, &paths.runtime_socket] {
+            if socket.as_os_str().len() > 107 {
+                return Err(HaproxyError::PathTooLong(socket.clone()));
+            }
+        }
+        Ok(paths)
+    }
+}
+
+/// Handle on the HAProxy that serves proxy-mode load balancers. Clones share it.
+#[derive(Clone)]
+pub(crate) struct Haproxy {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    settings: HaproxySettings,
+    timing: CheckTiming,
+    connect_timeout: Duration,
+    metrics: Metrics,
+    /// Health by what was checked, as HAProxy last reported it.
+    health: RwLock<HashMap<ProbeTarget, BackendHealth>>,
+    cancel: CancellationToken,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    paths: Option<Paths>,
+    /// What the current worker runs (and the file holds).
+    running: BTreeMap<String, Proxy>,
+    last_reload: Option<Instant>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Haproxy {
+    pub fn new(
+        settings: HaproxySettings,
+        timing: CheckTiming,
+        connect_timeout: Duration,
+        metrics: Metrics,
+        cancel: CancellationToken,
+    ) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                settings,
+                timing,
+                connect_timeout,
+                metrics,
+                health: RwLock::default(),
+                cancel,
+                state: Mutex::default(),
+            }),
+        }
+    }
+
+    /// What HAProxy's checks say of `target`; `None` when no HAProxy server is checked so.
+    pub fn health(&self, target: &ProbeTarget) -> Option<BackendHealth> {
+        self.shared
+            .health
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(target)
+            .copied()
+    }
+
+    /// Converges HAProxy to `desired`. On an error the running configuration stays, and
+    /// the error comes with the load balancers whose sections it left unchanged.
+    pub async fn apply(
+        &self,
+        desired: BTreeMap<String, Proxy>,
+    ) -> Result<(), (HaproxyError, BTreeSet<String>)> {
+        let mut state = self.shared.state.lock().await;
+        match self.converge(&mut state, &desired).await {
+            Ok(()) => {
+                state.running = desired;
+                Ok(())
+            }
+            Err(error) => Err((error, changed_load_balancers(&state.running, &desired))),
+        }
+    }
+
+    async fn converge(
+        &self,
+        state: &mut State,
+        desired: &BTreeMap<String, Proxy>,
+    ) -> Result<(), HaproxyError> {
+        let paths = match &state.paths {
+            Some(paths) => paths.clone(),
+            None => {
+                let paths = self.start(state).await?;
+                state.paths = Some(paths.clone());
+                paths
+            }
+        };
+        if render::needs_reload(&state.running, desired) {
+            self.write_checked(&paths, desired).await?;
+            if let Err(error) = self.reload(state, &paths).await {
+                // Back to the file the running worker was started from.
+                self.write_checked(&paths, &state.running).await?;
+                return Err(error);
+            }
+            return Ok(());
+        }
+        let commands = render::server_commands(&state.running, desired, self.shared.timing);
+        if commands.is_empty() {
+            return Ok(());
+        }
+        self.write_checked(&paths, desired).await?;
+        for command in &commands {
+            let answer = socket::send(&paths.runtime_socket, command)
+                .await
+                .map_err(|source| HaproxyError::Socket {
+                    socket: paths.runtime_socket.clone(),
+                    source,
+                })?;
+            if let Some(refusal) = socket::refused(&answer) {
+                // The file already holds the wanted servers: a reload makes them so.
+                warn!(%command, %refusal, "HAProxy refused a runtime change; reloading instead");
+                self.shared.metrics.haproxy_runtime_command(false);
+                return self.reload(state, &paths).await;
+            }
+            self.shared.metrics.haproxy_runtime_command(true);
+            debug!(%command, "HAProxy runtime change");
+        }
+        info!(
+            commands = commands.len(),
+            "HAProxy servers changed without a reload"
+        );
+        Ok(())
+    }
+
+    /// Writes the configuration of `proxies` and checks it with `haproxy -c`; the file is
+    /// replaced only when HAProxy accepts it.
+    async fn write_checked(
+        &self,
+        paths: &Paths,
+        proxies: &BTreeMap<String, Proxy>,
+    ) -> Result<(), HaproxyError> {
+        let globals = render::Globals {
+            runtime_socket: &paths.runtime_socket,
+            connect_timeout: self.shared.connect_timeout,
+            timing: self.shared.timing,
+        };
+        let text = render::render(&globals, proxies);
+        let candidate = paths.config.with_extension("cfg.new");
+        let write_error = |path: &Path| {
+            let path = path.to_owned();
+            move |source| HaproxyError::Write { path, source }
+        };
+        tokio::fs::write(&candidate, text)
+            .await
+            .map_err(write_error(&candidate))?;
+        let program = &self.shared.settings.program;
+        let output = Command::new(program)
+            .arg("-c")
+            .arg("-q")
+            .arg("-f")
+            .arg(&candidate)
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output()
+            .await
+            .map_err(|source| HaproxyError::Spawn {
+                program: program.clone(),
+                source,
+            })?;
+        if !output.status.success() {
+            let detail = String::from_utf8_lossy(&output.stderr).trim().to_owned();
+            return Err(HaproxyError::Invalid { detail });
+        }
+        tokio::fs::rename(&candidate, &paths.config)
+            .await
+            .map_err(write_error(&paths.config))
+    }
+
+    /// Starts HAProxy with no load balancer (which always loads), replacing one a
+    /// previous run of the edge left behind, and the tasks that watch it.
+    async fn start(&self, state: &mut State) -> Result<Paths, HaproxyError> {
+        let dir = &self.shared.settings.state_dir;
+        tokio::fs::create_dir_all(dir)
+            .await
+            .map_err(|source| HaproxyError::Write {
+                path: dir.clone(),
+                source,
+            })?;
+        let paths = Paths::new(dir)?;
+        stop_leftover(&paths.master_socket).await;
+        self.write_checked(&paths, &BTreeMap::new()).await?;
+        let child = self.spawn_master(&paths)?;
+        self.wait_for_worker(&paths, &[]).await?;
+        info!(config = %paths.config.display(), "HAProxy started");
+        state.running.clear();
+        state
+            .tasks
+            .push(tokio::spawn(self.clone().supervise(child, paths.clone())));
+        state
+            .tasks
+            .push(tokio::spawn(self.clone().poll_health(paths.clone())));
+        Ok(paths)
+    }
+
+    fn spawn_master(&self, paths: &Paths) -> Result<Child, HaproxyError> {
+        let program = &self.shared.settings.program;
+        let mut child = Command::new(program)
+            .arg("-W")
+            .arg("-db")
+            .arg("-S")
+            .arg(&paths.master_socket)
+            .arg("-f")
+            .arg(&paths.config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| HaproxyError::Spawn {
+                program: program.clone(),
+                source,
+            })?;
+        // HAProxy's own log lines (server state changes, reloads) join ours.
+        if let Some(stdout) = child.stdout.take() {
+            tokio::spawn(log_lines(stdout));
+        }
+        if let Some(stderr) = child.stderr.take() {
+            tokio::spawn(log_lines(stderr));
+        }
+        Ok(child)
+    }
+
+    /// Restarts the master from the current file whenever it exits on its own (HAProxy's
+    /// master exits when a worker dies); stops it at shutdown.
+    async fn supervise(self, mut child: Child, paths: Paths) {
+        let cancel = self.shared.cancel.clone();
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => {
+                    stop_child(&mut child).await;
+                    return;
+                }
+                status = child.wait() => {
+                    warn!(?status, "HAProxy exited; starting it again from the current configuration");
+                    self.shared.metrics.haproxy_restart();
+                }
+            }
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = tokio::time::sleep(RESTART_DELAY) => {}
+            }
+            match self.spawn_master(&paths) {
+                Ok(next) => child = next,
+                Err(error) => {
+                    warn!(%error, "cannot start HAProxy");
+                    continue;
+                }
+            }
+        }
+    }
+
+    /// Reads every server's state from HAProxy each check interval.
+    async fn poll_health(self, paths: Paths) {
+        let cancel = self.shared.cancel.clone();
+        let mut ticker =
+            tokio::time::interval(self.shared.timing.interval.max(Duration::from_millis(100)));
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            let checks: HashMap<String, HealthCheck> = {
+                let state = self.shared.state.lock().await;
+                state
+                    .running
+                    .iter()
+                    .filter_map(|(name, proxy)| Some((name.clone(), proxy.health_check.clone()?)))
+                    .collect()
+            };
+            match socket::send(&paths.runtime_socket, "show stat").await {
+                Ok(answer) => {
+                    let health = health_by_target(&socket::parse_stat(&answer), &checks);
+                    *self
+                        .shared
+                        .health
+                        .write()
+                        .unwrap_or_else(PoisonError::into_inner) = health;
+                }
+                Err(error) => debug!(%error, "cannot read HAProxy's statistics"),
+            }
+        }
+    }
+
+    /// Reloads through the master CLI and waits for the new worker, at least
+    /// `min_reload_interval` after the previous reload.
+    async fn reload(&self, state: &mut State, paths: &Paths) -> Result<(), HaproxyError> {
+        if let Some(last) = state.last_reload {
+            let due = last + self.shared.settings.min_reload_interval;
+            tokio::time::sleep_until(due.into()).await;
+        }
+        let before = self.processes(paths).await?;
+        let answer = socket::send(&paths.master_socket, "reload")
+            .await
+            .map_err(|source| HaproxyError::Socket {
+                socket: paths.master_socket.clone(),
+                source,
+            })?;
+        debug!(%answer, "HAProxy reload requested");
+        state.last_reload = Some(Instant::now());
+        let result = self
+            .wait_for_worker(paths, &before.workers)
+            .await
+            .and_then(|after| {
+                if after.failed_reloads > before.failed_reloads {
+                    Err(HaproxyError::ReloadFailed)
+                } else {
+                    Ok(())
+                }
+            });
+        self.shared.metrics.haproxy_reload(result.is_ok());
+        if result.is_ok() {
+            info!("HAProxy reloaded");
+        }
+        result
+    }
+
+    async fn processes(&self, paths: &Paths) -> Result<socket::Processes, HaproxyError> {
+        socket::send(&paths.master_socket, "show proc")
+            .await
+            .map(|answer| socket::parse_processes(&answer))
+            .map_err(|source| HaproxyError::Socket {
+                socket: paths.master_socket.clone(),
+                source,
+            })
+    }
+
+    /// Waits until the master has a worker not in `old`, or a failed reload.
+    async fn wait_for_worker(
+        &self,
+        paths: &Paths,
+        old: &[u32],
+    ) -> Result<socket::Processes, HaproxyError> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let mut failed_before = None;
+        loop {
+            // The master re-executes itself on reload: its socket is briefly unanswered.
+            if let Ok(answer) = socket::send(&paths.master_socket, "show proc").await {
+                let processes = socket::parse_processes(&answer);
+                let failed = *failed_before.get_or_insert(processes.failed_reloads);
+                let new_worker = processes.workers.iter().any(|pid| !old.contains(pid));
+                if new_worker || processes.failed_reloads > failed {
+                    return Ok(processes);
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(HaproxyError::NotReady(READY_TIMEOUT));
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// Stops HAProxy; old workers end with it.
+    pub async fn shutdown(&self) {
+        self.shared.cancel.cancel();
+        let tasks = std::mem::take(&mut self.shared.state.lock().await.tasks);
+        for task in tasks {
+            if let Err(error) = task.await {
+                warn!(%error, "HAProxy task failed");
+            }
+        }
+    }
+}
+
+/// Load balancers with a section in `desired` that differs from (or is missing in)
+/// `running`.
+fn changed_load_balancers(
+    running: &BTreeMap<String, Proxy>,
+    desired: &BTreeMap<String, Proxy>,
+) -> BTreeSet<String> {
+    desired
+        .iter()
+        .filter(|(name, proxy)| running.get(*name) != Some(proxy))
+        .map(|(_, proxy)| proxy.lb_id.clone())
+        .collect()
+}
+
+/// HAProxy's server states as health per checked target: a backend is unhealthy for a
+/// check if any section checking it so says DOWN.
+fn health_by_target(
+    stats: &[socket::ServerStat],
+    checks: &HashMap<String, HealthCheck>,
+) -> HashMap<ProbeTarget, BackendHealth> {
+    let mut health: HashMap<ProbeTarget, BackendHealth> = HashMap::new();
+    for stat in stats {
+        let Some(check) = checks.get(&stat.proxy) else {
+            continue;
+        };
+        let target = ProbeTarget {
+            ip: stat.server,
+            check: check.clone(),
+        };
+        let combined = health.entry(target).or_insert(stat.health);
+        *combined = match (*combined, stat.health) {
+            (BackendHealth::Unhealthy, _) | (_, BackendHealth::Unhealthy) => {
+                BackendHealth::Unhealthy
+            }
+            (BackendHealth::Unknown, _) | (_, BackendHealth::Unknown) => BackendHealth::Unknown,
+            _ => BackendHealth::Healthy,
+        };
+    }
+    health
+}
+
+/// An HAProxy master that an earlier run of the edge left on our socket is ours to end.
+async fn stop_leftover(master_socket: &Path) {
+    let Ok(answer) = socket::send(master_socket, "show proc").await else {
+        return;
+    };
+    let Some(pid) = answer.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let pid = fields.next()?.parse::<i32>().ok()?;
+        (fields.next() == Some("master")).then_some(pid)
+    }) else {
+        return;
+    };
+    warn!(
+        pid,
+        "stopping the HAProxy an earlier run of the edge left running"
+    );
+    let pid = Pid::from_raw(pid);
+    if kill(pid, Signal::SIGTERM).is_err() {
+        return;
+    }
+    for _ in 0..100 {
+        if kill(pid, None).is_err() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = kill(pid, Signal::SIGKILL);
+}
+
+/// SIGTERM to the master (it stops its workers), SIGKILL if it lingers.
+async fn stop_child(child: &mut Child) {
+    if let Some(pid) = child.id().and_then(|pid| i32::try_from(pid).ok()) {
+        let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        if tokio::time::timeout(Duration::from_secs(5), child.wait())
+            .await
+            .is_ok()
+        {
+            info!("HAProxy stopped");
+            return;
+        }
+    }
+    let _ = child.kill().await;
+}
+
+async fn log_lines(stream: impl tokio::io::AsyncRead + Unpin) {
+    let mut lines = BufReader::new(stream).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if line.contains("[ALERT]") || line.contains("[WARNING]") {
+            warn!(target: "haproxy", "{line}");
+        } else {
+            info!(target: "haproxy", "{line}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_combines_every_section_that_checks_a_backend_alike() {
+        let check = HealthCheck::Tcp { port: 80 };
+        let checks = HashMap::from([
+            ("a_80_v4".to_owned(), check.clone()),
+            ("b_80_v4".to_owned(), check.clone()),
+        ]);
+        let stat = |proxy: &str, server: &str, health| socket::ServerStat {
+            proxy: proxy.into(),
+            server: server.parse().unwrap(),
+            health,
+        };
+        let health = health_by_target(
+            &[
+                stat("a_80_v4", "198.18.0.11", BackendHealth::Healthy),
+                stat("b_80_v4", "198.18.0.11", BackendHealth::Unhealthy),
+                stat("a_80_v4", "198.18.0.12", BackendHealth::Healthy),
+                stat("unchecked_80_v4", "198.18.0.13", BackendHealth::Healthy),
+            ],
+            &checks,
+        );
+        let of = |ip: &str| {
+            health
+                .get(&ProbeTarget {
+                    ip: ip.parse().unwrap(),
+                    check: check.clone(),
+                })
+                .copied()
+        };
+        assert_eq!(of("198.18.0.11"), Some(BackendHealth::Unhealthy));
+        assert_eq!(of("198.18.0.12"), Some(BackendHealth::Healthy));
+        assert_eq!(of("198.18.0.13"), None);
+    }
+
+    #[test]
+    fn long_state_directories_are_refused() {
+        let long = PathBuf::from(format!("/{}", "d".repeat(100)));
+        assert!(matches!(
+            Paths::new(&long),
+            Err(HaproxyError::PathTooLong(_))
+        ));
+        assert!(Paths::new(Path::new("/var/lib/cloud-mock/haproxy")).is_ok());
+    }
+}

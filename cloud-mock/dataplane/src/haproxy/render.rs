@@ -1,0 +1,404 @@
+//! Decide, for HAProxy: from the proxy-mode listeners to HAProxy's configuration text,
+//! and from the running proxies to the runtime commands that converge them. Pure.
+//!
+//! Every name in the configuration is the edge's own (a load balancer id the store made,
+//! a port, a family) and every value a parsed address, prefix or port; the one piece of
+//! free text that reaches HAProxy, an HTTP health-check path, is checked against a narrow
+//! character set. What does not pass is refused here, with a reason, before HAProxy sees it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::time::Duration;
+
+use ipnet::IpNet;
+
+use crate::HealthCheck;
+use crate::plan::{ListenerKey, ListenerRoute};
+
+/// Health-check timing every server gets (dynamic servers inherit no `default-server`,
+/// so the configuration and the runtime commands both spell it out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CheckTiming {
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub rise: u32,
+    pub fall: u32,
+}
+
+/// One HAProxy `listen` section: a load balancer's TCP listener on one of its VIPs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Proxy {
+    pub lb_id: String,
+    pub bind: SocketAddr,
+    pub backend_port: u16,
+    pub health_check: Option<HealthCheck>,
+    pub source_ranges: Vec<IpNet>,
+    /// Sorted; the server names are these addresses.
+    pub servers: Vec<IpAddr>,
+}
+
+impl Proxy {
+    /// The section name: unique per (load balancer, port, family), which is unique per
+    /// (VIP, port) because a load balancer has one VIP per family.
+    pub fn name(&self) -> String {
+        let family = if self.bind.is_ipv4() { "v4" } else { "v6" };
+        format!("{}_{}_{family}", self.lb_id, self.bind.port())
+    }
+
+    /// Everything but the servers: what only a reload can change.
+    fn frontend(&self) -> Self {
+        Self {
+            servers: Vec::new(),
+            ..self.clone()
+        }
+    }
+}
+
+/// Why a listener cannot be given to HAProxy.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unrenderable {
+    #[error("id {0:?} is not of the form HAProxy names take ([A-Za-z0-9-], 1 to 64)")]
+    Id(String),
+    #[error("health-check path {0:?} has characters the HAProxy edge does not pass on")]
+    Path(String),
+}
+
+/// The proxies of `listeners` (TCP ones: the caller refuses UDP), each checked; a listener
+/// that cannot be rendered is returned with its reason instead.
+pub(crate) fn proxies(
+    listeners: &BTreeMap<ListenerKey, ListenerRoute>,
+) -> (BTreeMap<String, Proxy>, Vec<(String, Unrenderable)>) {
+    let mut proxies = BTreeMap::new();
+    let mut refused = Vec::new();
+    for (key, route) in listeners {
+        let proxy = Proxy {
+            lb_id: route.lb_id.clone(),
+            bind: SocketAddr::new(key.vip, key.port),
+            backend_port: route.backend_port,
+            health_check: route.health_check.clone(),
+            source_ranges: route.source_ranges.clone(),
+            servers: route.backends.clone(),
+        };
+        match check(&proxy) {
+            Ok(()) => {
+                proxies.insert(proxy.name(), proxy);
+            }
+            Err(reason) => refused.push((route.lb_id.clone(), reason)),
+        }
+    }
+    (proxies, refused)
+}
+
+fn check(proxy: &Proxy) -> Result<(), Unrenderable> {
+    let id = &proxy.lb_id;
+    let id_ok = !id.is_empty()
+        && id.len() <= 64
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+    if !id_ok {
+        return Err(Unrenderable::Id(id.clone()));
+    }
+    if let Some(HealthCheck::Http { path, .. }) = &proxy.health_check
+        && !path_is_plain(path)
+    {
+        return Err(Unrenderable::Path(path.clone()));
+    }
+    Ok(())
+}
+
+/// An absolute path of unreserved and a few sub-delimiter characters: nothing HAProxy's
+/// configuration parser reads as a quote, an escape, a comment, a variable or a separator.
+fn path_is_plain(path: &str) -> bool {
+    path.starts_with('/')
+        && path.len() <= 256
+        && path
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/._~-%=&?:@+,".contains(&b))
+}
+
+/// Whether going from `running` to `desired` needs a reload: any section added, removed
+/// or changed other than in its servers.
+pub(crate) fn needs_reload(
+    running: &BTreeMap<String, Proxy>,
+    desired: &BTreeMap<String, Proxy>,
+) -> bool {
+    running.len() != desired.len()
+        || running
+            .iter()
+            .zip(desired)
+            .any(|((name_a, a), (name_b, b))| name_a != name_b || a.frontend() != b.frontend())
+}
+
+/// Runtime API commands that turn the servers of `running` into those of `desired`, for
+/// sections whose frontends are the same. Removals first, each server put in maintenance
+/// and its sessions shut before it is deleted; additions come up in maintenance, so
+/// their checks are enabled before they take traffic.
+pub(crate) fn server_commands(
+    running: &BTreeMap<String, Proxy>,
+    desired: &BTreeMap<String, Proxy>,
+    timing: CheckTiming,
+) -> Vec<String> {
+    let mut removals = Vec::new();
+    let mut additions = Vec::new();
+    for (name, want) in desired {
+        let Some(have) = running.get(name) else {
+            continue;
+        };
+        let have_servers: BTreeSet<IpAddr> = have.servers.iter().copied().collect();
+        let want_servers: BTreeSet<IpAddr> = want.servers.iter().copied().collect();
+        for gone in have_servers.difference(&want_servers) {
+            let server = format!("{name}/{gone}");
+            removals.push(format!("disable server {server}"));
+            removals.push(format!("shutdown sessions server {server}"));
+            removals.push(format!("del server {server}"));
+        }
+        for &new in want_servers.difference(&have_servers) {
+            let server = format!("{name}/{new}");
+            additions.push(format!(
+                "add server {server} {}",
+                server_line(want, new, timing)
+            ));
+            if want.health_check.is_some() {
+                additions.push(format!("enable health {server}"));
+            }
+            additions.push(format!("enable server {server}"));
+        }
+    }
+    removals.extend(additions);
+    removals
+}
+
+/// What follows `server NAME` for `ip` in `proxy`: the address and the check.
+fn server_line(proxy: &Proxy, ip: IpAddr, timing: CheckTiming) -> String {
+    let mut line = SocketAddr::new(ip, proxy.backend_port).to_string();
+    if let Some(check) = &proxy.health_check {
+        let port = match check {
+            HealthCheck::Tcp { port } | HealthCheck::Http { port, .. } => port,
+        };
+        let _ = write!(
+            line,
+            " check port {port} inter {} fall {} rise {}",
+            millis(timing.interval),
+            timing.fall.max(1),
+            timing.rise.max(1)
+        );
+    }
+    line
+}
+
+fn millis(duration: Duration) -> String {
+    format!("{}ms", duration.as_millis().max(1))
+}
+
+/// Settings of the configuration that are not load balancers.
+#[derive(Debug, Clone)]
+pub(crate) struct Globals<'a> {
+    /// The runtime API's socket (local to the edge: a Unix socket, mode 600).
+    pub runtime_socket: &'a Path,
+    pub connect_timeout: Duration,
+    pub timing: CheckTiming,
+}
+
+/// The whole configuration file.
+pub(crate) fn render(globals: &Globals<'_>, proxies: &BTreeMap<String, Proxy>) -> String {
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "# Rendered by cloud-mock from its store at every change; edits are overwritten.\n\
+         global\n    \
+             stats socket {socket} mode 600 level admin\n    \
+             stats timeout 30s\n\
+         \n\
+         defaults\n    \
+             mode tcp\n    \
+             balance roundrobin\n    \
+             option redispatch\n    \
+             retries 2\n    \
+             timeout connect {connect}\n    \
+             timeout client 1h\n    \
+             timeout server 1h\n    \
+             timeout check {check}\n",
+        socket = globals.runtime_socket.display(),
+        connect = millis(globals.connect_timeout),
+        check = millis(globals.timing.timeout),
+    );
+    for (name, proxy) in proxies {
+        let _ = write!(out, "\nlisten {name}\n    bind {}\n", proxy.bind);
+        if !proxy.source_ranges.is_empty() {
+            let ranges: Vec<String> = proxy.source_ranges.iter().map(IpNet::to_string).collect();
+            let _ = writeln!(
+                out,
+                "    tcp-request connection reject unless {{ src {} }}",
+                ranges.join(" ")
+            );
+        }
+        if let Some(HealthCheck::Http { path, .. }) = &proxy.health_check {
+            let _ = write!(
+                out,
+                "    option httpchk\n    \
+                     http-check send meth GET uri {path}\n    \
+                     http-check expect status 200\n"
+            );
+        }
+        for &server in &proxy.servers {
+            let _ = writeln!(
+                out,
+                "    server {server} {}",
+                server_line(proxy, server, globals.timing)
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Protocol;
+
+    const TIMING: CheckTiming = CheckTiming {
+        interval: Duration::from_secs(1),
+        timeout: Duration::from_secs(1),
+        rise: 2,
+        fall: 2,
+    };
+
+    fn proxy(servers: &[&str]) -> Proxy {
+        Proxy {
+            lb_id: "lb-0000000a".into(),
+            bind: "198.51.100.10:80".parse().unwrap(),
+            backend_port: 31000,
+            health_check: Some(HealthCheck::Http {
+                port: 32000,
+                path: "/healthz".into(),
+            }),
+            source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
+            servers: servers.iter().map(|s| s.parse().unwrap()).collect(),
+        }
+    }
+
+    fn one(proxy: Proxy) -> BTreeMap<String, Proxy> {
+        BTreeMap::from([(proxy.name(), proxy)])
+    }
+
+    #[test]
+    fn a_listener_renders_as_one_listen_section() {
+        let globals = Globals {
+            runtime_socket: Path::new("/run/edge/runtime.sock"),
+            connect_timeout: Duration::from_secs(3),
+            timing: TIMING,
+        };
+        let text = render(&globals, &one(proxy(&["198.18.0.11", "198.18.0.12"])));
+        let section = text.split_once("\nlisten ").unwrap().1;
+        assert_eq!(
+            section,
+            "lb-0000000a_80_v4\n    \
+                 bind 198.51.100.10:80\n    \
+                 tcp-request connection reject unless { src 203.0.113.0/24 }\n    \
+                 option httpchk\n    \
+                 http-check send meth GET uri /healthz\n    \
+                 http-check expect status 200\n    \
+                 server 198.18.0.11 198.18.0.11:31000 check port 32000 inter 1000ms fall 2 rise 2\n    \
+                 server 198.18.0.12 198.18.0.12:31000 check port 32000 inter 1000ms fall 2 rise 2\n"
+        );
+        assert!(text.contains("stats socket /run/edge/runtime.sock mode 600 level admin"));
+    }
+
+    #[test]
+    fn ipv6_binds_and_servers_are_bracketed_and_named_by_family() {
+        let mut v6 = proxy(&["2001:db8:18::11"]);
+        v6.bind = "[2001:db8:51:100::10]:443".parse().unwrap();
+        v6.health_check = Some(HealthCheck::Tcp { port: 443 });
+        v6.source_ranges.clear();
+        assert_eq!(v6.name(), "lb-0000000a_443_v6");
+        let globals = Globals {
+            runtime_socket: Path::new("/s"),
+            connect_timeout: Duration::from_secs(3),
+            timing: TIMING,
+        };
+        let text = render(&globals, &one(v6));
+        assert!(text.contains("bind [2001:db8:51:100::10]:443\n"));
+        assert!(text.contains(
+            "server 2001:db8:18::11 [2001:db8:18::11]:31000 check port 443 inter 1000ms"
+        ));
+        assert!(!text.contains("reject"));
+    }
+
+    #[test]
+    fn only_server_changes_go_through_the_runtime_api() {
+        let running = one(proxy(&["198.18.0.11", "198.18.0.12"]));
+        let desired = one(proxy(&["198.18.0.12", "198.18.0.13"]));
+        assert!(!needs_reload(&running, &desired));
+        assert_eq!(
+            server_commands(&running, &desired, TIMING),
+            [
+                "disable server lb-0000000a_80_v4/198.18.0.11",
+                "shutdown sessions server lb-0000000a_80_v4/198.18.0.11",
+                "del server lb-0000000a_80_v4/198.18.0.11",
+                "add server lb-0000000a_80_v4/198.18.0.13 198.18.0.13:31000 check port 32000 inter 1000ms fall 2 rise 2",
+                "enable health lb-0000000a_80_v4/198.18.0.13",
+                "enable server lb-0000000a_80_v4/198.18.0.13",
+            ]
+        );
+        assert!(server_commands(&running, &running, TIMING).is_empty());
+    }
+
+    #[test]
+    fn frontend_changes_need_a_reload() {
+        let running = one(proxy(&["198.18.0.11"]));
+        let mut ranges = proxy(&["198.18.0.11"]);
+        ranges.source_ranges.clear();
+        let mut port = proxy(&["198.18.0.11"]);
+        port.backend_port = 31001;
+        let mut check = proxy(&["198.18.0.11"]);
+        check.health_check = None;
+        for changed in [ranges, port, check] {
+            assert!(needs_reload(&running, &one(changed)));
+        }
+        assert!(needs_reload(&running, &BTreeMap::new()));
+        let mut other = running.clone();
+        let mut second = proxy(&[]);
+        second.bind = "198.51.100.10:443".parse().unwrap();
+        other.insert(second.name(), second);
+        assert!(needs_reload(&running, &other));
+    }
+
+    #[test]
+    fn hostile_ids_and_paths_are_refused_before_rendering() {
+        let key = ListenerKey {
+            vip: "198.51.100.10".parse().unwrap(),
+            protocol: Protocol::Tcp,
+            port: 80,
+        };
+        let route = |lb_id: &str, path: &str| ListenerRoute {
+            lb_id: lb_id.into(),
+            backend_port: 31000,
+            backends: Vec::new(),
+            health_check: Some(HealthCheck::Http {
+                port: 1,
+                path: path.into(),
+            }),
+            source_ranges: Vec::new(),
+        };
+        for (id, path, refused) in [
+            (
+                "lb-1\n    bind :22",
+                "/healthz",
+                Unrenderable::Id("lb-1\n    bind :22".into()),
+            ),
+            ("lb 1", "/healthz", Unrenderable::Id("lb 1".into())),
+            ("lb-1", "/x #c", Unrenderable::Path("/x #c".into())),
+            (
+                "lb-1",
+                "/\"${HOME}\"",
+                Unrenderable::Path("/\"${HOME}\"".into()),
+            ),
+            ("lb-1", "healthz", Unrenderable::Path("healthz".into())),
+        ] {
+            let (proxies, rejected) = proxies(&BTreeMap::from([(key, route(id, path))]));
+            assert!(proxies.is_empty());
+            assert_eq!(rejected, vec![(id.to_owned(), refused)]);
+        }
+    }
+}

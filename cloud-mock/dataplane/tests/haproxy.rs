@@ -1,0 +1,344 @@
+//! The HAProxy data plane with a real HAProxy (Debian's `haproxy` package) on loopback
+//! VIPs (`127.77.N.x`, N from 220 on, one per test): spread, health from HAProxy's own
+//! checks, source ranges, servers changed without a reload, hitless reloads, refusals,
+//! and HAProxy killed and started again. Needs `haproxy` on PATH, not root.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use cloud_mock_dataplane::{
+    BackendHealth, DataPlane, DataPlaneConfig, DataPlaneError, DataPlaneKind, HaproxySettings,
+    HealthCheck, LbFailureReason, Protocol,
+};
+use tokio::io::AsyncWriteExt;
+
+use support::*;
+
+/// HAProxy's state directory for one test, removed when the test ends.
+struct StateDir(PathBuf);
+
+impl StateDir {
+    fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("cm-hx-{}-{test}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        Self(dir)
+    }
+}
+
+impl Drop for StateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn haproxy_config(state: &StateDir) -> DataPlaneConfig {
+    assert!(
+        std::process::Command::new("haproxy")
+            .arg("-v")
+            .output()
+            .is_ok_and(|out| out.status.success()),
+        "these tests run a real HAProxy: install Debian's haproxy package"
+    );
+    DataPlaneConfig {
+        mode: DataPlaneKind::Haproxy,
+        health_interval: Duration::from_millis(200),
+        health_timeout: Duration::from_millis(500),
+        haproxy: HaproxySettings {
+            state_dir: state.0.clone(),
+            min_reload_interval: Duration::from_millis(200),
+            ..HaproxySettings::default()
+        },
+        ..DataPlaneConfig::default()
+    }
+}
+
+fn http_check(port: u16) -> Option<HealthCheck> {
+    Some(HealthCheck::Http {
+        port,
+        path: "/healthz".to_owned(),
+    })
+}
+
+/// Greetings of `count` connections to `vip:port`, one at a time, counted by backend.
+async fn spread(vip: IpAddr, port: u16, count: usize) -> HashMap<String, usize> {
+    let mut seen = HashMap::new();
+    for i in 0..count {
+        let (mut stream, greeting) = tcp_hello(None, vip, port).await.unwrap();
+        stream
+            .write_all(format!("ping {i}\n").as_bytes())
+            .await
+            .unwrap();
+        assert_eq!(read_line(&mut stream).await.unwrap(), format!("ping {i}"));
+        *seen.entry(greeting).or_default() += 1;
+    }
+    seen
+}
+
+/// Backends greeting `a` and `b` on one port.
+async fn backends_a_and_b(a: IpAddr, b: IpAddr) -> (u16, Vec<Server>) {
+    let (port, listeners) = listen_on_all(&[a, b]).await;
+    let servers = listeners
+        .into_iter()
+        .zip(["a", "b"])
+        .map(|(listener, name)| greet_on(listener, name))
+        .collect();
+    (port, servers)
+}
+
+fn counter(text: &str, line: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn haproxy_spreads_and_its_checks_are_the_health_the_api_reports() {
+    let state = StateDir::new("spread");
+    let (vip, a, b) = (addr(220, 1), addr(220, 11), addr(220, 12));
+    let (backend_port, _servers) = backends_a_and_b(a, b).await;
+    let (health_port, health) = listen_on_all(&[a, b]).await;
+    let checks: Vec<HealthServer> = health.into_iter().map(HealthServer::on).collect();
+    let port = free_port(vip).await;
+    let dataplane = DataPlane::new(haproxy_config(&state));
+    let listeners = vec![listener(
+        Protocol::Tcp,
+        port,
+        backend_port,
+        http_check(health_port),
+    )];
+    dataplane
+        .apply(vec![lb("lb-spread", vip, listeners, vec![a, b])])
+        .await
+        .unwrap();
+    wait_healthy(&dataplane, "lb-spread", 2).await;
+    let seen = spread(vip, port, 10).await;
+    assert_eq!(
+        (seen.get("a"), seen.get("b")),
+        (Some(&5), Some(&5)),
+        "{seen:?}"
+    );
+
+    // The node's health check fails: HAProxy takes it out, and the API says so.
+    checks[1].set(503);
+    wait_for("b unhealthy", Duration::from_secs(5), || {
+        dataplane.backend_health("lb-spread")
+            == vec![(a, BackendHealth::Healthy), (b, BackendHealth::Unhealthy)]
+    })
+    .await;
+    assert_eq!(spread(vip, port, 6).await.get("a"), Some(&6));
+    let config = std::fs::read_to_string(state.0.join("haproxy.cfg")).unwrap();
+    assert!(
+        config.contains("http-check send meth GET uri /healthz"),
+        "{config}"
+    );
+    dataplane.shutdown().await;
+    assert!(
+        tcp_hello(None, vip, port).await.is_err(),
+        "HAProxy stopped with the data plane"
+    );
+}
+
+#[tokio::test]
+async fn nodes_change_through_the_runtime_api_and_frontends_through_hitless_reloads() {
+    let state = StateDir::new("runtime");
+    let (vip, a, b) = (addr(221, 1), addr(221, 11), addr(221, 12));
+    let (backend_port, _servers) = backends_a_and_b(a, b).await;
+    let port = free_port(vip).await;
+    let dataplane = DataPlane::new(haproxy_config(&state));
+    let one_listener = || vec![listener(Protocol::Tcp, port, backend_port, None)];
+    dataplane
+        .apply(vec![lb("lb-nodes", vip, one_listener(), vec![a])])
+        .await
+        .unwrap();
+    assert_eq!(spread(vip, port, 4).await.get("a"), Some(&4));
+    let reloads = r#"cloud_mock_haproxy_reloads_total{result="ok"}"#;
+    let before = counter(&metrics_text(&dataplane), reloads);
+
+    // A node joins: a server added at run time, no reload, and the file holds it too.
+    dataplane
+        .apply(vec![lb("lb-nodes", vip, one_listener(), vec![a, b])])
+        .await
+        .unwrap();
+    let seen = spread(vip, port, 4).await;
+    assert_eq!(
+        (seen.get("a"), seen.get("b")),
+        (Some(&2), Some(&2)),
+        "{seen:?}"
+    );
+    let text = metrics_text(&dataplane);
+    assert_eq!(
+        counter(&text, reloads),
+        before,
+        "no reload for a node change"
+    );
+    assert!(
+        counter(
+            &text,
+            r#"cloud_mock_haproxy_runtime_commands_total{result="ok"}"#
+        ) >= 2
+    );
+    let config = std::fs::read_to_string(state.0.join("haproxy.cfg")).unwrap();
+    assert!(
+        config.contains(&format!("server {b} {b}:{backend_port}")),
+        "{config}"
+    );
+
+    // Frontends change five times under steady traffic, with a connection held open
+    // across the reloads: nothing is refused and the held connection keeps working.
+    let (mut held, _) = tcp_hello(None, vip, port).await.unwrap();
+    let traffic = tokio::spawn(async move {
+        let mut failed = 0;
+        for _ in 0..300 {
+            if tcp_hello(None, vip, port).await.is_err() {
+                failed += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        failed
+    });
+    let mut lbs = vec![lb("lb-nodes", vip, one_listener(), vec![a, b])];
+    for n in 0..5_u8 {
+        let extra_vip = addr(221, 100 + n);
+        let extra_port = free_port(extra_vip).await;
+        lbs.push(lb(
+            &format!("lb-extra-{n}"),
+            extra_vip,
+            vec![listener(Protocol::Tcp, extra_port, backend_port, None)],
+            vec![a],
+        ));
+        dataplane.apply(lbs.clone()).await.unwrap();
+        // A new load balancer serves as soon as apply returns.
+        assert_eq!(tcp_hello(None, extra_vip, extra_port).await.unwrap().1, "a");
+    }
+    assert_eq!(
+        traffic.await.unwrap(),
+        0,
+        "connections refused across reloads"
+    );
+    held.write_all(b"still here\n").await.unwrap();
+    assert_eq!(read_line(&mut held).await.unwrap(), "still here");
+    assert!(counter(&metrics_text(&dataplane), reloads) >= before + 5);
+    dataplane.shutdown().await;
+}
+
+#[tokio::test]
+async fn source_ranges_are_connection_rules_and_udp_is_refused_by_name() {
+    let state = StateDir::new("ranges");
+    let (vip, a) = (addr(222, 1), addr(222, 11));
+    let (inside, outside) = (addr(222, 100), addr(222, 101));
+    let backend_port = free_port(a).await;
+    let _server = tcp_backend(a, backend_port, "a").await;
+    let port = free_port(vip).await;
+    let dataplane = DataPlane::new(haproxy_config(&state));
+    let mut ranged = lb(
+        "lb-ranged",
+        vip,
+        vec![listener(Protocol::Tcp, port, backend_port, None)],
+        vec![a],
+    );
+    ranged.source_ranges = vec![format!("{inside}/32").parse().unwrap()];
+    let udp = lb(
+        "lb-udp",
+        addr(222, 2),
+        vec![listener(Protocol::Udp, 53, backend_port, None)],
+        vec![a],
+    );
+    let error = dataplane.apply(vec![ranged, udp]).await.unwrap_err();
+    let DataPlaneError::Incomplete { failures } = error else {
+        panic!("{error}");
+    };
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0].lb_id, "lb-udp");
+    assert!(matches!(
+        failures[0].reason,
+        LbFailureReason::ProtocolUnsupported {
+            protocol: Protocol::Udp,
+            port: 53
+        }
+    ));
+    assert!(failures[0].to_string().contains("UDP listener on port 53"));
+
+    assert_eq!(tcp_hello(Some(inside), vip, port).await.unwrap().1, "a");
+    assert!(
+        tcp_hello(Some(outside), vip, port).await.is_err(),
+        "a client outside the source ranges is refused"
+    );
+    dataplane.shutdown().await;
+}
+
+#[tokio::test]
+async fn haproxy_killed_is_started_again_from_the_store_s_configuration() {
+    let state = StateDir::new("killed");
+    let (vip, a, b) = (addr(223, 1), addr(223, 11), addr(223, 12));
+    let (backend_port, _servers) = backends_a_and_b(a, b).await;
+    let port = free_port(vip).await;
+    let dataplane = DataPlane::new(haproxy_config(&state));
+    let lbs = vec![lb(
+        "lb-killed",
+        vip,
+        vec![listener(Protocol::Tcp, port, backend_port, None)],
+        vec![a],
+    )];
+    dataplane.apply(lbs.clone()).await.unwrap();
+    assert_eq!(tcp_hello(None, vip, port).await.unwrap().1, "a");
+
+    for pid in haproxy_pids(&state.0.join("haproxy.cfg")) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+    }
+    wait_for_async("traffic again", Duration::from_secs(10), || async {
+        tcp_hello(None, vip, port).await.is_ok()
+    })
+    .await;
+    assert!(
+        counter(
+            &metrics_text(&dataplane),
+            "cloud_mock_haproxy_restarts_total"
+        ) >= 1,
+        "the restart is counted"
+    );
+    // And it is still driven: a node change after the restart takes effect.
+    let mut moved = lbs;
+    moved[0].backends = vec![b];
+    dataplane.apply(moved).await.unwrap();
+    assert_eq!(spread(vip, port, 3).await.get("b"), Some(&3));
+    dataplane.shutdown().await;
+}
+
+/// HAProxy processes (master and workers) started with `config`.
+fn haproxy_pids(config: &Path) -> Vec<i32> {
+    let wanted = config.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| {
+            let pid: i32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            (cmdline.starts_with("haproxy") && cmdline.contains(&wanted)).then_some(pid)
+        })
+        .collect()
+}
+
+async fn wait_for_async<F: std::future::Future<Output = bool>>(
+    what: &str,
+    limit: Duration,
+    mut condition: impl FnMut() -> F,
+) {
+    let start = std::time::Instant::now();
+    while !condition().await {
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
