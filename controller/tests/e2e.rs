@@ -197,6 +197,33 @@ async fn service_lifecycle_create_update_type_change_delete() {
     h.shutdown().await;
 }
 
+/// Real k3s answered the lifecycle test's merge patch of its Service with 409 Conflict
+/// while the controller wrote the same Service: every test write goes through
+/// `retry_on_conflict`, which reads again and retries as a user would.
+#[tokio::test]
+async fn a_write_that_meets_a_conflict_is_retried() {
+    let conflict = || {
+        kube::Error::Api(Box::new(kube::core::Status {
+            code: 409,
+            reason: "Conflict".into(),
+            message: "Operation cannot be fulfilled on services \"web\": the object has been modified; please apply your changes to the latest version and try again".into(),
+            ..Default::default()
+        }))
+    };
+    let attempts = std::sync::atomic::AtomicU32::new(0);
+    let written = retry_on_conflict("patching Service web", || async {
+        match attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+            0 | 1 => Err(conflict()),
+            n => Ok(n),
+        }
+    })
+    .await;
+    assert_eq!(
+        written, 2,
+        "the third attempt, after two conflicts, is taken"
+    );
+}
+
 async fn update_calls(c: &Controller) -> u64 {
     c.metrics()
         .await
@@ -577,14 +604,16 @@ async fn set_namespace_pool(h: &Harness, pool: &str) {
         kube::Api::all(h.client.clone());
     let annotated = json!({ "metadata": { "annotations": { ANNOTATION_ADDRESS_POOL: pool } } });
     if namespaces.get_opt(&h.namespace).await.unwrap().is_some() {
-        namespaces
-            .patch(
-                &h.namespace,
-                &kube::api::PatchParams::default(),
-                &kube::api::Patch::Merge(annotated),
-            )
-            .await
-            .unwrap();
+        retry_on_conflict(&format!("annotating Namespace {}", h.namespace), || async {
+            namespaces
+                .patch(
+                    &h.namespace,
+                    &kube::api::PatchParams::default(),
+                    &kube::api::Patch::Merge(&annotated),
+                )
+                .await
+        })
+        .await;
     } else {
         let mut namespace: k8s_openapi::api::core::v1::Namespace =
             serde_json::from_value(annotated).unwrap();

@@ -48,6 +48,35 @@ pub fn real_api_server() -> Option<PathBuf> {
     std::env::var_os(REAL_API_SERVER_ENV).map(PathBuf::from)
 }
 
+/// Runs one write to the API server as a user would: on `409 Conflict` ("the object has
+/// been modified") it reads again and retries, with backoff, for up to 30 s; any other
+/// error fails the test. `write` must do the whole read-modify-write each time it is
+/// called: a merge patch names no resourceVersion, so sending it again is applied to the
+/// object as the server holds it then. The controller writes the same Services and Nodes
+/// (finalizer, annotation, status), and some servers answer a patch that meets its write
+/// with 409 (v1.21's Service storage does), so no test write may count on winning that race.
+pub async fn retry_on_conflict<T, F, Fut>(what: &str, mut write: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = kube::Result<T>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut delay = Duration::from_millis(20);
+    loop {
+        match write().await {
+            Ok(done) => return done,
+            Err(kube::Error::Api(status))
+                if status.is_conflict() && tokio::time::Instant::now() < deadline =>
+            {
+                eprintln!("{what}: {status}; reading again and retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_millis(500));
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+}
+
 pub struct TempDir(PathBuf);
 
 impl TempDir {
@@ -501,36 +530,33 @@ impl Harness {
             }]),
             ..Default::default()
         };
-        self.nodes()
-            .patch_status(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "status": status })),
-            )
-            .await
-            .unwrap();
+        let patch = json!({ "status": status });
+        retry_on_conflict(&format!("writing the status of Node {name}"), || async {
+            self.nodes()
+                .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+        })
+        .await;
     }
 
     pub async fn patch_node(&self, name: &str, patch: serde_json::Value) {
-        self.nodes()
-            .patch(
-                &self.node_name(name),
-                &PatchParams::default(),
-                &Patch::Merge(patch),
-            )
-            .await
-            .unwrap();
+        let name = &self.node_name(name);
+        retry_on_conflict(&format!("patching Node {name}"), || async {
+            self.nodes()
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+        })
+        .await;
     }
 
     pub async fn patch_node_status(&self, name: &str, patch: serde_json::Value) {
-        self.nodes()
-            .patch_status(
-                &self.node_name(name),
-                &PatchParams::default(),
-                &Patch::Merge(patch),
-            )
-            .await
-            .unwrap();
+        let name = &self.node_name(name);
+        retry_on_conflict(&format!("patching the status of Node {name}"), || async {
+            self.nodes()
+                .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+        })
+        .await;
     }
 
     pub async fn delete_node(&self, name: &str) {
@@ -550,10 +576,12 @@ impl Harness {
     }
 
     pub async fn patch_service(&self, name: &str, patch: serde_json::Value) -> Service {
-        self.services()
-            .patch(name, &PatchParams::default(), &Patch::Merge(patch))
-            .await
-            .unwrap()
+        retry_on_conflict(&format!("patching Service {name}"), || async {
+            self.services()
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+        })
+        .await
     }
 
     pub async fn delete_service(&self, name: &str) {
