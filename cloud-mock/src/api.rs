@@ -26,7 +26,7 @@ use crate::lifecycle::now_ms;
 use crate::metrics::Metrics;
 use crate::model::{StoredLoadBalancer, to_wire, wire_health};
 use crate::store::{Store, Transition};
-use crate::validate::validate_spec;
+use crate::validate::{validate_served, validate_spec};
 
 /// The OpenAPI document of this API, served at `/openapi.yaml`.
 pub const OPENAPI_YAML: &str = include_str!("../openapi.yaml");
@@ -480,6 +480,7 @@ async fn create_load_balancer(
 ) -> Result<Response, ApiError> {
     let key = idempotency_key(&headers)?;
     let placement = validate_spec(&spec, state.store.pools())?;
+    validate_served(&spec, state.dataplane.proxies_udp())?;
     let now = now_ms();
     let created = state
         .store
@@ -529,6 +530,7 @@ async fn update_load_balancer(
     let id = path_id(path)?;
     let version = if_match_version(&headers)?;
     let placement = validate_spec(&spec, state.store.pools())?;
+    validate_served(&spec, state.dataplane.proxies_udp())?;
     let lb = state
         .store
         .call(move |store| store.update(&id, &spec, &placement, version))

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
-use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind};
+use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind, HaproxySettings};
 
 pub use tandem_common::{GoDuration, LogFormat};
 
@@ -15,6 +15,10 @@ use crate::server::Settings;
 pub enum DataPlaneArg {
     /// Realise load balancers: listeners on VIP:port (proxy) or kernel routes (passthrough).
     Proxy,
+    /// Like `proxy`, but a real HAProxy (`--haproxy-program`) serves proxy-mode load
+    /// balancers, with its own health checks; UDP listeners in proxy mode are refused.
+    /// Its configuration and sockets live in DATA_DIR/haproxy.
+    Haproxy,
     /// API only: nothing is realised, health stays unknown.
     None,
 }
@@ -45,6 +49,9 @@ pub struct Args {
     pub vip_pool: Vec<VipPool>,
     #[arg(long, env = "CLOUD_MOCK_DATAPLANE", value_enum, default_value_t = DataPlaneArg::Proxy)]
     pub dataplane: DataPlaneArg,
+    /// The `haproxy` program that `--dataplane haproxy` runs (2.6 or newer).
+    #[arg(long, env = "CLOUD_MOCK_HAPROXY_PROGRAM", default_value = "haproxy")]
+    pub haproxy_program: PathBuf,
     /// Time a new load balancer stays provisioning (and a deleted one deleting), like
     /// `500ms`, `2s`, `1m` (Go duration syntax).
     #[arg(long, env = "CLOUD_MOCK_PROVISIONING_DELAY", default_value = "1s")]
@@ -73,7 +80,13 @@ impl Args {
             dataplane: DataPlaneConfig {
                 mode: match self.dataplane {
                     DataPlaneArg::Proxy => DataPlaneKind::Proxy,
+                    DataPlaneArg::Haproxy => DataPlaneKind::Haproxy,
                     DataPlaneArg::None => DataPlaneKind::None,
+                },
+                haproxy: HaproxySettings {
+                    program: self.haproxy_program.clone(),
+                    state_dir: self.data_dir.join("haproxy"),
+                    ..HaproxySettings::default()
                 },
                 health_interval: self.health_interval.into(),
                 manage_vip_addresses: self.manage_vip_addresses,

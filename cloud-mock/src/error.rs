@@ -58,6 +58,11 @@ impl From<SpecError> for ApiError {
                 POOL_LACKS_FAMILY,
                 err.to_string(),
             ),
+            SpecError::UdpUnserved { .. } => Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unsupported-protocol",
+                err.to_string(),
+            ),
             SpecError::Invalid { .. } => {
                 Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid", err.to_string())
             }

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use cloud_mock_sdk::families::LoadBalancerSpec;
-use cloud_mock_sdk::{HealthCheckProtocol, IpFamily};
+use cloud_mock_sdk::{HealthCheckProtocol, IpFamily, Mode, Protocol};
 use ipnet::IpNet;
 
 use crate::pools::{VipPools, vip_in_pool};
@@ -46,6 +46,30 @@ pub enum SpecError {
     UnknownPool { pool: String },
     #[error("pool: the VIP pool {pool} has no {family} addresses (ipFamilies asks for {family})")]
     PoolLacksFamily { pool: String, family: IpFamily },
+    #[error(
+        "listeners[{index}]: this cloud's proxy-mode load balancers serve TCP only; UDP port {port} cannot be served (passthrough mode routes UDP)"
+    )]
+    UdpUnserved { index: usize, port: u16 },
+}
+
+/// Refuses what the data plane cannot serve: UDP listeners of proxy-mode load balancers
+/// when it proxies TCP only (HAProxy).
+pub fn validate_served(spec: &LoadBalancerSpec, proxies_udp: bool) -> Result<(), SpecError> {
+    if proxies_udp || spec.mode != Mode::Proxy {
+        return Ok(());
+    }
+    match spec
+        .listeners
+        .iter()
+        .enumerate()
+        .find(|(_, listener)| listener.protocol == Protocol::Udp)
+    {
+        Some((index, listener)) => Err(SpecError::UdpUnserved {
+            index,
+            port: listener.port,
+        }),
+        None => Ok(()),
+    }
 }
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> SpecError {
@@ -555,6 +579,22 @@ mod tests {
         s = spec("a");
         s.tags.insert("a=b".into(), "c".into());
         assert_eq!(field_of(validate_spec(&s, &pool())), "tags.a=b");
+    }
+
+    #[test]
+    fn udp_in_proxy_mode_is_refused_where_only_tcp_is_proxied() {
+        let mut udp = spec("x");
+        udp.listeners[0].protocol = Protocol::Udp;
+        udp.listeners[0].port = 53;
+        assert!(validate_served(&udp, true).is_ok());
+        let refused = validate_served(&udp, false).unwrap_err();
+        assert_eq!(refused, SpecError::UdpUnserved { index: 0, port: 53 });
+        assert!(refused.to_string().contains("UDP port 53"));
+        udp.mode = Mode::Passthrough;
+        assert!(validate_served(&udp, false).is_ok(), "routes carry UDP");
+        let mut tcp = spec("x");
+        tcp.listeners.retain(|listener| listener.protocol == Protocol::Tcp);
+        assert!(validate_served(&tcp, false).is_ok());
     }
 
     #[test]

@@ -203,6 +203,11 @@ impl DataPlane {
         })
     }
 
+    /// Whether proxy-mode load balancers may have UDP listeners (HAProxy serves TCP only).
+    pub fn proxies_udp(&self) -> bool {
+        self.shared.config.mode.serves_udp()
+    }
+
     pub fn register_metrics(&self, registry: &mut Registry) {
         self.shared.metrics.register(registry);
     }
