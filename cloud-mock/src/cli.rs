@@ -9,7 +9,7 @@ use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind, HaproxySettings};
 pub use tandem_common::{GoDuration, LogFormat};
 
 use crate::pools::{PoolsError, VipPool, VipPools};
-use crate::server::Settings;
+use crate::server::{Settings, TlsFiles};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DataPlaneArg {
@@ -68,9 +68,24 @@ pub struct Args {
     pub vip_device: String,
     #[arg(long, env = "CLOUD_MOCK_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Serve the API over HTTPS only, with this PEM certificate chain (server certificate
+    /// first); needs --tls-key-file. Without both: plain HTTP.
+    #[arg(long, env = "CLOUD_MOCK_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// The PEM private key of --tls-cert-file (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "CLOUD_MOCK_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
 }
 
 impl Args {
+    /// The API's certificate and key, when both flags are given (clap refuses one alone).
+    pub fn tls(&self) -> Option<TlsFiles> {
+        Some(TlsFiles {
+            cert_file: self.tls_cert_file.clone()?,
+            key_file: self.tls_key_file.clone()?,
+        })
+    }
+
     pub fn settings(&self) -> Result<Settings, PoolsError> {
         Ok(Settings {
             data_dir: self.data_dir.clone(),
@@ -133,12 +148,32 @@ mod tests {
         assert!(Args::try_parse_from(["cloud-mock", "--token", "t"]).is_err());
     }
 
+    /// Parses the required flags and `extra`.
+    fn parse(extra: &[&'static str]) -> Result<Args, clap::Error> {
+        let base = ["cloud-mock", "--data-dir", "/tmp/x", "--token", "t"];
+        Args::try_parse_from(base.iter().chain(extra))
+    }
+
+    #[test]
+    fn tls_takes_both_files_or_neither() {
+        let pool = ["--vip-pool", "127.77.0.0/24"];
+        let with_pool = |tls: &[&'static str]| parse(&[&pool[..], tls].concat());
+        assert_eq!(with_pool(&[]).unwrap().tls(), None);
+        assert_eq!(
+            with_pool(&["--tls-cert-file", "/c.pem", "--tls-key-file", "/k.pem"])
+                .unwrap()
+                .tls(),
+            Some(TlsFiles {
+                cert_file: "/c.pem".into(),
+                key_file: "/k.pem".into(),
+            })
+        );
+        assert!(with_pool(&["--tls-cert-file", "/c.pem"]).is_err());
+        assert!(with_pool(&["--tls-key-file", "/k.pem"]).is_err());
+    }
+
     #[test]
     fn vip_pools_repeat_and_may_come_as_a_list() {
-        let base = ["cloud-mock", "--data-dir", "/tmp/x", "--token", "t"];
-        let parse = |pools: &[&'static str]| {
-            Args::try_parse_from(base.iter().copied().chain(pools.iter().copied()))
-        };
         let repeated = parse(&[
             "--vip-pool",
             "10.0.0.0/24",

@@ -1,4 +1,5 @@
-//! Wiring: store, data plane, lifecycle task and router, and serving them until shutdown.
+//! Wiring: store, data plane, lifecycle task and router, and serving them until shutdown,
+//! over plain HTTP or, given a certificate and key, HTTPS only.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -8,6 +9,8 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use cloud_mock_dataplane::{DataPlane, DataPlaneConfig};
 use prometheus_client::registry::Registry;
+use tandem_common::tls::{PlainHttp, TlsError, TlsListener};
+use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -28,10 +31,19 @@ pub struct Settings {
     pub dataplane: DataPlaneConfig,
 }
 
+/// The API's certificate chain (server certificate first) and private key, PEM files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error("TLS: {0}")]
+    Tls(#[from] TlsError),
     #[error("binding {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -74,32 +86,64 @@ impl App {
     }
 }
 
-/// Serves the API on `listen` until `cancel`, then stops the lifecycle task and the data
-/// plane. Logs the bound address (useful with port 0).
+/// Serves the API on `listen` until `cancel` (see [`serve_on`]).
 pub async fn serve(
     settings: &Settings,
     listen: SocketAddr,
+    tls: Option<&TlsFiles>,
     cancel: CancellationToken,
 ) -> Result<(), ServeError> {
-    let App { router, lifecycle } = App::new(settings)?;
-    let listener = tokio::net::TcpListener::bind(listen)
+    let listener = TcpListener::bind(listen)
         .await
         .map_err(|source| ServeError::Bind {
             addr: listen,
             source,
         })?;
+    serve_on(settings, listener, tls, cancel).await
+}
+
+/// Serves the API on `listener` until `cancel`, then stops the lifecycle task and the data
+/// plane. With `tls`, every connection must complete a TLS handshake (plain HTTP is closed
+/// unanswered); the files are read once, here. Logs the bound address (useful with port 0).
+pub async fn serve_on(
+    settings: &Settings,
+    listener: TcpListener,
+    tls: Option<&TlsFiles>,
+    cancel: CancellationToken,
+) -> Result<(), ServeError> {
+    let acceptor = tls
+        .map(|files| tandem_common::tls::acceptor_from_pem_files(&files.cert_file, &files.key_file))
+        .transpose()?;
+    let App { router, lifecycle } = App::new(settings)?;
     let local = listener.local_addr().map_err(ServeError::Serve)?;
+    let scheme = if acceptor.is_some() { "https" } else { "http" };
     tracing::info!(
         addr = %local,
+        scheme,
         pools = %settings.vip_pools,
         data_dir = %settings.data_dir.display(),
         "cloud-mock listening on {local}"
     );
     let lifecycle_task = tokio::spawn(lifecycle.run(cancel.clone()));
-    let served = axum::serve(listener, router)
-        .with_graceful_shutdown(cancel.clone().cancelled_owned())
-        .await
-        .map_err(ServeError::Serve);
+    let shutdown = cancel.clone().cancelled_owned();
+    let served = match acceptor {
+        Some(acceptor) => {
+            match TlsListener::new(listener, acceptor, PlainHttp::Refused, cancel.clone()) {
+                Ok(listener) => {
+                    axum::serve(listener, router)
+                        .with_graceful_shutdown(shutdown)
+                        .await
+                }
+                Err(error) => Err(error),
+            }
+        }
+        None => {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+    }
+    .map_err(ServeError::Serve);
     cancel.cancel();
     if let Err(error) = lifecycle_task.await {
         tracing::error!(%error, "lifecycle task failed");

@@ -1,7 +1,8 @@
 //! What every Tandem binary does at its edge, written once: the `--log-format` flag and
 //! logging setup, shutdown on SIGINT/SIGTERM, duration flags in Go's syntax, the facts of
-//! Kubernetes that several components rely on, the Kubernetes client (feature `kube`) and
-//! the serving of metrics and health endpoints (feature `http`).
+//! Kubernetes that several components rely on, the Kubernetes client (feature `kube`),
+//! the serving of metrics and health endpoints (feature `http`) and of HTTPS (feature
+//! `tls`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -13,6 +14,8 @@ use tokio_util::sync::CancellationToken;
 pub mod http;
 #[cfg(feature = "kube")]
 mod kube_client;
+#[cfg(feature = "tls")]
+pub mod tls;
 #[cfg(feature = "kube")]
 pub use kube_client::{KubeClientError, client_from_kubeconfig, kube_client};
 

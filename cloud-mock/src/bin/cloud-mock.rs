@@ -13,7 +13,7 @@ async fn main() -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
     tandem_common::cancel_on_shutdown_signal(cancel.clone());
     let settings = args.settings().context("invalid --vip-pool")?;
-    cloud_mock::serve(&settings, args.listen, cancel)
+    cloud_mock::serve(&settings, args.listen, args.tls().as_ref(), cancel)
         .await
         .context("cloud-mock failed")
 }

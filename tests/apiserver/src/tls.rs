@@ -5,32 +5,23 @@
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::Duration;
 
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, SanType};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
-use tokio_rustls::TlsAcceptor;
-use tokio_rustls::rustls;
-use tokio_rustls::server::TlsStream;
+use tandem_common::tls::{Connection, PlainHttp, TlsAcceptor, TlsListener};
+use tokio::net::TcpListener;
+use tokio_rustls::rustls::pki_types::PrivatePkcs8KeyDer;
 use tokio_util::sync::CancellationToken;
 
 /// DNS names the serving certificate carries besides IP addresses, so relays can set
 /// `tls-server-name`.
 pub const SERVER_NAMES: [&str; 3] = ["localhost", "tandem-apiserver", "kubernetes.default.svc"];
 
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
     #[error("generating the certificate: {0}")]
     Certificate(#[from] rcgen::Error),
-    #[error("configuring TLS: {0}")]
-    Config(#[from] rustls::Error),
+    #[error(transparent)]
+    Config(#[from] tandem_common::tls::TlsError),
 }
 
 /// The generated CA (trusted by kubeconfigs) and the server's TLS acceptor.
@@ -66,73 +57,18 @@ pub fn generate(ips: &[IpAddr]) -> Result<Identity, TlsError> {
     let key = KeyPair::generate()?;
     let cert = params.signed_by(&key, &ca)?;
 
-    let key_der = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der())
-        .map_err(|e| rustls::Error::General(e.to_string()))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(vec![cert.der().clone(), ca.der().clone()], key_der)?;
-    // axum serves HTTP/1.1 here; offering h2 would leave h2 clients hanging.
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let key_der = PrivatePkcs8KeyDer::from(key.serialize_der()).into();
     Ok(Identity {
         ca_pem: ca.pem(),
-        acceptor: TlsAcceptor::from(Arc::new(config)),
+        acceptor: tandem_common::tls::acceptor(
+            vec![cert.der().clone(), ca.der().clone()],
+            key_der,
+        )?,
     })
 }
 
-/// An accepted connection, plain or TLS.
-pub enum Connection {
-    Plain(TcpStream),
-    Tls(Box<TlsStream<TcpStream>>),
-}
-
-impl AsyncRead for Connection {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Connection::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Connection::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for Connection {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Connection::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Connection::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Connection::Plain(s) => Pin::new(s).poll_flush(cx),
-            Connection::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Connection::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Connection::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-        }
-    }
-}
-
-/// A listener handing axum ready connections; handshakes run in their own tasks so a slow
-/// client never holds up others.
-pub struct DualListener {
-    ready: mpsc::Receiver<(Connection, SocketAddr)>,
-    local: SocketAddr,
-}
+/// The API server's port: TLS and plain HTTP on one port, as the module comment says.
+pub struct DualListener(TlsListener);
 
 impl DualListener {
     pub fn new(
@@ -140,48 +76,7 @@ impl DualListener {
         acceptor: TlsAcceptor,
         shutdown: CancellationToken,
     ) -> io::Result<Self> {
-        let local = listener.local_addr()?;
-        let (tx, ready) = mpsc::channel(64);
-        tokio::spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    () = shutdown.cancelled() => return,
-                    accepted = listener.accept() => accepted,
-                };
-                let (stream, peer) = match accepted {
-                    Ok(pair) => pair,
-                    Err(error) => {
-                        tracing::warn!(%error, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let tx = tx.clone();
-                let acceptor = acceptor.clone();
-                tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, classify(stream, acceptor)).await
-                    {
-                        Ok(Ok(connection)) => {
-                            // The server stopped accepting: the connection is simply dropped.
-                            let _ = tx.send((connection, peer)).await;
-                        }
-                        Ok(Err(error)) => tracing::debug!(%peer, %error, "connection setup failed"),
-                        Err(_) => tracing::debug!(%peer, "connection setup timed out"),
-                    }
-                });
-            }
-        });
-        Ok(Self { ready, local })
-    }
-}
-
-async fn classify(stream: TcpStream, acceptor: TlsAcceptor) -> io::Result<Connection> {
-    let mut first = [0u8; 1];
-    let n = stream.peek(&mut first).await?;
-    if n == 1 && first[0] == 0x16 {
-        Ok(Connection::Tls(Box::new(acceptor.accept(stream).await?)))
-    } else {
-        Ok(Connection::Plain(stream))
+        TlsListener::new(listener, acceptor, PlainHttp::Allowed, shutdown).map(Self)
     }
 }
 
@@ -190,15 +85,11 @@ impl axum::serve::Listener for DualListener {
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.ready.recv().await {
-            Some(connection) => connection,
-            // The accept loop ended (shutdown); axum stops asking once it shuts down.
-            None => std::future::pending().await,
-        }
+        self.0.accept().await
     }
 
     fn local_addr(&self) -> io::Result<Self::Addr> {
-        Ok(self.local)
+        self.0.local_addr()
     }
 }
 
