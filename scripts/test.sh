@@ -17,7 +17,7 @@ fi
 missing=()
 for need in cc:gcc kubectl:kubectl iptables:iptables ip6tables:iptables nft:nftables \
     conntrack:conntrack ip:iproute2 podman:podman runc:runc \
-    mmdebstrap:mmdebstrap promtool:prometheus; do
+    mmdebstrap:mmdebstrap promtool:prometheus haproxy:haproxy; do
     command -v "${need%%:*}" >/dev/null || missing+=("${need%%:*} (${need#*:})")
 done
 python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=("python3 -m venv (python3-venv)")
@@ -53,6 +53,18 @@ step "lab end to end, nftables mode" env TANDEM_E2E_PROXY_MODE=nftables \
     proxy_mode_spreads passthrough_mode_takes passthrough_serves a_pod_reaching_the_lb_ip \
     external_traffic_policy_local a_failed_node_is_taken_out scaling_pods_changes \
     services_sharing_a_vip dual_stack_and_ipv6 an_ipv6_only
+
+# The proxy LB mode through a real HAProxy at the cloud edge (cloud-mock --dataplane
+# haproxy; the runs above used the edge's own listeners), with the node proxies in each
+# mode: spread over nodes and pods, the source-range refusal at the edge,
+# externalTrafficPolicy Local draining the nodes without a pod (HAProxy's checks), a failed
+# node taken out, scaling, shared VIPs and dual-stack VIPs.
+for mode in iptables nftables; do
+    step "lab end to end, HAProxy edge, $mode mode" env TANDEM_E2E_EDGE_DATAPLANE=haproxy \
+        TANDEM_E2E_PROXY_MODE=$mode cargo test -p tandem-lab --locked --test e2e -- \
+        proxy_mode external_traffic_policy_local a_failed_node_is_taken_out \
+        scaling_pods_changes services_sharing_a_vip dual_stack_and_ipv6
+done
 
 # The day-2 scenarios again in nftables mode (the run above used iptables): restarts, a
 # mode switch, the controller's leader killed, the API server gone for a minute, rules

@@ -12,30 +12,39 @@ use clap::ValueEnum;
 use tandem_common::ProxyMode;
 
 use crate::images::Images;
-use crate::lab::{Lab, LabOptions};
+use crate::lab::{EdgeDataPlane, Lab, LabOptions};
 
 /// Set to a kubeconfig to run against that (real) API server instead of the stand-in:
 /// `TANDEM_E2E_KUBECONFIG=~/.kube/config cargo test -p tandem-lab --test e2e`.
 pub const REAL_API_SERVER_ENV: &str = "TANDEM_E2E_KUBECONFIG";
 /// Set to an image registry prefix to run the components from the images
-/// `scripts/images.sh` built (`TANDEM_E2E_IMAGES=ghcr.io/tandem`); a missing image then
+/// `scripts/images.sh` built (`TANDEM_E2E_IMAGES=localhost/tandem`); a missing image then
 /// fails the test, never falls back to the binaries.
 pub const IMAGES_ENV: &str = "TANDEM_E2E_IMAGES";
 /// The node proxies' `--proxy-mode` (`iptables`, the default, or `nftables`): CI runs the
 /// data-path tests in both.
 pub const PROXY_MODE_ENV: &str = "TANDEM_E2E_PROXY_MODE";
 
+/// What serves the edge's proxy-mode load balancers (`proxy`, the default, or `haproxy`):
+/// CI runs the proxy-mode tests through both.
+pub const EDGE_DATAPLANE_ENV: &str = "TANDEM_E2E_EDGE_DATAPLANE";
+
 /// Labs of one test binary run one at a time, so that the machine's cores are not shared by
 /// several clusters.
 static ONE_LAB_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// An IPv4 lab with `pods_per_node`, on the API server, images and proxy mode the
-/// environment names.
+/// An IPv4 lab with `pods_per_node`, on the API server, images, proxy mode and edge data
+/// plane the environment names.
 pub fn options_from_env(pods_per_node: &[u32]) -> Result<LabOptions> {
     let proxy_mode = match std::env::var(PROXY_MODE_ENV) {
         Ok(value) => ProxyMode::from_str(&value, true)
             .map_err(|e| anyhow!("{PROXY_MODE_ENV}={value}: {e}"))?,
         Err(_) => ProxyMode::default(),
+    };
+    let edge_dataplane = match std::env::var(EDGE_DATAPLANE_ENV) {
+        Ok(value) => EdgeDataPlane::from_str(&value, true)
+            .map_err(|e| anyhow!("{EDGE_DATAPLANE_ENV}={value}: {e}"))?,
+        Err(_) => EdgeDataPlane::default(),
     };
     Ok(LabOptions {
         nodes: pods_per_node.len(),
@@ -43,6 +52,7 @@ pub fn options_from_env(pods_per_node: &[u32]) -> Result<LabOptions> {
         api_server: std::env::var_os(REAL_API_SERVER_ENV).map(PathBuf::from),
         images: std::env::var(IMAGES_ENV).ok().map(Images::new),
         proxy_mode,
+        edge_dataplane,
         ..LabOptions::default()
     })
 }

@@ -21,7 +21,7 @@ use crate::components::Component;
 use crate::images::{ContainerRun, Images};
 use crate::netns;
 use crate::rules;
-use crate::scenario::{ServicePlan, Spread};
+use crate::scenario::{LbMode, ServicePlan, Spread};
 use crate::traffic::{Traffic, TrafficArgs};
 
 const API_PORT: u16 = 6443;
@@ -45,6 +45,30 @@ pub const VIP_POOLS: [(&str, &str); 2] = [
 /// for it shows the refusal of a pool without the family.
 pub const VIP_POOLS_V6: [(&str, &str); 1] = [("default", "2001:db8:51:100::/121")];
 
+/// What serves the cloud edge's proxy-mode load balancers (`cloud-mock --dataplane`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum EdgeDataPlane {
+    /// The mock cloud's own listeners (TCP and UDP).
+    #[default]
+    Proxy,
+    /// A real HAProxy, driven by the mock cloud (TCP only: UDP is refused in proxy mode).
+    Haproxy,
+}
+
+impl EdgeDataPlane {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Proxy => "proxy",
+            Self::Haproxy => "haproxy",
+        }
+    }
+
+    /// Whether load balancers of `mode` serve UDP on this edge (routes carry anything).
+    pub fn serves_udp(self, mode: LbMode) -> bool {
+        mode == LbMode::Passthrough || self == Self::Proxy
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct LabOptions {
     pub nodes: usize,
@@ -61,6 +85,8 @@ pub struct LabOptions {
     pub images: Option<Images>,
     /// The node proxies' data path.
     pub proxy_mode: ProxyMode,
+    /// What serves the edge's proxy-mode load balancers.
+    pub edge_dataplane: EdgeDataPlane,
     /// Controller replicas; with more than one they elect a leader on a Lease, as the
     /// chart's Deployment runs them.
     pub controller_replicas: usize,
@@ -84,6 +110,7 @@ impl Default for LabOptions {
             pod_network: PodNetwork::DEFAULT,
             images: None,
             proxy_mode: ProxyMode::default(),
+            edge_dataplane: EdgeDataPlane::default(),
             controller_replicas: 1,
             sync_period: None,
             ip_family: ClusterFamilies::default(),
@@ -131,6 +158,8 @@ pub struct Lab {
     pub keep_run_dir: bool,
     /// The node proxies' data path.
     pub proxy_mode: ProxyMode,
+    /// What serves the edge's proxy-mode load balancers.
+    pub edge_dataplane: EdgeDataPlane,
     /// The cluster's IP families (see [`LabOptions::ip_family`]).
     pub ip_family: ClusterFamilies,
     /// The loadBalancerClass of the lab's Services on a real API server, so that the lab's
@@ -271,7 +300,7 @@ impl Lab {
                 .map(|(name, cidr)| format!("--vip-pool={name}={cidr}")),
         );
         cloud_args.extend([
-            "--dataplane=proxy".to_owned(),
+            format!("--dataplane={}", options.edge_dataplane.as_str()),
             "--manage-vip-addresses".to_owned(),
             format!("--vip-device={}", edge.vip_interface),
             "--provisioning-delay=200ms".to_owned(),
@@ -352,6 +381,7 @@ impl Lab {
             kubeconfig,
             keep_run_dir: false,
             proxy_mode: options.proxy_mode,
+            edge_dataplane: options.edge_dataplane,
             ip_family: options.ip_family,
             endpoints: EndpointSliceWriter::new(kube.clone()),
             kube,
@@ -418,9 +448,16 @@ impl Lab {
     }
 
     /// Creates the Service and the EndpointSlices for its pods.
+    /// Whether the lab's Services of `mode` have a UDP port the edge serves.
+    pub fn serves_udp(&self, mode: LbMode) -> bool {
+        self.edge_dataplane.serves_udp(mode)
+    }
+
     pub async fn create_service(&self, plan: &ServicePlan) -> Result<()> {
         let services: Api<Service> = Api::namespaced(self.kube.clone(), &plan.namespace);
-        let mut service = plan.service();
+        // An edge that proxies TCP only refuses a UDP port in proxy mode: the Service then
+        // has its TCP port alone (tests ask `serves_udp` before they send UDP).
+        let mut service = plan.service_with_udp(self.serves_udp(plan.mode));
         if let (Some(spec), Some(class)) = (service.spec.as_mut(), &self.load_balancer_class) {
             spec.load_balancer_class = Some(class.clone());
         }

@@ -86,6 +86,11 @@ impl ServicePlan {
 
     /// The selectorless Service: one TCP and one UDP port, both served by the pod echo.
     pub fn service(&self) -> Service {
+        self.service_with_udp(true)
+    }
+
+    /// [`Self::service`], with its UDP port only when `udp`.
+    pub fn service_with_udp(&self, udp: bool) -> Service {
         let port = |name: &str, protocol: &str| ServicePort {
             name: Some(name.to_owned()),
             protocol: Some(protocol.to_owned()),
@@ -108,7 +113,11 @@ impl ServicePlan {
             },
             spec: Some(ServiceSpec {
                 type_: Some("LoadBalancer".to_owned()),
-                ports: Some(vec![port(HTTP_PORT_NAME, "TCP"), port("udp", "UDP")]),
+                ports: Some(if udp {
+                    vec![port(HTTP_PORT_NAME, "TCP"), port("udp", "UDP")]
+                } else {
+                    vec![port(HTTP_PORT_NAME, "TCP")]
+                }),
                 external_traffic_policy: Some(
                     if self.external_traffic_policy_local {
                         "Local"

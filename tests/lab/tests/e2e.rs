@@ -124,13 +124,93 @@ fn proxy_mode_spreads_over_nodes_and_every_pod_and_masquerades() {
         );
         assert_eq!(spread.by_seen_source.values().sum::<usize>(), 200);
 
-        let udp = lab
-            .udp_requests(lab.topology.client_in_range(), vip, 80, 20)
-            .await
-            .unwrap();
-        assert_eq!(udp.failed, 0, "UDP through the proxy-mode VIP: {udp:?}");
+        if lab.serves_udp(LbMode::Proxy) {
+            let udp = lab
+                .udp_requests(lab.topology.client_in_range(), vip, 80, 20)
+                .await
+                .unwrap();
+            assert_eq!(udp.failed, 0, "UDP through the proxy-mode VIP: {udp:?}");
+        }
         lab
     });
+}
+
+#[test]
+fn proxy_mode_refuses_clients_outside_source_ranges_at_the_edge() {
+    with_lab(&[2, 0, 0], |lab| async move {
+        let mut plan = ServicePlan::new("ranged", LbMode::Proxy);
+        plan.pods = pods(&lab, &[1]);
+        plan.source_ranges = vec!["203.0.113.0/24".to_owned()];
+        let vip = create_and_wait_for_ingress(&lab, &plan).await;
+        until_all_succeed(&lab, vip, 80, Duration::from_secs(20)).await;
+        let allowed = lab
+            .http_requests(lab.topology.client_in_range(), vip, 80, 30)
+            .await
+            .unwrap();
+        assert_eq!(allowed.failed, 0, "{allowed:?}");
+        let denied = lab
+            .http_requests(lab.topology.client_out_of_range(), vip, 80, 5)
+            .await
+            .unwrap();
+        assert_eq!(
+            denied.failed,
+            5,
+            "the {} edge answered a client outside loadBalancerSourceRanges: {denied:?}",
+            lab.edge_dataplane.as_str()
+        );
+        lab
+    });
+}
+
+#[test]
+fn external_traffic_policy_local_in_proxy_mode_sends_only_to_nodes_with_pods() {
+    with_lab(&[2, 0, 0], |lab| async move {
+        let mut plan = ServicePlan::new("local-proxy", LbMode::Proxy);
+        plan.pods = pods(&lab, &[1]);
+        plan.external_traffic_policy_local = true;
+        let vip = create_and_wait_for_ingress(&lab, &plan).await;
+        // The edge's health checks (on the healthCheckNodePort) take the nodes without a
+        // pod out; until they do, their KUBE-XLB drops what reaches them.
+        let id = lb_id(&lab, &plan).await;
+        let node_with_pods = lab.topology.nodes()[0].ip;
+        let start = Instant::now();
+        loop {
+            let lb = lab.cloud.get_load_balancer(&id).await.unwrap();
+            let healthy: Vec<Ipv4Addr> = lb
+                .health
+                .iter()
+                .filter(|h| h.health == cloud_mock_sdk::BackendHealth::Healthy)
+                .map(|h| h.ip)
+                .collect();
+            let unhealthy = lb
+                .health
+                .iter()
+                .filter(|h| h.health == cloud_mock_sdk::BackendHealth::Unhealthy)
+                .count();
+            if healthy == vec![node_with_pods] && unhealthy == 2 {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "the edge never drained the nodes without a pod: {lb:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let spread = lab
+            .http_requests(lab.topology.client_in_range(), vip, 80, 50)
+            .await
+            .unwrap();
+        assert_eq!(spread.failed, 0, "{spread:?}");
+        assert_eq!(spread.by_pod.len(), 2, "{spread:?}");
+        lab
+    });
+}
+
+/// The cloud's id of the Service's load balancer, from its annotation.
+async fn lb_id(lab: &Lab, plan: &ServicePlan) -> String {
+    let svc = lab.service(plan).await.unwrap();
+    svc.metadata.annotations.unwrap()["service.beta.kubernetes.io/mockcloud-load-balancer-id"]
+        .clone()
 }
 
 #[test]
@@ -252,9 +332,8 @@ fn external_traffic_policy_local_uses_only_nodes_with_pods_and_keeps_client_ip()
         );
 
         // Only the node with local endpoints is healthy in the cloud.
-        let svc = lab.service(&plan).await.unwrap();
-        let id = &svc.metadata.annotations.unwrap()["service.beta.kubernetes.io/mockcloud-load-balancer-id"];
-        let lb = lab.cloud.get_load_balancer(id).await.unwrap();
+        let id = lb_id(&lab, &plan).await;
+        let lb = lab.cloud.get_load_balancer(&id).await.unwrap();
         let healthy: Vec<Ipv4Addr> = lb
             .health
             .iter()
@@ -684,8 +763,10 @@ fn dual_stack_and_ipv6_services_answer_on_every_vip_in_both_lb_modes() {
                     4,
                     "{mode:?} {vip}: every pod answers: {http:?}"
                 );
-                let udp = lab.udp_requests(&client, vip, 80, 10).await.unwrap();
-                assert_eq!(udp.failed, 0, "{mode:?} {vip}: {udp:?}");
+                if lab.serves_udp(mode) {
+                    let udp = lab.udp_requests(&client, vip, 80, 10).await.unwrap();
+                    assert_eq!(udp.failed, 0, "{mode:?} {vip}: {udp:?}");
+                }
                 if mode == LbMode::Passthrough {
                     // Outside the source ranges: dropped, in either family.
                     let denied = lab.http_requests(&outsider, vip, 80, 3).await.unwrap();

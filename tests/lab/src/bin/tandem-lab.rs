@@ -12,7 +12,7 @@ use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 use tandem_common::ProxyMode;
 use tandem_lab::images::Images;
-use tandem_lab::lab::{Lab, LabOptions};
+use tandem_lab::lab::{EdgeDataPlane, Lab, LabOptions};
 use tandem_lab::report;
 use tandem_lab::scenario::{LbMode, ServicePlan};
 use tandem_netlab::addr;
@@ -53,6 +53,10 @@ struct Cli {
     /// table (`ip tandem`) written through netlink.
     #[arg(long, global = true, env = "TANDEM_LAB_PROXY_MODE", value_enum, default_value_t = ProxyMode::Iptables)]
     proxy_mode: ProxyMode,
+    /// What serves the cloud edge's proxy-mode load balancers: the mock cloud's own
+    /// listeners, or a real HAProxy it drives (TCP only; needs Debian's haproxy).
+    #[arg(long, global = true, env = "TANDEM_LAB_EDGE_DATAPLANE", value_enum, default_value_t = EdgeDataPlane::Proxy)]
+    edge_dataplane: EdgeDataPlane,
     /// The cluster's IP families: `ipv6` and `dual` give every link, node, pod and client
     /// an IPv6 address too, register the Nodes with an InternalIP and a pod CIDR per family,
     /// give the stand-in a Service CIDR per family, the cloud's pools IPv6 addresses and the
@@ -135,6 +139,9 @@ fn require_programs(cli: &Cli) -> Result<()> {
         if cli.ip_family != ClusterFamilies::Ipv4 {
             needed.push(("ip6tables-restore", "iptables"));
         }
+        if cli.edge_dataplane == EdgeDataPlane::Haproxy {
+            needed.push(("haproxy", "haproxy"));
+        }
     } else {
         needed.push(("podman", "podman"));
     }
@@ -175,6 +182,7 @@ fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) 
         pod_network: cli.pod_cidr,
         images: cli.images.clone().map(Images::new),
         proxy_mode: cli.proxy_mode,
+        edge_dataplane: cli.edge_dataplane,
         ip_family: cli.ip_family,
         ..LabOptions::default()
     };
@@ -227,8 +235,15 @@ async fn demo(lab: &mut Lab) -> Result<()> {
         let target = SocketAddr::new(vip, proxy.port);
         let http = lab.http_requests(&client, vip, proxy.port, 60).await?;
         show_spread(&format!("60 HTTP requests from {from} to {target}"), &http);
-        let udp = lab.udp_requests(&client, vip, proxy.port, 20).await?;
-        show_spread(&format!("20 UDP requests from {from} to {target}"), &udp);
+        if lab.serves_udp(LbMode::Proxy) {
+            let udp = lab.udp_requests(&client, vip, proxy.port, 20).await?;
+            show_spread(&format!("20 UDP requests from {from} to {target}"), &udp);
+        } else {
+            println!(
+                "(no UDP in proxy mode: the {} edge proxies TCP only)",
+                lab.edge_dataplane.as_str()
+            );
+        }
     }
     let node_port =
         node_port(&lab.service(&proxy).await?).context("the Service has no nodePort")?;
@@ -458,6 +473,7 @@ fn up(cli: &Cli) -> Result<()> {
     cmd.args(["serve", "--nodes", &cli.nodes.to_string()]);
     cmd.arg("--pod-cidr").arg(cli.pod_cidr.to_string());
     cmd.arg("--proxy-mode").arg(cli.proxy_mode.as_str());
+    cmd.arg("--edge-dataplane").arg(cli.edge_dataplane.as_str());
     if let Some(family) = cli.ip_family.to_possible_value() {
         cmd.arg("--ip-family").arg(family.get_name());
     }
