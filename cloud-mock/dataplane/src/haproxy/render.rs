@@ -254,6 +254,10 @@ pub(crate) fn render(globals: &Globals<'_>, proxies: &BTreeMap<String, Proxy>) -
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
+    use proptest::prelude::*;
+
     use super::*;
     use crate::Protocol;
 
@@ -399,6 +403,127 @@ mod tests {
             let (proxies, rejected) = proxies(&BTreeMap::from([(key, route(id, path))]));
             assert!(proxies.is_empty());
             assert_eq!(rejected, vec![(id.to_owned(), refused)]);
+        }
+    }
+
+    /// Text a Service's author (or a buggy client) could put where the edge's identifiers
+    /// and the health-check path go: HAProxy's quotes, escapes, comments, variables,
+    /// separators and line breaks among plain characters.
+    fn hostile_text() -> impl Strategy<Value = String> {
+        proptest::collection::vec(
+            prop_oneof![
+                proptest::char::range('a', 'z'),
+                proptest::char::range('0', '9'),
+                Just('-'),
+                Just('/'),
+                Just(' '),
+                Just('\n'),
+                Just('#'),
+                Just('"'),
+                Just('\''),
+                Just('\\'),
+                Just('$'),
+                Just('{'),
+                Just('}'),
+                Just(';'),
+                Just('%'),
+            ],
+            0..24,
+        )
+        .prop_map(|chars| chars.into_iter().collect())
+    }
+
+    fn listener() -> impl Strategy<Value = (ListenerKey, ListenerRoute)> {
+        (
+            prop_oneof![hostile_text(), Just("/healthz".to_owned())],
+            prop_oneof![Just("lb-0000000a".to_owned()), hostile_text()],
+            1_u16..,
+            1_u16..,
+            proptest::collection::vec(any::<u32>(), 0..4),
+            proptest::collection::vec((any::<u32>(), 0_u8..=32), 0..3),
+            any::<bool>(),
+        )
+            .prop_map(|(path, lb_id, port, check_port, servers, ranges, http)| {
+                let key = ListenerKey {
+                    vip: IpAddr::from(Ipv4Addr::new(127, 77, 99, 1)),
+                    protocol: Protocol::Tcp,
+                    port,
+                };
+                let mut backends: Vec<IpAddr> = servers
+                    .into_iter()
+                    .map(|ip| Ipv4Addr::from(ip).into())
+                    .collect();
+                backends.sort_unstable();
+                backends.dedup();
+                let route = ListenerRoute {
+                    lb_id,
+                    backend_port: port,
+                    backends,
+                    health_check: Some(if http {
+                        HealthCheck::Http {
+                            port: check_port,
+                            path,
+                        }
+                    } else {
+                        HealthCheck::Tcp { port: check_port }
+                    }),
+                    source_ranges: ranges
+                        .into_iter()
+                        .filter_map(|(ip, len)| {
+                            ipnet::Ipv4Net::new(Ipv4Addr::from(ip), len)
+                                .ok()
+                                .map(|net| IpNet::V4(net.trunc()))
+                        })
+                        .collect(),
+                };
+                (key, route)
+            })
+    }
+
+    proptest! {
+        // Each case runs `haproxy -c` (Debian's haproxy; CI installs it).
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Whatever reaches the renderer, what it renders HAProxy accepts, and what it
+        /// cannot render safely it refuses by name.
+        #[test]
+        fn whatever_is_rendered_haproxy_accepts(listener in listener()) {
+            let listeners = BTreeMap::from([listener.clone()]);
+            let (rendered, refused) = proxies(&listeners);
+            prop_assert_eq!(rendered.len() + refused.len(), 1);
+            let globals = Globals {
+                runtime_socket: Path::new("/run/cloud-mock-test/runtime.sock"),
+                connect_timeout: Duration::from_secs(3),
+                timing: TIMING,
+            };
+            let text = render(&globals, &rendered);
+            let file = std::env::temp_dir().join(format!(
+                "cloud-mock-render-{}-{}.cfg",
+                std::process::id(),
+                std::thread::current().name().unwrap_or("t").replace("::", "-")
+            ));
+            std::fs::write(&file, &text).unwrap();
+            let check = std::process::Command::new("haproxy")
+                .args(["-c", "-q", "-f"])
+                .arg(&file)
+                .output()
+                .expect("haproxy -c runs (install Debian's haproxy)");
+            let _ = std::fs::remove_file(&file);
+            prop_assert!(
+                check.status.success(),
+                "haproxy refused:\n{}\n{}",
+                text,
+                String::from_utf8_lossy(&check.stderr)
+            );
+            // Nothing the author wrote outside the checked values comes through.
+            let (_, route) = listener;
+            if !rendered.is_empty() {
+                prop_assert!(!text.contains('"') && !text.contains('\\') && !text.contains('$'));
+                prop_assert_eq!(text.lines().filter(|l| l.starts_with("listen ")).count(), 1);
+            } else {
+                prop_assert!(!text.contains("\nlisten "), "a refused listener is not rendered");
+                prop_assert_eq!(&refused[0].0, &route.lb_id);
+            }
         }
     }
 }
