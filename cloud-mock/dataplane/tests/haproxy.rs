@@ -342,3 +342,71 @@ async fn wait_for_async<F: std::future::Future<Output = bool>>(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test]
+async fn an_haproxy_a_crashed_edge_left_running_is_adopted_and_reloaded_without_a_gap() {
+    let state = StateDir::new("adopt");
+    let (vip, a, b) = (addr(224, 1), addr(224, 11), addr(224, 12));
+    let (backend_port, _servers) = backends_a_and_b(a, b).await;
+    let port = free_port(vip).await;
+    let config = haproxy_config(&state);
+    let first = vec![lb(
+        "lb-adopt",
+        vip,
+        vec![listener(Protocol::Tcp, port, backend_port, None)],
+        vec![a],
+    )];
+    // The first edge starts HAProxy and then dies without any shutdown path running: its
+    // runtime is leaked, so nothing of it runs again and its HAProxy is left serving.
+    let crashed = {
+        let (config, first) = (config.clone(), first.clone());
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let dataplane = DataPlane::new(config);
+                dataplane.apply(first).await.unwrap();
+                std::mem::forget(dataplane);
+            });
+            std::mem::forget(runtime);
+        })
+    };
+    crashed.join().unwrap();
+    let left = haproxy_pids(&state.0.join("haproxy.cfg"));
+    assert!(!left.is_empty(), "the crashed edge's HAProxy runs on");
+    assert_eq!(tcp_hello(None, vip, port).await.unwrap().1, "a");
+
+    // The next edge adopts it and reloads it from the store, under traffic.
+    let traffic = tokio::spawn(async move {
+        let mut failed = 0;
+        for _ in 0..200 {
+            if tcp_hello(None, vip, port).await.is_err() {
+                failed += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        failed
+    });
+    let dataplane = DataPlane::new(config);
+    let mut moved = first;
+    moved[0].backends = vec![b];
+    dataplane.apply(moved).await.unwrap();
+    assert_eq!(
+        spread(vip, port, 3).await.get("b"),
+        Some(&3),
+        "the store's state serves"
+    );
+    assert_eq!(
+        traffic.await.unwrap(),
+        0,
+        "connections refused while the edge came back"
+    );
+    let masters = haproxy_pids(&state.0.join("haproxy.cfg"));
+    assert!(
+        masters.contains(&left[0]),
+        "the same master serves: {left:?} {masters:?}"
+    );
+    dataplane.shutdown().await;
+}

@@ -12,7 +12,9 @@
 //!   burst of changes is one reload: the caller converges to the whole desired set.
 //! - Server changes (nodes joining and leaving) go through the runtime API, no reload.
 //! - Health is what HAProxy's checks say (`show stat`), read every check interval.
-//! - The master is a child of the edge; if it dies it is started again from the file.
+//! - The master is a child of the edge; if it dies it is started again from the file. An
+//!   HAProxy that a crashed edge left running keeps serving: the next edge adopts it and
+//!   reloads it from the store, so an edge restart drops no connection.
 
 mod render;
 mod socket;
@@ -123,6 +125,8 @@ struct State {
     paths: Option<Paths>,
     /// What the current worker runs (and the file holds).
     running: BTreeMap<String, Proxy>,
+    /// The worker runs what an earlier edge gave it: the next converge reloads in full.
+    adopted: bool,
     last_reload: Option<Instant>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -187,13 +191,16 @@ impl Haproxy {
                 paths
             }
         };
-        if render::needs_reload(&state.running, desired) {
+        if state.adopted || render::needs_reload(&state.running, desired) {
             self.write_checked(&paths, desired).await?;
             if let Err(error) = self.reload(state, &paths).await {
                 // Back to the file the running worker was started from.
-                self.write_checked(&paths, &state.running).await?;
+                if !state.adopted {
+                    self.write_checked(&paths, &state.running).await?;
+                }
                 return Err(error);
             }
+            state.adopted = false;
             return Ok(());
         }
         let commands = render::server_commands(&state.running, desired, self.shared.timing);
@@ -268,8 +275,8 @@ impl Haproxy {
             .map_err(write_error(&paths.config))
     }
 
-    /// Starts HAProxy with no load balancer (which always loads), replacing one a
-    /// previous run of the edge left behind, and the tasks that watch it.
+    /// Starts HAProxy with no load balancer (which always loads), or adopts the one a
+    /// previous run of the edge left on our socket, and the tasks that watch it.
     async fn start(&self, state: &mut State) -> Result<Paths, HaproxyError> {
         let dir = &self.shared.settings.state_dir;
         tokio::fs::create_dir_all(dir)
@@ -279,15 +286,24 @@ impl Haproxy {
                 source,
             })?;
         let paths = Paths::new(dir)?;
-        stop_leftover(&paths.master_socket).await;
-        self.write_checked(&paths, &BTreeMap::new()).await?;
-        let child = self.spawn_master(&paths)?;
-        self.wait_for_worker(&paths, &[]).await?;
-        info!(config = %paths.config.display(), "HAProxy started");
         state.running.clear();
+        let master = match running_master(&paths.master_socket).await {
+            Some(pid) => {
+                info!(%pid, "adopting the HAProxy an earlier run of the edge left running; reloading it from the store");
+                state.adopted = true;
+                Master::Adopted(pid)
+            }
+            None => {
+                self.write_checked(&paths, &BTreeMap::new()).await?;
+                let child = self.spawn_master(&paths)?;
+                self.wait_for_worker(&paths, &[]).await?;
+                info!(config = %paths.config.display(), "HAProxy started");
+                Master::Child(child)
+            }
+        };
         state
             .tasks
-            .push(tokio::spawn(self.clone().supervise(child, paths.clone())));
+            .push(tokio::spawn(self.clone().supervise(master, paths.clone())));
         state
             .tasks
             .push(tokio::spawn(self.clone().poll_health(paths.clone())));
@@ -324,16 +340,16 @@ impl Haproxy {
 
     /// Restarts the master from the current file whenever it exits on its own (HAProxy's
     /// master exits when a worker dies); stops it at shutdown.
-    async fn supervise(self, mut child: Child, paths: Paths) {
+    async fn supervise(self, mut master: Master, paths: Paths) {
         let cancel = self.shared.cancel.clone();
         loop {
             tokio::select! {
                 () = cancel.cancelled() => {
-                    stop_child(&mut child).await;
+                    master.stop().await;
                     return;
                 }
-                status = child.wait() => {
-                    warn!(?status, "HAProxy exited; starting it again from the current configuration");
+                status = master.exited() => {
+                    warn!(%status, "HAProxy exited; starting it again from the current configuration");
                     self.shared.metrics.haproxy_restart();
                 }
             }
@@ -342,11 +358,8 @@ impl Haproxy {
                 () = tokio::time::sleep(RESTART_DELAY) => {}
             }
             match self.spawn_master(&paths) {
-                Ok(next) => child = next,
-                Err(error) => {
-                    warn!(%error, "cannot start HAProxy");
-                    continue;
-                }
+                Ok(child) => master = Master::Child(child),
+                Err(error) => warn!(%error, "cannot start HAProxy"),
             }
         }
     }
@@ -503,48 +516,61 @@ fn health_by_target(
     health
 }
 
-/// An HAProxy master that an earlier run of the edge left on our socket is ours to end.
-async fn stop_leftover(master_socket: &Path) {
-    let Ok(answer) = socket::send(master_socket, "show proc").await else {
-        return;
-    };
-    let Some(pid) = answer.lines().find_map(|line| {
+/// The HAProxy master answering on our socket, if one does (left by an earlier edge).
+async fn running_master(master_socket: &Path) -> Option<Pid> {
+    let answer = socket::send(master_socket, "show proc").await.ok()?;
+    answer.lines().find_map(|line| {
         let mut fields = line.split_whitespace();
         let pid = fields.next()?.parse::<i32>().ok()?;
-        (fields.next() == Some("master")).then_some(pid)
-    }) else {
-        return;
-    };
-    warn!(
-        pid,
-        "stopping the HAProxy an earlier run of the edge left running"
-    );
-    let pid = Pid::from_raw(pid);
-    if kill(pid, Signal::SIGTERM).is_err() {
-        return;
-    }
-    for _ in 0..100 {
-        if kill(pid, None).is_err() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let _ = kill(pid, Signal::SIGKILL);
+        (fields.next() == Some("master")).then(|| Pid::from_raw(pid))
+    })
 }
 
-/// SIGTERM to the master (it stops its workers), SIGKILL if it lingers.
-async fn stop_child(child: &mut Child) {
-    if let Some(pid) = child.id().and_then(|pid| i32::try_from(pid).ok()) {
-        let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
-        if tokio::time::timeout(Duration::from_secs(5), child.wait())
-            .await
-            .is_ok()
-        {
-            info!("HAProxy stopped");
-            return;
+/// The HAProxy master the edge watches: its own child, or one it adopted.
+enum Master {
+    Child(Child),
+    Adopted(Pid),
+}
+
+impl Master {
+    /// Waits until the master is gone; how it ended, as far as the edge can tell.
+    async fn exited(&mut self) -> String {
+        match self {
+            Self::Child(child) => match child.wait().await {
+                Ok(status) => status.to_string(),
+                Err(error) => error.to_string(),
+            },
+            Self::Adopted(pid) => {
+                while kill(*pid, None).is_ok() {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                "the adopted master is gone".to_owned()
+            }
         }
     }
-    let _ = child.kill().await;
+
+    /// SIGTERM (the master stops its workers), SIGKILL if it lingers.
+    async fn stop(&mut self) {
+        let pid = match self {
+            Self::Child(child) => child
+                .id()
+                .and_then(|pid| i32::try_from(pid).ok())
+                .map(Pid::from_raw),
+            Self::Adopted(pid) => Some(*pid),
+        };
+        if let Some(pid) = pid {
+            let _ = kill(pid, Signal::SIGTERM);
+            let stopped = tokio::time::timeout(Duration::from_secs(5), self.exited()).await;
+            if stopped.is_ok() {
+                info!("HAProxy stopped");
+                return;
+            }
+            let _ = kill(pid, Signal::SIGKILL);
+        }
+        if let Self::Child(child) = self {
+            let _ = child.kill().await;
+        }
+    }
 }
 
 async fn log_lines(stream: impl tokio::io::AsyncRead + Unpin) {
