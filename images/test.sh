@@ -1,22 +1,34 @@
 #!/usr/bin/env bash
 # Checks the images scripts/images.sh built: each within its size budget, with its OCI
 # labels, its binary starting inside it (as the image's user, read-only root, no
-# capabilities), the non-root user where that applies, CA certificates, and the node
-# proxy's tools working in an empty network namespace. Needs podman (and runc).
+# capabilities), the non-root user where that applies, CA certificates, the node
+# proxy's tools working in an empty network namespace, and the mock cloud's HAProxy:
+# `haproxy -v`, `haproxy -c` of a small configuration, and a load balancer served by
+# HAProxy in master-worker mode (and reloaded) in a network namespace made here. Needs
+# podman (and runc), and ip and curl for the last check.
 # Prints "N passed, N failed" and exits non-zero on any failure or missing image.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 MIB=$((1024 * 1024))
-declare -A BUDGET=([tandem-controller]=$((30 * MIB)) [cloud-mock]=$((30 * MIB)) [tandem-nodeproxy]=$((100 * MIB)))
+# cloud-mock's: 30 MiB, plus the 16 MiB that Debian's HAProxy and its libraries add.
+declare -A BUDGET=([tandem-controller]=$((30 * MIB)) [cloud-mock]=$((46 * MIB)) [tandem-nodeproxy]=$((100 * MIB)))
 NONROOT=(tandem-controller cloud-mock)
 NODEPROXY_TOOLS="iptables-nft iptables-nft-save iptables-nft-restore iptables-legacy
 iptables-legacy-save iptables-legacy-restore ip6tables-nft ip6tables-nft-save
 ip6tables-nft-restore ip6tables-legacy ip6tables-legacy-save ip6tables-legacy-restore
 conntrack nft"
-# Every container of this run has this prefix, so the trap removes exactly these.
+# Every container, network namespace and file of this run has this prefix, so the trap
+# removes exactly these.
 RUN=tandem-image-test-$$
-trap 'podman ps -aq --filter "name=^$RUN-" | xargs -r podman rm -f >/dev/null 2>&1' EXIT
+WORK=$(mktemp -d "/tmp/$RUN.XXXX")
+cleanup() {
+    podman ps -aq --filter "name=^$RUN-" | xargs -r podman rm -f >/dev/null 2>&1
+    ip netns list 2>/dev/null | awk -v p="$RUN-" 'index($1, p) == 1 { print $1 }' |
+        xargs -r -n1 ip netns delete 2>/dev/null
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
 
 passed=0
 failed=0
@@ -92,6 +104,70 @@ cleans_up_with_nft() {
 
 ip_runs() { run "$1" --entrypoint /usr/sbin/ip -- -brief address; }
 
+# Debian's HAProxy (what --dataplane haproxy runs) starts in the scratch image, as its user.
+haproxy_version() { run "$1" --entrypoint /usr/sbin/haproxy -- -v | grep -E '^HAProxy version 2\.'; }
+
+# A small configuration of the kind the edge renders (a TCP listen section with a checked
+# server, the runtime socket) is accepted by `haproxy -c`, as the image's user.
+haproxy_checks_config() {
+    cat >"$WORK/haproxy.cfg" <<'CFG'
+global
+    stats socket /var/lib/cloud-mock/haproxy/runtime.sock mode 600 level admin
+defaults
+    mode tcp
+    timeout connect 3s
+    timeout client 1h
+    timeout server 1h
+listen lb-1_80_v4
+    bind 198.51.100.10:80
+    tcp-request connection reject unless { src 203.0.113.0/24 }
+    server 192.0.2.11 192.0.2.11:30080 check inter 1000 rise 2 fall 2
+CFG
+    chmod 644 "$WORK/haproxy.cfg"
+    run "$1" -v "$WORK/haproxy.cfg:/etc/tandem-test/haproxy.cfg:ro" --entrypoint /usr/sbin/haproxy \
+        -- -c -f /etc/tandem-test/haproxy.cfg
+}
+
+# The mock cloud with --dataplane haproxy in its image, as its user on a read-only root
+# with no capabilities and a writable data directory: HAProxy starts in master-worker
+# mode, serves a proxy-mode load balancer on a loopback VIP (to the edge's own API as the
+# backend), and a second load balancer reloads it (the master re-executes itself) with
+# both answering. Everything stays in a network namespace of this run.
+api() { # namespace, method, path, body...
+    ip netns exec "$1" curl -sS -m 5 -X "$2" -H 'Authorization: Bearer image-test' \
+        -H 'Content-Type: application/json' "http://127.0.0.1:8780$3" ${4:+-d "$4"}
+}
+answers() { # namespace, VIP:port: GET /healthz through HAProxy, retried for 10 s
+    local i
+    for i in $(seq 50); do
+        ip netns exec "$1" curl -sf -m 2 "http://$2/healthz" && return 0
+        sleep 0.2
+    done
+    echo "no answer on $2"
+    return 1
+}
+serves_through_haproxy() {
+    local ns=$RUN-haproxy name=$RUN-haproxy-edge port answer vip served=()
+    ip netns add "$ns" && ip -n "$ns" link set lo up || return 1
+    podman run -d --runtime runc --name "$name" --network "ns:/run/netns/$ns" --read-only \
+        --cap-drop ALL --tmpfs /var/lib/cloud-mock:rw,mode=1777 "$1" \
+        --listen 127.0.0.1:8780 --data-dir /var/lib/cloud-mock --token image-test \
+        --vip-pool 127.77.0.0/24 --dataplane haproxy --provisioning-delay 0s \
+        --health-interval 200ms >/dev/null || return 1
+    for port in 8081 8082; do
+        answer=$(api "$ns" POST /v1/loadbalancers "{\"name\": \"lb-$port\", \"mode\": \"proxy\",
+            \"listeners\": [{\"protocol\": \"TCP\", \"port\": $port, \"backendPort\": 8780}],
+            \"backends\": [{\"ip\": \"127.0.0.1\"}]}") || { echo "$answer"; return 1; }
+        vip=$(printf '%s' "$answer" | grep -o '"vip":"[^"]*"' | cut -d'"' -f4)
+        [ -n "$vip" ] || { echo "no VIP in $answer"; return 1; }
+        answers "$ns" "$vip:$port" || { podman logs "$name" 2>&1 | tail -n 20; return 1; }
+        served+=("$vip:$port")
+    done
+    # Each new listener was a new frontend, so HAProxy reloaded: the first LB still answers.
+    for vip in "${served[@]}"; do answers "$ns" "$vip" || return 1; done
+    podman logs "$name" 2>&1 | grep 'HAProxy reloaded'
+}
+
 # What the image holds must not be a shell or a package manager: only what runs.
 has_no_shell() { ! run "$1" --entrypoint /bin/sh -- -c true; }
 
@@ -122,6 +198,9 @@ for ref in "${refs[@]}"; do
         ;;
     cloud-mock)
         check "$name: ip runs in the scratch image" ip_runs "$ref"
+        check "$name: haproxy -v runs in the scratch image" haproxy_version "$ref"
+        check "$name: haproxy -c accepts a configuration as the image's user" haproxy_checks_config "$ref"
+        check "$name: --dataplane haproxy serves and reloads as the image's user" serves_through_haproxy "$ref"
         ;;
     esac
 done
