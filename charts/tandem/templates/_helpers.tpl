@@ -102,10 +102,73 @@ localhostProfile: {{ required "seccompProfile.localhostProfile is required when 
 {{- end }}
 {{- end }}
 
+{{/* The controller's provider (`--cloud-provider`): `default` keeps a release upgraded
+     with --reuse-values from a chart without the value working. */}}
+{{- define "tandem.cloudProvider" -}}
+{{- default "mockcloud" .Values.cloud.provider }}
+{{- end }}
+
+{{/* Each provider's own default spec.loadBalancerClass (its Profile in the controller),
+     what the controller implements when loadBalancerClass is empty. */}}
+{{- define "tandem.loadBalancerClass" -}}
+{{- $defaults := dict "mockcloud" "tandem.io/mockcloud" }}
+{{- default (get $defaults (include "tandem.cloudProvider" .)) .Values.loadBalancerClass }}
+{{- end }}
+
+{{/* Where the controller's pods mount the cloud's token, CA and configuration. */}}
+{{- define "tandem.cloudTokenDir" -}}/etc/tandem/cloud{{- end }}
+{{- define "tandem.cloudCADir" -}}/etc/tandem/cloud-ca{{- end }}
+{{- define "tandem.cloudConfigFile" -}}/etc/tandem/cloud-config/cloud-config.json{{- end }}
+
+{{/* The provider's configuration file (`--cloud-config`), in the mockcloud provider's
+     format (controller/src/mockcloud/config.rs): the edge's URL, the token file and,
+     with cloud.caSecret, the CA that signed the edge's certificate. */}}
+{{- define "tandem.cloudConfig" -}}
+{{- $config := dict "url" (include "tandem.cloudURL" .) "tokenFile" (printf "%s/%s" (include "tandem.cloudTokenDir" .) (include "tandem.cloudSecretKey" .)) }}
+{{- if .Values.cloud.caSecret }}
+{{- $_ := set $config "caFile" (printf "%s/ca.crt" (include "tandem.cloudCADir" .)) }}
+{{- end }}
+{{- toPrettyJson $config }}
+{{- end }}
+
+{{/* The controller's pods' volumes and mounts for the cloud: the configuration, the
+     token and the CA. */}}
+{{- define "tandem.cloudVolumeMounts" -}}
+- name: cloud-config
+  mountPath: {{ include "tandem.cloudConfigFile" . | dir }}
+  readOnly: true
+- name: cloud-token
+  mountPath: {{ include "tandem.cloudTokenDir" . }}
+  readOnly: true
+{{- if .Values.cloud.caSecret }}
+- name: cloud-ca
+  mountPath: {{ include "tandem.cloudCADir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "tandem.cloudVolumes" -}}
+- name: cloud-config
+  configMap:
+    name: {{ include "tandem.componentName" (dict "root" . "component" "cloud-config") }}
+- name: cloud-token
+  secret:
+    secretName: {{ include "tandem.cloudSecretName" . }}
+    defaultMode: 0400
+{{- with .Values.cloud.caSecret }}
+- name: cloud-ca
+  secret:
+    secretName: {{ . }}
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+{{- end }}
+
 {{/* The controller's cluster facts, shared by its Deployment and the uninstall hook. */}}
 {{- define "tandem.controllerArgs" -}}
-- --cloud-url={{ include "tandem.cloudURL" . }}
-- --cloud-token-file=/etc/tandem/cloud/{{ include "tandem.cloudSecretKey" . }}
+- --cloud-provider={{ include "tandem.cloudProvider" . }}
+- --cloud-config={{ include "tandem.cloudConfigFile" . }}
 - --cluster-id={{ .Values.clusterId }}
 {{- with .Values.loadBalancerClass }}
 - --load-balancer-class={{ . }}

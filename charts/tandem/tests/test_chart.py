@@ -22,7 +22,8 @@ VALUE_SETS = {
     "defaults": {},
     "production-cloud": {
         "clusterId": "prod-eu1",
-        "cloud": {"url": "https://lb.example.net", "existingSecret": "cloud-creds", "existingSecretKey": "api-token"},
+        "cloud": {"url": "https://edge.example.net:8443", "existingSecret": "cloud-creds",
+                  "existingSecretKey": "api-token", "caSecret": "edge-ca"},
         "cloudMock": {"enabled": False},
         "loadBalancerClass": "tandem.example.net/lb",
         "claimUnclassed": False,
@@ -44,6 +45,9 @@ VALUE_SETS = {
             "vipPool": "198.51.100.0/25",
             "extraVipPools": {"blue": "198.51.100.128/25"},
         },
+    },
+    "haproxy-edge": {
+        "cloudMock": {"dataplane": "haproxy"},
     },
     "dual-stack": {
         "nodeProxy": {
@@ -104,7 +108,8 @@ def test_standard_labels_on_every_object():
 
 def test_token_never_in_a_configmap_or_args():
     objects, manifests = render({"cloud": {"token": "very-secret-token"}})
-    assert not [o for o in objects if o["kind"] == "ConfigMap"]
+    # The one ConfigMap is the provider configuration, which names the token's file only.
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "ConfigMap"] == ["tandem-cloud-config"]
     secret = find(objects, "Secret", "-cloud")
     assert secret["data"]["token"]
     rendered = "".join(text for path, text in manifests.items() if not path.endswith("cloud-secret.yaml"))
@@ -115,10 +120,9 @@ def test_existing_secret_is_used_and_no_secret_rendered():
     objects, _ = render(VALUE_SETS["production-cloud"])
     assert not [o for o in objects if o["kind"] == "Secret"]
     deployment = find(objects, "Deployment", "-controller")
-    volume = deployment["spec"]["template"]["spec"]["volumes"][0]
+    volume = volume_named(deployment, "cloud-token")
     assert volume["secret"]["secretName"] == "cloud-creds"
-    args = container(objects, "Deployment", "-controller")["args"]
-    assert "--cloud-token-file=/etc/tandem/cloud/api-token" in args
+    assert cloud_config(objects)["tokenFile"] == "/etc/tandem/cloud/api-token"
 
 
 def test_controller_is_highly_available_and_locked_down():
@@ -283,6 +287,8 @@ def test_checkov_security_scan_passes(tmp_path):
         ({"clusterId": "Has Spaces"}, "clusterId"),
         ({"clusterId": "a-cluster-id-longer-than-24"}, "clusterId"),
         ({"cloud": {"url": "ftp://x"}}, "url"),
+        ({"cloud": {"provider": "aws"}}, "provider"),
+        ({"cloudMock": {"dataplane": "nginx"}}, "dataplane"),
         ({"controller": {"metricsPort": 70000}}, "metricsPort"),
     ],
 )
@@ -306,6 +312,128 @@ def test_claiming_unclassed_services_follows_the_value():
     assert "--claim-unclassed=true" in args
     args = container(render(VALUE_SETS["production-cloud"])[0], "Deployment", "-controller")["args"]
     assert "--claim-unclassed=false" in args and "--load-balancer-class=tandem.example.net/lb" in args
+
+
+# ---- the controller's provider and its configuration file ----
+
+def volume_named(workload, name):
+    volumes = workload["spec"]["template"]["spec"]["volumes"]
+    hits = [v for v in volumes if v["name"] == name]
+    assert hits, f"no volume {name} in {[v['name'] for v in volumes]}"
+    return hits[0]
+
+
+def mounted_path(workload, volume, key):
+    """The path at which the workload's first container sees `key` of `volume`."""
+    c = workload["spec"]["template"]["spec"]["containers"][0]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == volume)
+    return f"{mount['mountPath']}/{key}"
+
+
+def cloud_config(objects):
+    """The provider configuration the controller reads: cloud-config.json of the ConfigMap."""
+    config_map = find(objects, "ConfigMap", "-cloud-config")
+    assert list(config_map["data"]) == ["cloud-config.json"]
+    return json.loads(config_map["data"]["cloud-config.json"])
+
+
+def flag(args, name):
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+    assert len(values) == 1, (name, args)
+    return values[0]
+
+
+def documented_mockcloud_config():
+    """The keys of the example file in the mockcloud provider's own documentation."""
+    source = (REPO / "controller/src/mockcloud/config.rs").read_text()
+    block = re.search(r"//! ```json\n//! (.*?)\n//! ```", source)
+    assert block, "controller/src/mockcloud/config.rs documents no JSON example"
+    return json.loads(block.group(1))
+
+
+@pytest.mark.parametrize("name", ["defaults", "production-cloud"])
+def test_controller_and_hook_read_the_provider_config_from_what_they_mount(name):
+    """--cloud-provider and --cloud-config (no --cloud-url/--cloud-token-file), and every
+    file the configuration names is one the pod mounts, from the object that holds it."""
+    objects, _ = render(VALUE_SETS[name])
+    config = cloud_config(objects)
+    for workload in (find(objects, "Deployment", "-controller"), find(objects, "Job", "-release")):
+        args = workload["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert flag(args, "cloud-provider") == "mockcloud"
+        assert not [a for a in args if a.startswith(("--cloud-url", "--cloud-token-file"))], args
+        config_file = flag(args, "cloud-config")
+        assert mounted_path(workload, "cloud-config", "cloud-config.json") == config_file
+        assert volume_named(workload, "cloud-config")["configMap"]["name"] == "tandem-cloud-config"
+        token = volume_named(workload, "cloud-token")["secret"]
+        key = VALUE_SETS[name].get("cloud", {}).get("existingSecretKey", "token")
+        assert config["tokenFile"] == mounted_path(workload, "cloud-token", key)
+        assert token["secretName"] == VALUE_SETS[name].get("cloud", {}).get("existingSecret", "tandem-cloud")
+        if "caFile" in config:
+            ca = volume_named(workload, "cloud-ca")["secret"]
+            assert ca["secretName"] == "edge-ca" and ca["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+            assert config["caFile"] == mounted_path(workload, "cloud-ca", "ca.crt")
+
+
+def test_provider_config_is_the_mockcloud_providers_format():
+    """The same keys as the provider's own documented example, which its parser (serde,
+    deny_unknown_fields) is tested against; the URL the chart computes."""
+    documented = documented_mockcloud_config()
+    objects, _ = render(VALUE_SETS["production-cloud"])
+    config = cloud_config(objects)
+    assert set(config) == set(documented), (config, documented)
+    assert config["url"] == "https://edge.example.net:8443"
+    assert config["caFile"] == "/etc/tandem/cloud-ca/ca.crt"
+    config = cloud_config(render()[0])
+    assert set(config) == set(documented) - {"caFile"}
+    assert config["url"] == "http://tandem-cloud-mock.tandem-system.svc:8080"
+    assert config["tokenFile"] == "/etc/tandem/cloud/token"
+    objects, _ = render()
+    assert not [v for v in find(objects, "Deployment", "-controller")["spec"]["template"]["spec"]["volumes"]
+                if v["name"] == "cloud-ca"]
+
+
+def test_a_changed_provider_config_rolls_the_controller():
+    """The controller reads its configuration once, at start (as it read the flags, whose
+    change rolled the pods by itself)."""
+    def checksum(values):
+        deployment = find(render(values)[0], "Deployment", "-controller")
+        return deployment["spec"]["template"]["metadata"]["annotations"]["checksum/cloud-config"]
+
+    base = {"cloudMock": {"enabled": False}, "cloud": {"url": "https://a.example.net", "token": "t"}}
+    assert checksum(base) == checksum(base)
+    assert checksum(base) != checksum(deep_merge(base, {"cloud": {"url": "https://b.example.net"}}))
+    assert checksum(base) != checksum(deep_merge(base, {"cloud": {"caSecret": "edge-ca"}}))
+    # Extra pod annotations still reach the pods beside it.
+    deployment = find(render({"controller": {"podAnnotations": {"a": "b"}}})[0], "Deployment", "-controller")
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["a"] == "b" and "checksum/cloud-config" in annotations
+
+
+def deep_merge(base, extra):
+    out = json.loads(json.dumps(base))
+    for key, value in extra.items():
+        out[key] = deep_merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def test_load_balancer_class_is_left_to_the_provider_unless_set():
+    args = container(render()[0], "Deployment", "-controller")["args"]
+    assert not [a for a in args if a.startswith("--load-balancer-class")], args
+    args = container(render({"loadBalancerClass": "example.net/lb"})[0], "Deployment", "-controller")["args"]
+    assert flag(args, "load-balancer-class") == "example.net/lb"
+
+
+def test_haproxy_dataplane_is_passed_and_opens_the_mocks_listeners():
+    objects, _ = render(VALUE_SETS["haproxy-edge"])
+    assert flag(container(objects, "Deployment", "-cloud-mock")["args"], "dataplane") == "haproxy"
+    # HAProxy keeps its sockets and files in DATA_DIR/haproxy: the data volume, writable.
+    c = container(objects, "Deployment", "-cloud-mock")
+    data_dir = flag(c["args"], "data-dir")
+    assert any(m["mountPath"] == data_dir and not m.get("readOnly") for m in c["volumeMounts"])
+    # Load-balancer clients reach its listeners from anywhere, as with the proxy data plane.
+    assert find(objects, "NetworkPolicy", "-cloud-mock")["spec"]["ingress"] == [{}]
+    objects, _ = render()
+    assert find(objects, "NetworkPolicy", "-cloud-mock")["spec"]["ingress"][0]["from"]
 
 
 # ---- the rendered command lines against the binaries' real argument parsers ----

@@ -5,9 +5,11 @@ renders with the values they make. A documented command that Helm or the chart's
 would refuse fails here, not on a user's cluster. NOTES.txt is checked for the values that
 change what it must say, and docs/operations.md's error categories against the code."""
 
+import os
 import pathlib
 import re
 import shlex
+import subprocess
 
 import helm_python as helm
 import pytest
@@ -29,8 +31,12 @@ PARSERS = {"--set": helm.parse_set_string, "--set-string": helm.parse_set_string
 def shell_snippets(markdown):
     """Shell lines of fenced sh/bash blocks (continuations joined) and inline code spans
     holding a whole helm command."""
-    for block in re.finditer(r"^[ \t]*```(sh|bash|shell|console)?\n(.*?)^[ \t]*```", markdown, re.S | re.M):
-        if block.group(1) is None and "helm " not in block.group(2):
+    # Every fence is paired (a block in another language, ```yaml or ```ini, included), so
+    # that no closing fence is taken for an opening one.
+    for block in re.finditer(r"^[ \t]*```([a-z]*)\n(.*?)^[ \t]*```", markdown, re.S | re.M):
+        if block.group(1) not in ("sh", "bash", "shell", "console", ""):
+            continue
+        if not block.group(1) and "helm " not in block.group(2):
             continue
         text = re.sub(r"\\\n", " ", block.group(2))
         yield from (line.strip() for line in text.splitlines() if line.strip())
@@ -197,10 +203,76 @@ def test_no_chart_text_keeps_ipv6_to_one_mode():
         assert not re.search(r"IPv6[^.|]*\biptables mode only|IPv6 in the iptables mode", flat), name
 
 
+def test_notes_name_the_provider_and_its_edge():
+    text = notes()
+    assert "(provider mockcloud) provisions a load balancer on the edge at http://tandem-cloud-mock." in text
+    text = notes({"cloudMock": {"enabled": False}, "cloud": {"url": "https://edge.example.net:8443", "token": "t"}})
+    assert "on the edge at https://edge.example.net:8443 for every" in text
+
+
+def test_each_text_says_what_cloud_url_must_speak():
+    """Only a server of the edge's API answers the controller, not any cloud (issue 32)."""
+    texts = dict(chart_texts())
+    texts.update({doc: (REPO / doc).read_text() for doc in ("README.md", "docs/install.md")})
+    for name, text in texts.items():
+        assert "openapi.yaml" in text, name
+    flat = " ".join(texts["docs/install.md"].split())
+    assert "## Running the edge on its own host" in texts["docs/install.md"]
+    assert "--dataplane haproxy" in flat and "unsupported-protocol" in flat
+
+
 def test_the_pvc_needs_a_default_storage_class_says_each_text():
     for name, text in chart_texts().items():
         assert "default StorageClass" in " ".join(text.split()), name
     assert "default StorageClass" in (REPO / "docs/install.md").read_text()
+
+
+# ---- the edge on its own host (docs/install.md) against the files and the binary ----
+
+EDGE_UNIT = REPO / "images/cloud-mock.service"
+EDGE_ENV = REPO / "images/cloud-mock.env"
+
+
+def fenced_blocks(markdown):
+    return [m.group(1) for m in re.finditer(r"^```[a-z]*\n(.*?)^```", markdown, re.S | re.M)]
+
+
+def test_install_shows_the_edges_unit_and_environment_file_as_they_are():
+    blocks = fenced_blocks((REPO / "docs/install.md").read_text())
+    assert EDGE_UNIT.read_text() in blocks
+    assert EDGE_ENV.read_text() in blocks
+
+
+def edge_settings():
+    """The unit's ExecStart arguments and the environment file's variables."""
+    unit = EDGE_UNIT.read_text()
+    exec_start = re.search(r"^ExecStart=(.*)$", unit, re.M).group(1)
+    program, *args = shlex.split(exec_start)
+    assert program == "/usr/local/bin/cloud-mock"
+    assert re.search(r"^EnvironmentFile=/etc/tandem/cloud-mock.env$", unit, re.M)
+    env = dict(line.split("=", 1) for line in EDGE_ENV.read_text().splitlines()
+               if line.strip() and not line.startswith("#"))
+    return args, env
+
+
+def test_the_edges_unit_and_environment_are_what_cloud_mock_takes():
+    """Every variable is one of cloud-mock's (clap ignores unknown ones), and with the
+    unit's arguments they all parse: the edge gets past its flags to opening its store."""
+    from test_chart import binary
+
+    exe = binary("cloud-mock")
+    args, env = edge_settings()
+    help_text = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True).stdout
+    # The commented ones too (TLS).
+    for name in set(env) | set(re.findall(r"^#(CLOUD_MOCK_[A-Z_]+)=", EDGE_ENV.read_text(), re.M)):
+        assert f"[env: {name}" in help_text, f"cloud-mock has no variable {name}"
+    assert env["CLOUD_MOCK_DATAPLANE"] == "haproxy"
+    # The data directory is the unit's StateDirectory.
+    assert "--data-dir=/var/lib/cloud-mock" in args and "StateDirectory=cloud-mock\n" in EDGE_UNIT.read_text()
+    args = [a for a in args if not a.startswith("--data-dir")] + ["--data-dir=/dev/null/not-a-directory"]
+    result = subprocess.run([exe, *args], capture_output=True, text=True, timeout=30,
+                            env={"PATH": os.environ.get("PATH", ""), **env})
+    assert result.returncode == 1 and "opening the database" in result.stderr, result.stderr
 
 
 # ---- docs/operations.md against the code ----
