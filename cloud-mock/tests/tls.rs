@@ -1,7 +1,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 //! The edge's API over TLS: an in-process server given a certificate and key (made here by
 //! rcgen, signed by a CA of the test) answers HTTPS to a client that trusts the CA, and
-//! refuses plain HTTP and clients that trust another CA.
+//! refuses plain HTTP and clients that trust another CA; the SDK given the CA's PEM talks
+//! to it.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -12,6 +13,7 @@ use std::time::Duration;
 use cloud_mock::Settings;
 use cloud_mock::server::{TlsFiles, serve_on};
 use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind};
+use cloud_mock_sdk::{Client, ClientOptions, Error};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -25,6 +27,7 @@ const TOKEN: &str = "tls-test-token";
 /// A CA, and a serving certificate it signed for 127.0.0.1 and `localhost`.
 struct Pki {
     ca: CertificateDer<'static>,
+    ca_pem: String,
     cert_pem: String,
     key_pem: String,
 }
@@ -38,6 +41,7 @@ fn pki() -> Pki {
     let cert = params.signed_by(&key, &ca).unwrap();
     Pki {
         ca: ca.der().clone(),
+        ca_pem: ca.pem(),
         cert_pem: cert.pem(),
         key_pem: key.serialize_pem(),
     }
@@ -172,4 +176,34 @@ async fn a_client_trusting_another_ca_does_not_connect() {
         refused.to_string().contains("invalid peer certificate"),
         "{refused}"
     );
+}
+
+fn sdk(url: &str, root_certificates: Option<&str>) -> Client {
+    let options = ClientOptions {
+        timeout: Duration::from_secs(5),
+        max_retries: 0,
+        root_certificates: root_certificates.map(str::to_owned),
+        ..ClientOptions::default()
+    };
+    Client::new(url, TOKEN, options).unwrap()
+}
+
+#[tokio::test]
+async fn the_sdk_trusts_the_ca_it_is_given() {
+    let pki = pki();
+    let edge = Edge::start(&pki).await;
+    let https = format!("https://{}", edge.addr);
+    let pools = sdk(&https, Some(&pki.ca_pem)).list_pools().await.unwrap();
+    assert_eq!(pools.len(), 1, "{pools:?}");
+    // Without the CA it trusts only the platform's roots, which never signed this edge.
+    let untrusting = sdk(&https, None).list_pools().await;
+    assert!(
+        matches!(untrusting, Err(Error::Transport(_))),
+        "{untrusting:?}"
+    );
+    // Plain HTTP to the TLS port gets no answer.
+    let plain = sdk(&format!("http://{}", edge.addr), Some(&pki.ca_pem))
+        .list_pools()
+        .await;
+    assert!(matches!(plain, Err(Error::Transport(_))), "{plain:?}");
 }

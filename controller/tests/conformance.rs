@@ -1,5 +1,6 @@
 //! The provider conformance kit against the mock-cloud provider on a real cloud-mock (in
-//! process, API only) and against the fake.
+//! process, API only; over HTTP and over HTTPS with a CA from its configuration) and
+//! against the fake.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 // Shared with e2e.rs, which uses the rest of it.
@@ -20,18 +21,10 @@ fn kit() -> Kit {
     Kit::new("conformance".parse().unwrap())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_mock_cloud_provider_conforms() {
-    let dir = support::TempDir::new("conformance");
-    let cloud = support::Cloud::start(dir.path(), support::POOL).await;
-    let token = dir.path().join("token");
-    std::fs::write(&token, &cloud.token).unwrap();
-    let config = format!(
-        r#"{{"url": "{}", "tokenFile": "{}"}}"#,
-        cloud.url,
-        token.display()
-    );
-    // Built as the controller builds it: by name, from its configuration.
+/// Runs the kit against the mock-cloud provider built as the controller builds it: by
+/// name, from a configuration file naming `cloud`'s URL, its token and, over HTTPS, its CA.
+async fn mock_cloud_provider_conforms(cloud: support::Cloud, dir: &std::path::Path) {
+    let config = std::fs::read_to_string(cloud.write_config(dir)).unwrap();
     let provider = registry::build(
         PROFILE.name,
         Some(&config),
@@ -44,6 +37,21 @@ async fn the_mock_cloud_provider_conforms() {
     .unwrap();
     conformance::run(&provider, &kit()).await.unwrap();
     cloud.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_cloud_provider_conforms() {
+    let dir = support::TempDir::new("conformance");
+    let cloud = support::Cloud::start(&dir.path().join("cloud"), support::POOL, false).await;
+    mock_cloud_provider_conforms(cloud, dir.path()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_cloud_provider_conforms_over_tls() {
+    let dir = support::TempDir::new("conformance-tls");
+    let cloud = support::Cloud::start(&dir.path().join("cloud"), support::POOL, true).await;
+    assert!(cloud.url.starts_with("https://"), "{}", cloud.url);
+    mock_cloud_provider_conforms(cloud, dir.path()).await;
 }
 
 #[tokio::test]

@@ -8,7 +8,10 @@ use reqwest::{Method, RequestBuilder, StatusCode, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::error::Error;
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::{self, PemObject};
+
+use crate::error::{Error, TlsError};
 use crate::types::{
     ErrorBody, Faults, LoadBalancer, LoadBalancerList, LoadBalancerSpec, Pool, PoolList,
 };
@@ -29,6 +32,9 @@ pub struct ClientOptions {
     pub initial_backoff: Duration,
     /// Cap of the doubling backoff (a server's `Retry-After` is honoured even when longer).
     pub max_backoff: Duration,
+    /// PEM certificates of the CAs an `https` server's certificate must chain to (as
+    /// `curl --cacert`); none: the platform's trusted roots. Unused for `http` URLs.
+    pub root_certificates: Option<String>,
 }
 
 impl Default for ClientOptions {
@@ -38,8 +44,36 @@ impl Default for ClientOptions {
             max_retries: 4,
             initial_backoff: Duration::from_millis(200),
             max_backoff: Duration::from_secs(10),
+            root_certificates: None,
         }
     }
+}
+
+/// The TLS client configuration: TLS 1.2 or 1.3 with the ring provider (given here, so no
+/// process-wide provider is needed), trusting the CAs of `roots_pem` or else the
+/// platform's roots.
+fn tls_config(roots_pem: Option<&str>) -> Result<rustls::ClientConfig, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()?;
+    let builder = match roots_pem {
+        Some(pem) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+                roots.add(cert.map_err(TlsError::RootCertificates)?)?;
+            }
+            if roots.is_empty() {
+                return Err(TlsError::RootCertificates(pem::Error::NoItemsFound));
+            }
+            builder.with_root_certificates(roots)
+        }
+        None => builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(rustls_platform_verifier::Verifier::new(
+                provider,
+            )?)),
+    };
+    Ok(builder.with_no_client_auth())
 }
 
 /// Typed client of the cloud-mock load-balancer API. Cheap to clone.
@@ -74,9 +108,11 @@ impl Client {
                 message: format!("base URL {base_url} is not an http(s) URL"),
             });
         }
+        let tls = tls_config(options.root_certificates.as_deref())?;
         let http = reqwest::Client::builder()
             .timeout(options.timeout)
             .connect_timeout(options.timeout)
+            .tls_backend_preconfigured(tls)
             .build()
             .map_err(Error::Transport)?;
         Ok(Self {
@@ -379,6 +415,7 @@ mod tests {
             max_retries: 5,
             initial_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_millis(500),
+            root_certificates: None,
         }
     }
 
@@ -472,5 +509,27 @@ mod tests {
         );
         assert!(Client::new("not a url", "t", options()).is_err());
         assert!(Client::new("ftp://x", "t", options()).is_err());
+    }
+
+    #[test]
+    fn root_certificates_must_be_pem_certificates() {
+        let with_roots = |pem: &str| ClientOptions {
+            root_certificates: Some(pem.to_owned()),
+            ..options()
+        };
+        for bad in [
+            "",
+            "not PEM",
+            "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+            "-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n",
+        ] {
+            let refused = Client::new("https://127.0.0.1:9", "t", with_roots(bad));
+            assert!(
+                matches!(refused, Err(Error::Tls(TlsError::RootCertificates(_)))),
+                "{bad:?}: {refused:?}"
+            );
+        }
+        // Without roots of its own the client trusts the platform's, for http and https.
+        assert!(Client::new("https://127.0.0.1:9", "t", options()).is_ok());
     }
 }

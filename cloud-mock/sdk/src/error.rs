@@ -29,6 +29,18 @@ pub enum Error {
     Transport(#[source] reqwest::Error),
     #[error("cannot decode the cloud's answer: {0}")]
     Decode(#[source] serde_json::Error),
+    /// The client could not be built: only [`crate::Client::new`] returns it.
+    #[error("TLS: {0}")]
+    Tls(#[from] TlsError),
+}
+
+/// Why the client's TLS could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("root certificates: {0}")]
+    RootCertificates(#[source] rustls::pki_types::pem::Error),
+    #[error("{0}")]
+    Rustls(#[from] rustls::Error),
 }
 
 /// `code: message`, the way the cloud's JSON error reads, or the message alone.

@@ -17,7 +17,7 @@ mod types;
 use std::collections::BTreeMap;
 
 pub use client::{Client, ClientOptions, FamiliesClient, IDEMPOTENCY_KEY};
-pub use error::Error;
+pub use error::{Error, TlsError};
 pub use types::{
     AddressRequest, Backend, BackendHealth, BackendStatus, ErrorBody, ErrorDetail, Faults,
     HealthCheck, HealthCheckProtocol, IpFamily, Listener, LoadBalancer, LoadBalancerList,

@@ -39,10 +39,6 @@ pub enum ConfigError {
     },
     #[error("token file {0} is empty")]
     EmptyToken(String),
-    #[error(
-        "caFile {0}: this build's cloud-mock-sdk cannot trust a CA of its own yet (it needs a root-certificate option)"
-    )]
-    CaUnsupported(String),
 }
 
 impl Config {
@@ -58,6 +54,20 @@ impl Config {
             ca_file: None,
         };
         Ok(serde_json::to_string(&config)?)
+    }
+
+    /// The PEM of `caFile`, if given.
+    pub fn ca(&self) -> Result<Option<String>, ConfigError> {
+        self.ca_file
+            .as_ref()
+            .map(|path| {
+                std::fs::read_to_string(path).map_err(|source| ConfigError::File {
+                    what: "CA file",
+                    path: path.display().to_string(),
+                    source,
+                })
+            })
+            .transpose()
     }
 
     /// The bearer token, read from `tokenFile` and trimmed.
@@ -120,5 +130,28 @@ mod tests {
         assert!(matches!(config.token(), Err(ConfigError::EmptyToken(_))));
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(matches!(config.token(), Err(ConfigError::File { .. })));
+    }
+
+    #[test]
+    fn ca_file_is_read_when_given() {
+        let dir = std::env::temp_dir().join(format!("tdm-mockcloud-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("ca.crt");
+        std::fs::write(&file, "-----BEGIN CERTIFICATE-----\n").unwrap();
+        let mut config = Config::parse(&Config::shortcut("https://x", &file).unwrap()).unwrap();
+        assert_eq!(config.ca().unwrap(), None);
+        config.ca_file = Some(file);
+        assert_eq!(
+            config.ca().unwrap().as_deref(),
+            Some("-----BEGIN CERTIFICATE-----\n")
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(matches!(
+            config.ca(),
+            Err(ConfigError::File {
+                what: "CA file",
+                ..
+            })
+        ));
     }
 }

@@ -60,12 +60,13 @@ pub fn classify(err: &sdk::Error, operation: Operation, id: Option<&str>) -> Pro
             operation,
             message: err.to_string(),
         },
-        sdk::Error::Unavailable { .. } | sdk::Error::Transport(_) | sdk::Error::Decode(_) => {
-            ProviderError::Unavailable {
-                operation,
-                message: err.to_string(),
-            }
-        }
+        sdk::Error::Unavailable { .. }
+        | sdk::Error::Transport(_)
+        | sdk::Error::Decode(_)
+        | sdk::Error::Tls(_) => ProviderError::Unavailable {
+            operation,
+            message: err.to_string(),
+        },
     }
 }
 
@@ -80,6 +81,7 @@ pub fn outcome(result: &Result<impl Sized, sdk::Error>) -> &'static str {
         Err(sdk::Error::Unavailable { .. }) => "unavailable",
         Err(sdk::Error::Transport(_)) => "transport",
         Err(sdk::Error::Decode(_)) => "decode",
+        Err(sdk::Error::Tls(_)) => "tls",
     }
 }
 

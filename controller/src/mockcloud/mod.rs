@@ -46,14 +46,11 @@ fn build(
     shared: Shared,
 ) -> Result<DynProvider, crate::registry::ConfigError> {
     let config = Config::parse(config.ok_or(ConfigError::Missing)?)?;
-    if let Some(ca_file) = &config.ca_file {
-        return Err(ConfigError::CaUnsupported(ca_file.display().to_string()).into());
-    }
-    let client = sdk::Client::new(
-        &config.url,
-        config.token()?,
-        MockCloudProvider::client_options(shared.timeout),
-    )?;
+    let options = sdk::ClientOptions {
+        root_certificates: config.ca()?,
+        ..MockCloudProvider::client_options(shared.timeout)
+    };
+    let client = sdk::Client::new(&config.url, config.token()?, options)?;
     Ok(DynProvider::new(MockCloudProvider::new(
         client,
         shared.bucket,

@@ -111,14 +111,45 @@ fn uuid_like() -> u128 {
 pub struct Cloud {
     pub url: String,
     pub token: String,
+    /// The PEM of the CA that signed its certificate, when it serves HTTPS.
+    pub ca_pem: Option<String>,
     pub client: sdk::Client,
     cancel: CancellationToken,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Cloud {
-    /// With the VIP pools `pools` (`--vip-pool` values, comma-separated).
-    pub async fn start(data_dir: &Path, pools: &str) -> Self {
+    /// With the VIP pools `pools` (`--vip-pool` values, comma-separated); with `https`,
+    /// over HTTPS only, with a certificate for 127.0.0.1 signed by a CA of its own
+    /// ([`Self::ca_pem`]), its files in `data_dir`; else over plain HTTP.
+    pub async fn start(data_dir: &Path, pools: &str, https: bool) -> Self {
+        if !https {
+            return Self::serve(data_dir, pools, None).await;
+        }
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        std::fs::create_dir_all(data_dir).unwrap();
+        let files = cloud_mock::server::TlsFiles {
+            cert_file: data_dir.join("tls.crt"),
+            key_file: data_dir.join("tls.key"),
+        };
+        std::fs::write(&files.cert_file, cert.pem()).unwrap();
+        std::fs::write(&files.key_file, key.serialize_pem()).unwrap();
+        Self::serve(data_dir, pools, Some((files, ca.pem()))).await
+    }
+
+    async fn serve(
+        data_dir: &Path,
+        pools: &str,
+        tls: Option<(cloud_mock::server::TlsFiles, String)>,
+    ) -> Self {
         let token = "cloud-token".to_string();
         let settings = cloud_mock::Settings {
             data_dir: data_dir.to_path_buf(),
@@ -130,28 +161,48 @@ impl Cloud {
                 ..DataPlaneConfig::default()
             },
         };
-        let app = cloud_mock::App::new(&settings).unwrap();
         let listener = tokio::net::TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
             .await
             .unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (files, ca_pem) = tls.unzip();
+        let scheme = if files.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://{}", listener.local_addr().unwrap());
         let cancel = CancellationToken::new();
-        let lifecycle = tokio::spawn(app.lifecycle.run(cancel.clone()));
         let stop = cancel.clone();
         let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app.router)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await;
-            let _ = lifecycle.await;
+            cloud_mock::server::serve_on(&settings, listener, files.as_ref(), stop)
+                .await
+                .unwrap();
         });
-        let client = sdk::Client::new(&url, token.clone(), sdk::ClientOptions::default()).unwrap();
+        let options = sdk::ClientOptions {
+            root_certificates: ca_pem.clone(),
+            ..sdk::ClientOptions::default()
+        };
+        let client = sdk::Client::new(&url, token.clone(), options).unwrap();
         Self {
             url,
             token,
+            ca_pem,
             client,
             cancel,
             task,
         }
+    }
+
+    /// Writes the mock-cloud provider's configuration for this cloud, with its token and
+    /// CA (when it serves HTTPS) in files beside it, into `dir`; returns its path.
+    pub fn write_config(&self, dir: &Path) -> PathBuf {
+        let token = dir.join("cloud-token");
+        std::fs::write(&token, format!("{}\n", self.token)).unwrap();
+        let mut config = json!({"url": self.url, "tokenFile": token});
+        if let Some(pem) = &self.ca_pem {
+            let ca = dir.join("cloud-ca.crt");
+            std::fs::write(&ca, pem).unwrap();
+            config["caFile"] = ca.display().to_string().into();
+        }
+        let path = dir.join("cloud-config.json");
+        std::fs::write(&path, config.to_string()).unwrap();
+        path
     }
 
     pub async fn stop(self) {
@@ -270,7 +321,8 @@ pub struct Harness {
     pub client: kube::Client,
     pub cloud: Cloud,
     pub kubeconfig: PathBuf,
-    pub token_file: PathBuf,
+    /// The controller's `--cloud-config`: the cloud's URL, token file and CA file.
+    pub cloud_config: PathBuf,
     /// The Namespace of this test's Services: `default` on the stand-in, a fresh one on a
     /// real server.
     pub namespace: String,
@@ -422,16 +474,16 @@ impl Harness {
     ) -> Self {
         let cloud_dir = dir.path().join("cloud");
         std::fs::create_dir_all(&cloud_dir).unwrap();
-        let cloud = Cloud::start(&cloud_dir, pools).await;
-        let token_file = dir.path().join("cloud-token");
-        std::fs::write(&token_file, format!("{}\n", cloud.token)).unwrap();
+        // Over HTTPS, as an edge on another host serves it.
+        let cloud = Cloud::start(&cloud_dir, pools, true).await;
+        let cloud_config = cloud.write_config(dir.path());
         Self {
             api,
             dir,
             client,
             cloud,
             kubeconfig,
-            token_file,
+            cloud_config,
             namespace,
             cluster_id,
             node_prefix,
@@ -476,9 +528,8 @@ impl Harness {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem-controller"));
         cmd.arg("--kubeconfig")
             .arg(&self.kubeconfig)
-            .args(["--cloud-url", &self.cloud.url])
-            .arg("--cloud-token-file")
-            .arg(&self.token_file)
+            .args(["--cloud-provider", "mockcloud", "--cloud-config"])
+            .arg(&self.cloud_config)
             .args(["--cluster-id", &self.cluster_id]);
         cmd
     }
