@@ -249,6 +249,7 @@ fn failure_condition(error: &ProviderError) -> DesiredCondition {
     let reason = match error {
         ProviderError::AddressRefused { refusal, .. } => ConditionReason::AddressRefused(*refusal),
         ProviderError::Invalid { .. } => ConditionReason::InvalidConfiguration,
+        ProviderError::Unsupported { .. } => ConditionReason::Unsupported,
         _ => ConditionReason::CloudError,
     };
     DesiredCondition {
@@ -1022,6 +1023,31 @@ mod tests {
         assert_eq!(condition.unwrap().reason.as_str(), "AddressPoolLacksFamily");
         assert!(settled.events[0].message.contains("no IPv6 addresses"));
         assert_eq!(settled.outcome, Err(PlanError::Provider(refused)));
+    }
+
+    #[test]
+    fn what_the_cloud_cannot_serve_is_unsupported_with_its_message_and_permanent() {
+        let svc = with(finalized);
+        let d = desired(&svc, &[11]);
+        let plan = plan_ensure(&svc, &KEYS, Ok(d), Seen::Missing);
+        let refused = ProviderError::Unsupported {
+            operation: crate::provider::Operation::Create,
+            message: "UDP port 53 cannot be served".into(),
+        };
+        let settled = plan.settle(Err(refused.clone()));
+        let (ingress, condition) = settled.status.unwrap();
+        assert_eq!(ingress, IngressUpdate::Keep);
+        let condition = condition.unwrap();
+        assert_eq!(condition.reason.as_str(), "UnsupportedByProvider");
+        assert!(condition.message.contains("UDP port 53"), "{condition:?}");
+        assert_eq!(settled.events.len(), 1, "{:?}", settled.events);
+        assert_eq!(
+            settled.events[0].reason,
+            EventReason::SyncLoadBalancerFailed
+        );
+        assert!(settled.events[0].message.contains("UDP port 53"));
+        assert_eq!(settled.outcome, Err(PlanError::Provider(refused.clone())));
+        assert!(refused.is_permanent(), "waits for the Service to change");
     }
 
     #[test]

@@ -488,6 +488,14 @@ pub enum ProviderError {
         operation: Operation,
         message: String,
     },
+    /// The cloud cannot serve what the Service asks (a listener its balancer cannot serve,
+    /// though the provider's capabilities let it pass); the message is the cloud's and
+    /// names it (the port).
+    #[error("the cloud cannot serve the load balancer: {message}")]
+    Unsupported {
+        operation: Operation,
+        message: String,
+    },
     #[error("load balancer {id} belongs to another cluster; refusing to touch it")]
     ForeignLoadBalancer { id: String },
     #[error("cloud rate limit on {operation}; retry after {retry_after:?}")]
@@ -517,6 +525,7 @@ impl ProviderError {
         match self {
             ProviderError::AddressRefused { refusal, .. } => refusal.category(),
             ProviderError::Invalid { .. } => "invalid_request",
+            ProviderError::Unsupported { .. } => "unsupported",
             ProviderError::ForeignLoadBalancer { .. } => "foreign_load_balancer",
             ProviderError::RateLimited { .. } => "rate_limited",
             ProviderError::Unauthorized { .. } => "unauthorized",
@@ -534,6 +543,7 @@ impl ProviderError {
             self,
             ProviderError::AddressRefused { .. }
                 | ProviderError::Invalid { .. }
+                | ProviderError::Unsupported { .. }
                 | ProviderError::ForeignLoadBalancer { .. }
                 | ProviderError::Unauthorized { .. }
         )

@@ -324,6 +324,24 @@ fn rows() -> Vec<Row> {
             ..row("create-cloud-error")
         },
         Row {
+            // The cloud cannot serve a listener the provider's capabilities let pass (a UDP
+            // port on an HAProxy edge): the cloud's message, never a lesser LB.
+            fail: Some((
+                Operation::Create,
+                ProviderError::Unsupported {
+                    operation: Operation::Create,
+                    message: "UDP port 53 cannot be served".into(),
+                },
+            )),
+            ok: false,
+            calls: |_| vec![Call::Create { replaces: None }],
+            condition: Some("UnsupportedByProvider"),
+            ingress: NONE,
+            id_persisted: false,
+            events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
+            ..row("create-unsupported-by-the-cloud")
+        },
+        Row {
             edit: |s| annotate(s, &KEYS.mode, "sideways"),
             ..invalid("invalid-annotation-no-cloud-call-no-finalizer")
         },

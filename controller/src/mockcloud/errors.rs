@@ -17,6 +17,10 @@ const ADDRESS_REFUSALS: [(&str, AddressRefusal); 7] = [
     ("pool-lacks-family", AddressRefusal::PoolLacksFamily),
 ];
 
+/// The cloud's error codes for what its balancer cannot serve (a UDP listener of a proxy-mode
+/// LB on an HAProxy edge), answered with 422 before anything is stored.
+const UNSUPPORTED: [&str; 1] = ["unsupported-protocol"];
+
 /// The address refusal an SDK error carries, by the cloud's error code.
 fn address_refusal(err: &sdk::Error) -> Option<AddressRefusal> {
     let code = err.code()?;
@@ -37,6 +41,14 @@ pub fn classify(err: &sdk::Error, operation: Operation, id: Option<&str>) -> Pro
     {
         return ProviderError::AddressRefused {
             refusal,
+            message: message.clone(),
+        };
+    }
+    if let sdk::Error::Invalid { message, .. } = err
+        && err.code().is_some_and(|code| UNSUPPORTED.contains(&code))
+    {
+        return ProviderError::Unsupported {
+            operation,
             message: message.clone(),
         };
     }
@@ -131,6 +143,30 @@ mod tests {
             classify(&taken, Operation::Create, None).to_string(),
             "address refused: VIP 198.51.100.9 is in use by lb-1"
         );
+    }
+
+    #[test]
+    fn what_the_cloud_cannot_serve_is_unsupported_and_permanent() {
+        let udp = sdk::Error::Invalid {
+            code: Some("unsupported-protocol".into()),
+            message: "listeners[1]: this cloud's proxy-mode load balancers serve TCP only; UDP port 53 cannot be served (passthrough mode routes UDP)".into(),
+        };
+        let error = classify(&udp, Operation::Create, None);
+        assert!(
+            matches!(&error, ProviderError::Unsupported { message, .. } if message.contains("UDP port 53")),
+            "{error:?}"
+        );
+        assert!(error.is_permanent());
+        assert_eq!(error.category(), "unsupported");
+        // Another 422 stays invalid.
+        let other = sdk::Error::Invalid {
+            code: Some("invalid".into()),
+            message: "listeners: empty".into(),
+        };
+        assert!(matches!(
+            classify(&other, Operation::Create, None),
+            ProviderError::Invalid { .. }
+        ));
     }
 
     #[test]
