@@ -27,3 +27,9 @@ pub mod runtime;
 pub mod spec;
 pub mod status;
 pub mod triggers;
+
+/// docs/providers.md: rustdoc compiles and runs its Rust examples (the in-memory provider
+/// and the conformance kit on it), so the guide cannot drift from the trait.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/providers.md")]
+pub struct ProvidersGuide;
