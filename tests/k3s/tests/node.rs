@@ -1,14 +1,15 @@
 //! Tandem on a real node: k3s (kubelet, containerd, runc pods) in a network namespace, the
 //! chart's default images built by `scripts/images.sh` and imported into the node, the
 //! chart installed by the real Helm with the values docs/install.md documents, the mock
-//! cloud (with its L4 data plane) in the cloud edge's namespace and the outside clients in
+//! cloud (with its own L4 data plane, later restarted on its store with HAProxy serving
+//! proxy mode) in the cloud edge's namespace and the outside clients in
 //! theirs (tandem_netlab's topology: node 198.18.0.11, edge 198.18.0.1, client c1
 //! 203.0.113.10 inside the source range, c2 192.0.2.10 outside).
 //!
 //! Needs root, `TANDEM_K3S` naming a k3s binary, the workspace's binaries built (`cargo
 //! build --workspace --bins`), Debian's containerd (for its runc shim), runc,
 //! containernetworking-plugins, busybox-static, conntrack, iptables, nftables, buildah,
-//! podman and mmdebstrap (the images), python3-venv (Helm from its PyPI wheel). Without
+//! podman and mmdebstrap (the images), haproxy (the edge's HAProxy), python3-venv (Helm from its PyPI wheel). Without
 //! `--ignored` the test is reported skipped (ignored); asked for without `TANDEM_K3S`, it
 //! fails.
 //!
@@ -130,9 +131,9 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
     let node_ns = topology.node(1)?.clone();
     let edge = topology.edge().clone();
     let cloud_addr = SocketAddrV4::new(edge.node_network_ip, CLOUD_PORT);
-    let _cloud = steps.must("mock cloud in the cloud edge", || {
-        start_cloud(&bins.cloud_mock, &edge.netns, cloud_addr, &work)
-    })?;
+    let mut cloud = Some(steps.must("mock cloud in the cloud edge", || {
+        start_cloud(&bins.cloud_mock, &edge.netns, cloud_addr, &work, "proxy")
+    })?);
 
     let mut node = steps.must("k3s node starts", || {
         K3sNode::start(NodeConfig {
@@ -357,6 +358,24 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
     });
     note_kubelet_chains(&node, &kubelet_rules, "after the upgrade to nftables mode");
     traffic(steps, "nftables");
+
+    // The edge as users run it in production: the same store, proxy mode served by a real
+    // HAProxy. Nothing changes in the cluster; the Services are served again.
+    steps.check(
+        "the edge restarted on its store with --dataplane haproxy",
+        || {
+            drop(cloud.take());
+            cloud = Some(start_cloud(
+                &bins.cloud_mock,
+                &edge.netns,
+                cloud_addr,
+                &work,
+                "haproxy",
+            )?);
+            Ok(())
+        },
+    );
+    traffic(steps, "HAProxy edge");
 
     steps.check(
         "helm uninstall refuses while LoadBalancer Services exist, naming them",
@@ -783,19 +802,24 @@ impl std::fmt::Display for TrafficSummary {
     }
 }
 
-fn start_cloud(binary: &Path, edge: &Netns, addr: SocketAddrV4, work: &Path) -> Result<ChildGuard> {
-    let log = work.join("cloud-mock.log");
+/// The mock cloud in the edge's namespace, its proxy mode served by `dataplane` (`proxy` or
+/// `haproxy`); its store and log stay in `work` across restarts.
+fn start_cloud(
+    binary: &Path,
+    edge: &Netns,
+    addr: SocketAddrV4,
+    work: &Path,
+    dataplane: &str,
+) -> Result<ChildGuard> {
+    let log = work.join(format!("cloud-mock-{dataplane}.log"));
     let out = std::fs::File::create(&log)?;
     let mut cmd = edge.command(binary);
     cmd.arg(format!("--listen={addr}"))
         .arg(format!("--data-dir={}", work.join("cloud").display()))
         .arg(format!("--token={CLOUD_TOKEN}"))
         .arg(format!("--vip-pool=default={VIP_POOL}"))
-        .args([
-            "--dataplane=proxy",
-            "--manage-vip-addresses",
-            "--vip-device=lo",
-        ])
+        .arg(format!("--dataplane={dataplane}"))
+        .args(["--manage-vip-addresses", "--vip-device=lo"])
         .arg("--provisioning-delay=200ms")
         .stdin(Stdio::null())
         .stdout(out.try_clone()?)
