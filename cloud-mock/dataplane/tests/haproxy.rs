@@ -189,6 +189,27 @@ async fn nodes_change_through_the_runtime_api_and_frontends_through_hitless_relo
         "{config}"
     );
 
+    // A node leaves: its server is deleted at run time, still no reload.
+    dataplane
+        .apply(vec![lb("lb-nodes", vip, one_listener(), vec![b])])
+        .await
+        .unwrap();
+    assert_eq!(spread(vip, port, 4).await.get("b"), Some(&4));
+    let text = metrics_text(&dataplane);
+    assert_eq!(
+        counter(&text, reloads),
+        before,
+        "no reload for a node leaving"
+    );
+    assert_eq!(
+        counter(
+            &text,
+            r#"cloud_mock_haproxy_runtime_commands_total{result="error"}"#
+        ),
+        0,
+        "{text}"
+    );
+
     // Frontends change five times under steady traffic, with a connection held open
     // across the reloads: nothing is refused and the held connection keeps working.
     let (mut held, _) = tcp_hello(None, vip, port).await.unwrap();

@@ -117,22 +117,13 @@ pub(crate) fn parse_stat(answer: &str) -> Vec<ServerStat> {
         .collect()
 }
 
-/// Whether a runtime API answer reports an error. Successful changes answer nothing or
-/// a notice (`New server registered.`); refusals name what is wrong.
+/// The refusal in a runtime API answer to a server change, if it is one. The commands the
+/// edge sends answer nothing or one known notice when they succeed; anything else (HAProxy
+/// names what is wrong) is a refusal.
 pub(crate) fn refused(answer: &str) -> Option<&str> {
+    const SUCCESS: [&str; 3] = ["", "New server registered.", "Server deleted."];
     let answer = answer.trim();
-    let failed = [
-        "No such",
-        "not found",
-        "Require",
-        "cannot",
-        "Cannot",
-        "error",
-        "Unknown",
-    ]
-    .iter()
-    .any(|word| answer.contains(word));
-    failed.then_some(answer)
+    (!SUCCESS.contains(&answer)).then_some(answer)
 }
 
 #[cfg(test)]
@@ -188,7 +179,12 @@ mod tests {
     #[test]
     fn refusals_are_told_from_notices() {
         assert_eq!(refused("New server registered.\n"), None);
+        assert_eq!(refused("Server deleted.\n"), None);
         assert_eq!(refused("\n"), None);
+        assert!(
+            refused("Backend must use a dynamic load balancing to support dynamic servers.\n")
+                .is_some()
+        );
         assert!(refused("No such server.\n").is_some());
         assert!(refused("Require 'backend/server'.\n").is_some());
     }
