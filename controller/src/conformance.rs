@@ -11,8 +11,14 @@
 //! update, an update from a stale version (a conflict), an address refusal that makes
 //! nothing, list_owned, a foreign cluster's lookup, and delete until gone. It makes LBs
 //! for the owners of its own cluster id and deletes them again.
+//!
+//! [`run_with_faults`] adds what only a misbehaving cloud shows, for a cloud whose test can
+//! make it misbehave ([`CloudFaults`]): under a rate limit a provider answers or says
+//! `RateLimited` with the cloud's wait, never another error and never a second LB; and a
+//! create whose answer was lost after the cloud made the LB, asked again, gives that LB.
 
 use std::collections::BTreeSet;
+use std::future::Future;
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -72,6 +78,123 @@ impl Kit {
             source_ranges: vec![],
         }
     }
+}
+
+/// How the kit makes a provider's cloud misbehave; a provider's own test implements it for
+/// its cloud (the mock cloud's fault injection, the fake's switches).
+pub trait CloudFaults {
+    /// From now on the cloud answers calls beyond a low rate with "slow down" (HTTP 429
+    /// with `Retry-After`, or the cloud's equivalent).
+    fn throttle(&self) -> impl Future<Output = ()> + Send;
+    /// From now on the cloud makes every change it is asked for and loses the answer: the
+    /// caller sees a failure although the change was made.
+    fn lose_answers(&self) -> impl Future<Output = ()> + Send;
+    /// Back to answering everything.
+    fn heal(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// [`run`], then the checks that need the cloud to misbehave.
+pub async fn run_with_faults<P: LoadBalancerProvider, F: CloudFaults>(
+    provider: &P,
+    kit: &Kit,
+    faults: &F,
+) -> Result<(), Failure> {
+    run(provider, kit).await?;
+    let throttled = kit.desired("3");
+    let result = rate_limited(provider, kit, faults, &throttled).await;
+    faults.heal().await;
+    let cleanup = until_gone(provider, kit, &lookup(&throttled, None)).await;
+    result.and(cleanup)?;
+    let lost = kit.desired("4");
+    let result = lost_answer(provider, faults, &lost).await;
+    faults.heal().await;
+    let cleanup = until_gone(provider, kit, &lookup(&lost, None)).await;
+    result.and(cleanup)
+}
+
+/// Creates under a rate limit: each answers the LB or `RateLimited` with a wait, and all
+/// of them together make one LB at most.
+async fn rate_limited<P: LoadBalancerProvider, F: CloudFaults>(
+    provider: &P,
+    kit: &Kit,
+    faults: &F,
+    desired: &DesiredLoadBalancer,
+) -> Result<(), Failure> {
+    faults.throttle().await;
+    let mut made = BTreeSet::new();
+    for _ in 0..3 {
+        match provider.create(desired, None).await {
+            Ok(lb) => {
+                made.insert(lb.id);
+            }
+            Err(ProviderError::RateLimited { retry_after, .. }) if !retry_after.is_zero() => {}
+            Err(e) => {
+                return fail(
+                    "rate limit",
+                    format!("want the LB or RateLimited with a wait, got {e:?}"),
+                );
+            }
+        }
+    }
+    faults.heal().await;
+    let listed = provider
+        .list_owned(&kit.cluster_id)
+        .await
+        .or_else(|e| fail("rate limit", e.to_string()))?;
+    let owned = listed
+        .iter()
+        .filter(|lb| lb.owner.as_ref() == Some(&desired.owner))
+        .count();
+    if made.len() > 1 || owned > 1 {
+        return fail(
+            "rate limit",
+            format!("one request made {owned} LBs ({made:?} answered)"),
+        );
+    }
+    Ok(())
+}
+
+/// A create whose answer is lost after the cloud made the LB: asked again (as the
+/// controller's next pass does), it answers that LB; never a second one.
+async fn lost_answer<P: LoadBalancerProvider, F: CloudFaults>(
+    provider: &P,
+    faults: &F,
+    desired: &DesiredLoadBalancer,
+) -> Result<(), Failure> {
+    faults.lose_answers().await;
+    let first = provider.create(desired, None).await;
+    faults.heal().await;
+    let again = provider
+        .create(desired, None)
+        .await
+        .or_else(|e| fail("lost answer", format!("the repeated create failed: {e}")))?;
+    if let Ok(first) = first
+        && first.id != again.id
+    {
+        return fail(
+            "lost answer",
+            format!("answered {} and then {}", first.id, again.id),
+        );
+    }
+    let listed = provider
+        .list_owned(&desired.owner.cluster_id)
+        .await
+        .or_else(|e| fail("lost answer", e.to_string()))?;
+    let owned: Vec<&str> = listed
+        .iter()
+        .filter(|lb| lb.owner.as_ref() == Some(&desired.owner))
+        .map(|lb| lb.id.as_str())
+        .collect();
+    if owned != [again.id.as_str()] {
+        return fail(
+            "lost answer",
+            format!(
+                "the cloud holds {owned:?} for one Service, want [{}]",
+                again.id
+            ),
+        );
+    }
+    Ok(())
 }
 
 /// The first check a provider failed.

@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use crate::provider::{
     AddressRefusal, Capabilities, ClusterId, DesiredLoadBalancer, IpFamily, LoadBalancerLookup,
@@ -52,6 +53,10 @@ struct State {
     requests: BTreeMap<String, String>,
     /// Given to every LB created from now on.
     hostname: Option<Hostnames>,
+    /// Every call answers `RateLimited`, as a cloud over its rate limit.
+    throttled: bool,
+    /// Creates make their LB and answer `Unavailable`, as a cloud whose answer was lost.
+    lose_create_answers: bool,
 }
 
 /// How the fake names its LBs by DNS (see [`FakeProvider::set_hostnames`]).
@@ -87,6 +92,17 @@ impl FakeProvider {
             Some((_, queue)) => queue.push_back(error),
             None => state.failures.push((operation, VecDeque::from([error]))),
         }
+    }
+
+    /// Every call from now on answers `RateLimited` (one second), or none does.
+    pub fn set_throttled(&self, throttled: bool) {
+        self.state().throttled = throttled;
+    }
+
+    /// Creates from now on make their LB and then answer `Unavailable`, as when the
+    /// cloud's answer is lost; or they answer again.
+    pub fn set_lose_create_answers(&self, lose: bool) {
+        self.state().lose_create_answers = lose;
     }
 
     /// Puts an LB into the cloud as it is (e.g. one changed behind the controller's back).
@@ -152,6 +168,12 @@ impl FakeProvider {
     ) -> Result<MutexGuard<'_, State>, ProviderError> {
         let mut state = self.state();
         state.calls.push(call);
+        if state.throttled {
+            return Err(ProviderError::RateLimited {
+                operation,
+                retry_after: Duration::from_secs(1),
+            });
+        }
         let injected = state
             .failures
             .iter_mut()
@@ -308,6 +330,12 @@ impl LoadBalancerProvider for FakeProvider {
         };
         state.lbs.insert(lb.id.clone(), lb.clone());
         state.requests.insert(request, lb.id.clone());
+        if state.lose_create_answers {
+            return Err(ProviderError::Unavailable {
+                operation: Operation::Create,
+                message: "the answer was lost".to_owned(),
+            });
+        }
         Ok(lb)
     }
 

@@ -1,6 +1,7 @@
 //! The provider conformance kit against the mock-cloud provider on a real cloud-mock (in
-//! process, API only; over HTTP and over HTTPS with a CA from its configuration) and
-//! against the fake.
+//! process, API only; over HTTP and over HTTPS with a CA from its configuration; its rate
+//! limit and lost answers through the cloud's fault injection) and against the fake (its
+//! switches).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 // Shared with e2e.rs, which uses the rest of it.
@@ -9,7 +10,8 @@ mod support;
 
 use std::time::Duration;
 
-use tandem_controller::conformance::{self, Kit};
+use cloud_mock_sdk as sdk;
+use tandem_controller::conformance::{self, CloudFaults, Kit};
 use tandem_controller::fake::FakeProvider;
 use tandem_controller::metrics::CloudMetrics;
 use tandem_controller::mockcloud::PROFILE;
@@ -19,6 +21,51 @@ use tandem_controller::registry::{self, Shared};
 
 fn kit() -> Kit {
     Kit::new("conformance".parse().unwrap())
+}
+
+/// The mock cloud misbehaves through its own fault injection.
+struct MockCloudFaults<'a>(&'a support::Cloud);
+
+impl CloudFaults for MockCloudFaults<'_> {
+    async fn throttle(&self) {
+        self.0
+            .set_faults(sdk::Faults {
+                rate_limit_per_second: Some(1),
+                ..sdk::Faults::default()
+            })
+            .await;
+    }
+
+    async fn lose_answers(&self) {
+        self.0
+            .set_faults(sdk::Faults {
+                lost_answer_rate: 1.0,
+                ..sdk::Faults::default()
+            })
+            .await;
+    }
+
+    async fn heal(&self) {
+        self.0.set_faults(sdk::Faults::default()).await;
+    }
+}
+
+/// The fake misbehaves by its switches.
+struct FakeFaults<'a>(&'a FakeProvider);
+
+impl CloudFaults for FakeFaults<'_> {
+    async fn throttle(&self) {
+        self.0.set_throttled(true);
+    }
+
+    async fn lose_answers(&self) {
+        self.0.set_lose_create_answers(true);
+    }
+
+    async fn heal(&self) {
+        self.0.set_throttled(false);
+        self.0.set_lose_create_answers(false);
+    }
 }
 
 /// Runs the kit against the mock-cloud provider built as the controller builds it: by
@@ -35,7 +82,9 @@ async fn mock_cloud_provider_conforms(cloud: support::Cloud, dir: &std::path::Pa
         },
     )
     .unwrap();
-    conformance::run(&provider, &kit()).await.unwrap();
+    conformance::run_with_faults(&provider, &kit(), &MockCloudFaults(&cloud))
+        .await
+        .unwrap();
     cloud.stop().await;
 }
 
@@ -76,6 +125,8 @@ async fn the_fake_conforms() {
             }
         })
     };
-    conformance::run(&fake, &kit()).await.unwrap();
+    conformance::run_with_faults(&fake, &kit(), &FakeFaults(&fake))
+        .await
+        .unwrap();
     finish.abort();
 }
