@@ -320,6 +320,7 @@ async fn sdk_under_injected_faults() {
     );
 
     client.set_faults(&Faults::default()).await.unwrap();
+    tandem_common::install_crypto_provider();
     let metrics = reqwest::get(format!("{}/metrics", server.base_url))
         .await
         .unwrap()

@@ -72,6 +72,16 @@ impl std::fmt::Display for ProxyMode {
     }
 }
 
+/// Installs ring as rustls's process-wide crypto provider (idempotent). The workspace's
+/// reqwest has rustls without a provider of its own (ring, as kube uses, rather than
+/// aws-lc): a client built without a preconfigured TLS setup (the cloud SDK brings one)
+/// takes the process default, and reqwest panics when there is none, even for `http` URLs.
+/// Every process that builds such a client calls this first.
+pub fn install_crypto_provider() {
+    // An error means a provider is installed already, which is all that is asked.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`).
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

@@ -775,7 +775,7 @@ async fn leader_election_only_leader_writes_and_hands_over() {
     h.wait_served("first").await;
     let b = h.controller(&[&args[..], &["--identity", "replica-b"]].concat());
     h.eventually("standby serving metrics", WAIT, || async {
-        reqwest::get(format!("http://{}/readyz", b.metrics_addr))
+        support::http_get(&format!("http://{}/readyz", b.metrics_addr))
             .await
             .ok()?
             .status()
@@ -815,7 +815,7 @@ async fn sigterm_shuts_down_cleanly() {
     let h = Harness::start("sigterm").await;
     let mut c = h.controller(&[]);
     h.eventually("controller ready", WAIT, || async {
-        reqwest::get(format!("http://{}/readyz", c.metrics_addr))
+        support::http_get(&format!("http://{}/readyz", c.metrics_addr))
             .await
             .ok()?
             .status()

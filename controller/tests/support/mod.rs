@@ -251,6 +251,13 @@ fn uid_filter(uid: &str) -> sdk::ListFilter {
     }
 }
 
+/// A plain GET, as `reqwest::get` with the process's crypto provider installed first
+/// (see `tandem_common::install_crypto_provider`).
+pub async fn http_get(url: &str) -> reqwest::Result<reqwest::Response> {
+    tandem_common::install_crypto_provider();
+    reqwest::get(url).await
+}
+
 /// A controller process; killed (by its PID, via the handle) when dropped.
 pub struct Controller {
     pub child: Child,
@@ -279,7 +286,7 @@ impl Controller {
 
     /// `/metrics`, or `None` while the controller is not serving it yet.
     pub async fn try_metrics(&self) -> Option<String> {
-        reqwest::get(format!("http://{}/metrics", self.metrics_addr))
+        http_get(&format!("http://{}/metrics", self.metrics_addr))
             .await
             .ok()?
             .text()

@@ -174,6 +174,7 @@ async fn run_client(command: ClientCommand) -> anyhow::Result<bool> {
     match command {
         ClientCommand::Get { url, opts } => {
             let timeout = Duration::from_millis(opts.timeout_ms);
+            tandem_common::install_crypto_provider();
             let client = reqwest::Client::builder()
                 .no_proxy()
                 .timeout(timeout)
