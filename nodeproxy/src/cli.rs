@@ -6,11 +6,14 @@ use std::str::FromStr;
 
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use ipnet::IpNet;
-use tandem_proxy_rules::model::{IpFamily, NodeConfig, NodePortAddresses, Protocol};
+use tandem_proxy_rules::model::{
+    InterfaceName, IpFamily, LocalDetector, NodeConfig, NodePortAddresses, Protocol,
+};
 
 pub use tandem_common::{GoDuration, LogFormat};
 
 use crate::backend::BackendChoice;
+use crate::convert::NodeFacts;
 use tandem_common::ProxyMode;
 
 #[derive(Debug, Parser)]
@@ -50,6 +53,21 @@ pub struct ClusterArgs {
     /// (none given: IPv4 only).
     #[arg(long, env = "CLUSTER_CIDR", value_delimiter = ',', global = true)]
     pub cluster_cidr: Vec<IpNet>,
+    /// How traffic from pods is told from the rest (kube-proxy's flag): ClusterCIDR
+    /// (sources in --cluster-cidr), NodeCIDR (sources in this Node's spec.podCIDRs),
+    /// BridgeInterface (arriving on --pod-bridge-interface) or InterfaceNamePrefix
+    /// (arriving on an interface named --pod-interface-name-prefix...). Connections to
+    /// cluster IPs from anything else are masqueraded.
+    #[arg(long, env = "DETECT_LOCAL_MODE", value_enum, default_value_t = DetectLocalMode::ClusterCidr, global = true)]
+    pub detect_local_mode: DetectLocalMode,
+    /// The bridge the pods' interfaces are attached to (--detect-local-mode
+    /// BridgeInterface), e.g. cni0.
+    #[arg(long, env = "POD_BRIDGE_INTERFACE", global = true)]
+    pub pod_bridge_interface: Option<InterfaceName>,
+    /// The start of the name of every pod's host-side interface (--detect-local-mode
+    /// InterfaceNamePrefix), e.g. veth.
+    #[arg(long, env = "POD_INTERFACE_NAME_PREFIX", global = true)]
+    pub pod_interface_name_prefix: Option<InterfaceName>,
     /// Masquerade every connection to a cluster IP, not only those from outside
     /// --cluster-cidr.
     #[arg(long, env = "MASQUERADE_ALL", global = true)]
@@ -73,6 +91,19 @@ pub struct ClusterArgs {
         global = true
     )]
     pub service_cluster_ip_range: Vec<IpNet>,
+}
+
+/// `--detect-local-mode`, spelled as kube-proxy spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DetectLocalMode {
+    #[value(name = "ClusterCIDR")]
+    ClusterCidr,
+    #[value(name = "NodeCIDR")]
+    NodeCidr,
+    #[value(name = "BridgeInterface")]
+    BridgeInterface,
+    #[value(name = "InterfaceNamePrefix")]
+    InterfaceNamePrefix,
 }
 
 /// One value of `--nodeport-addresses`.
@@ -102,6 +133,14 @@ pub enum NodePortAddressesError {
     PrimaryWithCidrs,
     #[error("--cluster-cidr: at most one CIDR per IP family ({0} given twice)")]
     ClusterCidrsOfOneFamily(IpFamily),
+    #[error("--detect-local-mode BridgeInterface needs --pod-bridge-interface")]
+    NoPodBridgeInterface,
+    #[error("--detect-local-mode InterfaceNamePrefix needs --pod-interface-name-prefix")]
+    NoPodInterfaceNamePrefix,
+    #[error(
+        "--detect-local-mode NodeCIDR: the Node has no spec.podCIDRs of {0} (is it registered, and does the cluster allocate pod CIDRs?)"
+    )]
+    NoNodePodCidr(IpFamily),
 }
 
 impl ClusterArgs {
@@ -151,20 +190,58 @@ impl ClusterArgs {
         Ok(NodePortAddresses::from_cidrs(&cidrs))
     }
 
+    /// The local-traffic detector of `family`'s proxier, as kube-proxy's
+    /// `getLocalDetector` picks it: ClusterCIDR without a CIDR of the family detects
+    /// nothing; the other modes without their value are refused.
+    pub fn local_detector(
+        &self,
+        family: IpFamily,
+        pod_cidr: Option<IpNet>,
+    ) -> Result<LocalDetector, NodePortAddressesError> {
+        let of_family = |cidr: &&IpNet| family.holds(cidr.addr());
+        Ok(match self.detect_local_mode {
+            DetectLocalMode::ClusterCidr => self
+                .cluster_cidr
+                .iter()
+                .find(of_family)
+                .map_or(LocalDetector::None, |cidr| {
+                    LocalDetector::ClusterCidr(cidr.trunc())
+                }),
+            DetectLocalMode::NodeCidr => LocalDetector::NodeCidr(
+                pod_cidr
+                    .filter(|cidr| family.holds(cidr.addr()))
+                    .ok_or(NodePortAddressesError::NoNodePodCidr(family))?
+                    .trunc(),
+            ),
+            DetectLocalMode::BridgeInterface => LocalDetector::BridgeInterface(
+                self.pod_bridge_interface
+                    .clone()
+                    .ok_or(NodePortAddressesError::NoPodBridgeInterface)?,
+            ),
+            DetectLocalMode::InterfaceNamePrefix => LocalDetector::InterfaceNamePrefix(
+                self.pod_interface_name_prefix
+                    .clone()
+                    .ok_or(NodePortAddressesError::NoPodInterfaceNamePrefix)?,
+            ),
+        })
+    }
+
     /// The settings of this node's proxier of `family`: the flags of that family, and
-    /// the node's IP of it from its Node object. `--iptables-localhost-nodeports` is
-    /// IPv4's (`route_localnet`); the IPv6 proxier writes what kube-proxy v1.21 does.
+    /// the node's IP and pod CIDR of it from its Node object.
+    /// `--iptables-localhost-nodeports` is IPv4's (`route_localnet`); the IPv6 proxier
+    /// writes what kube-proxy v1.21 does.
     pub fn node_config(
         &self,
         node_name: String,
         family: IpFamily,
-        node_ip: Option<IpAddr>,
+        node: NodeFacts,
     ) -> Result<NodeConfig, NodePortAddressesError> {
         let of_family = |cidr: &&IpNet| family.holds(cidr.addr());
+        let node_ip = node.ip;
         Ok(NodeConfig {
             node_name,
             family,
-            cluster_cidr: self.cluster_cidr.iter().find(of_family).map(IpNet::trunc),
+            local_detector: self.local_detector(family, node.pod_cidr)?,
             node_ip,
             masquerade_all: self.masquerade_all,
             node_port_addresses: self.node_port_addresses(family, node_ip)?,
@@ -220,6 +297,10 @@ pub struct TraceArgs {
     /// The packet is generated on the node itself (host network) instead of arriving.
     #[arg(long, env = "TRACE_FROM_NODE")]
     pub from_node: bool,
+    /// The interface the packet comes in on (what --detect-local-mode BridgeInterface and
+    /// InterfaceNamePrefix look at); not with --from-node.
+    #[arg(long, env = "TRACE_IN_INTERFACE", conflicts_with = "from_node")]
+    pub in_interface: Option<InterfaceName>,
 }
 
 impl TraceArgs {
@@ -336,6 +417,7 @@ mod tests {
             Cli::try_parse_from(all).unwrap().cluster
         };
         let node_ip = Some(IpAddr::from([198, 18, 0, 11]));
+        let facts = |ip| NodeFacts { ip, pod_cidr: None };
         let cidrs = |list: &[&str]| {
             NodePortAddresses::Cidrs(list.iter().map(|c| c.parse().unwrap()).collect())
         };
@@ -373,13 +455,13 @@ mod tests {
             Ok(cidrs(&["fd00::/64"]))
         );
         let node = given
-            .node_config("node-a".into(), IpFamily::V4, node_ip)
+            .node_config("node-a".into(), IpFamily::V4, facts(node_ip))
             .unwrap();
         assert!(node.masquerade_all && !node.localhost_node_ports);
         assert_eq!(node.service_cidrs, vec!["10.96.0.0/16".parse().unwrap()]);
         assert_eq!(node.node_ip, node_ip);
         let v6 = given
-            .node_config("node-a".into(), IpFamily::V6, None)
+            .node_config("node-a".into(), IpFamily::V6, NodeFacts::default())
             .unwrap();
         assert_eq!(v6.service_cidrs, vec!["fd00:96::/112".parse().unwrap()]);
         assert!(v6.localhost_node_ports, "IPv6 has no route_localnet switch");
@@ -388,11 +470,11 @@ mod tests {
         let dual = parse(&["--cluster-cidr", "fd00:10:244::/56,10.244.0.0/16"]);
         assert_eq!(dual.families(), Ok(vec![IpFamily::V4, IpFamily::V6]));
         let dual_v6 = dual
-            .node_config("node-a".into(), IpFamily::V6, None)
+            .node_config("node-a".into(), IpFamily::V6, NodeFacts::default())
             .unwrap();
         assert_eq!(
-            dual_v6.cluster_cidr,
-            Some("fd00:10:244::/56".parse().unwrap())
+            dual_v6.local_detector,
+            LocalDetector::ClusterCidr("fd00:10:244::/56".parse().unwrap())
         );
         assert_eq!(
             parse(&["--cluster-cidr", "fd00:10:244::/56"]).families(),
@@ -414,6 +496,79 @@ mod tests {
             Err(NodePortAddressesError::PrimaryWithCidrs)
         );
         assert!(Cli::try_parse_from(["tandem-nodeproxy", "--nodeport-addresses", "eth0"]).is_err());
+    }
+
+    #[test]
+    fn detect_local_mode_picks_the_detector_as_kube_proxy_does() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["tandem-nodeproxy", "--cluster-cidr", "10.244.0.0/16"];
+            all.extend(args);
+            Cli::try_parse_from(all).map(|cli| cli.cluster)
+        };
+        let pod_cidr = Some("10.244.3.0/24".parse().unwrap());
+        let v6_pod_cidr = Some("fd00:10:244:3::/64".parse().unwrap());
+        let detector =
+            |args: &[&str], family, pod_cidr| parse(args).unwrap().local_detector(family, pod_cidr);
+        let name = |s: &str| s.parse::<InterfaceName>().unwrap();
+        // ClusterCIDR is the default; a family without a CIDR detects nothing.
+        assert_eq!(
+            detector(&[], IpFamily::V4, pod_cidr),
+            Ok(LocalDetector::ClusterCidr("10.244.0.0/16".parse().unwrap()))
+        );
+        assert_eq!(
+            detector(&[], IpFamily::V6, v6_pod_cidr),
+            Ok(LocalDetector::None)
+        );
+        let node_cidr = ["--detect-local-mode", "NodeCIDR"];
+        assert_eq!(
+            detector(&node_cidr, IpFamily::V4, pod_cidr),
+            Ok(LocalDetector::NodeCidr("10.244.3.0/24".parse().unwrap()))
+        );
+        assert_eq!(
+            detector(&node_cidr, IpFamily::V6, v6_pod_cidr),
+            Ok(LocalDetector::NodeCidr(
+                "fd00:10:244:3::/64".parse().unwrap()
+            ))
+        );
+        assert_eq!(
+            detector(&node_cidr, IpFamily::V4, None),
+            Err(NodePortAddressesError::NoNodePodCidr(IpFamily::V4))
+        );
+        assert_eq!(
+            detector(&node_cidr, IpFamily::V6, pod_cidr),
+            Err(NodePortAddressesError::NoNodePodCidr(IpFamily::V6))
+        );
+        let bridge = ["--detect-local-mode", "BridgeInterface"];
+        assert_eq!(
+            detector(&bridge, IpFamily::V4, None),
+            Err(NodePortAddressesError::NoPodBridgeInterface)
+        );
+        let with_bridge = [&bridge[..], &["--pod-bridge-interface", "cni0"]].concat();
+        for family in [IpFamily::V4, IpFamily::V6] {
+            assert_eq!(
+                detector(&with_bridge, family, None),
+                Ok(LocalDetector::BridgeInterface(name("cni0")))
+            );
+        }
+        let prefix = ["--detect-local-mode", "InterfaceNamePrefix"];
+        assert_eq!(
+            detector(&prefix, IpFamily::V4, None),
+            Err(NodePortAddressesError::NoPodInterfaceNamePrefix)
+        );
+        let with_prefix = [&prefix[..], &["--pod-interface-name-prefix", "veth"]].concat();
+        assert_eq!(
+            detector(&with_prefix, IpFamily::V4, None),
+            Ok(LocalDetector::InterfaceNamePrefix(name("veth")))
+        );
+        // Names the kernel (or the rule syntax) would not take are refused when parsed.
+        for bad in ["", "a-name-too-long-for-linux", "veth+", "cni 0", "cni\"0"] {
+            assert!(parse(&["--pod-bridge-interface", bad]).is_err(), "{bad:?}");
+        }
+        assert!(parse(&["--detect-local-mode", "Bogus"]).is_err());
+        let error = detector(&bridge, IpFamily::V4, None)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("--pod-bridge-interface"), "{error}");
     }
 
     #[test]

@@ -362,6 +362,39 @@ pub fn node_primary_ip(node: &Node, family: IpFamily) -> Option<IpAddr> {
     })
 }
 
+/// What the proxier of one family reads from its Node at start (a change needs a restart,
+/// as in kube-proxy).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NodeFacts {
+    /// [`node_primary_ip`].
+    pub ip: Option<IpAddr>,
+    /// [`node_pod_cidr`]: `--detect-local-mode NodeCIDR`'s CIDR.
+    pub pod_cidr: Option<IpNet>,
+}
+
+impl NodeFacts {
+    pub fn of(node: &Node, family: IpFamily) -> Self {
+        Self {
+            ip: node_primary_ip(node, family),
+            pod_cidr: node_pod_cidr(node, family),
+        }
+    }
+}
+
+/// The node's pod CIDR of `family`: the first of `spec.podCIDRs` (else `spec.podCIDR`) of
+/// that family, as kube-proxy's `NodeCIDR` detector takes it; unparsable entries are
+/// skipped.
+pub fn node_pod_cidr(node: &Node, family: IpFamily) -> Option<IpNet> {
+    let spec = node.spec.as_ref()?;
+    spec.pod_cidrs
+        .iter()
+        .flatten()
+        .chain(spec.pod_cidr.as_ref())
+        .filter_map(|cidr| cidr.parse::<IpNet>().ok())
+        .find(|cidr| family.holds(cidr.addr()))
+        .map(|cidr| cidr.trunc())
+}
+
 /// `(namespace, name)` of a watched object.
 pub type ObjectKey = (String, String);
 
@@ -1186,5 +1219,35 @@ mod tests {
         };
         deleted.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
         assert!(node_is_draining(&deleted));
+    }
+
+    #[test]
+    fn the_pod_cidr_of_each_family_is_the_first_of_spec_pod_cidrs() {
+        let node = |cidrs: &[&str], single: Option<&str>| Node {
+            spec: Some(NodeSpec {
+                pod_cidrs: Some(cidrs.iter().map(|c| (*c).to_owned()).collect()),
+                pod_cidr: single.map(str::to_owned),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let dual = node(&["10.244.3.0/24", "bogus", "fd00:10:244:3::1/64"], None);
+        assert_eq!(
+            NodeFacts::of(&dual, IpFamily::V4).pod_cidr,
+            Some("10.244.3.0/24".parse().unwrap())
+        );
+        // Truncated to the network, as the rules write it.
+        assert_eq!(
+            node_pod_cidr(&dual, IpFamily::V6),
+            Some("fd00:10:244:3::/64".parse().unwrap())
+        );
+        // The single spec.podCIDR of older clusters, and none of a family.
+        let old = node(&[], Some("10.244.4.0/24"));
+        assert_eq!(
+            node_pod_cidr(&old, IpFamily::V4),
+            Some("10.244.4.0/24".parse().unwrap())
+        );
+        assert_eq!(node_pod_cidr(&old, IpFamily::V6), None);
+        assert_eq!(node_pod_cidr(&Node::default(), IpFamily::V4), None);
     }
 }

@@ -9,7 +9,6 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Debug;
-use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -168,32 +167,37 @@ fn record_in_every_family<E: Clone>(
     record(&mut change_tracker::lock(last), event) || changed
 }
 
-/// This node's primary IP of each of `families` from its Node object, read once at start
-/// as kube-proxy reads it (a change needs a restart, as there). A failing API server is
-/// asked again for a while; a Node that does not exist or has no address of a family
-/// gives `None` for it, logged: the LB IPs are then never allowed as their own sources,
-/// and `primary` node ports are served on every address.
-pub async fn node_ips(
+/// This node's primary IP and pod CIDR of each of `families` from its Node object, read
+/// once at start as kube-proxy reads them (a change needs a restart, as there). A failing
+/// API server is asked again for a while; a Node that does not exist or has no address of
+/// a family gives `None` for it, logged: the LB IPs are then never allowed as their own
+/// sources, and `primary` node ports are served on every address.
+pub async fn node_facts(
     client: Client,
     node_name: &str,
     families: &[IpFamily],
-) -> BTreeMap<IpFamily, Option<IpAddr>> {
+) -> BTreeMap<IpFamily, convert::NodeFacts> {
     const ATTEMPTS: u32 = 5;
-    let unknown = || families.iter().map(|&family| (family, None)).collect();
+    let unknown = || {
+        families
+            .iter()
+            .map(|&family| (family, convert::NodeFacts::default()))
+            .collect()
+    };
     let nodes = Api::<Node>::all(client);
     for attempt in 1..=ATTEMPTS {
         match nodes.get_opt(node_name).await {
             Ok(Some(node)) => {
-                let ips = families
+                let facts = families
                     .iter()
-                    .map(|&family| (family, convert::node_primary_ip(&node, family)))
+                    .map(|&family| (family, convert::NodeFacts::of(&node, family)))
                     .collect::<BTreeMap<_, _>>();
-                for (family, ip) in &ips {
-                    if ip.is_none() {
+                for (family, facts) in &facts {
+                    if facts.ip.is_none() {
                         tracing::warn!(node_name, %family, "the Node has no InternalIP or ExternalIP of this family");
                     }
                 }
-                return ips;
+                return facts;
             }
             Ok(None) => {
                 tracing::warn!(node_name, "no Node of this name: its IP is unknown");

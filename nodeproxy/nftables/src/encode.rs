@@ -176,6 +176,9 @@ const NFTA_META_KEY: u16 = 2;
 const NFTA_META_SREG: u16 = 3;
 const NFT_META_MARK: u32 = 3;
 const NFT_META_L4PROTO: u32 = 16;
+const NFT_META_IIFNAME: u32 = 6;
+/// `IFNAMSIZ`: an interface name with its NUL padding, as `meta iifname` loads it.
+const IFNAMSIZ: usize = 16;
 const NFTA_CT_DREG: u16 = 1;
 const NFTA_CT_KEY: u16 = 2;
 const NFT_CT_STATE: u32 = 0;
@@ -1158,6 +1161,21 @@ impl Expressions<'_> {
                 self.load_address(NFT_REG_1, self.family.saddr_offset);
                 self.load_address(after_source, self.family.daddr_offset);
                 self.lookup(set, None);
+            }
+            Match::InputInterface {
+                name,
+                prefix,
+                negated,
+            } => {
+                // As nft writes it: the whole name NUL-padded to IFNAMSIZ, or for a
+                // wildcard just the prefix's bytes (a shorter compare).
+                self.meta_load(NFT_META_IIFNAME, NFT_REG_1);
+                let mut value = name.as_bytes().to_vec();
+                if !*prefix {
+                    value.resize(IFNAMSIZ, 0);
+                }
+                let op = if *negated { NFT_CMP_NEQ } else { NFT_CMP_EQ };
+                self.cmp(op, &value);
             }
         }
     }

@@ -233,6 +233,14 @@ pub enum Match {
     AddressPairInSet(String),
     /// `ip daddr @name`: the destination is in a set of [`SetSpec::Addresses`].
     DestinationInSet(String),
+    /// `iifname "cni0"`, `iifname "veth*"` when `prefix` (the name's start), with `!=` when
+    /// negated. A packet made on the node has no input interface: it matches only the
+    /// negated form. The name is 1 to 15 bytes without `"` or `*`.
+    InputInterface {
+        name: String,
+        prefix: bool,
+        negated: bool,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -130,6 +130,15 @@ pub fn condition(m: &Match, family: IpFamily) -> String {
         Match::SourceInSet(set) => format!("{ip} saddr @{set}"),
         Match::AddressPairInSet(set) => format!("{ip} saddr . {ip} daddr @{set}"),
         Match::DestinationInSet(set) => format!("{ip} daddr @{set}"),
+        Match::InputInterface {
+            name,
+            prefix,
+            negated,
+        } => {
+            let op = if *negated { "!= " } else { "" };
+            let wildcard = if *prefix { "*" } else { "" };
+            format!("iifname {op}\"{name}{wildcard}\"")
+        }
     }
 }
 
@@ -274,5 +283,16 @@ mod tests {
             ),
             "meta mark & 0x00004000 == 0x00000000 return"
         );
+        let iif = |name: &str, prefix, negated| {
+            let m = Match::InputInterface {
+                name: name.to_owned(),
+                prefix,
+                negated,
+            };
+            rule(&Rule::when(vec![m], Statement::Return), IpFamily::V4)
+        };
+        assert_eq!(iif("cni0", false, false), "iifname \"cni0\" return");
+        assert_eq!(iif("cni0", false, true), "iifname != \"cni0\" return");
+        assert_eq!(iif("veth", true, true), "iifname != \"veth*\" return");
     }
 }

@@ -119,15 +119,124 @@ impl ProxyState {
 /// An IP family: the nftables model's, so both modes share one type.
 pub use tandem_nftables::IpFamily;
 
+/// A network interface's name (or name prefix), as the kernel allows it: 1 to 15 bytes
+/// (`IFNAMSIZ` less the NUL), none of them a space, `/`, `"` or a control character, and no
+/// `+` or `*` (the iptables and nftables wildcards).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InterfaceName(String);
+
+/// Why a string is not an [`InterfaceName`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InterfaceNameError {
+    #[error("an interface name cannot be empty")]
+    Empty,
+    #[error("{0:?} is longer than an interface name can be (15 bytes)")]
+    TooLong(String),
+    #[error(
+        "{0:?} holds a character an interface name cannot (space, /, \", +, * or a control character)"
+    )]
+    BadCharacter(String),
+}
+
+impl std::str::FromStr for InterfaceName {
+    type Err = InterfaceNameError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.is_empty() {
+            return Err(InterfaceNameError::Empty);
+        }
+        if s.len() > 15 {
+            return Err(InterfaceNameError::TooLong(s.to_owned()));
+        }
+        let bad = |c: char| c.is_whitespace() || c.is_control() || "/\"+*".contains(c);
+        if s.contains(bad) {
+            return Err(InterfaceNameError::BadCharacter(s.to_owned()));
+        }
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl InterfaceName {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for InterfaceName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// How one family's proxier tells traffic from this cluster's pods from the rest,
+/// kube-proxy's `LocalTrafficDetector` (`--detect-local-mode`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum LocalDetector {
+    /// No detection (no CIDR of this family given): kube-proxy's no-op detector, no rule
+    /// that needs it is written.
+    #[default]
+    None,
+    /// `ClusterCIDR`: sources in `--cluster-cidr` of this family.
+    ClusterCidr(IpNet),
+    /// `NodeCIDR`: sources in this Node's `spec.podCIDRs` of this family.
+    NodeCidr(IpNet),
+    /// `BridgeInterface`: packets that came in on `--pod-bridge-interface`.
+    BridgeInterface(InterfaceName),
+    /// `InterfaceNamePrefix`: packets that came in on an interface whose name starts with
+    /// `--pod-interface-name-prefix`.
+    InterfaceNamePrefix(InterfaceName),
+}
+
+impl LocalDetector {
+    /// kube-proxy's `IfLocal()` (`negated` false) or `IfNotLocal()` (true), as iptables
+    /// arguments: `-s CIDR`, `-i NAME` or `-i PREFIX+`; none without detection.
+    pub fn iptables(&self, negated: bool) -> Option<String> {
+        let not = if negated { "! " } else { "" };
+        Some(match self {
+            Self::None => return None,
+            Self::ClusterCidr(net) | Self::NodeCidr(net) => format!("{not}-s {}", net.trunc()),
+            Self::BridgeInterface(name) => format!("{not}-i {name}"),
+            Self::InterfaceNamePrefix(prefix) => format!("{not}-i {prefix}+"),
+        })
+    }
+
+    /// The same as an nftables match: `ip saddr CIDR`, `iifname "NAME"` or
+    /// `iifname "PREFIX*"` (kube-proxy writes `iif`, which needs the interface to exist
+    /// when the rule is added and takes no wildcard; `iifname` matches the same packets
+    /// without either limit). None without detection, or for a CIDR of another family.
+    pub fn nft(&self, family: IpFamily, negated: bool) -> Option<tandem_nftables::Match> {
+        use tandem_nftables::Match;
+        match self {
+            Self::None => None,
+            Self::ClusterCidr(net) | Self::NodeCidr(net) => {
+                family.holds(net.addr()).then(|| Match::SourceAddress {
+                    net: net.trunc(),
+                    negated,
+                })
+            }
+            Self::BridgeInterface(name) => Some(Match::InputInterface {
+                name: name.to_string(),
+                prefix: false,
+                negated,
+            }),
+            Self::InterfaceNamePrefix(prefix) => Some(Match::InputInterface {
+                name: prefix.to_string(),
+                prefix: true,
+                negated,
+            }),
+        }
+    }
+}
+
 /// This node's settings, for the proxier of one family.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeConfig {
     pub node_name: String,
     /// The family of every address the proxier writes.
     pub family: IpFamily,
-    /// `--cluster-cidr` of this family: traffic to cluster IPs from outside it is
-    /// masqueraded.
-    pub cluster_cidr: Option<IpNet>,
+    /// How this family's proxier tells traffic from pods (`--detect-local-mode`): traffic
+    /// to cluster IPs from anything else is masqueraded, and pods reaching an LB or
+    /// external IP of an externalTrafficPolicy Local Service short-cut to all endpoints.
+    pub local_detector: LocalDetector,
     /// The node's primary address of this family (its Node's first InternalIP, else
     /// ExternalIP), as kube-proxy detects it: a source range holding it also lets the LB
     /// IP itself in as a source (traffic from this node looped back to it), kube-proxy's
@@ -150,12 +259,12 @@ pub struct NodeConfig {
 
 impl NodeConfig {
     /// An IPv4 node with kube-proxy's defaults for everything but its name and cluster
-    /// CIDR.
+    /// CIDR (local traffic detected by it, kube-proxy's `ClusterCIDR` mode).
     pub fn new(node_name: impl Into<String>, cluster_cidr: Option<IpNet>) -> Self {
         Self {
             node_name: node_name.into(),
             family: IpFamily::V4,
-            cluster_cidr,
+            local_detector: cluster_cidr.map_or(LocalDetector::None, LocalDetector::ClusterCidr),
             node_ip: None,
             masquerade_all: false,
             node_port_addresses: NodePortAddresses::All,

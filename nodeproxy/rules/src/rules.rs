@@ -17,8 +17,8 @@ use crate::chains::{
     KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_FIREWALL, KUBE_SERVICES, MASQUERADE_MARK,
 };
 use crate::model::{
-    Endpoint, IpFamily, IpMode, NodeConfig, NodePortAddresses, Protocol, ProxyState, ServicePort,
-    overlaps,
+    Endpoint, IpFamily, IpMode, LocalDetector, NodeConfig, NodePortAddresses, Protocol, ProxyState,
+    ServicePort, overlaps,
 };
 use crate::ruleset::{Ruleset, Table};
 
@@ -217,6 +217,7 @@ pub fn probability(n: usize) -> String {
 struct RuleText {
     source: Option<String>,
     destination: Option<String>,
+    in_interface: Option<String>,
     protocol: Option<Protocol>,
     matches: Vec<String>,
 }
@@ -231,8 +232,18 @@ impl RuleText {
         self
     }
 
-    fn not_source(mut self, cidr: impl ToString) -> Self {
-        self.source = Some(format!("! -s {}", cidr.to_string()));
+    /// The local-traffic detector's match, kube-proxy's `IfLocal()` or (`negated`)
+    /// `IfNotLocal()`: a source CIDR, or an input interface (`-i`), each where
+    /// `iptables-save` puts it.
+    fn local(mut self, detector: &LocalDetector, negated: bool) -> Self {
+        let text = detector.iptables(negated);
+        match detector {
+            LocalDetector::None => {}
+            LocalDetector::ClusterCidr(_) | LocalDetector::NodeCidr(_) => self.source = text,
+            LocalDetector::BridgeInterface(_) | LocalDetector::InterfaceNamePrefix(_) => {
+                self.in_interface = text
+            }
+        }
         self
     }
 
@@ -272,7 +283,7 @@ impl RuleText {
     fn jump(self, target: &str) -> String {
         let mut text = String::new();
         let protocol = self.protocol.map(|p| format!("-p {}", p.as_str()));
-        let parts = [self.source, self.destination, protocol]
+        let parts = [self.source, self.destination, self.in_interface, protocol]
             .into_iter()
             .flatten();
         for part in parts.chain(self.matches) {
@@ -484,10 +495,7 @@ impl RulesetBuilder {
                 self.nat(KUBE_SERVICES, capture().jump(&port.chains.external_local));
                 continue;
             }
-            let masquerade = match port.cluster_cidr {
-                Some(cidr) => capture().not_source(cidr),
-                None => capture(),
-            };
+            let masquerade = capture().local(&port.local_detector, true);
             self.nat(KUBE_SERVICES, masquerade.jump(KUBE_MARK_MASQ));
             self.nat(KUBE_SERVICES, capture().jump(&port.chains.service));
         }
@@ -673,9 +681,9 @@ impl RulesetBuilder {
     fn add_external_local_chain(&mut self, port: &PortContext) {
         let (name, chains) = (&port.name, &port.chains);
         let xlb = chains.external_local.as_str();
-        if let Some(cidr) = port.cluster_cidr {
+        if port.local_detector != LocalDetector::None {
             let redirect = RuleText::new()
-                .source(cidr)
+                .local(&port.local_detector, false)
                 .comment("Redirect pods trying to reach external loadbalancer VIP to clusterIP");
             self.nat(xlb, redirect.jump(&chains.service));
         }
@@ -733,7 +741,8 @@ struct PortContext<'a> {
     /// The port has endpoints somewhere in the cluster (ready, else serving terminating):
     /// without any, its IPs are rejected.
     has_endpoints: bool,
-    cluster_cidr: Option<IpNet>,
+    /// Tells pods' traffic from the rest (`--detect-local-mode`).
+    local_detector: LocalDetector,
     /// The node's family: host prefixes, loopback and ICMP errors differ.
     family: IpFamily,
     /// `--masquerade-all`.
@@ -768,7 +777,7 @@ impl<'a> PortContext<'a> {
             // The local set is a subset of the cluster-wide one unless another node has
             // a ready endpoint: the cluster-wide set alone says whether any exists.
             has_endpoints: endpoints.iter().any(|ep| ep.cluster),
-            cluster_cidr: node.cluster_cidr.map(|cidr| cidr.trunc()),
+            local_detector: node.local_detector.clone(),
             family: node.family,
             masquerade_all: node.masquerade_all,
             allow_from_node: node.allows_from_node(&svc.load_balancer_source_ranges),
@@ -780,10 +789,10 @@ impl<'a> PortContext<'a> {
     /// the Service range, may be sent to another node), else none.
     fn cluster_ip_masquerade(&self) -> Option<String> {
         let capture = self.capture(self.cluster_ip, "cluster IP");
-        let masquerade = match self.cluster_cidr {
+        let masquerade = match &self.local_detector {
             _ if self.masquerade_all => capture,
-            Some(cidr) => capture.not_source(cidr),
-            None => return None,
+            LocalDetector::None => return None,
+            detector => capture.local(detector, true),
         };
         Some(masquerade.jump(KUBE_MARK_MASQ))
     }
@@ -942,11 +951,22 @@ mod tests {
             .dport(Protocol::Udp, 53)
             .protocol(Protocol::Udp)
             .destination(IpAddr::from([10, 0, 0, 1]))
-            .not_source("10.244.0.0/16")
+            .local(
+                &LocalDetector::ClusterCidr("10.244.0.0/16".parse().unwrap()),
+                true,
+            )
             .jump("X");
         assert_eq!(
             rule,
             "! -s 10.244.0.0/16 -d 10.0.0.1/32 -p udp -m comment --comment \"c\" -m udp --dport 53 -j X"
         );
+        // An input interface goes between the addresses and the protocol.
+        let bridge = LocalDetector::BridgeInterface("cni0".parse().unwrap());
+        let rule = RuleText::new()
+            .protocol(Protocol::Tcp)
+            .local(&bridge, true)
+            .destination(IpAddr::from([10, 0, 0, 1]))
+            .jump("X");
+        assert_eq!(rule, "-d 10.0.0.1/32 ! -i cni0 -p tcp -j X");
     }
 }

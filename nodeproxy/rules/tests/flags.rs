@@ -10,7 +10,9 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 
 use common::ip;
-use tandem_proxy_rules::model::{NodeConfig, NodePortAddresses, Protocol, ProxyState};
+use tandem_proxy_rules::model::{
+    LocalDetector, NodeConfig, NodePortAddresses, Protocol, ProxyState,
+};
 use tandem_proxy_rules::nft::layout;
 use tandem_proxy_rules::trace::{Entry, Packet, Trace, TraceRequest, Verdict, trace};
 
@@ -225,7 +227,7 @@ fn masquerade_all_masquerades_pods_reaching_a_cluster_ip() {
         // Also without --cluster-cidr, where nothing else masquerades cluster-IP traffic.
         let node = NodeConfig {
             masquerade_all: true,
-            cluster_cidr: None,
+            local_detector: LocalDetector::None,
             ..common::node_a()
         };
         let traced = traced(mode, &state, &node, from_pod, Entry::FromOutside);

@@ -20,7 +20,8 @@ use tandem_nftables::{
 };
 use tandem_proxy_rules::chains::endpoint_chain;
 use tandem_proxy_rules::model::{
-    Endpoint, IpFamily, IpMode, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName,
+    Endpoint, IpFamily, IpMode, LocalDetector, NodeConfig, Protocol, ProxyState, ServicePort,
+    ServicePortName,
 };
 use tandem_proxy_rules::nft::incremental::IncrementalRuleset;
 use tandem_proxy_rules::nft::layout::{self, affinity_set};
@@ -505,7 +506,7 @@ proptest! {
     #[test]
     fn random_states_meet_the_same_fates_in_both_modes(state in state()) {
         // With and without --cluster-cidr, and with every flag that applies to both.
-        let without_cidr = NodeConfig { cluster_cidr: None, ..common::node_a() };
+        let without_cidr = NodeConfig { local_detector: LocalDetector::None, ..common::node_a() };
         for node in [common::node_a(), without_cidr, common::node_with_flags()] {
             assert_same_fates(&state, &node);
         }

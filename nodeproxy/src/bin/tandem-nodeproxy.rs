@@ -9,7 +9,7 @@ use kube::Client;
 use prometheus_client::registry::Registry;
 use tandem_common::ProxyMode;
 use tandem_nodeproxy::cli::{Cli, ClusterArgs, Command, TraceArgs};
-use tandem_nodeproxy::convert;
+use tandem_nodeproxy::convert::{self, NodeFacts};
 use tandem_nodeproxy::datapath;
 use tandem_nodeproxy::healthcheck::{self, NodeHealth, ServiceHealthServers};
 use tandem_nodeproxy::metrics::{self, Metrics};
@@ -47,12 +47,12 @@ fn node_config(
     cluster: &ClusterArgs,
     node_name: String,
     family: IpFamily,
-    node_ip: Option<IpAddr>,
+    facts: NodeFacts,
 ) -> anyhow::Result<NodeConfig> {
-    let node = cluster.node_config(node_name, family, node_ip)?;
+    let node = cluster.node_config(node_name, family, facts)?;
     tracing::info!(
         %family,
-        cluster_cidr = ?node.cluster_cidr,
+        local_detector = ?node.local_detector,
         node_ip = ?node.node_ip,
         node_port_addresses = ?node.node_port_addresses,
         masquerade_all = node.masquerade_all,
@@ -112,11 +112,13 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
         .flat_map(|n| convert::node_addresses(n))
         .filter(|ip| family.holds(*ip))
         .collect();
-    let node_ip = nodes
+    let facts = nodes
         .iter()
-        .find_map(|n| convert::node_primary_ip(n, family));
-    let node = node_config(cluster, node_name, family, node_ip)?;
-    let request = TraceRequest::new(
+        .map(|n| NodeFacts::of(n, family))
+        .next()
+        .unwrap_or_default();
+    let node = node_config(cluster, node_name, family, facts)?;
+    let mut request = TraceRequest::new(
         Packet {
             src: args.src,
             dst: args.dst.ip,
@@ -130,6 +132,7 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
         },
         local_addrs,
     );
+    request.in_interface = args.in_interface.as_ref().map(ToString::to_string);
     let trace = match cluster.proxy_mode {
         ProxyMode::Iptables => tandem_proxy_rules::trace::trace(
             &tandem_proxy_rules::build(&conversion.state, &node),
@@ -148,11 +151,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let node_name = node_name(&cli.cluster)?;
     let families = cli.cluster.families()?;
     let client = client(&cli.cluster).await?;
-    let node_ips = proxier::node_ips(client.clone(), &node_name, &families).await;
+    let node_facts = proxier::node_facts(client.clone(), &node_name, &families).await;
     let mut family_proxiers = Vec::new();
     for &family in &families {
-        let node_ip = node_ips.get(&family).copied().flatten();
-        let node = node_config(&cli.cluster, node_name.clone(), family, node_ip)?;
+        let facts = node_facts.get(&family).copied().unwrap_or_default();
+        let node = node_config(&cli.cluster, node_name.clone(), family, facts)?;
         let datapath = datapath::start(
             cli.cluster.proxy_mode,
             cli.proxy.iptables_backend,

@@ -721,7 +721,10 @@ struct Port<'a> {
     paths: PortPaths,
     /// Any usable endpoint in the cluster; without one, every address rejects.
     has_endpoints: bool,
-    cluster_cidr: Option<IpNet>,
+    /// kube-proxy's `IfLocalNFT()` / `IfNotLocalNFT()` for this family (none without
+    /// detection).
+    if_local: Option<Match>,
+    if_not_local: Option<Match>,
     /// `--masquerade-all`.
     masquerade_all: bool,
 }
@@ -772,10 +775,8 @@ impl<'a> Port<'a> {
             source_ranges: sorted_unique(&ranges),
             paths,
             has_endpoints: usable.iter().any(|ep| ep.cluster),
-            cluster_cidr: node
-                .cluster_cidr
-                .filter(|cidr| family.holds(cidr.addr()))
-                .map(|cidr| cidr.trunc()),
+            if_local: node.local_detector.nft(family, false),
+            if_not_local: node.local_detector.nft(family, true),
             masquerade_all: node.masquerade_all,
         }
     }
@@ -795,10 +796,7 @@ impl<'a> Port<'a> {
             },
         ];
         if !self.masquerade_all {
-            matches.push(Match::SourceAddress {
-                net: self.cluster_cidr?,
-                negated: true,
-            });
+            matches.push(self.if_not_local.clone()?);
         }
         Some(Rule::when(matches, jump(MARK_FOR_MASQUERADE)))
     }
@@ -897,19 +895,15 @@ impl<'a> Port<'a> {
     fn external_rules(&self, has_local: bool) -> Vec<Rule> {
         let names = &self.names;
         let mut rules = Vec::new();
-        let from_pods = |cidr: IpNet| Match::SourceAddress {
-            net: cidr,
-            negated: false,
-        };
         if !self.paths.local_policy {
-            if let Some(cidr) = self.cluster_cidr {
+            if let Some(from_pods) = &self.if_local {
                 for &ip in &self.external_ips {
                     let to_ip = Match::DestinationAddress {
                         net: host(ip),
                         negated: false,
                     };
                     rules.push(Rule::when(
-                        vec![to_ip, from_pods(cidr)],
+                        vec![to_ip, from_pods.clone()],
                         goto(&names.service),
                     ));
                 }
@@ -918,9 +912,9 @@ impl<'a> Port<'a> {
             rules.push(Rule::always(goto(&names.service)));
             return rules;
         }
-        if let Some(cidr) = self.cluster_cidr {
+        if let Some(from_pods) = &self.if_local {
             rules.push(
-                Rule::when(vec![from_pods(cidr)], goto(&names.service))
+                Rule::when(vec![from_pods.clone()], goto(&names.service))
                     .with_comment("short-circuit pod traffic to the cluster-wide endpoints"),
             );
         }

@@ -249,6 +249,17 @@ impl Tracer<'_> {
                     let pairs = &self.set(table, chain, set)?.elements;
                     packet.src == packet.dst && pairs.contains_key(&Key::SelfPair(packet.src))
                 }
+                Match::InputInterface {
+                    name,
+                    prefix,
+                    negated,
+                } => {
+                    let named = |iif: &str| match prefix {
+                        true => iif.starts_with(name.as_str()),
+                        false => iif == name,
+                    };
+                    self.request.in_interface().is_some_and(named) != *negated
+                }
                 Match::DestinationInSet(set) => self
                     .set(table, chain, set)?
                     .elements

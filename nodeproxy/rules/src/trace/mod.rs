@@ -50,6 +50,11 @@ pub struct TraceRequest {
     /// The node's own addresses (`-m addrtype LOCAL`, and local delivery vs forwarding);
     /// loopback addresses (127.0.0.0/8, ::1) always are.
     pub local_addrs: BTreeSet<IpAddr>,
+    /// The interface a packet from outside came in on (`-i`, `iifname`), for the
+    /// local-traffic detectors that look at it; none when unknown. A packet made on the
+    /// node has none, whatever this says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_interface: Option<String>,
     /// `-m recent` lists (KUBE-SEP chain names) that already hold the source address, as
     /// after an earlier connection with session affinity; in the nftables mode, the
     /// `affinity-…` sets that do.
@@ -191,7 +196,22 @@ impl TraceRequest {
             packet,
             entry,
             local_addrs: local_addrs.into_iter().collect(),
+            in_interface: None,
             recent_lists: BTreeSet::new(),
+        }
+    }
+
+    /// The same request, the packet having come in on `name`.
+    pub fn on_interface(mut self, name: impl Into<String>) -> Self {
+        self.in_interface = Some(name.into());
+        self
+    }
+
+    /// The interface the packet came in on: none for one made on the node.
+    pub fn in_interface(&self) -> Option<&str> {
+        match self.entry {
+            Entry::FromOutside => self.in_interface.as_deref(),
+            Entry::Local => None,
         }
     }
 
@@ -495,6 +515,13 @@ fn rule_matches(rule: &ParsedRule, walk: &Walk, request: &TraceRequest) -> Optio
     for cond in &rule.conds {
         let matched = match cond {
             Cond::Source { negated, net } => net.contains(&packet.src) != *negated,
+            Cond::InInterface { negated, name } => {
+                let named = |iif: &str| match name.strip_suffix('+') {
+                    Some(prefix) => iif.starts_with(prefix),
+                    None => iif == name,
+                };
+                request.in_interface().is_some_and(named) != *negated
+            }
             Cond::Destination { negated, net } => net.contains(&packet.dst) != *negated,
             Cond::Protocol(protocol) => packet.protocol == *protocol,
             Cond::DestPort(port) => packet.dst_port == *port,

@@ -17,6 +17,11 @@ pub(super) enum Cond {
         negated: bool,
         net: IpNet,
     },
+    /// `-i NAME`; a name ending in `+` matches every interface it starts.
+    InInterface {
+        negated: bool,
+        name: String,
+    },
     Protocol(Protocol),
     DestPort(u16),
     SrcTypeLocal,
@@ -93,7 +98,7 @@ pub(super) fn parse_rule(text: &str) -> Result<ParsedRule, String> {
     let mut target = None;
     while let Some(arg) = args.next() {
         let mut value = |what: &str| args.next().ok_or_else(|| format!("{what} needs a value"));
-        if negated && !matches!(arg, "-s" | "-d" | "--mark") {
+        if negated && !matches!(arg, "-s" | "-d" | "-i" | "--mark") {
             return Err(format!("`!` before {arg} is not supported"));
         }
         match (module, arg) {
@@ -108,6 +113,10 @@ pub(super) fn parse_rule(text: &str) -> Result<ParsedRule, String> {
             (_, "-d") => conds.push(Cond::Destination {
                 negated,
                 net: parse_net(value("-d")?)?,
+            }),
+            (_, "-i") => conds.push(Cond::InInterface {
+                negated,
+                name: value("-i")?.to_owned(),
             }),
             (_, "-p") => conds.push(Cond::Protocol(parse_protocol(value("-p")?)?)),
             (_, "-m") => {
@@ -325,9 +334,29 @@ mod tests {
     }
 
     #[test]
+    fn parses_input_interfaces() {
+        let rule = parse_rule("! -i veth+ -p tcp -j ACCEPT").unwrap();
+        assert_eq!(
+            rule.conds[0],
+            Cond::InInterface {
+                negated: true,
+                name: "veth+".to_owned()
+            }
+        );
+        let rule = parse_rule("-i cni0 -j ACCEPT").unwrap();
+        assert_eq!(
+            rule.conds[0],
+            Cond::InInterface {
+                negated: false,
+                name: "cni0".to_owned()
+            }
+        );
+    }
+
+    #[test]
     fn refuses_what_it_does_not_know() {
         for rule in [
-            "-i eth0 -j ACCEPT",
+            "-o eth0 -j ACCEPT",
             "-m set --match-set foo src -j ACCEPT",
             "-m tcp --sport 80 -j ACCEPT",
             "-m addrtype --dst-type UNICAST -j ACCEPT",
