@@ -454,10 +454,20 @@ impl Lab {
     }
 
     pub async fn create_service(&self, plan: &ServicePlan) -> Result<()> {
-        let services: Api<Service> = Api::namespaced(self.kube.clone(), &plan.namespace);
         // An edge that proxies TCP only refuses a UDP port in proxy mode: the Service then
         // has its TCP port alone (tests ask `serves_udp` before they send UDP).
-        let mut service = plan.service_with_udp(self.serves_udp(plan.mode));
+        self.create(plan, plan.service_with_udp(self.serves_udp(plan.mode)))
+            .await
+    }
+
+    /// [`Self::create_service`] with every port of the plan, whether the edge serves it
+    /// or not (to see the refusal).
+    pub async fn create_service_with_every_port(&self, plan: &ServicePlan) -> Result<()> {
+        self.create(plan, plan.service()).await
+    }
+
+    async fn create(&self, plan: &ServicePlan, mut service: Service) -> Result<()> {
+        let services: Api<Service> = Api::namespaced(self.kube.clone(), &plan.namespace);
         if let (Some(spec), Some(class)) = (service.spec.as_mut(), &self.load_balancer_class) {
             spec.load_balancer_class = Some(class.clone());
         }

@@ -163,6 +163,37 @@ fn proxy_mode_refuses_clients_outside_source_ranges_at_the_edge() {
 }
 
 #[test]
+fn an_edge_that_proxies_tcp_only_refuses_udp_in_proxy_mode_naming_the_port() {
+    with_lab(&[1, 0, 0], |lab| async move {
+        if lab.serves_udp(LbMode::Proxy) {
+            eprintln!(
+                "skipped: the {} edge proxies UDP",
+                lab.edge_dataplane.as_str()
+            );
+            return lab;
+        }
+        let mut plan = ServicePlan::new("udp-refused", LbMode::Proxy);
+        plan.pods = pods(&lab, &[1]);
+        lab.create_service_with_every_port(&plan).await.unwrap();
+        let message = lab
+            .wait_for_refusal(&plan, "UnsupportedByProvider", Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert!(message.contains("UDP port 80"), "{message}");
+        assert!(
+            lab.service(&plan)
+                .await
+                .unwrap()
+                .status
+                .and_then(|s| s.load_balancer?.ingress)
+                .is_none_or(|ingress| ingress.is_empty()),
+            "a refused Service has no ingress"
+        );
+        lab
+    });
+}
+
+#[test]
 fn external_traffic_policy_local_in_proxy_mode_sends_only_to_nodes_with_pods() {
     with_lab(&[2, 0, 0], |lab| async move {
         let mut plan = ServicePlan::new("local-proxy", LbMode::Proxy);
