@@ -63,6 +63,14 @@ VALUE_SETS = {
     "dual-stack-nftables": {
         "nodeProxy": {"clusterCIDR": "10.244.0.0/16,fd00:10:244::/56", "proxyMode": "nftables"},
     },
+    # Local traffic told by interface: a bridge in iptables mode, a name prefix in nftables.
+    "detect-local-bridge": {
+        "nodeProxy": {"detectLocalMode": "BridgeInterface", "podBridgeInterface": "cni0"},
+    },
+    "detect-local-prefix": {
+        "nodeProxy": {"detectLocalMode": "InterfaceNamePrefix", "podInterfaceNamePrefix": "cali",
+                      "proxyMode": "nftables"},
+    },
     "nodeproxy-only": {
         "controller": {"enabled": False},
         "cloudMock": {"enabled": False},
@@ -186,7 +194,8 @@ def env_of_help(exe, args, env):
     return flags
 
 
-@pytest.mark.parametrize("name", ["defaults", "dual-stack", "nodeproxy-only"])
+@pytest.mark.parametrize("name", ["defaults", "dual-stack", "nodeproxy-only", "detect-local-bridge",
+                                  "detect-local-prefix"])
 def test_the_trace_sees_every_setting_the_node_proxy_runs_with(name):
     """`kubectl exec ... tandem-nodeproxy trace` is a new process that sees the container's
     environment, not the node proxy's arguments: it once traced the iptables rules on an
@@ -201,6 +210,32 @@ def test_the_trace_sees_every_setting_the_node_proxy_runs_with(name):
     assert "--proxy-mode" in shared
     for flag in shared:
         assert seen[flag][1] == args[flag], f"trace reads {flag} as {seen[flag]}, the node proxy runs with {args[flag]}"
+
+
+@pytest.mark.parametrize("values, expected", [
+    ({}, ["--detect-local-mode=ClusterCIDR"]),
+    ({"detectLocalMode": "NodeCIDR"}, ["--detect-local-mode=NodeCIDR"]),
+    (VALUE_SETS["detect-local-bridge"]["nodeProxy"],
+     ["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cni0"]),
+    (VALUE_SETS["detect-local-prefix"]["nodeProxy"],
+     ["--detect-local-mode=InterfaceNamePrefix", "--pod-interface-name-prefix=cali"]),
+])
+def test_the_local_traffic_detector_reaches_the_node_proxy(values, expected):
+    values = {"nodeProxy": values} if values else {}
+    c = container(render(values)[0], "DaemonSet", "-nodeproxy")
+    detect = [a for a in c["args"] if a.startswith(("--detect-local-mode", "--pod-"))]
+    assert detect == expected
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["DETECT_LOCAL_MODE"] == expected[0].split("=", 1)[1]
+    assert ("POD_BRIDGE_INTERFACE" in env) == ("--pod-bridge-interface=cni0" in expected)
+    assert ("POD_INTERFACE_NAME_PREFIX" in env) == ("--pod-interface-name-prefix=cali" in expected)
+    # The binary takes them as given (it then stops for want of a node name, not a flag).
+    flags = {k: v for k, v in env.items()
+             if k in ("DETECT_LOCAL_MODE", "POD_BRIDGE_INTERFACE", "POD_INTERFACE_NAME_PREFIX")}
+    result = subprocess.run([binary("tandem-nodeproxy"), "trace", "--src", "192.0.2.1", "--dst", "192.0.2.2:80"],
+                            capture_output=True, text=True, timeout=30,
+                            env={"PATH": os.environ.get("PATH", ""), **flags})
+    assert "--node-name (or NODE_NAME) is required" in result.stderr, result.stderr
 
 
 def test_dual_stack_values_give_a_proxier_and_a_pool_per_family():
@@ -284,6 +319,11 @@ def test_checkov_security_scan_passes(tmp_path):
         ({"nodeProxy": {"nodePortAddresses": ["eth0"]}}, "nodePortAddresses"),
         ({"nodeProxy": {"serviceClusterIPRange": "10.96.0.0/12"}}, "serviceClusterIPRange"),
         ({"log": {"format": "xml"}}, "format"),
+        ({"nodeProxy": {"detectLocalMode": "ClusterCidr"}}, "detectLocalMode"),
+        ({"nodeProxy": {"detectLocalMode": "BridgeInterface"}}, "podBridgeInterface"),
+        ({"nodeProxy": {"detectLocalMode": "InterfaceNamePrefix"}}, "podInterfaceNamePrefix"),
+        ({"nodeProxy": {"podBridgeInterface": "a-name-too-long-for-linux"}}, "podBridgeInterface"),
+        ({"nodeProxy": {"podInterfaceNamePrefix": "veth+"}}, "podInterfaceNamePrefix"),
         ({"clusterId": "Has Spaces"}, "clusterId"),
         ({"clusterId": "a-cluster-id-longer-than-24"}, "clusterId"),
         ({"cloud": {"url": "ftp://x"}}, "url"),
