@@ -5,9 +5,13 @@
 //! ones dual-stack. Each path is measured against its limit in the same run: passthrough
 //! (over IPv4 and over IPv6) against the client routed straight to the pod with no NAT in
 //! the same family, proxy mode against Debian's haproxy in TCP mode doing the cloud's job
-//! (edge → nodeIP:nodePort).
+//! (edge → nodeIP:nodePort), and the two cloud edges, the lab's own and a second one
+//! running HAProxy (`cloud-mock --dataplane haproxy`), against the client sent straight
+//! to the NodePort. Then each edge gets load balancers created one after another while
+//! one of its load balancers carries steady traffic.
 
 mod analysis;
+mod edge;
 mod probe;
 
 use std::collections::BTreeMap;
@@ -22,8 +26,11 @@ use tandem_netlab::{ChildGuard, ClusterFamilies, IpFamily, Netns};
 
 use crate::BenchOptions;
 use crate::report::Section;
-use analysis::{Measurements, Path, PathMeasurement};
+use analysis::{Edge, Measurements, Path, PathMeasurement};
 
+/// The report's block that holds the data plane's sections (replaced by a run of
+/// `tandem-bench dataplane` alone).
+pub const BLOCK: &str = "data plane";
 /// iperf3's default port, used as the Service port and the pod's port alike.
 const IPERF_PORT: u16 = 5201;
 /// The echo Services' port (the pods' echo listens on the lab's echo port).
@@ -44,6 +51,8 @@ struct Scale {
     transfer_seconds: u32,
     rounds: usize,
     requests: u32,
+    /// Load balancers created on each edge under steady traffic.
+    churn: usize,
 }
 
 impl Scale {
@@ -53,12 +62,14 @@ impl Scale {
                 transfer_seconds: 1,
                 rounds: 1,
                 requests: 100,
+                churn: 10,
             }
         } else {
             Self {
                 transfer_seconds: 5,
                 rounds: 3,
                 requests: 1000,
+                churn: 100,
             }
         }
     }
@@ -257,6 +268,25 @@ async fn measure_in(
         haproxy_echo,
     )
     .await?;
+    let [(_, node_port_echo), (_, node_port_iperf)] = forwards;
+
+    progress("starting the HAProxy edge (cloud-mock --dataplane haproxy) beside the lab's own");
+    let haproxy_edge = edge::HaproxyEdge::start(lab).await?;
+    let own_vip = |plan: &ServicePlan, port: u16| -> Result<SocketAddr> {
+        Ok(SocketAddr::new(vip(plan, IpFamily::Ipv4)?, port))
+    };
+    // The controller's load balancers on the own edge: the HAProxy edge's get the same
+    // listeners, backend (nodeIP:nodePort) and health check.
+    let echo_lb =
+        edge::load_balancer_at(&lab.cloud, own_vip(&echo_proxy, ECHO_SERVICE_PORT)?).await?;
+    let iperf_lb = edge::load_balancer_at(&lab.cloud, own_vip(&iperf_proxy, IPERF_PORT)?).await?;
+    let (_, haproxy_edge_echo) =
+        edge::create(&haproxy_edge.client, &edge::copy_of(&echo_lb, "bench-echo")).await?;
+    let (_, haproxy_edge_iperf) = edge::create(
+        &haproxy_edge.client,
+        &edge::copy_of(&iperf_lb, "bench-iperf"),
+    )
+    .await?;
 
     let bench = Bench {
         client: lab.topology.client_in_range().netns.clone(),
@@ -281,6 +311,8 @@ async fn measure_in(
                 Path::PassthroughIpv6,
                 SocketAddr::new(vip(&echo_pass, IpFamily::Ipv6)?, ECHO_SERVICE_PORT),
             ),
+            (Path::HaproxyEdge, haproxy_edge_echo),
+            (Path::NodePort, node_port_echo.into()),
         ]),
         iperf: BTreeMap::from([
             (Path::Direct, SocketAddr::new(pod.ip.into(), IPERF_PORT)),
@@ -301,6 +333,8 @@ async fn measure_in(
                 Path::PassthroughIpv6,
                 SocketAddr::new(vip(&iperf_pass, IpFamily::Ipv6)?, IPERF_PORT),
             ),
+            (Path::HaproxyEdge, haproxy_edge_iperf),
+            (Path::NodePort, node_port_iperf.into()),
         ]),
     };
 
@@ -339,7 +373,27 @@ async fn measure_in(
             }
         }
     }
+    let mut churn = BTreeMap::new();
+    for (which, cloud, steady) in [
+        (
+            Edge::Own,
+            &lab.cloud,
+            own_vip(&echo_proxy, ECHO_SERVICE_PORT)?,
+        ),
+        (Edge::Haproxy, &haproxy_edge.client, haproxy_edge_echo),
+    ] {
+        progress(&format!(
+            "{}: {} load balancers created one after another, steady requests to {steady}",
+            which.label(),
+            scale.churn
+        ));
+        let measured = edge::churn(which, cloud, &bench.client, &echo_lb, steady, scale.churn)
+            .await
+            .with_context(|| format!("load-balancer churn on the {}", which.label()))?;
+        churn.insert(which, measured);
+    }
     Ok(Measurements {
+        churn,
         paths,
         transfer_seconds: scale.transfer_seconds,
         rounds: request_chunks.len(),

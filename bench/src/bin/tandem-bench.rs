@@ -24,7 +24,8 @@ struct Cli {
     /// The node proxy benchmark measures only this data path (both by default).
     #[arg(long, env = "TANDEM_BENCH_PROXY_MODE", value_enum)]
     proxy_mode: Option<tandem_common::ProxyMode>,
-    /// Where to write the report. `curves` alone replaces only its own block in it.
+    /// Where to write the report. `dataplane` or `curves` alone replaces only its own block
+    /// in it.
     #[arg(long, env = "TANDEM_BENCH_OUT", default_value = "BENCHMARKS.md")]
     out: PathBuf,
     /// Where the scale curves' SVG files go, relative to the report's folder.
@@ -62,9 +63,18 @@ fn main() -> Result<()> {
     if wanted(Which::Controller) {
         sections.extend(controller::run(&options).context("controller benchmark")?);
     }
-    if wanted(Which::Dataplane) {
-        sections.extend(dataplane::run(&options).context("data plane benchmark")?);
-    }
+    // The data plane's sections are one block of the report, which a run of `dataplane`
+    // alone replaces.
+    let data_plane = if wanted(Which::Dataplane) {
+        let tables: Vec<String> = dataplane::run(&options)
+            .context("data plane benchmark")?
+            .iter()
+            .map(markdown)
+            .collect();
+        Some(tables.join("\n"))
+    } else {
+        None
+    };
     let curves = if wanted(Which::Curves) {
         let report_dir = cli.out.parent().unwrap_or(Path::new("."));
         let section =
@@ -74,10 +84,15 @@ fn main() -> Result<()> {
         None
     };
     let tables: Vec<String> = sections.iter().map(markdown).collect();
-    for table in tables.iter().chain(&curves) {
+    for table in tables.iter().chain(&data_plane).chain(&curves) {
         println!("{table}");
     }
-    if let (Which::Curves, Some(curves)) = (cli.which, &curves) {
+    let block = match (cli.which, &data_plane, &curves) {
+        (Which::Dataplane, Some(body), _) => Some((dataplane::BLOCK, body)),
+        (Which::Curves, _, Some(body)) => Some((curves::BLOCK, body)),
+        _ => None,
+    };
+    if let Some((name, body)) = block {
         // The other sections come from other runs: only this block is replaced.
         let existing = match std::fs::read_to_string(&cli.out) {
             Ok(text) => text,
@@ -86,13 +101,14 @@ fn main() -> Result<()> {
                 return Err(error).with_context(|| format!("reading {}", cli.out.display()));
             }
         };
-        std::fs::write(&cli.out, splice(&existing, curves::BLOCK, curves))
+        std::fs::write(&cli.out, splice(&existing, name, body))
             .with_context(|| format!("writing {}", cli.out.display()))?;
         println!("wrote its block into {}", cli.out.display());
         return Ok(());
     }
     let tables: Vec<String> = tables
         .into_iter()
+        .chain(data_plane.map(|d| marked(dataplane::BLOCK, &d)))
         .chain(curves.map(|c| marked(curves::BLOCK, &c)))
         .collect();
     let report = format!(

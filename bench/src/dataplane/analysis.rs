@@ -15,6 +15,18 @@ pub const PASSTHROUGH_VS_DIRECT: f64 = 0.9;
 pub const PROXY_VS_HAPROXY: f64 = 1.0;
 /// The latency form of the passthrough target: 0.9× the speed is 1/0.9 the time.
 pub const PASSTHROUGH_LATENCY_VS_DIRECT: f64 = 1.11;
+/// Edge churn: how long a new load balancer may take to answer before it counts as never.
+pub const CHURN_ANSWER_BOUND: Duration = Duration::from_secs(30);
+/// Edge churn: how often a new load balancer is tried until it answers.
+pub const CHURN_TRY_EVERY: Duration = Duration::from_millis(5);
+/// Edge churn: bound on one try of a new load balancer. A SYN to a VIP not served yet gets
+/// no answer and the kernel would resend it only after a second: short tries keep the
+/// resolution near this bound plus [`CHURN_TRY_EVERY`].
+pub const CHURN_TRY_TIMEOUT: Duration = Duration::from_millis(20);
+/// Edge churn: one steady request per this long, at most.
+pub const STEADY_PACE: Duration = Duration::from_millis(5);
+/// Edge churn: bound on one steady request, connect included.
+pub const STEADY_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A way from the outside client to the pod.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -31,31 +43,42 @@ pub enum Path {
     DirectIpv6,
     /// [`Path::Passthrough`] over IPv6: the dual-stack Service's IPv6 VIP.
     PassthroughIpv6,
+    /// A proxy-mode VIP of a second cloud edge, `cloud-mock --dataplane haproxy`, whose
+    /// load balancer has the same listeners and backends (nodeIP:nodePort) as the
+    /// controller's on the lab's own edge: HAProxy as the edge, driven through its API.
+    HaproxyEdge,
+    /// The client to nodeIP:nodePort, routed by the edge: the proxy paths' hops without a
+    /// proxy (node DNAT only).
+    NodePort,
 }
 
 impl Path {
-    pub const ALL: [Path; 6] = [
+    pub const ALL: [Path; 8] = [
         Path::Direct,
         Path::Passthrough,
         Path::Proxy,
         Path::Haproxy,
         Path::DirectIpv6,
         Path::PassthroughIpv6,
+        Path::HaproxyEdge,
+        Path::NodePort,
     ];
 
     pub fn label(self) -> &'static str {
         match self {
             Path::Direct => "direct route to the pod, no NAT",
             Path::Passthrough => "passthrough VIP → node DNAT",
-            Path::Proxy => "proxy-mode VIP (cloud-mock) → NodePort",
-            Path::Haproxy => "haproxy TCP → NodePort",
+            Path::Proxy => "proxy-mode VIP (own edge) → NodePort",
+            Path::Haproxy => "standalone haproxy TCP → NodePort",
             Path::DirectIpv6 => "IPv6 direct route to the pod, no NAT",
             Path::PassthroughIpv6 => "IPv6 passthrough VIP → node DNAT",
+            Path::HaproxyEdge => "proxy-mode VIP (HAProxy edge) → NodePort",
+            Path::NodePort => "direct to the NodePort",
         }
     }
 
     /// `ALL` rotated by `round`, so that no path always runs first (or last) in a round.
-    pub fn order_for_round(round: usize) -> [Path; 6] {
+    pub fn order_for_round(round: usize) -> [Path; 8] {
         let mut order = Path::ALL;
         let len = order.len();
         order.rotate_left(round % len);
@@ -93,6 +116,58 @@ pub struct Measurements {
     pub load_after: String,
     /// `haproxy -v`'s first line.
     pub haproxy_version: String,
+    /// The load-balancer churn on each edge, under steady traffic.
+    pub churn: BTreeMap<Edge, ChurnMeasurement>,
+}
+
+/// A cloud edge the run drives: the lab's own, and the HAProxy one beside it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Edge {
+    /// The lab's cloud-mock, `--dataplane proxy`: its own listeners.
+    Own,
+    /// A second cloud-mock in the same edge namespace, `--dataplane haproxy`.
+    Haproxy,
+}
+
+impl Edge {
+    pub const ALL: [Edge; 2] = [Edge::Own, Edge::Haproxy];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Edge::Own => "own proxy edge",
+            Edge::Haproxy => "HAProxy edge",
+        }
+    }
+}
+
+/// Load balancers created one after another on one edge while another of its load
+/// balancers carries steady traffic.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChurnMeasurement {
+    /// Creates asked for.
+    pub asked: usize,
+    /// From each create call to the first answered request on the new VIP, for those that
+    /// answered within the bound.
+    pub create_to_traffic: Vec<Duration>,
+    /// Created load balancers that did not answer within the bound.
+    pub never_answered: usize,
+    /// Creates the API refused, by error.
+    pub create_errors: BTreeMap<String, usize>,
+    /// The steady load balancer's requests: times of the answered ones, failures by error.
+    pub steady_latencies: Vec<Duration>,
+    pub steady_failures: BTreeMap<String, usize>,
+    /// How long the creates took, first to last answer.
+    pub elapsed: Duration,
+}
+
+impl ChurnMeasurement {
+    pub fn steady_failed(&self) -> usize {
+        self.steady_failures.values().sum()
+    }
+
+    pub fn steady_sent(&self) -> usize {
+        self.steady_latencies.len() + self.steady_failed()
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -158,6 +233,56 @@ pub fn haproxy_config(forwards: &[(SocketAddrV4, SocketAddrV4)]) -> String {
     config
 }
 
+/// One figure of the data-plane sections: a path against the limit it is compared with
+/// in the same run, and the targets of its throughput (at least) and latency (at most).
+struct Comparison {
+    path: Path,
+    limit: Path,
+    throughput: Option<f64>,
+    latency: Option<f64>,
+}
+
+impl Comparison {
+    const fn new(path: Path, limit: Path) -> Self {
+        Self {
+            path,
+            limit,
+            throughput: None,
+            latency: None,
+        }
+    }
+
+    const fn held_to(self, throughput: f64, latency: f64) -> Self {
+        Self {
+            throughput: Some(throughput),
+            latency: Some(latency),
+            ..self
+        }
+    }
+
+    fn suffix(&self) -> &'static str {
+        if self.path == Path::Haproxy {
+            " (the peer)"
+        } else {
+            ""
+        }
+    }
+}
+
+/// Every comparison, in the report's order.
+const COMPARISONS: [Comparison; 8] = [
+    Comparison::new(Path::Passthrough, Path::Direct)
+        .held_to(PASSTHROUGH_VS_DIRECT, PASSTHROUGH_LATENCY_VS_DIRECT),
+    Comparison::new(Path::PassthroughIpv6, Path::DirectIpv6)
+        .held_to(PASSTHROUGH_VS_DIRECT, PASSTHROUGH_LATENCY_VS_DIRECT),
+    Comparison::new(Path::Proxy, Path::Haproxy).held_to(PROXY_VS_HAPROXY, PROXY_VS_HAPROXY),
+    Comparison::new(Path::Proxy, Path::Direct),
+    Comparison::new(Path::Haproxy, Path::Direct),
+    Comparison::new(Path::HaproxyEdge, Path::NodePort),
+    Comparison::new(Path::Proxy, Path::NodePort),
+    Comparison::new(Path::Proxy, Path::HaproxyEdge),
+];
+
 fn gbit(bits_per_second: f64) -> Value {
     Value::GbitPerSecond(bits_per_second / 1e9)
 }
@@ -193,77 +318,29 @@ pub fn sections(m: &Measurements) -> Vec<Section> {
         })
     };
 
-    let throughput_rows: Vec<Row> = [
-        row(
-            format!("throughput, {}", Path::Passthrough.label()),
-            throughput(Path::Passthrough),
-            Path::Direct,
-            throughput(Path::Direct),
-            Some(Target::RatioAtLeast(PASSTHROUGH_VS_DIRECT)),
-        ),
-        row(
-            format!("throughput, {}", Path::PassthroughIpv6.label()),
-            throughput(Path::PassthroughIpv6),
-            Path::DirectIpv6,
-            throughput(Path::DirectIpv6),
-            Some(Target::RatioAtLeast(PASSTHROUGH_VS_DIRECT)),
-        ),
-        row(
-            format!("throughput, {}", Path::Proxy.label()),
-            throughput(Path::Proxy),
-            Path::Haproxy,
-            throughput(Path::Haproxy),
-            Some(Target::RatioAtLeast(PROXY_VS_HAPROXY)),
-        ),
-        row(
-            format!("throughput, {}", Path::Proxy.label()),
-            throughput(Path::Proxy),
-            Path::Direct,
-            throughput(Path::Direct),
-            None,
-        ),
-        row(
-            format!("throughput, {} (the peer)", Path::Haproxy.label()),
-            throughput(Path::Haproxy),
-            Path::Direct,
-            throughput(Path::Direct),
-            None,
-        ),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-
+    let throughput_rows: Vec<Row> = COMPARISONS
+        .iter()
+        .filter_map(|c| {
+            row(
+                format!("throughput, {}{}", c.path.label(), c.suffix()),
+                throughput(c.path),
+                c.limit,
+                throughput(c.limit),
+                c.throughput.map(Target::RatioAtLeast),
+            )
+        })
+        .collect();
     let mut latency_rows = Vec::new();
     for p in [50.0, 99.0] {
-        latency_rows.extend(row(
-            format!("p{p} request, {}", Path::Passthrough.label()),
-            latency(Path::Passthrough, p),
-            Path::Direct,
-            latency(Path::Direct, p),
-            Some(Target::RatioAtMost(PASSTHROUGH_LATENCY_VS_DIRECT)),
-        ));
-        latency_rows.extend(row(
-            format!("p{p} request, {}", Path::PassthroughIpv6.label()),
-            latency(Path::PassthroughIpv6, p),
-            Path::DirectIpv6,
-            latency(Path::DirectIpv6, p),
-            Some(Target::RatioAtMost(PASSTHROUGH_LATENCY_VS_DIRECT)),
-        ));
-        latency_rows.extend(row(
-            format!("p{p} request, {}", Path::Proxy.label()),
-            latency(Path::Proxy, p),
-            Path::Haproxy,
-            latency(Path::Haproxy, p),
-            Some(Target::RatioAtMost(PROXY_VS_HAPROXY)),
-        ));
-        latency_rows.extend(row(
-            format!("p{p} request, {} (the peer)", Path::Haproxy.label()),
-            latency(Path::Haproxy, p),
-            Path::Direct,
-            latency(Path::Direct, p),
-            None,
-        ));
+        latency_rows.extend(COMPARISONS.iter().filter_map(|c| {
+            row(
+                format!("p{p} request, {}{}", c.path.label(), c.suffix()),
+                latency(c.path, p),
+                c.limit,
+                latency(c.limit, p),
+                c.latency.map(Target::RatioAtMost),
+            )
+        }));
     }
 
     let mut throughput_notes = vec![format!(
@@ -288,6 +365,9 @@ pub fn sections(m: &Measurements) -> Vec<Section> {
         "The peer: {}, `mode tcp` with default threads and no tuning (no splicing), one `listen` per port in the cloud edge on another VIP.",
         m.haproxy_version
     ));
+    throughput_notes.push(
+        "The HAProxy edge: a second `cloud-mock --dataplane haproxy` in the lab's edge namespace (its own store, API port and VIP pool, its VIPs on the edge's VIP interface as the lab's cloud puts them), its load balancers created through the SDK with the listeners, backend (the node's IP and the Service's NodePort) and health check the controller gave the own edge's, so both edges cross the same hops. Direct to the NodePort: the client to the node's IP and the same NodePort, routed by the edge (no proxy, node DNAT).".to_owned(),
+    );
     throughput_notes.push(format!(
         "Machine load (/proc/loadavg) before: {}; after: {}. Other benchmarks may share the cores.",
         m.load_before, m.load_after
@@ -338,7 +418,7 @@ pub fn sections(m: &Measurements) -> Vec<Section> {
     }
     latency_notes.extend(misses(&latency_rows));
 
-    vec![
+    let mut sections = vec![
         Section {
             title: "Data plane: throughput of one TCP stream, client → VIP → node → pod".to_owned(),
             rows: throughput_rows,
@@ -351,7 +431,125 @@ pub fn sections(m: &Measurements) -> Vec<Section> {
             notes: latency_notes,
             ..Section::default()
         },
-    ]
+    ];
+    if !m.churn.is_empty() {
+        sections.push(churn_section(m));
+    }
+    sections
+}
+
+/// The edges compared under load-balancer churn: failed steady requests (target 0) and
+/// create → traffic times, the HAProxy edge's against the own edge's.
+fn churn_section(m: &Measurements) -> Section {
+    let asked = m.churn.values().map(|c| c.asked).max().unwrap_or(0);
+    let own = m.churn.get(&Edge::Own);
+    let mut rows = Vec::new();
+    for edge in Edge::ALL {
+        let Some(churn) = m.churn.get(&edge) else {
+            continue;
+        };
+        rows.push(Row {
+            what: format!(
+                "failed requests on a steady LB while {} LBs are created, {}",
+                churn.asked,
+                edge.label()
+            ),
+            ours: Value::Count(churn.steady_failed() as f64),
+            limit: None,
+            target: Some(Target::AtMost(Value::Count(0.0))),
+        });
+        for (name, q) in [("p50", 0.50), ("p99", 0.99), ("max", 1.0)] {
+            let Some(ours) = quantile(&churn.create_to_traffic, q) else {
+                continue;
+            };
+            let limit = match edge {
+                Edge::Haproxy => own
+                    .and_then(|own| quantile(&own.create_to_traffic, q))
+                    .map(|d| (Edge::Own.label().to_owned(), seconds(d))),
+                Edge::Own => None,
+            };
+            rows.push(Row {
+                what: format!(
+                    "{name} create → first answer on the new LB, {}",
+                    edge.label()
+                ),
+                ours: seconds(ours),
+                limit,
+                target: None,
+            });
+        }
+    }
+    let mut notes = vec![format!(
+        "Method: on each edge in turn, {asked} proxy-mode load balancers created one after another through the edge's API (cloud_mock_sdk), each with the listener (TCP 80), backend (the node's IP and the echo Service's NodePort) and health check the controller gave the echo Service's load balancer; the next create starts once the last one answered (or its bound of {} s passed). Create → first answer: from the create call to the first HTTP request from the outside client `c1` to the new VIP that is answered, tried every {} ms, each on a new connection bounded by {} ms (so the resolution is about {} ms). Meanwhile the client sends the edge's echo load balancer (created before) one request every {} ms on a new connection, each bounded by {} ms. On the HAProxy edge each new load balancer is a frontend change, so a reload through the master CLI (the edge spaces and waits for them); servers alone would go through the runtime API. Both edges hold new load balancers provisioning for 200 ms (`--provisioning-delay=200ms`), which does not hold back the data plane.",
+        CHURN_ANSWER_BOUND.as_secs(),
+        CHURN_TRY_EVERY.as_millis(),
+        CHURN_TRY_TIMEOUT.as_millis(),
+        (CHURN_TRY_TIMEOUT + CHURN_TRY_EVERY).as_millis(),
+        STEADY_PACE.as_millis(),
+        STEADY_TIMEOUT.as_millis(),
+    )];
+    for edge in Edge::ALL {
+        let Some(churn) = m.churn.get(&edge) else {
+            continue;
+        };
+        let mut line = format!(
+            "{}: {} of {} steady requests failed; {} of {} LBs answered, in {:.1} s for all",
+            edge.label(),
+            churn.steady_failed(),
+            churn.steady_sent(),
+            churn.create_to_traffic.len(),
+            churn.asked,
+            churn.elapsed.as_secs_f64(),
+        );
+        if let (Some(p50), Some(p99)) = (
+            quantile(&churn.steady_latencies, 0.50),
+            quantile(&churn.steady_latencies, 0.99),
+        ) {
+            let _ = write!(
+                line,
+                "; steady requests p50 {} µs, p99 {} µs",
+                p50.as_micros(),
+                p99.as_micros()
+            );
+        }
+        line.push('.');
+        notes.push(line);
+        if churn.never_answered > 0 {
+            notes.push(format!(
+                "{}: {} new LBs did not answer within {} s.",
+                edge.label(),
+                churn.never_answered,
+                CHURN_ANSWER_BOUND.as_secs()
+            ));
+        }
+        if !churn.create_errors.is_empty() || !churn.steady_failures.is_empty() {
+            let errors: Vec<String> = churn
+                .create_errors
+                .iter()
+                .map(|(error, n)| format!("{n}× create refused: {error}"))
+                .chain(
+                    churn
+                        .steady_failures
+                        .iter()
+                        .map(|(error, n)| format!("{n}× steady request: {error}")),
+                )
+                .collect();
+            notes.push(format!("{}: {}.", edge.label(), errors.join("; ")));
+        }
+    }
+    notes.push(format!(
+        "Machine load (/proc/loadavg) before the data-plane run: {}; after: {}. Other engineers' builds may share the 2 cores.",
+        m.load_before, m.load_after
+    ));
+    notes.extend(misses(&rows));
+    Section {
+        title: format!(
+            "Cloud edges: {asked} load balancers created one after another under steady traffic"
+        ),
+        rows,
+        notes,
+        ..Section::default()
+    }
 }
 
 /// The `p` percentile of each round in µs, as `a / b / c`: shows the run-to-run spread.
@@ -427,9 +625,9 @@ mod tests {
 
     #[test]
     fn every_path_leads_one_round_in_turn() {
-        let firsts: Vec<Path> = (0..6).map(|r| Path::order_for_round(r)[0]).collect();
+        let firsts: Vec<Path> = (0..8).map(|r| Path::order_for_round(r)[0]).collect();
         assert_eq!(firsts, Path::ALL);
-        assert_eq!(Path::order_for_round(6), Path::ALL);
+        assert_eq!(Path::order_for_round(8), Path::ALL);
     }
 
     #[test]
@@ -476,6 +674,7 @@ mod tests {
             load_before: "1.0".into(),
             load_after: "1.1".into(),
             haproxy_version: "HAProxy version 2.6.12".into(),
+            churn: BTreeMap::new(),
         };
         let sections = sections(&m);
         assert_eq!(sections.len(), 2);
@@ -503,6 +702,99 @@ mod tests {
         assert_eq!(latency[1].ratio(), Some(2.0));
         assert_eq!(latency[1].met(), Some(false));
         assert_eq!(latency[0].met(), Some(true));
+    }
+
+    #[test]
+    fn churn_rows_hold_failures_to_zero_and_compare_the_haproxy_edge_with_the_own() {
+        let churn = |failed: usize, took_ms: u64| ChurnMeasurement {
+            asked: 3,
+            create_to_traffic: vec![ms(took_ms), ms(took_ms), ms(2 * took_ms)],
+            steady_latencies: vec![ms(1); 10],
+            steady_failures: if failed == 0 {
+                BTreeMap::new()
+            } else {
+                BTreeMap::from([("connect: refused".to_owned(), failed)])
+            },
+            elapsed: ms(5 * took_ms),
+            ..ChurnMeasurement::default()
+        };
+        let m = Measurements {
+            churn: BTreeMap::from([(Edge::Own, churn(0, 100)), (Edge::Haproxy, churn(2, 300))]),
+            ..Measurements::default()
+        };
+        let sections = sections(&m);
+        assert_eq!(sections.len(), 3);
+        let section = &sections[2];
+        let rows: Vec<(&str, Option<bool>, Option<f64>)> = section
+            .rows
+            .iter()
+            .map(|r| {
+                (
+                    r.what.as_str(),
+                    r.met(),
+                    r.ratio().map(|x| (x * 100.0).round() / 100.0),
+                )
+            })
+            .collect();
+        assert_eq!(
+            rows,
+            vec![
+                (
+                    "failed requests on a steady LB while 3 LBs are created, own proxy edge",
+                    Some(true),
+                    None
+                ),
+                (
+                    "p50 create → first answer on the new LB, own proxy edge",
+                    None,
+                    None
+                ),
+                (
+                    "p99 create → first answer on the new LB, own proxy edge",
+                    None,
+                    None
+                ),
+                (
+                    "max create → first answer on the new LB, own proxy edge",
+                    None,
+                    None
+                ),
+                (
+                    "failed requests on a steady LB while 3 LBs are created, HAProxy edge",
+                    Some(false),
+                    None
+                ),
+                (
+                    "p50 create → first answer on the new LB, HAProxy edge",
+                    None,
+                    Some(3.0)
+                ),
+                (
+                    "p99 create → first answer on the new LB, HAProxy edge",
+                    None,
+                    Some(3.0)
+                ),
+                (
+                    "max create → first answer on the new LB, HAProxy edge",
+                    None,
+                    Some(3.0)
+                ),
+            ]
+        );
+        assert!(
+            section
+                .notes
+                .iter()
+                .any(|n| n == "HAProxy edge: 2 of 12 steady requests failed; 3 of 3 LBs answered, in 1.5 s for all; steady requests p50 1000 µs, p99 1000 µs."),
+            "{:?}",
+            section.notes
+        );
+        assert!(
+            section
+                .notes
+                .iter()
+                .any(|n| n == "HAProxy edge: 2× steady request: connect: refused.")
+        );
     }
 
     #[test]

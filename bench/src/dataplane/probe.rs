@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// A request to the echo that asks it to close the connection after answering.
@@ -41,6 +42,54 @@ pub fn time_requests(target: SocketAddr, count: u32, timeout: Duration) -> Reque
         }
     }
     times
+}
+
+/// Requests to `target` one after another, one every `pace` at most, until `stop` is set,
+/// `max_count` were sent or `max_time` passed, whichever comes first; every failure is
+/// counted (none ends the run). The steady traffic of the edge churn measurement.
+pub fn requests_until(
+    target: SocketAddr,
+    stop: &AtomicBool,
+    pace: Duration,
+    max_count: u32,
+    max_time: Duration,
+    timeout: Duration,
+) -> RequestTimes {
+    let mut times = RequestTimes::default();
+    let start = Instant::now();
+    for _ in 0..max_count {
+        if stop.load(Ordering::Relaxed) || start.elapsed() > max_time {
+            break;
+        }
+        let sent = Instant::now();
+        match one_request(target, timeout) {
+            Ok(elapsed) => times.latencies.push(elapsed),
+            Err(error) => *times.failures.entry(error).or_default() += 1,
+        }
+        std::thread::sleep(pace.saturating_sub(sent.elapsed()));
+    }
+    times
+}
+
+/// The time from `since` until `target` first answers a request, trying every `pace`;
+/// `None` if it has not answered by `bound` after `since`.
+pub fn first_answer(
+    target: SocketAddr,
+    since: Instant,
+    pace: Duration,
+    bound: Duration,
+    timeout: Duration,
+) -> Option<Duration> {
+    loop {
+        let tried = Instant::now();
+        if one_request(target, timeout).is_ok() {
+            return Some(since.elapsed());
+        }
+        if since.elapsed() > bound {
+            return None;
+        }
+        std::thread::sleep(pace.saturating_sub(tried.elapsed()));
+    }
 }
 
 /// Connect, send, read the whole reply; the error says which step failed.
@@ -105,6 +154,59 @@ mod tests {
         let times = time_requests(addr, 1, Duration::from_secs(2));
         assert!(times.latencies.is_empty());
         assert_eq!(times.failures.values().sum::<usize>(), 1, "{times:?}");
+    }
+
+    #[test]
+    fn steady_requests_stop_when_asked_and_count_failures() {
+        let addr = serve(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", 3);
+        let stop = AtomicBool::new(false);
+        // Three answers, then nothing listens to the rest: bounded by the count.
+        let times = requests_until(
+            addr,
+            &stop,
+            Duration::ZERO,
+            5,
+            Duration::from_secs(10),
+            Duration::from_millis(200),
+        );
+        assert_eq!(times.latencies.len(), 3);
+        assert_eq!(times.failures.values().sum::<usize>(), 2, "{times:?}");
+        stop.store(true, Ordering::Relaxed);
+        let none = requests_until(
+            addr,
+            &stop,
+            Duration::ZERO,
+            5,
+            Duration::from_secs(10),
+            Duration::from_millis(200),
+        );
+        assert!(none.latencies.is_empty() && none.failures.is_empty());
+    }
+
+    #[test]
+    fn the_first_answer_is_timed_and_silence_is_bounded() {
+        let addr = serve(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", 1);
+        let since = Instant::now();
+        let took = first_answer(
+            addr,
+            since,
+            Duration::from_millis(1),
+            Duration::from_secs(5),
+            Duration::from_millis(200),
+        );
+        assert!(took.is_some_and(|t| t <= since.elapsed()));
+        let dead = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let never = first_answer(
+            dead,
+            Instant::now(),
+            Duration::from_millis(10),
+            Duration::from_millis(100),
+            Duration::from_millis(50),
+        );
+        assert_eq!(never, None);
     }
 
     #[test]
