@@ -8,17 +8,12 @@
 
 mod common;
 
-use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use common::*;
-use prometheus_client::registry::Registry;
 use tandem_common::ProxyMode;
 use tandem_netlab::{EchoClient, EchoReply, Topology};
-use tandem_nodeproxy::backend::BackendChoice;
-use tandem_nodeproxy::datapath;
-use tandem_nodeproxy::metrics::Metrics;
 use tandem_proxy_rules::model::{NodeConfig, NodePortAddresses, ProxyState};
 
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
@@ -42,29 +37,6 @@ fn cluster(pods: u32) -> Option<Topology> {
             .build()
             .unwrap(),
     )
-}
-
-/// Starts the data path of `mode` on `node` with `config` (removing the other mode's
-/// rules, setting route_localnet where it serves localhost node ports) and syncs `state`.
-fn program(node: &tandem_netlab::Node, mode: ProxyMode, config: NodeConfig, state: &ProxyState) {
-    let state = state.clone();
-    node.netns
-        .run_in_thread(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            runtime.block_on(async move {
-                let metrics = Metrics::register(&mut Registry::default());
-                let mut path = datapath::start(mode, BackendChoice::Auto, config)
-                    .await
-                    .unwrap();
-                let ports: BTreeSet<_> = state.services.keys().cloned().collect();
-                path.update(&state, &ports);
-                assert!(path.apply(&metrics).await, "{mode} sync failed");
-            });
-        })
-        .unwrap();
 }
 
 /// node-1 as the node proxy sees it: its IP known, as from its Node object.

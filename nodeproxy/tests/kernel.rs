@@ -425,3 +425,45 @@ fn conntrack_accepts_the_deletions_of_a_udp_endpoint_change() {
         );
     });
 }
+
+/// Each local-traffic detector's rules (`! -s CIDR`, `! -i cni0`, `! -i veth+` and their
+/// KUBE-XLB counterparts) read back as written: no drift found, so no rewrite every
+/// period (the legacy backend compares `iptables-save` text with ours).
+#[test]
+fn every_local_traffic_detector_reads_back_without_drift() {
+    for_each_backend(|backend, _| {
+        Box::pin(async move {
+            use tandem_proxy_rules::model::{LocalDetector, NodeConfig};
+            let mut state = reference_state(reference_endpoints());
+            for svc in state.services.values_mut() {
+                svc.external_traffic_policy_local = true;
+            }
+            for detector in [
+                LocalDetector::NodeCidr("10.244.1.0/24".parse().unwrap()),
+                LocalDetector::BridgeInterface("cni0".parse().unwrap()),
+                LocalDetector::InterfaceNamePrefix("veth".parse().unwrap()),
+            ] {
+                let node = NodeConfig {
+                    local_detector: detector.clone(),
+                    ..node()
+                };
+                let desired = tandem_proxy_rules::build(&state, &node);
+                let mut syncer = Syncer::new(backend);
+                syncer.sync(&desired).await.unwrap();
+                assert_eq!(
+                    read_back(&mut syncer, &desired).await,
+                    vec![],
+                    "{backend} {detector:?}"
+                );
+                let saved = tables(backend);
+                let text = detector.iptables(true).unwrap();
+                assert!(saved.contains(&text), "{backend}: no {text} in\n{saved}");
+                let text = detector.iptables(false).unwrap();
+                assert!(
+                    saved.contains(&format!("{text} -m comment")),
+                    "{backend}: no {text}"
+                );
+            }
+        })
+    });
+}

@@ -405,3 +405,45 @@ where
         })
         .unwrap();
 }
+
+/// Starts the data path of `mode` on `node` with `config` (as the node proxy does:
+/// removing the other mode's rules, setting route_localnet where it serves localhost node
+/// ports) and syncs `state`; what it wrote then reads back without drift (no rewrite every
+/// period).
+pub fn program(
+    node: &tandem_netlab::Node,
+    mode: tandem_common::ProxyMode,
+    config: NodeConfig,
+    state: &ProxyState,
+) {
+    use prometheus_client::registry::Registry;
+    use tandem_nodeproxy::backend::BackendChoice;
+    use tandem_nodeproxy::datapath;
+    use tandem_nodeproxy::metrics::Metrics;
+
+    let state = state.clone();
+    node.netns
+        .run_in_thread(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let metrics = Metrics::register(&mut Registry::default());
+                let mut path = datapath::start(mode, BackendChoice::Auto, config)
+                    .await
+                    .unwrap();
+                let ports: BTreeSet<_> = state.services.keys().cloned().collect();
+                path.update(&state, &ports);
+                assert!(path.apply(&metrics).await, "{mode} sync failed");
+                if path.wants_read_back() {
+                    // iptables-nft takes its digests from the first read-back.
+                    let read = path.start_read_back().await.unwrap();
+                    path.take_read_back(read, &metrics);
+                }
+                let read = path.start_read_back().await.unwrap();
+                assert_eq!(path.take_read_back(read, &metrics), 0, "{mode}: drift");
+            });
+        })
+        .unwrap();
+}
