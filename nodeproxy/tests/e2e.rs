@@ -458,6 +458,58 @@ fn the_binary_programs_rules_serves_health_and_cleans_up() {
             "{from_pod}"
         );
 
+        // --detect-local-mode in the tracer: NodeCIDR reads the Node's spec.podCIDRs, the
+        // interface modes look at the packet's --in-interface.
+        nodes
+            .patch(
+                "node-a",
+                &PatchParams::default(),
+                &Patch::Merge(
+                    json!({"spec": {"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24"]}}),
+                ),
+            )
+            .await
+            .unwrap();
+        let itp_dst = format!("{itp_cluster_ip}:80");
+        let node_cidr = ["--detect-local-mode", "NodeCIDR"];
+        let bridge = [
+            "--detect-local-mode",
+            "BridgeInterface",
+            "--pod-bridge-interface",
+            "cni0",
+        ];
+        let prefix = [
+            "--detect-local-mode",
+            "InterfaceNamePrefix",
+            "--pod-interface-name-prefix",
+            "veth",
+        ];
+        // (source, flags, interface it came in on, source kept)
+        for (src, detect, iif, kept) in [
+            ("10.244.1.20", &node_cidr[..], "eth0", true),
+            ("10.244.2.20", &node_cidr[..], "eth0", false),
+            ("10.244.1.20", &bridge[..], "cni0", true),
+            ("10.244.1.20", &bridge[..], "eth0", false),
+            ("10.244.1.20", &prefix[..], "veth3", true),
+            ("10.244.1.20", &prefix[..], "cni0", false),
+        ] {
+            let traced = run_to_end(
+                &[
+                    &common[..],
+                    &["trace", "--src", src, "--dst", &itp_dst],
+                    detect,
+                    &["--in-interface", iif],
+                ]
+                .concat(),
+            )
+            .await;
+            let expected = if kept { "source kept" } else { "masqueraded" };
+            assert!(
+                traced.contains("DNAT to 10.244.1.7:80") && traced.contains(expected),
+                "{src} {detect:?} on {iif}: {traced}"
+            );
+        }
+
         // SIGTERM: clean exit, rules stay.
         let before_stop = save(backend, "nat");
         terminate(proxy).await;
