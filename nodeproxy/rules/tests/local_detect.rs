@@ -326,3 +326,34 @@ fn the_tracers_follow_each_detector() {
         assert!(not_veth.masqueraded, "{mode:?}");
     }
 }
+
+/// The IPv6 proxier: a CIDR detector of its family (`! -s fd00:10:244:1::/64`,
+/// `ip6 saddr != …`), the interface detectors as in IPv4.
+#[test]
+fn the_ipv6_proxier_writes_the_same_detectors() {
+    let state = common::dual_stack_reference_state_v6();
+    let v6 = |detector: LocalDetector| NodeConfig {
+        local_detector: detector,
+        ..common::node_a_v6()
+    };
+    for (detector, iptables, nft) in [
+        (
+            LocalDetector::NodeCidr("fd00:10:244:1::/64".parse().unwrap()),
+            "! -s fd00:10:244:1::/64 -d ",
+            "ip6 saddr != fd00:10:244:1::/64 jump mark-for-masquerade",
+        ),
+        (
+            LocalDetector::BridgeInterface("cni0".parse().unwrap()),
+            "/128 ! -i cni0 -p tcp",
+            "iifname != \"cni0\" jump mark-for-masquerade",
+        ),
+    ] {
+        let node = v6(detector);
+        let payload = tandem_proxy_rules::build(&state, &node).restore_payload(Table::Nat);
+        assert!(payload.contains(iptables), "no {iptables:?} in\n{payload}");
+        assert!(!payload.contains("fd00:10:244::/56"), "{payload}");
+        let text = render::transaction(&Transaction::replace_all(&layout::build(&state, &node)));
+        assert!(text.contains(nft), "no {nft:?} in\n{text}");
+        assert!(!text.contains("fd00:10:244::/56"), "{text}");
+    }
+}
