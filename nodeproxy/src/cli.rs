@@ -48,9 +48,9 @@ pub struct ClusterArgs {
     /// This node's name, as in its Node object.
     #[arg(long, env = "NODE_NAME", global = true)]
     pub node_name: Option<String>,
-    /// Pod CIDRs of the cluster, at most one per IP family (comma-separated): traffic to
-    /// cluster IPs from outside them is masqueraded, and each family given gets a proxier
-    /// (none given: IPv4 only).
+    /// Pod CIDRs of the cluster, at most one per IP family (comma-separated): each family
+    /// given gets a proxier (none given: IPv4 only), and with --detect-local-mode
+    /// ClusterCIDR traffic to cluster IPs from outside them is masqueraded.
     #[arg(long, env = "CLUSTER_CIDR", value_delimiter = ',', global = true)]
     pub cluster_cidr: Vec<IpNet>,
     /// How traffic from pods is told from the rest (kube-proxy's flag): ClusterCIDR
@@ -68,8 +68,8 @@ pub struct ClusterArgs {
     /// InterfaceNamePrefix), e.g. veth.
     #[arg(long, env = "POD_INTERFACE_NAME_PREFIX", global = true)]
     pub pod_interface_name_prefix: Option<InterfaceName>,
-    /// Masquerade every connection to a cluster IP, not only those from outside
-    /// --cluster-cidr.
+    /// Masquerade every connection to a cluster IP, not only those from outside the pods
+    /// (--detect-local-mode).
     #[arg(long, env = "MASQUERADE_ALL", global = true)]
     pub masquerade_all: bool,
     /// Serve node ports only on this node's addresses inside these CIDRs (comma-separated),
