@@ -129,8 +129,10 @@ pub struct Prepared {
 pub struct Lab {
     // Field order is drop order: the node agent stops before the API server it talks to,
     // and processes go before the namespaces they run in.
-    /// Stops the node agent (Lease renewals, Ready heartbeats) when the lab goes.
-    _node_agent: DropGuard,
+    /// The node agent (Lease renewals, Ready heartbeats): stopped when the lab goes, and
+    /// waited for by [`Lab::shutdown`] before it removes the Nodes, so that an agent still
+    /// registering never makes a Node again after they were removed.
+    node_agent: Option<(DropGuard, tokio::task::JoinHandle<()>)>,
     /// The controller's replicas, in the order they were started; stopped ones are gone.
     controllers: Vec<ControllerReplica>,
     /// Controller replicas started so far: the next one's number.
@@ -251,7 +253,7 @@ impl Lab {
         agent.register().await.context("registering the nodes")?;
         let stop_agent = CancellationToken::new();
         let agent_token = stop_agent.clone();
-        tokio::spawn(async move {
+        let agent_task = tokio::spawn(async move {
             if let Err(e) = agent.run(agent_token).await {
                 tracing::error!(error = %e, "node agent stopped");
             }
@@ -387,7 +389,7 @@ impl Lab {
             kube,
             cloud: cloud_client,
             cloud_url,
-            _node_agent: stop_agent.drop_guard(),
+            node_agent: Some((stop_agent.drop_guard(), agent_task)),
         };
         for index in 0..lab.node_proxies.len() {
             lab.start_node_proxy(index, options.proxy_mode)?;
@@ -407,7 +409,13 @@ impl Lab {
     /// Stops the lab. On a real API server it first removes what the lab wrote there: its
     /// Services (waiting for the controller to release their load balancers), their
     /// EndpointSlices, and its Nodes and Leases. With the stand-in, dropping is enough.
-    pub async fn shutdown(self) -> Result<()> {
+    pub async fn shutdown(mut self) -> Result<()> {
+        if let Some((stop, task)) = self.node_agent.take() {
+            drop(stop);
+            if let Err(e) = task.await {
+                tracing::warn!(error = %e, "the node agent's task failed");
+            }
+        }
         if self.relay.is_some() {
             let created =
                 std::mem::take(&mut *self.created.lock().unwrap_or_else(|e| e.into_inner()));

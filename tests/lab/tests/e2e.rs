@@ -164,14 +164,14 @@ fn proxy_mode_refuses_clients_outside_source_ranges_at_the_edge() {
 
 #[test]
 fn an_edge_that_proxies_tcp_only_refuses_udp_in_proxy_mode_naming_the_port() {
+    let edge = harness::options_from_env(&[1, 0, 0])
+        .unwrap()
+        .edge_dataplane;
+    if edge.serves_udp(LbMode::Proxy) {
+        eprintln!("skipped: the {} edge proxies UDP", edge.as_str());
+        return;
+    }
     with_lab(&[1, 0, 0], |lab| async move {
-        if lab.serves_udp(LbMode::Proxy) {
-            eprintln!(
-                "skipped: the {} edge proxies UDP",
-                lab.edge_dataplane.as_str()
-            );
-            return lab;
-        }
         let mut plan = ServicePlan::new("udp-refused", LbMode::Proxy);
         plan.pods = pods(&lab, &[1]);
         lab.create_service_with_every_port(&plan).await.unwrap();
