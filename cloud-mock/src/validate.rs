@@ -593,7 +593,8 @@ mod tests {
         udp.mode = Mode::Passthrough;
         assert!(validate_served(&udp, false).is_ok(), "routes carry UDP");
         let mut tcp = spec("x");
-        tcp.listeners.retain(|listener| listener.protocol == Protocol::Tcp);
+        tcp.listeners
+            .retain(|listener| listener.protocol == Protocol::Tcp);
         assert!(validate_served(&tcp, false).is_ok());
     }
 
