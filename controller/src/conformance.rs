@@ -27,6 +27,7 @@ use crate::provider::{
     Listener, LoadBalancerLookup, LoadBalancerMode, LoadBalancerPhase, LoadBalancerProvider,
     ObservedLoadBalancer, Owner, Protocol, ProviderError,
 };
+use crate::spec::HEALTHZ_PATH;
 
 /// What the suite asks of the cloud.
 #[derive(Debug, Clone)]
@@ -70,8 +71,8 @@ impl Kit {
                 backend_port: 30080,
                 health_check: Some(HealthCheck {
                     protocol: HealthCheckProtocol::Http,
-                    port: 10256,
-                    path: Some("/healthz".into()),
+                    port: tandem_common::NODE_HEALTHZ_PORT,
+                    path: Some(HEALTHZ_PATH.into()),
                 }),
             }],
             backends: self.backends.iter().copied().take(1).collect(),
