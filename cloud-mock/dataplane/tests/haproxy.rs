@@ -431,3 +431,59 @@ async fn an_haproxy_a_crashed_edge_left_running_is_adopted_and_reloaded_without_
     );
     dataplane.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_reload_haproxy_refuses_is_reported_and_the_running_configuration_stays() {
+    let state = StateDir::new("refused");
+    let (vip, a, b) = (addr(225, 1), addr(225, 11), addr(225, 12));
+    let (backend_port, _servers) = backends_a_and_b(a, b).await;
+    let port = free_port(vip).await;
+    let dataplane = DataPlane::new(haproxy_config(&state));
+    let serving = lb(
+        "lb-serving",
+        vip,
+        vec![listener(Protocol::Tcp, port, backend_port, None)],
+        vec![a],
+    );
+    dataplane.apply(vec![serving.clone()]).await.unwrap();
+    let config = std::fs::read_to_string(state.0.join("haproxy.cfg")).unwrap();
+
+    // A VIP that is no address of this host (and not added: the edge manages no
+    // addresses here): `haproxy -c` accepts it, the new worker cannot bind it.
+    let unbindable = lb(
+        "lb-unbindable",
+        "192.0.2.1".parse().unwrap(),
+        vec![listener(Protocol::Tcp, 80, backend_port, None)],
+        vec![a],
+    );
+    let error = dataplane
+        .apply(vec![serving, unbindable])
+        .await
+        .unwrap_err();
+    let DataPlaneError::Incomplete { failures } = error else {
+        panic!("{error}");
+    };
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0].lb_id, "lb-unbindable");
+    assert!(
+        matches!(failures[0].reason, LbFailureReason::Haproxy(_)),
+        "{failures:?}"
+    );
+    assert!(
+        failures[0].to_string().contains("reload failed"),
+        "{failures:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(state.0.join("haproxy.cfg")).unwrap(),
+        config,
+        "the file the running worker was started from is back"
+    );
+    assert_eq!(tcp_hello(None, vip, port).await.unwrap().1, "a");
+    assert!(
+        counter(
+            &metrics_text(&dataplane),
+            r#"cloud_mock_haproxy_reloads_total{result="error"}"#
+        ) >= 1
+    );
+    dataplane.shutdown().await;
+}

@@ -296,7 +296,8 @@ impl Haproxy {
             None => {
                 self.write_checked(&paths, &BTreeMap::new()).await?;
                 let child = self.spawn_master(&paths)?;
-                self.wait_for_worker(&paths, &[]).await?;
+                self.wait_for_worker(&paths, &socket::Processes::default())
+                    .await?;
                 info!(config = %paths.config.display(), "HAProxy started");
                 Master::Child(child)
             }
@@ -412,16 +413,7 @@ impl Haproxy {
             })?;
         debug!(%answer, "HAProxy reload requested");
         state.last_reload = Some(Instant::now());
-        let result = self
-            .wait_for_worker(paths, &before.workers)
-            .await
-            .and_then(|after| {
-                if after.failed_reloads > before.failed_reloads {
-                    Err(HaproxyError::ReloadFailed)
-                } else {
-                    Ok(())
-                }
-            });
+        let result = self.wait_for_worker(paths, &before).await;
         self.shared.metrics.haproxy_reload(result.is_ok());
         if result.is_ok() {
             info!("HAProxy reloaded");
@@ -439,22 +431,23 @@ impl Haproxy {
             })
     }
 
-    /// Waits until the master has a worker not in `old`, or a failed reload.
+    /// Waits until the master has a worker that was not among `before`'s, or counts a
+    /// failed reload more than `before` did.
     async fn wait_for_worker(
         &self,
         paths: &Paths,
-        old: &[u32],
-    ) -> Result<socket::Processes, HaproxyError> {
+        before: &socket::Processes,
+    ) -> Result<(), HaproxyError> {
         let deadline = Instant::now() + READY_TIMEOUT;
-        let mut failed_before = None;
         loop {
             // The master re-executes itself on reload: its socket is briefly unanswered.
             if let Ok(answer) = socket::send(&paths.master_socket, "show proc").await {
-                let processes = socket::parse_processes(&answer);
-                let failed = *failed_before.get_or_insert(processes.failed_reloads);
-                let new_worker = processes.workers.iter().any(|pid| !old.contains(pid));
-                if new_worker || processes.failed_reloads > failed {
-                    return Ok(processes);
+                let now = socket::parse_processes(&answer);
+                if now.failed_reloads > before.failed_reloads {
+                    return Err(HaproxyError::ReloadFailed);
+                }
+                if now.workers.iter().any(|pid| !before.workers.contains(pid)) {
+                    return Ok(());
                 }
             }
             if Instant::now() >= deadline {
