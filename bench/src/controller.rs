@@ -36,6 +36,9 @@ const NODE_ADD_CALLS_MIN: f64 = 1.0;
 const LB_COLLECTION: &str = "/v1/loadbalancers";
 const LB_ITEM: &str = "/v1/loadbalancers/{id}";
 
+/// The report's block of the controller's section.
+pub const BLOCK: &str = "controller";
+
 pub fn run(options: &BenchOptions) -> anyhow::Result<Vec<Section>> {
     let scale = Scale::for_options(options);
     let measured = runtime()?.block_on(harness::measure(&scale))?;

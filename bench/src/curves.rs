@@ -30,7 +30,6 @@ struct RunFacts {
     took: Duration,
     /// The 1-minute load average before and after.
     load: [Option<f64>; 2],
-    date: String,
     quick: bool,
 }
 
@@ -44,7 +43,6 @@ pub fn run(options: &BenchOptions, report_dir: &Path, plots: &Path) -> anyhow::R
     let facts = RunFacts {
         took: started.elapsed(),
         load: [load_before, load_average()],
-        date: jiff::Timestamp::now().strftime("%Y-%m-%d").to_string(),
         quick: options.quick,
     };
     let dir = report_dir.join(plots);
@@ -240,9 +238,7 @@ fn machine_note(facts: &RunFacts) -> String {
     let load = |value: Option<f64>| value.map_or_else(|| "?".to_owned(), |v| format!("{v:.1}"));
     let loaded = facts.load.iter().flatten().any(|&v| v >= LOADED);
     format!(
-        "Ran on {}, release build, in {}, on {}: load average (1 min) {} at the start and {} \
-         at the end.{}",
-        facts.date,
+        "Took {}, on {}: load average (1 min) {} at the start and {} at the end.{}",
         match facts.took.as_secs() {
             seconds @ 0..=119 => format!("{seconds} s"),
             seconds => format!("{} minutes", seconds / 60),
@@ -300,7 +296,6 @@ mod tests {
         RunFacts {
             took: Duration::from_secs(600),
             load: [Some(0.2), Some(load)],
-            date: "2026-11-25".into(),
             quick: false,
         }
     }

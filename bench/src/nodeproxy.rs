@@ -30,7 +30,7 @@ use tandem_netlab::RunPrefix;
 use tandem_nodeproxy::backend::Backend;
 
 use crate::BenchOptions;
-use crate::report::Section;
+use crate::report::Block;
 pub use cluster::{Scale, ServiceKind, thousands};
 use rss::DataPathFlags;
 use summary::{BackendResult, RssResult, ScaleResult, median};
@@ -149,11 +149,18 @@ fn iptables_backends() -> anyhow::Result<Vec<Backend>> {
     Ok(backends)
 }
 
-pub fn run(options: &BenchOptions) -> anyhow::Result<Vec<Section>> {
+/// The report's block of the iptables mode's sections (both backends), replaced by a run
+/// that measures that mode.
+pub const IPTABLES_BLOCK: &str = "node proxy, iptables mode";
+/// The report's block of the nftables mode's section.
+pub const NFTABLES_BLOCK: &str = "node proxy, nftables mode";
+
+/// A block per proxy mode measured, so that `--proxy-mode` replaces only its own.
+pub fn run(options: &BenchOptions) -> anyhow::Result<Vec<Block>> {
     let prefix = start()?;
     let binary = tandem_lab::binaries::locate("tandem-nodeproxy")?;
     let plan = plan(options.quick);
-    let mut sections = Vec::new();
+    let mut blocks = Vec::new();
     if options.measures(ProxyMode::Iptables) {
         let mut results = Vec::new();
         for backend in iptables_backends()? {
@@ -179,14 +186,20 @@ pub fn run(options: &BenchOptions) -> anyhow::Result<Vec<Section>> {
                 rss: Some(rss),
             });
         }
-        sections.extend(summary::sections(&results));
+        blocks.push(Block {
+            name: IPTABLES_BLOCK,
+            sections: summary::sections(&results),
+        });
     }
     if options.measures(ProxyMode::Nftables) {
-        sections.push(nft_summary::section(&measure_nftables(
-            &prefix, &binary, &plan,
-        )?));
+        blocks.push(Block {
+            name: NFTABLES_BLOCK,
+            sections: vec![nft_summary::section(&measure_nftables(
+                &prefix, &binary, &plan,
+            )?)],
+        });
     }
-    Ok(sections)
+    Ok(blocks)
 }
 
 fn measure_nftables(

@@ -1,4 +1,9 @@
-//! Results as data, rendered as a terminal table and as BENCHMARKS.md.
+//! Results as data, rendered as a terminal table and as BENCHMARKS.md: each benchmark's
+//! sections are a marked block of the file that its next run replaces ([`splice`]), and
+//! the summary at the top is made from the blocks' tables ([`summary`]).
+
+pub mod machine;
+pub mod summary;
 
 use std::fmt::Write as _;
 
@@ -105,6 +110,10 @@ fn verdict(row: &Row) -> &'static str {
     }
 }
 
+/// The first two lines of every section's table, by which [`summary`] finds the tables.
+pub const TABLE_HEADER: &str = "| what | ours | limit (same run) | ratio | target | |";
+const TABLE_RULE: &str = "|---|---|---|---|---|---|";
+
 /// Markdown table of one section (also readable in a terminal).
 pub fn markdown(section: &Section) -> String {
     let mut out = format!("### {}\n\n", section.title);
@@ -115,9 +124,7 @@ pub fn markdown(section: &Section) -> String {
             figure.title, figure.path, figure.caption
         );
     }
-    out.push_str(
-        "| what | ours | limit (same run) | ratio | target | |\n|---|---|---|---|---|---|\n",
-    );
+    let _ = writeln!(out, "{TABLE_HEADER}\n{TABLE_RULE}");
     for row in &section.rows {
         let limit = row
             .limit
@@ -144,6 +151,106 @@ pub fn markdown(section: &Section) -> String {
     out
 }
 
+/// The sections one benchmark run writes as one marked block of the report: a later run of
+/// that benchmark replaces them and leaves everything else in the file as it is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Block {
+    pub name: &'static str,
+    pub sections: Vec<Section>,
+}
+
+/// How a block's sections were measured: its first line, so that a block from an older run
+/// says when and where it ran beside the newer ones (the file's blocks come from
+/// different runs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Run {
+    /// The day, as YYYY-MM-DD.
+    pub date: String,
+    /// The command line, e.g. `tandem-bench nodeproxy --proxy-mode iptables`.
+    pub command: String,
+    /// "release" or "debug": debug builds are several times slower.
+    pub build: &'static str,
+    /// `uname -r`: the data path's cost is the kernel's as much as ours.
+    pub kernel: String,
+}
+
+/// How a block's first line begins; [`summary`] reads the run's date after it.
+pub const RUN_PREFIX: &str = "Run of ";
+
+impl Run {
+    pub fn line(&self) -> String {
+        format!(
+            "{RUN_PREFIX}{}: `{}`, {} build, kernel {}.",
+            self.date, self.command, self.build, self.kernel
+        )
+    }
+}
+
+/// The body of a block: its run line, then its sections' tables.
+pub fn block_body(run: &Run, sections: &[Section]) -> String {
+    let tables: Vec<String> = sections.iter().map(markdown).collect();
+    format!("{}\n\n{}", run.line(), tables.join("\n"))
+}
+
+/// The report's block of its title, what it holds, the machine and how to reproduce it;
+/// every run writes it, so it names the machine of the latest run (each block's run line
+/// names its own kernel and day).
+pub const HEADER_BLOCK: &str = "header";
+
+/// The header block's body.
+pub fn header(machine: &machine::Machine) -> String {
+    format!(
+        "# Benchmarks\n\n\
+         Every figure is compared with a limit measured in the same run on the same machine, \
+         next to the target it is held to. `tandem-bench` prints these tables and writes the \
+         marked blocks of this file, each beginning with the run it comes from: a run of one \
+         benchmark replaces its own block and the summary, and leaves the rest (the text \
+         outside the blocks is kept by hand).\n\n\
+         Machine of the latest run: {}.\n\n\
+         Reproduce (as root; the data plane installs iperf3 and haproxy if missing):\n\n\
+         ```sh\n\
+         cargo build --release --workspace --bins && sudo target/release/tandem-bench all    \
+         # or: nodeproxy [--proxy-mode iptables|nftables] | controller | dataplane | curves [--quick]\n\
+         target/release/tandem-bench summary    # only the summary, from the tables in the file\n\
+         ```\n",
+        machine.describe()
+    )
+}
+
+/// Why a report's markers cannot be trusted. Replacing a block between broken markers
+/// would cut hand-kept text out of the file, so the writer refuses instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MarkerError {
+    #[error(
+        "line {line}: block \"{name}\" begins inside block \"{open}\", which has not ended \
+         (blocks do not nest; add `<!-- end of {open} -->` before it)"
+    )]
+    Nested {
+        line: usize,
+        name: String,
+        open: String,
+    },
+    #[error("line {line}: `<!-- end of {name} -->` ends a block \"{name}\" that did not begin")]
+    EndWithoutBegin { line: usize, name: String },
+    #[error("line {line}: block \"{name}\" never ends (no `<!-- end of {name} -->` after it)")]
+    Unterminated { line: usize, name: String },
+    #[error("block \"{name}\" appears twice, at lines {first} and {second}")]
+    Repeated {
+        name: String,
+        first: usize,
+        second: usize,
+    },
+}
+
+/// Where one marked block sits in a document, in bytes: `outer` from the start of its
+/// begin marker to the end of its end marker's line, `body` between the two markers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Span {
+    pub name: String,
+    pub outer: std::ops::Range<usize>,
+    pub body: std::ops::Range<usize>,
+}
+
 /// `body` between the markers of the block `name`, so that a later run can find and
 /// replace it (see [`splice`]).
 pub fn marked(name: &str, body: &str) -> String {
@@ -151,29 +258,110 @@ pub fn marked(name: &str, body: &str) -> String {
     format!("{begin}\n{}\n{end}\n", body.trim_end())
 }
 
+/// Every marked block of `document`, in order; an error when the markers are broken (a
+/// block that never ends, an end without its begin, a block inside another, a name used
+/// twice).
+pub fn spans(document: &str) -> Result<Vec<Span>, MarkerError> {
+    let mut spans: Vec<Span> = Vec::new();
+    // The open block: its name, first line number, and where its marker and body begin.
+    let mut open: Option<(String, usize, usize, usize)> = None;
+    let mut offset = 0;
+    for (index, line) in document.split_inclusive('\n').enumerate() {
+        let number = index + 1;
+        let start = offset;
+        offset += line.len();
+        let text = line.trim_end();
+        if let Some(name) = begin_name(text) {
+            if let Some((open, ..)) = &open {
+                return Err(MarkerError::Nested {
+                    line: number,
+                    name: name.to_owned(),
+                    open: open.clone(),
+                });
+            }
+            if let Some(first) = spans.iter().find(|s| s.name == name) {
+                return Err(MarkerError::Repeated {
+                    name: name.to_owned(),
+                    first: line_number(document, first.outer.start),
+                    second: number,
+                });
+            }
+            open = Some((name.to_owned(), number, start, offset));
+        } else if let Some(name) = end_name(text) {
+            match open.take() {
+                Some((open_name, _, outer_start, body_start)) if open_name == name => {
+                    spans.push(Span {
+                        name: open_name,
+                        outer: outer_start..offset,
+                        body: body_start..start,
+                    });
+                }
+                // An end of another block while one is open leaves the open one unended.
+                Some((open_name, open_line, ..)) => {
+                    return Err(MarkerError::Unterminated {
+                        line: open_line,
+                        name: open_name,
+                    });
+                }
+                None => {
+                    return Err(MarkerError::EndWithoutBegin {
+                        line: number,
+                        name: name.to_owned(),
+                    });
+                }
+            }
+        }
+    }
+    match open {
+        Some((name, line, ..)) => Err(MarkerError::Unterminated { line, name }),
+        None => Ok(spans),
+    }
+}
+
+/// The text between the markers of the block `name`, if the document has it.
+pub fn block<'a>(document: &'a str, name: &str) -> Result<Option<&'a str>, MarkerError> {
+    Ok(spans(document)?
+        .into_iter()
+        .find(|span| span.name == name)
+        .map(|span| &document[span.body]))
+}
+
 /// `document` with its block `name` replaced by `body`, the rest untouched; a document
 /// without the block gets it at its end.
-pub fn splice(document: &str, name: &str, body: &str) -> String {
-    let (begin, end) = markers(name);
+pub fn splice(document: &str, name: &str, body: &str) -> Result<String, MarkerError> {
     let block = marked(name, body);
-    if let Some(start) = document.find(&begin)
-        && let Some(length) = document[start..].find(&end)
-    {
-        let after = &document[start + length + end.len()..];
-        let after = after.strip_prefix('\n').unwrap_or(after);
-        return format!("{}{block}{after}", &document[..start]);
+    if let Some(span) = spans(document)?.into_iter().find(|s| s.name == name) {
+        return Ok(format!(
+            "{}{block}{}",
+            &document[..span.outer.start],
+            &document[span.outer.end..]
+        ));
     }
     if document.trim().is_empty() {
-        return block;
+        return Ok(block);
     }
-    format!("{}\n\n{block}", document.trim_end())
+    Ok(format!("{}\n\n{block}", document.trim_end()))
 }
+
+const BEGIN_SUFFIX: &str = ": written by tandem-bench, replaced by its next run -->";
 
 fn markers(name: &str) -> (String, String) {
     (
-        format!("<!-- {name}: written by tandem-bench, replaced by its next run -->"),
+        format!("<!-- {name}{BEGIN_SUFFIX}"),
         format!("<!-- end of {name} -->"),
     )
+}
+
+fn begin_name(line: &str) -> Option<&str> {
+    line.strip_prefix("<!-- ")?.strip_suffix(BEGIN_SUFFIX)
+}
+
+fn end_name(line: &str) -> Option<&str> {
+    line.strip_prefix("<!-- end of ")?.strip_suffix(" -->")
+}
+
+fn line_number(document: &str, offset: usize) -> usize {
+    document[..offset].matches('\n').count() + 1
 }
 
 #[cfg(test)]
@@ -235,15 +423,120 @@ mod tests {
 
     #[test]
     fn a_spliced_block_replaces_its_old_self_and_nothing_else() {
-        let first = splice("# Report\n\n### other\n\ntext\n", "curves", "old body\n");
+        let first = splice("# Report\n\n### other\n\ntext\n", "curves", "old body\n").unwrap();
         assert!(first.starts_with("# Report\n\n### other\n\ntext\n\n<!-- curves: "));
         assert!(first.contains("old body\n<!-- end of curves -->\n"));
         let edited = first.replace("text", "text edited by hand") + "\n## after\n";
-        let second = splice(&edited, "curves", "new body");
+        let second = splice(&edited, "curves", "new body").unwrap();
         assert!(!second.contains("old body"));
         assert!(second.contains("new body\n<!-- end of curves -->\n\n## after\n"));
         assert!(second.starts_with("# Report\n\n### other\n\ntext edited by hand\n"));
-        assert_eq!(splice(&second, "curves", "new body"), second);
-        assert_eq!(splice("", "curves", "body"), marked("curves", "body"));
+        assert_eq!(splice(&second, "curves", "new body").unwrap(), second);
+        assert_eq!(
+            splice("", "curves", "body").unwrap(),
+            marked("curves", "body")
+        );
+    }
+
+    fn two_blocks() -> String {
+        let document = splice("# Report\n\nhand-kept\n", "a", "first a").unwrap();
+        splice(&(document + "\nmore hand-kept\n"), "b", "first b").unwrap()
+    }
+
+    #[test]
+    fn replacing_one_block_keeps_the_others_and_the_hand_kept_text() {
+        let document = two_blocks();
+        let replaced = splice(&document, "a", "second a").unwrap();
+        assert_eq!(replaced, document.replace("first a", "second a"));
+        assert_eq!(block(&replaced, "a").unwrap(), Some("second a\n"));
+        assert_eq!(block(&replaced, "b").unwrap(), Some("first b\n"));
+        let names: Vec<String> = spans(&replaced)
+            .unwrap()
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(names, ["a", "b"]);
+    }
+
+    #[test]
+    fn a_missing_block_is_appended() {
+        let document = two_blocks();
+        let added = splice(&document, "c", "new c").unwrap();
+        assert!(added.starts_with(document.trim_end()));
+        assert!(added.ends_with(&marked("c", "new c")));
+        assert_eq!(block(&document, "c").unwrap(), None);
+    }
+
+    #[test]
+    fn broken_markers_are_refused_with_the_line_they_are_on() {
+        let document = two_blocks();
+        let (begin_a, end_a) = markers("a");
+        let unended = document.replacen(&format!("{end_a}\n"), "", 1);
+        assert_eq!(
+            splice(&unended, "b", "x"),
+            Err(MarkerError::Nested {
+                line: 10,
+                name: "b".into(),
+                open: "a".into()
+            })
+        );
+        let last_unended = document.replace("<!-- end of b -->\n", "");
+        assert_eq!(
+            splice(&last_unended, "a", "x"),
+            Err(MarkerError::Unterminated {
+                line: 11,
+                name: "b".into()
+            })
+        );
+        let unbegun = document.replacen(&format!("{begin_a}\n"), "", 1);
+        assert_eq!(
+            splice(&unbegun, "a", "x"),
+            Err(MarkerError::EndWithoutBegin {
+                line: 6,
+                name: "a".into()
+            })
+        );
+        let twice = format!("{document}{}", marked("a", "again"));
+        assert_eq!(
+            splice(&twice, "c", "x"),
+            Err(MarkerError::Repeated {
+                name: "a".into(),
+                first: 5,
+                second: 14
+            })
+        );
+        let crossed = document.replacen(&end_a, "<!-- end of b -->", 1);
+        let error = splice(&crossed, "a", "x").unwrap_err();
+        assert_eq!(
+            error,
+            MarkerError::Unterminated {
+                line: 5,
+                name: "a".into()
+            }
+        );
+        assert_eq!(
+            error.to_string(),
+            "line 5: block \"a\" never ends (no `<!-- end of a -->` after it)"
+        );
+    }
+
+    #[test]
+    fn a_block_begins_with_its_run() {
+        let run = Run {
+            date: "2026-11-24".into(),
+            command: "tandem-bench controller".into(),
+            build: "release",
+            kernel: "6.1.0".into(),
+        };
+        let body = block_body(
+            &run,
+            &[Section {
+                title: "t".into(),
+                ..Section::default()
+            }],
+        );
+        assert!(body.starts_with(
+            "Run of 2026-11-24: `tandem-bench controller`, release build, kernel 6.1.0.\n\n### t\n"
+        ));
     }
 }

@@ -1,11 +1,13 @@
 //! `tandem-bench`: runs the benchmarks, prints their tables and writes BENCHMARKS.md.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
-use tandem_bench::report::{Section, markdown, marked, splice};
+use tandem_bench::report::machine::Machine;
+use tandem_bench::report::{
+    Block, HEADER_BLOCK, Run, block_body, header, markdown, splice, summary,
+};
 use tandem_bench::{BenchOptions, controller, curves, dataplane, nodeproxy};
 
 #[derive(Parser, Debug)]
@@ -24,8 +26,8 @@ struct Cli {
     /// The node proxy benchmark measures only this data path (both by default).
     #[arg(long, env = "TANDEM_BENCH_PROXY_MODE", value_enum)]
     proxy_mode: Option<tandem_common::ProxyMode>,
-    /// Where to write the report. `dataplane` or `curves` alone replaces only its own block
-    /// in it.
+    /// Where to write the report. A run replaces only its own blocks in it (and the header
+    /// and the summary), leaving the other blocks and the hand-kept text as they are.
     #[arg(long, env = "TANDEM_BENCH_OUT", default_value = "BENCHMARKS.md")]
     out: PathBuf,
     /// Where the scale curves' SVG files go, relative to the report's folder.
@@ -41,6 +43,8 @@ enum Which {
     Dataplane,
     /// The scale curves: the node proxy and the controller at more sizes, drawn as SVG.
     Curves,
+    /// No benchmark: the report's summary made again from its tables (after a hand edit).
+    Summary,
 }
 
 fn main() -> Result<()> {
@@ -50,101 +54,98 @@ fn main() -> Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .init();
+    if cli.which == Which::Summary {
+        let document = read_report(&cli.out)?;
+        return write_report(&cli.out, &with_summary(&document)?);
+    }
     let options = BenchOptions {
         quick: cli.quick,
         proxy_mode: cli.proxy_mode,
     };
-    let mut sections: Vec<Section> = Vec::new();
+    let mut blocks: Vec<Block> = Vec::new();
     let wanted = |w: Which| cli.which == Which::All || cli.which == w;
     // One at a time: they must not share the machine's cores with each other.
     if wanted(Which::Nodeproxy) {
-        sections.extend(nodeproxy::run(&options).context("node proxy benchmark")?);
+        blocks.extend(nodeproxy::run(&options).context("node proxy benchmark")?);
     }
     if wanted(Which::Controller) {
-        sections.extend(controller::run(&options).context("controller benchmark")?);
+        blocks.push(Block {
+            name: controller::BLOCK,
+            sections: controller::run(&options).context("controller benchmark")?,
+        });
     }
-    // The data plane's sections are one block of the report, which a run of `dataplane`
-    // alone replaces.
-    let data_plane = if wanted(Which::Dataplane) {
-        let tables: Vec<String> = dataplane::run(&options)
-            .context("data plane benchmark")?
-            .iter()
-            .map(markdown)
-            .collect();
-        Some(tables.join("\n"))
-    } else {
-        None
-    };
-    let curves = if wanted(Which::Curves) {
+    if wanted(Which::Dataplane) {
+        blocks.push(Block {
+            name: dataplane::BLOCK,
+            sections: dataplane::run(&options).context("data plane benchmark")?,
+        });
+    }
+    if wanted(Which::Curves) {
         let report_dir = cli.out.parent().unwrap_or(Path::new("."));
         let section =
             curves::run(&options, report_dir, &cli.plots).context("scale curves benchmark")?;
-        Some(markdown(&section))
-    } else {
-        None
-    };
-    let tables: Vec<String> = sections.iter().map(markdown).collect();
-    for table in tables.iter().chain(&data_plane).chain(&curves) {
-        println!("{table}");
+        blocks.push(Block {
+            name: curves::BLOCK,
+            sections: vec![section],
+        });
     }
-    let block = match (cli.which, &data_plane, &curves) {
-        (Which::Dataplane, Some(body), _) => Some((dataplane::BLOCK, body)),
-        (Which::Curves, _, Some(body)) => Some((curves::BLOCK, body)),
-        _ => None,
-    };
-    if let Some((name, body)) = block {
-        // The other sections come from other runs: only this block is replaced.
-        let existing = match std::fs::read_to_string(&cli.out) {
-            Ok(text) => text,
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(error) => {
-                return Err(error).with_context(|| format!("reading {}", cli.out.display()));
-            }
-        };
-        std::fs::write(&cli.out, splice(&existing, name, body))
-            .with_context(|| format!("writing {}", cli.out.display()))?;
-        println!("wrote its block into {}", cli.out.display());
-        return Ok(());
+    for section in blocks.iter().flat_map(|b| &b.sections) {
+        println!("{}", markdown(section));
     }
-    let tables: Vec<String> = tables
-        .into_iter()
-        .chain(data_plane.map(|d| marked(dataplane::BLOCK, &d)))
-        .chain(curves.map(|c| marked(curves::BLOCK, &c)))
-        .collect();
-    let report = format!(
-        "# Benchmarks\n\nEvery figure is compared with a limit measured in the same run on the same machine.\n\n\
-         Machine: {}\n\nReproduce (as root): `cargo build --release --workspace --bins && sudo target/release/tandem-bench {}{}{}`\n\n{}",
-        machine(),
-        format!("{:?}", cli.which).to_lowercase(),
-        cli.proxy_mode
-            .map(|mode| format!(" --proxy-mode {}", mode.as_str()))
-            .unwrap_or_default(),
-        if cli.quick { " --quick" } else { "" },
-        tables.join("\n")
-    );
-    std::fs::write(&cli.out, report).with_context(|| format!("writing {}", cli.out.display()))?;
-    println!("wrote {}", cli.out.display());
+    let machine = Machine::probe();
+    let run = Run {
+        date: jiff::Timestamp::now().strftime("%Y-%m-%d").to_string(),
+        command: command_line(&cli),
+        build: if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+        kernel: machine.kernel.clone(),
+    };
+    // Only this run's blocks are replaced: the others come from other runs, and the text
+    // between them is kept by hand. In a new file the header and the summary come first.
+    let mut document = read_report(&cli.out)?;
+    document = splice(&document, HEADER_BLOCK, &header(&machine))?;
+    if tandem_bench::report::block(&document, summary::BLOCK)?.is_none() {
+        document = splice(&document, summary::BLOCK, "## Summary")?;
+    }
+    for block in &blocks {
+        document = splice(&document, block.name, &block_body(&run, &block.sections))?;
+    }
+    write_report(&cli.out, &with_summary(&document)?)
+}
+
+/// The document with its summary made again from its tables, so that the summary agrees
+/// with every block, this run's and the earlier ones'.
+fn with_summary(document: &str) -> Result<String> {
+    let made = summary::summary(document).context("making the summary from the tables")?;
+    Ok(splice(document, summary::BLOCK, &made)?)
+}
+
+/// The report as it is, or nothing when there is none yet.
+fn read_report(path: &Path) -> Result<String> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(text),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
+        Err(error) => Err(error).with_context(|| format!("reading {}", path.display())),
+    }
+}
+
+fn write_report(path: &Path, document: &str) -> Result<()> {
+    std::fs::write(path, document).with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote {}", path.display());
     Ok(())
 }
 
-/// CPU count, kernel, iptables version and date, as the report's header.
-fn machine() -> String {
-    let run = |program: &str, args: &[&str]| {
-        Command::new(program)
-            .args(args)
-            .output()
-            .ok()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-            .unwrap_or_else(|| "?".to_owned())
-    };
-    format!(
-        "{} CPUs, {} RAM, kernel {}, {}, {}",
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0),
-        run("sh", &["-c", "free -g | awk '/Mem:/{print $2\" GiB\"}'"]),
-        run("uname", &["-r"]),
-        run("iptables", &["--version"]),
-        run("date", &["-u", "+%Y-%m-%d"]),
-    )
+/// The command as a reader would type it again.
+fn command_line(cli: &Cli) -> String {
+    let mut command = format!("tandem-bench {}", format!("{:?}", cli.which).to_lowercase());
+    if let Some(mode) = cli.proxy_mode {
+        command.push_str(&format!(" --proxy-mode {}", mode.as_str()));
+    }
+    if cli.quick {
+        command.push_str(" --quick");
+    }
+    command
 }

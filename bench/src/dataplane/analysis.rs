@@ -538,7 +538,7 @@ fn churn_section(m: &Measurements) -> Section {
         }
     }
     notes.push(format!(
-        "Machine load (/proc/loadavg) before the data-plane run: {}; after: {}. Other engineers' builds may share the 2 cores.",
+        "Machine load (/proc/loadavg) before the data-plane run: {}; after: {}. Other processes may share the cores.",
         m.load_before, m.load_after
     ));
     notes.extend(misses(&rows));

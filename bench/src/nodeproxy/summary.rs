@@ -40,7 +40,7 @@ fn first_sync_seconds(backend: Backend) -> f64 {
 #[derive(Debug, Clone)]
 pub struct ScaleResult {
     pub scale: Scale,
-    /// The scale the issue's absolute targets name.
+    /// The scale the absolute targets name.
     pub headline: bool,
     pub runs: Vec<SyncRun>,
     /// Raw restores of each run's first-sync payload into a fresh namespace.
@@ -115,9 +115,9 @@ fn backend_section(result: &BackendResult) -> Section {
         ));
     }
     section.notes.push(
-        "For comparison, the issue's figure (not measured here: no kube-proxy binary can be \
-         fetched on this machine): kube-proxy v1.21 takes about 125 s per sync at 2,700 \
-         LoadBalancer Services × 10 on nf_tables on this kind of machine."
+        "For comparison, a figure tandem-bench does not measure: when the project set these \
+         targets, kube-proxy v1.21 was reported to take about 125 s per sync at 2,700 \
+         LoadBalancer Services × 10 on nf_tables on a 2-core machine like this one."
             .into(),
     );
     section
