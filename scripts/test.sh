@@ -131,9 +131,13 @@ if [ -n "${TANDEM_K3S:-}" ]; then
     # This lab test starts its own stand-in, so the real server would add nothing to it.
     own_stand_in=the_lab_runs_against_an_api_server_outside_it_through_the_relay
     # Dual-stack, so the controller's IPv6 and dual-stack Services meet a real server too
-    # (every other Service there is single-stack IPv4, as on any cluster).
-    step "real cluster: controller end to end, dual-stack" "$k3s" control-plane --ip-family dual -- \
-        cargo test -p tandem-controller --locked --test e2e
+    # (every other Service there is single-stack IPv4, as on any cluster). The cloud is an
+    # edge the suite did not start, as a user's is: cloud-mock with HAProxy as its data
+    # plane (tests that inject faults start a cloud of their own), and the provider
+    # conformance kit runs against that edge too.
+    step "real cluster: controller end to end, dual-stack, HAProxy edge" \
+        bash scripts/with-haproxy-edge.sh -- "$k3s" control-plane --ip-family dual -- \
+        cargo test -p tandem-controller --locked --test e2e --test conformance
     # The lab's tests on a dual-stack k3s too: its dual-stack and IPv6 Services get their
     # families and cluster IPs from the real server; the others are IPv4, as a Service that
     # names no family is on a cluster whose first family is IPv4.

@@ -1,7 +1,8 @@
 //! The provider conformance kit against the mock-cloud provider on a real cloud-mock (in
 //! process, API only; over HTTP and over HTTPS with a CA from its configuration; its rate
-//! limit and lost answers through the cloud's fault injection) and against the fake (its
-//! switches).
+//! limit and lost answers through the cloud's fault injection), on the shared edge of
+//! `TANDEM_E2E_CLOUD_URL` when one is given (without faults: they would be the whole
+//! edge's), and against the fake (its switches).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 // Shared with e2e.rs, which uses the rest of it.
@@ -68,11 +69,11 @@ impl CloudFaults for FakeFaults<'_> {
     }
 }
 
-/// Runs the kit against the mock-cloud provider built as the controller builds it: by
-/// name, from a configuration file naming `cloud`'s URL, its token and, over HTTPS, its CA.
-async fn mock_cloud_provider_conforms(cloud: support::Cloud, dir: &std::path::Path) {
+/// The mock-cloud provider built as the controller builds it: by name, from a configuration
+/// file naming `cloud`'s URL, its token and, over HTTPS, its CA.
+fn mock_cloud_provider(cloud: &support::Cloud, dir: &std::path::Path) -> registry::DynProvider {
     let config = std::fs::read_to_string(cloud.write_config(dir)).unwrap();
-    let provider = registry::build(
+    registry::build(
         PROFILE.name,
         Some(&config),
         Shared {
@@ -81,7 +82,12 @@ async fn mock_cloud_provider_conforms(cloud: support::Cloud, dir: &std::path::Pa
             timeout: Duration::from_secs(5),
         },
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// Runs the kit, faults included, against the mock-cloud provider on `cloud`.
+async fn mock_cloud_provider_conforms(cloud: support::Cloud, dir: &std::path::Path) {
+    let provider = mock_cloud_provider(&cloud, dir);
     conformance::run_with_faults(&provider, &kit(), &MockCloudFaults(&cloud))
         .await
         .unwrap();
@@ -101,6 +107,30 @@ async fn the_mock_cloud_provider_conforms_over_tls() {
     let cloud = support::Cloud::start(&dir.path().join("cloud"), support::POOL, true).await;
     assert!(cloud.url.starts_with("https://"), "{}", cloud.url);
     mock_cloud_provider_conforms(cloud, dir.path()).await;
+}
+
+/// The kit against an edge this suite did not start (CI: cloud-mock with HAProxy as its
+/// data plane), as a cluster of its own there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_cloud_conforms() {
+    let Some(shared) = support::shared_cloud() else {
+        eprintln!(
+            "skipped: {} names no shared cloud edge",
+            support::SHARED_CLOUD_URL_ENV
+        );
+        return;
+    };
+    let dir = support::TempDir::new("conformance-shared");
+    let kit = Kit::new(
+        format!("conformance-{}", std::process::id())
+            .parse()
+            .unwrap(),
+    );
+    let cloud = support::Cloud::shared(shared, kit.cluster_id.as_str());
+    let provider = mock_cloud_provider(&cloud, dir.path());
+    let outcome = conformance::run(&provider, &kit).await;
+    cloud.stop().await;
+    outcome.unwrap();
 }
 
 #[tokio::test]

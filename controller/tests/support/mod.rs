@@ -7,6 +7,14 @@
 //! is shared, so each test gets its own Namespace, cluster id and Node names, removes them
 //! at the end (also when it fails), and the tests take turns: every controller watches all
 //! Namespaces and every Node, and tests assert exact backend sets.
+//!
+//! It talks to a cloud edge it did not start when [`SHARED_CLOUD_URL_ENV`] names one (any
+//! server of cloud-mock's API, whatever its data plane: CI runs the suite against
+//! `cloud-mock --dataplane haproxy`). Such an edge is shared too: each test gets its own
+//! cluster id, sees only the LBs of that id, removes them at the end, and the tests take
+//! turns, since VIPs come from the edge's common pools. The edge must serve the pools of
+//! [`DUAL_STACK_POOLS`]. Tests that need the cloud to misbehave start a cloud of their own
+//! ([`Harness::start_with_own_cloud`]): fault injection is the whole edge's.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -23,6 +31,7 @@ use k8s_openapi::api::core::v1::{
 };
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
+use tandem_controller::provider::{TAG_CLUSTER_ID, TAG_SERVICE_UID};
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
@@ -39,8 +48,17 @@ pub const V4_ONLY_POOL: &str = "v4only";
 /// the same variable).
 pub const REAL_API_SERVER_ENV: &str = "TANDEM_E2E_KUBECONFIG";
 
-/// Tests on a real server take turns (see the module comment); held for a Harness's life.
-static REAL_SERVER_TURN: LazyLock<Arc<tokio::sync::Mutex<()>>> =
+/// The URL of a cloud edge this suite did not start; unset: each test starts its own cloud.
+pub const SHARED_CLOUD_URL_ENV: &str = "TANDEM_E2E_CLOUD_URL";
+/// The bearer token of [`SHARED_CLOUD_URL_ENV`]'s edge.
+pub const SHARED_CLOUD_TOKEN_ENV: &str = "TANDEM_E2E_CLOUD_TOKEN";
+/// The PEM file of the CA that signed the edge's certificate, when it serves HTTPS with a
+/// certificate the system does not trust.
+pub const SHARED_CLOUD_CA_FILE_ENV: &str = "TANDEM_E2E_CLOUD_CA_FILE";
+
+/// Tests on a shared server or cloud take turns (see the module comment); held for a
+/// Harness's life.
+static SHARED_TURN: LazyLock<Arc<tokio::sync::Mutex<()>>> =
     LazyLock::new(|| Arc::new(tokio::sync::Mutex::new(())));
 
 /// Whether the tests run against a real API server.
@@ -107,15 +125,38 @@ fn uuid_like() -> u128 {
         .as_nanos()
 }
 
-/// A running cloud-mock (API only).
+/// The cloud edge of [`SHARED_CLOUD_URL_ENV`], if set: its URL, token and CA.
+pub fn shared_cloud() -> Option<(String, String, Option<String>)> {
+    let url = std::env::var(SHARED_CLOUD_URL_ENV).ok()?;
+    let token = std::env::var(SHARED_CLOUD_TOKEN_ENV)
+        .unwrap_or_else(|_| panic!("{SHARED_CLOUD_URL_ENV} needs {SHARED_CLOUD_TOKEN_ENV}"));
+    let ca_pem = std::env::var_os(SHARED_CLOUD_CA_FILE_ENV).map(|file| {
+        std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("{SHARED_CLOUD_CA_FILE_ENV} {file:?}: {e}"))
+    });
+    Some((url, token, ca_pem))
+}
+
+/// A cloud-mock API: one this test runs (API only), or a shared edge.
 pub struct Cloud {
     pub url: String,
     pub token: String,
     /// The PEM of the CA that signed its certificate, when it serves HTTPS.
     pub ca_pem: Option<String>,
     pub client: sdk::Client,
-    cancel: CancellationToken,
-    task: tokio::task::JoinHandle<()>,
+    server: CloudServer,
+}
+
+enum CloudServer {
+    /// In this process, stopped with the test.
+    Own {
+        cancel: CancellationToken,
+        task: tokio::task::JoinHandle<()>,
+    },
+    /// An edge of [`SHARED_CLOUD_URL_ENV`]: the test sees, and at its end removes, the LBs
+    /// tagged with these cluster ids only (its own and the one it plays a foreign cluster
+    /// with).
+    Shared { cluster_ids: [String; 2] },
 }
 
 impl Cloud {
@@ -184,9 +225,35 @@ impl Cloud {
             token,
             ca_pem,
             client,
-            cancel,
-            task,
+            server: CloudServer::Own { cancel, task },
         }
+    }
+
+    /// The shared edge of [`shared_cloud`], as seen by the cluster `cluster_id`.
+    pub fn shared(
+        (url, token, ca_pem): (String, String, Option<String>),
+        cluster_id: &str,
+    ) -> Self {
+        let options = sdk::ClientOptions {
+            root_certificates: ca_pem.clone(),
+            ..sdk::ClientOptions::default()
+        };
+        let client = sdk::Client::new(&url, token.clone(), options).unwrap();
+        Self {
+            url,
+            token,
+            ca_pem,
+            client,
+            server: CloudServer::Shared {
+                cluster_ids: [cluster_id.to_owned(), foreign_cluster_id(cluster_id)],
+            },
+        }
+    }
+
+    /// Whether other tests' LBs and VIPs share this cloud (its pools' counts are not the
+    /// test's alone).
+    pub fn is_shared(&self) -> bool {
+        matches!(self.server, CloudServer::Shared { .. })
     }
 
     /// Writes the mock-cloud provider's configuration for this cloud, with its token and
@@ -205,16 +272,77 @@ impl Cloud {
         path
     }
 
+    /// Stops a cloud of the test's own; on a shared edge, deletes the test's LBs, so their
+    /// VIPs go back to the pools for the tests after it.
     pub async fn stop(self) {
-        self.cancel.cancel();
-        let _ = self.task.await;
+        match self.server {
+            CloudServer::Own { cancel, task } => {
+                cancel.cancel();
+                let _ = task.await;
+            }
+            CloudServer::Shared { .. } => {
+                for lb in self.all().await {
+                    if let Err(e) = self.client.delete_load_balancer(&lb.id).await {
+                        eprintln!("deleting {} from the shared cloud: {e}", lb.id);
+                    }
+                }
+            }
+        }
     }
 
+    /// Whether the cloud serves UDP listeners in proxy mode (an HAProxy edge refuses them
+    /// with `unsupported-protocol`): asked of the cloud itself, with an LB of
+    /// `cluster_id` it refuses or that is deleted at once.
+    pub async fn proxies_udp(&self, cluster_id: &str) -> bool {
+        let probe = sdk::LoadBalancerSpec {
+            name: format!("k8s-{cluster_id}-udp-probe"),
+            tags: BTreeMap::from([(TAG_CLUSTER_ID.to_owned(), cluster_id.to_owned())]),
+            mode: sdk::Mode::Proxy,
+            vip: None,
+            listeners: vec![sdk::Listener {
+                protocol: sdk::Protocol::Udp,
+                port: 53,
+                backend_port: 30053,
+                health_check: None,
+            }],
+            backends: vec![],
+            source_ranges: vec![],
+            address: sdk::AddressRequest::default(),
+        };
+        let key = format!("{cluster_id}-udp-probe");
+        match self.client.create_load_balancer(&probe, &key).await {
+            Ok(lb) => {
+                self.client.delete_load_balancer(&lb.id).await.unwrap();
+                true
+            }
+            Err(sdk::Error::Invalid { code, .. })
+                if code.as_deref() == Some("unsupported-protocol") =>
+            {
+                false
+            }
+            Err(e) => panic!("probing the cloud for UDP in proxy mode: {e}"),
+        }
+    }
+
+    /// Every LB this test can see: all of its own cloud's, or those of its cluster ids on a
+    /// shared edge.
     pub async fn all(&self) -> Vec<sdk::LoadBalancer> {
-        self.client
-            .list_load_balancers(&sdk::ListFilter::default())
-            .await
-            .unwrap()
+        let CloudServer::Shared { cluster_ids } = &self.server else {
+            return self
+                .client
+                .list_load_balancers(&sdk::ListFilter::default())
+                .await
+                .unwrap();
+        };
+        let mut all = Vec::new();
+        for cluster_id in cluster_ids {
+            let filter = sdk::ListFilter {
+                tags: BTreeMap::from([(TAG_CLUSTER_ID.to_owned(), cluster_id.clone())]),
+                name: None,
+            };
+            all.extend(self.client.list_load_balancers(&filter).await.unwrap());
+        }
+        all
     }
 
     pub async fn for_uid(&self, uid: &str) -> Vec<sdk::LoadBalancer> {
@@ -244,9 +372,15 @@ impl Cloud {
     }
 }
 
+/// The cluster id a test gives an LB of "another cluster" (which its controller must leave
+/// alone).
+pub fn foreign_cluster_id(cluster_id: &str) -> String {
+    format!("{cluster_id}-other")
+}
+
 fn uid_filter(uid: &str) -> sdk::ListFilter {
     sdk::ListFilter {
-        tags: BTreeMap::from([("kubernetes.io/service-uid".to_string(), uid.to_string())]),
+        tags: BTreeMap::from([(TAG_SERVICE_UID.to_string(), uid.to_string())]),
         name: None,
     }
 }
@@ -312,11 +446,15 @@ pub fn free_port() -> SocketAddr {
 
 /// The API server a harness talks to.
 pub enum ApiServer {
-    StandIn(tandem_apiserver::RunningServer),
+    StandIn {
+        api: tandem_apiserver::RunningServer,
+        /// Held while the test uses a shared cloud (see [`SHARED_TURN`]).
+        _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+    },
     /// A shared real server: what this test wrote there goes at the end.
     Real {
         cleanup: RealCleanup,
-        /// Whose turn it is (see [`REAL_SERVER_TURN`]); released after the cleanup.
+        /// Whose turn it is (see [`SHARED_TURN`]); released after the cleanup.
         _turn: tokio::sync::OwnedMutexGuard<()>,
     },
 }
@@ -342,13 +480,57 @@ pub struct Harness {
     pub ip_mode: bool,
 }
 
+/// Which cloud a harness talks to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CloudChoice {
+    /// The edge of [`SHARED_CLOUD_URL_ENV`] if set, else one of the test's own.
+    Configured,
+    /// Always one of the test's own (its fault injection is the test's alone).
+    Own,
+}
+
+/// A name part unique over runs and tests, so leftovers of a killed run never meet a new
+/// test on a shared server or cloud.
+fn unique_run() -> String {
+    static SEQUENCE: AtomicU32 = AtomicU32::new(1);
+    format!(
+        "{}-{}",
+        std::process::id(),
+        SEQUENCE.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
 impl Harness {
     /// On the stand-in, always (tests that need it, or need the whole server alone).
     pub async fn new(label: &str) -> Self {
-        Self::on_stand_in(label, tandem_apiserver::StoreConfig::default(), POOL).await
+        Self::on_stand_in(
+            label,
+            tandem_apiserver::StoreConfig::default(),
+            POOL,
+            CloudChoice::Configured,
+        )
+        .await
     }
 
-    async fn on_stand_in(label: &str, store: tandem_apiserver::StoreConfig, pools: &str) -> Self {
+    async fn on_stand_in(
+        label: &str,
+        store: tandem_apiserver::StoreConfig,
+        pools: &str,
+        choice: CloudChoice,
+    ) -> Self {
+        // On a shared cloud the test needs its turn and a cluster id of its own.
+        let shared = (choice == CloudChoice::Configured)
+            .then(shared_cloud)
+            .flatten()
+            .is_some();
+        let turn = match shared {
+            true => Some(SHARED_TURN.clone().lock_owned().await),
+            false => None,
+        };
+        let cluster_id = match shared {
+            true => format!("e2e-{}", unique_run()),
+            false => CLUSTER.into(),
+        };
         let api = tandem_apiserver::spawn(tandem_apiserver::ServerConfig {
             store,
             ..Default::default()
@@ -360,24 +542,39 @@ impl Harness {
         let kubeconfig = dir.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig).await.unwrap();
         Self::with_server(
-            ApiServer::StandIn(api),
+            ApiServer::StandIn { api, _turn: turn },
             dir,
             client,
             kubeconfig,
             "default".into(),
-            CLUSTER.into(),
+            cluster_id,
             String::new(),
             true,
-            pools,
+            (pools, choice),
         )
         .await
     }
 
-    /// On the real API server of [`REAL_API_SERVER_ENV`] if set, else on the stand-in.
+    /// On the real API server of [`REAL_API_SERVER_ENV`] if set, else on the stand-in;
+    /// with the cloud of [`SHARED_CLOUD_URL_ENV`] if set, else one of its own.
     pub async fn start(label: &str) -> Self {
+        Self::start_with(label, CloudChoice::Configured).await
+    }
+
+    /// As [`Self::start`], always with a cloud of the test's own: for tests that make the
+    /// cloud misbehave.
+    pub async fn start_with_own_cloud(label: &str) -> Self {
+        Self::start_with(label, CloudChoice::Own).await
+    }
+
+    async fn start_with(label: &str, choice: CloudChoice) -> Self {
         match real_api_server() {
-            Some(kubeconfig) => Self::on_real_server(label, kubeconfig, POOL).await,
-            None => Self::new(label).await,
+            Some(kubeconfig) => Self::on_real_server(label, kubeconfig, POOL, choice).await,
+            None if choice == CloudChoice::Configured => Self::new(label).await,
+            None => {
+                let store = tandem_apiserver::StoreConfig::default();
+                Self::on_stand_in(label, store, POOL, choice).await
+            }
         }
     }
 
@@ -386,14 +583,15 @@ impl Harness {
     /// [`DUAL_STACK_SERVICE_CIDRS`]. `None` when the real server serves one family only:
     /// there is no dual-stack cluster to test on.
     pub async fn start_dual_stack(label: &str) -> Option<Self> {
+        let choice = CloudChoice::Configured;
         let Some(kubeconfig) = real_api_server() else {
             let store = tandem_apiserver::StoreConfig {
                 service_cidrs: DUAL_STACK_SERVICE_CIDRS.parse().unwrap(),
                 ..Default::default()
             };
-            return Some(Self::on_stand_in(label, store, DUAL_STACK_POOLS).await);
+            return Some(Self::on_stand_in(label, store, DUAL_STACK_POOLS, choice).await);
         };
-        let h = Self::on_real_server(label, kubeconfig, DUAL_STACK_POOLS).await;
+        let h = Self::on_real_server(label, kubeconfig, DUAL_STACK_POOLS, choice).await;
         if h.serves_dual_stack().await {
             return Some(h);
         }
@@ -421,16 +619,15 @@ impl Harness {
         created
     }
 
-    async fn on_real_server(label: &str, kubeconfig: PathBuf, pools: &str) -> Self {
-        let turn = REAL_SERVER_TURN.clone().lock_owned().await;
+    async fn on_real_server(
+        label: &str,
+        kubeconfig: PathBuf,
+        pools: &str,
+        choice: CloudChoice,
+    ) -> Self {
+        let turn = SHARED_TURN.clone().lock_owned().await;
         let client = kube_client(&kubeconfig).await;
-        // Unique over runs too, so leftovers of a killed run never meet a new test.
-        static SEQUENCE: AtomicU32 = AtomicU32::new(1);
-        let run = format!(
-            "{}-{}",
-            std::process::id(),
-            SEQUENCE.fetch_add(1, Ordering::Relaxed)
-        );
+        let run = unique_run();
         let namespace = format!("e2e-{label}-{run}");
         let namespaces: Api<Namespace> = Api::all(client.clone());
         let mut created: Namespace = serde_json::from_value(json!({
@@ -462,7 +659,7 @@ impl Harness {
             format!("e2e-{run}"),
             node_prefix,
             ip_mode,
-            pools,
+            (pools, choice),
         )
         .await
     }
@@ -477,12 +674,17 @@ impl Harness {
         cluster_id: String,
         node_prefix: String,
         ip_mode: bool,
-        pools: &str,
+        (pools, choice): (&str, CloudChoice),
     ) -> Self {
-        let cloud_dir = dir.path().join("cloud");
-        std::fs::create_dir_all(&cloud_dir).unwrap();
-        // Over HTTPS, as an edge on another host serves it.
-        let cloud = Cloud::start(&cloud_dir, pools, true).await;
+        let cloud = match (choice, shared_cloud()) {
+            (CloudChoice::Configured, Some(shared)) => Cloud::shared(shared, &cluster_id),
+            _ => {
+                let cloud_dir = dir.path().join("cloud");
+                std::fs::create_dir_all(&cloud_dir).unwrap();
+                // Over HTTPS, as an edge on another host serves it.
+                Cloud::start(&cloud_dir, pools, true).await
+            }
+        };
         let cloud_config = cloud.write_config(dir.path());
         Self {
             api,
@@ -749,10 +951,10 @@ impl Harness {
     pub async fn shutdown(mut self) {
         match &mut self.api {
             ApiServer::Real { cleanup, .. } => cleanup.run().await,
-            ApiServer::StandIn(_) => {}
+            ApiServer::StandIn { .. } => {}
         }
         self.cloud.stop().await;
-        if let ApiServer::StandIn(api) = self.api {
+        if let ApiServer::StandIn { api, _turn } = self.api {
             let _ = api.shutdown().await;
         }
     }
