@@ -42,6 +42,21 @@ build_start=$SECONDS
 cargo build --workspace --locked --bins
 echo "=== build: $((SECONDS - build_start)) s"
 
+# The container images (their static release binaries included) build in the background
+# while the tests below run, at the lowest CPU priority: they take only the CPU the tests
+# leave idle, and the tests mostly wait on packets, processes and timers. The image steps
+# further down wait for it. A process group of its own, so an interrupted run stops it.
+images_log=target/images-build.log
+images_pid=""
+stop_images_build() {
+    if [ -n "$images_pid" ] && kill -0 "$images_pid" 2>/dev/null; then
+        kill -TERM -- "-$images_pid" 2>/dev/null || true
+    fi
+}
+trap stop_images_build EXIT
+setsid nice -n 19 bash scripts/images.sh --offline >"$images_log" 2>&1 &
+images_pid=$!
+
 step "cargo tests" cargo test --workspace --locked --no-fail-fast
 
 # The end-to-end data-path tests again with the node proxies in nftables mode (the run
@@ -94,8 +109,8 @@ chart_tests() {
 }
 step "Helm chart tests" chart_tests
 
-# Container images: built offline (on an mmdebstrap base: no base image can be pulled
-# here), each checked (size budget, labels, binary starts as its user, tools), then the
+# Container images: built offline in the background since the tests began (on an
+# mmdebstrap base: no base image can be pulled here), each checked (size budget, labels, binary starts as its user, tools), then the
 # end-to-end LB tests with the mock cloud, the controller and every node proxy running as
 # containers in the lab's namespaces. A missing image fails these steps.
 image_registry() {
@@ -104,15 +119,10 @@ image_registry() {
     echo "${ref%/*}"
 }
 build_images() {
-    local tool missing=()
-    for tool in podman runc mmdebstrap; do
-        command -v "$tool" >/dev/null || missing+=("$tool")
-    done
-    if [ ${#missing[@]} -ne 0 ]; then
-        echo "missing ${missing[*]}: run .ci/run once (it installs podman, buildah, runc and mmdebstrap and sets podman's default_ulimits)" >&2
-        return 1
-    fi
-    bash scripts/images.sh --offline
+    local status=0
+    wait "$images_pid" || status=$?
+    cat "$images_log"
+    return "$status"
 }
 step "container images: build" build_images
 step "container images: checks" bash images/test.sh
