@@ -8,6 +8,8 @@
 //! - Every relative link of the documents that point into the code (architecture,
 //!   providers) names a file or folder that exists, so a moved module breaks a test, not
 //!   the reader's trust.
+//! - Every invocation of a project program that README, docs/ and the chart's README and
+//!   NOTES show parses with that program's own command line, placeholders filled in.
 //!
 //! Needs the binaries: `cargo build --workspace --bins`.
 
@@ -287,5 +289,218 @@ Options:
     );
     assert!(
         render(&flags).contains("| `--from-node` | `TRACE_FROM_NODE` |  | Generated on the node |")
+    );
+}
+
+/// The documents a user types commands from.
+const COMMAND_DOCS: [&str; 7] = [
+    "README.md",
+    "docs/install.md",
+    "docs/operations.md",
+    "docs/architecture.md",
+    "docs/providers.md",
+    "charts/tandem/README.md",
+    "charts/tandem/templates/NOTES.txt",
+];
+
+/// The project's programs, as a command names them (the last part of its path).
+const PROGRAMS: [&str; 6] = [
+    "tandem-controller",
+    "tandem-nodeproxy",
+    "cloud-mock",
+    "tandem-lab",
+    "tandem-bench",
+    "tandem-k3s",
+];
+
+/// What the documents write for a value the reader fills in, with a value of its kind;
+/// an empty value drops the word (a synopsis's `[FLAGS]`).
+const PLACEHOLDERS: [(&str, &str); 10] = [
+    ("<EXTERNAL-IP>", "198.51.100.10"),
+    ("PATH", "kubeconfig"),
+    ("CLIENT_IP", "203.0.113.10"),
+    ("VIP:PORT", "198.51.100.10:80"),
+    ("VIP:80", "198.51.100.10:80"),
+    ("NAME", "eth0"),
+    ("CMD", "true"),
+    ("…", ""),
+    ("[FLAGS]", ""),
+    ("[OPTIONS]", ""),
+];
+
+/// The shell snippets of a document: each line of its fenced blocks (a trailing `\` joins
+/// the next), and each inline code span of its paragraphs (which may wrap). A text file
+/// (NOTES.txt) is all snippet.
+fn shell_snippets(text: &str, markdown: bool) -> Vec<String> {
+    let mut snippets = Vec::new();
+    let mut fenced = !markdown;
+    let mut continued = String::new();
+    let mut paragraph = String::new();
+    for line in text.lines() {
+        if markdown && line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            match line.trim_end().strip_suffix('\\') {
+                Some(start) => continued.push_str(start),
+                None => snippets.push(std::mem::take(&mut continued) + line),
+            }
+        } else if line.trim().is_empty() {
+            snippets.extend(code_spans(&std::mem::take(&mut paragraph)));
+        } else {
+            paragraph.push_str(line);
+            paragraph.push(' ');
+        }
+    }
+    snippets.extend(code_spans(&paragraph));
+    snippets
+}
+
+/// The `inline code` spans of a paragraph.
+fn code_spans(paragraph: &str) -> Vec<String> {
+    paragraph
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The invocations of the project's programs in a shell snippet: the program's name and
+/// its words, for each command (split at `&&`, `||`, `|`, `;`, comments dropped) whose
+/// program is one of ours, run directly, through `sudo` or `exec`, after a command's `--`
+/// (`kubectl exec … -- tandem-nodeproxy trace …`) or as a unit's `ExecStart=`. A bare name
+/// with no words is a name in prose, not a command.
+fn invocations(snippet: &str) -> Vec<(String, Vec<String>)> {
+    let mut found = Vec::new();
+    for command in snippet.split(['|', ';', '&']) {
+        let command = command.split(" #").next().unwrap_or_default();
+        let Some(words) = shlex::split(command) else {
+            continue;
+        };
+        for (i, word) in words.iter().enumerate() {
+            let path = word.strip_prefix("ExecStart=").unwrap_or(word);
+            let name = path.rsplit('/').next().unwrap_or(path);
+            let runs = i == 0
+                || word.starts_with("ExecStart=")
+                || ["sudo", "--"].contains(&words[i - 1].as_str())
+                || i == 1 && words[0] == "exec"
+                || words[i - 1].contains('=') && !words[i - 1].starts_with('-');
+            if PROGRAMS.contains(&name) && runs {
+                if words.len() > i + 1 {
+                    found.push((name.to_owned(), words[i + 1..].to_vec()));
+                }
+                break;
+            }
+        }
+    }
+    found
+}
+
+/// `args` with the placeholders filled in, or the words that are placeholders no entry of
+/// [`PLACEHOLDERS`] knows (`<…>`, `$…`, or all capitals).
+fn filled(args: &[String]) -> Result<Vec<String>, Vec<String>> {
+    let mut out = Vec::new();
+    let mut unknown = Vec::new();
+    for arg in args {
+        match PLACEHOLDERS
+            .iter()
+            .find(|(placeholder, _)| placeholder == arg)
+        {
+            Some((_, "")) => {}
+            Some((_, value)) => out.push((*value).to_owned()),
+            None if arg.contains(['<', '$', '…'])
+                || arg.len() > 1
+                    && arg
+                        .chars()
+                        .all(|c| c.is_ascii_uppercase() || c == '_' || c == ':') =>
+            {
+                unknown.push(arg.clone())
+            }
+            None => out.push(arg.clone()),
+        }
+    }
+    if unknown.is_empty() {
+        Ok(out)
+    } else {
+        Err(unknown)
+    }
+}
+
+/// Every invocation of a project program that the documents show parses with that
+/// program's own command line: it runs with `--help` after the documented words (before a
+/// `--` that hands the rest to another command), which checks every flag, subcommand and
+/// value up to it and stops before doing anything.
+#[test]
+fn every_documented_invocation_parses_with_its_program() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut checked = 0;
+    let mut failures = Vec::new();
+    for doc in COMMAND_DOCS {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        for snippet in shell_snippets(&text, doc.ends_with(".md")) {
+            for (program, args) in invocations(&snippet) {
+                let mut args = match filled(&args) {
+                    Ok(args) => args,
+                    Err(unknown) => {
+                        failures.push(format!(
+                            "{doc}: `{snippet}`: unknown placeholders {unknown:?} (add them to PLACEHOLDERS)"
+                        ));
+                        continue;
+                    }
+                };
+                let help_at = args.iter().position(|a| a == "--").unwrap_or(args.len());
+                args.insert(help_at, "--help".into());
+                let output = Command::new(binaries::locate(&program).unwrap())
+                    .args(&args)
+                    .env_clear()
+                    .output()
+                    .unwrap();
+                checked += 1;
+                println!("{doc}: {program} {}", args.join(" "));
+                if !output.status.success() {
+                    failures.push(format!(
+                        "{doc}: `{snippet}`: {program} {args:?}: {}",
+                        String::from_utf8_lossy(&output.stderr).trim()
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(checked > 20, "only {checked} invocations found");
+    println!("{checked} documented invocations parse");
+}
+
+#[test]
+fn invocations_are_found_where_a_user_would_type_them() {
+    let snippets = shell_snippets(
+        "Run `sudo target/debug/tandem-lab demo --ip-family dual` or `kubectl -n x\nexec ds/tandem-nodeproxy -- tandem-nodeproxy trace --src 1.2.3.4`; `tandem-controller` alone is a name.\n\n```sh\nTANDEM_X=1 cloud-mock --data-dir /d \\\n  --token t | tee log # comment\ncargo test -p tandem-lab\n```\n",
+        true,
+    );
+    let found: Vec<(String, Vec<String>)> = snippets.iter().flat_map(|s| invocations(s)).collect();
+    let words = |w: &[&str]| w.iter().map(|w| (*w).to_owned()).collect::<Vec<_>>();
+    assert_eq!(
+        found,
+        [
+            ("tandem-lab".into(), words(&["demo", "--ip-family", "dual"])),
+            (
+                "tandem-nodeproxy".into(),
+                words(&["trace", "--src", "1.2.3.4"])
+            ),
+            (
+                "cloud-mock".into(),
+                words(&["--data-dir", "/d", "--token", "t"])
+            ),
+        ]
+    );
+    assert_eq!(
+        filled(&words(&["trace", "--dst", "<EXTERNAL-IP>", "[FLAGS]"])),
+        Ok(words(&["trace", "--dst", "198.51.100.10"]))
+    );
+    assert_eq!(
+        filled(&words(&["--src", "SOME_IP", "$VIP"])),
+        Err(words(&["SOME_IP", "$VIP"]))
     );
 }
