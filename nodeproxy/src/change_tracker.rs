@@ -311,6 +311,22 @@ impl ChangeTracker {
         changes
     }
 
+    /// Marks every Service port with a zone-hinted endpoint as changed, so the next
+    /// [`take`](Self::take) hands it over again: the node's zone changed, and the
+    /// endpoints such ports use may with it. Ports without zone hints do not depend on
+    /// the zone and stay as they are. Returns how many ports it marked.
+    pub fn mark_zone_hinted(&mut self) -> usize {
+        let hinted = self
+            .state
+            .endpoints
+            .iter()
+            .filter(|(_, endpoints)| endpoints.iter().any(|ep| !ep.zone_hints().is_empty()))
+            .map(|(name, _)| name.clone());
+        let before = self.changed.len();
+        self.changed.extend(hinted);
+        self.changed.len() - before
+    }
+
     /// The state as of the last [`take`](Self::take).
     pub fn state(&self) -> &ProxyState {
         &self.state
@@ -373,6 +389,7 @@ mod tests {
             serving: true,
             terminating: false,
             node_name: None,
+            hints: None,
         }]
     }
 
@@ -386,6 +403,50 @@ mod tests {
             out.current.endpoints.insert(name(port), endpoints(last));
         }
         out
+    }
+
+    #[test]
+    fn a_zone_change_marks_only_the_ports_with_zone_hints() {
+        let service = |name: &str| -> Service {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"namespace": "default", "name": name},
+                "spec": {"clusterIP": "10.96.0.1", "ports": [{"name": "http", "port": 80}]},
+            }))
+            .unwrap()
+        };
+        let slice = |service: &str, hints: serde_json::Value| -> EndpointSlice {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"namespace": "default", "name": format!("{service}-1"),
+                    "labels": {convert::SERVICE_NAME_LABEL: service}},
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": 8080}],
+                "endpoints": [{"addresses": ["10.244.1.5"], "hints": hints}],
+            }))
+            .unwrap()
+        };
+        let mut tracker = ChangeTracker::new(IpFamily::V4);
+        for name in ["zoned", "plain"] {
+            tracker.record_service(Event::Apply(service(name)));
+        }
+        tracker.record_slice(Event::Apply(slice(
+            "zoned",
+            serde_json::json!({"forZones": [{"name": "zone-a"}]}),
+        )));
+        tracker.record_slice(Event::Apply(slice("plain", serde_json::json!({}))));
+        assert_eq!(tracker.take().ports.len(), 2);
+        assert_eq!(tracker.mark_zone_hinted(), 1);
+        let again = tracker.take();
+        assert_eq!(
+            again.ports,
+            [ServicePortName {
+                namespace: "default".into(),
+                name: "zoned".into(),
+                port: "http".into(),
+            }]
+            .into()
+        );
+        // Re-joined, not changed: nothing for conntrack to clean up.
+        assert_eq!(again.previous, again.current);
     }
 
     #[test]

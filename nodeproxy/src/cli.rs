@@ -240,6 +240,8 @@ impl ClusterArgs {
         let node_ip = node.ip;
         Ok(NodeConfig {
             node_name,
+            // From the Node at each sync: it may change while the proxy runs.
+            zone: None,
             family,
             local_detector: self.local_detector(family, node.pod_cidr)?,
             node_ip,

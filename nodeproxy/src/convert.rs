@@ -12,14 +12,15 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort as K8sServicePort};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::discovery::v1::{EndpointHints, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
 use tandem_proxy_rules::model::{
-    Endpoint, IpFamily, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort,
+    Endpoint, Hints, IpFamily, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort,
     ServicePortName,
 };
 
@@ -107,6 +108,7 @@ struct SliceEndpoint {
     serving: bool,
     terminating: bool,
     node_name: Option<String>,
+    hints: Option<Arc<Hints>>,
 }
 
 impl SliceEndpoint {
@@ -118,6 +120,7 @@ impl SliceEndpoint {
             serving: self.serving,
             terminating: self.terminating,
             node_name: self.node_name.clone(),
+            hints: self.hints.clone(),
         }
     }
 }
@@ -203,6 +206,7 @@ impl SliceEntry {
                 serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
                 terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
                 node_name: endpoint.node_name.clone(),
+                hints: endpoint_hints(endpoint.hints.as_ref()),
             });
         }
         Self {
@@ -233,6 +237,24 @@ impl SliceEntry {
             .filter(move |(port, _)| port == name)
             .flat_map(|(_, target)| self.endpoints.iter().map(|endpoint| endpoint.at(*target)))
     }
+}
+
+/// An endpoint's `hints.forZones[].name` and `hints.forNodes[].name`, as kube-proxy keeps
+/// them: as sets, `None` when there are neither.
+fn endpoint_hints(hints: Option<&EndpointHints>) -> Option<Arc<Hints>> {
+    let hints = hints?;
+    Hints::of(
+        hints
+            .for_zones
+            .iter()
+            .flatten()
+            .map(|zone| zone.name.clone()),
+        hints
+            .for_nodes
+            .iter()
+            .flatten()
+            .map(|node| node.name.clone()),
+    )
 }
 
 /// One Service port's endpoints from the slices of its Service, joined (empty: none).
@@ -331,6 +353,16 @@ pub fn node_is_draining(node: &Node) -> bool {
                 .iter()
                 .any(|t| t.key == TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER)
         })
+}
+
+/// The label that names a node's zone, which endpoint zone hints are matched against.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// The node's zone: its `topology.kubernetes.io/zone` label, `None` without one. Read at
+/// every sync (a change re-chooses the endpoints of hinted Service ports), as kube-proxy
+/// follows the label through its Node topology handler.
+pub fn node_zone(node: &Node) -> Option<String> {
+    node.metadata.labels.as_ref()?.get(ZONE_LABEL).cloned()
 }
 
 /// The node's addresses from `status.addresses` (InternalIP and ExternalIP): what
@@ -1096,6 +1128,42 @@ mod tests {
         let metrics = &out.state.endpoints[&spn("nginx-service", "metrics")];
         assert!(metrics.iter().all(|e| e.port == 9090));
         assert_eq!(out.state.endpoints.len(), 2);
+    }
+
+    #[test]
+    fn endpoint_hints_and_the_node_zone_are_read_as_sets() {
+        use k8s_openapi::api::discovery::v1::{ForNode, ForZone};
+        let zone = |name: &str| ForZone { name: name.into() };
+        let mut hinted = endpoint("10.244.1.5", "node-a", Some(true), Some(false));
+        hinted.hints = Some(EndpointHints {
+            for_zones: Some(vec![zone("zone-b"), zone("zone-a"), zone("zone-b")]),
+            for_nodes: Some(vec![ForNode {
+                name: "node-a".into(),
+            }]),
+        });
+        let mut empty = endpoint("10.244.1.6", "node-a", Some(true), Some(false));
+        empty.hints = Some(EndpointHints::default());
+        let plain = endpoint("10.244.1.7", "node-a", Some(true), Some(false));
+        let slices = [slice(
+            "a",
+            "nginx-service",
+            &[(Some("http"), 8080)],
+            vec![hinted, empty, plain],
+        )];
+        let out = proxy_state([&nginx()], &slices, IpFamily::V4);
+        let http = &out.state.endpoints[&spn("nginx-service", "http")];
+        assert_eq!(http[0].zone_hints(), ["zone-a", "zone-b"]);
+        assert_eq!(http[0].node_hints(), ["node-a"]);
+        // Empty hints are no hints: kube-proxy counts the names.
+        assert_eq!(
+            (http[1].hints.as_ref(), http[2].hints.as_ref()),
+            (None, None)
+        );
+
+        let mut node = Node::default();
+        assert_eq!(node_zone(&node), None);
+        node.metadata.labels = Some([(ZONE_LABEL.to_owned(), "us-east-1a".to_owned())].into());
+        assert_eq!(node_zone(&node).as_deref(), Some("us-east-1a"));
     }
 
     #[test]

@@ -203,6 +203,15 @@ impl DataPath {
         })
     }
 
+    /// The node's zone changed: ports updated from now on choose their endpoints by the
+    /// new one; the caller updates those whose endpoints carry zone hints.
+    pub fn set_zone(&mut self, zone: Option<String>) {
+        match self {
+            DataPath::Iptables(path) => path.rules.set_zone(zone),
+            DataPath::Nftables(path) => path.rules.set_zone(zone),
+        }
+    }
+
     /// Rebuilds the given Service ports from `state`; returns how many chains (iptables) or
     /// operations (nftables) the change needs, or, for an nftables table that the next
     /// apply writes whole, how many ports were rebuilt.

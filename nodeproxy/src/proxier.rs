@@ -57,6 +57,15 @@ impl Observed {
         Some(snapshot.joined())
     }
 
+    /// This node's zone label, as the Node reflector holds it now (`None`: no label, or
+    /// no Node).
+    pub fn node_zone(&self) -> Option<String> {
+        self.node
+            .state()
+            .iter()
+            .find_map(|node| convert::node_zone(node))
+    }
+
     pub fn node_draining(&self) -> bool {
         self.node
             .state()
@@ -134,7 +143,8 @@ pub fn watch(
                 }
                 changed
             };
-            // The Node only feeds /healthz, which each sync refreshes.
+            // The Node feeds /healthz and the zone endpoint hints are matched against,
+            // which each sync reads again.
             let on_node = |event: watcher::Event<Node>| {
                 !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_))
             };
@@ -269,16 +279,37 @@ impl FamilyProxier {
         }
     }
 
+    /// The node's zone is now `zone`: when it changed, the data path chooses endpoints by
+    /// the new one, and the ports with zone-hinted endpoints are rebuilt by the next
+    /// [`FamilyProxier::sync`] (kube-proxy resyncs on a topology label change too).
+    fn follow_zone(&mut self, zone: Option<String>, tracker: &SharedTracker) {
+        if self.node.zone == zone {
+            return;
+        }
+        let ports = change_tracker::lock(tracker).mark_zone_hinted();
+        tracing::info!(
+            family = %self.node.family,
+            from = ?self.node.zone,
+            to = ?zone,
+            ports,
+            "the node's zone label is read anew; the endpoints of zone-hinted Service ports are chosen by it"
+        );
+        self.node.zone = zone.clone();
+        self.datapath.set_zone(zone);
+    }
+
     /// This family's part of a sync: take its changes, rebuild the changed Service ports
     /// (checked against a full rebuild with `full_check`), apply what differs, then clean
     /// up conntrack. Returns what it did.
     async fn sync(
         &mut self,
         tracker: &SharedTracker,
+        zone: Option<String>,
         full_check: bool,
         metrics: &Metrics,
         skipped: &mut Vec<convert::Skipped>,
     ) -> FamilySync {
+        self.follow_zone(zone, tracker);
         // The check's objects are taken under the same lock as the changes, so the full
         // rebuild sees exactly what the incremental state now reflects.
         let (changes, snapshot) = {
@@ -510,12 +541,19 @@ impl Proxier {
         let started = std::time::Instant::now();
         let (mut ports, mut changed, mut applied) = (0, 0, true);
         let mut skipped = Vec::new();
+        let zone = observed.node_zone();
         for family in &mut self.families {
             let Some(tracker) = observed.trackers.get(&family.node.family) else {
                 continue;
             };
             let done = family
-                .sync(tracker, full_check, &self.metrics, &mut skipped)
+                .sync(
+                    tracker,
+                    zone.clone(),
+                    full_check,
+                    &self.metrics,
+                    &mut skipped,
+                )
                 .await;
             ports += done.ports;
             changed += done.changed;

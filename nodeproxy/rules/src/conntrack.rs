@@ -211,6 +211,7 @@ mod tests {
             serving: true,
             terminating: false,
             node_name: None,
+            hints: None,
         }
     }
 

@@ -137,6 +137,7 @@ mod tests {
             serving: ready,
             terminating,
             node_name: Some(node.into()),
+            hints: None,
         }
     }
 

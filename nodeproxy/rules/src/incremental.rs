@@ -52,6 +52,12 @@ impl IncrementalRuleset {
         &self.node
     }
 
+    /// The node's zone changed: later updates choose endpoints by the new one. Only ports
+    /// whose endpoints carry zone hints depend on it; the caller updates those.
+    pub fn set_zone(&mut self, zone: Option<String>) {
+        self.node.zone = zone;
+    }
+
     /// Rebuilds the given Service ports from `state` (a port `state` no longer has is
     /// removed) and returns the chains whose rules changed or that went away.
     pub fn update<'a>(
@@ -174,6 +180,7 @@ mod tests {
             serving: true,
             terminating: false,
             node_name: Some("node-b".into()),
+            hints: None,
         }
     }
 

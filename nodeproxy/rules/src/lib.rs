@@ -11,6 +11,8 @@
 //! - [`trace::trace`]: where a packet goes through that ruleset, and its fate;
 //! - [`health::health_check_services`]: the health-check node port servers and answers;
 //! - [`conntrack::stale_udp_deletions`]: UDP conntrack entries to delete after a change;
+//! - [`topology::choose_endpoints`]: which endpoints a Service port uses on this node
+//!   (kube-proxy's `CategorizeEndpoints`: readiness, topology hints, traffic policies);
 //! - [`nft`]: the nftables mode: its layout, its per-port transactions and its tracer.
 
 pub mod chains;
@@ -21,6 +23,7 @@ pub mod model;
 pub mod nft;
 pub mod rules;
 pub mod ruleset;
+pub mod topology;
 pub mod trace;
 
 pub use rules::build;

@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 
@@ -84,6 +85,58 @@ pub struct Endpoint {
     pub terminating: bool,
     /// `nodeName` of the endpoint; compared with [`NodeConfig::node_name`] for "local".
     pub node_name: Option<String>,
+    /// `hints` of the endpoint (`None`: neither zone nor node hints). Shared, as every
+    /// port of a slice gets a copy of its endpoints and most have no hints at all.
+    pub hints: Option<Arc<Hints>>,
+}
+
+/// An endpoint's topology hints, written by the EndpointSlice controller for
+/// `trafficDistribution` and `service.kubernetes.io/topology-mode: Auto`: the zones
+/// (`hints.forZones[].name`) and nodes (`hints.forNodes[].name`, PreferSameNode) whose
+/// nodes should use it. Each list is sorted and without repeats: kube-proxy keeps them as
+/// sets.
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Hints {
+    pub zones: Vec<String>,
+    pub nodes: Vec<String>,
+}
+
+impl Hints {
+    /// The hints of these zone and node names; `None` when there are none of either, so
+    /// an endpoint without hints costs no allocation.
+    pub fn of<Z, N>(zones: Z, nodes: N) -> Option<Arc<Hints>>
+    where
+        Z: IntoIterator,
+        Z::Item: Into<String>,
+        N: IntoIterator,
+        N::Item: Into<String>,
+    {
+        let set = |names: Vec<String>| {
+            let mut names = names;
+            names.sort();
+            names.dedup();
+            names
+        };
+        let hints = Hints {
+            zones: set(zones.into_iter().map(Into::into).collect()),
+            nodes: set(nodes.into_iter().map(Into::into).collect()),
+        };
+        (hints != Hints::default()).then(|| Arc::new(hints))
+    }
+
+    /// Hinted for the zone `zone` (kube-proxy's `ZoneHints().Has(zone)`).
+    pub fn for_zone(&self, zone: &str) -> bool {
+        self.zones
+            .binary_search_by(|z| z.as_str().cmp(zone))
+            .is_ok()
+    }
+
+    /// Hinted for the node `node` (kube-proxy's `NodeHints().Has(node)`).
+    pub fn for_node(&self, node: &str) -> bool {
+        self.nodes
+            .binary_search_by(|n| n.as_str().cmp(node))
+            .is_ok()
+    }
 }
 
 impl Endpoint {
@@ -96,6 +149,16 @@ impl Endpoint {
     /// endpoint where it needs one (KEP-1669).
     pub fn is_serving_terminating(&self) -> bool {
         self.serving && self.terminating
+    }
+
+    /// The zones this endpoint is hinted for (empty: no zone hints).
+    pub fn zone_hints(&self) -> &[String] {
+        self.hints.as_deref().map_or(&[], |hints| &hints.zones)
+    }
+
+    /// The nodes this endpoint is hinted for (empty: no node hints).
+    pub fn node_hints(&self) -> &[String] {
+        self.hints.as_deref().map_or(&[], |hints| &hints.nodes)
     }
 }
 
@@ -231,6 +294,9 @@ impl LocalDetector {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeConfig {
     pub node_name: String,
+    /// The node's `topology.kubernetes.io/zone` label (`None`: no label), which endpoint
+    /// zone hints are matched against. An empty label is no zone, as in kube-proxy.
+    pub zone: Option<String>,
     /// The family of every address the proxier writes.
     pub family: IpFamily,
     /// How this family's proxier tells traffic from pods (`--detect-local-mode`): traffic
@@ -263,6 +329,7 @@ impl NodeConfig {
     pub fn new(node_name: impl Into<String>, cluster_cidr: Option<IpNet>) -> Self {
         Self {
             node_name: node_name.into(),
+            zone: None,
             family: IpFamily::V4,
             local_detector: cluster_cidr.map_or(LocalDetector::None, LocalDetector::ClusterCidr),
             node_ip: None,

@@ -6,7 +6,6 @@
 //! `iptables-restore` accepts unchanged: so the desired ruleset can be compared with what
 //! the kernel reports byte for byte.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 
@@ -21,10 +20,12 @@ use crate::model::{
     ServicePort, overlaps,
 };
 use crate::ruleset::{Ruleset, Table};
+pub(crate) use crate::topology::{UsableEndpoint, usable_endpoints};
 
 /// The complete desired ruleset for this node: every chain the node proxy owns in the nat
 /// and filter tables, with all of its rules. Headless Services get no rules; which endpoints
-/// are used is [`usable_endpoints`]' decision (ready ones, else serving terminating ones).
+/// are used is [`crate::topology::choose_endpoints`]' decision (ready ones as the topology
+/// hints allow, else serving terminating ones).
 pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
     let mut out = RulesetBuilder::with_fixed_chains();
     for service in state.services.values() {
@@ -101,53 +102,6 @@ pub fn port_rules(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig) 
     };
     out.add_service_port(svc, &usable_endpoints(endpoints, node), node);
     out.ruleset
-}
-
-/// An endpoint that gets traffic: from anywhere (`cluster`), through a Local traffic policy
-/// (`local`: externalTrafficPolicy for external paths, internalTrafficPolicy for the
-/// cluster IP), or both.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct UsableEndpoint {
-    pub(crate) addr: SocketAddr,
-    pub(crate) cluster: bool,
-    pub(crate) local: bool,
-}
-
-/// The endpoints that get traffic, de-duplicated (an endpoint can appear in two
-/// EndpointSlices while they are being rebalanced) and ordered as kube-proxy orders them:
-/// by their `ip:port` text. As kube-proxy ≥ v1.28 does (KEP-1669): the cluster-wide set
-/// is the ready endpoints, or, when there is none, the serving terminating ones; the local
-/// set (either traffic policy Local) is this node's ready endpoints, or, when there is
-/// none, this node's serving terminating ones, so connections survive a rolling update of
-/// the only local pod while the health check already sends new ones elsewhere.
-pub(crate) fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec<UsableEndpoint> {
-    let is_local = |ep: &Endpoint| ep.node_name.as_deref() == Some(node.node_name.as_str());
-    let any_ready = endpoints.iter().any(Endpoint::is_ready);
-    let any_local_ready = endpoints.iter().any(|ep| ep.is_ready() && is_local(ep));
-    let mut usable: BTreeMap<String, UsableEndpoint> = BTreeMap::new();
-    for ep in endpoints {
-        let usable_if = |ready_exist: bool| {
-            if ready_exist {
-                ep.is_ready()
-            } else {
-                ep.is_serving_terminating()
-            }
-        };
-        let cluster = usable_if(any_ready);
-        let local = is_local(ep) && usable_if(any_local_ready);
-        if !cluster && !local {
-            continue;
-        }
-        let addr = SocketAddr::new(ep.ip, ep.port);
-        let entry = usable.entry(addr.to_string()).or_insert(UsableEndpoint {
-            addr,
-            cluster: false,
-            local: false,
-        });
-        entry.cluster |= cluster;
-        entry.local |= local;
-    }
-    usable.into_values().collect()
 }
 
 /// Which paths of a Service port exist and which endpoint sets they spread over: the
@@ -877,6 +831,7 @@ mod tests {
             serving: true,
             terminating: false,
             node_name: Some(node.into()),
+            hints: None,
         };
         let endpoints = [
             ep([10, 0, 0, 5], "b"),
@@ -906,6 +861,7 @@ mod tests {
             serving,
             terminating: !ready,
             node_name: Some(node.into()),
+            hints: None,
         };
         let flags = |endpoints: &[Endpoint]| -> Vec<(u8, bool, bool)> {
             usable_endpoints(endpoints, &node)

@@ -15,7 +15,7 @@ use proptest::prelude::*;
 use tandem_proxy_rules::build;
 use tandem_proxy_rules::chains::PER_SERVICE_PREFIXES;
 use tandem_proxy_rules::incremental::IncrementalRuleset;
-use tandem_proxy_rules::model::{Endpoint, ProxyState, ServicePortName};
+use tandem_proxy_rules::model::{Endpoint, NodeConfig, ProxyState, ServicePortName};
 use tandem_proxy_rules::ruleset::{BASE_JUMPS, ChangedChains, Ruleset, Table};
 use tandem_proxy_rules::trace::{Entry, Packet, TraceRequest, Verdict, trace};
 
@@ -90,6 +90,45 @@ fn usable(
         .collect()
 }
 
+/// The cluster-wide set on `node` as kube-proxy's `CategorizeEndpoints` picks it: the
+/// ready endpoints, narrowed to those hinted for the node when every ready one has node
+/// hints and one is for it, else to those hinted for its zone when every ready one has
+/// zone hints and one is for it; the serving terminating ones when none is ready.
+fn cluster_wide(
+    state: &ProxyState,
+    name: &ServicePortName,
+    node: &NodeConfig,
+) -> BTreeSet<SocketAddr> {
+    let ready: Vec<&Endpoint> = state.endpoints[name]
+        .iter()
+        .filter(|ep| ep.is_ready())
+        .collect();
+    if ready.is_empty() {
+        return usable(state, name, |_| true);
+    }
+    let zone = node.zone.clone().unwrap_or_default();
+    let narrowing = |hints: fn(&Endpoint) -> &[String], to: &String| {
+        ready.iter().all(|ep| !hints(ep).is_empty())
+            && ready.iter().any(|ep| hints(ep).contains(to))
+    };
+    let kept: Vec<&&Endpoint> = if narrowing(Endpoint::node_hints, &node.node_name) {
+        ready
+            .iter()
+            .filter(|ep| ep.node_hints().contains(&node.node_name))
+            .collect()
+    } else if narrowing(Endpoint::zone_hints, &zone) {
+        ready
+            .iter()
+            .filter(|ep| ep.zone_hints().contains(&zone))
+            .collect()
+    } else {
+        ready.iter().collect()
+    };
+    kept.iter()
+        .map(|ep| SocketAddr::new(ep.ip, ep.port))
+        .collect()
+}
+
 proptest! {
     #[test]
     fn every_jump_target_is_declared_and_every_service_chain_is_used(state in state()) {
@@ -126,7 +165,7 @@ proptest! {
             let Some(cluster_ip) = service.cluster_ip.filter(IpAddr::is_ipv4) else { continue };
             let packet = Packet { src: Ipv4Addr::new(10, 244, 1, 200).into(), dst: cluster_ip, protocol: service.protocol, dst_port: service.port };
             let traced = trace(&ruleset, &TraceRequest::new(packet, Entry::FromOutside, [Ipv4Addr::new(198, 18, 0, 11).into()])).unwrap();
-            let anywhere = usable(&state, name, |_| true);
+            let anywhere = cluster_wide(&state, name, &node);
             // internalTrafficPolicy Local: this node's endpoints only, dropped without any.
             let expected = if service.internal_traffic_policy_local {
                 usable(&state, name, |ep| ep.node_name.as_deref() == Some(node.node_name.as_str()))

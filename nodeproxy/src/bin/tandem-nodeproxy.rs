@@ -117,7 +117,8 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
         .map(|n| NodeFacts::of(n, family))
         .next()
         .unwrap_or_default();
-    let node = node_config(cluster, node_name, family, facts)?;
+    let mut node = node_config(cluster, node_name, family, facts)?;
+    node.zone = observed.node_zone();
     let mut request = TraceRequest::new(
         Packet {
             src: args.src,
@@ -144,6 +145,10 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
         )?,
     };
     print!("{trace}");
+    // Which endpoints the rules spread over, and why (topology hints, traffic policy).
+    for line in tandem_proxy_rules::topology::explain(&conversion.state, &node, &request) {
+        println!("endpoints of {line}");
+    }
     Ok(())
 }
 

@@ -147,6 +147,7 @@ pub fn endpoint(ip: [u8; 4], port: u16, node: &str) -> Endpoint {
         serving: true,
         terminating: false,
         node_name: Some(node.into()),
+        hints: None,
     }
 }
 

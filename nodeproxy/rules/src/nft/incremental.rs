@@ -140,6 +140,12 @@ impl IncrementalRuleset {
         &self.ruleset
     }
 
+    /// The node's zone changed: later updates choose endpoints by the new one. Only ports
+    /// whose endpoints carry zone hints depend on it; the caller updates those.
+    pub fn set_zone(&mut self, zone: Option<String>) {
+        self.node.zone = zone;
+    }
+
     /// The slots the ports hold: [`layout::build_with_slots`] with these and the same
     /// state is [`IncrementalRuleset::ruleset`].
     pub fn slots(&self) -> &BucketSlots {

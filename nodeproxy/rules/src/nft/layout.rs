@@ -986,6 +986,7 @@ pub(crate) mod tests {
             serving: true,
             terminating: false,
             node_name: Some(node.into()),
+            hints: None,
         }
     }
 

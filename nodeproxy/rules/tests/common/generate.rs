@@ -5,7 +5,8 @@ use std::net::Ipv4Addr;
 
 use proptest::prelude::*;
 use tandem_proxy_rules::model::{
-    Endpoint, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort, ServicePortName,
+    Endpoint, Hints, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort,
+    ServicePortName,
 };
 
 pub fn protocol() -> impl Strategy<Value = Protocol> {
@@ -25,9 +26,11 @@ pub fn endpoint() -> impl Strategy<Value = Endpoint> {
         prop::bool::weighted(0.7),
         prop::bool::weighted(0.1),
         0usize..3,
+        // Topology hints: none mostly, else for one of two zones, some with node hints.
+        0usize..6,
     )
         .prop_map(
-            |(subnet, host, port, ready, serving, terminating, node)| Endpoint {
+            |(subnet, host, port, ready, serving, terminating, node, hints)| Endpoint {
                 ip: Ipv4Addr::new(10, 244, subnet, host).into(),
                 port,
                 ready,
@@ -35,6 +38,12 @@ pub fn endpoint() -> impl Strategy<Value = Endpoint> {
                 terminating,
                 node_name: [Some("node-a".to_owned()), Some("node-b".to_owned()), None][node]
                     .clone(),
+                hints: match hints {
+                    0..=2 => None,
+                    3 => Hints::of(["zone-a"], Vec::<String>::new()),
+                    4 => Hints::of(["zone-b"], Vec::<String>::new()),
+                    _ => Hints::of(["zone-a"], ["node-a"]),
+                },
             },
         )
 }

@@ -62,11 +62,16 @@ pub fn ready(ip: &str, port: u16, node: &str) -> Endpoint {
         serving: true,
         terminating: false,
         node_name: Some(node.into()),
+        hints: None,
     }
 }
 
+/// node-a, in zone `zone-a` (which the generated endpoints' hints name, beside `zone-b`).
 pub fn node_a() -> NodeConfig {
-    NodeConfig::new("node-a", Some("10.244.0.0/16".parse().unwrap()))
+    NodeConfig {
+        zone: Some("zone-a".to_owned()),
+        ..NodeConfig::new("node-a", Some("10.244.0.0/16".parse().unwrap()))
+    }
 }
 
 /// node-a (198.18.0.11, inside the source range 198.18.0.0/24 some tests' Services
