@@ -163,6 +163,7 @@ pub(crate) mod tests {
                     ip: Ipv4Addr::new(198, 18, 0, 12).into(),
                 },
             ],
+            node_pool: None,
             source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
             address: cloud_mock_sdk::AddressRequest::default(),
         }

@@ -128,6 +128,7 @@ fn spec(name: &str, backend: Ipv4Addr, backend_port: u16) -> LoadBalancerSpec {
             health_check: None,
         }],
         backends: vec![Backend { ip: backend }],
+        node_pool: None,
         source_ranges: vec![],
         address: AddressRequest::default(),
     }

@@ -229,13 +229,9 @@ async fn a_write_that_meets_a_conflict_is_retried() {
     );
 }
 
-async fn update_calls(c: &Controller) -> u64 {
-    c.metrics()
-        .await
-        .lines()
-        .filter(|l| l.starts_with("tandem_controller_cloud_calls_total{operation=\"update\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum()
+/// The cloud calls of `operation` the controller counted.
+async fn calls(c: &Controller, operation: &str) -> u64 {
+    calls_of(&c.metrics().await, operation)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -268,8 +264,16 @@ async fn backends_follow_nodes() {
             .await
         }
     };
-    // A burst of node churn is debounced into few updates per LB, not one per node.
-    let updates_before = update_calls(&controller).await;
+    // Every LB references the cluster's node pool.
+    let pool = format!("k8s-{}-nodes", h.cluster_id);
+    for lb in [&web, &api] {
+        assert_eq!(lb.spec.node_pool.as_deref(), Some(pool.as_str()));
+        assert!(lb.spec.backends.is_empty(), "{lb:?}");
+    }
+    // A burst of node churn is debounced into a few writes of the pool, and no LB is
+    // written at all: the cost does not grow with the number of LBs.
+    let updates_before = calls(&controller, "update").await;
+    let writes_before = calls(&controller, "put_node_pool").await;
     for i in 3..=7 {
         h.add_node(&format!("node-{i}"), &format!("198.18.0.1{i}"))
             .await;
@@ -278,10 +282,12 @@ async fn backends_follow_nodes() {
         h.delete_node(&format!("node-{i}")).await;
     }
     expect(&["198.18.0.11", "198.18.0.12", "198.18.0.13"]).await;
-    let updates = update_calls(&controller).await - updates_before;
+    let updates = calls(&controller, "update").await - updates_before;
+    let writes = calls(&controller, "put_node_pool").await - writes_before;
+    assert_eq!(updates, 0, "LB updates after 9 node changes");
     assert!(
-        updates <= 4,
-        "{updates} updates for 2 LBs after 9 node changes"
+        (1..=2).contains(&writes),
+        "{writes} pool writes after 9 node changes"
     );
     h.patch_node("node-1", json!({"metadata": {"labels": {"node.kubernetes.io/exclude-from-external-load-balancers": "true"}}})).await;
     expect(&["198.18.0.12", "198.18.0.13"]).await;
@@ -299,11 +305,84 @@ async fn backends_follow_nodes() {
     expect(&["198.18.0.11", "198.18.0.13"]).await;
     h.delete_node("node-1").await;
     expect(&["198.18.0.13"]).await;
-    let reasons: Vec<String> = h.events_for("web").await.into_iter().map(|e| e.1).collect();
+    assert_eq!(calls(&controller, "update").await, updates_before, "no LB written");
+    h.shutdown().await;
+}
+
+/// The scaling problem of the cloud-provider service controller (a node change costs a
+/// call per LB) is gone: with twenty LBs, a node joining is one write of the node pool and
+/// no other cloud call, and every LB serves the new node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_change_costs_one_pool_write_whatever_the_number_of_load_balancers() {
+    let h = Harness::start("pool-churn").await;
+    two_nodes(&h).await;
+    let controller = h.controller(&["--node-debounce-ms", "300"]);
+    let names: Vec<String> = (0..20).map(|i| format!("s{i:02}")).collect();
+    for name in &names {
+        h.create_service(lb_service(name, &[(80, "TCP")])).await;
+    }
+    let mut ids = Vec::new();
+    for name in &names {
+        ids.push(h.wait_served(name).await.1.id);
+    }
+    let before = controller.cloud_calls().await;
+    let writes_before = calls(&controller, "put_node_pool").await;
+    h.add_node("node-3", "198.18.0.13").await;
+    h.eventually("every LB on the new node", WAIT, || async {
+        for id in &ids {
+            let lb = h.cloud.client.get_load_balancer(id).await.ok()?;
+            if backend_ips(&lb) != ["198.18.0.11", "198.18.0.12", "198.18.0.13"] {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    let all = controller.cloud_calls().await - before;
+    let writes = calls(&controller, "put_node_pool").await - writes_before;
+    println!("a node added under 20 LBs: {all} cloud calls ({writes} pool writes)");
+    assert_eq!((all, writes), (1, 1), "cloud calls for one node added under 20 LBs");
+    h.shutdown().await;
+}
+
+/// Two clusters given one cluster id would take each other's LBs for orphans: the second
+/// controller finds the node pool of that id claimed by another cluster and refuses to
+/// start, touching nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_id_another_cluster_holds_is_refused() {
+    let h = Harness::start("foreign-pool").await;
+    two_nodes(&h).await;
+    let pool = format!("k8s-{}-nodes", h.cluster_id);
+    let theirs = sdk::NodePoolSpec {
+        tags: [
+            (TAG_CLUSTER_ID.to_owned(), h.cluster_id.clone()),
+            (
+                "tandem.io/cluster-uid".to_owned(),
+                "another-clusters-kube-system-uid".to_owned(),
+            ),
+        ]
+        .into(),
+        backends: vec![sdk::families::Backend {
+            ip: "198.18.0.99".parse().unwrap(),
+        }],
+    };
+    h.cloud
+        .client
+        .put_node_pool(&pool, &theirs, None)
+        .await
+        .unwrap();
+    h.create_service(lb_service("web", &[(80, "TCP")])).await;
+    let mut controller = h.controller(&[]);
+    let status = controller.wait_exit(Duration::from_secs(30)).await;
+    assert!(!status.success(), "{status:?}");
+    let logs = h.logs();
     assert!(
-        reasons.contains(&"UpdatedLoadBalancer".to_string()),
-        "{reasons:?}"
+        logs.contains("belongs to another cluster") && logs.contains("--cluster-id"),
+        "{logs}"
     );
+    let now = h.cloud.client.get_node_pool(&pool).await.unwrap();
+    assert_eq!(now.backends, theirs.backends, "the pool was not touched");
+    assert!(h.cloud.all().await.is_empty(), "no LB made");
     h.shutdown().await;
 }
 
@@ -315,9 +394,10 @@ async fn drift_is_repaired() {
     h.create_service(lb_service("web", &[(80, "TCP")])).await;
     let (svc, lb) = h.wait_served("web").await;
     let uid = svc.metadata.uid.clone().unwrap();
-    // Changed behind our back: listeners and backends are put right.
+    // Changed behind our back: listeners and the node pool reference are put right.
     let mut tampered = lb.spec.clone();
     tampered.listeners[0].backend_port = 1;
+    tampered.node_pool = None;
     tampered.backends.clear();
     h.cloud
         .client
@@ -326,8 +406,26 @@ async fn drift_is_repaired() {
         .unwrap();
     h.eventually("tampered LB restored", WAIT, || async {
         let now = h.cloud.client.get_load_balancer(&lb.id).await.ok()?;
-        (now.spec.listeners == lb.spec.listeners && backend_ips(&now) == backend_ips(&lb))
+        (now.spec.listeners == lb.spec.listeners
+            && now.spec.node_pool == lb.spec.node_pool
+            && backend_ips(&now) == backend_ips(&lb))
             .then_some(())
+    })
+    .await;
+    // The node pool changed behind our back: the drift check writes it again.
+    let pool = lb.spec.node_pool.clone().unwrap();
+    let pool_spec = sdk::NodePoolSpec {
+        tags: h.cloud.client.get_node_pool(&pool).await.unwrap().tags,
+        backends: vec![],
+    };
+    h.cloud
+        .client
+        .put_node_pool(&pool, &pool_spec, None)
+        .await
+        .unwrap();
+    h.eventually("tampered node pool restored", WAIT, || async {
+        let now = h.cloud.client.get_load_balancer(&lb.id).await.ok()?;
+        (backend_ips(&now) == backend_ips(&lb)).then_some(())
     })
     .await;
     // Deleted behind our back: a new LB is created and the status follows.
@@ -369,6 +467,7 @@ async fn classes_foreign_lbs_and_orphans() {
             health_check: None,
         }],
         backends: vec![],
+        node_pool: None,
         source_ranges: vec![],
         address: sdk::AddressRequest::default(),
     };
@@ -1021,8 +1120,12 @@ fn strings<T: ToString>(items: impl IntoIterator<Item = T>) -> Vec<String> {
     out
 }
 
+/// As [`backend_ips`], of any family.
 fn backends(lb: &sdk::families::LoadBalancer) -> Vec<String> {
-    strings(lb.spec.backends.iter().map(|b| b.ip))
+    match lb.spec.node_pool {
+        Some(_) => strings(lb.health.iter().map(|b| b.ip)),
+        None => strings(lb.spec.backends.iter().map(|b| b.ip)),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

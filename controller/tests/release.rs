@@ -104,6 +104,7 @@ async fn refuses_while_in_use_then_releases_everything() {
                     health_check: None,
                 }],
                 backends: vec![],
+                node_pool: None,
                 source_ranges: vec![],
                 address: cloud_mock_sdk::AddressRequest::default(),
             },

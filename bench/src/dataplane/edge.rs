@@ -136,6 +136,7 @@ pub fn copy_of(template: &LoadBalancer, name: &str) -> LoadBalancerSpec {
             .cloned()
             .collect(),
         backends: template.spec.backends.clone(),
+        node_pool: None,
         source_ranges: template.spec.source_ranges.clone(),
         address: AddressRequest::default(),
     }

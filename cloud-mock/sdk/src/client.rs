@@ -15,7 +15,7 @@ use crate::error::{Error, TlsError};
 use crate::types::{
     ErrorBody, Faults, LoadBalancer, LoadBalancerList, LoadBalancerSpec, Pool, PoolList,
 };
-use crate::{ListFilter, families};
+use crate::{ListFilter, NodePool, NodePoolList, NodePoolSpec, families};
 
 /// Header that makes a create idempotent: a repeated create with the same key returns the
 /// load balancer the first one made.
@@ -231,6 +231,59 @@ impl Client {
         let url = self.url(&["v1", "pools"])?;
         let list: PoolList = self.call(|| self.request(Method::GET, url.clone())).await?;
         Ok(list.items)
+    }
+
+    /// Creates or replaces the node pool `name`. With `if_match` the pool must still be at
+    /// that version ([`Error::Conflict`] with code `version-mismatch` otherwise); without it
+    /// the spec replaces whatever is there. Sending the pool's current content changes
+    /// nothing (same version).
+    #[tracing::instrument(skip(self, spec), fields(backends = spec.backends.len()))]
+    pub async fn put_node_pool(
+        &self,
+        name: &str,
+        spec: &NodePoolSpec,
+        if_match: Option<u64>,
+    ) -> Result<NodePool, Error> {
+        let url = self.url(&["v1", "nodepools", name])?;
+        let version = if_match.map(|version| version.to_string());
+        self.call(|| {
+            let request = self.request(Method::PUT, url.clone()).json(spec);
+            match &version {
+                Some(version) => request.header(reqwest::header::IF_MATCH, version.as_str()),
+                None => request,
+            }
+        })
+        .await
+    }
+
+    /// The node pool `name`; [`Error::NotFound`] when there is none.
+    #[tracing::instrument(skip(self))]
+    pub async fn get_node_pool(&self, name: &str) -> Result<NodePool, Error> {
+        let url = self.url(&["v1", "nodepools", name])?;
+        self.call(|| self.request(Method::GET, url.clone())).await
+    }
+
+    /// Every node pool that carries all of `filter.tags` and, if given, is named
+    /// `filter.name`.
+    #[tracing::instrument(skip(self))]
+    pub async fn list_node_pools(&self, filter: &ListFilter) -> Result<Vec<NodePool>, Error> {
+        let url = self.url(&["v1", "nodepools"])?;
+        let query = filter.query_pairs();
+        let list: NodePoolList = self
+            .call(|| self.request(Method::GET, url.clone()).query(&query))
+            .await?;
+        Ok(list.items)
+    }
+
+    /// Deletes the node pool `name`: [`Error::Conflict`] with code `node-pool-in-use`
+    /// while a load balancer references it, [`Error::NotFound`] when there is none (a
+    /// retry after a lost answer sees that too).
+    #[tracing::instrument(skip(self))]
+    pub async fn delete_node_pool(&self, name: &str) -> Result<(), Error> {
+        let url = self.url(&["v1", "nodepools", name])?;
+        self.execute(|| self.request(Method::DELETE, url.clone()))
+            .await
+            .map(drop)
     }
 
     /// Sets the faults the server injects (tests only). [`Faults::default`] clears them.

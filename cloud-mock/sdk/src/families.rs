@@ -41,6 +41,10 @@ pub struct LoadBalancerSpec {
     /// Backends of each family the load balancer has: each VIP forwards to (or routes
     /// over) the backends of its own family.
     pub backends: Vec<Backend>,
+    /// The node pool whose members are the backends (`backends` is then empty): each VIP
+    /// uses the pool's members of its own family. See [`crate::NodePool`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_pool: Option<String>,
     /// Client CIDRs allowed to reach the VIP of their family. A VIP whose family has no
     /// range here is open to every source, as kube-proxy reads `loadBalancerSourceRanges`.
     #[serde(default)]

@@ -12,19 +12,21 @@
 mod client;
 mod error;
 pub mod families;
+mod nodepools;
 mod types;
 
 use std::collections::BTreeMap;
 
 pub use client::{Client, ClientOptions, FamiliesClient, IDEMPOTENCY_KEY};
 pub use error::{Error, TlsError};
+pub use nodepools::{NodePool, NodePoolList, NodePoolSpec};
 pub use types::{
     AddressRequest, Backend, BackendHealth, BackendStatus, ErrorBody, ErrorDetail, Faults,
     HealthCheck, HealthCheckProtocol, IpFamily, Listener, LoadBalancer, LoadBalancerList,
     LoadBalancerSpec, LostAnswer, Mode, Pool, PoolList, Protocol, State,
 };
 
-/// Which load balancers a list returns: those carrying every tag in `tags` (and named
+/// Which load balancers (or node pools) a list returns: those carrying every tag in `tags` (and named
 /// `name`, if given).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ListFilter {

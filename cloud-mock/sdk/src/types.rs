@@ -59,6 +59,10 @@ pub struct LoadBalancerSpec {
     pub listeners: Vec<Listener>,
     #[serde(deserialize_with = "ipv4_backends")]
     pub backends: Vec<Backend>,
+    /// The node pool whose members are the backends (`backends` is then empty); see
+    /// [`crate::NodePool`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_pool: Option<String>,
     /// Client CIDRs allowed to reach the VIP; empty allows every source.
     #[serde(default, deserialize_with = "ipv4_nets")]
     pub source_ranges: Vec<Ipv4Net>,
@@ -327,6 +331,7 @@ mod tests {
             backends: vec![Backend {
                 ip: Ipv4Addr::new(198, 18, 0, 11),
             }],
+            node_pool: None,
             source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
             address: AddressRequest::default(),
         }

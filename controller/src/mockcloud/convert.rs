@@ -8,8 +8,9 @@ use cloud_mock_sdk::families;
 use sha2::{Digest, Sha256};
 
 use crate::provider::{
-    DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, IpFamily, Listener, LoadBalancerMode,
-    LoadBalancerPhase, ObservedLoadBalancer, Owner, Protocol, TAG_CLUSTER_ID, TAG_SERVICE_UID,
+    DesiredLoadBalancer, DesiredNodePool, HealthCheck, HealthCheckProtocol, IpFamily, Listener,
+    LoadBalancerMode, LoadBalancerPhase, ObservedLoadBalancer, ObservedNodePool, Owner, Protocol,
+    TAG_CLUSTER_ID, TAG_SERVICE_UID,
 };
 
 fn to_sdk_mode(mode: LoadBalancerMode) -> sdk::Mode {
@@ -102,11 +103,16 @@ pub fn to_sdk_spec(desired: &DesiredLoadBalancer, kept: &[IpAddr]) -> families::
         ip_families: desired.ip_families.clone(),
         vip: None,
         listeners: desired.listeners.iter().map(to_sdk_listener).collect(),
-        backends: desired
-            .backends
-            .iter()
-            .map(|ip| families::Backend { ip: *ip })
-            .collect(),
+        // On a node pool the pool carries the backends.
+        backends: match desired.node_pool {
+            Some(_) => Vec::new(),
+            None => desired
+                .backends
+                .iter()
+                .map(|ip| families::Backend { ip: *ip })
+                .collect(),
+        },
+        node_pool: desired.node_pool.clone(),
         source_ranges: desired.source_ranges.clone(),
         address: sdk::AddressRequest {
             pool: address.pool.clone(),
@@ -136,6 +142,28 @@ fn assigned_vips(lb: &families::LoadBalancer) -> Vec<IpAddr> {
     }
 }
 
+/// The SDK spec of the cluster's node pool.
+pub fn to_sdk_node_pool(desired: &DesiredNodePool) -> sdk::NodePoolSpec {
+    sdk::NodePoolSpec {
+        tags: desired.tags(),
+        backends: desired
+            .backends
+            .iter()
+            .map(|ip| families::Backend { ip: *ip })
+            .collect(),
+    }
+}
+
+pub fn observe_node_pool(pool: &sdk::NodePool) -> ObservedNodePool {
+    ObservedNodePool {
+        name: pool.name.clone(),
+        version: pool.version,
+        tags: pool.tags.clone(),
+        backends: pool.backends.iter().map(|b| b.ip).collect(),
+        load_balancers: pool.load_balancers.len(),
+    }
+}
+
 pub fn observe(lb: &families::LoadBalancer) -> ObservedLoadBalancer {
     ObservedLoadBalancer {
         id: lb.id.clone(),
@@ -154,7 +182,12 @@ pub fn observe(lb: &families::LoadBalancer) -> ObservedLoadBalancer {
         sharing_key: lb.spec.address.sharing_key.clone(),
         mode: from_sdk_mode(lb.spec.mode),
         listeners: lb.spec.listeners.iter().map(from_sdk_listener).collect(),
-        backends: lb.spec.backends.iter().map(|b| b.ip).collect(),
+        // On a node pool the spec names the pool and the health list its members.
+        backends: match lb.spec.node_pool {
+            Some(_) => lb.health.iter().map(|b| b.ip).collect(),
+            None => lb.spec.backends.iter().map(|b| b.ip).collect(),
+        },
+        node_pool: lb.spec.node_pool.clone(),
         source_ranges: lb.spec.source_ranges.clone(),
     }
 }
@@ -227,6 +260,7 @@ mod tests {
                 }),
             }],
             backends: BTreeSet::from([ip("198.18.0.11")]),
+            node_pool: None,
             source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
         }
     }

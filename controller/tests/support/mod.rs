@@ -306,6 +306,7 @@ impl Cloud {
                 health_check: None,
             }],
             backends: vec![],
+            node_pool: None,
             source_ranges: vec![],
             address: sdk::AddressRequest::default(),
         };
@@ -1142,8 +1143,13 @@ pub fn lb_service(name: &str, ports: &[(i32, &str)]) -> Service {
     }
 }
 
+/// The LB's backends: its own, or (on a node pool) the pool's members its health list
+/// shows.
 pub fn backend_ips(lb: &sdk::LoadBalancer) -> Vec<String> {
-    let mut ips: Vec<String> = lb.spec.backends.iter().map(|b| b.ip.to_string()).collect();
+    let mut ips: Vec<String> = match lb.spec.node_pool {
+        Some(_) => lb.health.iter().map(|b| b.ip.to_string()).collect(),
+        None => lb.spec.backends.iter().map(|b| b.ip.to_string()).collect(),
+    };
     ips.sort();
     ips
 }
