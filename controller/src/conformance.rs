@@ -23,9 +23,9 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use crate::provider::{
-    AddressRequest, ClusterId, DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, IpFamily,
-    Listener, LoadBalancerLookup, LoadBalancerMode, LoadBalancerPhase, LoadBalancerProvider,
-    ObservedLoadBalancer, Owner, Protocol, ProviderError,
+    AddressRequest, ClusterId, DesiredLoadBalancer, DesiredNodePool, HealthCheck,
+    HealthCheckProtocol, IpFamily, Listener, LoadBalancerLookup, LoadBalancerMode,
+    LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer, Owner, Protocol, ProviderError,
 };
 use crate::spec::HEALTHZ_PATH;
 
@@ -76,6 +76,7 @@ impl Kit {
                 }),
             }],
             backends: self.backends.iter().copied().take(1).collect(),
+            node_pool: None,
             source_ranges: vec![],
         }
     }
@@ -229,7 +230,151 @@ pub async fn run<P: LoadBalancerProvider>(provider: &P, kit: &Kit) -> Result<(),
         let _ = provider.delete(&lookup(&desired, None)).await;
     }
     result?;
-    refusal(provider, kit).await
+    refusal(provider, kit).await?;
+    if provider.capabilities().node_pools {
+        node_pool(provider, kit).await?;
+    }
+    Ok(())
+}
+
+/// The cluster's node pool the kit writes.
+fn kit_pool(kit: &Kit, backends: &[IpAddr]) -> DesiredNodePool {
+    DesiredNodePool {
+        name: kit.cluster_id.node_pool_name(),
+        cluster_id: kit.cluster_id.clone(),
+        cluster_uid: "conformance-cluster-uid".into(),
+        backends: backends.iter().copied().collect(),
+    }
+}
+
+/// Node pools (capability `node_pools`): written, written again unchanged without a new
+/// version, refused from a stale version, followed by the LBs that reference it, kept
+/// while referenced, and gone when deleted. The pool and its LB are deleted also when a
+/// check fails.
+async fn node_pool<P: LoadBalancerProvider>(provider: &P, kit: &Kit) -> Result<(), Failure> {
+    let mut desired = kit.desired("5");
+    desired.node_pool = Some(kit.cluster_id.node_pool_name());
+    let result = node_pool_checks(provider, kit, &desired).await;
+    let lb_gone = until_gone(provider, kit, &lookup(&desired, None)).await;
+    let pool_gone = provider
+        .delete_node_pool(&kit.cluster_id.node_pool_name())
+        .await
+        .or_else(|e| fail("node pool delete", e.to_string()));
+    result.and(lb_gone).and(pool_gone)?;
+    match provider
+        .get_node_pool(&kit.cluster_id.node_pool_name())
+        .await
+    {
+        Ok(None) => {}
+        other => return fail("node pool delete", format!("want nothing, got {other:?}")),
+    }
+    match provider
+        .delete_node_pool(&kit.cluster_id.node_pool_name())
+        .await
+    {
+        Ok(()) => Ok(()),
+        other => fail(
+            "node pool delete",
+            format!("deleting a missing pool: want Ok, got {other:?}"),
+        ),
+    }
+}
+
+async fn node_pool_checks<P: LoadBalancerProvider>(
+    provider: &P,
+    kit: &Kit,
+    desired: &DesiredLoadBalancer,
+) -> Result<(), Failure> {
+    // An LB may not name a pool the cloud lacks.
+    match provider.create(desired, None).await {
+        Err(ProviderError::NodePoolMissing { .. }) => {}
+        other => {
+            return fail(
+                "node pool missing",
+                format!("an LB naming no existing pool: want NodePoolMissing, got {other:?}"),
+            );
+        }
+    }
+    let first = kit_pool(kit, &kit.backends[..1]);
+    let written = provider
+        .put_node_pool(&first, None)
+        .await
+        .or_else(|e| fail("node pool write", e.to_string()))?;
+    if !written.matches(&first) {
+        return fail("node pool write", format!("answered {written:?}"));
+    }
+    let again = provider
+        .put_node_pool(&first, Some(written.version))
+        .await
+        .or_else(|e| fail("node pool write", e.to_string()))?;
+    if again.version != written.version {
+        return fail(
+            "node pool write",
+            "writing the same pool again made a new version",
+        );
+    }
+    let created = provider
+        .create(desired, None)
+        .await
+        .or_else(|e| fail("node pool LB", e.to_string()))?;
+    let active = until_active(provider, kit, desired, &created.id).await?;
+    if active.node_pool != desired.node_pool || active.backends != first.backends {
+        return fail(
+            "node pool LB",
+            format!(
+                "the LB references {:?} with backends {:?}, want {:?} with {:?}",
+                active.node_pool, active.backends, desired.node_pool, first.backends
+            ),
+        );
+    }
+    // One write of the pool moves every LB that references it.
+    let second = kit_pool(kit, &kit.backends);
+    let moved = provider
+        .put_node_pool(&second, Some(written.version))
+        .await
+        .or_else(|e| fail("node pool write", e.to_string()))?;
+    match provider.put_node_pool(&first, Some(written.version)).await {
+        Err(ProviderError::Conflict { .. }) => {}
+        other => {
+            return fail(
+                "node pool stale write",
+                format!("want Conflict, got {other:?}"),
+            );
+        }
+    }
+    let followed = provider
+        .get(&lookup(desired, Some(&created.id)))
+        .await
+        .or_else(|e| fail("node pool LB", e.to_string()))?;
+    if followed.as_ref().map(|lb| &lb.backends) != Some(&second.backends) {
+        return fail(
+            "node pool LB",
+            format!(
+                "after the pool write the LB has {followed:?}, want the backends {:?}",
+                second.backends
+            ),
+        );
+    }
+    let listed = provider
+        .list_owned_node_pools(&kit.cluster_id)
+        .await
+        .or_else(|e| fail("node pool list", e.to_string()))?;
+    if !listed
+        .iter()
+        .any(|pool| pool.name == moved.name && pool.load_balancers == 1)
+    {
+        return fail(
+            "node pool list",
+            format!("want the pool with its one LB, listed {listed:?}"),
+        );
+    }
+    match provider.delete_node_pool(&moved.name).await {
+        Err(ProviderError::NodePoolInUse { .. }) => Ok(()),
+        other => fail(
+            "node pool in use",
+            format!("deleting a referenced pool: want NodePoolInUse, got {other:?}"),
+        ),
+    }
 }
 
 async fn lifecycle<P: LoadBalancerProvider>(

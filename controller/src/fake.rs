@@ -1,8 +1,9 @@
 //! `FakeProvider`: an in-memory cloud behind [`LoadBalancerProvider`], for in-process tests
 //! of reconcile (like the fake cloud of k8s.io/cloud-provider's service controller tests).
 //! It records every call, can fail the next call of an operation with a given error,
-//! creates LBs either provisioning or already active, gives them a VIP per IP family, and
-//! refuses, all or nothing, an LB of a family its pool lacks.
+//! creates LBs either provisioning or already active, gives them a VIP per IP family,
+//! refuses, all or nothing, an LB of a family its pool lacks, and keeps node pools whose
+//! members the LBs referencing them show as their backends.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -10,9 +11,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::provider::{
-    AddressRefusal, Capabilities, ClusterId, DesiredLoadBalancer, IpFamily, LoadBalancerLookup,
-    LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer, Operation, Profile,
-    ProviderError,
+    AddressRefusal, Capabilities, ClusterId, DesiredLoadBalancer, DesiredNodePool, IpFamily,
+    LoadBalancerLookup, LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer,
+    ObservedNodePool, Operation, Profile, ProviderError,
 };
 
 /// The fake's own annotations and class, so tests prove nothing is fixed to the mock cloud's.
@@ -33,6 +34,10 @@ pub enum Call {
     Update { id: String },
     Delete { known_id: Option<String> },
     ListOwned,
+    GetNodePool { name: String },
+    PutNodePool { name: String },
+    ListNodePools,
+    DeleteNodePool { name: String },
 }
 
 #[derive(Debug, Default)]
@@ -57,6 +62,7 @@ struct State {
     throttled: bool,
     /// Creates make their LB and answer `Unavailable`, as a cloud whose answer was lost.
     lose_create_answers: bool,
+    node_pools: BTreeMap<String, ObservedNodePool>,
 }
 
 /// How the fake names its LBs by DNS (see [`FakeProvider::set_hostnames`]).
@@ -158,7 +164,17 @@ impl FakeProvider {
     }
 
     pub fn load_balancers(&self) -> Vec<ObservedLoadBalancer> {
-        self.state().lbs.values().cloned().collect()
+        let state = self.state();
+        state.lbs.values().map(|lb| state.resolved(lb)).collect()
+    }
+
+    pub fn node_pools(&self) -> Vec<ObservedNodePool> {
+        self.state().node_pools.values().cloned().collect()
+    }
+
+    /// Takes a node pool out of the cloud behind the controller's back.
+    pub fn remove_node_pool(&self, name: &str) {
+        self.state().node_pools.remove(name);
     }
 
     fn begin(
@@ -187,6 +203,48 @@ impl FakeProvider {
 }
 
 impl State {
+    /// `lb` as the cloud reports it: on a node pool, its backends are the pool's members
+    /// of its families.
+    fn resolved(&self, lb: &ObservedLoadBalancer) -> ObservedLoadBalancer {
+        let mut lb = lb.clone();
+        if let Some(pool) = lb
+            .node_pool
+            .as_ref()
+            .and_then(|name| self.node_pools.get(name))
+        {
+            lb.backends = pool
+                .backends
+                .iter()
+                .copied()
+                .filter(|ip| lb.ip_families.contains(&IpFamily::of(ip)))
+                .collect();
+        }
+        lb
+    }
+
+    /// The backends `desired` asks for: its own, or nothing while it names a pool (whose
+    /// members [`Self::resolved`] shows); `NodePoolMissing` for a pool the cloud lacks.
+    fn backends_of(
+        &self,
+        desired: &DesiredLoadBalancer,
+    ) -> Result<std::collections::BTreeSet<IpAddr>, ProviderError> {
+        match &desired.node_pool {
+            None => Ok(desired.backends.clone()),
+            Some(name) if self.node_pools.contains_key(name) => Ok(Default::default()),
+            Some(name) => Err(ProviderError::NodePoolMissing {
+                message: format!("no node pool {name}"),
+            }),
+        }
+    }
+
+    /// How many LBs reference the pool `name`.
+    fn pool_users(&self, name: &str) -> usize {
+        self.lbs
+            .values()
+            .filter(|lb| lb.node_pool.as_deref() == Some(name))
+            .count()
+    }
+
     /// Refuses `desired` in `pool` when the pool lacks one of its families.
     fn check_pool(&self, desired: &DesiredLoadBalancer, pool: &str) -> Result<(), ProviderError> {
         let Some(has) = self.pool_families.get(pool) else {
@@ -245,14 +303,14 @@ fn find(
             return Err(ProviderError::ForeignLoadBalancer { id: id.clone() });
         }
         if lb.owner.as_ref().is_some_and(|o| o.uid == lookup.owner.uid) {
-            return Ok(Some(lb.clone()));
+            return Ok(Some(state.resolved(lb)));
         }
     }
     Ok(state
         .lbs
         .values()
         .find(|lb| lb.owner.as_ref() == Some(&lookup.owner))
-        .cloned())
+        .map(|lb| state.resolved(lb)))
 }
 
 impl LoadBalancerProvider for FakeProvider {
@@ -294,12 +352,13 @@ impl LoadBalancerProvider for FakeProvider {
             .get(&request)
             .and_then(|id| state.lbs.get(id))
         {
-            return Ok(lb.clone());
+            return Ok(state.resolved(lb));
         }
         state.check_pool(
             desired,
             desired.address.pool.as_deref().unwrap_or(DEFAULT_POOL),
         )?;
+        let backends = state.backends_of(desired)?;
         let mut vips = state.place(desired, &[]);
         let id = format!("lb-{}", state.next_id);
         let hostname = state.hostname.map(|how| {
@@ -325,7 +384,8 @@ impl LoadBalancerProvider for FakeProvider {
             sharing_key: desired.address.sharing_key.clone(),
             mode: desired.mode,
             listeners: desired.listeners.clone(),
-            backends: desired.backends.clone(),
+            backends,
+            node_pool: desired.node_pool.clone(),
             source_ranges: desired.source_ranges.clone(),
         };
         state.lbs.insert(lb.id.clone(), lb.clone());
@@ -336,7 +396,7 @@ impl LoadBalancerProvider for FakeProvider {
                 message: "the answer was lost".to_owned(),
             });
         }
-        Ok(lb)
+        Ok(state.resolved(&lb))
     }
 
     async fn update(
@@ -370,6 +430,7 @@ impl LoadBalancerProvider for FakeProvider {
         let kept = found.vips.clone();
         let hostname_only = found.hostname.is_some() && kept.is_empty();
         state.check_pool(desired, &pool)?;
+        let backends = state.backends_of(desired)?;
         let vips = if hostname_only {
             kept
         } else {
@@ -390,9 +451,11 @@ impl LoadBalancerProvider for FakeProvider {
         }
         lb.sharing_key = desired.address.sharing_key.clone();
         lb.listeners = desired.listeners.clone();
-        lb.backends = desired.backends.clone();
+        lb.backends = backends;
+        lb.node_pool = desired.node_pool.clone();
         lb.source_ranges = desired.source_ranges.clone();
-        Ok(lb.clone())
+        let lb = lb.clone();
+        Ok(state.resolved(&lb))
     }
 
     async fn delete(
@@ -429,7 +492,86 @@ impl LoadBalancerProvider for FakeProvider {
             .lbs
             .values()
             .filter(|lb| lb.is_owned_by_cluster(cluster_id))
-            .cloned()
+            .map(|lb| state.resolved(lb))
             .collect())
+    }
+
+    async fn get_node_pool(&self, name: &str) -> Result<Option<ObservedNodePool>, ProviderError> {
+        let state = self.begin(
+            Call::GetNodePool {
+                name: name.to_owned(),
+            },
+            Operation::GetNodePool,
+        )?;
+        Ok(state.node_pools.get(name).map(|pool| ObservedNodePool {
+            load_balancers: state.pool_users(name),
+            ..pool.clone()
+        }))
+    }
+
+    async fn put_node_pool(
+        &self,
+        desired: &DesiredNodePool,
+        version: Option<u64>,
+    ) -> Result<ObservedNodePool, ProviderError> {
+        let mut state = self.begin(
+            Call::PutNodePool {
+                name: desired.name.clone(),
+            },
+            Operation::PutNodePool,
+        )?;
+        let current = state.node_pools.get(&desired.name);
+        if version.is_some() && current.map(|pool| pool.version) != version {
+            return Err(ProviderError::Conflict {
+                operation: Operation::PutNodePool,
+                id: desired.name.clone(),
+            });
+        }
+        let unchanged = current.is_some_and(|pool| pool.matches(desired));
+        let pool = ObservedNodePool {
+            name: desired.name.clone(),
+            version: match current {
+                Some(pool) if unchanged => pool.version,
+                Some(pool) => pool.version + 1,
+                None => 1,
+            },
+            tags: desired.tags(),
+            backends: desired.backends.clone(),
+            load_balancers: state.pool_users(&desired.name),
+        };
+        state.node_pools.insert(pool.name.clone(), pool.clone());
+        Ok(pool)
+    }
+
+    async fn list_owned_node_pools(
+        &self,
+        cluster_id: &ClusterId,
+    ) -> Result<Vec<ObservedNodePool>, ProviderError> {
+        let state = self.begin(Call::ListNodePools, Operation::ListNodePools)?;
+        Ok(state
+            .node_pools
+            .values()
+            .filter(|pool| pool.is_owned_by_cluster(cluster_id))
+            .map(|pool| ObservedNodePool {
+                load_balancers: state.pool_users(&pool.name),
+                ..pool.clone()
+            })
+            .collect())
+    }
+
+    async fn delete_node_pool(&self, name: &str) -> Result<(), ProviderError> {
+        let mut state = self.begin(
+            Call::DeleteNodePool {
+                name: name.to_owned(),
+            },
+            Operation::DeleteNodePool,
+        )?;
+        if state.pool_users(name) > 0 {
+            return Err(ProviderError::NodePoolInUse {
+                name: name.to_owned(),
+            });
+        }
+        state.node_pools.remove(name);
+        Ok(())
     }
 }

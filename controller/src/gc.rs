@@ -1,5 +1,7 @@
-//! Orphan collection: LBs tagged with our cluster id whose Service no longer wants one.
-//! LBs of other clusters are never listed, let alone deleted.
+//! Orphan collection: LBs tagged with our cluster id whose Service no longer wants one, and
+//! node pools tagged with it that are not the cluster's pool and no LB references (left by
+//! an earlier naming of the pool). Nothing of other clusters is ever listed, let alone
+//! deleted.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -13,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::plan::{Ownership, ownership};
 use crate::provider::{
     LoadBalancerLookup, LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer,
-    ProviderError,
+    ObservedNodePool, ProviderError,
 };
 use crate::reconcile::Context;
 use crate::spec::ClassFilter;
@@ -37,6 +39,38 @@ pub fn orphans<'a>(
         .filter(|lb| lb.phase != LoadBalancerPhase::Deleting)
         .filter(|lb| lb.owner.as_ref().is_some_and(|o| !live.contains(&o.uid)))
         .collect()
+}
+
+/// The node pools to delete: not the cluster's own pool (`ours`), and no LB references
+/// them.
+pub fn orphaned_node_pools<'a>(
+    pools: &'a [ObservedNodePool],
+    ours: Option<&str>,
+) -> Vec<&'a ObservedNodePool> {
+    pools
+        .iter()
+        .filter(|pool| Some(pool.name.as_str()) != ours && pool.load_balancers == 0)
+        .collect()
+}
+
+async fn collect_node_pools<P: LoadBalancerProvider>(
+    ctx: &Context<P>,
+) -> Result<usize, ProviderError> {
+    if !ctx.provider.capabilities().node_pools {
+        return Ok(0);
+    }
+    let pools = ctx.provider.list_owned_node_pools(&ctx.cluster_id).await?;
+    let mut collected = 0;
+    for pool in orphaned_node_pools(&pools, ctx.node_pool.as_deref()) {
+        tracing::info!(pool = %pool.name, "deleting orphaned node pool");
+        match ctx.provider.delete_node_pool(&pool.name).await {
+            Ok(()) => collected += 1,
+            // An LB took it up since the list: not an orphan after all.
+            Err(ProviderError::NodePoolInUse { .. }) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(collected)
 }
 
 async fn collect_once<P: LoadBalancerProvider>(
@@ -109,6 +143,11 @@ pub async fn run<P: LoadBalancerProvider>(
                     Ok(n) => tracing::info!(collected = n, "orphan collection done"),
                     Err(error) => tracing::warn!(%error, "orphan collection failed; retrying next period"),
                 }
+                match collect_node_pools(&ctx).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(collected = n, "orphaned node pools deleted"),
+                    Err(error) => tracing::warn!(%error, "node pool collection failed; retrying next period"),
+                }
             }
         }
     }
@@ -117,6 +156,24 @@ pub async fn run<P: LoadBalancerProvider>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_pools_other_than_ours_that_no_lb_references_are_orphans() {
+        let pool = |name: &str, load_balancers| ObservedNodePool {
+            name: name.into(),
+            version: 1,
+            tags: Default::default(),
+            backends: Default::default(),
+            load_balancers,
+        };
+        let pools = [pool("ours", 0), pool("old", 0), pool("old-in-use", 2)];
+        let names = |found: Vec<&ObservedNodePool>| -> Vec<String> {
+            found.into_iter().map(|p| p.name.clone()).collect()
+        };
+        assert_eq!(names(orphaned_node_pools(&pools, Some("ours"))), ["old"]);
+        // Without a pool of its own, every one that no LB references is an orphan.
+        assert_eq!(names(orphaned_node_pools(&pools, None)), ["ours", "old"]);
+    }
     use crate::provider::{LoadBalancerMode, LoadBalancerPhase, Owner};
     use crate::spec::tests::service;
 
@@ -140,6 +197,7 @@ mod tests {
             mode: LoadBalancerMode::Proxy,
             listeners: vec![],
             backends: Default::default(),
+            node_pool: None,
             source_ranges: vec![],
         }
     }

@@ -79,6 +79,11 @@ impl FromStr for ClusterId {
 }
 
 impl ClusterId {
+    /// The name of the cluster's node pool (at most 34 characters).
+    pub fn node_pool_name(&self) -> String {
+        format!("k8s-{}-nodes", self.0)
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -95,6 +100,10 @@ pub const TAG_CLUSTER_ID: &str = "kubernetes.io/cluster-id";
 pub const TAG_SERVICE_NAMESPACE: &str = "kubernetes.io/service-namespace";
 pub const TAG_SERVICE_NAME: &str = "kubernetes.io/service-name";
 pub const TAG_SERVICE_UID: &str = "kubernetes.io/service-uid";
+/// On a node pool beside [`TAG_CLUSTER_ID`]: the UID of the cluster's `kube-system`
+/// Namespace, which two clusters never share, so two controllers given the same cluster id
+/// find out before either touches the other's load balancers.
+pub const TAG_CLUSTER_UID: &str = "tandem.io/cluster-uid";
 
 /// The Service (and cluster) an LB belongs to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -169,6 +178,10 @@ pub struct Capabilities {
     pub passthrough: bool,
     /// IPv6 VIPs (IPv6-only and dual-stack Services).
     pub ipv6: bool,
+    /// Node pools: one named set of backends per cluster that LBs reference, so a node
+    /// change is one pool write whatever the number of LBs. Without them every LB carries
+    /// its own backends and a node change updates each.
+    pub node_pools: bool,
 }
 
 impl Capabilities {
@@ -178,6 +191,7 @@ impl Capabilities {
         proxy: true,
         passthrough: true,
         ipv6: true,
+        node_pools: true,
     };
 
     /// The first thing `desired` needs that these capabilities lack.
@@ -263,7 +277,12 @@ pub struct DesiredLoadBalancer {
     /// Sorted by (protocol, port).
     pub listeners: Vec<Listener>,
     /// Node addresses of the LB's families: each VIP goes to those of its own family.
+    /// With a [`Self::node_pool`] the pool carries them to the cloud, and this is only
+    /// what the controller knows of them (for its conditions and Events).
     pub backends: BTreeSet<IpAddr>,
+    /// The cluster's node pool the LB references instead of carrying `backends` (when the
+    /// provider has [`Capabilities::node_pools`]).
+    pub node_pool: Option<String>,
     /// Sorted and deduplicated, of the LB's families: each applies to its family's VIP (a
     /// VIP whose family has none is open to every source, as kube-proxy reads them).
     pub source_ranges: Vec<IpNet>,
@@ -281,6 +300,55 @@ impl DesiredLoadBalancer {
             .copied()
             .filter(|family| !self.backends.iter().any(|ip| IpFamily::of(ip) == *family))
             .collect()
+    }
+}
+
+/// The cluster's node pool as the controller wants it: every eligible node, of every family
+/// (each LB's VIPs use the members of their own family).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DesiredNodePool {
+    pub name: String,
+    pub cluster_id: ClusterId,
+    /// See [`TAG_CLUSTER_UID`].
+    pub cluster_uid: String,
+    pub backends: BTreeSet<IpAddr>,
+}
+
+impl DesiredNodePool {
+    pub fn tags(&self) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (TAG_CLUSTER_ID.to_owned(), self.cluster_id.to_string()),
+            (TAG_CLUSTER_UID.to_owned(), self.cluster_uid.clone()),
+        ])
+    }
+}
+
+/// A node pool as the cloud reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObservedNodePool {
+    pub name: String,
+    /// The cloud's version of the pool: a write is conditional on it.
+    pub version: u64,
+    pub tags: BTreeMap<String, String>,
+    pub backends: BTreeSet<IpAddr>,
+    /// How many LBs reference it.
+    pub load_balancers: usize,
+}
+
+impl ObservedNodePool {
+    /// The `kube-system` UID of the cluster that claimed it, if any (see [`TAG_CLUSTER_UID`]).
+    pub fn cluster_uid(&self) -> Option<&str> {
+        self.tags.get(TAG_CLUSTER_UID).map(String::as_str)
+    }
+
+    /// Whether it is tagged with `cluster_id`.
+    pub fn is_owned_by_cluster(&self, cluster_id: &ClusterId) -> bool {
+        self.tags.get(TAG_CLUSTER_ID).map(String::as_str) == Some(cluster_id.as_str())
+    }
+
+    /// Whether it already is `desired` (members and tags): nothing to write.
+    pub fn matches(&self, desired: &DesiredNodePool) -> bool {
+        self.backends == desired.backends && self.tags == desired.tags()
     }
 }
 
@@ -322,7 +390,10 @@ pub struct ObservedLoadBalancer {
     pub sharing_key: Option<String>,
     pub mode: LoadBalancerMode,
     pub listeners: Vec<Listener>,
+    /// Its backends: its own, or its node pool's members.
     pub backends: BTreeSet<IpAddr>,
+    /// The node pool it references, if any.
+    pub node_pool: Option<String>,
     pub source_ranges: Vec<IpNet>,
 }
 
@@ -333,6 +404,7 @@ pub enum Drift {
     IpFamilies,
     Listeners,
     Backends,
+    NodePool,
     SourceRanges,
     Vip,
     Pool,
@@ -370,7 +442,11 @@ impl ObservedLoadBalancer {
         if canonical(&self.listeners) != canonical(&desired.listeners) {
             drift.push(Drift::Listeners);
         }
-        if self.backends != desired.backends {
+        // An LB on a node pool follows the pool, which node sync keeps: its members are no
+        // business of the LB's.
+        if self.node_pool != desired.node_pool {
+            drift.push(Drift::NodePool);
+        } else if desired.node_pool.is_none() && self.backends != desired.backends {
             drift.push(Drift::Backends);
         }
         if canonical(&self.source_ranges) != canonical(&desired.source_ranges) {
@@ -420,6 +496,10 @@ pub enum Operation {
     Create,
     Update,
     Delete,
+    GetNodePool,
+    PutNodePool,
+    ListNodePools,
+    DeleteNodePool,
 }
 
 impl Operation {
@@ -430,6 +510,10 @@ impl Operation {
             Operation::Create => "create",
             Operation::Update => "update",
             Operation::Delete => "delete",
+            Operation::GetNodePool => "get_node_pool",
+            Operation::PutNodePool => "put_node_pool",
+            Operation::ListNodePools => "list_node_pools",
+            Operation::DeleteNodePool => "delete_node_pool",
         }
     }
 }
@@ -512,6 +596,23 @@ pub enum ProviderError {
     Conflict { operation: Operation, id: String },
     #[error("load balancer {id} not found")]
     NotFound { id: String },
+    /// An LB names a node pool the cloud does not have (deleted behind our back): node
+    /// sync writes it again.
+    #[error("the cloud has no such node pool: {message}")]
+    NodePoolMissing { message: String },
+    /// The node pool is still referenced by load balancers.
+    #[error("node pool {name} is still in use by load balancers")]
+    NodePoolInUse { name: String },
+    /// The node pool of our cluster id was claimed by another cluster: two controllers
+    /// were given the same cluster id.
+    #[error(
+        "node pool {name} belongs to another cluster (kube-system UID {claimed_by}, ours is {ours}): two clusters share the cluster id; give each its own --cluster-id"
+    )]
+    ForeignNodePool {
+        name: String,
+        claimed_by: String,
+        ours: String,
+    },
     #[error("cloud {operation} failed: {message}")]
     Unavailable {
         operation: Operation,
@@ -531,6 +632,9 @@ impl ProviderError {
             ProviderError::Unauthorized { .. } => "unauthorized",
             ProviderError::Conflict { .. } => "conflict",
             ProviderError::NotFound { .. } => "not_found",
+            ProviderError::NodePoolMissing { .. } => "node_pool_missing",
+            ProviderError::NodePoolInUse { .. } => "node_pool_in_use",
+            ProviderError::ForeignNodePool { .. } => "foreign_node_pool",
             ProviderError::Unavailable { .. } => "unavailable",
         }
     }
@@ -545,6 +649,7 @@ impl ProviderError {
                 | ProviderError::Invalid { .. }
                 | ProviderError::Unsupported { .. }
                 | ProviderError::ForeignLoadBalancer { .. }
+                | ProviderError::ForeignNodePool { .. }
                 | ProviderError::Unauthorized { .. }
         )
     }
@@ -619,6 +724,54 @@ pub trait LoadBalancerProvider: Send + Sync + 'static {
         &self,
         cluster_id: &ClusterId,
     ) -> impl Future<Output = Result<Vec<ObservedLoadBalancer>, ProviderError>> + Send;
+
+    /// The node pool `name`, `None` when the cloud has none of that name. Only called when
+    /// [`Capabilities::node_pools`] is set; the default says the provider has none.
+    fn get_node_pool(
+        &self,
+        name: &str,
+    ) -> impl Future<Output = Result<Option<ObservedNodePool>, ProviderError>> + Send {
+        let _ = name;
+        std::future::ready(Err(no_node_pools(Operation::GetNodePool)))
+    }
+
+    /// Creates or replaces the node pool, conditional on `version` (the one observed) when
+    /// given: `Conflict` when it changed meanwhile. Every LB referencing it follows.
+    fn put_node_pool(
+        &self,
+        desired: &DesiredNodePool,
+        version: Option<u64>,
+    ) -> impl Future<Output = Result<ObservedNodePool, ProviderError>> + Send {
+        let _ = (desired, version);
+        std::future::ready(Err(no_node_pools(Operation::PutNodePool)))
+    }
+
+    /// Every node pool tagged with this cluster's id (for orphan collection).
+    fn list_owned_node_pools(
+        &self,
+        cluster_id: &ClusterId,
+    ) -> impl Future<Output = Result<Vec<ObservedNodePool>, ProviderError>> + Send {
+        let _ = cluster_id;
+        std::future::ready(Err(no_node_pools(Operation::ListNodePools)))
+    }
+
+    /// Deletes the node pool; `Ok` when it is gone already, `NodePoolInUse` while LBs
+    /// reference it.
+    fn delete_node_pool(
+        &self,
+        name: &str,
+    ) -> impl Future<Output = Result<(), ProviderError>> + Send {
+        let _ = name;
+        std::future::ready(Err(no_node_pools(Operation::DeleteNodePool)))
+    }
+}
+
+/// What the node-pool calls of a provider without node pools answer.
+fn no_node_pools(operation: Operation) -> ProviderError {
+    ProviderError::Unsupported {
+        operation,
+        message: "this provider has no node pools".into(),
+    }
 }
 
 #[cfg(test)]
@@ -655,6 +808,7 @@ pub(crate) mod tests {
             address: AddressRequest::default(),
             listeners: vec![listener(80), listener(443)],
             backends: BTreeSet::from([ip("198.18.0.11")]),
+            node_pool: None,
             source_ranges: vec![],
         }
     }
@@ -685,6 +839,7 @@ pub(crate) mod tests {
             mode: d.mode,
             listeners: d.listeners.clone(),
             backends: d.backends.clone(),
+            node_pool: d.node_pool.clone(),
             source_ranges: d.source_ranges.clone(),
         }
     }
@@ -756,6 +911,21 @@ pub(crate) mod tests {
             observed_from(&desired()).drift(&d3),
             vec![Drift::Pool, Drift::SharingKey]
         );
+    }
+
+    #[test]
+    fn an_lb_on_the_node_pool_follows_the_pool_not_its_own_backends() {
+        let mut pooled = desired();
+        pooled.node_pool = Some("k8s-prod-1-nodes".into());
+        let mut lb = observed_from(&pooled);
+        // The pool moved on before the controller's node store did: not the LB's drift.
+        lb.backends = BTreeSet::from([ip("198.18.0.12")]);
+        assert_eq!(lb.drift(&pooled), []);
+        // An LB still carrying its own backends moves onto the pool, and back.
+        let mut own = lb.clone();
+        own.node_pool = None;
+        assert_eq!(own.drift(&pooled), [Drift::NodePool]);
+        assert_eq!(lb.drift(&desired()), [Drift::NodePool]);
     }
 
     #[test]

@@ -26,8 +26,8 @@ use crate::plan::{
     plan_nothing, servable,
 };
 use crate::provider::{
-    ClusterId, LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
-    delete_ours,
+    ClusterId, DesiredLoadBalancer, LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer,
+    ProviderError, delete_ours,
 };
 use crate::ratelimit::{PERMANENT_ERROR_RETRY, service_backoff};
 use crate::spec::{AnnotationKeys, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of};
@@ -86,6 +86,12 @@ pub struct Context<P> {
     pub metrics: Metrics,
     /// Re-ensure period of every Service: the drift-repair backstop.
     pub resync: Duration,
+    /// The cluster's node pool its LBs reference, when the provider has node pools (see
+    /// [`crate::nodesync`]); `None`: each LB carries its backends.
+    pub node_pool: Option<String>,
+    /// Told when an LB found the node pool missing (deleted behind our back): node sync
+    /// writes it again at once.
+    pub node_pool_missing: tokio::sync::Notify,
     /// How long to wait before reading a provisioning LB again: long enough that it is
     /// usually active by then, so a create costs the POST and one read.
     pub provisioning_poll: Duration,
@@ -114,6 +120,11 @@ impl<P: LoadBalancerProvider> Context<P> {
         Self {
             client,
             keys: provider.profile().annotation_keys(),
+            node_pool: provider
+                .capabilities()
+                .node_pools
+                .then(|| cluster_id.node_pool_name()),
+            node_pool_missing: tokio::sync::Notify::new(),
             provider,
             cluster_id,
             classes,
@@ -286,7 +297,11 @@ pub async fn decide<P: LoadBalancerProvider>(svc: &Service, ctx: &Context<P>) ->
                     backends,
                     ctx.without_node_ports,
                     inherited_pool.as_deref(),
-                ),
+                )
+                .map(|desired| DesiredLoadBalancer {
+                    node_pool: ctx.node_pool.clone(),
+                    ..desired
+                }),
                 ctx.provider.profile().name,
                 ctx.provider.capabilities(),
             );
@@ -441,6 +456,10 @@ pub fn error_policy<P: LoadBalancerProvider>(
     ctx: Arc<Context<P>>,
 ) -> Action {
     let failures = ctx.record_failure(&svc);
+    if let ReconcileError::Plan(PlanError::Provider(ProviderError::NodePoolMissing { .. })) = error
+    {
+        ctx.node_pool_missing.notify_one();
+    }
     let delay = if error.is_permanent() {
         PERMANENT_ERROR_RETRY
     } else {

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use crate::metrics::CloudMetrics;
 use crate::provider::{
-    Capabilities, ClusterId, DesiredLoadBalancer, LoadBalancerLookup, LoadBalancerProvider,
-    ObservedLoadBalancer, Profile, ProviderError,
+    Capabilities, ClusterId, DesiredLoadBalancer, DesiredNodePool, LoadBalancerLookup,
+    LoadBalancerProvider, ObservedLoadBalancer, ObservedNodePool, Profile, ProviderError,
 };
 use crate::ratelimit::SharedTokenBucket;
 
@@ -107,6 +107,17 @@ trait Erased: Send + Sync + 'static {
     ) -> Answer<'a, Option<ObservedLoadBalancer>>;
     fn list_owned<'a>(&'a self, cluster_id: &'a ClusterId)
     -> Answer<'a, Vec<ObservedLoadBalancer>>;
+    fn get_node_pool<'a>(&'a self, name: &'a str) -> Answer<'a, Option<ObservedNodePool>>;
+    fn put_node_pool<'a>(
+        &'a self,
+        desired: &'a DesiredNodePool,
+        version: Option<u64>,
+    ) -> Answer<'a, ObservedNodePool>;
+    fn list_owned_node_pools<'a>(
+        &'a self,
+        cluster_id: &'a ClusterId,
+    ) -> Answer<'a, Vec<ObservedNodePool>>;
+    fn delete_node_pool<'a>(&'a self, name: &'a str) -> Answer<'a, ()>;
 }
 
 impl<P: LoadBalancerProvider> Erased for P {
@@ -147,6 +158,27 @@ impl<P: LoadBalancerProvider> Erased for P {
         cluster_id: &'a ClusterId,
     ) -> Answer<'a, Vec<ObservedLoadBalancer>> {
         Box::pin(LoadBalancerProvider::list_owned(self, cluster_id))
+    }
+    fn get_node_pool<'a>(&'a self, name: &'a str) -> Answer<'a, Option<ObservedNodePool>> {
+        Box::pin(LoadBalancerProvider::get_node_pool(self, name))
+    }
+    fn put_node_pool<'a>(
+        &'a self,
+        desired: &'a DesiredNodePool,
+        version: Option<u64>,
+    ) -> Answer<'a, ObservedNodePool> {
+        Box::pin(LoadBalancerProvider::put_node_pool(self, desired, version))
+    }
+    fn list_owned_node_pools<'a>(
+        &'a self,
+        cluster_id: &'a ClusterId,
+    ) -> Answer<'a, Vec<ObservedNodePool>> {
+        Box::pin(LoadBalancerProvider::list_owned_node_pools(
+            self, cluster_id,
+        ))
+    }
+    fn delete_node_pool<'a>(&'a self, name: &'a str) -> Answer<'a, ()> {
+        Box::pin(LoadBalancerProvider::delete_node_pool(self, name))
     }
 }
 
@@ -212,6 +244,29 @@ impl LoadBalancerProvider for DynProvider {
         cluster_id: &ClusterId,
     ) -> Result<Vec<ObservedLoadBalancer>, ProviderError> {
         self.0.list_owned(cluster_id).await
+    }
+
+    async fn get_node_pool(&self, name: &str) -> Result<Option<ObservedNodePool>, ProviderError> {
+        self.0.get_node_pool(name).await
+    }
+
+    async fn put_node_pool(
+        &self,
+        desired: &DesiredNodePool,
+        version: Option<u64>,
+    ) -> Result<ObservedNodePool, ProviderError> {
+        self.0.put_node_pool(desired, version).await
+    }
+
+    async fn list_owned_node_pools(
+        &self,
+        cluster_id: &ClusterId,
+    ) -> Result<Vec<ObservedNodePool>, ProviderError> {
+        self.0.list_owned_node_pools(cluster_id).await
+    }
+
+    async fn delete_node_pool(&self, name: &str) -> Result<(), ProviderError> {
+        self.0.delete_node_pool(name).await
     }
 }
 

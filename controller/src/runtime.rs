@@ -25,7 +25,9 @@ use tokio::sync::{broadcast, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{CloudMetrics, Metrics};
-use crate::provider::{ClusterId, LoadBalancerProvider};
+use crate::nodes::eligible_backends;
+use crate::nodesync::NodePoolKeeper;
+use crate::provider::{ClusterId, LoadBalancerProvider, ProviderError};
 use crate::ratelimit::SharedTokenBucket;
 use crate::reconcile::{Context, error_policy, reconcile};
 use crate::registry::{self, DynProvider, RegistryError};
@@ -61,6 +63,12 @@ pub enum RuntimeError {
     LeaseTaskEnded,
     #[error("lost leadership: {0}")]
     LostLeadership(String),
+    #[error(
+        "reading the kube-system Namespace, whose UID tells this cluster's node pool from another's: {0}"
+    )]
+    ClusterUid(#[source] kube::Error),
+    #[error("the node pool: {0}")]
+    NodePool(#[source] ProviderError),
 }
 
 /// The text of a `--cloud-config` file, for its provider to parse.
@@ -343,8 +351,7 @@ pub async fn run(
                 metrics,
                 cancel.clone(),
             )
-            .await;
-            Ok(())
+            .await
         }
         Some(election) => {
             run_elected(
@@ -425,7 +432,7 @@ async fn run_elected<P: LoadBalancerProvider>(
     let mut lapsed = std::pin::pin!(lapsed);
     let outcome = loop {
         tokio::select! {
-            _ = &mut work => break Ok(()),
+            result = &mut work => break result,
             _ = &mut lease_task => break Err(RuntimeError::LeaseTaskEnded),
             reason = &mut lapsed => break Err(RuntimeError::LostLeadership(reason)),
             changed = leader.changed() => match changed {
@@ -541,7 +548,7 @@ async fn run_leader<P: LoadBalancerProvider>(
     watches: &Watches,
     metrics: Metrics,
     cancel: CancellationToken,
-) {
+) -> Result<(), RuntimeError> {
     let leading_since = tokio::time::Instant::now();
     let _leading = LeaderMark::set(&metrics.leader);
     let recorder = Recorder::new(
@@ -568,7 +575,7 @@ async fn run_leader<P: LoadBalancerProvider>(
     ));
     // Decisions need complete lists: every LB would look orphaned, every node set new.
     tokio::select! {
-        _ = cancel.cancelled() => return,
+        _ = cancel.cancelled() => return Ok(()),
         _ = async {
             gc::wait_ready(&watches.nodes).await;
             gc::wait_ready(&watches.services).await;
@@ -584,9 +591,25 @@ async fn run_leader<P: LoadBalancerProvider>(
             }
         } => {}
     }
+    // LBs reference the node pool from their first create: it is claimed (and filled)
+    // before any reconcile, and refused when another cluster holds it.
+    let pool = match &ctx.node_pool {
+        None => None,
+        Some(name) => {
+            let uid = cluster_uid(&client).await?;
+            let mut keeper = NodePoolKeeper::new(name.clone(), settings.cluster_id.clone(), uid);
+            let backends = eligible_backends(watches.nodes.state().iter().map(Arc::as_ref));
+            keeper
+                .claim(&ctx.provider, &backends, &cancel)
+                .await
+                .map_err(RuntimeError::NodePool)?;
+            Some(keeper)
+        }
+    };
     let (retry_tx, retry_rx) = mpsc::unbounded_channel();
     let node_sync = tokio::spawn(nodesync::run(
         ctx.clone(),
+        pool,
         watches.node_changes.clone(),
         watches.services.clone(),
         settings.node_debounce,
@@ -623,4 +646,15 @@ async fn run_leader<P: LoadBalancerProvider>(
     let _ = node_sync.await;
     let _ = orphan_gc.await;
     tracing::info!("controller stopped");
+    Ok(())
+}
+
+/// The UID of the `kube-system` Namespace: what tells this cluster from another that was
+/// given the same cluster id (see [`crate::provider::TAG_CLUSTER_UID`]).
+async fn cluster_uid(client: &kube::Client) -> Result<String, RuntimeError> {
+    let namespace = Api::<Namespace>::all(client.clone())
+        .get("kube-system")
+        .await
+        .map_err(RuntimeError::ClusterUid)?;
+    Ok(namespace.uid().unwrap_or_default())
 }

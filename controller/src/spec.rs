@@ -583,6 +583,9 @@ pub fn desired_load_balancer(
         address,
         listeners: listeners(svc, keys, mode, &check)?,
         backends: backends.into_iter().filter(of_families).collect(),
+        // Whether the LB references the cluster's node pool is the provider's matter
+        // (`Context::node_pool`), not the Service's.
+        node_pool: None,
         source_ranges,
         ip_families,
     })

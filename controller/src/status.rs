@@ -338,6 +338,7 @@ mod tests {
                 },
             ],
             backends: BTreeSet::new(),
+            node_pool: None,
             source_ranges: vec![],
         }
     }

@@ -25,7 +25,9 @@ use support::{
 use tandem_controller::fake::{Call, FakeProvider};
 use tandem_controller::metrics::Metrics;
 use tandem_controller::plan::FINALIZER;
-use tandem_controller::provider::{AddressRefusal, IpFamily, Operation, ProviderError};
+use tandem_controller::provider::{
+    AddressRefusal, Capabilities, IpFamily, Operation, ProviderError,
+};
 use tandem_controller::reconcile::{Context, reconcile};
 use tandem_controller::spec::{
     AnnotationKeys, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of,
@@ -740,6 +742,12 @@ async fn reconcile_table() {
         let (nodes, mut writer) = reflector::store::<Node>();
         writer.apply_watcher_event(&watcher::Event::Apply(node("a", NODE_A)));
         let provider = FakeProvider::new(true);
+        // The table is the path of a provider without node pools, where each LB carries
+        // its backends (node sync's tests cover the pool's).
+        provider.set_capabilities(Capabilities {
+            node_pools: false,
+            ..Capabilities::ALL
+        });
         if let Some(families) = row.default_pool_families {
             provider.set_pool_families("default", families);
         }

@@ -21,6 +21,11 @@ const ADDRESS_REFUSALS: [(&str, AddressRefusal); 7] = [
 /// LB on an HAProxy edge), answered with 422 before anything is stored.
 const UNSUPPORTED: [&str; 1] = ["unsupported-protocol"];
 
+/// An LB names a node pool the cloud does not have.
+const NODE_POOL_NOT_FOUND: &str = "node-pool-not-found";
+/// A node pool that LBs still reference cannot be deleted.
+const NODE_POOL_IN_USE: &str = "node-pool-in-use";
+
 /// The address refusal an SDK error carries, by the cloud's error code.
 fn address_refusal(err: &sdk::Error) -> Option<AddressRefusal> {
     let code = err.code()?;
@@ -51,6 +56,19 @@ pub fn classify(err: &sdk::Error, operation: Operation, id: Option<&str>) -> Pro
             operation,
             message: message.clone(),
         };
+    }
+    match (err, err.code()) {
+        (sdk::Error::Invalid { message, .. }, Some(NODE_POOL_NOT_FOUND)) => {
+            return ProviderError::NodePoolMissing {
+                message: message.clone(),
+            };
+        }
+        (sdk::Error::Conflict { .. }, Some(NODE_POOL_IN_USE)) => {
+            return ProviderError::NodePoolInUse {
+                name: id.unwrap_or_default().to_owned(),
+            };
+        }
+        _ => {}
     }
     match err {
         sdk::Error::NotFound { .. } => ProviderError::NotFound {

@@ -18,13 +18,16 @@ use cloud_mock_sdk as sdk;
 use cloud_mock_sdk::families;
 
 pub use config::{Config, ConfigError};
-pub use convert::{idempotency_key, may_touch, observe, to_sdk_spec};
+pub use convert::{
+    idempotency_key, may_touch, observe, observe_node_pool, to_sdk_node_pool, to_sdk_spec,
+};
 pub use errors::classify;
 
 use crate::metrics::CloudMetrics;
 use crate::provider::{
-    Capabilities, ClusterId, DesiredLoadBalancer, LoadBalancerLookup, LoadBalancerProvider,
-    ObservedLoadBalancer, Operation, Profile, ProviderError, TAG_CLUSTER_ID, TAG_SERVICE_UID,
+    Capabilities, ClusterId, DesiredLoadBalancer, DesiredNodePool, LoadBalancerLookup,
+    LoadBalancerProvider, ObservedLoadBalancer, ObservedNodePool, Operation, Profile,
+    ProviderError, TAG_CLUSTER_ID, TAG_SERVICE_UID,
 };
 use crate::ratelimit::SharedTokenBucket;
 use crate::registry::{DynProvider, Registration, Shared};
@@ -248,7 +251,8 @@ impl LoadBalancerProvider for MockCloudProvider {
         &PROFILE
     }
 
-    /// The edge's API takes TCP and UDP listeners in either mode and VIPs of both families.
+    /// The edge's API takes TCP and UDP listeners in either mode, VIPs of both families and
+    /// node pools.
     fn capabilities(&self) -> Capabilities {
         Capabilities::ALL
     }
@@ -337,5 +341,64 @@ impl LoadBalancerProvider for MockCloudProvider {
             })
             .map(observe)
             .collect())
+    }
+
+    async fn get_node_pool(&self, name: &str) -> Result<Option<ObservedNodePool>, ProviderError> {
+        match self
+            .call(Operation::GetNodePool, || self.client.get_node_pool(name))
+            .await
+        {
+            Ok(pool) => Ok(Some(observe_node_pool(&pool))),
+            Err(sdk::Error::NotFound { .. }) => Ok(None),
+            Err(err) => Err(classify(&err, Operation::GetNodePool, Some(name))),
+        }
+    }
+
+    async fn put_node_pool(
+        &self,
+        desired: &DesiredNodePool,
+        version: Option<u64>,
+    ) -> Result<ObservedNodePool, ProviderError> {
+        let spec = to_sdk_node_pool(desired);
+        let pool = self
+            .call(Operation::PutNodePool, || {
+                self.client.put_node_pool(&desired.name, &spec, version)
+            })
+            .await
+            .map_err(|e| classify(&e, Operation::PutNodePool, Some(&desired.name)))?;
+        Ok(observe_node_pool(&pool))
+    }
+
+    async fn list_owned_node_pools(
+        &self,
+        cluster_id: &ClusterId,
+    ) -> Result<Vec<ObservedNodePool>, ProviderError> {
+        let filter = sdk::ListFilter {
+            tags: [(TAG_CLUSTER_ID.to_owned(), cluster_id.to_string())].into(),
+            name: None,
+        };
+        let listed = self
+            .call(Operation::ListNodePools, || {
+                self.client.list_node_pools(&filter)
+            })
+            .await
+            .map_err(|e| classify(&e, Operation::ListNodePools, None))?;
+        Ok(listed
+            .iter()
+            .map(observe_node_pool)
+            .filter(|pool| pool.is_owned_by_cluster(cluster_id))
+            .collect())
+    }
+
+    async fn delete_node_pool(&self, name: &str) -> Result<(), ProviderError> {
+        match self
+            .call(Operation::DeleteNodePool, || {
+                self.client.delete_node_pool(name)
+            })
+            .await
+        {
+            Ok(()) | Err(sdk::Error::NotFound { .. }) => Ok(()),
+            Err(err) => Err(classify(&err, Operation::DeleteNodePool, Some(name))),
+        }
     }
 }

@@ -272,18 +272,44 @@ impl Cloud {
         path
     }
 
-    /// Stops a cloud of the test's own; on a shared edge, deletes the test's LBs, so their
-    /// VIPs go back to the pools for the tests after it.
+    /// Stops a cloud of the test's own; on a shared edge, deletes the test's LBs and node
+    /// pools, so their VIPs go back to the pools for the tests after it.
     pub async fn stop(self) {
         match self.server {
             CloudServer::Own { cancel, task } => {
                 cancel.cancel();
                 let _ = task.await;
             }
-            CloudServer::Shared { .. } => {
+            CloudServer::Shared { ref cluster_ids } => {
                 for lb in self.all().await {
                     if let Err(e) = self.client.delete_load_balancer(&lb.id).await {
                         eprintln!("deleting {} from the shared cloud: {e}", lb.id);
+                    }
+                }
+                // The node pools go once no LB references them (the deletes above finish
+                // after the edge's provisioning delay).
+                for cluster_id in cluster_ids {
+                    let filter = sdk::ListFilter {
+                        tags: BTreeMap::from([(TAG_CLUSTER_ID.to_owned(), cluster_id.clone())]),
+                        name: None,
+                    };
+                    let pools = self
+                        .client
+                        .list_node_pools(&filter)
+                        .await
+                        .unwrap_or_default();
+                    for pool in pools {
+                        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+                        while let Err(e) = self.client.delete_node_pool(&pool.name).await {
+                            if tokio::time::Instant::now() > deadline {
+                                eprintln!(
+                                    "deleting node pool {} from the shared cloud: {e}",
+                                    pool.name
+                                );
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
                     }
                 }
             }
