@@ -14,7 +14,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, MethodRouter, on};
 use cloud_mock_dataplane::DataPlane;
 use cloud_mock_sdk::families::{LoadBalancer, LoadBalancerList, LoadBalancerSpec};
-use cloud_mock_sdk::{Faults, ListFilter, LostAnswer, PoolList};
+use cloud_mock_sdk::{
+    Faults, ListFilter, LostAnswer, NodePool, NodePoolList, NodePoolSpec, PoolList,
+};
 use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use prometheus_client::registry::Registry;
 use tokio::sync::Notify;
@@ -23,10 +25,10 @@ use crate::error::ApiError;
 use crate::extract::{JsonBody, MAX_BODY_BYTES};
 use crate::faults::{FaultState, MAX_LATENCY_MS, Verdict, validate_faults};
 use crate::lifecycle::now_ms;
-use crate::metrics::Metrics;
-use crate::model::{StoredLoadBalancer, to_wire, wire_health};
-use crate::store::{Store, Transition};
-use crate::validate::{validate_served, validate_spec};
+use crate::metrics::{Metrics, NodePoolWrite};
+use crate::model::{StoredLoadBalancer, StoredNodePool, node_pool_to_wire, to_wire, wire_health};
+use crate::store::{Store, Transition, Written};
+use crate::validate::{validate_node_pool, validate_served, validate_spec};
 
 /// The OpenAPI document of this API, served at `/openapi.yaml`.
 pub const OPENAPI_YAML: &str = include_str!("../openapi.yaml");
@@ -80,7 +82,7 @@ pub enum Access {
     Public,
     /// Bearer token required.
     Token,
-    /// Bearer token required; injected faults apply (the load-balancer API).
+    /// Bearer token required; injected faults apply (the load-balancer and node-pool API).
     TokenWithFaults,
 }
 
@@ -144,6 +146,15 @@ pub fn routes() -> Vec<Route> {
             delete_load_balancer,
         ),
         route("/v1/pools", Get, TokenWithFaults, list_pools),
+        route("/v1/nodepools", Get, TokenWithFaults, list_node_pools),
+        route("/v1/nodepools/{name}", Get, TokenWithFaults, get_node_pool),
+        route("/v1/nodepools/{name}", Put, TokenWithFaults, put_node_pool),
+        route(
+            "/v1/nodepools/{name}",
+            Delete,
+            TokenWithFaults,
+            delete_node_pool,
+        ),
         route("/v1/admin/faults", Get, Token, get_faults),
         route("/v1/admin/faults", Put, Token, set_faults),
     ]
@@ -353,15 +364,37 @@ async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/yaml")], OPENAPI_YAML).into_response()
 }
 
-/// The API answer for `stored`, with the data plane's current backend health.
-fn answer(state: &AppState, stored: &StoredLoadBalancer) -> LoadBalancer {
+/// The API answer for `stored` (on `node_pool`, the pool it names, if any), with the
+/// data plane's current backend health.
+fn answer(
+    state: &AppState,
+    stored: &StoredLoadBalancer,
+    node_pool: Option<&StoredNodePool>,
+) -> LoadBalancer {
     let observed: Vec<_> = state
         .dataplane
         .backend_health(&stored.id)
         .into_iter()
         .map(|(ip, health)| (ip, wire_health(health)))
         .collect();
-    to_wire(stored, &observed)
+    to_wire(stored, node_pool, &observed)
+}
+
+/// [`answer`] for one load balancer, reading the node pool it names (as it is now).
+async fn answer_one(
+    state: &AppState,
+    stored: &StoredLoadBalancer,
+) -> Result<LoadBalancer, ApiError> {
+    let node_pool = match stored.spec.node_pool.clone() {
+        Some(name) => {
+            state
+                .store
+                .call(move |store| store.node_pool(&name))
+                .await?
+        }
+        None => None,
+    };
+    Ok(answer(state, stored, node_pool.as_ref()))
 }
 
 fn etag(version: u64) -> (header::HeaderName, String) {
@@ -407,14 +440,20 @@ pub fn parse_list_filter(pairs: &[(String, String)]) -> Result<ListFilter, ApiEr
 
 /// True when `lb` passes `filter`.
 pub fn matches_filter(lb: &StoredLoadBalancer, filter: &ListFilter) -> bool {
-    filter
-        .name
-        .as_ref()
-        .is_none_or(|name| *name == lb.spec.name)
+    passes(filter, &lb.spec.name, &lb.spec.tags)
+}
+
+/// True when something named `name` with `tags` passes `filter`.
+fn passes(
+    filter: &ListFilter,
+    name: &str,
+    tags: &std::collections::BTreeMap<String, String>,
+) -> bool {
+    filter.name.as_ref().is_none_or(|wanted| wanted == name)
         && filter
             .tags
             .iter()
-            .all(|(key, value)| lb.spec.tags.get(key) == Some(value))
+            .all(|(key, value)| tags.get(key) == Some(value))
 }
 
 async fn list_load_balancers(
@@ -424,11 +463,12 @@ async fn list_load_balancers(
     let Query(pairs) =
         query.map_err(|rejection| ApiError::bad_request("invalid-query", rejection.body_text()))?;
     let filter = parse_list_filter(&pairs)?;
-    let all = state.store.call(Store::list).await?;
+    let all = state.store.call(Store::snapshot).await?;
     let items = all
+        .load_balancers
         .iter()
         .filter(|lb| matches_filter(lb, &filter))
-        .map(|lb| answer(&state, lb))
+        .map(|lb| answer(&state, lb, all.node_pool_of(lb)))
         .collect();
     Ok(Json(LoadBalancerList { items }))
 }
@@ -453,22 +493,30 @@ pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> 
 
 /// The version in `If-Match` (`3` or `"3"`); required on updates.
 pub fn if_match_version(headers: &HeaderMap) -> Result<u64, ApiError> {
-    let Some(value) = headers.get(header::IF_MATCH) else {
-        return Err(ApiError::new(
+    if_match(headers)?.ok_or_else(|| {
+        ApiError::new(
             StatusCode::PRECONDITION_REQUIRED,
             "precondition-required",
             "an update needs If-Match with the version it was based on",
-        ));
+        )
+    })
+}
+
+/// The version in `If-Match` (`3` or `"3"`), if sent.
+pub fn if_match(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    let Some(value) = headers.get(header::IF_MATCH) else {
+        return Ok(None);
     };
     value
         .to_str()
         .ok()
         .map(|text| text.trim().trim_matches('"'))
         .and_then(|text| text.parse::<u64>().ok())
+        .map(Some)
         .ok_or_else(|| {
             ApiError::bad_request(
                 "invalid-header",
-                "If-Match must be the load balancer's version, a whole number",
+                "If-Match must be the version, a whole number",
             )
         })
 }
@@ -495,7 +543,7 @@ async fn create_load_balancer(
     let mut response = (
         StatusCode::CREATED,
         [etag(lb.version), (header::LOCATION, location)],
-        Json(answer(&state, &lb)),
+        Json(answer_one(&state, &lb).await?),
     )
         .into_response();
     if !created.is_new {
@@ -518,7 +566,7 @@ async fn get_load_balancer(
         .call(move |store| store.get(&lookup))
         .await?
         .ok_or_else(|| ApiError::not_found(format!("load balancer {id} not found")))?;
-    Ok(([etag(lb.version)], Json(answer(&state, &lb))).into_response())
+    Ok(([etag(lb.version)], Json(answer_one(&state, &lb).await?)).into_response())
 }
 
 async fn update_load_balancer(
@@ -535,7 +583,7 @@ async fn update_load_balancer(
         .store
         .call(move |store| store.update(&id, &spec, &placement, version))
         .await?;
-    let response = ([etag(lb.version)], Json(answer(&state, &lb))).into_response();
+    let response = ([etag(lb.version)], Json(answer_one(&state, &lb).await?)).into_response();
     if lb.version == version {
         return Ok(response);
     }
@@ -559,14 +607,14 @@ async fn delete_load_balancer(
         Some(Transition {
             load_balancer: lb,
             changed: false,
-        }) => (StatusCode::ACCEPTED, Json(answer(&state, &lb))).into_response(),
+        }) => (StatusCode::ACCEPTED, Json(answer_one(&state, &lb).await?)).into_response(),
         Some(Transition {
             load_balancer: lb,
             changed: true,
         }) => {
             tracing::info!(lb = %lb.id, "load balancer deleting");
             state.lifecycle_wake.notify_one();
-            committed((StatusCode::ACCEPTED, Json(answer(&state, &lb))).into_response())
+            committed((StatusCode::ACCEPTED, Json(answer_one(&state, &lb).await?)).into_response())
         }
         None => StatusCode::NO_CONTENT.into_response(),
     })
@@ -575,6 +623,132 @@ async fn delete_load_balancer(
 async fn list_pools(State(state): State<AppState>) -> Result<Json<PoolList>, ApiError> {
     let items = state.store.call(Store::pool_use).await?;
     Ok(Json(PoolList { items }))
+}
+
+async fn list_node_pools(
+    State(state): State<AppState>,
+    query: Result<Query<Vec<(String, String)>>, QueryRejection>,
+) -> Result<Json<NodePoolList>, ApiError> {
+    let Query(pairs) =
+        query.map_err(|rejection| ApiError::bad_request("invalid-query", rejection.body_text()))?;
+    let filter = parse_list_filter(&pairs)?;
+    let all = state.store.call(Store::list_node_pools).await?;
+    let items = all
+        .into_iter()
+        .filter(|(pool, _)| passes(&filter, &pool.name, &pool.spec.tags))
+        .map(|(pool, load_balancers)| node_pool_to_wire(&pool, load_balancers))
+        .collect();
+    Ok(Json(NodePoolList { items }))
+}
+
+async fn get_node_pool(
+    State(state): State<AppState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let name = path_id(path)?;
+    let lookup = name.clone();
+    let (pool, load_balancers) = state
+        .store
+        .call(move |store| store.get_node_pool(&lookup))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("node pool {name} not found")))?;
+    let body: NodePool = node_pool_to_wire(&pool, load_balancers);
+    Ok(([etag(pool.version)], Json(body)).into_response())
+}
+
+/// The metric outcome of a refused or failed node-pool write.
+fn unwritten(error: &ApiError) -> NodePoolWrite {
+    if error.status.is_server_error() {
+        NodePoolWrite::Failed
+    } else {
+        NodePoolWrite::Refused
+    }
+}
+
+async fn put_node_pool(
+    State(state): State<AppState>,
+    path: Result<Path<String>, PathRejection>,
+    headers: HeaderMap,
+    JsonBody(spec): JsonBody<NodePoolSpec>,
+) -> Result<Response, ApiError> {
+    let outcome = write_node_pool(&state, path, &headers, spec).await;
+    state.metrics.node_pool_write(match &outcome {
+        Ok((written, _)) => *written,
+        Err(error) => unwritten(error),
+    });
+    outcome.map(|(_, response)| response)
+}
+
+async fn write_node_pool(
+    state: &AppState,
+    path: Result<Path<String>, PathRejection>,
+    headers: &HeaderMap,
+    spec: NodePoolSpec,
+) -> Result<(NodePoolWrite, Response), ApiError> {
+    let name = path_id(path)?;
+    let if_match = if_match(headers)?;
+    validate_node_pool(&name, &spec)?;
+    let write = state
+        .store
+        .call(move |store| store.put_node_pool(&name, &spec, if_match))
+        .await?;
+    let pool = &write.node_pool;
+    let (status, outcome) = match write.written {
+        Written::Created => (StatusCode::CREATED, NodePoolWrite::Created),
+        Written::Replaced => (StatusCode::OK, NodePoolWrite::Replaced),
+        Written::Unchanged => (StatusCode::OK, NodePoolWrite::Unchanged),
+    };
+    let location = format!("/v1/nodepools/{}", pool.name);
+    let response = (
+        status,
+        [etag(pool.version), (header::LOCATION, location)],
+        Json(node_pool_to_wire(pool, write.load_balancers.clone())),
+    )
+        .into_response();
+    if write.written == Written::Unchanged {
+        return Ok((outcome, response));
+    }
+    tracing::info!(
+        node_pool = %pool.name,
+        version = pool.version,
+        backends = pool.spec.backends.len(),
+        load_balancers = write.load_balancers.len(),
+        "node pool written"
+    );
+    // One converge pass re-realises every load balancer on the pool.
+    if !write.load_balancers.is_empty() {
+        state.lifecycle_wake.notify_one();
+    }
+    Ok((outcome, committed(response)))
+}
+
+async fn delete_node_pool(
+    State(state): State<AppState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let outcome = remove_node_pool(&state, path).await;
+    state.metrics.node_pool_write(match &outcome {
+        Ok(_) => NodePoolWrite::Deleted,
+        Err(error) => unwritten(error),
+    });
+    outcome
+}
+
+async fn remove_node_pool(
+    state: &AppState,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let name = path_id(path)?;
+    let lookup = name.clone();
+    let deleted = state
+        .store
+        .call(move |store| store.delete_node_pool(&lookup))
+        .await?;
+    if !deleted {
+        return Err(ApiError::not_found(format!("node pool {name} not found")));
+    }
+    tracing::info!(node_pool = %name, "node pool deleted");
+    Ok(committed(StatusCode::NO_CONTENT.into_response()))
 }
 
 async fn get_faults(State(state): State<AppState>) -> Json<Faults> {

@@ -58,6 +58,11 @@ impl From<SpecError> for ApiError {
                 POOL_LACKS_FAMILY,
                 err.to_string(),
             ),
+            SpecError::BackendsAndNodePool { .. } => Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "backends-and-node-pool",
+                err.to_string(),
+            ),
             SpecError::UdpUnserved { .. } => Self::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "unsupported-protocol",
@@ -92,11 +97,21 @@ impl From<StoreError> for ApiError {
                 Self::new(StatusCode::UNPROCESSABLE_ENTITY, POOL_LACKS_FAMILY, message)
             }
             StoreError::Deleting { .. } => Self::new(StatusCode::CONFLICT, "deleting", message),
-            StoreError::VersionMismatch { .. } => Self::new(
-                StatusCode::PRECONDITION_FAILED,
-                "version-mismatch",
-                format!("{message}; read it again and retry"),
+            StoreError::UnknownNodePool { .. } => Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "node-pool-not-found",
+                message,
             ),
+            StoreError::NodePoolInUse { .. } => {
+                Self::new(StatusCode::CONFLICT, "node-pool-in-use", message)
+            }
+            StoreError::VersionMismatch { .. } | StoreError::NodePoolVersionMismatch { .. } => {
+                Self::new(
+                    StatusCode::PRECONDITION_FAILED,
+                    "version-mismatch",
+                    format!("{message}; read it again and retry"),
+                )
+            }
             StoreError::Open { .. }
             | StoreError::Database(_)
             | StoreError::Corrupt { .. }

@@ -1,5 +1,5 @@
 //! The one background task that converges the world to the store: it hands the data plane
-//! every load balancer that is not being deleted, then moves provisioning ones to active
+//! every load balancer that is not being deleted (those on a node pool with its members), then moves provisioning ones to active
 //! (once realised and the provisioning delay passed) and removes deleting ones (once the
 //! delay passed). It runs at start-up, after every committed change, and when the next
 //! delay expires, so a restart resumes where the last run stopped.
@@ -123,9 +123,15 @@ impl Lifecycle {
 
     /// One pass; returns how long to wait at most before the next one.
     async fn converge(&self) -> Result<Option<Duration>, crate::store::StoreError> {
-        let lbs = self.store.call(Store::list).await?;
-        self.metrics.set_load_balancers(count_states(&lbs));
-        let desired = lbs.iter().filter_map(to_dataplane).collect();
+        let snapshot = self.store.call(Store::snapshot).await?;
+        let lbs = &snapshot.load_balancers;
+        self.metrics.set_load_balancers(count_states(lbs));
+        // LBs on a node pool get its members here: a pool change reaches every one of them
+        // in this one pass, as a backend change the data plane makes without a reload.
+        let desired = lbs
+            .iter()
+            .filter_map(|lb| to_dataplane(lb, snapshot.node_pool_of(lb)))
+            .collect();
         let mut retry = None;
         let unrealised: BTreeSet<String> = match self.dataplane.apply(desired).await {
             Ok(()) => BTreeSet::new(),
@@ -139,7 +145,7 @@ impl Lifecycle {
             }
         };
         let now = now_ms();
-        let plan = plan_transitions(&lbs, now, self.delay, &unrealised);
+        let plan = plan_transitions(lbs, now, self.delay, &unrealised);
         let changed = !plan.activate.is_empty() || !plan.remove.is_empty();
         for id in plan.activate {
             tracing::info!(lb = %id, "load balancer active");

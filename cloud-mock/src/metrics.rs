@@ -16,6 +16,38 @@ struct RequestLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+/// What a node-pool write (PUT or DELETE) came to: a bounded label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodePoolWrite {
+    Created,
+    Replaced,
+    /// The content it had already: nothing written.
+    Unchanged,
+    Deleted,
+    /// Refused: invalid, stale If-Match, in use, absent.
+    Refused,
+    /// The store failed.
+    Failed,
+}
+
+impl NodePoolWrite {
+    const fn label(self) -> &'static str {
+        match self {
+            Self::Created => "created",
+            Self::Replaced => "replaced",
+            Self::Unchanged => "unchanged",
+            Self::Deleted => "deleted",
+            Self::Refused => "refused",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabels {
     state: &'static str,
 }
@@ -25,6 +57,7 @@ struct StateLabels {
 pub struct Metrics {
     requests: Family<RequestLabels, Counter>,
     load_balancers: Family<StateLabels, Gauge>,
+    node_pool_writes: Family<OutcomeLabels, Counter>,
 }
 
 pub const STATES: [State; 3] = [State::Provisioning, State::Active, State::Deleting];
@@ -63,6 +96,19 @@ impl Metrics {
             "Load balancers by lifecycle state",
             self.load_balancers.clone(),
         );
+        registry.register(
+            "cloud_mock_node_pool_writes",
+            "Node-pool writes (PUT and DELETE) by outcome",
+            self.node_pool_writes.clone(),
+        );
+    }
+
+    pub fn node_pool_write(&self, outcome: NodePoolWrite) {
+        self.node_pool_writes
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.label(),
+            })
+            .inc();
     }
 
     pub fn request(&self, route: &str, method: &http::Method, status: u16) {
@@ -105,6 +151,7 @@ mod tests {
             404,
         );
         metrics.set_load_balancers([2, 1, 0]);
+        metrics.node_pool_write(NodePoolWrite::Replaced);
         let mut text = String::new();
         encode(&mut text, &registry).unwrap();
         assert!(text.contains(
@@ -113,5 +160,6 @@ mod tests {
         assert!(text.contains(r#"method="other",status="404"} 1"#));
         assert!(text.contains(r#"cloud_mock_load_balancers{state="provisioning"} 2"#));
         assert!(text.contains(r#"cloud_mock_load_balancers{state="deleting"} 0"#));
+        assert!(text.contains(r#"cloud_mock_node_pool_writes_total{outcome="replaced"} 1"#));
     }
 }

@@ -1,11 +1,15 @@
-//! What the store keeps per load balancer, and the pure mappings to the API's wire type
-//! and to the data plane's desired state.
+//! What the store keeps per load balancer and per node pool, and the pure mappings to the
+//! API's wire types and to the data plane's desired state. A load balancer on a node pool
+//! is resolved here, against the pool's members, so that the data planes never hear of
+//! pools: a pool change is a backend change of every load balancer on it.
 
 use std::net::IpAddr;
 
 use cloud_mock_dataplane as dataplane;
 use cloud_mock_sdk::families::{BackendStatus, LoadBalancer, LoadBalancerSpec};
-use cloud_mock_sdk::{BackendHealth, HealthCheckProtocol, Mode, Protocol, State};
+use cloud_mock_sdk::{
+    BackendHealth, HealthCheckProtocol, IpFamily, Mode, NodePool, NodePoolSpec, Protocol, State,
+};
 use serde::{Deserialize, Serialize};
 
 /// One load balancer as persisted. Records written before IP families decode as IPv4
@@ -39,18 +43,59 @@ impl StoredLoadBalancer {
     }
 }
 
-/// The API answer for `stored`, with per-backend health from `observed` (what the data
-/// plane reports; backends it does not report are `unknown`).
-pub fn to_wire(stored: &StoredLoadBalancer, observed: &[(IpAddr, BackendHealth)]) -> LoadBalancer {
-    let health = stored
-        .spec
-        .backends
-        .iter()
-        .map(|backend| BackendStatus {
-            ip: backend.ip,
+/// One node pool as persisted: its spec with the backends in address order (a pool is a
+/// set, so the same members in another order are the same pool).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredNodePool {
+    pub name: String,
+    pub spec: NodePoolSpec,
+    pub version: u64,
+}
+
+/// The API answer for `pool`, referenced by the load balancers `load_balancers`.
+pub fn node_pool_to_wire(pool: &StoredNodePool, load_balancers: Vec<String>) -> NodePool {
+    NodePool {
+        name: pool.name.clone(),
+        tags: pool.spec.tags.clone(),
+        backends: pool.spec.backends.clone(),
+        version: pool.version,
+        load_balancers,
+    }
+}
+
+/// The backends `stored` forwards to: its own, or, on a node pool, the members of
+/// `node_pool` (the pool it names) of its families. A pool that is missing, which the
+/// store never lets happen, leaves it without backends.
+pub fn backend_ips(stored: &StoredLoadBalancer, node_pool: Option<&StoredNodePool>) -> Vec<IpAddr> {
+    let spec = &stored.spec;
+    if spec.node_pool.is_none() {
+        return spec.backends.iter().map(|backend| backend.ip).collect();
+    }
+    node_pool
+        .into_iter()
+        .flat_map(|pool| &pool.spec.backends)
+        .map(|backend| backend.ip)
+        .filter(|ip| spec.ip_families.contains(&IpFamily::of(ip)))
+        .collect()
+}
+
+/// The API answer for `stored` (on `node_pool`, if it names one), with per-backend health
+/// from `observed` (what the data plane reports; backends it does not report are
+/// `unknown`). On a node pool, `health` lists the pool's members with this load balancer's
+/// health of each, while `backends` stays as sent: empty.
+pub fn to_wire(
+    stored: &StoredLoadBalancer,
+    node_pool: Option<&StoredNodePool>,
+    observed: &[(IpAddr, BackendHealth)],
+) -> LoadBalancer {
+    let health = backend_ips(stored, node_pool)
+        .into_iter()
+        .map(|ip| BackendStatus {
+            ip,
             health: observed
                 .iter()
-                .find(|(ip, _)| *ip == backend.ip)
+                .find(|(seen, _)| *seen == ip)
                 .map_or(BackendHealth::Unknown, |(_, health)| *health),
         })
         .collect();
@@ -63,9 +108,13 @@ pub fn to_wire(stored: &StoredLoadBalancer, observed: &[(IpAddr, BackendHealth)]
     }
 }
 
-/// The data plane's desired state for `stored`; `None` for a load balancer being deleted
-/// (or, which the store never produces, one without a VIP).
-pub fn to_dataplane(stored: &StoredLoadBalancer) -> Option<dataplane::LoadBalancer> {
+/// The data plane's desired state for `stored` (on `node_pool`, if it names one); `None`
+/// for a load balancer being deleted (or, which the store never produces, one without a
+/// VIP).
+pub fn to_dataplane(
+    stored: &StoredLoadBalancer,
+    node_pool: Option<&StoredNodePool>,
+) -> Option<dataplane::LoadBalancer> {
     let vips = stored.vips();
     if stored.state == State::Deleting || vips.is_empty() {
         return None;
@@ -102,7 +151,7 @@ pub fn to_dataplane(stored: &StoredLoadBalancer) -> Option<dataplane::LoadBalanc
                     }),
             })
             .collect(),
-        backends: spec.backends.iter().map(|backend| backend.ip).collect(),
+        backends: backend_ips(stored, node_pool),
         source_ranges: spec.source_ranges.clone(),
     })
 }
@@ -185,7 +234,7 @@ pub(crate) mod tests {
 
     #[test]
     fn dataplane_gets_every_listener_backend_and_range() {
-        let lb = to_dataplane(&stored(State::Active)).unwrap();
+        let lb = to_dataplane(&stored(State::Active), None).unwrap();
         assert_eq!(lb.id, "lb-00000001");
         assert_eq!(lb.vips, vec![IpAddr::from([127, 77, 0, 9])]);
         assert_eq!(lb.mode, dataplane::Mode::Proxy);
@@ -221,14 +270,14 @@ pub(crate) mod tests {
 
     #[test]
     fn deleting_load_balancers_leave_the_data_plane() {
-        assert!(to_dataplane(&stored(State::Provisioning)).is_some());
-        assert!(to_dataplane(&stored(State::Deleting)).is_none());
+        assert!(to_dataplane(&stored(State::Provisioning), None).is_some());
+        assert!(to_dataplane(&stored(State::Deleting), None).is_none());
     }
 
     #[test]
     fn wire_health_lists_every_backend_in_order() {
         let observed = [(IpAddr::from([198, 18, 0, 12]), BackendHealth::Unhealthy)];
-        let lb = to_wire(&stored(State::Active), &observed);
+        let lb = to_wire(&stored(State::Active), None, &observed);
         assert_eq!(
             lb.health,
             vec![
@@ -257,7 +306,7 @@ pub(crate) mod tests {
         let stored: StoredLoadBalancer = serde_json::from_str(old).unwrap();
         assert_eq!(stored.spec.ip_families, DEFAULT_IP_FAMILIES.to_vec());
         assert_eq!(stored.vips(), vec![IpAddr::from([198, 51, 100, 3])]);
-        let lb = to_dataplane(&stored).unwrap();
+        let lb = to_dataplane(&stored, None).unwrap();
         assert_eq!(lb.backends, vec![IpAddr::from([198, 18, 0, 11])]);
         assert_eq!(lb.source_ranges, vec!["203.0.113.0/24".parse().unwrap()]);
         // Older still: the VIP in `vip` alone.
@@ -281,12 +330,69 @@ pub(crate) mod tests {
         dual.spec
             .source_ranges
             .push("2001:db8:203::/64".parse().unwrap());
-        let lb = to_dataplane(&dual).unwrap();
+        let lb = to_dataplane(&dual, None).unwrap();
         assert_eq!(lb.vips, vec![v6, IpAddr::from([127, 77, 0, 9])]);
         assert_eq!(lb.backends.len(), 3);
         assert_eq!(lb.source_ranges.len(), 2);
-        let wire = to_wire(&dual, &[]);
+        let wire = to_wire(&dual, None, &[]);
         assert_eq!(wire.health.len(), 3);
         assert_eq!(wire.spec.vip, Some(Ipv4Addr::new(127, 77, 0, 9)));
+    }
+
+    fn node_pool(members: &[&str]) -> StoredNodePool {
+        StoredNodePool {
+            name: "c1-nodes".into(),
+            spec: NodePoolSpec {
+                tags: BTreeMap::new(),
+                backends: members
+                    .iter()
+                    .map(|ip| Backend {
+                        ip: ip.parse().unwrap(),
+                    })
+                    .collect(),
+            },
+            version: 2,
+        }
+    }
+
+    #[test]
+    fn a_load_balancer_on_a_node_pool_gets_the_members_of_its_families() {
+        let mut on_pool = stored(State::Active);
+        on_pool.spec.backends.clear();
+        on_pool.spec.node_pool = Some("c1-nodes".into());
+        let pool = node_pool(&["198.18.0.21", "2001:db8:18::21", "198.18.0.22"]);
+        let lb = to_dataplane(&on_pool, Some(&pool)).unwrap();
+        assert_eq!(
+            lb.backends,
+            vec![
+                IpAddr::from([198, 18, 0, 21]),
+                IpAddr::from([198, 18, 0, 22])
+            ],
+            "an IPv4 load balancer leaves the IPv6 member out"
+        );
+        let observed = [(IpAddr::from([198, 18, 0, 22]), BackendHealth::Healthy)];
+        let wire = to_wire(&on_pool, Some(&pool), &observed);
+        assert!(wire.spec.backends.is_empty(), "backends stay as sent");
+        assert_eq!(wire.spec.node_pool.as_deref(), Some("c1-nodes"));
+        assert_eq!(
+            wire.health
+                .iter()
+                .map(|status| (status.ip.to_string(), status.health))
+                .collect::<Vec<_>>(),
+            vec![
+                ("198.18.0.21".to_owned(), BackendHealth::Unknown),
+                ("198.18.0.22".to_owned(), BackendHealth::Healthy)
+            ]
+        );
+        // A pool that is gone (the store never lets that happen) serves nothing.
+        assert!(to_dataplane(&on_pool, None).unwrap().backends.is_empty());
+        // Its own backends are ignored while a pool is named, and the pool while not.
+        on_pool.spec.node_pool = None;
+        assert!(backend_ips(&on_pool, Some(&pool)).is_empty());
+
+        let answer = node_pool_to_wire(&pool, vec!["lb-00000001".into()]);
+        assert_eq!(answer.version, 2);
+        assert_eq!(answer.backends.len(), 3);
+        assert_eq!(answer.load_balancers, vec!["lb-00000001".to_owned()]);
     }
 }

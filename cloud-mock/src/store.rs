@@ -1,19 +1,19 @@
-//! The persistent store: load balancers, VIP allocations and idempotency keys in one redb
-//! file. Every write is one transaction, committed durably (fsync) before it returns, so
+//! The persistent store: load balancers, VIP allocations, idempotency keys and node pools
+//! in one redb file. Every write is one transaction, committed durably (fsync) before it returns, so
 //! an acknowledged change survives a crash, and a refused one leaves nothing behind.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cloud_mock_sdk::families::LoadBalancerSpec;
-use cloud_mock_sdk::{IpFamily, Mode, Pool, Protocol, State};
+use cloud_mock_sdk::{IpFamily, Mode, NodePoolSpec, Pool, Protocol, State};
 use ipnet::IpNet;
 use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
 use serde::{Deserialize, Serialize};
 
-use crate::model::StoredLoadBalancer;
+use crate::model::{StoredLoadBalancer, StoredNodePool};
 use crate::pools::{DEFAULT_POOL, VipPools, pool_size, vip_in_pool};
 use crate::validate::Placement;
 
@@ -26,6 +26,11 @@ const VIP_HOLDERS: TableDefinition<u32, &[u8]> = TableDefinition::new("vip_holde
 const VIP6_HOLDERS: TableDefinition<u128, &[u8]> = TableDefinition::new("vip6_holders");
 /// Idempotency-Key of a create → id of the load balancer it made.
 const IDEMPOTENCY_KEYS: TableDefinition<&str, &str> = TableDefinition::new("idempotency_keys");
+/// Node pool name → JSON of [`StoredNodePool`]. Which load balancers reference a pool is
+/// read from their specs (one place for that fact); a write of either kind checks the
+/// other in the same transaction, and redb has one writer at a time, so an LB never
+/// references a pool a concurrent delete removed.
+const NODE_POOLS: TableDefinition<&str, &[u8]> = TableDefinition::new("node_pools");
 
 /// The load balancers on one VIP: one, or several with the same sharing key.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -97,6 +102,19 @@ pub enum StoreError {
     },
     #[error("load balancer {id} is being deleted")]
     Deleting { id: String },
+    #[error("nodePool: there is no node pool named {name}")]
+    UnknownNodePool { name: String },
+    #[error("node pool {name} is referenced by load balancers {}", load_balancers.join(", "))]
+    NodePoolInUse {
+        name: String,
+        load_balancers: Vec<String>,
+    },
+    #[error("node pool {name} is {}, not at version {expected}", current.map_or_else(|| "absent".to_owned(), |v| format!("at version {v}")))]
+    NodePoolVersionMismatch {
+        name: String,
+        current: Option<u64>,
+        expected: u64,
+    },
     #[error("background task failed: {0}")]
     Task(String),
 }
@@ -121,6 +139,40 @@ pub struct Transition {
     pub changed: bool,
 }
 
+/// What a node-pool write did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    Created,
+    Replaced,
+    /// The pool had that content already: nothing was written, the version stays.
+    Unchanged,
+}
+
+/// A node pool written (or found unchanged), with the load balancers referencing it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePoolWrite {
+    pub node_pool: StoredNodePool,
+    pub load_balancers: Vec<String>,
+    pub written: Written,
+}
+
+/// Every load balancer and node pool, read in one transaction.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub load_balancers: Vec<StoredLoadBalancer>,
+    pub node_pools: BTreeMap<String, StoredNodePool>,
+}
+
+impl Snapshot {
+    /// The node pool `lb` names, if it names one.
+    pub fn node_pool_of(&self, lb: &StoredLoadBalancer) -> Option<&StoredNodePool> {
+        lb.spec
+            .node_pool
+            .as_ref()
+            .and_then(|name| self.node_pools.get(name))
+    }
+}
+
 /// Handle on the database; clones share it.
 #[derive(Clone)]
 pub struct Store {
@@ -141,6 +193,7 @@ impl Store {
             txn.open_table(VIP_HOLDERS)?;
             txn.open_table(VIP6_HOLDERS)?;
             txn.open_table(IDEMPOTENCY_KEYS)?;
+            txn.open_table(NODE_POOLS)?;
             txn.commit()?;
             Ok(db)
         };
@@ -215,12 +268,160 @@ impl Store {
     pub fn list(&self) -> Result<Vec<StoredLoadBalancer>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
         let table = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
-        let mut all = Vec::new();
-        for entry in table.iter().map_err(db_error)? {
+        read_all_lbs(&table)
+    }
+
+    /// Every load balancer and node pool, as of one moment.
+    pub fn snapshot(&self) -> Result<Snapshot, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
+        let pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
+        let mut node_pools = BTreeMap::new();
+        for entry in pools.iter().map_err(db_error)? {
             let (key, value) = entry.map_err(db_error)?;
-            all.push(decode(key.value(), value.value())?);
+            let pool = decode_node_pool(key.value(), value.value())?;
+            node_pools.insert(pool.name.clone(), pool);
         }
-        Ok(all)
+        Ok(Snapshot {
+            load_balancers: read_all_lbs(&lbs)?,
+            node_pools,
+        })
+    }
+
+    /// The node pool `name` with the load balancers referencing it; `None` when absent.
+    pub fn get_node_pool(
+        &self,
+        name: &str,
+    ) -> Result<Option<(StoredNodePool, Vec<String>)>, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
+        let pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
+        let Some(pool) = read_node_pool(&pools, name)? else {
+            return Ok(None);
+        };
+        Ok(Some((pool, referencing(&lbs, name)?)))
+    }
+
+    /// The node pool `name` alone (what an LB naming it resolves against).
+    pub fn node_pool(&self, name: &str) -> Result<Option<StoredNodePool>, StoreError> {
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
+        read_node_pool(&pools, name)
+    }
+
+    /// Every node pool, by name, with the load balancers referencing it.
+    pub fn list_node_pools(&self) -> Result<Vec<(StoredNodePool, Vec<String>)>, StoreError> {
+        let Snapshot {
+            load_balancers,
+            node_pools,
+        } = self.snapshot()?;
+        let mut users: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        for lb in &load_balancers {
+            if let Some(name) = &lb.spec.node_pool {
+                users.entry(name).or_default().push(lb.id.clone());
+            }
+        }
+        Ok(node_pools
+            .into_values()
+            .map(|pool| {
+                let ids = users.remove(pool.name.as_str()).unwrap_or_default();
+                (pool, ids)
+            })
+            .collect())
+    }
+
+    /// Creates or replaces the node pool `name` with a validated `spec` (its backends kept
+    /// in address order: a pool is a set). With `if_match`, the pool must exist at that
+    /// version, unless it has that content already: that changes nothing, not even the
+    /// version.
+    pub fn put_node_pool(
+        &self,
+        name: &str,
+        spec: &NodePoolSpec,
+        if_match: Option<u64>,
+    ) -> Result<NodePoolWrite, StoreError> {
+        let mut wanted = spec.clone();
+        wanted.backends.sort_unstable();
+        let txn = self.db.begin_write().map_err(db_error)?;
+        let write = {
+            let lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
+            let mut pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
+            let current = read_node_pool(&pools, name)?;
+            let load_balancers = referencing(&lbs, name)?;
+            // The content the pool has already is no change, whatever If-Match says: a
+            // retry after a lost answer (its If-Match now stale) converges instead of
+            // failing, and no one's update is lost by writing nothing.
+            if let Some(pool) = current.as_ref().filter(|pool| pool.spec == wanted) {
+                return Ok(NodePoolWrite {
+                    node_pool: pool.clone(),
+                    load_balancers,
+                    written: Written::Unchanged,
+                });
+            }
+            let current_version = current.as_ref().map(|pool| pool.version);
+            if let Some(expected) = if_match
+                && current_version != Some(expected)
+            {
+                return Err(StoreError::NodePoolVersionMismatch {
+                    name: name.to_owned(),
+                    current: current_version,
+                    expected,
+                });
+            }
+            let (node_pool, written) = match current {
+                Some(pool) => (
+                    StoredNodePool {
+                        name: name.to_owned(),
+                        spec: wanted,
+                        version: pool.version + 1,
+                    },
+                    Written::Replaced,
+                ),
+                None => (
+                    StoredNodePool {
+                        name: name.to_owned(),
+                        spec: wanted,
+                        version: 1,
+                    },
+                    Written::Created,
+                ),
+            };
+            let bytes = serde_json::to_vec(&node_pool).map_err(|source| StoreError::Encode {
+                what: "node pool",
+                source,
+            })?;
+            pools.insert(name, bytes.as_slice()).map_err(db_error)?;
+            NodePoolWrite {
+                node_pool,
+                load_balancers,
+                written,
+            }
+        };
+        txn.commit().map_err(db_error)?;
+        Ok(write)
+    }
+
+    /// Deletes the node pool `name`: false when there is none, refused while a load
+    /// balancer that is not removed yet (being deleted counts) references it.
+    pub fn delete_node_pool(&self, name: &str) -> Result<bool, StoreError> {
+        let txn = self.db.begin_write().map_err(db_error)?;
+        {
+            let lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
+            let mut pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
+            if read_node_pool(&pools, name)?.is_none() {
+                return Ok(false);
+            }
+            let load_balancers = referencing(&lbs, name)?;
+            if !load_balancers.is_empty() {
+                return Err(StoreError::NodePoolInUse {
+                    name: name.to_owned(),
+                    load_balancers,
+                });
+            }
+            pools.remove(name).map_err(db_error)?;
+        }
+        txn.commit().map_err(db_error)?;
+        Ok(true)
     }
 
     /// Creates a load balancer from a validated `spec` placed by `placement`, allocating
@@ -241,6 +442,7 @@ impl Store {
                 v6: txn.open_table(VIP6_HOLDERS).map_err(db_error)?,
             };
             let mut keys = txn.open_table(IDEMPOTENCY_KEYS).map_err(db_error)?;
+            let pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
             if let Some(key) = idempotency_key {
                 let known = keys
                     .get(key)
@@ -255,6 +457,7 @@ impl Store {
                     });
                 }
             }
+            check_node_pool(&pools, spec)?;
             let id = loop {
                 let candidate = new_id();
                 if lbs.get(candidate.as_str()).map_err(db_error)?.is_none() {
@@ -330,6 +533,7 @@ impl Store {
                     expected: expected_version,
                 });
             }
+            check_node_pool(&txn.open_table(NODE_POOLS).map_err(db_error)?, spec)?;
             let current_vips = lb.vips();
             // Records written before pools existed name none: theirs is the default pool.
             let current_pool = lb
@@ -700,6 +904,60 @@ impl Holders<Table<'_, u32, &'static [u8]>, Table<'_, u128, &'static [u8]>> {
         }
         Ok(())
     }
+}
+
+/// Refuses a spec that names a node pool the store does not have.
+fn check_node_pool(
+    pools: &impl ReadableTable<&'static str, &'static [u8]>,
+    spec: &LoadBalancerSpec,
+) -> Result<(), StoreError> {
+    match &spec.node_pool {
+        Some(name) if pools.get(name.as_str()).map_err(db_error)?.is_none() => {
+            Err(StoreError::UnknownNodePool { name: name.clone() })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Ids of the load balancers (being deleted too) that reference node pool `name`.
+fn referencing(
+    lbs: &impl ReadableTable<&'static str, &'static [u8]>,
+    name: &str,
+) -> Result<Vec<String>, StoreError> {
+    Ok(read_all_lbs(lbs)?
+        .into_iter()
+        .filter(|lb| lb.spec.node_pool.as_deref() == Some(name))
+        .map(|lb| lb.id)
+        .collect())
+}
+
+fn read_all_lbs(
+    table: &impl ReadableTable<&'static str, &'static [u8]>,
+) -> Result<Vec<StoredLoadBalancer>, StoreError> {
+    let mut all = Vec::new();
+    for entry in table.iter().map_err(db_error)? {
+        let (key, value) = entry.map_err(db_error)?;
+        all.push(decode(key.value(), value.value())?);
+    }
+    Ok(all)
+}
+
+fn read_node_pool(
+    table: &impl ReadableTable<&'static str, &'static [u8]>,
+    name: &str,
+) -> Result<Option<StoredNodePool>, StoreError> {
+    table
+        .get(name)
+        .map_err(db_error)?
+        .map(|value| decode_node_pool(name, value.value()))
+        .transpose()
+}
+
+fn decode_node_pool(name: &str, bytes: &[u8]) -> Result<StoredNodePool, StoreError> {
+    serde_json::from_slice(bytes).map_err(|source| StoreError::Corrupt {
+        what: format!("node pool {name}"),
+        source,
+    })
 }
 
 fn decode_holders(vip: IpAddr, bytes: &[u8]) -> Result<VipHolders, StoreError> {
@@ -1338,5 +1596,137 @@ mod tests {
             grown.vips(),
             vec![IpAddr::V4(ip(3)), v6("2001:db8:51:100::1")]
         );
+    }
+
+    fn members(ips: &[&str]) -> NodePoolSpec {
+        NodePoolSpec {
+            tags: std::collections::BTreeMap::from([("cluster".into(), "c1".into())]),
+            backends: ips
+                .iter()
+                .map(|ip| cloud_mock_sdk::families::Backend {
+                    ip: ip.parse().unwrap(),
+                })
+                .collect(),
+        }
+    }
+
+    fn on_pool(name: &str, node_pool: &str) -> LoadBalancerSpec {
+        let mut s = spec(name);
+        s.backends.clear();
+        s.node_pool = Some(node_pool.into());
+        s
+    }
+
+    #[test]
+    fn node_pools_are_created_replaced_left_alone_and_kept_across_reopen() {
+        let dir = TempDir::new("store-node-pools");
+        let store = open(&dir);
+        let created = store
+            .put_node_pool("c1", &members(&["10.0.0.2", "10.0.0.1"]), None)
+            .unwrap();
+        assert_eq!(created.written, Written::Created);
+        assert_eq!(created.node_pool.version, 1);
+        assert_eq!(
+            created.node_pool.spec,
+            members(&["10.0.0.1", "10.0.0.2"]),
+            "kept in address order"
+        );
+        // The same set in another order, with a stale or no If-Match: nothing changes.
+        for if_match in [None, Some(1), Some(7)] {
+            let same = store
+                .put_node_pool("c1", &members(&["10.0.0.1", "10.0.0.2"]), if_match)
+                .unwrap();
+            assert_eq!(same.written, Written::Unchanged, "{if_match:?}");
+            assert_eq!(same.node_pool, created.node_pool);
+        }
+        let replaced = store
+            .put_node_pool("c1", &members(&["10.0.0.1", "10.0.0.3"]), Some(1))
+            .unwrap();
+        assert_eq!(replaced.written, Written::Replaced);
+        assert_eq!(replaced.node_pool.version, 2);
+        assert!(matches!(
+            store.put_node_pool("c1", &members(&["10.0.0.4"]), Some(1)),
+            Err(StoreError::NodePoolVersionMismatch {
+                current: Some(2),
+                expected: 1,
+                ..
+            })
+        ));
+        assert!(matches!(
+            store.put_node_pool("c2", &members(&[]), Some(1)),
+            Err(StoreError::NodePoolVersionMismatch { current: None, .. })
+        ));
+        assert_eq!(
+            store.node_pool("c2").unwrap(),
+            None,
+            "a refused write makes nothing"
+        );
+        drop(store);
+
+        let store = open(&dir);
+        let (kept, users) = store.get_node_pool("c1").unwrap().unwrap();
+        assert_eq!(kept, replaced.node_pool);
+        assert!(users.is_empty());
+        assert!(store.delete_node_pool("c1").unwrap());
+        assert!(
+            !store.delete_node_pool("c1").unwrap(),
+            "absent the second time"
+        );
+        assert_eq!(store.get_node_pool("c1").unwrap(), None);
+    }
+
+    #[test]
+    fn a_node_pool_is_held_by_its_load_balancers_until_they_are_removed() {
+        let dir = TempDir::new("store-node-pool-use");
+        let store = open(&dir);
+        assert!(matches!(
+            create(&store, &on_pool("a", "c1"), None),
+            Err(StoreError::UnknownNodePool { name }) if name == "c1"
+        ));
+        assert!(
+            store.list().unwrap().is_empty(),
+            "the refused create made nothing"
+        );
+        store
+            .put_node_pool("c1", &members(&["10.0.0.1"]), None)
+            .unwrap();
+        store.put_node_pool("other", &members(&[]), None).unwrap();
+        let a = create(&store, &on_pool("a", "c1"), None)
+            .unwrap()
+            .load_balancer;
+        let b = create(&store, &spec("b"), None).unwrap().load_balancer;
+        // An update may move an LB onto a pool that exists, not onto one that does not.
+        assert!(matches!(
+            update(&store, &b.id, &on_pool("b", "nope"), 1),
+            Err(StoreError::UnknownNodePool { .. })
+        ));
+        update(&store, &b.id, &on_pool("b", "c1"), 1).unwrap();
+        let listed = store.list_node_pools().unwrap();
+        let users: Vec<(&str, usize)> = listed
+            .iter()
+            .map(|(pool, ids)| (pool.name.as_str(), ids.len()))
+            .collect();
+        assert_eq!(users, vec![("c1", 2), ("other", 0)]);
+        let snapshot = store.snapshot().unwrap();
+        let resolved = snapshot
+            .load_balancers
+            .iter()
+            .filter_map(|lb| snapshot.node_pool_of(lb))
+            .count();
+        assert_eq!(resolved, 2);
+
+        let in_use = |store: &Store| match store.delete_node_pool("c1") {
+            Err(StoreError::NodePoolInUse { load_balancers, .. }) => load_balancers,
+            other => panic!("expected node-pool-in-use, got {other:?}"),
+        };
+        let mut both = vec![a.id.clone(), b.id.clone()];
+        both.sort();
+        assert_eq!(in_use(&store), both);
+        update(&store, &b.id, &spec("b"), 2).unwrap();
+        // Being deleted still holds it: the data plane may still serve the LB.
+        store.mark_deleting(&a.id, 0).unwrap();
+        assert_eq!(in_use(&store), vec![a.id.clone()]);
+        store.remove(&a.id).unwrap();
+        assert!(store.delete_node_pool("c1").unwrap());
     }
 }

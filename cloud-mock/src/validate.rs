@@ -1,11 +1,12 @@
-//! Semantic checks of a load-balancer spec (types and ranges of the JSON are checked by
-//! deserialisation already), and where its VIPs are to come from.
+//! Semantic checks of a load-balancer spec and of a node-pool spec (types and ranges of
+//! the JSON are checked by deserialisation already), and where an LB's VIPs are to come
+//! from.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
-use cloud_mock_sdk::families::LoadBalancerSpec;
-use cloud_mock_sdk::{HealthCheckProtocol, IpFamily, Mode, Protocol};
+use cloud_mock_sdk::families::{Backend, LoadBalancerSpec};
+use cloud_mock_sdk::{HealthCheckProtocol, IpFamily, Mode, NodePoolSpec, Protocol};
 use ipnet::IpNet;
 
 use crate::pools::{VipPools, vip_in_pool};
@@ -17,6 +18,8 @@ pub const MAX_TAG_KEY_LEN: usize = 128;
 pub const MAX_TAG_VALUE_LEN: usize = 256;
 pub const MAX_LISTENERS: usize = 100;
 pub const MAX_BACKENDS: usize = 1000;
+/// A node pool holds a cluster's nodes: more than one LB's backends ever are.
+pub const MAX_NODE_POOL_BACKENDS: usize = 5000;
 pub const MAX_SOURCE_RANGES: usize = 100;
 pub const MAX_PATH_LEN: usize = 1024;
 pub const MAX_SHARING_KEY_LEN: usize = 253;
@@ -46,6 +49,10 @@ pub enum SpecError {
     UnknownPool { pool: String },
     #[error("pool: the VIP pool {pool} has no {family} addresses (ipFamilies asks for {family})")]
     PoolLacksFamily { pool: String, family: IpFamily },
+    #[error(
+        "backends: a load balancer on node pool {node_pool} takes its backends from the pool; send backends empty"
+    )]
+    BackendsAndNodePool { node_pool: String },
     #[error(
         "listeners[{index}]: this cloud's proxy-mode load balancers serve TCP only; UDP port {port} cannot be served (passthrough mode routes UDP)"
     )]
@@ -100,19 +107,7 @@ pub struct FamilyVip {
 /// resolves its pool and requested VIP against `pools`.
 pub fn validate_spec(spec: &LoadBalancerSpec, pools: &VipPools) -> Result<Placement, SpecError> {
     validate_text("name", &spec.name, 1, MAX_NAME_LEN)?;
-    if spec.tags.len() > MAX_TAGS {
-        return Err(invalid("tags", format!("at most {MAX_TAGS} tags")));
-    }
-    for (key, value) in &spec.tags {
-        validate_text("tags", key, 1, MAX_TAG_KEY_LEN)?;
-        if key.contains('=') {
-            return Err(invalid(
-                format!("tags.{key}"),
-                "a tag key may not contain '='",
-            ));
-        }
-        validate_text(&format!("tags.{key}"), value, 0, MAX_TAG_VALUE_LEN)?;
-    }
+    validate_tags(&spec.tags)?;
     if let Some(key) = &spec.address.sharing_key {
         validate_text("sharingKey", key, 1, MAX_SHARING_KEY_LEN)?;
     }
@@ -181,37 +176,16 @@ pub fn validate_spec(spec: &LoadBalancerSpec, pools: &VipPools) -> Result<Placem
             }
         }
     }
+    if let Some(node_pool) = &spec.node_pool {
+        validate_node_pool_name("nodePool", node_pool)?;
+        if !spec.backends.is_empty() {
+            return Err(SpecError::BackendsAndNodePool {
+                node_pool: node_pool.clone(),
+            });
+        }
+    }
     let families: BTreeSet<IpFamily> = spec.ip_families.iter().copied().collect();
-    if spec.backends.len() > MAX_BACKENDS {
-        return Err(invalid(
-            "backends",
-            format!("at most {MAX_BACKENDS} backends"),
-        ));
-    }
-    let mut seen_backends = BTreeSet::new();
-    for (index, backend) in spec.backends.iter().enumerate() {
-        let ip = backend.ip;
-        let broadcast = matches!(ip, IpAddr::V4(v4) if v4.is_broadcast());
-        if ip.is_unspecified() || broadcast || ip.is_multicast() {
-            return Err(invalid(
-                format!("backends[{index}].ip"),
-                format!("{ip} is not a unicast address"),
-            ));
-        }
-        let family = IpFamily::of(&ip);
-        if !families.contains(&family) {
-            return Err(invalid(
-                format!("backends[{index}].ip"),
-                format!("{ip} is an {family} address, but ipFamilies has no {family}"),
-            ));
-        }
-        if !seen_backends.insert(ip) {
-            return Err(invalid(
-                format!("backends[{index}].ip"),
-                format!("{ip} is listed twice"),
-            ));
-        }
-    }
+    validate_backends(&spec.backends, MAX_BACKENDS, Some(&families))?;
     if spec.source_ranges.len() > MAX_SOURCE_RANGES {
         return Err(invalid(
             "sourceRanges",
@@ -329,6 +303,78 @@ fn placement(spec: &LoadBalancerSpec, pools: &VipPools) -> Result<Placement, Spe
         });
     }
     Ok(Placement { pool, vips })
+}
+
+/// Checks a node pool's name (a DNS label, as VIP pool names) and spec: its tags as an
+/// LB's, at most [`MAX_NODE_POOL_BACKENDS`] unicast backends of either family, each once.
+pub fn validate_node_pool(name: &str, spec: &NodePoolSpec) -> Result<(), SpecError> {
+    validate_node_pool_name("name", name)?;
+    validate_tags(&spec.tags)?;
+    validate_backends(&spec.backends, MAX_NODE_POOL_BACKENDS, None)
+}
+
+fn validate_node_pool_name(field: &str, name: &str) -> Result<(), SpecError> {
+    if is_dns1123_label(name) {
+        Ok(())
+    } else {
+        Err(invalid(
+            field,
+            format!("{name:?} is not a node pool name (a DNS label: a-z, 0-9 and '-', at most 63)"),
+        ))
+    }
+}
+
+fn validate_tags(tags: &BTreeMap<String, String>) -> Result<(), SpecError> {
+    if tags.len() > MAX_TAGS {
+        return Err(invalid("tags", format!("at most {MAX_TAGS} tags")));
+    }
+    for (key, value) in tags {
+        validate_text("tags", key, 1, MAX_TAG_KEY_LEN)?;
+        if key.contains('=') {
+            return Err(invalid(
+                format!("tags.{key}"),
+                "a tag key may not contain '='",
+            ));
+        }
+        validate_text(&format!("tags.{key}"), value, 0, MAX_TAG_VALUE_LEN)?;
+    }
+    Ok(())
+}
+
+/// At most `max` unicast backends, each once, and, given `families`, of those families.
+fn validate_backends(
+    backends: &[Backend],
+    max: usize,
+    families: Option<&BTreeSet<IpFamily>>,
+) -> Result<(), SpecError> {
+    if backends.len() > max {
+        return Err(invalid("backends", format!("at most {max} backends")));
+    }
+    let mut seen_backends = BTreeSet::new();
+    for (index, backend) in backends.iter().enumerate() {
+        let ip = backend.ip;
+        let broadcast = matches!(ip, IpAddr::V4(v4) if v4.is_broadcast());
+        if ip.is_unspecified() || broadcast || ip.is_multicast() {
+            return Err(invalid(
+                format!("backends[{index}].ip"),
+                format!("{ip} is not a unicast address"),
+            ));
+        }
+        let family = IpFamily::of(&ip);
+        if families.is_some_and(|families| !families.contains(&family)) {
+            return Err(invalid(
+                format!("backends[{index}].ip"),
+                format!("{ip} is an {family} address, but ipFamilies has no {family}"),
+            ));
+        }
+        if !seen_backends.insert(ip) {
+            return Err(invalid(
+                format!("backends[{index}].ip"),
+                format!("{ip} is listed twice"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn validate_text(field: &str, text: &str, min: usize, max: usize) -> Result<(), SpecError> {
@@ -603,5 +649,54 @@ mod tests {
         let mut s = spec("a");
         s.listeners[1].port = s.listeners[0].port;
         assert!(validate_spec(&s, &pool()).is_ok());
+    }
+
+    #[test]
+    fn a_node_pool_takes_the_place_of_backends() {
+        let mut on_pool = spec("a");
+        on_pool.node_pool = Some("c1-nodes".into());
+        assert_eq!(
+            validate_spec(&on_pool, &pool()),
+            Err(SpecError::BackendsAndNodePool {
+                node_pool: "c1-nodes".into()
+            })
+        );
+        on_pool.backends.clear();
+        assert!(validate_spec(&on_pool, &pool()).is_ok());
+        on_pool.node_pool = Some("C1_nodes".into());
+        assert_eq!(field_of(validate_spec(&on_pool, &pool())), "nodePool");
+    }
+
+    #[test]
+    fn node_pool_specs_are_checked() {
+        let member = |ip: &str| Backend {
+            ip: ip.parse().unwrap(),
+        };
+        let mut node_pool = NodePoolSpec {
+            tags: BTreeMap::from([("cluster".into(), "c1".into())]),
+            backends: vec![member("198.18.0.11"), member("2001:db8:18::11")],
+        };
+        assert_eq!(validate_node_pool("c1-nodes", &node_pool), Ok(()));
+        let field = |name: &str, spec: &NodePoolSpec| match validate_node_pool(name, spec) {
+            Err(SpecError::Invalid { field, .. }) => field,
+            other => panic!("expected an invalid field, got {other:?}"),
+        };
+        for bad in ["", "-a", "a-", "A", "a.b", &"a".repeat(64)] {
+            assert_eq!(field(bad, &node_pool), "name", "{bad:?}");
+        }
+        node_pool.backends.push(member("198.18.0.11"));
+        assert_eq!(field("p", &node_pool), "backends[2].ip");
+        node_pool.backends[2] = member("224.0.0.1");
+        assert_eq!(field("p", &node_pool), "backends[2].ip");
+        node_pool.backends = (0..=MAX_NODE_POOL_BACKENDS)
+            .map(|i| Backend {
+                ip: IpAddr::from([10, 0, (i / 256) as u8, (i % 256) as u8]),
+            })
+            .collect();
+        assert_eq!(field("p", &node_pool), "backends");
+        node_pool.backends.pop();
+        assert_eq!(validate_node_pool("p", &node_pool), Ok(()));
+        node_pool.tags.insert("a=b".into(), String::new());
+        assert_eq!(field("p", &node_pool), "tags.a=b");
     }
 }

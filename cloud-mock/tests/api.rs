@@ -882,7 +882,9 @@ async fn openapi_document_and_routes_match() {
     // Every documented operation is really routed: neither the no-route fallback nor 405.
     let app = TestApp::start("127.77.0.128/28", Duration::ZERO);
     for (path, method) in &documented {
-        let uri = path.replace("{id}", "lb-00000000");
+        let uri = path
+            .replace("{id}", "lb-00000000")
+            .replace("{name}", "some-pool");
         let method = Method::from_bytes(method.as_bytes()).unwrap();
         let body = matches!(method, Method::POST | Method::PUT).then(|| json!({}));
         let (status, response) = app.call(method.clone(), &uri, body).await;
@@ -896,4 +898,286 @@ async fn openapi_document_and_routes_match() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(headers[header::CONTENT_TYPE], "application/yaml");
     assert_eq!(body.as_str(), Some(OPENAPI_YAML));
+}
+
+fn on_pool(name: &str, node_pool: &str) -> Value {
+    let mut body = spec(name);
+    body["backends"] = json!([]);
+    body["nodePool"] = json!(node_pool);
+    body
+}
+
+fn health_ips(lb: &Value) -> Vec<String> {
+    lb["health"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|status| status["ip"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn node_pools_round_trip_and_their_load_balancers_follow_them() {
+    let app = TestApp::start("127.77.0.144/28", Duration::ZERO);
+    let members = json!({"tags": {"cluster": "c1"},
+        "backends": [{"ip": "198.18.0.12"}, {"ip": "198.18.0.11"}, {"ip": "2001:db8:18::11"}]});
+    let (status, headers, created) = app
+        .send(request(
+            Method::PUT,
+            "/v1/nodepools/c1-nodes",
+            Some(members.clone()),
+            &[],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(headers[header::ETAG], "\"1\"");
+    assert_eq!(created["name"], "c1-nodes");
+    assert_eq!(created["version"], 1);
+    assert_eq!(created["loadBalancers"], json!([]));
+    assert_eq!(
+        created["backends"][0]["ip"], "198.18.0.11",
+        "kept as a set, in order"
+    );
+    // The same content again: 200, same version, nothing committed.
+    let (status, same) = app
+        .call(Method::PUT, "/v1/nodepools/c1-nodes", Some(members.clone()))
+        .await;
+    assert_eq!(
+        (status, same["version"].clone()),
+        (StatusCode::OK, json!(1))
+    );
+
+    // Load balancers name it instead of carrying backends, and must name one that exists.
+    let mut both = on_pool("both", "c1-nodes");
+    both["backends"] = json!([{"ip": "198.18.0.11"}]);
+    let (status, body) = create(&app, both).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(error_code(&body), "backends-and-node-pool");
+    let (status, body) = create(&app, on_pool("lost", "no-such-pool")).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(error_code(&body), "node-pool-not-found");
+    let (status, lb) = create(&app, on_pool("web", "c1-nodes")).await;
+    assert_eq!(status, StatusCode::CREATED, "{lb}");
+    let id = lb["id"].as_str().unwrap().to_owned();
+    assert_eq!(lb["nodePool"], "c1-nodes");
+    assert_eq!(lb["backends"], json!([]));
+    assert_eq!(
+        health_ips(&lb),
+        ["198.18.0.11", "198.18.0.12"],
+        "the IPv4 members of the pool, for an IPv4 load balancer"
+    );
+    let (_, plain) = create(&app, spec("plain")).await;
+    assert!(plain.get("nodePool").is_none(), "absent when not given");
+
+    // One pool write moves every referencing load balancer.
+    let moved = json!({"tags": {"cluster": "c1"}, "backends": [{"ip": "198.18.0.13"}]});
+    let (status, _, body) = app
+        .send(request(
+            Method::PUT,
+            "/v1/nodepools/c1-nodes",
+            Some(moved.clone()),
+            &[("If-Match", "7")],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::PRECONDITION_FAILED);
+    assert_eq!(error_code(&body), "version-mismatch");
+    let (status, _, replaced) = app
+        .send(request(
+            Method::PUT,
+            "/v1/nodepools/c1-nodes",
+            Some(moved),
+            &[("If-Match", "\"1\"")],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(replaced["version"], 2);
+    assert_eq!(replaced["loadBalancers"], json!([id]));
+    let lb = wait_for_state(&app, &id, "active").await;
+    assert_eq!(health_ips(&lb), ["198.18.0.13"]);
+    assert_eq!(lb["version"], 1, "the load balancer itself did not change");
+
+    // Get and list, with the load-balancer list's filters.
+    let (status, got) = app.call(Method::GET, "/v1/nodepools/c1-nodes", None).await;
+    assert_eq!((status, got["version"].clone()), (StatusCode::OK, json!(2)));
+    app.call(
+        Method::PUT,
+        "/v1/nodepools/c2-nodes",
+        Some(json!({"tags": {"cluster": "c2"}})),
+    )
+    .await;
+    let names = |list: &Value| -> Vec<String> {
+        list["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|pool| pool["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let (_, all) = app.call(Method::GET, "/v1/nodepools", None).await;
+    assert_eq!(names(&all), ["c1-nodes", "c2-nodes"]);
+    let (_, c2) = app
+        .call(Method::GET, "/v1/nodepools?tag=cluster=c2", None)
+        .await;
+    assert_eq!(names(&c2), ["c2-nodes"]);
+    let (_, named) = app
+        .call(Method::GET, "/v1/nodepools?name=c1-nodes", None)
+        .await;
+    assert_eq!(names(&named), ["c1-nodes"]);
+    let (status, body) = app.call(Method::GET, "/v1/nodepools?tag=nope", None).await;
+    assert_eq!(
+        (status, error_code(&body)),
+        (StatusCode::BAD_REQUEST, "invalid-query")
+    );
+
+    // Refused specs name the field.
+    let (status, body) = app
+        .call(Method::PUT, "/v1/nodepools/Bad_Name", Some(json!({})))
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(error_message(&body).starts_with("name:"), "{body}");
+    let (status, body) = app
+        .call(
+            Method::PUT,
+            "/v1/nodepools/dup",
+            Some(json!({"backends": [{"ip": "10.0.0.1"}, {"ip": "10.0.0.1"}]})),
+        )
+        .await;
+    assert_eq!(
+        (status, error_code(&body)),
+        (StatusCode::UNPROCESSABLE_ENTITY, "invalid")
+    );
+
+    // In use until the load balancer is gone (being deleted still holds it).
+    let (status, body) = app
+        .call(Method::DELETE, "/v1/nodepools/c1-nodes", None)
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(error_code(&body), "node-pool-in-use");
+    assert!(error_message(&body).contains(&id), "{body}");
+    app.call(Method::DELETE, &format!("/v1/loadbalancers/{id}"), None)
+        .await;
+    let mut deleted = StatusCode::CONFLICT;
+    for _ in 0..100 {
+        deleted = app
+            .call(Method::DELETE, "/v1/nodepools/c1-nodes", None)
+            .await
+            .0;
+        if deleted != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(deleted, StatusCode::NO_CONTENT);
+    let (status, body) = app
+        .call(Method::DELETE, "/v1/nodepools/c1-nodes", None)
+        .await;
+    assert_eq!(
+        (status, error_code(&body)),
+        (StatusCode::NOT_FOUND, "not-found")
+    );
+    let (status, _) = app.call(Method::GET, "/v1/nodepools/c1-nodes", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    let (_, _, metrics) = app
+        .send(Request::get("/metrics").body(Body::empty()).unwrap())
+        .await;
+    let text = metrics.as_str().unwrap();
+    for line in [
+        r#"cloud_mock_node_pool_writes_total{outcome="created"} 2"#,
+        r#"cloud_mock_node_pool_writes_total{outcome="unchanged"} 1"#,
+        r#"cloud_mock_node_pool_writes_total{outcome="replaced"} 1"#,
+        r#"cloud_mock_node_pool_writes_total{outcome="deleted"} 1"#,
+    ] {
+        assert!(text.contains(line), "{line} in {text}");
+    }
+}
+
+#[tokio::test]
+async fn node_pool_routes_take_the_injected_faults_and_a_lost_answer_is_retried_into_one_write() {
+    let app = TestApp::start("127.77.0.160/28", Duration::ZERO);
+    let members = json!({"backends": [{"ip": "198.18.0.11"}]});
+    app.call(
+        Method::PUT,
+        "/v1/admin/faults",
+        Some(json!({"errorRate": 1.0})),
+    )
+    .await;
+    for (method, uri) in [
+        (Method::GET, "/v1/nodepools"),
+        (Method::GET, "/v1/nodepools/p"),
+        (Method::PUT, "/v1/nodepools/p"),
+        (Method::DELETE, "/v1/nodepools/p"),
+    ] {
+        let body = (method == Method::PUT).then(|| members.clone());
+        let (status, _) = app.call(method.clone(), uri, body).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{method} {uri}");
+    }
+    app.call(
+        Method::PUT,
+        "/v1/admin/faults",
+        Some(json!({"rateLimitPerSecond": 1})),
+    )
+    .await;
+    app.call(Method::GET, "/v1/nodepools", None).await;
+    let (status, body) = app.call(Method::GET, "/v1/nodepools", None).await;
+    assert_eq!(
+        (status, error_code(&body)),
+        (StatusCode::TOO_MANY_REQUESTS, "rate-limited")
+    );
+    let unauthorized = Request::get("/v1/nodepools").body(Body::empty()).unwrap();
+    assert_eq!(app.send(unauthorized).await.0, StatusCode::UNAUTHORIZED);
+
+    // Every committed answer is lost: the write happened all the same, and the retry
+    // (its content the pool's now) is answered, unchanged, however stale its If-Match.
+    app.call(
+        Method::PUT,
+        "/v1/admin/faults",
+        Some(json!({"lostAnswerRate": 1.0})),
+    )
+    .await;
+    let (status, _) = app
+        .call(Method::PUT, "/v1/nodepools/p", Some(members.clone()))
+        .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let (status, _, retried) = app
+        .send(request(
+            Method::PUT,
+            "/v1/nodepools/p",
+            Some(members.clone()),
+            &[],
+        ))
+        .await;
+    assert_eq!(
+        (status, retried["version"].clone()),
+        (StatusCode::OK, json!(1))
+    );
+    let changed = json!({"backends": [{"ip": "198.18.0.12"}]});
+    let (status, _, _) = app
+        .send(request(
+            Method::PUT,
+            "/v1/nodepools/p",
+            Some(changed.clone()),
+            &[("If-Match", "1")],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    let (status, _, retried) = app
+        .send(request(
+            Method::PUT,
+            "/v1/nodepools/p",
+            Some(changed),
+            &[("If-Match", "1")],
+        ))
+        .await;
+    assert_eq!(
+        (status, retried["version"].clone()),
+        (StatusCode::OK, json!(2))
+    );
+    // A lost delete: the retry finds it gone.
+    let (status, _) = app.call(Method::DELETE, "/v1/nodepools/p", None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    app.call(Method::PUT, "/v1/admin/faults", Some(json!({})))
+        .await;
+    let (status, _) = app.call(Method::DELETE, "/v1/nodepools/p", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
 }
