@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use cloud_mock_sdk::{
     AddressRequest, Backend, BackendHealth, BackendStatus, Client, ClientOptions, Error, Faults,
     HealthCheck, HealthCheckProtocol, ListFilter, Listener, LoadBalancerSpec, LostAnswer, Mode,
-    Protocol, State,
+    NodePoolSpec, Protocol, State, families,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -613,4 +613,94 @@ async fn acknowledged_creates_survive_kill_9_and_forward_again() {
         stored.len(),
         restarted.elapsed()
     );
+}
+
+#[tokio::test]
+async fn sdk_node_pools_round_trip_and_survive_lost_answers() {
+    let dir = TempDir::new("node-pools");
+    let server = Server::start(&dir.0, "127.79.2.0/28", "none").await;
+    let client = server.client(quick_options(3));
+    let member = |ip: &str| families::Backend {
+        ip: ip.parse().unwrap(),
+    };
+    let tagged = BTreeMap::from([("cluster".to_string(), "c1".to_string())]);
+    let spec = NodePoolSpec {
+        tags: tagged.clone(),
+        backends: vec![member("198.18.0.11"), member("2001:db8:18::11")],
+    };
+    let created = client.put_node_pool("c1-nodes", &spec, None).await.unwrap();
+    assert_eq!(created.version, 1);
+    assert!(created.load_balancers.is_empty());
+    assert!(matches!(
+        client.get_node_pool("absent").await,
+        Err(Error::NotFound { .. })
+    ));
+
+    let mut lb = spec_on_pool("web", "c1-nodes");
+    let made = client.create_load_balancer(&lb, "uid-web").await.unwrap();
+    assert_eq!(made.spec.node_pool.as_deref(), Some("c1-nodes"));
+    assert_eq!(
+        made.health.iter().map(|s| s.ip).collect::<Vec<_>>(),
+        vec![Ipv4Addr::new(198, 18, 0, 11)],
+        "the IPv4 view lists the IPv4 members"
+    );
+    lb.node_pool = Some("gone".into());
+    let refused = client.create_load_balancer(&lb, "uid-gone").await;
+    assert_eq!(
+        refused.as_ref().err().and_then(Error::code),
+        Some("node-pool-not-found"),
+        "{refused:?}"
+    );
+
+    // Every committed answer lost: the client's own retry finds the pool written and is
+    // answered, once, with the new version.
+    client
+        .set_faults(&Faults {
+            lost_answer_rate: 1.0,
+            lost_answer: LostAnswer::Reset,
+            ..Faults::default()
+        })
+        .await
+        .unwrap();
+    let grown = NodePoolSpec {
+        backends: vec![member("198.18.0.11"), member("198.18.0.12")],
+        ..spec.clone()
+    };
+    let written = client
+        .put_node_pool("c1-nodes", &grown, Some(1))
+        .await
+        .unwrap();
+    assert_eq!(written.version, 2);
+    assert_eq!(written.load_balancers, vec![made.id.clone()]);
+    client.set_faults(&Faults::default()).await.unwrap();
+
+    let listed = client
+        .list_node_pools(&ListFilter {
+            tags: tagged,
+            name: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].backends.len(), 2);
+    let in_use = client.delete_node_pool("c1-nodes").await;
+    assert!(
+        matches!(&in_use, Err(Error::Conflict { code: Some(code), .. }) if code == "node-pool-in-use"),
+        "{in_use:?}"
+    );
+    client.delete_load_balancer(&made.id).await.unwrap();
+    wait_gone(&client, &made.id).await;
+    client.delete_node_pool("c1-nodes").await.unwrap();
+    assert!(matches!(
+        client.delete_node_pool("c1-nodes").await,
+        Err(Error::NotFound { .. })
+    ));
+}
+
+fn spec_on_pool(name: &str, node_pool: &str) -> LoadBalancerSpec {
+    LoadBalancerSpec {
+        backends: vec![],
+        node_pool: Some(node_pool.into()),
+        ..spec(name, Ipv4Addr::LOCALHOST, 30080)
+    }
 }
