@@ -1,26 +1,31 @@
-//! The decision of one reconcile, as a pure function of what was observed.
+//! The decision of one reconcile, as a pure, synchronous function of what was observed.
 //!
-//! [`ownership`] says whether a Service is ours to ensure, ours to clean up, or not ours;
-//! [`plan_ensure`] and [`plan_cleanup`] turn the observation (Service, desired LB, the LB
-//! the cloud reported) into a [`Plan`]: the finalizer change, the Events before the cloud
-//! call, the one cloud call, and — through [`Plan::settle`], given the call's result — the
-//! LB-id annotation, the Events after it, the status (ingress + condition) and when to look
-//! again. `reconcile` performs it in a fixed order; node sync and drift repair use the same.
+//! A reconcile reads once: [`Observation`] holds whether the Service is ours
+//! ([`ownership`]), its owner and persisted LB id (the one [`LoadBalancerLookup`],
+//! [`lookup_of`]), the LB it needs and what the cloud holds. [`decide`] turns that into a
+//! [`Plan`] of finished writes: the finalizer patch, the Events before the cloud call, the
+//! one cloud call; [`Plan::settle`], given the call's result, finishes the rest ([`Settled`]:
+//! the LB-id patch, the Events after it, the status write, the finalizer removal) and when
+//! to look again. `reconcile` performs them in a fixed order and decides nothing; node sync
+//! and drift repair go through the same.
 
 use std::net::IpAddr;
 
+use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Service;
 use kube::ResourceExt;
+use serde_json::{Value, json};
 
 use crate::provider::{
-    Capabilities, DesiredLoadBalancer, Drift, IpFamily, LoadBalancerLookup, LoadBalancerPhase,
-    ObservedLoadBalancer, ProviderError, Unsupported,
+    Capabilities, ClusterId, DesiredLoadBalancer, Drift, IpFamily, LoadBalancerLookup,
+    LoadBalancerPhase, ObservedLoadBalancer, ProviderError, Unsupported,
 };
 use crate::spec::{
     AnnotationKeys, ClassFilter, SpecError, is_being_deleted, is_load_balancer, owner_of,
 };
 use crate::status::{
-    CONDITION_TYPE, ConditionReason, DesiredCondition, IngressUpdate, ingress_for,
+    CONDITION_TYPE, ConditionReason, DesiredCondition, IngressFields, IngressUpdate, StatusWrite,
+    current_ingress, ingress_for, status_write,
 };
 
 /// The finalizer of the upstream service controller: our LB outlives no Service.
@@ -64,12 +69,26 @@ pub fn ownership(svc: &Service, classes: &ClassFilter) -> Ownership {
     }
 }
 
+/// Where the cloud keeps a Service's LB: under the id persisted on the Service, else under
+/// its owner. Every path that reads or deletes a Service's LB (reconcile, cleanup, the
+/// uninstall hook) builds its lookup here; `Err` when the Service cannot name its owner.
+pub fn lookup_of(
+    svc: &Service,
+    keys: &AnnotationKeys,
+    cluster_id: &ClusterId,
+) -> Result<LoadBalancerLookup, SpecError> {
+    Ok(LoadBalancerLookup {
+        known_id: keys.persisted_id(svc).map(str::to_owned),
+        owner: owner_of(svc, cluster_id)?,
+    })
+}
+
 /// Whether the cloud may hold an LB for this Service. The finalizer is written before the
 /// first cloud call and the id and condition after it, so a Service with none of them was
 /// never sent to the cloud: its create needs no lookup.
-pub fn may_have_load_balancer(svc: &Service, keys: &AnnotationKeys) -> bool {
+pub fn may_have_load_balancer(svc: &Service, lookup: &LoadBalancerLookup) -> bool {
     has_finalizer(svc)
-        || keys.persisted_id(svc).is_some()
+        || lookup.known_id.is_some()
         || svc
             .status
             .as_ref()
@@ -91,6 +110,22 @@ pub enum Seen {
     Failed(ProviderError),
 }
 
+/// Everything one reconcile reads, read once: the input of [`decide`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observation<'a> {
+    /// The Service as read: the finalizers and status every write starts from.
+    pub svc: &'a Service,
+    pub ownership: Ownership,
+    /// Its owner and persisted LB id (`Err`: it cannot name its owner).
+    pub lookup: Result<LoadBalancerLookup, SpecError>,
+    /// What a Service to ensure needs: the LB (its owner, the eligible backends of its
+    /// families, its address pool, its own or the one its Namespace or the controller
+    /// names) or why it cannot have one. `Some` exactly when `ownership` is `Ensure`.
+    pub desired: Option<Result<DesiredLoadBalancer, Refusal>>,
+    /// What the cloud holds, asked only of a valid Service that may have an LB.
+    pub seen: Seen,
+}
+
 /// The one cloud call of a reconcile. One exists per reconcile, never in bulk, so the
 /// variants stay unboxed.
 #[allow(clippy::large_enum_variant)]
@@ -106,6 +141,19 @@ pub enum CloudAction {
         desired: DesiredLoadBalancer,
     },
     Delete(LoadBalancerLookup),
+}
+
+/// A finished merge patch of the Service's metadata.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetadataPatch {
+    /// What it does, as a failure names it.
+    pub action: &'static str,
+    /// The patch's `metadata`.
+    pub metadata: Value,
+    /// Must fail (409) on a concurrent change: finalizer lists are written whole, so they
+    /// are, lest someone else's finalizer be dropped. The act sends it with the
+    /// resourceVersion its last write answered.
+    pub guarded: bool,
 }
 
 /// Why a Service cannot have the LB it asks for, known before any cloud call.
@@ -193,28 +241,47 @@ enum Intent {
     },
 }
 
-/// The whole decision of one reconcile.
+/// The whole decision of one reconcile: the writes before the cloud call, the call, and
+/// (through [`Plan::settle`]) the writes after it.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Plan {
-    pub add_finalizer: bool,
+pub struct Plan<'a> {
+    /// The Service as observed.
+    svc: &'a Service,
+    /// The key of the LB-id annotation.
+    lb_id_key: &'a str,
+    /// Our finalizer, added before the cloud call.
+    pub add_finalizer: Option<MetadataPatch>,
     pub events_before: Vec<EventDecision>,
     pub cloud: CloudAction,
     intent: Intent,
-    /// The LB id persisted on the Service when the plan was made.
+    /// The LB id persisted on the Service when it was observed.
     known_id: Option<String>,
 }
 
-/// The writes that follow the cloud call, given its result.
+/// The writes that follow the cloud call, finished, given its result.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settled {
-    /// The LB id to persist on the Service (right after create, or when it changed).
-    pub persist_id: Option<String>,
+    /// The LB id persisted on the Service (right after create, or when it changed).
+    pub persist_id: Option<MetadataPatch>,
     pub events: Vec<EventDecision>,
-    /// `None`: leave the status alone.
-    pub status: Option<(IngressUpdate, Option<DesiredCondition>)>,
-    /// Cleanup done: drop the finalizer and the LB-id annotation.
-    pub remove_finalizer: bool,
+    /// `None`: the status already reads as it should, or is left alone.
+    pub status: Option<StatusWrite>,
+    /// The status write gives the Service its first ingress (the provisioning time).
+    pub first_ingress: bool,
+    /// Cleanup done: our finalizer (and the LB-id annotation of a Service that stays)
+    /// removed.
+    pub remove_finalizer: Option<MetadataPatch>,
     pub outcome: Result<Next, PlanError>,
+}
+
+/// What follows the cloud call, before it is made into writes.
+struct Verdict {
+    persist_id: Option<String>,
+    events: Vec<EventDecision>,
+    /// `None`: leave the status alone.
+    status: Option<(IngressUpdate, Option<DesiredCondition>)>,
+    remove_finalizer: bool,
+    outcome: Result<Next, PlanError>,
 }
 
 /// The families of the LB whose VIPs reach no node, as a phrase ("IPv6", "IPv4 or IPv6");
@@ -258,29 +325,63 @@ fn failure_condition(error: &ProviderError) -> DesiredCondition {
     }
 }
 
-/// Decides the reconcile of a Service that wants an LB: `desired` is what it needs (or
-/// why it cannot have one), `seen` what the cloud has.
-pub fn plan_ensure(
-    svc: &Service,
-    keys: &AnnotationKeys,
+/// Decides the reconcile of the observed Service: pure, and the same for a reconcile, node
+/// sync and drift repair. `keys` names the LB-id annotation the writes set or remove.
+pub fn decide<'a>(observation: Observation<'a>, keys: &'a AnnotationKeys) -> Plan<'a> {
+    let Observation {
+        svc,
+        ownership,
+        lookup,
+        desired,
+        seen,
+    } = observation;
+    let nothing = Plan {
+        svc,
+        lb_id_key: &keys.lb_id,
+        add_finalizer: None,
+        events_before: Vec::new(),
+        cloud: CloudAction::None,
+        intent: Intent::Ignore,
+        known_id: None,
+    };
+    match (ownership, desired) {
+        (Ownership::Ensure, Some(desired)) => plan_ensure(nothing, lookup, desired, seen),
+        (Ownership::Cleanup, _) => plan_cleanup(nothing, lookup),
+        // Not ours (or an observation of nothing to ensure): no write at all.
+        _ => nothing,
+    }
+}
+
+/// A Service that wants an LB: `desired` is what it needs (or why it cannot have one),
+/// `seen` what the cloud has.
+fn plan_ensure<'a>(
+    base: Plan<'a>,
+    lookup: Result<LoadBalancerLookup, SpecError>,
     desired: Result<DesiredLoadBalancer, Refusal>,
     seen: Seen,
-) -> Plan {
-    let known_id = keys.persisted_id(svc).map(str::to_owned);
+) -> Plan<'a> {
+    let known_id = lookup.ok().and_then(|lookup| lookup.known_id);
     let desired = match desired {
         Ok(desired) => desired,
+        // No cloud call will follow, so no finalizer is needed for it.
         Err(refusal) => {
             return Plan {
-                // No cloud call will follow, so no finalizer is needed for it.
-                add_finalizer: false,
-                events_before: Vec::new(),
-                cloud: CloudAction::None,
                 intent: Intent::Refused(refusal),
                 known_id,
+                ..base
             };
         }
     };
-    let add_finalizer = !has_finalizer(svc);
+    let svc = base.svc;
+    let add_finalizer = (!has_finalizer(svc)).then(|| {
+        let mut finalizers = svc.finalizers().to_vec();
+        finalizers.push(FINALIZER.to_owned());
+        MetadataPatch {
+            action: "add finalizer",
+            metadata: json!({ "finalizers": finalizers }),
+            guarded: true,
+        }
+    });
     let unavailable = unavailable_event(&desired);
     let (intent, cloud) = match seen {
         Seen::Failed(error) => (Intent::Unobservable(error), CloudAction::None),
@@ -321,59 +422,89 @@ pub fn plan_ensure(
         cloud,
         intent,
         known_id,
+        ..base
     }
 }
 
-/// Decides the cleanup of a Service that holds our finalizer but wants no LB.
-pub fn plan_cleanup(
-    svc: &Service,
-    keys: &AnnotationKeys,
-    cluster_id: &crate::provider::ClusterId,
-) -> Plan {
-    let known_id = keys.persisted_id(svc).map(str::to_owned);
-    match owner_of(svc, cluster_id) {
-        Ok(owner) => Plan {
-            add_finalizer: false,
+/// A Service that holds our finalizer but wants no LB: its LB deleted through `lookup`.
+fn plan_cleanup(base: Plan<'_>, lookup: Result<LoadBalancerLookup, SpecError>) -> Plan<'_> {
+    match lookup {
+        Ok(lookup) => Plan {
             events_before: vec![EventDecision::new(
                 EventReason::DeletingLoadBalancer,
                 "Deleting load balancer",
             )],
-            cloud: CloudAction::Delete(LoadBalancerLookup {
-                known_id: known_id.clone(),
-                owner,
-            }),
+            known_id: lookup.known_id.clone(),
+            cloud: CloudAction::Delete(lookup),
             intent: Intent::Cleanup {
-                being_deleted: is_being_deleted(svc),
+                being_deleted: is_being_deleted(base.svc),
             },
-            known_id,
+            ..base
         },
         Err(error) => Plan {
-            add_finalizer: false,
-            events_before: Vec::new(),
-            cloud: CloudAction::None,
             intent: Intent::Refused(error.into()),
-            known_id,
+            ..base
         },
     }
 }
 
-/// The plan for a Service that is not ours: nothing at all.
-pub fn plan_nothing() -> Plan {
-    Plan {
-        add_finalizer: false,
-        events_before: Vec::new(),
-        cloud: CloudAction::None,
-        intent: Intent::Ignore,
-        known_id: None,
+impl Plan<'_> {
+    /// The writes after the cloud call, finished: `result` is the LB the call returned (for
+    /// a delete, the LB the cloud still lists as being deleted, `None` once it is gone), or
+    /// `None` when the plan made no call; `fields` are the ingress fields the API server
+    /// keeps and `now` the time a condition that flips is stamped with.
+    pub fn settle(
+        &self,
+        result: Result<Option<ObservedLoadBalancer>, ProviderError>,
+        fields: IngressFields,
+        now: Timestamp,
+    ) -> Settled {
+        let verdict = self.verdict(result);
+        let status = verdict.status.and_then(|(ingress, condition)| {
+            status_write(self.svc, &ingress, condition.as_ref(), fields, now)
+        });
+        let first_ingress = current_ingress(self.svc).is_empty()
+            && status
+                .as_ref()
+                .and_then(|write| write.ingress.as_ref())
+                .is_some_and(|ingress| !ingress.is_empty());
+        Settled {
+            persist_id: verdict.persist_id.map(|id| MetadataPatch {
+                action: "persist load balancer id",
+                metadata: json!({ "annotations": { self.lb_id_key: id } }),
+                guarded: false,
+            }),
+            events: verdict.events,
+            status,
+            first_ingress,
+            remove_finalizer: verdict.remove_finalizer.then(|| self.finalizer_removal()),
+            outcome: verdict.outcome,
+        }
     }
-}
 
-impl Plan {
-    /// The writes after the cloud call: `result` is the LB the call returned (for a
-    /// delete, the LB the cloud still lists as being deleted, `None` once it is gone), or
-    /// `None` when the plan made no call.
-    pub fn settle(&self, result: Result<Option<ObservedLoadBalancer>, ProviderError>) -> Settled {
-        let nothing = Settled {
+    /// Our finalizer out, and with it the LB-id annotation of a Service that stays (its
+    /// type or class changed): it no longer has that LB. A Service being deleted goes with
+    /// its annotations.
+    fn finalizer_removal(&self) -> MetadataPatch {
+        let mut metadata = json!({ "finalizers": finalizers_without_ours(self.svc) });
+        let stays = !matches!(
+            self.intent,
+            Intent::Cleanup {
+                being_deleted: true
+            }
+        );
+        if self.known_id.is_some() && stays {
+            metadata["annotations"] = json!({ self.lb_id_key: null });
+        }
+        MetadataPatch {
+            action: "remove finalizer",
+            metadata,
+            guarded: true,
+        }
+    }
+
+    fn verdict(&self, result: Result<Option<ObservedLoadBalancer>, ProviderError>) -> Verdict {
+        let nothing = Verdict {
             persist_id: None,
             events: Vec::new(),
             status: None,
@@ -382,7 +513,7 @@ impl Plan {
         };
         match &self.intent {
             Intent::Ignore => nothing,
-            Intent::Refused(error) => Settled {
+            Intent::Refused(error) => Verdict {
                 events: vec![EventDecision::new(
                     EventReason::SyncLoadBalancerFailed,
                     format!("Error syncing load balancer: {error}"),
@@ -405,12 +536,12 @@ impl Plan {
                 // The finalizer stays until the cloud no longer lists the LB.
                 Ok(Some(deleting)) => {
                     tracing::debug!(id = %deleting.id, "load balancer still being deleted");
-                    Settled {
+                    Verdict {
                         outcome: Ok(Next::Poll),
                         ..nothing
                     }
                 }
-                Ok(None) => Settled {
+                Ok(None) => Verdict {
                     events: vec![EventDecision::new(
                         EventReason::DeletedLoadBalancer,
                         "Deleted load balancer",
@@ -420,7 +551,7 @@ impl Plan {
                     remove_finalizer: true,
                     ..nothing
                 },
-                Err(error) => Settled {
+                Err(error) => Verdict {
                     events: vec![EventDecision::new(
                         EventReason::DeleteLoadBalancerFailed,
                         format!("Error deleting load balancer: {error}"),
@@ -431,14 +562,14 @@ impl Plan {
             },
             Intent::InSync(current, desired) => {
                 // The plan made no call: what it observed is the result.
-                self.served(Some(current.clone()), desired)
+                self.served(Some(current.clone()), desired, false)
             }
             Intent::Create(desired) | Intent::Repair(desired) | Intent::UpdateBackends(desired) => {
                 match result {
                     Ok(lb) => {
-                        let mut settled = self.served(lb, desired);
-                        settled.events.insert(0, self.success_event());
-                        settled
+                        let mut verdict = self.served(lb, desired, true);
+                        verdict.events.insert(0, self.success_event());
+                        verdict
                     }
                     Err(error) => self.failed(error, true),
                 }
@@ -456,7 +587,7 @@ impl Plan {
         }
     }
 
-    fn failed(&self, error: ProviderError, wrote: bool) -> Settled {
+    fn failed(&self, error: ProviderError, wrote: bool) -> Verdict {
         let event = match (&self.intent, wrote) {
             (Intent::UpdateBackends(_), true) => EventDecision::new(
                 EventReason::UpdateLoadBalancerFailed,
@@ -467,7 +598,7 @@ impl Plan {
                 format!("Error syncing load balancer: {error}"),
             ),
         };
-        Settled {
+        Verdict {
             persist_id: None,
             events: vec![event],
             status: Some((IngressUpdate::Keep, Some(failure_condition(&error)))),
@@ -476,8 +607,14 @@ impl Plan {
         }
     }
 
-    /// Status and id for an LB the cloud holds now.
-    fn served(&self, lb: Option<ObservedLoadBalancer>, desired: &DesiredLoadBalancer) -> Settled {
+    /// Status and id for an LB the cloud holds now: `answered` when it is the answer of
+    /// the create or update just made, not an LB observed in sync.
+    fn served(
+        &self,
+        lb: Option<ObservedLoadBalancer>,
+        desired: &DesiredLoadBalancer,
+        answered: bool,
+    ) -> Verdict {
         let Some(lb) = lb else {
             // A create or update always answers with the LB; treat silence as a cloud fault.
             return self.failed(
@@ -547,10 +684,14 @@ impl Plan {
                 Next::Poll,
             ),
         };
-        Settled {
+        // An LB the cloud just accepted is usually active by the poll, so its Provisioning
+        // condition is written only if the poll finds it still provisioning: a status write
+        // fewer per create, and the ingress is still the first status the Service gets.
+        let provisioning_just_accepted = answered && next == Next::Poll;
+        Verdict {
             persist_id,
             events: Vec::new(),
-            status: Some((ingress, Some(condition))),
+            status: (!provisioning_just_accepted).then_some((ingress, Some(condition))),
             remove_finalizer: false,
             outcome: Ok(next),
         }
@@ -629,6 +770,10 @@ mod tests {
         }
     }
 
+    fn cluster() -> ClusterId {
+        "c".parse().unwrap()
+    }
+
     fn with(edit: impl FnOnce(&mut Service)) -> Service {
         let mut svc = service("web");
         edit(&mut svc);
@@ -639,13 +784,88 @@ mod tests {
         svc.metadata.finalizers = Some(vec![FINALIZER.into()]);
     }
 
+    /// Served earlier: our finalizer and the id of `observed_from`'s LB.
+    fn served(svc: &mut Service) {
+        finalized(svc);
+        svc.metadata.annotations = Some([(KEYS.lb_id.clone(), "lb-1".to_owned())].into());
+    }
+
+    fn deleted(svc: &mut Service) {
+        svc.metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
+        );
+    }
+
+    fn now() -> Timestamp {
+        Timestamp::from_second(1_000).unwrap()
+    }
+
+    /// The observation of a Service ours to ensure: `desired` what it needs, `seen` what
+    /// the cloud holds.
+    fn observed(
+        svc: &Service,
+        desired: Result<DesiredLoadBalancer, Refusal>,
+        seen: Seen,
+    ) -> Observation<'_> {
+        Observation {
+            svc,
+            ownership: Ownership::Ensure,
+            lookup: lookup_of(svc, &KEYS, &cluster()),
+            desired: Some(desired),
+            seen,
+        }
+    }
+
+    fn plan(svc: &Service, desired: Result<DesiredLoadBalancer, Refusal>, seen: Seen) -> Plan<'_> {
+        decide(observed(svc, desired, seen), &KEYS)
+    }
+
+    fn settle(
+        plan: &Plan<'_>,
+        result: Result<Option<ObservedLoadBalancer>, ProviderError>,
+    ) -> Settled {
+        plan.settle(result, IngressFields::ALL, now())
+    }
+
+    /// The reason and message of the condition the status write sets.
+    fn condition(settled: &Settled) -> Option<(String, String)> {
+        let sent = &settled.status.as_ref()?.body["status"]["conditions"][0];
+        Some((
+            sent["reason"].as_str()?.to_owned(),
+            sent["message"].as_str()?.to_owned(),
+        ))
+    }
+
+    fn reason(settled: &Settled) -> Option<String> {
+        condition(settled).map(|(reason, _)| reason)
+    }
+
+    /// Whether the status write leaves the ingress as it is.
+    fn keeps_ingress(settled: &Settled) -> bool {
+        settled.status.as_ref().is_some_and(|w| w.ingress.is_none())
+    }
+
+    fn ingress_ips(settled: &Settled) -> Vec<String> {
+        match settled.status.as_ref().and_then(|w| w.ingress.as_ref()) {
+            Some(ingress) => ingress.iter().filter_map(|i| i.ip.clone()).collect(),
+            None => panic!("no ingress written: {settled:?}"),
+        }
+    }
+
+    /// The LB id the settled writes persist.
+    fn persisted(settled: &Settled) -> Option<String> {
+        let patch = settled.persist_id.as_ref()?;
+        patch.metadata["annotations"][&KEYS.lb_id]
+            .as_str()
+            .map(str::to_owned)
+    }
+
+    fn reasons(events: &[EventDecision]) -> Vec<EventReason> {
+        events.iter().map(|e| e.reason).collect()
+    }
+
     #[test]
     fn the_finalizer_decides_before_the_class() {
-        let deleted = |s: &mut Service| {
-            s.metadata.deletion_timestamp = Some(
-                k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::UNIX_EPOCH),
-            )
-        };
         let cluster_ip =
             |s: &mut Service| s.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
         let class = |c: &str| {
@@ -720,14 +940,29 @@ mod tests {
 
     #[test]
     fn only_a_service_never_sent_to_the_cloud_skips_the_lookup() {
-        assert!(!may_have_load_balancer(&service("web"), &KEYS));
-        assert!(may_have_load_balancer(&with(finalized), &KEYS));
-        assert!(may_have_load_balancer(
-            &with(|s| {
-                s.metadata.annotations = Some([(KEYS.lb_id.clone(), "lb-1".to_owned())].into())
-            }),
-            &KEYS
-        ));
+        let may_have = |svc: &Service| {
+            may_have_load_balancer(svc, &lookup_of(svc, &KEYS, &cluster()).unwrap())
+        };
+        assert!(!may_have(&service("web")));
+        assert!(may_have(&with(finalized)));
+        assert!(may_have(&with(|s| {
+            s.metadata.annotations = Some([(KEYS.lb_id.clone(), "lb-1".to_owned())].into())
+        })));
+    }
+
+    #[test]
+    fn one_lookup_names_the_persisted_id_and_the_owner() {
+        let lookup = lookup_of(&with(served), &KEYS, &cluster()).unwrap();
+        assert_eq!(lookup.known_id.as_deref(), Some("lb-1"));
+        assert_eq!(
+            (lookup.owner.name.as_str(), lookup.owner.uid.as_str()),
+            ("web", "uid-web")
+        );
+        let nameless = with(|s| s.metadata.uid = None);
+        assert_eq!(
+            lookup_of(&nameless, &KEYS, &cluster()),
+            Err(SpecError::MissingMetadata("uid"))
+        );
     }
 
     fn desired(svc: &Service, nodes: &[u8]) -> DesiredLoadBalancer {
@@ -738,12 +973,316 @@ mod tests {
         desired_load_balancer(
             svc,
             &KEYS,
-            &"c".parse().unwrap(),
+            owner_of(svc, &cluster()).unwrap(),
             backends,
             WithoutNodePorts::Passthrough,
             None,
         )
         .unwrap()
+    }
+
+    /// One row of the decision: an observation, the cloud's answer, and every write.
+    struct Case {
+        name: &'static str,
+        svc: Service,
+        ownership: Ownership,
+        desired: Option<Result<DesiredLoadBalancer, Refusal>>,
+        seen: Seen,
+        /// What the plan's cloud call answers.
+        answer: Result<Option<ObservedLoadBalancer>, ProviderError>,
+        // Expected:
+        add_finalizer: bool,
+        before: &'static [EventReason],
+        cloud: &'static str,
+        persist_id: bool,
+        after: &'static [EventReason],
+        /// Whether a status write is made, and the reason of the condition it sets.
+        status: Option<Option<&'static str>>,
+        first_ingress: bool,
+        /// `Some(drops the id annotation)` when the finalizer is removed.
+        remove_finalizer: Option<bool>,
+        /// `Err(category)`.
+        outcome: Result<Next, &'static str>,
+    }
+
+    fn cloud_kind(action: &CloudAction) -> &'static str {
+        match action {
+            CloudAction::None => "none",
+            CloudAction::Create { .. } => "create",
+            CloudAction::Update { .. } => "update",
+            CloudAction::Delete(_) => "delete",
+        }
+    }
+
+    /// The Service `svc` after `settled`'s status write, as the API server applies it.
+    fn written(svc: &Service, settled: &Settled) -> Service {
+        match &settled.status {
+            Some(write) => crate::status::tests::apply(svc, write),
+            None => svc.clone(),
+        }
+    }
+
+    #[test]
+    fn decision_table() {
+        use EventReason::*;
+        let new = service("web");
+        let d = desired(&new, &[11]);
+        let active = observed_from(&d);
+        let provisioning = ObservedLoadBalancer {
+            phase: LoadBalancerPhase::Provisioning,
+            vips: Vec::new(),
+            ..active.clone()
+        };
+        // Served and in sync, its status written by an earlier settle.
+        let finalized_svc = with(served);
+        let status_written = written(
+            &finalized_svc,
+            &settle(
+                &plan(&finalized_svc, Ok(d.clone()), Seen::Found(active.clone())),
+                Ok(None),
+            ),
+        );
+        let down = ProviderError::Unavailable {
+            operation: crate::provider::Operation::Create,
+            message: "down".into(),
+        };
+        let base = |name, svc: &Service| Case {
+            name,
+            svc: svc.clone(),
+            ownership: Ownership::Ensure,
+            desired: Some(Ok(d.clone())),
+            seen: Seen::NotAsked,
+            answer: Ok(None),
+            add_finalizer: false,
+            before: &[],
+            cloud: "none",
+            persist_id: false,
+            after: &[],
+            status: None,
+            first_ingress: false,
+            remove_finalizer: None,
+            outcome: Ok(Next::AwaitChange),
+        };
+        let cases = vec![
+            Case {
+                answer: Ok(Some(active.clone())),
+                add_finalizer: true,
+                before: &[EnsuringLoadBalancer],
+                cloud: "create",
+                persist_id: true,
+                after: &[EnsuredLoadBalancer],
+                status: Some(Some("LoadBalancerActive")),
+                first_ingress: true,
+                outcome: Ok(Next::Resync),
+                ..base("new, created active", &new)
+            },
+            Case {
+                // The poll writes the condition if it is still provisioning then.
+                answer: Ok(Some(provisioning.clone())),
+                add_finalizer: true,
+                before: &[EnsuringLoadBalancer],
+                cloud: "create",
+                persist_id: true,
+                after: &[EnsuredLoadBalancer],
+                outcome: Ok(Next::Poll),
+                ..base("new, created provisioning: no status yet", &new)
+            },
+            Case {
+                seen: Seen::Found(provisioning.clone()),
+                status: Some(Some("Provisioning")),
+                outcome: Ok(Next::Poll),
+                ..base("polled, still provisioning", &finalized_svc)
+            },
+            Case {
+                seen: Seen::Found(active.clone()),
+                status: Some(Some("LoadBalancerActive")),
+                first_ingress: true,
+                outcome: Ok(Next::Resync),
+                ..base("polled, active", &finalized_svc)
+            },
+            Case {
+                seen: Seen::Found(active.clone()),
+                outcome: Ok(Next::Resync),
+                ..base("in sync, status as it should be: no write", &status_written)
+            },
+            Case {
+                seen: Seen::Found(active.clone()),
+                desired: Some(Ok(desired(&new, &[11, 12]))),
+                answer: Ok(Some(observed_from(&desired(&new, &[11, 12])))),
+                cloud: "update",
+                after: &[UpdatedLoadBalancer],
+                outcome: Ok(Next::Resync),
+                ..base(
+                    "a node added: one update, nothing else written",
+                    &status_written,
+                )
+            },
+            Case {
+                seen: Seen::Missing,
+                answer: Err(down.clone()),
+                before: &[EnsuringLoadBalancer],
+                cloud: "create",
+                after: &[SyncLoadBalancerFailed],
+                status: Some(Some("CloudError")),
+                outcome: Err("unavailable"),
+                ..base("vanished, the create fails", &finalized_svc)
+            },
+            Case {
+                seen: Seen::Failed(down.clone()),
+                after: &[SyncLoadBalancerFailed],
+                status: Some(Some("CloudError")),
+                outcome: Err("unavailable"),
+                ..base("the read fails: no call", &finalized_svc)
+            },
+            Case {
+                desired: Some(Err(Refusal::Spec(SpecError::NoPorts))),
+                after: &[SyncLoadBalancerFailed],
+                status: Some(Some("InvalidConfiguration")),
+                outcome: Err("invalid_configuration"),
+                ..base("invalid: no finalizer, no call", &new)
+            },
+            Case {
+                ownership: Ownership::Cleanup,
+                desired: None,
+                before: &[DeletingLoadBalancer],
+                cloud: "delete",
+                after: &[DeletedLoadBalancer],
+                remove_finalizer: Some(false),
+                ..base("deleted: the finalizer goes, the id with the Service", &{
+                    let mut svc = status_written.clone();
+                    deleted(&mut svc);
+                    svc
+                })
+            },
+            Case {
+                ownership: Ownership::Cleanup,
+                desired: None,
+                before: &[DeletingLoadBalancer],
+                cloud: "delete",
+                after: &[DeletedLoadBalancer],
+                status: Some(None),
+                remove_finalizer: Some(true),
+                ..base("switched to ClusterIP: status, finalizer and id go", &{
+                    let mut svc = status_written.clone();
+                    svc.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
+                    svc
+                })
+            },
+            Case {
+                ownership: Ownership::Cleanup,
+                desired: None,
+                answer: Ok(Some(ObservedLoadBalancer {
+                    phase: LoadBalancerPhase::Deleting,
+                    ..active.clone()
+                })),
+                before: &[DeletingLoadBalancer],
+                cloud: "delete",
+                outcome: Ok(Next::Poll),
+                ..base("still being deleted: the finalizer waits", &{
+                    let mut svc = finalized_svc.clone();
+                    deleted(&mut svc);
+                    svc
+                })
+            },
+            Case {
+                ownership: Ownership::Ignore,
+                desired: None,
+                ..base("not ours: nothing", &new)
+            },
+        ];
+        for case in cases {
+            let plan = decide(
+                Observation {
+                    svc: &case.svc,
+                    ownership: case.ownership,
+                    lookup: lookup_of(&case.svc, &KEYS, &cluster()),
+                    desired: case.desired.clone(),
+                    seen: case.seen.clone(),
+                },
+                &KEYS,
+            );
+            let settled = settle(&plan, case.answer.clone());
+            let name = case.name;
+            assert_eq!(plan.add_finalizer.is_some(), case.add_finalizer, "{name}");
+            assert_eq!(reasons(&plan.events_before), case.before, "{name}");
+            assert_eq!(cloud_kind(&plan.cloud), case.cloud, "{name}");
+            assert_eq!(settled.persist_id.is_some(), case.persist_id, "{name}");
+            assert_eq!(reasons(&settled.events), case.after, "{name}");
+            assert_eq!(
+                settled.status.as_ref().map(|_| reason(&settled)),
+                case.status.map(|r| r.map(str::to_owned)),
+                "{name}"
+            );
+            assert_eq!(settled.first_ingress, case.first_ingress, "{name}");
+            assert_eq!(
+                settled
+                    .remove_finalizer
+                    .as_ref()
+                    .map(|p| p.metadata.get("annotations").is_some()),
+                case.remove_finalizer,
+                "{name}"
+            );
+            assert_eq!(
+                settled.outcome.as_ref().map_err(PlanError::category),
+                case.outcome.as_ref().map_err(|c| *c),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_metadata_patches_are_finished() {
+        let mut svc = service("web");
+        svc.metadata.finalizers = Some(vec!["example.com/other".into()]);
+        let d = desired(&svc, &[11]);
+        let create = plan(&svc, Ok(d.clone()), Seen::NotAsked);
+        assert_eq!(
+            create.add_finalizer,
+            Some(MetadataPatch {
+                action: "add finalizer",
+                metadata: json!({ "finalizers": ["example.com/other", FINALIZER] }),
+                guarded: true,
+            })
+        );
+        let settled = settle(&create, Ok(Some(observed_from(&d))));
+        assert_eq!(
+            settled.persist_id,
+            Some(MetadataPatch {
+                action: "persist load balancer id",
+                metadata: json!({ "annotations": { KEYS.lb_id.as_str(): "lb-1" } }),
+                guarded: false,
+            })
+        );
+        // A type switched away: the other writer's finalizer stays, ours and the id go.
+        let mut switched = svc.clone();
+        served(&mut switched);
+        switched.metadata.finalizers = Some(vec!["example.com/other".into(), FINALIZER.into()]);
+        switched.spec.as_mut().unwrap().type_ = Some("NodePort".into());
+        let cleanup = decide(
+            Observation {
+                svc: &switched,
+                ownership: Ownership::Cleanup,
+                lookup: lookup_of(&switched, &KEYS, &cluster()),
+                desired: None,
+                seen: Seen::NotAsked,
+            },
+            &KEYS,
+        );
+        assert_eq!(
+            cleanup.cloud,
+            CloudAction::Delete(lookup_of(&switched, &KEYS, &cluster()).unwrap())
+        );
+        assert_eq!(
+            settle(&cleanup, Ok(None)).remove_finalizer,
+            Some(MetadataPatch {
+                action: "remove finalizer",
+                metadata: json!({
+                    "finalizers": ["example.com/other"],
+                    "annotations": { KEYS.lb_id.as_str(): null },
+                }),
+                guarded: true,
+            })
+        );
     }
 
     #[test]
@@ -762,19 +1301,19 @@ mod tests {
                 need: Unsupported::Mode(crate::provider::LoadBalancerMode::Proxy)
             })
         );
-        let plan = plan_ensure(&svc, &KEYS, refused, Seen::NotAsked);
+        let plan = plan(&svc, refused, Seen::NotAsked);
         assert_eq!(
-            (plan.cloud.clone(), plan.add_finalizer),
+            (plan.cloud.clone(), plan.add_finalizer.is_some()),
             (CloudAction::None, false)
         );
-        let settled = plan.settle(Ok(None));
-        let (ingress, condition) = settled.status.unwrap();
-        assert_eq!(ingress, IngressUpdate::Keep);
-        let condition = condition.unwrap();
-        assert_eq!(condition.reason, ConditionReason::Unsupported);
+        let settled = settle(&plan, Ok(None));
+        assert!(keeps_ingress(&settled));
         assert_eq!(
-            condition.message,
-            "the edge provider's load balancers have no proxy mode"
+            condition(&settled),
+            Some((
+                ConditionReason::Unsupported.as_str().to_owned(),
+                "the edge provider's load balancers have no proxy mode".to_owned()
+            ))
         );
         assert_eq!(
             settled.events[0].reason,
@@ -792,18 +1331,19 @@ mod tests {
         let mut lb = observed_from(&d);
         lb.vips.clear();
         lb.hostname = Some("lb-1.example.net".into());
-        let settled = plan_ensure(&svc, &KEYS, Ok(d), Seen::Found(lb.clone())).settle(Ok(None));
-        let (IngressUpdate::Set(ingress), Some(condition)) = settled.status.unwrap() else {
-            panic!("no ingress");
-        };
+        let settled = settle(&plan(&svc, Ok(d), Seen::Found(lb.clone())), Ok(None));
+        let ingress = settled.status.as_ref().and_then(|w| w.ingress.clone());
+        let ingress = ingress.expect("an ingress");
         assert_eq!(ingress[0].hostname.as_deref(), Some("lb-1.example.net"));
         assert_eq!(ingress[0].ip, None);
-        assert_eq!(condition.reason, ConditionReason::Ready);
-        assert!(condition.message.ends_with("serves lb-1.example.net"));
+        let (reason, message) = condition(&settled).unwrap();
+        assert_eq!(reason, ConditionReason::Ready.as_str());
+        assert!(message.ends_with("serves lb-1.example.net"));
+        assert!(settled.first_ingress);
         // Without a hostname, a missing VIP is still a cloud fault.
         lb.hostname = None;
         let d = desired(&svc, &[11]);
-        let settled = plan_ensure(&svc, &KEYS, Ok(d), Seen::Found(lb)).settle(Ok(None));
+        let settled = settle(&plan(&svc, Ok(d), Seen::Found(lb)), Ok(None));
         assert!(settled.outcome.is_err());
     }
 
@@ -821,7 +1361,7 @@ mod tests {
         ] {
             let mut moved = d.clone();
             change(&mut moved);
-            let plan = plan_ensure(&svc, &KEYS, Ok(moved.clone()), Seen::Found(lb.clone()));
+            let plan = plan(&svc, Ok(moved.clone()), Seen::Found(lb.clone()));
             assert_eq!(
                 plan.cloud,
                 CloudAction::Update {
@@ -836,17 +1376,16 @@ mod tests {
     fn an_address_refusal_is_its_own_reason_and_permanent() {
         let svc = with(finalized);
         let d = desired(&svc, &[11]);
-        let plan = plan_ensure(&svc, &KEYS, Ok(d), Seen::Missing);
+        let plan = plan(&svc, Ok(d), Seen::Missing);
         let refused = ProviderError::AddressRefused {
             refusal: crate::provider::AddressRefusal::PortConflict,
             message: "TCP port 53 of 198.51.100.7 is served by lb-2".into(),
         };
-        let settled = plan.settle(Err(refused.clone()));
-        let (ingress, condition) = settled.status.unwrap();
-        assert_eq!(ingress, IngressUpdate::Keep);
+        let settled = settle(&plan, Err(refused.clone()));
+        assert!(keeps_ingress(&settled));
         assert_eq!(
-            condition.unwrap().reason.as_str(),
-            "SharedAddressPortConflict"
+            reason(&settled).as_deref(),
+            Some("SharedAddressPortConflict")
         );
         assert_eq!(
             settled.events[0].reason,
@@ -865,57 +1404,46 @@ mod tests {
     fn one_cloud_call_chosen_by_what_was_seen() {
         let svc = with(finalized);
         let d = desired(&svc, &[11]);
-        let create = plan_ensure(&service("web"), &KEYS, Ok(d.clone()), Seen::NotAsked);
-        assert!(create.add_finalizer);
+        let new = service("web");
+        let create = plan(&new, Ok(d.clone()), Seen::NotAsked);
+        assert!(create.add_finalizer.is_some());
         assert!(matches!(
             create.cloud,
             CloudAction::Create { replaces: None, .. }
         ));
-        let in_sync = plan_ensure(&svc, &KEYS, Ok(d.clone()), Seen::Found(observed_from(&d)));
+        let in_sync = plan(&svc, Ok(d.clone()), Seen::Found(observed_from(&d)));
         assert_eq!(in_sync.cloud, CloudAction::None);
-        assert!(!in_sync.add_finalizer && in_sync.events_before.is_empty());
-        let settled = in_sync.settle(Ok(None));
+        assert!(in_sync.add_finalizer.is_none() && in_sync.events_before.is_empty());
+        let settled = settle(&in_sync, Ok(None));
         assert_eq!(settled.outcome, Ok(Next::Resync));
-        assert_eq!(settled.persist_id.as_deref(), Some("lb-1"));
+        assert_eq!(persisted(&settled).as_deref(), Some("lb-1"));
         // One more node: an update of the LB as observed, at its version.
         let moved = desired(&svc, &[11, 12]);
-        let update = plan_ensure(
-            &svc,
-            &KEYS,
-            Ok(moved.clone()),
-            Seen::Found(observed_from(&d)),
-        );
+        let update = plan(&svc, Ok(moved.clone()), Seen::Found(observed_from(&d)));
         match &update.cloud {
             CloudAction::Update { current, desired } => {
                 assert_eq!((current.version, desired), (1, &moved));
             }
             other => panic!("{other:?}"),
         }
-        let reasons: Vec<_> = update
-            .settle(Ok(Some(observed_from(&moved))))
-            .events
-            .iter()
-            .map(|e| e.reason)
-            .collect();
-        assert_eq!(reasons, vec![EventReason::UpdatedLoadBalancer]);
+        let settled = settle(&update, Ok(Some(observed_from(&moved))));
+        assert_eq!(
+            reasons(&settled.events),
+            vec![EventReason::UpdatedLoadBalancer]
+        );
         // No node at all: still ensured, and said so.
         let none = desired(&svc, &[]);
-        let empty = plan_ensure(
-            &svc,
-            &KEYS,
-            Ok(none.clone()),
-            Seen::Found(observed_from(&d)),
-        );
+        let empty = plan(&svc, Ok(none.clone()), Seen::Found(observed_from(&d)));
         assert!(
             empty
                 .events_before
                 .iter()
                 .any(|e| e.reason == EventReason::UnAvailableLoadBalancer)
         );
-        let settled = empty.settle(Ok(Some(observed_from(&none))));
+        let settled = settle(&empty, Ok(Some(observed_from(&none))));
         assert_eq!(
-            settled.status.and_then(|(_, c)| c).map(|c| c.reason),
-            Some(ConditionReason::NoEligibleNodes)
+            reason(&settled).as_deref(),
+            Some(ConditionReason::NoEligibleNodes.as_str())
         );
     }
 
@@ -925,7 +1453,7 @@ mod tests {
         desired_load_balancer(
             &svc,
             &KEYS,
-            &"c".parse().unwrap(),
+            owner_of(&svc, &cluster()).unwrap(),
             backends.iter().map(|b| b.parse().unwrap()).collect(),
             WithoutNodePorts::Passthrough,
             None,
@@ -933,44 +1461,28 @@ mod tests {
         .unwrap()
     }
 
-    fn ingress_ips(settled: &Settled) -> Vec<String> {
-        match &settled.status {
-            Some((IngressUpdate::Set(ingress), _)) => {
-                ingress.iter().filter_map(|i| i.ip.clone()).collect()
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
     #[test]
     fn a_dual_stack_lb_is_served_per_family_in_the_services_order() {
         let svc = with(finalized);
         let d = dual_stack(&svc, &["198.18.0.11", "2001:db8:18::11"]);
-        let settled = plan_ensure(&svc, &KEYS, Ok(d.clone()), Seen::Found(observed_from(&d)))
-            .settle(Ok(None));
+        let settled = settle(
+            &plan(&svc, Ok(d.clone()), Seen::Found(observed_from(&d))),
+            Ok(None),
+        );
         assert_eq!(
             ingress_ips(&settled),
             ["2001:db8:51:100::7", "198.51.100.7"]
         );
-        let condition = settled.status.unwrap().1.unwrap();
-        assert_eq!(condition.reason, ConditionReason::Ready);
-        assert!(
-            condition
-                .message
-                .contains("2001:db8:51:100::7, 198.51.100.7")
-        );
+        let (reason, message) = condition(&settled).unwrap();
+        assert_eq!(reason, ConditionReason::Ready.as_str());
+        assert!(message.contains("2001:db8:51:100::7, 198.51.100.7"));
         // Upgraded from IPv4 alone: the same LB is updated, and serves both afterwards.
         let single = desired(&svc, &[11]);
-        let upgrade = plan_ensure(
-            &svc,
-            &KEYS,
-            Ok(d.clone()),
-            Seen::Found(observed_from(&single)),
-        );
+        let upgrade = plan(&svc, Ok(d.clone()), Seen::Found(observed_from(&single)));
         assert!(
             matches!(&upgrade.cloud, CloudAction::Update { current, .. } if current.id == "lb-1")
         );
-        let settled = upgrade.settle(Ok(Some(observed_from(&d))));
+        let settled = settle(&upgrade, Ok(Some(observed_from(&d))));
         assert_eq!(settled.events[0].reason, EventReason::EnsuredLoadBalancer);
         assert_eq!(ingress_ips(&settled).len(), 2);
     }
@@ -979,8 +1491,8 @@ mod tests {
     fn a_family_without_nodes_is_named_and_its_vip_still_reported() {
         let svc = with(finalized);
         let d = dual_stack(&svc, &["198.18.0.11"]);
-        let plan = plan_ensure(&svc, &KEYS, Ok(d.clone()), Seen::Missing);
-        let warning = plan
+        let first = plan(&svc, Ok(d.clone()), Seen::Missing);
+        let warning = first
             .events_before
             .iter()
             .find(|e| e.reason == EventReason::UnAvailableLoadBalancer)
@@ -989,20 +1501,19 @@ mod tests {
             warning.message,
             "There are no available nodes with an IPv6 address for LoadBalancer"
         );
-        let settled = plan.settle(Ok(Some(observed_from(&d))));
+        let settled = settle(&first, Ok(Some(observed_from(&d))));
         assert_eq!(ingress_ips(&settled).len(), 2);
-        let condition = settled.status.unwrap().1.unwrap();
         assert_eq!(
-            (condition.reason, condition.message.as_str()),
-            (
-                ConditionReason::NoEligibleNodes,
-                "no eligible node has an IPv6 address"
-            )
+            condition(&settled),
+            Some((
+                ConditionReason::NoEligibleNodes.as_str().to_owned(),
+                "no eligible node has an IPv6 address".to_owned()
+            ))
         );
         let none = dual_stack(&svc, &[]);
-        let plan = plan_ensure(&svc, &KEYS, Ok(none), Seen::Missing);
+        let nothing = plan(&svc, Ok(none), Seen::Missing);
         assert_eq!(
-            plan.events_before[1].message,
+            nothing.events_before[1].message,
             "There are no available nodes for LoadBalancer"
         );
     }
@@ -1012,15 +1523,14 @@ mod tests {
         let svc = with(finalized);
         let single = desired(&svc, &[11]);
         let d = dual_stack(&svc, &["198.18.0.11", "2001:db8:18::11"]);
-        let plan = plan_ensure(&svc, &KEYS, Ok(d), Seen::Found(observed_from(&single)));
+        let plan = plan(&svc, Ok(d), Seen::Found(observed_from(&single)));
         let refused = ProviderError::AddressRefused {
             refusal: crate::provider::AddressRefusal::PoolLacksFamily,
             message: "the VIP pool default has no IPv6 addresses".into(),
         };
-        let settled = plan.settle(Err(refused.clone()));
-        let (ingress, condition) = settled.status.unwrap();
-        assert_eq!(ingress, IngressUpdate::Keep);
-        assert_eq!(condition.unwrap().reason.as_str(), "AddressPoolLacksFamily");
+        let settled = settle(&plan, Err(refused.clone()));
+        assert!(keeps_ingress(&settled));
+        assert_eq!(reason(&settled).as_deref(), Some("AddressPoolLacksFamily"));
         assert!(settled.events[0].message.contains("no IPv6 addresses"));
         assert_eq!(settled.outcome, Err(PlanError::Provider(refused)));
     }
@@ -1029,17 +1539,16 @@ mod tests {
     fn what_the_cloud_cannot_serve_is_unsupported_with_its_message_and_permanent() {
         let svc = with(finalized);
         let d = desired(&svc, &[11]);
-        let plan = plan_ensure(&svc, &KEYS, Ok(d), Seen::Missing);
+        let plan = plan(&svc, Ok(d), Seen::Missing);
         let refused = ProviderError::Unsupported {
             operation: crate::provider::Operation::Create,
             message: "UDP port 53 cannot be served".into(),
         };
-        let settled = plan.settle(Err(refused.clone()));
-        let (ingress, condition) = settled.status.unwrap();
-        assert_eq!(ingress, IngressUpdate::Keep);
-        let condition = condition.unwrap();
-        assert_eq!(condition.reason.as_str(), "UnsupportedByProvider");
-        assert!(condition.message.contains("UDP port 53"), "{condition:?}");
+        let settled = settle(&plan, Err(refused.clone()));
+        assert!(keeps_ingress(&settled));
+        let (reason, message) = condition(&settled).unwrap();
+        assert_eq!(reason, "UnsupportedByProvider");
+        assert!(message.contains("UDP port 53"), "{message}");
         assert_eq!(settled.events.len(), 1, "{:?}", settled.events);
         assert_eq!(
             settled.events[0].reason,
@@ -1056,11 +1565,15 @@ mod tests {
         let d = dual_stack(&svc, &["198.18.0.11", "2001:db8:18::11"]);
         let mut half = observed_from(&d);
         half.vips.retain(IpAddr::is_ipv4);
-        let settled =
-            plan_ensure(&svc, &KEYS, Ok(d), Seen::Found(half.clone())).settle(Ok(Some(half)));
-        let (ingress, condition) = settled.status.unwrap();
-        assert_eq!(ingress, IngressUpdate::Keep);
-        assert_eq!(condition.unwrap().reason, ConditionReason::CloudError);
+        let settled = settle(
+            &plan(&svc, Ok(d), Seen::Found(half.clone())),
+            Ok(Some(half)),
+        );
+        assert!(keeps_ingress(&settled));
+        assert_eq!(
+            reason(&settled).as_deref(),
+            Some(ConditionReason::CloudError.as_str())
+        );
         assert!(matches!(
             settled.outcome,
             Err(PlanError::Provider(ProviderError::Unavailable { .. }))
@@ -1070,19 +1583,32 @@ mod tests {
     #[test]
     fn cleanup_removes_the_finalizer_only_after_the_lb_is_gone() {
         let svc = with(|s| {
-            finalized(s);
+            served(s);
             s.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
         });
-        let plan = plan_cleanup(&svc, &KEYS, &"c".parse().unwrap());
+        let plan = decide(
+            Observation {
+                svc: &svc,
+                ownership: ownership(&svc, &classes(true)),
+                lookup: lookup_of(&svc, &KEYS, &cluster()),
+                desired: None,
+                seen: Seen::NotAsked,
+            },
+            &KEYS,
+        );
         assert!(matches!(plan.cloud, CloudAction::Delete(_)));
-        let done = plan.settle(Ok(None));
-        assert!(done.remove_finalizer);
-        assert_eq!(done.status, Some((IngressUpdate::Clear, None)));
-        let failed = plan.settle(Err(ProviderError::Unavailable {
-            operation: crate::provider::Operation::Delete,
-            message: "down".into(),
-        }));
-        assert!(!failed.remove_finalizer && failed.outcome.is_err());
+        let done = settle(&plan, Ok(None));
+        assert!(done.remove_finalizer.is_some());
+        // Nothing of ours in the status, so nothing to clear.
+        assert_eq!(done.status, None);
+        let failed = settle(
+            &plan,
+            Err(ProviderError::Unavailable {
+                operation: crate::provider::Operation::Delete,
+                message: "down".into(),
+            }),
+        );
+        assert!(failed.remove_finalizer.is_none() && failed.outcome.is_err());
         assert_eq!(
             failed.events[0].reason,
             EventReason::DeleteLoadBalancerFailed

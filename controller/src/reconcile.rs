@@ -1,5 +1,6 @@
-//! The Service reconciler: observe → decide ([`crate::plan`]) → act, the thin layer that
-//! performs a plan.
+//! The Service reconciler: observe → decide ([`crate::plan`]) → act. Observe reads once
+//! (the Service's ownership, owner, persisted id, desired LB and the cloud's LB); the
+//! decision is pure; act performs its finished writes and decides nothing.
 //!
 //! Order of effects per Service, always: finalizer added (before any cloud call) → Events
 //! before → the one cloud call → LB id annotation (right after create) → Events after →
@@ -10,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{LoadBalancerIngress, Namespace, Node, Service};
+use k8s_openapi::api::core::v1::{LoadBalancerIngress, Namespace, Node, ObjectReference, Service};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -21,17 +22,16 @@ use serde_json::json;
 use crate::metrics::Metrics;
 use crate::nodes::eligible_backends;
 use crate::plan::{
-    CloudAction, EventDecision, FINALIZER, Next, Ownership, Plan, PlanError, Seen,
-    finalizers_without_ours, may_have_load_balancer, ownership, plan_cleanup, plan_ensure,
-    plan_nothing, servable,
+    CloudAction, EventDecision, MetadataPatch, Next, Observation, Ownership, Plan, PlanError, Seen,
+    decide, lookup_of, may_have_load_balancer, ownership, servable,
 };
 use crate::provider::{
-    ClusterId, DesiredLoadBalancer, LoadBalancerLookup, LoadBalancerProvider, ObservedLoadBalancer,
-    ProviderError, delete_ours,
+    ClusterId, DesiredLoadBalancer, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
+    delete_ours,
 };
 use crate::ratelimit::{PERMANENT_ERROR_RETRY, service_backoff};
-use crate::spec::{AnnotationKeys, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of};
-use crate::status::{IngressFields, IngressUpdate, StatusWrite, current_ingress, status_write};
+use crate::spec::{AnnotationKeys, ClassFilter, WithoutNodePorts, desired_load_balancer};
+use crate::status::{IngressFields, StatusWrite, current_ingress};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -142,7 +142,7 @@ impl<P: LoadBalancerProvider> Context<P> {
     }
 
     /// Records an Event; failures are logged, never fatal (Events are best effort).
-    async fn publish(&self, svc: &Service, decision: &EventDecision) {
+    async fn publish(&self, reference: &ObjectReference, decision: &EventDecision) {
         let event = Event {
             type_: if decision.reason.is_warning() {
                 EventType::Warning
@@ -154,7 +154,7 @@ impl<P: LoadBalancerProvider> Context<P> {
             action: "Reconcile".into(),
             secondary: None,
         };
-        if let Err(error) = self.recorder.publish(&event, &svc.object_ref(&())).await {
+        if let Err(error) = self.recorder.publish(&event, reference).await {
             tracing::warn!(%error, reason = decision.reason.as_str(), "cannot record event");
         }
     }
@@ -208,106 +208,102 @@ impl<P: LoadBalancerProvider> Context<P> {
     }
 }
 
-fn api(client: &kube::Client, svc: &Service) -> Api<Service> {
-    Api::namespaced(client.clone(), &svc.namespace().unwrap_or_default())
+/// The Service the act writes to. Its reference (what Events name) carries the
+/// resourceVersion of the last write's answer, so a guarded patch after it fails only on
+/// someone else's change.
+struct Target {
+    api: Api<Service>,
+    name: String,
+    reference: ObjectReference,
 }
 
-/// Whether a metadata patch must fail (409) on a concurrent change: finalizer lists are
-/// written whole, so they are, lest someone else's finalizer be dropped.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Guard {
-    ResourceVersion,
-    None,
-}
-
-/// A metadata merge patch. Returns the Service as written, so the next guarded write
-/// carries the new resourceVersion.
-async fn patch_metadata(
-    client: &kube::Client,
-    svc: &Service,
-    mut metadata: serde_json::Value,
-    guard: Guard,
-    action: &'static str,
-) -> Result<Service, ReconcileError> {
-    if guard == Guard::ResourceVersion {
-        metadata["resourceVersion"] = json!(svc.resource_version());
-    }
-    api(client, svc)
-        .patch(
-            &svc.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "metadata": metadata })),
-        )
-        .await
-        .map_err(kube_err(action))
-}
-
-async fn write_status(
-    client: &kube::Client,
-    svc: &Service,
-    write: &StatusWrite,
-) -> Result<Service, ReconcileError> {
-    api(client, svc)
-        .patch_status(
-            &svc.name_any(),
-            &PatchParams::default(),
-            &Patch::Strategic(&write.body),
-        )
-        .await
-        .map_err(kube_err("patch status"))
-}
-
-/// Observe: the LB of a Service that wants one, asked of the cloud only when one may exist.
-async fn observe<P: LoadBalancerProvider>(
-    svc: &Service,
-    ctx: &Context<P>,
-    owner_known: bool,
-) -> Seen {
-    if !owner_known || !may_have_load_balancer(svc, &ctx.keys) {
-        return Seen::NotAsked;
-    }
-    let owner = match owner_of(svc, &ctx.cluster_id) {
-        Ok(owner) => owner,
-        Err(_) => return Seen::NotAsked,
-    };
-    let lookup = LoadBalancerLookup {
-        known_id: ctx.keys.persisted_id(svc).map(str::to_owned),
-        owner,
-    };
-    match ctx.provider.get(&lookup).await {
-        Ok(Some(lb)) => Seen::Found(lb),
-        Ok(None) => Seen::Missing,
-        Err(error) => Seen::Failed(error),
-    }
-}
-
-/// Observe and decide: the whole plan for one Service.
-pub async fn decide<P: LoadBalancerProvider>(svc: &Service, ctx: &Context<P>) -> Plan {
-    match ownership(svc, &ctx.classes) {
-        Ownership::Ignore => plan_nothing(),
-        Ownership::Cleanup => plan_cleanup(svc, &ctx.keys, &ctx.cluster_id),
-        Ownership::Ensure => {
-            let backends = eligible_backends(ctx.nodes.state().iter().map(Arc::as_ref));
-            let inherited_pool = ctx.inherited_pool(svc);
-            let desired = servable(
-                desired_load_balancer(
-                    svc,
-                    &ctx.keys,
-                    &ctx.cluster_id,
-                    backends,
-                    ctx.without_node_ports,
-                    inherited_pool.as_deref(),
-                )
-                .map(|desired| DesiredLoadBalancer {
-                    node_pool: ctx.node_pool.clone(),
-                    ..desired
-                }),
-                ctx.provider.profile().name,
-                ctx.provider.capabilities(),
-            );
-            let seen = observe(svc, ctx, desired.is_ok()).await;
-            plan_ensure(svc, &ctx.keys, desired, seen)
+impl Target {
+    fn new(client: &kube::Client, svc: &Service) -> Self {
+        Self {
+            api: Api::namespaced(client.clone(), &svc.namespace().unwrap_or_default()),
+            name: svc.name_any(),
+            reference: svc.object_ref(&()),
         }
+    }
+
+    async fn patch(&mut self, patch: &MetadataPatch) -> Result<(), ReconcileError> {
+        let mut metadata = patch.metadata.clone();
+        if patch.guarded {
+            metadata["resourceVersion"] = json!(self.reference.resource_version);
+        }
+        let written = self
+            .api
+            .patch(
+                &self.name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "metadata": metadata })),
+            )
+            .await
+            .map_err(kube_err(patch.action))?;
+        self.reference.resource_version = written.resource_version();
+        Ok(())
+    }
+
+    async fn write_status(&mut self, write: &StatusWrite) -> Result<Service, ReconcileError> {
+        let written = self
+            .api
+            .patch_status(
+                &self.name,
+                &PatchParams::default(),
+                &Patch::Strategic(&write.body),
+            )
+            .await
+            .map_err(kube_err("patch status"))?;
+        self.reference.resource_version = written.resource_version();
+        Ok(written)
+    }
+}
+
+/// Observe: everything the decision needs, read once; the LB is asked of the cloud (the
+/// reconcile's one read) only when the Service is valid and may have one.
+async fn observe<'a, P: LoadBalancerProvider>(
+    svc: &'a Service,
+    ownership: Ownership,
+    ctx: &Context<P>,
+) -> Observation<'a> {
+    let lookup = lookup_of(svc, &ctx.keys, &ctx.cluster_id);
+    let desired = (ownership == Ownership::Ensure).then(|| {
+        let owner = lookup.as_ref().map_err(Clone::clone)?.owner.clone();
+        let backends = eligible_backends(ctx.nodes.state().iter().map(Arc::as_ref));
+        let inherited_pool = ctx.inherited_pool(svc);
+        servable(
+            desired_load_balancer(
+                svc,
+                &ctx.keys,
+                owner,
+                backends,
+                ctx.without_node_ports,
+                inherited_pool.as_deref(),
+            )
+            .map(|desired| DesiredLoadBalancer {
+                node_pool: ctx.node_pool.clone(),
+                ..desired
+            }),
+            ctx.provider.profile().name,
+            ctx.provider.capabilities(),
+        )
+    });
+    let seen = match (&desired, &lookup) {
+        (Some(Ok(_)), Ok(lookup)) if may_have_load_balancer(svc, lookup) => {
+            match ctx.provider.get(lookup).await {
+                Ok(Some(lb)) => Seen::Found(lb),
+                Ok(None) => Seen::Missing,
+                Err(error) => Seen::Failed(error),
+            }
+        }
+        _ => Seen::NotAsked,
+    };
+    Observation {
+        svc,
+        ownership,
+        lookup,
+        desired,
+        seen,
     }
 }
 
@@ -330,66 +326,41 @@ async fn call_cloud<P: LoadBalancerProvider>(
     }
 }
 
-/// Act: performs `plan` in the fixed order. A failed write stops the sequence; the retry
-/// decides again from what it observes then.
-pub async fn act<P: LoadBalancerProvider>(
+/// Act: performs `plan` in the fixed order, deciding nothing. A failed write stops the
+/// sequence; the retry decides again from what it observes then.
+async fn act<P: LoadBalancerProvider>(
     svc: &Service,
-    plan: &Plan,
+    plan: &Plan<'_>,
     ctx: &Context<P>,
 ) -> Result<Next, ReconcileError> {
-    let mut current = svc.clone();
-    if plan.add_finalizer {
-        let mut finalizers = current.finalizers().to_vec();
-        finalizers.push(FINALIZER.to_owned());
-        current = patch_metadata(
-            &ctx.client,
-            &current,
-            json!({ "finalizers": finalizers }),
-            Guard::ResourceVersion,
-            "add finalizer",
-        )
-        .await?;
+    let mut target = Target::new(&ctx.client, svc);
+    if let Some(patch) = &plan.add_finalizer {
+        target.patch(patch).await?;
     }
     for event in &plan.events_before {
-        ctx.publish(&current, event).await;
+        ctx.publish(&target.reference, event).await;
     }
     let result = call_cloud(&plan.cloud, ctx).await;
-    let settled = plan.settle(result);
-    if let Some(id) = &settled.persist_id {
-        current = patch_metadata(
-            &ctx.client,
-            &current,
-            json!({ "annotations": { &ctx.keys.lb_id: id } }),
-            Guard::None,
-            "persist load balancer id",
-        )
-        .await?;
+    let settled = plan.settle(result, ctx.ingress_fields(), Timestamp::now());
+    if let Some(patch) = &settled.persist_id {
+        target.patch(patch).await?;
     }
     for event in &settled.events {
-        ctx.publish(&current, event).await;
+        ctx.publish(&target.reference, event).await;
     }
-    if let Some((ingress, condition)) = &settled.status
-        && let Some(write) = status_write(
-            &current,
-            ingress,
-            condition.as_ref(),
-            ctx.ingress_fields(),
-            Timestamp::now(),
-        )
-    {
-        let first_ingress =
-            matches!(ingress, IngressUpdate::Set(_)) && current_ingress(&current).is_empty();
-        match write_status(&ctx.client, &current, &write).await {
+    if let Some(write) = &settled.status {
+        match target.write_status(write).await {
             Ok(written) => {
                 if let Some(sent) = &write.ingress {
                     ctx.learn_ingress_fields(sent, &written);
                 }
-                if first_ingress && let Some(created) = current.creation_timestamp() {
+                if settled.first_ingress
+                    && let Some(created) = svc.creation_timestamp()
+                {
                     let elapsed = Timestamp::now().duration_since(created.0);
                     ctx.metrics
                         .provisioned_after(Duration::try_from(elapsed).unwrap_or_default());
                 }
-                current = written;
             }
             // A status write failing must not hide the error the status reports.
             Err(error) if settled.outcome.is_err() => {
@@ -398,32 +369,29 @@ pub async fn act<P: LoadBalancerProvider>(
             Err(error) => return Err(error),
         }
     }
-    if settled.remove_finalizer {
-        let mut metadata = json!({ "finalizers": finalizers_without_ours(&current) });
-        if ctx.keys.persisted_id(&current).is_some()
-            && current.metadata.deletion_timestamp.is_none()
-        {
-            metadata["annotations"] = json!({ &ctx.keys.lb_id: null });
-        }
-        patch_metadata(
-            &ctx.client,
-            &current,
-            metadata,
-            Guard::ResourceVersion,
-            "remove finalizer",
-        )
-        .await?;
+    if let Some(patch) = &settled.remove_finalizer {
+        target.patch(patch).await?;
     }
     Ok(settled.outcome?)
 }
 
 /// Observe → decide → act for one Service; also what node sync and drift repair run.
-#[tracing::instrument(skip_all, fields(service = %ObjectRef::from_obj(svc)))]
 pub async fn sync_service<P: LoadBalancerProvider>(
     svc: &Service,
     ctx: &Context<P>,
 ) -> Result<Next, ReconcileError> {
-    let plan = decide(svc, ctx).await;
+    sync(svc, ownership(svc, &ctx.classes), ctx).await
+}
+
+/// Observe → decide → act, with the Service's ownership already known.
+#[tracing::instrument(skip_all, fields(service = %ObjectRef::from_obj(svc)))]
+async fn sync<P: LoadBalancerProvider>(
+    svc: &Service,
+    ownership: Ownership,
+    ctx: &Context<P>,
+) -> Result<Next, ReconcileError> {
+    let observation = observe(svc, ownership, ctx).await;
+    let plan = decide(observation, &ctx.keys);
     act(svc, &plan, ctx).await
 }
 
@@ -432,10 +400,11 @@ pub async fn reconcile<P: LoadBalancerProvider>(
     svc: Arc<Service>,
     ctx: Arc<Context<P>>,
 ) -> Result<Action, ReconcileError> {
-    if ownership(&svc, &ctx.classes) == Ownership::Ignore {
+    let ownership = ownership(&svc, &ctx.classes);
+    if ownership == Ownership::Ignore {
         return Ok(Action::await_change());
     }
-    let result = sync_service(&svc, &ctx).await;
+    let result = sync(&svc, ownership, &ctx).await;
     ctx.metrics
         .reconciled(result.as_ref().map(drop).map_err(ReconcileError::category));
     if result.is_ok() {

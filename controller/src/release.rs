@@ -18,12 +18,12 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use serde_json::json;
 
 use crate::metrics::CloudMetrics;
-use crate::plan::{Ownership, finalizers_without_ours, has_finalizer, ownership};
+use crate::plan::{Ownership, finalizers_without_ours, has_finalizer, lookup_of, ownership};
 use crate::provider::{
     ClusterId, LoadBalancerLookup, LoadBalancerProvider, ProviderError, delete_ours,
 };
 use crate::runtime::{self, RuntimeError, Settings};
-use crate::spec::{AnnotationKeys, ClassFilter, is_load_balancer, owner_of};
+use crate::spec::{AnnotationKeys, ClassFilter, is_load_balancer};
 use crate::status::current_ingress;
 
 /// Flags of `release-load-balancers`.
@@ -119,12 +119,7 @@ pub fn plan(
         }
         plan.services.push(ServiceRelease {
             name: svc.name_any(),
-            lookup: owner_of(svc, cluster_id)
-                .ok()
-                .map(|owner| LoadBalancerLookup {
-                    known_id: keys.persisted_id(svc).map(str::to_owned),
-                    owner,
-                }),
+            lookup: lookup_of(svc, keys, cluster_id).ok(),
             namespace,
             clear_ingress,
             remove_finalizer,

@@ -557,17 +557,17 @@ fn check_requested_families(
 }
 
 /// The LB the Service needs, with the backends of its families out of `backends` (see
-/// [`crate::nodes`]); `inherited_pool` is the pool its Namespace or the controller names
-/// (see [`address_request`]).
+/// [`crate::nodes`]); `owner` is the Service's ([`owner_of`], read once per reconcile with
+/// the lookup it also names), `inherited_pool` the pool its Namespace or the controller
+/// names (see [`address_request`]).
 pub fn desired_load_balancer(
     svc: &Service,
     keys: &AnnotationKeys,
-    cluster_id: &ClusterId,
+    owner: Owner,
     backends: BTreeSet<IpAddr>,
     without_node_ports: WithoutNodePorts,
     inherited_pool: Option<&str>,
 ) -> Result<DesiredLoadBalancer, SpecError> {
-    let owner = owner_of(svc, cluster_id)?;
     check_annotations(svc, keys)?;
     let ip_families = ip_families(svc)?;
     let of_families = |ip: &IpAddr| ip_families.contains(&IpFamily::of(ip));
@@ -645,7 +645,7 @@ pub(crate) mod tests {
         desired_load_balancer(
             svc,
             &KEYS,
-            &cluster(),
+            owner_of(svc, &cluster()).unwrap(),
             BTreeSet::new(),
             WithoutNodePorts::Passthrough,
             None,
@@ -664,7 +664,7 @@ pub(crate) mod tests {
         let refused = desired_load_balancer(
             &svc,
             &KEYS,
-            &cluster(),
+            owner_of(&svc, &cluster()).unwrap(),
             BTreeSet::new(),
             WithoutNodePorts::Refuse,
             None,
@@ -688,7 +688,7 @@ pub(crate) mod tests {
         let asked = desired_load_balancer(
             &asked,
             &KEYS,
-            &cluster(),
+            owner_of(&asked, &cluster()).unwrap(),
             BTreeSet::new(),
             WithoutNodePorts::Refuse,
             None,
@@ -886,7 +886,7 @@ pub(crate) mod tests {
             desired_load_balancer(
                 svc,
                 &KEYS,
-                &cluster(),
+                owner_of(svc, &cluster()).unwrap(),
                 BTreeSet::new(),
                 WithoutNodePorts::Passthrough,
                 inherited,
@@ -1002,7 +1002,7 @@ pub(crate) mod tests {
             let d = desired_load_balancer(
                 &svc,
                 &KEYS,
-                &cluster(),
+                owner_of(&svc, &cluster()).unwrap(),
                 nodes.clone(),
                 WithoutNodePorts::Passthrough,
                 None,

@@ -306,7 +306,7 @@ pub fn status_write(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::provider::{IpFamily, Listener, Owner};
     use k8s_openapi::api::core::v1::{LoadBalancerStatus, ServiceStatus};
@@ -386,7 +386,7 @@ mod tests {
         out
     }
 
-    fn apply(svc: &Service, write: &StatusWrite) -> Service {
+    pub(crate) fn apply(svc: &Service, write: &StatusWrite) -> Service {
         apply_as(svc, write, IngressFields::ALL)
     }
 
