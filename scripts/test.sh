@@ -73,13 +73,15 @@ step "lab end to end, nftables mode" env TANDEM_E2E_PROXY_MODE=nftables \
 # haproxy; the runs above used the edge's own listeners), with the node proxies in each
 # mode: spread over nodes and pods, the source-range refusal at the edge,
 # externalTrafficPolicy Local draining the nodes without a pod (HAProxy's checks), a failed
-# node taken out, scaling, shared VIPs and dual-stack VIPs, and a UDP port refused in proxy
-# mode with a condition and an Event naming it.
+# node taken out, scaling, shared VIPs and dual-stack VIPs, a UDP port refused in proxy
+# mode with a condition and an Event naming it, and a node leaving and joining the node
+# pool under traffic (HAProxy's runtime API, no reload).
 for mode in iptables nftables; do
     step "lab end to end, HAProxy edge, $mode mode" env TANDEM_E2E_EDGE_DATAPLANE=haproxy \
         TANDEM_E2E_PROXY_MODE=$mode cargo test -p tandem-lab --locked --test e2e -- \
         proxy_mode external_traffic_policy_local a_failed_node_is_taken_out \
-        scaling_pods_changes services_sharing_a_vip dual_stack_and_ipv6 an_edge_that_proxies
+        scaling_pods_changes services_sharing_a_vip dual_stack_and_ipv6 an_edge_that_proxies \
+        a_node_leaving_and_joining_the_node_pool
 done
 
 # The day-2 scenarios again in nftables mode (the run above used iptables): restarts, a

@@ -1245,8 +1245,8 @@ async fn start_stand_in(
 /// The controller's gauge that is 1 while a replica leads (writes), 0 while it stands by.
 const LEADER_GAUGE: &str = "tandem_controller_leader_election_master_status";
 
-/// Whether the controller replica serving metrics on `metrics` says it leads.
-pub async fn controller_leads(metrics: SocketAddr) -> Result<bool> {
+/// The Prometheus exposition of the controller replica serving metrics on `metrics`.
+async fn controller_metrics(metrics: SocketAddr) -> Result<String> {
     let (status, body) = tokio::time::timeout(
         Duration::from_secs(2),
         crate::traffic::http_get(metrics, "/metrics"),
@@ -1256,7 +1256,41 @@ pub async fn controller_leads(metrics: SocketAddr) -> Result<bool> {
     if status != 200 {
         bail!("{metrics}/metrics: HTTP {status}");
     }
+    Ok(body)
+}
+
+/// Whether the controller replica serving metrics on `metrics` says it leads.
+pub async fn controller_leads(metrics: SocketAddr) -> Result<bool> {
+    let body = controller_metrics(metrics).await?;
     leads(&body).with_context(|| format!("{metrics}/metrics has no {LEADER_GAUGE}"))
+}
+
+/// The cloud calls the controller replica serving metrics on `metrics` made so far, by
+/// operation (`create`, `update`, `put_node_pool`, ...), whatever their outcome.
+pub async fn controller_cloud_calls(
+    metrics: SocketAddr,
+) -> Result<std::collections::BTreeMap<String, u64>> {
+    let body = controller_metrics(metrics).await?;
+    Ok(cloud_calls(&body))
+}
+
+/// The cloud-call counters of an exposition, summed by operation.
+fn cloud_calls(exposition: &str) -> std::collections::BTreeMap<String, u64> {
+    let mut calls = std::collections::BTreeMap::new();
+    for line in exposition.lines() {
+        let Some(labels) = line.strip_prefix("tandem_controller_cloud_calls_total{") else {
+            continue;
+        };
+        let operation = labels
+            .split("operation=\"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next());
+        let count = line.rsplit(' ').next().and_then(|n| n.parse::<u64>().ok());
+        if let (Some(operation), Some(count)) = (operation, count) {
+            *calls.entry(operation.to_owned()).or_default() += count;
+        }
+    }
+    calls
 }
 
 /// The leader gauge's value in a Prometheus exposition, as a flag.
@@ -1341,6 +1375,19 @@ mod tests {
             Some(false)
         );
         assert_eq!(leads("other_metric 1\n"), None);
+    }
+
+    #[test]
+    fn cloud_calls_are_summed_by_operation_over_outcomes() {
+        let exposition = "# TYPE tandem_controller_cloud_calls_total counter\n\
+            tandem_controller_cloud_calls_total{operation=\"update\",outcome=\"success\"} 3\n\
+            tandem_controller_cloud_calls_total{operation=\"update\",outcome=\"conflict\"} 1\n\
+            tandem_controller_cloud_calls_total{operation=\"put_node_pool\",outcome=\"success\"} 2\n\
+            tandem_controller_reconciliations_total 9\n";
+        let calls = cloud_calls(exposition);
+        assert_eq!(calls.get("update"), Some(&4));
+        assert_eq!(calls.get("put_node_pool"), Some(&2));
+        assert_eq!(calls.len(), 2);
     }
 
     #[test]

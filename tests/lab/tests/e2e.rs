@@ -918,3 +918,126 @@ fn an_ipv6_only_cluster_serves_in_both_lb_modes() {
         lab
     });
 }
+
+/// The node pool under traffic, through both LB modes: node 3 leaves the cluster's LB node
+/// set (labelled `node.kubernetes.io/exclude-from-external-load-balancers`, as a drained
+/// node is) and comes back. The controller writes the node pool once each way and no LB;
+/// while node 3 is out it gets no new connection, once back it serves again, no new
+/// connection fails meanwhile, and the proxy mode keeps a long-lived connection.
+#[test]
+fn a_node_leaving_and_joining_the_node_pool_under_traffic_fails_nothing_in_both_lb_modes() {
+    use k8s_openapi::api::core::v1::Node;
+    use kube::api::{Api, Patch, PatchParams};
+    use tandem_lab::traffic::TrafficArgs;
+
+    with_lab(&[2, 2, 0], |mut lab| async move {
+        let mut services = Vec::new();
+        for (name, mode) in [
+            ("pool-proxy", LbMode::Proxy),
+            ("pool-pass", LbMode::Passthrough),
+        ] {
+            let mut plan = ServicePlan::new(name, mode);
+            plan.pods = pods(&lab, &[1, 2]);
+            let vip = create_and_wait_for_ingress(&lab, &plan).await;
+            until_all_succeed(&lab, vip, plan.port, Duration::from_secs(20)).await;
+            services.push((plan, vip));
+        }
+        let mut traffic = Vec::new();
+        for (plan, vip) in &services {
+            let args = TrafficArgs::new(SocketAddr::from((*vip, plan.port)));
+            let name = format!("node-pool-{}", plan.mode.as_str());
+            traffic.push(
+                lab.start_traffic(lab.topology.client_in_range(), &args, &name)
+                    .await
+                    .unwrap(),
+            );
+        }
+        let metrics = lab.controller_metrics_addresses()[0].1;
+        let calls_before = tandem_lab::lab::controller_cloud_calls(metrics)
+            .await
+            .unwrap();
+        let node3 = lab.topology.nodes()[2].name.clone();
+        let nodes: Api<Node> = Api::all(lab.kube.clone());
+        let exclude = |excluded: bool| {
+            let patch = serde_json::json!({ "metadata": { "labels": {
+                "node.kubernetes.io/exclude-from-external-load-balancers": excluded.to_string()
+            } } });
+            let (nodes, node3) = (nodes.clone(), node3.clone());
+            async move {
+                nodes
+                    .patch(&node3, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .unwrap();
+            }
+        };
+        exclude(true).await;
+        let left = Instant::now();
+        loop {
+            if passes_node(&lab, &services, &node3).await == [false, false] {
+                break;
+            }
+            assert!(
+                left.elapsed() < Duration::from_secs(30),
+                "node 3 still gets new connections"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let gone_after = left.elapsed();
+        // Out for a while: still none reach it.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(passes_node(&lab, &services, &node3).await, [false, false]);
+        exclude(false).await;
+        let joined = Instant::now();
+        loop {
+            if passes_node(&lab, &services, &node3).await == [true, true] {
+                break;
+            }
+            assert!(
+                joined.elapsed() < Duration::from_secs(30),
+                "node 3 does not serve again"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let back_after = joined.elapsed();
+        let calls = tandem_lab::lab::controller_cloud_calls(metrics)
+            .await
+            .unwrap();
+        for ((plan, _), t) in services.iter().zip(traffic) {
+            let summary = t.stop().await.unwrap();
+            eprintln!("{}: {}", plan.mode.as_str(), summary.describe());
+            assert_eq!(summary.failed(), 0, "{}", summary.describe());
+            // The proxy-mode edge keeps a connection on its node; the passthrough edge's
+            // ECMP routes are stateless, so a connection whose flow hashes onto another node
+            // when the set changes is reset (reported, not asserted).
+            if plan.mode == LbMode::Proxy {
+                assert!(summary.long_lived_kept(), "{}", summary.describe());
+            }
+        }
+        eprintln!(
+            "node 3 out of both LBs {gone_after:?} after its label, back {back_after:?} after; cloud calls: {calls:?} (before: {calls_before:?})"
+        );
+        assert_eq!(
+            calls.get("update"),
+            calls_before.get("update"),
+            "no LB was written"
+        );
+        let writes = calls.get("put_node_pool").copied().unwrap_or(0)
+            - calls_before.get("put_node_pool").copied().unwrap_or(0);
+        assert_eq!(writes, 2, "one node-pool write each way");
+        lab
+    });
+}
+
+/// Whether 60 new connections through each of `services` passed node `node`; none may fail.
+async fn passes_node(lab: &Lab, services: &[(ServicePlan, IpAddr)], node: &str) -> Vec<bool> {
+    let mut passed = Vec::new();
+    for (plan, vip) in services {
+        let spread = lab
+            .http_requests(lab.topology.client_in_range(), *vip, plan.port, 60)
+            .await
+            .unwrap();
+        assert_eq!(spread.failed, 0, "{spread:?}");
+        passed.push(spread.nodes_seen(lab.topology.nodes()).any(|n| n == node));
+    }
+    passed
+}
