@@ -1,7 +1,7 @@
 //! `tandem-controller release-load-balancers`: what `helm uninstall` runs (a pre-delete
 //! hook) before the controller goes, so that nothing of ours is left behind: no load
-//! balancer in the cloud, no finalizer that keeps a Service terminating forever, no stale
-//! ingress, no leader Lease.
+//! balancer or node pool in the cloud, no finalizer that keeps a Service terminating
+//! forever, no stale ingress, no leader Lease.
 //!
 //! By default it refuses while any of our Services of type LoadBalancer exist: releasing
 //! them would take their VIPs away for good, and the running controller is what releases
@@ -210,6 +210,21 @@ async fn release(
         delete_until_gone(&provider, &lookup)
             .await
             .map_err(cloud_err(format!("deleting load balancer {}", lb.id)))?;
+    }
+
+    // With every LB gone, nothing references the cluster's node pool any more.
+    if provider.capabilities().node_pools {
+        let pools = provider
+            .list_owned_node_pools(&settings.cluster_id)
+            .await
+            .map_err(cloud_err("listing our node pools".to_owned()))?;
+        for pool in pools {
+            provider
+                .delete_node_pool(&pool.name)
+                .await
+                .map_err(cloud_err(format!("deleting node pool {}", pool.name)))?;
+            tracing::info!(pool = %pool.name, "deleted node pool");
+        }
     }
 
     if let Some(election) = &settings.leader_election {

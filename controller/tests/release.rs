@@ -13,6 +13,7 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::Api;
 use support::*;
+use tandem_controller::provider::TAG_CLUSTER_ID;
 
 /// The mock cloud's LB-id annotation.
 const ANNOTATION_LB_ID: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-id";
@@ -120,6 +121,7 @@ async fn refuses_while_in_use_then_releases_everything() {
     )
     .await;
 
+    assert_eq!(our_node_pools(&h).await.len(), 1, "the cluster's node pool");
     let (ok, stderr) = release(&h, &["--release-in-use"]).await;
     assert!(ok, "{stderr}");
     assert!(
@@ -147,10 +149,20 @@ async fn refuses_while_in_use_then_releases_everything() {
         [&foreign.id],
         "only the foreign LB is left"
     );
+    let pools = our_node_pools(&h).await;
+    assert!(pools.is_empty(), "the node pool is left: {pools:?}");
     assert!(leases.get_opt(LEASE).await.unwrap().is_none());
 
     // Idempotent: a second run finds nothing to release and succeeds.
     let (ok, stderr) = release(&h, &["--release-in-use"]).await;
     assert!(ok, "{stderr}");
     h.shutdown().await;
+}
+
+async fn our_node_pools(h: &Harness) -> Vec<cloud_mock_sdk::NodePool> {
+    let filter = cloud_mock_sdk::ListFilter {
+        tags: [(TAG_CLUSTER_ID.to_owned(), h.cluster_id.clone())].into(),
+        name: None,
+    };
+    h.cloud.client.list_node_pools(&filter).await.unwrap()
 }
