@@ -1,11 +1,25 @@
-//! Runs the core crate's stale-UDP conntrack deletions
-//! ([`tandem_proxy_rules::conntrack::stale_udp_deletions`]) after a successful sync.
+//! Stale UDP conntrack entries, deleted after each successful sync in two ways:
+//! - the deletions a change calls for
+//!   ([`tandem_proxy_rules::conntrack::stale_udp_deletions`]), run with the `conntrack`
+//!   tool as kube-proxy v1.21 does ([`clear_stale`]);
+//! - kube-proxy 1.32's reconciler ([`reconcile`]): the kernel's UDP entries of the family,
+//!   read over ctnetlink ([`tandem_nftables::ctnetlink`]), each judged against the current
+//!   Services and serving endpoints
+//!   ([`tandem_proxy_rules::conntrack::ServingUdpEndpoints`]), the stale ones deleted. It
+//!   catches what the first misses: an entry a packet made through the old rules while
+//!   the change was being applied, or a deletion that failed.
 
 use std::process::Stdio;
+use std::time::Instant;
 
-use tandem_proxy_rules::conntrack::{ConntrackDeletion, stale_udp_deletions};
+use tandem_nftables::ctnetlink::{self, Conntrack, ConntrackError};
+use tandem_proxy_rules::conntrack::{
+    ConntrackDeletion, ConntrackFlow, ServingUdpEndpoints, stale_udp_deletions,
+};
 use tandem_proxy_rules::model::{IpFamily, ProxyState};
 use tokio::process::Command;
+
+use crate::metrics::{FamilyLabels, Metrics};
 
 /// How `conntrack` reports that nothing matched (with exit status 1): success for us.
 const NOTHING_DELETED: &str = "0 flow entries have been deleted";
@@ -48,6 +62,125 @@ async fn run(deletion: &ConntrackDeletion, family: IpFamily) -> Result<(), Strin
             stderr.trim()
         ))
     }
+}
+
+/// What one run of the reconciler did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Reconciled {
+    /// UDP entries of the family the kernel listed.
+    pub listed: usize,
+    /// Stale entries deleted.
+    pub deleted: usize,
+    /// Stale entries gone before their deletion (expired, or deleted by someone else).
+    pub vanished: usize,
+    /// Deletions the kernel refused (each logged).
+    pub failed: usize,
+    /// The table changed during the listing: what was read was judged all the same (as
+    /// kube-proxy does), and the next run sees the rest.
+    pub interrupted: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error(transparent)]
+    Conntrack(#[from] ConntrackError),
+    #[error("the conntrack task: {0}")]
+    Task(String),
+}
+
+/// The reconciler's run for one family after a successful sync: `serving` is taken from
+/// what the family's rules now hold. Nothing is read when no UDP Service port has a
+/// serving endpoint. Failures are logged and counted, never fatal to the sync; returns
+/// what it did (`None`: skipped, or the table could not be read).
+pub async fn reconcile(
+    serving: ServingUdpEndpoints,
+    family: IpFamily,
+    metrics: &Metrics,
+) -> Option<Reconciled> {
+    if serving.is_empty() {
+        return None;
+    }
+    let labels = FamilyLabels::of(family);
+    let started = Instant::now();
+    let result = tokio::task::spawn_blocking(move || reconcile_blocking(family, &serving))
+        .await
+        .unwrap_or_else(|error| Err(ReconcileError::Task(error.to_string())));
+    let elapsed = started.elapsed();
+    metrics
+        .conntrack_reconciler_duration
+        .get_or_create(&labels)
+        .observe(elapsed.as_secs_f64());
+    match result {
+        Ok(done) => {
+            metrics
+                .conntrack_reconciler_deleted
+                .get_or_create(&labels)
+                .inc_by(done.deleted as u64);
+            if done.failed > 0 {
+                metrics
+                    .conntrack_reconciler_failures
+                    .get_or_create(&labels)
+                    .inc_by(done.failed as u64);
+            }
+            tracing::debug!(
+                %family,
+                listed = done.listed,
+                deleted = done.deleted,
+                vanished = done.vanished,
+                failed = done.failed,
+                interrupted = done.interrupted,
+                elapsed_ms = elapsed.as_millis() as u64,
+                "conntrack entries reconciled"
+            );
+            Some(done)
+        }
+        Err(error) => {
+            metrics
+                .conntrack_reconciler_failures
+                .get_or_create(&labels)
+                .inc();
+            tracing::warn!(%family, %error, "conntrack reconciliation failed");
+            None
+        }
+    }
+}
+
+/// The reconciler's I/O, blocking, in the calling thread's network namespace: lists the
+/// UDP entries of `family` and deletes those `serving` judges stale, each by its original
+/// tuple, zone and id (so an entry made again meanwhile stays).
+pub fn reconcile_blocking(
+    family: IpFamily,
+    serving: &ServingUdpEndpoints,
+) -> Result<Reconciled, ReconcileError> {
+    let mut conntrack = Conntrack::open()?;
+    let listing = conntrack.list(family, ctnetlink::IPPROTO_UDP)?;
+    let mut done = Reconciled {
+        listed: listing.flows.len(),
+        interrupted: listing.interrupted,
+        ..Reconciled::default()
+    };
+    for flow in &listing.flows {
+        let judged = ConntrackFlow {
+            protocol: flow.protocol,
+            original_destination: flow.original.destination,
+            reply_source: flow.reply.source,
+        };
+        if !serving.is_stale(&judged) {
+            continue;
+        }
+        match conntrack.delete(flow) {
+            Ok(true) => {
+                done.deleted += 1;
+                tracing::debug!(%family, %flow, "stale conntrack entry deleted");
+            }
+            Ok(false) => done.vanished += 1,
+            Err(error) => {
+                done.failed += 1;
+                tracing::warn!(%family, %error, "deleting a stale conntrack entry failed");
+            }
+        }
+    }
+    Ok(done)
 }
 
 fn deletion_succeeded(exit_ok: bool, stderr: &str) -> bool {

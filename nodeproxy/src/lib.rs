@@ -7,7 +7,8 @@
 //! [`backend::detect`], [`conntrack::deletions`]) decide;
 //! [`iptables`] (runs iptables and iptables-restore), [`datapath`] (either mode behind one
 //! interface; nftables transactions go to the kernel through `tandem-nftables`),
-//! [`conntrack`], [`healthcheck`] and [`proxier`] (the watches and the sync loop) do the I/O.
+//! [`conntrack`] (the `conntrack` tool, and the reconciler over ctnetlink),
+//! [`healthcheck`] and [`proxier`] (the watches and the sync loop) do the I/O.
 
 pub mod backend;
 pub mod change_tracker;

@@ -11,6 +11,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use tandem_proxy_rules::model::IpFamily;
 use tandem_proxy_rules::ruleset::Table;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
@@ -72,6 +73,35 @@ pub struct RepairLabels {
     pub object: RepairedObject,
 }
 
+/// kube-proxy's `ip_family` label values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+pub enum FamilyLabel {
+    IPv4,
+    IPv6,
+}
+
+impl From<IpFamily> for FamilyLabel {
+    fn from(family: IpFamily) -> Self {
+        match family {
+            IpFamily::V4 => FamilyLabel::IPv4,
+            IpFamily::V6 => FamilyLabel::IPv6,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct FamilyLabels {
+    pub ip_family: FamilyLabel,
+}
+
+impl FamilyLabels {
+    pub fn of(family: IpFamily) -> Self {
+        Self {
+            ip_family: family.into(),
+        }
+    }
+}
+
 /// Everything the node proxy counts. Labels are bounded enums, never object names.
 #[derive(Debug, Clone)]
 pub struct Metrics {
@@ -100,6 +130,13 @@ pub struct Metrics {
     /// The periodic read-back of the kernel, beside the sync loop.
     pub readback_duration: Histogram,
     pub readback_failures: Counter,
+    /// Stale UDP conntrack entries the reconciler deleted (kube-proxy's
+    /// conntrack_reconciler_deleted_entries_total).
+    pub conntrack_reconciler_deleted: Family<FamilyLabels, Counter>,
+    /// One run of the reconciler (kube-proxy's conntrack_reconciler_sync_duration_seconds).
+    pub conntrack_reconciler_duration: Family<FamilyLabels, Histogram, fn() -> Histogram>,
+    /// Runs that could not list the table, and deletions the kernel refused.
+    pub conntrack_reconciler_failures: Family<FamilyLabels, Counter>,
 }
 
 /// A histogram of durations from 1 ms to about 65 s.
@@ -128,6 +165,9 @@ impl Metrics {
             sync_repairs: Family::default(),
             readback_duration: seconds_histogram(),
             readback_failures: Counter::default(),
+            conntrack_reconciler_deleted: Family::default(),
+            conntrack_reconciler_duration: Family::new_with_constructor(seconds_histogram),
+            conntrack_reconciler_failures: Family::default(),
         };
         let registry = registry.sub_registry_with_prefix("tandem_nodeproxy");
         registry.register(
@@ -220,6 +260,21 @@ impl Metrics {
             "Map and set elements written to table ip tandem (nftables mode)",
             metrics.nftables_elements.clone(),
         );
+        registry.register(
+            "conntrack_reconciler_deleted_entries",
+            "Stale UDP conntrack entries deleted by the conntrack reconciler",
+            metrics.conntrack_reconciler_deleted.clone(),
+        );
+        registry.register(
+            "conntrack_reconciler_sync_duration_seconds",
+            "Duration of one run of the conntrack reconciler",
+            metrics.conntrack_reconciler_duration.clone(),
+        );
+        registry.register(
+            "conntrack_reconciler_failures",
+            "Conntrack reconciler runs that could not list the table, and entry deletions the kernel refused",
+            metrics.conntrack_reconciler_failures.clone(),
+        );
         metrics
     }
 }
@@ -259,6 +314,10 @@ mod tests {
                 table: Table::Nat.into(),
             })
             .set(42);
+        metrics
+            .conntrack_reconciler_deleted
+            .get_or_create(&FamilyLabels::of(IpFamily::V6))
+            .inc_by(3);
         let response = router(Arc::new(registry))
             .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
             .await
@@ -278,6 +337,12 @@ mod tests {
         );
         assert!(
             text.contains("tandem_nodeproxy_iptables_rules{table=\"Nat\"} 42"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "tandem_nodeproxy_conntrack_reconciler_deleted_entries_total{ip_family=\"IPv6\"} 3"
+            ),
             "{text}"
         );
     }

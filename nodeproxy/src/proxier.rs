@@ -20,6 +20,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
+use tandem_proxy_rules::conntrack::ServingUdpEndpoints;
 use tandem_proxy_rules::health::{health_check_services, merge_families};
 use tandem_proxy_rules::model::{IpFamily, NodeConfig};
 use tokio::sync::Notify;
@@ -300,7 +301,8 @@ impl FamilyProxier {
 
     /// This family's part of a sync: take its changes, rebuild the changed Service ports
     /// (checked against a full rebuild with `full_check`), apply what differs, then clean
-    /// up conntrack. Returns what it did.
+    /// up conntrack (the change's deletions, then the reconciler's pass over the kernel's
+    /// UDP entries). Returns what it did.
     async fn sync(
         &mut self,
         tracker: &SharedTracker,
@@ -337,6 +339,9 @@ impl FamilyProxier {
                     .observe(seen.elapsed().as_secs_f64());
             }
             conntrack::clear_stale(&changes.previous, &changes.current, self.node.family).await;
+            // From what the rules now hold: every change taken from the tracker is applied.
+            let serving = ServingUdpEndpoints::of(change_tracker::lock(tracker).state());
+            conntrack::reconcile(serving, self.node.family, metrics).await;
         } else {
             self.unapplied = Some(changes);
         }

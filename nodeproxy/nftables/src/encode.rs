@@ -419,7 +419,7 @@ impl Writer {
         }
     }
 
-    fn attr(&mut self, kind: u16, value: &[u8]) {
+    pub(crate) fn attr(&mut self, kind: u16, value: &[u8]) {
         let len = 4 + value.len();
         self.overflow |= len > usize::from(u16::MAX);
         self.buf.extend_from_slice(&(len as u16).to_ne_bytes());
@@ -439,7 +439,7 @@ impl Writer {
         self.attr(kind, &bytes);
     }
 
-    fn nest(&mut self, kind: u16, body: impl FnOnce(&mut Self)) {
+    pub(crate) fn nest(&mut self, kind: u16, body: impl FnOnce(&mut Self)) {
         let start = self.buf.len();
         self.buf.extend_from_slice(&[0; 4]);
         body(self);
@@ -450,7 +450,7 @@ impl Writer {
     }
 
     /// One message: netlink header, nfgenmsg, then the attributes `body` writes.
-    fn message(
+    pub(crate) fn message(
         &mut self,
         kind: u16,
         flags: u16,

@@ -436,10 +436,10 @@ fn is_absent(error: &KernelError) -> bool {
 const DUMP_BUFFER_BYTES: usize = 256 << 10;
 
 /// One `NLMSG_ERROR` answer: `errno` 0 is an ACK.
-struct Answer {
-    seq: u32,
-    errno: i32,
-    message: Option<String>,
+pub(crate) struct Answer {
+    pub(crate) seq: u32,
+    pub(crate) errno: i32,
+    pub(crate) message: Option<String>,
 }
 
 fn answers(buf: &[u8]) -> Result<Vec<Answer>, KernelError> {
@@ -463,7 +463,7 @@ fn answers(buf: &[u8]) -> Result<Vec<Answer>, KernelError> {
 
 /// `struct nlmsgerr` (error, then the request's header, or the whole request when not
 /// capped) and, with extended ACKs, attributes such as the kernel's message.
-fn error_answer(message: &[u8], flags: u16) -> Result<Answer, KernelError> {
+pub(crate) fn error_answer(message: &[u8], flags: u16) -> Result<Answer, KernelError> {
     let body = &message[NLMSG_HEADER_LEN..];
     let error = read_u32(body, 0)? as i32;
     let request = body.get(4..).ok_or(KernelError::Malformed("short error"))?;
@@ -497,7 +497,7 @@ fn error_answer(message: &[u8], flags: u16) -> Result<Answer, KernelError> {
     })
 }
 
-fn read_u32(bytes: &[u8], at: usize) -> Result<u32, KernelError> {
+pub(crate) fn read_u32(bytes: &[u8], at: usize) -> Result<u32, KernelError> {
     bytes
         .get(at..at + 4)
         .and_then(|b| b.try_into().ok())
@@ -505,7 +505,7 @@ fn read_u32(bytes: &[u8], at: usize) -> Result<u32, KernelError> {
         .ok_or(KernelError::Malformed("truncated"))
 }
 
-fn read_u16(bytes: &[u8], at: usize) -> Result<u16, KernelError> {
+pub(crate) fn read_u16(bytes: &[u8], at: usize) -> Result<u16, KernelError> {
     bytes
         .get(at..at + 2)
         .and_then(|b| b.try_into().ok())

@@ -8,9 +8,12 @@
 //!   for the `nft` command;
 //! - [`encode`] and [`kernel`]: the same transaction as one nfnetlink batch, sent straight
 //!   to the kernel, which is what the node proxy does on its hot path;
+//! - [`ctnetlink`]: the kernel's conntrack table over the same kind of socket: list the
+//!   entries of a family and protocol, delete one (the node proxy's stale-UDP reconciler);
 //! - [`digest`]: a table reduced to digests per chain and set, from the model or as the
 //!   kernel lists it ([`kernel::Netlink::read_table`]), to find what someone else changed.
 
+pub mod ctnetlink;
 pub mod digest;
 pub mod encode;
 pub mod kernel;

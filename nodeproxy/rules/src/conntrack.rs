@@ -1,9 +1,15 @@
 //! Which UDP conntrack entries turn stale when Services and endpoints change, as
 //! kube-proxy decides it. UDP has no connection end: without the deletion, a client keeps
 //! sending to a removed pod (or to the REJECT of a Service that had no endpoints).
+//!
+//! Two parts: [`stale_udp_deletions`], the deletions a change calls for (kube-proxy
+//! v1.21, run after each sync), and [`ServingUdpEndpoints`], kube-proxy 1.32's periodic
+//! reconciler, which judges the entries the kernel holds against the current state and so
+//! also catches those a deletion missed (an entry made by a packet that raced a sync).
 
-use std::collections::BTreeSet;
-use std::net::IpAddr;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -160,6 +166,85 @@ fn service_ips(service: &ServicePort) -> impl Iterator<Item = IpAddr> + '_ {
         .into_iter()
         .chain(service.external_ips.iter().copied())
         .chain(lb_ips)
+}
+
+/// A conntrack entry as the reconciler judges it: where its first packet was sent (the
+/// Service IP and port, or a node port) and where answers come from (the endpoint a DNAT
+/// chose; the original destination itself when nothing was DNATed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ConntrackFlow {
+    /// The IANA protocol number (see [`Protocol::number`]).
+    pub protocol: u8,
+    pub original_destination: SocketAddr,
+    pub reply_source: SocketAddr,
+}
+
+/// The serving endpoints (IP and port) of every UDP Service port that has some, by the
+/// frontends that reach them: what kube-proxy's `CleanStaleEntries`
+/// (`pkg/proxy/conntrack/cleanup.go`, 1.32 on) keeps of a state, and judges each UDP
+/// entry of the kernel's table by.
+///
+/// As there: a Service port without serving endpoints is left alone (its entries go when
+/// the first endpoint comes, by [`stale_udp_deletions`]); traffic policies, topology and
+/// terminating do not count, only `serving`, so that UDP flows last as TCP connections do;
+/// a node port matches an entry whatever its original destination address.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServingUdpEndpoints {
+    /// Cluster IP, external IPs and VIP-mode load-balancer IPs, each with the port.
+    by_frontend: BTreeMap<SocketAddr, Arc<BTreeSet<SocketAddr>>>,
+    by_node_port: BTreeMap<u16, Arc<BTreeSet<SocketAddr>>>,
+}
+
+impl ServingUdpEndpoints {
+    pub fn of(state: &ProxyState) -> Self {
+        let mut serving = Self::default();
+        for (name, service) in &state.services {
+            if service.protocol != Protocol::Udp || service.cluster_ip.is_none() {
+                continue;
+            }
+            let endpoints: BTreeSet<SocketAddr> = serving_endpoints(state, name)
+                .into_iter()
+                .map(|(ip, port)| SocketAddr::new(ip, port))
+                .collect();
+            if endpoints.is_empty() {
+                continue;
+            }
+            let endpoints = Arc::new(endpoints);
+            for ip in service_ips(service) {
+                serving
+                    .by_frontend
+                    .insert(SocketAddr::new(ip, service.port), Arc::clone(&endpoints));
+            }
+            if let Some(node_port) = service.node_port {
+                serving.by_node_port.insert(node_port, endpoints);
+            }
+        }
+        serving
+    }
+
+    /// No UDP Service port has a serving endpoint: no entry can be stale, and the
+    /// kernel's table need not be read at all.
+    pub fn is_empty(&self) -> bool {
+        self.by_frontend.is_empty() && self.by_node_port.is_empty()
+    }
+
+    /// True when `flow` is a UDP entry to a Service IP and port, or to a node port, whose
+    /// reply source is not a serving endpoint of that Service port (a removed or
+    /// non-serving endpoint, an endpoint's old port, or no DNAT at all).
+    pub fn is_stale(&self, flow: &ConntrackFlow) -> bool {
+        if flow.protocol != Protocol::Udp.number() {
+            return false;
+        }
+        let not_serving =
+            |endpoints: &Arc<BTreeSet<SocketAddr>>| !endpoints.contains(&flow.reply_source);
+        self.by_frontend
+            .get(&flow.original_destination)
+            .is_some_and(not_serving)
+            || self
+                .by_node_port
+                .get(&flow.original_destination.port())
+                .is_some_and(not_serving)
+    }
 }
 
 #[cfg(test)]
@@ -391,5 +476,284 @@ mod tests {
             node_port.conntrack_args(IpFamily::V6).join(" "),
             "-D -p udp --dport 30053 -f ipv6"
         );
+    }
+}
+
+/// kube-proxy's `cleanup_test.go`, ported: the same Service, endpoints and entries.
+#[cfg(test)]
+mod reconciler_tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::model::{Endpoint, LoadBalancerIngress};
+
+    const CLUSTER_IP: [u8; 4] = [172, 30, 1, 1];
+    const EXTERNAL_IP: [u8; 4] = [192, 168, 99, 100];
+    const LOAD_BALANCER_IP: [u8; 4] = [1, 2, 3, 4];
+    const SERVING_ENDPOINT: [u8; 4] = [10, 240, 0, 4];
+    const NON_SERVING_ENDPOINT: [u8; 4] = [10, 240, 1, 5];
+    const DELETED_ENDPOINT: [u8; 4] = [10, 240, 2, 6];
+    /// Where entries to the node port were sent (kube-proxy matches any address).
+    const NODE_IP: [u8; 4] = [192, 168, 1, 10];
+    /// An endpoint that changed its port but not its IP.
+    const OLD_ENDPOINT_PORT: u16 = 8080;
+    const ENDPOINT_PORT: u16 = 9090;
+    const SERVICE_PORT: u16 = 8000;
+    const NODE_PORT: u16 = 32000;
+    /// Entries to the Service IPs at a port that is no Service's: not ours.
+    const NON_SERVICE_PORT: u16 = 3000;
+    const TCP: u8 = 6;
+    const UDP: u8 = 17;
+    const SCTP: u8 = 132;
+
+    fn name(port: &str) -> ServicePortName {
+        ServicePortName {
+            namespace: "test".into(),
+            name: "cleanup-test".into(),
+            port: port.into(),
+        }
+    }
+
+    fn service(port: &str, protocol: Protocol, node_port: Option<u16>) -> ServicePort {
+        ServicePort {
+            name: name(port),
+            protocol,
+            cluster_ip: Some(CLUSTER_IP.into()),
+            port: SERVICE_PORT,
+            node_port,
+            external_ips: vec![EXTERNAL_IP.into()],
+            load_balancer_ingress: vec![LoadBalancerIngress {
+                ip: LOAD_BALANCER_IP.into(),
+                ip_mode: IpMode::Vip,
+            }],
+            load_balancer_source_ranges: vec![],
+            session_affinity_timeout: None,
+            external_traffic_policy_local: false,
+            health_check_node_port: None,
+            internal_traffic_policy_local: false,
+        }
+    }
+
+    fn endpoints() -> Vec<Endpoint> {
+        let endpoint = |ip: [u8; 4], serving| Endpoint {
+            ip: Ipv4Addr::from(ip).into(),
+            port: ENDPOINT_PORT,
+            ready: serving,
+            serving,
+            terminating: false,
+            node_name: None,
+            hints: None,
+        };
+        vec![
+            endpoint(SERVING_ENDPOINT, true),
+            endpoint(NON_SERVING_ENDPOINT, false),
+        ]
+    }
+
+    /// The Service of `TestCleanStaleEntries`: one port per protocol, the same numbers.
+    fn state() -> ProxyState {
+        let mut state = ProxyState::default();
+        for service in [
+            service("test-tcp", Protocol::Tcp, None),
+            service("test-udp", Protocol::Udp, Some(NODE_PORT)),
+            service("test-sctp", Protocol::Sctp, Some(NODE_PORT)),
+        ] {
+            state.endpoints.insert(service.name.clone(), endpoints());
+            state.services.insert(service.name.clone(), service);
+        }
+        state
+    }
+
+    fn flow(
+        destination: [u8; 4],
+        port: u16,
+        reply: [u8; 4],
+        reply_port: u16,
+        protocol: u8,
+    ) -> ConntrackFlow {
+        ConntrackFlow {
+            protocol,
+            original_destination: SocketAddr::new(destination.into(), port),
+            reply_source: SocketAddr::new(reply.into(), reply_port),
+        }
+    }
+
+    /// Returns the entries left after the reconciler and how many it deleted.
+    fn reconcile(
+        state: &ProxyState,
+        entries: &[ConntrackFlow],
+    ) -> (BTreeSet<ConntrackFlow>, usize) {
+        let serving = ServingUdpEndpoints::of(state);
+        let (stale, left): (Vec<&ConntrackFlow>, Vec<&ConntrackFlow>) =
+            entries.iter().partition(|flow| serving.is_stale(flow));
+        (left.into_iter().copied().collect(), stale.len())
+    }
+
+    #[test]
+    fn clean_stale_entries() {
+        let mut before = Vec::new();
+        let mut after = BTreeSet::new();
+        // An endpoint that changed its port: its entries under the old port go.
+        for destination in [CLUSTER_IP, LOAD_BALANCER_IP, EXTERNAL_IP] {
+            before.push(flow(
+                destination,
+                SERVICE_PORT,
+                SERVING_ENDPOINT,
+                OLD_ENDPOINT_PORT,
+                UDP,
+            ));
+        }
+        // 3 endpoints x 3 protocols x (3 Service IPs x 2 ports + the node port).
+        for dnat in [SERVING_ENDPOINT, NON_SERVING_ENDPOINT, DELETED_ENDPOINT] {
+            for protocol in [TCP, UDP, SCTP] {
+                for destination in [CLUSTER_IP, LOAD_BALANCER_IP, EXTERNAL_IP] {
+                    for port in [SERVICE_PORT, NON_SERVICE_PORT] {
+                        let entry = flow(destination, port, dnat, ENDPOINT_PORT, protocol);
+                        before.push(entry);
+                        if !(protocol == UDP && port == SERVICE_PORT && dnat != SERVING_ENDPOINT) {
+                            after.insert(entry);
+                        }
+                    }
+                }
+                let entry = flow(NODE_IP, NODE_PORT, dnat, ENDPOINT_PORT, protocol);
+                before.push(entry);
+                if !(protocol == UDP && dnat != SERVING_ENDPOINT) {
+                    after.insert(entry);
+                }
+            }
+        }
+        // Entries that were not DNATed (no REJECT for a Service without endpoints, then):
+        // the reply comes from the Service IP itself.
+        for ip in [CLUSTER_IP, LOAD_BALANCER_IP, EXTERNAL_IP] {
+            for port in [SERVICE_PORT, NON_SERVICE_PORT] {
+                let entry = flow(ip, port, ip, port, UDP);
+                before.push(entry);
+                if port != SERVICE_PORT {
+                    after.insert(entry);
+                }
+            }
+        }
+        assert_eq!(before.len(), 72);
+        let (left, deleted) = reconcile(&state(), &before);
+        assert_eq!(left, after);
+        assert_eq!(deleted, 14);
+    }
+
+    #[test]
+    fn service_without_endpoints() {
+        let mut state = state();
+        state.endpoints.clear();
+        let entries = [
+            flow(
+                EXTERNAL_IP,
+                SERVICE_PORT,
+                SERVING_ENDPOINT,
+                ENDPOINT_PORT,
+                UDP,
+            ),
+            flow(
+                EXTERNAL_IP,
+                SERVICE_PORT,
+                DELETED_ENDPOINT,
+                ENDPOINT_PORT,
+                UDP,
+            ),
+        ];
+        assert!(ServingUdpEndpoints::of(&state).is_empty());
+        assert_eq!(reconcile(&state, &entries).1, 0);
+        // Only non-serving endpoints count as none.
+        let mut state = self::state();
+        for endpoints in state.endpoints.values_mut() {
+            endpoints.retain(|ep| !ep.serving);
+        }
+        assert_eq!(reconcile(&state, &entries).1, 0);
+    }
+
+    #[test]
+    fn only_the_stale_entries_of_many_go() {
+        // kube-proxy's performance case, smaller: entries to every port of the external
+        // IP, all DNATed to a deleted endpoint; only those to the Service port are stale.
+        let mut state = ProxyState::default();
+        let udp = service("test-udp", Protocol::Udp, None);
+        state.endpoints.insert(udp.name.clone(), endpoints());
+        state.services.insert(udp.name.clone(), udp);
+        let mut entries = vec![
+            flow(
+                EXTERNAL_IP,
+                SERVICE_PORT,
+                SERVING_ENDPOINT,
+                ENDPOINT_PORT,
+                UDP,
+            ),
+            flow(
+                EXTERNAL_IP,
+                SERVICE_PORT,
+                DELETED_ENDPOINT,
+                ENDPOINT_PORT,
+                UDP,
+            ),
+        ];
+        entries.extend(
+            (1..=u16::MAX)
+                .map(|port| flow(EXTERNAL_IP, port, DELETED_ENDPOINT, ENDPOINT_PORT, UDP)),
+        );
+        let (left, deleted) = reconcile(&state, &entries);
+        // The one given, and the same entry among the many.
+        assert_eq!(deleted, 2);
+        assert!(left.contains(&entries[0]));
+    }
+
+    #[test]
+    fn terminating_endpoints_that_serve_keep_their_flows_and_proxy_mode_lb_ips_are_not_ours() {
+        let mut state = state();
+        for endpoints in state.endpoints.values_mut() {
+            endpoints[0].ready = false;
+            endpoints[0].terminating = true;
+        }
+        for service in state.services.values_mut() {
+            service.load_balancer_ingress[0].ip_mode = IpMode::Proxy;
+        }
+        let entries = [
+            flow(
+                CLUSTER_IP,
+                SERVICE_PORT,
+                SERVING_ENDPOINT,
+                ENDPOINT_PORT,
+                UDP,
+            ),
+            flow(
+                LOAD_BALANCER_IP,
+                SERVICE_PORT,
+                DELETED_ENDPOINT,
+                ENDPOINT_PORT,
+                UDP,
+            ),
+        ];
+        assert_eq!(reconcile(&state, &entries).1, 0);
+    }
+
+    #[test]
+    fn ipv6_entries_are_judged_alike() {
+        let mut state = ProxyState::default();
+        let mut udp = service("dns", Protocol::Udp, Some(30053));
+        udp.cluster_ip = Some("fd00:10:96::a".parse().unwrap());
+        udp.external_ips.clear();
+        udp.load_balancer_ingress.clear();
+        let serving = Endpoint {
+            ip: "fd00:10:244:1::5".parse().unwrap(),
+            ..endpoints()[0].clone()
+        };
+        state.endpoints.insert(udp.name.clone(), vec![serving]);
+        state.services.insert(udp.name.clone(), udp);
+        let v6 = |destination: &str, reply: &str| ConntrackFlow {
+            protocol: UDP,
+            original_destination: destination.parse().unwrap(),
+            reply_source: reply.parse().unwrap(),
+        };
+        let serving = ServingUdpEndpoints::of(&state);
+        assert!(!serving.is_stale(&v6("[fd00:10:96::a]:8000", "[fd00:10:244:1::5]:9090")));
+        assert!(serving.is_stale(&v6("[fd00:10:96::a]:8000", "[fd00:10:244:1::6]:9090")));
+        assert!(serving.is_stale(&v6("[fd00::1]:30053", "[fd00:10:244:1::6]:9090")));
+        assert!(!serving.is_stale(&v6("[fd00::1]:30054", "[fd00:10:244:1::6]:9090")));
     }
 }

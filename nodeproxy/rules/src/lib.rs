@@ -10,7 +10,9 @@
 //! - [`chains`]: kube-proxy's chain names;
 //! - [`trace::trace`]: where a packet goes through that ruleset, and its fate;
 //! - [`health::health_check_services`]: the health-check node port servers and answers;
-//! - [`conntrack::stale_udp_deletions`]: UDP conntrack entries to delete after a change;
+//! - [`conntrack::stale_udp_deletions`]: UDP conntrack entries to delete after a change,
+//!   and [`conntrack::ServingUdpEndpoints`]: which entries of the kernel's table are stale
+//!   (kube-proxy 1.32's periodic reconciler);
 //! - [`topology::choose_endpoints`]: which endpoints a Service port uses on this node
 //!   (kube-proxy's `CategorizeEndpoints`: readiness, topology hints, traffic policies);
 //! - [`nft`]: the nftables mode: its layout, its per-port transactions and its tracer.
