@@ -319,7 +319,9 @@ pub struct NodeConfig {
     pub localhost_node_ports: bool,
     /// The Service CIDRs of this family: in the nftables mode, new connections to an
     /// address in them that no Service holds are dropped (kube-proxy's
-    /// `cluster-ips-check`).
+    /// `cluster-ips-check`). From the cluster's ServiceCIDR objects where the API server
+    /// serves them (followed as they change), else `--service-cluster-ip-range`; see
+    /// [`service_cidrs_of`].
     pub service_cidrs: Vec<IpNet>,
 }
 
@@ -361,6 +363,23 @@ impl NodeConfig {
             }
         }
     }
+}
+
+/// The Service CIDRs of `family` among `cidrs` (every CIDR of every ServiceCIDR object, of
+/// both families), truncated, in order and without repeats: kube-proxy's
+/// `OnServiceCIDRsChanged`, which keeps the CIDRs of its proxier's family. Every object
+/// counts whatever its status, also one being deleted (its finalizer holds it while
+/// cluster IPs in it are still allocated), as kube-proxy's ServiceCIDR informer keeps
+/// them all. Two objects may name one CIDR; it counts once, and stays while either does.
+pub fn service_cidrs_of(family: IpFamily, cidrs: impl IntoIterator<Item = IpNet>) -> Vec<IpNet> {
+    let mut of_family: Vec<IpNet> = cidrs
+        .into_iter()
+        .filter(|cidr| family.holds(cidr.addr()))
+        .map(|cidr| cidr.trunc())
+        .collect();
+    of_family.sort();
+    of_family.dedup();
+    of_family
 }
 
 /// Where node ports are served (kube-proxy's `--nodeport-addresses`, resolved).

@@ -369,3 +369,57 @@ fn the_nftables_mode_rejects_unserved_ports_of_cluster_ips_and_drops_unallocated
         assert_eq!(fate(&iptables), untranslated(), "{iptables}");
     }
 }
+
+#[test]
+fn the_cluster_ips_check_follows_the_service_cidrs_as_they_change() {
+    use tandem_proxy_rules::model::service_cidrs_of;
+    use tandem_proxy_rules::nft::incremental::IncrementalRuleset;
+
+    let state = common::reference_state();
+    let in_first = tcp(POD_ON_NODE, "10.43.200.1", 80);
+    let in_second = tcp(POD_ON_NODE, "10.97.3.4", 80);
+    let fates = |rules: &IncrementalRuleset| {
+        [in_first, in_second].map(|packet| {
+            let request = TraceRequest::new(packet, Entry::FromOutside, [ip(NODE_IP)]);
+            fate(&tandem_proxy_rules::nft::trace::trace(rules.ruleset(), &request).unwrap())
+        })
+    };
+    let node = common::node_a();
+    let mut rules = IncrementalRuleset::new(node.clone());
+    rules.update(&state, state.services.keys());
+    // ServiceCIDR objects of both families, as the node proxy reads them: the IPv4
+    // proxier keeps its own, and a CIDR two objects name counts once.
+    let cidrs = |list: &[&str]| -> Vec<ipnet::IpNet> {
+        service_cidrs_of(node.family, list.iter().map(|c| c.parse().unwrap()))
+    };
+    let steps = [
+        (
+            vec!["10.43.0.0/16", "fd00:43::/112"],
+            [stopped("drop"), untranslated()],
+        ),
+        (
+            vec!["10.43.0.0/16", "10.97.0.0/16", "10.43.0.0/16"],
+            [stopped("drop"), stopped("drop")],
+        ),
+        (vec!["10.43.0.0/16"], [stopped("drop"), untranslated()]),
+        // No ServiceCIDR object at all: nothing is dropped (kube-proxy's empty list).
+        (vec![], [untranslated(), untranslated()]),
+    ];
+    for (objects, expected) in steps {
+        let cidrs = cidrs(&objects);
+        let tx = rules.set_service_cidrs(cidrs.clone());
+        assert!(!tx.is_empty(), "{objects:?}");
+        assert_eq!(fates(&rules), expected, "{objects:?}");
+        // The same as a fresh start with those CIDRs.
+        let fresh = NodeConfig {
+            service_cidrs: cidrs.clone(),
+            ..node.clone()
+        };
+        assert_eq!(
+            rules.ruleset(),
+            &layout::build_with_slots(&state, &fresh, rules.slots())
+        );
+        // Unchanged CIDRs write nothing.
+        assert!(rules.set_service_cidrs(cidrs).is_empty());
+    }
+}

@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use ipnet::IpNet;
 use tandem_nftables::{Key, Match, Rule, Ruleset, Set, Statement, Transaction, Value};
 
 use super::layout::{self, PortObjects, SHARED_SETS, is_member_set, merge_into, port_objects};
@@ -144,6 +145,26 @@ impl IncrementalRuleset {
     /// whose endpoints carry zone hints depend on it; the caller updates those.
     pub fn set_zone(&mut self, zone: Option<String>) {
         self.node.zone = zone;
+    }
+
+    /// The node's Service CIDRs are now `cidrs` (of this family, as
+    /// [`crate::model::service_cidrs_of`] gives them): `cluster-ips-check` is rebuilt, and
+    /// the returned transaction rewrites that chain alone (empty when they did not change).
+    /// No port depends on them.
+    pub fn set_service_cidrs(&mut self, cidrs: Vec<IpNet>) -> Transaction {
+        if self.node.service_cidrs == cidrs {
+            return Transaction::default();
+        }
+        self.node.service_cidrs = cidrs;
+        let name = layout::CLUSTER_IPS_CHECK;
+        let mut before = Ruleset::empty(self.ruleset.family);
+        let mut after = Ruleset::empty(self.ruleset.family);
+        let rebuilt = layout::cluster_ips_check(&self.node);
+        after.chains.insert(name.to_owned(), rebuilt.clone());
+        if let Some(held) = self.ruleset.chains.insert(name.to_owned(), rebuilt) {
+            before.chains.insert(name.to_owned(), held);
+        }
+        Transaction::between(&before, &after, &BTreeSet::from([name]), &BTreeSet::new())
     }
 
     /// The slots the ports hold: [`layout::build_with_slots`] with these and the same
@@ -513,6 +534,40 @@ mod tests {
                 &layout::build_with_slots(&state, &node(), incremental.slots())
             );
         }
+    }
+
+    #[test]
+    fn changed_service_cidrs_rewrite_the_cluster_ips_check_alone() {
+        let state = state(10);
+        let mut incremental = IncrementalRuleset::new(node());
+        incremental.update(&state, state.services.keys());
+        let cidrs =
+            |list: &[&str]| -> Vec<IpNet> { list.iter().map(|c| c.parse().unwrap()).collect() };
+        for list in [
+            &["10.96.0.0/16"][..],
+            &["10.96.0.0/16", "10.97.0.0/16"],
+            &["10.96.0.0/16"],
+            &[],
+        ] {
+            let tx = incremental.set_service_cidrs(cidrs(list));
+            // A flush of the chain and its rules written again: one drop rule per CIDR
+            // after the reject, nothing else touched.
+            assert_eq!(tx.ops[0], Op::FlushChain(layout::CLUSTER_IPS_CHECK.into()));
+            assert_eq!(tx.ops.len(), 2 + list.len(), "{tx:?}");
+            assert!(tx.ops[1..].iter().all(
+                |op| matches!(op, Op::AddRule { chain, .. } if chain == layout::CLUSTER_IPS_CHECK)
+            ));
+            let node = NodeConfig {
+                service_cidrs: cidrs(list),
+                ..node()
+            };
+            assert_eq!(incremental.ruleset(), &layout::build(&state, &node));
+            // A full rebuild (the periodic check) keeps them.
+            let mut rebuilt = incremental.clone();
+            rebuilt.rebuild(&state);
+            assert_eq!(rebuilt.ruleset(), incremental.ruleset());
+        }
+        assert!(incremental.set_service_cidrs(Vec::new()).is_empty());
     }
 
     #[test]

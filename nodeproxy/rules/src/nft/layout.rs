@@ -310,7 +310,7 @@ pub fn fixed_objects(node: &NodeConfig) -> Ruleset {
                     .collect(),
             ),
         ),
-        (CLUSTER_IPS_CHECK, chain(cluster_ips_check(node))),
+        (CLUSTER_IPS_CHECK, cluster_ips_check(node)),
         (REJECT_CHAIN, chain(vec![Rule::always(Statement::Reject)])),
         (
             MARK_FOR_MASQUERADE,
@@ -412,8 +412,11 @@ fn node_port_addresses(node: &NodeConfig) -> Vec<Vec<Match>> {
 
 /// kube-proxy's `cluster-ips-check`, run after DNAT: a new connection still addressed to
 /// a cluster IP matched none of its ports and is rejected, so the client fails at once;
-/// one to an address of the Service CIDRs that no Service holds is dropped.
-fn cluster_ips_check(node: &NodeConfig) -> Vec<Rule> {
+/// one to an address of the Service CIDRs that no Service holds is dropped. The only
+/// fixed chain that follows a value which changes while the proxy runs (the Service
+/// CIDRs, from ServiceCIDR objects): [`super::incremental::IncrementalRuleset`] rewrites
+/// it alone when they change.
+pub fn cluster_ips_check(node: &NodeConfig) -> Chain {
     let mut rules = vec![
         Rule::when(
             vec![Match::DestinationInSet(CLUSTER_IPS.to_owned())],
@@ -435,7 +438,7 @@ fn cluster_ips_check(node: &NodeConfig) -> Vec<Rule> {
                 .with_comment("Drop traffic to unallocated ClusterIPs"),
         );
     }
-    rules
+    chain(rules)
 }
 
 fn jump(chain: &str) -> Statement {
