@@ -215,11 +215,25 @@ mod tests {
 
     #[test]
     fn groups_are_listed_and_found() {
-        assert_eq!(group_list()["groups"].as_array().unwrap().len(), 3);
+        assert_eq!(group_list()["groups"].as_array().unwrap().len(), 4);
         assert_eq!(
             api_group("events.k8s.io").unwrap()["preferredVersion"]["groupVersion"],
             "events.k8s.io/v1"
         );
         assert!(api_group("apps").is_none());
+    }
+
+    #[test]
+    fn networking_serves_cluster_scoped_service_cidrs_with_status() {
+        let list = resource_list("networking.k8s.io", "v1").unwrap();
+        let resources = list["resources"].as_array().unwrap();
+        let names: Vec<&str> = resources
+            .iter()
+            .map(|r| r["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["servicecidrs", "servicecidrs/status"]);
+        assert_eq!(resources[0]["kind"], "ServiceCIDR");
+        assert_eq!(resources[0]["namespaced"], false);
+        assert!(api_group("networking.k8s.io").is_some());
     }
 }

@@ -3,7 +3,8 @@
 //! It serves the subset of the Kubernetes API that Tandem's components use, with the real
 //! server's semantics: core/v1 namespaces, services (+status), nodes (+status) and events;
 //! discovery.k8s.io/v1 endpointslices; events.k8s.io/v1 events (a second view of the same
-//! Events); coordination.k8s.io/v1 leases. One global resourceVersion, list + watch with
+//! Events); coordination.k8s.io/v1 leases; networking.k8s.io/v1 servicecidrs (+status; see
+//! [`service_cidr`] for what the stand-in leaves out). One global resourceVersion, list + watch with
 //! bookmarks and `410 Gone` after compaction, label/field selectors, `limit`/`continue`,
 //! optimistic concurrency, merge / JSON / strategic-merge patches (and a simple
 //! server-side apply), status subresources, finalizers, Service defaulting, allocation and
@@ -57,6 +58,7 @@ pub mod protobuf;
 pub mod resources;
 pub mod selector;
 pub mod service;
+pub mod service_cidr;
 pub mod status;
 pub mod store;
 pub mod table;

@@ -9,7 +9,7 @@
 //!
 //! Decoded: every kind the stand-in serves — Service and Namespace (what kubectl's
 //! imperative commands create), Node and Lease (what a kubelet writes), EndpointSlice and
-//! both Event versions (what controllers write). Node fields that no Tandem component reads
+//! both Event versions (what controllers write), ServiceCIDR. Node fields that no Tandem component reads
 //! (images, volumes, runtime handlers, features, config) and deprecated EndpointSlice
 //! topology are left out. Any other kind answers 415 rather than being misread.
 //! Responses are always JSON: clients send `Accept: application/vnd.kubernetes.protobuf,
@@ -21,6 +21,7 @@ use k8s_pb::api::coordination::v1 as coordination;
 use k8s_pb::api::core::v1 as core;
 use k8s_pb::api::discovery::v1 as discovery;
 use k8s_pb::api::events::v1 as events;
+use k8s_pb::api::networking::v1 as networking;
 use k8s_pb::apimachinery::pkg::apis::meta::v1 as meta;
 use k8s_pb::apimachinery::pkg::runtime::Unknown;
 use k8s_pb::apimachinery::pkg::util::intstr::IntOrString;
@@ -36,13 +37,14 @@ pub const MEDIA_TYPE: &str = "application/vnd.kubernetes.protobuf";
 const MAGIC: &[u8; 4] = b"k8s\0";
 
 /// The kinds whose protobuf bodies are decoded.
-pub const KINDS: [&str; 6] = [
+pub const KINDS: [&str; 7] = [
     "Service",
     "Namespace",
     "Node",
     "Lease",
     "EndpointSlice",
     "Event",
+    "ServiceCIDR",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -207,6 +209,27 @@ pub fn decode(rt: &ResourceType, body: &[u8]) -> Result<Value, DecodeError> {
                 )
                 .put("deprecatedCount", event.deprecated_count);
             (event.metadata, fields)
+        }
+        (_, "ServiceCIDR") => {
+            let cidr = networking::ServiceCIDR::decode(raw.as_slice()).map_err(object_error)?;
+            let fields = Fields::new()
+                .object(
+                    "spec",
+                    cidr.spec
+                        .map(|s| Fields::new().strings("cidrs", s.cidrs).done()),
+                )
+                .object(
+                    "status",
+                    cidr.status.map(|s| {
+                        Fields::new()
+                            .items(
+                                "conditions",
+                                s.conditions.into_iter().map(condition).collect(),
+                            )
+                            .done()
+                    }),
+                );
+            (cidr.metadata, fields)
         }
         _ => return Err(DecodeError::UnsupportedKind(kind)),
     };
@@ -623,7 +646,7 @@ mod tests {
 
     use super::*;
     use crate::resources::{
-        ENDPOINT_SLICES, EVENTS, EVENTS_V1, LEASES, NAMESPACES, NODES, SERVICES,
+        ENDPOINT_SLICES, EVENTS, EVENTS_V1, LEASES, NAMESPACES, NODES, SERVICE_CIDRS, SERVICES,
     };
 
     /// A body as client-go's protobuf serializer writes it.
@@ -804,6 +827,27 @@ mod tests {
                     "addresses": [{"type": "InternalIP", "address": "198.18.0.11"}],
                     "nodeInfo": {"kubeletVersion": "v1.34.0"}
                 }
+            })
+        );
+
+        let cidr = networking::ServiceCIDR {
+            metadata: Some(meta::ObjectMeta {
+                name: Some("extra".into()),
+                ..Default::default()
+            }),
+            spec: Some(networking::ServiceCIDRSpec {
+                cidrs: vec!["10.97.0.0/16".into(), "fd00:97::/108".into()],
+            }),
+            status: None,
+        };
+        let body = wire("networking.k8s.io/v1", "ServiceCIDR", cidr.encode_to_vec());
+        assert_eq!(
+            decode(SERVICE_CIDRS, &body).unwrap(),
+            json!({
+                "apiVersion": "networking.k8s.io/v1",
+                "kind": "ServiceCIDR",
+                "metadata": {"name": "extra"},
+                "spec": {"cidrs": ["10.97.0.0/16", "fd00:97::/108"]}
             })
         );
 

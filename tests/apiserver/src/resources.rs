@@ -12,16 +12,18 @@ pub enum Storage {
     EndpointSlices,
     Events,
     Leases,
+    ServiceCidrs,
 }
 
 impl Storage {
-    pub const ALL: [Storage; 6] = [
+    pub const ALL: [Storage; 7] = [
         Storage::Namespaces,
         Storage::Services,
         Storage::Nodes,
         Storage::EndpointSlices,
         Storage::Events,
         Storage::Leases,
+        Storage::ServiceCidrs,
     ];
 }
 
@@ -189,8 +191,30 @@ pub static LEASES: &ResourceType = &ResourceType {
     merge_lists: &[COMMON_LISTS[0], COMMON_LISTS[1]],
 };
 
+/// `networking.k8s.io/v1` ServiceCIDRs (GA in 1.33): the ranges cluster IPs come from,
+/// which node proxies follow. Cluster-scoped; `spec.cidrs` is immutable.
+pub static SERVICE_CIDRS: &ResourceType = &ResourceType {
+    group: "networking.k8s.io",
+    version: "v1",
+    plural: "servicecidrs",
+    singular: "servicecidr",
+    kind: "ServiceCIDR",
+    namespaced: false,
+    has_status: true,
+    has_generation: false,
+    short_names: &[],
+    categories: &[],
+    storage: Storage::ServiceCidrs,
+    view: View::Native,
+    merge_lists: &[
+        COMMON_LISTS[0],
+        COMMON_LISTS[1],
+        ("status.conditions", ListStrategy::MergeByKey("type")),
+    ],
+};
+
 /// Every served resource, in discovery order.
-pub static ALL: [&ResourceType; 7] = [
+pub static ALL: [&ResourceType; 8] = [
     NAMESPACES,
     SERVICES,
     NODES,
@@ -198,10 +222,16 @@ pub static ALL: [&ResourceType; 7] = [
     ENDPOINT_SLICES,
     EVENTS_V1,
     LEASES,
+    SERVICE_CIDRS,
 ];
 
 /// Served API groups (core excluded) with their single version, in discovery order.
-pub static GROUPS: [&str; 3] = ["discovery.k8s.io", "events.k8s.io", "coordination.k8s.io"];
+pub static GROUPS: [&str; 4] = [
+    "discovery.k8s.io",
+    "events.k8s.io",
+    "coordination.k8s.io",
+    "networking.k8s.io",
+];
 
 /// The resource served at `group/version/plural`.
 pub fn find(group: &str, version: &str, plural: &str) -> Option<&'static ResourceType> {
@@ -255,6 +285,14 @@ mod tests {
         assert_eq!(find("events.k8s.io", "v1", "events"), Some(EVENTS_V1));
         assert_eq!(find("", "v1", "pods"), None);
         assert_eq!(LEASES.api_version(), "coordination.k8s.io/v1");
+        assert_eq!(
+            find("networking.k8s.io", "v1", "servicecidrs"),
+            Some(SERVICE_CIDRS)
+        );
+        assert_eq!(
+            SERVICE_CIDRS.group_resource(),
+            "servicecidrs.networking.k8s.io"
+        );
         assert_eq!(
             SERVICES.list_strategy("spec.ports"),
             ListStrategy::MergeByKey("port")

@@ -16,6 +16,7 @@ use crate::patch::{self, PatchError, PatchType};
 use crate::resources::{self, ResourceType, Storage, View};
 use crate::selector::Selectors;
 use crate::service::{self, Allocator, PortRange, ServiceCidrs};
+use crate::service_cidr;
 use crate::status::{ApiError, FieldError};
 
 /// `(namespace, name)`; the namespace is empty for cluster-scoped objects.
@@ -258,6 +259,7 @@ fn storage_resource(rt: &ResourceType) -> &'static ResourceType {
         Storage::Nodes => resources::NODES,
         Storage::EndpointSlices => resources::ENDPOINT_SLICES,
         Storage::Leases => resources::LEASES,
+        Storage::ServiceCidrs => resources::SERVICE_CIDRS,
     }
 }
 
@@ -555,6 +557,10 @@ impl Store {
                     labels.insert("kubernetes.io/metadata.name".into(), json!(name));
                 }
             }
+            Storage::ServiceCidrs => {
+                service_cidr::prepare_create(&mut obj, &now())
+                    .map_err(|e| invalid(rt, &name, e))?;
+            }
             _ => {}
         }
         Ok(self.commit(state, rt.storage, key, Some(obj), ChangeType::Added))
@@ -701,6 +707,9 @@ impl Store {
         if sub == Subresource::Main && rt.storage == Storage::Services {
             service::prepare_update(current, &mut new, &mut state.allocator)
                 .map_err(|e| invalid(rt, &name, e))?;
+        }
+        if sub == Subresource::Main && rt.storage == Storage::ServiceCidrs {
+            service_cidr::validate_update(current, &new).map_err(|e| invalid(rt, &name, e))?;
         }
         if rt.has_generation && sub == Subresource::Main && new.get("spec") != current.get("spec") {
             let generation = current["metadata"]["generation"].as_u64().unwrap_or(0) + 1;

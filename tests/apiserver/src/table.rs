@@ -96,6 +96,16 @@ fn columns(rt: &ResourceType) -> Vec<Value> {
             column("Holder", "", 0, "holderIdentity of the lease."),
             age,
         ],
+        Storage::ServiceCidrs => vec![
+            name,
+            column(
+                "CIDRs",
+                "",
+                0,
+                "CIDRs defines the IP blocks in CIDR notation.",
+            ),
+            age,
+        ],
         Storage::EndpointSlices => vec![
             name,
             column(
@@ -418,6 +428,19 @@ fn cells(rt: &ResourceType, obj: &Value, now: jiff::Timestamp) -> Vec<Value> {
         ],
         Storage::Leases => vec![
             json!(obj["spec"]["holderIdentity"].as_str().unwrap_or_default()),
+            json!(age(obj, now)),
+        ],
+        // As kubectl: the CIDRs joined with commas.
+        Storage::ServiceCidrs => vec![
+            json!(
+                obj["spec"]["cidrs"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_str)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
             json!(age(obj, now)),
         ],
         _ => vec![json!(age(obj, now))],

@@ -1130,3 +1130,105 @@ async fn a_dual_stack_cluster_gives_services_an_ip_per_family() {
     );
     assert_eq!(spec.cluster_ip.as_ref(), Some(&ips[0]));
 }
+
+/// ServiceCIDRs as a node proxy reads them: found by discovery, listed and watched
+/// through a reflector, cluster-scoped, Ready on create, `spec.cidrs` validated and
+/// immutable, status written through `/status`, gone at once when deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn service_cidrs_are_discovered_watched_validated_and_deleted() {
+    use k8s_openapi::api::networking::v1::ServiceCIDR;
+
+    let (server, client) = server().await;
+    let served = client
+        .list_api_group_resources("networking.k8s.io/v1")
+        .await
+        .unwrap();
+    let names: Vec<&str> = served.resources.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["servicecidrs", "servicecidrs/status"]);
+    assert!(!served.resources[0].namespaced);
+
+    let api: Api<ServiceCIDR> = Api::all(client.clone());
+    let (reader, writer) = reflector::store();
+    let events = watcher(api.clone(), watcher::Config::default()).reflect(writer);
+    let watching = tokio::spawn(events.applied_objects().for_each(|_| async {}));
+    reader.wait_until_ready().await.unwrap();
+    let cidrs_seen = |reader: &reflector::Store<ServiceCIDR>| -> BTreeSet<String> {
+        reader
+            .state()
+            .iter()
+            .flat_map(|c| c.spec.clone().unwrap_or_default().cidrs.unwrap_or_default())
+            .collect()
+    };
+    let object = |name: &str, cidrs: serde_json::Value| -> ServiceCIDR {
+        serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"cidrs": cidrs}}))
+            .unwrap()
+    };
+    let post = PostParams::default();
+    let created = api
+        .create(
+            &post,
+            &object("extra", json!(["10.97.0.0/16", "fd00:97::/108"])),
+        )
+        .await
+        .unwrap();
+    assert_eq!(created.metadata.namespace, None);
+    let ready = &created.status.unwrap().conditions.unwrap()[0];
+    assert_eq!(
+        (ready.type_.as_str(), ready.status.as_str()),
+        ("Ready", "True")
+    );
+    tokio::time::timeout(WAIT, async {
+        while cidrs_seen(&reader).len() != 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap();
+
+    // As kube-apiserver: canonical CIDRs, one per family, and immutable.
+    for (cidrs, message) in [
+        (json!(["10.98.1.0/16"]), "must be in canonical form"),
+        (
+            json!(["10.98.0.0/16", "10.99.0.0/16"]),
+            "no more than one IP for each IP family",
+        ),
+        (json!([]), "at least one CIDR required"),
+    ] {
+        let status = api_error(api.create(&post, &object("bad", cidrs)).await.unwrap_err());
+        assert_eq!(status.code, 422);
+        assert!(status.message.contains(message), "{}", status.message);
+    }
+    let moved = api
+        .patch(
+            "extra",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"cidrs": ["10.98.0.0/16"]}})),
+        )
+        .await
+        .unwrap_err();
+    assert!(api_error(moved).message.contains("field is immutable"));
+
+    // The status subresource, as the ServiceCIDR controller writes it.
+    let not_ready = json!({"status": {"conditions": [{"type": "Ready", "status": "False",
+        "reason": "OverlappingServiceCIDR", "message": "overlaps",
+        "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+    let patched = api
+        .patch_status("extra", &PatchParams::default(), &Patch::Merge(not_ready))
+        .await
+        .unwrap();
+    assert_eq!(
+        patched.status.unwrap().conditions.unwrap()[0].status,
+        "False"
+    );
+
+    api.delete("extra", &DeleteParams::default()).await.unwrap();
+    tokio::time::timeout(WAIT, async {
+        while !cidrs_seen(&reader).is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap();
+    watching.abort();
+    server.shutdown().await.unwrap();
+}
