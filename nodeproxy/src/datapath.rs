@@ -230,6 +230,9 @@ impl DataPath {
             DataPath::Nftables(path) => {
                 let tx = path.rules.update(state, ports);
                 let count = tx.ops.len();
+                // `pending` starts (and is taken back to) the default family, IPv4: the
+                // operations of an IPv6 proxier go to table ip6 tandem, not ip tandem.
+                path.pending.family = tx.family;
                 path.pending.ops.extend(tx.ops);
                 count
             }

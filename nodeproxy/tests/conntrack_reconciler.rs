@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::time::Duration;
 
 use common::*;
@@ -19,19 +19,35 @@ use tandem_nodeproxy::conntrack::{Reconciled, reconcile, reconcile_blocking};
 use tandem_nodeproxy::datapath;
 use tandem_nodeproxy::metrics::{FamilyLabels, Metrics};
 use tandem_proxy_rules::conntrack::ServingUdpEndpoints;
-use tandem_proxy_rules::model::{Endpoint, IpFamily, Protocol, ProxyState};
+use tandem_proxy_rules::model::{Endpoint, IpFamily, NodeConfig, Protocol, ProxyState};
 
 const POD_PORT: u16 = 8080;
-/// The reference state's nginx Service, made UDP.
+/// The reference state's nginx Service, made UDP (with an IPv6 cluster IP for IPv6).
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 43, 35, 197);
-const SERVICE: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(CLUSTER_IP, 80));
+const CLUSTER_IP_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0xc5);
+const SERVICE_PORT: u16 = 80;
 const NODE_PORT: u16 = 30166;
 
-/// A UDP server in a pod answering every datagram with `name`, until 20 s of silence.
-fn udp_pod(pod: &tandem_netlab::Pod, name: &'static str) {
+fn service(family: IpFamily) -> SocketAddr {
+    match family {
+        IpFamily::V4 => SocketAddr::from((CLUSTER_IP, SERVICE_PORT)),
+        IpFamily::V6 => SocketAddr::from((CLUSTER_IP_V6, SERVICE_PORT)),
+    }
+}
+
+fn unspecified(family: IpFamily) -> IpAddr {
+    match family {
+        IpFamily::V4 => Ipv4Addr::UNSPECIFIED.into(),
+        IpFamily::V6 => Ipv6Addr::UNSPECIFIED.into(),
+    }
+}
+
+/// A UDP server in a pod answering every datagram of `family` with `name` and the
+/// datagram, until 20 s of silence.
+fn udp_pod(pod: &tandem_netlab::Pod, family: IpFamily, name: &'static str) {
     let socket = pod
         .netns
-        .run_in_thread(|| UdpSocket::bind(("0.0.0.0", POD_PORT)))
+        .run_in_thread(move || UdpSocket::bind((unspecified(family), POD_PORT)))
         .unwrap()
         .unwrap();
     socket
@@ -39,37 +55,64 @@ fn udp_pod(pod: &tandem_netlab::Pod, name: &'static str) {
         .unwrap();
     std::thread::spawn(move || {
         let mut buffer = [0u8; 64];
-        while let Ok((_, from)) = socket.recv_from(&mut buffer) {
-            let _ = socket.send_to(name.as_bytes(), from);
+        while let Ok((n, from)) = socket.recv_from(&mut buffer) {
+            let answer = [name.as_bytes(), b" ", &buffer[..n]].concat();
+            let _ = socket.send_to(&answer, from);
         }
     });
 }
 
-/// A client socket in `netns` (its flow is one conntrack entry for the whole test).
-fn client(netns: &tandem_netlab::Netns) -> UdpSocket {
+/// A client socket in `netns` connected to the Service of `family` (its flow is one
+/// conntrack entry for the whole test).
+fn client(netns: &tandem_netlab::Netns, family: IpFamily) -> UdpSocket {
     let socket = netns
-        .run_in_thread(|| UdpSocket::bind(("0.0.0.0", 0)))
+        .run_in_thread(move || UdpSocket::bind((unspecified(family), 0)))
         .unwrap()
         .unwrap();
-    socket.connect(SERVICE).unwrap();
+    socket.connect(service(family)).unwrap();
     socket
         .set_read_timeout(Some(Duration::from_secs(2)))
         .unwrap();
     socket
 }
 
+/// One request and the name of the pod that answers it. A request without an answer is
+/// sent again a few times, as new IPv6 links take a moment (neighbour discovery); each
+/// carries a number of its own, so a late answer to an earlier one is not taken for it.
 fn ask(socket: &UdpSocket) -> String {
-    socket.send(b"who").unwrap();
+    static REQUESTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let mut buffer = [0u8; 64];
-    let n = socket.recv(&mut buffer).unwrap();
-    String::from_utf8_lossy(&buffer[..n]).into_owned()
+    for _ in 0..5 {
+        let request = REQUESTS
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .to_string();
+        socket.send(request.as_bytes()).unwrap();
+        while let Ok(n) = socket.recv(&mut buffer) {
+            let answer = String::from_utf8_lossy(&buffer[..n]).into_owned();
+            if let Some((name, echoed)) = answer.split_once(' ')
+                && echoed == request
+            {
+                return name.to_owned();
+            }
+        }
+    }
+    panic!("no answer from {:?}", socket.peer_addr());
 }
 
-fn udp_state(endpoints: Vec<Endpoint>) -> ProxyState {
+fn udp_state(family: IpFamily, endpoints: Vec<Endpoint>) -> ProxyState {
     let mut state = reference_state(endpoints);
     for service in state.services.values_mut() {
         service.protocol = Protocol::Udp;
+        if family == IpFamily::V6 {
+            // Only the nginx Service's cluster IP is asked; the others hold none of IPv6.
+            service.cluster_ip = Some(CLUSTER_IP_V6.into());
+            service.load_balancer_ingress.clear();
+            service.load_balancer_source_ranges.clear();
+        }
     }
+    state
+        .services
+        .retain(|_, service| service.port == SERVICE_PORT);
     state
 }
 
@@ -84,40 +127,66 @@ fn udp_entries(family: IpFamily) -> Vec<Flow> {
 
 fn from_client(entries: &[Flow], socket: &UdpSocket) -> Vec<SocketAddr> {
     let source = socket.local_addr().unwrap().port();
+    let service = socket.peer_addr().unwrap();
     entries
         .iter()
         .filter(|flow| {
-            flow.original.source.port() == source && flow.original.destination == SERVICE
+            flow.original.source.port() == source && flow.original.destination == service
         })
         .map(|flow| flow.reply.source)
         .collect()
 }
 
-fn reconciles_udp_entries_of_a_removed_endpoint(mode: ProxyMode) {
+fn reconciles_udp_entries_of_a_removed_endpoint(mode: ProxyMode, family: IpFamily) {
     if !is_root() {
         eprintln!("skipped: needs root");
         return;
     }
-    let topo = tandem_netlab::Topology::builder()
+    let mut topology = tandem_netlab::Topology::builder()
         .nodes(1)
         .pods_per_node(&[3])
         .without_echo()
-        .handle_signals(false)
-        .build()
-        .unwrap();
+        .handle_signals(false);
+    if family == IpFamily::V6 {
+        topology = topology.ipv6();
+    }
+    let topo = topology.build().unwrap();
     let node = topo.node(1).unwrap();
     let pods: Vec<_> = topo.pods_on(1).collect();
     let (old, new, client_pod) = (pods[0], pods[1], pods[2]);
-    udp_pod(old, "old");
-    udp_pod(new, "new");
-    let endpoint_of = |pod: &tandem_netlab::Pod| endpoint(pod.ip.octets(), POD_PORT, &node.name);
-    let (before, after) = (
-        udp_state(vec![endpoint_of(old)]),
-        udp_state(vec![endpoint_of(new)]),
+    udp_pod(old, family, "old");
+    udp_pod(new, family, "new");
+    let ip_of = |ip: Ipv4Addr, ip6: Option<Ipv6Addr>| -> IpAddr {
+        match family {
+            IpFamily::V4 => ip.into(),
+            IpFamily::V6 => ip6.expect("a dual-stack topology").into(),
+        }
+    };
+    let (node_ip, client_ip, old_ip, new_ip) = (
+        ip_of(node.ip, node.ip6),
+        ip_of(client_pod.ip, client_pod.ip6),
+        ip_of(old.ip, old.ip6),
+        ip_of(new.ip, new.ip6),
     );
-    let (stale_client, serving_client) = (client(&client_pod.netns), client(&client_pod.netns));
-    let config = node_named(&node.name);
-    let (node_ip, client_ip, old_ip, new_ip) = (node.ip, client_pod.ip, old.ip, new.ip);
+    let endpoint_at = |ip: IpAddr| Endpoint {
+        ip,
+        ..endpoint([0, 0, 0, 0], POD_PORT, &node.name)
+    };
+    let (before, after) = (
+        udp_state(family, vec![endpoint_at(old_ip)]),
+        udp_state(family, vec![endpoint_at(new_ip)]),
+    );
+    let (stale_client, serving_client) = (
+        client(&client_pod.netns, family),
+        client(&client_pod.netns, family),
+    );
+    let mut config = node_named(&node.name);
+    if family == IpFamily::V6 {
+        config = NodeConfig {
+            family,
+            ..NodeConfig::new(&node.name, Some("fd00:10:244::/48".parse().unwrap()))
+        };
+    }
 
     block_on_in(&node.netns, move || async move {
         let metrics = Metrics::register(&mut Registry::default());
@@ -167,7 +236,7 @@ fn reconciles_udp_entries_of_a_removed_endpoint(mode: ProxyMode) {
             ],
         );
         let old_pod = SocketAddr::from((old_ip, POD_PORT));
-        let entries = udp_entries(IpFamily::V4);
+        let entries = udp_entries(family);
         assert_eq!(from_client(&entries, &stale_client), [old_pod]);
         let node_port_entries = |entries: &[Flow]| {
             entries
@@ -177,22 +246,22 @@ fn reconciles_udp_entries_of_a_removed_endpoint(mode: ProxyMode) {
         };
         assert_eq!(node_port_entries(&entries), 1);
 
-        let done = reconcile(ServingUdpEndpoints::of(&after), IpFamily::V4, &metrics)
+        let done = reconcile(ServingUdpEndpoints::of(&after), family, &metrics)
             .await
             .expect("reconciled");
         assert_eq!(
             (done.deleted, done.failed),
             (2, 0),
-            "{mode}: {done:?} of {entries:#?}"
+            "{mode} {family}: {done:?} of {entries:#?}"
         );
         let deleted = |metrics: &Metrics| {
             metrics
                 .conntrack_reconciler_deleted
-                .get_or_create(&FamilyLabels::of(IpFamily::V4))
+                .get_or_create(&FamilyLabels::of(family))
                 .get()
         };
         assert_eq!(deleted(&metrics), 2);
-        let entries = udp_entries(IpFamily::V4);
+        let entries = udp_entries(family);
         assert_eq!(from_client(&entries, &stale_client), []);
         assert_eq!(node_port_entries(&entries), 0);
         let new_pod = SocketAddr::from((new_ip, POD_PORT));
@@ -202,7 +271,7 @@ fn reconciles_udp_entries_of_a_removed_endpoint(mode: ProxyMode) {
         // to delete.
         assert_eq!(ask(&stale_client), "new");
         assert_eq!(ask(&serving_client), "new");
-        let again = reconcile(ServingUdpEndpoints::of(&after), IpFamily::V4, &metrics).await;
+        let again = reconcile(ServingUdpEndpoints::of(&after), family, &metrics).await;
         assert_eq!(again.map(|done| done.deleted), Some(0));
         assert_eq!(deleted(&metrics), 2);
     });
@@ -210,12 +279,22 @@ fn reconciles_udp_entries_of_a_removed_endpoint(mode: ProxyMode) {
 
 #[test]
 fn nftables_mode_reconciles_udp_entries_of_a_removed_endpoint() {
-    reconciles_udp_entries_of_a_removed_endpoint(ProxyMode::Nftables);
+    reconciles_udp_entries_of_a_removed_endpoint(ProxyMode::Nftables, IpFamily::V4);
 }
 
 #[test]
 fn iptables_mode_reconciles_udp_entries_of_a_removed_endpoint() {
-    reconciles_udp_entries_of_a_removed_endpoint(ProxyMode::Iptables);
+    reconciles_udp_entries_of_a_removed_endpoint(ProxyMode::Iptables, IpFamily::V4);
+}
+
+#[test]
+fn nftables_mode_reconciles_ipv6_udp_entries_of_a_removed_endpoint() {
+    reconciles_udp_entries_of_a_removed_endpoint(ProxyMode::Nftables, IpFamily::V6);
+}
+
+#[test]
+fn iptables_mode_reconciles_ipv6_udp_entries_of_a_removed_endpoint() {
+    reconciles_udp_entries_of_a_removed_endpoint(ProxyMode::Iptables, IpFamily::V6);
 }
 
 /// Inserts a UDP (or `protocol`) entry `client:4000 -> service` answered by `reply`.
@@ -268,7 +347,11 @@ fn ipv6_entries_are_reconciled_and_other_families_and_protocols_left_alone() {
         insert("udp", "10.244.0.9", v4_service, v4_removed);
 
         let mut state = ProxyState::default();
-        let mut dns = udp_state(vec![]).services.into_values().next().unwrap();
+        let mut dns = udp_state(IpFamily::V6, vec![])
+            .services
+            .into_values()
+            .next()
+            .unwrap();
         dns.cluster_ip = Some(service.ip());
         dns.port = service.port();
         dns.node_port = None;
