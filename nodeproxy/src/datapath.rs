@@ -146,7 +146,8 @@ pub struct NftablesPath {
     rules: nft::incremental::IncrementalRuleset,
     /// `None` only while a transaction is in flight on the blocking pool.
     kernel: Option<Netlink>,
-    /// Operations not applied yet, in order.
+    /// Operations not applied yet, in order, on the table of this proxier's family (the
+    /// default transaction's, IPv4, would send an IPv6 proxier's to table ip tandem).
     pending: Transaction,
     /// False until a whole-table write succeeded, and again after any failed transaction:
     /// the next apply then replaces the table in full instead of sending `pending`.
@@ -191,10 +192,14 @@ impl DataPath {
 
     /// `backend`: where the iptables mode's rules would be, to remove them.
     pub fn nftables(node: NodeConfig, kernel: Netlink, backend: Backend) -> Self {
+        let family = node.family;
         DataPath::Nftables(NftablesPath {
             rules: nft::incremental::IncrementalRuleset::new(node),
             kernel: Some(kernel),
-            pending: Transaction::default(),
+            pending: Transaction {
+                family,
+                ops: Vec::new(),
+            },
             in_sync: false,
             remove_iptables: Some(backend),
             adopt_kernel_table: true,
@@ -230,9 +235,6 @@ impl DataPath {
             DataPath::Nftables(path) => {
                 let tx = path.rules.update(state, ports);
                 let count = tx.ops.len();
-                // `pending` starts (and is taken back to) the default family, IPv4: the
-                // operations of an IPv6 proxier go to table ip6 tandem, not ip tandem.
-                path.pending.family = tx.family;
                 path.pending.ops.extend(tx.ops);
                 count
             }
@@ -539,7 +541,11 @@ impl NftablesPath {
             self.pending.ops.clear();
             Transaction::replace_all(self.rules.ruleset())
         } else {
-            std::mem::take(&mut self.pending)
+            let empty = Transaction {
+                family: self.family(),
+                ops: Vec::new(),
+            };
+            std::mem::replace(&mut self.pending, empty)
         };
         if tx.is_empty() {
             return true;
