@@ -83,7 +83,8 @@ pub struct ClusterArgs {
     pub iptables_localhost_nodeports: bool,
     /// The Service CIDRs (kube-apiserver's flag of this name; comma-separated): in
     /// nftables mode, new connections to an address in them that no Service holds are
-    /// dropped.
+    /// dropped. Where the API server serves ServiceCIDR objects (1.33 and later), their
+    /// CIDRs replace these and are followed as they change.
     #[arg(
         long,
         env = "SERVICE_CLUSTER_IP_RANGE",

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort as K8sServicePort};
 use k8s_openapi::api::discovery::v1::{EndpointHints, EndpointSlice};
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
 use tandem_proxy_rules::model::{
@@ -63,6 +64,8 @@ pub enum Skipped {
         value: String,
         reason: &'static str,
     },
+    #[error("ServiceCIDR {service_cidr}: spec.cidrs value {value:?} ignored: not a CIDR")]
+    ServiceCidrValue { service_cidr: String, value: String },
 }
 
 /// The converted state plus everything that was left out of it.
@@ -357,6 +360,33 @@ pub fn node_is_draining(node: &Node) -> bool {
 
 /// The label that names a node's zone, which endpoint zone hints are matched against.
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// Every CIDR of every ServiceCIDR object, of both families (each proxier keeps its own,
+/// [`tandem_proxy_rules::model::service_cidrs_of`]), whatever the object's status, as
+/// kube-proxy's ServiceCIDR handler passes them on; plus the values that are not CIDRs
+/// (the API server validates them, so only a server that does not would send one).
+pub fn service_cidrs<'a>(
+    objects: impl IntoIterator<Item = &'a ServiceCIDR>,
+) -> (Vec<IpNet>, Vec<Skipped>) {
+    let mut cidrs = Vec::new();
+    let mut skipped = Vec::new();
+    for object in objects {
+        let values = object
+            .spec
+            .iter()
+            .flat_map(|spec| spec.cidrs.iter().flatten());
+        for value in values {
+            match value.parse::<IpNet>() {
+                Ok(cidr) => cidrs.push(cidr),
+                Err(_) => skipped.push(Skipped::ServiceCidrValue {
+                    service_cidr: object.metadata.name.clone().unwrap_or_default(),
+                    value: value.clone(),
+                }),
+            }
+        }
+    }
+    (cidrs, skipped)
+}
 
 /// The node's zone: its `topology.kubernetes.io/zone` label, `None` without one. Read at
 /// every sync (a change re-chooses the endpoints of hinted Service ports), as kube-proxy
@@ -874,6 +904,7 @@ mod tests {
             .map(|s| match s {
                 Skipped::ServiceValue { field, .. } => *field,
                 Skipped::SliceValue { field, .. } => *field,
+                Skipped::ServiceCidrValue { .. } => "spec.cidrs",
             })
             .collect();
         // The IPv6 range is the IPv6 proxier's, not an error.
@@ -1317,5 +1348,44 @@ mod tests {
         );
         assert_eq!(node_pod_cidr(&old, IpFamily::V6), None);
         assert_eq!(node_pod_cidr(&Node::default(), IpFamily::V4), None);
+    }
+
+    #[test]
+    fn service_cidrs_of_every_object_whatever_its_status_and_bad_values_reported() {
+        let object = |name: &str, cidrs: serde_json::Value, status: serde_json::Value| {
+            serde_json::from_value::<ServiceCIDR>(serde_json::json!({
+                "metadata": {"name": name},
+                "spec": {"cidrs": cidrs},
+                "status": status,
+            }))
+            .unwrap()
+        };
+        let objects = [
+            object(
+                "kubernetes",
+                serde_json::json!(["10.96.0.0/16", "fd00:96::/112"]),
+                serde_json::json!({"conditions": [{"type": "Ready", "status": "True",
+                    "reason": "", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}),
+            ),
+            // Not Ready (overlapping), or being deleted: kube-proxy still counts it.
+            object(
+                "extra",
+                serde_json::json!(["10.97.0.0/16", "bogus"]),
+                serde_json::json!({}),
+            ),
+        ];
+        let (cidrs, skipped) = service_cidrs(&objects);
+        let expected: Vec<IpNet> = ["10.96.0.0/16", "fd00:96::/112", "10.97.0.0/16"]
+            .iter()
+            .map(|c| c.parse().unwrap())
+            .collect();
+        assert_eq!(cidrs, expected);
+        assert_eq!(
+            skipped,
+            [Skipped::ServiceCidrValue {
+                service_cidr: "extra".into(),
+                value: "bogus".into()
+            }]
+        );
     }
 }

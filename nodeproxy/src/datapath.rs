@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+use ipnet::IpNet;
 use tandem_common::ProxyMode;
 use tandem_nftables::digest::{ChainDigest, ObjectKind, SetDigest, TableDigest, TableDrift};
 use tandem_nftables::kernel::{KernelError, Netlink};
@@ -214,6 +215,24 @@ impl DataPath {
         match self {
             DataPath::Iptables(path) => path.rules.set_zone(zone),
             DataPath::Nftables(path) => path.rules.set_zone(zone),
+        }
+    }
+
+    /// The node's Service CIDRs of this family are now `cidrs`: the nftables mode rewrites
+    /// its `cluster-ips-check` chain alone (queued for the next apply, or in the whole table
+    /// that apply writes); the iptables mode has no rule that uses them, as kube-proxy's.
+    /// Returns how many operations the change needs.
+    pub fn set_service_cidrs(&mut self, cidrs: Vec<IpNet>) -> usize {
+        match self {
+            DataPath::Iptables(_) => 0,
+            DataPath::Nftables(path) => {
+                let tx = path.rules.set_service_cidrs(cidrs);
+                let count = tx.ops.len();
+                if path.in_sync {
+                    path.pending.ops.extend(tx.ops);
+                }
+                count
+            }
         }
     }
 

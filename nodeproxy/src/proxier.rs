@@ -6,6 +6,9 @@
 //! has its own change tracker, fed the same watch events, and its own data path
 //! (`iptables` or `ip6tables`). One loop syncs them in turn; a family whose objects did
 //! not change has nothing to write. The health-check servers and `/healthz` are shared.
+//!
+//! In the nftables mode, where the API server serves them, a reflector on ServiceCIDR
+//! objects gives the Service CIDRs of the cluster-IP check, read again at every sync.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Debug;
@@ -13,16 +16,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
+use ipnet::IpNet;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use tandem_proxy_rules::conntrack::ServingUdpEndpoints;
 use tandem_proxy_rules::health::{health_check_services, merge_families};
-use tandem_proxy_rules::model::{IpFamily, NodeConfig};
+use tandem_proxy_rules::model::{IpFamily, NodeConfig, service_cidrs_of};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -42,11 +47,15 @@ pub struct ProxierConfig {
 }
 
 /// The observed cluster, kept current by [`watch`]: Services and EndpointSlices in a
-/// change tracker per IP family, this node's Node in a reflector store.
+/// change tracker per IP family, this node's Node in a reflector store, and the
+/// ServiceCIDR objects in another when they are watched.
 #[derive(Clone)]
 pub struct Observed {
     pub trackers: BTreeMap<IpFamily, SharedTracker>,
     pub node: Store<Node>,
+    /// `None`: not watched (the iptables mode, or a server without the API), the Service
+    /// CIDRs stay `--service-cluster-ip-range`'s.
+    pub service_cidrs: Option<Store<ServiceCIDR>>,
 }
 
 impl Observed {
@@ -67,6 +76,13 @@ impl Observed {
             .find_map(|node| convert::node_zone(node))
     }
 
+    /// Every CIDR of every ServiceCIDR object as the reflector holds them now, of both
+    /// families, and the values that are not CIDRs; `None` when they are not watched.
+    pub fn service_cidrs(&self) -> Option<(Vec<IpNet>, Vec<convert::Skipped>)> {
+        let objects = self.service_cidrs.as_ref()?.state();
+        Some(convert::service_cidrs(objects.iter().map(AsRef::as_ref)))
+    }
+
     pub fn node_draining(&self) -> bool {
         self.node
             .state()
@@ -78,6 +94,11 @@ impl Observed {
     /// the watches ended first.
     pub async fn wait_until_listed(&self, dirty: &Notify) -> bool {
         if self.node.wait_until_ready().await.is_err() {
+            return false;
+        }
+        if let Some(service_cidrs) = &self.service_cidrs
+            && service_cidrs.wait_until_ready().await.is_err()
+        {
             return false;
         }
         loop {
@@ -101,10 +122,12 @@ impl Observed {
 /// notified whenever a change waits for a sync. The returned future runs them until
 /// `shutdown`. As kube-proxy does, Services another proxy owns
 /// (`service.kubernetes.io/service-proxy-name`) and headless ones are not watched.
+/// ServiceCIDR objects are watched with `service_cidrs` (see [`serves_service_cidrs`]).
 pub fn watch(
     client: Client,
     node_name: &str,
     families: &[IpFamily],
+    service_cidrs: bool,
     dirty: Arc<Notify>,
     metrics: Metrics,
     shutdown: CancellationToken,
@@ -125,10 +148,20 @@ pub fn watch(
     let node_events = reflector::reflector(
         node_writer,
         watcher(
-            Api::<Node>::all(client),
+            Api::<Node>::all(client.clone()),
             watcher::Config::default().fields(&format!("metadata.name={node_name}")),
         ),
     );
+    let (cidr_store, cidr_events) = if service_cidrs {
+        let (store, writer) = reflector::store();
+        let events = reflector::reflector(
+            writer,
+            watcher(Api::<ServiceCIDR>::all(client), watcher::Config::default()),
+        );
+        (Some(store), Some(events))
+    } else {
+        (None, None)
+    };
     let run = {
         let dirty = Arc::clone(&dirty);
         let trackers = trackers.clone();
@@ -149,15 +182,36 @@ pub fn watch(
             let on_node = |event: watcher::Event<Node>| {
                 !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_))
             };
+            // The same for the ServiceCIDRs: each sync reads the reflector's CIDRs again.
+            let on_service_cidr = |event: watcher::Event<ServiceCIDR>| {
+                !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_))
+            };
+            let service_cidrs = {
+                let dirty = Arc::clone(&dirty);
+                async move {
+                    match cidr_events {
+                        Some(events) => drive(events, dirty, on_service_cidr).await,
+                        None => std::future::pending().await,
+                    }
+                }
+            };
             tokio::select! {
                 () = shutdown.cancelled() => {}
                 () = drive(service_events, Arc::clone(&dirty), on_service) => {}
                 () = drive(slice_events, Arc::clone(&dirty), on_slice) => {}
+                () = service_cidrs => {}
                 () = drive(node_events, dirty, on_node) => {}
             }
         }
     };
-    (Observed { trackers, node }, run)
+    (
+        Observed {
+            trackers,
+            node,
+            service_cidrs: cidr_store,
+        },
+        run,
+    )
 }
 
 /// Hands `event` to the tracker of every family (a copy to all but the last, so a node
@@ -176,6 +230,33 @@ fn record_in_every_family<E: Clone>(
         changed |= record(&mut change_tracker::lock(tracker), event.clone());
     }
     record(&mut change_tracker::lock(last), event) || changed
+}
+
+/// Whether the API server serves `networking.k8s.io/v1` ServiceCIDRs (Kubernetes 1.33 and
+/// later, where kube-proxy's MultiCIDRServiceAllocator gate is on by default; kube-proxy
+/// watches them when its gate is on), asked once at start: a server upgraded under a
+/// running proxy is followed after a restart. A failing server is asked again for a
+/// while; when it keeps failing, the answer is no and `--service-cluster-ip-range` stays.
+pub async fn serves_service_cidrs(client: &Client) -> bool {
+    const ATTEMPTS: u32 = 5;
+    for attempt in 1..=ATTEMPTS {
+        match client
+            .list_api_group_resources("networking.k8s.io/v1")
+            .await
+        {
+            Ok(served) => return served.resources.iter().any(|r| r.name == "servicecidrs"),
+            // No such group version at all (an old server, or one without networking).
+            Err(kube::Error::Api(status)) if status.code == 404 => return false,
+            Err(error) if attempt < ATTEMPTS => {
+                tracing::warn!(%error, attempt, "discovering networking.k8s.io/v1 failed; retrying");
+                tokio::time::sleep(Duration::from_secs(u64::from(attempt))).await;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "discovering networking.k8s.io/v1 failed: ServiceCIDRs are not watched, --service-cluster-ip-range stays");
+            }
+        }
+    }
+    false
 }
 
 /// This node's primary IP and pod CIDR of each of `families` from its Node object, read
@@ -299,6 +380,29 @@ impl FamilyProxier {
         self.datapath.set_zone(zone);
     }
 
+    /// The cluster's Service CIDRs are now `cidrs` (every ServiceCIDR object's, of both
+    /// families; `None`: not watched, `--service-cluster-ip-range` stays): the objects
+    /// replace the flag, as kube-proxy's nftables mode knows no other source, and the
+    /// data path rewrites its cluster-IP check when this family's changed. Returns how
+    /// many operations that needs.
+    fn follow_service_cidrs(&mut self, cidrs: Option<&[IpNet]>) -> usize {
+        let Some(cidrs) = cidrs else {
+            return 0;
+        };
+        let of_family = service_cidrs_of(self.node.family, cidrs.iter().copied());
+        if of_family == self.node.service_cidrs {
+            return 0;
+        }
+        tracing::info!(
+            family = %self.node.family,
+            from = ?self.node.service_cidrs,
+            to = ?of_family,
+            "the Service CIDRs are read anew from the ServiceCIDR objects; unallocated cluster IPs are dropped in them"
+        );
+        self.node.service_cidrs = of_family.clone();
+        self.datapath.set_service_cidrs(of_family)
+    }
+
     /// This family's part of a sync: take its changes, rebuild the changed Service ports
     /// (checked against a full rebuild with `full_check`), apply what differs, then clean
     /// up conntrack (the change's deletions, then the reconciler's pass over the kernel's
@@ -307,11 +411,13 @@ impl FamilyProxier {
         &mut self,
         tracker: &SharedTracker,
         zone: Option<String>,
+        service_cidrs: Option<&[IpNet]>,
         full_check: bool,
         metrics: &Metrics,
         skipped: &mut Vec<convert::Skipped>,
     ) -> FamilySync {
         self.follow_zone(zone, tracker);
+        let cidrs_changed = self.follow_service_cidrs(service_cidrs);
         // The check's objects are taken under the same lock as the changes, so the full
         // rebuild sees exactly what the incremental state now reflects.
         let (changes, snapshot) = {
@@ -319,7 +425,7 @@ impl FamilyProxier {
             (tracker.take(), full_check.then(|| tracker.snapshot()))
         };
         skipped.extend(changes.skipped.iter().cloned());
-        let mut changed = self.datapath.update(&changes.current, &changes.ports);
+        let mut changed = cidrs_changed + self.datapath.update(&changes.current, &changes.ports);
         if let Some(snapshot) = snapshot {
             changed += self.check_against_full_rebuild(tracker, &snapshot, metrics);
         }
@@ -547,6 +653,10 @@ impl Proxier {
         let (mut ports, mut changed, mut applied) = (0, 0, true);
         let mut skipped = Vec::new();
         let zone = observed.node_zone();
+        let service_cidrs = observed.service_cidrs().map(|(cidrs, bad)| {
+            skipped.extend(bad);
+            cidrs
+        });
         for family in &mut self.families {
             let Some(tracker) = observed.trackers.get(&family.node.family) else {
                 continue;
@@ -555,6 +665,7 @@ impl Proxier {
                 .sync(
                     tracker,
                     zone.clone(),
+                    service_cidrs.as_deref(),
                     full_check,
                     &self.metrics,
                     &mut skipped,
@@ -649,5 +760,51 @@ mod tests {
         let delays: Vec<u64> = (0..8).map(|f| retry_delay(&config, f).as_secs()).collect();
         assert_eq!(delays, vec![1, 2, 4, 8, 16, 30, 30, 30]);
         assert_eq!(retry_delay(&config, u32::MAX), Duration::from_secs(30));
+    }
+
+    /// A client whose server answers every request with `status` and `body`.
+    fn answering(status: u16, body: serde_json::Value) -> Client {
+        let service = tower::service_fn(move |_: axum::http::Request<kube::client::Body>| {
+            let body = body.to_string().into_bytes();
+            async move {
+                axum::http::Response::builder()
+                    .status(status)
+                    .header("content-type", "application/json")
+                    .body(kube::client::Body::from(body))
+            }
+        });
+        Client::new(service, "default")
+    }
+
+    fn resource_list(names: &[&str]) -> serde_json::Value {
+        let resources: Vec<serde_json::Value> = names
+            .iter()
+            .map(|name| {
+                serde_json::json!({"name": name, "singularName": "", "namespaced": false,
+                    "kind": "X", "verbs": ["get", "list", "watch"]})
+            })
+            .collect();
+        serde_json::json!({"kind": "APIResourceList", "apiVersion": "v1",
+            "groupVersion": "networking.k8s.io/v1", "resources": resources})
+    }
+
+    #[tokio::test]
+    async fn service_cidrs_are_watched_only_where_discovery_lists_them() {
+        let served = answering(200, resource_list(&["servicecidrs", "servicecidrs/status"]));
+        assert!(serves_service_cidrs(&served).await);
+        // k3s v1.21's networking.k8s.io/v1: no ServiceCIDRs, the flag stays.
+        let k3s_v1_21 = answering(
+            200,
+            resource_list(&[
+                "ingressclasses",
+                "ingresses",
+                "ingresses/status",
+                "networkpolicies",
+            ]),
+        );
+        assert!(!serves_service_cidrs(&k3s_v1_21).await);
+        let not_found = serde_json::json!({"kind": "Status", "apiVersion": "v1",
+            "status": "Failure", "reason": "NotFound", "code": 404, "message": "not found"});
+        assert!(!serves_service_cidrs(&answering(404, not_found)).await);
     }
 }

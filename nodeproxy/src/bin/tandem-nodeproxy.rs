@@ -61,6 +61,26 @@ fn node_config(
     Ok(node)
 }
 
+/// Whether to watch ServiceCIDR objects: only the nftables mode has rules that use the
+/// Service CIDRs, and only a server that serves the API has them (1.33 and later; not
+/// k3s v1.21, where `--service-cluster-ip-range` stays the source).
+async fn watches_service_cidrs(cluster: &ClusterArgs, client: &Client) -> bool {
+    if cluster.proxy_mode != ProxyMode::Nftables {
+        return false;
+    }
+    let served = proxier::serves_service_cidrs(client).await;
+    if served {
+        tracing::info!(
+            "the API server serves ServiceCIDRs: their CIDRs, followed as they change, replace --service-cluster-ip-range"
+        );
+    } else {
+        tracing::info!(
+            "the API server does not serve ServiceCIDRs: the Service CIDRs are --service-cluster-ip-range's"
+        );
+    }
+    served
+}
+
 async fn cleanup(cli: &Cli) -> anyhow::Result<()> {
     datapath::cleanup(cli.proxy.iptables_backend).await?;
     tracing::info!("cleanup done");
@@ -86,10 +106,12 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
             args.dst.ip
         );
     }
+    let service_cidrs = watches_service_cidrs(cluster, &client).await;
     let (observed, watches) = proxier::watch(
         client,
         &node_name,
         &[family],
+        service_cidrs,
         Arc::clone(&dirty),
         metrics,
         shutdown.clone(),
@@ -119,6 +141,12 @@ async fn trace(cluster: &ClusterArgs, args: &TraceArgs) -> anyhow::Result<()> {
         .unwrap_or_default();
     let mut node = node_config(cluster, node_name, family, facts)?;
     node.zone = observed.node_zone();
+    if let Some((cidrs, skipped)) = observed.service_cidrs() {
+        for skipped in &skipped {
+            tracing::warn!(%skipped, "invalid value left out of the rules");
+        }
+        node.service_cidrs = tandem_proxy_rules::model::service_cidrs_of(family, cidrs);
+    }
     let mut request = TraceRequest::new(
         Packet {
             src: args.src,
@@ -199,10 +227,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     .await?;
 
     let dirty = Arc::new(Notify::new());
+    let service_cidrs = watches_service_cidrs(&cli.cluster, &client).await;
     let (observed, watches) = proxier::watch(
         client,
         &node_name,
         &families,
+        service_cidrs,
         Arc::clone(&dirty),
         metrics.clone(),
         shutdown.clone(),
