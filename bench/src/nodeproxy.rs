@@ -19,7 +19,7 @@ mod cluster;
 mod kernel;
 mod nft;
 mod nft_summary;
-mod rss;
+pub(crate) mod rss;
 mod summary;
 
 use std::time::Duration;

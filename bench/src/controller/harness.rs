@@ -21,7 +21,12 @@ use tandem_controller::provider::{TAG_CLUSTER_ID, TAG_SERVICE_UID};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
-use super::{LB_ITEM, Measured, RouteCounts, Scale, calls_of, counts_delta, parse_request_counts};
+use crate::nodeproxy::rss::vm_hwm_kib;
+
+use super::{
+    LB_COLLECTION, LB_ITEM, Measured, RouteCounts, Scale, cloud_calls, counts_delta,
+    parse_request_counts,
+};
 
 const CLOUD_TOKEN: &str = "bench-cloud-token";
 /// VIPs are only bookkeeping here (no data plane): a loopback range large enough for the
@@ -38,6 +43,8 @@ const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
 const SETTLE: Duration = Duration::from_secs(1);
 /// Creates in flight at once when "creating at once".
 const CREATE_PARALLELISM: usize = 32;
+/// How often the node phase sends a GET of one LB to see the node appear behind it.
+const SENTINEL_POLL: Duration = Duration::from_millis(5);
 /// Calls of each kind timed by the cloud probe.
 const PROBE_CALLS: usize = 20;
 
@@ -106,6 +113,25 @@ async fn wait_ok(
     }
 }
 
+/// Waits until the cloud has had no call but the harness's own for [`SETTLE`].
+async fn wait_quiet(cloud: SocketAddr) -> anyhow::Result<()> {
+    let deadline = Instant::now() + PHASE_TIMEOUT;
+    let mut last = cloud_calls(&cloud_counts(cloud).await?);
+    let mut still_since = Instant::now();
+    while still_since.elapsed() < SETTLE {
+        if Instant::now() > deadline {
+            bail!("the cloud's request counters still moved after {PHASE_TIMEOUT:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = cloud_calls(&cloud_counts(cloud).await?);
+        if now != last {
+            last = now;
+            still_since = Instant::now();
+        }
+    }
+    Ok(())
+}
+
 async fn cloud_counts(cloud: SocketAddr) -> anyhow::Result<RouteCounts> {
     let (status, body) = http_get(cloud, "/metrics").await?;
     if status != 200 {
@@ -124,6 +150,12 @@ fn node(name: &str) -> Node {
     }
 }
 
+/// The InternalIP of the node numbered `index`.
+fn node_ip(index: usize) -> anyhow::Result<Ipv4Addr> {
+    let host = u8::try_from(11 + index).context("more nodes than 198.18.0.11-255 hold")?;
+    Ok(Ipv4Addr::new(198, 18, 0, host))
+}
+
 /// Registers a Ready node with an InternalIP, as a kubelet would.
 async fn add_node(nodes: &Api<Node>, index: usize) -> anyhow::Result<()> {
     let name = format!("bench-node-{index}");
@@ -131,7 +163,7 @@ async fn add_node(nodes: &Api<Node>, index: usize) -> anyhow::Result<()> {
     let status = NodeStatus {
         addresses: Some(vec![NodeAddress {
             type_: "InternalIP".into(),
-            address: format!("198.18.0.{}", 11 + index),
+            address: node_ip(index)?.to_string(),
         }]),
         conditions: Some(vec![NodeCondition {
             type_: "Ready".into(),
@@ -320,6 +352,9 @@ pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
         &controller_log,
     )?;
     wait_ok(&mut controller, controller_addr, "/readyz", &controller_log).await?;
+    // Ready is not done: its start-up calls (orphan collection, the node pool's claim) are
+    // no Service's, and must not be counted on the create path.
+    wait_quiet(cloud_addr).await?;
 
     let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
     let events: Api<Event> = Api::namespaced(client.clone(), NAMESPACE);
@@ -427,39 +462,59 @@ pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
     let unrelated_writes_cloud_calls =
         counts_delta(&counts_before, &cloud_counts(cloud_addr).await?);
 
-    // Phase 2: one node added; every LB must be updated once.
+    // Phase 2: one node added; every LB must serve it, through one node-pool write.
+    // The harness reads with retries off, so each of its reads is one request to take out
+    // of the counts.
+    let poller = sdk::Client::new(
+        &format!("http://{cloud_addr}"),
+        CLOUD_TOKEN,
+        sdk::ClientOptions {
+            max_retries: 0,
+            ..sdk::ClientOptions::default()
+        },
+    )?;
+    let new_node_ip = node_ip(scale.initial_nodes)?;
+    let sentinel = cloud_client
+        .list_load_balancers(&sdk::ListFilter::default())
+        .await?
+        .into_iter()
+        .next()
+        .context("the cloud holds no load balancer")?
+        .id;
     let counts_before = cloud_counts(cloud_addr).await?;
     let node_start = Instant::now();
     add_node(&nodes, scale.initial_nodes).await?;
-    let deadline = node_start + PHASE_TIMEOUT;
-    let node_add_total = loop {
-        let delta = counts_delta(&counts_before, &cloud_counts(cloud_addr).await?);
-        if calls_of(&delta, LB_ITEM, "PUT") >= scale.services as f64 {
-            break node_start.elapsed();
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "fewer than {} backend updates within {PHASE_TIMEOUT:?}; controller log: {}",
-                scale.services,
-                controller_log.display()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let served = wait_until_served(
+        &poller,
+        &sentinel,
+        new_node_ip,
+        scale.services,
+        node_start + PHASE_TIMEOUT,
+    )
+    .await
+    .with_context(|| format!("controller log: {}", controller_log.display()))?;
     tokio::time::sleep(scale.node_debounce + SETTLE).await;
-    let node_add_cloud_calls = counts_delta(&counts_before, &cloud_counts(cloud_addr).await?);
-    let new_node_ip = format!("198.18.0.{}", 11 + scale.initial_nodes);
-    let lbs_with_new_node = cloud_client
-        .list_load_balancers(&sdk::ListFilter::default())
-        .await?
-        .iter()
-        .filter(|lb| {
-            lb.spec
-                .backends
-                .iter()
-                .any(|b| b.ip.to_string() == new_node_ip)
-        })
-        .count();
+    let own_reads = RouteCounts::from([
+        (
+            (LB_ITEM.to_owned(), "GET".to_owned()),
+            f64::from(served.gets),
+        ),
+        (
+            (LB_COLLECTION.to_owned(), "GET".to_owned()),
+            f64::from(served.lists),
+        ),
+    ]);
+    let node_add_cloud_calls = counts_delta(
+        &own_reads,
+        &counts_delta(&counts_before, &cloud_counts(cloud_addr).await?),
+    );
+    let lbs_with_new_node = lbs_serving(
+        &cloud_client
+            .list_load_balancers(&sdk::ListFilter::default())
+            .await?,
+        new_node_ip,
+    );
+    let controller_peak_rss_mib = peak_rss_mib(&controller).await?;
 
     // The cloud's own cost per call with every LB stored, with the controller stopped so
     // nothing else is queued: what the controller's calls cost it, apart from the latency.
@@ -474,12 +529,110 @@ pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
         create_api_writes,
         create_events,
         unrelated_writes_cloud_calls,
-        node_add_total,
+        node_add_first_served: served.first.duration_since(node_start),
+        node_add_served: served.every.duration_since(node_start),
+        node_add_list_time: served.list_time,
         node_add_cloud_calls,
         lbs_with_new_node,
+        controller_peak_rss_mib,
         cloud_get_mean,
         cloud_list_mean,
     })
+}
+
+/// LBs of `lbs` whose backends include `ip`: the cloud's `health` list names each backend
+/// an LB forwards to, the node pool's members for an LB on the pool.
+fn lbs_serving(lbs: &[sdk::LoadBalancer], ip: Ipv4Addr) -> usize {
+    lbs.iter()
+        .filter(|lb| lb.health.iter().any(|backend| backend.ip == ip))
+        .count()
+}
+
+/// When the cloud's API showed an added node, and what it took to see.
+struct Served {
+    /// The arrival of the first answer in which one LB (the sentinel) served the node.
+    first: Instant,
+    /// The arrival of the first list in which every LB served it.
+    every: Instant,
+    /// The harness's own reads: GETs of the sentinel and lists.
+    gets: u32,
+    lists: u32,
+    /// How long the last list took: how late `every` may be after the fact.
+    list_time: Duration,
+}
+
+/// Watches for `ip` behind the LBs: GETs of the `sentinel` LB, one sent every
+/// [`SENTINEL_POLL`] (a few in flight), until it serves the node, then lists of every LB
+/// until all `expected` do. One LB's GET is cheap and answers ~[`SENTINEL_POLL`] after the
+/// change; a list of every LB is what shows all of them, and costs in proportion to their
+/// number (its time is returned), so it is sent only once the node can be seen at all.
+async fn wait_until_served(
+    client: &sdk::Client,
+    sentinel: &str,
+    ip: Ipv4Addr,
+    expected: usize,
+    deadline: Instant,
+) -> anyhow::Result<Served> {
+    let mut tick = tokio::time::interval(SENTINEL_POLL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut in_flight = futures::stream::FuturesUnordered::new();
+    let mut gets = 0;
+    let first = loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                gets += 1;
+                in_flight.push(async {
+                    let lb = client.get_load_balancer(sentinel).await;
+                    (lb, Instant::now())
+                });
+            }
+            Some((lb, answered)) = in_flight.next() => {
+                if lb?.health.iter().any(|backend| backend.ip == ip) {
+                    break answered;
+                }
+                if answered > deadline {
+                    bail!("the LB {sentinel} did not serve the new node {ip} within {PHASE_TIMEOUT:?}");
+                }
+            }
+        }
+    };
+    let mut lists = 0;
+    let (every, list_time) = loop {
+        let sent = Instant::now();
+        let lbs = client
+            .list_load_balancers(&sdk::ListFilter::default())
+            .await?;
+        let answered = Instant::now();
+        lists += 1;
+        let serving = lbs_serving(&lbs, ip);
+        if serving >= expected {
+            break (answered, answered.duration_since(sent));
+        }
+        if answered > deadline {
+            bail!("{serving} of {expected} LBs served the new node {ip} within {PHASE_TIMEOUT:?}");
+        }
+    };
+    // Every GET sent reaches the cloud's counter: wait for them, so the count is exact.
+    while let Some((lb, _)) = in_flight.next().await {
+        lb?;
+    }
+    Ok(Served {
+        first,
+        every,
+        gets,
+        lists,
+        list_time,
+    })
+}
+
+/// The peak resident set (VmHWM) of the running `child`, in MiB.
+async fn peak_rss_mib(child: &Child) -> anyhow::Result<f64> {
+    let pid = child.id().context("the controller has exited")?;
+    let status = tokio::fs::read_to_string(format!("/proc/{pid}/status"))
+        .await
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    let kib = vm_hwm_kib(&status).context("no VmHWM in the controller's /proc status")?;
+    Ok(kib as f64 / 1024.0)
 }
 
 /// Mean time of a GET by id and of a LIST by the controller's lookup filter (cluster id

@@ -258,7 +258,7 @@ fn status_code(response: &str) -> Option<u16> {
 }
 
 /// `VmHWM:   123456 kB` → 123456.
-fn vm_hwm_kib(status: &str) -> Option<u64> {
+pub(crate) fn vm_hwm_kib(status: &str) -> Option<u64> {
     status
         .lines()
         .find_map(|l| l.strip_prefix("VmHWM:"))?
