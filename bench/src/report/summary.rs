@@ -58,7 +58,7 @@ const HEADLINES: &[(&str, &str)] = &[
     ),
     ("Controller:", "cloud calls per Service, create path"),
     ("Controller:", "cloud calls after"),
-    ("Controller:", "backend updates (PUT) per LB"),
+    ("Controller:", "node added: cloud calls in all"),
     ("Data plane: throughput", "throughput, passthrough"),
     ("Data plane: throughput", "throughput, IPv6 passthrough"),
     (
