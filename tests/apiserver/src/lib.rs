@@ -19,7 +19,8 @@
 //! token except `/healthz`, `/livez` and `/readyz`; without it the answer is a 401 Status.
 //!
 //! Objects are created only in existing namespaces (404 otherwise, as on a real cluster);
-//! `default`, `kube-system`, `kube-public` and `kube-node-lease` exist from the start.
+//! `default`, `kube-system`, `kube-public` and `kube-node-lease` exist from the start, and,
+//! as on kube-apiserver 1.33+, the default ServiceCIDR `kubernetes` with its Service CIDRs.
 //!
 //! # Running it in-process (tests of other crates)
 //!

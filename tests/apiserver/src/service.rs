@@ -98,6 +98,11 @@ impl ServiceCidrs {
         }
     }
 
+    /// The CIDRs, primary family first.
+    pub fn cidrs(&self) -> &[IpNet] {
+        &self.0
+    }
+
     /// The cluster's families, primary first.
     pub fn families(&self) -> Vec<IpFamily> {
         self.0.iter().map(|net| IpFamily::of(net.addr())).collect()

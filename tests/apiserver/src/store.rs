@@ -320,6 +320,25 @@ impl Store {
                     tracing::error!(namespace = name, %error, "creating an initial namespace failed");
                 }
             }
+            // As kube-apiserver (1.33+) does: its own Service CIDRs as the default
+            // ServiceCIDR, `kubernetes`, which node proxies read instead of a flag.
+            let cidrs: Vec<String> = config
+                .service_cidrs
+                .cidrs()
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            let default = json!({
+                "apiVersion": "networking.k8s.io/v1",
+                "kind": "ServiceCIDR",
+                "metadata": {"name": "kubernetes"},
+                "spec": {"cidrs": cidrs},
+            });
+            if let Err(error) =
+                store.create_locked(&mut state, resources::SERVICE_CIDRS, None, default)
+            {
+                tracing::error!(%error, "creating the default ServiceCIDR failed");
+            }
         }
         store
     }

@@ -1131,8 +1131,9 @@ async fn a_dual_stack_cluster_gives_services_an_ip_per_family() {
     assert_eq!(spec.cluster_ip.as_ref(), Some(&ips[0]));
 }
 
-/// ServiceCIDRs as a node proxy reads them: found by discovery, listed and watched
-/// through a reflector, cluster-scoped, Ready on create, `spec.cidrs` validated and
+/// ServiceCIDRs as a node proxy reads them: found by discovery, the server's own as the
+/// default `kubernetes` one, listed and watched through a reflector, cluster-scoped, Ready
+/// on create, `spec.cidrs` validated and
 /// immutable, status written through `/status`, gone at once when deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn service_cidrs_are_discovered_watched_validated_and_deleted() {
@@ -1159,6 +1160,10 @@ async fn service_cidrs_are_discovered_watched_validated_and_deleted() {
             .flat_map(|c| c.spec.clone().unwrap_or_default().cidrs.unwrap_or_default())
             .collect()
     };
+    // As kube-apiserver 1.33+: the server's own Service CIDRs are the default ServiceCIDR.
+    let default = api.get("kubernetes").await.unwrap();
+    let defaults = default.spec.unwrap().cidrs.unwrap();
+    assert_eq!(defaults, ["10.96.0.0/16"]);
     let object = |name: &str, cidrs: serde_json::Value| -> ServiceCIDR {
         serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"cidrs": cidrs}}))
             .unwrap()
@@ -1178,7 +1183,7 @@ async fn service_cidrs_are_discovered_watched_validated_and_deleted() {
         ("Ready", "True")
     );
     tokio::time::timeout(WAIT, async {
-        while cidrs_seen(&reader).len() != 2 {
+        while cidrs_seen(&reader).len() != 3 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -1223,7 +1228,7 @@ async fn service_cidrs_are_discovered_watched_validated_and_deleted() {
 
     api.delete("extra", &DeleteParams::default()).await.unwrap();
     tokio::time::timeout(WAIT, async {
-        while !cidrs_seen(&reader).is_empty() {
+        while cidrs_seen(&reader).len() != 1 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
