@@ -137,6 +137,15 @@ pub fn shared_cloud() -> Option<(String, String, Option<String>)> {
     Some((url, token, ca_pem))
 }
 
+/// An SDK client of the cloud at `url`, trusting `ca_pem` beside the system's roots.
+fn connect(url: &str, token: &str, ca_pem: Option<&str>) -> sdk::Client {
+    let options = sdk::ClientOptions {
+        root_certificates: ca_pem.map(str::to_owned),
+        ..sdk::ClientOptions::default()
+    };
+    sdk::Client::new(url, token.to_owned(), options).unwrap()
+}
+
 /// A cloud-mock API: one this test runs (API only), or a shared edge.
 pub struct Cloud {
     pub url: String,
@@ -215,16 +224,11 @@ impl Cloud {
                 .await
                 .unwrap();
         });
-        let options = sdk::ClientOptions {
-            root_certificates: ca_pem.clone(),
-            ..sdk::ClientOptions::default()
-        };
-        let client = sdk::Client::new(&url, token.clone(), options).unwrap();
         Self {
+            client: connect(&url, &token, ca_pem.as_deref()),
             url,
             token,
             ca_pem,
-            client,
             server: CloudServer::Own { cancel, task },
         }
     }
@@ -234,16 +238,11 @@ impl Cloud {
         (url, token, ca_pem): (String, String, Option<String>),
         cluster_id: &str,
     ) -> Self {
-        let options = sdk::ClientOptions {
-            root_certificates: ca_pem.clone(),
-            ..sdk::ClientOptions::default()
-        };
-        let client = sdk::Client::new(&url, token.clone(), options).unwrap();
         Self {
+            client: connect(&url, &token, ca_pem.as_deref()),
             url,
             token,
             ca_pem,
-            client,
             server: CloudServer::Shared {
                 cluster_ids: [cluster_id.to_owned(), foreign_cluster_id(cluster_id)],
             },
