@@ -219,10 +219,14 @@ struct Target {
 
 impl Target {
     fn new(client: &kube::Client, svc: &Service) -> Self {
+        // `object_ref` leaves the resourceVersion out; the first guarded patch needs the
+        // observed one (a real API server refuses a merge patch that clears it).
+        let mut reference = svc.object_ref(&());
+        reference.resource_version = svc.resource_version();
         Self {
             api: Api::namespaced(client.clone(), &svc.namespace().unwrap_or_default()),
             name: svc.name_any(),
-            reference: svc.object_ref(&()),
+            reference,
         }
     }
 

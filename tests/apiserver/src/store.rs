@@ -635,6 +635,23 @@ impl Store {
             }
             return Err(ApiError::not_found(rt, name));
         };
+        // A merge patch that clears the resourceVersion asks for an update without one,
+        // which kube-apiserver refuses (leaving it out is what makes a patch unconditional).
+        if patch_type == PatchType::Merge
+            && let Ok(sent) = serde_json::from_slice::<Value>(body)
+            && let Some(rv) = sent["metadata"].get("resourceVersion")
+            && (rv.is_null() || rv == "")
+        {
+            return Err(invalid(
+                rt,
+                name,
+                vec![FieldError::invalid(
+                    "metadata.resourceVersion",
+                    "",
+                    "must be specified for an update",
+                )],
+            ));
+        }
         let patched =
             patch::apply(&to_view(rt, &current), patch_type, body, rt).map_err(|e| match e {
                 PatchError::Malformed(_) => ApiError::bad_request(e.to_string()),

@@ -1237,3 +1237,37 @@ async fn service_cidrs_are_discovered_watched_validated_and_deleted() {
     watching.abort();
     server.shutdown().await.unwrap();
 }
+
+/// As kube-apiserver: a merge patch that clears `metadata.resourceVersion` asks for an
+/// update without one and is refused; leaving it out patches unconditionally.
+#[tokio::test]
+async fn a_merge_patch_clearing_the_resource_version_is_refused() {
+    let (server, client) = server().await;
+    let api: Api<Service> = Api::namespaced(client, "default");
+    api.create(&PostParams::default(), &lb_service("web"))
+        .await
+        .unwrap();
+    for cleared in [json!(null), json!("")] {
+        let patch = json!({"metadata": {"finalizers": ["x/y"], "resourceVersion": cleared}});
+        let status = api_error(
+            api.patch("web", &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .unwrap_err(),
+        );
+        assert_eq!(status.code, 422, "{status:?}");
+        assert!(
+            status.message.contains("must be specified for an update"),
+            "{}",
+            status.message
+        );
+    }
+    let unconditional = json!({"metadata": {"finalizers": ["x/y"]}});
+    api.patch(
+        "web",
+        &PatchParams::default(),
+        &Patch::Merge(&unconditional),
+    )
+    .await
+    .unwrap();
+    server.shutdown().await.unwrap();
+}
