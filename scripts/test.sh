@@ -54,13 +54,12 @@ stop_images_build() {
     fi
 }
 trap stop_images_build EXIT
-setsid nice -n 19 bash scripts/images.sh --offline >"$images_log" 2>&1 &
-images_pid=$!
 # A session of its own is a scheduling group of its own (autogroup), whose weight nice
-# leaves alone: lower the group's, or it takes half the CPU from the tests.
-if [ -w "/proc/$images_pid/autogroup" ]; then
-    echo 19 >"/proc/$images_pid/autogroup" 2>/dev/null || true
-fi
+# leaves alone: the build lowers its group's from inside it, once setsid made the group,
+# or it takes half the CPU from the tests.
+setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null; exec nice -n 19 bash scripts/images.sh --offline' \
+    >"$images_log" 2>&1 &
+images_pid=$!
 
 step "cargo tests" cargo test --workspace --locked --no-fail-fast
 
