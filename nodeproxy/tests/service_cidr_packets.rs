@@ -13,7 +13,6 @@
 mod common;
 
 use std::net::Ipv4Addr;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -23,7 +22,6 @@ use kube::api::{DeleteParams, PostParams};
 use serde_json::json;
 use tandem_netlab::{EchoClient, Topology};
 
-const BIN: &str = env!("CARGO_BIN_EXE_tandem-nodeproxy");
 /// Unallocated addresses of the first ServiceCIDR, of the one created later, and of the
 /// flag's range.
 const IN_FIRST: Ipv4Addr = Ipv4Addr::new(10, 96, 200, 1);
@@ -155,29 +153,16 @@ fn the_nftables_mode_drops_unallocated_addresses_of_the_service_cidr_objects_as_
         )
         .await;
 
-        let proxy = tokio::process::Command::new(BIN)
-            .args([
-                "--kubeconfig",
-                &kubeconfig,
-                "--node-name",
-                &node_name,
-                "--cluster-cidr",
-                "10.244.0.0/16",
+        let proxy = start_node_proxy(
+            &kubeconfig,
+            &node_name,
+            &[
                 "--service-cluster-ip-range",
                 "10.98.0.0/16",
                 "--proxy-mode",
                 "nftables",
-                "--healthz-bind-address",
-                "127.0.0.1:10256",
-                "--metrics-bind-address",
-                "127.0.0.1:10249",
-            ])
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
+            ],
+        );
         // The object's range is dropped; the flag's is not (the objects replace it).
         until_fates(
             &client,

@@ -288,27 +288,11 @@ fn the_node_proxy_follows_its_zones_label_under_each_mode() {
                 .create(&post, &serde_json::from_value(slice).unwrap())
                 .await
                 .unwrap();
-            let proxy = tokio::process::Command::new(BIN)
-                .args([
-                    "--kubeconfig",
-                    &kubeconfig,
-                    "--node-name",
-                    &node_name,
-                    "--cluster-cidr",
-                    "10.244.0.0/16",
-                    "--proxy-mode",
-                    &mode.to_string(),
-                    "--healthz-bind-address",
-                    "127.0.0.1:10256",
-                    "--metrics-bind-address",
-                    "127.0.0.1:10249",
-                ])
-                .env("RUST_LOG", "info")
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .kill_on_drop(true)
-                .spawn()
-                .unwrap();
+            let proxy = start_node_proxy(
+                &kubeconfig,
+                &node_name,
+                &["--proxy-mode", &mode.to_string()],
+            );
             let reaches = |expected: BTreeSet<String>| {
                 let client = client.clone();
                 async move || {

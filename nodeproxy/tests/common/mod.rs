@@ -329,6 +329,28 @@ fn kubelet_fixture(table: &str) -> (BTreeSet<String>, BTreeSet<String>) {
     (chains, jumps)
 }
 
+/// Starts the node proxy binary against the API server of `kubeconfig` as node `node_name`,
+/// with the health and metrics ports on 127.0.0.1 and the pod CIDR 10.244.0.0/16, plus
+/// `extra` flags; killed when dropped.
+pub fn start_node_proxy(
+    kubeconfig: &str,
+    node_name: &str,
+    extra: &[&str],
+) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_tandem-nodeproxy"))
+        .args(["--kubeconfig", kubeconfig, "--node-name", node_name])
+        .args(["--cluster-cidr", "10.244.0.0/16"])
+        .args(["--healthz-bind-address", "127.0.0.1:10256"])
+        .args(["--metrics-bind-address", "127.0.0.1:10249"])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
 /// Stops a node proxy with SIGTERM; it must exit cleanly within ten seconds.
 pub async fn terminate(mut proxy: tokio::process::Child) {
     nix::sys::signal::kill(
