@@ -203,15 +203,16 @@ pub async fn run<P: LoadBalancerProvider>(
 ) {
     // The baseline: the start-up ensure of every Service (and the pool's claim) read the
     // same store.
+    let baseline = eligible_backends(ctx.nodes.state().iter().map(Arc::as_ref));
+    let mut synced_families = families(&baseline);
     let mut synced = NodeSet::default();
-    let mut synced_families = families(&eligible_backends(
-        ctx.nodes.state().iter().map(Arc::as_ref),
-    ));
-    synced.record(eligible_backends(ctx.nodes.state().iter().map(Arc::as_ref)));
+    synced.record(baseline);
     node_changes.mark_unchanged();
     let mut dirty_since: Option<Instant> = None;
     let mut deadline: Option<Instant> = None;
     let mut pool_failures = 0;
+    // Set by the drift check and by an LB that found the pool missing.
+    let mut recheck = false;
     let mut drift_check = tokio::time::interval_at(Instant::now() + ctx.resync, ctx.resync);
     loop {
         tokio::select! {
@@ -227,8 +228,8 @@ pub async fn run<P: LoadBalancerProvider>(
                 continue;
             }
             // The pool's drift check, or an LB found it missing: read it again and repair.
-            _ = drift_check.tick(), if pool.is_some() => {}
-            _ = ctx.node_pool_missing.notified(), if pool.is_some() => {}
+            _ = drift_check.tick(), if pool.is_some() => recheck = true,
+            _ = ctx.node_pool_missing.notified(), if pool.is_some() => recheck = true,
             _ = sleep_until_opt(deadline) => {}
         }
         deadline = None;
@@ -244,7 +245,12 @@ pub async fn run<P: LoadBalancerProvider>(
             }
             continue;
         };
+        // Nodes change all the time (status heartbeats) without the set changing: that
+        // costs the cloud nothing. Only a check reads the pool again.
         if !synced.differs(&current) {
+            if !std::mem::take(&mut recheck) {
+                continue;
+            }
             keeper.forget();
         }
         match keeper.sync(&ctx.provider, &current).await {
@@ -270,6 +276,7 @@ pub async fn run<P: LoadBalancerProvider>(
                 pool_failures += 1;
                 let delay = service_backoff(pool_failures);
                 tracing::warn!(%error, ?delay, "node pool update failed; retrying");
+                recheck = true;
                 dirty_since = Some(started);
                 deadline = Some(Instant::now() + delay);
             }

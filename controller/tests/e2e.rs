@@ -314,8 +314,8 @@ async fn backends_follow_nodes() {
 }
 
 /// The scaling problem of the cloud-provider service controller (a node change costs a
-/// call per LB) is gone: with twenty LBs, a node joining is one write of the node pool and
-/// no other cloud call, and every LB serves the new node.
+/// call per LB) is gone: with twenty LBs, node heartbeats cost no cloud call, a node joining
+/// is one write of the node pool and no other cloud call, and every LB serves the new node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_change_costs_one_pool_write_whatever_the_number_of_load_balancers() {
     let h = Harness::start("pool-churn").await;
@@ -329,6 +329,21 @@ async fn a_node_change_costs_one_pool_write_whatever_the_number_of_load_balancer
     for name in &names {
         ids.push(h.wait_served(name).await.1.id);
     }
+    // Node status heartbeats change Nodes but not the set: no cloud call at all.
+    let idle = controller.cloud_calls().await;
+    for beat in 0..3 {
+        let ready = json!({"type": "Ready", "status": "True",
+            "lastHeartbeatTime": format!("2026-01-01T00:00:0{beat}Z")});
+        h.patch_node_status("node-1", json!({"status": {"conditions": [ready]}}))
+            .await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        controller.cloud_calls().await,
+        idle,
+        "cloud calls for heartbeats"
+    );
     let before = controller.cloud_calls().await;
     let writes_before = calls(&controller, "put_node_pool").await;
     h.add_node("node-3", "198.18.0.13").await;
