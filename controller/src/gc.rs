@@ -14,8 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::plan::{Ownership, ownership};
 use crate::provider::{
-    LoadBalancerLookup, LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer,
-    ObservedNodePool, ProviderError,
+    LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer, ObservedNodePool, ProviderError,
 };
 use crate::reconcile::Context;
 use crate::spec::ClassFilter;
@@ -83,19 +82,14 @@ async fn collect_once<P: LoadBalancerProvider>(
     tracing::debug!(owned = lbs.len(), live = live.len(), "orphan collection");
     let mut collected = 0;
     for lb in orphans(&lbs, &live) {
-        let Some(owner) = lb.owner.clone() else {
+        let Some(lookup) = lb.lookup() else {
             continue;
         };
-        if owner.cluster_id != ctx.cluster_id {
+        if lookup.owner.cluster_id != ctx.cluster_id {
             continue;
         }
-        tracing::info!(id = %lb.id, service = %owner.display_name(), "deleting orphaned load balancer");
-        ctx.provider
-            .delete(&LoadBalancerLookup {
-                known_id: Some(lb.id.clone()),
-                owner,
-            })
-            .await?;
+        tracing::info!(id = %lb.id, service = %lookup.owner.display_name(), "deleting orphaned load balancer");
+        ctx.provider.delete(&lookup).await?;
         ctx.metrics.orphans_collected.inc();
         collected += 1;
     }

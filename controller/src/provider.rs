@@ -474,6 +474,15 @@ impl ObservedLoadBalancer {
         drift
     }
 
+    /// How to find this LB again: by its id, for its owner; `None` for an LB without one
+    /// (never ours to touch).
+    pub fn lookup(&self) -> Option<LoadBalancerLookup> {
+        Some(LoadBalancerLookup {
+            known_id: Some(self.id.clone()),
+            owner: self.owner.clone()?,
+        })
+    }
+
     pub fn is_owned_by_cluster(&self, cluster_id: &ClusterId) -> bool {
         self.owner
             .as_ref()

@@ -199,14 +199,10 @@ async fn release(
         .await
         .map_err(cloud_err("listing our load balancers".to_owned()))?;
     for lb in leftovers {
-        let Some(owner) = lb.owner.clone() else {
+        let Some(lookup) = lb.lookup() else {
             continue;
         };
-        tracing::info!(id = %lb.id, service = %owner.display_name(), "deleting load balancer without a Service");
-        let lookup = LoadBalancerLookup {
-            known_id: Some(lb.id.clone()),
-            owner,
-        };
+        tracing::info!(id = %lb.id, service = %lookup.owner.display_name(), "deleting load balancer without a Service");
         delete_until_gone(&provider, &lookup)
             .await
             .map_err(cloud_err(format!("deleting load balancer {}", lb.id)))?;
