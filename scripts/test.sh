@@ -26,13 +26,26 @@ if [ ${#missing[@]} -ne 0 ]; then
     exit 1
 fi
 
+# Errors without the library backtraces anyhow would capture under RUST_BACKTRACE (CI sets
+# it): those pushed a failure's own message out of the tail that CI keeps. Panics still
+# print theirs.
+export RUST_LIB_BACKTRACE=0
+
+# Each step's output is kept, and the lines that say why a failed step failed are printed
+# again at the very end, where a truncated log still shows them.
+step_logs=target/test-steps
+rm -rf "$step_logs" && mkdir -p "$step_logs"
 failed=()
+steps=0
 step() {
-    local name=$1 start=$SECONDS
+    local name=$1 start=$SECONDS log
     shift
+    steps=$((steps + 1))
+    log="$step_logs/$steps.log"
     echo "=== $name"
-    if ! "$@"; then
-        failed+=("$name")
+    # Not a pipe: the step runs in this shell (build_images waits for its child).
+    if ! "$@" > >(tee "$log") 2>&1; then
+        failed+=("$name|$log")
     fi
     echo "=== $name: $((SECONDS - start)) s"
 }
@@ -169,7 +182,11 @@ else
 fi
 
 if [ ${#failed[@]} -ne 0 ]; then
-    printf 'FAILED: %s\n' "${failed[@]}" >&2
+    for entry in "${failed[@]}"; do
+        echo "FAILED: ${entry%|*}" >&2
+        grep -E '^(FAILED |Error: |---- |test .* FAILED)|panicked at|step\(s\) failed|^  left|^ right' \
+            "${entry##*|}" | cut -c1-400 | tail -n 12 | sed 's/^/    /' >&2 || true
+    done
     exit 1
 fi
 echo "all tests passed ($SECONDS s)"

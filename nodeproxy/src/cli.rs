@@ -265,12 +265,18 @@ pub struct ProxyArgs {
     pub healthz_bind_address: SocketAddr,
     #[arg(long, env = "METRICS_BIND_ADDRESS", default_value = "127.0.0.1:10249")]
     pub metrics_bind_address: SocketAddr,
-    /// Periodic full resync (Go duration syntax: 30s, 1m, 500ms).
+    /// Periodic sync (Go duration syntax: 30s, 1m, 500ms); on iptables-legacy, which
+    /// announces no ruleset change, also the period of the full check of every rule.
     #[arg(long, env = "SYNC_PERIOD", default_value = "30s")]
     pub sync_period: GoDuration,
     /// Changes are applied at most this often.
     #[arg(long, env = "MIN_SYNC_PERIOD", default_value = "1s")]
     pub min_sync_period: GoDuration,
+    /// How often every rule is read back and checked, on the nf_tables backends (nftables
+    /// mode, iptables-nft), where the kernel announces each change and someone else's is
+    /// repaired within a second anyway. On iptables-legacy that is every --sync-period.
+    #[arg(long, env = "DRIFT_CHECK_PERIOD", default_value = "1h")]
+    pub drift_check_period: GoDuration,
     #[arg(long, env = "IPTABLES_BACKEND", value_enum, default_value_t = BackendChoice::Auto)]
     pub iptables_backend: BackendChoice,
     /// Remove every rule, chain and table the node proxy installs (in both modes), then exit.

@@ -21,6 +21,7 @@ use tokio::task::JoinHandle;
 use crate::backend::{self, Backend, BackendChoice, Tools};
 use crate::iptables::{self, IptablesReadBack, SyncError, Syncer};
 use crate::metrics::{Metrics, RepairLabels, RepairedObject, TableLabel, TableLabels};
+use crate::ruleset_events;
 
 /// Opens the data path of `mode`. The other mode's rules, if a node switched modes, stay
 /// until this mode's first sync is in (see [`DataPath::apply`]), so the node is never
@@ -87,9 +88,12 @@ async fn enable_route_localnet() -> Result<(), StartError> {
         .map_err(StartError::RouteLocalnet)
 }
 
-/// A netlink socket that reads our table of `family`.
+/// A netlink socket that reads our table of `family`; its writes are known as ours
+/// ([`ruleset_events`]).
 fn open_netlink(family: IpFamily) -> Result<Netlink, KernelError> {
-    Ok(Netlink::open()?.reading(family))
+    let netlink = Netlink::open()?.reading(family);
+    ruleset_events::record_own_port(netlink.port().map_err(KernelError::Open)?);
+    Ok(netlink)
 }
 
 /// `--cleanup`: everything either mode installs, in both families.
@@ -339,6 +343,16 @@ impl DataPath {
                     }
                 })
             }
+        }
+    }
+
+    /// What the kernel's announcements say about this data path's rules: `None` on
+    /// iptables-legacy, which announces nothing.
+    pub fn written(&self) -> Option<ruleset_events::Written> {
+        match self {
+            DataPath::Iptables(path) => (path.syncer.backend() == Backend::Nft)
+                .then_some(ruleset_events::Written::IptablesNft),
+            DataPath::Nftables(_) => Some(ruleset_events::Written::NftablesTable),
         }
     }
 

@@ -150,6 +150,11 @@ impl Syncer {
         self.baseline_pending.remove(&table);
     }
 
+    /// The backend it writes with.
+    pub fn backend(&self) -> Backend {
+        self.tools.backend
+    }
+
     /// A table was written in full on nf_tables: a read-back should take its digests
     /// now, rather than a sync period later.
     pub fn wants_read_back(&self) -> bool {
@@ -744,6 +749,10 @@ async fn spawn_with_stdin(
         .kill_on_drop(true)
         .spawn()
         .map_err(spawn_error)?;
+    // Before its input: the changes it commits are announced as ours.
+    if let Some(pid) = child.id() {
+        crate::ruleset_events::record_own_port(pid);
+    }
     if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
         // A restore that dies early closes its stdin; its exit status tells why.
         if let Err(error) = pipe.write_all(text.as_bytes()).await {

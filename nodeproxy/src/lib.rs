@@ -22,3 +22,4 @@ pub mod iptables;
 pub mod metrics;
 pub mod proxier;
 pub mod restore;
+pub mod ruleset_events;

@@ -125,7 +125,10 @@ pub struct Metrics {
     pub nftables_chains: Gauge,
     pub nftables_rules: Gauge,
     pub nftables_elements: Gauge,
-    /// Objects someone else changed, found by the periodic read-back and written again.
+    /// Changes someone else made to our rules, as the kernel announced them (nf_tables
+    /// backends); each starts a read-back of that family at once.
+    pub foreign_ruleset_changes: Counter,
+    /// Objects someone else changed, found by a read-back and written again.
     pub sync_repairs: Family<RepairLabels, Counter>,
     /// The periodic read-back of the kernel, beside the sync loop.
     pub readback_duration: Histogram,
@@ -165,6 +168,7 @@ impl Metrics {
             sync_repairs: Family::default(),
             readback_duration: seconds_histogram(),
             readback_failures: Counter::default(),
+            foreign_ruleset_changes: Counter::default(),
             conntrack_reconciler_deleted: Family::default(),
             conntrack_reconciler_duration: Family::new_with_constructor(seconds_histogram),
             conntrack_reconciler_failures: Family::default(),
@@ -254,6 +258,11 @@ impl Metrics {
             "sync_readback_failures",
             "Periodic read-backs of our rules that failed",
             metrics.readback_failures.clone(),
+        );
+        registry.register(
+            "sync_foreign_ruleset_changes",
+            "Changes someone else made to our rules, announced by the kernel (nf_tables backends)",
+            metrics.foreign_ruleset_changes.clone(),
         );
         registry.register(
             "nftables_set_elements",

@@ -39,11 +39,28 @@ use crate::convert;
 use crate::datapath::{DataPath, DataPathSize, ReadBack};
 use crate::healthcheck::{NodeHealth, ServiceHealthServers};
 use crate::metrics::{Metrics, SyncLabels, SyncResult};
+use crate::ruleset_events::{self, DriftAlarm};
 
 #[derive(Debug, Clone)]
 pub struct ProxierConfig {
     pub sync_period: Duration,
     pub min_sync_period: Duration,
+    /// How often every family's rules are read back and compared with a full rebuild
+    /// where the kernel announces ruleset changes; without announcements (iptables-legacy)
+    /// that is done every `sync_period`.
+    pub drift_check_period: Duration,
+}
+
+/// Why a sync runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncReason {
+    /// Watched objects changed, or a read-back found something to repair.
+    Change,
+    /// The sync period passed: health-check ports that could not be bound are tried again.
+    Period,
+    /// The drift check is due: the incremental rules are also compared with a full rebuild
+    /// (and every family's rules are read back beside the loop).
+    FullCheck,
 }
 
 /// The observed cluster, kept current by [`watch`]: Services and EndpointSlices in a
@@ -350,6 +367,9 @@ pub struct FamilyProxier {
     pub node: NodeConfig,
     pub datapath: DataPath,
     unapplied: Option<Changes>,
+    /// The kernel announced someone else's change to this family's rules: read them back
+    /// as soon as no read-back is running.
+    drift_suspected: bool,
 }
 
 impl FamilyProxier {
@@ -358,6 +378,7 @@ impl FamilyProxier {
             node,
             datapath,
             unapplied: None,
+            drift_suspected: false,
         }
     }
 
@@ -527,10 +548,13 @@ impl Proxier {
     }
 
     /// Run until `shutdown`: wait for the first full list of every watch, then sync on
-    /// change (at most once per `min_sync_period`) and every `sync_period`, when the
-    /// incremental ruleset is also checked against a full rebuild and the kernel's rules
-    /// are read back, beside the loop, to repair what someone else changed (as kube-proxy
-    /// v1.21's rewrite of everything each period did). Rules stay in place on shutdown, as
+    /// change (at most once per `min_sync_period`) and every `sync_period`. What someone
+    /// else changed in our rules is repaired (as kube-proxy v1.21's rewrite of everything
+    /// each period did) from read-backs of the kernel beside the loop: on the nf_tables
+    /// backends the kernel announces each change, so a family is read back as soon as
+    /// someone else changed its rules, and everything only every `drift_check_period`;
+    /// on iptables-legacy everything every `sync_period`. Those full checks also compare
+    /// the incremental ruleset with a full rebuild. Rules stay in place on shutdown, as
     /// with kube-proxy, so traffic keeps flowing across restarts.
     pub async fn run(
         mut self,
@@ -546,18 +570,47 @@ impl Proxier {
             },
         }
         tracing::info!("initial lists received; syncing");
-        let mut last_sync = Instant::now() - self.config.min_sync_period;
+        let alarm = self.start_drift_alarm();
+        let full_check_period = match alarm {
+            Some(_) => self.config.drift_check_period,
+            None => self.config.sync_period,
+        };
+        let now = Instant::now();
+        let mut last_sync = now - self.config.min_sync_period;
         // The first periodic sync comes one period after the first sync.
-        let mut next_periodic = Instant::now() + self.config.sync_period;
+        let mut next_periodic = now + self.config.sync_period;
+        let mut next_full_check = now + full_check_period;
         let mut failures = 0u32;
         // At most one round of read-backs at a time; a period that finds one still
         // running skips.
         let mut read_back: Option<ReadBacks> = None;
         loop {
-            let periodic = tokio::select! {
+            let reason = tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = dirty.notified() => false,
-                () = tokio::time::sleep_until(next_periodic) => true,
+                () = dirty.notified() => SyncReason::Change,
+                () = tokio::time::sleep_until(next_periodic) => {
+                    if Instant::now() >= next_full_check {
+                        SyncReason::FullCheck
+                    } else {
+                        SyncReason::Period
+                    }
+                }
+                () = async {
+                    match alarm.as_deref() {
+                        Some(alarm) => alarm.raised().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    if let Some(alarm) = alarm.as_deref() {
+                        for family in &mut self.families {
+                            family.drift_suspected |= alarm.take(family.node.family);
+                        }
+                    }
+                    if read_back.is_none() && self.wants_read_back() {
+                        read_back = Some(self.start_read_backs(false));
+                    }
+                    continue;
+                }
                 done = async {
                     match read_back.as_mut() {
                         Some(task) => task.await,
@@ -585,26 +638,59 @@ impl Proxier {
                 () = shutdown.cancelled() => return,
                 () = tokio::time::sleep_until(last_sync + retry_delay(&self.config, failures)) => {}
             }
-            if periodic {
-                next_periodic = Instant::now() + self.config.sync_period;
+            let now = Instant::now();
+            if reason != SyncReason::Change {
+                next_periodic = now + self.config.sync_period;
             }
-            last_sync = Instant::now();
-            if self.sync_once(&observed, periodic).await {
+            if reason == SyncReason::FullCheck {
+                next_full_check = now + full_check_period;
+            }
+            last_sync = now;
+            if self.sync_once(&observed, reason).await {
                 failures = 0;
             } else {
                 // Try again, backing off; the failed tables are rewritten in full.
                 failures = failures.saturating_add(1);
                 dirty.notify_one();
             }
-            if (periodic || self.wants_read_back()) && read_back.is_none() {
-                read_back = Some(self.start_read_backs(periodic));
+            let full_check = reason == SyncReason::FullCheck;
+            if (full_check || self.wants_read_back()) && read_back.is_none() {
+                read_back = Some(self.start_read_backs(full_check));
+            }
+        }
+    }
+
+    /// Listens to the kernel's announcements of ruleset changes for the families whose
+    /// data path is on an nf_tables backend (all or none: one backend serves both).
+    /// `None` without any, or when the socket cannot be opened: every family is then read
+    /// back every sync period.
+    fn start_drift_alarm(&self) -> Option<Arc<DriftAlarm>> {
+        let watched: Option<Vec<_>> = self
+            .families
+            .iter()
+            .map(|family| Some((family.node.family, family.datapath.written()?)))
+            .collect();
+        let watched = watched.filter(|watched| !watched.is_empty())?;
+        match ruleset_events::start(watched, self.metrics.clone()) {
+            Ok(alarm) => {
+                tracing::info!(
+                    period = ?self.config.drift_check_period,
+                    "someone else's changes to our rules are learned from the kernel's announcements; everything is read back once per drift check period"
+                );
+                Some(alarm)
+            }
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen to ruleset announcements; reading every rule back each sync period instead");
+                None
             }
         }
     }
 
     /// True when a family's read-back should start now rather than at the next period.
     fn wants_read_back(&self) -> bool {
-        self.families.iter().any(|f| f.datapath.wants_read_back())
+        self.families
+            .iter()
+            .any(|f| f.drift_suspected || f.datapath.wants_read_back())
     }
 
     /// Starts reading back the rules of every family (`all`), or of those that want it
@@ -614,8 +700,9 @@ impl Proxier {
             .families
             .iter_mut()
             .map(|family| {
-                (all || family.datapath.wants_read_back())
-                    .then(|| family.datapath.start_read_back())
+                let start = all || family.drift_suspected || family.datapath.wants_read_back();
+                family.drift_suspected &= !start;
+                start.then(|| family.datapath.start_read_back())
             })
             .collect();
         tokio::spawn(async move {
@@ -645,10 +732,11 @@ impl Proxier {
 
     /// One sync: each family's part in turn (take its changes, rebuild the changed Service
     /// ports, apply the chains that differ, clean up conntrack), then the health-check
-    /// servers. With `full_check`, each incremental ruleset is compared with a full
+    /// servers. For a full check, each incremental ruleset is compared with a full
     /// rebuild first. Returns false when applying some family's rules failed.
     #[tracing::instrument(skip_all)]
-    pub async fn sync_once(&mut self, observed: &Observed, full_check: bool) -> bool {
+    pub async fn sync_once(&mut self, observed: &Observed, reason: SyncReason) -> bool {
+        let full_check = reason == SyncReason::FullCheck;
         let started = std::time::Instant::now();
         let (mut ports, mut changed, mut applied) = (0, 0, true);
         let mut skipped = Vec::new();
@@ -680,10 +768,10 @@ impl Proxier {
             self.record_size();
         }
         self.node_health.set_draining(observed.node_draining());
-        // Only a changed port or a divergence (found by a periodic sync) alters the
-        // trackers' state the health-check Services come from; periodic syncs also retry
-        // ports that could not be bound.
-        if ports > 0 || full_check {
+        // Only a changed port or a divergence (found by a full check) alters the trackers'
+        // state the health-check Services come from; periodic syncs also retry ports that
+        // could not be bound.
+        if ports > 0 || reason != SyncReason::Change {
             let health_services = merge_families(self.families.iter().filter_map(|family| {
                 let tracker = observed.trackers.get(&family.node.family)?;
                 Some(health_check_services(
@@ -756,6 +844,7 @@ mod tests {
         let config = ProxierConfig {
             sync_period: Duration::from_secs(30),
             min_sync_period: Duration::from_secs(1),
+            drift_check_period: Duration::from_secs(3600),
         };
         let delays: Vec<u64> = (0..8).map(|f| retry_delay(&config, f).as_secs()).collect();
         assert_eq!(delays, vec![1, 2, 4, 8, 16, 30, 30, 30]);

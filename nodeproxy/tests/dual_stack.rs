@@ -293,7 +293,8 @@ fn delete_an_ipv6_rule(mode: &'static str) -> Deleted {
     } else {
         run("nft", &["flush", "chain", "ip6", "tandem", "services"]);
     }
-    assert_eq!(Deleted::counted(mode), count - 1, "{mode}: nothing deleted");
+    // Not checked that the rule is gone now: the kernel announces the deletion, and the
+    // repair may already be written (`run` checked that the deletion succeeded).
     Deleted {
         mode,
         count,
@@ -452,7 +453,7 @@ fn both_families_are_served_with_real_packets() {
             assert!(healthz.starts_with("HTTP/1.1 200"), "{healthz}");
 
             // The IPv6 proxier's read-back repairs its own rules: what someone deletes
-            // is back within a sync period.
+            // is back at once (the kernel announces the change).
             let deleted = delete_an_ipv6_rule(mode);
             while !deleted.is_back() {
                 assert!(

@@ -162,7 +162,14 @@ fn the_binary_programs_rules_serves_health_and_cleans_up() {
 
         let proxy = spawn_proxy(
             &kubeconfig,
-            &["--min-sync-period", "100ms", "--sync-period", "2s"],
+            &[
+                "--min-sync-period",
+                "100ms",
+                "--sync-period",
+                "2s",
+                "--drift-check-period",
+                "2s",
+            ],
         );
         let backend = Backend::Nft; // what auto-detection picks in an empty namespace
         let startup = eventually(Duration::from_secs(30), "the first sync", async || {

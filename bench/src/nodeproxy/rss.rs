@@ -109,7 +109,13 @@ async fn run_against_stand_in(
         .args(["--node-name", cluster::NODE_NAME])
         .args(["--cluster-cidr", &cluster::cluster_cidr(plans)])
         .args(data_path.args())
-        .args(["--sync-period", SYNC_PERIOD])
+        // The full check (a rebuild beside the rules) is the peak: due every period here.
+        .args([
+            "--sync-period",
+            SYNC_PERIOD,
+            "--drift-check-period",
+            SYNC_PERIOD,
+        ])
         .args(["--healthz-bind-address", &HEALTHZ.to_string()])
         .args(["--metrics-bind-address", &METRICS.to_string()])
         .env("RUST_LOG", "info")

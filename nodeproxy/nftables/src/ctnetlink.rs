@@ -11,8 +11,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use netlink_sys::{Socket, SocketAddr as NetlinkAddr, protocols::NETLINK_NETFILTER};
 
+use crate::digest::attributes;
 use crate::encode::Writer;
-use crate::kernel::{error_answer, read_u16, read_u32};
+use crate::kernel::{self, NFGENMSG_LEN, NLMSG_HEADER_LEN, error_answer, read_u16, read_u32};
 use crate::model::IpFamily;
 
 const NLM_F_REQUEST: u16 = 0x1;
@@ -21,10 +22,6 @@ const NLM_F_DUMP: u16 = 0x300;
 const NLM_F_DUMP_INTR: u16 = 0x10;
 const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
-const NLMSG_HEADER_LEN: usize = 16;
-const NFGENMSG_LEN: usize = 4;
-/// The attribute type without `NLA_F_NESTED` and `NLA_F_NET_BYTEORDER`.
-const NLA_TYPE_MASK: u16 = 0x3fff;
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
 const ENOENT: i32 = 2;
@@ -346,14 +343,7 @@ type Message<'a> = (&'a [u8], u16, u16);
 /// The messages of one datagram answering request `seq`.
 fn messages(buf: &[u8], seq: u32) -> Result<Vec<Message<'_>>, ConntrackError> {
     let mut found = Vec::new();
-    let mut rest = buf;
-    while rest.len() >= NLMSG_HEADER_LEN {
-        let len = read_u32(rest, 0)? as usize;
-        if len < NLMSG_HEADER_LEN || len > rest.len() {
-            return Err(ConntrackError::Malformed("message length"));
-        }
-        let message = &rest[..len];
-        rest = rest.get((len + 3) & !3..).unwrap_or_default();
+    for message in kernel::messages(buf)? {
         // Answers to an earlier request that was given up.
         if read_u32(message, 8)? != seq {
             continue;
@@ -361,23 +351,6 @@ fn messages(buf: &[u8], seq: u32) -> Result<Vec<Message<'_>>, ConntrackError> {
         found.push((message, read_u16(message, 4)?, read_u16(message, 6)?));
     }
     Ok(found)
-}
-
-/// The attributes in `bytes`: (type without flags, value).
-fn attributes(mut bytes: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
-    std::iter::from_fn(move || {
-        if bytes.len() < 4 {
-            return None;
-        }
-        let len = usize::from(u16::from_ne_bytes([bytes[0], bytes[1]]));
-        let kind = u16::from_ne_bytes([bytes[2], bytes[3]]) & NLA_TYPE_MASK;
-        if len < 4 || len > bytes.len() {
-            return None;
-        }
-        let value = &bytes[4..len];
-        bytes = bytes.get((len + 3) & !3..).unwrap_or_default();
-        Some((kind, value))
-    })
 }
 
 /// One entry of a dump (`None`: without both tuples, which the kernel always sends).

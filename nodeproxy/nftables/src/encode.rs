@@ -25,22 +25,22 @@ const NLM_F_APPEND: u16 = 0x800;
 const NLA_F_NESTED: u16 = 0x8000;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
-const NFNL_SUBSYS_NFTABLES: u16 = 10;
+pub(crate) const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFPROTO_UNSPEC: u8 = 0;
-const NFPROTO_IPV4: u8 = 2;
-const NFPROTO_IPV6: u8 = 10;
+pub(crate) const NFPROTO_IPV4: u8 = 2;
+pub(crate) const NFPROTO_IPV6: u8 = 10;
 
 // Message types (`enum nf_tables_msg_types`).
-const NFT_MSG_NEWTABLE: u16 = 0;
-const NFT_MSG_DELTABLE: u16 = 2;
-const NFT_MSG_NEWCHAIN: u16 = 3;
-const NFT_MSG_DELCHAIN: u16 = 5;
-const NFT_MSG_NEWRULE: u16 = 6;
-const NFT_MSG_DELRULE: u16 = 8;
-const NFT_MSG_NEWSET: u16 = 9;
-const NFT_MSG_DELSET: u16 = 11;
-const NFT_MSG_NEWSETELEM: u16 = 12;
-const NFT_MSG_DELSETELEM: u16 = 14;
+pub(crate) const NFT_MSG_NEWTABLE: u16 = 0;
+pub(crate) const NFT_MSG_DELTABLE: u16 = 2;
+pub(crate) const NFT_MSG_NEWCHAIN: u16 = 3;
+pub(crate) const NFT_MSG_DELCHAIN: u16 = 5;
+pub(crate) const NFT_MSG_NEWRULE: u16 = 6;
+pub(crate) const NFT_MSG_DELRULE: u16 = 8;
+pub(crate) const NFT_MSG_NEWSET: u16 = 9;
+pub(crate) const NFT_MSG_DELSET: u16 = 11;
+pub(crate) const NFT_MSG_NEWSETELEM: u16 = 12;
+pub(crate) const NFT_MSG_DELSETELEM: u16 = 14;
 /// Dump requests: the message types that read chains, rules, sets and elements.
 pub(crate) const NFT_MSG_GETCHAIN: u16 = 4;
 pub(crate) const NFT_MSG_GETRULE: u16 = 7;

@@ -29,7 +29,7 @@ const ENOENT: i32 = 2;
 /// Set on the messages of a dump during which the ruleset changed.
 const NLM_F_DUMP_INTR: u16 = 0x10;
 /// The nfgenmsg header after each netlink header.
-const NFGENMSG_LEN: usize = 4;
+pub(crate) const NFGENMSG_LEN: usize = 4;
 /// How often a dump the ruleset changed under is tried again before giving up.
 const DUMP_ATTEMPTS: usize = 3;
 // Attributes of dump requests.
@@ -42,7 +42,7 @@ const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NLM_F_CAPPED: u16 = 0x100;
 const NLM_F_ACK_TLVS: u16 = 0x200;
 const NLMSGERR_ATTR_MSG: u16 = 1;
-const NLMSG_HEADER_LEN: usize = 16;
+pub(crate) const NLMSG_HEADER_LEN: usize = 16;
 
 /// Room for the kernel's answers: a few bytes per error (the request is not echoed).
 const RECEIVE_BUFFER_BYTES: usize = 4 << 20;
@@ -145,6 +145,12 @@ impl Netlink {
             send_buffer: 0,
             read_family: IpFamily::V4,
         })
+    }
+
+    /// The socket's netlink port, which the kernel's announcements of its changes carry
+    /// ([`crate::monitor`]).
+    pub fn port(&self) -> io::Result<u32> {
+        crate::monitor::port_of(&self.socket)
     }
 
     /// Applies `tx` atomically: all of it, or (on error) none of it.
@@ -442,7 +448,8 @@ pub(crate) struct Answer {
     pub(crate) message: Option<String>,
 }
 
-fn answers(buf: &[u8]) -> Result<Vec<Answer>, KernelError> {
+/// The netlink messages of one datagram, each whole (header included).
+pub(crate) fn messages(buf: &[u8]) -> Result<Vec<&[u8]>, KernelError> {
     let mut found = Vec::new();
     let mut rest = buf;
     while rest.len() >= NLMSG_HEADER_LEN {
@@ -450,13 +457,18 @@ fn answers(buf: &[u8]) -> Result<Vec<Answer>, KernelError> {
         if len < NLMSG_HEADER_LEN || len > rest.len() {
             return Err(KernelError::Malformed("message length"));
         }
-        let kind = read_u16(rest, 4)?;
-        let flags = read_u16(rest, 6)?;
-        if kind == NLMSG_ERROR {
-            found.push(error_answer(&rest[..len], flags)?);
+        found.push(&rest[..len]);
+        rest = rest.get((len + 3) & !3..).unwrap_or_default();
+    }
+    Ok(found)
+}
+
+fn answers(buf: &[u8]) -> Result<Vec<Answer>, KernelError> {
+    let mut found = Vec::new();
+    for message in messages(buf)? {
+        if read_u16(message, 4)? == NLMSG_ERROR {
+            found.push(error_answer(message, read_u16(message, 6)?)?);
         }
-        let aligned = (len + 3) & !3;
-        rest = rest.get(aligned..).unwrap_or_default();
     }
     Ok(found)
 }

@@ -11,13 +11,16 @@
 //! - [`ctnetlink`]: the kernel's conntrack table over the same kind of socket: list the
 //!   entries of a family and protocol, delete one (the node proxy's stale-UDP reconciler);
 //! - [`digest`]: a table reduced to digests per chain and set, from the model or as the
-//!   kernel lists it ([`kernel::Netlink::read_table`]), to find what someone else changed.
+//!   kernel lists it ([`kernel::Netlink::read_table`]), to find what someone else changed;
+//! - [`monitor`]: the kernel's announcements of every ruleset change, with the netlink
+//!   port that made it, to learn of someone else's change without reading anything back.
 
 pub mod ctnetlink;
 pub mod digest;
 pub mod encode;
 pub mod kernel;
 pub mod model;
+pub mod monitor;
 pub mod render;
 pub mod transaction;
 

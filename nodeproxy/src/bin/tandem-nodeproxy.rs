@@ -242,6 +242,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         ProxierConfig {
             sync_period,
             min_sync_period: cli.proxy.min_sync_period.0,
+            drift_check_period: cli.proxy.drift_check_period.0,
         },
         family_proxiers,
         metrics,
