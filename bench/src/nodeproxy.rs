@@ -13,9 +13,11 @@
 //! first-packet latency with 10,000 Services in the table.
 //!
 //! [`sweep`] measures one endpoint added at more sizes, in every data path, with the same
-//! code: the points of the scale curves.
+//! code: the points of the scale curves; [`idle`] what a node where nothing changes costs,
+//! against kube-proxy v1.21.2.
 
 mod cluster;
+mod idle;
 mod kernel;
 mod nft;
 mod nft_summary;
@@ -30,7 +32,7 @@ use tandem_netlab::RunPrefix;
 use tandem_nodeproxy::backend::Backend;
 
 use crate::BenchOptions;
-use crate::report::Block;
+use crate::report::{Block, Row, Section, Target, Value};
 pub use cluster::{Scale, ServiceKind, thousands};
 use rss::DataPathFlags;
 use summary::{BackendResult, RssResult, ScaleResult, median};
@@ -72,18 +74,6 @@ struct NftPlan {
 }
 
 fn plan(quick: bool) -> Plan {
-    let lb = |services| Scale {
-        kind: ServiceKind::LoadBalancer,
-        services,
-        endpoints: 10,
-        dual_stack: false,
-    };
-    let cip = |services| Scale {
-        kind: ServiceKind::ClusterIp,
-        services,
-        endpoints: 10,
-        dual_stack: false,
-    };
     let dual = |services| Scale {
         dual_stack: true,
         ..lb(services)
@@ -423,6 +413,158 @@ pub fn sweep(options: &BenchOptions) -> anyhow::Result<Vec<ModeCurve>> {
         });
     }
     Ok(curves)
+}
+
+/// The report's block of the idle node's section.
+pub const IDLE_BLOCK: &str = "node proxy, idle node";
+/// CPU on an idle node where the kernel announces ruleset changes: 0.1 % of a core.
+const IDLE_CPU_PER_HOUR: f64 = 3.6;
+/// Someone else's change repaired, where the kernel announces it.
+const ANNOUNCED_REPAIR: Duration = Duration::from_secs(1);
+
+/// The idle node: every data path (and kube-proxy v1.21.2 when `TANDEM_KUBE_PROXY` names
+/// it) at 2,700 LoadBalancer and 10,000 ClusterIP Services.
+pub fn idle(options: &BenchOptions) -> anyhow::Result<Block> {
+    let prefix = start()?;
+    let binary = tandem_lab::binaries::locate("tandem-nodeproxy")?;
+    let (scales, plan) = if options.quick {
+        let scales = vec![lb(100), cip(300)];
+        let plan = idle::IdlePlan {
+            window: Duration::from_secs(5),
+            settle: Duration::from_secs(1),
+            full_check_period: Duration::from_secs(2),
+            timeout: Duration::from_secs(120),
+        };
+        (scales, plan)
+    } else {
+        let scales = vec![lb(2_700), cip(10_000)];
+        let plan = idle::IdlePlan {
+            window: Duration::from_secs(60),
+            settle: Duration::from_secs(20),
+            full_check_period: Duration::from_secs(10),
+            timeout: Duration::from_secs(900),
+        };
+        (scales, plan)
+    };
+    let kube_proxy = tandem_k3s::kube_proxy_binary();
+    let mut data_paths: Vec<DataPathFlags> = iptables_backends()?
+        .into_iter()
+        .map(DataPathFlags::Iptables)
+        .collect();
+    data_paths.push(DataPathFlags::Nftables);
+    let mut section = Section {
+        title: "Node proxy on an idle node: CPU per hour, repair of someone else's change".into(),
+        ..Section::default()
+    };
+    for scale in scales {
+        let label = scale.label();
+        let baseline = match &kube_proxy {
+            Some(binary) => {
+                eprintln!("idle node: kube-proxy v1.21, {label}");
+                let proxy = idle::Proxy::KubeProxy(binary.clone());
+                // Reported, not fatal: kube-proxy v1.21 may not finish a first sync of
+                // 10,000 Services in time.
+                match idle::measure(&prefix, &proxy, scale, plan) {
+                    Ok(result) => {
+                        section.notes.push(format!(
+                            "kube-proxy v1.21.2 (iptables mode on iptables-nft, its default \
+                             --sync-period of 30 s), {label}: {}.",
+                            result.how
+                        ));
+                        Some(result.cpu_per_hour)
+                    }
+                    Err(error) => {
+                        let error = format!("{error:#}");
+                        let first = error.lines().next().unwrap_or_default();
+                        section.notes.push(format!(
+                            "kube-proxy v1.21.2, {label}: not measured: {first}."
+                        ));
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        for &data_path in &data_paths {
+            let name = data_path_name(data_path);
+            eprintln!("idle node: {name}, {label}");
+            let proxy = idle::Proxy::Tandem {
+                binary: binary.clone(),
+                data_path,
+            };
+            let result = idle::measure(&prefix, &proxy, scale, plan)
+                .with_context(|| format!("{name}, {label}"))?;
+            let announced = data_path != DataPathFlags::Iptables(Backend::Legacy);
+            section.rows.push(Row {
+                what: format!("CPU per hour on an idle node, {name}, {label}"),
+                ours: Value::Seconds(result.cpu_per_hour),
+                limit: baseline.map(|cpu| {
+                    (
+                        "kube-proxy v1.21.2, same cluster".to_owned(),
+                        Value::Seconds(cpu),
+                    )
+                }),
+                target: announced.then_some(Target::AtMost(Value::Seconds(IDLE_CPU_PER_HOUR))),
+            });
+            if let Some(repair) = result.repair {
+                section.rows.push(Row {
+                    what: format!("someone else's change repaired, {name}, {label} (nat prerouting jump deleted → the sync writing it back ended)"),
+                    ours: Value::Seconds(repair.as_secs_f64()),
+                    limit: None,
+                    target: announced.then_some(Target::AtMost(Value::Seconds(ANNOUNCED_REPAIR.as_secs_f64()))),
+                });
+            }
+            section
+                .notes
+                .push(format!("{name}, {label}: {}.", result.how));
+        }
+        if kube_proxy.is_none() {
+            section
+                .notes
+                .push("kube-proxy not measured: TANDEM_KUBE_PROXY names no binary.".into());
+        }
+    }
+    section.notes.push(format!(
+        "Method: the real binaries, each in a fresh namespace against the API server stand-in \
+         with the cluster loaded, default flags; CPU is the process's and its waited-for \
+         children's (iptables-restore, iptables-save) from /proc, over {:?} after the first \
+         sync and {:?} of settling. On the nf_tables backends the full check (every rule read \
+         back, the rules compared with a full rebuild) is hourly and not in the window: its \
+         CPU is measured in a second run with one every {:?}, and added once per hour. \
+         iptables-legacy announces no change: its node proxy reads its rules back every \
+         --sync-period (30 s), found by the read-back after the change.",
+        plan.window, plan.settle, plan.full_check_period
+    ));
+    Ok(Block {
+        name: IDLE_BLOCK,
+        sections: vec![section],
+    })
+}
+
+fn data_path_name(data_path: DataPathFlags) -> &'static str {
+    match data_path {
+        DataPathFlags::Iptables(Backend::Nft) => "iptables-nft",
+        DataPathFlags::Iptables(Backend::Legacy) => "iptables-legacy",
+        DataPathFlags::Nftables => "nftables mode",
+    }
+}
+
+fn lb(services: usize) -> Scale {
+    Scale {
+        kind: ServiceKind::LoadBalancer,
+        services,
+        endpoints: 10,
+        dual_stack: false,
+    }
+}
+
+fn cip(services: usize) -> Scale {
+    Scale {
+        kind: ServiceKind::ClusterIp,
+        services,
+        endpoints: 10,
+        dual_stack: false,
+    }
 }
 
 fn measure_rss(

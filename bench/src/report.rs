@@ -210,7 +210,7 @@ pub fn header(machine: &machine::Machine) -> String {
          Reproduce (as root; the data plane installs iperf3 and haproxy if missing):\n\n\
          ```sh\n\
          cargo build --release --workspace --bins && sudo target/release/tandem-bench all    \
-         # or: nodeproxy [--proxy-mode iptables|nftables] | controller | dataplane | curves [--quick]\n\
+         # or: nodeproxy [--proxy-mode iptables|nftables] | idle | controller | dataplane | curves [--quick]\n\
          target/release/tandem-bench summary    # only the summary, from the tables in the file\n\
          ```\n",
         machine.describe()

@@ -19,7 +19,7 @@ use tandem_proxy_rules::ruleset::{ChangedChains, Table};
 use tokio::task::JoinHandle;
 
 use crate::backend::{self, Backend, BackendChoice, Tools};
-use crate::iptables::{self, IptablesReadBack, SyncError, Syncer};
+use crate::iptables::{self, ChainScope, IptablesReadBack, SyncError, Syncer};
 use crate::metrics::{Metrics, RepairLabels, RepairedObject, TableLabel, TableLabels};
 use crate::ruleset_events;
 
@@ -317,14 +317,16 @@ impl DataPath {
 
     /// Starts reading back what the kernel holds of our rules, on its own task beside
     /// the sync loop; what is written meanwhile is left out of the comparison
-    /// ([`DataPath::take_read_back`]).
-    pub fn start_read_back(&mut self) -> JoinHandle<ReadBack> {
+    /// ([`DataPath::take_read_back`]). With `only`, the iptables mode reads the rules of
+    /// those chains alone (with the built-in chains and the chain names, as always); the
+    /// nftables mode always reads its whole table.
+    pub fn start_read_back(&mut self, only: Option<ChainScope>) -> JoinHandle<ReadBack> {
         let started = Instant::now();
         match self {
             DataPath::Iptables(path) => {
                 let backend = path.syncer.begin_read();
                 tokio::spawn(async move {
-                    let kernel = KernelRead::Iptables(iptables::read_back(backend).await);
+                    let kernel = KernelRead::Iptables(iptables::read_back(backend, only).await);
                     ReadBack {
                         kernel,
                         elapsed: started.elapsed(),

@@ -39,7 +39,7 @@ use crate::convert;
 use crate::datapath::{DataPath, DataPathSize, ReadBack};
 use crate::healthcheck::{NodeHealth, ServiceHealthServers};
 use crate::metrics::{Metrics, SyncLabels, SyncResult};
-use crate::ruleset_events::{self, DriftAlarm};
+use crate::ruleset_events::{self, DriftAlarm, Suspicion};
 
 #[derive(Debug, Clone)]
 pub struct ProxierConfig {
@@ -368,8 +368,8 @@ pub struct FamilyProxier {
     pub datapath: DataPath,
     unapplied: Option<Changes>,
     /// The kernel announced someone else's change to this family's rules: read them back
-    /// as soon as no read-back is running.
-    drift_suspected: bool,
+    /// (where it says, or everywhere) as soon as no read-back is running.
+    drift_suspected: Option<Suspicion>,
 }
 
 impl FamilyProxier {
@@ -378,7 +378,7 @@ impl FamilyProxier {
             node,
             datapath,
             unapplied: None,
-            drift_suspected: false,
+            drift_suspected: None,
         }
     }
 
@@ -603,7 +603,12 @@ impl Proxier {
                 } => {
                     if let Some(alarm) = alarm.as_deref() {
                         for family in &mut self.families {
-                            family.drift_suspected |= alarm.take(family.node.family);
+                            if let Some(suspicion) = alarm.take(family.node.family) {
+                                family
+                                    .drift_suspected
+                                    .get_or_insert_default()
+                                    .merge(suspicion);
+                            }
                         }
                     }
                     if read_back.is_none() && self.wants_read_back() {
@@ -690,19 +695,27 @@ impl Proxier {
     fn wants_read_back(&self) -> bool {
         self.families
             .iter()
-            .any(|f| f.drift_suspected || f.datapath.wants_read_back())
+            .any(|f| f.drift_suspected.is_some() || f.datapath.wants_read_back())
     }
 
     /// Starts reading back the rules of every family (`all`), or of those that want it
-    /// now, each on a task of its own; the returned task collects them.
+    /// now, each on a task of its own; the returned task collects them. A family read
+    /// back only for an announced change is read where the change was, when the
+    /// announcements name the place.
     fn start_read_backs(&mut self, all: bool) -> ReadBacks {
         let reads: Vec<Option<JoinHandle<ReadBack>>> = self
             .families
             .iter_mut()
             .map(|family| {
-                let start = all || family.drift_suspected || family.datapath.wants_read_back();
-                family.drift_suspected &= !start;
-                start.then(|| family.datapath.start_read_back())
+                let suspected = family.drift_suspected.take();
+                let everywhere = all || family.datapath.wants_read_back();
+                let only = match suspected {
+                    _ if everywhere => None,
+                    None => return None,
+                    Some(suspicion) if suspicion.everywhere => None,
+                    Some(suspicion) => Some(suspicion.chains),
+                };
+                Some(family.datapath.start_read_back(only))
             })
             .collect();
         tokio::spawn(async move {

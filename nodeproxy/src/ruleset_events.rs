@@ -2,7 +2,8 @@
 //! (the nftables mode and iptables-nft): the kernel announces every committed change with
 //! the netlink port that sent it ([`tandem_nftables::monitor`]), and a change to what a
 //! family's data path writes, sent through a port that is not ours, raises that family's
-//! alarm. The proxier then reads that family's rules back at once, instead of reading
+//! alarm, with where ([`Suspicion`]: the iptables chains the changes name, or everywhere).
+//! The proxier then reads that family's rules back at once, there, instead of reading
 //! everything back every period on a node where nothing changes.
 //!
 //! Our own writes are told apart by their port: each nftables socket's, recorded when it
@@ -10,8 +11,7 @@
 //! its pid as port), recorded before it is given its input. A port we fail to recognise
 //! costs one needless read-back, never a missed change.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -89,24 +89,65 @@ pub fn concerns(written: Written, family: IpFamily, change: &Change) -> bool {
     }
 }
 
-/// Raised per family when someone else changed what that family's data path wrote.
+/// What someone else may have changed in one family's rules: where a read-back must look.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Suspicion {
+    /// Anywhere: every rule is read back.
+    pub everywhere: bool,
+    /// The iptables chains named by the changes, per table (the built-in chains are read
+    /// back by any read-back).
+    pub chains: BTreeMap<Table, BTreeSet<String>>,
+}
+
+impl Suspicion {
+    /// Everywhere: announcements were lost, or a change is not one chain's.
+    pub fn everywhere() -> Self {
+        Self {
+            everywhere: true,
+            chains: BTreeMap::new(),
+        }
+    }
+
+    /// Where `change` (one that [`concerns`] the family) may have altered its rules.
+    fn of(written: Written, change: &Change) -> Self {
+        let table = Table::ALL
+            .into_iter()
+            .find(|table| table.as_str() == change.table);
+        match (written, table, change.object, &change.chain) {
+            (Written::IptablesNft, Some(table), Object::Chain | Object::Rule, Some(chain)) => {
+                Self {
+                    everywhere: false,
+                    chains: BTreeMap::from([(table, BTreeSet::from([chain.clone()]))]),
+                }
+            }
+            _ => Self::everywhere(),
+        }
+    }
+
+    pub fn merge(&mut self, other: Suspicion) {
+        self.everywhere |= other.everywhere;
+        for (table, chains) in other.chains {
+            self.chains.entry(table).or_default().extend(chains);
+        }
+    }
+}
+
+/// Raised per family when someone else changed what that family's data path wrote, with
+/// where.
 #[derive(Debug, Default)]
 pub struct DriftAlarm {
-    v4: AtomicBool,
-    v6: AtomicBool,
+    suspicions: Mutex<BTreeMap<IpFamily, Suspicion>>,
     raised: Notify,
 }
 
 impl DriftAlarm {
-    fn flag(&self, family: IpFamily) -> &AtomicBool {
-        match family {
-            IpFamily::V4 => &self.v4,
-            IpFamily::V6 => &self.v6,
-        }
-    }
-
-    fn raise(&self, family: IpFamily) {
-        self.flag(family).store(true, Ordering::SeqCst);
+    fn raise(&self, family: IpFamily, suspicion: Suspicion) {
+        self.suspicions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(family)
+            .or_default()
+            .merge(suspicion);
         self.raised.notify_one();
     }
 
@@ -116,9 +157,12 @@ impl DriftAlarm {
         self.raised.notified().await;
     }
 
-    /// True, once, when `family`'s alarm was raised.
-    pub fn take(&self, family: IpFamily) -> bool {
-        self.flag(family).swap(false, Ordering::SeqCst)
+    /// What was suspected of `family`'s rules since the last take, once.
+    pub fn take(&self, family: IpFamily) -> Option<Suspicion> {
+        self.suspicions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&family)
     }
 }
 
@@ -147,7 +191,11 @@ fn listen(
     alarm: &DriftAlarm,
     metrics: &Metrics,
 ) {
-    let raise_all = || watched.iter().for_each(|(family, _)| alarm.raise(*family));
+    let raise_all = || {
+        for (family, _) in watched {
+            alarm.raise(*family, Suspicion::everywhere());
+        }
+    };
     loop {
         let changes = match monitor.receive() {
             Ok(Announcement::Changes(changes)) => changes,
@@ -175,13 +223,14 @@ fn listen(
             .filter(|change| !is_own_port(change.port))
             .collect();
         for &(family, written) in watched {
-            let mut concerning = foreign
+            let concerning: Vec<&&Change> = foreign
                 .iter()
-                .filter(|change| concerns(written, family, change));
-            let Some(first) = concerning.next() else {
+                .filter(|change| concerns(written, family, change))
+                .collect();
+            let Some(first) = concerning.first() else {
                 continue;
             };
-            let count = 1 + concerning.count();
+            let count = concerning.len();
             metrics.foreign_ruleset_changes.inc_by(count as u64);
             tracing::info!(
                 %family,
@@ -193,7 +242,11 @@ fn listen(
                 count,
                 "someone else changed our rules; reading them back"
             );
-            alarm.raise(family);
+            let mut suspicion = Suspicion::default();
+            for change in concerning {
+                suspicion.merge(Suspicion::of(written, change));
+            }
+            alarm.raise(family, suspicion);
         }
     }
 }
@@ -256,6 +309,30 @@ mod tests {
                 "{change:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_iptables_chain_change_is_suspected_there_anything_else_everywhere() {
+        let rule = change("nat", Some("KUBE-SEP-ABC"), Object::Rule, true);
+        let jump = change("filter", Some("FORWARD"), Object::Rule, true);
+        let mut suspicion = Suspicion::of(Written::IptablesNft, &rule);
+        suspicion.merge(Suspicion::of(Written::IptablesNft, &jump));
+        assert_eq!(
+            suspicion,
+            Suspicion {
+                everywhere: false,
+                chains: BTreeMap::from([
+                    (Table::Filter, BTreeSet::from(["FORWARD".to_owned()])),
+                    (Table::Nat, BTreeSet::from(["KUBE-SEP-ABC".to_owned()])),
+                ]),
+            }
+        );
+        let table = change("nat", None, Object::Table, true);
+        assert!(Suspicion::of(Written::IptablesNft, &table).everywhere);
+        let element = change("tandem", None, Object::Set, false);
+        assert!(Suspicion::of(Written::NftablesTable, &element).everywhere);
+        suspicion.merge(Suspicion::everywhere());
+        assert!(suspicion.everywhere);
     }
 
     #[test]

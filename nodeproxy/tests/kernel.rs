@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use tandem_nodeproxy::backend::Backend;
-use tandem_nodeproxy::iptables::{self, SyncError, Syncer, TableRepair};
+use tandem_nodeproxy::iptables::{self, ChainScope, SyncError, Syncer, TableRepair};
 use tandem_nodeproxy::restore::RestoreMode;
 use tandem_proxy_rules::chains::{endpoint_chain, service_chain};
 use tandem_proxy_rules::model::{IpFamily, Protocol, ProxyState};
@@ -262,9 +262,65 @@ fn foreign_rules_survive_and_cleanup_restores_the_tables() {
 
 /// A read-back by `syncer` and its comparison (the repairs are scheduled).
 async fn read_back(syncer: &mut Syncer, desired: &Ruleset) -> Vec<TableRepair> {
+    read_back_of(syncer, desired, None).await
+}
+
+/// [`read_back`] of the rules of `only` (nf_tables; legacy reads everything).
+async fn read_back_of(
+    syncer: &mut Syncer,
+    desired: &Ruleset,
+    only: Option<ChainScope>,
+) -> Vec<TableRepair> {
     let backend = syncer.begin_read();
-    let read = iptables::read_back(backend).await.unwrap();
+    let read = iptables::read_back(backend, only).await.unwrap();
     syncer.take_read_back(read, desired)
+}
+
+/// What an announced change gives: someone else's change is read back where it was,
+/// and only there on nf_tables (legacy announces nothing and reads everything).
+#[test]
+fn a_read_back_of_the_announced_chains_compares_only_them() {
+    for_each_backend(|backend, _| {
+        Box::pin(async move {
+            let desired = ruleset(&reference_state(reference_endpoints()));
+            let mut syncer = Syncer::new(backend);
+            syncer.sync(&desired).await.unwrap();
+            let expected = tables(backend);
+            assert_eq!(read_back(&mut syncer, &desired).await, vec![]);
+            let chain = |prefix: &str| {
+                desired
+                    .nat
+                    .chains
+                    .keys()
+                    .find(|c| c.starts_with(prefix))
+                    .unwrap()
+                    .clone()
+            };
+            let (sep, svc) = (chain("KUBE-SEP-"), chain("KUBE-SVC-"));
+            for drifted in [&sep, &svc] {
+                run(backend.iptables(), &["-t", "nat", "-F", drifted]);
+            }
+            let only = ChainScope::from([(Table::Nat, [sep.clone()].into())]);
+            let found = read_back_of(&mut syncer, &desired, Some(only)).await;
+            assert_eq!(found.len(), 1, "{found:?}");
+            let read: Vec<&String> = found[0].drift.chains.keys().collect();
+            match backend {
+                Backend::Nft => assert_eq!(read, [&sep], "only the announced chain"),
+                Backend::Legacy => assert_eq!(read, [&sep, &svc], "a save reads everything"),
+            }
+            let mut changed = ChangedChains::default();
+            changed.nat.extend(read.into_iter().cloned());
+            syncer.sync_changed(&desired, &changed).await.unwrap();
+            // The chain nobody announced is found by the next full read-back.
+            let found = read_back(&mut syncer, &desired).await;
+            let mut changed = ChangedChains::default();
+            changed
+                .nat
+                .extend(found.iter().flat_map(|t| t.drift.chains.keys()).cloned());
+            syncer.sync_changed(&desired, &changed).await.unwrap();
+            assert_eq!(tables(backend), expected);
+        })
+    });
 }
 
 #[test]

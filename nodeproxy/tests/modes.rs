@@ -145,7 +145,7 @@ fn an_endpoint_change_written_after_a_read_back_began_is_not_taken_for_drift() {
             let mut path = datapath::start(mode, backend, node()).await.unwrap();
             path.update(&state, &ports);
             assert!(path.apply(&metrics).await);
-            let read = path.start_read_back().await.unwrap();
+            let read = path.start_read_back(None).await.unwrap();
             assert_eq!(
                 path.take_read_back(read, &metrics),
                 0,
@@ -155,7 +155,7 @@ fn an_endpoint_change_written_after_a_read_back_began_is_not_taken_for_drift() {
             // A read-back begins and reads the kernel; an endpoint moves before the read
             // is compared: the new rules go in, and the read, which predates them, leaves
             // their chains and sets out instead of taking them for drift.
-            let read = path.start_read_back().await.unwrap();
+            let read = path.start_read_back(None).await.unwrap();
             let mut moved = state.clone();
             let nginx = spn("default", "nginx-service", "http");
             moved.endpoints.get_mut(&nginx).unwrap()[1] = endpoint([10, 244, 3, 9], 80, "node-c");
@@ -181,7 +181,7 @@ fn an_endpoint_change_written_after_a_read_back_began_is_not_taken_for_drift() {
                 "{rules}"
             );
             // The next read-back compares them, and finds them as written.
-            let read = path.start_read_back().await.unwrap();
+            let read = path.start_read_back(None).await.unwrap();
             assert_eq!(path.take_read_back(read, &metrics), 0);
             datapath::cleanup(backend).await.unwrap();
         });

@@ -293,7 +293,7 @@ fn read_back_cost_and_endpoint_changes_during_it() {
                 let mut compares = Vec::new();
                 for _ in 0..3 {
                     let cpu = cpu_time();
-                    let read = path.start_read_back().await.unwrap();
+                    let read = path.start_read_back(None).await.unwrap();
                     cpus.push(cpu_time() - cpu);
                     walls.push(read.elapsed);
                     let started = Instant::now();
@@ -324,7 +324,7 @@ fn read_back_cost_and_endpoint_changes_during_it() {
                 // Changes start one after the other while five read-backs run.
                 let mut during = Vec::new();
                 for _ in 0..5 {
-                    let task = path.start_read_back();
+                    let task = path.start_read_back(None);
                     while !task.is_finished() {
                         during.push(change(&mut path).await);
                     }

@@ -43,6 +43,9 @@ enum Which {
     Dataplane,
     /// The scale curves: the node proxy and the controller at more sizes, drawn as SVG.
     Curves,
+    /// A node where nothing changes: the node proxy's CPU per hour against kube-proxy
+    /// v1.21.2 (TANDEM_KUBE_PROXY), and the repair of someone else's change.
+    Idle,
     /// No benchmark: the report's summary made again from its tables (after a hand edit).
     Summary,
 }
@@ -67,6 +70,9 @@ fn main() -> Result<()> {
     // One at a time: they must not share the machine's cores with each other.
     if wanted(Which::Nodeproxy) {
         blocks.extend(nodeproxy::run(&options).context("node proxy benchmark")?);
+    }
+    if wanted(Which::Idle) {
+        blocks.push(nodeproxy::idle(&options).context("idle node benchmark")?);
     }
     if wanted(Which::Controller) {
         blocks.push(Block {

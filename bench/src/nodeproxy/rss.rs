@@ -21,13 +21,16 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::cluster::{self, Cluster};
 use super::kernel::FreshNetns;
 
-const HEALTHZ: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10256);
-const METRICS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10249);
+pub(super) const HEALTHZ: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10256);
+pub(super) const METRICS: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10249);
 const POLL: Duration = Duration::from_millis(50);
 /// Short, so the periodic sync and its full-rebuild check come soon after the first sync.
 pub(super) const SYNC_PERIOD: &str = "2s";
 /// How many periodic syncs ended, as `/metrics` names it.
-const PERIODIC_SYNCS: &str = "tandem_nodeproxy_sync_full_proxy_rules_duration_seconds_count";
+pub(super) const PERIODIC_SYNCS: &str =
+    "tandem_nodeproxy_sync_full_proxy_rules_duration_seconds_count";
 
 /// What one run of the binary showed.
 #[derive(Debug, Clone, Copy)]
@@ -47,7 +50,7 @@ pub enum DataPathFlags {
 }
 
 impl DataPathFlags {
-    fn args(self) -> Vec<&'static str> {
+    pub(super) fn args(self) -> Vec<&'static str> {
         match self {
             DataPathFlags::Iptables(backend) => {
                 let backend = match backend {
@@ -70,13 +73,26 @@ pub fn measure(
     cluster: Option<Cluster>,
     timeout: Duration,
 ) -> anyhow::Result<RssRun> {
+    let binary = binary.to_path_buf();
+    in_fresh_netns(prefix, move |dir| {
+        run_against_stand_in(data_path, binary, cluster, dir, timeout)
+    })
+}
+
+/// Runs `body` in a fresh namespace with its loopback up, handing it a work directory
+/// that is removed afterwards.
+pub(super) fn in_fresh_netns<T, F, Fut>(prefix: &RunPrefix, body: F) -> anyhow::Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce(PathBuf) -> Fut + Send + 'static,
+    Fut: Future<Output = anyhow::Result<T>>,
+{
     let netns = FreshNetns::create(prefix)?;
     netns.exec_checked(&["ip", "link", "set", "lo", "up"])?;
     let workdir = std::env::temp_dir().join(netns.name());
     std::fs::create_dir_all(&workdir).with_context(|| format!("creating {}", workdir.display()))?;
-    let binary = binary.to_path_buf();
     let dir = workdir.clone();
-    let result = netns.run(move || run_against_stand_in(data_path, binary, cluster, dir, timeout));
+    let result = netns.run(move || body(dir));
     if let Err(error) = std::fs::remove_dir_all(&workdir) {
         tracing::warn!(dir = %workdir.display(), %error, "cannot remove the work directory");
     }
@@ -167,7 +183,7 @@ async fn run_against_stand_in(
 
 /// Polls `done` until it says yes; returns the time since `started`. Fails when the child
 /// exits or `timeout` (counted from `started`) passes first.
-async fn wait_for(
+pub(super) async fn wait_for(
     child: &mut tokio::process::Child,
     started: Instant,
     timeout: Duration,
@@ -189,7 +205,7 @@ async fn wait_for(
 }
 
 /// Put the namespace, the node, the Services (with their LB status) and the slices in.
-fn load(store: &Store, cluster: Option<&Cluster>) -> anyhow::Result<()> {
+pub(super) fn load(store: &Store, cluster: Option<&Cluster>) -> anyhow::Result<()> {
     store.create(
         NAMESPACES,
         None,
@@ -224,7 +240,7 @@ fn load(store: &Store, cluster: Option<&Cluster>) -> anyhow::Result<()> {
 }
 
 /// The status code `GET /healthz` answers with, or `None` when nothing answers yet.
-async fn healthz_status() -> Option<u16> {
+pub(super) async fn healthz_status() -> Option<u16> {
     status_code(&get(HEALTHZ, "/healthz").await?)
 }
 
@@ -234,7 +250,7 @@ async fn periodic_syncs() -> Option<u64> {
 }
 
 /// The whole response to `GET path`, or `None` when nothing answers.
-async fn get(address: SocketAddr, path: &str) -> Option<String> {
+pub(super) async fn get(address: SocketAddr, path: &str) -> Option<String> {
     let mut stream = tokio::net::TcpStream::connect(address).await.ok()?;
     let request = format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n");
     stream.write_all(request.as_bytes()).await.ok()?;
@@ -247,7 +263,7 @@ async fn get(address: SocketAddr, path: &str) -> Option<String> {
 }
 
 /// The value of the sample `series` (name and labels, as exposed) in a metrics page.
-fn sample(page: &str, series: &str) -> Option<u64> {
+pub(super) fn sample(page: &str, series: &str) -> Option<u64> {
     page.lines()
         .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))?
         .trim()

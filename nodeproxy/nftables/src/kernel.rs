@@ -400,14 +400,8 @@ impl Netlink {
             self.socket
                 .recv(&mut buf, 0)
                 .map_err(KernelError::Receive)?;
-            let mut rest = &buf[..];
-            while rest.len() >= NLMSG_HEADER_LEN {
-                let len = read_u32(rest, 0)? as usize;
-                if len < NLMSG_HEADER_LEN || len > rest.len() {
-                    return Err(KernelError::Malformed("message length"));
-                }
-                let (message, flags) = (&rest[..len], read_u16(rest, 6)?);
-                rest = rest.get((len + 3) & !3..).unwrap_or_default();
+            for message in messages(&buf)? {
+                let flags = read_u16(message, 6)?;
                 // Answers to an earlier request that was given up.
                 if read_u32(message, 8)? != seq {
                     continue;

@@ -461,10 +461,10 @@ pub fn program(
                 assert!(path.apply(&metrics).await, "{mode} sync failed");
                 if path.wants_read_back() {
                     // iptables-nft takes its digests from the first read-back.
-                    let read = path.start_read_back().await.unwrap();
+                    let read = path.start_read_back(None).await.unwrap();
                     path.take_read_back(read, &metrics);
                 }
-                let read = path.start_read_back().await.unwrap();
+                let read = path.start_read_back(None).await.unwrap();
                 assert_eq!(path.take_read_back(read, &metrics), 0, "{mode}: drift");
             });
         })

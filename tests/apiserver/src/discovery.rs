@@ -32,8 +32,19 @@ pub fn core_versions(server_address: &str) -> Value {
 }
 
 fn group(name: &str) -> Value {
-    let gv = json!({"groupVersion": format!("{name}/v1"), "version": "v1"});
-    json!({"name": name, "versions": [gv], "preferredVersion": gv})
+    let gv =
+        |version: &str| json!({"groupVersion": format!("{name}/{version}"), "version": version});
+    let mut versions: Vec<&str> = resources::ALL
+        .iter()
+        .filter(|rt| rt.group == name)
+        .map(|rt| rt.version)
+        .collect();
+    versions.dedup();
+    json!({
+        "name": name,
+        "versions": versions.into_iter().map(gv).collect::<Vec<_>>(),
+        "preferredVersion": gv("v1"),
+    })
 }
 
 /// `/apis/{group}`, if served.

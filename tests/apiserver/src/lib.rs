@@ -2,7 +2,8 @@
 //!
 //! It serves the subset of the Kubernetes API that Tandem's components use, with the real
 //! server's semantics: core/v1 namespaces, services (+status), nodes (+status) and events;
-//! discovery.k8s.io/v1 endpointslices; events.k8s.io/v1 events (a second view of the same
+//! discovery.k8s.io/v1 endpointslices (and their v1beta1 view, for kube-proxy v1.21);
+//! events.k8s.io/v1 events (a second view of the same
 //! Events); coordination.k8s.io/v1 leases; networking.k8s.io/v1 servicecidrs (+status; see
 //! [`service_cidr`] for what the stand-in leaves out). One global resourceVersion, list + watch with
 //! bookmarks and `410 Gone` after compaction, label/field selectors, `limit`/`continue`,
@@ -53,6 +54,7 @@
 
 pub mod api;
 pub mod discovery;
+pub mod endpoint_slice_v1beta1;
 pub mod events;
 pub mod patch;
 pub mod protobuf;

@@ -34,6 +34,8 @@ pub enum View {
     Native,
     /// `events.k8s.io/v1` view of core/v1 Events.
     EventsV1,
+    /// `discovery.k8s.io/v1beta1` view of v1 EndpointSlices.
+    EndpointSlicesV1beta1,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -142,6 +144,14 @@ pub static ENDPOINT_SLICES: &ResourceType = &ResourceType {
     merge_lists: &[COMMON_LISTS[0], COMMON_LISTS[1]],
 };
 
+/// The v1beta1 view of the same EndpointSlices, for clients as old as kube-proxy v1.21
+/// (served by Kubernetes until 1.25).
+pub static ENDPOINT_SLICES_V1BETA1: &ResourceType = &ResourceType {
+    version: "v1beta1",
+    view: View::EndpointSlicesV1beta1,
+    ..*ENDPOINT_SLICES
+};
+
 pub static EVENTS: &ResourceType = &ResourceType {
     group: "",
     version: "v1",
@@ -214,18 +224,19 @@ pub static SERVICE_CIDRS: &ResourceType = &ResourceType {
 };
 
 /// Every served resource, in discovery order.
-pub static ALL: [&ResourceType; 8] = [
+pub static ALL: [&ResourceType; 9] = [
     NAMESPACES,
     SERVICES,
     NODES,
     EVENTS,
     ENDPOINT_SLICES,
+    ENDPOINT_SLICES_V1BETA1,
     EVENTS_V1,
     LEASES,
     SERVICE_CIDRS,
 ];
 
-/// Served API groups (core excluded) with their single version, in discovery order.
+/// Served API groups (core excluded), in discovery order; each prefers v1.
 pub static GROUPS: [&str; 4] = [
     "discovery.k8s.io",
     "events.k8s.io",

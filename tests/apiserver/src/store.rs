@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde_json::{Value, json};
 use tokio::sync::broadcast;
 
+use crate::endpoint_slice_v1beta1;
 use crate::events;
 use crate::patch::{self, PatchError, PatchType};
 use crate::resources::{self, ResourceType, Storage, View};
@@ -216,6 +217,7 @@ pub fn to_view(rt: &ResourceType, stored: &Value) -> Value {
     match rt.view {
         View::Native => stored.clone(),
         View::EventsV1 => events::core_to_v1(stored),
+        View::EndpointSlicesV1beta1 => endpoint_slice_v1beta1::v1_to_v1beta1(stored),
     }
 }
 
@@ -241,6 +243,7 @@ fn from_view(rt: &ResourceType, body: Value) -> Result<Value, ApiError> {
     let mut stored = match rt.view {
         View::Native => body,
         View::EventsV1 => events::v1_to_core(&body),
+        View::EndpointSlicesV1beta1 => endpoint_slice_v1beta1::v1beta1_to_v1(&body),
     };
     if let Some(map) = stored.as_object_mut() {
         let storage_rt = storage_resource(rt);

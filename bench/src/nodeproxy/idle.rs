@@ -1,0 +1,424 @@
+//! A node where nothing changes: the CPU the real `tandem-nodeproxy` spends per hour with
+//! its rules in place, in each data path, against kube-proxy v1.21.2 (the binary
+//! `TANDEM_KUBE_PROXY` names) given the same cluster on the same machine; and the time from
+//! someone else's change to our rules (the jump from the nat prerouting hook deleted) to
+//! its repair.
+//!
+//! Each run is a fresh namespace, an in-process API server stand-in loaded with the
+//! cluster, and the proxy started against it. After its first sync and a settling pause,
+//! its CPU time (its own and its waited-for children's, such as `iptables-restore`) is read
+//! from `/proc` across a window. Where the full check is hourly (the nf_tables backends),
+//! the window holds none, so a second run with the full check due every few seconds
+//! measures one check's CPU, which is added once per hour; on iptables-legacy and for
+//! kube-proxy the window holds their periodic work as it is.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use tandem_apiserver::{ServerConfig, spawn};
+use tandem_netlab::RunPrefix;
+use tandem_nodeproxy::backend::{Backend, Tools};
+use tandem_proxy_rules::model::IpFamily;
+
+use super::cluster::{self, Cluster, Scale};
+use super::rss::{self, DataPathFlags, HEALTHZ, METRICS};
+
+/// What is measured, and how long each part may take.
+#[derive(Debug, Clone, Copy)]
+pub struct IdlePlan {
+    pub window: Duration,
+    /// After the first sync, before the window: the start-up's read-backs end.
+    pub settle: Duration,
+    /// The full check's period in the run that measures one.
+    pub full_check_period: Duration,
+    /// For the first sync (kube-proxy v1.21 takes minutes at 10,000 Services).
+    pub timeout: Duration,
+}
+
+/// One proxy at one scale.
+#[derive(Debug, Clone)]
+pub struct IdleResult {
+    /// CPU seconds per hour on the idle node.
+    pub cpu_per_hour: f64,
+    /// How that was made up, for the notes.
+    pub how: String,
+    /// Someone else's change → the sync that wrote the repair ended.
+    pub repair: Option<Duration>,
+}
+
+/// The proxy measured.
+#[derive(Debug, Clone)]
+pub enum Proxy {
+    Tandem {
+        binary: PathBuf,
+        data_path: DataPathFlags,
+    },
+    KubeProxy(PathBuf),
+}
+
+impl Proxy {
+    /// True where the kernel announces ruleset changes, so the full check is hourly.
+    fn announced(&self) -> bool {
+        matches!(
+            self,
+            Proxy::Tandem {
+                data_path: DataPathFlags::Nftables | DataPathFlags::Iptables(Backend::Nft),
+                ..
+            }
+        )
+    }
+}
+
+/// What one run of a proxy showed.
+struct Window {
+    /// CPU seconds spent across the window.
+    cpu: f64,
+    window: Duration,
+    /// Full checks (Tandem) or syncs (kube-proxy) that ended in the window.
+    full_checks: u64,
+    repair: Option<Duration>,
+}
+
+/// `proxy` against `scale`: CPU per hour on the idle node and, for Tandem, the repair time.
+pub fn measure(
+    prefix: &RunPrefix,
+    proxy: &Proxy,
+    scale: Scale,
+    plan: IdlePlan,
+) -> anyhow::Result<IdleResult> {
+    let cluster = cluster::generate(scale)?;
+    let tandem = matches!(proxy, Proxy::Tandem { .. });
+    let steady = run(prefix, proxy, &cluster, &[], plan, tandem)?;
+    let rate = steady.cpu / steady.window.as_secs_f64();
+    if !proxy.announced() {
+        return Ok(IdleResult {
+            cpu_per_hour: rate * 3600.0,
+            how: format!(
+                "{:.2} s of CPU in {:.0?}, {} periodic full syncs or checks among them",
+                steady.cpu, steady.window, steady.full_checks
+            ),
+            repair: steady.repair,
+        });
+    }
+    let period = tandem_common::GoDuration(plan.full_check_period).to_string();
+    let checking = run(
+        prefix,
+        proxy,
+        &cluster,
+        &["--sync-period", &period, "--drift-check-period", &period],
+        plan,
+        false,
+    )?;
+    if checking.full_checks == 0 {
+        bail!("no full check ended in {:?}", checking.window);
+    }
+    let per_check = (checking.cpu - rate * checking.window.as_secs_f64()).max(0.0)
+        / checking.full_checks as f64;
+    Ok(IdleResult {
+        cpu_per_hour: rate * 3600.0 + per_check,
+        how: format!(
+            "{:.2} s of CPU in {:.0?} without a full check, and {per_check:.2} s per full check \
+             (hourly; measured over {} checks with one every {period})",
+            steady.cpu, steady.window, checking.full_checks
+        ),
+        repair: steady.repair,
+    })
+}
+
+/// One run in a fresh namespace: start, first sync, settle, the window, then (with
+/// `repair`) someone else's change.
+fn run(
+    prefix: &RunPrefix,
+    proxy: &Proxy,
+    cluster: &Cluster,
+    extra: &[&str],
+    plan: IdlePlan,
+    repair: bool,
+) -> anyhow::Result<Window> {
+    let (proxy, cluster) = (proxy.clone(), cluster.clone());
+    let extra: Vec<String> = extra.iter().map(|arg| (*arg).to_owned()).collect();
+    rss::in_fresh_netns(prefix, move |dir| async move {
+        run_against_stand_in(&proxy, &cluster, &extra, &dir, plan, repair).await
+    })
+}
+
+async fn run_against_stand_in(
+    proxy: &Proxy,
+    cluster: &Cluster,
+    extra: &[String],
+    workdir: &Path,
+    plan: IdlePlan,
+    repair: bool,
+) -> anyhow::Result<Window> {
+    let server = spawn(ServerConfig::default())
+        .await
+        .context("starting the API server stand-in")?;
+    rss::load(server.store(), Some(cluster))?;
+    let kubeconfig = workdir.join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig).await?;
+    let log_path = workdir.join("proxy.log");
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
+    let mut command = match proxy {
+        Proxy::Tandem { binary, data_path } => {
+            let mut command = tokio::process::Command::new(binary);
+            command
+                .arg("--kubeconfig")
+                .arg(&kubeconfig)
+                .args(["--node-name", cluster::NODE_NAME])
+                .args(["--cluster-cidr", &cluster::cluster_cidr(cluster.plans)])
+                .args(data_path.args())
+                .args(["--healthz-bind-address", &HEALTHZ.to_string()])
+                .args(["--metrics-bind-address", &METRICS.to_string()])
+                .args(extra)
+                .env("RUST_LOG", "info");
+            command
+        }
+        Proxy::KubeProxy(binary) => {
+            let mut command = tokio::process::Command::new(binary);
+            command
+                .arg("--kubeconfig")
+                .arg(&kubeconfig)
+                .args(["--proxy-mode", "iptables"])
+                .args(["--hostname-override", cluster::NODE_NAME])
+                .args(["--cluster-cidr", &cluster::cluster_cidr(cluster.plans)])
+                // The stand-in speaks JSON; nothing of the machine's is changed.
+                .args(["--kube-api-content-type", "application/json"])
+                .args(["--conntrack-max-per-core", "0"])
+                .args(["--conntrack-tcp-timeout-established", "0s"])
+                .args(["--conntrack-tcp-timeout-close-wait", "0s"])
+                .args(["--healthz-bind-address", &HEALTHZ.to_string()])
+                .args(["--metrics-bind-address", &METRICS.to_string()]);
+            command
+        }
+    };
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting the proxy")?;
+    let pid = child.id().context("the proxy exited at once")?;
+    let started = Instant::now();
+    let measured = async {
+        rss::wait_for(
+            &mut child,
+            started,
+            plan.timeout,
+            "a first sync",
+            async || synced(proxy).await,
+        )
+        .await?;
+        tokio::time::sleep(plan.settle).await;
+        let (cpu_before, checks_before) = (cpu_seconds(pid)?, full_checks(proxy).await);
+        let window_start = Instant::now();
+        tokio::time::sleep(plan.window).await;
+        let (cpu_after, checks_after) = (cpu_seconds(pid)?, full_checks(proxy).await);
+        let window = window_start.elapsed();
+        let repair = match (repair, proxy) {
+            (true, Proxy::Tandem { data_path, .. }) => {
+                Some(repair_time(&mut child, *data_path, plan.timeout).await?)
+            }
+            _ => None,
+        };
+        anyhow::Ok(Window {
+            cpu: cpu_after - cpu_before,
+            window,
+            full_checks: checks_after.saturating_sub(checks_before),
+            repair,
+        })
+    }
+    .await;
+    child.start_kill()?;
+    child.wait().await?;
+    server.shutdown().await?;
+    measured.map_err(|error| {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(20).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        error.context(format!("proxy log tail:\n{}", tail.join("\n")))
+    })
+}
+
+/// True once the proxy's first sync ended: Tandem's `/healthz` answers 200 only then;
+/// kube-proxy v1.21's answers 200 before, so its sync counter tells.
+async fn synced(proxy: &Proxy) -> bool {
+    match proxy {
+        Proxy::Tandem { .. } => rss::healthz_status().await == Some(200),
+        Proxy::KubeProxy(_) => full_checks(proxy).await > 0,
+    }
+}
+
+/// Tandem's full checks, or kube-proxy's syncs (each a full one in v1.21), so far.
+async fn full_checks(proxy: &Proxy) -> u64 {
+    let series = match proxy {
+        Proxy::Tandem { .. } => rss::PERIODIC_SYNCS,
+        Proxy::KubeProxy(_) => "kubeproxy_sync_proxy_rules_duration_seconds_count",
+    };
+    let page = rss::get(METRICS, "/metrics").await.unwrap_or_default();
+    rss::sample(&page, series).unwrap_or(0)
+}
+
+/// Deletes the jump from the nat prerouting hook into the Service dispatch, as someone
+/// else would, and waits for the sync that writes it back: the repair counter goes up,
+/// then a sync ends after it.
+async fn repair_time(
+    child: &mut tokio::process::Child,
+    data_path: DataPathFlags,
+    timeout: Duration,
+) -> anyhow::Result<Duration> {
+    let page = rss::get(METRICS, "/metrics").await.unwrap_or_default();
+    let (repairs_before, syncs_before) = (repairs(&page), successful_syncs(&page));
+    let (program, args): (&str, Vec<&str>) = match data_path {
+        DataPathFlags::Iptables(backend) => (
+            Tools::new(backend, IpFamily::V4).iptables(),
+            vec![
+                "-t",
+                "nat",
+                "-D",
+                "PREROUTING",
+                "-m",
+                "comment",
+                "--comment",
+                "kubernetes service portals",
+                "-j",
+                "KUBE-SERVICES",
+            ],
+        ),
+        DataPathFlags::Nftables => (
+            "nft",
+            vec!["flush", "chain", "ip", "tandem", "nat-prerouting"],
+        ),
+    };
+    let output = tokio::process::Command::new(program)
+        .args(&args)
+        .output()
+        .await
+        .with_context(|| format!("running {program}"))?;
+    if !output.status.success() {
+        bail!(
+            "{program} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    let changed = Instant::now();
+    let mut found = false;
+    rss::wait_for(child, changed, timeout, "the repair", async || {
+        let page = rss::get(METRICS, "/metrics").await.unwrap_or_default();
+        found |= repairs(&page) > repairs_before;
+        found && successful_syncs(&page) > syncs_before
+    })
+    .await
+}
+
+/// Every object the node proxy repaired so far.
+fn repairs(page: &str) -> u64 {
+    page.lines()
+        .filter(|line| line.starts_with("tandem_nodeproxy_sync_repairs_total{"))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+fn successful_syncs(page: &str) -> u64 {
+    rss::sample(
+        page,
+        "tandem_nodeproxy_sync_proxy_rules_total{result=\"Success\"}",
+    )
+    .unwrap_or(0)
+}
+
+/// CPU seconds `pid` and its descendants have used: its own and its waited-for
+/// children's (`/proc/PID/stat`'s utime, stime, cutime and cstime), and those of the
+/// descendants still running (a restore in flight has not been waited for yet).
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let mut stats = Vec::new();
+    for entry in std::fs::read_dir("/proc").context("listing /proc")? {
+        let Ok(entry) = entry else { continue };
+        if entry.file_name().to_string_lossy().parse::<u32>().is_err() {
+            continue;
+        }
+        // A process that exits meanwhile is in its parent's waited-for time, or gone.
+        if let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) {
+            stats.push(stat);
+        }
+    }
+    let ticks =
+        tree_ticks(pid, &stats).context("the proxy's /proc/PID/stat is gone or malformed")?;
+    let per_second = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .filter(|ticks| *ticks > 0)
+        .unwrap_or(100);
+    Ok(ticks as f64 / per_second as f64)
+}
+
+/// The clock ticks of `root` and its live descendants among `stats` (`/proc/*/stat`
+/// lines); `None` without `root`.
+fn tree_ticks(root: u32, stats: &[String]) -> Option<u64> {
+    let parsed: Vec<(u32, u32, u64)> = stats.iter().filter_map(|stat| parse_stat(stat)).collect();
+    let mut tree = vec![root];
+    let mut total = parsed.iter().find(|(pid, ..)| *pid == root)?.2;
+    let mut next = 0;
+    while let Some(&parent) = tree.get(next) {
+        next += 1;
+        for &(pid, ppid, ticks) in &parsed {
+            if ppid == parent && !tree.contains(&pid) {
+                tree.push(pid);
+                total += ticks;
+            }
+        }
+    }
+    Some(total)
+}
+
+/// A `/proc/PID/stat` line: pid, parent pid, and utime + stime + cutime + cstime in clock
+/// ticks (fields 1, 4 and 14 to 17; the command between is in parentheses and may hold
+/// spaces).
+fn parse_stat(stat: &str) -> Option<(u32, u32, u64)> {
+    let pid = stat.split_whitespace().next()?.parse().ok()?;
+    let after_command: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    let ppid = after_command.get(1)?.parse().ok()?;
+    let ticks: Vec<u64> = after_command
+        .get(11..15)?
+        .iter()
+        .map(|field| field.parse().ok())
+        .collect::<Option<_>>()?;
+    Some((pid, ppid, ticks.iter().sum()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_ticks_add_the_process_its_waited_children_and_its_live_descendants() {
+        let stat = |pid: u32, ppid: u32, ticks: [u64; 4]| {
+            format!(
+                "{pid} (a (b) c) S {ppid} 1 1 0 -1 4194560 100 0 0 0 {} {} {} {} 20 0 9 0",
+                ticks[0], ticks[1], ticks[2], ticks[3]
+            )
+        };
+        let stats = [
+            stat(1234, 1, [70, 30, 5, 2]),
+            stat(1300, 1234, [10, 0, 0, 0]),
+            stat(1301, 1300, [1, 1, 0, 0]),
+            stat(999, 1, [500, 0, 0, 0]),
+        ];
+        assert_eq!(parse_stat(&stats[0]), Some((1234, 1, 107)));
+        assert_eq!(tree_ticks(1234, &stats), Some(119));
+        assert_eq!(tree_ticks(7, &stats), None);
+        assert_eq!(parse_stat("1234 (x) S 1"), None);
+    }
+
+    #[test]
+    fn repairs_add_every_object() {
+        let page = "tandem_nodeproxy_sync_repairs_total{object=\"Chain\"} 2\n\
+                    tandem_nodeproxy_sync_repairs_total{object=\"Jump\"} 1\n\
+                    tandem_nodeproxy_sync_readback_failures_total 4\n";
+        assert_eq!(repairs(page), 3);
+    }
+}
