@@ -467,17 +467,17 @@ pub fn idle(options: &BenchOptions) -> anyhow::Result<Block> {
                 match idle::measure(&prefix, &proxy, scale, plan) {
                     Ok(result) => {
                         section.notes.push(format!(
-                            "kube-proxy v1.21.2 (iptables mode on iptables-nft, its default \
-                             --sync-period of 30 s), {label}: {}.",
+                            "kube-proxy v1.21.2 (iptables mode on iptables-nft, default flags: \
+                             a canary check every --sync-period of 30 s, everything resynced \
+                             hourly), {label}: {}.",
                             result.how
                         ));
                         Some(result.cpu_per_hour)
                     }
                     Err(error) => {
-                        let error = format!("{error:#}");
-                        let first = error.lines().next().unwrap_or_default();
                         section.notes.push(format!(
-                            "kube-proxy v1.21.2, {label}: not measured: {first}."
+                            "kube-proxy v1.21.2, {label}: not measured: {}.",
+                            error.root_cause()
                         ));
                         None
                     }
@@ -526,13 +526,14 @@ pub fn idle(options: &BenchOptions) -> anyhow::Result<Block> {
     }
     section.notes.push(format!(
         "Method: the real binaries, each in a fresh namespace against the API server stand-in \
-         with the cluster loaded, default flags; CPU is the process's and its waited-for \
-         children's (iptables-restore, iptables-save) from /proc, over {:?} after the first \
-         sync and {:?} of settling. On the nf_tables backends the full check (every rule read \
-         back, the rules compared with a full rebuild) is hourly and not in the window: its \
-         CPU is measured in a second run with one every {:?}, and added once per hour. \
-         iptables-legacy announces no change: its node proxy reads its rules back every \
-         --sync-period (30 s), found by the read-back after the change.",
+         with the cluster loaded, default flags; CPU is that of the process and every \
+         descendant (iptables-restore, iptables-save; finished or still running) from /proc, \
+         over {:?} after the first sync and {:?} of settling. On the nf_tables backends the \
+         full check (every rule read back, the rules compared with a full rebuild) is hourly \
+         and not in the window: its CPU is measured in a second run with one every {:?}, and \
+         added once per hour; kube-proxy's hourly resync is added as the CPU of its first \
+         sync. iptables-legacy announces no change: its node proxy reads its rules back \
+         every --sync-period (30 s), where the repair is found.",
         plan.window, plan.settle, plan.full_check_period
     ));
     Ok(Block {
