@@ -1239,6 +1239,18 @@ async fn start_stand_in(
     apiserver
         .wait_serving(api_addr, Duration::from_secs(20))
         .await?;
+    // It serves before it writes the kubeconfig (renamed into place whole), so a lab that
+    // read it at once now and then found no file.
+    let written = Instant::now();
+    while !kubeconfig.exists() {
+        if written.elapsed() > Duration::from_secs(20) {
+            bail!(
+                "the API server stand-in serves but wrote no {}",
+                kubeconfig.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     Ok(apiserver)
 }
 
