@@ -781,11 +781,9 @@ async fn repair_deleted_rules(lab: &mut Lab, services: &[LabService]) -> Result<
         deleted.push(Deleted { port, endpoint });
     }
     let deleted_at = Instant::now();
-    let listing = node_rules(&node, mode, IpFamily::Ipv4).await?;
-    ensure!(
-        deleted.iter().all(|d| !d.present(mode, &listing)),
-        "the deleted rules are still listed"
-    );
+    // Not checked that they are gone now (each deletion succeeded): on the nf_tables
+    // backends the kernel announces the change and the node proxy may have written them
+    // back already.
     let limit = SYNC_PERIOD * 2 + REPAIR_SLACK;
     let repaired = loop {
         let listing = node_rules(&node, mode, IpFamily::Ipv4).await?;
