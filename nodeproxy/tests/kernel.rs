@@ -276,27 +276,40 @@ async fn read_back_of(
     syncer.take_read_back(read, desired)
 }
 
+/// The reference ruleset synced by a new syncer of `backend`, what the kernel then
+/// lists, and the first read-back taken (which gives nf_tables its digests) and found
+/// clean.
+async fn synced_and_read_back(backend: Backend) -> (Ruleset, Syncer, String) {
+    let desired = ruleset(&reference_state(reference_endpoints()));
+    let mut syncer = Syncer::new(backend);
+    syncer.sync(&desired).await.unwrap();
+    let expected = tables(backend);
+    assert_eq!(read_back(&mut syncer, &desired).await, vec![]);
+    (desired, syncer, expected)
+}
+
+/// The first chain of the desired nat table whose name starts with `prefix`.
+fn first_nat_chain(desired: &Ruleset, prefix: &str) -> String {
+    desired
+        .nat
+        .chains
+        .keys()
+        .find(|c| c.starts_with(prefix))
+        .unwrap()
+        .clone()
+}
+
 /// What an announced change gives: someone else's change is read back where it was,
 /// and only there on nf_tables (legacy announces nothing and reads everything).
 #[test]
 fn a_read_back_of_the_announced_chains_compares_only_them() {
     for_each_backend(|backend, _| {
         Box::pin(async move {
-            let desired = ruleset(&reference_state(reference_endpoints()));
-            let mut syncer = Syncer::new(backend);
-            syncer.sync(&desired).await.unwrap();
-            let expected = tables(backend);
-            assert_eq!(read_back(&mut syncer, &desired).await, vec![]);
-            let chain = |prefix: &str| {
-                desired
-                    .nat
-                    .chains
-                    .keys()
-                    .find(|c| c.starts_with(prefix))
-                    .unwrap()
-                    .clone()
-            };
-            let (sep, svc) = (chain("KUBE-SEP-"), chain("KUBE-SVC-"));
+            let (desired, mut syncer, expected) = synced_and_read_back(backend).await;
+            let (sep, svc) = (
+                first_nat_chain(&desired, "KUBE-SEP-"),
+                first_nat_chain(&desired, "KUBE-SVC-"),
+            );
             for drifted in [&sep, &svc] {
                 run(backend.iptables(), &["-t", "nat", "-F", drifted]);
             }
@@ -327,11 +340,7 @@ fn a_read_back_of_the_announced_chains_compares_only_them() {
 fn a_flushed_table_is_found_by_the_read_back_and_rewritten_in_full() {
     for_each_backend(|backend, _| {
         Box::pin(async move {
-            let desired = ruleset(&reference_state(reference_endpoints()));
-            let mut syncer = Syncer::new(backend);
-            syncer.sync(&desired).await.unwrap();
-            let expected = tables(backend);
-            assert_eq!(read_back(&mut syncer, &desired).await, vec![]);
+            let (desired, mut syncer, expected) = synced_and_read_back(backend).await;
             // Someone wipes nat.
             run(backend.iptables(), &["-t", "nat", "-F"]);
             run(backend.iptables(), &["-t", "nat", "-X"]);
@@ -350,32 +359,14 @@ fn a_flushed_table_is_found_by_the_read_back_and_rewritten_in_full() {
 fn drifted_rules_chains_and_jumps_are_found_by_the_read_back_and_repaired_in_one_restore() {
     for_each_backend(|backend, _| {
         Box::pin(async move {
-            let state = reference_state(reference_endpoints());
-            let desired = ruleset(&state);
-            let mut syncer = Syncer::new(backend);
-            syncer.sync(&desired).await.unwrap();
-            let expected = tables(backend);
-            // The read-back after the first sync (which gives nf_tables its digests).
-            assert_eq!(read_back(&mut syncer, &desired).await, vec![]);
-            let sep = desired
-                .nat
-                .chains
-                .keys()
-                .find(|c| c.starts_with("KUBE-SEP-"))
-                .unwrap()
-                .clone();
+            let (desired, mut syncer, expected) = synced_and_read_back(backend).await;
+            let sep = first_nat_chain(&desired, "KUBE-SEP-");
             let dnat = desired.nat.chains[&sep]
                 .iter()
                 .find(|r| r.contains("DNAT"))
                 .unwrap()
                 .clone();
-            let svc = desired
-                .nat
-                .chains
-                .keys()
-                .find(|c| c.starts_with("KUBE-SVC-"))
-                .unwrap()
-                .clone();
+            let svc = first_nat_chain(&desired, "KUBE-SVC-");
             let ipt = |args: &[&str]| {
                 let mut all = vec!["-t", "nat"];
                 all.extend_from_slice(args);

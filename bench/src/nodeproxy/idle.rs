@@ -17,7 +17,6 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use tandem_apiserver::{ServerConfig, spawn};
 use tandem_netlab::RunPrefix;
 use tandem_nodeproxy::backend::{Backend, Tools};
 use tandem_proxy_rules::model::IpFamily;
@@ -168,15 +167,12 @@ async fn run_against_stand_in(
     plan: IdlePlan,
     repair: bool,
 ) -> anyhow::Result<Window> {
-    let server = spawn(ServerConfig::default())
-        .await
-        .context("starting the API server stand-in")?;
-    rss::load(server.store(), Some(cluster))?;
-    let kubeconfig = workdir.join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig).await?;
-    let log_path = workdir.join("proxy.log");
-    let log = std::fs::File::create(&log_path)
-        .with_context(|| format!("creating {}", log_path.display()))?;
+    let rss::StandIn {
+        server,
+        kubeconfig,
+        log_path,
+        log,
+    } = rss::StandIn::start(Some(cluster), workdir).await?;
     let mut command = match proxy {
         Proxy::Tandem { binary, data_path } => {
             let mut command = tokio::process::Command::new(binary);

@@ -12,7 +12,7 @@ use anyhow::Context;
 use serde_json::{Value, json};
 use tandem_apiserver::resources::{ENDPOINT_SLICES, NAMESPACES, NODES, SERVICES};
 use tandem_apiserver::store::{Store, Subresource};
-use tandem_apiserver::{ServerConfig, spawn};
+use tandem_apiserver::{RunningServer, ServerConfig, spawn};
 use tandem_common::ProxyMode;
 use tandem_netlab::RunPrefix;
 use tandem_nodeproxy::backend::Backend;
@@ -99,6 +99,35 @@ where
     result
 }
 
+/// The API server stand-in loaded with a cluster, its kubeconfig and a log file for the
+/// proxy under test in the work directory.
+pub(super) struct StandIn {
+    pub server: RunningServer,
+    pub kubeconfig: PathBuf,
+    pub log_path: PathBuf,
+    pub log: std::fs::File,
+}
+
+impl StandIn {
+    pub async fn start(cluster: Option<&Cluster>, workdir: &Path) -> anyhow::Result<Self> {
+        let server = spawn(ServerConfig::default())
+            .await
+            .context("starting the API server stand-in")?;
+        load(server.store(), cluster)?;
+        let kubeconfig = workdir.join("kubeconfig");
+        server.write_kubeconfig(&kubeconfig).await?;
+        let log_path = workdir.join("proxy.log");
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))?;
+        Ok(Self {
+            server,
+            kubeconfig,
+            log_path,
+            log,
+        })
+    }
+}
+
 async fn run_against_stand_in(
     data_path: DataPathFlags,
     binary: PathBuf,
@@ -106,18 +135,15 @@ async fn run_against_stand_in(
     workdir: PathBuf,
     timeout: Duration,
 ) -> anyhow::Result<RssRun> {
-    let server = spawn(ServerConfig::default())
-        .await
-        .context("starting the API server stand-in")?;
-    load(server.store(), cluster.as_ref())?;
+    let StandIn {
+        server,
+        kubeconfig,
+        log_path,
+        log,
+    } = StandIn::start(cluster.as_ref(), &workdir).await?;
     let plans = cluster
         .as_ref()
         .map_or(&[cluster::V4][..], |cluster| cluster.plans);
-    let kubeconfig = workdir.join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig).await?;
-    let log_path = workdir.join("nodeproxy.log");
-    let log = std::fs::File::create(&log_path)
-        .with_context(|| format!("creating {}", log_path.display()))?;
     let started = Instant::now();
     let mut child = tokio::process::Command::new(&binary)
         .arg("--kubeconfig")
@@ -205,7 +231,7 @@ pub(super) async fn wait_for(
 }
 
 /// Put the namespace, the node, the Services (with their LB status) and the slices in.
-pub(super) fn load(store: &Store, cluster: Option<&Cluster>) -> anyhow::Result<()> {
+fn load(store: &Store, cluster: Option<&Cluster>) -> anyhow::Result<()> {
     store.create(
         NAMESPACES,
         None,
