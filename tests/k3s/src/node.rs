@@ -259,10 +259,15 @@ impl K3sNode {
             kubelet("fail-swap-on=false"),
             // The kubelet raises its limit to this and fails when it may not.
             kubelet(&format!("max-open-files={max_open_files}")),
-            // A full build machine's disk must neither evict the test's pods nor let the
-            // image garbage collector delete the preloaded images (they cannot be pulled
-            // back).
-            kubelet("eviction-hard=imagefs.available<1%,nodefs.available<1%"),
+            // A build machine's disk may be nearly full: the test's pods must not be
+            // evicted for it, and the eviction manager must not reclaim space by deleting
+            // the preloaded images (they cannot be pulled back; CI once lost the pause
+            // image so). "0%" switches a signal off; each of k3s's own disk thresholds is
+            // overridden here, as the kubelet merges repeated --eviction-hard flags.
+            kubelet(
+                "eviction-hard=imagefs.available<0%,nodefs.available<0%,\
+                 imagefs.inodesFree<0%,nodefs.inodesFree<0%",
+            ),
             kubelet("image-gc-high-threshold=100"),
         ];
         args.extend(c.extra_args.iter().cloned());
