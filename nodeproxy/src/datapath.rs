@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use tandem_common::ProxyMode;
-use tandem_nftables::digest::{ChainDigest, ObjectKind, SetDigest, TableDigest, TableDrift};
+use tandem_nftables::digest::{ChainDigest, ObjectKind, SetDigest, TableDigest};
 use tandem_nftables::kernel::{KernelError, Netlink};
-use tandem_nftables::{Fingerprint, TABLE, Transaction, Written};
+use tandem_nftables::{Fingerprint, TABLE, TableDrift, Transaction, Written};
 use tandem_proxy_rules::incremental::IncrementalRuleset;
 use tandem_proxy_rules::model::{IpFamily, NodeConfig, ProxyState, ServicePortName};
 use tandem_proxy_rules::nft;

@@ -17,6 +17,7 @@ use std::hash::{DefaultHasher, Hasher};
 
 use crate::encode::attributes;
 use crate::model::{Chain, IpFamily, Ruleset, Set, SetSpec};
+use crate::transaction::{Drift, TableDrift};
 
 /// One chain: its declaration (hook, priority, type and policy of a base chain) and a
 /// digest per rule, in order.
@@ -100,31 +101,9 @@ impl TableDigest {
     }
 }
 
-/// How a chain or set in the kernel differs from what was written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Drift {
-    /// Written, not in the kernel.
-    Missing,
-    /// In the kernel, never written (or since removed).
-    Unexpected,
-    /// Declared differently (a chain's hook, priority or policy; a set's type or flags).
-    Declaration,
-    /// A chain's rules or a set's elements differ.
-    Content,
-}
-
-/// The chains and sets of a table that differ from what was written, by name.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TableDrift {
-    pub chains: BTreeMap<String, Drift>,
-    pub sets: BTreeMap<String, Drift>,
-}
-
+// Drift is found here, from digests; `Transaction::repair` mends it without knowing of
+// digests, so the drift types live in `transaction`, below this module.
 impl TableDrift {
-    pub fn is_empty(&self) -> bool {
-        self.chains.is_empty() && self.sets.is_empty()
-    }
-
     /// How the kernel's `kernel` differs from `written`, leaving out the chains and sets
     /// `skip` names (written again since the kernel was read: the next read checks them).
     pub fn between(

@@ -150,7 +150,9 @@ impl Netlink {
     /// The socket's netlink port, which the kernel's announcements of its changes carry
     /// ([`crate::monitor`]).
     pub fn port(&self) -> io::Result<u32> {
-        crate::monitor::port_of(&self.socket)
+        let mut address = SocketAddr::new(0, 0);
+        self.socket.get_address(&mut address)?;
+        Ok(address.port_number())
     }
 
     /// Applies `tx` atomically: all of it, or (on error) none of it.

@@ -25,4 +25,4 @@ pub mod render;
 pub mod transaction;
 
 pub use model::*;
-pub use transaction::{Op, Transaction, Written};
+pub use transaction::{Drift, Op, TableDrift, Transaction, Written};

@@ -5,10 +5,9 @@
 //! without reading the ruleset back. Blocking, as [`crate::kernel`].
 
 use std::collections::BTreeSet;
-use std::io;
 use std::os::fd::AsFd;
 
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+use netlink_sys::{Socket, protocols::NETLINK_NETFILTER};
 use nix::sys::socket::{setsockopt, sockopt};
 
 use crate::digest::{find, string};
@@ -119,13 +118,6 @@ impl Monitor {
             Err(error) => Err(KernelError::Receive(error)),
         }
     }
-}
-
-/// The port of a netlink socket, as the announcements of its changes carry it.
-pub fn port_of(socket: &Socket) -> io::Result<u32> {
-    let mut address = SocketAddr::new(0, 0);
-    socket.get_address(&mut address)?;
-    Ok(address.port_number())
 }
 
 /// The changes announced in one datagram; other messages (the generation that ends each

@@ -4,7 +4,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::digest::{Drift, TableDrift};
 use crate::model::{BaseChain, Chain, IpFamily, Key, Rule, Ruleset, Set, SetSpec, Value};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,6 +64,33 @@ impl Written {
         self.table |= other.table;
         self.chains.extend(other.chains);
         self.sets.extend(other.sets);
+    }
+}
+
+/// How a chain or set in the kernel differs from what was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Drift {
+    /// Written, not in the kernel.
+    Missing,
+    /// In the kernel, never written (or since removed).
+    Unexpected,
+    /// Declared differently (a chain's hook, priority or policy; a set's type or flags).
+    Declaration,
+    /// A chain's rules or a set's elements differ.
+    Content,
+}
+
+/// The chains and sets of a table that differ from what was written, by name: found from
+/// digests by [`TableDrift::between`], mended by [`Transaction::repair`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TableDrift {
+    pub chains: BTreeMap<String, Drift>,
+    pub sets: BTreeMap<String, Drift>,
+}
+
+impl TableDrift {
+    pub fn is_empty(&self) -> bool {
+        self.chains.is_empty() && self.sets.is_empty()
     }
 }
 
