@@ -1,13 +1,17 @@
 //! What every Tandem binary does at its edge, written once: the `--log-format` flag and
 //! logging setup, shutdown on SIGINT/SIGTERM, duration flags in Go's syntax, the facts of
-//! Kubernetes that several components rely on, the Kubernetes client (feature `kube`),
+//! Kubernetes that several components rely on (with the [`IpFamily`] and [`Protocol`] of
+//! Service ports), the Kubernetes client (feature `kube`),
 //! the serving of metrics and health endpoints (feature `http`) and of HTTPS (feature
 //! `tls`).
 
 use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 use std::time::Duration;
 
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 #[cfg(feature = "http")]
@@ -68,6 +72,86 @@ impl ProxyMode {
 
 impl std::fmt::Display for ProxyMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An IP family. The node proxy runs a proxier per family, with tables of its own
+/// (`iptables` and `ip6tables`, `ip` and `ip6` in nftables) holding the same chain names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum IpFamily {
+    #[default]
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => Self::V4,
+            IpAddr::V6(_) => Self::V6,
+        }
+    }
+
+    /// The Kubernetes name: `IPv4` or `IPv6` (`ipFamilies`, an EndpointSlice's
+    /// `addressType`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::V4 => "IPv4",
+            Self::V6 => "IPv6",
+        }
+    }
+
+    /// The loopback addresses: 127.0.0.0/8, or ::1/128.
+    pub fn loopback(self) -> IpNet {
+        match self {
+            Self::V4 => IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(127, 0, 0, 0), 8)),
+            Self::V6 => IpNet::V6(Ipv6Net::new_assert(Ipv6Addr::LOCALHOST, 128)),
+        }
+    }
+
+    pub fn holds(self, ip: IpAddr) -> bool {
+        Self::of(ip) == self
+    }
+}
+
+impl fmt::Display for IpFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The L4 protocol of a Service port, in both of the node proxy's modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// Lower-case name, as nft, iptables and the chain-name hashes write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
+        }
+    }
+
+    /// IANA protocol number (`meta l4proto`).
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+            Protocol::Sctp => 132,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
 }

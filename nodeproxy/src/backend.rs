@@ -6,7 +6,7 @@
 use std::fmt;
 use std::process::Stdio;
 
-use tandem_proxy_rules::model::IpFamily;
+use tandem_common::IpFamily;
 use tokio::process::Command;
 
 use crate::restore::CANARY_CHAIN;

@@ -17,7 +17,8 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Resource;
 use kube::runtime::watcher::Event;
-use tandem_proxy_rules::model::{IpFamily, ProxyState, ServicePortName};
+use tandem_common::IpFamily;
+use tandem_proxy_rules::model::{ProxyState, ServicePortName};
 
 use crate::convert::{self, ObjectKey, ServiceEntry, Skipped, SliceEntry, object_key};
 

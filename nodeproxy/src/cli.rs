@@ -6,9 +6,8 @@ use std::str::FromStr;
 
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use ipnet::IpNet;
-use tandem_proxy_rules::model::{
-    InterfaceName, IpFamily, LocalDetector, NodeConfig, NodePortAddresses, Protocol,
-};
+use tandem_common::{IpFamily, Protocol};
+use tandem_proxy_rules::model::{InterfaceName, LocalDetector, NodeConfig, NodePortAddresses};
 
 pub use tandem_common::{GoDuration, LogFormat};
 

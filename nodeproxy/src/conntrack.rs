@@ -12,11 +12,12 @@
 use std::process::Stdio;
 use std::time::Instant;
 
+use tandem_common::IpFamily;
 use tandem_nftables::ctnetlink::{self, Conntrack, ConntrackError};
 use tandem_proxy_rules::conntrack::{
     ConntrackDeletion, ConntrackFlow, ServingUdpEndpoints, stale_udp_deletions,
 };
-use tandem_proxy_rules::model::{IpFamily, ProxyState};
+use tandem_proxy_rules::model::ProxyState;
 use tokio::process::Command;
 
 use crate::metrics::{FamilyLabels, Metrics};

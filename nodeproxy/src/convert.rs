@@ -20,9 +20,9 @@ use k8s_openapi::api::discovery::v1::{EndpointHints, EndpointSlice};
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
+use tandem_common::{IpFamily, Protocol};
 use tandem_proxy_rules::model::{
-    Endpoint, Hints, IpFamily, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort,
-    ServicePortName,
+    Endpoint, Hints, IpMode, LoadBalancerIngress, ProxyState, ServicePort, ServicePortName,
 };
 
 /// Label that ties an EndpointSlice to its Service.

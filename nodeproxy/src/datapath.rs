@@ -8,12 +8,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
+use tandem_common::IpFamily;
 use tandem_common::ProxyMode;
 use tandem_nftables::digest::{ChainDigest, ObjectKind, SetDigest, TableDigest};
 use tandem_nftables::kernel::{KernelError, Netlink};
-use tandem_nftables::{Fingerprint, TABLE, TableDrift, Transaction, Written};
+use tandem_nftables::{Fingerprint, NftFamily, TABLE, TableDrift, Transaction, Written};
 use tandem_proxy_rules::incremental::IncrementalRuleset;
-use tandem_proxy_rules::model::{IpFamily, NodeConfig, ProxyState, ServicePortName};
+use tandem_proxy_rules::model::{NodeConfig, ProxyState, ServicePortName};
 use tandem_proxy_rules::nft;
 use tandem_proxy_rules::ruleset::{ChangedChains, Table};
 use tokio::task::JoinHandle;

@@ -11,8 +11,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use tandem_common::IpFamily;
 use tandem_nftables::kernel::{KernelError, Netlink};
-use tandem_proxy_rules::model::IpFamily;
 use tandem_proxy_rules::ruleset::{BASE_JUMPS, ChangedChains, Ruleset, Table, TableRules};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;

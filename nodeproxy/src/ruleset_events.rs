@@ -15,9 +15,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use tandem_common::IpFamily;
 use tandem_nftables::kernel::KernelError;
 use tandem_nftables::monitor::{Announcement, Change, Monitor, Object};
-use tandem_proxy_rules::model::IpFamily;
 use tandem_proxy_rules::ruleset::Table;
 use tokio::sync::Notify;
 

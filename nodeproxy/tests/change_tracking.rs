@@ -13,10 +13,10 @@ use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::watcher::Event;
 use proptest::prelude::*;
+use tandem_common::IpFamily;
 use tandem_nodeproxy::change_tracker::ChangeTracker;
 use tandem_nodeproxy::convert::{SERVICE_NAME_LABEL, proxy_state};
 use tandem_proxy_rules::incremental::IncrementalRuleset;
-use tandem_proxy_rules::model::IpFamily;
 use tandem_proxy_rules::ruleset::ChangedChains;
 
 const SERVICES: usize = 3;

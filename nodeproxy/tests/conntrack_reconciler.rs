@@ -13,13 +13,14 @@ use std::time::Duration;
 use common::*;
 use prometheus_client::registry::Registry;
 use tandem_common::ProxyMode;
+use tandem_common::{IpFamily, Protocol};
 use tandem_nftables::ctnetlink::{self, Conntrack, Flow};
 use tandem_nodeproxy::backend::BackendChoice;
 use tandem_nodeproxy::conntrack::{Reconciled, reconcile, reconcile_blocking};
 use tandem_nodeproxy::datapath;
 use tandem_nodeproxy::metrics::{FamilyLabels, Metrics};
 use tandem_proxy_rules::conntrack::ServingUdpEndpoints;
-use tandem_proxy_rules::model::{Endpoint, IpFamily, NodeConfig, Protocol, ProxyState};
+use tandem_proxy_rules::model::{Endpoint, NodeConfig, ProxyState};
 
 const POD_PORT: u16 = 8080;
 /// The reference state's nginx Service, made UDP (with an IPv6 cluster IP for IPv6).

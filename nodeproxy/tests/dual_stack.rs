@@ -22,9 +22,10 @@ use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use tandem_apiserver::service::ServiceCidrs;
+use tandem_common::IpFamily;
 use tandem_netlab::{Host, Netns, Node, Pod, Topology, addr};
+use tandem_nftables::NftFamily;
 use tandem_nodeproxy::backend::{Backend, Tools};
-use tandem_proxy_rules::model::IpFamily;
 use tokio::process::{Child, Command};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tandem-nodeproxy");

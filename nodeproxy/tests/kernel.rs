@@ -6,11 +6,12 @@
 mod common;
 
 use common::*;
+use tandem_common::{IpFamily, Protocol};
 use tandem_nodeproxy::backend::Backend;
 use tandem_nodeproxy::iptables::{self, ChainScope, SyncError, Syncer, TableRepair};
 use tandem_nodeproxy::restore::RestoreMode;
 use tandem_proxy_rules::chains::{endpoint_chain, service_chain};
-use tandem_proxy_rules::model::{IpFamily, Protocol, ProxyState};
+use tandem_proxy_rules::model::ProxyState;
 use tandem_proxy_rules::ruleset::{ChangedChains, Ruleset, Table};
 
 /// A scenario run once per backend, in its own fresh namespace.

@@ -11,11 +11,11 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::time::Duration;
 
 use common::*;
+use tandem_common::{IpFamily, Protocol};
 use tandem_netlab::Topology;
 use tandem_nodeproxy::backend::Backend;
 use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::restore::RestoreMode;
-use tandem_proxy_rules::model::{IpFamily, Protocol};
 
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
 const POD_PORT: u16 = 8080;

@@ -21,6 +21,7 @@ use std::collections::BTreeSet;
 
 use common::*;
 use prometheus_client::registry::Registry;
+use tandem_common::Protocol;
 use tandem_common::ProxyMode;
 use tandem_nodeproxy::backend::{Backend, BackendChoice};
 use tandem_nodeproxy::datapath::{self, DataPath};
@@ -28,7 +29,7 @@ use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::metrics::Metrics;
 use tandem_nodeproxy::restore::{self, RestoreMode, TableInspection};
 use tandem_proxy_rules::model::{
-    IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort, ServicePortName,
+    IpMode, LoadBalancerIngress, ProxyState, ServicePort, ServicePortName,
 };
 
 const SERVICES: usize = 2_700;

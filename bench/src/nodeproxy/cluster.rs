@@ -19,8 +19,9 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use tandem_common::IpFamily;
 use tandem_nodeproxy::convert::SERVICE_NAME_LABEL;
-use tandem_proxy_rules::model::{IpFamily, NodeConfig};
+use tandem_proxy_rules::model::NodeConfig;
 
 /// The Kubernetes namespace every generated object lives in.
 pub const NAMESPACE: &str = "bench";
@@ -403,8 +404,8 @@ impl AddressPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tandem_common::IpFamily;
     use tandem_nodeproxy::convert::proxy_state;
-    use tandem_proxy_rules::model::IpFamily;
 
     fn scale(kind: ServiceKind, services: usize, endpoints: usize) -> Scale {
         Scale {

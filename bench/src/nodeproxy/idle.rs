@@ -17,9 +17,9 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use tandem_common::IpFamily;
 use tandem_netlab::RunPrefix;
 use tandem_nodeproxy::backend::{Backend, Tools};
-use tandem_proxy_rules::model::IpFamily;
 
 use super::cluster::{self, Cluster, Scale};
 use super::rss::{self, DataPathFlags, HEALTHZ, METRICS};

@@ -13,13 +13,13 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use tandem_common::IpFamily;
 use tandem_netlab::RunPrefix;
 use tandem_nftables::encode::Batch;
 use tandem_nftables::kernel::Netlink;
 use tandem_nftables::{Transaction, render};
 use tandem_nodeproxy::change_tracker::ChangeTracker;
 use tandem_nodeproxy::convert::proxy_state;
-use tandem_proxy_rules::model::IpFamily;
 use tandem_proxy_rules::nft::incremental::IncrementalRuleset;
 use tandem_proxy_rules::nft::layout;
 

@@ -389,15 +389,12 @@ mod tests {
             .map(|s| serde_json::from_value(s).unwrap())
             .collect();
         // What the binary will see converts to exactly what the in-process sync builds from.
-        let served = tandem_nodeproxy::convert::proxy_state(
-            &typed,
-            &slices,
-            tandem_proxy_rules::model::IpFamily::V4,
-        );
+        let served =
+            tandem_nodeproxy::convert::proxy_state(&typed, &slices, tandem_common::IpFamily::V4);
         let direct = tandem_nodeproxy::convert::proxy_state(
             &generated.services,
             &generated.slices,
-            tandem_proxy_rules::model::IpFamily::V4,
+            tandem_common::IpFamily::V4,
         );
         assert!(served.skipped.is_empty(), "{:?}", served.skipped);
         assert_eq!(served.state, direct.state);

@@ -10,11 +10,11 @@ use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use netlink_sys::{Socket, SocketAddr as NetlinkAddr, protocols::NETLINK_NETFILTER};
+use tandem_common::IpFamily;
 
 use crate::digest::attributes;
 use crate::encode::Writer;
 use crate::kernel::{self, NFGENMSG_LEN, NLMSG_HEADER_LEN, error_answer, read_u16, read_u32};
-use crate::model::IpFamily;
 
 const NLM_F_REQUEST: u16 = 0x1;
 const NLM_F_ACK: u16 = 0x4;

@@ -15,8 +15,10 @@
 use std::collections::BTreeMap;
 use std::hash::{DefaultHasher, Hasher};
 
+use tandem_common::IpFamily;
+
 use crate::encode::attributes;
-use crate::model::{Chain, IpFamily, Ruleset, Set, SetSpec};
+use crate::model::{Chain, Ruleset, Set, SetSpec};
 use crate::transaction::{Drift, TableDrift};
 
 /// One chain: its declaration (hook, priority, type and policy of a base chain) and a
@@ -414,8 +416,10 @@ pub(crate) fn listed_elements(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
 mod tests {
     use std::net::{Ipv4Addr, SocketAddr};
 
+    use tandem_common::Protocol;
+
     use super::*;
-    use crate::model::{Key, KeyType, Match, Protocol, Rule, Statement, Value as ElementValue};
+    use crate::model::{Key, KeyType, Match, Rule, Statement, Value as ElementValue};
 
     fn dnat(port: u16) -> Rule {
         Rule::when(

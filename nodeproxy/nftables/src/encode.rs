@@ -11,10 +11,11 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
+use tandem_common::{IpFamily, Protocol};
 
 use crate::model::{
-    BUCKETS, BaseChain, ChainType, DispatchKey, Hook, IpFamily, Key, KeyType, Match, Protocol,
-    Rule, SetSpec, Statement, TABLE, Value, Verdict,
+    BUCKETS, BaseChain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Rule, SetSpec,
+    Statement, TABLE, Value, Verdict,
 };
 use crate::transaction::{Op, Transaction};
 
@@ -662,8 +663,10 @@ fn rule_body(w: &mut Writer, rule: &Rule, set_ids: &BTreeMap<String, u32>, famil
 pub(crate) mod attributes {
     use std::collections::BTreeMap;
 
+    use tandem_common::IpFamily;
+
     use super::{Family, Writer, base_chain, rule_body, set_declaration};
-    use crate::model::{BaseChain, IpFamily, Key, Rule, SetSpec, Value};
+    use crate::model::{BaseChain, Key, Rule, SetSpec, Value};
 
     /// A chain's hook, type and policy (none for a regular chain).
     pub(crate) fn chain(base: Option<&BaseChain>) -> Vec<u8> {
@@ -1084,7 +1087,7 @@ impl Expressions<'_> {
         });
     }
 
-    fn protocol(&mut self, protocol: crate::model::Protocol) {
+    fn protocol(&mut self, protocol: tandem_common::Protocol) {
         self.meta_load(NFT_META_L4PROTO, NFT_REG_1);
         self.cmp(NFT_CMP_EQ, &[protocol.number()]);
     }

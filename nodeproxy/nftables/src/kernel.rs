@@ -15,10 +15,10 @@ use std::os::fd::{AsFd, AsRawFd};
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 use nix::sys::socket::{MsgFlags, NetlinkAddr, sendmsg, setsockopt, sockopt};
+use tandem_common::IpFamily;
 
 use crate::digest::{self, ChainDigest, SetDigest, TableDigest};
 use crate::encode::{self, Batch, EncodeError};
-use crate::model::IpFamily;
 use crate::render;
 use crate::transaction::Transaction;
 

@@ -6,12 +6,11 @@
 //! programmed either way lists the same (`nft list table ip tandem`).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 
-use ipnet::{IpNet, Ipv4Net, Ipv6Net};
-use serde::{Deserialize, Serialize};
+use ipnet::IpNet;
+use tandem_common::{IpFamily, Protocol};
 
 /// Our table's name: `table ip tandem`, and `table ip6 tandem` for IPv6.
 pub const TABLE: &str = "tandem";
@@ -26,95 +25,25 @@ pub const MASQUERADE_MARK: u32 = 0x4000;
 /// share it exactly, and more are off by at most one bucket (0.00014% of the traffic).
 pub const BUCKETS: u32 = 720_720;
 
-/// An IP family. The node proxy runs a proxier per family, with tables of its own
-/// (`iptables` and `ip6tables`, `ip` and `ip6` in nftables) holding the same chain names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub enum IpFamily {
-    #[default]
-    V4,
-    V6,
+/// How nft names a family and our table in it.
+pub trait NftFamily {
+    /// The nftables family: `ip` or `ip6`.
+    fn nft_family(self) -> &'static str;
+
+    /// Our table of this family, as nft names it: `ip tandem` or `ip6 tandem`.
+    fn nft_table(self) -> String;
 }
 
-impl IpFamily {
-    pub fn of(ip: IpAddr) -> Self {
-        match ip {
-            IpAddr::V4(_) => Self::V4,
-            IpAddr::V6(_) => Self::V6,
-        }
-    }
-
-    /// The Kubernetes name: `IPv4` or `IPv6` (`ipFamilies`, an EndpointSlice's
-    /// `addressType`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::V4 => "IPv4",
-            Self::V6 => "IPv6",
-        }
-    }
-
-    /// The loopback addresses: 127.0.0.0/8, or ::1/128.
-    pub fn loopback(self) -> IpNet {
-        match self {
-            Self::V4 => IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(127, 0, 0, 0), 8)),
-            Self::V6 => IpNet::V6(Ipv6Net::new_assert(Ipv6Addr::LOCALHOST, 128)),
-        }
-    }
-
-    pub fn holds(self, ip: IpAddr) -> bool {
-        Self::of(ip) == self
-    }
-
-    /// The nftables family: `ip` or `ip6`.
-    pub fn nft_family(self) -> &'static str {
+impl NftFamily for IpFamily {
+    fn nft_family(self) -> &'static str {
         match self {
             Self::V4 => "ip",
             Self::V6 => "ip6",
         }
     }
 
-    /// Our table of this family, as nft names it: `ip tandem` or `ip6 tandem`.
-    pub fn nft_table(self) -> String {
+    fn nft_table(self) -> String {
         format!("{} {TABLE}", self.nft_family())
-    }
-}
-
-impl fmt::Display for IpFamily {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Protocol {
-    Tcp,
-    Udp,
-    Sctp,
-}
-
-impl Protocol {
-    /// Lower-case name, as nft, iptables and the chain-name hashes write it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Protocol::Tcp => "tcp",
-            Protocol::Udp => "udp",
-            Protocol::Sctp => "sctp",
-        }
-    }
-
-    /// IANA protocol number (`meta l4proto`).
-    pub fn number(self) -> u8 {
-        match self {
-            Protocol::Tcp => 6,
-            Protocol::Udp => 17,
-            Protocol::Sctp => 132,
-        }
-    }
-}
-
-impl fmt::Display for Protocol {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

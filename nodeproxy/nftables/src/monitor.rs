@@ -9,6 +9,7 @@ use std::os::fd::AsFd;
 
 use netlink_sys::{Socket, protocols::NETLINK_NETFILTER};
 use nix::sys::socket::{setsockopt, sockopt};
+use tandem_common::IpFamily;
 
 use crate::digest::{find, string};
 use crate::encode::{
@@ -17,7 +18,6 @@ use crate::encode::{
     NFT_MSG_NEWSET, NFT_MSG_NEWSETELEM, NFT_MSG_NEWTABLE,
 };
 use crate::kernel::{self, KernelError, NFGENMSG_LEN, NLMSG_HEADER_LEN, read_u16, read_u32};
-use crate::model::IpFamily;
 
 /// `NFNLGRP_NFTABLES` in `linux/netfilter/nfnetlink.h`.
 const NFNLGRP_NFTABLES: u32 = 7;

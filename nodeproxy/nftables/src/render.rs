@@ -4,9 +4,10 @@
 use std::fmt::Write as _;
 
 use ipnet::IpNet;
+use tandem_common::IpFamily;
 
 use crate::model::{
-    BUCKETS, BaseChain, DispatchKey, IpFamily, Key, KeyType, Match, Rule, SetSpec, Statement,
+    BUCKETS, BaseChain, DispatchKey, Key, KeyType, Match, NftFamily, Rule, SetSpec, Statement,
     Value, Verdict,
 };
 use crate::transaction::{Op, Transaction};
@@ -218,8 +219,9 @@ pub fn verdict(v: &Verdict) -> String {
 
 #[cfg(test)]
 mod tests {
+    use tandem_common::Protocol;
+
     use super::*;
-    use crate::model::Protocol;
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
     #[test]

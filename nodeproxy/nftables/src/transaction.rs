@@ -4,7 +4,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::model::{BaseChain, Chain, IpFamily, Key, Rule, Ruleset, Set, SetSpec, Value};
+use tandem_common::IpFamily;
+
+use crate::model::{BaseChain, Chain, Key, Rule, Ruleset, Set, SetSpec, Value};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {

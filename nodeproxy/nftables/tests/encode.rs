@@ -11,11 +11,12 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+use tandem_common::{IpFamily, Protocol};
 use tandem_nftables::encode;
 use tandem_nftables::render;
 use tandem_nftables::{
-    BaseChain, ChainType, DispatchKey, Hook, IpFamily, Key, KeyType, Match, Op, Protocol, Rule,
-    SetSpec, Statement, Transaction, Value, Verdict,
+    BaseChain, ChainType, DispatchKey, Hook, Key, KeyType, Match, Op, Rule, SetSpec, Statement,
+    Transaction, Value, Verdict,
 };
 
 const NFT_BATCH: &[u8] = include_bytes!("fixtures/nft-1.0.6-every-variant.bin");

@@ -18,12 +18,13 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::sched::{CloneFlags, setns};
+use tandem_common::{IpFamily, Protocol};
 use tandem_nftables::digest::TableDigest;
 use tandem_nftables::kernel::{KernelError, Netlink};
 use tandem_nftables::render;
 use tandem_nftables::{
-    BUCKETS, BaseChain, Chain, ChainType, DispatchKey, Drift, Hook, IpFamily, Key, KeyType, Match,
-    Op, Protocol, Rule, Ruleset, Set, SetSpec, Statement, TableDrift, Transaction, Value, Verdict,
+    BUCKETS, BaseChain, Chain, ChainType, DispatchKey, Drift, Hook, Key, KeyType, Match, NftFamily,
+    Op, Rule, Ruleset, Set, SetSpec, Statement, TableDrift, Transaction, Value, Verdict,
 };
 
 const MARK: u32 = 0x4000;

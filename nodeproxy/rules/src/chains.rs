@@ -5,8 +5,9 @@ use std::net::SocketAddr;
 
 use data_encoding::BASE32;
 use sha2::{Digest, Sha256};
+use tandem_common::Protocol;
 
-use crate::model::{Protocol, ServicePortName};
+use crate::model::ServicePortName;
 
 /// nat and filter: entry chain for Service portals.
 pub const KUBE_SERVICES: &str = "KUBE-SERVICES";

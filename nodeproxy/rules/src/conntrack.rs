@@ -12,8 +12,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+use tandem_common::{IpFamily, Protocol};
 
-use crate::model::{IpFamily, IpMode, Protocol, ProxyState, ServicePort, ServicePortName};
+use crate::model::{IpMode, ProxyState, ServicePort, ServicePortName};
 
 /// One `conntrack -D` to run after the new rules are in place.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

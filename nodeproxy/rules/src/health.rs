@@ -105,8 +105,10 @@ pub fn merge_families(
 mod tests {
     use std::net::Ipv4Addr;
 
+    use tandem_common::Protocol;
+
     use super::*;
-    use crate::model::{Endpoint, Protocol, ServicePort, ServicePortName};
+    use crate::model::{Endpoint, ServicePort, ServicePortName};
 
     fn port(name: &str, port: &str, local: bool, health: Option<u16>) -> ServicePort {
         ServicePort {

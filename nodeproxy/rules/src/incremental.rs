@@ -140,8 +140,10 @@ impl IncrementalRuleset {
 mod tests {
     use std::net::Ipv4Addr;
 
+    use tandem_common::Protocol;
+
     use super::*;
-    use crate::model::{Endpoint, Protocol, ServicePort};
+    use crate::model::{Endpoint, ServicePort};
 
     fn node() -> NodeConfig {
         NodeConfig::new("node-a", Some("10.244.0.0/16".parse().unwrap()))

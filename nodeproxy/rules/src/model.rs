@@ -9,6 +9,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
+use tandem_common::{IpFamily, Protocol};
 
 /// `namespace/name:portname` (or `namespace/name` when the port has no name): kube-proxy's
 /// `ServicePortName`, the unit that gets one KUBE-SVC chain.
@@ -29,9 +30,6 @@ impl fmt::Display for ServicePortName {
         }
     }
 }
-
-/// The L4 protocol of a Service port: the nftables model's, so both modes share one type.
-pub use tandem_nftables::Protocol;
 
 /// How a load balancer delivers traffic for an ingress IP (`status.loadBalancer.ingress[].ipMode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -178,9 +176,6 @@ impl ProxyState {
         self.endpoints.get(name).map_or(&[], Vec::as_slice)
     }
 }
-
-/// An IP family: the nftables model's, so both modes share one type.
-pub use tandem_nftables::IpFamily;
 
 /// A network interface's name (or name prefix), as the kernel allows it: 1 to 15 bytes
 /// (`IFNAMSIZ` less the NUL), none of them a space, `/`, `"` or a control character, and no

@@ -10,14 +10,15 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
+use tandem_common::{IpFamily, Protocol};
 
 use crate::chains::{
     self, DROP_MARK, KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_MARK_DROP, KUBE_MARK_MASQ,
     KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_FIREWALL, KUBE_SERVICES, MASQUERADE_MARK,
 };
 use crate::model::{
-    Endpoint, IpFamily, IpMode, LocalDetector, NodeConfig, NodePortAddresses, Protocol, ProxyState,
-    ServicePort, overlaps,
+    Endpoint, IpMode, LocalDetector, NodeConfig, NodePortAddresses, ProxyState, ServicePort,
+    overlaps,
 };
 use crate::ruleset::{Ruleset, Table};
 pub(crate) use crate::topology::{UsableEndpoint, usable_endpoints};

@@ -280,8 +280,10 @@ pub(crate) fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec
 mod tests {
     use std::net::IpAddr;
 
+    use tandem_common::Protocol;
+
     use super::*;
-    use crate::model::{Hints, Protocol, ServicePortName};
+    use crate::model::{Hints, ServicePortName};
     use crate::trace::{Entry, Packet};
 
     const NODE: &str = "node-a";

@@ -10,9 +10,8 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 
 use common::ip;
-use tandem_proxy_rules::model::{
-    LocalDetector, NodeConfig, NodePortAddresses, Protocol, ProxyState,
-};
+use tandem_common::Protocol;
+use tandem_proxy_rules::model::{LocalDetector, NodeConfig, NodePortAddresses, ProxyState};
 use tandem_proxy_rules::nft::layout;
 use tandem_proxy_rules::trace::{Entry, Packet, Trace, TraceRequest, Verdict, trace};
 

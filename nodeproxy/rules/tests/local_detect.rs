@@ -10,8 +10,9 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 
 use common::ip;
+use tandem_common::Protocol;
 use tandem_nftables::{Transaction, render};
-use tandem_proxy_rules::model::{LocalDetector, NodeConfig, Protocol, ProxyState};
+use tandem_proxy_rules::model::{LocalDetector, NodeConfig, ProxyState};
 use tandem_proxy_rules::nft::layout;
 use tandem_proxy_rules::ruleset::Table;
 use tandem_proxy_rules::trace::{Entry, Outcome, Packet, Trace, TraceRequest, Verdict, trace};

@@ -15,13 +15,13 @@ use common::generate::{MAX_PORTS, port_name, state};
 use common::ip;
 use common::netns::{Netns, is_root};
 use proptest::prelude::*;
+use tandem_common::{IpFamily, Protocol};
 use tandem_nftables::{
     Key, Op, Ruleset, Statement, Transaction, Value, Verdict as MapVerdict, render,
 };
 use tandem_proxy_rules::chains::endpoint_chain;
 use tandem_proxy_rules::model::{
-    Endpoint, IpFamily, IpMode, LocalDetector, NodeConfig, Protocol, ProxyState, ServicePort,
-    ServicePortName,
+    Endpoint, IpMode, LocalDetector, NodeConfig, ProxyState, ServicePort, ServicePortName,
 };
 use tandem_proxy_rules::nft::incremental::IncrementalRuleset;
 use tandem_proxy_rules::nft::layout::{self, affinity_set};

@@ -5,11 +5,10 @@
 mod common;
 
 use common::{ip, vip};
+use tandem_common::Protocol;
 use tandem_proxy_rules::build;
 use tandem_proxy_rules::chains::{endpoint_chain, firewall_chain, service_chain};
-use tandem_proxy_rules::model::{
-    Endpoint, IpMode, LoadBalancerIngress, NodeConfig, Protocol, ProxyState,
-};
+use tandem_proxy_rules::model::{Endpoint, IpMode, LoadBalancerIngress, NodeConfig, ProxyState};
 use tandem_proxy_rules::ruleset::{Ruleset, Table};
 
 fn rules_of(ruleset: &Ruleset, table: Table, chain: &str) -> Vec<String> {

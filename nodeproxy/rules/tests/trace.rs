@@ -8,9 +8,10 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 
 use common::ip;
+use tandem_common::Protocol;
 use tandem_proxy_rules::build;
 use tandem_proxy_rules::chains::endpoint_chain;
-use tandem_proxy_rules::model::{IpMode, Protocol, ProxyState};
+use tandem_proxy_rules::model::{IpMode, ProxyState};
 use tandem_proxy_rules::ruleset::Table;
 use tandem_proxy_rules::trace::{Entry, Hop, Packet, Route, Trace, TraceRequest, Verdict, trace};
 

@@ -12,10 +12,10 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use nix::sched::{CloneFlags, setns};
+use tandem_common::Protocol;
 use tandem_nodeproxy::backend::Backend;
 use tandem_proxy_rules::model::{
-    Endpoint, IpMode, LoadBalancerIngress, NodeConfig, Protocol, ProxyState, ServicePort,
-    ServicePortName,
+    Endpoint, IpMode, LoadBalancerIngress, NodeConfig, ProxyState, ServicePort, ServicePortName,
 };
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);

@@ -30,9 +30,10 @@ use std::net::{IpAddr, SocketAddr};
 use data_encoding::BASE32;
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
+use tandem_common::Protocol;
 use tandem_nftables::{
     BUCKETS, BaseChain, Chain, ChainType, DispatchKey, Hook, Key, KeyType, MASQUERADE_MARK, Match,
-    Protocol, Rule, Ruleset, Set, SetSpec, Statement, Value, Verdict,
+    Rule, Ruleset, Set, SetSpec, Statement, Value, Verdict,
 };
 
 use super::slots::{BucketSlot, BucketSlots, Spread};

@@ -9,7 +9,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use tandem_nftables::{BUCKETS, Protocol};
+use tandem_common::Protocol;
+use tandem_nftables::BUCKETS;
 
 use crate::model::{ProxyState, ServicePortName};
 

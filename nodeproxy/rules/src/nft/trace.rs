@@ -457,7 +457,7 @@ mod tests {
         let packet = Packet {
             src: Ipv4Addr::new(192, 0, 2, 1).into(),
             dst: Ipv4Addr::new(192, 0, 2, 2).into(),
-            protocol: tandem_nftables::Protocol::Tcp,
+            protocol: tandem_common::Protocol::Tcp,
             dst_port: 1,
         };
         TraceRequest::new(packet, Entry::FromOutside, [])
@@ -465,7 +465,7 @@ mod tests {
 
     fn ruleset(chains: Vec<(&str, Chain)>) -> Ruleset {
         Ruleset {
-            family: tandem_nftables::IpFamily::V4,
+            family: tandem_common::IpFamily::V4,
             chains: chains
                 .into_iter()
                 .map(|(name, chain)| (name.to_owned(), chain))

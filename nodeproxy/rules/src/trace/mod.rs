@@ -16,7 +16,8 @@ use serde::{Deserialize, Serialize};
 mod display;
 mod parse;
 
-use crate::model::Protocol;
+use tandem_common::Protocol;
+
 use crate::ruleset::{BASE_JUMPS, Ruleset, Table};
 use parse::{Cond, ParsedRule, Target, parse_rule};
 

@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
 
-use crate::model::Protocol;
+use tandem_common::Protocol;
 
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Cond {

@@ -4,9 +4,9 @@
 use std::net::Ipv4Addr;
 
 use proptest::prelude::*;
+use tandem_common::Protocol;
 use tandem_proxy_rules::model::{
-    Endpoint, Hints, IpMode, LoadBalancerIngress, Protocol, ProxyState, ServicePort,
-    ServicePortName,
+    Endpoint, Hints, IpMode, LoadBalancerIngress, ProxyState, ServicePort, ServicePortName,
 };
 
 pub fn protocol() -> impl Strategy<Value = Protocol> {

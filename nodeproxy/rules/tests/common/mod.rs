@@ -6,9 +6,10 @@ use std::net::IpAddr;
 pub mod generate;
 pub mod netns;
 
+use tandem_common::{IpFamily, Protocol};
 use tandem_proxy_rules::model::{
-    Endpoint, IpFamily, IpMode, LoadBalancerIngress, NodeConfig, NodePortAddresses, Protocol,
-    ProxyState, ServicePort, ServicePortName,
+    Endpoint, IpMode, LoadBalancerIngress, NodeConfig, NodePortAddresses, ProxyState, ServicePort,
+    ServicePortName,
 };
 
 /// An address of either family.
