@@ -138,6 +138,36 @@ pub enum DataPath {
     Nftables(NftablesPath),
 }
 
+/// What a change to the desired rules ([`DataPath::update`],
+/// [`DataPath::set_service_cidrs`]) left for the next apply to write: each mode fills in
+/// its own fields, and the ones of the other mode stay zero.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RulesChanged {
+    /// iptables: the chains whose rules changed (or that went).
+    pub chains: usize,
+    /// nftables: the operations of the change's transaction, queued for the next apply
+    /// (which writes the whole table instead while it is out of sync).
+    pub operations: usize,
+    /// nftables, while the next apply writes the whole table: the Service ports rebuilt
+    /// for it, with no operations queued.
+    pub ports_rebuilt: usize,
+}
+
+impl RulesChanged {
+    /// Nothing changed.
+    pub fn is_empty(self) -> bool {
+        self == Self::default()
+    }
+}
+
+impl std::ops::AddAssign for RulesChanged {
+    fn add_assign(&mut self, other: Self) {
+        self.chains += other.chains;
+        self.operations += other.operations;
+        self.ports_rebuilt += other.ports_rebuilt;
+    }
+}
+
 pub struct IptablesPath {
     rules: IncrementalRuleset,
     syncer: Syncer,
@@ -226,41 +256,57 @@ impl DataPath {
     /// The node's Service CIDRs of this family are now `cidrs`: the nftables mode rewrites
     /// its `cluster-ips-check` chain alone (queued for the next apply, or in the whole table
     /// that apply writes); the iptables mode has no rule that uses them, as kube-proxy's.
-    /// Returns how many operations the change needs.
-    pub fn set_service_cidrs(&mut self, cidrs: Vec<IpNet>) -> usize {
+    /// Returns the operations the change needs.
+    pub fn set_service_cidrs(&mut self, cidrs: Vec<IpNet>) -> RulesChanged {
         match self {
-            DataPath::Iptables(_) => 0,
+            DataPath::Iptables(_) => RulesChanged::default(),
             DataPath::Nftables(path) => {
                 let tx = path.rules.set_service_cidrs(cidrs);
-                let count = tx.ops.len();
+                let operations = tx.ops.len();
                 if path.in_sync {
                     path.pending.ops.extend(tx.ops);
                 }
-                count
+                RulesChanged {
+                    operations,
+                    ..RulesChanged::default()
+                }
             }
         }
     }
 
-    /// Rebuilds the given Service ports from `state`; returns how many chains (iptables) or
+    /// Rebuilds the given Service ports from `state`; returns the chains (iptables) or
     /// operations (nftables) the change needs, or, for an nftables table that the next
-    /// apply writes whole, how many ports were rebuilt.
-    pub fn update(&mut self, state: &ProxyState, ports: &BTreeSet<ServicePortName>) -> usize {
+    /// apply writes whole, the ports rebuilt.
+    pub fn update(
+        &mut self,
+        state: &ProxyState,
+        ports: &BTreeSet<ServicePortName>,
+    ) -> RulesChanged {
         match self {
             DataPath::Iptables(path) => {
                 let changed = path.rules.update(state, ports);
-                let count = changed.count();
+                let chains = changed.count();
                 path.changed.merge(changed);
-                count
+                RulesChanged {
+                    chains,
+                    ..RulesChanged::default()
+                }
             }
             DataPath::Nftables(path) if !path.in_sync => {
                 path.rules.update_without_transaction(state, ports);
-                ports.len()
+                RulesChanged {
+                    ports_rebuilt: ports.len(),
+                    ..RulesChanged::default()
+                }
             }
             DataPath::Nftables(path) => {
                 let tx = path.rules.update(state, ports);
-                let count = tx.ops.len();
+                let operations = tx.ops.len();
                 path.pending.ops.extend(tx.ops);
-                count
+                RulesChanged {
+                    operations,
+                    ..RulesChanged::default()
+                }
             }
         }
     }

@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use crate::change_tracker::{self, ChangeTracker, Changes, SharedTracker};
 use crate::conntrack;
 use crate::convert;
-use crate::datapath::{DataPath, DataPathSize, ReadBack};
+use crate::datapath::{DataPath, DataPathSize, ReadBack, RulesChanged};
 use crate::healthcheck::{NodeHealth, ServiceHealthServers};
 use crate::metrics::{Metrics, SyncLabels, SyncResult};
 use crate::ruleset_events::{self, DriftAlarm, Suspicion};
@@ -405,15 +405,15 @@ impl FamilyProxier {
     /// The cluster's Service CIDRs are now `cidrs` (every ServiceCIDR object's, of both
     /// families; `None`: not watched, `--service-cluster-ip-range` stays): the objects
     /// replace the flag, as kube-proxy's nftables mode knows no other source, and the
-    /// data path rewrites its cluster-IP check when this family's changed. Returns how
-    /// many operations that needs.
-    fn follow_service_cidrs(&mut self, cidrs: Option<&[IpNet]>) -> usize {
+    /// data path rewrites its cluster-IP check when this family's changed. Returns what
+    /// that changed.
+    fn follow_service_cidrs(&mut self, cidrs: Option<&[IpNet]>) -> RulesChanged {
         let Some(cidrs) = cidrs else {
-            return 0;
+            return RulesChanged::default();
         };
         let of_family = service_cidrs_of(self.node.family, cidrs.iter().copied());
         if of_family == self.node.service_cidrs {
-            return 0;
+            return RulesChanged::default();
         }
         tracing::info!(
             family = %self.node.family,
@@ -439,7 +439,7 @@ impl FamilyProxier {
         skipped: &mut Vec<convert::Skipped>,
     ) -> FamilySync {
         self.follow_zone(zone, tracker);
-        let cidrs_changed = self.follow_service_cidrs(service_cidrs);
+        let mut changed = self.follow_service_cidrs(service_cidrs);
         // The check's objects are taken under the same lock as the changes, so the full
         // rebuild sees exactly what the incremental state now reflects.
         let (changes, snapshot) = {
@@ -447,10 +447,11 @@ impl FamilyProxier {
             (tracker.take(), full_check.then(|| tracker.snapshot()))
         };
         skipped.extend(changes.skipped.iter().cloned());
-        let mut changed = cidrs_changed + self.datapath.update(&changes.current, &changes.ports);
-        if let Some(snapshot) = snapshot {
-            changed += self.check_against_full_rebuild(tracker, &snapshot, metrics);
-        }
+        changed += self.datapath.update(&changes.current, &changes.ports);
+        let diverged = match snapshot {
+            Some(snapshot) => self.check_against_full_rebuild(tracker, &snapshot, metrics),
+            None => 0,
+        };
         let ports = changes.ports.len();
         let changes = match self.unapplied.take() {
             Some(mut earlier) => {
@@ -476,6 +477,7 @@ impl FamilyProxier {
         FamilySync {
             ports,
             changed,
+            diverged,
             applied,
         }
     }
@@ -507,8 +509,11 @@ impl FamilyProxier {
 struct FamilySync {
     /// Service ports changed.
     ports: usize,
-    /// Chains (iptables) or operations (nftables) the change needed.
-    changed: usize,
+    /// What the change left for the apply to write.
+    changed: RulesChanged,
+    /// Chains (iptables) or objects (nftables) a full check found differing from a full
+    /// rebuild, which then replaced the incremental rules.
+    diverged: usize,
     applied: bool,
 }
 
@@ -752,7 +757,8 @@ impl Proxier {
     pub async fn sync_once(&mut self, observed: &Observed, reason: SyncReason) -> bool {
         let full_check = reason == SyncReason::FullCheck;
         let started = std::time::Instant::now();
-        let (mut ports, mut changed, mut applied) = (0, 0, true);
+        let (mut ports, mut changed, mut diverged, mut applied) =
+            (0, RulesChanged::default(), 0, true);
         let mut skipped = Vec::new();
         let zone = observed.node_zone();
         let service_cidrs = observed.service_cidrs().map(|(cidrs, bad)| {
@@ -775,10 +781,11 @@ impl Proxier {
                 .await;
             ports += done.ports;
             changed += done.changed;
+            diverged += done.diverged;
             applied &= done.applied;
         }
         self.report_skipped(&skipped);
-        if changed > 0 {
+        if !changed.is_empty() || diverged > 0 {
             self.record_size();
         }
         self.node_health.set_draining(observed.node_draining());
@@ -820,7 +827,10 @@ impl Proxier {
         tracing::debug!(
             elapsed_ms = elapsed.as_millis() as u64,
             ports,
-            changed,
+            chains = changed.chains,
+            operations = changed.operations,
+            ports_rebuilt = changed.ports_rebuilt,
+            diverged,
             applied,
             "sync done"
         );

@@ -26,7 +26,7 @@ async fn start_and_sync(mode: ProxyMode, state: &ProxyState, metrics: &Metrics) 
     let mut path = datapath::start(mode, BackendChoice::Auto, node())
         .await
         .unwrap();
-    assert!(path.update(state, &ports) > 0);
+    assert!(!path.update(state, &ports).is_empty());
     assert!(path.apply(metrics).await, "{mode} sync failed");
     path
 }
@@ -97,7 +97,7 @@ fn the_kubelets_v1_21_chains_survive_start_syncs_mode_switches_and_cleanup() {
             // An endpoint goes: an incremental sync.
             let fewer = reference_state(reference_endpoints()[..1].to_vec());
             let ports: BTreeSet<_> = fewer.services.keys().cloned().collect();
-            assert!(path.update(&fewer, &ports) > 0);
+            assert!(path.update(&fewer, &ports).chains > 0);
             assert!(path.apply(&metrics).await);
             unchanged("an incremental sync");
 

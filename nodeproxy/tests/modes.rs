@@ -50,7 +50,7 @@ async fn start_and_sync(mode: ProxyMode, metrics: &Metrics) -> DataPath {
     let mut path = datapath::start(mode, BackendChoice::Auto, node())
         .await
         .unwrap();
-    assert!(path.update(&state, &ports) > 0);
+    assert!(!path.update(&state, &ports).is_empty());
     assert!(path.apply(metrics).await, "{mode} sync failed");
     path
 }
@@ -114,7 +114,7 @@ fn the_full_rebuild_check_finds_nothing_after_services_come_and_go() {
                 .endpoints
                 .insert(zeta.name.clone(), reference_endpoints());
             let churned: BTreeSet<_> = [gone, zeta.name].into();
-            assert!(path.update(&state, &churned) > 0);
+            assert!(!path.update(&state, &churned).is_empty());
             assert!(path.apply(&metrics).await, "{mode} sync failed");
             assert_eq!(
                 path.check_against_full_rebuild(&node(), &state),
