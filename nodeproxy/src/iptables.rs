@@ -104,21 +104,32 @@ const FULL_WRITE_DRIFT_DIVISOR: usize = 2;
 pub struct Syncer {
     /// The backend's programs for the family this syncer writes.
     tools: Tools,
-    /// What is in the kernel per table, or `None` when unknown.
-    applied: BTreeMap<Table, TableRules>,
-    /// Per table, a digest per rule of each of our chains as last written (see
-    /// [`drift`]): what the read-back compares the kernel with.
-    written: BTreeMap<Table, BTreeMap<String, Vec<u64>>>,
+    /// What it knows of each table in the kernel; a table it does not know (never
+    /// written, or forgotten) is written in full by the next sync.
+    tables: BTreeMap<Table, KnownTable>,
     /// Chains written since the read-back in flight began, and tables written in full
-    /// since: that read may predate them.
+    /// since: that read may predate them. About the read, not the tables: forgetting a
+    /// table keeps them (its read-back is skipped while it is unknown, and its full
+    /// write marks it again).
     written_since_read: BTreeMap<Table, BTreeSet<String>>,
     rewritten_since_read: BTreeSet<Table>,
-    /// Repair lines (base jumps, shared chains) for the next write of a table.
-    ensure: BTreeMap<Table, Vec<String>>,
-    /// nf_tables: tables written in full whose digests the next read-back takes as they
-    /// are, instead of comparing (reading every chain right after the write would hold
-    /// up the sync loop: 0.6 s at 2,700 Services, 2.4 s at 10,000).
-    baseline_pending: BTreeSet<Table>,
+}
+
+/// What a [`Syncer`] knows of one table in the kernel, all of it from its writes: what
+/// it forgets of a table, it forgets together.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct KnownTable {
+    /// What is in the kernel.
+    applied: TableRules,
+    /// A digest per rule of each of our chains as last written (see [`drift`]): what the
+    /// read-back compares the kernel with.
+    written: BTreeMap<String, Vec<u64>>,
+    /// Repair lines (base jumps, shared chains) for the next write.
+    ensure: Vec<String>,
+    /// nf_tables: written in full, so the next read-back takes its digests as they are,
+    /// instead of comparing (reading every chain right after the write would hold up the
+    /// sync loop: 0.6 s at 2,700 Services, 2.4 s at 10,000).
+    baseline_pending: bool,
 }
 
 impl Syncer {
@@ -126,28 +137,20 @@ impl Syncer {
     pub fn new(tools: impl Into<Tools>) -> Self {
         Self {
             tools: tools.into(),
-            applied: BTreeMap::new(),
-            written: BTreeMap::new(),
+            tables: BTreeMap::new(),
             written_since_read: BTreeMap::new(),
             rewritten_since_read: BTreeSet::new(),
-            ensure: BTreeMap::new(),
-            baseline_pending: BTreeSet::new(),
         }
     }
 
     /// Forget what is applied: the next sync writes every table in full.
     pub fn forget(&mut self) {
-        self.applied.clear();
-        self.written.clear();
-        self.ensure.clear();
+        self.tables.clear();
     }
 
     /// Forget one table: its next sync writes it in full.
     fn forget_table(&mut self, table: Table) {
-        self.applied.remove(&table);
-        self.written.remove(&table);
-        self.ensure.remove(&table);
-        self.baseline_pending.remove(&table);
+        self.tables.remove(&table);
     }
 
     /// The backend it writes with.
@@ -158,7 +161,7 @@ impl Syncer {
     /// A table was written in full on nf_tables: a read-back should take its digests
     /// now, rather than a sync period later.
     pub fn wants_read_back(&self) -> bool {
-        !self.baseline_pending.is_empty()
+        self.tables.values().any(|known| known.baseline_pending)
     }
 
     /// A read-back of the kernel begins: from now on, what is written is left out of its
@@ -192,15 +195,19 @@ impl Syncer {
                         .is_some_and(|chains| chains.contains(chain))
                 })
             };
-            let (Some(written), Some(applied)) =
-                (self.written.get_mut(&table), self.applied.get_mut(&table))
-            else {
+            let Some(known) = self.tables.get_mut(&table) else {
                 // Unknown, so written in full next anyway.
                 continue;
             };
+            let KnownTable {
+                applied,
+                written,
+                ensure,
+                baseline_pending,
+            } = known;
             let none = BTreeSet::new();
             let since = self.written_since_read.get(&table).unwrap_or(&none);
-            if self.baseline_pending.remove(&table) {
+            if std::mem::take(baseline_pending) {
                 // Read right after the full write: what the kernel made of our chains.
                 for (chain, rules) in &read_table.chains {
                     if applied.chains.contains_key(chain) && !since.contains(chain) {
@@ -244,10 +251,7 @@ impl Syncer {
                     // Held as written, so the next sync deletes it.
                     applied.chains.insert(chain.clone(), Vec::new());
                 }
-                self.ensure
-                    .entry(table)
-                    .or_default()
-                    .extend(drift.ensure_lines());
+                ensure.extend(drift.ensure_lines());
             }
             found.push(TableRepair {
                 table,
@@ -262,8 +266,8 @@ impl Syncer {
     /// Bring the kernel to `desired`, comparing every chain with what was applied.
     pub async fn sync(&mut self, desired: &Ruleset) -> Result<Vec<TableSync>, SyncError> {
         let mut changed = ChangedChains::default();
-        for (table, applied) in &self.applied {
-            let (applied, wanted) = (&applied.chains, &desired.table(*table).chains);
+        for (table, known) in &self.tables {
+            let (applied, wanted) = (&known.applied.chains, &desired.table(*table).chains);
             changed.table_mut(*table).extend(
                 applied
                     .keys()
@@ -289,29 +293,40 @@ impl Syncer {
         for table in Table::ALL {
             let wanted = desired.table(table);
             let chains = changed.table(table);
-            let ensure = self.ensure.remove(&table).unwrap_or_default();
+            let ensure = self
+                .tables
+                .get_mut(&table)
+                .map(|known| std::mem::take(&mut known.ensure))
+                .unwrap_or_default();
             match self.sync_table(table, wanted, chains, &ensure).await {
                 Ok(Some(report)) => {
-                    self.record(table, report.full, &report.chains, wanted)
-                        .await;
-                    match self.applied.get_mut(&table) {
+                    match self.tables.get_mut(&table) {
                         // Only the chains written are copied; an idle sync copies nothing.
-                        Some(applied) if !report.full => {
+                        Some(known) if !report.full => {
                             for chain in chains {
                                 match wanted.chains.get(chain) {
                                     Some(rules) => {
-                                        applied.chains.insert(chain.clone(), rules.clone());
+                                        known.applied.chains.insert(chain.clone(), rules.clone());
                                     }
                                     None => {
-                                        applied.chains.remove(chain);
+                                        known.applied.chains.remove(chain);
                                     }
                                 }
                             }
                         }
+                        // Written in full: all that was known of it is replaced.
                         _ => {
-                            self.applied.insert(table, wanted.clone());
+                            self.tables.insert(
+                                table,
+                                KnownTable {
+                                    applied: wanted.clone(),
+                                    ..KnownTable::default()
+                                },
+                            );
                         }
                     }
+                    self.record(table, report.full, &report.chains, wanted)
+                        .await;
                     done.push(report);
                 }
                 Ok(None) => {}
@@ -328,10 +343,10 @@ impl Syncer {
     }
 
     /// Keeps the digests of what a write left in `chains` (all of the table's after a
-    /// full write), for the read-back: of the text on the legacy backend, of what the
-    /// kernel holds on nf_tables, read right away (after a full write, by the read-back
-    /// that follows at once). A chain that cannot be read is not compared until it is
-    /// written again.
+    /// full write, which starts from none), for the read-back: of the text on the legacy
+    /// backend, of what the kernel holds on nf_tables, read right away (after a full
+    /// write, by the read-back that follows at once). A chain that cannot be read is not
+    /// compared until it is written again.
     async fn record(
         &mut self,
         table: Table,
@@ -341,16 +356,16 @@ impl Syncer {
     ) {
         let name = table.as_str();
         if full {
-            self.written.insert(table, BTreeMap::new());
             self.rewritten_since_read.insert(table);
         }
         self.written_since_read
             .entry(table)
             .or_default()
             .extend(chains.iter().cloned());
-        let Some(written) = self.written.get_mut(&table) else {
+        let Some(known) = self.tables.get_mut(&table) else {
             return;
         };
+        let written = &mut known.written;
         let compared = chains
             .iter()
             .filter(|chain| drift::is_compared_chain(name, chain));
@@ -366,7 +381,7 @@ impl Syncer {
         match self.tools.backend {
             Backend::Legacy => written.extend(drift::chain_digests(present)),
             Backend::Nft if full => {
-                self.baseline_pending.insert(table);
+                known.baseline_pending = true;
             }
             Backend::Nft => {
                 let names: Vec<String> = present.into_iter().map(|(c, _)| c.clone()).collect();
@@ -393,7 +408,7 @@ impl Syncer {
         let name = table.as_str();
         let started = Instant::now();
         let mut inspection = TableInspection::default();
-        let (payload, full) = match self.applied.get(&table) {
+        let (payload, full) = match self.tables.get(&table).map(|known| &known.applied) {
             // The canary is written by full writes only, so incremental diffs ignore it.
             Some(applied) => match restore::incremental(name, applied, wanted, changed, ensure) {
                 Some(payload) => (payload, false),
@@ -865,6 +880,53 @@ mod tests {
             split_rule(r#"--comment "a \"b\"""#),
             vec!["--comment", "a \"b\""]
         );
+    }
+
+    /// A syncer that knows both tables, each written in full on nf_tables with its
+    /// digests still to be taken, a chain drifted since and a repair line pending.
+    fn knowing_every_table() -> Syncer {
+        let mut syncer = Syncer::new(Tools::new(Backend::Nft, IpFamily::V4));
+        for table in Table::ALL {
+            syncer.tables.insert(
+                table,
+                KnownTable {
+                    applied: TableRules {
+                        chains: [("KUBE-SERVICES".to_owned(), vec!["-j RETURN".to_owned()])].into(),
+                    },
+                    written: [("KUBE-SERVICES".to_owned(), vec![1])].into(),
+                    ensure: vec!["-A KUBE-SERVICES -j RETURN".to_owned()],
+                    baseline_pending: true,
+                },
+            );
+        }
+        assert!(syncer.wants_read_back());
+        syncer
+    }
+
+    #[test]
+    fn forgetting_every_table_forgets_what_forgetting_each_one_does() {
+        let mut all = knowing_every_table();
+        all.forget();
+        let mut each = knowing_every_table();
+        for table in Table::ALL {
+            each.forget_table(table);
+        }
+        for (how, syncer) in [("forget", &all), ("forget_table", &each)] {
+            // Unknown, so the next sync writes every table in full.
+            assert!(syncer.tables.is_empty(), "{how}: {:?}", syncer.tables);
+            // No read-back is due for the digests of a write it no longer knows of.
+            assert!(!syncer.wants_read_back(), "{how}");
+        }
+    }
+
+    #[test]
+    fn forgetting_one_table_keeps_the_other() {
+        let mut syncer = knowing_every_table();
+        let kept = syncer.tables[&Table::Nat].clone();
+        syncer.forget_table(Table::Filter);
+        assert_eq!(syncer.tables.keys().collect::<Vec<_>>(), [&Table::Nat]);
+        assert_eq!(syncer.tables[&Table::Nat], kept);
+        assert!(syncer.wants_read_back());
     }
 
     #[test]
