@@ -1,7 +1,8 @@
 //! What every Tandem binary does at its edge, written once: the `--log-format` flag and
-//! logging setup, shutdown on SIGINT/SIGTERM, duration flags in Go's syntax, the facts of
-//! Kubernetes that several components rely on (with the [`IpFamily`] and [`Protocol`] of
-//! Service ports), the Kubernetes client (feature `kube`),
+//! logging setup, shutdown on SIGINT/SIGTERM (feature `runtime`), duration flags in Go's
+//! syntax, the facts of Kubernetes that several components rely on (with the [`IpFamily`]
+//! and [`Protocol`] of Service ports; these alone need no feature, so the pure rules crates
+//! take them without a runtime), the Kubernetes client (feature `kube`),
 //! the serving of metrics and health endpoints (feature `http`) and of HTTPS (feature
 //! `tls`).
 
@@ -12,6 +13,7 @@ use std::time::Duration;
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde::{Deserialize, Serialize};
+#[cfg(feature = "runtime")]
 use tokio_util::sync::CancellationToken;
 
 #[cfg(feature = "http")]
@@ -42,6 +44,7 @@ pub fn is_dns1123_label(s: &str) -> bool {
 }
 
 /// `--log-format`: human-readable lines or one JSON object per line.
+#[cfg(feature = "runtime")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum LogFormat {
     #[default]
@@ -51,7 +54,8 @@ pub enum LogFormat {
 
 /// The node proxy's `--proxy-mode`: which data path it programs. Here because the lab and
 /// the benchmarks start node proxies in either mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "runtime", derive(clap::ValueEnum))]
 pub enum ProxyMode {
     /// kube-proxy v1.21's iptables chains, through iptables-restore.
     #[default]
@@ -161,12 +165,14 @@ impl fmt::Display for Protocol {
 /// aws-lc): a client built without a preconfigured TLS setup (the cloud SDK brings one)
 /// takes the process default, and reqwest panics when there is none, even for `http` URLs.
 /// Every process that builds such a client calls this first.
+#[cfg(feature = "runtime")]
 pub fn install_crypto_provider() {
     // An error means a provider is installed already, which is all that is asked.
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 /// Logs to stderr in `format`, filtered by `RUST_LOG` (default `info`).
+#[cfg(feature = "runtime")]
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -181,6 +187,7 @@ pub fn init_logging(format: LogFormat) {
 
 /// Resolves on the first SIGINT or SIGTERM and names it. If the SIGTERM handler cannot be
 /// installed, only SIGINT ends it.
+#[cfg(feature = "runtime")]
 pub async fn shutdown_signal() -> &'static str {
     match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(mut term) => tokio::select! {
@@ -196,6 +203,7 @@ pub async fn shutdown_signal() -> &'static str {
 }
 
 /// Cancels `token` on SIGINT or SIGTERM: the one shutdown path of a server.
+#[cfg(feature = "runtime")]
 pub fn cancel_on_shutdown_signal(token: CancellationToken) {
     tokio::spawn(async move {
         let signal = shutdown_signal().await;
@@ -293,6 +301,7 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "runtime")]
     #[test]
     fn log_format_flag_values() {
         use clap::ValueEnum;
@@ -301,6 +310,7 @@ mod tests {
         assert!(LogFormat::from_str("xml", true).is_err());
     }
 
+    #[cfg(feature = "runtime")]
     #[test]
     fn proxy_mode_names_are_the_flag_values() {
         use clap::ValueEnum;
