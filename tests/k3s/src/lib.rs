@@ -6,6 +6,7 @@
 //! own rules are the node proxy's reference data (`tests/dual_stack.rs`).
 
 pub mod control_plane;
+pub mod docs;
 pub mod node;
 
 use std::path::PathBuf;

@@ -330,6 +330,17 @@ impl K3sNode {
         tail(&self.log, lines)
     }
 
+    /// The admin kubeconfig; its server is reachable inside the node's namespace.
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// The kubeconfig k3s writes for a kube-proxy of the node (also with
+    /// `--disable-kube-proxy`); its server is reachable inside the node's namespace.
+    pub fn kube_proxy_kubeconfig(&self) -> PathBuf {
+        self.run_dir.join("data/agent/kubeproxy.kubeconfig")
+    }
+
     /// `program` inside the node's network namespace (and the host's mount namespace),
     /// with `KUBECONFIG` naming the admin kubeconfig (its server, `127.0.0.1:6443`, is
     /// reachable only there) set and `kubectl`/`ctr` first in `PATH`: for kubectl and helm.

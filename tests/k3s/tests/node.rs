@@ -9,7 +9,8 @@
 //! Needs root, `TANDEM_K3S` naming a k3s binary, the workspace's binaries built (`cargo
 //! build --workspace --bins`), Debian's containerd (for its runc shim), runc,
 //! containernetworking-plugins, busybox-static, conntrack, iptables, nftables, buildah,
-//! podman and mmdebstrap (the images), haproxy (the edge's HAProxy), python3-venv (Helm from its PyPI wheel). Without
+//! podman and mmdebstrap (the images), haproxy (the edge's HAProxy), curl, python3-venv
+//! (Helm from its PyPI wheel). Without
 //! `--ignored` the test is reported skipped (ignored); asked for without `TANDEM_K3S`, it
 //! fails.
 //!
@@ -22,6 +23,18 @@
 //! 20 new connections a second through each LB mode's VIP and keeps one long-lived
 //! connection through each, to the echo pods' TCP echo: no request may fail and neither
 //! connection may break.
+//!
+//! Before the chart, kube-proxy (`TANDEM_KUBE_PROXY`; CI's is v1.21.2), in iptables mode,
+//! serves the node while a client sends through a NodePort; the chart then takes over as
+//! docs/install.md's move from kube-proxy says (kube-proxy stopped, its rules left, the
+//! chart installed). Near the end the way back is walked with the controller still
+//! serving: the node proxy disabled, kube-proxy started, Tandem's nftables table deleted,
+//! under traffic through both VIPs and the NodePort. Each direction must fail no request.
+//! Without `TANDEM_KUBE_PROXY` both directions are reported skipped.
+//!
+//! Every `kubectl` and `curl` command of README, docs/, the chart's README and NOTES (as
+//! Helm rendered them) that is not marked as an illustration runs here, placeholders
+//! filled in (`tandem_k3s::docs`), and must succeed.
 //!
 //! Every check is a named step; a failed check is reported and the checks that do not
 //! depend on it still run, then the test fails listing every failed step. All traffic stays
@@ -37,6 +50,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::Value;
+use tandem_k3s::docs::{self, DocCommand, Placeholders};
 use tandem_k3s::node::{K3sNode, NodeConfig, checked, describe, run_name, tail};
 use tandem_netlab::{ChildGuard, Netns, Topology};
 
@@ -57,6 +71,13 @@ const TCP_ECHO_PORT: u16 = 9000;
 /// Appended to the chart's image tag for the rolling upgrade: the same images, retagged.
 const UPGRADE_TAG_SUFFIX: &str = "-rolled";
 const MODE_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-mode";
+/// The Namespace the documents' commands run in (the kubeconfig's default there), so that
+/// their Deployments and Services meet none of the test's own.
+const DOCS_NAMESPACE: &str = "docs";
+/// Documented commands that make sense at one step only, where the scenario runs them.
+const RELEASE_JOB_LOG: &str = "kubectl -n tandem-system logs job/tandem-release";
+const DELETE_LEASE: &str =
+    "kubectl -n tandem-system delete lease tandem-controller --ignore-not-found";
 /// The kubelet's own iptables chains (v1.21), which nothing of Tandem's may change.
 const KUBELET_CHAINS: [&str; 5] = [
     "KUBE-FIREWALL",
@@ -111,6 +132,10 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
     eprintln!("logs and manifests: {}", work.display());
 
     let bins = steps.must("the workspace's binaries are built", Binaries::locate)?;
+    let documented = steps.must(
+        "the commands of README, docs/ and the chart's README",
+        || documented_commands(&repo),
+    )?;
     let helm = steps.must("Helm 3.9.4 from its PyPI wheel", || {
         install_helm(&repo, &base.join("helm-3.9.4/helm"))
     })?;
@@ -198,9 +223,46 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
         },
     )?;
 
+    let c1 = topology.client_in_range().netns.clone();
+    let c2 = topology.client_out_of_range().netns.clone();
+    let node_port_traffic = || -> Result<ClientTraffic> {
+        match kube.node_ports("echo-nodeport")?[..] {
+            [http, tcp_echo] => ClientTraffic::start(&bins.traffic, &c1, http, tcp_echo, &work),
+            ref ports => bail!("echo-nodeport has node ports {ports:?}"),
+        }
+    };
+
+    // The move from kube-proxy to Tandem (docs/install.md): kube-proxy serves the node
+    // first, with the Services in place, while a client sends through a NodePort.
+    kube.apply("services.yaml", &services())?;
+    let kube_proxy_binary = tandem_k3s::kube_proxy_binary();
+    if kube_proxy_binary.is_none() {
+        eprintln!(
+            "SKIPPED: the move from kube-proxy to Tandem and back ({} names no kube-proxy binary)",
+            tandem_k3s::KUBE_PROXY_ENV
+        );
+    }
+    let (mut kube_proxy, move_traffic) = kube_proxy_binary
+        .as_deref()
+        .and_then(|binary| {
+            steps.check(
+                "kube-proxy serves the node (iptables mode), a client sends through a NodePort",
+                || {
+                    Ok((
+                        KubeProxy::start(&node, binary, &work)?,
+                        node_port_traffic()?,
+                    ))
+                },
+            )
+        })
+        .unzip();
+
     let chart = repo.join("charts/tandem");
     let cloud_url = format!("http://{cloud_addr}");
     steps.must("helm install with the documented values", || {
+        // kube-proxy stops first (its DaemonSet deleted); its rules stay and serve until
+        // the node proxy's first sync takes their chains over.
+        drop(kube_proxy.take());
         let mut cmd = node.command(&helm);
         cmd.args(["install", RELEASE])
             .arg(&chart)
@@ -210,6 +272,12 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
         helm_run(cmd, &kube)?;
         kube.wait_release_ready(Duration::from_secs(120))
     })?;
+    if let Some(client) = move_traffic {
+        steps.check(
+            "from kube-proxy to Tandem under traffic through a NodePort: 0 failed requests, the long-lived connection kept",
+            || finish_traffic(vec![client]),
+        );
+    }
     note_kubelet_chains(
         &node,
         &kubelet_rules,
@@ -231,15 +299,12 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
         Ok(())
     });
 
-    kube.apply("services.yaml", &services())?;
     let proxy_vip = steps.check("proxy-mode Service gets its EXTERNAL-IP", || {
         kube.wait_ingress("echo-proxy", Duration::from_secs(90))
     });
     let passthrough_vip = steps.check("passthrough Service gets its EXTERNAL-IP", || {
         kube.wait_ingress("echo-passthrough", Duration::from_secs(90))
     });
-    let c1 = topology.client_in_range().netns.clone();
-    let c2 = topology.client_out_of_range().netns.clone();
     let traffic = |steps: &mut Steps, mode: &str| {
         if let Some(vip) = proxy_vip {
             steps.check(
@@ -301,13 +366,68 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
     };
     traffic(steps, "iptables");
 
+    if let Some(vip) = proxy_vip {
+        steps.check(
+            "every command of README, docs/, the chart's README and its NOTES runs on the cluster, but the illustrations",
+            || {
+                let notes = checked({
+                    let mut cmd = node.command(&helm);
+                    cmd.args(["get", "notes", RELEASE, "-n", NAMESPACE]);
+                    cmd
+                })?;
+                let notes = docs::in_plain_text("NOTES.txt as rendered", &notes);
+                let kubeconfig = work.join("docs-kubeconfig.yaml");
+                std::fs::copy(node.kubeconfig(), &kubeconfig)?;
+                node.kubectl(["create", "namespace", DOCS_NAMESPACE])?;
+                node.kubectl([
+                    "config".as_ref(),
+                    "set-context".as_ref(),
+                    "--current".as_ref(),
+                    format!("--namespace={DOCS_NAMESPACE}").as_ref(),
+                    "--kubeconfig".as_ref(),
+                    kubeconfig.as_os_str(),
+                ])?;
+                let (node_ip, vip) = (node.ip().to_string(), vip.to_string());
+                let values = Placeholders {
+                    // docs/install.md's own Service, made before operations.md's commands.
+                    service: "web",
+                    namespace: NAMESPACE,
+                    lease: "tandem-controller",
+                    node_ip: &node_ip,
+                    vip: &vip,
+                };
+                let mut failed = Vec::new();
+                let mut ran = 0;
+                for command in documented.iter().chain(notes.iter().filter(|c| !c.illustration)) {
+                    if [RELEASE_JOB_LOG, DELETE_LEASE].contains(&command.text.as_str()) {
+                        continue;
+                    }
+                    ran += 1;
+                    if let Err(e) = run_documented(&node, &kubeconfig, command, &values) {
+                        failed.push(format!("{e:#}"));
+                    }
+                }
+                eprintln!("  ran {ran} documented commands, {} failed", failed.len());
+                // The documents' Deployments and Services go with their Namespace, and
+                // the controller releases their load balancers.
+                node.kubectl(["delete", "namespace", DOCS_NAMESPACE, "--timeout=120s"])?;
+                wait_for("only the test's two LBs in the cloud", Duration::from_secs(60), || {
+                    let lbs = cloud_lbs(&edge.netns, cloud_addr)?;
+                    Ok((lbs.len() == 2).then_some(()).ok_or_else(|| anyhow!("LBs: {lbs:?}")))
+                })?;
+                ensure!(failed.is_empty(), "{}", failed.join("\n"));
+                Ok(())
+            },
+        );
+    }
+
     if let (Some(proxy), Some(passthrough)) = (proxy_vip, passthrough_vip) {
         steps.check(
             &format!("helm upgrade to image tag {upgrade_tag} under traffic through both LB modes: 0 failed requests, the long-lived connections kept"),
             || {
                 let clients = [proxy, passthrough]
                     .into_iter()
-                    .map(|vip| ClientTraffic::start(&bins.traffic, &c1, vip, &work))
+                    .map(|vip| ClientTraffic::through_vip(&bins.traffic, &c1, vip, &work))
                     .collect::<Result<Vec<_>>>()?;
                 let traffic_began = Instant::now();
                 let mut cmd = node.command(&helm);
@@ -324,18 +444,7 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
                     "  rolled out {:.1?} after the traffic began",
                     traffic_began.elapsed()
                 );
-                // Late failures count too.
-                std::thread::sleep(Duration::from_secs(3));
-                let mut problems = Vec::new();
-                for client in clients {
-                    let summary = client.stop()?;
-                    eprintln!("  {summary}");
-                    if !summary.clean() {
-                        problems.push(summary.to_string());
-                    }
-                }
-                ensure!(problems.is_empty(), "{}", problems.join("\n"));
-                Ok(())
+                finish_traffic(clients)
             },
         );
     }
@@ -377,6 +486,51 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
     );
     traffic(steps, "HAProxy edge");
 
+    // And back (docs/install.md), the controller still serving the LoadBalancer Services:
+    // the node proxy goes, kube-proxy starts, and Tandem's nftables table, which would keep
+    // translating with endpoints that no longer change, is deleted once kube-proxy's rules
+    // are in.
+    if let Some(binary) = kube_proxy_binary.as_deref() {
+        kube_proxy = steps.check(
+            "from Tandem (nftables mode) back to kube-proxy under traffic through both VIPs and a NodePort: 0 failed requests, the long-lived connections kept",
+            || {
+                let mut clients = vec![node_port_traffic()?];
+                for vip in [proxy_vip, passthrough_vip].into_iter().flatten() {
+                    clients.push(ClientTraffic::through_vip(&bins.traffic, &c1, vip, &work)?);
+                }
+                let mut cmd = node.command(&helm);
+                cmd.args(["upgrade", RELEASE])
+                    .arg(&chart)
+                    .args(["-n", NAMESPACE, "--reuse-values"])
+                    .args(["--set", "nodeProxy.enabled=false"]);
+                helm_run(cmd, &kube)?;
+                wait_for("the node proxy's pod gone", Duration::from_secs(60), || {
+                    let left = node.kubectl([
+                        "-n",
+                        NAMESPACE,
+                        "get",
+                        "pods",
+                        "-l",
+                        "app.kubernetes.io/component=nodeproxy",
+                        "-o",
+                        "name",
+                    ])?;
+                    Ok(left.trim().is_empty().then_some(()).ok_or_else(|| anyhow!("{left}")))
+                })?;
+                let kube_proxy = KubeProxy::start(&node, binary, &work)?;
+                let tables = node.netns().exec_checked(["nft", "list", "tables"])?;
+                for family in ["ip", "ip6"] {
+                    if tables.lines().any(|l| l == format!("table {family} tandem")) {
+                        node.netns()
+                            .exec_checked(["nft", "delete", "table", family, "tandem"])?;
+                    }
+                }
+                finish_traffic(clients)?;
+                Ok(kube_proxy)
+            },
+        );
+    }
+
     steps.check(
         "helm uninstall refuses while LoadBalancer Services exist, naming them",
         || {
@@ -388,7 +542,12 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
                 "helm uninstall succeeded while LoadBalancer Services exist:\n{}",
                 String::from_utf8_lossy(&out.stdout)
             );
-            let logs = node.kubectl(["-n", NAMESPACE, "logs", "job/tandem-release"])?;
+            let logs = run_documented(
+                &node,
+                node.kubeconfig(),
+                documented_command(&documented, RELEASE_JOB_LOG)?,
+                &Placeholders::NONE,
+            )?;
             for svc in ["echo-proxy", "echo-passthrough"] {
                 ensure!(
                     logs.contains(svc),
@@ -438,14 +597,12 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
         ]);
         helm_run(cmd, &kube)?;
         // docs/install.md: the controller may create its Lease again before Helm deletes it.
-        node.kubectl([
-            "-n",
-            NAMESPACE,
-            "delete",
-            "lease",
-            "tandem-controller",
-            "--ignore-not-found",
-        ])?;
+        run_documented(
+            &node,
+            node.kubeconfig(),
+            documented_command(&documented, DELETE_LEASE)?,
+            &Placeholders::NONE,
+        )?;
         Ok(())
     });
     steps.check("nothing left: no LB, no finalizer, no Lease, no Job, no pod", || {
@@ -464,6 +621,9 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
             Ok(left.trim().is_empty().then_some(()).ok_or_else(|| anyhow!("left in {NAMESPACE}:\n{left}")))
         })
     });
+    // kube-proxy stops and leaves its chains, which are laid out as Tandem's iptables mode
+    // lays out its own: the cleanup below removes them too.
+    drop(kube_proxy.take());
     note_kubelet_chains(
         &node,
         &kubelet_rules,
@@ -675,21 +835,33 @@ fn save_images(repo: &Path, dir: &Path) -> Result<SavedImages> {
 /// GETs of the busybox echo on new connections, and one long-lived connection to the
 /// pods' TCP echo. Killed with its process group if dropped.
 struct ClientTraffic {
-    vip: Ipv4Addr,
+    target: SocketAddrV4,
     process: ChildGuard,
     output: BufReader<ChildStdout>,
 }
 
 impl ClientTraffic {
+    /// Through a VIP: the Services' port 80 and their TCP echo port.
+    fn through_vip(binary: &Path, client: &Netns, vip: Ipv4Addr, work: &Path) -> Result<Self> {
+        let at = |port| SocketAddrV4::new(vip, port);
+        Self::start(binary, client, at(80), at(TCP_ECHO_PORT), work)
+    }
+
     /// Starts it and waits for its first line, `{"kind":"ready"}`: the long-lived
     /// connection made its first exchange.
-    fn start(binary: &Path, client: &Netns, vip: Ipv4Addr, work: &Path) -> Result<Self> {
-        let log = std::fs::File::create(work.join(format!("traffic-{vip}.log")))?;
+    fn start(
+        binary: &Path,
+        client: &Netns,
+        target: SocketAddrV4,
+        long_lived: SocketAddrV4,
+        work: &Path,
+    ) -> Result<Self> {
+        let log = std::fs::File::create(work.join(format!("traffic-{target}.log")))?;
         let mut cmd = client.command(binary);
-        cmd.arg(format!("--target={vip}:80"))
+        cmd.arg(format!("--target={target}"))
             .arg("--path=/cgi-bin/echo")
             .arg("--long-lived=echo")
-            .arg(format!("--long-lived-target={vip}:{TCP_ECHO_PORT}"))
+            .arg(format!("--long-lived-target={long_lived}"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(log);
@@ -701,14 +873,14 @@ impl ClientTraffic {
             .map(BufReader::new)
             .ok_or_else(|| anyhow!("tandem-traffic's stdout is not piped"))?;
         let mut traffic = Self {
-            vip,
+            target,
             process,
             output,
         };
         let ready = traffic.line()?;
         ensure!(
             ready["kind"] == "ready",
-            "tandem-traffic towards {vip} began with {ready}"
+            "tandem-traffic towards {target} began with {ready}"
         );
         Ok(traffic)
     }
@@ -719,7 +891,7 @@ impl ClientTraffic {
         ensure!(
             !line.is_empty(),
             "tandem-traffic towards {} ended early",
-            self.vip
+            self.target
         );
         serde_json::from_str(&line).with_context(|| format!("tandem-traffic printed {line:?}"))
     }
@@ -731,10 +903,10 @@ impl ClientTraffic {
         ensure!(
             summary["kind"] == "summary",
             "tandem-traffic towards {} ended with {summary}",
-            self.vip
+            self.target
         );
         Ok(TrafficSummary {
-            vip: self.vip,
+            target: self.target,
             summary,
         })
     }
@@ -742,7 +914,7 @@ impl ClientTraffic {
 
 /// The generator's summary line: requests sent and failed, and the long-lived connection.
 struct TrafficSummary {
-    vip: Ipv4Addr,
+    target: SocketAddrV4,
     summary: Value,
 }
 
@@ -779,7 +951,7 @@ impl std::fmt::Display for TrafficSummary {
         write!(
             f,
             "{}: {} of {} requests failed{window}; long-lived connection {} after {} exchanges",
-            self.vip,
+            self.target,
             self.failures().len(),
             self.summary["sent"],
             if long_lived["broken"].is_null() {
@@ -799,6 +971,132 @@ impl std::fmt::Display for TrafficSummary {
             write!(f, "; x{count}: {error}")?;
         }
         Ok(())
+    }
+}
+
+/// The commands of [`docs::DOCUMENTS`] that are no illustrations.
+fn documented_commands(repo: &Path) -> Result<Vec<DocCommand>> {
+    let mut found = Vec::new();
+    for doc in docs::DOCUMENTS {
+        let text =
+            std::fs::read_to_string(repo.join(doc)).with_context(|| format!("reading {doc}"))?;
+        found.extend(
+            docs::in_markdown(doc, &text)
+                .into_iter()
+                .filter(|c| !c.illustration),
+        );
+    }
+    Ok(found)
+}
+
+/// The documented command `text`, which the scenario runs at its own step.
+fn documented_command<'a>(documented: &'a [DocCommand], text: &str) -> Result<&'a DocCommand> {
+    documented.iter().find(|c| c.text == text).ok_or_else(|| {
+        anyhow!("the documents no longer show `{text}`, which this test runs at its step")
+    })
+}
+
+/// Runs a documented command as a user types it: through `sh`, in the node's namespace
+/// with its `kubectl` and `curl`, the placeholders filled in; a `--watch` is stopped after
+/// 15 s. Its stdout; a failure carries the document's line and what the command printed.
+fn run_documented(
+    node: &K3sNode,
+    kubeconfig: &Path,
+    command: &DocCommand,
+    values: &Placeholders,
+) -> Result<String> {
+    let text = docs::fill(&command.text, &values.values()).map_err(|left| {
+        anyhow!(
+            "{}: no value for {left:?} in `{}`",
+            command.source,
+            command.text
+        )
+    })?;
+    let watch = text.contains("--watch");
+    let mut cmd = node.command("timeout");
+    cmd.arg(if watch { "15" } else { "60" })
+        .args(["sh", "-c", &text])
+        .env("KUBECONFIG", kubeconfig);
+    let out = tandem_k3s::node::run(&mut cmd)?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let watch_stopped = watch && out.status.code() == Some(124);
+    ensure!(
+        out.status.success() || watch_stopped,
+        "{}: `{text}`: {}:\n{stdout}{}",
+        command.source,
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("  {}: `{text}`: ok", command.source);
+    Ok(stdout)
+}
+
+/// Lets late failures arrive, stops every client and fails unless each was clean (no
+/// failed request, the long-lived connection kept); each client's summary is printed.
+fn finish_traffic(clients: Vec<ClientTraffic>) -> Result<()> {
+    std::thread::sleep(Duration::from_secs(3));
+    let mut problems = Vec::new();
+    for client in clients {
+        let summary = client.stop()?;
+        eprintln!("  {summary}");
+        if !summary.clean() {
+            problems.push(summary.to_string());
+        }
+    }
+    ensure!(problems.is_empty(), "{}", problems.join("\n"));
+    Ok(())
+}
+
+/// kube-proxy (`TANDEM_KUBE_PROXY`) on the node in iptables mode, as its DaemonSet runs it:
+/// in the node's network and mount namespaces (the kubelet's xtables lock), with the
+/// kubeconfig k3s writes for it. It sets no global sysctl (`--conntrack-*` 0). Dropping
+/// it kills it, which leaves its rules in the kernel, as deleting its DaemonSet does.
+struct KubeProxy {
+    _process: ChildGuard,
+    log: PathBuf,
+}
+
+impl KubeProxy {
+    fn start(node: &K3sNode, binary: &Path, work: &Path) -> Result<Self> {
+        let log = work.join("kube-proxy.log");
+        let out = std::fs::File::create(&log)?;
+        let mut cmd = node.command_in_node(binary)?;
+        cmd.arg(format!(
+            "--kubeconfig={}",
+            node.kube_proxy_kubeconfig().display()
+        ))
+        .args(["--proxy-mode=iptables", "--conntrack-max-per-core=0"])
+        .args([
+            "--conntrack-tcp-timeout-established=0s",
+            "--conntrack-tcp-timeout-close-wait=0s",
+        ])
+        .arg(format!("--hostname-override={}", node.name()))
+        .arg(format!("--cluster-cidr={CLUSTER_CIDR}"))
+        .stdout(out.try_clone()?)
+        .stderr(out);
+        let kube_proxy = Self {
+            _process: ChildGuard::spawn(cmd)?,
+            log,
+        };
+        // Its first sync writes a KUBE-SVC chain for every Service port with endpoints.
+        wait_for("kube-proxy's rules", Duration::from_secs(60), || {
+            let save = iptables_save(node)?;
+            let missing: Vec<&str> = ["echo-nodeport:http", "echo-nodeport:tcp-echo"]
+                .into_iter()
+                .filter(|port| {
+                    !save.lines().any(|l| {
+                        l.starts_with("-A KUBE-SVC-") && l.contains(&format!("default/{port}"))
+                    })
+                })
+                .collect();
+            Ok(missing.is_empty().then_some(()).ok_or_else(|| {
+                anyhow!(
+                    "no KUBE-SVC rules for {missing:?}; kube-proxy's log:\n{}",
+                    tail(&kube_proxy.log, 10)
+                )
+            }))
+        })?;
+        Ok(kube_proxy)
     }
 }
 
@@ -1039,6 +1337,22 @@ impl Kube<'_> {
             .as_u64()
             .ok_or_else(|| anyhow!("no nodePort"))?;
         Ok((ip.parse()?, u16::try_from(port)?))
+    }
+
+    /// `nodeIP:nodePort` of each of Service `name`'s ports, in order.
+    fn node_ports(&self, name: &str) -> Result<Vec<SocketAddrV4>> {
+        let svc = self.service(name)?;
+        svc["spec"]["ports"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|port| {
+                let node_port = port["nodePort"]
+                    .as_u64()
+                    .ok_or_else(|| anyhow!("{name}: a port without nodePort: {port}"))?;
+                Ok(SocketAddrV4::new(self.node.ip(), u16::try_from(node_port)?))
+            })
+            .collect()
     }
 
     /// Pods, the hook Job and recent warnings, for failure messages.
@@ -1321,23 +1635,24 @@ spec:
 "#
         )
     };
+    let proxy = lb("echo-proxy", "proxy", "");
+    let passthrough = lb(
+        "echo-passthrough",
+        "passthrough",
+        &format!("\n  loadBalancerSourceRanges: [{SOURCE_RANGE}]"),
+    );
     format!(
-        "{}{}{}",
-        lb("echo-proxy", "proxy", ""),
-        lb(
-            "echo-passthrough",
-            "passthrough",
-            &format!("\n  loadBalancerSourceRanges: [{SOURCE_RANGE}]")
-        ),
-        r#"apiVersion: v1
+        r#"{proxy}{passthrough}apiVersion: v1
 kind: Service
 metadata:
   name: echo-nodeport
   namespace: default
 spec:
   type: NodePort
-  selector: {app: echo}
-  ports: [{name: http, port: 80, targetPort: 8080}]
+  selector: {{app: echo}}
+  ports:
+    - {{name: http, port: 80, targetPort: 8080}}
+    - {{name: tcp-echo, port: {TCP_ECHO_PORT}, targetPort: {TCP_ECHO_PORT}}}
 "#
     )
 }
