@@ -1,7 +1,8 @@
 //! The HAProxy data plane with a real HAProxy (Debian's `haproxy` package) on loopback
 //! VIPs (`127.77.N.x`, N from 220 on, one per test): spread, health from HAProxy's own
-//! checks, source ranges, servers changed without a reload, hitless reloads, refusals,
-//! and HAProxy killed and started again. Needs `haproxy` on PATH, not root.
+//! checks, failing open when no node is healthy, source ranges, servers changed without a
+//! reload, hitless reloads, refusals, and HAProxy killed and started again. Needs
+//! `haproxy` on PATH, not root.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -97,6 +98,28 @@ fn counter(text: &str, line: &str) -> u64 {
         .unwrap_or(0)
 }
 
+const RELOADS_OK: &str = r#"cloud_mock_haproxy_reloads_total{result="ok"}"#;
+
+/// Asserts that the changes since `reloads_before` took no reload and HAProxy refused
+/// none of their runtime commands; the metrics text.
+fn assert_changed_at_run_time(dataplane: &DataPlane, reloads_before: u64, what: &str) -> String {
+    let text = metrics_text(dataplane);
+    assert_eq!(
+        counter(&text, RELOADS_OK),
+        reloads_before,
+        "no reload for {what}"
+    );
+    assert_eq!(
+        counter(
+            &text,
+            r#"cloud_mock_haproxy_runtime_commands_total{result="error"}"#
+        ),
+        0,
+        "HAProxy refused a runtime command for {what}: {text}"
+    );
+    text
+}
+
 #[tokio::test]
 async fn haproxy_spreads_and_its_checks_are_the_health_the_api_reports() {
     let state = StateDir::new("spread");
@@ -144,6 +167,109 @@ async fn haproxy_spreads_and_its_checks_are_the_health_the_api_reports() {
     );
 }
 
+/// Like cloud load balancers (and the edge's own data plane), HAProxy fails open: with
+/// every node's health port closed but its service port answering, connections through
+/// the VIP still succeed, spread over all the nodes; with one node healthy, only it
+/// serves. Nodes joining and leaving at run time bring and take their fail-open backups.
+#[tokio::test]
+async fn haproxy_fails_open_when_no_node_is_healthy() {
+    let state = StateDir::new("open");
+    let (vip, a, b, c) = (addr(226, 1), addr(226, 11), addr(226, 12), addr(226, 13));
+    let (backend_port, listeners) = listen_on_all(&[a, b, c]).await;
+    let _servers: Vec<Server> = listeners
+        .into_iter()
+        .zip(["a", "b", "c"])
+        .map(|(listener, name)| greet_on(listener, name))
+        .collect();
+    // Health ports on a and b; c's is closed from the start.
+    let (health_port, mut health) = listen_on_all(&[a, b, c]).await;
+    drop(health.pop());
+    let checks: Vec<HealthServer> = health.into_iter().map(HealthServer::on).collect();
+    let port = free_port(vip).await;
+    let dataplane = DataPlane::new(haproxy_config(&state));
+    let checked = || {
+        vec![listener(
+            Protocol::Tcp,
+            port,
+            backend_port,
+            http_check(health_port),
+        )]
+    };
+    dataplane
+        .apply(vec![lb("lb-open", vip, checked(), vec![a, b])])
+        .await
+        .unwrap();
+    wait_healthy(&dataplane, "lb-open", 2).await;
+    let config = std::fs::read_to_string(state.0.join("haproxy.cfg")).unwrap();
+    assert!(config.contains("    option allbackups\n"), "{config}");
+    assert!(
+        config.contains(&format!("server open-{a} {a}:{backend_port} backup\n")),
+        "{config}"
+    );
+    let seen = spread(vip, port, 10).await;
+    assert_eq!(
+        (seen.get("a"), seen.get("b")),
+        (Some(&5), Some(&5)),
+        "{seen:?}"
+    );
+
+    // Every health port closes (the node proxies restart, say); the service ports answer.
+    drop(checks);
+    wait_for("a and b unhealthy", Duration::from_secs(5), || {
+        dataplane.backend_health("lb-open")
+            == vec![(a, BackendHealth::Unhealthy), (b, BackendHealth::Unhealthy)]
+    })
+    .await;
+    // Every connection succeeds (`spread` fails on any refused one), over both nodes.
+    let seen = spread(vip, port, 10).await;
+    assert!(
+        seen.get("a").is_some_and(|n| *n >= 2) && seen.get("b").is_some_and(|n| *n >= 2),
+        "fail open spreads over all the nodes: {seen:?}"
+    );
+    // The backups never pass for nodes: health still names a and b only, both DOWN.
+    assert_eq!(
+        dataplane.backend_health("lb-open"),
+        vec![(a, BackendHealth::Unhealthy), (b, BackendHealth::Unhealthy)]
+    );
+
+    // a is healthy again: it alone takes the traffic; b's backup takes nothing.
+    let _a_health = HealthServer::start(a, health_port).await;
+    wait_for("a healthy", Duration::from_secs(5), || {
+        dataplane.backend_health("lb-open")
+            == vec![(a, BackendHealth::Healthy), (b, BackendHealth::Unhealthy)]
+    })
+    .await;
+    assert_eq!(spread(vip, port, 6).await.get("a"), Some(&6));
+
+    // Through the runtime API, no reload: the healthy a leaves and c (health port closed)
+    // joins. With no node healthy the backups serve, c's added at run time among them.
+    let before = counter(&metrics_text(&dataplane), RELOADS_OK);
+    dataplane
+        .apply(vec![lb("lb-open", vip, checked(), vec![b, c])])
+        .await
+        .unwrap();
+    assert_changed_at_run_time(&dataplane, before, "nodes and their backups changing");
+    let config = std::fs::read_to_string(state.0.join("haproxy.cfg")).unwrap();
+    assert!(
+        config.contains(&format!("server open-{c} {c}:{backend_port} backup\n"))
+            && !config.contains(&format!("open-{a}")),
+        "{config}"
+    );
+    wait_for("b and c unhealthy", Duration::from_secs(5), || {
+        dataplane.backend_health("lb-open")
+            == vec![(b, BackendHealth::Unhealthy), (c, BackendHealth::Unhealthy)]
+    })
+    .await;
+    let seen = spread(vip, port, 10).await;
+    assert!(
+        seen.get("b").is_some_and(|n| *n >= 2)
+            && seen.get("c").is_some_and(|n| *n >= 2)
+            && !seen.contains_key("a"),
+        "the running backups are those of the file: {seen:?}"
+    );
+    dataplane.shutdown().await;
+}
+
 #[tokio::test]
 async fn nodes_change_through_the_runtime_api_and_frontends_through_hitless_reloads() {
     let state = StateDir::new("runtime");
@@ -157,8 +283,7 @@ async fn nodes_change_through_the_runtime_api_and_frontends_through_hitless_relo
         .await
         .unwrap();
     assert_eq!(spread(vip, port, 4).await.get("a"), Some(&4));
-    let reloads = r#"cloud_mock_haproxy_reloads_total{result="ok"}"#;
-    let before = counter(&metrics_text(&dataplane), reloads);
+    let before = counter(&metrics_text(&dataplane), RELOADS_OK);
 
     // A node joins: a server added at run time, no reload, and the file holds it too.
     dataplane
@@ -171,12 +296,7 @@ async fn nodes_change_through_the_runtime_api_and_frontends_through_hitless_relo
         (Some(&2), Some(&2)),
         "{seen:?}"
     );
-    let text = metrics_text(&dataplane);
-    assert_eq!(
-        counter(&text, reloads),
-        before,
-        "no reload for a node change"
-    );
+    let text = assert_changed_at_run_time(&dataplane, before, "a node joining");
     assert!(
         counter(
             &text,
@@ -195,20 +315,7 @@ async fn nodes_change_through_the_runtime_api_and_frontends_through_hitless_relo
         .await
         .unwrap();
     assert_eq!(spread(vip, port, 4).await.get("b"), Some(&4));
-    let text = metrics_text(&dataplane);
-    assert_eq!(
-        counter(&text, reloads),
-        before,
-        "no reload for a node leaving"
-    );
-    assert_eq!(
-        counter(
-            &text,
-            r#"cloud_mock_haproxy_runtime_commands_total{result="error"}"#
-        ),
-        0,
-        "{text}"
-    );
+    assert_changed_at_run_time(&dataplane, before, "a node leaving");
 
     // Frontends change five times under steady traffic, with a connection held open
     // across the reloads: nothing is refused and the held connection keeps working.
@@ -244,7 +351,7 @@ async fn nodes_change_through_the_runtime_api_and_frontends_through_hitless_relo
     );
     held.write_all(b"still here\n").await.unwrap();
     assert_eq!(read_line(&mut held).await.unwrap(), "still here");
-    assert!(counter(&metrics_text(&dataplane), reloads) >= before + 5);
+    assert!(counter(&metrics_text(&dataplane), RELOADS_OK) >= before + 5);
     dataplane.shutdown().await;
 }
 

@@ -12,6 +12,13 @@
 //!   burst of changes is one reload: the caller converges to the whole desired set.
 //! - Server changes (nodes joining and leaving) go through the runtime API, no reload.
 //! - Health is what HAProxy's checks say (`show stat`), read every check interval.
+//! - It fails open, like the edge's own data plane and cloud load balancers: when no
+//!   checked server of a section is up, all of its nodes serve. HAProxy alone would close
+//!   every connection then, so each checked server `IP` has an unchecked backup twin
+//!   `open-IP` to the same address, and `option allbackups` spreads over all the twins
+//!   while every checked server is DOWN; while any checked server is up, the twins take
+//!   nothing. The twins come and go with their nodes, in the file and through the
+//!   runtime API alike; their names are no addresses, so the health reader skips them.
 //! - The master is a child of the edge; if it dies it is started again from the file. An
 //!   HAProxy that a crashed edge left running keeps serving: the next edge adopts it and
 //!   reloads it from the store, so an edge restart drops no connection.

@@ -35,7 +35,8 @@ pub(crate) struct Proxy {
     pub backend_port: u16,
     pub health_check: Option<HealthCheck>,
     pub source_ranges: Vec<IpNet>,
-    /// Sorted; the server names are these addresses.
+    /// Sorted; the server names are these addresses. A checked section also has, for
+    /// each, a backup server named by [`backup_name`] (see [`Proxy::fail_open`]).
     pub servers: Vec<IpAddr>,
 }
 
@@ -45,6 +46,14 @@ impl Proxy {
     pub fn name(&self) -> String {
         let family = if self.bind.is_ipv4() { "v4" } else { "v6" };
         format!("{}_{}_{family}", self.lb_id, self.bind.port())
+    }
+
+    /// Whether the section fails open: its servers are checked, so each has an unchecked
+    /// backup twin and `option allbackups` spreads over all of them when every checked
+    /// server is DOWN (as cloud load balancers do when no target is healthy). Without a
+    /// check the servers are always up and need no backups.
+    pub fn fail_open(&self) -> bool {
+        self.health_check.is_some()
     }
 
     /// Everything but the servers: what only a reload can change.
@@ -133,7 +142,9 @@ pub(crate) fn needs_reload(
 /// Runtime API commands that turn the servers of `running` into those of `desired`, for
 /// sections whose frontends are the same. Removals first, each server put in maintenance
 /// and its sessions shut before it is deleted; additions come up in maintenance, so
-/// their checks are enabled before they take traffic.
+/// their checks are enabled before they take traffic. In a section that fails open a
+/// node's backup server goes and comes with its checked one, so the running servers are
+/// always those of the file (which a reload starts from).
 pub(crate) fn server_commands(
     running: &BTreeMap<String, Proxy>,
     desired: &BTreeMap<String, Proxy>,
@@ -147,11 +158,16 @@ pub(crate) fn server_commands(
         };
         let have_servers: BTreeSet<IpAddr> = have.servers.iter().copied().collect();
         let want_servers: BTreeSet<IpAddr> = want.servers.iter().copied().collect();
-        for gone in have_servers.difference(&want_servers) {
-            let server = format!("{name}/{gone}");
-            removals.push(format!("disable server {server}"));
-            removals.push(format!("shutdown sessions server {server}"));
-            removals.push(format!("del server {server}"));
+        for &gone in have_servers.difference(&want_servers) {
+            let mut servers = vec![format!("{name}/{gone}")];
+            if have.fail_open() {
+                servers.push(format!("{name}/{}", backup_name(gone)));
+            }
+            for server in servers {
+                removals.push(format!("disable server {server}"));
+                removals.push(format!("shutdown sessions server {server}"));
+                removals.push(format!("del server {server}"));
+            }
         }
         for &new in want_servers.difference(&have_servers) {
             let server = format!("{name}/{new}");
@@ -163,6 +179,11 @@ pub(crate) fn server_commands(
                 additions.push(format!("enable health {server}"));
             }
             additions.push(format!("enable server {server}"));
+            if want.fail_open() {
+                let backup = format!("{name}/{}", backup_name(new));
+                additions.push(format!("add server {backup} {}", backup_line(want, new)));
+                additions.push(format!("enable server {backup}"));
+            }
         }
     }
     removals.extend(additions);
@@ -185,6 +206,18 @@ fn server_line(proxy: &Proxy, ip: IpAddr, timing: CheckTiming) -> String {
         );
     }
     line
+}
+
+/// The name of `ip`'s backup server in a section that fails open. Not an address, so the
+/// health reader (`socket::parse_stat`) skips it, and distinct from every primary's name.
+fn backup_name(ip: IpAddr) -> String {
+    format!("open-{ip}")
+}
+
+/// What follows `server open-IP` for `ip` in `proxy`: the same address, unchecked (always
+/// up), a backup (takes traffic only while no checked server is up).
+fn backup_line(proxy: &Proxy, ip: IpAddr) -> String {
+    format!("{} backup", SocketAddr::new(ip, proxy.backend_port))
 }
 
 fn millis(duration: Duration) -> String {
@@ -241,12 +274,25 @@ pub(crate) fn render(globals: &Globals<'_>, proxies: &BTreeMap<String, Proxy>) -
                      http-check expect status 200\n"
             );
         }
+        if proxy.fail_open() {
+            out.push_str("    option allbackups\n");
+        }
         for &server in &proxy.servers {
             let _ = writeln!(
                 out,
                 "    server {server} {}",
                 server_line(proxy, server, globals.timing)
             );
+        }
+        if proxy.fail_open() {
+            for &server in &proxy.servers {
+                let _ = writeln!(
+                    out,
+                    "    server {} {}",
+                    backup_name(server),
+                    backup_line(proxy, server)
+                );
+            }
         }
     }
     out
@@ -303,8 +349,11 @@ mod tests {
                  option httpchk\n    \
                  http-check send meth GET uri /healthz\n    \
                  http-check expect status 200\n    \
+                 option allbackups\n    \
                  server 198.18.0.11 198.18.0.11:31000 check port 32000 inter 1000ms fall 2 rise 2\n    \
-                 server 198.18.0.12 198.18.0.12:31000 check port 32000 inter 1000ms fall 2 rise 2\n"
+                 server 198.18.0.12 198.18.0.12:31000 check port 32000 inter 1000ms fall 2 rise 2\n    \
+                 server open-198.18.0.11 198.18.0.11:31000 backup\n    \
+                 server open-198.18.0.12 198.18.0.12:31000 backup\n"
         );
         assert!(text.contains("stats socket /run/edge/runtime.sock mode 600 level admin"));
     }
@@ -326,6 +375,7 @@ mod tests {
         assert!(text.contains(
             "server 2001:db8:18::11 [2001:db8:18::11]:31000 check port 443 inter 1000ms"
         ));
+        assert!(text.contains("server open-2001:db8:18::11 [2001:db8:18::11]:31000 backup\n"));
         assert!(!text.contains("reject"));
     }
 
@@ -340,12 +390,84 @@ mod tests {
                 "disable server lb-0000000a_80_v4/198.18.0.11",
                 "shutdown sessions server lb-0000000a_80_v4/198.18.0.11",
                 "del server lb-0000000a_80_v4/198.18.0.11",
+                "disable server lb-0000000a_80_v4/open-198.18.0.11",
+                "shutdown sessions server lb-0000000a_80_v4/open-198.18.0.11",
+                "del server lb-0000000a_80_v4/open-198.18.0.11",
                 "add server lb-0000000a_80_v4/198.18.0.13 198.18.0.13:31000 check port 32000 inter 1000ms fall 2 rise 2",
                 "enable health lb-0000000a_80_v4/198.18.0.13",
                 "enable server lb-0000000a_80_v4/198.18.0.13",
+                "add server lb-0000000a_80_v4/open-198.18.0.13 198.18.0.13:31000 backup",
+                "enable server lb-0000000a_80_v4/open-198.18.0.13",
             ]
         );
         assert!(server_commands(&running, &running, TIMING).is_empty());
+    }
+
+    /// Checked sections fail open: every checked server has an unchecked backup twin to
+    /// the same address, and `option allbackups` spreads over all of them once every
+    /// checked server is DOWN (the twins' runtime commands: see
+    /// `only_server_changes_go_through_the_runtime_api`). Unchecked sections (always up)
+    /// have no backups, in the file or at run time.
+    #[test]
+    fn checked_sections_fail_open_through_backups_and_unchecked_ones_need_none() {
+        let globals = Globals {
+            runtime_socket: Path::new("/s"),
+            connect_timeout: Duration::from_secs(3),
+            timing: TIMING,
+        };
+        let mut tcp = proxy(&["198.18.0.11", "2001:db8:18::12"]);
+        tcp.health_check = Some(HealthCheck::Tcp { port: 10256 });
+        tcp.source_ranges.clear();
+        let text = render(&globals, &one(tcp.clone()));
+        let section = text.split_once("\nlisten ").unwrap().1;
+        assert_eq!(
+            section,
+            "lb-0000000a_80_v4\n    \
+                 bind 198.51.100.10:80\n    \
+                 option allbackups\n    \
+                 server 198.18.0.11 198.18.0.11:31000 check port 10256 inter 1000ms fall 2 rise 2\n    \
+                 server 2001:db8:18::12 [2001:db8:18::12]:31000 check port 10256 inter 1000ms fall 2 rise 2\n    \
+                 server open-198.18.0.11 198.18.0.11:31000 backup\n    \
+                 server open-2001:db8:18::12 [2001:db8:18::12]:31000 backup\n"
+        );
+        // Backup names are not addresses, so they never pass for a node's health, and
+        // are distinct from every primary's name.
+        let names: Vec<&str> = section
+            .lines()
+            .filter_map(|line| line.trim().strip_prefix("server ")?.split(' ').next())
+            .collect();
+        assert_eq!(names.len(), 4);
+        assert_eq!(names.iter().collect::<BTreeSet<_>>().len(), 4);
+        let backups: Vec<&str> = names
+            .iter()
+            .copied()
+            .filter(|n| n.starts_with("open-"))
+            .collect();
+        assert_eq!(backups.len(), 2);
+        assert!(backups.iter().all(|name| name.parse::<IpAddr>().is_err()));
+
+        // Unchecked: no backups, no allbackups.
+        let mut unchecked = tcp.clone();
+        unchecked.health_check = None;
+        let text = render(&globals, &one(unchecked.clone()));
+        assert!(!text.contains("backup"), "{text}");
+        let mut more = unchecked.clone();
+        more.servers.push("198.18.0.13".parse().unwrap());
+        assert_eq!(
+            server_commands(&one(unchecked.clone()), &one(more.clone()), TIMING),
+            [
+                "add server lb-0000000a_80_v4/198.18.0.13 198.18.0.13:31000",
+                "enable server lb-0000000a_80_v4/198.18.0.13",
+            ]
+        );
+        assert_eq!(
+            server_commands(&one(more), &one(unchecked), TIMING),
+            [
+                "disable server lb-0000000a_80_v4/198.18.0.13",
+                "shutdown sessions server lb-0000000a_80_v4/198.18.0.13",
+                "del server lb-0000000a_80_v4/198.18.0.13",
+            ]
+        );
     }
 
     #[test]

@@ -82,8 +82,8 @@ pub(crate) struct ServerStat {
     pub health: BackendHealth,
 }
 
-/// The servers of `show stat` (frontends, backends and servers not named by an address
-/// are skipped). HAProxy's status words: `UP` (and `UP 1/2` while going down), `DOWN`
+/// The servers of `show stat` (frontends, backends and servers not named by an address,
+/// such as the fail-open backups `open-<ip>`, are skipped). HAProxy's status words: `UP` (and `UP 1/2` while going down), `DOWN`
 /// (and `DOWN 1/2` while coming up), `no check`, `MAINT`, `DRAIN`, `NOLB`.
 pub(crate) fn parse_stat(answer: &str) -> Vec<ServerStat> {
     let mut lines = answer.lines();
@@ -158,11 +158,16 @@ mod tests {
             lb-1_80_v4,198.18.0.13,0,no check,1\n\
             lb-1_80_v4,198.18.0.14,0,MAINT,1\n\
             lb-1_80_v6,2001:db8:18::11,0,UP 1/2,1\n\
+            lb-1_80_v4,open-198.18.0.12,0,no check,1\n\
+            lb-1_80_v6,open-2001:db8:18::11,0,no check,1\n\
             lb-1_80_v4,BACKEND,0,UP,3\n";
         let health: Vec<(String, BackendHealth)> = parse_stat(answer)
             .into_iter()
             .map(|stat| (stat.server.to_string(), stat.health))
             .collect();
+        // The fail-open backups (`open-<ip>`, always `no check`) are not named by an
+        // address: they are skipped, and never stand for a node's health (198.18.0.12
+        // stays DOWN although its backup is up).
         assert_eq!(
             health,
             [
@@ -173,6 +178,7 @@ mod tests {
                 ("2001:db8:18::11".into(), BackendHealth::Healthy),
             ]
         );
+
         assert!(parse_stat("garbage").is_empty());
     }
 
