@@ -44,6 +44,8 @@ pub enum ClusterError {
     },
     #[error("{count} endpoints exceed the {max} one EndpointSlice may hold", max = MAX_ENDPOINTS_PER_SLICE)]
     TooManyEndpoints { count: usize },
+    #[error("Node {0} is still being deleted after {1:?} (a finalizer no one removes?)")]
+    NodeNotGone(String, std::time::Duration),
 }
 
 impl ClusterError {

@@ -233,12 +233,33 @@ impl NodeAgent {
     pub async fn register(&mut self) -> Result<(), ClusterError> {
         let now = Timestamp::now();
         for node in self.lab_nodes.clone() {
-            let existing = self
+            let mut existing = self
                 .nodes
                 .get_opt(&node.name)
                 .await
                 .map_err(ClusterError::api("get", "Node", &node.name))?;
             let desired = node_object(&node);
+            // A Node's pod CIDRs cannot change once set: one left by another lab with other
+            // CIDRs (another family setup) is replaced, as a re-installed machine's would be.
+            // One still being deleted (k3s holds Nodes with a finalizer of its own for a
+            // moment) would vanish under the new registration: it is waited out.
+            let pod_cidrs = |n: &Node| n.spec.as_ref().and_then(|s| s.pod_cidrs.clone());
+            if let Some(old) = &existing {
+                let deleting = old.metadata.deletion_timestamp.is_some();
+                let other_cidrs = pod_cidrs(old).is_some_and(|cidrs| !cidrs.is_empty())
+                    && pod_cidrs(old) != pod_cidrs(&desired);
+                if other_cidrs && !deleting {
+                    tracing::info!(node = %node.name, "replacing a Node with other pod CIDRs");
+                    self.nodes
+                        .delete(&node.name, &DeleteParams::default())
+                        .await
+                        .map_err(ClusterError::api("delete", "Node", &node.name))?;
+                }
+                if other_cidrs || deleting {
+                    self.wait_gone(&node.name).await?;
+                    existing = None;
+                }
+            }
             let stored = match &existing {
                 None => self
                     .nodes
@@ -264,6 +285,25 @@ impl NodeAgent {
         }
         self.report_status().await?;
         self.renew_leases().await
+    }
+
+    /// Waits until Node `name` is gone (its finalizers done).
+    async fn wait_gone(&self, name: &str) -> Result<(), ClusterError> {
+        const PATIENCE: Duration = Duration::from_secs(60);
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while self
+            .nodes
+            .get_opt(name)
+            .await
+            .map_err(ClusterError::api("get", "Node", name))?
+            .is_some()
+        {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ClusterError::NodeNotGone(name.to_owned(), PATIENCE));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(())
     }
 
     /// Posts the Ready heartbeat of every node.
