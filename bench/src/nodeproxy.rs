@@ -5,8 +5,10 @@
 //! against a raw `iptables-restore` of the same payload into another fresh namespace; one
 //! endpoint added and removed (an EndpointSlice watch event fed to the tracker) against a
 //! raw restore of the same changed-chain payload, with our own time per change and, at the
-//! headline scale, the network programming latency over 100 changes; and the peak RSS of
-//! the real `tandem-nodeproxy` binary against the API server stand-in.
+//! headline scale, the network programming latency over 100 changes, and kube-proxy's
+//! first sync and one endpoint added beside ours where `TANDEM_KUBE_PROXY` names it
+//! (`kube_proxy`); and the peak RSS of the real `tandem-nodeproxy` binary against the API
+//! server stand-in.
 //!
 //! Then the same scales in nftables mode (`nft`), each figure against the kernel's own part
 //! (the same netlink batch sent alone) and `nft -f` of the same transaction, plus the
@@ -19,6 +21,7 @@
 mod cluster;
 mod idle;
 mod kernel;
+mod kube_proxy;
 mod nft;
 mod nft_summary;
 pub(crate) mod rss;
@@ -152,14 +155,37 @@ pub fn run(options: &BenchOptions) -> anyhow::Result<Vec<Block>> {
     let plan = plan(options.quick);
     let mut blocks = Vec::new();
     if options.measures(ProxyMode::Iptables) {
+        let kube_proxy = tandem_k3s::kube_proxy_binary()
+            .map(|binary| {
+                let version = kube_proxy::version(&binary)?;
+                anyhow::Ok((binary, version))
+            })
+            .transpose()?;
         let mut results = Vec::new();
         for backend in iptables_backends()? {
             let mut scales = Vec::new();
             for planned in &plan.scales {
-                scales.push(
-                    measure_scale(&prefix, backend, planned)
-                        .with_context(|| format!("{backend}, {}", planned.scale.label()))?,
-                );
+                let mut measured = measure_scale(&prefix, backend, planned)
+                    .with_context(|| format!("{backend}, {}", planned.scale.label()))?;
+                // kube-proxy beside ours at the headline scale; reported, not fatal.
+                if let (true, Some((binary, version))) = (planned.headline, &kube_proxy) {
+                    eprintln!(
+                        "node proxy: {version}, {backend}, {}",
+                        planned.scale.label()
+                    );
+                    let run = kube_proxy::measure(
+                        &prefix,
+                        binary,
+                        backend,
+                        cluster::generate(planned.scale)?,
+                        plan.rss_timeout.max(Duration::from_secs(900)),
+                    );
+                    measured.kube_proxy = Some(summary::KubeProxyResult {
+                        version: version.clone(),
+                        run: run.map_err(|error| format!("{:#}", error.root_cause())),
+                    });
+                }
+                scales.push(measured);
             }
             let data_path = DataPathFlags::Iptables(backend);
             let rss = measure_rss(
@@ -304,6 +330,7 @@ fn measure_scale(
         headline: planned.headline,
         runs,
         raw_first,
+        kube_proxy: None,
     })
 }
 

@@ -22,6 +22,7 @@ use tandem_netlab::RunPrefix;
 use tandem_nodeproxy::backend::{Backend, Tools};
 
 use super::cluster::{self, Cluster, Scale};
+use super::kube_proxy;
 use super::rss::{self, DataPathFlags, HEALTHZ, METRICS};
 
 /// What is measured, and how long each part may take.
@@ -188,23 +189,7 @@ async fn run_against_stand_in(
                 .env("RUST_LOG", "info");
             command
         }
-        Proxy::KubeProxy(binary) => {
-            let mut command = tokio::process::Command::new(binary);
-            command
-                .arg("--kubeconfig")
-                .arg(&kubeconfig)
-                .args(["--proxy-mode", "iptables"])
-                .args(["--hostname-override", cluster::NODE_NAME])
-                .args(["--cluster-cidr", &cluster::cluster_cidr(cluster.plans)])
-                // The stand-in speaks JSON; nothing of the machine's is changed.
-                .args(["--kube-api-content-type", "application/json"])
-                .args(["--conntrack-max-per-core", "0"])
-                .args(["--conntrack-tcp-timeout-established", "0s"])
-                .args(["--conntrack-tcp-timeout-close-wait", "0s"])
-                .args(["--healthz-bind-address", &HEALTHZ.to_string()])
-                .args(["--metrics-bind-address", &METRICS.to_string()]);
-            command
-        }
+        Proxy::KubeProxy(binary) => kube_proxy::command(binary, &kubeconfig, cluster),
     };
     let mut child = command
         .stdin(Stdio::null())
@@ -250,10 +235,10 @@ async fn run_against_stand_in(
     child.wait().await?;
     server.shutdown().await?;
     measured.map_err(|error| {
-        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-        let tail: Vec<&str> = log.lines().rev().take(20).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
-        error.context(format!("proxy log tail:\n{}", tail.join("\n")))
+        error.context(format!(
+            "proxy log tail:\n{}",
+            tandem_k3s::node::tail(&log_path, 20)
+        ))
     })
 }
 
@@ -262,18 +247,19 @@ async fn run_against_stand_in(
 async fn synced(proxy: &Proxy) -> bool {
     match proxy {
         Proxy::Tandem { .. } => rss::healthz_status().await == Some(200),
-        Proxy::KubeProxy(_) => full_checks(proxy).await > 0,
+        Proxy::KubeProxy(_) => kube_proxy::syncs().await.0 > 0,
     }
 }
 
 /// Tandem's full checks, or kube-proxy's syncs (each a full one in v1.21), so far.
 async fn full_checks(proxy: &Proxy) -> u64 {
-    let series = match proxy {
-        Proxy::Tandem { .. } => rss::PERIODIC_SYNCS,
-        Proxy::KubeProxy(_) => "kubeproxy_sync_proxy_rules_duration_seconds_count",
-    };
-    let page = rss::get(METRICS, "/metrics").await.unwrap_or_default();
-    rss::sample(&page, series).unwrap_or(0)
+    match proxy {
+        Proxy::Tandem { .. } => {
+            let page = rss::get(METRICS, "/metrics").await.unwrap_or_default();
+            rss::sample(&page, rss::PERIODIC_SYNCS).unwrap_or(0)
+        }
+        Proxy::KubeProxy(_) => kube_proxy::syncs().await.0,
+    }
 }
 
 /// Deletes the jump from the nat prerouting hook into the Service dispatch, as someone

@@ -192,10 +192,8 @@ async fn run_against_stand_in(
     let (to_first_sync, to_periodic_sync) = match synced {
         Ok(elapsed) => elapsed,
         Err(error) => {
-            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(20).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
-            return Err(error.context(format!("node proxy log tail:\n{}", tail.join("\n"))));
+            let tail = tandem_k3s::node::tail(&log_path, 20);
+            return Err(error.context(format!("node proxy log tail:\n{tail}")));
         }
     };
     let status = status.context("reading the node proxy's /proc status")?;
@@ -221,7 +219,7 @@ pub(super) async fn wait_for(
             anyhow::bail!("the node proxy exited ({status}) before {what}");
         }
         if started.elapsed() > timeout {
-            anyhow::bail!("no {what} within {timeout:?}");
+            anyhow::bail!("{what} did not come within {timeout:?}");
         }
         if done().await {
             return Ok(started.elapsed());
@@ -289,7 +287,7 @@ pub(super) async fn get(address: SocketAddr, path: &str) -> Option<String> {
 }
 
 /// The value of the sample `series` (name and labels, as exposed) in a metrics page.
-pub(super) fn sample(page: &str, series: &str) -> Option<u64> {
+pub(super) fn sample<T: std::str::FromStr>(page: &str, series: &str) -> Option<T> {
     page.lines()
         .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))?
         .trim()
@@ -340,7 +338,7 @@ mod tests {
             tandem_nodeproxy_sync_full_proxy_rules_duration_seconds_count 3\n\
             tandem_nodeproxy_sync_full_proxy_rules_duration_seconds_bucket{le=\"0.001\"} 0\n";
         assert_eq!(sample(page, PERIODIC_SYNCS), Some(3));
-        assert_eq!(sample("", PERIODIC_SYNCS), None);
+        assert_eq!(sample::<u64>("", PERIODIC_SYNCS), None);
     }
 
     #[test]

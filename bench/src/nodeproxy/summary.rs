@@ -7,6 +7,7 @@ use tandem_nodeproxy::backend::Backend;
 
 use super::cluster::{Scale, thousands};
 use super::kernel::{Incremental, SyncRun};
+use super::kube_proxy::KubeProxyRun;
 use super::rss::{self, RssRun};
 use crate::controller::quantile;
 use crate::report::{Row, Section, Target, Value};
@@ -45,6 +46,16 @@ pub struct ScaleResult {
     pub runs: Vec<SyncRun>,
     /// Raw restores of each run's first-sync payload into a fresh namespace.
     pub raw_first: Vec<Duration>,
+    /// kube-proxy given the same cluster on the same backend, where it was run.
+    pub kube_proxy: Option<KubeProxyResult>,
+}
+
+/// kube-proxy's run beside ours, or why there is none.
+#[derive(Debug, Clone)]
+pub struct KubeProxyResult {
+    /// As it names itself (`kube-proxy --version`).
+    pub version: String,
+    pub run: Result<KubeProxyRun, String>,
 }
 
 #[derive(Debug, Clone)]
@@ -114,12 +125,11 @@ fn backend_section(result: &BackendResult) -> Section {
             names.join("; ")
         ));
     }
-    section.notes.push(
-        "For comparison, a figure tandem-bench does not measure: when the project set these \
-         targets, kube-proxy v1.21 was reported to take about 125 s per sync at 2,700 \
-         LoadBalancer Services × 10 on nf_tables on a 2-core machine like this one."
-            .into(),
-    );
+    if !result.scales.iter().any(|scale| scale.kube_proxy.is_some()) {
+        section
+            .notes
+            .push("kube-proxy not measured: TANDEM_KUBE_PROXY names no binary.".into());
+    }
     section
 }
 
@@ -245,6 +255,58 @@ fn scale_rows(backend: Backend, result: &ScaleResult, section: &mut Section) {
         let latencies: Vec<Duration> = all.iter().map(|c| c.ours).collect();
         section.rows.extend(latency_rows(&label, &latencies));
     }
+    if let Some(kube_proxy) = &result.kube_proxy {
+        let added = median(&added.iter().map(|c| c.ours).collect::<Vec<_>>());
+        kube_proxy_rows(&label, ours, added, kube_proxy, section);
+    }
+}
+
+/// Our first sync and one endpoint added against kube-proxy's, same cluster and backend.
+fn kube_proxy_rows(
+    label: &str,
+    first_sync: Duration,
+    endpoint_added: Duration,
+    kube_proxy: &KubeProxyResult,
+    section: &mut Section,
+) {
+    let version = &kube_proxy.version;
+    let run = match &kube_proxy.run {
+        Ok(run) => run,
+        Err(reason) => {
+            section
+                .notes
+                .push(format!("{version}, {label}: not measured: {reason}."));
+            return;
+        }
+    };
+    section.rows.push(Row {
+        what: format!("first sync, {label}, beside kube-proxy"),
+        ours: seconds(first_sync),
+        limit: Some((
+            format!("{version}: its own first sync, same cluster and backend"),
+            seconds(run.first_sync),
+        )),
+        target: None,
+    });
+    section.rows.push(Row {
+        what: format!("one endpoint added, {label}, beside kube-proxy"),
+        ours: seconds(endpoint_added),
+        limit: Some((
+            format!("{version}: the slice written → its sync ended"),
+            seconds(run.endpoint_added),
+        )),
+        target: None,
+    });
+    section.notes.push(format!(
+        "{version}, {label} (iptables mode, this backend's binaries first in its PATH, against \
+         the API server stand-in in a fresh namespace): first sync {} by its own metric \
+         (syncProxyRules, the restore included, the listing not); one endpoint added {} from \
+         the slice written to the end of its sync, of which the sync itself {} (it rewrites \
+         every chain of the nat table each time).",
+        secs(run.first_sync),
+        ms(run.endpoint_added),
+        ms(run.endpoint_sync),
+    ));
 }
 
 fn incremental_rows(
@@ -371,6 +433,7 @@ mod tests {
                     headline: false,
                     runs: vec![run(500, 34, 30)],
                     raw_first: vec![d(400)],
+                    kube_proxy: None,
                 },
                 ScaleResult {
                     scale: scale(2_700),
@@ -381,6 +444,14 @@ mod tests {
                         run(1_900, 190, 70),
                     ],
                     raw_first: vec![d(1_000), d(1_200), d(1_100)],
+                    kube_proxy: Some(KubeProxyResult {
+                        version: "kube-proxy v1.21.2".into(),
+                        run: Ok(KubeProxyRun {
+                            first_sync: d(120_000),
+                            endpoint_added: d(2_500),
+                            endpoint_sync: d(2_400),
+                        }),
+                    }),
                 },
             ],
             rss: Some(RssResult {
@@ -461,6 +532,14 @@ mod tests {
                     None
                 ),
                 (
+                    "first sync, 2,700 LoadBalancer × 10, beside kube-proxy",
+                    None
+                ),
+                (
+                    "one endpoint added, 2,700 LoadBalancer × 10, beside kube-proxy",
+                    None
+                ),
+                (
                     "peak RSS of tandem-nodeproxy, 2,700 LoadBalancer × 10",
                     Some(true)
                 ),
@@ -485,7 +564,15 @@ mod tests {
                 .any(|n| n.starts_with("MISSED on nf_tables")
                     && n.contains("one endpoint added, 2,700 LoadBalancer × 10, absolute"))
         );
-        assert!(section.notes.iter().any(|n| n.contains("125 s")));
+        // Ours against kube-proxy's: 1.9 s against 120 s, 190 ms against 2.5 s.
+        let kube_proxy = row("first sync, 2,700 LoadBalancer × 10, beside kube-proxy");
+        assert!((kube_proxy.limit.as_ref().unwrap().1.number() - 120.0).abs() < 1e-9);
+        assert!(
+            section
+                .notes
+                .iter()
+                .any(|n| n.starts_with("kube-proxy v1.21.2, 2,700") && n.contains("2400.0 ms"))
+        );
     }
 
     #[test]
@@ -497,11 +584,41 @@ mod tests {
                 headline: true,
                 runs: vec![],
                 raw_first: vec![],
+                kube_proxy: None,
             }],
             rss: None,
         };
         let section = &sections(&[result])[0];
         assert!(section.rows.is_empty());
         assert!(section.notes[0].contains("no run completed"));
+        assert!(
+            section
+                .notes
+                .iter()
+                .any(|n| n.contains("TANDEM_KUBE_PROXY names no binary"))
+        );
+    }
+
+    #[test]
+    fn a_kube_proxy_that_did_not_finish_is_named_not_tabled() {
+        let mut scale_result = ScaleResult {
+            scale: scale(10),
+            headline: true,
+            runs: vec![run(500, 34, 30)],
+            raw_first: vec![d(400)],
+            kube_proxy: Some(KubeProxyResult {
+                version: "kube-proxy v1.21.2".into(),
+                run: Err("a first sync did not come within 900s".into()),
+            }),
+        };
+        let mut section = Section::default();
+        scale_rows(Backend::Legacy, &scale_result, &mut section);
+        assert!(!section.rows.iter().any(|r| r.what.contains("kube-proxy")));
+        assert!(section.notes.iter().any(|n| n
+            == "kube-proxy v1.21.2, 10 LoadBalancer × 10: not measured: a first sync did not come within 900s."));
+        scale_result.kube_proxy = None;
+        let mut section = Section::default();
+        scale_rows(Backend::Legacy, &scale_result, &mut section);
+        assert!(!section.notes.iter().any(|n| n.contains("kube-proxy")));
     }
 }
