@@ -93,6 +93,17 @@ pub struct Section {
     pub notes: Vec<String>,
 }
 
+/// A ratio with two decimals, or two significant digits below 0.1 (ours against
+/// kube-proxy's, say, where two decimals would print 0.00×).
+fn ratio_text(ratio: f64) -> String {
+    if ratio > 0.0 && ratio < 0.1 {
+        let decimals = (1.0 - ratio.log10().floor()).max(2.0) as usize;
+        format!("{ratio:.decimals$}×")
+    } else {
+        format!("{ratio:.2}×")
+    }
+}
+
 fn target_text(target: Option<Target>) -> String {
     match target {
         Some(Target::RatioAtMost(r)) => format!("≤ {r}×"),
@@ -131,10 +142,7 @@ pub fn markdown(section: &Section) -> String {
             .as_ref()
             .map(|(what, v)| format!("{} ({what})", v.render()))
             .unwrap_or_else(|| "—".to_owned());
-        let ratio = row
-            .ratio()
-            .map(|r| format!("{r:.2}×"))
-            .unwrap_or_else(|| "—".to_owned());
+        let ratio = row.ratio().map_or_else(|| "—".to_owned(), ratio_text);
         let _ = writeln!(
             out,
             "| {} | {} | {limit} | {ratio} | {} | {} |",
@@ -366,6 +374,14 @@ fn line_number(document: &str, offset: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn small_ratios_keep_two_significant_digits() {
+        assert_eq!(super::ratio_text(1.234), "1.23×");
+        assert_eq!(super::ratio_text(0.0437), "0.044×");
+        assert_eq!(super::ratio_text(0.00193), "0.0019×");
+        assert_eq!(super::ratio_text(0.0), "0.00×");
+    }
+
     use super::*;
 
     #[test]
