@@ -168,18 +168,13 @@ async fn run_against_stand_in(
     plan: IdlePlan,
     repair: bool,
 ) -> anyhow::Result<Window> {
-    let rss::StandIn {
-        server,
-        kubeconfig,
-        log_path,
-        log,
-    } = rss::StandIn::start(Some(cluster), workdir).await?;
+    let (stand_in, log) = rss::StandIn::start(Some(cluster), workdir).await?;
     let mut command = match proxy {
         Proxy::Tandem { binary, data_path } => {
             let mut command = tokio::process::Command::new(binary);
             command
                 .arg("--kubeconfig")
-                .arg(&kubeconfig)
+                .arg(&stand_in.kubeconfig)
                 .args(["--node-name", cluster::NODE_NAME])
                 .args(["--cluster-cidr", &cluster::cluster_cidr(cluster.plans)])
                 .args(data_path.args())
@@ -189,7 +184,7 @@ async fn run_against_stand_in(
                 .env("RUST_LOG", "info");
             command
         }
-        Proxy::KubeProxy(binary) => kube_proxy::command(binary, &kubeconfig, cluster),
+        Proxy::KubeProxy(binary) => kube_proxy::command(binary, &stand_in.kubeconfig, cluster),
     };
     let mut child = command
         .stdin(Stdio::null())
@@ -231,15 +226,7 @@ async fn run_against_stand_in(
         })
     }
     .await;
-    child.start_kill()?;
-    child.wait().await?;
-    server.shutdown().await?;
-    measured.map_err(|error| {
-        error.context(format!(
-            "proxy log tail:\n{}",
-            tandem_k3s::node::tail(&log_path, 20)
-        ))
-    })
+    stand_in.finish(child, measured, "proxy log tail").await
 }
 
 /// True once the proxy's first sync ended: Tandem's `/healthz` answers 200 only then;

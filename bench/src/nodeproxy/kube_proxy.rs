@@ -91,15 +91,10 @@ async fn run(
     workdir: &Path,
     timeout: Duration,
 ) -> anyhow::Result<KubeProxyRun> {
-    let rss::StandIn {
-        server,
-        kubeconfig,
-        log_path,
-        log,
-    } = rss::StandIn::start(Some(&cluster), workdir).await?;
+    let (stand_in, log) = rss::StandIn::start(Some(&cluster), workdir).await?;
     let tools = backend_tools(backend, &workdir.join("bin"))?;
     let path = std::env::var_os("PATH").unwrap_or_default();
-    let mut child = command(binary, &kubeconfig, &cluster)
+    let mut child = command(binary, &stand_in.kubeconfig, &cluster)
         .args(["--iptables-sync-period", SYNC_PERIOD])
         .env(
             "PATH",
@@ -128,7 +123,7 @@ async fn run(
         let slice = cluster.slices.get(index).context("no slice to change")?;
         let name = slice.metadata.name.clone().unwrap_or_default();
         let written = Instant::now();
-        server.store().update(
+        stand_in.server.store().update(
             ENDPOINT_SLICES,
             Some(cluster::NAMESPACE),
             &name,
@@ -156,15 +151,9 @@ async fn run(
         })
     }
     .await;
-    child.start_kill()?;
-    child.wait().await?;
-    server.shutdown().await?;
-    measured.map_err(|error| {
-        error.context(format!(
-            "kube-proxy's log tail:\n{}",
-            tandem_k3s::node::tail(&log_path, 20)
-        ))
-    })
+    stand_in
+        .finish(child, measured, "kube-proxy's log tail")
+        .await
 }
 
 /// A directory of links named as kube-proxy calls them (`iptables`, `ip6tables` and their

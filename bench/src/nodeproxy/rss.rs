@@ -99,17 +99,20 @@ where
     result
 }
 
-/// The API server stand-in loaded with a cluster, its kubeconfig and a log file for the
+/// The API server stand-in loaded with a cluster, its kubeconfig, and the log file of the
 /// proxy under test in the work directory.
 pub(super) struct StandIn {
     pub server: RunningServer,
     pub kubeconfig: PathBuf,
-    pub log_path: PathBuf,
-    pub log: std::fs::File,
+    log_path: PathBuf,
 }
 
 impl StandIn {
-    pub async fn start(cluster: Option<&Cluster>, workdir: &Path) -> anyhow::Result<Self> {
+    /// The stand-in, and the log file for the proxy's stderr.
+    pub async fn start(
+        cluster: Option<&Cluster>,
+        workdir: &Path,
+    ) -> anyhow::Result<(Self, std::fs::File)> {
         let server = spawn(ServerConfig::default())
             .await
             .context("starting the API server stand-in")?;
@@ -119,11 +122,28 @@ impl StandIn {
         let log_path = workdir.join("proxy.log");
         let log = std::fs::File::create(&log_path)
             .with_context(|| format!("creating {}", log_path.display()))?;
-        Ok(Self {
+        let stand_in = Self {
             server,
             kubeconfig,
             log_path,
-            log,
+        };
+        Ok((stand_in, log))
+    }
+
+    /// Stops the proxy (`child`) and the stand-in, then hands back what was measured; an
+    /// error gets the tail of the proxy's log, headed `heading`.
+    pub async fn finish<T>(
+        self,
+        mut child: tokio::process::Child,
+        measured: anyhow::Result<T>,
+        heading: &str,
+    ) -> anyhow::Result<T> {
+        child.start_kill()?;
+        child.wait().await?;
+        self.server.shutdown().await?;
+        measured.map_err(|error| {
+            let tail = tandem_k3s::node::tail(&self.log_path, 20);
+            error.context(format!("{heading}:\n{tail}"))
         })
     }
 }
@@ -135,19 +155,14 @@ async fn run_against_stand_in(
     workdir: PathBuf,
     timeout: Duration,
 ) -> anyhow::Result<RssRun> {
-    let StandIn {
-        server,
-        kubeconfig,
-        log_path,
-        log,
-    } = StandIn::start(cluster.as_ref(), &workdir).await?;
+    let (stand_in, log) = StandIn::start(cluster.as_ref(), &workdir).await?;
     let plans = cluster
         .as_ref()
         .map_or(&[cluster::V4][..], |cluster| cluster.plans);
     let started = Instant::now();
     let mut child = tokio::process::Command::new(&binary)
         .arg("--kubeconfig")
-        .arg(&kubeconfig)
+        .arg(&stand_in.kubeconfig)
         .args(["--node-name", cluster::NODE_NAME])
         .args(["--cluster-cidr", &cluster::cluster_cidr(plans)])
         .args(data_path.args())
@@ -186,16 +201,9 @@ async fn run_against_stand_in(
     .await;
     // Read before stopping it: /proc/PID goes with the process.
     let status = tokio::fs::read_to_string(format!("/proc/{pid}/status")).await;
-    child.start_kill()?;
-    child.wait().await?;
-    server.shutdown().await?;
-    let (to_first_sync, to_periodic_sync) = match synced {
-        Ok(elapsed) => elapsed,
-        Err(error) => {
-            let tail = tandem_k3s::node::tail(&log_path, 20);
-            return Err(error.context(format!("node proxy log tail:\n{tail}")));
-        }
-    };
+    let (to_first_sync, to_periodic_sync) = stand_in
+        .finish(child, synced, "node proxy log tail")
+        .await?;
     let status = status.context("reading the node proxy's /proc status")?;
     let peak_kib = vm_hwm_kib(&status).context("no VmHWM in /proc/PID/status")?;
     Ok(RssRun {
