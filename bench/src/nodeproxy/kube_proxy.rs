@@ -47,16 +47,13 @@ pub struct KubeProxyRun {
 pub fn command(binary: &Path, kubeconfig: &Path, cluster: &Cluster) -> tokio::process::Command {
     let mut command = tokio::process::Command::new(binary);
     command
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(["--proxy-mode", "iptables"])
-        .args(["--hostname-override", cluster::NODE_NAME])
-        .args(["--cluster-cidr", &cluster::cluster_cidr(cluster.plans)])
-        // The stand-in speaks JSON; nothing of the machine's is changed.
+        .args(tandem_k3s::kube_proxy_args(
+            kubeconfig,
+            cluster::NODE_NAME,
+            &cluster::cluster_cidr(cluster.plans),
+        ))
+        // The stand-in speaks JSON.
         .args(["--kube-api-content-type", "application/json"])
-        .args(["--conntrack-max-per-core", "0"])
-        .args(["--conntrack-tcp-timeout-established", "0s"])
-        .args(["--conntrack-tcp-timeout-close-wait", "0s"])
         .args(["--healthz-bind-address", &HEALTHZ.to_string()])
         .args(["--metrics-bind-address", &METRICS.to_string()]);
     command

@@ -9,7 +9,8 @@ pub mod control_plane;
 pub mod docs;
 pub mod node;
 
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 
 /// The environment variable naming the k3s binary.
 pub const K3S_ENV: &str = "TANDEM_K3S";
@@ -24,6 +25,32 @@ pub fn k3s_binary() -> Option<PathBuf> {
 /// The kube-proxy binary named by [`KUBE_PROXY_ENV`], if set and present.
 pub fn kube_proxy_binary() -> Option<PathBuf> {
     binary_named_by(KUBE_PROXY_ENV)
+}
+
+/// kube-proxy's arguments in iptables mode, as every run of it here starts: `kubeconfig`,
+/// the node it serves (`hostname`), the cluster's pod CIDRs (comma-separated) and the
+/// conntrack flags that leave the machine alone (no conntrack sysctl written). The caller
+/// adds what is its own.
+pub fn kube_proxy_args(kubeconfig: &Path, hostname: &str, cluster_cidr: &str) -> Vec<OsString> {
+    let mut args: Vec<OsString> = vec!["--kubeconfig".into(), kubeconfig.into()];
+    args.extend(
+        [
+            "--proxy-mode",
+            "iptables",
+            "--hostname-override",
+            hostname,
+            "--cluster-cidr",
+            cluster_cidr,
+            "--conntrack-max-per-core",
+            "0",
+            "--conntrack-tcp-timeout-established",
+            "0s",
+            "--conntrack-tcp-timeout-close-wait",
+            "0s",
+        ]
+        .map(OsString::from),
+    );
+    args
 }
 
 fn binary_named_by(var: &str) -> Option<PathBuf> {

@@ -402,23 +402,15 @@ async fn capture_kube_proxy_rules(
     let log = work.join("kube-proxy.log");
     let out = std::fs::File::create(&log)?;
     let mut cmd = netns.netns().command(kube_proxy);
-    cmd.arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .args(["--proxy-mode", "iptables", "--hostname-override", NODE])
-        .args(["--cluster-cidr", &cidr_list(&options.cluster_cidrs)])
-        .args(["--feature-gates", "IPv6DualStack=true"])
-        // Leave the machine's conntrack settings alone.
-        .args([
-            "--conntrack-max-per-core",
-            "0",
-            "--conntrack-tcp-timeout-established",
-            "0s",
-            "--conntrack-tcp-timeout-close-wait",
-            "0s",
-        ])
-        .stdin(Stdio::null())
-        .stdout(out.try_clone()?)
-        .stderr(out);
+    cmd.args(tandem_k3s::kube_proxy_args(
+        &kubeconfig,
+        NODE,
+        &cidr_list(&options.cluster_cidrs),
+    ))
+    .args(["--feature-gates", "IPv6DualStack=true"])
+    .stdin(Stdio::null())
+    .stdout(out.try_clone()?)
+    .stderr(out);
     let process = ChildGuard::spawn(cmd)?;
     let mut run = KubeProxyRun {
         process,

@@ -1061,17 +1061,11 @@ impl KubeProxy {
         let log = work.join("kube-proxy.log");
         let out = std::fs::File::create(&log)?;
         let mut cmd = node.command_in_node(binary)?;
-        cmd.arg(format!(
-            "--kubeconfig={}",
-            node.kube_proxy_kubeconfig().display()
+        cmd.args(tandem_k3s::kube_proxy_args(
+            &node.kube_proxy_kubeconfig(),
+            node.name(),
+            CLUSTER_CIDR,
         ))
-        .args(["--proxy-mode=iptables", "--conntrack-max-per-core=0"])
-        .args([
-            "--conntrack-tcp-timeout-established=0s",
-            "--conntrack-tcp-timeout-close-wait=0s",
-        ])
-        .arg(format!("--hostname-override={}", node.name()))
-        .arg(format!("--cluster-cidr={CLUSTER_CIDR}"))
         .stdout(out.try_clone()?)
         .stderr(out);
         let kube_proxy = Self {
