@@ -273,7 +273,7 @@ async fn measure_in(
     progress("starting the HAProxy edge (cloud-mock --dataplane haproxy) beside the lab's own");
     let haproxy_edge = edge::HaproxyEdge::start(lab).await?;
     let own_vip = |plan: &ServicePlan, port: u16| -> Result<SocketAddr> {
-        Ok(SocketAddr::new(vip(plan, IpFamily::Ipv4)?, port))
+        Ok(SocketAddr::new(vip(plan, IpFamily::V4)?, port))
     };
     // The controller's load balancers on the own edge: the HAProxy edge's get the same
     // listeners, backend (nodeIP:nodePort) and health check.
@@ -299,17 +299,17 @@ async fn measure_in(
             (Path::Direct, SocketAddr::new(pod.ip.into(), echo_port)),
             (
                 Path::Passthrough,
-                SocketAddr::new(vip(&echo_pass, IpFamily::Ipv4)?, ECHO_SERVICE_PORT),
+                SocketAddr::new(vip(&echo_pass, IpFamily::V4)?, ECHO_SERVICE_PORT),
             ),
             (
                 Path::Proxy,
-                SocketAddr::new(vip(&echo_proxy, IpFamily::Ipv4)?, ECHO_SERVICE_PORT),
+                SocketAddr::new(vip(&echo_proxy, IpFamily::V4)?, ECHO_SERVICE_PORT),
             ),
             (Path::Haproxy, haproxy_echo.into()),
             (Path::DirectIpv6, SocketAddr::new(pod_ip6.into(), echo_port)),
             (
                 Path::PassthroughIpv6,
-                SocketAddr::new(vip(&echo_pass, IpFamily::Ipv6)?, ECHO_SERVICE_PORT),
+                SocketAddr::new(vip(&echo_pass, IpFamily::V6)?, ECHO_SERVICE_PORT),
             ),
             (Path::HaproxyEdge, haproxy_edge_echo),
             (Path::NodePort, node_port_echo.into()),
@@ -318,11 +318,11 @@ async fn measure_in(
             (Path::Direct, SocketAddr::new(pod.ip.into(), IPERF_PORT)),
             (
                 Path::Passthrough,
-                SocketAddr::new(vip(&iperf_pass, IpFamily::Ipv4)?, IPERF_PORT),
+                SocketAddr::new(vip(&iperf_pass, IpFamily::V4)?, IPERF_PORT),
             ),
             (
                 Path::Proxy,
-                SocketAddr::new(vip(&iperf_proxy, IpFamily::Ipv4)?, IPERF_PORT),
+                SocketAddr::new(vip(&iperf_proxy, IpFamily::V4)?, IPERF_PORT),
             ),
             (Path::Haproxy, haproxy_iperf.into()),
             (
@@ -331,7 +331,7 @@ async fn measure_in(
             ),
             (
                 Path::PassthroughIpv6,
-                SocketAddr::new(vip(&iperf_pass, IpFamily::Ipv6)?, IPERF_PORT),
+                SocketAddr::new(vip(&iperf_pass, IpFamily::V6)?, IPERF_PORT),
             ),
             (Path::HaproxyEdge, haproxy_edge_iperf),
             (Path::NodePort, node_port_iperf.into()),

@@ -106,6 +106,13 @@ impl IpFamily {
         }
     }
 
+    /// The family Kubernetes names `name` ([`Self::as_str`]), if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::V4, Self::V6]
+            .into_iter()
+            .find(|family| family.as_str() == name)
+    }
+
     /// The loopback addresses: 127.0.0.0/8, or ::1/128.
     pub fn loopback(self) -> IpNet {
         match self {
@@ -278,6 +285,15 @@ mod tests {
         for bad in ["", "-a", "a-", "A", "a_b", &"x".repeat(64)] {
             assert!(!is_dns1123_label(bad), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn ip_families_are_named_as_kubernetes_names_them() {
+        for family in [IpFamily::V4, IpFamily::V6] {
+            assert_eq!(IpFamily::from_name(family.as_str()), Some(family));
+        }
+        assert_eq!(IpFamily::from_name("ipv6"), None);
+        assert_eq!(IpFamily::of(Ipv6Addr::LOCALHOST.into()), IpFamily::V6);
     }
 
     #[test]

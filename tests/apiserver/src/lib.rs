@@ -76,7 +76,7 @@ use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use service::{IpFamily, PortRange, ServiceCidrs};
+pub use service::{PortRange, ServiceCidrs};
 pub use status::ApiError;
 pub use store::{Store, StoreConfig};
 

@@ -11,7 +11,7 @@ use std::str::FromStr;
 
 use ipnet::IpNet;
 use serde_json::{Value, json};
-use tandem_common::is_dns1123_label;
+use tandem_common::{IpFamily, is_dns1123_label};
 
 use crate::status::FieldError;
 
@@ -49,37 +49,6 @@ impl FromStr for PortRange {
 impl std::fmt::Display for PortRange {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}-{}", self.0.start(), self.0.end())
-    }
-}
-
-/// An IP family, as `spec.ipFamilies` names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum IpFamily {
-    V4,
-    V6,
-}
-
-impl IpFamily {
-    pub fn of(ip: IpAddr) -> Self {
-        match ip {
-            IpAddr::V4(_) => Self::V4,
-            IpAddr::V6(_) => Self::V6,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::V4 => "IPv4",
-            Self::V6 => "IPv6",
-        }
-    }
-
-    fn parse(name: &str) -> Option<Self> {
-        match name {
-            "IPv4" => Some(Self::V4),
-            "IPv6" => Some(Self::V6),
-            _ => None,
-        }
     }
 }
 
@@ -491,7 +460,7 @@ pub fn ip_families(svc: &mut Value, old: Option<&Value>, cidrs: &ServiceCidrs) -
         .flatten()
         .enumerate()
     {
-        match name.as_str().and_then(IpFamily::parse) {
+        match name.as_str().and_then(IpFamily::from_name) {
             Some(family) => families.push(family),
             None => errors.push(FieldError::not_supported(
                 format!("spec.ipFamilies[{i}]"),
@@ -510,10 +479,10 @@ pub fn ip_families(svc: &mut Value, old: Option<&Value>, cidrs: &ServiceCidrs) -
             None => families.push(family),
             Some(want) if *want != family => errors.push(FieldError::invalid(
                 format!("spec.ipFamilies[{i}]"),
-                want.name(),
+                want.as_str(),
                 format!(
                     "expected clusterIPs[{i}] to be of the {} family",
-                    want.name()
+                    want.as_str()
                 ),
             )),
             Some(_) => {}
@@ -549,46 +518,46 @@ pub fn ip_families(svc: &mut Value, old: Option<&Value>, cidrs: &ServiceCidrs) -
     if families.len() > 2 {
         errors.push(FieldError::invalid(
             "spec.ipFamilies",
-            json!(families.iter().map(|f| f.name()).collect::<Vec<_>>()),
+            json!(families.iter().map(|f| f.as_str()).collect::<Vec<_>>()),
             "may specify no more than one IP for each IP family",
         ));
     } else if families.len() == 2 && families[0] == families[1] {
         errors.push(FieldError::duplicate(
             "spec.ipFamilies[1]",
-            families[1].name(),
+            families[1].as_str(),
         ));
     }
     for (i, family) in families.iter().enumerate() {
         if cidrs.of(*family).is_none() {
             let detail = if cidrs.is_dual_stack() {
-                format!("{} is not configured on this cluster", family.name())
+                format!("{} is not configured on this cluster", family.as_str())
             } else {
                 format!(
                     "{DUAL_STACK_OFF}; {} is not configured on this cluster",
-                    family.name()
+                    family.as_str()
                 )
             };
             errors.push(FieldError::invalid(
                 format!("spec.ipFamilies[{i}]"),
-                family.name(),
+                family.as_str(),
                 detail,
             ));
         }
     }
     if let Some(old) = old
         && let Some(old_primary) = old["spec"]["ipFamilies"][0].as_str()
-        && families.first().map(|f| f.name()) != Some(old_primary)
+        && families.first().map(|f| f.as_str()) != Some(old_primary)
     {
         errors.push(FieldError::invalid(
             "spec.ipFamilies[0]",
-            families.first().map_or("", |f| f.name()),
+            families.first().map_or("", |f| f.as_str()),
             "field is immutable",
         ));
     }
     set(
         spec,
         "ipFamilies",
-        json!(families.iter().map(|f| f.name()).collect::<Vec<_>>()),
+        json!(families.iter().map(|f| f.as_str()).collect::<Vec<_>>()),
     );
     set(spec, "ipFamilyPolicy", json!(policy));
     errors
@@ -970,7 +939,7 @@ pub fn allocate(
         .as_array()
         .into_iter()
         .flatten()
-        .filter_map(|f| f.as_str().and_then(IpFamily::parse))
+        .filter_map(|f| f.as_str().and_then(IpFamily::from_name))
         .collect();
     let missing_ips: Vec<IpFamily> = if wants_ip {
         families.iter().skip(requested.ips.len()).copied().collect()
@@ -1034,8 +1003,8 @@ pub fn allocate(
         if allocator.ips_used(*family) >= allocator.ip_capacity(*family) + freed {
             errors.push(FieldError::invalid(
                 "spec.clusterIPs",
-                family.name(),
-                format!("range for {} cluster IPs is full", family.name()),
+                family.as_str(),
+                format!("range for {} cluster IPs is full", family.as_str()),
             ));
         }
     }

@@ -185,7 +185,7 @@ impl Lab {
             // The lab handles SIGINT/SIGTERM itself: it must stop its processes before the
             // namespaces go, and the topology's own handler would exit without them.
             .handle_signals(false);
-        let builder = if options.ip_family.has(IpFamily::Ipv6) {
+        let builder = if options.ip_family.has(IpFamily::V6) {
             builder.ipv6()
         } else {
             builder
@@ -288,11 +288,11 @@ impl Lab {
         ];
         let v4_pools = options
             .ip_family
-            .has(IpFamily::Ipv4)
+            .has(IpFamily::V4)
             .then_some(VIP_POOLS.as_slice());
         let v6_pools = options
             .ip_family
-            .has(IpFamily::Ipv6)
+            .has(IpFamily::V6)
             .then_some(VIP_POOLS_V6.as_slice());
         cloud_args.extend(
             v4_pools
@@ -747,8 +747,8 @@ impl Lab {
             .families()
             .iter()
             .map(|family| match family {
-                IpFamily::Ipv4 => self.topology.pod_network().to_string(),
-                IpFamily::Ipv6 => v6::POD_NETWORK.to_string(),
+                IpFamily::V4 => self.topology.pod_network().to_string(),
+                IpFamily::V6 => v6::POD_NETWORK.to_string(),
             })
             .collect::<Vec<_>>()
             .join(",")
@@ -1194,12 +1194,12 @@ fn lab_nodes(topology: &Topology, families: ClusterFamilies) -> Result<Vec<LabNo
 /// older than dual-stack leaves it out.
 fn service_families(service: &Service) -> Result<Vec<IpFamily>> {
     let Some(families) = service.spec.as_ref().and_then(|s| s.ip_families.as_ref()) else {
-        return Ok(vec![IpFamily::Ipv4]);
+        return Ok(vec![IpFamily::V4]);
     };
     families
         .iter()
         .map(|name| {
-            IpFamily::from_api_name(name)
+            IpFamily::from_name(name)
                 .with_context(|| format!("the Service has the unknown IP family {name:?}"))
         })
         .collect()
@@ -1219,8 +1219,8 @@ async fn start_stand_in(
         .families()
         .iter()
         .map(|family| match family {
-            IpFamily::Ipv4 => addr::SERVICE_CIDR.to_string(),
-            IpFamily::Ipv6 => v6::SERVICE_CIDR.to_string(),
+            IpFamily::V4 => addr::SERVICE_CIDR.to_string(),
+            IpFamily::V6 => v6::SERVICE_CIDR.to_string(),
         })
         .collect();
     let mut apiserver = Component::start(

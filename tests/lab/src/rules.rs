@@ -13,10 +13,10 @@ use tandem_netlab::IpFamily;
 /// iptables mode (`ip6tables` for IPv6), table `ip tandem` (`ip6 tandem`) in nftables mode.
 pub fn listing_command(mode: ProxyMode, family: IpFamily) -> &'static [&'static str] {
     match (mode, family) {
-        (ProxyMode::Iptables, IpFamily::Ipv4) => &["iptables", "-w", "-t", "nat", "-S"],
-        (ProxyMode::Iptables, IpFamily::Ipv6) => &["ip6tables", "-w", "-t", "nat", "-S"],
-        (ProxyMode::Nftables, IpFamily::Ipv4) => &["nft", "list", "table", "ip", "tandem"],
-        (ProxyMode::Nftables, IpFamily::Ipv6) => &["nft", "list", "table", "ip6", "tandem"],
+        (ProxyMode::Iptables, IpFamily::V4) => &["iptables", "-w", "-t", "nat", "-S"],
+        (ProxyMode::Iptables, IpFamily::V6) => &["ip6tables", "-w", "-t", "nat", "-S"],
+        (ProxyMode::Nftables, IpFamily::V4) => &["nft", "list", "table", "ip", "tandem"],
+        (ProxyMode::Nftables, IpFamily::V6) => &["nft", "list", "table", "ip6", "tandem"],
     }
 }
 

@@ -133,7 +133,7 @@ impl ServicePlan {
                 ip_families: (!self.ip_families.is_empty()).then(|| {
                     self.ip_families
                         .iter()
-                        .map(|f| f.api_name().to_owned())
+                        .map(|f| f.as_str().to_owned())
                         .collect()
                 }),
                 ip_family_policy: self.ip_family_policy.clone(),
@@ -287,7 +287,7 @@ mod tests {
         let mut plan = ServicePlan::new("web", LbMode::Proxy);
         let spec = plan.service().spec.unwrap();
         assert!(spec.ip_families.is_none() && spec.ip_family_policy.is_none());
-        plan.ip_families = vec![IpFamily::Ipv6, IpFamily::Ipv4];
+        plan.ip_families = vec![IpFamily::V6, IpFamily::V4];
         plan.ip_family_policy = Some("RequireDualStack".to_owned());
         let spec = plan.service().spec.unwrap();
         assert_eq!(spec.ip_families.unwrap(), ["IPv6", "IPv4"]);

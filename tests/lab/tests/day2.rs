@@ -404,8 +404,8 @@ async fn sample_switch(
     let mut samples = Vec::new();
     let mut switched_at = None;
     loop {
-        let old_rules = all_programmed(old, &node_rules(&node, old, IpFamily::Ipv4).await?, &ports);
-        let new_rules = all_programmed(new, &node_rules(&node, new, IpFamily::Ipv4).await?, &ports);
+        let old_rules = all_programmed(old, &node_rules(&node, old, IpFamily::V4).await?, &ports);
+        let new_rules = all_programmed(new, &node_rules(&node, new, IpFamily::V4).await?, &ports);
         samples.push(Sample {
             at: start.elapsed(),
             old: old_rules,
@@ -675,11 +675,7 @@ async fn kill_and_flush_a_node_proxy(lab: &mut Lab, services: &[LabService]) -> 
         String::from_utf8_lossy(&out.stderr)
     );
     ensure!(
-        !all_programmed(
-            mode,
-            &node_rules(&node, mode, IpFamily::Ipv4).await?,
-            &ports
-        ),
+        !all_programmed(mode, &node_rules(&node, mode, IpFamily::V4).await?, &ports),
         "the node still serves the Services after `{}`",
         flush.join(" ")
     );
@@ -687,11 +683,7 @@ async fn kill_and_flush_a_node_proxy(lab: &mut Lab, services: &[LabService]) -> 
     tokio::time::sleep(SETTLE).await;
     let spawned = lab.start_node_proxy(0, mode)?;
     let restored = loop {
-        if all_programmed(
-            mode,
-            &node_rules(&node, mode, IpFamily::Ipv4).await?,
-            &ports,
-        ) {
+        if all_programmed(mode, &node_rules(&node, mode, IpFamily::V4).await?, &ports) {
             break Some(spawned.elapsed());
         }
         if spawned.elapsed() > Duration::from_secs(20) {
@@ -744,7 +736,7 @@ async fn repair_deleted_rules(lab: &mut Lab, services: &[LabService]) -> Result<
     let node = lab.topology.nodes()[0].netns.clone();
     let mode = lab.node_proxy_mode(0)?;
     let traffic = start_traffic(lab, services, "drift").await?;
-    let listing = node_rules(&node, mode, IpFamily::Ipv4).await?;
+    let listing = node_rules(&node, mode, IpFamily::V4).await?;
     let mut deleted = Vec::new();
     for (port, endpoints) in ports(lab, services)? {
         let (endpoint, command) = match mode {
@@ -786,7 +778,7 @@ async fn repair_deleted_rules(lab: &mut Lab, services: &[LabService]) -> Result<
     // back already.
     let limit = SYNC_PERIOD * 2 + REPAIR_SLACK;
     let repaired = loop {
-        let listing = node_rules(&node, mode, IpFamily::Ipv4).await?;
+        let listing = node_rules(&node, mode, IpFamily::V4).await?;
         if deleted.iter().all(|d| d.present(mode, &listing)) {
             break Some(deleted_at.elapsed());
         }

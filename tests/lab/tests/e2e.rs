@@ -809,7 +809,7 @@ fn dual_stack_and_ipv6_services_answer_on_every_vip_in_both_lb_modes() {
         // IPv6 alone, externalTrafficPolicy Local: the pods see the IPv6 client itself.
         let mut local = ServicePlan::new("v6-local", LbMode::Passthrough);
         local.pods = pods(&lab, &[1]);
-        local.ip_families = vec![IpFamily::Ipv6];
+        local.ip_families = vec![IpFamily::V6];
         local.external_traffic_policy_local = true;
         lab.create_service(&local).await.unwrap();
         let vips = lab
@@ -868,7 +868,7 @@ fn dual_stack_and_ipv6_services_answer_on_every_vip_in_both_lb_modes() {
         // balancer.
         let mut blue = ServicePlan::new("v6-blue", LbMode::Proxy);
         blue.pods = pods(&lab, &[1]);
-        blue.ip_families = vec![IpFamily::Ipv6];
+        blue.ip_families = vec![IpFamily::V6];
         blue.annotations
             .insert(POOL_ANNOTATION.to_owned(), "blue".to_owned());
         let message = create_and_wait_for_refusal(&lab, &blue, "AddressPoolLacksFamily").await;
@@ -906,11 +906,11 @@ fn an_ipv6_only_cluster_serves_in_both_lb_modes() {
         }
         // The node proxies run the IPv6 proxier alone: no IPv4 Service rules anywhere.
         for node in lab.topology.nodes() {
-            let listing = tandem_lab::lab::node_rules(&node.netns, lab.proxy_mode, IpFamily::Ipv4)
+            let listing = tandem_lab::lab::node_rules(&node.netns, lab.proxy_mode, IpFamily::V4)
                 .await
                 .unwrap();
             assert!(!listing.contains("v6-proxy"), "{}: {listing}", node.name);
-            let listing = tandem_lab::lab::node_rules(&node.netns, lab.proxy_mode, IpFamily::Ipv6)
+            let listing = tandem_lab::lab::node_rules(&node.netns, lab.proxy_mode, IpFamily::V6)
                 .await
                 .unwrap();
             assert!(listing.contains("v6-proxy"), "{}: {listing}", node.name);

@@ -3,42 +3,14 @@
 //! Pure functions only: every address the topology configures comes from here, so tests
 //! and other crates can compute them without a running topology.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::Ipv4Addr;
 
 use ipnet::Ipv4Net;
 
 use crate::error::NetlabError;
 
-/// An IP family as Kubernetes names it (`ipFamilies`, an EndpointSlice's `addressType`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum IpFamily {
-    Ipv4,
-    Ipv6,
-}
-
-impl IpFamily {
-    pub fn of(ip: IpAddr) -> Self {
-        match ip {
-            IpAddr::V4(_) => Self::Ipv4,
-            IpAddr::V6(_) => Self::Ipv6,
-        }
-    }
-
-    /// `IPv4` / `IPv6`: the API's spelling.
-    pub fn api_name(self) -> &'static str {
-        match self {
-            Self::Ipv4 => "IPv4",
-            Self::Ipv6 => "IPv6",
-        }
-    }
-
-    /// The family the API spells `name`, if any.
-    pub fn from_api_name(name: &str) -> Option<Self> {
-        [Self::Ipv4, Self::Ipv6]
-            .into_iter()
-            .find(|family| family.api_name() == name)
-    }
-}
+/// The workspace's IP family, which the addresses, the topology and the slices here take.
+pub use tandem_common::IpFamily;
 
 /// The IP families of a lab cluster: what its Nodes report, its Services get and its node
 /// proxies serve. The topology underneath is dual-stack whenever IPv6 is among them.
@@ -57,9 +29,9 @@ impl ClusterFamilies {
     /// The families, primary first.
     pub fn families(self) -> &'static [IpFamily] {
         match self {
-            Self::Ipv4 => &[IpFamily::Ipv4],
-            Self::Ipv6 => &[IpFamily::Ipv6],
-            Self::Dual => &[IpFamily::Ipv4, IpFamily::Ipv6],
+            Self::Ipv4 => &[IpFamily::V4],
+            Self::Ipv6 => &[IpFamily::V6],
+            Self::Dual => &[IpFamily::V4, IpFamily::V6],
         }
     }
 
@@ -284,18 +256,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn families_are_spelled_as_the_api_spells_them_and_the_primary_comes_first() {
-        for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
-            assert_eq!(IpFamily::from_api_name(family.api_name()), Some(family));
-        }
-        assert_eq!(IpFamily::from_api_name("ipv6"), None);
-        assert_eq!(IpFamily::of(Ipv4Addr::LOCALHOST.into()), IpFamily::Ipv4);
+    fn cluster_families_put_the_primary_first() {
         assert_eq!(
             ClusterFamilies::Dual.families(),
-            [IpFamily::Ipv4, IpFamily::Ipv6]
+            [IpFamily::V4, IpFamily::V6]
         );
-        assert!(!ClusterFamilies::Ipv6.has(IpFamily::Ipv4));
-        assert!(ClusterFamilies::Ipv4.has(IpFamily::Ipv4));
+        assert!(!ClusterFamilies::Ipv6.has(IpFamily::V4));
+        assert!(ClusterFamilies::Ipv4.has(IpFamily::V4));
     }
 
     #[test]

@@ -28,8 +28,8 @@ pub struct Host {
 /// The address of `family` of a host, node or pod: IPv6 only in a dual-stack topology.
 fn address_of(family: IpFamily, ip: Ipv4Addr, ip6: Option<Ipv6Addr>) -> Option<IpAddr> {
     match family {
-        IpFamily::Ipv4 => Some(ip.into()),
-        IpFamily::Ipv6 => ip6.map(IpAddr::from),
+        IpFamily::V4 => Some(ip.into()),
+        IpFamily::V6 => ip6.map(IpAddr::from),
     }
 }
 

@@ -108,7 +108,7 @@ async fn a_missing_slice_is_created() {
     let writer = EndpointSliceWriter::new(client);
     let task = tokio::spawn(async move {
         writer
-            .sync(&service(), IpFamily::Ipv4, &[endpoint(2, "node-1")])
+            .sync(&service(), IpFamily::V4, &[endpoint(2, "node-1")])
             .await
     });
 
@@ -139,9 +139,8 @@ async fn an_equal_slice_is_not_written_again() {
     let (client, mut handle) = mock_client();
     let writer = EndpointSliceWriter::new(client);
     let endpoints = [endpoint(2, "node-1"), endpoint(3, "node-1")];
-    let desired = endpoint_slice_for(&service(), IpFamily::Ipv4, &endpoints).unwrap();
-    let task =
-        tokio::spawn(async move { writer.sync(&service(), IpFamily::Ipv4, &endpoints).await });
+    let desired = endpoint_slice_for(&service(), IpFamily::V4, &endpoints).unwrap();
+    let task = tokio::spawn(async move { writer.sync(&service(), IpFamily::V4, &endpoints).await });
 
     let (_, path, _, send) = expect(&mut handle).await;
     assert_eq!(path, SLICE_PATH);
@@ -154,12 +153,12 @@ async fn an_equal_slice_is_not_written_again() {
 async fn a_changed_slice_is_replaced_and_a_conflict_is_retried_with_the_new_version() {
     let (client, mut handle) = mock_client();
     let writer = EndpointSliceWriter::new(client);
-    let old = endpoint_slice_for(&service(), IpFamily::Ipv4, &[endpoint(2, "node-1")]).unwrap();
+    let old = endpoint_slice_for(&service(), IpFamily::V4, &[endpoint(2, "node-1")]).unwrap();
     let task = tokio::spawn(async move {
         writer
             .sync(
                 &service(),
-                IpFamily::Ipv4,
+                IpFamily::V4,
                 &[endpoint(2, "node-1"), endpoint(3, "node-2")],
             )
             .await

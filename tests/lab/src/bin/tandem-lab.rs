@@ -264,8 +264,8 @@ async fn demo(lab: &mut Lab) -> Result<()> {
     direct.source_ranges = families
         .iter()
         .map(|family| match family {
-            IpFamily::Ipv4 => addr::CLIENT_NETWORK_IN_RANGE.to_string(),
-            IpFamily::Ipv6 => addr::v6::CLIENT_NETWORK_IN_RANGE.to_string(),
+            IpFamily::V4 => addr::CLIENT_NETWORK_IN_RANGE.to_string(),
+            IpFamily::V6 => addr::v6::CLIENT_NETWORK_IN_RANGE.to_string(),
         })
         .collect();
     lab.create_service(&direct).await?;
@@ -319,8 +319,8 @@ fn address(client: &Host, vip: IpAddr) -> Result<IpAddr> {
 /// The cloud edge's address on the node network: where proxied requests come from.
 fn edge_ip(lab: &Lab, family: IpFamily) -> IpAddr {
     match family {
-        IpFamily::Ipv4 => lab.topology.edge().node_network_ip.into(),
-        IpFamily::Ipv6 => addr::v6::EDGE_NODE_IP.into(),
+        IpFamily::V4 => lab.topology.edge().node_network_ip.into(),
+        IpFamily::V6 => addr::v6::EDGE_NODE_IP.into(),
     }
 }
 
@@ -337,10 +337,10 @@ async fn show_trace(
     port: u16,
 ) -> Result<()> {
     let rules = match (lab.proxy_mode, IpFamily::of(dst)) {
-        (ProxyMode::Iptables, IpFamily::Ipv4) => "KUBE-* chains",
-        (ProxyMode::Iptables, IpFamily::Ipv6) => "KUBE-* chains (ip6tables)",
-        (ProxyMode::Nftables, IpFamily::Ipv4) => "table ip tandem",
-        (ProxyMode::Nftables, IpFamily::Ipv6) => "table ip6 tandem",
+        (ProxyMode::Iptables, IpFamily::V4) => "KUBE-* chains",
+        (ProxyMode::Iptables, IpFamily::V6) => "KUBE-* chains (ip6tables)",
+        (ProxyMode::Nftables, IpFamily::V4) => "table ip tandem",
+        (ProxyMode::Nftables, IpFamily::V6) => "table ip6 tandem",
     };
     println!(
         "{rules} on {} for {title} (tandem-nodeproxy trace):",

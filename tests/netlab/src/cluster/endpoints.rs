@@ -65,8 +65,8 @@ impl Endpoint {
 /// The name of the lab's slice of `family` for a Service (a slice holds one family).
 pub fn slice_name_for(service_name: &str, family: IpFamily) -> String {
     match family {
-        IpFamily::Ipv4 => format!("{service_name}-{MANAGED_BY}"),
-        IpFamily::Ipv6 => format!("{service_name}-{MANAGED_BY}-ipv6"),
+        IpFamily::V4 => format!("{service_name}-{MANAGED_BY}"),
+        IpFamily::V6 => format!("{service_name}-{MANAGED_BY}-ipv6"),
     }
 }
 
@@ -96,7 +96,7 @@ pub fn endpoint_slice_for(
     if let Some(other) = endpoints.iter().find(|e| IpFamily::of(e.ip) != family) {
         return Err(ClusterError::EndpointOfOtherFamily {
             ip: other.ip,
-            address_type: family.api_name(),
+            address_type: family.as_str(),
         });
     }
     let ports = service
@@ -169,7 +169,7 @@ pub fn endpoint_slice_for(
             owner_references: owner,
             ..ObjectMeta::default()
         },
-        address_type: family.api_name().to_owned(),
+        address_type: family.as_str().to_owned(),
         endpoints,
         ports: Some(ports),
     })
@@ -257,7 +257,7 @@ impl EndpointSliceWriter {
             .as_deref()
             .ok_or(ClusterError::ServiceWithout("namespace"))?;
         let api: Api<EndpointSlice> = Api::namespaced(self.client.clone(), namespace);
-        for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
+        for family in [IpFamily::V4, IpFamily::V6] {
             let slice = slice_name_for(name, family);
             match api.delete(&slice, &DeleteParams::default()).await {
                 Ok(_) => {}
@@ -325,7 +325,7 @@ mod tests {
         )]);
         let slice = endpoint_slice_for(
             &svc,
-            IpFamily::Ipv4,
+            IpFamily::V4,
             &[
                 ep([10, 244, 2, 2], "node-2", true),
                 ep([10, 244, 1, 2], "node-1", false),
@@ -373,19 +373,19 @@ mod tests {
             ip: "fd00:10:244:1::2".parse().unwrap(),
             ..ep([10, 244, 1, 2], "node-1", true)
         };
-        let slice = endpoint_slice_for(&svc, IpFamily::Ipv6, std::slice::from_ref(&v6)).unwrap();
+        let slice = endpoint_slice_for(&svc, IpFamily::V6, std::slice::from_ref(&v6)).unwrap();
         assert_eq!(slice.address_type, "IPv6");
         assert_eq!(slice.metadata.name.as_deref(), Some("web-tandem-lab-ipv6"));
         assert_eq!(slice.endpoints[0].addresses, ["fd00:10:244:1::2"]);
         assert!(matches!(
-            endpoint_slice_for(&svc, IpFamily::Ipv4, &[v6]),
+            endpoint_slice_for(&svc, IpFamily::V4, &[v6]),
             Err(ClusterError::EndpointOfOtherFamily {
                 address_type: "IPv4",
                 ..
             })
         ));
         assert!(matches!(
-            endpoint_slice_for(&svc, IpFamily::Ipv6, &[ep([10, 244, 1, 2], "node-1", true)]),
+            endpoint_slice_for(&svc, IpFamily::V6, &[ep([10, 244, 1, 2], "node-1", true)]),
             Err(ClusterError::EndpointOfOtherFamily {
                 address_type: "IPv6",
                 ..
@@ -400,7 +400,7 @@ mod tests {
             port(Some("dns"), 53, None, Some("UDP")),
             port(None, 9000, None, None),
         ]);
-        let ports = endpoint_slice_for(&svc, IpFamily::Ipv4, &[])
+        let ports = endpoint_slice_for(&svc, IpFamily::V4, &[])
             .unwrap()
             .ports
             .unwrap();
@@ -427,7 +427,7 @@ mod tests {
             None,
         )]);
         assert!(matches!(
-            endpoint_slice_for(&named, IpFamily::Ipv4, &[]),
+            endpoint_slice_for(&named, IpFamily::V4, &[]),
             Err(ClusterError::NamedTargetPort { port: 80, .. })
         ));
         let svc = service(vec![]);
@@ -441,13 +441,13 @@ mod tests {
             })
             .collect();
         assert!(matches!(
-            endpoint_slice_for(&svc, IpFamily::Ipv4, &many),
+            endpoint_slice_for(&svc, IpFamily::V4, &many),
             Err(ClusterError::TooManyEndpoints { .. })
         ));
         let mut anonymous = service(vec![]);
         anonymous.metadata.namespace = None;
         assert!(matches!(
-            endpoint_slice_for(&anonymous, IpFamily::Ipv4, &[]),
+            endpoint_slice_for(&anonymous, IpFamily::V4, &[]),
             Err(ClusterError::ServiceWithout("namespace"))
         ));
     }
@@ -460,11 +460,8 @@ mod tests {
             ep([10, 244, 2, 2], "node-2", true),
         ];
         let b = [a[1].clone(), a[0].clone(), a[0].clone()];
-        let slice_a = endpoint_slice_for(&svc, IpFamily::Ipv4, &a).unwrap();
-        assert_eq!(
-            slice_a,
-            endpoint_slice_for(&svc, IpFamily::Ipv4, &b).unwrap()
-        );
+        let slice_a = endpoint_slice_for(&svc, IpFamily::V4, &a).unwrap();
+        assert_eq!(slice_a, endpoint_slice_for(&svc, IpFamily::V4, &b).unwrap());
 
         // What the API server returns has more metadata; it still matches.
         let mut stored = slice_a.clone();
@@ -478,11 +475,11 @@ mod tests {
             .insert("extra".into(), "x".into());
         assert!(slice_matches(&stored, &slice_a));
 
-        let fewer = endpoint_slice_for(&svc, IpFamily::Ipv4, &a[..1]).unwrap();
+        let fewer = endpoint_slice_for(&svc, IpFamily::V4, &a[..1]).unwrap();
         assert!(!slice_matches(&stored, &fewer));
         let not_ready = endpoint_slice_for(
             &svc,
-            IpFamily::Ipv4,
+            IpFamily::V4,
             &[ep([10, 244, 1, 2], "node-1", false), a[1].clone()],
         )
         .unwrap();

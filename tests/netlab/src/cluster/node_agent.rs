@@ -41,11 +41,11 @@ impl LabNode {
         let mut pod_cidrs = Vec::new();
         for family in families.families() {
             match family {
-                IpFamily::Ipv4 => {
+                IpFamily::V4 => {
                     internal_ips.push(node.ip.into());
                     pod_cidrs.push(node.pod_cidr.into());
                 }
-                IpFamily::Ipv6 => {
+                IpFamily::V6 => {
                     let ip = node.ip6.ok_or(NetlabError::NoIpv6 {
                         host: node.name.clone(),
                     })?;
