@@ -2,10 +2,10 @@
 //! in one redb file. Every write is one transaction, committed durably (fsync) before it returns, so
 //! an acknowledged change survives a crash, and a refused one leaves nothing behind.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cloud_mock_sdk::families::LoadBalancerSpec;
 use cloud_mock_sdk::{IpFamily, Mode, NodePoolSpec, Pool, Protocol, State};
@@ -178,6 +178,7 @@ impl Snapshot {
 pub struct Store {
     db: Arc<Database>,
     pools: Arc<VipPools>,
+    floors: Arc<VipFloors>,
 }
 
 impl Store {
@@ -204,6 +205,7 @@ impl Store {
         Ok(Self {
             db: Arc::new(db),
             pools: Arc::new(pools),
+            floors: Arc::default(),
         })
     }
 
@@ -435,6 +437,7 @@ impl Store {
         now_ms: u64,
     ) -> Result<Created, StoreError> {
         let txn = self.db.begin_write().map_err(db_error)?;
+        let mut floors = self.floors.begin();
         let created = {
             let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
             let mut holders = Holders {
@@ -471,6 +474,7 @@ impl Store {
                 vips.push(place(
                     &lbs,
                     &holders,
+                    &mut floors,
                     &id,
                     spec,
                     pool,
@@ -496,6 +500,7 @@ impl Store {
             lb
         };
         txn.commit().map_err(db_error)?;
+        floors.commit();
         Ok(Created {
             load_balancer: created,
             is_new: true,
@@ -515,6 +520,7 @@ impl Store {
         expected_version: u64,
     ) -> Result<StoredLoadBalancer, StoreError> {
         let txn = self.db.begin_write().map_err(db_error)?;
+        let mut floors = self.floors.begin();
         let updated = {
             let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
             let mut holders = Holders {
@@ -562,14 +568,25 @@ impl Store {
                         kept
                     }
                 };
-                vips.push(place(&lbs, &holders, id, spec, pool, cidr, requested)?);
+                vips.push(place(
+                    &lbs,
+                    &holders,
+                    &mut floors,
+                    id,
+                    spec,
+                    pool,
+                    cidr,
+                    requested,
+                )?);
             }
             let desired = assigned(spec, &vips, pool);
             if desired == lb.spec {
                 return Ok(lb);
             }
             for &old in &current_vips {
-                holders.release(old, id)?;
+                if holders.release(old, id)? {
+                    floors.released(old);
+                }
             }
             for &vip in &vips {
                 holders.hold(vip, id, spec.address.sharing_key.as_deref())?;
@@ -580,6 +597,7 @@ impl Store {
             lb
         };
         txn.commit().map_err(db_error)?;
+        floors.commit();
         Ok(updated)
     }
 
@@ -594,9 +612,21 @@ impl Store {
         )
     }
 
-    /// Moves `id` from provisioning to active; `None` when it is gone or in another state.
-    pub fn mark_active(&self, id: &str, now_ms: u64) -> Result<Option<Transition>, StoreError> {
-        self.transition(id, &[State::Provisioning], State::Active, now_ms)
+    /// Moves each of `ids` that is still provisioning to active, in one transaction (one
+    /// fsync however many are due); the number moved.
+    pub fn mark_active(&self, ids: &[String], now_ms: u64) -> Result<usize, StoreError> {
+        let txn = self.db.begin_write().map_err(db_error)?;
+        let mut moved = 0;
+        {
+            let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
+            for id in ids {
+                let moved_one =
+                    transition_in(&mut lbs, id, &[State::Provisioning], State::Active, now_ms)?;
+                moved += usize::from(moved_one.is_some_and(|t| t.changed));
+            }
+        }
+        txn.commit().map_err(db_error)?;
+        Ok(moved)
     }
 
     fn transition(
@@ -609,31 +639,17 @@ impl Store {
         let txn = self.db.begin_write().map_err(db_error)?;
         let result = {
             let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
-            let Some(mut lb) = read_lb(&lbs, id)? else {
-                return Ok(None);
-            };
-            if !from.contains(&lb.state) {
-                return Ok((lb.state == to).then_some(Transition {
-                    load_balancer: lb,
-                    changed: false,
-                }));
-            }
-            lb.state = to;
-            lb.state_since_ms = now_ms;
-            write_lb(&mut lbs, &lb)?;
-            Transition {
-                load_balancer: lb,
-                changed: true,
-            }
+            transition_in(&mut lbs, id, from, to, now_ms)?
         };
         txn.commit().map_err(db_error)?;
-        Ok(Some(result))
+        Ok(result)
     }
 
     /// Removes a load balancer that finished deleting, freeing its idempotency key and its
     /// VIP (a shared VIP with the last of its sharers).
     pub fn remove(&self, id: &str) -> Result<(), StoreError> {
         let txn = self.db.begin_write().map_err(db_error)?;
+        let mut floors = self.floors.begin();
         {
             let mut lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
             let mut holders = Holders {
@@ -646,30 +662,137 @@ impl Store {
             };
             lbs.remove(id).map_err(db_error)?;
             for vip in lb.vips() {
-                holders.release(vip, id)?;
+                if holders.release(vip, id)? {
+                    floors.released(vip);
+                }
             }
             if let Some(key) = &lb.idempotency_key {
                 keys.remove(key.as_str()).map_err(db_error)?;
             }
         }
         txn.commit().map_err(db_error)?;
+        floors.commit();
         Ok(())
     }
 }
 
-/// The lowest address of `pool` that may be a VIP and is not taken. An IPv6 pool is
-/// scanned from its start too: the scan ends after at most one more address than are
-/// taken, however large the pool.
+/// Moves `id` from one of `from` to `to` within a write transaction; `None` when it is
+/// gone, or in another state than `to`.
+fn transition_in(
+    lbs: &mut Table<'_, &'static str, &'static [u8]>,
+    id: &str,
+    from: &[State],
+    to: State,
+    now_ms: u64,
+) -> Result<Option<Transition>, StoreError> {
+    let Some(mut lb) = read_lb(lbs, id)? else {
+        return Ok(None);
+    };
+    if !from.contains(&lb.state) {
+        return Ok((lb.state == to).then_some(Transition {
+            load_balancer: lb,
+            changed: false,
+        }));
+    }
+    lb.state = to;
+    lb.state_since_ms = now_ms;
+    write_lb(lbs, &lb)?;
+    Ok(Some(Transition {
+        load_balancer: lb,
+        changed: true,
+    }))
+}
+
+/// The lowest address of `pool` from `floor` on (every VIP below it is taken) that may be
+/// a VIP and is not taken. An IPv6 pool is scanned from its start too: the scan ends
+/// after at most one more address than are taken, however large the pool.
 pub fn first_free_vip<E>(
     pool: IpNet,
+    floor: Option<IpAddr>,
     mut is_taken: impl FnMut(IpAddr) -> Result<bool, E>,
 ) -> Result<Option<IpAddr>, E> {
-    for candidate in pool.hosts() {
+    let mut candidates = pool.hosts();
+    if let (Some(floor), Some(first)) = (floor, pool.hosts().next()) {
+        // Ranges skip in O(1); skipping the floor's predecessors leaves it next.
+        let skip = ordinal(floor).saturating_sub(ordinal(first));
+        if let Some(before_floor) = skip.checked_sub(1) {
+            candidates.nth(usize::try_from(before_floor).unwrap_or(usize::MAX));
+        }
+    }
+    for candidate in candidates {
         if vip_in_pool(candidate, pool) && !is_taken(candidate)? {
             return Ok(Some(candidate));
         }
     }
     Ok(None)
+}
+
+/// The address as a number, to count the addresses between two of one family.
+fn ordinal(ip: IpAddr) -> u128 {
+    match ip {
+        IpAddr::V4(v4) => u128::from(u32::from(v4)),
+        IpAddr::V6(v6) => u128::from(v6),
+    }
+}
+
+/// Per pool CIDR, an address below which every VIP of the CIDR is taken: where the search
+/// for a free one starts, so a create reads a VIP or two instead of one per VIP already
+/// handed out (quadratic in the number of LBs). Kept in memory (a restart searches from
+/// the start once).
+#[derive(Debug, Default)]
+struct VipFloors(Mutex<HashMap<IpNet, IpAddr>>);
+
+impl VipFloors {
+    /// The floors as one write transaction sees them. Call it after `begin_write`: the
+    /// lock is then held through the commit, so no other transaction releases a VIP
+    /// between this one's search and its raising of the floor.
+    fn begin(&self) -> FloorsTxn<'_> {
+        FloorsTxn {
+            floors: self.0.lock().unwrap_or_else(|e| e.into_inner()),
+            found: HashMap::new(),
+            released: Vec::new(),
+        }
+    }
+}
+
+/// What one write transaction learnt about the floors; applied only when it commits.
+struct FloorsTxn<'a> {
+    floors: MutexGuard<'a, HashMap<IpNet, IpAddr>>,
+    /// Per CIDR, the VIP a search from the floor took (all below it are taken).
+    found: HashMap<IpNet, IpAddr>,
+    released: Vec<IpAddr>,
+}
+
+impl FloorsTxn<'_> {
+    fn floor(&self, cidr: IpNet) -> Option<IpAddr> {
+        self.found
+            .get(&cidr)
+            .or_else(|| self.floors.get(&cidr))
+            .copied()
+    }
+
+    fn found(&mut self, cidr: IpNet, vip: IpAddr) {
+        self.found.insert(cidr, vip);
+    }
+
+    fn released(&mut self, vip: IpAddr) {
+        self.released.push(vip);
+    }
+
+    /// Raises the floors to what the searches took, then lowers each below every VIP this
+    /// transaction freed.
+    fn commit(mut self) {
+        for (cidr, vip) in std::mem::take(&mut self.found) {
+            self.floors.insert(cidr, vip);
+        }
+        for vip in std::mem::take(&mut self.released) {
+            for (cidr, floor) in self.floors.iter_mut() {
+                if cidr.contains(&vip) && vip < *floor {
+                    *floor = vip;
+                }
+            }
+        }
+    }
 }
 
 fn new_id() -> String {
@@ -693,9 +816,11 @@ fn assigned(spec: &LoadBalancerSpec, vips: &[IpAddr], pool: &str) -> LoadBalance
 /// `requested` if it is free or may be shared; without a request, an address its sharing
 /// key already holds in the CIDR where it fits (as MetalLB shares), else the lowest free
 /// one. Each family shares on its own.
+#[allow(clippy::too_many_arguments)]
 fn place<T4, T6>(
     lbs: &impl ReadableTable<&'static str, &'static [u8]>,
     holders: &Holders<T4, T6>,
+    floors: &mut FloorsTxn<'_>,
     id: &str,
     spec: &LoadBalancerSpec,
     pool: &str,
@@ -721,12 +846,15 @@ where
             }
         }
     }
-    first_free_vip(cidr, |candidate| holders.is_held(candidate))?.ok_or_else(|| {
-        StoreError::PoolExhausted {
-            pool: pool.to_owned(),
-            cidr,
-        }
-    })
+    let vip = first_free_vip(cidr, floors.floor(cidr), |candidate| {
+        holders.is_held(candidate)
+    })?
+    .ok_or_else(|| StoreError::PoolExhausted {
+        pool: pool.to_owned(),
+        cidr,
+    })?;
+    floors.found(cidr, vip);
+    Ok(vip)
 }
 
 /// [`check_sharing`] as a yes or no: a refusal means "look elsewhere", while a database
@@ -896,13 +1024,13 @@ impl Holders<Table<'_, u32, &'static [u8]>, Table<'_, u128, &'static [u8]>> {
         self.write(vip, &sharers)
     }
 
-    /// Removes `id` from the holders of `vip`; the last one frees it.
-    fn release(&mut self, vip: IpAddr, id: &str) -> Result<(), StoreError> {
+    /// Removes `id` from the holders of `vip`; the last one frees it (`true`).
+    fn release(&mut self, vip: IpAddr, id: &str) -> Result<bool, StoreError> {
         let mut sharers = self.get(vip)?;
         if sharers.ids.remove(id) {
             self.write(vip, &sharers)?;
         }
-        Ok(())
+        Ok(sharers.ids.is_empty())
     }
 }
 
@@ -1064,16 +1192,58 @@ mod tests {
     #[test]
     fn lowest_free_vip_skips_taken_and_edge_addresses() {
         let taken = [IpAddr::V4(ip(1)), IpAddr::V4(ip(3))];
-        let free = first_free_vip::<Infallible>(pool(), |ip| Ok(taken.contains(&ip)));
+        let free = first_free_vip::<Infallible>(pool(), None, |ip| Ok(taken.contains(&ip)));
         assert_eq!(free, Ok(Some(IpAddr::V4(ip(2)))));
-        let none = first_free_vip::<Infallible>(pool(), |_| Ok(true));
+        let none = first_free_vip::<Infallible>(pool(), None, |_| Ok(true));
         assert_eq!(none, Ok(None));
         let v6: IpNet = "2001:db8:51:100::/64".parse().unwrap();
         let taken6: IpAddr = "2001:db8:51:100::1".parse().unwrap();
         assert_eq!(
-            first_free_vip::<Infallible>(v6, |ip| Ok(ip == taken6)),
+            first_free_vip::<Infallible>(v6, None, |ip| Ok(ip == taken6)),
             Ok(Some("2001:db8:51:100::2".parse().unwrap())),
             "not the subnet-router anycast address, not a taken one"
+        );
+    }
+
+    #[test]
+    fn the_search_starts_at_the_floor() {
+        let taken = [IpAddr::V4(ip(3))];
+        let from_floor = first_free_vip::<Infallible>(pool(), Some(IpAddr::V4(ip(3))), |ip| {
+            Ok(taken.contains(&ip))
+        });
+        assert_eq!(
+            from_floor,
+            Ok(Some(IpAddr::V4(ip(4)))),
+            "ip(1) and ip(2) not read"
+        );
+        let past_the_end =
+            first_free_vip::<Infallible>(pool(), Some(IpAddr::V4(ip(7))), |_| Ok(false));
+        assert_eq!(past_the_end, Ok(None), "the broadcast address is no VIP");
+    }
+
+    #[test]
+    fn a_freed_vip_is_handed_out_first_again() {
+        let dir = TempDir::new("store-floor");
+        let store = open(&dir);
+        let vip_of = |created: &Created| created.load_balancer.spec.vip;
+        let lbs: Vec<Created> = ["a", "b", "c"]
+            .iter()
+            .map(|name| create(&store, &spec(name), None).unwrap())
+            .collect();
+        assert_eq!(
+            lbs.iter().map(vip_of).collect::<Vec<_>>(),
+            [1, 2, 3].map(|n| Some(ip(n)))
+        );
+        let second = &lbs[1].load_balancer.id;
+        store.mark_deleting(second, 0).unwrap();
+        store.remove(second).unwrap();
+        assert_eq!(
+            vip_of(&create(&store, &spec("d"), None).unwrap()),
+            Some(ip(2))
+        );
+        assert_eq!(
+            vip_of(&create(&store, &spec("e"), None).unwrap()),
+            Some(ip(4))
         );
     }
 
@@ -1345,9 +1515,11 @@ mod tests {
         let dir = TempDir::new("store-delete");
         let store = open(&dir);
         let lb = create(&store, &spec("a"), Some("k")).unwrap().load_balancer;
-        let active = store.mark_active(&lb.id, 5).unwrap().unwrap();
-        assert!(active.changed);
-        let active = active.load_balancer;
+        assert_eq!(
+            store.mark_active(std::slice::from_ref(&lb.id), 5).unwrap(),
+            1
+        );
+        let active = store.get(&lb.id).unwrap().unwrap();
         assert_eq!((active.state, active.state_since_ms), (State::Active, 5));
         let deleting = store.mark_deleting(&lb.id, 9).unwrap().unwrap();
         assert!(deleting.changed);
@@ -1358,7 +1530,10 @@ mod tests {
             assert!(!again.changed);
             assert_eq!(again.load_balancer.state_since_ms, 9);
         }
-        assert!(store.mark_active(&lb.id, 60).unwrap().is_none());
+        assert_eq!(
+            store.mark_active(std::slice::from_ref(&lb.id), 60).unwrap(),
+            0
+        );
         assert!(matches!(
             update(&store, &lb.id, &spec("a"), 1),
             Err(StoreError::Deleting { .. })
