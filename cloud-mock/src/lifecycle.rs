@@ -10,12 +10,15 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use cloud_mock_dataplane::{DataPlane, DataPlaneError};
 use cloud_mock_sdk::State;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{Metrics, STATES};
 use crate::model::{StoredLoadBalancer, to_dataplane};
 use crate::store::Store;
+
+/// How long the task rests after a pass, in multiples of the pass's own time.
+const PASS_REST_FACTOR: u32 = 2;
 
 /// Wait before retrying after a failed data-plane apply or store access.
 const RETRY_INTERVAL: Duration = Duration::from_secs(2);
@@ -76,6 +79,8 @@ pub struct Lifecycle {
     dataplane: DataPlane,
     delay: Duration,
     wake: Arc<Notify>,
+    /// Moved after every pass that changed a state (see `AppState::lifecycle_moved`).
+    moved: watch::Sender<u64>,
     metrics: Metrics,
 }
 
@@ -85,6 +90,7 @@ impl Lifecycle {
         dataplane: DataPlane,
         delay: Duration,
         wake: Arc<Notify>,
+        moved: watch::Sender<u64>,
         metrics: Metrics,
     ) -> Self {
         Self {
@@ -92,6 +98,7 @@ impl Lifecycle {
             dataplane,
             delay,
             wake,
+            moved,
             metrics,
         }
     }
@@ -99,7 +106,16 @@ impl Lifecycle {
     /// Runs until `cancel`, then shuts the data plane down.
     pub async fn run(self, cancel: CancellationToken) {
         loop {
-            let wait = match self.converge().await {
+            let started = tokio::time::Instant::now();
+            let converged = self.converge().await;
+            // A pass reads every LB: under a burst of API writes, back-to-back passes would
+            // take a core from the API. Resting twice as long as the pass took keeps them
+            // to a third of one; changes meanwhile are taken by the next pass together.
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(started.elapsed() * PASS_REST_FACTOR) => {}
+            }
+            let wait = match converged {
                 Ok(wait) => wait,
                 Err(error) => {
                     tracing::error!(%error, "converging load balancers failed; retrying");
@@ -147,10 +163,13 @@ impl Lifecycle {
         let now = now_ms();
         let plan = plan_transitions(lbs, now, self.delay, &unrealised);
         let changed = !plan.activate.is_empty() || !plan.remove.is_empty();
-        for id in plan.activate {
-            tracing::info!(lb = %id, "load balancer active");
+        if !plan.activate.is_empty() {
+            for id in &plan.activate {
+                tracing::info!(lb = %id, "load balancer active");
+            }
+            let ids = plan.activate;
             self.store
-                .call(move |store| store.mark_active(&id, now))
+                .call(move |store| store.mark_active(&ids, now))
                 .await?;
         }
         for id in plan.remove {
@@ -158,6 +177,8 @@ impl Lifecycle {
             self.store.call(move |store| store.remove(&id)).await?;
         }
         if changed {
+            self.moved
+                .send_modify(|moves| *moves = moves.wrapping_add(1));
             // Refresh the per-state gauge and hand the data plane the new set at once.
             return Ok(Some(Duration::ZERO));
         }
