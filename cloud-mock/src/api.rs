@@ -19,7 +19,8 @@ use cloud_mock_sdk::{
 };
 use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use prometheus_client::registry::Registry;
-use tokio::sync::Notify;
+use serde::Deserialize;
+use tokio::sync::{Notify, watch};
 
 use crate::error::ApiError;
 use crate::extract::{JsonBody, MAX_BODY_BYTES};
@@ -42,6 +43,9 @@ pub struct AppState {
     pub dataplane: DataPlane,
     /// Wakes the lifecycle task after a committed change.
     pub lifecycle_wake: Arc<Notify>,
+    /// Moves each time the lifecycle task changes a load balancer's state: what a held
+    /// read of a provisioning one waits on.
+    pub lifecycle_moved: watch::Sender<u64>,
     pub faults: Arc<Mutex<FaultState>>,
     pub metrics: Metrics,
     pub registry: Arc<Registry>,
@@ -555,17 +559,56 @@ async fn create_load_balancer(
     Ok(committed(response))
 }
 
+/// The query of a read by id.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct GetQuery {
+    /// Hold the answer while the load balancer is provisioning, up to this long.
+    #[serde(default)]
+    wait_ms: u64,
+}
+
 async fn get_load_balancer(
     State(state): State<AppState>,
     path: Result<Path<String>, PathRejection>,
+    query: Result<Query<GetQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     let id = path_id(path)?;
-    let lookup = id.clone();
-    let lb = state
-        .store
-        .call(move |store| store.get(&lookup))
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("load balancer {id} not found")))?;
+    let Query(GetQuery { wait_ms }) =
+        query.map_err(|rejection| ApiError::bad_request("invalid-query", rejection.body_text()))?;
+    let wait = std::time::Duration::from_millis(wait_ms);
+    if wait > cloud_mock_sdk::MAX_PROVISIONING_WAIT {
+        return Err(ApiError::bad_request(
+            "invalid-query",
+            format!(
+                "waitMs {wait_ms} is longer than the {} ms a read may be held",
+                cloud_mock_sdk::MAX_PROVISIONING_WAIT.as_millis()
+            ),
+        ));
+    }
+    let deadline = tokio::time::Instant::now() + wait;
+    // Subscribed before the first read, so a change between a read and the wait wakes it.
+    let mut moved = state.lifecycle_moved.subscribe();
+    let lb = loop {
+        let lookup = id.clone();
+        let lb = state
+            .store
+            .call(move |store| store.get(&lookup))
+            .await?
+            .ok_or_else(|| ApiError::not_found(format!("load balancer {id} not found")))?;
+        if lb.state != cloud_mock_sdk::State::Provisioning
+            || tokio::time::Instant::now() >= deadline
+        {
+            break lb;
+        }
+        match tokio::time::timeout_at(deadline, moved.changed()).await {
+            // The lifecycle moved something, or the wait is over: read again and answer
+            // if this one is done or out of time.
+            Ok(Ok(())) | Err(_) => {}
+            // The lifecycle task is gone (shutting down): answer as it is.
+            Ok(Err(_)) => break lb,
+        }
+    };
     Ok(([etag(lb.version)], Json(answer_one(&state, &lb).await?)).into_response())
 }
 

@@ -70,10 +70,12 @@ impl App {
         metrics.register(&mut registry);
         dataplane.register_metrics(&mut registry);
         let wake = Arc::new(Notify::new());
+        let (moved, _) = tokio::sync::watch::channel(0);
         let state = AppState {
             store: store.clone(),
             dataplane: dataplane.clone(),
             lifecycle_wake: wake.clone(),
+            lifecycle_moved: moved.clone(),
             faults: Arc::new(Mutex::new(FaultState::new(Instant::now()))),
             metrics: metrics.clone(),
             registry: Arc::new(registry),
@@ -81,7 +83,14 @@ impl App {
         };
         Ok(Self {
             router: router(state),
-            lifecycle: Lifecycle::new(store, dataplane, settings.provisioning_delay, wake, metrics),
+            lifecycle: Lifecycle::new(
+                store,
+                dataplane,
+                settings.provisioning_delay,
+                wake,
+                moved,
+                metrics,
+            ),
         })
     }
 }

@@ -1181,3 +1181,63 @@ async fn node_pool_routes_take_the_injected_faults_and_a_lost_answer_is_retried_
     let (status, _) = app.call(Method::DELETE, "/v1/nodepools/p", None).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn a_held_read_answers_when_provisioning_ends() {
+    let delay = Duration::from_millis(400);
+    let app = TestApp::start("127.77.0.0/24", delay);
+    let (status, created) = create(&app, spec("held")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let id = created["id"].as_str().unwrap();
+    let uri = format!("/v1/loadbalancers/{id}");
+
+    // A plain read answers at once, still provisioning.
+    let (status, plain) = app.call(Method::GET, &uri, None).await;
+    assert_eq!(
+        (status, plain["state"].as_str()),
+        (StatusCode::OK, Some("provisioning"))
+    );
+
+    // A read held for less than what is left answers at its end, still provisioning.
+    let started = std::time::Instant::now();
+    let (_, short) = app
+        .call(Method::GET, &format!("{uri}?waitMs=50"), None)
+        .await;
+    assert_eq!(short["state"], "provisioning");
+    assert!(started.elapsed() >= Duration::from_millis(50));
+
+    // A held read answers once the LB is active: after the delay, long before its wait.
+    let (status, held) = app
+        .call(Method::GET, &format!("{uri}?waitMs=20000"), None)
+        .await;
+    let elapsed = started.elapsed();
+    assert_eq!(
+        (status, held["state"].as_str()),
+        (StatusCode::OK, Some("active"))
+    );
+    assert!(
+        elapsed >= delay,
+        "answered after {elapsed:?}, before provisioning ended"
+    );
+    assert!(
+        elapsed < Duration::from_secs(5),
+        "held {elapsed:?}: the activation did not wake it"
+    );
+
+    // An active LB is answered at once whatever the wait.
+    let again = std::time::Instant::now();
+    let (_, active) = app
+        .call(Method::GET, &format!("{uri}?waitMs=20000"), None)
+        .await;
+    assert_eq!(active["state"], "active");
+    assert!(again.elapsed() < Duration::from_secs(1));
+
+    for junk in ["waitMs=30001", "waitMs=-1", "waitMs=soon", "wait=5s"] {
+        let (status, body) = app.call(Method::GET, &format!("{uri}?{junk}"), None).await;
+        assert_eq!(
+            (status, error_code(&body)),
+            (StatusCode::BAD_REQUEST, "invalid-query"),
+            "{junk}: {body}"
+        );
+    }
+}

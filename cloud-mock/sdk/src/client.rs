@@ -21,6 +21,10 @@ use crate::{ListFilter, NodePool, NodePoolList, NodePoolSpec, families};
 /// load balancer the first one made.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 
+/// The longest a read of a provisioning load balancer is held by the server
+/// (`GET /v1/loadbalancers/{id}?waitMs=`).
+pub const MAX_PROVISIONING_WAIT: Duration = Duration::from_secs(30);
+
 /// Timeouts and retry policy of a [`Client`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientOptions {
@@ -142,6 +146,17 @@ impl Client {
         self.get(id).await
     }
 
+    /// The load balancer `id` once it is no longer provisioning, or as it is after `wait`
+    /// (at most [`MAX_PROVISIONING_WAIT`]): one call however long provisioning takes.
+    #[tracing::instrument(skip(self))]
+    pub async fn get_load_balancer_provisioned(
+        &self,
+        id: &str,
+        wait: Duration,
+    ) -> Result<LoadBalancer, Error> {
+        self.get_provisioned(id, wait).await
+    }
+
     /// Every load balancer that carries all of `filter.tags` and, if given, `filter.name`.
     #[tracing::instrument(skip(self))]
     pub async fn list_load_balancers(
@@ -187,6 +202,25 @@ impl Client {
     async fn get<T: DeserializeOwned>(&self, id: &str) -> Result<T, Error> {
         let url = self.url(&["v1", "loadbalancers", id])?;
         self.call(|| self.request(Method::GET, url.clone())).await
+    }
+
+    /// [`Client::get`], held by the server while the LB provisions, up to `wait`; each
+    /// attempt may take that much longer than the timeout.
+    async fn get_provisioned<T: DeserializeOwned>(
+        &self,
+        id: &str,
+        wait: Duration,
+    ) -> Result<T, Error> {
+        let url = self.url(&["v1", "loadbalancers", id])?;
+        let wait = wait.min(MAX_PROVISIONING_WAIT);
+        let query = [("waitMs", wait.as_millis().to_string())];
+        let timeout = self.inner.options.timeout.saturating_add(wait);
+        self.call(|| {
+            self.request(Method::GET, url.clone())
+                .query(&query)
+                .timeout(timeout)
+        })
+        .await
     }
 
     async fn list<T: DeserializeOwned>(&self, filter: &ListFilter) -> Result<T, Error> {
@@ -373,6 +407,17 @@ impl FamiliesClient<'_> {
     #[tracing::instrument(skip(self))]
     pub async fn get_load_balancer(&self, id: &str) -> Result<families::LoadBalancer, Error> {
         self.client.get(id).await
+    }
+
+    /// The load balancer `id` once it is no longer provisioning; see
+    /// [`Client::get_load_balancer_provisioned`].
+    #[tracing::instrument(skip(self))]
+    pub async fn get_load_balancer_provisioned(
+        &self,
+        id: &str,
+        wait: Duration,
+    ) -> Result<families::LoadBalancer, Error> {
+        self.client.get_provisioned(id, wait).await
     }
 
     /// Every load balancer that carries all of `filter.tags` and, if given, `filter.name`.

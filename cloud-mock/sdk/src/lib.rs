@@ -17,7 +17,7 @@ mod types;
 
 use std::collections::BTreeMap;
 
-pub use client::{Client, ClientOptions, FamiliesClient, IDEMPOTENCY_KEY};
+pub use client::{Client, ClientOptions, FamiliesClient, IDEMPOTENCY_KEY, MAX_PROVISIONING_WAIT};
 pub use error::{Error, TlsError};
 pub use nodepools::{NodePool, NodePoolList, NodePoolSpec};
 pub use types::{
