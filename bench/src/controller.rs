@@ -323,11 +323,14 @@ pub fn sections(scale: &Scale, m: &Measured) -> Section {
         "ideal (create) = max(Services × {CREATE_CALLS_TARGET} calls × {latency_ms} ms ÷ \
          concurrency {}, one Service alone: the cloud's {} ms provisioning delay + its \
          {CREATE_CALLS_TARGET} calls in sequence), with the calls the target allows, not the \
-         ones we made, so extra calls show in the time ratio too; ideal (node add) = the \
-         configured {} ms node debounce + one call's {latency_ms} ms: one node-pool write, \
-         whatever the number of LBs.",
+         ones we made, so extra calls show in the time ratio too. The second call is a read \
+         the cloud holds until the LB is active, made beside the {} reconciles (their slots \
+         free meanwhile), so more calls than that may be in flight: the ideal still counts \
+         both against them. ideal (node add) = the configured {} ms node debounce + one \
+         call's {latency_ms} ms: one node-pool write, whatever the number of LBs.",
         scale.concurrency,
         scale.provisioning_delay.as_millis(),
+        scale.concurrency,
         scale.node_debounce.as_millis()
     );
     let mut rows = vec![

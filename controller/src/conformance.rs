@@ -389,6 +389,22 @@ async fn lifecycle<P: LoadBalancerProvider>(
     if created.owner.as_ref() != Some(&desired.owner) {
         return fail("create", "the LB does not report its owner from its tags");
     }
+    if provider.capabilities().waits_out_provisioning {
+        match provider.await_provisioned(&created, kit.patience).await {
+            Ok(Some(lb)) if lb.id == created.id && lb.phase == LoadBalancerPhase::Active => {}
+            Ok(Some(lb)) => {
+                return fail(
+                    "await provisioned",
+                    format!(
+                        "answered {} {:?} after waiting up to {:?}",
+                        lb.id, lb.phase, kit.patience
+                    ),
+                );
+            }
+            Ok(None) => return fail("await provisioned", "the created LB is not found"),
+            Err(e) => return fail("await provisioned", e.to_string()),
+        }
+    }
     let active = until_active(provider, kit, desired, &created.id).await?;
     if !active.drift(desired).is_empty() {
         return fail("create", format!("drifted: {:?}", active.drift(desired)));

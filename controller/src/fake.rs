@@ -30,6 +30,7 @@ const DEFAULT_POOL: &str = "default";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Call {
     Get { known_id: Option<String> },
+    AwaitProvisioned { id: String },
     Create { replaces: Option<String> },
     Update { id: String },
     Delete { known_id: Option<String> },
@@ -333,6 +334,33 @@ impl LoadBalancerProvider for FakeProvider {
             Operation::Get,
         )?;
         Ok(find(&state, lookup)?.filter(|lb| lb.phase != LoadBalancerPhase::Deleting))
+    }
+
+    /// Answers once a test has made the LB active (or removed it), or after `within`.
+    async fn await_provisioned(
+        &self,
+        lb: &ObservedLoadBalancer,
+        within: Duration,
+    ) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
+        drop(self.begin(Call::AwaitProvisioned { id: lb.id.clone() }, Operation::Get)?);
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let now = {
+                let state = self.state();
+                state
+                    .lbs
+                    .get(&lb.id)
+                    .filter(|now| now.phase != LoadBalancerPhase::Deleting)
+                    .map(|now| state.resolved(now))
+            };
+            let provisioning = now
+                .as_ref()
+                .is_some_and(|now| now.phase == LoadBalancerPhase::Provisioning);
+            if !provisioning || tokio::time::Instant::now() >= deadline {
+                return Ok(now);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     async fn create(

@@ -3,8 +3,8 @@
 //! Decide: [`plan`] (the whole decision of a reconcile), [`spec`], [`nodes`], [`status`],
 //! [`triggers`] and [`ratelimit`] are pure functions of observed state. Do: [`mockcloud`]
 //! (the cloud edge, behind the [`provider::LoadBalancerProvider`] trait; `fake` is its
-//! in-memory double, built for tests only) and [`reconcile`], [`nodesync`], [`gc`], [`runtime`] (the Kubernetes
-//! edge and wiring).
+//! in-memory double, built for tests only) and [`reconcile`], [`provisioning`], [`nodesync`],
+//! [`gc`], [`runtime`] (the Kubernetes edge and wiring).
 
 pub mod cli;
 #[cfg(feature = "conformance")]
@@ -19,6 +19,7 @@ pub mod nodes;
 pub mod nodesync;
 pub mod plan;
 pub mod provider;
+pub mod provisioning;
 pub mod ratelimit;
 pub mod reconcile;
 pub mod registry;

@@ -213,11 +213,14 @@ impl PlanError {
 }
 
 /// When to reconcile the Service again after a successful plan.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Next {
     /// The LB serves: look again at the drift-repair period.
     Resync,
-    /// The LB is provisioning: look again soon.
+    /// The LB is provisioning: look again once it is active (see
+    /// [`crate::provisioning`]), or soon.
+    Provisioning(Box<ObservedLoadBalancer>),
+    /// The LB is still being deleted: look again soon.
     Poll,
     /// Nothing to do until the Service changes.
     AwaitChange,
@@ -681,13 +684,14 @@ impl Plan<'_> {
                     reason: ConditionReason::Provisioning,
                     message: format!("load balancer {} is provisioning", lb.id),
                 },
-                Next::Poll,
+                Next::Provisioning(Box::new(lb)),
             ),
         };
-        // An LB the cloud just accepted is usually active by the poll, so its Provisioning
-        // condition is written only if the poll finds it still provisioning: a status write
-        // fewer per create, and the ingress is still the first status the Service gets.
-        let provisioning_just_accepted = answered && next == Next::Poll;
+        // An LB the cloud just accepted is usually active by the next look, so its
+        // Provisioning condition is written only if that look finds it still provisioning:
+        // a status write fewer per create, and the ingress is still the first status the
+        // Service gets.
+        let provisioning_just_accepted = answered && matches!(next, Next::Provisioning(_));
         Verdict {
             persist_id,
             events: Vec::new(),
@@ -1084,13 +1088,13 @@ mod tests {
                 cloud: "create",
                 persist_id: true,
                 after: &[EnsuredLoadBalancer],
-                outcome: Ok(Next::Poll),
+                outcome: Ok(Next::Provisioning(Box::new(provisioning.clone()))),
                 ..base("new, created provisioning: no status yet", &new)
             },
             Case {
                 seen: Seen::Found(provisioning.clone()),
                 status: Some(Some("Provisioning")),
-                outcome: Ok(Next::Poll),
+                outcome: Ok(Next::Provisioning(Box::new(provisioning.clone()))),
                 ..base("polled, still provisioning", &finalized_svc)
             },
             Case {

@@ -182,6 +182,12 @@ pub struct Capabilities {
     /// change is one pool write whatever the number of LBs. Without them every LB carries
     /// its own backends and a node change updates each.
     pub node_pools: bool,
+    /// Reads that wait out provisioning ([`LoadBalancerProvider::await_provisioned`]): the
+    /// cloud holds a read of a provisioning LB until it is active, so a create costs the
+    /// create and that one read however long provisioning takes, and the Service gets its
+    /// ingress as soon as the LB serves. Without them the controller reads again every
+    /// few seconds.
+    pub waits_out_provisioning: bool,
 }
 
 impl Capabilities {
@@ -192,6 +198,7 @@ impl Capabilities {
         passthrough: true,
         ipv6: true,
         node_pools: true,
+        waits_out_provisioning: true,
     };
 
     /// The first thing `desired` needs that these capabilities lack.
@@ -728,6 +735,22 @@ pub trait LoadBalancerProvider: Send + Sync + 'static {
         lookup: &LoadBalancerLookup,
     ) -> impl Future<Output = Result<Option<ObservedLoadBalancer>, ProviderError>> + Send;
 
+    /// `lb`, which was provisioning, once it no longer is (or `None` once it is gone), or
+    /// as it is after `within`: one call that the cloud holds. Only called when
+    /// [`Capabilities::waits_out_provisioning`] is set; the default says the provider
+    /// cannot.
+    fn await_provisioned(
+        &self,
+        lb: &ObservedLoadBalancer,
+        within: Duration,
+    ) -> impl Future<Output = Result<Option<ObservedLoadBalancer>, ProviderError>> + Send {
+        let _ = (lb, within);
+        std::future::ready(Err(ProviderError::Unsupported {
+            operation: Operation::Get,
+            message: "this provider cannot wait out provisioning".into(),
+        }))
+    }
+
     /// Every LB tagged with this cluster's id (for orphan collection).
     fn list_owned(
         &self,
@@ -809,7 +832,7 @@ pub(crate) mod tests {
         text.parse().unwrap()
     }
 
-    fn desired() -> DesiredLoadBalancer {
+    pub(crate) fn desired() -> DesiredLoadBalancer {
         DesiredLoadBalancer {
             owner: owner(),
             mode: LoadBalancerMode::Proxy,

@@ -18,6 +18,7 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
+use tokio::sync::mpsc;
 
 use crate::metrics::Metrics;
 use crate::nodes::eligible_backends;
@@ -29,6 +30,7 @@ use crate::provider::{
     ClusterId, DesiredLoadBalancer, LoadBalancerProvider, ObservedLoadBalancer, ProviderError,
     delete_ours,
 };
+use crate::provisioning::{self, ProvisioningWaits};
 use crate::ratelimit::{PERMANENT_ERROR_RETRY, service_backoff};
 use crate::spec::{AnnotationKeys, ClassFilter, WithoutNodePorts, desired_load_balancer};
 use crate::status::{IngressFields, StatusWrite, current_ingress};
@@ -92,9 +94,10 @@ pub struct Context<P> {
     /// Told when an LB found the node pool missing (deleted behind our back): node sync
     /// writes it again at once.
     pub node_pool_missing: tokio::sync::Notify,
-    /// How long to wait before reading a provisioning LB again: long enough that it is
-    /// usually active by then, so a create costs the POST and one read.
+    /// How long to wait before reading a provisioning LB again when its provisioning is
+    /// not waited out ([`crate::provisioning`]), and a deleting one.
     pub provisioning_poll: Duration,
+    pub(crate) provisioning: ProvisioningWaits,
     /// The ingress fields the API server keeps: guessed from its version, corrected by
     /// what each status write returns.
     ingress_fields: Mutex<IngressFields>,
@@ -116,6 +119,7 @@ impl<P: LoadBalancerProvider> Context<P> {
         metrics: Metrics,
         resync: Duration,
         ingress_fields: IngressFields,
+        wake: mpsc::UnboundedSender<ObjectRef<Service>>,
     ) -> Self {
         Self {
             client,
@@ -136,6 +140,7 @@ impl<P: LoadBalancerProvider> Context<P> {
             metrics,
             resync,
             provisioning_poll: Duration::from_secs(2),
+            provisioning: ProvisioningWaits::new(wake),
             ingress_fields: Mutex::new(ingress_fields),
             failures: Mutex::new(HashMap::new()),
         }
@@ -294,10 +299,17 @@ async fn observe<'a, P: LoadBalancerProvider>(
     });
     let seen = match (&desired, &lookup) {
         (Some(Ok(_)), Ok(lookup)) if may_have_load_balancer(svc, lookup) => {
-            match ctx.provider.get(lookup).await {
-                Ok(Some(lb)) => Seen::Found(lb),
-                Ok(None) => Seen::Missing,
-                Err(error) => Seen::Failed(error),
+            // A held read that just saw the LB leave provisioning was this read.
+            let waited = ctx
+                .provisioning
+                .take(&ObjectRef::from_obj(svc), &lookup.owner);
+            match waited {
+                Some(lb) => Seen::Found(lb),
+                None => match ctx.provider.get(lookup).await {
+                    Ok(Some(lb)) => Seen::Found(lb),
+                    Ok(None) => Seen::Missing,
+                    Err(error) => Seen::Failed(error),
+                },
             }
         }
         _ => Seen::NotAsked,
@@ -416,6 +428,14 @@ pub async fn reconcile<P: LoadBalancerProvider>(
     }
     result.map(|next| match next {
         Next::Resync => Action::requeue(ctx.resync),
+        Next::Provisioning(lb) => {
+            if provisioning::wait_out(&ctx, ObjectRef::from_obj(svc.as_ref()), *lb) {
+                // The held read's answer starts the next reconcile; this is the backstop.
+                Action::requeue(provisioning::HELD_READ + ctx.provisioning_poll)
+            } else {
+                Action::requeue(ctx.provisioning_poll)
+            }
+        }
         Next::Poll => Action::requeue(ctx.provisioning_poll),
         Next::AwaitChange => Action::await_change(),
     })

@@ -105,6 +105,11 @@ trait Erased: Send + Sync + 'static {
         &'a self,
         lookup: &'a LoadBalancerLookup,
     ) -> Answer<'a, Option<ObservedLoadBalancer>>;
+    fn await_provisioned<'a>(
+        &'a self,
+        lb: &'a ObservedLoadBalancer,
+        within: Duration,
+    ) -> Answer<'a, Option<ObservedLoadBalancer>>;
     fn list_owned<'a>(&'a self, cluster_id: &'a ClusterId)
     -> Answer<'a, Vec<ObservedLoadBalancer>>;
     fn get_node_pool<'a>(&'a self, name: &'a str) -> Answer<'a, Option<ObservedNodePool>>;
@@ -152,6 +157,13 @@ impl<P: LoadBalancerProvider> Erased for P {
         lookup: &'a LoadBalancerLookup,
     ) -> Answer<'a, Option<ObservedLoadBalancer>> {
         Box::pin(LoadBalancerProvider::delete(self, lookup))
+    }
+    fn await_provisioned<'a>(
+        &'a self,
+        lb: &'a ObservedLoadBalancer,
+        within: Duration,
+    ) -> Answer<'a, Option<ObservedLoadBalancer>> {
+        Box::pin(LoadBalancerProvider::await_provisioned(self, lb, within))
     }
     fn list_owned<'a>(
         &'a self,
@@ -237,6 +249,14 @@ impl LoadBalancerProvider for DynProvider {
         lookup: &LoadBalancerLookup,
     ) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
         self.0.delete(lookup).await
+    }
+
+    async fn await_provisioned(
+        &self,
+        lb: &ObservedLoadBalancer,
+        within: Duration,
+    ) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
+        self.0.await_provisioned(lb, within).await
     }
 
     async fn list_owned(

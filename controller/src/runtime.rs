@@ -559,6 +559,9 @@ async fn run_leader<P: LoadBalancerProvider>(
         },
     );
     let ingress_fields = server_ingress_fields(&client).await;
+    // Reconciles started from outside the watches: node sync's failures, held reads'
+    // answers.
+    let (retry_tx, retry_rx) = mpsc::unbounded_channel();
     let ctx = Arc::new(Context::new(
         client.clone(),
         provider,
@@ -572,6 +575,7 @@ async fn run_leader<P: LoadBalancerProvider>(
         metrics,
         settings.resync,
         ingress_fields,
+        retry_tx.clone(),
     ));
     // Decisions need complete lists: every LB would look orphaned, every node set new.
     tokio::select! {
@@ -606,7 +610,6 @@ async fn run_leader<P: LoadBalancerProvider>(
             Some(keeper)
         }
     };
-    let (retry_tx, retry_rx) = mpsc::unbounded_channel();
     let node_sync = tokio::spawn(nodesync::run(
         ctx.clone(),
         pool,

@@ -657,6 +657,8 @@ fn context(
         Metrics::default(),
         Duration::from_secs(300),
         IngressFields::ALL,
+        // No reconciles are started from outside here: each test calls reconcile itself.
+        tokio::sync::mpsc::unbounded_channel().0,
     )
 }
 
@@ -871,10 +873,11 @@ async fn reconcile_table() {
 }
 
 /// The stand-in's writes (every create, update, patch or delete of any object, Events
-/// included: each one moves its resourceVersion) made for one Service from its create to
-/// its ingress, in a cloud whose LBs are still provisioning when the create answers and
-/// active when the poll (`Context::provisioning_poll`) reads them again, as cloud-mock's
-/// are: the finalizer, the Events `EnsuringLoadBalancer` and `EnsuredLoadBalancer`, the LB
+/// included: each one moves its resourceVersion) and the cloud calls made for one Service
+/// from its create to its ingress, in a cloud whose LBs are still provisioning when the
+/// create answers, as cloud-mock's are. The cloud calls are the create and one held read
+/// that answers when the LB is active (`tandem_controller::provisioning`); its answer is
+/// the next reconcile's observation. The writes are the finalizer, the Events `EnsuringLoadBalancer` and `EnsuredLoadBalancer`, the LB
 /// id, and one status write of the ingress. No status write for the provisioning in
 /// between (there was one until issue 33: 6 writes): the poll usually finds the LB active,
 /// and writes the `Provisioning` condition only when it does not. Five is the floor of
@@ -910,15 +913,30 @@ async fn api_writes_of_one_service_create_path() {
     let first = reconcile(Arc::new(created), ctx.clone()).await.unwrap();
     assert_eq!(
         first,
-        kube::runtime::controller::Action::requeue(ctx.provisioning_poll)
+        kube::runtime::controller::Action::requeue(
+            tandem_controller::provisioning::HELD_READ + ctx.provisioning_poll
+        ),
+        "the held read starts the next reconcile; the requeue is only the backstop"
     );
-    // The cloud finishes provisioning before the poll.
+    // The cloud finishes provisioning while the read is held.
+    tokio::time::sleep(Duration::from_millis(50)).await;
     for mut lb in provider.load_balancers() {
         lb.phase = tandem_controller::provider::LoadBalancerPhase::Active;
         provider.insert(lb);
     }
-    let polled = api.get("writes").await.unwrap();
-    reconcile(Arc::new(polled), ctx.clone()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let woken = api.get("writes").await.unwrap();
+    reconcile(Arc::new(woken), ctx.clone()).await.unwrap();
+    assert_eq!(
+        provider.take_calls(),
+        [
+            Call::Create { replaces: None },
+            Call::AwaitProvisioned {
+                id: provider.load_balancers()[0].id.clone()
+            }
+        ],
+        "the held read's answer is the second reconcile's observation: no other read"
+    );
     let served = api.get("writes").await.unwrap();
     assert_eq!(ingress_families(&served), V4);
     assert_eq!(

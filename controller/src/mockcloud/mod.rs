@@ -266,6 +266,35 @@ impl LoadBalancerProvider for MockCloudProvider {
         Ok(self.keep_one(found).await?.as_ref().map(observe))
     }
 
+    /// One read the edge holds until the LB is active (`?waitMs=`).
+    async fn await_provisioned(
+        &self,
+        lb: &ObservedLoadBalancer,
+        within: Duration,
+    ) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
+        let cloud = self.client.families();
+        let id = lb.id.as_str();
+        match self
+            .call(Operation::Get, || {
+                cloud.get_load_balancer_provisioned(id, within)
+            })
+            .await
+        {
+            Ok(found)
+                if found.state != sdk::State::Deleting
+                    && lb
+                        .owner
+                        .as_ref()
+                        .is_some_and(|owner| belongs_to(&found, owner)) =>
+            {
+                Ok(Some(observe(&found)))
+            }
+            // Deleted, or no longer its owner's: gone, as far as this LB is concerned.
+            Ok(_) | Err(sdk::Error::NotFound { .. }) => Ok(None),
+            Err(err) => Err(classify(&err, Operation::Get, Some(id))),
+        }
+    }
+
     async fn create(
         &self,
         desired: &DesiredLoadBalancer,

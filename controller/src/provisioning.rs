@@ -1,0 +1,155 @@
+//! Provisioning LBs are waited out beside the reconciler, not in it. A reconcile that leaves
+//! an LB provisioning hands it here and frees its slot; one held read
+//! ([`LoadBalancerProvider::await_provisioned`]) waits until the LB is active; its answer
+//! becomes the next reconcile's observation of the cloud, and that reconcile starts at
+//! once. A create thus costs the create and this one read, and the Service has its
+//! ingress as soon as the LB serves, not at the next poll.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Service;
+use kube::runtime::reflector::ObjectRef;
+use tokio::sync::mpsc;
+
+use crate::provider::{LoadBalancerProvider, ObservedLoadBalancer, Owner};
+use crate::reconcile::Context;
+
+/// How long one read may be held; a provisioning LB still provisioning then is handed to
+/// a reconcile (which reports it in the Service's condition) and waited for again.
+pub const HELD_READ: Duration = Duration::from_secs(20);
+
+/// Held reads at once at most (each holds a connection to the cloud); beyond them a
+/// provisioning LB is polled, as without the capability.
+const MAX_WAITS: usize = 1024;
+
+/// An answer older than this is read again rather than used (its reconcile was late).
+const FRESH_FOR: Duration = Duration::from_secs(30);
+
+/// The held reads running and the answers not yet taken, by Service.
+pub struct ProvisioningWaits {
+    state: Mutex<Waits>,
+    /// Starts a reconcile of the Service (the controller's `reconcile_on` stream).
+    wake: mpsc::UnboundedSender<ObjectRef<Service>>,
+}
+
+#[derive(Default)]
+struct Waits {
+    running: HashSet<ObjectRef<Service>>,
+    answers: HashMap<ObjectRef<Service>, (Instant, ObservedLoadBalancer)>,
+}
+
+impl ProvisioningWaits {
+    pub fn new(wake: mpsc::UnboundedSender<ObjectRef<Service>>) -> Self {
+        Self {
+            state: Mutex::default(),
+            wake,
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, Waits> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The held read's answer for `svc`, when it is fresh and `owner`'s LB; taken, so it
+    /// is used once.
+    pub fn take(&self, svc: &ObjectRef<Service>, owner: &Owner) -> Option<ObservedLoadBalancer> {
+        let (at, lb) = self.state().answers.remove(svc)?;
+        (at.elapsed() < FRESH_FOR && lb.owner.as_ref() == Some(owner)).then_some(lb)
+    }
+
+    fn answered(&self, svc: ObjectRef<Service>, lb: Option<ObservedLoadBalancer>) {
+        let mut state = self.state();
+        state.running.remove(&svc);
+        if let Some(lb) = lb {
+            // Answers of Services deleted meanwhile are never taken: drop the stale ones
+            // now and then, not on every answer.
+            if state.answers.len() >= MAX_WAITS {
+                state.answers.retain(|_, (at, _)| at.elapsed() < FRESH_FOR);
+            }
+            state.answers.insert(svc.clone(), (Instant::now(), lb));
+        }
+        drop(state);
+        // The receiver goes only at shutdown.
+        let _ = self.wake.send(svc);
+    }
+}
+
+/// Waits out the provisioning of `lb`, `svc`'s LB, unless a wait for it runs already;
+/// `false` when none can (the provider cannot hold reads, or too many are held), so the
+/// caller polls.
+pub fn wait_out<P: LoadBalancerProvider>(
+    ctx: &Arc<Context<P>>,
+    svc: ObjectRef<Service>,
+    lb: ObservedLoadBalancer,
+) -> bool {
+    if !ctx.provider.capabilities().waits_out_provisioning {
+        return false;
+    }
+    {
+        let mut state = ctx.provisioning.state();
+        if state.running.contains(&svc) {
+            return true;
+        }
+        if state.running.len() >= MAX_WAITS {
+            return false;
+        }
+        state.running.insert(svc.clone());
+    }
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        let answer = match ctx.provider.await_provisioned(&lb, HELD_READ).await {
+            Ok(answer) => answer,
+            Err(error) => {
+                // The reconcile it starts reads the LB the usual way.
+                tracing::warn!(service = %svc, lb = %lb.id, %error, "waiting out provisioning failed");
+                None
+            }
+        };
+        ctx.provisioning.answered(svc, answer);
+    });
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::tests::{desired, observed_from};
+
+    #[test]
+    fn an_answer_is_taken_once_and_only_for_its_owner() {
+        let (wake, mut woken) = mpsc::unbounded_channel();
+        let waits = ProvisioningWaits::new(wake);
+        let svc = ObjectRef::<Service>::new("web").within("default");
+        let lb = observed_from(&desired());
+        let owner = lb.owner.clone().unwrap();
+        waits.state().running.insert(svc.clone());
+
+        waits.answered(svc.clone(), Some(lb.clone()));
+        assert_eq!(
+            woken.try_recv().ok(),
+            Some(svc.clone()),
+            "its reconcile is started"
+        );
+        assert!(waits.state().running.is_empty());
+        let stranger = Owner {
+            uid: "another-uid".into(),
+            ..owner.clone()
+        };
+        assert_eq!(
+            waits.take(&svc, &stranger),
+            None,
+            "the Service was replaced meanwhile"
+        );
+
+        waits.answered(svc.clone(), Some(lb.clone()));
+        assert_eq!(waits.take(&svc, &owner), Some(lb));
+        assert_eq!(waits.take(&svc, &owner), None, "used once");
+
+        // Gone (or the read failed): the reconcile is started, and reads for itself.
+        waits.answered(svc.clone(), None);
+        assert_eq!(woken.try_recv().ok(), Some(svc.clone()));
+        assert_eq!(waits.take(&svc, &owner), None);
+    }
+}
