@@ -315,6 +315,9 @@ pub fn sections(scale: &Scale, m: &Measured) -> Section {
     let create_calls = cloud_calls(&m.create_cloud_calls) / n as f64;
     let create_ideal = create_ideal(scale);
     let node_ideal = node_add_ideal(scale);
+    // The harness sees every LB serve the node only through a list of them all, which
+    // answers that much later.
+    let served_limit = node_ideal + m.node_add_list_time;
     let node_calls = cloud_calls(&m.node_add_cloud_calls);
     let pool_writes = calls_of(&m.node_add_cloud_calls, NODE_POOL_ITEM, "PUT");
     let lb_writes = load_balancer_writes(&m.node_add_cloud_calls);
@@ -385,7 +388,10 @@ pub fn sections(scale: &Scale, m: &Measured) -> Section {
         Row {
             what: "node added: one LB serves it (Node create → a GET of the LB lists it)".into(),
             ours: Value::Seconds(m.node_add_first_served.as_secs_f64()),
-            limit: Some(("ideal".into(), Value::Seconds(node_ideal.as_secs_f64()))),
+            limit: Some((
+                "ideal + the harness's own GET".into(),
+                Value::Seconds((node_ideal + m.cloud_get_mean).as_secs_f64()),
+            )),
             target: None,
         },
         Row {
@@ -394,7 +400,10 @@ pub fn sections(scale: &Scale, m: &Measured) -> Section {
                  {n} lists it behind each)"
             ),
             ours: Value::Seconds(m.node_add_served.as_secs_f64()),
-            limit: Some(("ideal".into(), Value::Seconds(node_ideal.as_secs_f64()))),
+            limit: Some((
+                "ideal + the harness's own list".into(),
+                Value::Seconds(served_limit.as_secs_f64()),
+            )),
             target: Some(Target::RatioAtMost(IDEAL_RATIO_TARGET)),
         },
         Row {
@@ -456,9 +465,10 @@ pub fn sections(scale: &Scale, m: &Measured) -> Section {
             "Node add, read through the cloud's API, where each LB's `health` list names its \
              backends (the node pool's members for an LB on the pool): a GET of one LB sent \
              every 5 ms until it lists the new node, then lists of all {n} LBs until every \
-             one does; each time is taken when the answer arrived, so the every-LB time \
-             includes the {:.1} ms the list of {n} LBs took. The harness's reads are not \
-             counted as the controller's calls, which were, in all: {}.",
+             one does; each time is taken when the answer arrived, so it includes the \
+             harness's own read: the limit is the ideal plus that read's time in this run (a \
+             GET's mean; the {:.1} ms the last list of {n} LBs took). The harness's reads \
+             are not counted as the controller's calls, which were, in all: {}.",
             m.node_add_list_time.as_secs_f64() * 1000.0,
             if node_breakdown.is_empty() {
                 "none".to_owned()
@@ -513,13 +523,13 @@ pub fn sections(scale: &Scale, m: &Measured) -> Section {
             m.controller_peak_rss_mib
         ));
     }
-    let node_ratio = m.node_add_served.as_secs_f64() / node_ideal.as_secs_f64();
+    let node_ratio = m.node_add_served.as_secs_f64() / served_limit.as_secs_f64();
     if node_ratio > IDEAL_RATIO_TARGET {
         notes.push(format!(
             "MISSED: every LB served the added node after {:.0} ms, {node_ratio:.2}× the \
-             ideal {:.0} ms (target ≤ {IDEAL_RATIO_TARGET}×).",
+             ideal + the harness's own list, {:.0} ms (target ≤ {IDEAL_RATIO_TARGET}×).",
             m.node_add_served.as_secs_f64() * 1000.0,
-            node_ideal.as_secs_f64() * 1000.0
+            served_limit.as_secs_f64() * 1000.0
         ));
     }
     if node_calls > NODE_ADD_CALLS_TARGET || lb_writes > 0.0 || m.lbs_with_new_node != n {
@@ -676,11 +686,17 @@ cloud_mock_load_balancers{state="active"} 10
     #[test]
     fn a_node_add_is_held_to_one_pool_write_and_the_pool_writes_latency() {
         // One pool write, no LB write: 2 calls at most, in 250 ms against 200 ms debounce +
-        // 20 ms, 1.14× (≤ 1.2×).
+        // 20 ms + the harness's 25 ms list, 1.02× (≤ 1.2×).
         let section = sections(&Scale::of(2), &measured(1.0, 0.0, 2));
         assert_eq!(row(&section, "one LB serves it").met(), None);
         let served = row(&section, "every one of the 2 LBs serves it");
-        assert_eq!(served.limit, Some(("ideal".into(), Value::Seconds(0.22))));
+        assert_eq!(
+            served.limit,
+            Some((
+                "ideal + the harness's own list".into(),
+                Value::Seconds(0.245)
+            ))
+        );
         assert_eq!(served.met(), Some(true));
         assert_eq!(row(&section, "cloud calls in all").ours, Value::Count(1.0));
         assert_eq!(row(&section, "cloud calls in all").met(), Some(true));
@@ -699,7 +715,10 @@ cloud_mock_load_balancers{state="active"} 10
         per_lb.node_add_served = Duration::from_millis(300);
         let per_lb = sections(&Scale::of(2), &per_lb);
         assert_eq!(row(&per_lb, "every one").met(), Some(false));
-        assert!(noted(&per_lb, "after 300 ms, 1.36× the ideal 220 ms"));
+        assert!(noted(
+            &per_lb,
+            "after 300 ms, 1.22× the ideal + the harness's own list, 245 ms"
+        ));
         assert_eq!(row(&per_lb, "cloud calls in all").met(), Some(false));
         assert_eq!(row(&per_lb, "load-balancer writes").met(), Some(false));
         assert!(noted(
