@@ -342,7 +342,10 @@ impl LoadBalancerProvider for FakeProvider {
         lb: &ObservedLoadBalancer,
         within: Duration,
     ) -> Result<Option<ObservedLoadBalancer>, ProviderError> {
-        drop(self.begin(Call::AwaitProvisioned { id: lb.id.clone() }, Operation::Get)?);
+        drop(self.begin(
+            Call::AwaitProvisioned { id: lb.id.clone() },
+            Operation::AwaitProvisioned,
+        )?);
         let deadline = tokio::time::Instant::now() + within;
         loop {
             let now = {

@@ -508,6 +508,8 @@ fn canonical<T: Ord + Clone>(items: &[T]) -> Vec<T> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Operation {
     Get,
+    /// A read held until the LB has left provisioning.
+    AwaitProvisioned,
     List,
     Create,
     Update,
@@ -522,6 +524,7 @@ impl Operation {
     pub fn as_str(self) -> &'static str {
         match self {
             Operation::Get => "get",
+            Operation::AwaitProvisioned => "await_provisioned",
             Operation::List => "list",
             Operation::Create => "create",
             Operation::Update => "update",
@@ -746,7 +749,7 @@ pub trait LoadBalancerProvider: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<ObservedLoadBalancer>, ProviderError>> + Send {
         let _ = (lb, within);
         std::future::ready(Err(ProviderError::Unsupported {
-            operation: Operation::Get,
+            operation: Operation::AwaitProvisioned,
             message: "this provider cannot wait out provisioning".into(),
         }))
     }

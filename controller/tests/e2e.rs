@@ -1070,12 +1070,13 @@ async fn no_node_ports_served_in_passthrough_with_two_cloud_calls() {
     assert_eq!(
         (
             calls_of(&metrics, "create"),
+            calls_of(&metrics, "await_provisioned"),
             calls_of(&metrics, "get"),
             calls_of(&metrics, "list"),
             calls_of(&metrics, "update"),
         ),
-        (1, 1, 1, 0),
-        "create path: one POST and one read\n{metrics}"
+        (1, 1, 0, 1, 0),
+        "create path: one POST and one read, held until the LB is active\n{metrics}"
     );
     h.shutdown().await;
 }

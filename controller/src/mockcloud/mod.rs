@@ -275,7 +275,7 @@ impl LoadBalancerProvider for MockCloudProvider {
         let cloud = self.client.families();
         let id = lb.id.as_str();
         match self
-            .call(Operation::Get, || {
+            .call(Operation::AwaitProvisioned, || {
                 cloud.get_load_balancer_provisioned(id, within)
             })
             .await
@@ -291,7 +291,7 @@ impl LoadBalancerProvider for MockCloudProvider {
             }
             // Deleted, or no longer its owner's: gone, as far as this LB is concerned.
             Ok(_) | Err(sdk::Error::NotFound { .. }) => Ok(None),
-            Err(err) => Err(classify(&err, Operation::Get, Some(id))),
+            Err(err) => Err(classify(&err, Operation::AwaitProvisioned, Some(id))),
         }
     }
 
