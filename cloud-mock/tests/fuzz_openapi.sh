@@ -61,7 +61,10 @@ done
 [[ -n $addr ]] || { cat "$log" >&2; echo "fuzz: cloud-mock did not listen within 30 s" >&2; exit 1; }
 echo "fuzz: cloud-mock (pid $server_pid) on $addr; schemathesis $("$st" --version)"
 
-# The admin faults endpoint is left out: injected 503s are the point of it.
+# The admin faults endpoint is left out: injected 503s are the point of it. One worker:
+# with two, the threads race in hypothesis's cache of parsed lambda sources (a KeyError,
+# then CPython's "AST constructor recursion depth mismatch") as soon as an operation has
+# both a path and a query parameter; one is no slower here.
 status=0
 timeout "$max_time" "$st" run "$crate_dir/openapi.yaml" \
     --url "http://$addr" \
@@ -70,7 +73,7 @@ timeout "$max_time" "$st" run "$crate_dir/openapi.yaml" \
     --exclude-path /v1/admin/faults \
     --max-examples "$max_examples" \
     --request-timeout 10 \
-    --workers 2 \
+    --workers 1 \
     --no-color \
     --suppress-health-check all \
     --generation-database none || status=$?
