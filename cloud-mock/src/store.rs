@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cloud_mock_sdk::families::LoadBalancerSpec;
 use cloud_mock_sdk::{IpFamily, Mode, NodePoolSpec, Pool, Protocol, State};
 use ipnet::IpNet;
-use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition, TableHandle};
 use serde::{Deserialize, Serialize};
 
 use crate::model::{StoredLoadBalancer, StoredNodePool};
@@ -27,10 +27,16 @@ const VIP6_HOLDERS: TableDefinition<u128, &[u8]> = TableDefinition::new("vip6_ho
 /// Idempotency-Key of a create → id of the load balancer it made.
 const IDEMPOTENCY_KEYS: TableDefinition<&str, &str> = TableDefinition::new("idempotency_keys");
 /// Node pool name → JSON of [`StoredNodePool`]. Which load balancers reference a pool is
-/// read from their specs (one place for that fact); a write of either kind checks the
-/// other in the same transaction, and redb has one writer at a time, so an LB never
+/// their specs' fact, indexed in [`NODE_POOL_REFERENCES`]; a write of either kind checks
+/// the other in the same transaction, and redb has one writer at a time, so an LB never
 /// references a pool a concurrent delete removed.
 const NODE_POOLS: TableDefinition<&str, &[u8]> = TableDefinition::new("node_pools");
+/// `pool NUL id` of every load balancer whose spec names a node pool: written in the
+/// transaction that writes the spec, so a pool's read, write or delete reads its own load
+/// balancers instead of decoding every one. Built from the specs when a store written
+/// before it is opened.
+const NODE_POOL_REFERENCES: TableDefinition<&str, ()> =
+    TableDefinition::new("node_pool_references");
 
 /// The load balancers on one VIP: one, or several with the same sharing key.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -202,6 +208,7 @@ impl Store {
             path: path.clone(),
             source: Box::new(source),
         })?;
+        index_node_pool_references(&db)?;
         Ok(Self {
             db: Arc::new(db),
             pools: Arc::new(pools),
@@ -296,12 +303,12 @@ impl Store {
         name: &str,
     ) -> Result<Option<(StoredNodePool, Vec<String>)>, StoreError> {
         let txn = self.db.begin_read().map_err(db_error)?;
-        let lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
+        let references = txn.open_table(NODE_POOL_REFERENCES).map_err(db_error)?;
         let pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
         let Some(pool) = read_node_pool(&pools, name)? else {
             return Ok(None);
         };
-        Ok(Some((pool, referencing(&lbs, name)?)))
+        Ok(Some((pool, referencing(&references, name)?)))
     }
 
     /// The node pool `name` alone (what an LB naming it resolves against).
@@ -313,23 +320,17 @@ impl Store {
 
     /// Every node pool, by name, with the load balancers referencing it.
     pub fn list_node_pools(&self) -> Result<Vec<(StoredNodePool, Vec<String>)>, StoreError> {
-        let Snapshot {
-            load_balancers,
-            node_pools,
-        } = self.snapshot()?;
-        let mut users: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-        for lb in &load_balancers {
-            if let Some(name) = &lb.spec.node_pool {
-                users.entry(name).or_default().push(lb.id.clone());
-            }
+        let txn = self.db.begin_read().map_err(db_error)?;
+        let references = txn.open_table(NODE_POOL_REFERENCES).map_err(db_error)?;
+        let pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
+        let mut listed = Vec::new();
+        for entry in pools.iter().map_err(db_error)? {
+            let (key, value) = entry.map_err(db_error)?;
+            let pool = decode_node_pool(key.value(), value.value())?;
+            let ids = referencing(&references, &pool.name)?;
+            listed.push((pool, ids));
         }
-        Ok(node_pools
-            .into_values()
-            .map(|pool| {
-                let ids = users.remove(pool.name.as_str()).unwrap_or_default();
-                (pool, ids)
-            })
-            .collect())
+        Ok(listed)
     }
 
     /// Creates or replaces the node pool `name` with a validated `spec` (its backends kept
@@ -346,10 +347,10 @@ impl Store {
         wanted.backends.sort_unstable();
         let txn = self.db.begin_write().map_err(db_error)?;
         let write = {
-            let lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
+            let references = txn.open_table(NODE_POOL_REFERENCES).map_err(db_error)?;
             let mut pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
             let current = read_node_pool(&pools, name)?;
-            let load_balancers = referencing(&lbs, name)?;
+            let load_balancers = referencing(&references, name)?;
             // The content the pool has already is no change, whatever If-Match says: a
             // retry after a lost answer (its If-Match now stale) converges instead of
             // failing, and no one's update is lost by writing nothing.
@@ -408,12 +409,12 @@ impl Store {
     pub fn delete_node_pool(&self, name: &str) -> Result<bool, StoreError> {
         let txn = self.db.begin_write().map_err(db_error)?;
         {
-            let lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
+            let references = txn.open_table(NODE_POOL_REFERENCES).map_err(db_error)?;
             let mut pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
             if read_node_pool(&pools, name)?.is_none() {
                 return Ok(false);
             }
-            let load_balancers = referencing(&lbs, name)?;
+            let load_balancers = referencing(&references, name)?;
             if !load_balancers.is_empty() {
                 return Err(StoreError::NodePoolInUse {
                     name: name.to_owned(),
@@ -446,6 +447,7 @@ impl Store {
             };
             let mut keys = txn.open_table(IDEMPOTENCY_KEYS).map_err(db_error)?;
             let pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
+            let mut references = txn.open_table(NODE_POOL_REFERENCES).map_err(db_error)?;
             if let Some(key) = idempotency_key {
                 let known = keys
                     .get(key)
@@ -491,6 +493,7 @@ impl Store {
                 idempotency_key: idempotency_key.map(str::to_owned),
             };
             write_lb(&mut lbs, &lb)?;
+            move_reference(&mut references, &id, None, lb.spec.node_pool.as_deref())?;
             for &vip in &vips {
                 holders.hold(vip, &id, spec.address.sharing_key.as_deref())?;
             }
@@ -591,6 +594,12 @@ impl Store {
             for &vip in &vips {
                 holders.hold(vip, id, spec.address.sharing_key.as_deref())?;
             }
+            move_reference(
+                &mut txn.open_table(NODE_POOL_REFERENCES).map_err(db_error)?,
+                id,
+                lb.spec.node_pool.as_deref(),
+                desired.node_pool.as_deref(),
+            )?;
             lb.spec = desired;
             lb.version += 1;
             write_lb(&mut lbs, &lb)?;
@@ -661,6 +670,12 @@ impl Store {
                 return Ok(());
             };
             lbs.remove(id).map_err(db_error)?;
+            move_reference(
+                &mut txn.open_table(NODE_POOL_REFERENCES).map_err(db_error)?,
+                id,
+                lb.spec.node_pool.as_deref(),
+                None,
+            )?;
             for vip in lb.vips() {
                 if holders.release(vip, id)? {
                     floors.released(vip);
@@ -1049,14 +1064,63 @@ fn check_node_pool(
 
 /// Ids of the load balancers (being deleted too) that reference node pool `name`.
 fn referencing(
-    lbs: &impl ReadableTable<&'static str, &'static [u8]>,
+    references: &impl ReadableTable<&'static str, ()>,
     name: &str,
 ) -> Result<Vec<String>, StoreError> {
-    Ok(read_all_lbs(lbs)?
-        .into_iter()
-        .filter(|lb| lb.spec.node_pool.as_deref() == Some(name))
-        .map(|lb| lb.id)
-        .collect())
+    let (start, end) = (format!("{name}\0"), format!("{name}\u{1}"));
+    let mut ids = Vec::new();
+    for entry in references
+        .range(start.as_str()..end.as_str())
+        .map_err(db_error)?
+    {
+        let (key, _) = entry.map_err(db_error)?;
+        ids.push(key.value()[start.len()..].to_owned());
+    }
+    Ok(ids)
+}
+
+/// Moves `id`'s entry in the index of node-pool references from pool `from` to `to`.
+fn move_reference(
+    references: &mut Table<'_, &'static str, ()>,
+    id: &str,
+    from: Option<&str>,
+    to: Option<&str>,
+) -> Result<(), StoreError> {
+    if from == to {
+        return Ok(());
+    }
+    if let Some(pool) = from {
+        references
+            .remove(format!("{pool}\0{id}").as_str())
+            .map_err(db_error)?;
+    }
+    if let Some(pool) = to {
+        references
+            .insert(format!("{pool}\0{id}").as_str(), ())
+            .map_err(db_error)?;
+    }
+    Ok(())
+}
+
+/// Creates the index of node-pool references from the specs, in a store written before
+/// it existed.
+fn index_node_pool_references(db: &Database) -> Result<(), StoreError> {
+    let txn = db.begin_write().map_err(db_error)?;
+    let indexed = txn
+        .list_tables()
+        .map_err(db_error)?
+        .any(|table| table.name() == NODE_POOL_REFERENCES.name());
+    if indexed {
+        return Ok(());
+    }
+    {
+        let lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
+        let mut references = txn.open_table(NODE_POOL_REFERENCES).map_err(db_error)?;
+        for lb in read_all_lbs(&lbs)? {
+            move_reference(&mut references, &lb.id, None, lb.spec.node_pool.as_deref())?;
+        }
+    }
+    txn.commit().map_err(db_error)
 }
 
 fn read_all_lbs(
@@ -1848,6 +1912,27 @@ mod tests {
             "absent the second time"
         );
         assert_eq!(store.get_node_pool("c1").unwrap(), None);
+    }
+
+    #[test]
+    fn a_store_from_before_the_reference_index_gets_it_at_open() {
+        let dir = TempDir::new("store-node-pool-index");
+        let store = open(&dir);
+        store
+            .put_node_pool("c1", &members(&["10.0.0.1"]), None)
+            .unwrap();
+        let a = create(&store, &on_pool("a", "c1"), None)
+            .unwrap()
+            .load_balancer;
+        create(&store, &spec("b"), None).unwrap();
+        let txn = store.db.begin_write().unwrap();
+        assert!(txn.delete_table(NODE_POOL_REFERENCES).unwrap());
+        txn.commit().unwrap();
+        drop(store);
+
+        let store = open(&dir);
+        let (_, users) = store.get_node_pool("c1").unwrap().unwrap();
+        assert_eq!(users, vec![a.id], "indexed from the specs");
     }
 
     #[test]
