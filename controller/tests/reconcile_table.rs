@@ -16,7 +16,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{Event, Namespace, Node, NodeStatus, Service};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector;
+use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::watcher;
 use serde_json::json;
 use support::{
@@ -627,12 +627,15 @@ async fn event_reasons(client: &kube::Client, name: &str) -> Vec<String> {
 
 /// A context on its own Event recorder (the recorder folds repeats of an Event into a
 /// series, and each reconcile's Events are checked on their own).
+/// The context of a row; `wake` is told the Services whose reconcile a held read's
+/// answer starts.
 fn context(
     client: &kube::Client,
     provider: &FakeProvider,
     nodes: &reflector::Store<Node>,
     row: &Row,
     namespace_pool: Option<&str>,
+    wake: tokio::sync::mpsc::UnboundedSender<ObjectRef<Service>>,
 ) -> Context<FakeProvider> {
     let recorder = Recorder::new(
         client.clone(),
@@ -657,8 +660,7 @@ fn context(
         Metrics::default(),
         Duration::from_secs(300),
         IngressFields::ALL,
-        // No reconciles are started from outside here: each test calls reconcile itself.
-        tokio::sync::mpsc::unbounded_channel().0,
+        wake,
     )
 }
 
@@ -679,7 +681,8 @@ async fn start_service(
     }
     // Served earlier (in a Namespace that named no pool then): one reconcile against an
     // empty cloud made the LB, the finalizer, the id and the status.
-    let ctx = context(client, provider, nodes, row, None);
+    let (wake, _) = tokio::sync::mpsc::unbounded_channel();
+    let ctx = context(client, provider, nodes, row, None, wake);
     reconcile(Arc::new(created), Arc::new(ctx)).await.unwrap();
     let mut served = api.get(row.name).await.unwrap();
     let id = served.metadata.annotations.as_ref().unwrap()[&KEYS.lb_id].clone();
@@ -747,16 +750,21 @@ async fn reconcile_table() {
         writer.apply_watcher_event(&watcher::Event::Apply(node("a", NODE_A)));
         let provider = FakeProvider::new(true);
         // The table is the path of a provider without node pools, where each LB carries
-        // its backends (node sync's tests cover the pool's).
+        // its backends (node sync's tests cover the pool's), and without held reads: one
+        // runs on a task of its own beside the reconcile, so its call would race the
+        // row's calls (`api_writes_of_one_service_create_path` covers it).
         provider.set_capabilities(Capabilities {
             node_pools: false,
+            waits_out_provisioning: false,
             ..Capabilities::ALL
         });
         if let Some(families) = row.default_pool_families {
             provider.set_pool_families("default", families);
         }
         let start = start_service(&client, &provider, &nodes, &row).await;
-        let ctx = context(&client, &provider, &nodes, &row, row.namespace_pool);
+        // Each row calls reconcile itself: nothing is started from outside.
+        let (wake, _) = tokio::sync::mpsc::unbounded_channel();
+        let ctx = context(&client, &provider, &nodes, &row, row.namespace_pool, wake);
         let events_before = event_reasons(&client, row.name).await.len();
         for (i, ip) in row.extra_nodes.iter().enumerate() {
             writer.apply_watcher_event(&watcher::Event::Apply(node(&format!("x{i}"), ip)));
@@ -903,7 +911,8 @@ async fn api_writes_of_one_service_create_path() {
         name: "writes",
         ..rows().remove(0)
     };
-    let ctx = Arc::new(context(&client, &provider, &nodes, &row, None));
+    let (wake, mut woken) = tokio::sync::mpsc::unbounded_channel();
+    let ctx = Arc::new(context(&client, &provider, &nodes, &row, None, wake));
     let created = api
         .create(&PostParams::default(), &base_service("writes"))
         .await
@@ -918,13 +927,18 @@ async fn api_writes_of_one_service_create_path() {
         ),
         "the held read starts the next reconcile; the requeue is only the backstop"
     );
-    // The cloud finishes provisioning while the read is held.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The cloud finishes provisioning while the read is held; its answer starts the next
+    // reconcile (here: the test's).
     for mut lb in provider.load_balancers() {
         lb.phase = tandem_controller::provider::LoadBalancerPhase::Active;
         provider.insert(lb);
     }
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let started = tokio::time::timeout(Duration::from_secs(10), woken.recv()).await;
+    assert_eq!(
+        started.ok().flatten(),
+        Some(ObjectRef::new("writes").within("default")),
+        "the held read answered and started the Service's reconcile"
+    );
     let woken = api.get("writes").await.unwrap();
     reconcile(Arc::new(woken), ctx.clone()).await.unwrap();
     assert_eq!(
