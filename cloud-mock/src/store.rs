@@ -285,12 +285,10 @@ impl Store {
         let txn = self.db.begin_read().map_err(db_error)?;
         let lbs = txn.open_table(LOAD_BALANCERS).map_err(db_error)?;
         let pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
-        let mut node_pools = BTreeMap::new();
-        for entry in pools.iter().map_err(db_error)? {
-            let (key, value) = entry.map_err(db_error)?;
-            let pool = decode_node_pool(key.value(), value.value())?;
-            node_pools.insert(pool.name.clone(), pool);
-        }
+        let node_pools = read_all_node_pools(&pools)?
+            .into_iter()
+            .map(|pool| (pool.name.clone(), pool))
+            .collect();
         Ok(Snapshot {
             load_balancers: read_all_lbs(&lbs)?,
             node_pools,
@@ -323,14 +321,13 @@ impl Store {
         let txn = self.db.begin_read().map_err(db_error)?;
         let references = txn.open_table(NODE_POOL_REFERENCES).map_err(db_error)?;
         let pools = txn.open_table(NODE_POOLS).map_err(db_error)?;
-        let mut listed = Vec::new();
-        for entry in pools.iter().map_err(db_error)? {
-            let (key, value) = entry.map_err(db_error)?;
-            let pool = decode_node_pool(key.value(), value.value())?;
-            let ids = referencing(&references, &pool.name)?;
-            listed.push((pool, ids));
-        }
-        Ok(listed)
+        read_all_node_pools(&pools)?
+            .into_iter()
+            .map(|pool| {
+                let ids = referencing(&references, &pool.name)?;
+                Ok((pool, ids))
+            })
+            .collect()
     }
 
     /// Creates or replaces the node pool `name` with a validated `spec` (its backends kept
@@ -1121,6 +1118,17 @@ fn index_node_pool_references(db: &Database) -> Result<(), StoreError> {
         }
     }
     txn.commit().map_err(db_error)
+}
+
+fn read_all_node_pools(
+    table: &impl ReadableTable<&'static str, &'static [u8]>,
+) -> Result<Vec<StoredNodePool>, StoreError> {
+    let mut all = Vec::new();
+    for entry in table.iter().map_err(db_error)? {
+        let (key, value) = entry.map_err(db_error)?;
+        all.push(decode_node_pool(key.value(), value.value())?);
+    }
+    Ok(all)
 }
 
 fn read_all_lbs(
