@@ -20,6 +20,7 @@ use cloud_mock_sdk::{
 use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use prometheus_client::registry::Registry;
 use serde::Deserialize;
+use tandem_common::is_dns1123_label;
 use tokio::sync::{Notify, watch};
 
 use crate::error::ApiError;
@@ -525,18 +526,46 @@ pub fn if_match(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
         })
 }
 
+/// The query of a create.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct CreateQuery {
+    /// The id the client chose for the load balancer (as AIP-133's `{resource}_id`), so
+    /// it can record the id before it asks; the store chooses one when absent.
+    load_balancer_id: Option<String>,
+}
+
 async fn create_load_balancer(
     State(state): State<AppState>,
     headers: HeaderMap,
+    query: Result<Query<CreateQuery>, QueryRejection>,
     JsonBody(spec): JsonBody<LoadBalancerSpec>,
 ) -> Result<Response, ApiError> {
+    let Query(CreateQuery { load_balancer_id }) =
+        query.map_err(|rejection| ApiError::bad_request("invalid-query", rejection.body_text()))?;
+    if let Some(id) = &load_balancer_id
+        && !is_dns1123_label(id)
+    {
+        return Err(ApiError::bad_request(
+            "invalid-query",
+            format!("loadBalancerId {id:?} is not a DNS label (a-z, 0-9 and '-', at most 63)"),
+        ));
+    }
     let key = idempotency_key(&headers)?;
     let placement = validate_spec(&spec, state.store.pools())?;
     validate_served(&spec, state.dataplane.proxies_udp())?;
     let now = now_ms();
     let created = state
         .store
-        .call(move |store| store.create(&spec, &placement, key.as_deref(), now))
+        .call(move |store| {
+            store.create(
+                &spec,
+                &placement,
+                load_balancer_id.as_deref(),
+                key.as_deref(),
+                now,
+            )
+        })
         .await?;
     let lb = created.load_balancer;
     if created.is_new {

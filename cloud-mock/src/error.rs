@@ -81,6 +81,7 @@ impl From<StoreError> for ApiError {
         match err {
             StoreError::NotFound { .. } => Self::not_found(message),
             StoreError::VipTaken { .. } => Self::new(StatusCode::CONFLICT, "vip-taken", message),
+            StoreError::IdTaken { .. } => Self::new(StatusCode::CONFLICT, "id-taken", message),
             StoreError::PortConflict { .. } => {
                 Self::new(StatusCode::CONFLICT, "port-conflict", message)
             }

@@ -71,6 +71,8 @@ pub enum StoreError {
     },
     #[error("load balancer {id} not found")]
     NotFound { id: String },
+    #[error("load balancer id {id} is taken (by a create with another Idempotency-Key)")]
+    IdTaken { id: String },
     #[error(
         "VIP {vip} is held by load balancer {holder} (share it by giving both the same sharingKey)"
     )]
@@ -425,12 +427,14 @@ impl Store {
     }
 
     /// Creates a load balancer from a validated `spec` placed by `placement`, allocating
-    /// a VIP per family (see [`place`]), all or none. With an `idempotency_key` already
-    /// used, returns the load balancer that key created instead.
+    /// a VIP per family (see [`place`]), all or none, under `requested_id` (validated) or
+    /// an id of the store's choosing. With an `idempotency_key` already used, returns the
+    /// load balancer that key created instead.
     pub fn create(
         &self,
         spec: &LoadBalancerSpec,
         placement: &Placement,
+        requested_id: Option<&str>,
         idempotency_key: Option<&str>,
         now_ms: u64,
     ) -> Result<Created, StoreError> {
@@ -460,11 +464,17 @@ impl Store {
                 }
             }
             check_node_pool(&pools, spec)?;
-            let id = loop {
-                let candidate = new_id();
-                if lbs.get(candidate.as_str()).map_err(db_error)?.is_none() {
-                    break candidate;
+            let id = match requested_id {
+                Some(id) if lbs.get(id).map_err(db_error)?.is_some() => {
+                    return Err(StoreError::IdTaken { id: id.to_owned() });
                 }
+                Some(id) => id.to_owned(),
+                None => loop {
+                    let candidate = new_id();
+                    if lbs.get(candidate.as_str()).map_err(db_error)?.is_none() {
+                        break candidate;
+                    }
+                },
             };
             let pool = placement.pool.as_deref().unwrap_or(DEFAULT_POOL);
             let mut vips = Vec::with_capacity(placement.vips.len());
@@ -1228,8 +1238,18 @@ mod tests {
         spec: &LoadBalancerSpec,
         key: Option<&str>,
     ) -> Result<Created, StoreError> {
+        create_as(store, spec, None, key)
+    }
+
+    /// [`create`] under an id the client chose.
+    fn create_as(
+        store: &Store,
+        spec: &LoadBalancerSpec,
+        id: Option<&str>,
+        key: Option<&str>,
+    ) -> Result<Created, StoreError> {
         let placement = validate_spec(spec, store.pools()).unwrap();
-        store.create(spec, &placement, key, 0)
+        store.create(spec, &placement, id, key, 0)
     }
 
     fn update(
@@ -1616,6 +1636,32 @@ mod tests {
         let fresh = create(&store, &spec("a"), Some("k")).unwrap();
         assert!(fresh.is_new);
         assert_eq!(fresh.load_balancer.spec.vip, lb.spec.vip);
+    }
+
+    #[test]
+    fn a_client_chosen_id_is_used_once_and_its_key_replays_it() {
+        let dir = TempDir::new("store-chosen-id");
+        let store = open(&dir);
+        let first = create_as(&store, &spec("a"), Some("web-1"), Some("k1")).unwrap();
+        assert!(first.is_new);
+        assert_eq!(first.load_balancer.id, "web-1");
+        // A retry of the same create answers the same LB.
+        let replay = create_as(&store, &spec("a"), Some("web-1"), Some("k1")).unwrap();
+        assert!(!replay.is_new);
+        assert_eq!(replay.load_balancer.id, "web-1");
+        // Another create may not take the id, with another key or none.
+        for key in [Some("k2"), None] {
+            assert!(matches!(
+                create_as(&store, &spec("b"), Some("web-1"), key),
+                Err(StoreError::IdTaken { id }) if id == "web-1"
+            ));
+        }
+        // Refused whole: the VIP the second create would have had is still free.
+        let other = create(&store, &spec("b"), Some("k2")).unwrap();
+        assert_eq!(
+            other.load_balancer.spec.vip,
+            Some(Ipv4Addr::new(127, 77, 0, 2))
+        );
     }
 
     fn dual_pools() -> VipPools {

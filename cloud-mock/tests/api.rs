@@ -277,6 +277,51 @@ async fn create_with_the_same_idempotency_key_returns_the_same_load_balancer() {
 }
 
 #[tokio::test]
+async fn a_create_may_choose_its_id_once() {
+    let app = TestApp::start("127.77.9.0/28", Duration::ZERO);
+    let create = |id: &str, key: &str| {
+        request(
+            Method::POST,
+            &format!("/v1/loadbalancers?loadBalancerId={id}"),
+            Some(spec("a")),
+            &[("idempotency-key", key)],
+        )
+    };
+    let (status, headers, first) = app.send(create("web-1", "k1")).await;
+    assert_eq!(status, StatusCode::CREATED, "{first}");
+    assert_eq!(first["id"], "web-1");
+    assert_eq!(headers[header::LOCATION], "/v1/loadbalancers/web-1");
+    let (status, headers, replay) = app.send(create("web-1", "k1")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(replay["id"], "web-1");
+    let (status, _, taken) = app.send(create("web-1", "k2")).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{taken}");
+    assert_eq!(taken["error"]["code"], "id-taken");
+    for (hostile, why) in [
+        ("Web-1", "upper case"),
+        ("web_1", "underscore"),
+        ("-web", "leading dash"),
+        (&"a".repeat(64), "too long"),
+    ] {
+        let (status, _, refused) = app.send(create(hostile, "k3")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{why}: {refused}");
+        assert_eq!(refused["error"]["code"], "invalid-query");
+    }
+    let (status, _, unknown) = app
+        .send(request(
+            Method::POST,
+            "/v1/loadbalancers?lbId=x",
+            Some(spec("a")),
+            &[],
+        ))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{unknown}");
+    let (_, list) = app.call(Method::GET, "/v1/loadbalancers", None).await;
+    assert_eq!(list["items"].as_array().unwrap().len(), 1, "{list}");
+}
+
+#[tokio::test]
 async fn stale_update_is_rejected() {
     let app = TestApp::start("127.77.0.32/28", Duration::ZERO);
     let (_, created) = app

@@ -137,7 +137,7 @@ impl Client {
         spec: &LoadBalancerSpec,
         idempotency_key: &str,
     ) -> Result<LoadBalancer, Error> {
-        self.create(spec, idempotency_key).await
+        self.create(spec, idempotency_key, None).await
     }
 
     /// The load balancer `id`; [`Error::NotFound`] when there is none.
@@ -185,14 +185,18 @@ impl Client {
         FamiliesClient { client: self }
     }
 
+    /// A create, under the id `id` when the client chooses it.
     async fn create<T: DeserializeOwned>(
         &self,
         spec: &impl Serialize,
         idempotency_key: &str,
+        id: Option<&str>,
     ) -> Result<T, Error> {
         let url = self.url(&["v1", "loadbalancers"])?;
+        let query: Vec<(&str, &str)> = id.map(|id| ("loadBalancerId", id)).into_iter().collect();
         self.call(|| {
             self.request(Method::POST, url.clone())
+                .query(&query)
                 .header(IDEMPOTENCY_KEY, idempotency_key)
                 .json(spec)
         })
@@ -400,7 +404,20 @@ impl FamiliesClient<'_> {
         spec: &families::LoadBalancerSpec,
         idempotency_key: &str,
     ) -> Result<families::LoadBalancer, Error> {
-        self.client.create(spec, idempotency_key).await
+        self.client.create(spec, idempotency_key, None).await
+    }
+
+    /// Creates a load balancer under the id `id`, chosen by the caller so it can record
+    /// the id before it asks. A retry with the same `idempotency_key` answers the LB the
+    /// first made; [`Error::Conflict`] (`id-taken`) when another create holds the id.
+    #[tracing::instrument(skip(self, spec), fields(name = %spec.name))]
+    pub async fn create_load_balancer_as(
+        &self,
+        id: &str,
+        spec: &families::LoadBalancerSpec,
+        idempotency_key: &str,
+    ) -> Result<families::LoadBalancer, Error> {
+        self.client.create(spec, idempotency_key, Some(id)).await
     }
 
     /// The load balancer `id`; [`Error::NotFound`] when there is none.
