@@ -108,20 +108,23 @@ impl Lifecycle {
         loop {
             let started = tokio::time::Instant::now();
             let converged = self.converge().await;
-            // A pass reads every LB: under a burst of API writes, back-to-back passes would
-            // take a core from the API. Resting twice as long as the pass took keeps them
-            // to a third of one; changes meanwhile are taken by the next pass together.
-            tokio::select! {
-                () = cancel.cancelled() => break,
-                () = tokio::time::sleep(started.elapsed() * PASS_REST_FACTOR) => {}
-            }
-            let wait = match converged {
-                Ok(wait) => wait,
+            let (wait, waited_on_data_plane) = match converged {
+                Ok(pass) => (pass.wait, pass.waited_on_data_plane),
                 Err(error) => {
                     tracing::error!(%error, "converging load balancers failed; retrying");
-                    Some(RETRY_INTERVAL)
+                    (Some(RETRY_INTERVAL), Duration::ZERO)
                 }
             };
+            // A pass reads every LB: under a burst of API writes, back-to-back passes would
+            // take a core from the API. Resting twice as long as the pass worked keeps them
+            // to a third of one; changes meanwhile are taken by the next pass together. The
+            // time it waited on the data plane (an HAProxy reload) took no core, so it is
+            // not rested for: that would only delay the next activation.
+            let worked = started.elapsed().saturating_sub(waited_on_data_plane);
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(worked * PASS_REST_FACTOR) => {}
+            }
             let sleep = async {
                 match wait {
                     Some(wait) => tokio::time::sleep(wait).await,
@@ -137,8 +140,8 @@ impl Lifecycle {
         self.dataplane.shutdown().await;
     }
 
-    /// One pass; returns how long to wait at most before the next one.
-    async fn converge(&self) -> Result<Option<Duration>, crate::store::StoreError> {
+    /// One pass.
+    async fn converge(&self) -> Result<Pass, crate::store::StoreError> {
         let snapshot = self.store.call(Store::snapshot).await?;
         let lbs = &snapshot.load_balancers;
         self.metrics.set_load_balancers(count_states(lbs));
@@ -149,7 +152,10 @@ impl Lifecycle {
             .filter_map(|lb| to_dataplane(lb, snapshot.node_pool_of(lb)))
             .collect();
         let mut retry = None;
-        let unrealised: BTreeSet<String> = match self.dataplane.apply(desired).await {
+        let applying = tokio::time::Instant::now();
+        let applied = self.dataplane.apply(desired).await;
+        let waited_on_data_plane = applying.elapsed();
+        let unrealised: BTreeSet<String> = match applied {
             Ok(()) => BTreeSet::new(),
             Err(DataPlaneError::Incomplete { failures }) => {
                 retry = Some(RETRY_INTERVAL);
@@ -157,7 +163,10 @@ impl Lifecycle {
             }
             Err(error @ DataPlaneError::ShutDown) => {
                 tracing::warn!(%error, "data plane refused the desired state");
-                return Ok(None);
+                return Ok(Pass {
+                    wait: None,
+                    waited_on_data_plane,
+                });
             }
         };
         let now = now_ms();
@@ -180,16 +189,30 @@ impl Lifecycle {
             self.moved
                 .send_modify(|moves| *moves = moves.wrapping_add(1));
             // Refresh the per-state gauge and hand the data plane the new set at once.
-            return Ok(Some(Duration::ZERO));
+            return Ok(Pass {
+                wait: Some(Duration::ZERO),
+                waited_on_data_plane,
+            });
         }
         let until_due = plan
             .next_due_ms
             .map(|due| Duration::from_millis(due.saturating_sub(now)));
-        Ok(match (until_due, retry) {
-            (Some(due), Some(retry)) => Some(due.min(retry)),
-            (due, retry) => due.or(retry),
+        Ok(Pass {
+            wait: match (until_due, retry) {
+                (Some(due), Some(retry)) => Some(due.min(retry)),
+                (due, retry) => due.or(retry),
+            },
+            waited_on_data_plane,
         })
     }
+}
+
+/// What one pass leaves for the next.
+struct Pass {
+    /// How long to wait at most before the next pass (`None`: until woken).
+    wait: Option<Duration>,
+    /// How long the pass waited for the data plane to apply it.
+    waited_on_data_plane: Duration,
 }
 
 #[cfg(test)]
