@@ -7,7 +7,8 @@
 //! tandem_controller::conformance::run(&my_provider, &Kit::new("conformance".parse()?)).await?;
 //! ```
 //!
-//! It checks create, get by id and by owner, a create repeated as after a lost answer,
+//! It checks create (under the id the provider planned, if it plans one), get by id and by
+//! owner, a create repeated as after a lost answer,
 //! update, an update from a stale version (a conflict), an address refusal that makes
 //! nothing, list_owned, a foreign cluster's lookup, and delete until gone. It makes LBs
 //! for the owners of its own cluster id and deletes them again.
@@ -388,6 +389,15 @@ async fn lifecycle<P: LoadBalancerProvider>(
         .or_else(|e| fail("create", e.to_string()))?;
     if created.owner.as_ref() != Some(&desired.owner) {
         return fail("create", "the LB does not report its owner from its tags");
+    }
+    // An id planned before the create is the id it made: the controller persisted it.
+    if let Some(planned) = provider.planned_id(desired, None)
+        && planned != created.id
+    {
+        return fail(
+            "planned id",
+            format!("planned {planned}, the create made {}", created.id),
+        );
     }
     if provider.capabilities().waits_out_provisioning {
         match provider.await_provisioned(&created, kit.patience).await {

@@ -64,6 +64,8 @@ struct State {
     /// Creates make their LB and answer `Unavailable`, as a cloud whose answer was lost.
     lose_create_answers: bool,
     node_pools: BTreeMap<String, ObservedNodePool>,
+    /// Creates take the id the client planned ([`FakeProvider::set_client_ids`]).
+    client_ids: bool,
 }
 
 /// How the fake names its LBs by DNS (see [`FakeProvider::set_hostnames`]).
@@ -110,6 +112,13 @@ impl FakeProvider {
     /// cloud's answer is lost; or they answer again.
     pub fn set_lose_create_answers(&self, lose: bool) {
         self.state().lose_create_answers = lose;
+    }
+
+    /// Whether creates from now on take the id the controller planned
+    /// ([`LoadBalancerProvider::planned_id`]), as the mock cloud's do, or one the fake
+    /// chooses.
+    pub fn set_client_ids(&self, client_ids: bool) {
+        self.state().client_ids = client_ids;
     }
 
     /// Puts an LB into the cloud as it is (e.g. one changed behind the controller's back).
@@ -314,6 +323,20 @@ fn find(
         .map(|lb| state.resolved(lb)))
 }
 
+/// What identifies a create: a repeated request answers the LB the first made.
+fn create_request(desired: &DesiredLoadBalancer, replaces: Option<&str>) -> String {
+    format!("{desired:?} replacing {replaces:?}")
+}
+
+/// The id a client names the LB of `request` by (a digest, as the mock cloud's provider's).
+fn client_id(request: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same request gives the same id within a run.
+    let mut hasher = std::hash::DefaultHasher::new();
+    request.hash(&mut hasher);
+    format!("lb-{:016x}", hasher.finish())
+}
+
 impl LoadBalancerProvider for FakeProvider {
     fn profile(&self) -> &'static Profile {
         &PROFILE
@@ -321,6 +344,12 @@ impl LoadBalancerProvider for FakeProvider {
 
     fn capabilities(&self) -> Capabilities {
         self.state().capabilities.unwrap_or(Capabilities::ALL)
+    }
+
+    fn planned_id(&self, desired: &DesiredLoadBalancer, replaces: Option<&str>) -> Option<String> {
+        self.state()
+            .client_ids
+            .then(|| client_id(&create_request(desired, replaces)))
     }
 
     async fn get(
@@ -377,7 +406,7 @@ impl LoadBalancerProvider for FakeProvider {
             },
             Operation::Create,
         )?;
-        let request = format!("{desired:?} replacing {replaces:?}");
+        let request = create_request(desired, replaces);
         if let Some(lb) = state
             .requests
             .get(&request)
@@ -389,9 +418,21 @@ impl LoadBalancerProvider for FakeProvider {
             desired,
             desired.address.pool.as_deref().unwrap_or(DEFAULT_POOL),
         )?;
+        let id = if state.client_ids {
+            let id = client_id(&request);
+            if state.lbs.contains_key(&id) {
+                return Err(ProviderError::Conflict {
+                    operation: Operation::Create,
+                    id,
+                });
+            }
+            Some(id)
+        } else {
+            None
+        };
         let backends = state.backends_of(desired)?;
         let mut vips = state.place(desired, &[]);
-        let id = format!("lb-{}", state.next_id);
+        let id = id.unwrap_or_else(|| format!("lb-{}", state.next_id));
         let hostname = state.hostname.map(|how| {
             if how == Hostnames::Instead {
                 vips.clear();

@@ -124,6 +124,10 @@ pub struct Observation<'a> {
     pub desired: Option<Result<DesiredLoadBalancer, Refusal>>,
     /// What the cloud holds, asked only of a valid Service that may have an LB.
     pub seen: Seen,
+    /// The id a create would give the LB, when the provider lets the client choose it
+    /// ([`crate::provider::LoadBalancerProvider::planned_id`]); asked only when the cloud
+    /// was found to have none.
+    pub planned_id: Option<String>,
 }
 
 /// The one cloud call of a reconcile. One exists per reconcile, never in bulk, so the
@@ -257,7 +261,7 @@ pub struct Plan<'a> {
     pub events_before: Vec<EventDecision>,
     pub cloud: CloudAction,
     intent: Intent,
-    /// The LB id persisted on the Service when it was observed.
+    /// The LB id persisted on the Service: as observed, or as `add_finalizer` writes it.
     known_id: Option<String>,
 }
 
@@ -337,6 +341,7 @@ pub fn decide<'a>(observation: Observation<'a>, keys: &'a AnnotationKeys) -> Pla
         lookup,
         desired,
         seen,
+        planned_id,
     } = observation;
     let nothing = Plan {
         svc,
@@ -348,7 +353,9 @@ pub fn decide<'a>(observation: Observation<'a>, keys: &'a AnnotationKeys) -> Pla
         known_id: None,
     };
     match (ownership, desired) {
-        (Ownership::Ensure, Some(desired)) => plan_ensure(nothing, lookup, desired, seen),
+        (Ownership::Ensure, Some(desired)) => {
+            plan_ensure(nothing, lookup, desired, seen, planned_id)
+        }
         (Ownership::Cleanup, _) => plan_cleanup(nothing, lookup),
         // Not ours (or an observation of nothing to ensure): no write at all.
         _ => nothing,
@@ -356,14 +363,15 @@ pub fn decide<'a>(observation: Observation<'a>, keys: &'a AnnotationKeys) -> Pla
 }
 
 /// A Service that wants an LB: `desired` is what it needs (or why it cannot have one),
-/// `seen` what the cloud has.
+/// `seen` what the cloud has, `planned_id` the id a create would give it.
 fn plan_ensure<'a>(
     base: Plan<'a>,
     lookup: Result<LoadBalancerLookup, SpecError>,
     desired: Result<DesiredLoadBalancer, Refusal>,
     seen: Seen,
+    planned_id: Option<String>,
 ) -> Plan<'a> {
-    let known_id = lookup.ok().and_then(|lookup| lookup.known_id);
+    let mut known_id = lookup.ok().and_then(|lookup| lookup.known_id);
     let desired = match desired {
         Ok(desired) => desired,
         // No cloud call will follow, so no finalizer is needed for it.
@@ -376,7 +384,7 @@ fn plan_ensure<'a>(
         }
     };
     let svc = base.svc;
-    let add_finalizer = (!has_finalizer(svc)).then(|| {
+    let mut add_finalizer = (!has_finalizer(svc)).then(|| {
         let mut finalizers = svc.finalizers().to_vec();
         finalizers.push(FINALIZER.to_owned());
         MetadataPatch {
@@ -407,6 +415,15 @@ fn plan_ensure<'a>(
             ),
         },
     };
+    // A create whose id is known before it is made persists that id with the finalizer:
+    // one patch instead of two, and still before the cloud call.
+    if let (Intent::Create(_), Some(patch), Some(id)) = (&intent, &mut add_finalizer, planned_id)
+        && known_id.as_ref() != Some(&id)
+    {
+        patch.action = "add finalizer and load balancer id";
+        patch.metadata["annotations"] = json!({ base.lb_id_key: id });
+        known_id = Some(id);
+    }
     let mut events_before = Vec::new();
     if matches!(intent, Intent::Create(_) | Intent::Repair(_)) {
         events_before.push(EventDecision::new(
@@ -817,6 +834,7 @@ mod tests {
             lookup: lookup_of(svc, &KEYS, &cluster()),
             desired: Some(desired),
             seen,
+            planned_id: None,
         }
     }
 
@@ -1202,6 +1220,7 @@ mod tests {
                     lookup: lookup_of(&case.svc, &KEYS, &cluster()),
                     desired: case.desired.clone(),
                     seen: case.seen.clone(),
+                    planned_id: None,
                 },
                 &KEYS,
             );
@@ -1269,6 +1288,7 @@ mod tests {
                 lookup: lookup_of(&switched, &KEYS, &cluster()),
                 desired: None,
                 seen: Seen::NotAsked,
+                planned_id: None,
             },
             &KEYS,
         );
@@ -1286,6 +1306,63 @@ mod tests {
                 }),
                 guarded: true,
             })
+        );
+    }
+
+    /// A provider whose cloud takes the client's id: the id goes with the finalizer, before
+    /// the create, and needs no patch after it unless the cloud answered another LB.
+    #[test]
+    fn a_planned_id_is_persisted_with_the_finalizer() {
+        let svc = service("web");
+        let d = desired(&svc, &[11]);
+        fn planned<'a>(svc: &'a Service, d: &DesiredLoadBalancer, seen: Seen) -> Plan<'a> {
+            decide(
+                Observation {
+                    planned_id: Some("lb-1".to_owned()),
+                    ..observed(svc, Ok(d.clone()), seen)
+                },
+                &KEYS,
+            )
+        }
+        let create = planned(&svc, &d, Seen::NotAsked);
+        assert_eq!(
+            create.add_finalizer,
+            Some(MetadataPatch {
+                action: "add finalizer and load balancer id",
+                metadata: json!({
+                    "finalizers": [FINALIZER],
+                    "annotations": { KEYS.lb_id.as_str(): "lb-1" },
+                }),
+                guarded: true,
+            })
+        );
+        assert_eq!(
+            create.cloud,
+            CloudAction::Create {
+                desired: d.clone(),
+                replaces: None
+            }
+        );
+        let answered = observed_from(&d);
+        assert_eq!(answered.id, "lb-1");
+        assert_eq!(settle(&create, Ok(Some(answered.clone()))).persist_id, None);
+        // A key that replayed an earlier create answers that LB: its id is persisted.
+        let other = ObservedLoadBalancer {
+            id: "lb-0".into(),
+            ..answered
+        };
+        assert_eq!(
+            persisted(&settle(&create, Ok(Some(other)))).as_deref(),
+            Some("lb-0")
+        );
+        // A Service that holds the finalizer already (its LB vanished) keeps the id patch
+        // after the create: there is no earlier write to carry it.
+        let holding = with(finalized);
+        let again = planned(&holding, &d, Seen::Missing);
+        assert_eq!(again.add_finalizer, None);
+        assert_eq!(
+            persisted(&settle(&again, Ok(Some(observed_from(&d))))).as_deref(),
+            Some("lb-1")
         );
     }
 
@@ -1597,6 +1674,7 @@ mod tests {
                 lookup: lookup_of(&svc, &KEYS, &cluster()),
                 desired: None,
                 seen: Seen::NotAsked,
+                planned_id: None,
             },
             &KEYS,
         );

@@ -713,6 +713,15 @@ pub trait LoadBalancerProvider: Send + Sync + 'static {
         lookup: &LoadBalancerLookup,
     ) -> impl Future<Output = Result<Option<ObservedLoadBalancer>, ProviderError>> + Send;
 
+    /// The id [`create`](Self::create)`(desired, replaces)` gives the LB, when the cloud
+    /// lets the client choose it (as GCE's names, or AIP-133's `{resource}_id`): the
+    /// controller then persists it with the finalizer, before the create, instead of in
+    /// a patch of its own after it. `None`, the default: the cloud chooses.
+    fn planned_id(&self, desired: &DesiredLoadBalancer, replaces: Option<&str>) -> Option<String> {
+        let _ = (desired, replaces);
+        None
+    }
+
     /// Creates the LB. `replaces` names an LB of this Service that vanished, so the create
     /// is a new request rather than a replay of the first one.
     /// Returns as soon as the cloud accepted it; the LB may still be provisioning.

@@ -314,12 +314,19 @@ async fn observe<'a, P: LoadBalancerProvider>(
         }
         _ => Seen::NotAsked,
     };
+    let planned_id = match (&seen, &desired, &lookup) {
+        (Seen::NotAsked | Seen::Missing, Some(Ok(desired)), Ok(lookup)) => {
+            ctx.provider.planned_id(desired, lookup.known_id.as_deref())
+        }
+        _ => None,
+    };
     Observation {
         svc,
         ownership,
         lookup,
         desired,
         seen,
+        planned_id,
     }
 }
 

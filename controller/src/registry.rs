@@ -87,6 +87,7 @@ type Answer<'a, T> = Pin<Box<dyn Future<Output = Result<T, ProviderError>> + Sen
 trait Erased: Send + Sync + 'static {
     fn profile(&self) -> &'static Profile;
     fn capabilities(&self) -> Capabilities;
+    fn planned_id(&self, desired: &DesiredLoadBalancer, replaces: Option<&str>) -> Option<String>;
     fn get<'a>(
         &'a self,
         lookup: &'a LoadBalancerLookup,
@@ -131,6 +132,9 @@ impl<P: LoadBalancerProvider> Erased for P {
     }
     fn capabilities(&self) -> Capabilities {
         LoadBalancerProvider::capabilities(self)
+    }
+    fn planned_id(&self, desired: &DesiredLoadBalancer, replaces: Option<&str>) -> Option<String> {
+        LoadBalancerProvider::planned_id(self, desired, replaces)
     }
     fn get<'a>(
         &'a self,
@@ -219,6 +223,10 @@ impl LoadBalancerProvider for DynProvider {
 
     fn capabilities(&self) -> Capabilities {
         self.0.capabilities()
+    }
+
+    fn planned_id(&self, desired: &DesiredLoadBalancer, replaces: Option<&str>) -> Option<String> {
+        self.0.planned_id(desired, replaces)
     }
 
     async fn get(

@@ -133,9 +133,17 @@ async fn the_shared_cloud_conforms() {
     outcome.unwrap();
 }
 
+/// The fake conforms whether the cloud chooses the LB's ids or takes the planned ones.
 #[tokio::test]
 async fn the_fake_conforms() {
+    for client_ids in [false, true] {
+        fake_conforms(client_ids).await;
+    }
+}
+
+async fn fake_conforms(client_ids: bool) {
     let fake = FakeProvider::new(false);
+    fake.set_client_ids(client_ids);
     fake.set_delete_async(true);
     // A pool without addresses of any family: the fake's way of refusing a pool.
     fake.set_pool_families(&kit().refused_pool, &[]);

@@ -885,14 +885,21 @@ async fn reconcile_table() {
 /// from its create to its ingress, in a cloud whose LBs are still provisioning when the
 /// create answers, as cloud-mock's are. The cloud calls are the create and one held read
 /// that answers when the LB is active (`tandem_controller::provisioning`); its answer is
-/// the next reconcile's observation. The writes are the finalizer, the Events `EnsuringLoadBalancer` and `EnsuredLoadBalancer`, the LB
-/// id, and one status write of the ingress. No status write for the provisioning in
-/// between (there was one until issue 33: 6 writes): the poll usually finds the LB active,
-/// and writes the `Provisioning` condition only when it does not. Five is the floor of
-/// upstream's contract plus our id: the finalizer must precede the cloud call and the id
-/// follow it, so they are two patches, and the status subresource takes no metadata.
+/// the next reconcile's observation. The writes are the finalizer, the Events
+/// `EnsuringLoadBalancer` and `EnsuredLoadBalancer`, the LB id, and one status write of
+/// the ingress; no status write for the provisioning in between (there was one until
+/// issue 33: 6 writes). The LB id is a patch of its own after the create when the cloud
+/// chooses it (5 writes), and goes with the finalizer when the provider plans it
+/// (`LoadBalancerProvider::planned_id`, as the mock cloud's does): 4.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_writes_of_one_service_create_path() {
+    assert_eq!(create_path_writes(false).await, 5, "the cloud chooses ids");
+    assert_eq!(create_path_writes(true).await, 4, "the client plans ids");
+}
+
+/// [`api_writes_of_one_service_create_path`] in a cloud that takes the client's ids
+/// (`client_ids`) or not.
+async fn create_path_writes(client_ids: bool) -> u64 {
     let server = tandem_apiserver::spawn(tandem_apiserver::ServerConfig::default())
         .await
         .unwrap();
@@ -906,6 +913,7 @@ async fn api_writes_of_one_service_create_path() {
         node_pools: false,
         ..Capabilities::ALL
     });
+    provider.set_client_ids(client_ids);
     // The context of any row: no pools, node ports as the table's default.
     let row = Row {
         name: "writes",
@@ -962,11 +970,18 @@ async fn api_writes_of_one_service_create_path() {
         ["EnsuringLoadBalancer", "EnsuredLoadBalancer"]
     );
     let writes = store.resource_version().unwrap() - before;
-    assert_eq!(writes, 5, "API writes of one Service's create path");
+    let lb_id = served
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(&KEYS.lb_id))
+        .cloned();
+    assert_eq!(lb_id, Some(provider.load_balancers()[0].id.clone()));
 
     // Served and in sync: the next reconcile writes nothing.
     let again = store.resource_version().unwrap();
     reconcile(Arc::new(served), ctx.clone()).await.unwrap();
     assert_eq!(store.resource_version().unwrap(), again);
     server.shutdown().await.unwrap();
+    writes
 }

@@ -192,22 +192,36 @@ pub fn observe(lb: &families::LoadBalancer) -> ObservedLoadBalancer {
     }
 }
 
-/// The `Idempotency-Key` of a create: the Service UID, the spec, and the LB this create
-/// replaces (if any), so re-creating after an LB vanished is a new request, while a retry
-/// of the same create is not.
-pub fn idempotency_key(
+/// What identifies one create: its `Idempotency-Key` and the id it asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CreateRequest {
+    pub idempotency_key: String,
+    /// `lb-` and the request's digest: a DNS label, as the edge wants its ids.
+    pub id: String,
+}
+
+/// The create of `spec` for the Service `uid`, replacing the LB `replaces` (if any): both
+/// its key and its id are digests of all three, so re-creating after an LB vanished is a
+/// new request with a new id, while a retry of the same create is the same request.
+pub fn create_request(
     spec: &families::LoadBalancerSpec,
     uid: &str,
     replaces: Option<&str>,
-) -> String {
+) -> CreateRequest {
     let mut hasher = Sha256::new();
     hasher.update(uid.as_bytes());
     hasher.update([0]);
     hasher.update(serde_json::to_vec(spec).unwrap_or_default());
     hasher.update([0]);
     hasher.update(replaces.unwrap_or_default().as_bytes());
-    let digest = data_encoding::BASE32_NOPAD.encode(&hasher.finalize());
-    format!("{uid}-{}", &digest[..26]).to_lowercase()
+    let digest = data_encoding::BASE32_NOPAD
+        .encode(&hasher.finalize())
+        .to_lowercase();
+    let digest = &digest[..26];
+    CreateRequest {
+        idempotency_key: format!("{uid}-{digest}"),
+        id: format!("lb-{digest}"),
+    }
 }
 
 /// Whether an LB found by id may be treated as the owner's: its tags name the owner's
@@ -404,18 +418,24 @@ mod tests {
     }
 
     #[test]
-    fn idempotency_key_is_stable_and_distinguishes_replacements() {
+    fn a_create_request_is_stable_and_distinguishes_replacements() {
         let spec = to_sdk_spec(&desired(), &[]);
         let uid = &desired().owner.uid;
-        let a = idempotency_key(&spec, uid, None);
-        assert_eq!(a, idempotency_key(&spec, uid, None));
-        assert_ne!(a, idempotency_key(&spec, uid, Some("lb-1")));
+        let a = create_request(&spec, uid, None);
+        assert_eq!(a, create_request(&spec, uid, None));
         let mut other = spec.clone();
         other.listeners[0].port = 54;
-        assert_ne!(a, idempotency_key(&other, uid, None));
-        assert_ne!(a, idempotency_key(&to_sdk_spec(&dual(), &[]), uid, None));
-        assert!(a.starts_with(uid.as_str()));
-        assert!(a.len() < 100);
+        for different in [
+            create_request(&spec, uid, Some("lb-1")),
+            create_request(&other, uid, None),
+            create_request(&to_sdk_spec(&dual(), &[]), uid, None),
+        ] {
+            assert_ne!(a.idempotency_key, different.idempotency_key);
+            assert_ne!(a.id, different.id);
+        }
+        assert!(a.idempotency_key.starts_with(uid.as_str()));
+        assert!(a.idempotency_key.len() < 100);
+        assert!(tandem_common::is_dns1123_label(&a.id), "{}", a.id);
     }
 
     #[test]

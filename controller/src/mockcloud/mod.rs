@@ -19,7 +19,7 @@ use cloud_mock_sdk::families;
 
 pub use config::{Config, ConfigError};
 pub use convert::{
-    idempotency_key, may_touch, observe, observe_node_pool, to_sdk_node_pool, to_sdk_spec,
+    create_request, may_touch, observe, observe_node_pool, to_sdk_node_pool, to_sdk_spec,
 };
 pub use errors::classify;
 
@@ -295,20 +295,25 @@ impl LoadBalancerProvider for MockCloudProvider {
         }
     }
 
+    fn planned_id(&self, desired: &DesiredLoadBalancer, replaces: Option<&str>) -> Option<String> {
+        let spec = to_sdk_spec(desired, &[]);
+        Some(create_request(&spec, &desired.owner.uid, replaces).id)
+    }
+
     async fn create(
         &self,
         desired: &DesiredLoadBalancer,
         replaces: Option<&str>,
     ) -> Result<ObservedLoadBalancer, ProviderError> {
         let spec = to_sdk_spec(desired, &[]);
-        let key = idempotency_key(&spec, &desired.owner.uid, replaces);
+        let request = create_request(&spec, &desired.owner.uid, replaces);
         let cloud = self.client.families();
         let lb = self
             .call(Operation::Create, || {
-                cloud.create_load_balancer(&spec, &key)
+                cloud.create_load_balancer_as(&request.id, &spec, &request.idempotency_key)
             })
             .await
-            .map_err(|e| classify(&e, Operation::Create, None))?;
+            .map_err(|e| classify(&e, Operation::Create, Some(&request.id)))?;
         tracing::info!(id = %lb.id, name = %lb.spec.name, "created load balancer");
         Ok(observe(&lb))
     }
