@@ -11,6 +11,7 @@ use ipnet::IpNet;
 use tandem_common::IpFamily;
 use tandem_common::ProxyMode;
 use tandem_nftables::digest::{ChainDigest, ObjectKind, SetDigest, TableDigest};
+use tandem_nftables::encode::Batch;
 use tandem_nftables::kernel::{KernelError, Netlink};
 use tandem_nftables::{Fingerprint, NftFamily, TABLE, TableDrift, Transaction, Written};
 use tandem_proxy_rules::incremental::IncrementalRuleset;
@@ -619,35 +620,47 @@ impl NftablesPath {
 
     async fn apply(&mut self, metrics: &Metrics) -> bool {
         let full = !self.in_sync;
-        let tx = if full {
+        let family = self.family();
+        if full {
             self.pending.ops.clear();
-            Transaction::replace_all(self.rules.ruleset())
-        } else {
-            let empty = Transaction {
-                family: self.family(),
-                ops: Vec::new(),
-            };
-            std::mem::replace(&mut self.pending, empty)
-        };
-        if tx.is_empty() {
+        } else if self.pending.is_empty() {
             return true;
         }
         let Some(mut kernel) = self.kernel.take() else {
             tracing::error!("the netlink socket was lost; reopening");
             return self.reopen();
         };
+        let started = Instant::now();
+        let (outgoing, ops, written) = if full {
+            // Encoded here from the rules in place, as the blocking task cannot borrow
+            // them: a transaction of their copies beside its batch was the first sync's
+            // peak memory.
+            let mut ops = 0;
+            let all = Transaction::replace_all_ops(self.rules.ruleset()).inspect(|_| ops += 1);
+            let batch = kernel.encode_ops(family, all);
+            let written = Written {
+                table: true,
+                ..Written::default()
+            };
+            (Outgoing::Table(batch), ops, written)
+        } else {
+            let empty = Transaction {
+                family,
+                ops: Vec::new(),
+            };
+            let tx = std::mem::replace(&mut self.pending, empty);
+            let (ops, written) = (tx.ops.len(), tx.written());
+            (Outgoing::Changes(tx), ops, written)
+        };
         // The digests go to the blocking task and come back with the kernel.
         let adopt = (full && std::mem::take(&mut self.adopt_kernel_table)).then(|| {
             self.refresh_digests();
             std::mem::take(&mut self.digests)
         });
-        let ops = tx.ops.len();
-        let written = tx.written();
-        let started = Instant::now();
         let (kernel, result, expected) = match tokio::task::spawn_blocking(move || {
             let result = match &adopt {
                 Some(expected) if kernel_holds(&mut kernel, expected) => Ok(Write::Adopted),
-                _ => kernel.apply(&tx).map(|()| Write::Applied),
+                _ => outgoing.send(&mut kernel).map(|()| Write::Applied),
             };
             (kernel, result, adopt)
         })
@@ -664,6 +677,17 @@ impl NftablesPath {
         if let Some(digests) = expected {
             self.digests = digests;
         }
+        let result = if full {
+            let ruleset = self.rules.ruleset();
+            result.map_err(|error| {
+                error.naming_operation(
+                    |index| Transaction::replace_all_ops(ruleset).nth(index),
+                    family,
+                )
+            })
+        } else {
+            result
+        };
         match result {
             Ok(write) => {
                 self.in_sync = true;
@@ -814,6 +838,23 @@ impl NftablesPath {
         count_repairs(metrics, RepairedObject::Set, sets);
         self.pending = Transaction::repair(self.rules.ruleset(), &found);
         chains + sets
+    }
+}
+
+/// What an apply sends.
+enum Outgoing {
+    /// The whole table, encoded (or what kept it from being encoded).
+    Table(Result<Batch, KernelError>),
+    /// The operations queued since the last apply.
+    Changes(Transaction),
+}
+
+impl Outgoing {
+    fn send(self, kernel: &mut Netlink) -> Result<(), KernelError> {
+        match self {
+            Outgoing::Table(batch) => kernel.send_batch(&batch?),
+            Outgoing::Changes(tx) => kernel.apply(&tx),
+        }
     }
 }
 

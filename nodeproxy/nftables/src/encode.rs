@@ -7,6 +7,7 @@
 //! keeps the byte order of the packet field (network order for addresses and ports, host
 //! order for marks, conntrack state, fib results and `numgen` indexes).
 
+use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 
@@ -356,8 +357,19 @@ impl Batch {
 
 /// `tx` as one batch whose messages are numbered from `first_seq` (the batch begin).
 pub fn batch(tx: &Transaction, first_seq: u32) -> Result<Batch, EncodeError> {
+    batch_of(tx.family, &tx.ops, first_seq)
+}
+
+/// The operations `ops` on our table of `family` as one batch, as [`batch`]: each is
+/// encoded as it comes, so they need not all be held at once
+/// ([`Transaction::replace_all_ops`]).
+pub fn batch_of<O: Borrow<Op>>(
+    family: IpFamily,
+    ops: impl IntoIterator<Item = O>,
+    first_seq: u32,
+) -> Result<Batch, EncodeError> {
     let mut encoder = Encoder {
-        family: Family::of(tx.family),
+        family: Family::of(family),
         out: Writer::default(),
         chunks: Vec::new(),
         seq: first_seq,
@@ -366,12 +378,13 @@ pub fn batch(tx: &Transaction, first_seq: u32) -> Result<Batch, EncodeError> {
         last_set_id: 0,
     };
     encoder.batch_marker(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST);
-    for (index, op) in tx.ops.iter().enumerate() {
+    for (index, op) in ops.into_iter().enumerate() {
+        let op = op.borrow();
         encoder.op(index, op);
         if encoder.out.overflow {
             return Err(EncodeError::TooLarge {
                 index,
-                operation: crate::render::operation(op, tx.family),
+                operation: crate::render::operation(op, family),
             });
         }
     }

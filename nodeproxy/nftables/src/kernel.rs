@@ -9,6 +9,7 @@
 //! the send returns, so an empty answer queue means committed, as `nft` relies on too.
 //! (An ACK of the batch end would confirm it only on kernels from 6.10 on.)
 
+use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::io::{self, IoSlice};
 use std::os::fd::{AsFd, AsRawFd};
@@ -20,7 +21,7 @@ use tandem_common::IpFamily;
 use crate::digest::{self, ChainDigest, SetDigest, TableDigest};
 use crate::encode::{self, Batch, EncodeError};
 use crate::render;
-use crate::transaction::Transaction;
+use crate::transaction::{Op, Transaction};
 
 const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
@@ -92,6 +93,33 @@ pub enum KernelError {
     /// The ruleset kept changing while it was listed.
     #[error("listing {what}: the ruleset changed {DUMP_ATTEMPTS} times while it was read")]
     Interrupted { what: String },
+}
+
+impl KernelError {
+    /// A rejection of [`Netlink::send_batch`] with its operation named: `op_at` gives the
+    /// operation of an index (of the family `family`).
+    pub fn naming_operation(
+        self,
+        op_at: impl FnOnce(usize) -> Option<Op>,
+        family: IpFamily,
+    ) -> Self {
+        match self {
+            KernelError::Rejected {
+                index,
+                errno,
+                message,
+                ..
+            } => KernelError::Rejected {
+                index,
+                operation: op_at(index)
+                    .map(|op| render::operation(&op, family))
+                    .unwrap_or_default(),
+                errno,
+                message,
+            },
+            other => other,
+        }
+    }
 }
 
 fn detail(message: &Option<String>) -> String {
@@ -169,10 +197,28 @@ impl Netlink {
         Ok(encode::batch(tx, self.next_seq)?)
     }
 
+    /// Encodes the operations `ops` on our table of `family` as the next batch of this
+    /// socket, each as it comes ([`encode::batch_of`]).
+    pub fn encode_ops<O: Borrow<Op>>(
+        &self,
+        family: IpFamily,
+        ops: impl IntoIterator<Item = O>,
+    ) -> Result<Batch, KernelError> {
+        Ok(encode::batch_of(family, ops, self.next_seq)?)
+    }
+
     /// Sends `batch`, encoded from `tx`, and reads the outcome: the kernel's part of
     /// [`Netlink::apply`] (apart so that the benchmark can time it alone, and send the same
     /// bytes again).
     pub fn send(&mut self, tx: &Transaction, batch: &Batch) -> Result<(), KernelError> {
+        self.send_batch(batch)
+            .map_err(|error| error.naming_operation(|index| tx.ops.get(index).cloned(), tx.family))
+    }
+
+    /// [`Netlink::send`] for a batch whose operations are not kept
+    /// ([`Netlink::encode_ops`]): a rejected operation is known by its index alone, with
+    /// an empty `operation` for the caller to fill in ([`KernelError::naming_operation`]).
+    pub fn send_batch(&mut self, batch: &Batch) -> Result<(), KernelError> {
         self.next_seq = batch.end_seq().wrapping_add(1);
         let bytes = batch.byte_len();
         self.ensure_send_buffer(bytes)?;
@@ -190,7 +236,7 @@ impl Netlink {
                 source: io::Error::new(io::ErrorKind::WriteZero, format!("sent {sent} bytes")),
             });
         }
-        self.await_outcome(tx, batch)
+        self.await_outcome(batch)
     }
 
     /// A single send needs the whole batch to fit the socket's send buffer.
@@ -210,7 +256,7 @@ impl Netlink {
 
     /// Reads the kernel's answers, all queued before the send returned, without
     /// blocking: none means committed; otherwise the first error says why not.
-    fn await_outcome(&self, tx: &Transaction, batch: &Batch) -> Result<(), KernelError> {
+    fn await_outcome(&self, batch: &Batch) -> Result<(), KernelError> {
         let mut first_error: Option<KernelError> = None;
         let mut buf: Vec<u8> = Vec::with_capacity(1 << 16);
         loop {
@@ -228,11 +274,7 @@ impl Netlink {
                 first_error = Some(match batch.op_index(answer.seq) {
                     Some(index) => KernelError::Rejected {
                         index,
-                        operation: tx
-                            .ops
-                            .get(index)
-                            .map(|op| render::operation(op, tx.family))
-                            .unwrap_or_default(),
+                        operation: String::new(),
                         errno,
                         message: answer.message,
                     },

@@ -104,15 +104,51 @@ impl Transaction {
     /// Replaces whatever our table of the ruleset's family holds (or creates it) with
     /// `ruleset`.
     pub fn replace_all(ruleset: &Ruleset) -> Self {
-        let mut ops = vec![Op::AddTable, Op::DeleteTable, Op::AddTable];
-        let empty = Ruleset::empty(ruleset.family);
-        let all_chains: BTreeSet<&str> = ruleset.chains.keys().map(String::as_str).collect();
-        let all_sets: BTreeSet<&str> = ruleset.sets.keys().map(String::as_str).collect();
-        ops.extend(Self::between(&empty, ruleset, &all_chains, &all_sets).ops);
         Self {
             family: ruleset.family,
-            ops,
+            ops: Self::replace_all_ops(ruleset).collect(),
         }
+    }
+
+    /// The operations of [`Transaction::replace_all`], each made when it is reached: the
+    /// node proxy encodes them as they come, as all of them at once copied every rule and
+    /// element of the table, the largest allocation of a first sync.
+    ///
+    /// They are [`Transaction::between`] an empty table and `ruleset`, after the table is
+    /// emptied: chains declared, then sets (dynamic ones last), elements added and rules
+    /// written, each in name order.
+    pub fn replace_all_ops(ruleset: &Ruleset) -> impl Iterator<Item = Op> + '_ {
+        let is_dynamic = |set: &Set| matches!(set.spec, SetSpec::Dynamic { .. });
+        let declare_sets = |dynamic: bool| {
+            ruleset
+                .sets
+                .iter()
+                .filter(move |(_, set)| is_dynamic(set) == dynamic)
+                .map(|(name, set)| Op::AddSet {
+                    name: name.clone(),
+                    spec: set.spec,
+                })
+        };
+        [Op::AddTable, Op::DeleteTable, Op::AddTable]
+            .into_iter()
+            .chain(ruleset.chains.iter().map(|(name, chain)| Op::AddChain {
+                name: name.clone(),
+                base: chain.base,
+            }))
+            .chain(declare_sets(false))
+            .chain(declare_sets(true))
+            .chain(
+                ruleset
+                    .sets
+                    .iter()
+                    .filter_map(|(name, set)| elements_of(name, set)),
+            )
+            .chain(
+                ruleset
+                    .chains
+                    .iter()
+                    .flat_map(|(name, chain)| rules_of(name, chain)),
+            )
     }
 
     /// What the operations write.
@@ -504,6 +540,31 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn a_replacement_empties_the_table_then_writes_what_between_writes_from_nothing() {
+        let mut rs = ruleset(Some("a"));
+        rs.sets.insert("a-dynamic".into(), Set::dynamic(10));
+        rs.sets
+            .insert("empty".into(), Set::verdict_map(KeyType::Index));
+        rs.chains.insert(
+            "base".into(),
+            Chain {
+                base: Some(BaseChain {
+                    chain_type: crate::model::ChainType::Nat,
+                    hook: crate::model::Hook::Output,
+                    priority: -100,
+                }),
+                rules: vec![Rule::always(Statement::Jump("a".into()))],
+            },
+        );
+        let chains: BTreeSet<&str> = rs.chains.keys().map(String::as_str).collect();
+        let sets: BTreeSet<&str> = rs.sets.keys().map(String::as_str).collect();
+        let from_nothing = Transaction::between(&Ruleset::default(), &rs, &chains, &sets);
+        let mut expected = vec![Op::AddTable, Op::DeleteTable, Op::AddTable];
+        expected.extend(from_nothing.ops);
+        assert_eq!(Transaction::replace_all(&rs).ops, expected);
     }
 
     #[test]
