@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Resource;
 use kube::runtime::watcher::Event;
-use tandem_common::IpFamily;
+use tandem_common::{IpFamily, Protocol};
 use tandem_proxy_rules::model::{ProxyState, ServicePortName};
 
 use crate::convert::{self, ObjectKey, ServiceEntry, Skipped, SliceEntry, object_key};
@@ -58,6 +58,29 @@ impl Changes {
         self.current.endpoints.extend(later.current.endpoints);
         self.skipped.extend(later.skipped);
         self.first_slice_change = self.first_slice_change.or(later.first_slice_change);
+    }
+
+    /// Drops the current entries of the ports that are UDP neither before nor now. Once
+    /// the rules are rebuilt, only the stale-flow cleanup
+    /// ([`tandem_proxy_rules::conntrack::stale_udp_deletions`]) and a later
+    /// [`Changes::merge`] read them, and neither needs those: a first sync's changes hold
+    /// every endpoint once more, while the whole table is written.
+    pub fn drop_current_not_udp(&mut self) {
+        let previous = &self.previous;
+        let udp_before = |name: &ServicePortName| {
+            previous
+                .services
+                .get(name)
+                .is_some_and(|service| service.protocol == Protocol::Udp)
+        };
+        let current = &mut self.current;
+        current
+            .services
+            .retain(|name, service| service.protocol == Protocol::Udp || udp_before(name));
+        let kept = &current.services;
+        current
+            .endpoints
+            .retain(|name, _| kept.contains_key(name) || udp_before(name));
     }
 }
 
@@ -448,6 +471,69 @@ mod tests {
         );
         // Re-joined, not changed: nothing for conntrack to clean up.
         assert_eq!(again.previous, again.current);
+    }
+
+    #[test]
+    fn dropping_the_ports_udp_neither_before_nor_now_leaves_the_same_stale_flows() {
+        use tandem_proxy_rules::conntrack::stale_udp_deletions;
+        use tandem_proxy_rules::model::ServicePort;
+
+        let service = |port: &str, protocol, ip: u8| ServicePort {
+            name: name(port),
+            protocol,
+            cluster_ip: Some(std::net::Ipv4Addr::new(10, 96, 0, ip).into()),
+            port: 53,
+            node_port: Some(30053),
+            external_ips: vec![],
+            load_balancer_ingress: vec![],
+            load_balancer_source_ranges: vec![],
+            session_affinity_timeout: None,
+            external_traffic_policy_local: false,
+            health_check_node_port: None,
+            internal_traffic_policy_local: false,
+        };
+        let (tcp, udp) = (Protocol::Tcp, Protocol::Udp);
+        // (port, before, after): protocol, cluster IP and endpoint of each version.
+        let versions = [
+            ("tcp-only", Some((tcp, 1, 1)), Some((tcp, 1, 2))),
+            ("udp-to-tcp", Some((udp, 2, 1)), Some((tcp, 2, 2))),
+            ("tcp-to-udp", Some((tcp, 3, 1)), Some((udp, 3, 2))),
+            ("udp-moved", Some((udp, 4, 1)), Some((udp, 5, 2))),
+            ("udp-new", None, Some((udp, 6, 1))),
+            ("tcp-new", None, Some((tcp, 7, 1))),
+            ("udp-gone", Some((udp, 8, 1)), None),
+        ];
+        let mut changes = Changes::default();
+        for (port, before, after) in versions {
+            changes.ports.insert(name(port));
+            for (state, version) in [
+                (&mut changes.previous, before),
+                (&mut changes.current, after),
+            ] {
+                if let Some((protocol, ip, endpoint)) = version {
+                    state
+                        .services
+                        .insert(name(port), service(port, protocol, ip));
+                    state.endpoints.insert(name(port), endpoints(endpoint));
+                }
+            }
+        }
+        let expected = stale_udp_deletions(&changes.previous, &changes.current);
+        assert!(!expected.is_empty());
+        changes.drop_current_not_udp();
+        assert_eq!(
+            changes
+                .current
+                .services
+                .keys()
+                .map(|n| n.port.as_str())
+                .collect::<Vec<_>>(),
+            ["tcp-to-udp", "udp-moved", "udp-new", "udp-to-tcp"]
+        );
+        assert_eq!(
+            stale_udp_deletions(&changes.previous, &changes.current),
+            expected
+        );
     }
 
     #[test]

@@ -453,13 +453,14 @@ impl FamilyProxier {
             None => 0,
         };
         let ports = changes.ports.len();
-        let changes = match self.unapplied.take() {
+        let mut changes = match self.unapplied.take() {
             Some(mut earlier) => {
                 earlier.merge(changes);
                 earlier
             }
             None => changes,
         };
+        changes.drop_current_not_udp();
         let applied = self.datapath.apply(metrics).await;
         if applied {
             if let Some(seen) = changes.first_slice_change {
