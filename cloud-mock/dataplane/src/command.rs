@@ -80,10 +80,13 @@ pub(crate) fn delete_address_args(vip: IpAddr, device: &str) -> Vec<String> {
     ]
 }
 
-/// Whether a failed delete failed only because the thing is already gone.
+/// Whether a failed delete failed only because the thing is already gone (a nexthop
+/// object: `No such file or directory`).
 pub(crate) fn already_gone(error: &CommandError) -> bool {
     let stderr = error.stderr();
-    stderr.contains("No such process") || stderr.contains("Cannot assign requested address")
+    stderr.contains("No such process")
+        || stderr.contains("Cannot assign requested address")
+        || stderr.contains("No such file or directory")
 }
 
 #[cfg(test)]
@@ -122,6 +125,9 @@ mod tests {
         assert!(already_gone(&failed("RTNETLINK answers: No such process")));
         assert!(already_gone(&failed(
             "RTNETLINK answers: Cannot assign requested address"
+        )));
+        assert!(already_gone(&failed(
+            "RTNETLINK answers: No such file or directory"
         )));
         assert!(!already_gone(&failed(
             "RTNETLINK answers: Operation not permitted"

@@ -79,7 +79,8 @@ pub struct PassthroughConfig {
     /// found and replaced or removed, and routes of anyone else are never touched.
     pub route_protocol: u8,
     /// Set `net.ipv4.fib_multipath_hash_policy=1` (L4 hash) before the first route, so that
-    /// ECMP spreads flows, not just source/destination pairs, over the backends.
+    /// the multipath hash (resilient groups use it too) spreads flows, not just
+    /// source/destination pairs, over the backends.
     pub set_multipath_hash_policy: bool,
 }
 

@@ -230,13 +230,21 @@ fn passthrough_routes_an_ipv6_vip_over_the_nodes_ipv6_addresses() {
         };
         dataplane.apply(vec![lb]).await.unwrap();
         let show = ["-6", "route", "show", "2001:db8:51:100::21/128"];
-        let took = wait_for_ip(&show, "ECMP route over both IPv6 nodes", |out| {
+        let took = wait_for_ip(&show, "route over both IPv6 nodes", |out| {
             out.contains("nexthop via 2001:db8:18::11")
                 && out.contains("nexthop via 2001:db8:18::12")
         })
         .await;
-        println!("IPv6 ECMP route installed {took:?} after apply");
-        assert!(ip_async(&show).await.contains("proto 77"));
+        println!("IPv6 route installed {took:?} after apply");
+        let route = ip_async(&show).await;
+        assert!(route.contains("proto 77"));
+        // Through a resilient group of IPv6 nexthop objects.
+        assert!(route.contains(" nhid "), "{route}");
+        let nexthops = ip_async(&["nexthop", "show", "proto", "77"]).await;
+        assert!(
+            nexthops.contains("via 2001:db8:18::11") && nexthops.contains("type resilient"),
+            "{nexthops}"
+        );
         let policy = tokio::fs::read_to_string("/proc/sys/net/ipv6/fib_multipath_hash_policy")
             .await
             .unwrap();
@@ -270,6 +278,7 @@ fn passthrough_routes_an_ipv6_vip_over_the_nodes_ipv6_addresses() {
         .await;
         dataplane.shutdown().await;
         assert_eq!(ip_async(&show).await, "", "shutdown removes routes");
+        assert_eq!(ip_async(&["nexthop", "show", "proto", "77"]).await, "");
     });
 }
 

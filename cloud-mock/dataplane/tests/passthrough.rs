@@ -44,8 +44,15 @@ fn passthrough_lb(vip: IpAddr, check: Option<HealthCheck>) -> LoadBalancer {
     }
 }
 
+/// The id after `nhid` in `ip route show` output.
+fn nhid(route: &str) -> Option<u32> {
+    let tokens: Vec<&str> = route.split_whitespace().collect();
+    let at = tokens.iter().position(|&token| token == "nhid")?;
+    tokens.get(at + 1)?.parse().ok()
+}
+
 #[test]
-fn passthrough_ecmp_route_follows_backend_health() {
+fn passthrough_route_follows_backend_health_through_one_resilient_group() {
     if !is_root() {
         return;
     }
@@ -59,17 +66,17 @@ fn passthrough_ecmp_route_follows_backend_health() {
         })
     });
     block_on_in_netns(&lab.edge, || async move {
-        // A route of ours left by an earlier run: adopted and removed.
-        ip_async(&[
-            "route",
-            "add",
-            "198.51.100.99/32",
-            "via",
-            "10.77.0.11",
-            "proto",
-            "77",
-        ])
-        .await;
+        // Left by an earlier run (all `proto 77`): a route, adopted and removed; a group
+        // with its route to the VIP, adopted and kept; a nexthop nobody uses, removed.
+        for args in [
+            "-4 route add 198.51.100.99/32 via 10.77.0.11 proto 77",
+            "-4 nexthop add id 500 via 10.77.0.11 dev ve proto 77",
+            "-4 nexthop add id 501 via 10.77.0.13 dev ve proto 77",
+            "nexthop add id 502 group 500 type resilient buckets 256 idle_timer 5 unbalanced_timer 60 proto 77",
+            "-4 route add 198.51.100.5/32 nhid 502 proto 77",
+        ] {
+            ip_async(&args.split(' ').collect::<Vec<_>>()).await;
+        }
         let [a, b] = health
             .map(|l| support::greet_on(tokio::net::TcpListener::from_std(l).unwrap(), "health"));
         let dataplane = DataPlane::new(quick_health());
@@ -78,12 +85,23 @@ fn passthrough_ecmp_route_follows_backend_health() {
         let lb = passthrough_lb(vip, Some(HealthCheck::Tcp { port: HEALTH_PORT }));
         dataplane.apply(vec![lb.clone()]).await.unwrap();
 
-        let took = wait_for_ip(&show, "ECMP route over both nodes", |out| {
+        let took = wait_for_ip(&show, "route over both nodes", |out| {
             out.contains("nexthop via 10.77.0.11") && out.contains("nexthop via 10.77.0.12")
         })
         .await;
-        println!("ECMP route installed {took:?} after apply");
-        assert!(ip_async(&show).await.contains("proto 77"));
+        println!("route over both nodes {took:?} after apply");
+        let route = ip_async(&show).await;
+        assert!(route.contains("proto 77"));
+        assert_eq!(
+            nhid(&route),
+            Some(502),
+            "the adopted group is kept: {route}"
+        );
+        let group = ip_async(&["nexthop", "show", "id", "502"]).await;
+        assert!(
+            group.contains("type resilient buckets 256"),
+            "a resilient group: {group}"
+        );
         let policy = tokio::fs::read_to_string("/proc/sys/net/ipv4/fib_multipath_hash_policy")
             .await
             .unwrap();
@@ -96,6 +114,12 @@ fn passthrough_ecmp_route_follows_backend_health() {
             &["-4", "route", "show", "198.51.100.99/32"],
             "stale route removed",
             str::is_empty,
+        )
+        .await;
+        wait_for_ip(
+            &["nexthop", "show", "proto", "77"],
+            "unused nexthop removed",
+            |out| !out.contains("10.77.0.13"),
         )
         .await;
         assert!(
@@ -115,6 +139,11 @@ fn passthrough_ecmp_route_follows_backend_health() {
         .await;
         println!("failing node left the route {took:?} after its health endpoint closed");
         assert_eq!(
+            nhid(&ip_async(&show).await),
+            Some(502),
+            "the group changed in place"
+        );
+        assert_eq!(
             dataplane.backend_health("lb-pass"),
             vec![
                 (NODE_A.into(), BackendHealth::Healthy),
@@ -130,7 +159,8 @@ fn passthrough_ecmp_route_follows_backend_health() {
         )
         .await;
 
-        // Without health checks both nodes count as healthy; removing the LB removes the route.
+        // Without health checks both nodes count as healthy; removing the LB removes the
+        // route, its group and its nexthops.
         dataplane
             .apply(vec![passthrough_lb(vip, None)])
             .await
@@ -141,6 +171,12 @@ fn passthrough_ecmp_route_follows_backend_health() {
         .await;
         dataplane.apply(vec![]).await.unwrap();
         wait_for_ip(&show, "route removed with its LB", str::is_empty).await;
+        wait_for_ip(
+            &["nexthop", "show", "proto", "77"],
+            "nexthops removed with the route",
+            str::is_empty,
+        )
+        .await;
 
         // Shutdown removes what is installed.
         dataplane
@@ -150,6 +186,11 @@ fn passthrough_ecmp_route_follows_backend_health() {
         wait_for_ip(&show, "route back", |out| out.contains("nexthop")).await;
         dataplane.shutdown().await;
         assert_eq!(ip_async(&show).await, "", "shutdown removes routes");
+        assert_eq!(
+            ip_async(&["nexthop", "show", "proto", "77"]).await,
+            "",
+            "and nexthops"
+        );
     });
 }
 
@@ -317,5 +358,64 @@ fn passthrough_sharers_route_over_the_nodes_that_serve_them_all() {
         dataplane.apply(vec![]).await.unwrap();
         wait_for_ip(&show, "route goes with the last sharer", str::is_empty).await;
         dataplane.shutdown().await;
+    });
+}
+
+/// `ip` as on a kernel with nexthop objects but without resilient groups (5.3 to 5.12):
+/// every command naming a resilient group fails as such a kernel answers. Removed on drop.
+struct IpWithoutResilientGroups(std::path::PathBuf);
+
+impl IpWithoutResilientGroups {
+    fn create() -> Self {
+        let path = std::env::temp_dir().join(format!("tdm-ip-{}", std::process::id()));
+        std::fs::write(
+            &path,
+            "#!/bin/sh\nfor arg in \"$@\"; do\n  if [ \"$arg\" = resilient ]; then echo 'Error: Invalid group type.' >&2; exit 2; fi\ndone\nexec ip \"$@\"\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        Self(path)
+    }
+}
+
+impl Drop for IpWithoutResilientGroups {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[test]
+fn without_resilient_groups_passthrough_routes_are_multipath() {
+    if !is_root() {
+        return;
+    }
+    let lab = Lab::create('m');
+    let ip_program = IpWithoutResilientGroups::create();
+    let program = ip_program.0.clone();
+    block_on_in_netns(&lab.edge, || async move {
+        let dataplane = DataPlane::new(DataPlaneConfig {
+            ip_program: program,
+            ..quick_health()
+        });
+        let vip = IpAddr::from([198, 51, 100, 6]);
+        dataplane
+            .apply(vec![passthrough_lb(vip, None)])
+            .await
+            .unwrap();
+        let show = ["-4", "route", "show", "198.51.100.6/32"];
+        wait_for_ip(&show, "multipath route over both nodes", |out| {
+            out.contains("nexthop via 10.77.0.11") && out.contains("nexthop via 10.77.0.12")
+        })
+        .await;
+        let route = ip_async(&show).await;
+        assert_eq!(nhid(&route), None, "{route}");
+        assert_eq!(
+            ip_async(&["nexthop", "show", "proto", "77"]).await,
+            "",
+            "the probe's nexthop is removed"
+        );
+        dataplane.shutdown().await;
+        assert_eq!(ip_async(&show).await, "", "shutdown removes routes");
     });
 }
