@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tandem_nodeproxy::backend::Backend;
 
-use super::cluster::{Scale, thousands};
+use super::cluster::{Scale, ServiceKind, thousands};
 use super::kernel::{Incremental, SyncRun};
 use super::kube_proxy::KubeProxyRun;
 use super::rss::{self, RssRun};
@@ -19,6 +19,25 @@ const INCREMENTAL_RATIO: f64 = 1.2;
 /// Our own time per change (tracking, build, diff; the restore process excluded).
 const OWN_SECONDS: f64 = 0.005;
 const RSS_MIB: f64 = 200.0;
+/// The issue's target for nftables mode: peak RSS at 10,000 ClusterIP Services × 10 at
+/// most 150 MiB. Only that mode is measured at that scale.
+const NFTABLES_RSS: (Scale, f64) = (
+    Scale {
+        kind: ServiceKind::ClusterIp,
+        services: 10_000,
+        endpoints: 10,
+        dual_stack: false,
+    },
+    150.0,
+);
+
+/// The peak RSS bound of a scale: [`NFTABLES_RSS`] at its scale, [`RSS_MIB`] otherwise.
+fn rss_mib(scale: Scale) -> f64 {
+    match NFTABLES_RSS {
+        (nftables, bound) if nftables == scale => bound,
+        _ => RSS_MIB,
+    }
+}
 
 /// Absolute target for one change at the headline scale: on nf_tables the raw restore
 /// alone is ~144 ms (iptables-nft reads the table first); legacy has only the ratio.
@@ -158,7 +177,7 @@ pub(super) fn rss_row(rss: &RssResult) -> (Row, String) {
             "the same binary, empty cluster".into(),
             Value::MiB(rss.empty.peak_mib),
         )),
-        target: Some(Target::AtMost(Value::MiB(RSS_MIB))),
+        target: Some(Target::AtMost(Value::MiB(rss_mib(rss.scale)))),
     };
     let note = format!(
         "Peak RSS is VmHWM of the real binary after its first sync (its /healthz answered 200) \
@@ -421,6 +440,26 @@ mod tests {
             endpoints: 10,
             dual_stack: false,
         }
+    }
+
+    #[test]
+    fn the_nftables_scale_has_the_issues_rss_bound() {
+        let run = |peak_mib| RssRun {
+            peak_mib,
+            to_first_sync: d(1),
+            to_periodic_sync: d(1),
+        };
+        let met = |scale, peak_mib| {
+            let rss = RssResult {
+                scale,
+                loaded: run(peak_mib),
+                empty: run(12.0),
+            };
+            rss_row(&rss).0.met()
+        };
+        assert_eq!(met(NFTABLES_RSS.0, 150.0), Some(true));
+        assert_eq!(met(NFTABLES_RSS.0, 160.0), Some(false));
+        assert_eq!(met(scale(2_700), 160.0), Some(true));
     }
 
     #[test]
