@@ -273,7 +273,9 @@ pub struct ProxyArgs {
     pub min_sync_period: GoDuration,
     /// How often every rule is read back and checked, on the nf_tables backends (nftables
     /// mode, iptables-nft), where the kernel announces each change and someone else's is
-    /// repaired within a second anyway. On iptables-legacy that is every --sync-period.
+    /// repaired within a second anyway; a check that finds nothing committed to any table
+    /// and no change taken since the last is skipped. On iptables-legacy that is every
+    /// --sync-period.
     #[arg(long, env = "DRIFT_CHECK_PERIOD", default_value = "1h")]
     pub drift_check_period: GoDuration,
     #[arg(long, env = "IPTABLES_BACKEND", value_enum, default_value_t = BackendChoice::Auto)]

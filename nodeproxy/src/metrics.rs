@@ -128,6 +128,9 @@ pub struct Metrics {
     /// Changes someone else made to our rules, as the kernel announced them (nf_tables
     /// backends); each starts a read-back of that family at once.
     pub foreign_ruleset_changes: Counter,
+    /// Full checks with nothing to check: no commit to any table and no change taken
+    /// since the last one (nf_tables backends).
+    pub full_checks_skipped: Counter,
     /// Objects someone else changed, found by a read-back and written again.
     pub sync_repairs: Family<RepairLabels, Counter>,
     /// The periodic read-back of the kernel, beside the sync loop.
@@ -169,6 +172,7 @@ impl Metrics {
             readback_duration: seconds_histogram(),
             readback_failures: Counter::default(),
             foreign_ruleset_changes: Counter::default(),
+            full_checks_skipped: Counter::default(),
             conntrack_reconciler_deleted: Family::default(),
             conntrack_reconciler_duration: Family::new_with_constructor(seconds_histogram),
             conntrack_reconciler_failures: Family::default(),
@@ -263,6 +267,11 @@ impl Metrics {
             "sync_foreign_ruleset_changes",
             "Changes someone else made to our rules, announced by the kernel (nf_tables backends)",
             metrics.foreign_ruleset_changes.clone(),
+        );
+        registry.register(
+            "sync_full_checks_skipped",
+            "Full checks skipped: nothing committed to any table and no change taken since the last (nf_tables backends)",
+            metrics.full_checks_skipped.clone(),
         );
         registry.register(
             "nftables_set_elements",

@@ -26,6 +26,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use tandem_common::IpFamily;
+use tandem_nftables::kernel::Netlink;
 use tandem_proxy_rules::conntrack::ServingUdpEndpoints;
 use tandem_proxy_rules::health::{health_check_services, merge_families};
 use tandem_proxy_rules::model::{NodeConfig, service_cidrs_of};
@@ -538,6 +539,26 @@ pub struct Proxier {
     pub health_servers: ServiceHealthServers,
     /// Skipped values already logged, so each is warned about once, not every sync.
     reported: HashSet<convert::Skipped>,
+    /// A sync took a changed Service port since the last full check: the next one has a
+    /// new incremental state to compare with a full rebuild.
+    changes_since_full_check: bool,
+}
+
+/// The nf_tables ruleset generation of the node ([`Netlink::generation`]); `None` when it
+/// cannot be read, which makes the next full check run.
+async fn ruleset_generation() -> Option<u32> {
+    let read = tokio::task::spawn_blocking(|| Netlink::open()?.generation()).await;
+    match read {
+        Ok(Ok(generation)) => Some(generation),
+        Ok(Err(error)) => {
+            tracing::warn!(%error, "cannot read the ruleset generation; the full check runs");
+            None
+        }
+        Err(error) => {
+            tracing::warn!(%error, "the ruleset generation task failed; the full check runs");
+            None
+        }
+    }
 }
 
 /// The read-backs of one period, one per family (`None`: not read this time).
@@ -558,6 +579,7 @@ impl Proxier {
             node_health,
             health_servers,
             reported: HashSet::new(),
+            changes_since_full_check: false,
         };
         // From here on the gauges follow the syncs that change something.
         proxier.record_size();
@@ -597,6 +619,10 @@ impl Proxier {
         // The first periodic sync comes one period after the first sync.
         let mut next_periodic = now + self.config.sync_period;
         let mut next_full_check = now + full_check_period;
+        // The kernel's ruleset generation when the last full check's read-backs began (on
+        // the nf_tables backends): found again with no change taken since, nothing was
+        // committed to any table and nothing new computed, so there is nothing to check.
+        let mut checked_generation: Option<u32> = None;
         let mut failures = 0u32;
         // At most one round of read-backs at a time; a period that finds one still
         // running skips.
@@ -667,6 +693,22 @@ impl Proxier {
             if reason == SyncReason::FullCheck {
                 next_full_check = now + full_check_period;
             }
+            let reason = match reason {
+                SyncReason::FullCheck
+                    if alarm.is_some()
+                        && !self.changes_since_full_check
+                        && checked_generation.is_some()
+                        && ruleset_generation().await == checked_generation =>
+                {
+                    tracing::debug!(
+                        generation = checked_generation,
+                        "full check skipped: no table was changed and no change taken since the last"
+                    );
+                    self.metrics.full_checks_skipped.inc();
+                    SyncReason::Period
+                }
+                reason => reason,
+            };
             last_sync = now;
             if self.sync_once(&observed, reason).await {
                 failures = 0;
@@ -677,6 +719,9 @@ impl Proxier {
             }
             let full_check = reason == SyncReason::FullCheck;
             if (full_check || self.wants_read_back()) && read_back.is_none() {
+                if full_check && alarm.is_some() {
+                    checked_generation = ruleset_generation().await;
+                }
                 read_back = Some(self.start_read_backs(full_check));
             }
         }
@@ -796,6 +841,10 @@ impl Proxier {
             applied &= done.applied;
         }
         self.report_skipped(&skipped);
+        // A full check compares every change taken so far; any sync for a change (a
+        // Service, a slice, the Node, a ServiceCIDR) may have taken one.
+        self.changes_since_full_check = !full_check
+            && (self.changes_since_full_check || reason == SyncReason::Change || ports > 0);
         if !changed.is_empty() || diverged > 0 {
             self.record_size();
         }

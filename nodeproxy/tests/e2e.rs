@@ -369,6 +369,46 @@ fn the_binary_programs_rules_serves_health_and_cleans_up() {
             "{metrics}"
         );
 
+        // Nothing changes now: once a full check has run with nothing changed since, the
+        // next ones find the ruleset's generation as it was and are skipped...
+        let full_checks = async || {
+            let (_, metrics) = http_get(METRICS.parse().unwrap(), "/metrics")
+                .await
+                .unwrap();
+            let count = |name: &str| -> u64 {
+                metrics
+                    .lines()
+                    .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+                    .and_then(|count| count.trim().parse().ok())
+                    .unwrap_or(0)
+            };
+            (
+                count("tandem_nodeproxy_sync_full_proxy_rules_duration_seconds_count"),
+                count("tandem_nodeproxy_sync_full_checks_skipped_total"),
+            )
+        };
+        eventually(
+            Duration::from_secs(10),
+            "a full check skipped",
+            async || full_checks().await.1 >= 1,
+        )
+        .await;
+        let (ran, skipped) = full_checks().await;
+        // ...until anyone commits anything, to any table: the next one runs.
+        let status = Command::new("nft")
+            .args(["add", "table", "inet", "tandem_test_other"])
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success());
+        eventually(
+            Duration::from_secs(10),
+            "a full check after someone else's commit",
+            async || full_checks().await.0 > ran,
+        )
+        .await;
+        eprintln!("full checks: {ran} ran and {skipped} skipped before someone else's commit");
+
         // The tracer over the rules built from the API.
         let common = [
             "--kubeconfig",

@@ -9,8 +9,9 @@
 //! its CPU time (its own and its waited-for children's, such as `iptables-restore`) is read
 //! from `/proc` across a window. Where the full check is hourly (the nf_tables backends),
 //! the window holds none, so a second run with the full check due every few seconds
-//! measures one check's CPU, which is added once per hour; on iptables-legacy and for
-//! kube-proxy the window holds their periodic work as it is.
+//! measures one check's CPU, which is added once per hour (on a node where nothing is
+//! committed and nothing changes, the check after the first finds that and is skipped);
+//! on iptables-legacy and for kube-proxy the window holds their periodic work as it is.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -80,6 +81,9 @@ struct Window {
     window: Duration,
     /// Full checks (Tandem) or syncs (kube-proxy) that ended in the window.
     full_checks: u64,
+    /// Full checks that were due in the window and skipped: nothing was committed to
+    /// any table and no change taken since the one before (Tandem, nf_tables backends).
+    skipped_checks: u64,
     repair: Option<Duration>,
 }
 
@@ -127,17 +131,18 @@ pub fn measure(
         plan,
         false,
     )?;
-    if checking.full_checks == 0 {
-        bail!("no full check ended in {:?}", checking.window);
+    let due = checking.full_checks + checking.skipped_checks;
+    if due == 0 {
+        bail!("no full check was due in {:?}", checking.window);
     }
-    let per_check = (checking.cpu - rate * checking.window.as_secs_f64()).max(0.0)
-        / checking.full_checks as f64;
+    let per_check = (checking.cpu - rate * checking.window.as_secs_f64()).max(0.0) / due as f64;
     Ok(IdleResult {
         cpu_per_hour: rate * 3600.0 + per_check,
         how: format!(
             "{:.2} s of CPU in {:.0?} without a full check, and {per_check:.2} s per full check \
-             (hourly; measured over {} checks with one every {period})",
-            steady.cpu, steady.window, checking.full_checks
+             (hourly; measured over {due} due with one every {period}: {} ran, {} skipped as \
+             nothing was committed to any table and no change taken since the one before)",
+            steady.cpu, steady.window, checking.full_checks, checking.skipped_checks
         ),
         repair: steady.repair,
     })
@@ -206,10 +211,12 @@ async fn run_against_stand_in(
         .await?;
         let to_first_sync = cpu_seconds(pid)?;
         tokio::time::sleep(plan.settle).await;
-        let (cpu_before, checks_before) = (cpu_seconds(pid)?, full_checks(proxy).await);
+        let (cpu_before, (checks_before, skipped_before)) =
+            (cpu_seconds(pid)?, full_checks(proxy).await);
         let window_start = Instant::now();
         tokio::time::sleep(plan.window).await;
-        let (cpu_after, checks_after) = (cpu_seconds(pid)?, full_checks(proxy).await);
+        let (cpu_after, (checks_after, skipped_after)) =
+            (cpu_seconds(pid)?, full_checks(proxy).await);
         let window = window_start.elapsed();
         let repair = match (repair, proxy) {
             (true, Proxy::Tandem { data_path, .. }) => {
@@ -222,6 +229,7 @@ async fn run_against_stand_in(
             cpu: cpu_after - cpu_before,
             window,
             full_checks: checks_after.saturating_sub(checks_before),
+            skipped_checks: skipped_after.saturating_sub(skipped_before),
             repair,
         })
     }
@@ -238,16 +246,23 @@ async fn synced(proxy: &Proxy) -> bool {
     }
 }
 
-/// Tandem's full checks, or kube-proxy's syncs (each a full one in v1.21), so far.
-async fn full_checks(proxy: &Proxy) -> u64 {
+/// Tandem's full checks run and skipped, or kube-proxy's syncs (each a full one in
+/// v1.21), so far.
+async fn full_checks(proxy: &Proxy) -> (u64, u64) {
     match proxy {
         Proxy::Tandem { .. } => {
             let page = rss::get(METRICS, "/metrics").await.unwrap_or_default();
-            rss::sample(&page, rss::PERIODIC_SYNCS).unwrap_or(0)
+            (
+                rss::sample(&page, rss::PERIODIC_SYNCS).unwrap_or(0),
+                rss::sample(&page, SKIPPED_FULL_CHECKS).unwrap_or(0),
+            )
         }
-        Proxy::KubeProxy(_) => kube_proxy::syncs().await.0,
+        Proxy::KubeProxy(_) => (kube_proxy::syncs().await.0, 0),
     }
 }
+
+/// Full checks the node proxy found nothing to check for.
+const SKIPPED_FULL_CHECKS: &str = "tandem_nodeproxy_sync_full_checks_skipped_total";
 
 /// Deletes the jump from the nat prerouting hook into the Service dispatch, as someone
 /// else would, and waits for the sync that writes it back: the repair counter goes up,

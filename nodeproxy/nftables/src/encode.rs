@@ -43,6 +43,8 @@ pub(crate) const NFT_MSG_NEWSET: u16 = 9;
 pub(crate) const NFT_MSG_DELSET: u16 = 11;
 pub(crate) const NFT_MSG_NEWSETELEM: u16 = 12;
 pub(crate) const NFT_MSG_DELSETELEM: u16 = 14;
+pub(crate) const NFT_MSG_NEWGEN: u16 = 15;
+pub(crate) const NFT_MSG_GETGEN: u16 = 16;
 /// Dump requests: the message types that read chains, rules, sets and elements.
 pub(crate) const NFT_MSG_GETCHAIN: u16 = 4;
 pub(crate) const NFT_MSG_GETRULE: u16 = 7;
@@ -414,6 +416,21 @@ pub(crate) fn dump_request(
         Family::of(family).nfproto,
         0,
         body,
+    );
+    w.buf
+}
+
+/// A request for the ruleset's generation (`NFT_MSG_GETGEN`), answered with one
+/// `NFT_MSG_NEWGEN` message.
+pub(crate) fn generation_request(seq: u32) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.message(
+        (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN,
+        NLM_F_REQUEST,
+        seq,
+        NFPROTO_UNSPEC,
+        0,
+        |_| {},
     );
     w.buf
 }

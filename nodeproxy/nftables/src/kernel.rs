@@ -40,6 +40,7 @@ const NFTA_RULE_CHAIN: u16 = 2;
 const NFTA_SET_TABLE: u16 = 1;
 const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
 const NFTA_SET_ELEM_LIST_SET: u16 = 2;
+const NFTA_GEN_ID: u16 = 1;
 const NLM_F_CAPPED: u16 = 0x100;
 const NLM_F_ACK_TLVS: u16 = 0x200;
 const NLMSGERR_ATTR_MSG: u16 = 1;
@@ -395,6 +396,52 @@ impl Netlink {
                 Ok((chain, rules))
             })
             .collect()
+    }
+
+    /// The ruleset's generation in this socket's network namespace. The kernel counts
+    /// every committed change of any table of any family, so a generation read twice
+    /// with the same value proves that nothing was committed in between: what a read-back
+    /// of every rule would show, in one small request.
+    pub fn generation(&mut self) -> Result<u32, KernelError> {
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1);
+        let request = encode::generation_request(seq);
+        self.socket
+            .send(&request, 0)
+            .map_err(|source| KernelError::Send {
+                bytes: request.len(),
+                source,
+            })?;
+        let mut buf: Vec<u8> = Vec::with_capacity(1 << 12);
+        loop {
+            buf.clear();
+            self.socket
+                .recv(&mut buf, 0)
+                .map_err(KernelError::Receive)?;
+            for message in messages(&buf)? {
+                // Answers to an earlier request that was given up.
+                if read_u32(message, 8)? != seq {
+                    continue;
+                }
+                let kind = read_u16(message, 4)?;
+                if kind == NLMSG_ERROR {
+                    let answer = error_answer(message, read_u16(message, 6)?)?;
+                    return Err(KernelError::Dump {
+                        what: "the ruleset generation".to_owned(),
+                        errno: io::Error::from_raw_os_error(answer.errno),
+                    });
+                }
+                if kind == (encode::NFNL_SUBSYS_NFTABLES << 8) | encode::NFT_MSG_NEWGEN {
+                    let body = message
+                        .get(NLMSG_HEADER_LEN + NFGENMSG_LEN..)
+                        .unwrap_or_default();
+                    return digest::find(body, NFTA_GEN_ID)
+                        .and_then(|id| id.try_into().ok())
+                        .map(u32::from_be_bytes)
+                        .ok_or(KernelError::Malformed("a generation without its id"));
+                }
+            }
+        }
     }
 
     /// [`Netlink::dump`], again from the start while the ruleset changes under it.

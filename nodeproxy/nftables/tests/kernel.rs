@@ -653,6 +653,38 @@ fn the_same_ruleset_by_netlink_and_nft(family: IpFamily) {
         .expect("deleting a missing table is no error");
 }
 
+/// The generation moves with every commit, of any table and any writer, and only then.
+#[test]
+fn the_generation_moves_with_every_commit_and_only_then() {
+    if !can_run() {
+        return;
+    }
+    let family = IpFamily::V4;
+    let ns = ScratchNetns::new("generation");
+    let generation = || ns.run(|| Netlink::open()?.generation());
+    let first = generation().expect("generation");
+    assert_eq!(
+        generation().expect("generation"),
+        first,
+        "nothing committed"
+    );
+    ns.apply(&Transaction::replace_all(&every_variant(family)))
+        .expect("our ruleset");
+    let ours = generation().expect("generation");
+    assert_ne!(ours, first, "our commit");
+    // Reads of every kind commit nothing.
+    let _ = ns.listing();
+    ns.run(|| Netlink::open()?.read_table(tandem_nftables::TABLE, true))
+        .expect("read back");
+    assert_eq!(generation().expect("generation"), ours, "reads");
+    ns.nft_script("add table inet someone_else\n");
+    assert_ne!(
+        generation().expect("generation"),
+        ours,
+        "someone else's commit"
+    );
+}
+
 #[test]
 fn a_rejected_transaction_names_its_operation_and_changes_nothing() {
     if !can_run() {
