@@ -136,6 +136,9 @@ pub struct Metrics {
     /// The periodic read-back of the kernel, beside the sync loop.
     pub readback_duration: Histogram,
     pub readback_failures: Counter,
+    /// Read-backs given up for a change's sync, and started again after it
+    /// (iptables-legacy).
+    pub readback_yields: Counter,
     /// Stale UDP conntrack entries the reconciler deleted (kube-proxy's
     /// conntrack_reconciler_deleted_entries_total).
     pub conntrack_reconciler_deleted: Family<FamilyLabels, Counter>,
@@ -171,6 +174,7 @@ impl Metrics {
             sync_repairs: Family::default(),
             readback_duration: seconds_histogram(),
             readback_failures: Counter::default(),
+            readback_yields: Counter::default(),
             foreign_ruleset_changes: Counter::default(),
             full_checks_skipped: Counter::default(),
             conntrack_reconciler_deleted: Family::default(),
@@ -262,6 +266,11 @@ impl Metrics {
             "sync_readback_failures",
             "Periodic read-backs of our rules that failed",
             metrics.readback_failures.clone(),
+        );
+        registry.register(
+            "sync_readback_yields",
+            "Read-backs given up for a change's sync and started again after it (iptables-legacy)",
+            metrics.readback_yields.clone(),
         );
         registry.register(
             "sync_foreign_ruleset_changes",

@@ -336,6 +336,29 @@ fn read_back_cost_and_endpoint_changes_during_it() {
                         "{label}: the chains written during the read-back were compared"
                     );
                 }
+                // What the sync loop does where nothing is announced (iptables-legacy): a
+                // change gives the read-back in flight up, and it starts again after.
+                let mut given_way = Vec::new();
+                for _ in 0..5 {
+                    let task = path.start_read_back(None);
+                    tokio::time::sleep(walls[0] / 4).await;
+                    let started = Instant::now();
+                    task.abort();
+                    let change_took = change(&mut path).await;
+                    given_way.push(started.elapsed());
+                    assert!(change_took <= started.elapsed());
+                    let read = path.start_read_back(None).await.unwrap();
+                    assert_eq!(
+                        path.take_read_back(read, &metrics),
+                        0,
+                        "{label}: after giving way"
+                    );
+                }
+                println!(
+                    "{size}, {label}: the read-back given up for a change: the change took median {:.2?} max {:.2?} over 5",
+                    median(given_way.clone()),
+                    given_way.iter().max().copied().unwrap_or_default(),
+                );
                 println!(
                     "{size}, {label}: first sync {first_sync:.2?}; read-back wall {:.2?} (median of 3; {:.2?}..{:.2?}), CPU {:.2?}, comparison in the loop {:.2?}; \
                      endpoint change median {:.2?} without a read-back, median {:.2?} max {:.2?} over {} changes during five",
