@@ -497,9 +497,9 @@ pub fn sections(scale: &Scale, m: &Measured) -> Section {
     if api_writes > API_WRITES_TARGET {
         notes.push(format!(
             "MISSED: {api_writes:.2} API writes per Service on the create path (target ≤ \
-             {API_WRITES_TARGET}), {:.2} of them Events. Without Events the floor is three: \
-             the finalizer (before the cloud call), the LB-id annotation (after it: two \
-             patches) and the status (a subresource, which takes no metadata); upstream's \
+             {API_WRITES_TARGET}), {:.2} of them Events. Without Events the floor is two: \
+             the finalizer with the LB id the provider planned (one patch, before the cloud \
+             call) and the status (a subresource, which takes no metadata); upstream's \
              contract adds EnsuringLoadBalancer and EnsuredLoadBalancer.",
             m.create_events as f64 / n as f64
         ));
