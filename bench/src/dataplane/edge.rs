@@ -105,18 +105,36 @@ impl HaproxyEdge {
     }
 }
 
-/// The load balancer of `cloud` whose VIP is `vip`: the one the controller made.
+/// The load balancer of `cloud` whose VIP is `vip`: the one the controller made, with the
+/// IPv4 members of the node pool it references as its backends (the controller's LBs
+/// carry none of their own), so that a copy on another edge needs no pool.
 pub async fn load_balancer_at(cloud: &Client, vip: SocketAddr) -> Result<LoadBalancer> {
     let all = cloud
         .list_load_balancers(&Default::default())
         .await
         .context("listing the own edge's load balancers")?;
-    all.into_iter()
+    let mut lb = all
+        .into_iter()
         .find(|lb| {
             lb.vip()
                 .is_some_and(|ip| std::net::IpAddr::V4(ip) == vip.ip())
         })
-        .with_context(|| format!("the own edge has no load balancer at {vip}"))
+        .with_context(|| format!("the own edge has no load balancer at {vip}"))?;
+    if let Some(pool) = lb.spec.node_pool.take() {
+        let members = cloud
+            .get_node_pool(&pool)
+            .await
+            .with_context(|| format!("reading node pool {pool}"))?;
+        lb.spec.backends = members
+            .backends
+            .iter()
+            .filter_map(|member| match member.ip {
+                std::net::IpAddr::V4(ip) => Some(cloud_mock_sdk::Backend { ip }),
+                std::net::IpAddr::V6(_) => None,
+            })
+            .collect();
+    }
+    Ok(lb)
 }
 
 /// `template`'s TCP listeners (an HAProxy edge refuses UDP in proxy mode; the lab's
