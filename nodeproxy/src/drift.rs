@@ -45,6 +45,11 @@ pub fn is_compared_chain(table: &str, chain: &str) -> bool {
         && !restore::is_shared_chain(table, chain)
 }
 
+/// The chain of a restore line (`-N CHAIN`, `-A CHAIN rule`).
+fn chain_of(line: &str) -> Option<&str> {
+    line.split_whitespace().nth(1)
+}
+
 /// What a read-back found in one table.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TableReadBack {
@@ -153,21 +158,27 @@ impl TableDrift {
             .filter(|chain| !written.contains_key(*chain) && !skip(chain))
             .cloned()
             .collect();
+        // Built-in and shared chains left out of the read (or written since it began) are
+        // not judged: their rules were not listed.
         let jumps = BASE_JUMPS
             .iter()
-            .filter(|jump| jump.table == table)
+            .filter(|jump| jump.table == table && !skip(jump.builtin_chain))
             .filter(|jump| {
                 !read.inspection.builtins.iter().any(|(chain, _, rules)| {
                     chain == jump.builtin_chain && rules.iter().any(|r| r == jump.rule)
                 })
             })
             .collect();
+        let shared = restore::ensure_shared(name, &read.inspection, desired)
+            .into_iter()
+            .filter(|line| chain_of(line).is_none_or(|chain| !skip(chain)))
+            .collect();
         Self {
             canary_missing,
             chains,
             unexpected,
             jumps,
-            shared: restore::ensure_shared(name, &read.inspection, desired),
+            shared,
         }
     }
 
@@ -175,7 +186,7 @@ impl TableDrift {
     pub fn shared_chains(&self) -> BTreeSet<&str> {
         self.shared
             .iter()
-            .filter_map(|line| line.split_whitespace().nth(1))
+            .filter_map(|line| chain_of(line))
             .collect()
     }
 
@@ -330,6 +341,16 @@ mod tests {
                 "-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000",
                 "-I POSTROUTING 1 -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING",
                 "-I PREROUTING 1 -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+            ]
+        );
+        // A read scoped to PREROUTING (an announced removal there) judges only it.
+        let scoped = TableDrift::between(Table::Nat, &BTreeMap::new(), &desired(), &read, |c| {
+            c != "PREROUTING"
+        });
+        assert_eq!(
+            scoped.ensure_lines(),
+            [
+                "-I PREROUTING 1 -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"
             ]
         );
     }

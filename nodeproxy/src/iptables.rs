@@ -621,44 +621,47 @@ pub async fn read_back(
         only: only.clone(),
         ..IptablesReadBack::default()
     };
+    if tools.backend == Backend::Legacy {
+        for table in Table::ALL {
+            let name = table.as_str();
+            let save = run(tools.save(), &["-t", name], None).await?;
+            let table_read = blocking(move || Ok(TableReadBack::from_save(&save, name))).await?;
+            read.tables.insert(table, table_read);
+        }
+        read.mangle_canary =
+            restore::parse_save(&run(tools.save(), &["-t", "mangle"], None).await?, "mangle")
+                .user_chains
+                .contains(CANARY_CHAIN);
+        return Ok(read);
+    }
+    // Every table's chain names in one dump (the kernel lists them all at once).
+    let mut names = all_chain_names(tools.family).await?;
+    read.mangle_canary = names
+        .get("mangle")
+        .is_some_and(|chains| chains.contains(CANARY_CHAIN));
     for table in Table::ALL {
         let name = table.as_str();
-        let table_read = match tools.backend {
-            Backend::Legacy => {
-                let save = run(tools.save(), &["-t", name], None).await?;
-                blocking(move || Ok(TableReadBack::from_save(&save, name))).await?
-            }
-            Backend::Nft => {
-                let chains = chain_names(tools.family, name).await?;
-                let inspection = inspect_chains(tools, name, &chains).await?;
-                let in_scope = |chain: &String| {
-                    only.as_ref().is_none_or(|only| {
-                        only.get(&table)
-                            .is_some_and(|chains| chains.contains(chain))
-                    })
-                };
-                let compared: Vec<String> = chains
-                    .into_iter()
-                    .filter(|chain| drift::is_compared_chain(name, chain) && in_scope(chain))
-                    .collect();
-                TableReadBack {
-                    inspection,
-                    chains: read_rules(tools.family, name, compared).await?,
-                }
-            }
+        // Scoped to what was announced: the other tables are not read at all.
+        let scope = match &only {
+            None => None,
+            Some(only) => match only.get(&table) {
+                Some(chains) => Some(chains),
+                None => continue,
+            },
+        };
+        let in_scope = |chain: &str| scope.is_none_or(|chains| chains.contains(chain));
+        let chains = names.remove(name).unwrap_or_default();
+        let inspection = inspect_chains(tools, name, &chains, in_scope).await?;
+        let compared: Vec<String> = chains
+            .into_iter()
+            .filter(|chain| drift::is_compared_chain(name, chain) && in_scope(chain))
+            .collect();
+        let table_read = TableReadBack {
+            inspection,
+            chains: read_rules(tools.family, name, compared).await?,
         };
         read.tables.insert(table, table_read);
     }
-    read.mangle_canary = match tools.backend {
-        Backend::Legacy => {
-            restore::parse_save(&run(tools.save(), &["-t", "mangle"], None).await?, "mangle")
-                .user_chains
-                .contains(CANARY_CHAIN)
-        }
-        Backend::Nft => chain_names(tools.family, "mangle")
-            .await?
-            .contains(CANARY_CHAIN),
-    };
     Ok(read)
 }
 
@@ -671,7 +674,11 @@ pub async fn read_back(
 async fn inspect(tools: Tools, table: &'static str) -> Result<TableInspection, SyncError> {
     match tools.backend {
         Backend::Nft => {
-            inspect_chains(tools, table, &chain_names(tools.family, table).await?).await
+            let chains = all_chain_names(tools.family)
+                .await?
+                .remove(table)
+                .unwrap_or_default();
+            inspect_chains(tools, table, &chains, |_| true).await
         }
         Backend::Legacy => {
             let output = run(tools.save(), &["-t", table], None).await?;
@@ -680,17 +687,21 @@ async fn inspect(tools: Tools, table: &'static str) -> Result<TableInspection, S
     }
 }
 
-/// The inspection of an nf_tables table of which `chains` are all the chains.
+/// The inspection of an nf_tables table of which `chains` are all the chains; of its
+/// built-in and shared chains, those `listed` says (each costs an `iptables -S`, which at
+/// 10,000 Services loads the names of every chain of the table first).
 async fn inspect_chains(
     tools: Tools,
     table: &str,
     chains: &BTreeSet<String>,
+    listed: impl Fn(&str) -> bool,
 ) -> Result<TableInspection, SyncError> {
     let mut save = format!("*{table}\n");
     let listed = chains.iter().filter(|c| {
-        restore::builtin_chains(table).contains(&c.as_str())
+        (restore::builtin_chains(table).contains(&c.as_str())
             || restore::is_shared_chain(table, c)
-            || (table == "filter" && c.as_str() == restore::KUBELET_FIREWALL_CHAIN)
+            || (table == "filter" && c.as_str() == restore::KUBELET_FIREWALL_CHAIN))
+            && listed(c)
     });
     for chain in listed {
         let rules = run(
@@ -710,14 +721,24 @@ async fn inspect_chains(
     Ok(restore::parse_save(&save, table))
 }
 
-/// The chain names of an nf_tables table (iptables-nft keeps each iptables table as the
-/// nftables table of the same name in family `ip`, each ip6tables table in family `ip6`).
-async fn chain_names(family: IpFamily, table: &'static str) -> Result<BTreeSet<String>, SyncError> {
+/// The chain names of the nf_tables tables iptables-nft keeps our rules and the canary in
+/// (each iptables table is the nftables table of the same name in family `ip`, each
+/// ip6tables table in family `ip6`), from one dump.
+async fn all_chain_names(
+    family: IpFamily,
+) -> Result<BTreeMap<String, BTreeSet<String>>, SyncError> {
     blocking(move || {
-        let chains = Netlink::open()
-            .and_then(|netlink| netlink.reading(family).read_chains(table))
-            .map_err(|source| SyncError::Netlink { table, source })?;
-        Ok(chains.into_keys().collect())
+        let tables: Vec<&str> = Table::ALL
+            .iter()
+            .map(|table| table.as_str())
+            .chain(["mangle"])
+            .collect();
+        Netlink::open()
+            .and_then(|netlink| netlink.reading(family).read_chain_names(&tables))
+            .map_err(|source| SyncError::Netlink {
+                table: "nat, filter and mangle",
+                source,
+            })
     })
     .await
 }

@@ -337,6 +337,48 @@ fn a_read_back_of_the_announced_chains_compares_only_them() {
     });
 }
 
+/// A removal announced in a built-in chain (the PREROUTING jump deleted): the read looks
+/// at that chain, finds the jump missing and puts it back, and judges nothing else.
+#[test]
+fn an_announced_jump_removal_is_read_back_there_and_put_back() {
+    for_each_backend(|backend, _| {
+        Box::pin(async move {
+            let (desired, mut syncer, expected) = synced_and_read_back(backend).await;
+            run(
+                backend.iptables(),
+                &[
+                    "-t",
+                    "nat",
+                    "-D",
+                    "PREROUTING",
+                    "-m",
+                    "comment",
+                    "--comment",
+                    "kubernetes service portals",
+                    "-j",
+                    "KUBE-SERVICES",
+                ],
+            );
+            let only = ChainScope::from([(Table::Nat, ["PREROUTING".to_owned()].into())]);
+            let found = read_back_of(&mut syncer, &desired, Some(only)).await;
+            assert_eq!(found.len(), 1, "{found:?}");
+            let drift = &found[0].drift;
+            assert!(
+                drift.chains.is_empty() && drift.unexpected.is_empty(),
+                "{drift:?}"
+            );
+            let jumps: Vec<&str> = drift.jumps.iter().map(|j| j.builtin_chain).collect();
+            assert_eq!(jumps, ["PREROUTING"]);
+            assert!(drift.shared.is_empty(), "{drift:?}");
+            syncer
+                .sync_changed(&desired, &ChangedChains::default())
+                .await
+                .unwrap();
+            assert_eq!(tables(backend), expected);
+        })
+    });
+}
+
 #[test]
 fn a_flushed_table_is_found_by_the_read_back_and_rewritten_in_full() {
     for_each_backend(|backend, _| {

@@ -10,7 +10,7 @@
 //! (An ACK of the batch end would confirm it only on kernels from 6.10 on.)
 
 use std::borrow::Borrow;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, IoSlice};
 use std::os::fd::{AsFd, AsRawFd};
 
@@ -371,6 +371,33 @@ impl Netlink {
             Err(error) if is_absent(&error) => Ok(BTreeMap::new()),
             listed => listed.map(|()| chains),
         }
+    }
+
+    /// The chain names of each of `tables` (of the read family), from one dump: the kernel
+    /// dumps the chains of every table of the family whatever table is asked for, so a
+    /// dump per table would read them all again each time. A table that does not exist
+    /// has none.
+    pub fn read_chain_names(
+        &mut self,
+        tables: &[&str],
+    ) -> Result<BTreeMap<String, BTreeSet<String>>, KernelError> {
+        let mut names: BTreeMap<String, BTreeSet<String>> = tables
+            .iter()
+            .map(|table| ((*table).to_owned(), BTreeSet::new()))
+            .collect();
+        self.dump_retried(
+            encode::NFT_MSG_GETCHAIN,
+            "the chains",
+            |_| {},
+            |message| {
+                for (table, chains) in &mut names {
+                    if let Some((chain, _)) = digest::listed_chain(message, table) {
+                        chains.insert(chain);
+                    }
+                }
+            },
+        )?;
+        Ok(names)
     }
 
     /// The rules of the given chains of table `TABLE` (of the read family), one small dump per chain (a
