@@ -610,7 +610,8 @@ pub type ChainScope = BTreeMap<Table, BTreeSet<String>>;
 /// chains, where our rules sit among others', are listed as text (`iptables -S CHAIN`).
 ///
 /// With `only` (nf_tables only: a legacy save is one read anyway), the rules of those
-/// chains alone are read: someone else's change the kernel announced, found in a few
+/// chains alone are read, in their tables alone, and of the built-in and shared chains
+/// only those named are listed: someone else's change the kernel announced, found in a few
 /// small dumps instead of one per chain of ours (3 s at 10,000 Services).
 pub async fn read_back(
     tools: Tools,
