@@ -430,15 +430,7 @@ impl Netlink {
     /// with the same value proves that nothing was committed in between: what a read-back
     /// of every rule would show, in one small request.
     pub fn generation(&mut self) -> Result<u32, KernelError> {
-        let seq = self.next_seq;
-        self.next_seq = self.next_seq.wrapping_add(1);
-        let request = encode::generation_request(seq);
-        self.socket
-            .send(&request, 0)
-            .map_err(|source| KernelError::Send {
-                bytes: request.len(),
-                source,
-            })?;
+        let seq = self.request(encode::generation_request)?;
         let mut buf: Vec<u8> = Vec::with_capacity(1 << 12);
         loop {
             buf.clear();
@@ -469,6 +461,21 @@ impl Netlink {
                 }
             }
         }
+    }
+
+    /// Sends the request `message` builds for the next sequence number; returns that
+    /// number, which its answers carry.
+    fn request(&mut self, message: impl FnOnce(u32) -> Vec<u8>) -> Result<u32, KernelError> {
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1);
+        let message = message(seq);
+        self.socket
+            .send(&message, 0)
+            .map_err(|source| KernelError::Send {
+                bytes: message.len(),
+                source,
+            })?;
+        Ok(seq)
     }
 
     /// [`Netlink::dump`], again from the start while the ruleset changes under it.
@@ -502,15 +509,8 @@ impl Netlink {
         request: &impl Fn(&mut encode::Writer),
         mut each: impl FnMut(&[u8]),
     ) -> Result<bool, KernelError> {
-        let seq = self.next_seq;
-        self.next_seq = self.next_seq.wrapping_add(1);
-        let message = encode::dump_request(kind, seq, self.read_family, request);
-        self.socket
-            .send(&message, 0)
-            .map_err(|source| KernelError::Send {
-                bytes: message.len(),
-                source,
-            })?;
+        let family = self.read_family;
+        let seq = self.request(|seq| encode::dump_request(kind, seq, family, request))?;
         let mut consistent = true;
         let mut buf: Vec<u8> = Vec::with_capacity(DUMP_BUFFER_BYTES);
         loop {
