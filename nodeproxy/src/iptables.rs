@@ -689,8 +689,7 @@ async fn inspect(tools: Tools, table: &'static str) -> Result<TableInspection, S
 }
 
 /// The inspection of an nf_tables table of which `chains` are all the chains; of its
-/// built-in and shared chains, those `listed` says (each costs an `iptables -S`, which at
-/// 10,000 Services loads the names of every chain of the table first).
+/// built-in and shared chains, those `listed` says (each costs an `iptables -S` process).
 async fn inspect_chains(
     tools: Tools,
     table: &str,
@@ -828,6 +827,19 @@ async fn spawn_with_stdin(
         drop(pipe);
     }
     child.wait_with_output().await.map_err(spawn_error)
+}
+
+/// `iptables` arguments that delete our base jump from `builtin_chain` of `table`, as
+/// someone else would (the drift tests and benchmarks); `None` when there is none.
+pub fn base_jump_deletion(table: Table, builtin_chain: &str) -> Option<Vec<String>> {
+    let jump = BASE_JUMPS
+        .iter()
+        .find(|jump| jump.table == table && jump.builtin_chain == builtin_chain)?;
+    let mut args: Vec<String> = ["-t", table.as_str(), "-D", builtin_chain]
+        .map(str::to_owned)
+        .to_vec();
+    args.extend(split_rule(jump.rule));
+    Some(args)
 }
 
 /// Split a rule text into arguments the way a shell would for the quoting `iptables-save`

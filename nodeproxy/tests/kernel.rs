@@ -344,21 +344,9 @@ fn an_announced_jump_removal_is_read_back_there_and_put_back() {
     for_each_backend(|backend, _| {
         Box::pin(async move {
             let (desired, mut syncer, expected) = synced_and_read_back(backend).await;
-            run(
-                backend.iptables(),
-                &[
-                    "-t",
-                    "nat",
-                    "-D",
-                    "PREROUTING",
-                    "-m",
-                    "comment",
-                    "--comment",
-                    "kubernetes service portals",
-                    "-j",
-                    "KUBE-SERVICES",
-                ],
-            );
+            let deletion = iptables::base_jump_deletion(Table::Nat, "PREROUTING").unwrap();
+            let deletion: Vec<&str> = deletion.iter().map(String::as_str).collect();
+            run(backend.iptables(), &deletion);
             let only = ChainScope::from([(Table::Nat, ["PREROUTING".to_owned()].into())]);
             let found = read_back_of(&mut syncer, &desired, Some(only)).await;
             assert_eq!(found.len(), 1, "{found:?}");

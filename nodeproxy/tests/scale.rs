@@ -344,9 +344,8 @@ fn read_back_cost_and_endpoint_changes_during_it() {
                     tokio::time::sleep(walls[0] / 4).await;
                     let started = Instant::now();
                     task.abort();
-                    let change_took = change(&mut path).await;
+                    change(&mut path).await;
                     given_way.push(started.elapsed());
-                    assert!(change_took <= started.elapsed());
                     let read = path.start_read_back(None).await.unwrap();
                     assert_eq!(
                         path.take_read_back(read, &metrics),

@@ -274,25 +274,20 @@ async fn repair_time(
 ) -> anyhow::Result<Duration> {
     let page = rss::get(METRICS, "/metrics").await.unwrap_or_default();
     let (repairs_before, syncs_before) = (repairs(&page), successful_syncs(&page));
-    let (program, args): (&str, Vec<&str>) = match data_path {
+    let (program, args): (&str, Vec<String>) = match data_path {
         DataPathFlags::Iptables(backend) => (
             Tools::new(backend, IpFamily::V4).iptables(),
-            vec![
-                "-t",
-                "nat",
-                "-D",
+            tandem_nodeproxy::iptables::base_jump_deletion(
+                tandem_proxy_rules::ruleset::Table::Nat,
                 "PREROUTING",
-                "-m",
-                "comment",
-                "--comment",
-                "kubernetes service portals",
-                "-j",
-                "KUBE-SERVICES",
-            ],
+            )
+            .context("no base jump in nat PREROUTING")?,
         ),
         DataPathFlags::Nftables => (
             "nft",
-            vec!["flush", "chain", "ip", "tandem", "nat-prerouting"],
+            ["flush", "chain", "ip", "tandem", "nat-prerouting"]
+                .map(str::to_owned)
+                .to_vec(),
         ),
     };
     let output = tokio::process::Command::new(program)
