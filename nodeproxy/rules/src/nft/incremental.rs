@@ -77,6 +77,24 @@ struct PortShare {
     buckets: Option<(String, Vec<Key>)>,
 }
 
+/// A port's objects, its elements taken out into the share of the ruleset it claims.
+fn claimed_by(mut objects: PortObjects) -> (PortObjects, PortShare) {
+    let mut elements = std::mem::take(&mut objects.elements);
+    // Kept for as long as the port is: without the room its growth left, a quarter less
+    // at 10 endpoints.
+    elements.shrink_to_fit();
+    let share = PortShare {
+        chains: objects.chains.keys().cloned().collect(),
+        sets: objects.sets.keys().cloned().collect(),
+        elements,
+        buckets: objects
+            .buckets
+            .as_ref()
+            .map(|(map, runs)| (map.clone(), runs.elements.keys().copied().collect())),
+    };
+    (objects, share)
+}
+
 impl PortShare {
     fn value(&self, (set, key): ElementKey) -> Option<&Value> {
         self.elements
@@ -242,21 +260,20 @@ impl IncrementalRuleset {
                 continue;
             };
             let slot = self.slots.assign(name, svc.protocol);
-            let PortObjects {
-                chains,
-                sets,
-                mut elements,
-                buckets,
-            } = port_objects(svc, state.endpoints_of(name), &self.node, slot);
-            elements.shrink_to_fit();
-            let share = PortShare {
-                chains: chains.keys().cloned().collect(),
-                sets: sets.keys().cloned().collect(),
-                elements,
-                buckets: buckets
-                    .as_ref()
-                    .map(|(map, runs)| (map.clone(), runs.elements.keys().copied().collect())),
-            };
+            let (
+                PortObjects {
+                    chains,
+                    sets,
+                    buckets,
+                    ..
+                },
+                share,
+            ) = claimed_by(port_objects(
+                svc,
+                state.endpoints_of(name),
+                &self.node,
+                slot,
+            ));
             self.ruleset.chains.extend(chains);
             for (set, part) in sets.into_iter().chain(buckets) {
                 merge_into(&mut self.ruleset, set, part);
@@ -354,23 +371,20 @@ impl IncrementalRuleset {
                 continue;
             };
             let slot = self.slots.assign(name, svc.protocol);
-            let PortObjects {
-                chains: own_chains,
-                sets: own_sets,
-                mut elements,
-                buckets,
-            } = port_objects(svc, state.endpoints_of(name), &self.node, slot);
-            // Kept for as long as the port is: without the room its growth left, a
-            // quarter less at 10 endpoints.
-            elements.shrink_to_fit();
-            let share = PortShare {
-                chains: own_chains.keys().cloned().collect(),
-                sets: own_sets.keys().cloned().collect(),
-                elements,
-                buckets: buckets
-                    .as_ref()
-                    .map(|(map, runs)| (map.clone(), runs.elements.keys().copied().collect())),
-            };
+            let (
+                PortObjects {
+                    chains: own_chains,
+                    sets: own_sets,
+                    buckets,
+                    ..
+                },
+                share,
+            ) = claimed_by(port_objects(
+                svc,
+                state.endpoints_of(name),
+                &self.node,
+                slot,
+            ));
             if let Some((map, runs)) = buckets {
                 bucket_maps.insert(map.clone());
                 merge_into(&mut after, map, runs);
