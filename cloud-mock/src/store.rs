@@ -1133,17 +1133,20 @@ fn index_node_pool_references(db: &Database) -> Result<(), StoreError> {
 fn read_all_node_pools(
     table: &impl ReadableTable<&'static str, &'static [u8]>,
 ) -> Result<Vec<StoredNodePool>, StoreError> {
-    let mut all = Vec::new();
-    for entry in table.iter().map_err(db_error)? {
-        let (key, value) = entry.map_err(db_error)?;
-        all.push(decode_node_pool(key.value(), value.value())?);
-    }
-    Ok(all)
+    read_all(table, decode_node_pool)
 }
 
 fn read_all_lbs(
     table: &impl ReadableTable<&'static str, &'static [u8]>,
 ) -> Result<Vec<StoredLoadBalancer>, StoreError> {
+    read_all(table, decode)
+}
+
+/// Every entry of `table`, each decoded by its key.
+fn read_all<T>(
+    table: &impl ReadableTable<&'static str, &'static [u8]>,
+    decode: impl Fn(&str, &[u8]) -> Result<T, StoreError>,
+) -> Result<Vec<T>, StoreError> {
     let mut all = Vec::new();
     for entry in table.iter().map_err(db_error)? {
         let (key, value) = entry.map_err(db_error)?;
