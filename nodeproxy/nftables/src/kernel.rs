@@ -431,36 +431,15 @@ impl Netlink {
     /// of every rule would show, in one small request.
     pub fn generation(&mut self) -> Result<u32, KernelError> {
         let seq = self.request(encode::generation_request)?;
-        let mut buf: Vec<u8> = Vec::with_capacity(1 << 12);
-        loop {
-            buf.clear();
-            self.socket
-                .recv(&mut buf, 0)
-                .map_err(KernelError::Receive)?;
-            for message in messages(&buf)? {
-                // Answers to an earlier request that was given up.
-                if read_u32(message, 8)? != seq {
-                    continue;
-                }
-                let kind = read_u16(message, 4)?;
-                if kind == NLMSG_ERROR {
-                    let answer = error_answer(message, read_u16(message, 6)?)?;
-                    return Err(KernelError::Dump {
-                        what: "the ruleset generation".to_owned(),
-                        errno: io::Error::from_raw_os_error(answer.errno),
-                    });
-                }
-                if kind == (encode::NFNL_SUBSYS_NFTABLES << 8) | encode::NFT_MSG_NEWGEN {
-                    let body = message
-                        .get(NLMSG_HEADER_LEN + NFGENMSG_LEN..)
-                        .unwrap_or_default();
-                    return digest::find(body, NFTA_GEN_ID)
-                        .and_then(|id| id.try_into().ok())
-                        .map(u32::from_be_bytes)
-                        .ok_or(KernelError::Malformed("a generation without its id"));
-                }
+        self.answers(seq, "the ruleset generation", 1 << 12, |kind, _, body| {
+            if kind != (encode::NFNL_SUBSYS_NFTABLES << 8) | encode::NFT_MSG_NEWGEN {
+                return Ok(None);
             }
-        }
+            digest::find(body, NFTA_GEN_ID)
+                .and_then(|id| id.try_into().ok())
+                .map(|id| Some(u32::from_be_bytes(id)))
+                .ok_or(KernelError::Malformed("a generation without its id"))
+        })
     }
 
     /// Sends the request `message` builds for the next sequence number; returns that
@@ -512,33 +491,50 @@ impl Netlink {
         let family = self.read_family;
         let seq = self.request(|seq| encode::dump_request(kind, seq, family, request))?;
         let mut consistent = true;
-        let mut buf: Vec<u8> = Vec::with_capacity(DUMP_BUFFER_BYTES);
+        self.answers(seq, what, DUMP_BUFFER_BYTES, |kind, flags, body| {
+            consistent &= flags & NLM_F_DUMP_INTR == 0;
+            if kind == NLMSG_DONE {
+                return Ok(Some(consistent));
+            }
+            each(body);
+            Ok(None)
+        })
+    }
+
+    /// Reads the answers to request `seq` (for `what`, as an error names it), `buffer`
+    /// bytes a datagram, handing each message's kind, flags and attributes to `handle`
+    /// until it returns a result. An error answer ends it as [`KernelError::Dump`].
+    fn answers<R>(
+        &mut self,
+        seq: u32,
+        what: &str,
+        buffer: usize,
+        mut handle: impl FnMut(u16, u16, &[u8]) -> Result<Option<R>, KernelError>,
+    ) -> Result<R, KernelError> {
+        let mut buf: Vec<u8> = Vec::with_capacity(buffer);
         loop {
             buf.clear();
             self.socket
                 .recv(&mut buf, 0)
                 .map_err(KernelError::Receive)?;
             for message in messages(&buf)? {
-                let flags = read_u16(message, 6)?;
                 // Answers to an earlier request that was given up.
                 if read_u32(message, 8)? != seq {
                     continue;
                 }
-                consistent &= flags & NLM_F_DUMP_INTR == 0;
-                match read_u16(message, 4)? {
-                    NLMSG_DONE => return Ok(consistent),
-                    NLMSG_ERROR => {
-                        let answer = error_answer(message, flags)?;
-                        return Err(KernelError::Dump {
-                            what: what.to_owned(),
-                            errno: io::Error::from_raw_os_error(answer.errno),
-                        });
-                    }
-                    _ => each(
-                        message
-                            .get(NLMSG_HEADER_LEN + NFGENMSG_LEN..)
-                            .unwrap_or_default(),
-                    ),
+                let (kind, flags) = (read_u16(message, 4)?, read_u16(message, 6)?);
+                if kind == NLMSG_ERROR {
+                    let answer = error_answer(message, flags)?;
+                    return Err(KernelError::Dump {
+                        what: what.to_owned(),
+                        errno: io::Error::from_raw_os_error(answer.errno),
+                    });
+                }
+                let body = message
+                    .get(NLMSG_HEADER_LEN + NFGENMSG_LEN..)
+                    .unwrap_or_default();
+                if let Some(done) = handle(kind, flags, body)? {
+                    return Ok(done);
                 }
             }
         }
