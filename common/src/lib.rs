@@ -20,10 +20,14 @@ use tokio_util::sync::CancellationToken;
 pub mod http;
 #[cfg(feature = "kube")]
 mod kube_client;
+#[cfg(feature = "kube")]
+mod node;
 #[cfg(feature = "tls")]
 pub mod tls;
 #[cfg(feature = "kube")]
 pub use kube_client::{KubeClientError, client_from_kubeconfig, kube_client};
+#[cfg(feature = "kube")]
+pub use node::node_is_leaving;
 
 /// The port of the node proxy's health server (`/healthz`), as kube-proxy's
 /// `--healthz-bind-address` default: cloud load balancers probe it on every node.

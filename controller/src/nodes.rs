@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::Node;
-use tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
+use tandem_common::node_is_leaving;
 
 use crate::provider::IpFamily;
 
@@ -22,11 +22,8 @@ fn parse_go_bool(value: &str) -> Option<bool> {
     }
 }
 
-/// Whether the node may receive LB traffic.
+/// Whether the node may receive LB traffic: not on its way out, nor labelled out.
 pub fn is_eligible(node: &Node) -> bool {
-    if node.metadata.deletion_timestamp.is_some() {
-        return false;
-    }
     // An unparseable value still excludes: the label's presence alone meant exclusion
     // before values were parsed, and keeping traffic off a node is the safe reading.
     let excluded = node
@@ -35,19 +32,7 @@ pub fn is_eligible(node: &Node) -> bool {
         .as_ref()
         .and_then(|l| l.get(LABEL_EXCLUDE_FROM_LB))
         .is_some_and(|v| parse_go_bool(v.trim()).unwrap_or(true));
-    if excluded {
-        return false;
-    }
-    let to_be_deleted = node
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|taints| {
-            taints
-                .iter()
-                .any(|t| t.key == TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER)
-        });
-    !to_be_deleted
+    !excluded && !node_is_leaving(node)
 }
 
 /// The node's address of `family`: its first InternalIP of that family, else its first
@@ -97,6 +82,7 @@ pub(crate) mod tests {
     use kube::api::ObjectMeta;
     use proptest::prelude::*;
     use std::collections::BTreeMap;
+    use tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
 
     pub(crate) fn node(name: &str, ip: &str) -> Node {
         with_addresses(name, &[("InternalIP", ip)])
