@@ -32,7 +32,7 @@ use std::time::Duration;
 use anyhow::Context;
 use tandem_common::ProxyMode;
 use tandem_netlab::RunPrefix;
-use tandem_nodeproxy::backend::Backend;
+use tandem_nodeproxy::datapath::iptables::backend::Backend;
 
 use crate::BenchOptions;
 use crate::report::{Block, Row, Section, Target, Value};

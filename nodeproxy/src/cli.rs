@@ -11,8 +11,8 @@ use tandem_proxy_rules::model::{InterfaceName, LocalDetector, NodeConfig, NodePo
 
 pub use tandem_common::{GoDuration, LogFormat};
 
-use crate::backend::BackendChoice;
-use crate::convert::NodeFacts;
+use crate::datapath::iptables::backend::BackendChoice;
+use crate::observe::convert::NodeFacts;
 use tandem_common::ProxyMode;
 
 #[derive(Debug, Parser)]

@@ -2,24 +2,17 @@
 //! path computed by `tandem-proxy-rules`: the kube-proxy v1.21 iptables chains, or one
 //! nftables table of our own (`--proxy-mode nftables`).
 //!
-//! Pure parts ([`convert`]: API objects → model, [`change_tracker`], [`restore`]:
-//! iptables-restore payloads, [`drift`]: what a read-back of the kernel found changed,
-//! [`backend::detect`], [`conntrack::deletions`]) decide;
-//! [`iptables`] (runs iptables and iptables-restore), [`datapath`] (either mode behind one
-//! interface; nftables transactions go to the kernel through `tandem-nftables`),
-//! [`conntrack`] (the `conntrack` tool, and the reconciler over ctnetlink),
-//! [`healthcheck`] and [`proxier`] (the watches and the sync loop) do the I/O.
+//! Observe: the watches of [`observe`] feed the Services and EndpointSlices into a change
+//! tracker per IP family, through a pure conversion to the rules' model. Decide: `tandem-proxy-rules` builds the rules. Act: a [`datapath`] per family,
+//! either mode laid out alike (state, executor, read-back), with [`conntrack`] clean-up,
+//! driven by the sync loop in [`proxier`]; [`healthcheck`] serves the node's and the
+//! Services' health, [`metrics`] what it all did, and [`runtime`] wires it together.
 
-pub mod backend;
-pub mod change_tracker;
 pub mod cli;
 pub mod conntrack;
-pub mod convert;
 pub mod datapath;
-pub mod drift;
 pub mod healthcheck;
-pub mod iptables;
 pub mod metrics;
+pub mod observe;
 pub mod proxier;
-pub mod restore;
-pub mod ruleset_events;
+pub mod runtime;

@@ -1,47 +1,39 @@
-//! Wiring: reflectors on Services, EndpointSlices and this node's Node feed a sync loop
-//! that coalesces changes (`--min-sync-period`), resyncs periodically (`--sync-period`)
-//! and applies the ruleset, health-check servers and conntrack clean-up.
+//! The sync loop: the changes [`crate::observe`] took in are coalesced
+//! (`--min-sync-period`) and applied by each family's data path, with a periodic resync
+//! (`--sync-period`), the health-check servers and the conntrack clean-up.
 //!
 //! As kube-proxy's dual-stack "meta proxier", a proxier per IP family of the cluster: each
 //! has its own change tracker, fed the same watch events, and its own data path
 //! (`iptables` or `ip6tables`). One loop syncs them in turn; a family whose objects did
 //! not change has nothing to write. The health-check servers and `/healthz` are shared.
 //!
-//! In the nftables mode, where the API server serves them, a reflector on ServiceCIDR
-//! objects gives the Service CIDRs of the cluster-IP check, read again at every sync.
+//! The node's settings (its zone, and in the nftables mode the Service CIDRs of the
+//! ServiceCIDR objects) are read again at every sync.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::fmt::Debug;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{Stream, StreamExt};
 use ipnet::IpNet;
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::api::networking::v1::ServiceCIDR;
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client, Resource};
-use serde::de::DeserializeOwned;
-use tandem_common::IpFamily;
 use tandem_nftables::kernel::Netlink;
 use tandem_proxy_rules::conntrack::ServingUdpEndpoints;
 use tandem_proxy_rules::health::{health_check_services, merge_families};
-use tandem_proxy_rules::model::{NodeConfig, service_cidrs_of};
+use tandem_proxy_rules::model::NodeConfig;
 use tokio::sync::Notify;
 use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::change_tracker::{self, ChangeTracker, Changes, SharedTracker};
 use crate::conntrack;
-use crate::convert;
+use crate::datapath::events::{self, DriftAlarm, Suspicion};
 use crate::datapath::{DataPath, DataPathSize, ReadBack, RulesChanged};
 use crate::healthcheck::{NodeHealth, ServiceHealthServers};
 use crate::metrics::{Metrics, SyncLabels, SyncResult};
-use crate::ruleset_events::{self, DriftAlarm, Suspicion};
+use crate::observe::change_tracker::{self, Changes, SharedTracker};
+use crate::observe::convert;
+use crate::observe::{NodeSettings, Observed};
 
 #[derive(Debug, Clone)]
 pub struct ProxierConfig {
@@ -63,303 +55,6 @@ pub enum SyncReason {
     /// The drift check is due: the incremental rules are also compared with a full rebuild
     /// (and every family's rules are read back beside the loop).
     FullCheck,
-}
-
-/// The observed cluster, kept current by [`watch`]: Services and EndpointSlices in a
-/// change tracker per IP family, this node's Node in a reflector store, and the
-/// ServiceCIDR objects in another when they are watched.
-#[derive(Clone)]
-pub struct Observed {
-    pub trackers: BTreeMap<IpFamily, SharedTracker>,
-    pub node: Store<Node>,
-    /// `None`: not watched (the iptables mode, or a server without the API), the Service
-    /// CIDRs stay `--service-cluster-ip-range`'s.
-    pub service_cidrs: Option<Store<ServiceCIDR>>,
-}
-
-impl Observed {
-    /// The state of every Service and EndpointSlice held in `family`, joined from
-    /// scratch, plus the values left out (`None`: that family is not watched); joined
-    /// after the tracker lock is released, so the watches are not held up.
-    pub fn joined(&self, family: IpFamily) -> Option<convert::Conversion> {
-        let snapshot = change_tracker::lock(self.trackers.get(&family)?).snapshot();
-        Some(snapshot.joined())
-    }
-
-    /// This node's zone label, as the Node reflector holds it now (`None`: no label, or
-    /// no Node).
-    pub fn node_zone(&self) -> Option<String> {
-        self.node
-            .state()
-            .iter()
-            .find_map(|node| convert::node_zone(node))
-    }
-
-    /// Every CIDR of every ServiceCIDR object as the reflector holds them now, of both
-    /// families, and the values that are not CIDRs; `None` when they are not watched.
-    pub fn service_cidrs(&self) -> Option<(Vec<IpNet>, Vec<convert::Skipped>)> {
-        let objects = self.service_cidrs.as_ref()?.state();
-        Some(convert::service_cidrs(objects.iter().map(AsRef::as_ref)))
-    }
-
-    pub fn node_draining(&self) -> bool {
-        self.node
-            .state()
-            .iter()
-            .any(|node| convert::node_is_draining(node))
-    }
-
-    /// Wait until every watch delivered its first full list (or `shutdown`); false when
-    /// the watches ended first.
-    pub async fn wait_until_listed(&self, dirty: &Notify) -> bool {
-        if self.node.wait_until_ready().await.is_err() {
-            return false;
-        }
-        if let Some(service_cidrs) = &self.service_cidrs
-            && service_cidrs.wait_until_ready().await.is_err()
-        {
-            return false;
-        }
-        loop {
-            // Register before checking, so a list finished in between is not missed.
-            let notified = dirty.notified();
-            if self
-                .trackers
-                .values()
-                .all(|tracker| change_tracker::lock(tracker).listed())
-            {
-                // The permit this wait may have consumed stands for changes to sync.
-                dirty.notify_one();
-                return true;
-            }
-            notified.await;
-        }
-    }
-}
-
-/// Services and EndpointSlices per page of a list. A page is held whole, its JSON and its
-/// objects, while its objects are converted, in the heap of the watch's thread; the
-/// pages of kube's default size (500) left 6 MiB more of those heaps resident at 10,000
-/// Services.
-const LIST_PAGE_SIZE: u32 = 100;
-
-/// Start the watches, feeding a change tracker for each of `families`; `dirty` is
-/// notified whenever a change waits for a sync. The returned future runs them until
-/// `shutdown`. As kube-proxy does, Services another proxy owns
-/// (`service.kubernetes.io/service-proxy-name`) and headless ones are not watched.
-/// ServiceCIDR objects are watched with `service_cidrs` (see [`serves_service_cidrs`]).
-pub fn watch(
-    client: Client,
-    node_name: &str,
-    families: &[IpFamily],
-    service_cidrs: bool,
-    dirty: Arc<Notify>,
-    metrics: Metrics,
-    shutdown: CancellationToken,
-) -> (Observed, impl Future<Output = ()> + use<>) {
-    let trackers: BTreeMap<IpFamily, SharedTracker> = families
-        .iter()
-        .map(|&family| (family, Arc::new(Mutex::new(ChangeTracker::new(family)))))
-        .collect();
-    let (node, node_writer) = reflector::store();
-    let service_events = watcher(
-        Api::<Service>::all(client.clone()),
-        watcher::Config::default()
-            .labels(&convert::service_selector())
-            .page_size(LIST_PAGE_SIZE),
-    );
-    let slice_events = watcher(
-        Api::<EndpointSlice>::all(client.clone()),
-        watcher::Config::default()
-            .labels(&convert::slice_selector())
-            .page_size(LIST_PAGE_SIZE),
-    );
-    let node_events = reflector::reflector(
-        node_writer,
-        watcher(
-            Api::<Node>::all(client.clone()),
-            watcher::Config::default().fields(&format!("metadata.name={node_name}")),
-        ),
-    );
-    let (cidr_store, cidr_events) = if service_cidrs {
-        let (store, writer) = reflector::store();
-        let events = reflector::reflector(
-            writer,
-            watcher(Api::<ServiceCIDR>::all(client), watcher::Config::default()),
-        );
-        (Some(store), Some(events))
-    } else {
-        (None, None)
-    };
-    let run = {
-        let dirty = Arc::clone(&dirty);
-        let trackers = trackers.clone();
-        async move {
-            let on_service = {
-                let trackers = trackers.clone();
-                move |event| record_in_every_family(&trackers, event, ChangeTracker::record_service)
-            };
-            let on_slice = move |event| {
-                let changed = record_in_every_family(&trackers, event, ChangeTracker::record_slice);
-                if changed {
-                    metrics.endpoints_changes.inc();
-                }
-                changed
-            };
-            // The Node feeds /healthz and the zone endpoint hints are matched against,
-            // which each sync reads again.
-            let on_node = |event: watcher::Event<Node>| {
-                !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_))
-            };
-            // The same for the ServiceCIDRs: each sync reads the reflector's CIDRs again.
-            let on_service_cidr = |event: watcher::Event<ServiceCIDR>| {
-                !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_))
-            };
-            let service_cidrs = {
-                let dirty = Arc::clone(&dirty);
-                async move {
-                    match cidr_events {
-                        Some(events) => drive(events, dirty, on_service_cidr).await,
-                        None => std::future::pending().await,
-                    }
-                }
-            };
-            tokio::select! {
-                () = shutdown.cancelled() => {}
-                () = drive(service_events, Arc::clone(&dirty), on_service) => {}
-                () = drive(slice_events, Arc::clone(&dirty), on_slice) => {}
-                () = service_cidrs => {}
-                () = drive(node_events, dirty, on_node) => {}
-            }
-        }
-    };
-    (
-        Observed {
-            trackers,
-            node,
-            service_cidrs: cidr_store,
-        },
-        run,
-    )
-}
-
-/// Hands `event` to the tracker of every family (a copy to all but the last, so a node
-/// proxy of one family copies nothing); true when it changed something in any.
-fn record_in_every_family<E: Clone>(
-    trackers: &BTreeMap<IpFamily, SharedTracker>,
-    event: E,
-    record: impl Fn(&mut ChangeTracker, E) -> bool,
-) -> bool {
-    let mut others = trackers.values();
-    let Some(last) = others.next_back() else {
-        return false;
-    };
-    let mut changed = false;
-    for tracker in others {
-        changed |= record(&mut change_tracker::lock(tracker), event.clone());
-    }
-    record(&mut change_tracker::lock(last), event) || changed
-}
-
-/// Whether the API server serves `networking.k8s.io/v1` ServiceCIDRs (Kubernetes 1.33 and
-/// later, where kube-proxy's MultiCIDRServiceAllocator gate is on by default; kube-proxy
-/// watches them when its gate is on), asked once at start: a server upgraded under a
-/// running proxy is followed after a restart. A failing server is asked again for a
-/// while; when it keeps failing, the answer is no and `--service-cluster-ip-range` stays.
-pub async fn serves_service_cidrs(client: &Client) -> bool {
-    const ATTEMPTS: u32 = 5;
-    for attempt in 1..=ATTEMPTS {
-        match client
-            .list_api_group_resources("networking.k8s.io/v1")
-            .await
-        {
-            Ok(served) => return served.resources.iter().any(|r| r.name == "servicecidrs"),
-            // No such group version at all (an old server, or one without networking).
-            Err(kube::Error::Api(status)) if status.code == 404 => return false,
-            Err(error) if attempt < ATTEMPTS => {
-                tracing::warn!(%error, attempt, "discovering networking.k8s.io/v1 failed; retrying");
-                tokio::time::sleep(Duration::from_secs(u64::from(attempt))).await;
-            }
-            Err(error) => {
-                tracing::warn!(%error, "discovering networking.k8s.io/v1 failed: ServiceCIDRs are not watched, --service-cluster-ip-range stays");
-            }
-        }
-    }
-    false
-}
-
-/// This node's primary IP and pod CIDR of each of `families` from its Node object, read
-/// once at start as kube-proxy reads them (a change needs a restart, as there). A failing
-/// API server is asked again for a while; a Node that does not exist or has no address of
-/// a family gives `None` for it, logged: the LB IPs are then never allowed as their own
-/// sources, and `primary` node ports are served on every address.
-pub async fn node_facts(
-    client: Client,
-    node_name: &str,
-    families: &[IpFamily],
-) -> BTreeMap<IpFamily, convert::NodeFacts> {
-    const ATTEMPTS: u32 = 5;
-    let unknown = || {
-        families
-            .iter()
-            .map(|&family| (family, convert::NodeFacts::default()))
-            .collect()
-    };
-    let nodes = Api::<Node>::all(client);
-    for attempt in 1..=ATTEMPTS {
-        match nodes.get_opt(node_name).await {
-            Ok(Some(node)) => {
-                let facts = families
-                    .iter()
-                    .map(|&family| (family, convert::NodeFacts::of(&node, family)))
-                    .collect::<BTreeMap<_, _>>();
-                for (family, facts) in &facts {
-                    if facts.ip.is_none() {
-                        tracing::warn!(node_name, %family, "the Node has no InternalIP or ExternalIP of this family");
-                    }
-                }
-                return facts;
-            }
-            Ok(None) => {
-                tracing::warn!(node_name, "no Node of this name: its IP is unknown");
-                return unknown();
-            }
-            Err(error) if attempt < ATTEMPTS => {
-                tracing::warn!(node_name, %error, attempt, "reading the Node failed; retrying");
-                tokio::time::sleep(Duration::from_secs(u64::from(attempt))).await;
-            }
-            Err(error) => {
-                tracing::warn!(node_name, %error, "reading the Node failed: its IP is unknown");
-            }
-        }
-    }
-    unknown()
-}
-
-/// Consume one watch stream, handing each event to `record` and notifying `dirty` when it
-/// says something changed; watch errors are retried with kube-runtime's default backoff.
-async fn drive<K, S>(
-    events: S,
-    dirty: Arc<Notify>,
-    mut record: impl FnMut(watcher::Event<K>) -> bool,
-) where
-    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + 'static,
-    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
-{
-    let events = events.default_backoff();
-    futures::pin_mut!(events);
-    while let Some(event) = events.next().await {
-        match event {
-            Ok(event) => {
-                if record(event) {
-                    dirty.notify_one();
-                }
-            }
-            Err(error) => {
-                tracing::warn!(kind = K::kind(&()).as_ref(), %error, "watch failed; retrying")
-            }
-        }
-    }
 }
 
 /// How long after the previous sync the next may start: the min sync period, doubled
@@ -413,16 +108,9 @@ impl FamilyProxier {
         self.datapath.set_zone(zone);
     }
 
-    /// The cluster's Service CIDRs are now `cidrs` (every ServiceCIDR object's, of both
-    /// families; `None`: not watched, `--service-cluster-ip-range` stays): the objects
-    /// replace the flag, as kube-proxy's nftables mode knows no other source, and the
-    /// data path rewrites its cluster-IP check when this family's changed. Returns what
-    /// that changed.
-    fn follow_service_cidrs(&mut self, cidrs: Option<&[IpNet]>) -> RulesChanged {
-        let Some(cidrs) = cidrs else {
-            return RulesChanged::default();
-        };
-        let of_family = service_cidrs_of(self.node.family, cidrs.iter().copied());
+    /// The family's Service CIDRs are now `of_family`: when they changed, the data path
+    /// rewrites its cluster-IP check. Returns what that changed.
+    fn follow_service_cidrs(&mut self, of_family: Vec<IpNet>) -> RulesChanged {
         if of_family == self.node.service_cidrs {
             return RulesChanged::default();
         }
@@ -443,14 +131,14 @@ impl FamilyProxier {
     async fn sync(
         &mut self,
         tracker: &SharedTracker,
-        zone: Option<String>,
-        service_cidrs: Option<&[IpNet]>,
+        settings: &NodeSettings,
         full_check: bool,
         metrics: &Metrics,
         skipped: &mut Vec<convert::Skipped>,
     ) -> FamilySync {
-        self.follow_zone(zone, tracker);
-        let mut changed = self.follow_service_cidrs(service_cidrs);
+        let wanted = settings.applied_to(&self.node);
+        self.follow_zone(wanted.zone, tracker);
+        let mut changed = self.follow_service_cidrs(wanted.service_cidrs);
         // The check's objects are taken under the same lock as the changes, so the full
         // rebuild sees exactly what the incremental state now reflects.
         let (changes, snapshot) = {
@@ -787,7 +475,7 @@ impl Proxier {
             .map(|family| Some((family.node.family, family.datapath.written()?)))
             .collect();
         let watched = watched.filter(|watched| !watched.is_empty())?;
-        match ruleset_events::start(watched, self.metrics.clone()) {
+        match events::start(watched, self.metrics.clone()) {
             Ok(alarm) => {
                 tracing::info!(
                     period = ?self.config.drift_check_period,
@@ -870,25 +558,14 @@ impl Proxier {
         let started = std::time::Instant::now();
         let (mut ports, mut changed, mut diverged, mut applied) =
             (0, RulesChanged::default(), 0, true);
-        let mut skipped = Vec::new();
-        let zone = observed.node_zone();
-        let service_cidrs = observed.service_cidrs().map(|(cidrs, bad)| {
-            skipped.extend(bad);
-            cidrs
-        });
+        let settings = observed.node_settings();
+        let mut skipped = settings.skipped.clone();
         for family in &mut self.families {
             let Some(tracker) = observed.trackers.get(&family.node.family) else {
                 continue;
             };
             let done = family
-                .sync(
-                    tracker,
-                    zone.clone(),
-                    service_cidrs.as_deref(),
-                    full_check,
-                    &self.metrics,
-                    &mut skipped,
-                )
+                .sync(tracker, &settings, full_check, &self.metrics, &mut skipped)
                 .await;
             ports += done.ports;
             changed += done.changed;
@@ -1003,51 +680,5 @@ mod tests {
         let delays: Vec<u64> = (0..8).map(|f| retry_delay(&config, f).as_secs()).collect();
         assert_eq!(delays, vec![1, 2, 4, 8, 16, 30, 30, 30]);
         assert_eq!(retry_delay(&config, u32::MAX), Duration::from_secs(30));
-    }
-
-    /// A client whose server answers every request with `status` and `body`.
-    fn answering(status: u16, body: serde_json::Value) -> Client {
-        let service = tower::service_fn(move |_: axum::http::Request<kube::client::Body>| {
-            let body = body.to_string().into_bytes();
-            async move {
-                axum::http::Response::builder()
-                    .status(status)
-                    .header("content-type", "application/json")
-                    .body(kube::client::Body::from(body))
-            }
-        });
-        Client::new(service, "default")
-    }
-
-    fn resource_list(names: &[&str]) -> serde_json::Value {
-        let resources: Vec<serde_json::Value> = names
-            .iter()
-            .map(|name| {
-                serde_json::json!({"name": name, "singularName": "", "namespaced": false,
-                    "kind": "X", "verbs": ["get", "list", "watch"]})
-            })
-            .collect();
-        serde_json::json!({"kind": "APIResourceList", "apiVersion": "v1",
-            "groupVersion": "networking.k8s.io/v1", "resources": resources})
-    }
-
-    #[tokio::test]
-    async fn service_cidrs_are_watched_only_where_discovery_lists_them() {
-        let served = answering(200, resource_list(&["servicecidrs", "servicecidrs/status"]));
-        assert!(serves_service_cidrs(&served).await);
-        // k3s v1.21's networking.k8s.io/v1: no ServiceCIDRs, the flag stays.
-        let k3s_v1_21 = answering(
-            200,
-            resource_list(&[
-                "ingressclasses",
-                "ingresses",
-                "ingresses/status",
-                "networkpolicies",
-            ]),
-        );
-        assert!(!serves_service_cidrs(&k3s_v1_21).await);
-        let not_found = serde_json::json!({"kind": "Status", "apiVersion": "v1",
-            "status": "Failure", "reason": "NotFound", "code": 404, "message": "not found"});
-        assert!(!serves_service_cidrs(&answering(404, not_found)).await);
     }
 }

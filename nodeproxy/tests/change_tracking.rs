@@ -14,8 +14,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::watcher::Event;
 use proptest::prelude::*;
 use tandem_common::IpFamily;
-use tandem_nodeproxy::change_tracker::ChangeTracker;
-use tandem_nodeproxy::convert::{SERVICE_NAME_LABEL, proxy_state};
+use tandem_nodeproxy::observe::change_tracker::ChangeTracker;
+use tandem_nodeproxy::observe::convert::{SERVICE_NAME_LABEL, proxy_state};
 use tandem_proxy_rules::incremental::IncrementalRuleset;
 use tandem_proxy_rules::ruleset::ChangedChains;
 

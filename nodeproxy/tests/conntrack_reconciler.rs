@@ -15,9 +15,9 @@ use prometheus_client::registry::Registry;
 use tandem_common::ProxyMode;
 use tandem_common::{IpFamily, Protocol};
 use tandem_nftables::ctnetlink::{self, Conntrack, Flow};
-use tandem_nodeproxy::backend::BackendChoice;
 use tandem_nodeproxy::conntrack::{Reconciled, reconcile, reconcile_blocking};
 use tandem_nodeproxy::datapath;
+use tandem_nodeproxy::datapath::iptables::backend::BackendChoice;
 use tandem_nodeproxy::metrics::{FamilyLabels, Metrics};
 use tandem_proxy_rules::conntrack::ServingUdpEndpoints;
 use tandem_proxy_rules::model::{Endpoint, NodeConfig, ProxyState};
@@ -100,21 +100,24 @@ fn ask(socket: &UdpSocket) -> String {
     panic!("no answer from {:?}", socket.peer_addr());
 }
 
+/// The reference nginx Service over UDP in `family` (in IPv6 with a cluster IP of it
+/// only, the state of IPv6 dropping its other addresses), with `endpoints`.
 fn udp_state(family: IpFamily, endpoints: Vec<Endpoint>) -> ProxyState {
-    let mut state = reference_state(endpoints);
-    for service in state.services.values_mut() {
-        service.protocol = Protocol::Udp;
-        if family == IpFamily::V6 {
-            // Only the nginx Service's cluster IP is asked; the others hold none of IPv6.
-            service.cluster_ip = Some(CLUSTER_IP_V6.into());
-            service.load_balancer_ingress.clear();
-            service.load_balancer_source_ranges.clear();
-        }
-    }
-    state
-        .services
-        .retain(|_, service| service.port == SERVICE_PORT);
-    state
+    let reference = reference_state(Vec::new());
+    let nginx = reference
+        .services()
+        .values()
+        .filter(|service| service.port == SERVICE_PORT)
+        .map(|service| {
+            let mut service = service.clone();
+            service.protocol = Protocol::Udp;
+            if family == IpFamily::V6 {
+                service.cluster_ip = Some(CLUSTER_IP_V6.into());
+            }
+            service
+        });
+    let nginx_endpoints = (spn("default", "nginx-service", "http"), endpoints);
+    ProxyState::from_entries(family, nginx, [nginx_endpoints])
 }
 
 /// The UDP entries of `family` the kernel holds now (in the calling thread's namespace).
@@ -194,7 +197,7 @@ fn reconciles_udp_entries_of_a_removed_endpoint(mode: ProxyMode, family: IpFamil
         let mut path = datapath::start(mode, BackendChoice::Auto, config)
             .await
             .unwrap();
-        let ports = before.services.keys().cloned().collect();
+        let ports = before.services().keys().cloned().collect();
         path.update(&before, &ports);
         assert!(path.apply(&metrics).await, "{mode}: first sync");
         assert_eq!(ask(&stale_client), "old");
@@ -347,12 +350,13 @@ fn ipv6_entries_are_reconciled_and_other_families_and_protocols_left_alone() {
         insert("tcp", "fd00::b", service, removed);
         insert("udp", "10.244.0.9", v4_service, v4_removed);
 
-        let mut state = ProxyState::default();
+        let mut state = ProxyState::new(IpFamily::V6);
         let mut dns = udp_state(IpFamily::V6, vec![])
-            .services
-            .into_values()
+            .services()
+            .values()
             .next()
-            .unwrap();
+            .unwrap()
+            .clone();
         dns.cluster_ip = Some(service.ip());
         dns.port = service.port();
         dns.node_port = None;
@@ -362,8 +366,8 @@ fn ipv6_entries_are_reconciled_and_other_families_and_protocols_left_alone() {
             port: serving.port(),
             ..endpoint([0, 0, 0, 0], 0, "node-a")
         };
-        state.endpoints.insert(dns.name.clone(), vec![endpoint]);
-        state.services.insert(dns.name.clone(), dns);
+        state.insert_endpoints(dns.name.clone(), vec![endpoint]);
+        state.insert_service(dns);
 
         let serving_endpoints = ServingUdpEndpoints::of(&state);
         let done = reconcile_blocking(IpFamily::V6, &serving_endpoints).unwrap();

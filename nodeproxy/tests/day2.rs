@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 use tandem_apiserver::resources::{ENDPOINT_SLICES, NODES, SERVICES};
 use tandem_apiserver::store::{Store, Subresource};
 use tandem_netlab::{Host, Netns, Node, Pod, Topology};
-use tandem_nodeproxy::backend::{Backend, BackendChoice};
+use tandem_nodeproxy::datapath::iptables::backend::{Backend, BackendChoice};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
@@ -637,7 +637,7 @@ fn drifts(config: Config) -> Vec<Drift> {
                             .find(|l| l.starts_with("-A KUBE-SEP-") && l.contains("-j DNAT"))
                             .unwrap();
                         let mut args = vec!["-D".to_owned()];
-                        args.extend(tandem_nodeproxy::iptables::split_rule(&line[3..]));
+                        args.extend(tandem_nodeproxy::datapath::iptables::split_rule(&line[3..]));
                         ipt(args);
                     }),
                     object: "Chain",
@@ -646,7 +646,7 @@ fn drifts(config: Config) -> Vec<Drift> {
                     what: "the PREROUTING jump deleted",
                     change: Box::new(move |_| {
                         let mut args = vec!["-D".to_owned(), "PREROUTING".to_owned()];
-                        args.extend(tandem_nodeproxy::iptables::split_rule(
+                        args.extend(tandem_nodeproxy::datapath::iptables::split_rule(
                             "-m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
                         ));
                         ipt(args);

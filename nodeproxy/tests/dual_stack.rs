@@ -25,7 +25,7 @@ use tandem_apiserver::service::ServiceCidrs;
 use tandem_common::IpFamily;
 use tandem_netlab::{Host, Netns, Node, Pod, Topology, addr};
 use tandem_nftables::NftFamily;
-use tandem_nodeproxy::backend::{Backend, Tools};
+use tandem_nodeproxy::datapath::iptables::backend::{Backend, Tools};
 use tokio::process::{Child, Command};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tandem-nodeproxy");

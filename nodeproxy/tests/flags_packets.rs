@@ -55,11 +55,11 @@ fn lb(topo: &Topology, pod: &tandem_netlab::Pod, ranges: &[&str]) -> ProxyState 
         topo.echo_http_port(),
         &pod.node_name,
     )]);
-    for svc in state.services.values_mut() {
+    state.edit_services(|svc| {
         if !svc.load_balancer_source_ranges.is_empty() {
             svc.load_balancer_source_ranges = ranges.iter().map(|r| r.parse().unwrap()).collect();
         }
-    }
+    });
     state
 }
 

@@ -7,9 +7,9 @@ mod common;
 
 use common::*;
 use tandem_common::{IpFamily, Protocol};
-use tandem_nodeproxy::backend::Backend;
-use tandem_nodeproxy::iptables::{self, ChainScope, SyncError, Syncer, TableRepair};
-use tandem_nodeproxy::restore::RestoreMode;
+use tandem_nodeproxy::datapath::iptables::backend::Backend;
+use tandem_nodeproxy::datapath::iptables::restore::RestoreMode;
+use tandem_nodeproxy::datapath::iptables::{self, ChainScope, SyncError, Syncer, TableRepair};
 use tandem_proxy_rules::chains::{endpoint_chain, service_chain};
 use tandem_proxy_rules::model::ProxyState;
 use tandem_proxy_rules::ruleset::{ChangedChains, Ruleset, Table};
@@ -145,8 +145,7 @@ fn a_removed_service_loses_all_its_chains() {
             syncer.sync(&ruleset(&state)).await.unwrap();
             let mut without = state.clone();
             let name = spn("default", "nginx-service", "http");
-            without.services.remove(&name);
-            without.endpoints.remove(&name);
+            without.remove(&name);
             let done = syncer.sync(&ruleset(&without)).await.unwrap();
             let nat = done.iter().find(|t| t.table == Table::Nat).unwrap();
             // KUBE-SVC, KUBE-FW and two KUBE-SEP chains.
@@ -484,17 +483,17 @@ fn conntrack_accepts_the_deletions_of_a_udp_endpoint_change() {
     }
     in_fresh_netns(|_| async move {
         let mut before = reference_state(reference_endpoints());
-        for service in before.services.values_mut() {
+        before.edit_services(|service| {
             service.protocol = Protocol::Udp;
-        }
+        });
         let mut after = before.clone();
         let name = spn("default", "nginx-service", "http");
-        after.endpoints.get_mut(&name).unwrap().pop();
+        let mut nginx = after.endpoints_of(&name).to_vec();
+        nginx.pop();
+        after.insert_endpoints(name, nginx);
         // A Service getting its first endpoint, too.
         let kubernetes = spn("default", "kubernetes", "https");
-        after
-            .endpoints
-            .insert(kubernetes, vec![endpoint([10, 244, 1, 9], 6443, "node-a")]);
+        after.insert_endpoints(kubernetes, vec![endpoint([10, 244, 1, 9], 6443, "node-a")]);
         assert!(!tandem_proxy_rules::conntrack::stale_udp_deletions(&before, &after).is_empty());
         // Every command is accepted by the real conntrack ("0 flow entries" is success).
         assert_eq!(
@@ -513,9 +512,9 @@ fn every_local_traffic_detector_reads_back_without_drift() {
         Box::pin(async move {
             use tandem_proxy_rules::model::{LocalDetector, NodeConfig};
             let mut state = reference_state(reference_endpoints());
-            for svc in state.services.values_mut() {
+            state.edit_services(|svc| {
                 svc.external_traffic_policy_local = true;
-            }
+            });
             for detector in [
                 LocalDetector::NodeCidr("10.244.1.0/24".parse().unwrap()),
                 LocalDetector::BridgeInterface("cni0".parse().unwrap()),

@@ -15,14 +15,14 @@ use std::process::Command;
 use common::*;
 use prometheus_client::registry::Registry;
 use tandem_common::ProxyMode;
-use tandem_nodeproxy::backend::{Backend, BackendChoice};
+use tandem_nodeproxy::datapath::iptables::backend::{Backend, BackendChoice};
+use tandem_nodeproxy::datapath::iptables::restore::is_owned_chain;
 use tandem_nodeproxy::datapath::{self, DataPath};
 use tandem_nodeproxy::metrics::Metrics;
-use tandem_nodeproxy::restore::is_owned_chain;
 use tandem_proxy_rules::model::ProxyState;
 
 async fn start_and_sync(mode: ProxyMode, state: &ProxyState, metrics: &Metrics) -> DataPath {
-    let ports: BTreeSet<_> = state.services.keys().cloned().collect();
+    let ports: BTreeSet<_> = state.services().keys().cloned().collect();
     let mut path = datapath::start(mode, BackendChoice::Auto, node())
         .await
         .unwrap();
@@ -96,7 +96,7 @@ fn the_kubelets_v1_21_chains_survive_start_syncs_mode_switches_and_cleanup() {
 
             // An endpoint goes: an incremental sync.
             let fewer = reference_state(reference_endpoints()[..1].to_vec());
-            let ports: BTreeSet<_> = fewer.services.keys().cloned().collect();
+            let ports: BTreeSet<_> = fewer.services().keys().cloned().collect();
             assert!(path.update(&fewer, &ports).chains > 0);
             assert!(path.apply(&metrics).await);
             unchanged("an incremental sync");

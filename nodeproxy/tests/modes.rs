@@ -14,7 +14,7 @@ use std::process::Command;
 use common::*;
 use prometheus_client::registry::Registry;
 use tandem_common::ProxyMode;
-use tandem_nodeproxy::backend::{Backend, BackendChoice};
+use tandem_nodeproxy::datapath::iptables::backend::{Backend, BackendChoice};
 use tandem_nodeproxy::datapath::{self, DataPath};
 use tandem_nodeproxy::metrics::Metrics;
 
@@ -46,7 +46,7 @@ fn has_our_table() -> bool {
 
 async fn start_and_sync(mode: ProxyMode, metrics: &Metrics) -> DataPath {
     let state = reference_state(reference_endpoints());
-    let ports: BTreeSet<_> = state.services.keys().cloned().collect();
+    let ports: BTreeSet<_> = state.services().keys().cloned().collect();
     let mut path = datapath::start(mode, BackendChoice::Auto, node())
         .await
         .unwrap();
@@ -103,16 +103,14 @@ fn the_full_rebuild_check_finds_nothing_after_services_come_and_go() {
             let mut state = reference_state(reference_endpoints());
             let gone = spn("default", "kubernetes", "https");
             let nginx = spn("default", "nginx-service", "http");
-            let mut zeta = state.services[&nginx].clone();
+            let mut zeta = state.services()[&nginx].clone();
             zeta.name = spn("default", "zeta", "http");
             zeta.cluster_ip = Some(std::net::Ipv4Addr::new(10, 43, 9, 9).into());
             zeta.node_port = Some(30999);
             zeta.load_balancer_ingress.clear();
-            state.services.remove(&gone);
-            state.services.insert(zeta.name.clone(), zeta.clone());
-            state
-                .endpoints
-                .insert(zeta.name.clone(), reference_endpoints());
+            state.remove(&gone);
+            state.insert_service(zeta.clone());
+            state.insert_endpoints(zeta.name.clone(), reference_endpoints());
             let churned: BTreeSet<_> = [gone, zeta.name].into();
             assert!(!path.update(&state, &churned).is_empty());
             assert!(path.apply(&metrics).await, "{mode} sync failed");
@@ -141,7 +139,7 @@ fn an_endpoint_change_written_after_a_read_back_began_is_not_taken_for_drift() {
         in_fresh_netns(move |_| async move {
             let metrics = Metrics::register(&mut Registry::default());
             let state = reference_state(reference_endpoints());
-            let ports: BTreeSet<_> = state.services.keys().cloned().collect();
+            let ports: BTreeSet<_> = state.services().keys().cloned().collect();
             let mut path = datapath::start(mode, backend, node()).await.unwrap();
             path.update(&state, &ports);
             assert!(path.apply(&metrics).await);
@@ -158,7 +156,9 @@ fn an_endpoint_change_written_after_a_read_back_began_is_not_taken_for_drift() {
             let read = path.start_read_back(None).await.unwrap();
             let mut moved = state.clone();
             let nginx = spn("default", "nginx-service", "http");
-            moved.endpoints.get_mut(&nginx).unwrap()[1] = endpoint([10, 244, 3, 9], 80, "node-c");
+            let mut endpoints = moved.endpoints_of(&nginx).to_vec();
+            endpoints[1] = endpoint([10, 244, 3, 9], 80, "node-c");
+            moved.insert_endpoints(nginx.clone(), endpoints);
             path.update(&moved, &[nginx].into());
             assert!(path.apply(&metrics).await);
             assert_eq!(

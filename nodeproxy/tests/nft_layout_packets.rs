@@ -133,9 +133,9 @@ fn external_traffic_policy_local_keeps_the_client_address() {
     let local = topo.pods_on(1).next().unwrap();
     let remote = topo.pods_on(2).next().unwrap();
     let mut state = lb_state(&topo, &[local, remote]);
-    for svc in state.services.values_mut() {
+    state.edit_services(|svc| {
         svc.external_traffic_policy_local = true;
-    }
+    });
     load(node1, &state);
     let allowed = topo.client_in_range();
     for url in [
@@ -159,9 +159,9 @@ fn session_affinity_keeps_a_client_on_one_pod() {
     let node1 = topo.node(1).unwrap();
     let pods: Vec<_> = topo.pods().iter().collect();
     let mut state = lb_state(&topo, &pods);
-    for svc in state.services.values_mut() {
+    state.edit_services(|svc| {
         svc.session_affinity_timeout = Some(60);
-    }
+    });
     load(node1, &state);
     let url = format!("http://{LB_IP}:80/");
     let first = client()
@@ -236,11 +236,11 @@ fn external_traffic_policy_local_without_a_local_pod_drops_outsiders_but_not_the
     let node1 = topo.node(1).unwrap();
     let remote = topo.pods_on(2).next().unwrap();
     let mut state = lb_state(&topo, &[remote]);
-    for svc in state.services.values_mut() {
+    state.edit_services(|svc| {
         svc.external_traffic_policy_local = true;
         // The node's own address is no allowed source of the reference ranges.
         svc.load_balancer_source_ranges.clear();
-    }
+    });
     load(node1, &state);
     let url = format!("http://{LB_IP}:80/");
     let started = Instant::now();
@@ -263,9 +263,9 @@ fn internal_traffic_policy_local_keeps_cluster_ip_traffic_on_the_node() {
     let node1 = topo.node(1).unwrap();
     let pods: Vec<_> = topo.pods().iter().collect();
     let mut state = lb_state(&topo, &pods);
-    for svc in state.services.values_mut() {
+    state.edit_services(|svc| {
         svc.internal_traffic_policy_local = true;
-    }
+    });
     load(node1, &state);
     let local: Vec<&str> = topo.pods_on(1).map(|pod| pod.name.as_str()).collect();
     let from = topo.pods_on(1).next().unwrap();

@@ -13,9 +13,9 @@ use std::time::Duration;
 use common::*;
 use tandem_common::{IpFamily, Protocol};
 use tandem_netlab::Topology;
-use tandem_nodeproxy::backend::Backend;
-use tandem_nodeproxy::iptables::Syncer;
-use tandem_nodeproxy::restore::RestoreMode;
+use tandem_nodeproxy::datapath::iptables::Syncer;
+use tandem_nodeproxy::datapath::iptables::backend::Backend;
+use tandem_nodeproxy::datapath::iptables::restore::RestoreMode;
 
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 20);
 const POD_PORT: u16 = 8080;
@@ -244,9 +244,9 @@ fn udp_through_a_service_follows_an_endpoint_replacement() {
 
     let udp_state = |pod: &tandem_netlab::Pod| {
         let mut state = reference_state(vec![endpoint(pod.ip.octets(), POD_PORT, &node.name)]);
-        for service in state.services.values_mut() {
+        state.edit_services(|service| {
             service.protocol = Protocol::Udp;
-        }
+        });
         state
     };
     let (before, after) = (udp_state(pods[0]), udp_state(pods[1]));
@@ -347,9 +347,9 @@ fn connections_survive_a_rolling_update_of_the_only_local_pod() {
     tcp_pod(new, 1);
     let local_state = |endpoints| {
         let mut state = reference_state(endpoints);
-        for service in state.services.values_mut() {
+        state.edit_services(|service| {
             service.external_traffic_policy_local = true;
-        }
+        });
         state
     };
     let config = node_named(&node1.name);
@@ -439,10 +439,10 @@ fn internal_traffic_policy_local_keeps_cluster_ip_traffic_on_the_node() {
     udp_pod(remote_pod, "remote", REQUESTS);
     let itp_local_state = |endpoints| {
         let mut state = reference_state(endpoints);
-        for service in state.services.values_mut() {
+        state.edit_services(|service| {
             service.protocol = Protocol::Udp;
             service.internal_traffic_policy_local = true;
-        }
+        });
         state
     };
     let config = node_named(&node1.name);

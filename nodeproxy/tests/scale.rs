@@ -21,13 +21,13 @@ use std::collections::BTreeSet;
 
 use common::*;
 use prometheus_client::registry::Registry;
-use tandem_common::Protocol;
 use tandem_common::ProxyMode;
-use tandem_nodeproxy::backend::{Backend, BackendChoice};
+use tandem_common::{IpFamily, Protocol};
+use tandem_nodeproxy::datapath::iptables::Syncer;
+use tandem_nodeproxy::datapath::iptables::backend::{Backend, BackendChoice};
+use tandem_nodeproxy::datapath::iptables::restore::{self, RestoreMode, TableInspection};
 use tandem_nodeproxy::datapath::{self, DataPath};
-use tandem_nodeproxy::iptables::Syncer;
 use tandem_nodeproxy::metrics::Metrics;
-use tandem_nodeproxy::restore::{self, RestoreMode, TableInspection};
 use tandem_proxy_rules::model::{
     IpMode, LoadBalancerIngress, ProxyState, ServicePort, ServicePortName,
 };
@@ -64,7 +64,9 @@ fn first_and_incremental_sync_at_2700_services() {
     let before = big_state();
     let mut after = before.clone();
     let changed = spn("scale", "svc-1234", "http");
-    after.endpoints.get_mut(&changed).unwrap()[3] = endpoint([10, 250, 0, 1], 80, "node-c");
+    let mut endpoints = after.endpoints_of(&changed).to_vec();
+    endpoints[3] = endpoint([10, 250, 0, 1], 80, "node-c");
+    after.insert_endpoints(changed.clone(), endpoints);
     let desired_before = tandem_proxy_rules::build(&before, &node());
     let build_started = Instant::now();
     let desired_after = tandem_proxy_rules::build(&after, &node());
@@ -142,38 +144,35 @@ fn first_and_incremental_sync_at_2700_services() {
 /// `services` Services × `ENDPOINTS` endpoints: LoadBalancers as [`big_state`] makes
 /// them, or ClusterIP only.
 fn state_of(services: usize, load_balancers: bool) -> ProxyState {
-    let mut state = ProxyState::default();
+    let mut state = ProxyState::new(IpFamily::V4);
     for i in 0..services {
         let name = spn("scale", &format!("svc-{i}"), "http");
         let (hi, lo) = ((i / 250) as u8, (i % 250) as u8 + 1);
-        state.services.insert(
-            name.clone(),
-            ServicePort {
-                name: name.clone(),
-                protocol: Protocol::Tcp,
-                cluster_ip: Some(Ipv4Addr::new(10, 96, hi, lo).into()),
-                port: 80,
-                node_port: load_balancers.then_some(30_000 + i as u16),
-                external_ips: vec![],
-                load_balancer_ingress: if load_balancers {
-                    vec![LoadBalancerIngress {
-                        ip: Ipv4Addr::new(198, 51, 100 + hi, lo).into(),
-                        ip_mode: IpMode::Vip,
-                    }]
-                } else {
-                    vec![]
-                },
-                load_balancer_source_ranges: if load_balancers {
-                    vec!["203.0.113.0/24".parse().unwrap()]
-                } else {
-                    vec![]
-                },
-                session_affinity_timeout: None,
-                external_traffic_policy_local: false,
-                health_check_node_port: None,
-                internal_traffic_policy_local: false,
+        state.insert_service(ServicePort {
+            name: name.clone(),
+            protocol: Protocol::Tcp,
+            cluster_ip: Some(Ipv4Addr::new(10, 96, hi, lo).into()),
+            port: 80,
+            node_port: load_balancers.then_some(30_000 + i as u16),
+            external_ips: vec![],
+            load_balancer_ingress: if load_balancers {
+                vec![LoadBalancerIngress {
+                    ip: Ipv4Addr::new(198, 51, 100 + hi, lo).into(),
+                    ip_mode: IpMode::Vip,
+                }]
+            } else {
+                vec![]
             },
-        );
+            load_balancer_source_ranges: if load_balancers {
+                vec!["203.0.113.0/24".parse().unwrap()]
+            } else {
+                vec![]
+            },
+            session_affinity_timeout: None,
+            external_traffic_policy_local: false,
+            health_check_node_port: None,
+            internal_traffic_policy_local: false,
+        });
         let endpoints = (0..ENDPOINTS)
             .map(|e| {
                 let n = i * ENDPOINTS + e;
@@ -189,7 +188,7 @@ fn state_of(services: usize, load_balancers: bool) -> ProxyState {
                 )
             })
             .collect();
-        state.endpoints.insert(name, endpoints);
+        state.insert_endpoints(name, endpoints);
     }
     state
 }
@@ -243,11 +242,13 @@ fn median(mut samples: Vec<Duration>) -> Duration {
 /// The state with one endpoint of `changed` moved to another address (`round` picks it).
 fn with_moved_endpoint(state: &ProxyState, changed: &ServicePortName, round: usize) -> ProxyState {
     let mut moved = state.clone();
-    moved.endpoints.get_mut(changed).unwrap()[3] = endpoint(
+    let mut endpoints = moved.endpoints_of(changed).to_vec();
+    endpoints[3] = endpoint(
         [10, 250, (round / 250) as u8, (round % 250) as u8 + 1],
         80,
         "node-c",
     );
+    moved.insert_endpoints(changed.clone(), endpoints);
     moved
 }
 
@@ -282,7 +283,7 @@ fn read_back_cost_and_endpoint_changes_during_it() {
             in_fresh_netns_multi(move || async move {
                 let metrics = Metrics::register(&mut Registry::default());
                 let mut path = datapath::start(mode, backend, node()).await.unwrap();
-                let all: BTreeSet<_> = state.services.keys().cloned().collect();
+                let all: BTreeSet<_> = state.services().keys().cloned().collect();
                 path.update(&state, &all);
                 let started = Instant::now();
                 assert!(path.apply(&metrics).await);

@@ -20,7 +20,7 @@ use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tandem_common::IpFamily;
-use tandem_nodeproxy::convert::SERVICE_NAME_LABEL;
+use tandem_nodeproxy::observe::convert::SERVICE_NAME_LABEL;
 use tandem_proxy_rules::model::NodeConfig;
 
 /// The Kubernetes namespace every generated object lives in.
@@ -405,7 +405,7 @@ impl AddressPlan {
 mod tests {
     use super::*;
     use tandem_common::IpFamily;
-    use tandem_nodeproxy::convert::proxy_state;
+    use tandem_nodeproxy::observe::convert::proxy_state;
 
     fn scale(kind: ServiceKind, services: usize, endpoints: usize) -> Scale {
         Scale {
@@ -421,21 +421,21 @@ mod tests {
         let cluster = generate(scale(ServiceKind::LoadBalancer, 30, 4)).unwrap();
         let conversion = proxy_state(&cluster.services, &cluster.slices, IpFamily::V4);
         assert!(conversion.skipped.is_empty(), "{:?}", conversion.skipped);
-        assert_eq!(conversion.state.services.len(), 30);
-        assert!(conversion.state.endpoints.values().all(|e| e.len() == 4));
+        assert_eq!(conversion.state.services().len(), 30);
+        assert!(conversion.state.endpoints().values().all(|e| e.len() == 4));
         let node_ports: std::collections::BTreeSet<_> = conversion
             .state
-            .services
+            .services()
             .values()
             .map(|s| s.node_port.unwrap())
             .collect();
         assert_eq!(node_ports.len(), 30);
-        assert!(conversion.state.services.values().all(
+        assert!(conversion.state.services().values().all(
             |s| s.load_balancer_ingress.len() == 1 && s.load_balancer_source_ranges.len() == 1
         ));
         let all_endpoints: std::collections::BTreeSet<_> = conversion
             .state
-            .endpoints
+            .endpoints()
             .values()
             .flatten()
             .map(|e| e.ip)
@@ -447,8 +447,8 @@ mod tests {
     fn cluster_ip_services_have_no_node_ports_or_ingress() {
         let cluster = generate(scale(ServiceKind::ClusterIp, 5, 2)).unwrap();
         let state = proxy_state(&cluster.services, &cluster.slices, IpFamily::V4).state;
-        assert_eq!(state.services.len(), 5);
-        assert!(state.services.values().all(|s| s.node_port.is_none()
+        assert_eq!(state.services().len(), 5);
+        assert!(state.services().values().all(|s| s.node_port.is_none()
             && s.load_balancer_ingress.is_empty()
             && s.cluster_ip.is_some()));
     }
@@ -479,9 +479,9 @@ mod tests {
         let before = proxy_state(&original.services, &original.slices, IpFamily::V4).state;
         let after = proxy_state(&cluster.services, &cluster.slices, IpFamily::V4).state;
         let changed: Vec<_> = after
-            .endpoints
+            .endpoints()
             .iter()
-            .filter(|(name, e)| before.endpoints.get(*name) != Some(e))
+            .filter(|(name, e)| before.endpoints().get(*name) != Some(e))
             .collect();
         assert_eq!(changed.len(), 1);
         assert_eq!(changed[0].1.len(), 4);
@@ -502,8 +502,8 @@ mod tests {
             let conversion = proxy_state(&cluster.services, &cluster.slices, family);
             assert!(conversion.skipped.is_empty(), "{:?}", conversion.skipped);
             let state = conversion.state;
-            assert_eq!(state.services.len(), 20);
-            assert!(state.services.values().all(|s| {
+            assert_eq!(state.services().len(), 20);
+            assert!(state.services().values().all(|s| {
                 s.cluster_ip.is_some_and(|ip| family.holds(ip))
                     && s.load_balancer_ingress.len() == 1
                     && family.holds(s.load_balancer_ingress[0].ip)
@@ -511,12 +511,12 @@ mod tests {
             }));
             assert!(
                 state
-                    .endpoints
+                    .endpoints()
                     .values()
                     .flatten()
                     .all(|e| family.holds(e.ip))
             );
-            assert_eq!(state.endpoints.values().flatten().count(), 60);
+            assert_eq!(state.endpoints().values().flatten().count(), 60);
         }
         let node = node(cluster.plans);
         assert_eq!(node.status.unwrap().addresses.unwrap().len(), 2);

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use tandem_common::IpFamily;
 use tandem_netlab::RunPrefix;
-use tandem_nodeproxy::backend::{Backend, Tools};
+use tandem_nodeproxy::datapath::iptables::backend::{Backend, Tools};
 
 use super::cluster::{self, Cluster, Scale};
 use super::kube_proxy;
@@ -277,7 +277,7 @@ async fn repair_time(
     let (program, args): (&str, Vec<String>) = match data_path {
         DataPathFlags::Iptables(backend) => (
             Tools::new(backend, IpFamily::V4).iptables(),
-            tandem_nodeproxy::iptables::base_jump_deletion(
+            tandem_nodeproxy::datapath::iptables::base_jump_deletion(
                 tandem_proxy_rules::ruleset::Table::Nat,
                 "PREROUTING",
             )

@@ -19,7 +19,7 @@ use tandem_apiserver::resources::ENDPOINT_SLICES;
 use tandem_apiserver::store::Subresource;
 use tandem_common::IpFamily;
 use tandem_netlab::RunPrefix;
-use tandem_nodeproxy::backend::{Backend, Tools};
+use tandem_nodeproxy::datapath::iptables::backend::{Backend, Tools};
 
 use super::cluster::{self, Cluster};
 use super::rss::{self, HEALTHZ, METRICS};

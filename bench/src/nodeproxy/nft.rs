@@ -18,8 +18,8 @@ use tandem_netlab::RunPrefix;
 use tandem_nftables::encode::Batch;
 use tandem_nftables::kernel::Netlink;
 use tandem_nftables::{Transaction, render};
-use tandem_nodeproxy::change_tracker::ChangeTracker;
-use tandem_nodeproxy::convert::proxy_state;
+use tandem_nodeproxy::observe::change_tracker::ChangeTracker;
+use tandem_nodeproxy::observe::convert::proxy_state;
 use tandem_proxy_rules::nft::incremental::IncrementalRuleset;
 use tandem_proxy_rules::nft::layout;
 

@@ -15,7 +15,7 @@ use tandem_apiserver::store::{Store, Subresource};
 use tandem_apiserver::{RunningServer, ServerConfig, spawn};
 use tandem_common::ProxyMode;
 use tandem_netlab::RunPrefix;
-use tandem_nodeproxy::backend::Backend;
+use tandem_nodeproxy::datapath::iptables::backend::Backend;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::cluster::{self, Cluster};
@@ -395,9 +395,12 @@ mod tests {
             .map(|s| serde_json::from_value(s).unwrap())
             .collect();
         // What the binary will see converts to exactly what the in-process sync builds from.
-        let served =
-            tandem_nodeproxy::convert::proxy_state(&typed, &slices, tandem_common::IpFamily::V4);
-        let direct = tandem_nodeproxy::convert::proxy_state(
+        let served = tandem_nodeproxy::observe::convert::proxy_state(
+            &typed,
+            &slices,
+            tandem_common::IpFamily::V4,
+        );
+        let direct = tandem_nodeproxy::observe::convert::proxy_state(
             &generated.services,
             &generated.slices,
             tandem_common::IpFamily::V4,

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tandem_nodeproxy::backend::Backend;
+use tandem_nodeproxy::datapath::iptables::backend::Backend;
 
 use super::cluster::{Scale, ServiceKind, thousands};
 use super::kernel::{Incremental, SyncRun};
@@ -391,7 +391,7 @@ mod tests {
     use super::*;
     use crate::nodeproxy::cluster::ServiceKind;
     use crate::nodeproxy::kernel::{FirstSync, Written};
-    use tandem_nodeproxy::restore::RestoreMode;
+    use tandem_nodeproxy::datapath::iptables::restore::RestoreMode;
     use tandem_proxy_rules::ruleset::Table;
 
     fn d(ms: u64) -> Duration {

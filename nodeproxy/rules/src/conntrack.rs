@@ -87,28 +87,28 @@ impl ConntrackDeletion {
 /// - a UDP Service port that is gone or changed its cluster IP: flows to the old cluster IP.
 pub fn stale_udp_deletions(previous: &ProxyState, current: &ProxyState) -> Vec<ConntrackDeletion> {
     let mut deletions = BTreeSet::new();
-    for (name, old_service) in &previous.services {
+    for (name, old_service) in previous.services() {
         if old_service.protocol != Protocol::Udp {
             continue;
         }
         let Some(old_ip) = old_service.cluster_ip else {
             continue;
         };
-        let new_ip = current.services.get(name).and_then(|svc| svc.cluster_ip);
+        let new_ip = current.services().get(name).and_then(|svc| svc.cluster_ip);
         if new_ip != Some(old_ip) {
             deletions.insert(ConntrackDeletion::ServiceIp { ip: old_ip });
         }
     }
     let names: BTreeSet<&ServicePortName> = previous
-        .services
+        .services()
         .keys()
-        .chain(current.services.keys())
+        .chain(current.services().keys())
         .collect();
     for name in names {
         let Some(service) = current
-            .services
+            .services()
             .get(name)
-            .or_else(|| previous.services.get(name))
+            .or_else(|| previous.services().get(name))
         else {
             continue;
         };
@@ -131,7 +131,7 @@ pub fn stale_udp_deletions(previous: &ProxyState, current: &ProxyState) -> Vec<C
                 });
             }
         }
-        if before.is_empty() && !after.is_empty() && current.services.contains_key(name) {
+        if before.is_empty() && !after.is_empty() && current.services().contains_key(name) {
             deletions.extend(service_ips(service).map(|ip| ConntrackDeletion::ServiceIp { ip }));
             if let Some(port) = service.node_port {
                 deletions.insert(ConntrackDeletion::NodePort { port });
@@ -146,7 +146,7 @@ pub fn stale_udp_deletions(previous: &ProxyState, current: &ProxyState) -> Vec<C
 /// fallback), so its flows stay until it stops serving or goes away.
 fn serving_endpoints(state: &ProxyState, name: &ServicePortName) -> BTreeSet<(IpAddr, u16)> {
     state
-        .endpoints
+        .endpoints()
         .get(name)
         .into_iter()
         .flatten()
@@ -199,7 +199,7 @@ pub struct ServingUdpEndpoints {
 impl ServingUdpEndpoints {
     pub fn of(state: &ProxyState) -> Self {
         let mut serving = Self::default();
-        for (name, service) in &state.services {
+        for (name, service) in state.services() {
             if service.protocol != Protocol::Udp || service.cluster_ip.is_none() {
                 continue;
             }
@@ -302,11 +302,11 @@ mod tests {
     }
 
     fn state(service: Option<ServicePort>, endpoints: Vec<Endpoint>) -> ProxyState {
-        let mut state = ProxyState::default();
+        let mut state = ProxyState::new(IpFamily::V4);
         if let Some(service) = service {
-            state.services.insert(service.name.clone(), service);
+            state.insert_service(service);
         }
-        state.endpoints.insert(dns_name(), endpoints);
+        state.insert_endpoints(dns_name(), endpoints);
         state
     }
 
@@ -553,14 +553,14 @@ mod reconciler_tests {
 
     /// The Service of `TestCleanStaleEntries`: one port per protocol, the same numbers.
     fn state() -> ProxyState {
-        let mut state = ProxyState::default();
+        let mut state = ProxyState::new(IpFamily::V4);
         for service in [
             service("test-tcp", Protocol::Tcp, None),
             service("test-udp", Protocol::Udp, Some(NODE_PORT)),
             service("test-sctp", Protocol::Sctp, Some(NODE_PORT)),
         ] {
-            state.endpoints.insert(service.name.clone(), endpoints());
-            state.services.insert(service.name.clone(), service);
+            state.insert_endpoints(service.name.clone(), endpoints());
+            state.insert_service(service);
         }
         state
     }
@@ -643,7 +643,7 @@ mod reconciler_tests {
     #[test]
     fn service_without_endpoints() {
         let mut state = state();
-        state.endpoints.clear();
+        state.edit_endpoints(|_, endpoints| endpoints.clear());
         let entries = [
             flow(
                 EXTERNAL_IP,
@@ -664,9 +664,7 @@ mod reconciler_tests {
         assert_eq!(reconcile(&state, &entries).1, 0);
         // Only non-serving endpoints count as none.
         let mut state = self::state();
-        for endpoints in state.endpoints.values_mut() {
-            endpoints.retain(|ep| !ep.serving);
-        }
+        state.edit_endpoints(|_, endpoints| endpoints.retain(|ep| !ep.serving));
         assert_eq!(reconcile(&state, &entries).1, 0);
     }
 
@@ -674,10 +672,10 @@ mod reconciler_tests {
     fn only_the_stale_entries_of_many_go() {
         // kube-proxy's performance case, smaller: entries to every port of the external
         // IP, all DNATed to a deleted endpoint; only those to the Service port are stale.
-        let mut state = ProxyState::default();
+        let mut state = ProxyState::new(IpFamily::V4);
         let udp = service("test-udp", Protocol::Udp, None);
-        state.endpoints.insert(udp.name.clone(), endpoints());
-        state.services.insert(udp.name.clone(), udp);
+        state.insert_endpoints(udp.name.clone(), endpoints());
+        state.insert_service(udp);
         let mut entries = vec![
             flow(
                 EXTERNAL_IP,
@@ -707,13 +705,11 @@ mod reconciler_tests {
     #[test]
     fn terminating_endpoints_that_serve_keep_their_flows_and_proxy_mode_lb_ips_are_not_ours() {
         let mut state = state();
-        for endpoints in state.endpoints.values_mut() {
+        state.edit_endpoints(|_, endpoints| {
             endpoints[0].ready = false;
             endpoints[0].terminating = true;
-        }
-        for service in state.services.values_mut() {
-            service.load_balancer_ingress[0].ip_mode = IpMode::Proxy;
-        }
+        });
+        state.edit_services(|service| service.load_balancer_ingress[0].ip_mode = IpMode::Proxy);
         let entries = [
             flow(
                 CLUSTER_IP,
@@ -735,7 +731,7 @@ mod reconciler_tests {
 
     #[test]
     fn ipv6_entries_are_judged_alike() {
-        let mut state = ProxyState::default();
+        let mut state = ProxyState::new(IpFamily::V6);
         let mut udp = service("dns", Protocol::Udp, Some(30053));
         udp.cluster_ip = Some("fd00:10:96::a".parse().unwrap());
         udp.external_ips.clear();
@@ -744,8 +740,8 @@ mod reconciler_tests {
             ip: "fd00:10:244:1::5".parse().unwrap(),
             ..endpoints()[0].clone()
         };
-        state.endpoints.insert(udp.name.clone(), vec![serving]);
-        state.services.insert(udp.name.clone(), udp);
+        state.insert_endpoints(udp.name.clone(), vec![serving]);
+        state.insert_service(udp);
         let v6 = |destination: &str, reply: &str| ConntrackFlow {
             protocol: UDP,
             original_destination: destination.parse().unwrap(),

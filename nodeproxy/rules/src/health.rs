@@ -29,7 +29,7 @@ pub struct HealthCheckService {
 /// health-check node port, sorted by namespace and name.
 pub fn health_check_services(state: &ProxyState, node: &NodeConfig) -> Vec<HealthCheckService> {
     let mut services: BTreeMap<(&str, &str), (u16, BTreeSet<IpAddr>)> = BTreeMap::new();
-    for svc in state.services.values() {
+    for svc in state.services().values() {
         let Some(port) = svc
             .health_check_node_port
             .filter(|_| svc.external_traffic_policy_local)
@@ -40,7 +40,7 @@ pub fn health_check_services(state: &ProxyState, node: &NodeConfig) -> Vec<Healt
             .entry((svc.name.namespace.as_str(), svc.name.name.as_str()))
             .or_insert_with(|| (port, BTreeSet::new()));
         let local_ready = state
-            .endpoints
+            .endpoints()
             .get(&svc.name)
             .into_iter()
             .flatten()
@@ -105,7 +105,7 @@ pub fn merge_families(
 mod tests {
     use std::net::Ipv4Addr;
 
-    use tandem_common::Protocol;
+    use tandem_common::{IpFamily, Protocol};
 
     use super::*;
     use crate::model::{Endpoint, ServicePort, ServicePortName};
@@ -151,8 +151,8 @@ mod tests {
     fn counts_distinct_ready_local_ips_across_ports() {
         let http = port("local", "http", true, Some(32000));
         let https = port("local", "https", true, Some(32000));
-        let mut state = ProxyState::default();
-        state.endpoints.insert(
+        let mut state = ProxyState::new(IpFamily::V4);
+        state.insert_endpoints(
             http.name.clone(),
             vec![
                 ep(5, 80, "node-a", true, false),
@@ -160,7 +160,7 @@ mod tests {
                 ep(7, 80, "node-b", true, false),
             ],
         );
-        state.endpoints.insert(
+        state.insert_endpoints(
             https.name.clone(),
             vec![
                 ep(5, 443, "node-a", true, false),
@@ -168,8 +168,8 @@ mod tests {
                 ep(9, 443, "node-a", true, true),
             ],
         );
-        state.services.insert(http.name.clone(), http);
-        state.services.insert(https.name.clone(), https);
+        state.insert_service(http);
+        state.insert_service(https);
         let services = health_check_services(&state, &node());
         assert_eq!(
             services,
@@ -189,14 +189,12 @@ mod tests {
 
     #[test]
     fn no_local_endpoints_is_503_and_cluster_policy_gets_no_server() {
-        let mut state = ProxyState::default();
+        let mut state = ProxyState::new(IpFamily::V4);
         let local = port("local", "", true, Some(32001));
         let cluster = port("cluster", "", false, None);
-        state
-            .endpoints
-            .insert(local.name.clone(), vec![ep(7, 80, "node-b", true, false)]);
-        state.services.insert(local.name.clone(), local);
-        state.services.insert(cluster.name.clone(), cluster);
+        state.insert_endpoints(local.name.clone(), vec![ep(7, 80, "node-b", true, false)]);
+        state.insert_service(local);
+        state.insert_service(cluster);
         let services = health_check_services(&state, &node());
         assert_eq!(services.len(), 1);
         assert_eq!(services[0].local_endpoints, 0);

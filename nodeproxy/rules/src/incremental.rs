@@ -35,7 +35,7 @@ pub struct IncrementalRuleset {
 impl IncrementalRuleset {
     /// The ruleset of a cluster without Services: the fixed chains only.
     pub fn new(node: NodeConfig) -> Self {
-        let ruleset = crate::build(&ProxyState::default(), &node);
+        let ruleset = crate::build(&ProxyState::new(node.family), &node);
         Self {
             node,
             ruleset,
@@ -69,7 +69,7 @@ impl IncrementalRuleset {
         let mut dispatch_changed = BTreeSet::new();
         for name in ports {
             let old = self.ports.remove(name).unwrap_or_default();
-            let new = match state.services.get(name) {
+            let new = match state.services().get(name) {
                 Some(service) => self.install(
                     port_rules(service, state.endpoints_of(name), &self.node),
                     &mut changed,
@@ -140,7 +140,7 @@ impl IncrementalRuleset {
 mod tests {
     use std::net::Ipv4Addr;
 
-    use tandem_common::Protocol;
+    use tandem_common::{IpFamily, Protocol};
 
     use super::*;
     use crate::model::{Endpoint, ServicePort};
@@ -188,21 +188,19 @@ mod tests {
 
     #[test]
     fn an_endpoint_change_touches_only_that_port_and_the_full_build_agrees() {
-        let mut state = ProxyState::default();
+        let mut state = ProxyState::new(IpFamily::V4);
         for (n, last) in [("a", 1), ("b", 2)] {
-            state.services.insert(name(n), service(n, last));
-            state.endpoints.insert(name(n), vec![endpoint(last)]);
+            state.insert_service(service(n, last));
+            state.insert_endpoints(name(n), vec![endpoint(last)]);
         }
         let mut incremental = IncrementalRuleset::new(node());
-        let first = incremental.update(&state, state.services.keys());
+        let first = incremental.update(&state, state.services().keys());
         assert_eq!(incremental.ruleset(), &crate::build(&state, &node()));
         assert!(first.nat.contains("KUBE-SERVICES"));
 
-        state
-            .endpoints
-            .get_mut(&name("a"))
-            .unwrap()
-            .push(endpoint(9));
+        let mut endpoints = state.endpoints_of(&name("a")).to_vec();
+        endpoints.push(endpoint(9));
+        state.insert_endpoints(name("a"), endpoints);
         let changed = incremental.update(&state, [&name("a")]);
         assert_eq!(incremental.ruleset(), &crate::build(&state, &node()));
         // The KUBE-SVC chain of "a" and the new KUBE-SEP chain; no dispatch chain.
@@ -211,7 +209,7 @@ mod tests {
         assert!(changed.nat.iter().all(|c| c.starts_with("KUBE-S")));
         assert!(!changed.nat.contains("KUBE-SERVICES"));
 
-        state.services.remove(&name("b"));
+        state.remove(&name("b"));
         let changed = incremental.update(&state, [&name("b")]);
         assert_eq!(incremental.ruleset(), &crate::build(&state, &node()));
         assert!(changed.nat.contains("KUBE-SERVICES") && changed.nat.contains("KUBE-NODEPORTS"));

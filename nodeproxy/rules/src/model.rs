@@ -164,17 +164,177 @@ impl Endpoint {
 /// kube-proxy's proxier per family, the Services with a cluster IP of that family, only
 /// their addresses and source ranges of that family, and the EndpointSlices of its
 /// `addressType`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+///
+/// It holds no address of another family whatever is put in: every way in drops them (a
+/// cluster IP of another family leaves its port headless) and truncates source ranges to
+/// their prefix, so the rule layouts take what it holds as it is. A port without
+/// endpoints has no entry in [`ProxyState::endpoints`].
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProxyState {
-    pub services: BTreeMap<ServicePortName, ServicePort>,
-    pub endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
+    family: IpFamily,
+    services: BTreeMap<ServicePortName, ServicePort>,
+    endpoints: BTreeMap<ServicePortName, Vec<Endpoint>>,
 }
 
 impl ProxyState {
+    /// An empty state of `family`.
+    pub fn new(family: IpFamily) -> Self {
+        Self {
+            family,
+            services: BTreeMap::new(),
+            endpoints: BTreeMap::new(),
+        }
+    }
+
+    /// The state of `family` of these Service ports and endpoint lists. Its maps are built
+    /// in bulk, which leaves their nodes full: grown by inserts in key order they stay
+    /// half empty.
+    pub fn from_entries(
+        family: IpFamily,
+        services: impl IntoIterator<Item = ServicePort>,
+        endpoints: impl IntoIterator<Item = (ServicePortName, Vec<Endpoint>)>,
+    ) -> Self {
+        let services = services
+            .into_iter()
+            .map(|mut service| {
+                service.keep_family(family);
+                (service.name.clone(), service)
+            })
+            .collect();
+        let endpoints = endpoints
+            .into_iter()
+            .filter_map(|(name, mut endpoints)| {
+                keep_family(&mut endpoints, family);
+                (!endpoints.is_empty()).then_some((name, endpoints))
+            })
+            .collect();
+        Self {
+            family,
+            services,
+            endpoints,
+        }
+    }
+
+    /// The family of every address it holds.
+    pub fn family(&self) -> IpFamily {
+        self.family
+    }
+
+    pub fn services(&self) -> &BTreeMap<ServicePortName, ServicePort> {
+        &self.services
+    }
+
+    pub fn endpoints(&self) -> &BTreeMap<ServicePortName, Vec<Endpoint>> {
+        &self.endpoints
+    }
+
     /// The endpoints of a Service port; none when no EndpointSlice names it.
     pub fn endpoints_of(&self, name: &ServicePortName) -> &[Endpoint] {
         self.endpoints.get(name).map_or(&[], Vec::as_slice)
     }
+
+    /// Puts in a Service port under its name (replacing the one there), with this
+    /// family's addresses only.
+    pub fn insert_service(&mut self, mut service: ServicePort) {
+        service.keep_family(self.family);
+        self.services.insert(service.name.clone(), service);
+    }
+
+    /// Sets the endpoints of a Service port to those of this family among `endpoints`;
+    /// without any, the port has no entry.
+    pub fn insert_endpoints(&mut self, name: ServicePortName, mut endpoints: Vec<Endpoint>) {
+        keep_family(&mut endpoints, self.family);
+        if endpoints.is_empty() {
+            self.endpoints.remove(&name);
+        } else {
+            self.endpoints.insert(name, endpoints);
+        }
+    }
+
+    /// Puts in every Service port and endpoint list of `other` (a state of another family
+    /// gives only this family's addresses).
+    pub fn extend(&mut self, other: ProxyState) {
+        for service in other.services.into_values() {
+            self.insert_service(service);
+        }
+        for (name, endpoints) in other.endpoints {
+            self.insert_endpoints(name, endpoints);
+        }
+    }
+
+    /// Takes a Service port and its endpoints out.
+    pub fn remove(&mut self, name: &ServicePortName) {
+        self.services.remove(name);
+        self.endpoints.remove(name);
+    }
+
+    /// Moves a Service port and its endpoints, those of them this state has, into `to`.
+    pub fn move_port(&mut self, name: &ServicePortName, to: &mut ProxyState) {
+        if let Some(service) = self.services.remove(name) {
+            to.insert_service(service);
+        }
+        if let Some(endpoints) = self.endpoints.remove(name) {
+            to.insert_endpoints(name.clone(), endpoints);
+        }
+    }
+
+    /// Keeps the Service ports, and the endpoints, of the names `keep` holds for, given
+    /// the name and its Service port (none for endpoints without one).
+    pub fn retain(&mut self, mut keep: impl FnMut(&ServicePortName, Option<&ServicePort>) -> bool) {
+        let services = &self.services;
+        self.endpoints
+            .retain(|name, _| keep(name, services.get(name)));
+        self.services
+            .retain(|name, service| keep(name, Some(service)));
+    }
+
+    /// Changes every Service port in place (its name, its key, must stay), each keeping
+    /// this family's addresses only after.
+    pub fn edit_services(&mut self, mut edit: impl FnMut(&mut ServicePort)) {
+        let family = self.family;
+        for service in self.services.values_mut() {
+            edit(service);
+            service.keep_family(family);
+        }
+    }
+
+    /// Changes the endpoints of every Service port that has some in place, each keeping
+    /// this family's only after (a port left with none has no entry).
+    pub fn edit_endpoints(&mut self, mut edit: impl FnMut(&ServicePortName, &mut Vec<Endpoint>)) {
+        let family = self.family;
+        self.endpoints.retain(|name, endpoints| {
+            edit(name, endpoints);
+            keep_family(endpoints, family);
+            !endpoints.is_empty()
+        });
+    }
+
+    /// Builds the maps again in bulk, which leaves their nodes full: after most ports
+    /// were put in by inserts in key order (a first sync), they are half empty.
+    pub fn compact(&mut self) {
+        self.services = std::mem::take(&mut self.services).into_iter().collect();
+        self.endpoints = std::mem::take(&mut self.endpoints).into_iter().collect();
+    }
+}
+
+impl ServicePort {
+    /// Drops the addresses not of `family` (a cluster IP of another family leaves the port
+    /// headless) and truncates the source ranges to their prefix.
+    fn keep_family(&mut self, family: IpFamily) {
+        self.cluster_ip = self.cluster_ip.filter(|ip| family.holds(*ip));
+        self.external_ips.retain(|ip| family.holds(*ip));
+        self.load_balancer_ingress
+            .retain(|ingress| family.holds(ingress.ip));
+        self.load_balancer_source_ranges.retain_mut(|range| {
+            *range = range.trunc();
+            family.holds(range.addr())
+        });
+    }
+}
+
+/// Drops the endpoints not of `family`.
+fn keep_family(endpoints: &mut Vec<Endpoint>, family: IpFamily) {
+    endpoints.retain(|endpoint| family.holds(endpoint.ip));
 }
 
 /// A network interface's name (or name prefix), as the kernel allows it: 1 to 15 bytes
@@ -405,4 +565,128 @@ impl NodePortAddresses {
 /// families).
 pub fn overlaps(a: IpNet, b: IpNet) -> bool {
     a.contains(&b) || b.contains(&a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn net(s: &str) -> IpNet {
+        s.parse().unwrap()
+    }
+
+    fn name() -> ServicePortName {
+        ServicePortName {
+            namespace: "default".into(),
+            name: "web".into(),
+            port: "http".into(),
+        }
+    }
+
+    fn endpoint(ip: &str) -> Endpoint {
+        Endpoint {
+            ip: self::ip(ip),
+            port: 8080,
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: Some("node-a".into()),
+            hints: None,
+        }
+    }
+
+    /// A LoadBalancer port with `cluster_ip` and the given addresses, ranges and endpoints.
+    fn port(
+        cluster_ip: &str,
+        addresses: &[&str],
+        ranges: &[&str],
+        endpoints: &[&str],
+    ) -> (ServicePort, Vec<Endpoint>) {
+        let service = ServicePort {
+            name: name(),
+            protocol: Protocol::Tcp,
+            cluster_ip: Some(ip(cluster_ip)),
+            port: 80,
+            node_port: Some(30080),
+            external_ips: addresses.iter().map(|a| ip(a)).collect(),
+            load_balancer_ingress: addresses
+                .iter()
+                .map(|a| LoadBalancerIngress {
+                    ip: ip(a),
+                    ip_mode: IpMode::Vip,
+                })
+                .collect(),
+            load_balancer_source_ranges: ranges.iter().map(|r| net(r)).collect(),
+            session_affinity_timeout: None,
+            external_traffic_policy_local: false,
+            health_check_node_port: None,
+            internal_traffic_policy_local: false,
+        };
+        (service, endpoints.iter().map(|e| endpoint(e)).collect())
+    }
+
+    fn state_of(
+        family: IpFamily,
+        (service, endpoints): (ServicePort, Vec<Endpoint>),
+    ) -> ProxyState {
+        let mut state = ProxyState::new(family);
+        state.insert_endpoints(service.name.clone(), endpoints);
+        state.insert_service(service);
+        state
+    }
+
+    #[test]
+    fn a_state_keeps_its_familys_addresses_only_and_the_layouts_see_nothing_else() {
+        let mixed = port(
+            "10.96.0.10",
+            &["192.0.2.10", "2001:db8::10"],
+            &["203.0.113.77/24", "2001:db8:203::77/64"],
+            &["10.244.1.5", "fd00:10:244:1::5"],
+        );
+        let v4 = port(
+            "10.96.0.10",
+            &["192.0.2.10"],
+            &["203.0.113.0/24"],
+            &["10.244.1.5"],
+        );
+        let state = state_of(IpFamily::V4, mixed.clone());
+        assert_eq!(state.family(), IpFamily::V4);
+        assert_eq!(state.services()[&name()], v4.0);
+        assert_eq!(state.endpoints_of(&name()), v4.1);
+        // Every way in normalises alike.
+        let built =
+            ProxyState::from_entries(IpFamily::V4, [mixed.0.clone()], [(name(), mixed.1.clone())]);
+        assert_eq!(built, state);
+        let mut edited = state.clone();
+        edited.edit_services(|service| service.external_ips.push(ip("2001:db8::11")));
+        assert_eq!(edited, state);
+
+        // Both layouts write for the mixed input what they write for its IPv4 part alone.
+        let node = NodeConfig::new("node-a", Some(net("10.244.0.0/16")));
+        let filtered = state_of(IpFamily::V4, v4);
+        assert_eq!(
+            crate::nft::build(&state, &node),
+            crate::nft::build(&filtered, &node)
+        );
+        assert_eq!(crate::build(&state, &node), crate::build(&filtered, &node));
+    }
+
+    #[test]
+    fn a_port_of_another_familys_cluster_ip_is_headless_and_endpoints_of_it_are_none() {
+        let v6 = port(
+            "fd00:10:96::10",
+            &["2001:db8::10"],
+            &[],
+            &["fd00:10:244:1::5"],
+        );
+        let state = state_of(IpFamily::V4, v6);
+        let service = &state.services()[&name()];
+        assert_eq!(service.cluster_ip, None);
+        assert!(service.external_ips.is_empty() && service.load_balancer_ingress.is_empty());
+        assert!(state.endpoints().is_empty());
+    }
 }

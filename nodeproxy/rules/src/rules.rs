@@ -28,8 +28,9 @@ pub(crate) use crate::topology::{UsableEndpoint, usable_endpoints};
 /// are used is [`crate::topology::choose_endpoints`]' decision (ready ones as the topology
 /// hints allow, else serving terminating ones).
 pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
+    debug_assert_eq!(state.family(), node.family, "a state of the node's family");
     let mut out = RulesetBuilder::with_fixed_chains();
-    for service in state.services.values() {
+    for service in state.services().values() {
         out.add_service_port(
             service,
             &usable_endpoints(state.endpoints_of(&service.name), node),
@@ -94,7 +95,8 @@ pub fn last_service_rules(node: &NodeConfig) -> Vec<String> {
 /// The rules of one Service port alone: its own chains with their rules, and (under the
 /// [`DISPATCH_CHAINS`] names) the rules it adds to the shared chains. [`build`] is the
 /// fixed chains, then these for every port in [`ServicePortName`] order, then
-/// [`last_service_rule`].
+/// [`last_service_rule`]. `svc` and `endpoints` are a port of a [`ProxyState`] of the
+/// node's family, which holds that family's addresses only.
 ///
 /// [`ServicePortName`]: crate::model::ServicePortName
 pub fn port_rules(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig) -> Ruleset {
@@ -594,16 +596,11 @@ impl RulesetBuilder {
             self.nat(&chains.firewall, rule().jump(KUBE_MARK_MASQ));
             &chains.service
         };
-        let ranges: Vec<IpNet> = port
-            .svc
-            .load_balancer_source_ranges
-            .iter()
-            .map(IpNet::trunc)
-            .collect();
+        let ranges = &port.svc.load_balancer_source_ranges;
         if ranges.is_empty() {
             self.nat(&chains.firewall, rule().jump(allowed_target));
         }
-        for range in sorted_unique(&ranges) {
+        for range in sorted_unique(ranges) {
             self.nat(&chains.firewall, rule().source(range).jump(allowed_target));
         }
         if port.allow_from_node {

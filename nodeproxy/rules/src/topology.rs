@@ -252,7 +252,7 @@ pub fn explain(state: &ProxyState, node: &NodeConfig, request: &TraceRequest) ->
         svc.protocol == packet.protocol && svc.cluster_ip.is_some() && (by_ip || by_node_port)
     };
     state
-        .services
+        .services()
         .values()
         .filter(|svc| addressed(svc))
         .map(|svc| {
@@ -280,7 +280,7 @@ pub(crate) fn usable_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> Vec
 mod tests {
     use std::net::IpAddr;
 
-    use tandem_common::Protocol;
+    use tandem_common::{IpFamily, Protocol};
 
     use super::*;
     use crate::model::{Hints, ServicePortName};
@@ -1060,10 +1060,11 @@ mod tests {
         other.cluster_ip = Some(IpAddr::from([10, 96, 0, 2]));
         let mut endpoints: Vec<Endpoint> = FOUR_ZONED.iter().map(Ep::endpoint).collect();
         endpoints.push(local(zoned("10.1.2.7:80", &["zone-b"])).endpoint());
-        let state = ProxyState {
-            services: [(svc.name.clone(), svc.clone()), (other.name.clone(), other)].into(),
-            endpoints: [(svc.name.clone(), endpoints)].into(),
-        };
+        let state = ProxyState::from_entries(
+            IpFamily::V4,
+            [svc.clone(), other],
+            [(svc.name.clone(), endpoints)],
+        );
         let to = |dst: [u8; 4], dst_port: u16| {
             let packet = Packet {
                 src: IpAddr::from([192, 0, 2, 1]),

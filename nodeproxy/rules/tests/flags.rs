@@ -128,11 +128,11 @@ fn stopped(how: &'static str) -> Fate {
 /// 10.43.35.197:80) with `ranges` as its loadBalancerSourceRanges.
 fn lb_with_ranges(ranges: &[&str]) -> ProxyState {
     let mut state = common::reference_state();
-    for svc in state.services.values_mut() {
+    state.edit_services(|svc| {
         if !svc.load_balancer_source_ranges.is_empty() {
             svc.load_balancer_source_ranges = ranges.iter().map(|r| r.parse().unwrap()).collect();
         }
-    }
+    });
     state
 }
 
@@ -385,7 +385,7 @@ fn the_cluster_ips_check_follows_the_service_cidrs_as_they_change() {
     };
     let node = common::node_a();
     let mut rules = IncrementalRuleset::new(node.clone());
-    rules.update(&state, state.services.keys());
+    rules.update(&state, state.services().keys());
     // ServiceCIDR objects of both families, as the node proxy reads them: the IPv4
     // proxier keeps its own, and a CIDR two objects name counts once.
     let cidrs = |list: &[&str]| -> Vec<ipnet::IpNet> {

@@ -56,12 +56,8 @@ fn node(detector: &LocalDetector) -> NodeConfig {
 /// Service with external IPs (10.96.0.15:8080, 192.0.2.10 and 192.0.2.11).
 fn state() -> ProxyState {
     let mut state = common::etp_local_state(true);
-    for svc in state.services.values_mut() {
-        svc.load_balancer_source_ranges.clear();
-    }
-    let ext = common::external_ips_state();
-    state.services.extend(ext.services);
-    state.endpoints.extend(ext.endpoints);
+    state.edit_services(|svc| svc.load_balancer_source_ranges.clear());
+    state.extend(common::external_ips_state());
     state
 }
 

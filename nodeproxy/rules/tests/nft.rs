@@ -142,7 +142,7 @@ fn assert_same_fates_at(state: &ProxyState, node: &NodeConfig, at: &Addresses) {
         let mut request = TraceRequest::new(case.packet, case.entry, case.local.iter().copied());
         let mut nft_request = request.clone();
         if let Some((name, ep)) = &case.pinned {
-            let protocol = state.services[name].protocol;
+            let protocol = state.services()[name].protocol;
             request
                 .recent_lists
                 .insert(endpoint_chain(name, protocol, *ep));
@@ -180,7 +180,7 @@ fn cluster_ips_check(state: &ProxyState, node: &NodeConfig, iptables: &Trace) ->
         return None;
     }
     if state
-        .services
+        .services()
         .values()
         .any(|svc| svc.cluster_ip == Some(dst))
     {
@@ -198,7 +198,7 @@ type ExternalClaims = BTreeMap<(IpAddr, Protocol, u16), Vec<bool>>;
 
 fn external_claims(state: &ProxyState) -> ExternalClaims {
     let mut claims = ExternalClaims::new();
-    for (name, svc) in &state.services {
+    for (name, svc) in state.services() {
         if svc.cluster_ip.is_none() {
             continue;
         }
@@ -233,7 +233,7 @@ fn cases(state: &ProxyState, at: &Addresses) -> Vec<Case> {
     );
     let node_ip = ip(node);
     let claims = external_claims(state);
-    for (name, svc) in &state.services {
+    for (name, svc) in state.services() {
         let proto = svc.protocol;
         let endpoints = state.endpoints_of(name);
         if let Some(cip) = svc.cluster_ip {
@@ -527,7 +527,7 @@ proptest! {
         // Shared hairpin pairs hold the same member for every claimant: no loss there.
         let mut claims = BTreeSet::new();
         let slots = BucketSlots::in_name_order(&state);
-        let contested = state.services.values().any(|svc| {
+        let contested = state.services().values().any(|svc| {
             let slot = slots.get(&svc.name).expect("every port has a slot");
             let objects = layout::port_objects(svc, state.endpoints_of(&svc.name), &common::node_a(), slot);
             objects
@@ -560,15 +560,15 @@ proptest! {
         let mut kernel = Ruleset::default();
         apply(&mut kernel, &Transaction::replace_all(incremental.ruleset()));
         let names: Vec<ServicePortName> = (0..MAX_PORTS).map(port_name).collect();
-        let mut previous = ProxyState::default();
+        let mut previous = ProxyState::new(IpFamily::V4);
         for state in &states {
             // Every name, or only those whose port or endpoints differ.
             let touched: Vec<&ServicePortName> = names
                 .iter()
                 .filter(|name| {
                     touch_all
-                        || previous.services.get(*name) != state.services.get(*name)
-                        || previous.endpoints.get(*name) != state.endpoints.get(*name)
+                        || previous.services().get(*name) != state.services().get(*name)
+                        || previous.endpoints().get(*name) != state.endpoints().get(*name)
                 })
                 .collect();
             let tx = incremental.update(state, touched);
@@ -587,20 +587,12 @@ proptest! {
 fn one_endpoint_added_touches_only_its_port() {
     let node = common::node_a();
     let mut state = common::nodeport_state();
-    for (name, svc) in common::lb_open_state().services {
-        state.endpoints.insert(
-            name.clone(),
-            common::lb_open_state().endpoints[&name].clone(),
-        );
-        state.services.insert(name, svc);
-    }
+    state.extend(common::lb_open_state());
     let mut incremental = IncrementalRuleset::new(node.clone());
-    incremental.update(&state, state.services.keys());
-    state
-        .endpoints
-        .get_mut(&common::web())
-        .unwrap()
-        .push(common::ready("10.244.2.9", 8080, "node-b"));
+    incremental.update(&state, state.services().keys());
+    let mut endpoints = state.endpoints_of(&common::web()).to_vec();
+    endpoints.push(common::ready("10.244.2.9", 8080, "node-b"));
+    state.insert_endpoints(common::web(), endpoints);
     let tx = incremental.update(&state, [&common::web()]);
     let text = render::transaction(&tx);
     // Elements only: the port's runs of buckets move and the new endpoint's hairpin pair
@@ -697,7 +689,7 @@ fn source_ranges_drop_before_dnat_in_prerouting() {
 
 /// Every feature in one state: the scenarios that do not share names or addresses.
 fn every_feature() -> ProxyState {
-    let mut state = ProxyState::default();
+    let mut state = ProxyState::new(IpFamily::V4);
     for part in [
         common::reference_state(),
         common::etp_local_state(true),
@@ -707,8 +699,7 @@ fn every_feature() -> ProxyState {
         common::udp_state(),
         common::itp_local_state(),
     ] {
-        state.services.extend(part.services);
-        state.endpoints.extend(part.endpoints);
+        state.extend(part);
     }
     state
 }
@@ -794,44 +785,47 @@ fn kernel_steps() -> Vec<ProxyState> {
     };
     let nginx = common::nginx_http();
     // An endpoint added (2 → 3), then two removed (3 → 1: the endpoint map goes away).
+    // Changes the endpoints of the port `name`.
+    let change_endpoints =
+        |s: &mut ProxyState, name: &ServicePortName, change: &dyn Fn(&mut Vec<Endpoint>)| {
+            let mut endpoints = s.endpoints_of(name).to_vec();
+            change(&mut endpoints);
+            s.insert_endpoints(name.clone(), endpoints);
+        };
     next(&|s| {
-        s.endpoints
-            .get_mut(&nginx)
-            .unwrap()
-            .push(common::ready("10.244.2.9", 80, "node-b"))
+        change_endpoints(s, &nginx, &|endpoints| {
+            endpoints.push(common::ready("10.244.2.9", 80, "node-b"))
+        })
     });
-    next(&|s| s.endpoints.get_mut(&nginx).unwrap().truncate(1));
+    next(&|s| change_endpoints(s, &nginx, &|endpoints| endpoints.truncate(1)));
     // The affinity timeout changes: the sets are declared anew.
     next(&|s| {
-        s.services
-            .get_mut(&common::sticky())
-            .unwrap()
-            .session_affinity_timeout = Some(60)
+        let mut sticky = s.services()[&common::sticky()].clone();
+        sticky.session_affinity_timeout = Some(60);
+        s.insert_service(sticky);
     });
     // externalTrafficPolicy Local loses its local endpoints; a Service loses all.
     next(&|s| {
-        s.endpoints
-            .get_mut(&common::local_lb())
-            .unwrap()
-            .retain(|ep| ep.node_name.as_deref() != Some("node-a"))
+        change_endpoints(s, &common::local_lb(), &|endpoints| {
+            endpoints.retain(|ep| ep.node_name.as_deref() != Some("node-a"))
+        })
     });
-    next(&|s| s.endpoints.get_mut(&common::dns()).unwrap().clear());
+    next(&|s| change_endpoints(s, &common::dns(), &|endpoints| endpoints.clear()));
     // And back: an endpoint map declared anew (1 → 2), rejecting addresses dispatched again.
     next(&|s| {
-        s.endpoints
-            .get_mut(&nginx)
-            .unwrap()
-            .push(common::ready("10.244.2.10", 80, "node-b"))
+        change_endpoints(s, &nginx, &|endpoints| {
+            endpoints.push(common::ready("10.244.2.10", 80, "node-b"))
+        })
     });
     next(&|s| {
-        *s.endpoints.get_mut(&common::dns()).unwrap() =
-            common::udp_state().endpoints[&common::dns()].clone()
+        let dns = common::udp_state().endpoints_of(&common::dns()).to_vec();
+        s.insert_endpoints(common::dns(), dns)
     });
     // A Service deleted, then everything.
     next(&|s| {
-        s.services.remove(&common::ext());
+        s.remove(&common::ext());
     });
-    next(&|s| *s = ProxyState::default());
+    next(&|s| *s = ProxyState::new(IpFamily::V4));
     steps
 }
 
@@ -851,7 +845,7 @@ fn the_kernel_takes_every_transaction_and_ends_with_the_full_builds_table() {
     let steps = kernel_steps();
     let names: BTreeSet<ServicePortName> = steps
         .iter()
-        .flat_map(|state| state.services.keys().cloned())
+        .flat_map(|state| state.services().keys().cloned())
         .collect();
     for (i, state) in steps.iter().enumerate() {
         nft_apply(&incremental_ns, &incremental.update(state, &names));
@@ -881,11 +875,11 @@ fn an_address_two_ports_list_goes_to_the_first_in_name_order_whichever_changes()
         common::port_name("b", "second", ""),
     );
     let set = |state: &mut ProxyState, (svc, endpoints): (ServicePort, Vec<Endpoint>)| {
-        state.endpoints.insert(svc.name.clone(), endpoints);
-        state.services.insert(svc.name.clone(), svc);
+        state.insert_endpoints(svc.name.clone(), endpoints);
+        state.insert_service(svc);
     };
     let mut steps: Vec<(ProxyState, &ServicePortName)> = Vec::new();
-    let mut state = ProxyState::default();
+    let mut state = ProxyState::new(IpFamily::V4);
     set(
         &mut state,
         listing(second.clone(), "10.96.0.2", "10.244.2.2"),
@@ -904,9 +898,9 @@ fn an_address_two_ports_list_goes_to_the_first_in_name_order_whichever_changes()
     );
     steps.push((state.clone(), &second));
     // The first goes: the second gets the address back.
-    state.services.remove(&first);
+    state.remove(&first);
     steps.push((state.clone(), &first));
-    state.services.remove(&second);
+    state.remove(&second);
     steps.push((state.clone(), &second));
 
     let mut incremental = IncrementalRuleset::new(node.clone());

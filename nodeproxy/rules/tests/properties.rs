@@ -12,6 +12,7 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use proptest::prelude::*;
+use tandem_common::IpFamily;
 use tandem_proxy_rules::build;
 use tandem_proxy_rules::chains::PER_SERVICE_PREFIXES;
 use tandem_proxy_rules::incremental::IncrementalRuleset;
@@ -56,14 +57,12 @@ fn jumps(ruleset: &Ruleset) -> Vec<(Table, String, String)> {
 
 fn reversed_lists(state: &ProxyState) -> ProxyState {
     let mut state = state.clone();
-    for service in state.services.values_mut() {
+    state.edit_services(|service| {
         service.external_ips.reverse();
         service.load_balancer_ingress.reverse();
         service.load_balancer_source_ranges.reverse();
-    }
-    for endpoints in state.endpoints.values_mut() {
-        endpoints.reverse();
-    }
+    });
+    state.edit_endpoints(|_, endpoints| endpoints.reverse());
     state
 }
 
@@ -74,7 +73,11 @@ fn usable(
     name: &ServicePortName,
     on: impl Fn(&Endpoint) -> bool,
 ) -> BTreeSet<SocketAddr> {
-    let endpoints: Vec<&Endpoint> = state.endpoints[name].iter().filter(|ep| on(ep)).collect();
+    let endpoints: Vec<&Endpoint> = state
+        .endpoints_of(name)
+        .iter()
+        .filter(|ep| on(ep))
+        .collect();
     let any_ready = endpoints.iter().any(|ep| ep.is_ready());
     endpoints
         .iter()
@@ -99,7 +102,8 @@ fn cluster_wide(
     name: &ServicePortName,
     node: &NodeConfig,
 ) -> BTreeSet<SocketAddr> {
-    let ready: Vec<&Endpoint> = state.endpoints[name]
+    let ready: Vec<&Endpoint> = state
+        .endpoints_of(name)
         .iter()
         .filter(|ep| ep.is_ready())
         .collect();
@@ -161,7 +165,7 @@ proptest! {
     fn every_service_spreads_over_exactly_its_endpoints(state in state()) {
         let node = common::node_a();
         let ruleset = build(&state, &node);
-        for (name, service) in &state.services {
+        for (name, service) in state.services() {
             let Some(cluster_ip) = service.cluster_ip.filter(IpAddr::is_ipv4) else { continue };
             let packet = Packet { src: Ipv4Addr::new(10, 244, 1, 200).into(), dst: cluster_ip, protocol: service.protocol, dst_port: service.port };
             let traced = trace(&ruleset, &TraceRequest::new(packet, Entry::FromOutside, [Ipv4Addr::new(198, 18, 0, 11).into()])).unwrap();
@@ -202,7 +206,7 @@ proptest! {
     fn the_incremental_ruleset_follows_the_full_build(states in prop::collection::vec(state(), 1..5)) {
         let node = common::node_a();
         let mut incremental = IncrementalRuleset::new(node.clone());
-        let mut previous = build(&ProxyState::default(), &node);
+        let mut previous = build(&ProxyState::new(IpFamily::V4), &node);
         // Every name a generated state can hold: those that were and those that are.
         let names: Vec<ServicePortName> = (0..MAX_PORTS).map(port_name).collect();
         for state in &states {

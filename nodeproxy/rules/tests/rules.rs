@@ -5,7 +5,7 @@
 mod common;
 
 use common::{ip, vip};
-use tandem_common::Protocol;
+use tandem_common::{IpFamily, Protocol};
 use tandem_proxy_rules::build;
 use tandem_proxy_rules::chains::{endpoint_chain, firewall_chain, service_chain};
 use tandem_proxy_rules::model::{Endpoint, IpMode, LoadBalancerIngress, NodeConfig, ProxyState};
@@ -165,27 +165,27 @@ fn feature_rules() {
 #[test]
 fn headless_services_get_no_rules() {
     let mut state = common::nodeport_state();
-    state
-        .services
-        .values_mut()
-        .for_each(|svc| svc.cluster_ip = None);
+    state.edit_services(|svc| svc.cluster_ip = None);
     let ruleset = build(&state, &common::node_a());
     assert!(
         !all_rules(&ruleset).iter().any(|r| r.contains("s1/web")),
         "{ruleset:#?}"
     );
-    assert_eq!(ruleset, build(&ProxyState::default(), &common::node_a()));
+    assert_eq!(
+        ruleset,
+        build(&ProxyState::new(IpFamily::V4), &common::node_a())
+    );
 }
 
 #[test]
 fn proxy_mode_ingress_is_left_to_the_node_port() {
     let mut state = common::lb_open_state();
-    for svc in state.services.values_mut() {
+    state.edit_services(|svc| {
         svc.load_balancer_ingress.push(LoadBalancerIngress {
             ip: ip("198.51.100.99"),
             ip_mode: IpMode::Proxy,
-        });
-    }
+        })
+    });
     let ruleset = build(&state, &common::node_a());
     let text = all_rules(&ruleset).join("\n");
     assert!(text.contains("-d 198.51.100.10/32"));
@@ -196,12 +196,9 @@ fn proxy_mode_ingress_is_left_to_the_node_port() {
 #[test]
 fn several_ingress_ips_share_one_firewall_chain() {
     let mut state = common::reference_state();
-    state
-        .services
-        .get_mut(&common::nginx_http())
-        .unwrap()
-        .load_balancer_ingress
-        .push(vip("198.51.100.21"));
+    let mut nginx = state.services()[&common::nginx_http()].clone();
+    nginx.load_balancer_ingress.push(vip("198.51.100.21"));
+    state.insert_service(nginx);
     let ruleset = build(&state, &common::node_a());
     let fw = firewall_chain(&common::nginx_http(), Protocol::Tcp);
     let jumps = rules_of(&ruleset, Table::Nat, "KUBE-SERVICES")
@@ -230,8 +227,9 @@ fn without_cluster_cidr_there_is_no_local_traffic_detection() {
 #[test]
 fn duplicate_endpoints_from_two_slices_get_one_chain() {
     let mut state = common::lb_open_state();
-    let endpoints: &mut Vec<Endpoint> = state.endpoints.get_mut(&common::open_lb()).unwrap();
+    let mut endpoints: Vec<Endpoint> = state.endpoints_of(&common::open_lb()).to_vec();
     endpoints.push(common::ready("10.244.1.5", 80, "node-a"));
+    state.insert_endpoints(common::open_lb(), endpoints);
     let ruleset = build(&state, &common::node_a());
     assert_eq!(ruleset, build(&common::lb_open_state(), &common::node_a()));
 }
@@ -239,14 +237,12 @@ fn duplicate_endpoints_from_two_slices_get_one_chain() {
 #[test]
 fn source_ranges_are_normalised_like_iptables_does() {
     let mut state = common::reference_state();
-    state
-        .services
-        .get_mut(&common::nginx_http())
-        .unwrap()
-        .load_balancer_source_ranges = vec![
+    let mut nginx = state.services()[&common::nginx_http()].clone();
+    nginx.load_balancer_source_ranges = vec![
         "203.0.113.77/24".parse().unwrap(),
         "203.0.113.0/24".parse().unwrap(),
     ];
+    state.insert_service(nginx);
     let ruleset = build(&state, &common::node_a());
     assert_eq!(
         ruleset,

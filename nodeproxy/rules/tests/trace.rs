@@ -223,10 +223,7 @@ fn lb_without_source_ranges_lets_everyone_through() {
 #[test]
 fn lb_ip_in_proxy_mode_is_not_short_cut() {
     let mut state = common::lb_open_state();
-    state
-        .services
-        .values_mut()
-        .for_each(|svc| svc.load_balancer_ingress[0].ip_mode = IpMode::Proxy);
+    state.edit_services(|svc| svc.load_balancer_ingress[0].ip_mode = IpMode::Proxy);
     let traced = from_outside(&state, tcp(ALLOWED_CLIENT, "198.51.100.10", 80));
     assert_eq!(traced.outcomes.len(), 1);
     assert_eq!(traced.outcomes[0].dnat, None);

@@ -12,8 +12,8 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use nix::sched::{CloneFlags, setns};
-use tandem_common::Protocol;
-use tandem_nodeproxy::backend::Backend;
+use tandem_common::{IpFamily, Protocol};
+use tandem_nodeproxy::datapath::iptables::backend::Backend;
 use tandem_proxy_rules::model::{
     Endpoint, IpMode, LoadBalancerIngress, NodeConfig, ProxyState, ServicePort, ServicePortName,
 };
@@ -186,14 +186,8 @@ pub fn reference_state(endpoints: Vec<Endpoint>) -> ProxyState {
         health_check_node_port: None,
         internal_traffic_policy_local: false,
     };
-    ProxyState {
-        services: [
-            (kubernetes.name.clone(), kubernetes),
-            (nginx.name.clone(), nginx.clone()),
-        ]
-        .into(),
-        endpoints: [(nginx.name, endpoints)].into(),
-    }
+    let nginx_endpoints = (nginx.name.clone(), endpoints);
+    ProxyState::from_entries(IpFamily::V4, [kubernetes, nginx], [nginx_endpoints])
 }
 
 pub fn reference_endpoints() -> Vec<Endpoint> {
@@ -440,8 +434,8 @@ pub fn program(
     state: &ProxyState,
 ) {
     use prometheus_client::registry::Registry;
-    use tandem_nodeproxy::backend::BackendChoice;
     use tandem_nodeproxy::datapath;
+    use tandem_nodeproxy::datapath::iptables::backend::BackendChoice;
     use tandem_nodeproxy::metrics::Metrics;
 
     let state = state.clone();
@@ -456,7 +450,7 @@ pub fn program(
                 let mut path = datapath::start(mode, BackendChoice::Auto, config)
                     .await
                     .unwrap();
-                let ports: BTreeSet<_> = state.services.keys().cloned().collect();
+                let ports: BTreeSet<_> = state.services().keys().cloned().collect();
                 path.update(&state, &ports);
                 assert!(path.apply(&metrics).await, "{mode} sync failed");
                 if path.wants_read_back() {

@@ -198,12 +198,12 @@ impl IncrementalRuleset {
     /// missed something. The old ruleset goes first, so the two never take memory at once.
     pub fn rebuild(&mut self, state: &ProxyState) {
         let mut slots = std::mem::take(&mut self.slots);
-        slots.retain(|name| state.services.contains_key(name));
+        slots.retain(|name| state.services().contains_key(name));
         *self = Self {
             slots,
             ..Self::new(self.node.clone())
         };
-        self.update_without_transaction(state, state.services.keys());
+        self.update_without_transaction(state, state.services().keys());
     }
 
     /// Rebuilds the given Service ports from `state` (a port `state` no longer has is
@@ -251,12 +251,12 @@ impl IncrementalRuleset {
         let names: BTreeSet<&ServicePortName> = ports.into_iter().collect();
         // Released before any is given out, as a change does, so the same slots are reused.
         for &name in &names {
-            if !state.services.contains_key(name) {
+            if !state.services().contains_key(name) {
                 self.slots.release(name);
             }
         }
         for name in names {
-            let Some(svc) = state.services.get(name) else {
+            let Some(svc) = state.services().get(name) else {
                 continue;
             };
             let slot = self.slots.assign(name, svc.protocol);
@@ -342,7 +342,7 @@ impl IncrementalRuleset {
         let mut released: BTreeMap<ElementKey, usize> = BTreeMap::new();
         let mut bucket_maps = BTreeSet::new();
         for &name in &names {
-            if !state.services.contains_key(name) {
+            if !state.services().contains_key(name) {
                 self.slots.release(name);
             }
             let Some(old) = self.ports.remove(name) else {
@@ -367,7 +367,7 @@ impl IncrementalRuleset {
         // owned names per element took 100 MiB at the first sync of 10,000 ports).
         let mut claimed: BTreeMap<ElementKey, Vec<&ServicePortName>> = BTreeMap::new();
         for &name in &names {
-            let Some(svc) = state.services.get(name) else {
+            let Some(svc) = state.services().get(name) else {
                 continue;
             };
             let slot = self.slots.assign(name, svc.protocol);
@@ -548,6 +548,7 @@ impl IncrementalRuleset {
 mod tests {
     use std::net::Ipv4Addr;
 
+    use tandem_common::IpFamily;
     use tandem_nftables::Op;
 
     use super::*;
@@ -560,10 +561,11 @@ mod tests {
             ..service(Some(Ipv4Addr::new(10, 96, 0, 1)))
         };
         let name = service.name.clone();
-        ProxyState {
-            endpoints: [(name.clone(), vec![endpoint(1, "node-b")])].into(),
-            services: [(name, service)].into(),
-        }
+        ProxyState::from_entries(
+            IpFamily::V4,
+            [service],
+            [(name, vec![endpoint(1, "node-b")])],
+        )
     }
 
     #[test]
@@ -584,15 +586,15 @@ mod tests {
         };
         // Three ports claim the same external IP and port; two ports of one Service
         // share its cluster IP and their endpoints' hairpin pairs; one is gone.
-        let mut state = ProxyState::default();
+        let mut state = ProxyState::new(IpFamily::V4);
         for (service, endpoints) in [
             port("a", "http", 1, &[1, 2]),
             port("b", "http", 2, &[3]),
             port("b", "dns", 2, &[3, 4]),
             port("c", "http", 3, &[]),
         ] {
-            state.endpoints.insert(service.name.clone(), endpoints);
-            state.services.insert(service.name.clone(), service);
+            state.insert_endpoints(service.name.clone(), endpoints);
+            state.insert_service(service);
         }
         let gone = ServicePortName {
             namespace: "default".into(),
@@ -600,7 +602,7 @@ mod tests {
             port: "http".into(),
         };
         let names: Vec<&ServicePortName> = state
-            .services
+            .services()
             .keys()
             .chain(std::iter::once(&gone))
             .collect();
@@ -620,8 +622,8 @@ mod tests {
         assert!(!built.contested.is_empty() && !built.shared_pairs.is_empty());
         assert_eq!(parts(&built), parts(&changed));
         // And the next change finds the same claims in both.
-        let first = state.services.keys().next().unwrap().clone();
-        state.services.remove(&first);
+        let first = state.services().keys().next().unwrap().clone();
+        state.remove(&first);
         assert_eq!(
             built.update(&state, [&first]),
             changed.update(&state, [&first])
@@ -640,15 +642,11 @@ mod tests {
             },
             ..service(Some(Ipv4Addr::new(10, 96, 0, 1)))
         };
-        let with = |names: &[&str]| ProxyState {
-            services: names
-                .iter()
-                .map(|name| (port(name).name, port(name)))
-                .collect(),
-            ..ProxyState::default()
+        let with = |names: &[&str]| {
+            ProxyState::from_entries(IpFamily::V4, names.iter().map(|name| port(name)), [])
         };
         let first = with(&["a", "b"]);
-        incremental.update(&first, first.services.keys());
+        incremental.update(&first, first.services().keys());
         // "a" leaves and "z" takes its slot, 0, where name order would put it last.
         let churned = with(&["b", "z"]);
         let touched = [port("a").name, port("z").name];
@@ -671,12 +669,14 @@ mod tests {
             port: number,
             ..service(Some(Ipv4Addr::new(10, 96, 0, 1)))
         };
-        let with = |numbers: &[u16]| ProxyState {
-            services: numbers.iter().map(|n| (port(*n).name, port(*n))).collect(),
-            endpoints: numbers
-                .iter()
-                .map(|n| (port(*n).name, vec![endpoint(1, "node-a")]))
-                .collect(),
+        let with = |numbers: &[u16]| {
+            ProxyState::from_entries(
+                IpFamily::V4,
+                numbers.iter().map(|n| port(*n)),
+                numbers
+                    .iter()
+                    .map(|n| (port(*n).name, vec![endpoint(1, "node-a")])),
+            )
         };
         let pair = Key::SelfPair(Ipv4Addr::new(10, 180, 0, 1).into());
         let held = |rules: &IncrementalRuleset| {
@@ -686,7 +686,7 @@ mod tests {
         };
         let mut incremental = IncrementalRuleset::new(node());
         let three = with(&[80, 81, 82]);
-        incremental.update(&three, three.services.keys());
+        incremental.update(&three, three.services().keys());
         // The ports of one Service leave one at a time; the pair goes with the last.
         for (left, gone) in [(&[81u16, 82][..], 80u16), (&[82], 81), (&[], 82)] {
             let state = with(left);
@@ -703,7 +703,7 @@ mod tests {
     fn changed_service_cidrs_rewrite_the_cluster_ips_check_alone() {
         let state = state(10);
         let mut incremental = IncrementalRuleset::new(node());
-        incremental.update(&state, state.services.keys());
+        incremental.update(&state, state.services().keys());
         let cidrs =
             |list: &[&str]| -> Vec<IpNet> { list.iter().map(|c| c.parse().unwrap()).collect() };
         for list in [
@@ -736,7 +736,7 @@ mod tests {
     #[test]
     fn a_changed_affinity_timeout_rewrites_the_chains_that_use_the_set() {
         let mut incremental = IncrementalRuleset::new(node());
-        let names: Vec<ServicePortName> = state(10).services.into_keys().collect();
+        let names: Vec<ServicePortName> = state(10).services().keys().cloned().collect();
         incremental.update(&state(10), &names);
         let tx = incremental.update(&state(20), &names);
         let position = |wanted: &dyn Fn(&Op) -> bool| tx.ops.iter().position(wanted).unwrap();

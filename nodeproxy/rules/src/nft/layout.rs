@@ -142,8 +142,9 @@ pub fn build(state: &ProxyState, node: &NodeConfig) -> Ruleset {
 /// port's objects in [`ServicePortName`] order. Headless Services, and ports without a
 /// slot, get nothing.
 pub fn build_with_slots(state: &ProxyState, node: &NodeConfig, slots: &BucketSlots) -> Ruleset {
+    debug_assert_eq!(state.family(), node.family, "a state of the node's family");
     let mut ruleset = fixed_objects(node);
-    for service in state.services.values() {
+    for service in state.services().values() {
         let Some(slot) = slots.get(&service.name) else {
             continue;
         };
@@ -550,8 +551,10 @@ pub fn affinity_set(name: &ServicePortName, protocol: Protocol, ep: SocketAddr) 
 }
 
 /// The objects of one Service port alone; [`build`] is [`fixed_objects`] plus these for
-/// every port. `endpoints` are all of the port's endpoints; which are used is the iptables
-/// mode's decision (ready ones, else serving terminating ones; this node's for Local).
+/// every port. `svc` and `endpoints` (all of the port's endpoints) are a port of a
+/// [`ProxyState`] of the node's family, which holds that family's addresses only; which
+/// endpoints are used is the iptables mode's decision (ready ones, else serving
+/// terminating ones; this node's for Local).
 pub fn port_objects(
     svc: &ServicePort,
     endpoints: &[Endpoint],
@@ -559,8 +562,7 @@ pub fn port_objects(
     slot: BucketSlot,
 ) -> PortObjects {
     let mut out = PortObjects::default();
-    // A proxier keeps the addresses of its own family only.
-    let Some(cluster_ip) = svc.cluster_ip.filter(|ip| node.family.holds(*ip)) else {
+    let Some(cluster_ip) = svc.cluster_ip else {
         return out; // headless: DNS only, no proxying
     };
     let port = Port::new(
@@ -575,7 +577,7 @@ pub fn port_objects(
     out.elements
         .push((CLUSTER_IPS, Key::Address(cluster_ip), Value::Member));
     // External IPs and LB IPs, each once (a Service may list an address in both).
-    let external_ips = sorted_unique(&[&port.external_ips[..], &port.vip_ingress].concat());
+    let external_ips = sorted_unique(&[&port.external_ips[..], &port.paths.vip_ingress].concat());
 
     if !port.has_endpoints {
         let reject = Value::from(Verdict::Goto(REJECT_CHAIN.to_owned()));
@@ -652,11 +654,11 @@ pub fn port_objects(
             external,
         ));
     }
-    if !port.source_ranges.is_empty() && !port.vip_ingress.is_empty() {
+    if !port.source_ranges.is_empty() && !port.paths.vip_ingress.is_empty() {
         // allowFromNode: the node's own connections looped back to it come from the LB IP.
         let from_node = node
             .allows_from_node(&svc.load_balancer_source_ranges)
-            .then_some(&port.vip_ingress)
+            .then_some(&port.paths.vip_ingress)
             .into_iter()
             .flatten()
             .map(|ip| host(*ip));
@@ -684,7 +686,7 @@ pub fn port_objects(
         );
         out.chains.insert(port.names.firewall.clone(), chain(rules));
         let firewall = Value::from(Verdict::Goto(port.names.firewall.clone()));
-        for &ip in &port.vip_ingress {
+        for &ip in &port.paths.vip_ingress {
             out.elements
                 .push((FIREWALL_IPS, ip_key(ip), firewall.clone()));
         }
@@ -722,8 +724,6 @@ struct Port<'a> {
     /// Endpoints some chain of this port spreads over.
     endpoints: Vec<PortEndpoint>,
     external_ips: Vec<IpAddr>,
-    /// The ingress IPs the node captures (`paths.vip_ingress`).
-    vip_ingress: Vec<IpAddr>,
     source_ranges: Vec<IpNet>,
     /// Which paths exist: `service-…` exists when the cluster-wide set is used, `local-…`
     /// when this node's is (and holds an endpoint).
@@ -747,19 +747,6 @@ impl<'a> Port<'a> {
         slot: BucketSlot,
     ) -> Self {
         let paths = PortPaths::of(svc);
-        let family = node.family;
-        let ranges: Vec<IpNet> = svc
-            .load_balancer_source_ranges
-            .iter()
-            .filter(|range| family.holds(range.addr()))
-            .map(|range| range.trunc())
-            .collect();
-        let external_ips: Vec<IpAddr> = svc
-            .external_ips
-            .iter()
-            .copied()
-            .filter(|ip| family.holds(*ip))
-            .collect();
         Self {
             svc,
             cluster_ip,
@@ -767,25 +754,19 @@ impl<'a> Port<'a> {
             slot,
             endpoints: usable
                 .iter()
-                .filter(|ep| paths.spreads_over(ep) && family.holds(ep.addr.ip()))
+                .filter(|ep| paths.spreads_over(ep))
                 .map(|ep| PortEndpoint {
                     addr: ep.addr,
                     cluster: ep.cluster,
                     local: ep.local,
                 })
                 .collect(),
-            external_ips: sorted_unique(&external_ips),
-            vip_ingress: paths
-                .vip_ingress
-                .iter()
-                .copied()
-                .filter(|ip| family.holds(*ip))
-                .collect(),
-            source_ranges: sorted_unique(&ranges),
+            external_ips: sorted_unique(&svc.external_ips),
+            source_ranges: sorted_unique(&svc.load_balancer_source_ranges),
             paths,
             has_endpoints: usable.iter().any(|ep| ep.cluster),
-            if_local: node.local_detector.nft(family, false),
-            if_not_local: node.local_detector.nft(family, true),
+            if_local: node.local_detector.nft(node.family, false),
+            if_not_local: node.local_detector.nft(node.family, true),
             masquerade_all: node.masquerade_all,
         }
     }

@@ -70,7 +70,7 @@ impl BucketSlots {
     /// A slot for every port of `state`, given out in name order: what a fresh start has.
     pub fn in_name_order(state: &ProxyState) -> Self {
         let mut slots = Self::default();
-        for (name, svc) in &state.services {
+        for (name, svc) in state.services() {
             slots.assign(name, svc.protocol);
         }
         slots

@@ -4,7 +4,7 @@
 use std::net::Ipv4Addr;
 
 use proptest::prelude::*;
-use tandem_common::Protocol;
+use tandem_common::{IpFamily, Protocol};
 use tandem_proxy_rules::model::{
     Endpoint, Hints, IpMode, LoadBalancerIngress, ProxyState, ServicePort, ServicePortName,
 };
@@ -129,7 +129,7 @@ pub fn port_name(i: usize) -> ServicePortName {
 pub fn state() -> impl Strategy<Value = ProxyState> {
     let port = (service(), prop::bool::weighted(0.3));
     prop::collection::vec(port, 0..MAX_PORTS).prop_map(|services| {
-        let mut state = ProxyState::default();
+        let mut state = ProxyState::new(IpFamily::V4);
         for (i, ((mut service, endpoints), common_port)) in services.into_iter().enumerate() {
             let index = u8::try_from(i).unwrap();
             let index16 = u16::from(index);
@@ -143,8 +143,8 @@ pub fn state() -> impl Strategy<Value = ProxyState> {
             service.node_port = service.node_port.map(|_| 30000 + index16);
             service.health_check_node_port =
                 service.health_check_node_port.map(|_| 32000 + index16);
-            state.endpoints.insert(service.name.clone(), endpoints);
-            state.services.insert(service.name.clone(), service);
+            state.insert_endpoints(service.name.clone(), endpoints);
+            state.insert_service(service);
         }
         state
     })

@@ -90,14 +90,12 @@ pub fn node_with_flags() -> NodeConfig {
     }
 }
 
+/// The IPv4 state of these Service ports and endpoints.
 pub fn state_of(
     services: Vec<ServicePort>,
     endpoints: Vec<(ServicePortName, Vec<Endpoint>)>,
 ) -> ProxyState {
-    ProxyState {
-        services: services.into_iter().map(|s| (s.name.clone(), s)).collect(),
-        endpoints: endpoints.into_iter().collect(),
-    }
+    ProxyState::from_entries(IpFamily::V4, services, endpoints)
 }
 
 pub fn nginx_http() -> ServicePortName {
@@ -455,7 +453,8 @@ pub fn dual_stack_reference_state_v6() -> ProxyState {
             80,
         )
     };
-    state_of(
+    ProxyState::from_entries(
+        IpFamily::V6,
         vec![nginx, echo, empty],
         vec![
             (

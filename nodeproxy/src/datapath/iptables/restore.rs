@@ -603,7 +603,7 @@ mod tests {
         COMMIT\n";
 
     /// The kubelet v1.21's chains (see the file's note).
-    const KUBELET: &str = include_str!("../tests/data/kubelet-v1.21.iptables");
+    const KUBELET: &str = include_str!("../../../tests/data/kubelet-v1.21.iptables");
     const LB_FIREWALL_JUMP: &str = "-m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL";
 
     #[test]

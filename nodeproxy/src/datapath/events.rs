@@ -21,8 +21,8 @@ use tandem_nftables::monitor::{Announcement, Change, Monitor, Object};
 use tandem_proxy_rules::ruleset::Table;
 use tokio::sync::Notify;
 
+use crate::datapath::iptables::restore;
 use crate::metrics::Metrics;
-use crate::restore;
 
 /// Ports of our writers remembered: the open nftables sockets and the last restores,
 /// whose announcements may arrive after they exited.

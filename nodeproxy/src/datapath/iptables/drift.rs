@@ -13,7 +13,7 @@ use std::hash::{DefaultHasher, Hasher};
 
 use tandem_proxy_rules::ruleset::{BASE_JUMPS, BaseJump, Table, TableRules};
 
-use crate::restore::{self, CANARY_CHAIN, TableInspection};
+use crate::datapath::iptables::restore::{self, CANARY_CHAIN, TableInspection};
 
 /// The digest of a rule's `iptables-save` text (after `-A CHAIN `).
 pub fn rule_digest(rule: &str) -> u64 {

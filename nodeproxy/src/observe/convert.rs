@@ -2,9 +2,9 @@
 //!
 //! One IP family at a time, as kube-proxy's proxier per family sees the cluster: a Service
 //! has rules in a family only with a cluster IP of it, and brings along only its external
-//! IPs, LB ingress IPs and source ranges of that family; an EndpointSlice counts only in
-//! the family of its `addressType`. Values of the other family are the other proxier's,
-//! not errors.
+//! IPs, LB ingress IPs and source ranges of that family (the [`ProxyState`] of the family
+//! drops the others); an EndpointSlice counts only in the family of its `addressType`.
+//! Values of the other family are the other proxier's, not errors.
 //!
 //! Bad values (an unparsable CIDR, a port out of range) never abort the conversion: the
 //! offending value is left out and reported as a [`Skipped`] entry, so one bad Service
@@ -19,7 +19,6 @@ use k8s_openapi::api::core::v1::{Node, Service, ServicePort as K8sServicePort};
 use k8s_openapi::api::discovery::v1::{EndpointHints, EndpointSlice};
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
 use tandem_common::{IpFamily, Protocol};
 use tandem_proxy_rules::model::{
     Endpoint, Hints, IpMode, LoadBalancerIngress, ProxyState, ServicePort, ServicePortName,
@@ -69,7 +68,7 @@ pub enum Skipped {
 }
 
 /// The converted state plus everything that was left out of it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Conversion {
     pub state: ProxyState,
     pub skipped: Vec<Skipped>,
@@ -84,7 +83,8 @@ pub struct ServiceEntry {
 }
 
 impl ServiceEntry {
-    /// The Service as the proxier of `family` sees it.
+    /// The Service as the proxier of `family` sees it (its external IPs and source ranges
+    /// of every family: the state of `family` keeps its own).
     pub fn of(service: &Service, family: IpFamily) -> Self {
         let mut skipped = Vec::new();
         let ports = service_ports(service, family, &mut skipped);
@@ -287,14 +287,15 @@ pub fn proxy_state<'a>(
         .into_iter()
         .map(|slice| SliceEntry::of(slice, family))
         .collect();
-    join(&services, &slices)
+    join(&services, &slices, family)
 }
 
-/// The state of all converted Services and EndpointSlices: each Service port with the
-/// endpoints its Service's slices give it.
+/// The state of `family` of all converted Services and EndpointSlices: each Service port
+/// with the endpoints its Service's slices give it.
 pub fn join<'a>(
     services: impl IntoIterator<Item = &'a ServiceEntry>,
     slices: impl IntoIterator<Item = &'a SliceEntry>,
+    family: IpFamily,
 ) -> Conversion {
     let mut slices_of: HashMap<&ObjectKey, Vec<&SliceEntry>> = HashMap::new();
     let mut slices_skipped = Vec::new();
@@ -304,7 +305,10 @@ pub fn join<'a>(
             slices_of.entry(service).or_default().push(slice);
         }
     }
-    let mut out = Conversion::default();
+    let mut out = Conversion {
+        state: ProxyState::new(family),
+        skipped: Vec::new(),
+    };
     for service in services {
         out.skipped.extend(service.skipped.iter().cloned());
         for port in &service.ports {
@@ -313,10 +317,8 @@ pub fn join<'a>(
                 &port.name,
                 slices_of.get(&key).into_iter().flatten().copied(),
             );
-            if !endpoints.is_empty() {
-                out.state.endpoints.insert(port.name.clone(), endpoints);
-            }
-            out.state.services.insert(port.name.clone(), port.clone());
+            out.state.insert_endpoints(port.name.clone(), endpoints);
+            out.state.insert_service(port.clone());
         }
     }
     out.skipped.extend(slices_skipped);
@@ -340,22 +342,6 @@ pub fn join_endpoints(all: impl IntoIterator<Item = Endpoint>) -> Vec<Endpoint> 
         }
     }
     by_address.into_values().collect()
-}
-
-/// True when the Node is being deleted or drained by the cluster autoscaler: the node's
-/// `/healthz` then answers 503 so load balancers stop sending new connections (KEP-3836).
-pub fn node_is_draining(node: &Node) -> bool {
-    if node.metadata.deletion_timestamp.is_some() {
-        return true;
-    }
-    node.spec
-        .as_ref()
-        .and_then(|spec| spec.taints.as_ref())
-        .is_some_and(|taints| {
-            taints
-                .iter()
-                .any(|t| t.key == TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER)
-        })
 }
 
 /// The label that names a node's zone, which endpoint zone hints are matched against.
@@ -518,7 +504,7 @@ fn service_ports(
         .iter()
         .flatten()
         .filter_map(|value| match value.trim().parse::<IpAddr>() {
-            Ok(ip) => family.holds(ip).then_some(ip),
+            Ok(ip) => Some(ip),
             Err(_) => {
                 skip("spec.externalIPs", value, "not an IP address");
                 None
@@ -539,6 +525,7 @@ fn service_ports(
                 let value = ingress.ip.as_deref()?;
                 let ip = match value.trim().parse::<IpAddr>() {
                     Ok(ip) if family.holds(ip) => ip,
+                    // The other proxier's, and so is a bad ipMode of it to report.
                     Ok(_) => return None,
                     Err(_) => {
                         skip("status.loadBalancer.ingress.ip", value, "not an IP address");
@@ -569,7 +556,7 @@ fn service_ports(
             .iter()
             .flatten()
             .filter_map(|value| match value.trim().parse::<IpNet>() {
-                Ok(net) => family.holds(net.addr()).then(|| net.trunc()),
+                Ok(net) => Some(net),
                 Err(_) => {
                     skip("spec.loadBalancerSourceRanges", value, "not a CIDR");
                     None
@@ -723,12 +710,12 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{
         ClientIPConfig, LoadBalancerIngress as K8sIngress, LoadBalancerStatus, NodeSpec,
-        ServiceSpec, ServiceStatus, SessionAffinityConfig, Taint,
+        ServiceSpec, ServiceStatus, SessionAffinityConfig,
     };
     use k8s_openapi::api::discovery::v1::{
         Endpoint as K8sEndpoint, EndpointConditions, EndpointPort,
     };
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     fn meta(namespace: &str, name: &str) -> ObjectMeta {
         ObjectMeta {
@@ -846,7 +833,7 @@ mod tests {
         let out = proxy_state(&services, &slices, IpFamily::V4);
         assert_eq!(out.skipped, vec![]);
         let name = spn("nginx-service", "http");
-        let port = &out.state.services[&name];
+        let port = &out.state.services()[&name];
         assert_eq!(port.protocol, Protocol::Tcp);
         assert_eq!(port.cluster_ip, Some(Ipv4Addr::new(10, 43, 35, 197).into()));
         assert_eq!(port.port, 80);
@@ -864,7 +851,7 @@ mod tests {
         );
         assert_eq!(port.session_affinity_timeout, None);
         assert!(!port.external_traffic_policy_local);
-        let endpoints = &out.state.endpoints[&name];
+        let endpoints = &out.state.endpoints()[&name];
         assert_eq!(endpoints.len(), 2);
         assert!(
             endpoints
@@ -890,8 +877,8 @@ mod tests {
             port(Some("huge"), "TCP", 70000, None),
         ]);
         let out = proxy_state([&service], [], IpFamily::V4);
-        assert_eq!(out.state.services.len(), 1);
-        let port = &out.state.services[&spn("nginx-service", "http")];
+        assert_eq!(out.state.services().len(), 1);
+        let port = &out.state.services()[&spn("nginx-service", "http")];
         // Host bits are cleared, as the kernel would store the range.
         assert_eq!(
             port.load_balancer_source_ranges,
@@ -974,7 +961,7 @@ mod tests {
         ] {
             let out = proxy_state([&service], [&v4_slice, &v6_slice], family);
             assert!(out.skipped.is_empty(), "{family}: {:?}", out.skipped);
-            let port = &out.state.services[&name];
+            let port = &out.state.services()[&name];
             assert_eq!(
                 port.cluster_ip,
                 Some(cluster_ip.parse().unwrap()),
@@ -993,12 +980,13 @@ mod tests {
                 "{family}"
             );
             assert_eq!(port.external_ips, [external.parse::<IpAddr>().unwrap()]);
-            let endpoints: Vec<IpAddr> = out.state.endpoints[&name].iter().map(|e| e.ip).collect();
+            let endpoints: Vec<IpAddr> =
+                out.state.endpoints()[&name].iter().map(|e| e.ip).collect();
             assert_eq!(endpoints, [endpoint.parse::<IpAddr>().unwrap()], "{family}");
         }
         // An IPv4-only Service has no IPv6 rules at all.
         let out = proxy_state([&nginx()], [&v4_slice], IpFamily::V6);
-        assert!(out.state.services.is_empty() && out.skipped.is_empty());
+        assert!(out.state.services().is_empty() && out.skipped.is_empty());
     }
 
     #[test]
@@ -1014,7 +1002,7 @@ mod tests {
         external.metadata.name = Some("ext".into());
         external.spec.as_mut().unwrap().type_ = Some("ExternalName".into());
         let out = proxy_state([&headless, &v6, &external], [], IpFamily::V4);
-        assert!(out.state.services.is_empty());
+        assert!(out.state.services().is_empty());
         assert!(out.skipped.is_empty());
     }
 
@@ -1026,7 +1014,7 @@ mod tests {
             Some(vec!["fd00::1".into(), "10.43.0.9".into()]);
         let out = proxy_state([&service], [], IpFamily::V4);
         assert_eq!(
-            out.state.services[&spn("nginx-service", "http")].cluster_ip,
+            out.state.services()[&spn("nginx-service", "http")].cluster_ip,
             Some(IpAddr::from([10, 43, 0, 9]))
         );
     }
@@ -1037,7 +1025,7 @@ mod tests {
         service.spec.as_mut().unwrap().session_affinity = Some("ClientIP".into());
         let out = proxy_state([&service], [], IpFamily::V4);
         assert_eq!(
-            out.state.services[&spn("nginx-service", "http")].session_affinity_timeout,
+            out.state.services()[&spn("nginx-service", "http")].session_affinity_timeout,
             Some(10_800)
         );
         service.spec.as_mut().unwrap().session_affinity_config = Some(SessionAffinityConfig {
@@ -1047,7 +1035,7 @@ mod tests {
         });
         let out = proxy_state([&service], [], IpFamily::V4);
         assert_eq!(
-            out.state.services[&spn("nginx-service", "http")].session_affinity_timeout,
+            out.state.services()[&spn("nginx-service", "http")].session_affinity_timeout,
             Some(60)
         );
     }
@@ -1061,10 +1049,10 @@ mod tests {
         cluster_ip.metadata.name = Some("plain".into());
         cluster_ip.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
         let out = proxy_state([&lb, &cluster_ip], [], IpFamily::V4);
-        let lb_port = &out.state.services[&spn("nginx-service", "http")];
+        let lb_port = &out.state.services()[&spn("nginx-service", "http")];
         assert!(lb_port.external_traffic_policy_local);
         assert_eq!(lb_port.health_check_node_port, Some(32000));
-        let plain = &out.state.services[&spn("plain", "http")];
+        let plain = &out.state.services()[&spn("plain", "http")];
         assert!(!plain.external_traffic_policy_local);
         assert_eq!(plain.health_check_node_port, None);
         assert_eq!(plain.node_port, None);
@@ -1083,11 +1071,12 @@ mod tests {
         default.metadata.name = Some("default".into());
         default.spec.as_mut().unwrap().internal_traffic_policy = Some("Cluster".into());
         let out = proxy_state([&lb, &cluster_ip, &default], [], IpFamily::V4);
-        let itp_local = |name| out.state.services[&spn(name, "http")].internal_traffic_policy_local;
+        let itp_local =
+            |name| out.state.services()[&spn(name, "http")].internal_traffic_policy_local;
         assert!(itp_local("nginx-service"));
         assert!(itp_local("plain"));
         assert!(!itp_local("default"));
-        assert!(!out.state.services[&spn("nginx-service", "http")].external_traffic_policy_local);
+        assert!(!out.state.services()[&spn("nginx-service", "http")].external_traffic_policy_local);
     }
 
     #[test]
@@ -1106,7 +1095,7 @@ mod tests {
             .ip_mode = Some("Proxy".into());
         let out = proxy_state([&service], [], IpFamily::V4);
         assert_eq!(
-            out.state.services[&spn("nginx-service", "http")].load_balancer_ingress[0].ip_mode,
+            out.state.services()[&spn("nginx-service", "http")].load_balancer_ingress[0].ip_mode,
             IpMode::Proxy
         );
     }
@@ -1146,7 +1135,7 @@ mod tests {
         let mut unlabelled = slices[0].clone();
         unlabelled.metadata.labels = None;
         let out = proxy_state([&service], slices.iter().chain([&unlabelled]), IpFamily::V4);
-        let http = &out.state.endpoints[&spn("nginx-service", "http")];
+        let http = &out.state.endpoints()[&spn("nginx-service", "http")];
         assert_eq!(http.len(), 2);
         assert_eq!(
             (http[0].ip, http[0].port, http[0].ready, http[0].terminating),
@@ -1156,9 +1145,9 @@ mod tests {
             (http[1].ip, http[1].ready, http[1].terminating),
             (IpAddr::from([10, 244, 2, 7]), false, true)
         );
-        let metrics = &out.state.endpoints[&spn("nginx-service", "metrics")];
+        let metrics = &out.state.endpoints()[&spn("nginx-service", "metrics")];
         assert!(metrics.iter().all(|e| e.port == 9090));
-        assert_eq!(out.state.endpoints.len(), 2);
+        assert_eq!(out.state.endpoints().len(), 2);
     }
 
     #[test]
@@ -1182,7 +1171,7 @@ mod tests {
             vec![hinted, empty, plain],
         )];
         let out = proxy_state([&nginx()], &slices, IpFamily::V4);
-        let http = &out.state.endpoints[&spn("nginx-service", "http")];
+        let http = &out.state.endpoints()[&spn("nginx-service", "http")];
         assert_eq!(http[0].zone_hints(), ["zone-a", "zone-b"]);
         assert_eq!(http[0].node_hints(), ["node-a"]);
         // Empty hints are no hints: kube-proxy counts the names.
@@ -1243,8 +1232,8 @@ mod tests {
         });
         let out = proxy_state([&service], [&s], IpFamily::V4);
         let name = spn("nginx-service", "");
-        assert_eq!(out.state.services[&name].protocol, Protocol::Udp);
-        assert_eq!(out.state.endpoints[&name][0].port, 5353);
+        assert_eq!(out.state.services()[&name].protocol, Protocol::Udp);
+        assert_eq!(out.state.endpoints()[&name][0].port, 5353);
         assert_eq!(out.skipped.len(), 1);
     }
 
@@ -1294,30 +1283,6 @@ mod tests {
             Some(IpAddr::from([203, 0, 113, 50]))
         );
         assert_eq!(node_primary_ip(&Node::default(), IpFamily::V4), None);
-    }
-
-    #[test]
-    fn draining_nodes_are_recognised() {
-        let mut node = Node {
-            metadata: meta("", "node-a"),
-            ..Default::default()
-        };
-        assert!(!node_is_draining(&node));
-        node.spec = Some(NodeSpec {
-            taints: Some(vec![Taint {
-                key: TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER.into(),
-                effect: "NoSchedule".into(),
-                ..Default::default()
-            }]),
-            ..Default::default()
-        });
-        assert!(node_is_draining(&node));
-        let mut deleted = Node {
-            metadata: meta("", "node-b"),
-            ..Default::default()
-        };
-        deleted.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
-        assert!(node_is_draining(&deleted));
     }
 
     #[test]

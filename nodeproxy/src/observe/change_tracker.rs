@@ -9,7 +9,7 @@
 //! about four times the memory. A full join of the very entries the incremental state
 //! came from is at hand for the periodic consistency check.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
@@ -18,13 +18,13 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::Resource;
 use kube::runtime::watcher::Event;
 use tandem_common::{IpFamily, Protocol};
-use tandem_proxy_rules::model::{ProxyState, ServicePortName};
+use tandem_proxy_rules::model::{ProxyState, ServicePort, ServicePortName};
 
-use crate::convert::{self, ObjectKey, ServiceEntry, Skipped, SliceEntry, object_key};
+use crate::observe::convert::{self, ObjectKey, ServiceEntry, Skipped, SliceEntry, object_key};
 
 /// The Service ports that changed since the previous [`ChangeTracker::take`], with their
 /// entries then and now (ports that are not in a state have no entry there).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Changes {
     pub ports: BTreeSet<ServicePortName>,
     pub previous: ProxyState,
@@ -37,25 +37,27 @@ pub struct Changes {
 }
 
 impl Changes {
+    /// No change yet, of the proxier of `family`.
+    fn new(family: IpFamily) -> Self {
+        Self {
+            ports: BTreeSet::new(),
+            previous: ProxyState::new(family),
+            current: ProxyState::new(family),
+            skipped: Vec::new(),
+            first_slice_change: None,
+        }
+    }
+
     /// Folds in the changes taken after these (when these could not be applied): each
     /// port keeps its earliest previous entry and gets its latest current one.
-    pub fn merge(&mut self, later: Changes) {
+    pub fn merge(&mut self, mut later: Changes) {
         for name in &later.ports {
             if self.ports.insert(name.clone()) {
-                if let Some(service) = later.previous.services.get(name) {
-                    self.previous.services.insert(name.clone(), service.clone());
-                }
-                if let Some(endpoints) = later.previous.endpoints.get(name) {
-                    self.previous
-                        .endpoints
-                        .insert(name.clone(), endpoints.clone());
-                }
+                later.previous.move_port(name, &mut self.previous);
             }
-            self.current.services.remove(name);
-            self.current.endpoints.remove(name);
+            self.current.remove(name);
         }
-        self.current.services.extend(later.current.services);
-        self.current.endpoints.extend(later.current.endpoints);
+        self.current.extend(later.current);
         self.skipped.extend(later.skipped);
         self.first_slice_change = self.first_slice_change.or(later.first_slice_change);
     }
@@ -66,21 +68,12 @@ impl Changes {
     /// [`Changes::merge`] read them, and neither needs those: a first sync's changes hold
     /// every endpoint once more, while the whole table is written.
     pub fn drop_current_not_udp(&mut self) {
-        let previous = &self.previous;
-        let udp_before = |name: &ServicePortName| {
-            previous
-                .services
-                .get(name)
-                .is_some_and(|service| service.protocol == Protocol::Udp)
+        let udp = |service: Option<&ServicePort>| {
+            service.is_some_and(|service| service.protocol == Protocol::Udp)
         };
-        let current = &mut self.current;
-        current
-            .services
-            .retain(|name, service| service.protocol == Protocol::Udp || udp_before(name));
-        let kept = &current.services;
-        current
-            .endpoints
-            .retain(|name, _| kept.contains_key(name) || udp_before(name));
+        let previous = self.previous.services();
+        self.current
+            .retain(|name, service| udp(service) || udp(previous.get(name)));
     }
 }
 
@@ -177,7 +170,7 @@ impl<V> Objects<V> {
 /// The watched Services and EndpointSlices (converted as they arrive, for one IP family),
 /// the state joined from them as of the last [`take`](ChangeTracker::take), and the
 /// Service ports changed since.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ChangeTracker {
     family: IpFamily,
     services: Objects<ServiceEntry>,
@@ -188,6 +181,12 @@ pub struct ChangeTracker {
     state: ProxyState,
     changed: BTreeSet<ServicePortName>,
     first_slice_change: Option<Instant>,
+}
+
+impl Default for ChangeTracker {
+    fn default() -> Self {
+        Self::new(IpFamily::V4)
+    }
 }
 
 /// The tracker as the watch tasks and the sync loop share it.
@@ -204,7 +203,12 @@ impl ChangeTracker {
     pub fn new(family: IpFamily) -> Self {
         Self {
             family,
-            ..Self::default()
+            services: Objects::default(),
+            slices: Objects::default(),
+            slices_by_service: HashMap::new(),
+            state: ProxyState::new(family),
+            changed: BTreeSet::new(),
+            first_slice_change: None,
         }
     }
 
@@ -281,15 +285,10 @@ impl ChangeTracker {
         let ports = std::mem::take(&mut self.changed);
         let mut changes = Changes {
             first_slice_change: self.first_slice_change.take(),
-            ..Changes::default()
+            ..Changes::new(self.family)
         };
         for name in &ports {
-            if let Some(service) = self.state.services.remove(name) {
-                changes.previous.services.insert(name.clone(), service);
-            }
-            if let Some(endpoints) = self.state.endpoints.remove(name) {
-                changes.previous.endpoints.insert(name.clone(), endpoints);
-            }
+            self.state.move_port(name, &mut changes.previous);
         }
         // Each changed Service once, however many of its ports changed.
         let services: BTreeSet<ObjectKey> = ports
@@ -318,26 +317,28 @@ impl ChangeTracker {
                 .filter(|port| ports.contains(&port.name))
             {
                 let endpoints = convert::port_endpoints(&port.name, slices.iter().copied());
-                self.state.services.insert(port.name.clone(), port.clone());
-                if !endpoints.is_empty() {
-                    self.state.endpoints.insert(port.name.clone(), endpoints);
-                }
+                self.state.insert_service(port.clone());
+                self.state.insert_endpoints(port.name.clone(), endpoints);
             }
         }
         let state = &mut self.state;
-        if ports.len() > state.services.len() / 2 {
+        if ports.len() > state.services().len() / 2 {
             // Most ports joined again (a first sync): the maps grew by inserts in key
             // order, which leaves their nodes half empty; built again in bulk they are full.
-            state.services = std::mem::take(&mut state.services).into_iter().collect();
-            state.endpoints = std::mem::take(&mut state.endpoints).into_iter().collect();
+            state.compact();
         }
         // Copied after the state is complete, so the copies lie together: freed once the
         // rules are rebuilt (`Changes::drop_current_not_udp`), they leave one hole the
-        // rules' netlink batch can take, not a scatter of small ones.
-        changes.current = ProxyState {
-            services: copies(&ports, &state.services),
-            endpoints: copies(&ports, &state.endpoints),
-        };
+        // rules' netlink batch can take, not a scatter of small ones. Built in bulk too.
+        changes.current = ProxyState::from_entries(
+            state.family(),
+            ports
+                .iter()
+                .filter_map(|name| state.services().get(name).cloned()),
+            ports
+                .iter()
+                .filter_map(|name| Some((name.clone(), state.endpoints().get(name)?.clone()))),
+        );
         changes.ports = ports;
         changes
     }
@@ -349,7 +350,7 @@ impl ChangeTracker {
     pub fn mark_zone_hinted(&mut self) -> usize {
         let hinted = self
             .state
-            .endpoints
+            .endpoints()
             .iter()
             .filter(|(_, endpoints)| endpoints.iter().any(|ep| !ep.zone_hints().is_empty()))
             .map(|(name, _)| name.clone());
@@ -367,6 +368,7 @@ impl ChangeTracker {
     /// held while they are joined.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
+            family: self.family,
             services: self.services.by_key.values().cloned().collect(),
             slices: self.slices.by_key.values().cloned().collect(),
         }
@@ -377,24 +379,19 @@ impl ChangeTracker {
     /// from what the rebuilt rules hold. Ports changed since the snapshot are still
     /// marked, and the next [`take`](Self::take) joins them again.
     pub fn replace_state(&mut self, state: ProxyState) {
+        debug_assert_eq!(
+            state.family(),
+            self.family,
+            "a state of the tracker's family"
+        );
         self.state = state;
     }
 }
 
-/// The entries of `map` named in `names`, copied.
-fn copies<V: Clone>(
-    names: &BTreeSet<ServicePortName>,
-    map: &BTreeMap<ServicePortName, V>,
-) -> BTreeMap<ServicePortName, V> {
-    names
-        .iter()
-        .filter_map(|name| Some((name.clone(), map.get(name)?.clone())))
-        .collect()
-}
-
 /// The converted Services and EndpointSlices held at one moment.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Snapshot {
+    family: IpFamily,
     services: Vec<Arc<ServiceEntry>>,
     slices: Vec<Arc<SliceEntry>>,
 }
@@ -405,6 +402,7 @@ impl Snapshot {
         convert::join(
             self.services.iter().map(AsRef::as_ref),
             self.slices.iter().map(AsRef::as_ref),
+            self.family,
         )
     }
 }
@@ -436,13 +434,13 @@ mod tests {
     }
 
     fn changes(port: &str, previous: Option<u8>, current: Option<u8>) -> Changes {
-        let mut out = Changes::default();
+        let mut out = Changes::new(IpFamily::V4);
         out.ports.insert(name(port));
         if let Some(last) = previous {
-            out.previous.endpoints.insert(name(port), endpoints(last));
+            out.previous.insert_endpoints(name(port), endpoints(last));
         }
         if let Some(last) = current {
-            out.current.endpoints.insert(name(port), endpoints(last));
+            out.current.insert_endpoints(name(port), endpoints(last));
         }
         out
     }
@@ -521,7 +519,7 @@ mod tests {
             ("tcp-new", None, Some((tcp, 7, 1))),
             ("udp-gone", Some((udp, 8, 1)), None),
         ];
-        let mut changes = Changes::default();
+        let mut changes = Changes::new(IpFamily::V4);
         for (port, before, after) in versions {
             changes.ports.insert(name(port));
             for (state, version) in [
@@ -529,10 +527,8 @@ mod tests {
                 (&mut changes.current, after),
             ] {
                 if let Some((protocol, ip, endpoint)) = version {
-                    state
-                        .services
-                        .insert(name(port), service(port, protocol, ip));
-                    state.endpoints.insert(name(port), endpoints(endpoint));
+                    state.insert_service(service(port, protocol, ip));
+                    state.insert_endpoints(name(port), endpoints(endpoint));
                 }
             }
         }
@@ -542,7 +538,7 @@ mod tests {
         assert_eq!(
             changes
                 .current
-                .services
+                .services()
                 .keys()
                 .map(|n| n.port.as_str())
                 .collect::<Vec<_>>(),
@@ -560,9 +556,9 @@ mod tests {
         earlier.merge(changes("http", Some(2), None));
         earlier.merge(changes("dns", None, Some(7)));
         assert_eq!(earlier.ports, [name("dns"), name("http")].into());
-        assert_eq!(earlier.previous.endpoints[&name("http")], endpoints(1));
-        assert!(!earlier.current.endpoints.contains_key(&name("http")));
-        assert!(!earlier.previous.endpoints.contains_key(&name("dns")));
-        assert_eq!(earlier.current.endpoints[&name("dns")], endpoints(7));
+        assert_eq!(earlier.previous.endpoints()[&name("http")], endpoints(1));
+        assert!(!earlier.current.endpoints().contains_key(&name("http")));
+        assert!(!earlier.previous.endpoints().contains_key(&name("dns")));
+        assert_eq!(earlier.current.endpoints()[&name("dns")], endpoints(7));
     }
 }

@@ -9,7 +9,7 @@ use std::process::Stdio;
 use tandem_common::IpFamily;
 use tokio::process::Command;
 
-use crate::restore::CANARY_CHAIN;
+use crate::datapath::iptables::restore::CANARY_CHAIN;
 
 /// `--iptables-backend`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -1,0 +1,183 @@
+//! The executor of the nftables mode: the queued operations in one transaction, or the
+//! whole table in one when the kernel's is not known to match (the first write of a run
+//! adopts a table that already holds exactly these rules).
+
+use std::time::Instant;
+
+use tandem_common::IpFamily;
+use tandem_nftables::digest::TableDigest;
+use tandem_nftables::encode::Batch;
+use tandem_nftables::kernel::{KernelError, Netlink};
+use tandem_nftables::{NftFamily, TABLE, TableDrift, Transaction, Written};
+
+use super::NftablesPath;
+use crate::datapath::iptables::Syncer;
+use crate::datapath::iptables::backend::Tools;
+use crate::datapath::open_netlink;
+use crate::metrics::Metrics;
+
+impl NftablesPath {
+    /// See [`crate::datapath::DataPath::apply`].
+    pub async fn apply(&mut self, metrics: &Metrics) -> bool {
+        let full = !self.in_sync;
+        let family = self.family();
+        if full {
+            self.pending.ops.clear();
+        } else if self.pending.is_empty() {
+            return true;
+        }
+        let Some(mut kernel) = self.kernel.take() else {
+            tracing::error!("the netlink socket was lost; reopening");
+            return self.reopen();
+        };
+        let started = Instant::now();
+        let (outgoing, ops, written) = if full {
+            // Encoded here from the rules in place, as the blocking task cannot borrow
+            // them: a transaction of their copies beside its batch was the first sync's
+            // peak memory.
+            let mut ops = 0;
+            let all = Transaction::replace_all_ops(self.rules.ruleset()).inspect(|_| ops += 1);
+            let batch = kernel.encode_ops(family, all);
+            let written = Written {
+                table: true,
+                ..Written::default()
+            };
+            (Outgoing::Table(batch), ops, written)
+        } else {
+            let empty = Transaction {
+                family,
+                ops: Vec::new(),
+            };
+            let tx = std::mem::replace(&mut self.pending, empty);
+            let (ops, written) = (tx.ops.len(), tx.written());
+            (Outgoing::Changes(tx), ops, written)
+        };
+        // The digests go to the blocking task and come back with the kernel.
+        let adopt = (full && std::mem::take(&mut self.adopt_kernel_table)).then(|| {
+            self.refresh_digests();
+            std::mem::take(&mut self.digests)
+        });
+        let (kernel, result, expected) = match tokio::task::spawn_blocking(move || {
+            let result = match &adopt {
+                Some(expected) if kernel_holds(&mut kernel, expected) => Ok(Write::Adopted),
+                _ => outgoing.send(&mut kernel).map(|()| Write::Applied),
+            };
+            (kernel, result, adopt)
+        })
+        .await
+        {
+            Ok(done) => done,
+            Err(error) => {
+                tracing::error!(%error, "the nftables transaction task failed");
+                self.in_sync = false;
+                return self.reopen();
+            }
+        };
+        self.kernel = Some(kernel);
+        if let Some(digests) = expected {
+            self.digests = digests;
+        }
+        let result = if full {
+            let ruleset = self.rules.ruleset();
+            result.map_err(|error| {
+                error.naming_operation(
+                    |index| Transaction::replace_all_ops(ruleset).nth(index),
+                    family,
+                )
+            })
+        } else {
+            result
+        };
+        match result {
+            Ok(write) => {
+                self.in_sync = true;
+                if write == Write::Adopted {
+                    tracing::info!(
+                        table = %self.family().nft_table(),
+                        elapsed_ms = started.elapsed().as_millis() as u64,
+                        "the table already holds these rules; kept as it is"
+                    );
+                } else {
+                    tracing::info!(
+                        table = %self.family().nft_table(),
+                        full,
+                        ops,
+                        elapsed_ms = started.elapsed().as_millis() as u64,
+                        "nftables transaction applied"
+                    );
+                    self.forget_digests(&written);
+                    self.written_since_read.merge(written);
+                }
+                if let Some(backend) = self.remove_iptables.take() {
+                    // Both families': this mode serves neither in iptables.
+                    for tools in [IpFamily::V4, IpFamily::V6].map(|f| Tools::new(backend, f)) {
+                        match Syncer::new(tools).cleanup().await {
+                            Ok(()) => {
+                                tracing::info!(%tools, "the iptables mode's rules removed, if they were there")
+                            }
+                            // A host without iptables has no iptables-mode rules either.
+                            Err(error) => {
+                                tracing::warn!(%error, %tools, "could not remove iptables-mode rules")
+                            }
+                        }
+                    }
+                }
+                true
+            }
+            Err(error) => {
+                self.in_sync = false;
+                metrics.nftables_failures.inc();
+                tracing::error!(%error, full, ops, "nftables transaction rejected; the previous rules stay, and the table is replaced in full next sync");
+                false
+            }
+        }
+    }
+
+    fn reopen(&mut self) -> bool {
+        match open_netlink(self.family()) {
+            Ok(kernel) => self.kernel = Some(kernel),
+            Err(error) => tracing::error!(%error, "opening a netlink socket"),
+        }
+        self.in_sync = false;
+        false
+    }
+}
+
+/// What an apply sends.
+enum Outgoing {
+    /// The whole table, encoded (or what kept it from being encoded).
+    Table(Result<Batch, KernelError>),
+    /// The operations queued since the last apply.
+    Changes(Transaction),
+}
+
+impl Outgoing {
+    fn send(self, kernel: &mut Netlink) -> Result<(), KernelError> {
+        match self {
+            Outgoing::Table(batch) => kernel.send_batch(&batch?),
+            Outgoing::Changes(tx) => kernel.apply(&tx),
+        }
+    }
+}
+
+/// How the first whole-table write of a run went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Write {
+    Applied,
+    /// The kernel's table already matched: nothing was sent.
+    Adopted,
+}
+
+/// Whether our table in the kernel (of the family `kernel` reads) holds exactly the chains
+/// and sets of `expected`.
+/// Replacing a table in one transaction is atomic for the rules, but a restart that
+/// writes nothing cannot open a gap for any packet, and costs one read instead of a write.
+fn kernel_holds(kernel: &mut Netlink, expected: &TableDigest) -> bool {
+    match kernel.read_table(TABLE, true) {
+        Ok(found) => TableDrift::between(expected, &found, |_, _| false).is_empty(),
+        Err(error) => {
+            tracing::warn!(%error, "reading our table before the first write failed; replacing it");
+            false
+        }
+    }
+}
