@@ -260,7 +260,7 @@ proptest! {
         changes in prop::collection::vec(prop::collection::vec(change(), 1..4), 1..12)
     ) {
         let mut cluster = Cluster::default();
-        let mut tracker = ChangeTracker::default();
+        let mut tracker = ChangeTracker::new(IpFamily::V4);
         let mut rules = IncrementalRuleset::new(common::node());
         let mut previous = rules.ruleset().clone();
         // Each inner batch is what arrives between two syncs.

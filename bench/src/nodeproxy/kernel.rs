@@ -299,7 +299,7 @@ async fn sync_in_namespace(
     rounds: usize,
 ) -> anyhow::Result<SyncRun> {
     let mut proxy = NodeProxy {
-        tracker: ChangeTracker::default(),
+        tracker: ChangeTracker::new(cluster::V4.family),
         rules: IncrementalRuleset::new(cluster::V4.node_config()),
         syncer: Syncer::new(backend),
     };

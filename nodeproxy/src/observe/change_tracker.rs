@@ -183,12 +183,6 @@ pub struct ChangeTracker {
     first_slice_change: Option<Instant>,
 }
 
-impl Default for ChangeTracker {
-    fn default() -> Self {
-        Self::new(IpFamily::V4)
-    }
-}
-
 /// The tracker as the watch tasks and the sync loop share it.
 pub type SharedTracker = Arc<Mutex<ChangeTracker>>;
 
@@ -199,7 +193,7 @@ pub fn lock(tracker: &SharedTracker) -> MutexGuard<'_, ChangeTracker> {
 }
 
 impl ChangeTracker {
-    /// The tracker of the proxier of `family` (the default one is IPv4's).
+    /// The tracker of the proxier of `family`.
     pub fn new(family: IpFamily) -> Self {
         Self {
             family,
