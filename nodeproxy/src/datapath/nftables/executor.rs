@@ -31,6 +31,38 @@ impl NftablesPath {
             return self.reopen();
         };
         let started = Instant::now();
+        if full && std::mem::take(&mut self.adopt_kernel_table) {
+            // The first whole-table write of a run: a table an earlier run left that
+            // already holds exactly these rules is kept, so a restart encodes and writes
+            // nothing. The digests go to the blocking task and come back with the kernel.
+            self.refresh_digests();
+            let expected = std::mem::take(&mut self.digests);
+            let checked = tokio::task::spawn_blocking(move || {
+                let holds = kernel_holds(&mut kernel, &expected);
+                (kernel, holds, expected)
+            })
+            .await;
+            let (returned, holds, expected) = match checked {
+                Ok(done) => done,
+                Err(error) => {
+                    tracing::error!(%error, "the nftables table check task failed");
+                    return self.reopen();
+                }
+            };
+            kernel = returned;
+            self.digests = expected;
+            if holds {
+                self.kernel = Some(kernel);
+                self.in_sync = true;
+                tracing::info!(
+                    table = %family.nft_table(),
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "the table already holds these rules; kept as it is"
+                );
+                self.remove_iptables_rules().await;
+                return true;
+            }
+        }
         let (outgoing, ops, written) = if full {
             // Encoded here from the rules in place, as the blocking task cannot borrow
             // them: a transaction of their copies beside its batch was the first sync's
@@ -52,20 +84,12 @@ impl NftablesPath {
             let (ops, written) = (tx.ops.len(), tx.written());
             (Outgoing::Changes(tx), ops, written)
         };
-        // The digests go to the blocking task and come back with the kernel.
-        let adopt = (full && std::mem::take(&mut self.adopt_kernel_table)).then(|| {
-            self.refresh_digests();
-            std::mem::take(&mut self.digests)
-        });
-        let (kernel, result, expected) = match tokio::task::spawn_blocking(move || {
-            let result = match &adopt {
-                Some(expected) if kernel_holds(&mut kernel, expected) => Ok(Write::Adopted),
-                _ => outgoing.send(&mut kernel).map(|()| Write::Applied),
-            };
-            (kernel, result, adopt)
+        let sent = tokio::task::spawn_blocking(move || {
+            let result = outgoing.send(&mut kernel);
+            (kernel, result)
         })
-        .await
-        {
+        .await;
+        let (kernel, result) = match sent {
             Ok(done) => done,
             Err(error) => {
                 tracing::error!(%error, "the nftables transaction task failed");
@@ -74,9 +98,6 @@ impl NftablesPath {
             }
         };
         self.kernel = Some(kernel);
-        if let Some(digests) = expected {
-            self.digests = digests;
-        }
         let result = if full {
             let ruleset = self.rules.ruleset();
             result.map_err(|error| {
@@ -89,39 +110,18 @@ impl NftablesPath {
             result
         };
         match result {
-            Ok(write) => {
+            Ok(()) => {
                 self.in_sync = true;
-                if write == Write::Adopted {
-                    tracing::info!(
-                        table = %self.family().nft_table(),
-                        elapsed_ms = started.elapsed().as_millis() as u64,
-                        "the table already holds these rules; kept as it is"
-                    );
-                } else {
-                    tracing::info!(
-                        table = %self.family().nft_table(),
-                        full,
-                        ops,
-                        elapsed_ms = started.elapsed().as_millis() as u64,
-                        "nftables transaction applied"
-                    );
-                    self.forget_digests(&written);
-                    self.written_since_read.merge(written);
-                }
-                if let Some(backend) = self.remove_iptables.take() {
-                    // Both families': this mode serves neither in iptables.
-                    for tools in [IpFamily::V4, IpFamily::V6].map(|f| Tools::new(backend, f)) {
-                        match Syncer::new(tools).cleanup().await {
-                            Ok(()) => {
-                                tracing::info!(%tools, "the iptables mode's rules removed, if they were there")
-                            }
-                            // A host without iptables has no iptables-mode rules either.
-                            Err(error) => {
-                                tracing::warn!(%error, %tools, "could not remove iptables-mode rules")
-                            }
-                        }
-                    }
-                }
+                tracing::info!(
+                    table = %family.nft_table(),
+                    full,
+                    ops,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "nftables transaction applied"
+                );
+                self.forget_digests(&written);
+                self.written_since_read.merge(written);
+                self.remove_iptables_rules().await;
                 true
             }
             Err(error) => {
@@ -129,6 +129,25 @@ impl NftablesPath {
                 metrics.nftables_failures.inc();
                 tracing::error!(%error, full, ops, "nftables transaction rejected; the previous rules stay, and the table is replaced in full next sync");
                 false
+            }
+        }
+    }
+
+    /// After the first successful apply: the iptables mode's rules, of both families
+    /// (this mode serves neither in iptables), if a node switched modes.
+    async fn remove_iptables_rules(&mut self) {
+        let Some(backend) = self.remove_iptables.take() else {
+            return;
+        };
+        for tools in [IpFamily::V4, IpFamily::V6].map(|f| Tools::new(backend, f)) {
+            match Syncer::new(tools).cleanup().await {
+                Ok(()) => {
+                    tracing::info!(%tools, "the iptables mode's rules removed, if they were there")
+                }
+                // A host without iptables has no iptables-mode rules either.
+                Err(error) => {
+                    tracing::warn!(%error, %tools, "could not remove iptables-mode rules")
+                }
             }
         }
     }
@@ -158,14 +177,6 @@ impl Outgoing {
             Outgoing::Changes(tx) => kernel.apply(&tx),
         }
     }
-}
-
-/// How the first whole-table write of a run went.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Write {
-    Applied,
-    /// The kernel's table already matched: nothing was sent.
-    Adopted,
 }
 
 /// Whether our table in the kernel (of the family `kernel` reads) holds exactly the chains
