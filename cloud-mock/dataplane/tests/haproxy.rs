@@ -309,11 +309,36 @@ async fn nodes_change_through_the_runtime_api_and_frontends_through_hitless_relo
         "{config}"
     );
 
-    // A node leaves: its server is deleted at run time, still no reload.
-    dataplane
-        .apply(vec![lb("lb-nodes", vip, one_listener(), vec![b])])
-        .await
-        .unwrap();
+    // A node leaves while a connection through it is in flight: at once it takes no new
+    // connection, the one it carries goes on (the drain), and its server is deleted
+    // once that one ends, at run time, still without a reload.
+    let mut through_a = None;
+    for _ in 0..8 {
+        let (stream, name) = tcp_hello(None, vip, port).await.unwrap();
+        if name == "a" {
+            through_a = Some(stream);
+            break;
+        }
+    }
+    let mut through_a = through_a.expect("a connection through node a");
+    let started = std::time::Instant::now();
+    let leave = dataplane.apply(vec![lb("lb-nodes", vip, one_listener(), vec![b])]);
+    let in_flight = async {
+        wait_for_async("node a out of rotation", Duration::from_secs(5), || async {
+            spread(vip, port, 4).await.get("b") == Some(&4)
+        })
+        .await;
+        through_a.write_all(b"in flight\n").await.unwrap();
+        assert_eq!(read_line(&mut through_a).await.unwrap(), "in flight");
+        drop(through_a);
+    };
+    let (left, ()) = tokio::join!(leave, in_flight);
+    left.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "the drain ends with the last connection, not at its timeout: {:?}",
+        started.elapsed()
+    );
     assert_eq!(spread(vip, port, 4).await.get("b"), Some(&4));
     assert_changed_at_run_time(&dataplane, before, "a node leaving");
 

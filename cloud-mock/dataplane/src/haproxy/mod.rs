@@ -28,6 +28,7 @@ mod socket;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, PoisonError, RwLock};
@@ -54,6 +55,11 @@ pub(crate) use render::{CheckTiming, Proxy, proxies};
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Wait before starting a master that exited on its own again.
 const RESTART_DELAY: Duration = Duration::from_secs(1);
+/// How long a server that leaves a section may carry sessions before they are shut: the
+/// requests in flight through it finish well within it.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a drain reads the servers' sessions.
+const DRAIN_POLL: Duration = Duration::from_millis(50);
 
 #[derive(Debug, thiserror::Error)]
 pub enum HaproxyError {
@@ -215,7 +221,23 @@ impl Haproxy {
             return Ok(());
         }
         self.write_checked(&paths, desired).await?;
-        for command in &commands {
+        let sent = commands.drain.len() + commands.then.len();
+        if !self.send_runtime(&paths, &commands.drain).await? {
+            return self.reload(state, &paths).await;
+        }
+        self.drain(&paths, &commands.draining).await;
+        if !self.send_runtime(&paths, &commands.then).await? {
+            return self.reload(state, &paths).await;
+        }
+        info!(commands = sent, "HAProxy servers changed without a reload");
+        Ok(())
+    }
+
+    /// Sends `commands` through the runtime API in order; false when HAProxy refused one
+    /// (logged and counted; the file already holds the wanted servers, so a reload makes
+    /// them so).
+    async fn send_runtime(&self, paths: &Paths, commands: &[String]) -> Result<bool, HaproxyError> {
+        for command in commands {
             let answer = socket::send(&paths.runtime_socket, command)
                 .await
                 .map_err(|source| HaproxyError::Socket {
@@ -223,19 +245,57 @@ impl Haproxy {
                     source,
                 })?;
             if let Some(refusal) = socket::refused(&answer) {
-                // The file already holds the wanted servers: a reload makes them so.
                 warn!(%command, %refusal, "HAProxy refused a runtime change; reloading instead");
                 self.shared.metrics.haproxy_runtime_command(false);
-                return self.reload(state, &paths).await;
+                return Ok(false);
             }
             self.shared.metrics.haproxy_runtime_command(true);
             debug!(%command, "HAProxy runtime change");
         }
-        info!(
-            commands = commands.len(),
-            "HAProxy servers changed without a reload"
-        );
-        Ok(())
+        Ok(true)
+    }
+
+    /// Waits, at most [`DRAIN_TIMEOUT`], until the servers in maintenance that go carry no
+    /// session: a request in flight through a node that leaves the pool finishes instead
+    /// of being reset. What is left after it (a long-lived connection) is shut with the
+    /// server, as no L3 balancer could keep it either.
+    async fn drain(&self, paths: &Paths, draining: &[(String, IpAddr)]) {
+        if draining.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        loop {
+            let carrying = match socket::send(&paths.runtime_socket, "show stat").await {
+                Ok(answer) => socket::parse_stat(&answer)
+                    .iter()
+                    .filter(|stat| {
+                        stat.sessions > 0
+                            && draining.iter().any(|(proxy, server)| {
+                                *proxy == stat.proxy && *server == stat.server
+                            })
+                    })
+                    .count(),
+                Err(error) => {
+                    debug!(%error, "cannot read HAProxy's statistics; not draining");
+                    return;
+                }
+            };
+            if carrying == 0 {
+                debug!(
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "servers drained"
+                );
+                return;
+            }
+            if started.elapsed() >= DRAIN_TIMEOUT {
+                warn!(
+                    servers = carrying,
+                    "servers still carry sessions after the drain; shutting them"
+                );
+                return;
+            }
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
     }
 
     /// Writes the configuration of `proxies` and checks it with `haproxy -c`; the file is
@@ -599,6 +659,7 @@ mod tests {
             proxy: proxy.into(),
             server: server.parse().unwrap(),
             health,
+            sessions: 0,
         };
         let health = health_by_target(
             &[

@@ -139,18 +139,41 @@ pub(crate) fn needs_reload(
             .any(|((name_a, a), (name_b, b))| name_a != name_b || a.frontend() != b.frontend())
 }
 
+/// The runtime API commands that turn the servers of `running` into those of `desired`,
+/// in two steps with a drain between them (see [`server_commands`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ServerCommands {
+    /// The servers that go, put in maintenance: they take no new connection, and the
+    /// ones they carry go on.
+    pub drain: Vec<String>,
+    /// The servers that go and can carry sessions, as `(section, address)`: the drain
+    /// waits for their sessions to end.
+    pub draining: Vec<(String, IpAddr)>,
+    /// After the drain: what is left of their sessions shut, the servers deleted, then
+    /// the new servers added.
+    pub then: Vec<String>,
+}
+
+impl ServerCommands {
+    pub fn is_empty(&self) -> bool {
+        self.drain.is_empty() && self.then.is_empty()
+    }
+}
+
 /// Runtime API commands that turn the servers of `running` into those of `desired`, for
-/// sections whose frontends are the same. Removals first, each server put in maintenance
-/// and its sessions shut before it is deleted; additions come up in maintenance, so
-/// their checks are enabled before they take traffic. In a section that fails open a
-/// node's backup server goes and comes with its checked one, so the running servers are
-/// always those of the file (which a reload starts from).
+/// sections whose frontends are the same. Removals first: each server is put in
+/// maintenance and drained (a request in flight through it finishes), then what is left
+/// of its sessions is shut and it is deleted (HAProxy deletes only a server without
+/// sessions). Additions come up in maintenance, so their checks are enabled before they
+/// take traffic. In a section that fails open a node's backup server goes and comes with
+/// its checked one, so the running servers are always those of the file (which a reload
+/// starts from).
 pub(crate) fn server_commands(
     running: &BTreeMap<String, Proxy>,
     desired: &BTreeMap<String, Proxy>,
     timing: CheckTiming,
-) -> Vec<String> {
-    let mut removals = Vec::new();
+) -> ServerCommands {
+    let mut commands = ServerCommands::default();
     let mut additions = Vec::new();
     for (name, want) in desired {
         let Some(have) = running.get(name) else {
@@ -163,10 +186,13 @@ pub(crate) fn server_commands(
             if have.fail_open() {
                 servers.push(format!("{name}/{}", backup_name(gone)));
             }
+            commands.draining.push((name.clone(), gone));
             for server in servers {
-                removals.push(format!("disable server {server}"));
-                removals.push(format!("shutdown sessions server {server}"));
-                removals.push(format!("del server {server}"));
+                commands.drain.push(format!("disable server {server}"));
+                commands
+                    .then
+                    .push(format!("shutdown sessions server {server}"));
+                commands.then.push(format!("del server {server}"));
             }
         }
         for &new in want_servers.difference(&have_servers) {
@@ -186,8 +212,8 @@ pub(crate) fn server_commands(
             }
         }
     }
-    removals.extend(additions);
-    removals
+    commands.then.extend(additions);
+    commands
 }
 
 /// What follows `server NAME` for `ip` in `proxy`: the address and the check.
@@ -384,13 +410,26 @@ mod tests {
         let running = one(proxy(&["198.18.0.11", "198.18.0.12"]));
         let desired = one(proxy(&["198.18.0.12", "198.18.0.13"]));
         assert!(!needs_reload(&running, &desired));
+        let commands = server_commands(&running, &desired, TIMING);
         assert_eq!(
-            server_commands(&running, &desired, TIMING),
+            commands.drain,
             [
                 "disable server lb-0000000a_80_v4/198.18.0.11",
+                "disable server lb-0000000a_80_v4/open-198.18.0.11",
+            ]
+        );
+        assert_eq!(
+            commands.draining,
+            [(
+                "lb-0000000a_80_v4".to_owned(),
+                "198.18.0.11".parse().unwrap()
+            )]
+        );
+        assert_eq!(
+            commands.then,
+            [
                 "shutdown sessions server lb-0000000a_80_v4/198.18.0.11",
                 "del server lb-0000000a_80_v4/198.18.0.11",
-                "disable server lb-0000000a_80_v4/open-198.18.0.11",
                 "shutdown sessions server lb-0000000a_80_v4/open-198.18.0.11",
                 "del server lb-0000000a_80_v4/open-198.18.0.11",
                 "add server lb-0000000a_80_v4/198.18.0.13 198.18.0.13:31000 check port 32000 inter 1000ms fall 2 rise 2",
@@ -453,17 +492,23 @@ mod tests {
         assert!(!text.contains("backup"), "{text}");
         let mut more = unchecked.clone();
         more.servers.push("198.18.0.13".parse().unwrap());
+        let added = server_commands(&one(unchecked.clone()), &one(more.clone()), TIMING);
+        assert!(added.drain.is_empty() && added.draining.is_empty());
         assert_eq!(
-            server_commands(&one(unchecked.clone()), &one(more.clone()), TIMING),
+            added.then,
             [
                 "add server lb-0000000a_80_v4/198.18.0.13 198.18.0.13:31000",
                 "enable server lb-0000000a_80_v4/198.18.0.13",
             ]
         );
+        let removed = server_commands(&one(more), &one(unchecked), TIMING);
         assert_eq!(
-            server_commands(&one(more), &one(unchecked), TIMING),
+            removed.drain,
+            ["disable server lb-0000000a_80_v4/198.18.0.13"]
+        );
+        assert_eq!(
+            removed.then,
             [
-                "disable server lb-0000000a_80_v4/198.18.0.13",
                 "shutdown sessions server lb-0000000a_80_v4/198.18.0.13",
                 "del server lb-0000000a_80_v4/198.18.0.13",
             ]

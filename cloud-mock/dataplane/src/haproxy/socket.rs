@@ -80,6 +80,8 @@ pub(crate) struct ServerStat {
     pub proxy: String,
     pub server: IpAddr,
     pub health: BackendHealth,
+    /// Its current sessions (`scur`; 0 where HAProxy does not say).
+    pub sessions: u64,
 }
 
 /// The servers of `show stat` (frontends, backends and servers not named by an address,
@@ -91,6 +93,7 @@ pub(crate) fn parse_stat(answer: &str) -> Vec<ServerStat> {
         return Vec::new();
     };
     let column = |name: &str| header.split(',').position(|field| field == name);
+    let sessions_at = column("scur");
     let (Some(proxy_at), Some(server_at), Some(status_at)) =
         (column("pxname"), column("svname"), column("status"))
     else {
@@ -108,10 +111,14 @@ pub(crate) fn parse_stat(answer: &str) -> Vec<ServerStat> {
             } else {
                 BackendHealth::Unknown
             };
+            let sessions = sessions_at
+                .and_then(|at| fields.get(at)?.parse().ok())
+                .unwrap_or(0);
             Some(ServerStat {
                 proxy: (*fields.get(proxy_at)?).to_owned(),
                 server,
                 health,
+                sessions,
             })
         })
         .collect()
@@ -151,16 +158,16 @@ mod tests {
 
     #[test]
     fn show_stat_gives_the_servers_health() {
-        let answer = "# pxname,svname,qcur,status,weight\n\
-            lb-1_80_v4,FRONTEND,,OPEN,\n\
-            lb-1_80_v4,198.18.0.11,0,UP,1\n\
-            lb-1_80_v4,198.18.0.12,0,DOWN 1/2,1\n\
-            lb-1_80_v4,198.18.0.13,0,no check,1\n\
-            lb-1_80_v4,198.18.0.14,0,MAINT,1\n\
-            lb-1_80_v6,2001:db8:18::11,0,UP 1/2,1\n\
-            lb-1_80_v4,open-198.18.0.12,0,no check,1\n\
-            lb-1_80_v6,open-2001:db8:18::11,0,no check,1\n\
-            lb-1_80_v4,BACKEND,0,UP,3\n";
+        let answer = "# pxname,svname,qcur,scur,status,weight\n\
+            lb-1_80_v4,FRONTEND,,5,OPEN,\n\
+            lb-1_80_v4,198.18.0.11,0,2,UP,1\n\
+            lb-1_80_v4,198.18.0.12,0,0,DOWN 1/2,1\n\
+            lb-1_80_v4,198.18.0.13,0,0,no check,1\n\
+            lb-1_80_v4,198.18.0.14,0,3,MAINT,1\n\
+            lb-1_80_v6,2001:db8:18::11,0,0,UP 1/2,1\n\
+            lb-1_80_v4,open-198.18.0.12,0,0,no check,1\n\
+            lb-1_80_v6,open-2001:db8:18::11,0,0,no check,1\n\
+            lb-1_80_v4,BACKEND,0,5,UP,3\n";
         let health: Vec<(String, BackendHealth)> = parse_stat(answer)
             .into_iter()
             .map(|stat| (stat.server.to_string(), stat.health))
@@ -178,6 +185,14 @@ mod tests {
                 ("2001:db8:18::11".into(), BackendHealth::Healthy),
             ]
         );
+
+        // The sessions a server carries, which a drain waits out (one in maintenance
+        // still carries its own).
+        let sessions: Vec<u64> = parse_stat(answer)
+            .iter()
+            .map(|stat| stat.sessions)
+            .collect();
+        assert_eq!(sessions, [2, 0, 0, 3, 0]);
 
         assert!(parse_stat("garbage").is_empty());
     }
