@@ -929,7 +929,10 @@ fn an_ipv6_only_cluster_serves_in_both_lb_modes() {
 /// keeps a flow whose own node leaves, so the passthrough one is opened while node 3 is
 /// out: it runs over node 1 or 2 in every run, and node 3's return and second leave are
 /// what it must survive (a plain multipath route moves half of the flows of nodes 1 and 2
-/// when node 3 returns: a third of all to node 3, a sixth from node 1 to node 2).
+/// when node 3 returns: a third of all to node 3, a sixth from node 1 to node 2). For the
+/// same reason a passthrough request in flight through node 3 at the instant its route
+/// goes is reset (its next packet reaches another node, which knows no such connection):
+/// a reset is the one failure allowed there, once per leave, and only in passthrough.
 #[test]
 fn a_node_leaving_and_joining_the_node_pool_under_traffic_fails_nothing_in_both_lb_modes() {
     use k8s_openapi::api::core::v1::Node;
@@ -971,7 +974,10 @@ fn a_node_leaving_and_joining_the_node_pool_under_traffic_fails_nothing_in_both_
         traffic.push(node_pool_traffic(&lab, &services[1]).await);
         // Out for a while: still none reach it.
         tokio::time::sleep(Duration::from_secs(2)).await;
-        assert_eq!(passes_node(&lab, &services, &node3).await, [false, false]);
+        assert_eq!(
+            passes_node(&lab, &services, &node3, false).await,
+            [false, false]
+        );
         exclude(false).await;
         let back_after = until_node_passed(&lab, &services, &node3, true).await;
         // A few exchanges on the long-lived connections after each change: a connection
@@ -987,7 +993,14 @@ fn a_node_leaving_and_joining_the_node_pool_under_traffic_fails_nothing_in_both_
         for ((plan, _), t) in services.iter().zip(traffic) {
             let summary = t.stop().await.unwrap();
             eprintln!("{}: {}", plan.mode.as_str(), summary.describe());
-            assert_eq!(summary.failed(), 0, "{}", summary.describe());
+            // The passthrough traffic ran across one leave (the second).
+            let resets_allowed = usize::from(plan.mode == LbMode::Passthrough);
+            assert!(
+                summary.failed() <= resets_allowed
+                    && summary.errors().keys().all(|error| is_reset(error)),
+                "{}",
+                summary.describe()
+            );
             assert!(summary.long_lived_kept(), "{}", summary.describe());
         }
         eprintln!(
@@ -1027,7 +1040,8 @@ async fn until_node_passed(
 ) -> Duration {
     let start = Instant::now();
     loop {
-        if passes_node(lab, services, node)
+        // Waiting for node 3 to go, a passthrough request may be caught on it.
+        if passes_node(lab, services, node, !passed)
             .await
             .iter()
             .all(|&p| p == passed)
@@ -1043,16 +1057,32 @@ async fn until_node_passed(
     }
 }
 
-/// Whether 60 new connections through each of `services` passed node `node`; none may fail.
-async fn passes_node(lab: &Lab, services: &[(ServicePlan, IpAddr)], node: &str) -> Vec<bool> {
+/// Whether 60 new connections through each of `services` passed node `node`; none may fail,
+/// but for one reset of a passthrough request caught on `node` as it `leaves`.
+async fn passes_node(
+    lab: &Lab,
+    services: &[(ServicePlan, IpAddr)],
+    node: &str,
+    leaves: bool,
+) -> Vec<bool> {
     let mut passed = Vec::new();
     for (plan, vip) in services {
         let spread = lab
             .http_requests(lab.topology.client_in_range(), *vip, plan.port, 60)
             .await
             .unwrap();
-        assert_eq!(spread.failed, 0, "{spread:?}");
+        let resets_allowed = usize::from(leaves && plan.mode == LbMode::Passthrough);
+        assert!(
+            spread.failed <= resets_allowed && spread.errors.keys().all(|error| is_reset(error)),
+            "{spread:?}"
+        );
         passed.push(spread.nodes_seen(lab.topology.nodes()).any(|n| n == node));
     }
     passed
+}
+
+/// A connection reset by its peer (ECONNRESET), the fate of an L3-balanced connection
+/// whose node left.
+fn is_reset(error: &str) -> bool {
+    error.contains("Connection reset by peer") || error.contains("os error 104")
 }
