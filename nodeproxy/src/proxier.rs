@@ -558,8 +558,8 @@ impl Proxier {
         let started = std::time::Instant::now();
         let (mut ports, mut changed, mut diverged, mut applied) =
             (0, RulesChanged::default(), 0, true);
-        let settings = observed.node_settings();
-        let mut skipped = settings.skipped.clone();
+        let mut settings = observed.node_settings();
+        let mut skipped = std::mem::take(&mut settings.skipped);
         for family in &mut self.families {
             let Some(tracker) = observed.trackers.get(&family.node.family) else {
                 continue;

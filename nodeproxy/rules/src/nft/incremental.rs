@@ -142,6 +142,24 @@ pub struct IncrementalRuleset {
 }
 
 impl IncrementalRuleset {
+    /// The objects of Service port `name` of `state`, in the bucket slot it holds (given
+    /// one if it is new), with its elements taken out as the share it claims; `None` when
+    /// `state` has no such port.
+    fn claimed_port(
+        &mut self,
+        state: &ProxyState,
+        name: &ServicePortName,
+    ) -> Option<(PortObjects, PortShare)> {
+        let svc = state.services().get(name)?;
+        let slot = self.slots.assign(name, svc.protocol);
+        Some(claimed_by(port_objects(
+            svc,
+            state.endpoints_of(name),
+            &self.node,
+            slot,
+        )))
+    }
+
     /// The ruleset of a cluster without Services: the fixed objects only. The kernel gets
     /// it (or any later [`IncrementalRuleset::ruleset`]) whole with
     /// [`Transaction::replace_all`]; [`IncrementalRuleset::update`]s go from there.
@@ -256,11 +274,7 @@ impl IncrementalRuleset {
             }
         }
         for name in names {
-            let Some(svc) = state.services().get(name) else {
-                continue;
-            };
-            let slot = self.slots.assign(name, svc.protocol);
-            let (
+            let Some((
                 PortObjects {
                     chains,
                     sets,
@@ -268,12 +282,10 @@ impl IncrementalRuleset {
                     ..
                 },
                 share,
-            ) = claimed_by(port_objects(
-                svc,
-                state.endpoints_of(name),
-                &self.node,
-                slot,
-            ));
+            )) = self.claimed_port(state, name)
+            else {
+                continue;
+            };
             self.ruleset.chains.extend(chains);
             for (set, part) in sets.into_iter().chain(buckets) {
                 merge_into(&mut self.ruleset, set, part);
@@ -367,11 +379,7 @@ impl IncrementalRuleset {
         // owned names per element took 100 MiB at the first sync of 10,000 ports).
         let mut claimed: BTreeMap<ElementKey, Vec<&ServicePortName>> = BTreeMap::new();
         for &name in &names {
-            let Some(svc) = state.services().get(name) else {
-                continue;
-            };
-            let slot = self.slots.assign(name, svc.protocol);
-            let (
+            let Some((
                 PortObjects {
                     chains: own_chains,
                     sets: own_sets,
@@ -379,12 +387,10 @@ impl IncrementalRuleset {
                     ..
                 },
                 share,
-            ) = claimed_by(port_objects(
-                svc,
-                state.endpoints_of(name),
-                &self.node,
-                slot,
-            ));
+            )) = self.claimed_port(state, name)
+            else {
+                continue;
+            };
             if let Some((map, runs)) = buckets {
                 bucket_maps.insert(map.clone());
                 merge_into(&mut after, map, runs);
