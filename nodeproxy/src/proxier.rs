@@ -92,10 +92,11 @@ impl FamilyProxier {
     /// The node's zone is now `zone`: when it changed, the data path chooses endpoints by
     /// the new one, and the ports with zone-hinted endpoints are rebuilt by the next
     /// [`FamilyProxier::sync`] (kube-proxy resyncs on a topology label change too).
-    fn follow_zone(&mut self, zone: Option<String>, tracker: &SharedTracker) {
-        if self.node.zone == zone {
+    fn follow_zone(&mut self, zone: Option<&str>, tracker: &SharedTracker) {
+        if self.node.zone.as_deref() == zone {
             return;
         }
+        let zone = zone.map(str::to_owned);
         let ports = change_tracker::lock(tracker).mark_zone_hinted();
         tracing::info!(
             family = %self.node.family,
@@ -108,12 +109,13 @@ impl FamilyProxier {
         self.datapath.set_zone(zone);
     }
 
-    /// The family's Service CIDRs are now `of_family`: when they changed, the data path
-    /// rewrites its cluster-IP check. Returns what that changed.
-    fn follow_service_cidrs(&mut self, of_family: Vec<IpNet>) -> RulesChanged {
-        if of_family == self.node.service_cidrs {
+    /// The family's Service CIDRs are now `of_family` (unchanged with `None`: the flag's
+    /// stay): when they changed, the data path rewrites its cluster-IP check. Returns what
+    /// that changed.
+    fn follow_service_cidrs(&mut self, of_family: Option<Vec<IpNet>>) -> RulesChanged {
+        let Some(of_family) = of_family.filter(|cidrs| *cidrs != self.node.service_cidrs) else {
             return RulesChanged::default();
-        }
+        };
         tracing::info!(
             family = %self.node.family,
             from = ?self.node.service_cidrs,
@@ -136,9 +138,8 @@ impl FamilyProxier {
         metrics: &Metrics,
         skipped: &mut Vec<convert::Skipped>,
     ) -> FamilySync {
-        let wanted = settings.applied_to(&self.node);
-        self.follow_zone(wanted.zone, tracker);
-        let mut changed = self.follow_service_cidrs(wanted.service_cidrs);
+        self.follow_zone(settings.zone(), tracker);
+        let mut changed = self.follow_service_cidrs(settings.service_cidrs_of(self.node.family));
         // The check's objects are taken under the same lock as the changes, so the full
         // rebuild sees exactly what the incremental state now reflects.
         let (changes, snapshot) = {

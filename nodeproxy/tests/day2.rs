@@ -3,7 +3,8 @@
 //! within a sync period, counted by the repair metric (both modes, both iptables
 //! backends); a switch between the modes never leaves the node without rules; SIGTERM
 //! leaves the rules in place and a restart opens no gap; after SIGKILL and a flush the
-//! rules are back within a second of the start.
+//! rules are back within a second of the start; full writes and endpoint changes repeated
+//! under traffic fail no connection.
 //!
 //! One node with two pods serving a line echo; the edge routes the LB IP to the node
 //! unchanged (passthrough); the API server stand-in runs in the node's namespace, as does
@@ -13,7 +14,7 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
 use std::process::Stdio;
@@ -22,11 +23,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
+use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use tandem_apiserver::resources::{ENDPOINT_SLICES, NODES, SERVICES};
 use tandem_apiserver::store::{Store, Subresource};
+use tandem_common::ProxyMode;
 use tandem_netlab::{Host, Netns, Node, Pod, Topology};
+use tandem_nodeproxy::datapath;
 use tandem_nodeproxy::datapath::iptables::backend::{Backend, BackendChoice};
+use tandem_nodeproxy::metrics::Metrics;
+use tandem_proxy_rules::model::{ProxyState, ServicePortName};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
@@ -66,6 +72,22 @@ impl Config {
                 },
             ],
             Config::Nftables => vec!["--proxy-mode", "nftables"],
+        }
+    }
+
+    fn mode(self) -> ProxyMode {
+        match self {
+            Config::Iptables(_) => ProxyMode::Iptables,
+            Config::Nftables => ProxyMode::Nftables,
+        }
+    }
+
+    /// The backend the node proxy is told to use (the nftables mode's for the iptables
+    /// rules it removes).
+    fn backend_choice(self) -> BackendChoice {
+        match self {
+            Config::Iptables(Backend::Legacy) => BackendChoice::Legacy,
+            _ => BackendChoice::Nft,
         }
     }
 
@@ -196,56 +218,125 @@ fn new_connection(line: &str) -> std::io::Result<String> {
 
 /// `count` new connections from `client`, one after the other; the failures.
 fn connections(client: &Netns, count: usize) -> Vec<String> {
-    let failed: Vec<String> = client
+    client
         .run_in_thread(move || {
             (0..count)
                 .filter_map(|i| new_connection(&format!("check-{i}")).err())
                 .map(|e| e.to_string())
                 .collect()
         })
-        .unwrap();
-    if !failed.is_empty() {
-        eprintln!("{}", network_state(client));
-    }
-    failed
+        .unwrap()
 }
 
-/// What the scene's namespaces (those named like `client`'s) say after a failed
-/// connection, for the reader of a failed run: the ICMP errors each sent and received,
-/// its neighbours, and the node's connections to the LB IP that were not translated.
-fn network_state(client: &Netns) -> String {
+/// Runs `command` with `sh` in the namespace `netns`; its standard output.
+fn sh_in(netns: &str, command: &str) -> String {
+    std::process::Command::new("ip")
+        .args(["netns", "exec", netns, "sh", "-c", command])
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+        .unwrap_or_else(|e| e.to_string())
+}
+
+/// The scene's namespaces: those named like `client`'s.
+fn scene_namespaces(client: &Netns) -> Vec<String> {
     let prefix = client
         .name()
         .rsplit_once('-')
         .map_or(client.name(), |(prefix, _)| prefix);
-    let sh = |netns: &str, command: &str| {
-        std::process::Command::new("ip")
-            .args(["netns", "exec", netns, "sh", "-c", command])
-            .output()
-            .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
-            .unwrap_or_else(|e| e.to_string())
-    };
     let namespaces = std::process::Command::new("ip")
         .args(["netns", "list"])
         .output()
         .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
         .unwrap_or_default();
-    let mut state = String::from("network state after a failed connection:\n");
-    for netns in namespaces
+    namespaces
         .lines()
         .filter_map(|line| line.split_whitespace().next())
         .filter(|name| name.starts_with(prefix))
-    {
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The ICMP counters of each of the scene's namespaces (`/proc/net/snmp`'s `Icmp:` and
+/// `IcmpMsg:` lines), taken before connections are checked, so that a failure reports
+/// only the ICMP errors of its own batch: the expected failures of a start (connections
+/// before the rules, looping between the node and the edge) count too.
+struct IcmpCounters(BTreeMap<String, BTreeMap<String, u64>>);
+
+impl IcmpCounters {
+    fn take(client: &Netns) -> Self {
+        let read = |netns: &str| {
+            let snmp = sh_in(netns, "cat /proc/net/snmp");
+            let lines: Vec<&str> = snmp.lines().filter(|l| l.starts_with("Icmp")).collect();
+            let mut counters = BTreeMap::new();
+            for pair in lines.chunks(2) {
+                let [names, values] = pair else { continue };
+                for (name, value) in names
+                    .split_whitespace()
+                    .zip(values.split_whitespace())
+                    .skip(1)
+                {
+                    if let Ok(value) = value.parse() {
+                        counters.insert(name.to_owned(), value);
+                    }
+                }
+            }
+            counters
+        };
+        Self(
+            scene_namespaces(client)
+                .into_iter()
+                .map(|netns| {
+                    let counters = read(&netns);
+                    (netns, counters)
+                })
+                .collect(),
+        )
+    }
+
+    /// The counters that grew since `before`, per namespace: `InType11 +2` is two ICMP
+    /// time-exceeded messages received (a routing loop), `InType3` destination unreachable
+    /// (a neighbour that failed, or the edge's prohibited pod range).
+    fn since(&self, before: &IcmpCounters) -> String {
+        let mut out = String::new();
+        for (netns, now) in &self.0 {
+            let grown: Vec<String> = now
+                .iter()
+                .filter(|(name, _)| !name.ends_with("Msgs") && !name.starts_with("OutRate"))
+                .filter_map(|(name, value)| {
+                    let was = before.0.get(netns).and_then(|c| c.get(name)).copied();
+                    let grew = value.saturating_sub(was.unwrap_or(0));
+                    (grew > 0).then(|| format!("{name} +{grew}"))
+                })
+                .collect();
+            if !grown.is_empty() {
+                out.push_str(&format!("{netns}: {}\n", grown.join(", ")));
+            }
+        }
+        if out.is_empty() {
+            out.push_str("no ICMP sent or received\n");
+        }
+        out
+    }
+}
+
+/// What the scene's namespaces say after a failed connection, for the reader of a failed
+/// run: the ICMP each sent and received since `before`, its neighbours, and the node's
+/// newest connections to the LB IP that were not translated (the highest timeouts first:
+/// one just created is the failed connection's, if the node let it through un-DNATed).
+fn network_state(client: &Netns, before: &IcmpCounters) -> String {
+    let mut state = format!(
+        "network state after a failed connection:\nICMP since the check began:\n{}",
+        IcmpCounters::take(client).since(before)
+    );
+    for netns in scene_namespaces(client) {
         state.push_str(&format!(
-            "== {netns}\n{}{}{}",
-            sh(
-                netns,
-                "nstat -az | grep -E 'Icmp(In|Out)(DestUnreachs|TimeExcds)'"
-            ),
-            sh(netns, "ip -s neigh"),
-            sh(
-                netns,
-                &format!("conntrack -L -d {LB_IP} 2>/dev/null | grep -v 'src=10.244' | head -5"),
+            "== {netns}\n{}{}",
+            sh_in(&netns, "ip -s neigh"),
+            sh_in(
+                &netns,
+                &format!(
+                    "conntrack -L -d {LB_IP} 2>/dev/null | grep -v 'src=10.244' | sort -k3,3nr | head -5"
+                ),
             ),
         ));
     }
@@ -291,6 +382,7 @@ impl Traffic {
     fn start(client: &Netns) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let (client, stopped) = (client.clone(), Arc::clone(&stop));
+        let before = IcmpCounters::take(&client);
         let thread = std::thread::spawn(move || {
             let netns = client.clone();
             netns
@@ -307,7 +399,7 @@ impl Traffic {
                         if let Err(error) = new_connection(&format!("new-{n}")) {
                             let at = started.elapsed();
                             if report.failed.is_empty() {
-                                eprintln!("{}", network_state(&client));
+                                eprintln!("{}", network_state(&client, &before));
                             }
                             report
                                 .failed
@@ -492,7 +584,11 @@ impl NodeScene {
 
     /// `CHECKED_CONNECTIONS` new connections, all of which must succeed.
     fn assert_serving(&self, what: &str) {
+        let before = IcmpCounters::take(&self.client.netns);
         let failed = connections(&self.client.netns, CHECKED_CONNECTIONS);
+        if !failed.is_empty() {
+            eprintln!("{}", network_state(&self.client.netns, &before));
+        }
         assert!(failed.is_empty(), "{what}: {failed:?}");
     }
 }
@@ -783,11 +879,75 @@ fn rules_someone_else_deletes_or_changes_are_back_at_once_or_within_a_sync_perio
 
 /// Removes every rule of `config`'s mode from the node (`--cleanup`).
 async fn cleanup(config: Config) {
-    let backend = match config {
-        Config::Iptables(Backend::Legacy) => BackendChoice::Legacy,
-        _ => BackendChoice::Nft,
+    datapath::cleanup(config.backend_choice()).await.unwrap();
+}
+
+/// Full writes and endpoint changes this many times each, per data path.
+const REWRITES: usize = 50;
+
+/// The node proxy's writes many times over, under traffic: in each data path, a start's
+/// write of the whole table over one that holds other rules (what a restart after a
+/// change, a repair of a flushed table or a switch of modes writes) and then an endpoint
+/// change, [`REWRITES`] times each, between both pods and one. A write that let one new
+/// connection in a few hundred through untranslated, or to no pod, would fail this: so
+/// the rules the restarts and repairs above write are not what could fail a connection
+/// there.
+#[test]
+fn full_writes_and_changes_in_a_loop_fail_no_connection() {
+    let Some(scene) = Scene::new() else {
+        return;
     };
-    tandem_nodeproxy::datapath::cleanup(backend).await.unwrap();
+    let pods = scene.topo.pods().to_vec();
+    for config in Config::all() {
+        let (client, pods) = (scene.client(), pods.clone());
+        scene.in_node(move |node| async move {
+            let metrics = Metrics::register(&mut Registry::default());
+            let endpoints = |pods: &[Pod]| {
+                pods.iter()
+                    .map(|pod| endpoint(pod.ip.octets(), POD_PORT, &pod.node_name))
+                    .collect()
+            };
+            // The reference Service is the scene's: 198.51.100.20:80, source range
+            // 203.0.113.0/24.
+            let (both, one) = (
+                reference_state(endpoints(&pods)),
+                reference_state(endpoints(&pods[..1])),
+            );
+            let ports: BTreeSet<ServicePortName> = both.services().keys().cloned().collect();
+            let (ports, metrics, name) = (&ports, &metrics, node.node.name.as_str());
+            let start = |state: &ProxyState| {
+                let state = state.clone();
+                async move {
+                    let mut path =
+                        datapath::start(config.mode(), config.backend_choice(), node_named(name))
+                            .await
+                            .unwrap();
+                    path.update(&state, ports);
+                    assert!(path.apply(metrics).await, "{config:?}: a full write failed");
+                    path
+                }
+            };
+            drop(start(&both).await);
+            let traffic = Traffic::start(&client.netns);
+            for round in 0..REWRITES {
+                let (written, changed) = if round % 2 == 0 {
+                    (&one, &both)
+                } else {
+                    (&both, &one)
+                };
+                let mut path = start(written).await;
+                assert!(!path.update(changed, ports).is_empty());
+                assert!(path.apply(metrics).await, "{config:?}: a change failed");
+            }
+            let report = tokio::task::spawn_blocking(move || traffic.stop())
+                .await
+                .unwrap();
+            report.assert_clean(&format!(
+                "{config:?}: {REWRITES} full writes and {REWRITES} changes"
+            ));
+            cleanup(config).await;
+        });
+    }
 }
 
 #[test]

@@ -122,14 +122,26 @@ pub struct NodeSettings {
 }
 
 impl NodeSettings {
-    /// A proxier's `node` as these settings make it: the node's zone, and the Service
-    /// CIDRs of its family where ServiceCIDR objects are watched (they replace the flag,
-    /// as kube-proxy's nftables mode knows no other source).
+    /// The node's zone.
+    pub fn zone(&self) -> Option<&str> {
+        self.zone.as_deref()
+    }
+
+    /// The Service CIDRs of `family` where ServiceCIDR objects are watched (they replace
+    /// the flag, as kube-proxy's nftables mode knows no other source); `None` where the
+    /// flag's stay.
+    pub fn service_cidrs_of(&self, family: IpFamily) -> Option<Vec<IpNet>> {
+        let cidrs = self.service_cidrs.as_ref()?;
+        Some(service_cidrs_of(family, cidrs.iter().copied()))
+    }
+
+    /// A proxier's `node` as these settings make it (see [`Self::zone`] and
+    /// [`Self::service_cidrs_of`]).
     pub fn applied_to(&self, node: &NodeConfig) -> NodeConfig {
         let mut node = node.clone();
         node.zone.clone_from(&self.zone);
-        if let Some(cidrs) = &self.service_cidrs {
-            node.service_cidrs = service_cidrs_of(node.family, cidrs.iter().copied());
+        if let Some(cidrs) = self.service_cidrs_of(node.family) {
+            node.service_cidrs = cidrs;
         }
         node
     }
