@@ -1,13 +1,14 @@
-//! Stale UDP conntrack entries, deleted after each successful sync in two ways:
+//! Stale conntrack entries, deleted after each successful sync in two ways:
 //! - the deletions a change calls for
 //!   ([`tandem_proxy_rules::conntrack::stale_udp_deletions`]), run with the `conntrack`
 //!   tool as kube-proxy v1.21 does ([`clear_stale`]);
 //! - kube-proxy 1.32's reconciler ([`reconcile`]): the kernel's UDP entries of the family,
-//!   read over ctnetlink ([`tandem_nftables::ctnetlink`]), each judged against the current
-//!   Services and serving endpoints
-//!   ([`tandem_proxy_rules::conntrack::ServingUdpEndpoints`]), the stale ones deleted. It
-//!   catches what the first misses: an entry a packet made through the old rules while
-//!   the change was being applied, or a deletion that failed.
+//!   and its TCP entries that nothing answered, read over ctnetlink
+//!   ([`tandem_nftables::ctnetlink`]), each judged against the current Services and
+//!   serving endpoints ([`tandem_proxy_rules::conntrack::ServingEndpoints`]), the stale
+//!   ones deleted. It catches what the first misses: an entry a packet made through the
+//!   old rules while the change was being applied, or a deletion that failed; and the
+//!   TCP black holes of SYNs that came before the rules.
 
 use std::process::Stdio;
 use std::time::Instant;
@@ -15,7 +16,7 @@ use std::time::Instant;
 use tandem_common::IpFamily;
 use tandem_nftables::ctnetlink::{self, Conntrack, ConntrackError};
 use tandem_proxy_rules::conntrack::{
-    ConntrackDeletion, ConntrackFlow, ServingUdpEndpoints, stale_udp_deletions,
+    ConntrackDeletion, ConntrackFlow, ServingEndpoints, stale_udp_deletions,
 };
 use tandem_proxy_rules::model::ProxyState;
 use tokio::process::Command;
@@ -68,7 +69,7 @@ async fn run(deletion: &ConntrackDeletion, family: IpFamily) -> Result<(), Strin
 /// What one run of the reconciler did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Reconciled {
-    /// UDP entries of the family the kernel listed.
+    /// Entries of the family the kernel listed: UDP ones, and TCP ones nothing answered.
     pub listed: usize,
     /// Stale entries deleted.
     pub deleted: usize,
@@ -90,15 +91,15 @@ pub enum ReconcileError {
 }
 
 /// The reconciler's run for one family after a successful sync: `serving` is taken from
-/// what the family's rules now hold. Nothing is read when no UDP Service port has a
-/// serving endpoint. Failures are logged and counted, never fatal to the sync; returns
+/// what the family's rules now hold. A protocol none of whose Service ports has a serving
+/// endpoint is not read. Failures are logged and counted, never fatal to the sync; returns
 /// what it did (`None`: skipped, or the table could not be read).
 pub async fn reconcile(
-    serving: ServingUdpEndpoints,
+    serving: ServingEndpoints,
     family: IpFamily,
     metrics: &Metrics,
 ) -> Option<Reconciled> {
-    if serving.is_empty() {
+    if !serving.has_udp() && !serving.has_tcp() {
         return None;
     }
     let labels = FamilyLabels::of(family);
@@ -147,24 +148,34 @@ pub async fn reconcile(
 }
 
 /// The reconciler's I/O, blocking, in the calling thread's network namespace: lists the
-/// UDP entries of `family` and deletes those `serving` judges stale, each by its original
+/// UDP entries of `family` and its TCP entries nothing answered (the kernel filters them;
+/// a node's many answered TCP connections are not read), each where `serving` has a
+/// Service port of the protocol, and deletes those it judges stale, each by its original
 /// tuple, zone and id (so an entry made again meanwhile stays).
 pub fn reconcile_blocking(
     family: IpFamily,
-    serving: &ServingUdpEndpoints,
+    serving: &ServingEndpoints,
 ) -> Result<Reconciled, ReconcileError> {
     let mut conntrack = Conntrack::open()?;
-    let listing = conntrack.list(family, ctnetlink::IPPROTO_UDP)?;
-    let mut done = Reconciled {
-        listed: listing.flows.len(),
-        interrupted: listing.interrupted,
-        ..Reconciled::default()
-    };
-    for flow in &listing.flows {
+    let mut flows = Vec::new();
+    let mut done = Reconciled::default();
+    if serving.has_udp() {
+        let listing = conntrack.list(family, ctnetlink::IPPROTO_UDP)?;
+        done.interrupted |= listing.interrupted;
+        flows.extend(listing.flows);
+    }
+    if serving.has_tcp() {
+        let listing = conntrack.list_unreplied(family, ctnetlink::IPPROTO_TCP)?;
+        done.interrupted |= listing.interrupted;
+        flows.extend(listing.flows);
+    }
+    done.listed = flows.len();
+    for flow in &flows {
         let judged = ConntrackFlow {
             protocol: flow.protocol,
             original_destination: flow.original.destination,
             reply_source: flow.reply.source,
+            replied: flow.replied(),
         };
         if !serving.is_stale(&judged) {
             continue;

@@ -289,7 +289,7 @@ impl Metrics {
         );
         registry.register(
             "conntrack_reconciler_deleted_entries",
-            "Stale UDP conntrack entries deleted by the conntrack reconciler",
+            "Stale UDP conntrack entries and TCP black holes deleted by the conntrack reconciler",
             metrics.conntrack_reconciler_deleted.clone(),
         );
         registry.register(

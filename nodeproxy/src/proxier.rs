@@ -18,7 +18,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 use jiff::Timestamp;
 use tandem_nftables::kernel::Netlink;
-use tandem_proxy_rules::conntrack::ServingUdpEndpoints;
+use tandem_proxy_rules::conntrack::ServingEndpoints;
 use tandem_proxy_rules::health::{health_check_services, merge_families};
 use tandem_proxy_rules::model::NodeConfig;
 use tokio::sync::Notify;
@@ -170,7 +170,7 @@ impl FamilyProxier {
             }
             conntrack::clear_stale(&changes.previous, &changes.current, self.node.family).await;
             // From what the rules now hold: every change taken from the tracker is applied.
-            let serving = ServingUdpEndpoints::of(change_tracker::lock(tracker).state());
+            let serving = ServingEndpoints::of(change_tracker::lock(tracker).state());
             conntrack::reconcile(serving, self.node.family, metrics).await;
         } else {
             self.unapplied = Some(changes);

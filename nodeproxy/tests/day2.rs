@@ -4,7 +4,8 @@
 //! backends); a switch between the modes never leaves the node without rules; SIGTERM
 //! leaves the rules in place and a restart opens no gap; after SIGKILL and a flush the
 //! rules are back within a second of the start; full writes and endpoint changes repeated
-//! under traffic fail no connection.
+//! under traffic fail no connection; a SYN sent before the rules leaves no black hole for
+//! its source port.
 //!
 //! One node with two pods serving a line echo; the edge routes the LB IP to the node
 //! unchanged (passthrough); the API server stand-in runs in the node's namespace, as does
@@ -212,6 +213,18 @@ fn round_trip(stream: &mut TcpStream, line: &str) -> std::io::Result<String> {
 /// A new connection to the LB and one round trip; from the calling thread's namespace.
 fn new_connection(line: &str) -> std::io::Result<String> {
     let mut stream = TcpStream::connect_timeout(&LB, Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(1)))?;
+    round_trip(&mut stream, line)
+}
+
+/// A new connection to the LB from `port` of the calling thread's namespace, and one
+/// round trip.
+fn connection_from(port: u16, line: &str) -> std::io::Result<String> {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)).into())?;
+    socket.connect_timeout(&LB.into(), Duration::from_secs(1))?;
+    let mut stream = TcpStream::from(socket);
     stream.set_read_timeout(Some(Duration::from_secs(1)))?;
     round_trip(&mut stream, line)
 }
@@ -880,6 +893,59 @@ fn rules_someone_else_deletes_or_changes_are_back_at_once_or_within_a_sync_perio
 /// Removes every rule of `config`'s mode from the node (`--cleanup`).
 async fn cleanup(config: Config) {
     datapath::cleanup(config.backend_choice()).await.unwrap();
+}
+
+/// A SYN that reaches the node before its rules leaves a conntrack entry without DNAT,
+/// which every later SYN from the same source port follows, untranslated (kubernetes#48719):
+/// the reconciler of the node proxy's first sync deletes it, so a client that connects
+/// again from that port is served. Such entries failed the day-2 checks now and then: a
+/// start's first checks, sent before the rules, left them, and a later connection that
+/// drew one of their source ports again got EHOSTUNREACH (its SYN looped between the node
+/// and the edge until its TTL ran out).
+#[test]
+fn a_syn_that_came_before_the_rules_leaves_no_black_hole_for_its_source_port() {
+    let Some(scene) = Scene::new() else {
+        return;
+    };
+    for (config, port) in Config::all().into_iter().zip(40_000u16..) {
+        let client = scene.client();
+        scene.in_node(move |node| async move {
+            // Something on the node tracks connections before the node proxy runs (on a
+            // real node the kubelet's or the CNI's NAT rules): here a CNI's masquerade.
+            exec(
+                "nft",
+                &[
+                    "add table ip cni; add chain ip cni postrouting { type nat hook postrouting priority srcnat; }; add rule ip cni postrouting ip saddr 10.244.0.0/16 ip daddr != 10.244.0.0/16 masquerade",
+                ],
+            );
+            let netns = client.netns.clone();
+            let early = netns
+                .run_in_thread(move || connection_from(port, "early"))
+                .unwrap();
+            assert!(early.is_err(), "{config:?}: served before the node proxy ran");
+            let entries = exec("conntrack", &["-L", "-p", "tcp", "--sport", &port.to_string()]);
+            assert!(
+                entries.contains(&format!("[UNREPLIED] src={LB_IP} dst={}", client.ip)),
+                "{config:?}: no entry without DNAT ({early:?}): {entries}"
+            );
+            let proxy = node.start_serving(config).await;
+            let took = eventually(
+                Duration::from_secs(5),
+                "a connection from the early source port",
+                move || {
+                    netns
+                        .run_in_thread(move || connection_from(port, "again"))
+                        .unwrap()
+                        .is_ok()
+                },
+            )
+            .await;
+            eprintln!("{config:?}: source port {port} served {took:?} after the first checks passed");
+            terminate(proxy).await;
+            cleanup(config).await;
+            exec("nft", &["delete", "table", "ip", "cni"]);
+        });
+    }
 }
 
 /// Full writes and endpoint changes this many times each, per data path.

@@ -35,9 +35,11 @@ const IPCTNL_MSG_CT_DELETE: u16 = 2;
 // `enum ctattr_type`.
 const CTA_TUPLE_ORIG: u16 = 1;
 const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_STATUS: u16 = 3;
 const CTA_ID: u16 = 12;
 const CTA_ZONE: u16 = 18;
 const CTA_FILTER: u16 = 25;
+const CTA_STATUS_MASK: u16 = 26;
 // `enum ctattr_tuple`, `enum ctattr_ip`, `enum ctattr_l4proto`.
 const CTA_TUPLE_IP: u16 = 1;
 const CTA_TUPLE_PROTO: u16 = 2;
@@ -57,6 +59,10 @@ const DUMP_BUFFER_BYTES: usize = 256 << 10;
 
 /// The IP protocol number of UDP.
 pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_TCP: u8 = 6;
+
+/// An entry's status bit set once a packet came back the reply way (`IPS_SEEN_REPLY`).
+const IPS_SEEN_REPLY: u32 = 1 << 1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConntrackError {
@@ -104,6 +110,15 @@ pub struct Flow {
     /// Sent back with a deletion, so that only this very entry goes (not one made
     /// afterwards with the same tuple).
     pub id: Option<u32>,
+    /// The kernel's status bits (`IPS_*`).
+    pub status: u32,
+}
+
+impl Flow {
+    /// Whether a packet ever came back the reply way.
+    pub fn replied(&self) -> bool {
+        self.status & IPS_SEEN_REPLY != 0
+    }
 }
 
 impl std::fmt::Display for Flow {
@@ -162,8 +177,41 @@ impl Conntrack {
     /// protocol where it knows `CTA_FILTER` (from 5.8; a kernel that refuses it is asked
     /// again without, and the protocol is filtered here).
     pub fn list(&mut self, family: IpFamily, protocol: u8) -> Result<Listing, ConntrackError> {
+        self.list_filtered(family, protocol, false)
+    }
+
+    /// The entries of `family` and `protocol` that nothing ever answered: as [`Self::list`],
+    /// and the kernel leaves out the answered ones where it filters by status (from 5.19;
+    /// an older kernel ignores the filter, and they are left out here).
+    pub fn list_unreplied(
+        &mut self,
+        family: IpFamily,
+        protocol: u8,
+    ) -> Result<Listing, ConntrackError> {
+        self.list_filtered(family, protocol, true)
+    }
+
+    fn list_filtered(
+        &mut self,
+        family: IpFamily,
+        protocol: u8,
+        unreplied: bool,
+    ) -> Result<Listing, ConntrackError> {
+        let mut listing = self.list_protocol(family, protocol, unreplied)?;
+        if unreplied {
+            listing.flows.retain(|flow| !flow.replied());
+        }
+        Ok(listing)
+    }
+
+    fn list_protocol(
+        &mut self,
+        family: IpFamily,
+        protocol: u8,
+        unreplied: bool,
+    ) -> Result<Listing, ConntrackError> {
         if self.kernel_filter {
-            match self.dump(family, Some(protocol)) {
+            match self.dump(family, Some(protocol), unreplied) {
                 Err(ConntrackError::List { errno, .. })
                     if matches!(errno.raw_os_error(), Some(EINVAL | EOPNOTSUPP)) =>
                 {
@@ -172,15 +220,20 @@ impl Conntrack {
                 listed => return listed,
             }
         }
-        self.dump(family, None).map(|mut listing| {
+        self.dump(family, None, false).map(|mut listing| {
             listing.flows.retain(|flow| flow.protocol == protocol);
             listing
         })
     }
 
-    fn dump(&mut self, family: IpFamily, protocol: Option<u8>) -> Result<Listing, ConntrackError> {
+    fn dump(
+        &mut self,
+        family: IpFamily,
+        protocol: Option<u8>,
+        unreplied: bool,
+    ) -> Result<Listing, ConntrackError> {
         let seq = self.take_seq();
-        let request = dump_request(seq, family, protocol);
+        let request = dump_request(seq, family, protocol, unreplied);
         self.socket
             .send(&request, 0)
             .map_err(ConntrackError::Send)?;
@@ -261,8 +314,10 @@ fn nfproto(family: IpFamily) -> u8 {
 }
 
 /// `IPCTNL_MSG_CT_GET` with `NLM_F_DUMP` for `family`, narrowed to `protocol` by
-/// `CTA_FILTER` (the protocol number goes in an original tuple without addresses).
-fn dump_request(seq: u32, family: IpFamily, protocol: Option<u8>) -> Vec<u8> {
+/// `CTA_FILTER` (the protocol number goes in an original tuple without addresses), and
+/// with `unreplied` to the entries without `IPS_SEEN_REPLY` (`CTA_STATUS` under
+/// `CTA_STATUS_MASK`).
+fn dump_request(seq: u32, family: IpFamily, protocol: Option<u8>, unreplied: bool) -> Vec<u8> {
     let mut w = Writer::default();
     w.message(
         (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET,
@@ -281,6 +336,10 @@ fn dump_request(seq: u32, family: IpFamily, protocol: Option<u8>) -> Vec<u8> {
                         &CTA_FILTER_FLAG_CTA_PROTO_NUM.to_ne_bytes(),
                     );
                 });
+            }
+            if unreplied {
+                w.attr(CTA_STATUS, &0u32.to_be_bytes());
+                w.attr(CTA_STATUS_MASK, &IPS_SEEN_REPLY.to_be_bytes());
             }
         },
     );
@@ -358,11 +417,12 @@ fn parse_flow(message: &[u8]) -> Result<Option<Flow>, ConntrackError> {
     let body = message
         .get(NLMSG_HEADER_LEN + NFGENMSG_LEN..)
         .ok_or(ConntrackError::Malformed("short message"))?;
-    let (mut original, mut reply, mut zone, mut id) = (None, None, 0, None);
+    let (mut original, mut reply, mut zone, mut id, mut status) = (None, None, 0, None, 0);
     for (kind, value) in attributes(body) {
         match kind {
             CTA_TUPLE_ORIG => original = parse_tuple(value),
             CTA_TUPLE_REPLY => reply = parse_tuple(value),
+            CTA_STATUS => status = value.try_into().map_or(0, u32::from_be_bytes),
             CTA_ZONE => zone = be_u16(value).unwrap_or(0),
             CTA_ID => id = value.try_into().ok().map(u32::from_be_bytes),
             _ => {}
@@ -376,6 +436,7 @@ fn parse_flow(message: &[u8]) -> Result<Option<Flow>, ConntrackError> {
             reply,
             zone,
             id,
+            status,
         }))
 }
 
@@ -441,6 +502,7 @@ mod tests {
             },
             zone: 0,
             id: Some(0xdead_beef),
+            status: 0,
         }
     }
 
@@ -456,6 +518,7 @@ mod tests {
             |w| {
                 w.nest(CTA_TUPLE_ORIG, |w| tuple(w, flow.protocol, &flow.original));
                 w.nest(CTA_TUPLE_REPLY, |w| tuple(w, flow.protocol, &flow.reply));
+                w.attr(CTA_STATUS, &flow.status.to_be_bytes());
                 w.attr(CTA_ID, &flow.id.unwrap().to_be_bytes());
                 if flow.zone != 0 {
                     w.attr(CTA_ZONE, &flow.zone.to_be_bytes());
@@ -474,6 +537,8 @@ mod tests {
             ),
             Flow {
                 zone: 7,
+                // IPS_SEEN_REPLY, IPS_ASSURED, IPS_CONFIRMED, IPS_DST_NAT_DONE.
+                status: 0x10e,
                 ..flow(
                     ("[fd00::9]:4000", "[fd00:96::10]:53"),
                     ("[fd00:244::5]:5353", "[fd00::9]:4000"),
@@ -514,7 +579,7 @@ mod tests {
 
     #[test]
     fn a_dump_request_filters_by_family_and_protocol() {
-        let request = dump_request(1, IpFamily::V6, Some(IPPROTO_UDP));
+        let request = dump_request(1, IpFamily::V6, Some(IPPROTO_UDP), false);
         assert_eq!(read_u16(&request, 6).unwrap(), NLM_F_REQUEST | NLM_F_DUMP);
         assert_eq!(request[NLMSG_HEADER_LEN], AF_INET6);
         let attrs: Vec<(u16, &[u8])> =
@@ -525,7 +590,34 @@ mod tests {
             attributes(attrs[1].1).collect::<Vec<_>>(),
             [(CTA_FILTER_ORIG_FLAGS, &8u32.to_ne_bytes()[..])]
         );
-        let unfiltered = dump_request(1, IpFamily::V4, None);
+        let unfiltered = dump_request(1, IpFamily::V4, None, false);
         assert_eq!(unfiltered.len(), NLMSG_HEADER_LEN + NFGENMSG_LEN);
+    }
+
+    #[test]
+    fn an_unreplied_dump_asks_for_entries_without_seen_reply() {
+        let request = dump_request(1, IpFamily::V4, Some(IPPROTO_TCP), true);
+        let attrs: Vec<(u16, &[u8])> =
+            attributes(&request[NLMSG_HEADER_LEN + NFGENMSG_LEN..]).collect();
+        let kinds: Vec<u16> = attrs.iter().map(|(kind, _)| *kind).collect();
+        assert_eq!(
+            kinds,
+            [CTA_TUPLE_ORIG, CTA_FILTER, CTA_STATUS, CTA_STATUS_MASK]
+        );
+        assert_eq!(attrs[2].1, &0u32.to_be_bytes());
+        assert_eq!(attrs[3].1, &2u32.to_be_bytes());
+    }
+
+    #[test]
+    fn replied_reads_the_seen_reply_bit() {
+        let unanswered = flow(("10.0.0.1:1", "10.0.0.2:2"), ("10.0.0.2:2", "10.0.0.1:1"));
+        assert!(!unanswered.replied());
+        assert!(
+            Flow {
+                status: IPS_SEEN_REPLY,
+                ..unanswered
+            }
+            .replied()
+        );
     }
 }

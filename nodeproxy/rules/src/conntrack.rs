@@ -1,9 +1,10 @@
-//! Which UDP conntrack entries turn stale when Services and endpoints change, as
-//! kube-proxy decides it. UDP has no connection end: without the deletion, a client keeps
-//! sending to a removed pod (or to the REJECT of a Service that had no endpoints).
+//! Which conntrack entries turn stale when Services and endpoints change. UDP, as
+//! kube-proxy decides it: UDP has no connection end, so without the deletion a client
+//! keeps sending to a removed pod (or to the REJECT of a Service that had no endpoints).
+//! TCP, beyond kube-proxy: the black holes a SYN leaves when it meets no rules.
 //!
 //! Two parts: [`stale_udp_deletions`], the deletions a change calls for (kube-proxy
-//! v1.21, run after each sync), and [`ServingUdpEndpoints`], kube-proxy 1.32's periodic
+//! v1.21, run after each sync), and [`ServingEndpoints`], kube-proxy 1.32's periodic
 //! reconciler, which judges the entries the kernel holds against the current state and so
 //! also catches those a deletion missed (an entry made by a packet that raced a sync).
 
@@ -170,37 +171,49 @@ fn service_ips(service: &ServicePort) -> impl Iterator<Item = IpAddr> + '_ {
 }
 
 /// A conntrack entry as the reconciler judges it: where its first packet was sent (the
-/// Service IP and port, or a node port) and where answers come from (the endpoint a DNAT
-/// chose; the original destination itself when nothing was DNATed).
+/// Service IP and port, or a node port), where answers come from (the endpoint a DNAT
+/// chose; the original destination itself when nothing was DNATed), and whether any came.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ConntrackFlow {
     /// The IANA protocol number (see [`Protocol::number`]).
     pub protocol: u8,
     pub original_destination: SocketAddr,
     pub reply_source: SocketAddr,
+    /// A packet came back the reply way (conntrack's `SEEN_REPLY`).
+    pub replied: bool,
 }
 
-/// The serving endpoints (IP and port) of every UDP Service port that has some, by the
-/// frontends that reach them: what kube-proxy's `CleanStaleEntries`
-/// (`pkg/proxy/conntrack/cleanup.go`, 1.32 on) keeps of a state, and judges each UDP
-/// entry of the kernel's table by.
+/// The Service ports that have serving endpoints, by the frontends that reach them (the
+/// cluster IP, external IPs and VIP-mode load-balancer IPs, each with the port, and the
+/// node port): what the reconciler judges each entry of the kernel's table by.
 ///
-/// As there: a Service port without serving endpoints is left alone (its entries go when
-/// the first endpoint comes, by [`stale_udp_deletions`]); traffic policies, topology and
-/// terminating do not count, only `serving`, so that UDP flows last as TCP connections do;
-/// a node port matches an entry whatever its original destination address.
+/// UDP, as kube-proxy's `CleanStaleEntries` (`pkg/proxy/conntrack/cleanup.go`, 1.32 on)
+/// keeps it: the serving endpoints of each frontend; a Service port without serving
+/// endpoints is left alone (its entries go when the first endpoint comes, by
+/// [`stale_udp_deletions`]); traffic policies, topology and terminating do not count, only
+/// `serving`, so that UDP flows last as TCP connections do; a node port matches an entry
+/// whatever its original destination address.
+///
+/// TCP: only the frontends. A SYN that reached the node before its rules (a Service port
+/// just given endpoints, a node proxy not yet synced, rules someone else flushed) leaves
+/// an entry without DNAT, and every later SYN of that source port (the client's own
+/// retransmissions, or a new connection that picks the port again) follows it, untranslated,
+/// for as long as SYNs keep coming (kubernetes#48719, #101607; kube-proxy leaves them).
+/// Such an entry never carried a connection (nothing answered through it), so deleting it
+/// breaks none; an answered or DNATed TCP entry is never judged stale here.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ServingUdpEndpoints {
-    /// Cluster IP, external IPs and VIP-mode load-balancer IPs, each with the port.
-    by_frontend: BTreeMap<SocketAddr, Arc<BTreeSet<SocketAddr>>>,
-    by_node_port: BTreeMap<u16, Arc<BTreeSet<SocketAddr>>>,
+pub struct ServingEndpoints {
+    udp_by_frontend: BTreeMap<SocketAddr, Arc<BTreeSet<SocketAddr>>>,
+    udp_by_node_port: BTreeMap<u16, Arc<BTreeSet<SocketAddr>>>,
+    tcp_frontends: BTreeSet<SocketAddr>,
+    tcp_node_ports: BTreeSet<u16>,
 }
 
-impl ServingUdpEndpoints {
+impl ServingEndpoints {
     pub fn of(state: &ProxyState) -> Self {
         let mut serving = Self::default();
         for (name, service) in state.services() {
-            if service.protocol != Protocol::Udp || service.cluster_ip.is_none() {
+            if service.cluster_ip.is_none() {
                 continue;
             }
             let endpoints: BTreeSet<SocketAddr> = serving_endpoints(state, name)
@@ -210,41 +223,64 @@ impl ServingUdpEndpoints {
             if endpoints.is_empty() {
                 continue;
             }
-            let endpoints = Arc::new(endpoints);
-            for ip in service_ips(service) {
-                serving
-                    .by_frontend
-                    .insert(SocketAddr::new(ip, service.port), Arc::clone(&endpoints));
-            }
-            if let Some(node_port) = service.node_port {
-                serving.by_node_port.insert(node_port, endpoints);
+            let frontends = service_ips(service).map(|ip| SocketAddr::new(ip, service.port));
+            match service.protocol {
+                Protocol::Udp => {
+                    let endpoints = Arc::new(endpoints);
+                    for frontend in frontends {
+                        serving
+                            .udp_by_frontend
+                            .insert(frontend, Arc::clone(&endpoints));
+                    }
+                    if let Some(node_port) = service.node_port {
+                        serving.udp_by_node_port.insert(node_port, endpoints);
+                    }
+                }
+                Protocol::Tcp => {
+                    serving.tcp_frontends.extend(frontends);
+                    serving.tcp_node_ports.extend(service.node_port);
+                }
+                Protocol::Sctp => {}
             }
         }
         serving
     }
 
-    /// No UDP Service port has a serving endpoint: no entry can be stale, and the
-    /// kernel's table need not be read at all.
-    pub fn is_empty(&self) -> bool {
-        self.by_frontend.is_empty() && self.by_node_port.is_empty()
+    /// Whether some UDP Service port has a serving endpoint: else no UDP entry can be
+    /// stale, and the kernel's UDP entries need not be read.
+    pub fn has_udp(&self) -> bool {
+        !self.udp_by_frontend.is_empty() || !self.udp_by_node_port.is_empty()
     }
 
-    /// True when `flow` is a UDP entry to a Service IP and port, or to a node port, whose
-    /// reply source is not a serving endpoint of that Service port (a removed or
-    /// non-serving endpoint, an endpoint's old port, or no DNAT at all).
+    /// Whether some TCP Service port has a serving endpoint (see [`Self::has_udp`]).
+    pub fn has_tcp(&self) -> bool {
+        !self.tcp_frontends.is_empty() || !self.tcp_node_ports.is_empty()
+    }
+
+    /// True when `flow` is an entry to a Service IP and port, or to a node port, of a
+    /// Service port with serving endpoints, and is stale: for UDP, its reply source is
+    /// not a serving endpoint (a removed or non-serving endpoint, an endpoint's old port,
+    /// or no DNAT at all); for TCP, nothing was DNATed and nothing answered.
     pub fn is_stale(&self, flow: &ConntrackFlow) -> bool {
-        if flow.protocol != Protocol::Udp.number() {
-            return false;
-        }
-        let not_serving =
-            |endpoints: &Arc<BTreeSet<SocketAddr>>| !endpoints.contains(&flow.reply_source);
-        self.by_frontend
-            .get(&flow.original_destination)
-            .is_some_and(not_serving)
-            || self
-                .by_node_port
-                .get(&flow.original_destination.port())
+        let destination = flow.original_destination;
+        if flow.protocol == Protocol::Udp.number() {
+            let not_serving =
+                |endpoints: &Arc<BTreeSet<SocketAddr>>| !endpoints.contains(&flow.reply_source);
+            self.udp_by_frontend
+                .get(&destination)
                 .is_some_and(not_serving)
+                || self
+                    .udp_by_node_port
+                    .get(&destination.port())
+                    .is_some_and(not_serving)
+        } else if flow.protocol == Protocol::Tcp.number() {
+            !flow.replied
+                && flow.reply_source == destination
+                && (self.tcp_frontends.contains(&destination)
+                    || self.tcp_node_ports.contains(&destination.port()))
+        } else {
+            false
+        }
     }
 }
 
@@ -576,6 +612,8 @@ mod reconciler_tests {
             protocol,
             original_destination: SocketAddr::new(destination.into(), port),
             reply_source: SocketAddr::new(reply.into(), reply_port),
+            // kube-proxy's table is of answered entries.
+            replied: true,
         }
     }
 
@@ -584,7 +622,7 @@ mod reconciler_tests {
         state: &ProxyState,
         entries: &[ConntrackFlow],
     ) -> (BTreeSet<ConntrackFlow>, usize) {
-        let serving = ServingUdpEndpoints::of(state);
+        let serving = ServingEndpoints::of(state);
         let (stale, left): (Vec<&ConntrackFlow>, Vec<&ConntrackFlow>) =
             entries.iter().partition(|flow| serving.is_stale(flow));
         (left.into_iter().copied().collect(), stale.len())
@@ -660,7 +698,7 @@ mod reconciler_tests {
                 UDP,
             ),
         ];
-        assert!(ServingUdpEndpoints::of(&state).is_empty());
+        assert!(!ServingEndpoints::of(&state).has_udp());
         assert_eq!(reconcile(&state, &entries).1, 0);
         // Only non-serving endpoints count as none.
         let mut state = self::state();
@@ -746,11 +784,55 @@ mod reconciler_tests {
             protocol: UDP,
             original_destination: destination.parse().unwrap(),
             reply_source: reply.parse().unwrap(),
+            replied: true,
         };
-        let serving = ServingUdpEndpoints::of(&state);
+        let serving = ServingEndpoints::of(&state);
         assert!(!serving.is_stale(&v6("[fd00:10:96::a]:8000", "[fd00:10:244:1::5]:9090")));
         assert!(serving.is_stale(&v6("[fd00:10:96::a]:8000", "[fd00:10:244:1::6]:9090")));
         assert!(serving.is_stale(&v6("[fd00::1]:30053", "[fd00:10:244:1::6]:9090")));
         assert!(!serving.is_stale(&v6("[fd00::1]:30054", "[fd00:10:244:1::6]:9090")));
+    }
+
+    #[test]
+    fn a_tcp_entry_is_stale_only_as_a_black_hole_of_a_served_frontend() {
+        let state = state();
+        let serving = ServingEndpoints::of(&state);
+        assert!(serving.has_tcp());
+        let unanswered =
+            |destination: [u8; 4], port: u16, reply: [u8; 4], reply_port: u16| ConntrackFlow {
+                replied: false,
+                ..flow(destination, port, reply, reply_port, TCP)
+            };
+        // Not DNATed, never answered: every Service IP of a Service port with serving
+        // endpoints.
+        for (destination, port) in [
+            (CLUSTER_IP, SERVICE_PORT),
+            (EXTERNAL_IP, SERVICE_PORT),
+            (LOAD_BALANCER_IP, SERVICE_PORT),
+        ] {
+            assert!(
+                serving.is_stale(&unanswered(destination, port, destination, port)),
+                "{destination:?}:{port}"
+            );
+        }
+        // DNATed (even to an endpoint gone since), answered, to no Service port, or to the
+        // node port of the UDP and SCTP Service ports only: kept.
+        for kept in [
+            unanswered(CLUSTER_IP, SERVICE_PORT, DELETED_ENDPOINT, ENDPOINT_PORT),
+            unanswered(NODE_IP, NODE_PORT, NODE_IP, NODE_PORT),
+            flow(CLUSTER_IP, SERVICE_PORT, CLUSTER_IP, SERVICE_PORT, TCP),
+            unanswered(CLUSTER_IP, NON_SERVICE_PORT, CLUSTER_IP, NON_SERVICE_PORT),
+        ] {
+            assert!(!serving.is_stale(&kept), "{kept:?}");
+        }
+        // A Service port without serving endpoints: its black holes wait for its first.
+        let mut without = state.clone();
+        without.edit_endpoints(|_, endpoints| endpoints.clear());
+        assert!(!ServingEndpoints::of(&without).is_stale(&unanswered(
+            CLUSTER_IP,
+            SERVICE_PORT,
+            CLUSTER_IP,
+            SERVICE_PORT
+        )));
     }
 }

@@ -11,7 +11,7 @@
 //! - [`trace::trace`]: where a packet goes through that ruleset, and its fate;
 //! - [`health::health_check_services`]: the health-check node port servers and answers;
 //! - [`conntrack::stale_udp_deletions`]: UDP conntrack entries to delete after a change,
-//!   and [`conntrack::ServingUdpEndpoints`]: which entries of the kernel's table are stale
+//!   and [`conntrack::ServingEndpoints`]: which entries of the kernel's table are stale
 //!   (kube-proxy 1.32's periodic reconciler);
 //! - [`topology::choose_endpoints`]: which endpoints a Service port uses on this node
 //!   (kube-proxy's `CategorizeEndpoints`: readiness, topology hints, traffic policies);
