@@ -134,10 +134,11 @@ impl FamilyProxier {
         &mut self,
         tracker: &SharedTracker,
         settings: &NodeSettings,
-        full_check: bool,
+        reason: SyncReason,
         metrics: &Metrics,
         skipped: &mut Vec<convert::Skipped>,
     ) -> FamilySync {
+        let full_check = reason == SyncReason::FullCheck;
         self.follow_zone(settings.zone(), tracker);
         let mut changed = self.follow_service_cidrs(settings.service_cidrs_of(self.node.family));
         // The check's objects are taken under the same lock as the changes, so the full
@@ -170,7 +171,18 @@ impl FamilyProxier {
             }
             conntrack::clear_stale(&changes.previous, &changes.current, self.node.family).await;
             // From what the rules now hold: every change taken from the tracker is applied.
-            let serving = ServingEndpoints::of(change_tracker::lock(tracker).state());
+            // TCP black holes come only from rules that were missing, so an idle node's
+            // periodic sync does not look for them: a change, a repair (a change sync) or
+            // a start does.
+            let serving = {
+                let tracker = change_tracker::lock(tracker);
+                match reason {
+                    SyncReason::Period => ServingEndpoints::udp_of(tracker.state()),
+                    SyncReason::Change | SyncReason::FullCheck => {
+                        ServingEndpoints::of(tracker.state())
+                    }
+                }
+            };
             conntrack::reconcile(serving, self.node.family, metrics).await;
         } else {
             self.unapplied = Some(changes);
@@ -566,7 +578,7 @@ impl Proxier {
                 continue;
             };
             let done = family
-                .sync(tracker, &settings, full_check, &self.metrics, &mut skipped)
+                .sync(tracker, &settings, reason, &self.metrics, &mut skipped)
                 .await;
             ports += done.ports;
             changed += done.changed;

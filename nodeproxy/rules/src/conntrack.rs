@@ -156,6 +156,14 @@ fn serving_endpoints(state: &ProxyState, name: &ServicePortName) -> BTreeSet<(Ip
         .collect()
 }
 
+/// Whether a Service port has an endpoint that serves (as [`serving_endpoints`] counts).
+fn has_serving_endpoint(state: &ProxyState, name: &ServicePortName) -> bool {
+    state
+        .endpoints()
+        .get(name)
+        .is_some_and(|endpoints| endpoints.iter().any(|ep| ep.serving))
+}
+
 /// The IPs the node DNATs for a Service port: cluster IP, external IPs, VIP-mode LB IPs.
 fn service_ips(service: &ServicePort) -> impl Iterator<Item = IpAddr> + '_ {
     let lb_ips = service
@@ -210,22 +218,32 @@ pub struct ServingEndpoints {
 }
 
 impl ServingEndpoints {
+    /// The UDP and TCP Service ports of `state`.
     pub fn of(state: &ProxyState) -> Self {
+        Self::of_protocols(state, true)
+    }
+
+    /// The UDP Service ports of `state` only: no TCP entry is judged stale.
+    pub fn udp_of(state: &ProxyState) -> Self {
+        Self::of_protocols(state, false)
+    }
+
+    fn of_protocols(state: &ProxyState, tcp: bool) -> Self {
         let mut serving = Self::default();
         for (name, service) in state.services() {
             if service.cluster_ip.is_none() {
                 continue;
             }
-            let endpoints: BTreeSet<SocketAddr> = serving_endpoints(state, name)
-                .into_iter()
-                .map(|(ip, port)| SocketAddr::new(ip, port))
-                .collect();
-            if endpoints.is_empty() {
-                continue;
-            }
             let frontends = service_ips(service).map(|ip| SocketAddr::new(ip, service.port));
             match service.protocol {
                 Protocol::Udp => {
+                    let endpoints: BTreeSet<SocketAddr> = serving_endpoints(state, name)
+                        .into_iter()
+                        .map(|(ip, port)| SocketAddr::new(ip, port))
+                        .collect();
+                    if endpoints.is_empty() {
+                        continue;
+                    }
                     let endpoints = Arc::new(endpoints);
                     for frontend in frontends {
                         serving
@@ -236,11 +254,11 @@ impl ServingEndpoints {
                         serving.udp_by_node_port.insert(node_port, endpoints);
                     }
                 }
-                Protocol::Tcp => {
+                Protocol::Tcp if tcp && has_serving_endpoint(state, name) => {
                     serving.tcp_frontends.extend(frontends);
                     serving.tcp_node_ports.extend(service.node_port);
                 }
-                Protocol::Sctp => {}
+                Protocol::Tcp | Protocol::Sctp => {}
             }
         }
         serving
@@ -798,6 +816,7 @@ mod reconciler_tests {
         let state = state();
         let serving = ServingEndpoints::of(&state);
         assert!(serving.has_tcp());
+        assert!(!ServingEndpoints::udp_of(&state).has_tcp());
         let unanswered =
             |destination: [u8; 4], port: u16, reply: [u8; 4], reply_port: u16| ConntrackFlow {
                 replied: false,
