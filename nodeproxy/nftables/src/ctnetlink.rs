@@ -177,34 +177,21 @@ impl Conntrack {
     /// protocol where it knows `CTA_FILTER` (from 5.8; a kernel that refuses it is asked
     /// again without, and the protocol is filtered here).
     pub fn list(&mut self, family: IpFamily, protocol: u8) -> Result<Listing, ConntrackError> {
-        self.list_filtered(family, protocol, false)
+        self.list_where(family, protocol, false)
     }
 
     /// The entries of `family` and `protocol` that nothing ever answered: as [`Self::list`],
-    /// and the kernel leaves out the answered ones where it filters by status (from 5.19;
-    /// an older kernel ignores the filter, and they are left out here).
+    /// and the kernel also leaves out the answered ones where it filters by status (from
+    /// 5.19; an older kernel ignores the filter, and they are left out here).
     pub fn list_unreplied(
         &mut self,
         family: IpFamily,
         protocol: u8,
     ) -> Result<Listing, ConntrackError> {
-        self.list_filtered(family, protocol, true)
+        self.list_where(family, protocol, true)
     }
 
-    fn list_filtered(
-        &mut self,
-        family: IpFamily,
-        protocol: u8,
-        unreplied: bool,
-    ) -> Result<Listing, ConntrackError> {
-        let mut listing = self.list_protocol(family, protocol, unreplied)?;
-        if unreplied {
-            listing.flows.retain(|flow| !flow.replied());
-        }
-        Ok(listing)
-    }
-
-    fn list_protocol(
+    fn list_where(
         &mut self,
         family: IpFamily,
         protocol: u8,
@@ -220,7 +207,7 @@ impl Conntrack {
                 listed => return listed,
             }
         }
-        self.dump(family, None, false).map(|mut listing| {
+        self.dump(family, None, unreplied).map(|mut listing| {
             listing.flows.retain(|flow| flow.protocol == protocol);
             listing
         })
@@ -260,6 +247,7 @@ impl Conntrack {
                         if let Some(flow) = flow.filter(|flow| {
                             IpFamily::of(flow.original.destination.ip()) == family
                                 && protocol.is_none_or(|p| p == flow.protocol)
+                                && !(unreplied && flow.replied())
                         }) {
                             listing.flows.push(flow);
                         }
