@@ -403,7 +403,7 @@ fn tcp_black_holes_of_a_serving_service_port_are_deleted_and_nothing_else() {
 
         let state = reference_state(vec![endpoint([10, 244, 1, 5], 80, "node-a")]);
         let done = reconcile_blocking(IpFamily::V4, &ServingEndpoints::of(&state)).unwrap();
-        // The answered entry is not listed: filtered by status (by the kernel from 5.19).
+        // The answered entry is not listed: filtered by status.
         assert_eq!(
             done,
             Reconciled {

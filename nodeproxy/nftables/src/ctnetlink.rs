@@ -181,8 +181,9 @@ impl Conntrack {
     }
 
     /// The entries of `family` and `protocol` that nothing ever answered: as [`Self::list`],
-    /// and the kernel also leaves out the answered ones where it filters by status (from
-    /// 5.19; an older kernel ignores the filter, and they are left out here).
+    /// and the kernel also leaves out the answered ones where it filters by status
+    /// (`CTA_STATUS_MASK`, in Linux 6.1 already; an older kernel ignores the filter, and
+    /// they are left out here).
     pub fn list_unreplied(
         &mut self,
         family: IpFamily,

@@ -202,19 +202,21 @@ pub struct ConntrackFlow {
 /// `serving`, so that UDP flows last as TCP connections do; a node port matches an entry
 /// whatever its original destination address.
 ///
-/// TCP: only the frontends. A SYN that reached the node before its rules (a Service port
-/// just given endpoints, a node proxy not yet synced, rules someone else flushed) leaves
-/// an entry without DNAT, and every later SYN of that source port (the client's own
-/// retransmissions, or a new connection that picks the port again) follows it, untranslated,
-/// for as long as SYNs keep coming (kubernetes#48719, #101607; kube-proxy leaves them).
-/// Such an entry never carried a connection (nothing answered through it), so deleting it
-/// breaks none; an answered or DNATed TCP entry is never judged stale here.
+/// TCP: the frontends of the Service IPs only. A SYN that reached the node before its
+/// rules (a Service port just given endpoints, a node proxy not yet synced, rules someone
+/// else flushed) leaves an entry without DNAT, and every later SYN of that source port
+/// (the client's own retransmissions, or a new connection that picks the port again)
+/// follows it, untranslated, for as long as SYNs keep coming (kubernetes#48719, #101607;
+/// kube-proxy leaves them). Such an entry never carried a connection (nothing answered
+/// through it), so deleting it breaks none; an answered or DNATed TCP entry is never
+/// judged stale here.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ServingEndpoints {
     udp_by_frontend: BTreeMap<SocketAddr, Arc<BTreeSet<SocketAddr>>>,
     udp_by_node_port: BTreeMap<u16, Arc<BTreeSet<SocketAddr>>>,
+    /// Not node ports: a SYN to a node port that meets no rules reaches the node's own
+    /// stack, which answers it (a reset), so its entry is no black hole.
     tcp_frontends: BTreeSet<SocketAddr>,
-    tcp_node_ports: BTreeSet<u16>,
 }
 
 impl ServingEndpoints {
@@ -256,7 +258,6 @@ impl ServingEndpoints {
                 }
                 Protocol::Tcp if tcp && has_serving_endpoint(state, name) => {
                     serving.tcp_frontends.extend(frontends);
-                    serving.tcp_node_ports.extend(service.node_port);
                 }
                 Protocol::Tcp | Protocol::Sctp => {}
             }
@@ -272,13 +273,14 @@ impl ServingEndpoints {
 
     /// Whether some TCP Service port has a serving endpoint (see [`Self::has_udp`]).
     pub fn has_tcp(&self) -> bool {
-        !self.tcp_frontends.is_empty() || !self.tcp_node_ports.is_empty()
+        !self.tcp_frontends.is_empty()
     }
 
-    /// True when `flow` is an entry to a Service IP and port, or to a node port, of a
-    /// Service port with serving endpoints, and is stale: for UDP, its reply source is
-    /// not a serving endpoint (a removed or non-serving endpoint, an endpoint's old port,
-    /// or no DNAT at all); for TCP, nothing was DNATed and nothing answered.
+    /// True when `flow` is stale: for UDP, an entry to a Service IP and port, or to a node
+    /// port, of a Service port with serving endpoints, whose reply source is not a serving
+    /// endpoint (a removed or non-serving endpoint, an endpoint's old port, or no DNAT at
+    /// all); for TCP, an entry to a Service IP and port of such a Service port that was not
+    /// DNATed and that nothing answered.
     pub fn is_stale(&self, flow: &ConntrackFlow) -> bool {
         let destination = flow.original_destination;
         if flow.protocol == Protocol::Udp.number() {
@@ -294,8 +296,7 @@ impl ServingEndpoints {
         } else if flow.protocol == Protocol::Tcp.number() {
             !flow.replied
                 && flow.reply_source == destination
-                && (self.tcp_frontends.contains(&destination)
-                    || self.tcp_node_ports.contains(&destination.port()))
+                && self.tcp_frontends.contains(&destination)
         } else {
             false
         }
@@ -834,8 +835,8 @@ mod reconciler_tests {
                 "{destination:?}:{port}"
             );
         }
-        // DNATed (even to an endpoint gone since), answered, to no Service port, or to the
-        // node port of the UDP and SCTP Service ports only: kept.
+        // DNATed (even to an endpoint gone since), answered, to no Service port, or to a
+        // node port (the node answers those itself): kept.
         for kept in [
             unanswered(CLUSTER_IP, SERVICE_PORT, DELETED_ENDPOINT, ENDPOINT_PORT),
             unanswered(NODE_IP, NODE_PORT, NODE_IP, NODE_PORT),
