@@ -996,8 +996,7 @@ fn a_node_leaving_and_joining_the_node_pool_under_traffic_fails_nothing_in_both_
             // The passthrough traffic ran across one leave (the second).
             let resets_allowed = usize::from(plan.mode == LbMode::Passthrough);
             assert!(
-                summary.failed() <= resets_allowed
-                    && summary.errors().keys().all(|error| is_reset(error)),
+                only_resets(summary.failed(), summary.errors().keys(), resets_allowed),
                 "{}",
                 summary.describe()
             );
@@ -1073,7 +1072,7 @@ async fn passes_node(
             .unwrap();
         let resets_allowed = usize::from(leaves && plan.mode == LbMode::Passthrough);
         assert!(
-            spread.failed <= resets_allowed && spread.errors.keys().all(|error| is_reset(error)),
+            only_resets(spread.failed, spread.errors.keys(), resets_allowed),
             "{spread:?}"
         );
         passed.push(spread.nodes_seen(lab.topology.nodes()).any(|n| n == node));
@@ -1081,8 +1080,16 @@ async fn passes_node(
     passed
 }
 
-/// A connection reset by its peer (ECONNRESET), the fate of an L3-balanced connection
-/// whose node left.
-fn is_reset(error: &str) -> bool {
-    error.contains("Connection reset by peer") || error.contains("os error 104")
+/// Whether `failed` requests with these `errors` are at most `allowed` connections reset
+/// by their peer (ECONNRESET), the fate of an L3-balanced connection whose node left.
+fn only_resets(
+    failed: usize,
+    mut errors: impl Iterator<Item = impl AsRef<str>>,
+    allowed: usize,
+) -> bool {
+    failed <= allowed
+        && errors.all(|error| {
+            let error = error.as_ref();
+            error.contains("Connection reset by peer") || error.contains("os error 104")
+        })
 }
