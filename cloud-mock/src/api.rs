@@ -21,7 +21,6 @@ use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use tandem_common::is_dns1123_label;
-use tokio::sync::{Notify, watch};
 
 use crate::error::ApiError;
 use crate::extract::{JsonBody, MAX_BODY_BYTES};
@@ -42,11 +41,6 @@ const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 pub struct AppState {
     pub store: Store,
     pub dataplane: DataPlane,
-    /// Wakes the lifecycle task after a committed change.
-    pub lifecycle_wake: Arc<Notify>,
-    /// Moves each time the lifecycle task changes a load balancer's state: what a held
-    /// read of a provisioning one waits on.
-    pub lifecycle_moved: watch::Sender<u64>,
     pub faults: Arc<Mutex<FaultState>>,
     pub metrics: Metrics,
     pub registry: Arc<Registry>,
@@ -386,20 +380,13 @@ fn answer(
 }
 
 /// [`answer`] for one load balancer, reading the node pool it names (as it is now).
-async fn answer_one(
-    state: &AppState,
-    stored: &StoredLoadBalancer,
-) -> Result<LoadBalancer, ApiError> {
-    let node_pool = match stored.spec.node_pool.clone() {
-        Some(name) => {
-            state
-                .store
-                .call(move |store| store.node_pool(&name))
-                .await?
-        }
-        None => None,
-    };
-    Ok(answer(state, stored, node_pool.as_ref()))
+fn answer_one(state: &AppState, stored: &StoredLoadBalancer) -> LoadBalancer {
+    let node_pool = stored
+        .spec
+        .node_pool
+        .as_ref()
+        .and_then(|name| state.store.node_pool(name));
+    answer(state, stored, node_pool.as_ref())
 }
 
 fn etag(version: u64) -> (header::HeaderName, String) {
@@ -468,7 +455,7 @@ async fn list_load_balancers(
     let Query(pairs) =
         query.map_err(|rejection| ApiError::bad_request("invalid-query", rejection.body_text()))?;
     let filter = parse_list_filter(&pairs)?;
-    let all = state.store.call(Store::snapshot).await?;
+    let all = state.store.snapshot();
     let items = all
         .load_balancers
         .iter()
@@ -557,26 +544,17 @@ async fn create_load_balancer(
     let now = now_ms();
     let created = state
         .store
-        .call(move |store| {
-            store.create(
-                &spec,
-                &placement,
-                load_balancer_id.as_deref(),
-                key.as_deref(),
-                now,
-            )
-        })
+        .create(spec, placement, load_balancer_id, key, now)
         .await?;
     let lb = created.load_balancer;
     if created.is_new {
         tracing::info!(lb = %lb.id, vips = ?lb.vips(), name = %lb.spec.name, "load balancer created");
-        state.lifecycle_wake.notify_one();
     }
     let location = format!("/v1/loadbalancers/{}", lb.id);
     let mut response = (
         StatusCode::CREATED,
         [etag(lb.version), (header::LOCATION, location)],
-        Json(answer_one(&state, &lb).await?),
+        Json(answer_one(&state, &lb)),
     )
         .into_response();
     if !created.is_new {
@@ -617,13 +595,11 @@ async fn get_load_balancer(
     }
     let deadline = tokio::time::Instant::now() + wait;
     // Subscribed before the first read, so a change between a read and the wait wakes it.
-    let mut moved = state.lifecycle_moved.subscribe();
+    let mut moved = state.store.subscribe();
     let lb = loop {
-        let lookup = id.clone();
         let lb = state
             .store
-            .call(move |store| store.get(&lookup))
-            .await?
+            .get(&id)
             .ok_or_else(|| ApiError::not_found(format!("load balancer {id} not found")))?;
         if lb.state != cloud_mock_sdk::State::Provisioning
             || tokio::time::Instant::now() >= deadline
@@ -631,14 +607,14 @@ async fn get_load_balancer(
             break lb;
         }
         match tokio::time::timeout_at(deadline, moved.changed()).await {
-            // The lifecycle moved something, or the wait is over: read again and answer
-            // if this one is done or out of time.
+            // The store changed, or the wait is over: read again and answer if this one
+            // is done or out of time.
             Ok(Ok(())) | Err(_) => {}
-            // The lifecycle task is gone (shutting down): answer as it is.
+            // The store is gone (shutting down): answer as it is.
             Ok(Err(_)) => break lb,
         }
     };
-    Ok(([etag(lb.version)], Json(answer_one(&state, &lb).await?)).into_response())
+    Ok(([etag(lb.version)], Json(answer_one(&state, &lb))).into_response())
 }
 
 async fn update_load_balancer(
@@ -651,16 +627,12 @@ async fn update_load_balancer(
     let version = if_match_version(&headers)?;
     let placement = validate_spec(&spec, state.store.pools())?;
     validate_served(&spec, state.dataplane.proxies_udp())?;
-    let lb = state
-        .store
-        .call(move |store| store.update(&id, &spec, &placement, version))
-        .await?;
-    let response = ([etag(lb.version)], Json(answer_one(&state, &lb).await?)).into_response();
+    let lb = state.store.update(id, spec, placement, version).await?;
+    let response = ([etag(lb.version)], Json(answer_one(&state, &lb))).into_response();
     if lb.version == version {
         return Ok(response);
     }
     tracing::info!(lb = %lb.id, version = lb.version, "load balancer updated");
-    state.lifecycle_wake.notify_one();
     Ok(committed(response))
 }
 
@@ -670,30 +642,26 @@ async fn delete_load_balancer(
 ) -> Result<Response, ApiError> {
     let id = path_id(path)?;
     let now = now_ms();
-    let deleting = state
-        .store
-        .call(move |store| store.mark_deleting(&id, now))
-        .await?;
+    let deleting = state.store.mark_deleting(id, now).await?;
     Ok(match deleting {
         // Deleting one already being deleted commits nothing.
         Some(Transition {
             load_balancer: lb,
             changed: false,
-        }) => (StatusCode::ACCEPTED, Json(answer_one(&state, &lb).await?)).into_response(),
+        }) => (StatusCode::ACCEPTED, Json(answer_one(&state, &lb))).into_response(),
         Some(Transition {
             load_balancer: lb,
             changed: true,
         }) => {
             tracing::info!(lb = %lb.id, "load balancer deleting");
-            state.lifecycle_wake.notify_one();
-            committed((StatusCode::ACCEPTED, Json(answer_one(&state, &lb).await?)).into_response())
+            committed((StatusCode::ACCEPTED, Json(answer_one(&state, &lb))).into_response())
         }
         None => StatusCode::NO_CONTENT.into_response(),
     })
 }
 
 async fn list_pools(State(state): State<AppState>) -> Result<Json<PoolList>, ApiError> {
-    let items = state.store.call(Store::pool_use).await?;
+    let items = state.store.pool_use();
     Ok(Json(PoolList { items }))
 }
 
@@ -704,7 +672,7 @@ async fn list_node_pools(
     let Query(pairs) =
         query.map_err(|rejection| ApiError::bad_request("invalid-query", rejection.body_text()))?;
     let filter = parse_list_filter(&pairs)?;
-    let all = state.store.call(Store::list_node_pools).await?;
+    let all = state.store.list_node_pools();
     let items = all
         .into_iter()
         .filter(|(pool, _)| passes(&filter, &pool.name, &pool.spec.tags))
@@ -718,11 +686,9 @@ async fn get_node_pool(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let name = path_id(path)?;
-    let lookup = name.clone();
     let (pool, load_balancers) = state
         .store
-        .call(move |store| store.get_node_pool(&lookup))
-        .await?
+        .get_node_pool(&name)
         .ok_or_else(|| ApiError::not_found(format!("node pool {name} not found")))?;
     let body: NodePool = node_pool_to_wire(&pool, load_balancers);
     Ok(([etag(pool.version)], Json(body)).into_response())
@@ -760,10 +726,7 @@ async fn write_node_pool(
     let name = path_id(path)?;
     let if_match = if_match(headers)?;
     validate_node_pool(&name, &spec)?;
-    let write = state
-        .store
-        .call(move |store| store.put_node_pool(&name, &spec, if_match))
-        .await?;
+    let write = state.store.put_node_pool(name, spec, if_match).await?;
     let pool = &write.node_pool;
     let (status, outcome) = match write.written {
         Written::Created => (StatusCode::CREATED, NodePoolWrite::Created),
@@ -787,10 +750,6 @@ async fn write_node_pool(
         load_balancers = write.load_balancers.len(),
         "node pool written"
     );
-    // One converge pass re-realises every load balancer on the pool.
-    if !write.load_balancers.is_empty() {
-        state.lifecycle_wake.notify_one();
-    }
     Ok((outcome, committed(response)))
 }
 
@@ -811,11 +770,7 @@ async fn remove_node_pool(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let name = path_id(path)?;
-    let lookup = name.clone();
-    let deleted = state
-        .store
-        .call(move |store| store.delete_node_pool(&lookup))
-        .await?;
+    let deleted = state.store.delete_node_pool(name.clone()).await?;
     if !deleted {
         return Err(ApiError::not_found(format!("node pool {name} not found")));
     }

@@ -10,6 +10,16 @@ pub use tandem_common::{GoDuration, LogFormat};
 
 use crate::pools::{PoolsError, VipPool, VipPools};
 use crate::server::{Settings, TlsFiles};
+use crate::store::etcd::EtcdTls;
+use crate::store::{EtcdSettings, StoreSettings};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StoreArg {
+    /// The embedded database in --data-dir: one edge.
+    Redb,
+    /// etcd (--etcd-endpoints): an edge cluster, every edge serving the same store.
+    Etcd,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DataPlaneArg {
@@ -23,16 +33,90 @@ pub enum DataPlaneArg {
     None,
 }
 
-/// Mock cloud: load-balancer REST API, embedded store and a real L4 data plane.
+/// `cloud-mock copy-store`: copies the embedded store of --data-dir into an empty etcd
+/// store, keeping ids, VIPs, versions and idempotency keys: how a single edge grows into
+/// an edge cluster. Stop the edge first.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "cloud-mock copy-store", version)]
+pub struct CopyStoreArgs {
+    /// The stopped edge's data directory.
+    #[arg(long, env = "CLOUD_MOCK_DATA_DIR")]
+    pub data_dir: PathBuf,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+}
+
+/// The word that selects [`CopyStoreArgs`] instead of the server's flags.
+pub const COPY_STORE: &str = "copy-store";
+
+/// How to reach etcd.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EtcdArgs {
+    /// Client URLs of the etcd members (comma-separated or repeated).
+    #[arg(long, env = "CLOUD_MOCK_ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// The key prefix of this edge cluster's store in etcd.
+    #[arg(long, env = "CLOUD_MOCK_ETCD_PREFIX", default_value = "/tandem-edge")]
+    pub etcd_prefix: String,
+    /// The PEM CA that signed the etcd members' certificates (for `https` endpoints).
+    #[arg(long, env = "CLOUD_MOCK_ETCD_CA_FILE")]
+    pub etcd_ca_file: Option<PathBuf>,
+    /// A client certificate for etcd's --client-cert-auth; needs --etcd-key-file.
+    #[arg(long, env = "CLOUD_MOCK_ETCD_CERT_FILE", requires_all = ["etcd_key_file", "etcd_ca_file"])]
+    pub etcd_cert_file: Option<PathBuf>,
+    #[arg(long, env = "CLOUD_MOCK_ETCD_KEY_FILE", requires = "etcd_cert_file")]
+    pub etcd_key_file: Option<PathBuf>,
+    /// An etcd user, when etcd's authentication is on; needs --etcd-password-file.
+    #[arg(long, env = "CLOUD_MOCK_ETCD_USER", requires = "etcd_password_file")]
+    pub etcd_user: Option<String>,
+    #[arg(long, env = "CLOUD_MOCK_ETCD_PASSWORD_FILE", requires = "etcd_user")]
+    pub etcd_password_file: Option<PathBuf>,
+    /// This edge's name in the edge cluster (its election and the writes it makes); the
+    /// host name when not given.
+    #[arg(long, env = "CLOUD_MOCK_EDGE_NAME")]
+    pub edge_name: Option<String>,
+}
+
+impl EtcdArgs {
+    pub fn settings(&self) -> EtcdSettings {
+        EtcdSettings {
+            endpoints: self.etcd_endpoints.clone(),
+            prefix: self.etcd_prefix.clone(),
+            tls: self.etcd_ca_file.clone().map(|ca_file| EtcdTls {
+                ca_file,
+                identity: self.etcd_cert_file.clone().zip(self.etcd_key_file.clone()),
+            }),
+            user: self.etcd_user.clone().zip(self.etcd_password_file.clone()),
+            edge_name: self.edge_name.clone().unwrap_or_else(host_name),
+        }
+    }
+}
+
+/// This host's name, as the kernel has it.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_owned())
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "edge".to_owned())
+}
+
+/// Mock cloud: load-balancer REST API, embedded store and a real L4 data plane. With
+/// `copy-store` first: see [`CopyStoreArgs`].
 #[derive(Debug, Clone, Parser)]
 #[command(name = "cloud-mock", version)]
 pub struct Args {
     /// Address of the REST API (port 0 picks a free one; the log says which).
     #[arg(long, env = "CLOUD_MOCK_LISTEN", default_value = "127.0.0.1:8780")]
     pub listen: SocketAddr,
-    /// Directory of the embedded database.
+    /// Directory of the embedded database (and of HAProxy's files).
     #[arg(long, env = "CLOUD_MOCK_DATA_DIR")]
     pub data_dir: PathBuf,
+    /// Where load balancers, VIPs and keys are kept.
+    #[arg(long, env = "CLOUD_MOCK_STORE", value_enum, default_value_t = StoreArg::Redb, requires_if("etcd", "etcd_endpoints"))]
+    pub store: StoreArg,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
     /// Bearer token clients must send.
     #[arg(long, env = "CLOUD_MOCK_TOKEN", hide_env_values = true)]
     pub token: String,
@@ -89,6 +173,10 @@ impl Args {
     pub fn settings(&self) -> Result<Settings, PoolsError> {
         Ok(Settings {
             data_dir: self.data_dir.clone(),
+            store: match self.store {
+                StoreArg::Redb => StoreSettings::Redb,
+                StoreArg::Etcd => StoreSettings::Etcd(self.etcd.settings()),
+            },
             token: self.token.clone(),
             vip_pools: VipPools::new(self.vip_pool.clone())?,
             provisioning_delay: self.provisioning_delay.into(),
@@ -123,6 +211,7 @@ mod tests {
     #[test]
     fn cli_definition_is_valid() {
         Args::command().debug_assert();
+        CopyStoreArgs::command().debug_assert();
     }
 
     #[test]
@@ -142,6 +231,7 @@ mod tests {
         ])
         .unwrap();
         let settings = args.settings().unwrap();
+        assert_eq!(settings.store, StoreSettings::Redb);
         assert_eq!(settings.provisioning_delay, Duration::from_millis(250));
         assert_eq!(settings.dataplane.mode, DataPlaneKind::None);
         assert_eq!(settings.vip_pools, "127.77.0.0/24".parse().unwrap());
@@ -213,5 +303,45 @@ mod tests {
             Err(PoolsError::Overlap { .. })
         ));
         assert!(parse(&["--vip-pool", "Bad=10.0.0.0/8"]).is_err());
+    }
+
+    #[test]
+    fn an_etcd_store_names_its_members_and_a_copy_needs_no_server_flags() {
+        let pool = ["--vip-pool", "127.77.0.0/24"];
+        assert!(
+            parse(&[&pool[..], &["--store", "etcd"]].concat()).is_err(),
+            "no endpoints"
+        );
+        let etcd = parse(
+            &[
+                &pool[..],
+                &[
+                    "--store",
+                    "etcd",
+                    "--etcd-endpoints",
+                    "http://127.0.0.1:2379,http://127.0.0.1:2381",
+                ],
+                &["--edge-name", "edge-1"],
+            ]
+            .concat(),
+        )
+        .unwrap()
+        .settings()
+        .unwrap();
+        let StoreSettings::Etcd(settings) = etcd.store else {
+            panic!("not etcd: {:?}", etcd.store);
+        };
+        assert_eq!(settings.endpoints.len(), 2);
+        assert_eq!(settings.prefix, "/tandem-edge");
+        assert_eq!(settings.edge_name, "edge-1");
+        let copy = CopyStoreArgs::try_parse_from([
+            "cloud-mock copy-store",
+            "--data-dir",
+            "/tmp/x",
+            "--etcd-endpoints",
+            "http://127.0.0.1:2379",
+        ])
+        .unwrap();
+        assert_eq!(copy.etcd.settings().endpoints, ["http://127.0.0.1:2379"]);
     }
 }

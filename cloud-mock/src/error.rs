@@ -38,6 +38,14 @@ impl ApiError {
     pub fn not_found(message: impl Into<String>) -> Self {
         Self::new(StatusCode::NOT_FOUND, "not-found", message)
     }
+
+    /// A 503 the client retries after a second: nothing was written.
+    fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            retry_after_secs: Some(1),
+            ..Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
+        }
+    }
 }
 
 impl From<SpecError> for ApiError {
@@ -112,6 +120,15 @@ impl From<StoreError> for ApiError {
                     "version-mismatch",
                     format!("{message}; read it again and retry"),
                 )
+            }
+            StoreError::Unavailable { .. } => {
+                tracing::warn!(error = %message, "write refused: the store is unavailable");
+                Self::unavailable("store-unavailable", message)
+            }
+            StoreError::Contended { .. } => Self::unavailable("store-contended", message),
+            StoreError::Poisoned { .. } | StoreError::Etcd(_) => {
+                tracing::error!(error = %message, "store failure");
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
             }
             StoreError::Open { .. }
             | StoreError::Database(_)

@@ -1,16 +1,18 @@
 //! The one background task that converges the world to the store: it hands the data plane
-//! every load balancer that is not being deleted (those on a node pool with its members), then moves provisioning ones to active
-//! (once realised and the provisioning delay passed) and removes deleting ones (once the
-//! delay passed). It runs at start-up, after every committed change, and when the next
-//! delay expires, so a restart resumes where the last run stopped.
+//! every load balancer that is not being deleted (those on a node pool with its members),
+//! then, on the edge that leads (every edge of its own store; one elected edge of an edge
+//! cluster), moves provisioning ones to active (once realised and the provisioning delay
+//! passed) and removes deleting ones (once the delay passed). It runs at start-up, after
+//! every change the store applies (this edge's or, on etcd, another's), when leadership
+//! moves and when the next delay expires, so a restart resumes where the last run
+//! stopped. Transitions are conditional in the store, so a former leader that still
+//! makes one changes nothing twice.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use cloud_mock_dataplane::{DataPlane, DataPlaneError};
 use cloud_mock_sdk::State;
-use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{Metrics, STATES};
@@ -78,34 +80,26 @@ pub struct Lifecycle {
     store: Store,
     dataplane: DataPlane,
     delay: Duration,
-    wake: Arc<Notify>,
-    /// Moved after every pass that changed a state (see `AppState::lifecycle_moved`).
-    moved: watch::Sender<u64>,
     metrics: Metrics,
 }
 
 impl Lifecycle {
-    pub fn new(
-        store: Store,
-        dataplane: DataPlane,
-        delay: Duration,
-        wake: Arc<Notify>,
-        moved: watch::Sender<u64>,
-        metrics: Metrics,
-    ) -> Self {
+    pub fn new(store: Store, dataplane: DataPlane, delay: Duration, metrics: Metrics) -> Self {
         Self {
             store,
             dataplane,
             delay,
-            wake,
-            moved,
             metrics,
         }
     }
 
     /// Runs until `cancel`, then shuts the data plane down.
     pub async fn run(self, cancel: CancellationToken) {
+        let mut changes = self.store.subscribe();
+        let mut leadership = self.store.leadership();
         loop {
+            changes.mark_unchanged();
+            leadership.mark_unchanged();
             let started = tokio::time::Instant::now();
             let converged = self.converge().await;
             let (wait, waited_on_data_plane) = match converged {
@@ -131,9 +125,11 @@ impl Lifecycle {
                     None => std::future::pending().await,
                 }
             };
+            // A sender gone (the store shutting down) leaves the other wakers.
             tokio::select! {
                 () = cancel.cancelled() => break,
-                () = self.wake.notified() => {}
+                Ok(()) = changes.changed() => {}
+                Ok(()) = leadership.changed() => {}
                 () = sleep => {}
             }
         }
@@ -142,7 +138,7 @@ impl Lifecycle {
 
     /// One pass.
     async fn converge(&self) -> Result<Pass, crate::store::StoreError> {
-        let snapshot = self.store.call(Store::snapshot).await?;
+        let snapshot = self.store.snapshot();
         let lbs = &snapshot.load_balancers;
         self.metrics.set_load_balancers(count_states(lbs));
         // LBs on a node pool get its members here: a pool change reaches every one of them
@@ -169,6 +165,12 @@ impl Lifecycle {
                 });
             }
         };
+        if !*self.store.leadership().borrow() {
+            return Ok(Pass {
+                wait: retry,
+                waited_on_data_plane,
+            });
+        }
         let now = now_ms();
         let plan = plan_transitions(lbs, now, self.delay, &unrealised);
         let changed = !plan.activate.is_empty() || !plan.remove.is_empty();
@@ -176,18 +178,13 @@ impl Lifecycle {
             for id in &plan.activate {
                 tracing::info!(lb = %id, "load balancer active");
             }
-            let ids = plan.activate;
-            self.store
-                .call(move |store| store.mark_active(&ids, now))
-                .await?;
+            self.store.mark_active(plan.activate, now).await?;
         }
         for id in plan.remove {
             tracing::info!(lb = %id, "load balancer deleted");
-            self.store.call(move |store| store.remove(&id)).await?;
+            self.store.remove(id).await?;
         }
         if changed {
-            self.moved
-                .send_modify(|moves| *moves = moves.wrapping_add(1));
             // Refresh the per-state gauge and hand the data plane the new set at once.
             return Ok(Pass {
                 wait: Some(Duration::ZERO),

@@ -62,7 +62,7 @@ impl FromStr for VipPool {
 }
 
 /// Every pool, by name and family; no two CIDRs overlap.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VipPools(BTreeMap<String, BTreeMap<IpFamily, IpNet>>);
 
 impl VipPools {

@@ -11,7 +11,6 @@ use cloud_mock_dataplane::{DataPlane, DataPlaneConfig};
 use prometheus_client::registry::Registry;
 use tandem_common::tls::{PlainHttp, TlsError, TlsListener};
 use tokio::net::TcpListener;
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{AppState, router};
@@ -19,12 +18,14 @@ use crate::faults::FaultState;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
 use crate::pools::VipPools;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, StoreSettings};
 
 /// Everything the server needs to start.
 #[derive(Debug, Clone)]
 pub struct Settings {
+    /// The data directory: the embedded store's file, HAProxy's configuration.
     pub data_dir: PathBuf,
+    pub store: StoreSettings,
     pub token: String,
     pub vip_pools: VipPools,
     pub provisioning_delay: Duration,
@@ -62,20 +63,23 @@ pub struct App {
 }
 
 impl App {
-    pub fn new(settings: &Settings) -> Result<Self, StoreError> {
-        let store = Store::open(&settings.data_dir, settings.vip_pools.clone())?;
+    /// Opens the store and builds the router; an etcd store is watched until `cancel`.
+    pub async fn new(settings: &Settings, cancel: CancellationToken) -> Result<Self, StoreError> {
+        let store = Store::open(
+            &settings.store,
+            &settings.data_dir,
+            settings.vip_pools.clone(),
+            cancel,
+        )
+        .await?;
         let dataplane = DataPlane::new(settings.dataplane.clone());
         let metrics = Metrics::default();
         let mut registry = Registry::default();
         metrics.register(&mut registry);
         dataplane.register_metrics(&mut registry);
-        let wake = Arc::new(Notify::new());
-        let (moved, _) = tokio::sync::watch::channel(0);
         let state = AppState {
             store: store.clone(),
             dataplane: dataplane.clone(),
-            lifecycle_wake: wake.clone(),
-            lifecycle_moved: moved.clone(),
             faults: Arc::new(Mutex::new(FaultState::new(Instant::now()))),
             metrics: metrics.clone(),
             registry: Arc::new(registry),
@@ -83,14 +87,7 @@ impl App {
         };
         Ok(Self {
             router: router(state),
-            lifecycle: Lifecycle::new(
-                store,
-                dataplane,
-                settings.provisioning_delay,
-                wake,
-                moved,
-                metrics,
-            ),
+            lifecycle: Lifecycle::new(store, dataplane, settings.provisioning_delay, metrics),
         })
     }
 }
@@ -123,7 +120,7 @@ pub async fn serve_on(
     let acceptor = tls
         .map(|files| tandem_common::tls::acceptor_from_pem_files(&files.cert_file, &files.key_file))
         .transpose()?;
-    let App { router, lifecycle } = App::new(settings)?;
+    let App { router, lifecycle } = App::new(settings, cancel.clone()).await?;
     let local = listener.local_addr().map_err(ServeError::Serve)?;
     let scheme = if acceptor.is_some() { "https" } else { "http" };
     tracing::info!(

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
+use cloud_mock::store::StoreSettings;
 use cloud_mock::{App, OPENAPI_YAML, Settings, openapi, routes};
 use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind};
 use http::{Method, Request, StatusCode, header};
@@ -26,7 +27,7 @@ struct TestApp {
 
 impl TestApp {
     /// An app on its own data dir and VIP pool, with its lifecycle task running.
-    fn start(pool: &str, provisioning_delay: Duration) -> Self {
+    async fn start(pool: &str, provisioning_delay: Duration) -> Self {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let data_dir = std::env::temp_dir().join(format!(
             "cloud-mock-api-{}-{}",
@@ -35,6 +36,7 @@ impl TestApp {
         ));
         let settings = Settings {
             data_dir: data_dir.clone(),
+            store: StoreSettings::Redb,
             token: TOKEN.into(),
             vip_pools: pool.parse().unwrap(),
             provisioning_delay,
@@ -43,8 +45,8 @@ impl TestApp {
                 ..DataPlaneConfig::default()
             },
         };
-        let App { router, lifecycle } = App::new(&settings).unwrap();
         let cancel = CancellationToken::new();
+        let App { router, lifecycle } = App::new(&settings, cancel.clone()).await.unwrap();
         tokio::spawn(lifecycle.run(cancel.clone()));
         Self {
             router,
@@ -141,7 +143,7 @@ async fn wait_for_state(app: &TestApp, id: &str, state: &str) -> Value {
 
 #[tokio::test]
 async fn create_get_list_update_delete_round_trip() {
-    let app = TestApp::start("127.77.0.0/28", Duration::from_millis(50));
+    let app = TestApp::start("127.77.0.0/28", Duration::from_millis(50)).await;
 
     let (status, headers, created) = app
         .send(request(
@@ -239,7 +241,7 @@ async fn create_get_list_update_delete_round_trip() {
 
 #[tokio::test]
 async fn create_with_the_same_idempotency_key_returns_the_same_load_balancer() {
-    let app = TestApp::start("127.77.0.16/28", Duration::ZERO);
+    let app = TestApp::start("127.77.0.16/28", Duration::ZERO).await;
     let key = [("idempotency-key", "svc-uid-1234")];
     let (status, _, first) = app
         .send(request(
@@ -278,7 +280,7 @@ async fn create_with_the_same_idempotency_key_returns_the_same_load_balancer() {
 
 #[tokio::test]
 async fn a_create_may_choose_its_id_once() {
-    let app = TestApp::start("127.77.9.0/28", Duration::ZERO);
+    let app = TestApp::start("127.77.9.0/28", Duration::ZERO).await;
     let create = |id: &str, key: &str| {
         request(
             Method::POST,
@@ -323,7 +325,7 @@ async fn a_create_may_choose_its_id_once() {
 
 #[tokio::test]
 async fn stale_update_is_rejected() {
-    let app = TestApp::start("127.77.0.32/28", Duration::ZERO);
+    let app = TestApp::start("127.77.0.32/28", Duration::ZERO).await;
     let (_, created) = app
         .call(Method::POST, "/v1/loadbalancers", Some(spec("a")))
         .await;
@@ -361,7 +363,7 @@ async fn stale_update_is_rejected() {
 
 #[tokio::test]
 async fn requested_vip_taken_is_a_conflict_and_outside_the_pool_is_rejected() {
-    let app = TestApp::start("127.77.0.48/28", Duration::ZERO);
+    let app = TestApp::start("127.77.0.48/28", Duration::ZERO).await;
     let mut wanted = spec("a");
     wanted["vip"] = json!("127.77.0.57");
     let (status, created) = app
@@ -393,7 +395,7 @@ async fn create(app: &TestApp, body: Value) -> (StatusCode, Value) {
 
 #[tokio::test]
 async fn named_pools_are_listed_chosen_and_refused_clearly() {
-    let app = TestApp::start("127.77.1.0/28,blue=127.77.2.0/30", Duration::ZERO);
+    let app = TestApp::start("127.77.1.0/28,blue=127.77.2.0/30", Duration::ZERO).await;
     let (status, pools) = app.call(Method::GET, "/v1/pools", None).await;
     assert_eq!(status, StatusCode::OK, "{pools}");
     assert_eq!(
@@ -475,7 +477,8 @@ async fn ip_families_get_a_vip_each_and_a_pool_without_one_is_refused() {
     let app = TestApp::start(
         "127.77.3.0/28,2001:db8:51:100::/120,v4only=127.77.4.0/30",
         Duration::ZERO,
-    );
+    )
+    .await;
     let (_, pools) = app.call(Method::GET, "/v1/pools", None).await;
     assert_eq!(
         pools["items"][1],
@@ -580,7 +583,7 @@ async fn ip_families_get_a_vip_each_and_a_pool_without_one_is_refused() {
 
 #[tokio::test]
 async fn the_sdk_sends_and_reads_both_views() {
-    let app = TestApp::start("127.77.5.0/28,2001:db8:51:100::/120", Duration::ZERO);
+    let app = TestApp::start("127.77.5.0/28,2001:db8:51:100::/120", Duration::ZERO).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let router = app.router.clone();
@@ -632,7 +635,7 @@ async fn the_sdk_sends_and_reads_both_views() {
 
 #[tokio::test]
 async fn a_sharing_key_shares_one_vip_between_disjoint_ports() {
-    let app = TestApp::start("127.77.3.0/28", Duration::ZERO);
+    let app = TestApp::start("127.77.3.0/28", Duration::ZERO).await;
     let mut web = spec("web");
     web["sharingKey"] = json!("edge");
     let (_, web) = create(&app, web).await;
@@ -691,7 +694,7 @@ async fn a_sharing_key_shares_one_vip_between_disjoint_ports() {
 
 #[tokio::test]
 async fn requests_without_the_token_are_unauthorized() {
-    let app = TestApp::start("127.77.0.64/28", Duration::ZERO);
+    let app = TestApp::start("127.77.0.64/28", Duration::ZERO).await;
     for (method, uri) in [
         (Method::GET, "/v1/loadbalancers"),
         (Method::GET, "/v1/loadbalancers/lb-00000000"),
@@ -721,7 +724,7 @@ async fn requests_without_the_token_are_unauthorized() {
 
 #[tokio::test]
 async fn junk_input_gets_a_clear_4xx() {
-    let app = TestApp::start("127.77.0.80/28", Duration::ZERO);
+    let app = TestApp::start("127.77.0.80/28", Duration::ZERO).await;
     let raw = |body: Vec<u8>| {
         Request::post("/v1/loadbalancers")
             .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
@@ -842,7 +845,7 @@ async fn junk_input_gets_a_clear_4xx() {
 
 #[tokio::test]
 async fn faults_inject_rate_limits_and_errors() {
-    let app = TestApp::start("127.77.0.96/28", Duration::ZERO);
+    let app = TestApp::start("127.77.0.96/28", Duration::ZERO).await;
     let (status, _) = app
         .call(
             Method::PUT,
@@ -885,7 +888,7 @@ async fn faults_inject_rate_limits_and_errors() {
 
 #[tokio::test]
 async fn metrics_count_requests_and_load_balancers_by_state() {
-    let app = TestApp::start("127.77.0.112/28", Duration::ZERO);
+    let app = TestApp::start("127.77.0.112/28", Duration::ZERO).await;
     let (_, created) = app
         .call(Method::POST, "/v1/loadbalancers", Some(spec("a")))
         .await;
@@ -925,7 +928,7 @@ async fn openapi_document_and_routes_match() {
     );
 
     // Every documented operation is really routed: neither the no-route fallback nor 405.
-    let app = TestApp::start("127.77.0.128/28", Duration::ZERO);
+    let app = TestApp::start("127.77.0.128/28", Duration::ZERO).await;
     for (path, method) in &documented {
         let uri = path
             .replace("{id}", "lb-00000000")
@@ -963,7 +966,7 @@ fn health_ips(lb: &Value) -> Vec<String> {
 
 #[tokio::test]
 async fn node_pools_round_trip_and_their_load_balancers_follow_them() {
-    let app = TestApp::start("127.77.0.144/28", Duration::ZERO);
+    let app = TestApp::start("127.77.0.144/28", Duration::ZERO).await;
     let members = json!({"tags": {"cluster": "c1"},
         "backends": [{"ip": "198.18.0.12"}, {"ip": "198.18.0.11"}, {"ip": "2001:db8:18::11"}]});
     let (status, headers, created) = app
@@ -1139,7 +1142,7 @@ async fn node_pools_round_trip_and_their_load_balancers_follow_them() {
 
 #[tokio::test]
 async fn node_pool_routes_take_the_injected_faults_and_a_lost_answer_is_retried_into_one_write() {
-    let app = TestApp::start("127.77.0.160/28", Duration::ZERO);
+    let app = TestApp::start("127.77.0.160/28", Duration::ZERO).await;
     let members = json!({"backends": [{"ip": "198.18.0.11"}]});
     app.call(
         Method::PUT,
@@ -1230,7 +1233,7 @@ async fn node_pool_routes_take_the_injected_faults_and_a_lost_answer_is_retried_
 #[tokio::test]
 async fn a_held_read_answers_when_provisioning_ends() {
     let delay = Duration::from_millis(400);
-    let app = TestApp::start("127.77.0.0/24", delay);
+    let app = TestApp::start("127.77.0.0/24", delay).await;
     let (status, created) = create(&app, spec("held")).await;
     assert_eq!(status, StatusCode::CREATED);
     let id = created["id"].as_str().unwrap();

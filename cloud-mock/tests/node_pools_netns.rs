@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
+use cloud_mock::store::StoreSettings;
 use cloud_mock::{App, Settings};
 use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind, HaproxySettings};
 use http::{Method, Request, StatusCode, header};
@@ -62,16 +63,17 @@ struct Edge {
 }
 
 impl Edge {
-    fn start(data_dir: &Path, dataplane: DataPlaneConfig) -> Self {
+    async fn start(data_dir: &Path, dataplane: DataPlaneConfig) -> Self {
         let settings = Settings {
             data_dir: data_dir.to_owned(),
+            store: StoreSettings::Redb,
             token: TOKEN.into(),
             vip_pools: "198.51.100.0/24".parse().unwrap(),
             provisioning_delay: Duration::ZERO,
             dataplane,
         };
-        let App { router, lifecycle } = App::new(&settings).unwrap();
         let cancel = CancellationToken::new();
+        let App { router, lifecycle } = App::new(&settings, cancel.clone()).await.unwrap();
         let lifecycle = tokio::spawn(lifecycle.run(cancel.clone()));
         Self {
             router,
@@ -216,7 +218,7 @@ fn own_proxy_a_pool_write_moves_every_lb_and_an_edge_restart_keeps_the_members()
             manage_vip_addresses: true,
             ..DataPlaneConfig::default()
         };
-        let edge = Edge::start(&data.0, proxy());
+        let edge = Edge::start(&data.0, proxy()).await;
         edge.put_pool(&[NODE_A]).await;
         let vips = edge.lbs_on_pool(3).await;
         wait_served_by(&vips, "a").await;
@@ -238,7 +240,7 @@ fn own_proxy_a_pool_write_moves_every_lb_and_an_edge_restart_keeps_the_members()
             tcp_hello(None, vips[0], 80).await.is_err(),
             "the edge is down"
         );
-        let edge = Edge::start(&data.0, proxy());
+        let edge = Edge::start(&data.0, proxy()).await;
         wait_served_by(&vips, "b").await;
         edge.stop().await;
     });
@@ -274,7 +276,8 @@ fn haproxy_a_pool_write_of_one_node_over_several_lbs_reloads_nothing() {
                 },
                 ..DataPlaneConfig::default()
             },
-        );
+        )
+        .await;
         const LBS: usize = 5;
         edge.put_pool(&[NODE_A]).await;
         let vips = edge.lbs_on_pool(LBS).await;

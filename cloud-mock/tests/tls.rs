@@ -72,6 +72,7 @@ impl Edge {
         std::fs::write(&tls.key_file, &pki.key_pem).unwrap();
         let settings = Settings {
             data_dir: dir.join("data"),
+            store: cloud_mock::store::StoreSettings::Redb,
             token: TOKEN.into(),
             vip_pools: "127.77.0.0/24".parse().unwrap(),
             provisioning_delay: Duration::ZERO,

@@ -203,6 +203,7 @@ impl Cloud {
         let token = "cloud-token".to_string();
         let settings = cloud_mock::Settings {
             data_dir: data_dir.to_path_buf(),
+            store: cloud_mock::store::StoreSettings::Redb,
             token: token.clone(),
             vip_pools: pools.parse().unwrap(),
             provisioning_delay: Duration::from_millis(300),
