@@ -275,6 +275,60 @@ async fn without_quorum_writes_fail_cleanly_and_nothing_acknowledged_is_lost() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_through_a_killed_etcd_leader_lose_nothing_and_make_nothing_twice() {
+    let mut cluster = EtcdCluster::start(3).await;
+    let cancel = CancellationToken::new();
+    let a = edge(cluster.endpoints(), "a", &cancel).await;
+    let b = edge(cluster.endpoints(), "b", &cancel).await;
+    const CREATES: usize = 40;
+    let mut tasks = tokio::task::JoinSet::new();
+    for n in 0..CREATES {
+        let store = if n % 2 == 0 { a.clone() } else { b.clone() };
+        // As the controller does: a refused create is sent again with its key.
+        tasks.spawn(async move {
+            let key = format!("key-{n}");
+            let mut refused = 0;
+            loop {
+                match create(&store, &format!("lb{n}"), Some(&key)).await {
+                    Ok(created) => return (key, created.load_balancer.id, refused),
+                    Err(StoreError::Unavailable { .. }) => refused += 1,
+                    Err(other) => panic!("{key}: {other}"),
+                }
+            }
+        });
+        if n == CREATES / 4 {
+            let leader = cluster.leader(0).await;
+            cluster.stop_member(leader);
+        }
+        if tasks.len() >= 4 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let mut made = std::collections::BTreeMap::new();
+    let mut refusals = 0;
+    while let Some(result) = tasks.join_next().await {
+        let (key, id, refused) = result.unwrap();
+        refusals += refused;
+        made.insert(key, id);
+    }
+    eventually(Duration::from_secs(10), "both edges converge", || {
+        ids(&a) == ids(&b)
+    })
+    .await;
+    let all = a.list();
+    assert_eq!(made.len(), CREATES);
+    assert_eq!(all.len(), CREATES, "one load balancer per key, none twice");
+    for lb in &all {
+        let key = lb.idempotency_key.as_ref().unwrap();
+        assert_eq!(made.get(key), Some(&lb.id), "the acknowledged one");
+    }
+    let vips: BTreeSet<IpAddr> = all.iter().flat_map(|lb| lb.vips()).collect();
+    assert_eq!(vips.len(), CREATES);
+    println!("creates refused while etcd elected a new leader: {refusals}");
+    cancel.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_edge_leads_and_another_takes_over_when_it_goes() {
     let cluster = EtcdCluster::start(3).await;
     let (cancel_a, cancel_b) = (CancellationToken::new(), CancellationToken::new());

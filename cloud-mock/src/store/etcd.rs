@@ -79,19 +79,9 @@ pub struct EtcdTls {
     pub identity: Option<(PathBuf, PathBuf)>,
 }
 
-/// How many times a request that could not be sent is tried again.
-const CONNECT_ATTEMPTS: u32 = 10;
-
-/// Whether `error` says that no connection was made, so that the request was never sent.
-fn is_connect_error(error: &etcd_client::Error) -> bool {
-    match error {
-        etcd_client::Error::GRpcStatus(status) => {
-            status.code() == tonic::Code::Unavailable && status.message().contains("connect error")
-        }
-        etcd_client::Error::TransportError(_) => true,
-        _ => false,
-    }
-}
+/// How long a write keeps trying to reach etcd before it is refused as unavailable:
+/// longer than an election of a new etcd leader takes (about a second by default).
+const SEND_BUDGET: Duration = Duration::from_secs(6);
 
 fn unavailable(err: etcd_client::Error) -> StoreError {
     StoreError::Unavailable {
@@ -339,9 +329,13 @@ impl EtcdBackend {
             if change.is_empty() {
                 return Ok(result);
             }
+            // The guard holds a value of this write's own: an answer lost with its
+            // commit (a member or the leader gone mid-request) is found in the guard
+            // when the write is sent again, instead of being decided and made twice.
+            let write_id = format!("{}/{:016x}", self.edge_name, rand::random::<u64>());
             let guard_key = self.keys.guard();
             let mut ops = self.keys.encode(&change)?;
-            ops.push(TxnOp::put(guard_key.clone(), self.edge_name.clone(), None));
+            ops.push(TxnOp::put(guard_key.clone(), write_id.clone(), None));
             let txn = EtcdTxn::new()
                 .when([Compare::mod_revision(
                     guard_key.clone(),
@@ -351,23 +345,25 @@ impl EtcdBackend {
                 .and_then(ops)
                 .or_else([TxnOp::get(guard_key, None)]);
             let response = self.send(txn).await?;
-            if response.succeeded() {
-                let revision = response.header().map_or(0, |header| header.revision());
+            let current_guard = response.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(get) => get.kvs().first().cloned(),
+                _ => None,
+            });
+            let committed = if response.succeeded() {
+                Some(response.header().map_or(0, |header| header.revision()))
+            } else {
+                current_guard
+                    .as_ref()
+                    .filter(|kv| kv.value() == write_id.as_bytes())
+                    .map(KeyValue::mod_revision)
+            };
+            if let Some(revision) = committed {
                 self.wait_applied(|applied| *applied >= revision).await;
                 return Ok(result);
             }
             // Another edge wrote first: wait until this copy has its write, then decide
             // again on it.
-            let newer = response
-                .op_responses()
-                .into_iter()
-                .find_map(|op| match op {
-                    TxnOpResponse::Get(get) => {
-                        Some(get.kvs().first().map_or(0, KeyValue::mod_revision))
-                    }
-                    _ => None,
-                })
-                .unwrap_or(0);
+            let newer = current_guard.as_ref().map_or(0, KeyValue::mod_revision);
             self.wait_applied(|_| shared.read().guard_revision >= newer)
                 .await;
         }
@@ -376,17 +372,19 @@ impl EtcdBackend {
         })
     }
 
-    /// Sends `txn`, again on another member while the one picked cannot be connected to
-    /// (a member that just came back, or one that is down: the client's balancer may pick
-    /// it until it has learnt so). Only a request that was never sent is sent again: one
-    /// that may have reached etcd is for the caller to retry.
+    /// Sends `txn` until etcd answers, within [`SEND_BUDGET`]: a member that cannot be
+    /// connected to (down, or just back and not yet known so by the client's balancer),
+    /// a leader being elected, a request cut off. Sending it again is safe: its compare
+    /// lets it commit at most once, and [`Self::write`] recognises its own commit.
     async fn send(&self, txn: EtcdTxn) -> Result<etcd_client::TxnResponse, StoreError> {
-        let mut attempts = 0;
+        let deadline = tokio::time::Instant::now() + SEND_BUDGET;
+        let mut backoff = RETRY_MIN;
         loop {
             match self.client.kv_client().txn(txn.clone()).await {
-                Err(error) if is_connect_error(&error) && attempts < CONNECT_ATTEMPTS => {
-                    attempts += 1;
-                    tokio::time::sleep(RETRY_MIN).await;
+                Err(error) if tokio::time::Instant::now() + backoff < deadline => {
+                    tracing::debug!(%error, "etcd did not answer the write; sending it again");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RETRY_MAX);
                 }
                 sent => return sent.map_err(unavailable),
             }

@@ -107,6 +107,25 @@ impl EtcdCluster {
             .collect()
     }
 
+    /// The index of the member that leads the cluster now, as member `asked` sees it.
+    pub async fn leader(&self, asked: usize) -> usize {
+        let mut client = Client::connect([&self.members[asked].client_url], None)
+            .await
+            .expect("a client of the member");
+        let leader = client.status().await.expect("its status").leader();
+        let members = client.member_list().await.expect("the members");
+        let name = members
+            .members()
+            .iter()
+            .find(|member| member.id() == leader)
+            .map(|member| member.name().to_owned())
+            .expect("the leader is a member");
+        self.members
+            .iter()
+            .position(|member| member.name == name)
+            .expect("a member of this cluster")
+    }
+
     /// Waits until a write through every running member succeeds.
     pub async fn wait_healthy(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
