@@ -1,6 +1,6 @@
 //! The pure address logic of the store, the same for every backend: where a new VIP is
 //! searched for, which load balancers may share one, and what a stored spec records of
-//! its placement. It reads the store through a [`Txn`] and never writes.
+//! its placement. It reads the store through [`Holdings`] and never writes.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -11,8 +11,19 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use super::StoreError;
-use super::txn::Txn;
+use crate::model::StoredLoadBalancer;
 use crate::pools::vip_in_pool;
+
+/// What the address logic reads of the store (a transaction's view of it).
+pub(crate) trait Holdings {
+    fn lb(&self, id: &str) -> Option<StoredLoadBalancer>;
+    /// The holders of `vip` (none: empty).
+    fn holders(&self, vip: IpAddr) -> VipHolders;
+    /// Every held VIP in `cidr` with its holders, lowest first.
+    fn held_in(&self, cidr: IpNet) -> Vec<(IpAddr, VipHolders)>;
+    /// The lowest free VIP of `cidr`.
+    fn first_free(&self, cidr: IpNet) -> Option<IpAddr>;
+}
 
 /// The load balancers on one VIP: one, or several with the same sharing key.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,7 +84,7 @@ pub(crate) fn assigned(spec: &LoadBalancerSpec, vips: &[IpAddr], pool: &str) -> 
 /// key already holds in the CIDR where it fits (as MetalLB shares), else the lowest free
 /// one. Each family shares on its own.
 pub(crate) fn place(
-    txn: &Txn<'_>,
+    txn: &impl Holdings,
     id: &str,
     spec: &LoadBalancerSpec,
     pool: &str,
@@ -103,7 +114,7 @@ pub(crate) fn place(
 /// [`check_sharing`] as a yes or no: a refusal means "look elsewhere", while a decoding
 /// error is no answer.
 pub(crate) fn may_share(
-    txn: &Txn<'_>,
+    txn: &impl Holdings,
     vip: IpAddr,
     sharers: &VipHolders,
     id: &str,
@@ -124,7 +135,7 @@ pub(crate) fn may_share(
 /// all of them carry the same sharing key, use the same mode and serve none of its
 /// (protocol, port) pairs.
 fn check_sharing(
-    txn: &Txn<'_>,
+    txn: &impl Holdings,
     vip: IpAddr,
     sharers: &VipHolders,
     id: &str,

@@ -4,14 +4,14 @@
 //! transitions, node pools) are written here once, for every backend, as pure functions
 //! of the state they read.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use cloud_mock_sdk::families::LoadBalancerSpec;
 use cloud_mock_sdk::{IpFamily, NodePoolSpec, State as LbState};
 use ipnet::IpNet;
 
-use super::address::{VipHolders, assigned, first_free_vip, may_share, new_id, place};
+use super::address::{Holdings, VipHolders, assigned, first_free_vip, may_share, new_id, place};
 use super::state::{Change, State};
 use super::{Created, NodePoolWrite, StoreError, Transition, Written};
 use crate::model::{StoredLoadBalancer, StoredNodePool};
@@ -23,6 +23,41 @@ pub(crate) struct Txn<'a> {
     base: &'a State,
     pools: &'a VipPools,
     change: Change,
+}
+
+impl Holdings for Txn<'_> {
+    fn lb(&self, id: &str) -> Option<StoredLoadBalancer> {
+        match self.change.load_balancers.get(id) {
+            Some(written) => written.clone(),
+            None => self.base.load_balancer(id).cloned(),
+        }
+    }
+
+    fn holders(&self, vip: IpAddr) -> VipHolders {
+        match self.change.holders.get(&vip) {
+            Some(written) => written.clone().unwrap_or_default(),
+            None => self.base.holders(vip).cloned().unwrap_or_default(),
+        }
+    }
+
+    fn held_in(&self, cidr: IpNet) -> Vec<(IpAddr, VipHolders)> {
+        let mut held: BTreeMap<IpAddr, VipHolders> = self
+            .base
+            .held_in(cidr)
+            .map(|(vip, holders)| (vip, holders.clone()))
+            .collect();
+        for (vip, written) in self.change.holders.range(cidr.network()..=cidr.broadcast()) {
+            match written.as_ref().filter(|h| !h.ids.is_empty()) {
+                Some(holders) => drop(held.insert(*vip, holders.clone())),
+                None => drop(held.remove(vip)),
+            }
+        }
+        held.into_iter().collect()
+    }
+
+    fn first_free(&self, cidr: IpNet) -> Option<IpAddr> {
+        first_free_vip(cidr, self.base.floor(cidr), |vip| self.is_held(vip))
+    }
 }
 
 impl<'a> Txn<'a> {
@@ -39,46 +74,11 @@ impl<'a> Txn<'a> {
         self.change
     }
 
-    pub fn lb(&self, id: &str) -> Option<StoredLoadBalancer> {
-        match self.change.load_balancers.get(id) {
-            Some(written) => written.clone(),
-            None => self.base.load_balancer(id).cloned(),
-        }
-    }
-
-    pub fn holders(&self, vip: IpAddr) -> VipHolders {
-        match self.change.holders.get(&vip) {
-            Some(written) => written.clone().unwrap_or_default(),
-            None => self.base.holders(vip).cloned().unwrap_or_default(),
-        }
-    }
-
     fn is_held(&self, vip: IpAddr) -> bool {
         match self.change.holders.get(&vip) {
             Some(written) => written.as_ref().is_some_and(|h| !h.ids.is_empty()),
             None => self.base.holders(vip).is_some(),
         }
-    }
-
-    /// Every held VIP in `cidr` with its holders, lowest first.
-    pub fn held_in(&self, cidr: IpNet) -> Vec<(IpAddr, VipHolders)> {
-        let mut held: std::collections::BTreeMap<IpAddr, VipHolders> = self
-            .base
-            .held_in(cidr)
-            .map(|(vip, holders)| (vip, holders.clone()))
-            .collect();
-        for (vip, written) in self.change.holders.range(cidr.network()..=cidr.broadcast()) {
-            match written.as_ref().filter(|h| !h.ids.is_empty()) {
-                Some(holders) => drop(held.insert(*vip, holders.clone())),
-                None => drop(held.remove(vip)),
-            }
-        }
-        held.into_iter().collect()
-    }
-
-    /// The lowest free VIP of `cidr`.
-    pub fn first_free(&self, cidr: IpNet) -> Option<IpAddr> {
-        first_free_vip(cidr, self.base.floor(cidr), |vip| self.is_held(vip))
     }
 
     fn idempotency_key(&self, key: &str) -> Option<String> {
