@@ -94,7 +94,7 @@ echo "=== release binaries (static, stripped)"
 CARGO_PROFILE_RELEASE_STRIP=symbols CARGO_PROFILE_RELEASE_DEBUG=false \
     RUSTFLAGS="-C target-feature=+crt-static" \
     cargo build --locked --release --target "$TARGET_TRIPLE" \
-    -p tandem-controller -p tandem-nodeproxy -p cloud-mock --bins
+    -p tandem-controller-bin -p tandem-nodeproxy -p cloud-mock --bins
 bin_dir=target/$TARGET_TRIPLE/release
 
 context=target/images/context

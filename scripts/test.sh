@@ -77,6 +77,9 @@ images_pid=$!
 
 step "cargo tests" cargo test --workspace --locked --no-fail-fast
 
+# No two files of a crate import each other in a circle (issue 45).
+step "no circles of files" python3 scripts/file-circles.py
+
 # The end-to-end data-path tests again with the node proxies in nftables mode (the run
 # above used the default, iptables): both LB modes, the source-range drop, a pod taking the
 # LB IP short-cut, externalTrafficPolicy Local, node failure, scaling, and dual-stack and
@@ -171,7 +174,7 @@ if [ -n "${TANDEM_K3S:-}" ]; then
     # conformance kit runs against that edge too.
     step "real cluster: controller end to end, dual-stack, HAProxy edge" \
         bash scripts/with-haproxy-edge.sh -- "$k3s" control-plane --ip-family dual -- \
-        cargo test -p tandem-controller --locked --test e2e --test conformance
+        cargo test -p tandem-controller-bin --locked --test e2e --test conformance
     # The lab's tests on a dual-stack k3s too: its dual-stack and IPv6 Services get their
     # families and cluster IPs from the real server; the others are IPv4, as a Service that
     # names no family is on a cluster whose first family is IPv4. The edge serves proxy

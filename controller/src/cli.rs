@@ -6,13 +6,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::builder::PossibleValuesParser;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 pub use tandem_common::LogFormat;
 
-use crate::mockcloud;
 use crate::provider::ClusterId;
-use crate::registry::{self, RegistryError};
+use crate::registry::{Providers, Registration};
 use crate::release::ReleaseArgs;
 use crate::runtime::{self, LeaderElection, RuntimeError, Settings};
 use crate::spec::{ClassFilter, WithoutNodePorts};
@@ -26,7 +25,7 @@ pub struct Args {
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
     /// The cloud provider, by its registered name.
-    #[arg(long, env = "TANDEM_CLOUD_PROVIDER", default_value = mockcloud::PROFILE.name, value_parser = PossibleValuesParser::new(registry::names()))]
+    #[arg(long, env = "TANDEM_CLOUD_PROVIDER")]
     pub cloud_provider: String,
     /// The provider's configuration file, in the provider's own format (docs/providers.md).
     #[arg(long, env = "TANDEM_CLOUD_CONFIG", conflicts_with_all = ["cloud_url", "cloud_token_file"])]
@@ -127,16 +126,13 @@ pub enum Command {
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     #[error(transparent)]
-    Registry(#[from] RegistryError),
-    #[error(transparent)]
     Runtime(#[from] RuntimeError),
     #[error(
-        "--cloud-url and --cloud-token-file configure the {} provider; give --cloud-provider {provider} its --cloud-config",
-        mockcloud::PROFILE.name
+        "--cloud-provider {provider} takes no --cloud-url and --cloud-token-file; give it its --cloud-config"
     )]
-    ShortcutOfAnotherProvider { provider: String },
+    NoUrlFlags { provider: &'static str },
     #[error("--cloud-url: {0}")]
-    Shortcut(#[from] mockcloud::ConfigError),
+    UrlFlags(#[source] crate::registry::ConfigError),
 }
 
 fn parse_pool_name(raw: &str) -> Result<String, String> {
@@ -151,6 +147,33 @@ fn parse_pool_name(raw: &str) -> Result<String, String> {
 }
 
 impl Args {
+    /// The command line of a binary that registers `providers`: `--cloud-provider` takes
+    /// their names, the first when the flag is not given.
+    pub fn command_for(providers: &Providers) -> clap::Command {
+        Self::command().mut_arg("cloud_provider", |arg| {
+            let arg = arg.value_parser(PossibleValuesParser::new(providers.names()));
+            match providers.default_name() {
+                Some(name) => arg.required(false).default_value(name),
+                None => arg,
+            }
+        })
+    }
+
+    /// The arguments of this process, for a binary that registers `providers` (exits on
+    /// a bad command line, with clap's message).
+    pub fn parse_for(providers: &Providers) -> Self {
+        Self::try_parse_for(providers, std::env::args_os()).unwrap_or_else(|error| error.exit())
+    }
+
+    pub fn try_parse_for<I, T>(providers: &Providers, args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let mut matches = Self::command_for(providers).try_get_matches_from(args)?;
+        Self::from_arg_matches_mut(&mut matches)
+    }
+
     pub fn identity(&self) -> String {
         self.identity
             .clone()
@@ -159,27 +182,33 @@ impl Args {
             .unwrap_or_else(|| format!("tandem-controller-{}", std::process::id()))
     }
 
-    /// The text of the provider's configuration: the `--cloud-config` file, or the file
+    /// The text of `provider`'s configuration: the `--cloud-config` file, or the text
     /// `--cloud-url` and `--cloud-token-file` stand for; `None` without either.
-    pub async fn cloud_config(&self) -> Result<Option<String>, CliError> {
+    pub async fn cloud_config(&self, provider: &Registration) -> Result<Option<String>, CliError> {
         if let Some(path) = &self.cloud_config {
             return Ok(Some(runtime::read_cloud_config(path).await?));
         }
         let (Some(url), Some(token_file)) = (&self.cloud_url, &self.cloud_token_file) else {
             return Ok(None);
         };
-        if self.cloud_provider != mockcloud::PROFILE.name {
-            return Err(CliError::ShortcutOfAnotherProvider {
-                provider: self.cloud_provider.clone(),
-            });
-        }
-        Ok(Some(mockcloud::Config::shortcut(url, token_file)?))
+        let from_url_flags = provider.from_url_flags.ok_or(CliError::NoUrlFlags {
+            provider: provider.profile.name,
+        })?;
+        from_url_flags(url, token_file)
+            .map(Some)
+            .map_err(CliError::UrlFlags)
     }
 
-    pub fn settings(&self, cloud_config: Option<String>) -> Result<Settings, CliError> {
+    /// The settings of a run with `provider` (the one `--cloud-provider` names) and its
+    /// configuration text.
+    pub fn settings(
+        &self,
+        provider: &'static Registration,
+        cloud_config: Option<String>,
+    ) -> Settings {
         let identity = self.identity();
-        let profile = registry::find(&self.cloud_provider)?.profile;
-        Ok(Settings {
+        let profile = provider.profile;
+        Settings {
             cluster_id: self.cluster_id.clone(),
             classes: ClassFilter {
                 class: self
@@ -190,7 +219,7 @@ impl Args {
             },
             without_node_ports: self.without_node_ports,
             default_pool: self.default_address_pool.clone(),
-            cloud_provider: self.cloud_provider.clone(),
+            cloud_provider: provider,
             cloud_config,
             cloud_timeout: Duration::from_secs(self.cloud_timeout_seconds.max(1)),
             cloud_rate_per_second: self.cloud_rate,
@@ -208,24 +237,57 @@ impl Args {
             gc_period: Duration::from_secs(self.gc_seconds.max(1)),
             node_debounce: Duration::from_millis(self.node_debounce_ms),
             identity,
-        })
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
-    use clap::CommandFactory;
+    use crate::fake;
+    use crate::registry::ConfigError;
+
+    fn url_and_token_file(url: &str, token_file: &Path) -> Result<String, ConfigError> {
+        Ok(format!("{url} {}", token_file.display()))
+    }
+
+    const OTHER: crate::provider::Profile = crate::provider::Profile {
+        name: "other",
+        annotation_prefix: "example.com/other-",
+        default_class: "example.com/other",
+    };
+    /// The fake taking the URL flags, as the mock cloud's provider does, and another that
+    /// takes its file alone.
+    const PROVIDERS: Providers = Providers::new(&[
+        Registration {
+            from_url_flags: Some(url_and_token_file),
+            ..fake::REGISTRATION
+        },
+        Registration {
+            profile: &OTHER,
+            ..fake::REGISTRATION
+        },
+    ]);
+
+    fn registered(name: &str) -> &'static Registration {
+        PROVIDERS.find(name).unwrap()
+    }
+
+    fn parse<'a>(args: impl IntoIterator<Item = &'a str>) -> Result<Args, clap::Error> {
+        Args::try_parse_for(&PROVIDERS, std::iter::once("tandem-controller").chain(args))
+    }
 
     #[test]
     fn cli_definition_is_valid() {
-        Args::command().debug_assert();
+        Args::command_for(&PROVIDERS).debug_assert();
+        Args::command_for(&Providers::new(&[])).debug_assert();
     }
 
     #[test]
     fn flags_parse_into_settings() {
-        let args = Args::try_parse_from([
-            "tandem-controller",
+        let args = parse([
             "--kubeconfig",
             "/tmp/kc",
             "--cloud-url",
@@ -243,9 +305,10 @@ mod tests {
             "json",
         ])
         .unwrap();
-        let settings = args.settings(Some("{}".into())).unwrap();
-        assert_eq!(settings.cloud_provider, "mockcloud");
-        assert_eq!(settings.classes.class, "tandem.io/mockcloud");
+        assert_eq!(args.cloud_provider, "fake", "the first registered");
+        let settings = args.settings(registered("fake"), Some("{}".into()));
+        assert_eq!(settings.cloud_provider.profile.name, "fake");
+        assert_eq!(settings.classes.class, "tandem.io/fake");
         assert_eq!(settings.cluster_id.as_str(), "lab");
         assert_eq!(settings.concurrency, 3);
         assert_eq!(settings.leader_election.unwrap().identity, "a");
@@ -256,24 +319,25 @@ mod tests {
 
     #[test]
     fn provider_flags() {
-        let parse = |extra: &[&str]| {
-            Args::try_parse_from(
-                ["tandem-controller", "--cluster-id", "c"]
-                    .iter()
-                    .chain(extra)
-                    .copied(),
-            )
-        };
-        let args = parse(&["--cloud-provider", "mockcloud", "--cloud-config", "/c.json"]).unwrap();
-        assert_eq!(
-            args.cloud_config.as_deref(),
-            Some(std::path::Path::new("/c.json"))
-        );
-        assert!(parse(&["--cloud-provider", "nope"]).is_err());
+        let args = parse([
+            "--cluster-id",
+            "c",
+            "--cloud-provider",
+            "other",
+            "--cloud-config",
+            "/c.json",
+        ])
+        .unwrap();
+        assert_eq!(args.cloud_provider, "other");
+        assert_eq!(args.cloud_config.as_deref(), Some(Path::new("/c.json")));
+        // Only registered names.
+        assert!(parse(["--cluster-id", "c", "--cloud-provider", "nope"]).is_err());
         // The shortcut flags go together, and not with a file.
-        assert!(parse(&["--cloud-url", "http://x"]).is_err());
+        assert!(parse(["--cluster-id", "c", "--cloud-url", "http://x"]).is_err());
         assert!(
-            parse(&[
+            parse([
+                "--cluster-id",
+                "c",
                 "--cloud-config",
                 "/c",
                 "--cloud-url",
@@ -283,17 +347,25 @@ mod tests {
             ])
             .is_err()
         );
-        let class = parse(&["--load-balancer-class", "example.com/lb"]).unwrap();
+        let class = parse([
+            "--cluster-id",
+            "c",
+            "--load-balancer-class",
+            "example.com/lb",
+        ])
+        .unwrap();
         assert_eq!(
-            class.settings(None).unwrap().classes.class,
+            class.settings(registered("fake"), None).classes.class,
             "example.com/lb"
         );
+        // A binary that registers no provider must be told one.
+        let none = Providers::new(&[]);
+        assert!(Args::try_parse_for(&none, ["tandem-controller", "--cluster-id", "c"]).is_err());
     }
 
     #[tokio::test]
-    async fn the_url_flags_are_the_mock_clouds_config() {
-        let args = Args::try_parse_from([
-            "tandem-controller",
+    async fn the_url_flags_are_the_configuration_of_a_provider_that_takes_them() {
+        let args = parse([
             "--cluster-id",
             "c",
             "--cloud-url",
@@ -302,26 +374,26 @@ mod tests {
             "/t",
         ])
         .unwrap();
-        let text = args.cloud_config().await.unwrap().unwrap();
         assert_eq!(
-            mockcloud::Config::parse(&text).unwrap().url,
-            "http://127.0.0.1:1"
+            args.cloud_config(registered("fake"))
+                .await
+                .unwrap()
+                .as_deref(),
+            Some("http://127.0.0.1:1 /t")
         );
-        let none = Args::try_parse_from(["tandem-controller", "--cluster-id", "c"]).unwrap();
-        assert_eq!(none.cloud_config().await.unwrap(), None);
+        let refused = args.cloud_config(registered("other")).await;
+        assert!(
+            matches!(refused, Err(CliError::NoUrlFlags { provider: "other" })),
+            "{refused:?}"
+        );
+        let none = parse(["--cluster-id", "c"]).unwrap();
+        assert_eq!(none.cloud_config(registered("fake")).await.unwrap(), None);
     }
 
     #[test]
     fn bad_values_are_rejected() {
-        let base = [
-            "tandem-controller",
-            "--cloud-url",
-            "http://x",
-            "--cloud-token-file",
-            "/t",
-        ];
-        let with =
-            |extra: &[&str]| Args::try_parse_from(base.iter().chain(extra.iter()).copied()).is_ok();
+        let base = ["--cloud-url", "http://x", "--cloud-token-file", "/t"];
+        let with = |extra: &[&str]| parse(base.iter().chain(extra.iter()).copied()).is_ok();
         assert!(with(&["--cluster-id", "ok"]));
         assert!(!with(&["--cluster-id", "Not_OK"]));
         assert!(!with(&["--cluster-id", "ok", "--concurrency", "0"]));

@@ -23,10 +23,12 @@ use std::future::Future;
 use std::net::IpAddr;
 use std::time::Duration;
 
+use tandem_common::IpFamily;
+
 use crate::provider::{
     AddressRequest, ClusterId, DesiredLoadBalancer, DesiredNodePool, HealthCheck,
-    HealthCheckProtocol, IpFamily, Listener, LoadBalancerLookup, LoadBalancerMode,
-    LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer, Owner, Protocol, ProviderError,
+    HealthCheckProtocol, Listener, LoadBalancerLookup, LoadBalancerMode, LoadBalancerPhase,
+    LoadBalancerProvider, ObservedLoadBalancer, Owner, Protocol, ProviderError,
 };
 use crate::spec::HEALTHZ_PATH;
 
@@ -64,7 +66,7 @@ impl Kit {
                 uid: format!("00000000-0000-4000-8000-{uid:0>12}"),
             },
             mode: LoadBalancerMode::Proxy,
-            ip_families: vec![IpFamily::Ipv4],
+            ip_families: vec![IpFamily::V4],
             address: AddressRequest::default(),
             listeners: vec![Listener {
                 protocol: Protocol::Tcp,

@@ -10,17 +10,27 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use tandem_common::IpFamily;
+
 use crate::provider::{
-    AddressRefusal, Capabilities, ClusterId, DesiredLoadBalancer, DesiredNodePool, IpFamily,
+    AddressRefusal, Capabilities, ClusterId, DesiredLoadBalancer, DesiredNodePool,
     LoadBalancerLookup, LoadBalancerPhase, LoadBalancerProvider, ObservedLoadBalancer,
     ObservedNodePool, Operation, Profile, ProviderError,
 };
+use crate::registry::{DynProvider, Registration};
 
 /// The fake's own annotations and class, so tests prove nothing is fixed to the mock cloud's.
 pub const PROFILE: Profile = Profile {
     name: "fake",
     annotation_prefix: "fake.tandem.io/load-balancer-",
     default_class: "tandem.io/fake",
+};
+
+/// The fake as a binary registers a provider: a new, empty fake, whatever the configuration.
+pub const REGISTRATION: Registration = Registration {
+    profile: &PROFILE,
+    build: |_, _| Ok(DynProvider::new(FakeProvider::new(false))),
+    from_url_flags: None,
 };
 
 /// The pool of an LB that names none, as in the mock cloud.
@@ -226,7 +236,7 @@ impl State {
                 .backends
                 .iter()
                 .copied()
-                .filter(|ip| lb.ip_families.contains(&IpFamily::of(ip)))
+                .filter(|ip| lb.ip_families.contains(&IpFamily::of(*ip)))
                 .collect();
         }
         lb
@@ -275,10 +285,8 @@ impl State {
     fn fresh_vip(family: IpFamily, n: u32) -> IpAddr {
         let host = u8::try_from(n % 250).unwrap_or(0) + 1;
         match family {
-            IpFamily::Ipv4 => Ipv4Addr::new(198, 51, 100, host).into(),
-            IpFamily::Ipv6 => {
-                Ipv6Addr::new(0x2001, 0xdb8, 0x51, 0x100, 0, 0, 0, host.into()).into()
-            }
+            IpFamily::V4 => Ipv4Addr::new(198, 51, 100, host).into(),
+            IpFamily::V6 => Ipv6Addr::new(0x2001, 0xdb8, 0x51, 0x100, 0, 0, 0, host.into()).into(),
         }
     }
 
@@ -294,7 +302,12 @@ impl State {
                 desired
                     .address
                     .requested_of(*family)
-                    .or_else(|| current.iter().copied().find(|v| IpFamily::of(v) == *family))
+                    .or_else(|| {
+                        current
+                            .iter()
+                            .copied()
+                            .find(|v| IpFamily::of(*v) == *family)
+                    })
                     .unwrap_or_else(|| Self::fresh_vip(*family, n))
             })
             .collect()

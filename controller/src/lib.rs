@@ -1,10 +1,12 @@
 //! Cloud-provider LoadBalancer controller for Kubernetes Services.
 //!
 //! Decide: [`plan`] (the whole decision of a reconcile), [`spec`], [`nodes`], [`status`],
-//! [`triggers`] and [`ratelimit`] are pure functions of observed state. Do: [`mockcloud`]
-//! (the cloud edge, behind the [`provider::LoadBalancerProvider`] trait; `fake` is its
-//! in-memory double, built for tests only) and [`reconcile`], [`provisioning`], [`nodesync`],
-//! [`gc`], [`runtime`] (the Kubernetes edge and wiring).
+//! [`triggers`] and [`ratelimit`] are pure functions of observed state. Do: [`reconcile`],
+//! [`provisioning`], [`nodesync`], [`gc`], [`runtime`] (the Kubernetes edge and wiring).
+//! The cloud is behind the [`provider::LoadBalancerProvider`] trait: each provider is a
+//! crate of its own (the mock cloud's is `tandem-provider-mockcloud`), and the binary
+//! registers them ([`registry`]); this crate depends on none (`fake` is an in-memory one,
+//! built for tests only).
 
 pub mod cli;
 #[cfg(feature = "conformance")]
@@ -14,7 +16,6 @@ pub mod fake;
 pub mod gc;
 pub mod http;
 pub mod metrics;
-pub mod mockcloud;
 pub mod nodes;
 pub mod nodesync;
 pub mod plan;

@@ -7,9 +7,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::Node;
-use tandem_common::node_is_leaving;
-
-use crate::provider::IpFamily;
+use tandem_common::{IpFamily, node_is_leaving};
 
 pub const LABEL_EXCLUDE_FROM_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 
@@ -44,7 +42,7 @@ pub fn node_ip(node: &Node, family: IpFamily) -> Option<IpAddr> {
             .iter()
             .filter(|a| a.type_ == *kind)
             .filter_map(|a| a.address.parse::<IpAddr>().ok())
-            .find(|ip| IpFamily::of(ip) == family)
+            .find(|ip| IpFamily::of(*ip) == family)
     })
 }
 
@@ -54,7 +52,7 @@ pub fn eligible_backends<'a>(nodes: impl IntoIterator<Item = &'a Node>) -> BTree
     nodes
         .into_iter()
         .filter(|n| is_eligible(n))
-        .flat_map(|n| [IpFamily::Ipv4, IpFamily::Ipv6].map(|family| node_ip(n, family)))
+        .flat_map(|n| [IpFamily::V4, IpFamily::V6].map(|family| node_ip(n, family)))
         .flatten()
         .collect()
 }

@@ -16,6 +16,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Service;
 use kube::runtime::reflector::{ObjectRef, Store};
+use tandem_common::IpFamily;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -23,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use crate::nodes::{NodeSet, eligible_backends};
 use crate::plan::{Ownership, has_finalizer, ownership};
 use crate::provider::{
-    ClusterId, DesiredNodePool, IpFamily, LoadBalancerProvider, ObservedNodePool, ProviderError,
+    ClusterId, DesiredNodePool, LoadBalancerProvider, ObservedNodePool, ProviderError,
 };
 use crate::ratelimit::service_backoff;
 use crate::reconcile::{Context, ReconcileError, sync_service};
@@ -172,7 +173,7 @@ impl NodePoolKeeper {
 /// The families of `backends`: a family appearing or vanishing changes whether LBs of
 /// that family are available, which their Services report.
 fn families(backends: &BTreeSet<IpAddr>) -> BTreeSet<IpFamily> {
-    backends.iter().map(IpFamily::of).collect()
+    backends.iter().copied().map(IpFamily::of).collect()
 }
 
 /// The Services whose LBs follow the node set: ours to ensure, and already holding our

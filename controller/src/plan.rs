@@ -15,10 +15,11 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Service;
 use kube::ResourceExt;
 use serde_json::{Value, json};
+use tandem_common::IpFamily;
 
 use crate::provider::{
-    Capabilities, ClusterId, DesiredLoadBalancer, Drift, IpFamily, LoadBalancerLookup,
-    LoadBalancerPhase, ObservedLoadBalancer, ProviderError, Unsupported,
+    Capabilities, ClusterId, DesiredLoadBalancer, Drift, LoadBalancerLookup, LoadBalancerPhase,
+    ObservedLoadBalancer, ProviderError, Unsupported,
 };
 use crate::spec::{
     AnnotationKeys, ClassFilter, SpecError, is_being_deleted, is_load_balancer, owner_of,
@@ -652,7 +653,7 @@ impl Plan<'_> {
                 .vips
                 .iter()
                 .copied()
-                .filter(|vip| desired.ip_families.contains(&IpFamily::of(vip)))
+                .filter(|vip| desired.ip_families.contains(&IpFamily::of(*vip)))
                 .collect()),
             (_, vips) => vips,
         };

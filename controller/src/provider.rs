@@ -13,10 +13,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use ipnet::IpNet;
-
-/// An IP family as Kubernetes names it in `spec.ipFamilies` (`IPv4`, `IPv6`). The SDK's
-/// type: it carries no mock-cloud meaning, so every provider can speak it.
-pub use cloud_mock_sdk::IpFamily;
+use tandem_common::IpFamily;
 
 /// How the cloud delivers traffic to the nodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -159,12 +156,6 @@ pub struct Profile {
     pub default_class: &'static str,
 }
 
-impl Profile {
-    pub fn annotation_keys(&self) -> crate::spec::AnnotationKeys {
-        crate::spec::AnnotationKeys::with_prefix(self.annotation_prefix)
-    }
-}
-
 /// What a provider's load balancers can do. The controller checks every desired LB
 /// against them before any cloud call: a Service that needs what its provider lacks gets
 /// a condition and an Event that say so, never a lesser LB in silence.
@@ -217,7 +208,7 @@ impl Capabilities {
             Err(Unsupported::Mode(desired.mode))
         } else if !self.udp && !udp_ports.is_empty() {
             Err(Unsupported::Udp(udp_ports))
-        } else if !self.ipv6 && desired.ip_families.contains(&IpFamily::Ipv6) {
+        } else if !self.ipv6 && desired.ip_families.contains(&IpFamily::V6) {
             Err(Unsupported::Ipv6)
         } else {
             Ok(())
@@ -269,7 +260,7 @@ impl AddressRequest {
         self.requested
             .iter()
             .copied()
-            .find(|ip| IpFamily::of(ip) == family)
+            .find(|ip| IpFamily::of(*ip) == family)
     }
 }
 
@@ -305,7 +296,7 @@ impl DesiredLoadBalancer {
         self.ip_families
             .iter()
             .copied()
-            .filter(|family| !self.backends.iter().any(|ip| IpFamily::of(ip) == *family))
+            .filter(|family| !self.backends.iter().any(|ip| IpFamily::of(*ip) == *family))
             .collect()
     }
 }
@@ -425,7 +416,7 @@ impl ObservedLoadBalancer {
         self.vips
             .iter()
             .copied()
-            .find(|vip| IpFamily::of(vip) == family)
+            .find(|vip| IpFamily::of(*vip) == family)
     }
 
     /// The VIPs of `families`, in that order, or the first family that has none.
@@ -460,7 +451,7 @@ impl ObservedLoadBalancer {
             drift.push(Drift::SourceRanges);
         }
         let moved = desired.address.requested.iter().any(|requested| {
-            self.vip_of(IpFamily::of(requested))
+            self.vip_of(IpFamily::of(*requested))
                 .is_some_and(|vip| vip != *requested)
         });
         if moved {
@@ -848,7 +839,7 @@ pub(crate) mod tests {
         DesiredLoadBalancer {
             owner: owner(),
             mode: LoadBalancerMode::Proxy,
-            ip_families: vec![IpFamily::Ipv4],
+            ip_families: vec![IpFamily::V4],
             address: AddressRequest::default(),
             listeners: vec![listener(80), listener(443)],
             backends: BTreeSet::from([ip("198.18.0.11")]),
@@ -872,8 +863,8 @@ pub(crate) mod tests {
                 .iter()
                 .map(|family| {
                     d.address.requested_of(*family).unwrap_or(match family {
-                        IpFamily::Ipv4 => ip("198.51.100.7"),
-                        IpFamily::Ipv6 => ip("2001:db8:51:100::7"),
+                        IpFamily::V4 => ip("198.51.100.7"),
+                        IpFamily::V6 => ip("2001:db8:51:100::7"),
                     })
                 })
                 .collect(),
@@ -975,7 +966,7 @@ pub(crate) mod tests {
     #[test]
     fn families_drift_in_order_and_vips_per_family() {
         let mut dual = desired();
-        dual.ip_families = vec![IpFamily::Ipv6, IpFamily::Ipv4];
+        dual.ip_families = vec![IpFamily::V6, IpFamily::V4];
         dual.backends.insert(ip("2001:db8:18::11"));
         let o = observed_from(&dual);
         assert!(o.drift(&dual).is_empty());
@@ -993,7 +984,7 @@ pub(crate) mod tests {
         assert_eq!(o.drift(&reordered), vec![Drift::IpFamilies]);
         assert_eq!(
             observed_from(&desired()).vips_of(&dual.ip_families),
-            Err(IpFamily::Ipv6)
+            Err(IpFamily::V6)
         );
         // A request moves the VIP of its own family only.
         let mut moved = dual.clone();
@@ -1006,8 +997,8 @@ pub(crate) mod tests {
     #[test]
     fn families_without_backends() {
         let mut dual = desired();
-        dual.ip_families = vec![IpFamily::Ipv4, IpFamily::Ipv6];
-        assert_eq!(dual.families_without_backends(), vec![IpFamily::Ipv6]);
+        dual.ip_families = vec![IpFamily::V4, IpFamily::V6];
+        assert_eq!(dual.families_without_backends(), vec![IpFamily::V6]);
         dual.backends.insert(ip("2001:db8:18::11"));
         assert!(dual.families_without_backends().is_empty());
         dual.backends.clear();

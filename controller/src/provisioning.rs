@@ -1,11 +1,13 @@
 //! Provisioning LBs are waited out beside the reconciler, not in it. A reconcile that leaves
 //! an LB provisioning hands it here and frees its slot; one held read
-//! ([`LoadBalancerProvider::await_provisioned`]) waits until the LB is active; its answer
-//! becomes the next reconcile's observation of the cloud, and that reconcile starts at
-//! once. A create thus costs the create and this one read, and the Service has its
-//! ingress as soon as the LB serves, not at the next poll.
+//! ([`crate::provider::LoadBalancerProvider::await_provisioned`]) waits until the LB is
+//! active; its answer becomes the next reconcile's observation of the cloud, and that
+//! reconcile starts at once. A create thus costs the create and this one read, and the
+//! Service has its ingress as soon as the LB serves, not at the next poll. The reconciler
+//! hands over the read itself, so this module knows the held reads, not the reconciler.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -13,8 +15,7 @@ use k8s_openapi::api::core::v1::Service;
 use kube::runtime::reflector::ObjectRef;
 use tokio::sync::mpsc;
 
-use crate::provider::{LoadBalancerProvider, ObservedLoadBalancer, Owner};
-use crate::reconcile::Context;
+use crate::provider::{ObservedLoadBalancer, Owner, ProviderError};
 
 /// How long one read may be held; a provisioning LB still provisioning then is handed to
 /// a reconcile (which reports it in the Service's condition) and waited for again.
@@ -74,42 +75,40 @@ impl ProvisioningWaits {
         // The receiver goes only at shutdown.
         let _ = self.wake.send(svc);
     }
-}
 
-/// Waits out the provisioning of `lb`, `svc`'s LB, unless a wait for it runs already;
-/// `false` when none can (the provider cannot hold reads, or too many are held), so the
-/// caller polls.
-pub fn wait_out<P: LoadBalancerProvider>(
-    ctx: &Arc<Context<P>>,
-    svc: ObjectRef<Service>,
-    lb: ObservedLoadBalancer,
-) -> bool {
-    if !ctx.provider.capabilities().waits_out_provisioning {
-        return false;
-    }
+    /// Runs `held_read`, the read of `svc`'s LB `lb_id` that the cloud holds until it is
+    /// active ([`crate::provider::LoadBalancerProvider::await_provisioned`] with
+    /// [`HELD_READ`]), beside the reconciler, unless one for it runs already; `false` when
+    /// too many are held, so the caller polls.
+    pub fn wait_out<R>(self: &Arc<Self>, svc: ObjectRef<Service>, lb_id: &str, held_read: R) -> bool
+    where
+        R: Future<Output = Result<Option<ObservedLoadBalancer>, ProviderError>> + Send + 'static,
     {
-        let mut state = ctx.provisioning.state();
-        if state.running.contains(&svc) {
-            return true;
-        }
-        if state.running.len() >= MAX_WAITS {
-            return false;
-        }
-        state.running.insert(svc.clone());
-    }
-    let ctx = ctx.clone();
-    tokio::spawn(async move {
-        let answer = match ctx.provider.await_provisioned(&lb, HELD_READ).await {
-            Ok(answer) => answer,
-            Err(error) => {
-                // The reconcile it starts reads the LB the usual way.
-                tracing::warn!(service = %svc, lb = %lb.id, %error, "waiting out provisioning failed");
-                None
+        {
+            let mut state = self.state();
+            if state.running.contains(&svc) {
+                return true;
             }
-        };
-        ctx.provisioning.answered(svc, answer);
-    });
-    true
+            if state.running.len() >= MAX_WAITS {
+                return false;
+            }
+            state.running.insert(svc.clone());
+        }
+        let waits = self.clone();
+        let lb_id = lb_id.to_owned();
+        tokio::spawn(async move {
+            let answer = match held_read.await {
+                Ok(answer) => answer,
+                Err(error) => {
+                    // The reconcile it starts reads the LB the usual way.
+                    tracing::warn!(service = %svc, lb = %lb_id, %error, "waiting out provisioning failed");
+                    None
+                }
+            };
+            waits.answered(svc, answer);
+        });
+        true
+    }
 }
 
 #[cfg(test)]

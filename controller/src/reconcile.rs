@@ -97,7 +97,7 @@ pub struct Context<P> {
     /// How long to wait before reading a provisioning LB again when its provisioning is
     /// not waited out ([`crate::provisioning`]), and a deleting one.
     pub provisioning_poll: Duration,
-    pub(crate) provisioning: ProvisioningWaits,
+    pub(crate) provisioning: Arc<ProvisioningWaits>,
     /// The ingress fields the API server keeps: guessed from its version, corrected by
     /// what each status write returns.
     ingress_fields: Mutex<IngressFields>,
@@ -123,7 +123,7 @@ impl<P: LoadBalancerProvider> Context<P> {
     ) -> Self {
         Self {
             client,
-            keys: provider.profile().annotation_keys(),
+            keys: AnnotationKeys::of(provider.profile()),
             node_pool: provider
                 .capabilities()
                 .node_pools
@@ -140,7 +140,7 @@ impl<P: LoadBalancerProvider> Context<P> {
             metrics,
             resync,
             provisioning_poll: Duration::from_secs(2),
-            provisioning: ProvisioningWaits::new(wake),
+            provisioning: Arc::new(ProvisioningWaits::new(wake)),
             ingress_fields: Mutex::new(ingress_fields),
             failures: Mutex::new(HashMap::new()),
         }
@@ -436,7 +436,7 @@ pub async fn reconcile<P: LoadBalancerProvider>(
     result.map(|next| match next {
         Next::Resync => Action::requeue(ctx.resync),
         Next::Provisioning(lb) => {
-            if provisioning::wait_out(&ctx, ObjectRef::from_obj(svc.as_ref()), *lb) {
+            if wait_out_provisioning(&ctx, ObjectRef::from_obj(svc.as_ref()), *lb) {
                 // The held read's answer starts the next reconcile; this is the backstop.
                 Action::requeue(provisioning::HELD_READ + ctx.provisioning_poll)
             } else {
@@ -445,6 +445,27 @@ pub async fn reconcile<P: LoadBalancerProvider>(
         }
         Next::Poll => Action::requeue(ctx.provisioning_poll),
         Next::AwaitChange => Action::await_change(),
+    })
+}
+
+/// Waits out the provisioning of `lb`, `svc`'s LB, with a read the cloud holds
+/// ([`crate::provisioning`]); `false` when it cannot (the provider holds no reads, or too
+/// many are held), so the caller polls.
+fn wait_out_provisioning<P: LoadBalancerProvider>(
+    ctx: &Arc<Context<P>>,
+    svc: ObjectRef<Service>,
+    lb: ObservedLoadBalancer,
+) -> bool {
+    if !ctx.provider.capabilities().waits_out_provisioning {
+        return false;
+    }
+    let id = lb.id.clone();
+    let reader = ctx.clone();
+    ctx.provisioning.wait_out(svc, &id, async move {
+        reader
+            .provider
+            .await_provisioned(&lb, provisioning::HELD_READ)
+            .await
     })
 }
 

@@ -1,11 +1,13 @@
-//! The providers, registered by name in one place. `--cloud-provider NAME` picks one and
-//! `--cloud-config FILE` hands it its own configuration, which it parses itself, as
-//! Kubernetes' cloud controllers do (`cloudprovider.RegisterCloudProvider`). Nothing else
-//! in the controller knows which cloud it talks to: adding a provider is its module plus
-//! one line in [`PROVIDERS`].
+//! The providers a binary runs with, registered by name. `--cloud-provider NAME` picks one
+//! and `--cloud-config FILE` hands it its own configuration, which it parses itself, as
+//! Kubernetes' cloud controllers do (`cloudprovider.RegisterCloudProvider`). The library
+//! knows no provider: each lives in a crate of its own and hands the binary a
+//! [`Registration`], and the binary lists them in its [`Providers`]. Adding a provider is
+//! its crate plus one line there.
 
 use std::fmt;
 use std::future::Future;
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,9 +18,6 @@ use crate::provider::{
     LoadBalancerProvider, ObservedLoadBalancer, ObservedNodePool, Profile, ProviderError,
 };
 use crate::ratelimit::SharedTokenBucket;
-
-/// Every provider the controller can run with.
-const PROVIDERS: &[Registration] = &[crate::mockcloud::REGISTRATION];
 
 /// What the controller gives every provider it builds: the one cloud-API token bucket
 /// (`--cloud-rate`, `--cloud-burst`), the cloud-call metrics, and the bound on one cloud
@@ -33,6 +32,9 @@ pub struct Shared {
 /// A provider's error about its configuration, in its own words.
 pub type ConfigError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The configuration text `--cloud-url URL --cloud-token-file FILE` stand for.
+pub type FromUrlFlags = fn(url: &str, token_file: &Path) -> Result<String, ConfigError>;
+
 /// One provider: its profile and how to build it.
 #[derive(Debug, Clone, Copy)]
 pub struct Registration {
@@ -40,45 +42,101 @@ pub struct Registration {
     /// Builds the provider from the text of its `--cloud-config` file (`None`: no file).
     /// Called once at start-up, off the async runtime, so it may read files it names.
     pub build: fn(config: Option<&str>, shared: Shared) -> Result<DynProvider, ConfigError>,
+    /// For a provider that takes `--cloud-url` and `--cloud-token-file`, the configuration
+    /// they stand for; `None`: it is configured by its file alone.
+    pub from_url_flags: Option<FromUrlFlags>,
+}
+
+impl Registration {
+    /// Builds the provider from its configuration text.
+    pub fn provider(
+        &self,
+        config: Option<&str>,
+        shared: Shared,
+    ) -> Result<DynProvider, RegistryError> {
+        (self.build)(config, shared).map_err(|source| RegistryError::Config {
+            provider: self.profile.name,
+            source,
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
-    #[error("no cloud provider {name:?}; known: {}", names().join(", "))]
-    Unknown { name: String },
+    #[error("no cloud provider {name:?}; known: {}", known.join(", "))]
+    Unknown {
+        name: String,
+        known: Vec<&'static str>,
+    },
     #[error("cloud provider {provider}: {source}")]
     Config {
         provider: &'static str,
         #[source]
         source: ConfigError,
     },
+    /// Two registrations would read the same Services: one name, annotation prefix or
+    /// default class for both.
+    #[error("cloud providers {first} and {second} have the same {what}")]
+    Clash {
+        first: &'static str,
+        second: &'static str,
+        what: &'static str,
+    },
 }
 
-/// The registered names, for `--cloud-provider`.
-pub fn names() -> Vec<&'static str> {
-    PROVIDERS.iter().map(|r| r.profile.name).collect()
-}
+/// The providers a binary registers, the first the default of `--cloud-provider`.
+#[derive(Debug, Clone, Copy)]
+pub struct Providers(&'static [Registration]);
 
-pub fn find(name: &str) -> Result<&'static Registration, RegistryError> {
-    PROVIDERS
-        .iter()
-        .find(|r| r.profile.name == name)
-        .ok_or_else(|| RegistryError::Unknown {
-            name: name.to_owned(),
-        })
-}
+impl Providers {
+    pub const fn new(registrations: &'static [Registration]) -> Self {
+        Self(registrations)
+    }
 
-/// Builds the provider `name` from its configuration text.
-pub fn build(
-    name: &str,
-    config: Option<&str>,
-    shared: Shared,
-) -> Result<DynProvider, RegistryError> {
-    let registration = find(name)?;
-    (registration.build)(config, shared).map_err(|source| RegistryError::Config {
-        provider: registration.profile.name,
-        source,
-    })
+    /// The registered names, for `--cloud-provider`.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.0.iter().map(|r| r.profile.name).collect()
+    }
+
+    /// The provider `--cloud-provider` means when it is not given.
+    pub fn default_name(&self) -> Option<&'static str> {
+        self.0.first().map(|r| r.profile.name)
+    }
+
+    pub fn find(&self, name: &str) -> Result<&'static Registration, RegistryError> {
+        self.0
+            .iter()
+            .find(|r| r.profile.name == name)
+            .ok_or_else(|| RegistryError::Unknown {
+                name: name.to_owned(),
+                known: self.names(),
+            })
+    }
+
+    /// Refuses two providers that share a name, an annotation prefix or a default class,
+    /// which would pick or serve one another's Services.
+    pub fn check(&self) -> Result<(), RegistryError> {
+        for (index, a) in self.0.iter().enumerate() {
+            for b in &self.0[index + 1..] {
+                let (a, b) = (a.profile, b.profile);
+                let what = if a.name == b.name {
+                    "name"
+                } else if a.annotation_prefix == b.annotation_prefix {
+                    "annotation prefix"
+                } else if a.default_class == b.default_class {
+                    "default loadBalancerClass"
+                } else {
+                    continue;
+                };
+                return Err(RegistryError::Clash {
+                    first: a.name,
+                    second: b.name,
+                    what,
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 type Answer<'a, T> = Pin<Box<dyn Future<Output = Result<T, ProviderError>> + Send + 'a>>;
@@ -302,27 +360,70 @@ impl LoadBalancerProvider for DynProvider {
 mod tests {
     use super::*;
 
-    #[test]
-    fn names_are_unique_and_found() {
-        let all = names();
-        for name in &all {
-            assert_eq!(all.iter().filter(|n| *n == name).count(), 1, "{name}");
-            assert_eq!(find(name).unwrap().profile.name, *name);
+    /// A registration of `profile` that is never built here.
+    const fn of(profile: &'static Profile) -> Registration {
+        Registration {
+            profile,
+            build: |_, _| Err("not built in these tests".into()),
+            from_url_flags: None,
         }
-        assert!(all.contains(&"mockcloud"));
-        let unknown = find("nope").unwrap_err().to_string();
-        assert!(unknown.contains("mockcloud"), "{unknown}");
+    }
+
+    const ONE: Profile = Profile {
+        name: "one",
+        annotation_prefix: "example.com/one-",
+        default_class: "example.com/one",
+    };
+
+    const OTHER: Profile = Profile {
+        name: "other",
+        annotation_prefix: "example.com/other-",
+        default_class: "example.com/other",
+    };
+
+    #[test]
+    fn names_are_found_and_the_first_is_the_default() {
+        static LIST: [Registration; 2] = [of(&ONE), of(&OTHER)];
+        let providers = Providers::new(&LIST);
+        assert_eq!(providers.names(), ["one", "other"]);
+        assert_eq!(providers.default_name(), Some("one"));
+        assert_eq!(providers.find("other").unwrap().profile.name, "other");
+        let unknown = providers.find("nope").unwrap_err().to_string();
+        assert_eq!(unknown, r#"no cloud provider "nope"; known: one, other"#);
+        providers.check().unwrap();
+        assert_eq!(Providers::new(&[]).default_name(), None);
     }
 
     #[test]
-    fn profiles_have_distinct_prefixes_and_classes() {
-        for a in PROVIDERS {
-            for b in PROVIDERS {
-                if a.profile.name != b.profile.name {
-                    assert_ne!(a.profile.annotation_prefix, b.profile.annotation_prefix);
-                    assert_ne!(a.profile.default_class, b.profile.default_class);
-                }
-            }
-        }
+    fn a_configuration_error_names_its_provider() {
+        let shared = Shared {
+            bucket: SharedTokenBucket::new(1.0, 1),
+            metrics: CloudMetrics::default(),
+            timeout: Duration::from_secs(1),
+        };
+        let error = of(&ONE).provider(None, shared).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "cloud provider one: not built in these tests"
+        );
+    }
+
+    #[test]
+    fn providers_that_would_share_services_are_refused() {
+        const SAME_CLASS: Profile = Profile {
+            name: "third",
+            annotation_prefix: "example.com/third-",
+            default_class: OTHER.default_class,
+        };
+        static CLASHING: [Registration; 3] = [of(&ONE), of(&OTHER), of(&SAME_CLASS)];
+        assert_eq!(
+            Providers::new(&CLASHING).check().unwrap_err().to_string(),
+            "cloud providers other and third have the same default loadBalancerClass"
+        );
+        static TWICE: [Registration; 2] = [of(&OTHER), of(&OTHER)];
+        assert!(matches!(
+            Providers::new(&TWICE).check(),
+            Err(RegistryError::Clash { what: "name", .. })
+        ));
     }
 }

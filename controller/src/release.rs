@@ -161,7 +161,7 @@ async fn release(
     let provider = runtime::cloud_provider(settings, CloudMetrics::default()).await?;
     let plan = plan(
         &services,
-        &provider.profile().annotation_keys(),
+        &AnnotationKeys::of(provider.profile()),
         &settings.classes,
         &settings.cluster_id,
         args.release_in_use,

@@ -30,9 +30,8 @@ use crate::nodesync::NodePoolKeeper;
 use crate::provider::{ClusterId, LoadBalancerProvider, ProviderError};
 use crate::ratelimit::SharedTokenBucket;
 use crate::reconcile::{Context, error_policy, reconcile};
-use crate::registry::{self, DynProvider, RegistryError};
-use crate::spec::AnnotationKeys;
-use crate::spec::{ClassFilter, WithoutNodePorts};
+use crate::registry::{self, DynProvider, Registration, RegistryError};
+use crate::spec::{AnnotationKeys, ClassFilter, WithoutNodePorts};
 use crate::status::IngressFields;
 use crate::triggers::{namespace_fingerprint, reensure_fingerprint};
 use crate::{gc, http, nodesync};
@@ -108,7 +107,7 @@ pub struct Settings {
     pub without_node_ports: WithoutNodePorts,
     pub default_pool: Option<String>,
     /// The registered provider to run with (`--cloud-provider`).
-    pub cloud_provider: String,
+    pub cloud_provider: &'static Registration,
     /// The text of its configuration (`--cloud-config`, or the flags that stand for it).
     pub cloud_config: Option<String>,
     pub cloud_timeout: Duration,
@@ -288,11 +287,11 @@ pub async fn cloud_provider(
         metrics,
         timeout: settings.cloud_timeout,
     };
-    let name = settings.cloud_provider.clone();
+    let registration = settings.cloud_provider;
     let config = settings.cloud_config.clone();
     // A provider may read the files its configuration names.
     let provider =
-        tokio::task::spawn_blocking(move || registry::build(&name, config.as_deref(), shared))
+        tokio::task::spawn_blocking(move || registration.provider(config.as_deref(), shared))
             .await
             .map_err(RuntimeError::ProviderTask)??;
     tracing::info!(provider = provider.profile().name, "cloud provider");
@@ -312,7 +311,7 @@ pub async fn run(
     let watch_cancel = cancel.child_token();
     let watches = Watches::start(
         &client,
-        &provider.profile().annotation_keys(),
+        &AnnotationKeys::of(provider.profile()),
         &watch_cancel,
     );
     Metrics::register_services(

@@ -10,11 +10,11 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Namespace, Service};
-use tandem_common::is_dns1123_label;
+use tandem_common::{IpFamily, is_dns1123_label};
 
 use crate::provider::{
-    AddressRequest, ClusterId, DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, IpFamily,
-    Listener, LoadBalancerMode, Owner, Protocol,
+    AddressRequest, ClusterId, DesiredLoadBalancer, HealthCheck, HealthCheckProtocol, Listener,
+    LoadBalancerMode, Owner, Profile, Protocol,
 };
 
 /// The annotation keys of one provider: its prefix (e.g.
@@ -39,6 +39,11 @@ pub struct AnnotationKeys {
 }
 
 impl AnnotationKeys {
+    /// The annotations a provider reads, under its prefix.
+    pub fn of(profile: &Profile) -> Self {
+        Self::with_prefix(profile.annotation_prefix)
+    }
+
     pub fn with_prefix(prefix: &str) -> Self {
         let key = |name: &str| format!("{prefix}{name}");
         Self {
@@ -513,13 +518,13 @@ pub fn ip_families(svc: &Service) -> Result<Vec<IpFamily>, SpecError> {
         .and_then(|s| s.ip_families.as_deref())
         .unwrap_or_default();
     if names.is_empty() {
-        return Ok(vec![IpFamily::Ipv4]);
+        return Ok(vec![IpFamily::V4]);
     }
     let families: Vec<IpFamily> = names
         .iter()
         .map(|name| match name.as_str() {
-            "IPv4" => Some(IpFamily::Ipv4),
-            "IPv6" => Some(IpFamily::Ipv6),
+            "IPv4" => Some(IpFamily::V4),
+            "IPv6" => Some(IpFamily::V6),
             _ => None,
         })
         .collect::<Option<_>>()
@@ -541,11 +546,11 @@ fn check_requested_families(
     match address
         .requested
         .iter()
-        .find(|ip| !families.contains(&IpFamily::of(ip)))
+        .find(|ip| !families.contains(&IpFamily::of(**ip)))
     {
         Some(ip) => Err(SpecError::RequestedFamilyNotInService {
             address: *ip,
-            family: IpFamily::of(ip),
+            family: IpFamily::of(*ip),
             families: families
                 .iter()
                 .map(IpFamily::to_string)
@@ -570,7 +575,7 @@ pub fn desired_load_balancer(
 ) -> Result<DesiredLoadBalancer, SpecError> {
     check_annotations(svc, keys)?;
     let ip_families = ip_families(svc)?;
-    let of_families = |ip: &IpAddr| ip_families.contains(&IpFamily::of(ip));
+    let of_families = |ip: &IpAddr| ip_families.contains(&IpFamily::of(*ip));
     let mode = parse_mode(svc, keys, without_node_ports)?;
     let check = health_check(svc, keys)?;
     let address = address_request(svc, keys, inherited_pool)?;
@@ -966,11 +971,11 @@ pub(crate) mod tests {
     fn ip_families_in_the_services_order_ipv4_when_unset() {
         let families = |svc: &Service| desired(svc).map(|d| d.ip_families);
         // A server before 1.20 sets no ipFamilies: its Services are IPv4.
-        assert_eq!(families(&service("s")), Ok(vec![IpFamily::Ipv4]));
+        assert_eq!(families(&service("s")), Ok(vec![IpFamily::V4]));
         for (names, want) in [
-            (vec!["IPv6"], vec![IpFamily::Ipv6]),
-            (vec!["IPv4", "IPv6"], vec![IpFamily::Ipv4, IpFamily::Ipv6]),
-            (vec!["IPv6", "IPv4"], vec![IpFamily::Ipv6, IpFamily::Ipv4]),
+            (vec!["IPv6"], vec![IpFamily::V6]),
+            (vec!["IPv4", "IPv6"], vec![IpFamily::V4, IpFamily::V6]),
+            (vec!["IPv6", "IPv4"], vec![IpFamily::V6, IpFamily::V4]),
         ] {
             assert_eq!(families(&with_families(service("s"), &names)), Ok(want));
         }
@@ -1040,17 +1045,17 @@ pub(crate) mod tests {
             desired(&dual_request),
             Err(SpecError::RequestedFamilyNotInService {
                 address: "2001:db8:51:100::9".parse().unwrap(),
-                family: IpFamily::Ipv6,
+                family: IpFamily::V6,
                 families: "IPv4".into()
             })
         );
         let dual = with_families(dual_request, &["IPv6", "IPv4"]);
         let address = desired(&dual).unwrap().address;
         assert_eq!(
-            address.requested_of(IpFamily::Ipv6),
+            address.requested_of(IpFamily::V6),
             Some("2001:db8:51:100::9".parse().unwrap())
         );
-        assert_eq!(address.requested_of(IpFamily::Ipv4), Some(v4(9)));
+        assert_eq!(address.requested_of(IpFamily::V4), Some(v4(9)));
         let mut v6_only = with_families(service("s"), &["IPv6"]);
         v6_only.spec.as_mut().unwrap().load_balancer_ip = Some("2001:db8:51:100::9".into());
         assert!(desired(&v6_only).is_ok());

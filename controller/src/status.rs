@@ -308,9 +308,10 @@ pub fn status_write(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::provider::{IpFamily, Listener, Owner};
+    use crate::provider::{Listener, Owner};
     use k8s_openapi::api::core::v1::{LoadBalancerStatus, ServiceStatus};
     use std::collections::BTreeSet;
+    use tandem_common::IpFamily;
 
     fn desired(mode: LoadBalancerMode) -> DesiredLoadBalancer {
         DesiredLoadBalancer {
@@ -321,7 +322,7 @@ pub(crate) mod tests {
                 uid: "u".into(),
             },
             mode,
-            ip_families: vec![IpFamily::Ipv4],
+            ip_families: vec![IpFamily::V4],
             address: Default::default(),
             listeners: vec![
                 Listener {
@@ -440,7 +441,7 @@ pub(crate) mod tests {
         let svc = crate::spec::tests::service("web");
         let v1_21 = IngressFields::of_minor(21);
         let mut dual = desired(LoadBalancerMode::Passthrough);
-        dual.ip_families = vec![IpFamily::Ipv6, IpFamily::Ipv4];
+        dual.ip_families = vec![IpFamily::V6, IpFamily::V4];
         let vips: Vec<IpAddr> = ["2001:db8:51:100::5", "198.51.100.5"]
             .iter()
             .map(|v| v.parse().unwrap())

@@ -22,12 +22,11 @@ use serde_json::json;
 use support::{
     DUAL_STACK_SERVICE_CIDRS, condition_reason, ingress_families, internal_ips, lb_service,
 };
+use tandem_common::IpFamily;
 use tandem_controller::fake::{Call, FakeProvider};
 use tandem_controller::metrics::Metrics;
 use tandem_controller::plan::FINALIZER;
-use tandem_controller::provider::{
-    AddressRefusal, Capabilities, IpFamily, Operation, ProviderError,
-};
+use tandem_controller::provider::{AddressRefusal, Capabilities, Operation, ProviderError};
 use tandem_controller::reconcile::{Context, reconcile};
 use tandem_controller::spec::{
     AnnotationKeys, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of,
@@ -37,7 +36,7 @@ use tandem_controller::status::IngressFields;
 const CLASS: &str = "tandem.io/fake";
 /// The fake provider's annotations.
 static KEYS: std::sync::LazyLock<AnnotationKeys> =
-    std::sync::LazyLock::new(|| tandem_controller::fake::PROFILE.annotation_keys());
+    std::sync::LazyLock::new(|| AnnotationKeys::of(&tandem_controller::fake::PROFILE));
 const CLUSTER: &str = "table";
 
 /// What the cloud holds before the reconcile.
@@ -488,14 +487,14 @@ fn rows() -> Vec<Row> {
         Row {
             edit: |s| s.spec.as_mut().unwrap().ip_families = Some(vec!["IPv6".into()]),
             ingress: &["IPv6"],
-            lb_families: Some(&[IpFamily::Ipv6]),
+            lb_families: Some(&[IpFamily::V6]),
             backends: Some(&["2001:db8:18::11"]),
             ..created("ipv6-only")
         },
         Row {
             edit: require_dual_stack,
             ingress: &["IPv4", "IPv6"],
-            lb_families: Some(&[IpFamily::Ipv4, IpFamily::Ipv6]),
+            lb_families: Some(&[IpFamily::V4, IpFamily::V6]),
             ..created("dual-stack-ipv4-first")
         },
         Row {
@@ -504,7 +503,7 @@ fn rows() -> Vec<Row> {
                 s.spec.as_mut().unwrap().ip_families = Some(vec!["IPv6".into(), "IPv4".into()]);
             },
             ingress: &["IPv6", "IPv4"],
-            lb_families: Some(&[IpFamily::Ipv6, IpFamily::Ipv4]),
+            lb_families: Some(&[IpFamily::V6, IpFamily::V4]),
             ..created("dual-stack-ipv6-first")
         },
         Row {
@@ -541,7 +540,7 @@ fn rows() -> Vec<Row> {
         },
         Row {
             edit: require_dual_stack,
-            default_pool_families: Some(&[IpFamily::Ipv4]),
+            default_pool_families: Some(&[IpFamily::V4]),
             fail: None,
             lb_families: Some(&[]),
             ..refused(
@@ -553,22 +552,22 @@ fn rows() -> Vec<Row> {
         Row {
             then: Some(|s| set_policy(s, "PreferDualStack")),
             ingress: &["IPv4", "IPv6"],
-            lb_families: Some(&[IpFamily::Ipv4, IpFamily::Ipv6]),
+            lb_families: Some(&[IpFamily::V4, IpFamily::V6]),
             ..updated("upgrade-to-dual-stack-updates-the-same-lb")
         },
         Row {
             edit: require_dual_stack,
             then: Some(|s| set_policy(s, "SingleStack")),
-            lb_families: Some(&[IpFamily::Ipv4]),
+            lb_families: Some(&[IpFamily::V4]),
             ..updated("downgrade-to-single-stack-updates-the-same-lb")
         },
         Row {
             then: Some(|s| set_policy(s, "PreferDualStack")),
-            default_pool_families: Some(&[IpFamily::Ipv4]),
+            default_pool_families: Some(&[IpFamily::V4]),
             ok: false,
             condition: Some("AddressPoolLacksFamily"),
             events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
-            lb_families: Some(&[IpFamily::Ipv4]),
+            lb_families: Some(&[IpFamily::V4]),
             ..updated("upgrade-refused-by-the-pool-keeps-the-ipv4-lb")
         },
         Row {

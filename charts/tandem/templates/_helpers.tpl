@@ -58,15 +58,24 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.cloud.existingSecret }}{{ .Values.cloud.existingSecretKey }}{{ else }}token{{ end }}
 {{- end }}
 
-{{/* The cloud API URL: explicit, or the bundled mock's Service. */}}
+{{/* The cloud API URL: explicit, or the bundled mock's Service when cloud.urls names no
+     edges either; empty when cloud.urls alone names them. */}}
 {{- define "tandem.cloudURL" -}}
 {{- if .Values.cloud.url }}
 {{- .Values.cloud.url }}
+{{- else if .Values.cloud.urls }}
 {{- else if .Values.cloudMock.enabled }}
 {{- printf "http://%s.%s.svc:%d" (include "tandem.componentName" (dict "root" . "component" "cloud-mock")) .Release.Namespace (int .Values.cloudMock.port) }}
 {{- else }}
-{{- fail "cloud.url is required unless cloudMock.enabled is true" }}
+{{- fail "cloud.url (or cloud.urls) is required unless cloudMock.enabled is true" }}
 {{- end }}
+{{- end }}
+
+{{/* Every edge the controller may call, in the order it tries them: the URL above, then
+     cloud.urls. */}}
+{{- define "tandem.cloudEdges" -}}
+{{- $url := include "tandem.cloudURL" . }}
+{{- join ", " (compact (prepend .Values.cloud.urls $url)) }}
 {{- end }}
 
 {{/* Container security context shared by the unprivileged components. */}}
@@ -121,10 +130,17 @@ localhostProfile: {{ required "seccompProfile.localhostProfile is required when 
 {{- define "tandem.cloudConfigFile" -}}/etc/tandem/cloud-config/cloud-config.json{{- end }}
 
 {{/* The provider's configuration file (`--cloud-config`), in the mockcloud provider's
-     format (controller/src/mockcloud/config.rs): the edge's URL, the token file and,
-     with cloud.caSecret, the CA that signed the edge's certificate. */}}
+     format (controller/mockcloud/src/config.rs): the edge's URL and, with cloud.urls, the
+     other edges of its API, the token file and, with cloud.caSecret, the CA that signed
+     the edges' certificates. */}}
 {{- define "tandem.cloudConfig" -}}
-{{- $config := dict "url" (include "tandem.cloudURL" .) "tokenFile" (printf "%s/%s" (include "tandem.cloudTokenDir" .) (include "tandem.cloudSecretKey" .)) }}
+{{- $config := dict "tokenFile" (printf "%s/%s" (include "tandem.cloudTokenDir" .) (include "tandem.cloudSecretKey" .)) }}
+{{- with include "tandem.cloudURL" . }}
+{{- $_ := set $config "url" . }}
+{{- end }}
+{{- with .Values.cloud.urls }}
+{{- $_ := set $config "urls" . }}
+{{- end }}
 {{- if .Values.cloud.caSecret }}
 {{- $_ := set $config "caFile" (printf "%s/ca.crt" (include "tandem.cloudCADir" .)) }}
 {{- end }}

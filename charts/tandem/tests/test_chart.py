@@ -327,6 +327,7 @@ def test_checkov_security_scan_passes(tmp_path):
         ({"clusterId": "Has Spaces"}, "clusterId"),
         ({"clusterId": "a-cluster-id-longer-than-24"}, "clusterId"),
         ({"cloud": {"url": "ftp://x"}}, "url"),
+        ({"cloud": {"urls": ["ftp://x"]}}, "urls"),
         ({"cloud": {"provider": "aws"}}, "provider"),
         ({"cloudMock": {"dataplane": "nginx"}}, "dataplane"),
         ({"controller": {"metricsPort": 70000}}, "metricsPort"),
@@ -341,7 +342,7 @@ def test_bad_values_are_rejected_with_a_clear_message(chart, values, message):
 def test_missing_cloud_settings_are_reported():
     with pytest.raises(helm.HelmError) as err:
         render({"cloudMock": {"enabled": False}})
-    assert "cloud.url is required" in str(err.value)
+    assert "cloud.url (or cloud.urls) is required" in str(err.value)
     with pytest.raises(helm.HelmError) as err:
         render({"cloudMock": {"enabled": False}, "cloud": {"url": "http://cloud:8080"}})
     assert "cloud.token or cloud.existingSecret is required" in str(err.value)
@@ -385,9 +386,9 @@ def flag(args, name):
 
 def documented_mockcloud_config():
     """The keys of the example file in the mockcloud provider's own documentation."""
-    source = (REPO / "controller/src/mockcloud/config.rs").read_text()
+    source = (REPO / "controller/mockcloud/src/config.rs").read_text()
     block = re.search(r"//! ```json\n//! (.*?)\n//! ```", source)
-    assert block, "controller/src/mockcloud/config.rs documents no JSON example"
+    assert block, "controller/mockcloud/src/config.rs documents no JSON example"
     return json.loads(block.group(1))
 
 
@@ -415,18 +416,34 @@ def test_controller_and_hook_read_the_provider_config_from_what_they_mount(name)
 
 
 def test_provider_config_is_the_mockcloud_providers_format():
-    """The same keys as the provider's own documented example, which its parser (serde,
-    deny_unknown_fields) is tested against; the URL the chart computes."""
+    """Keys of the provider's own documented example, which its parser (serde,
+    deny_unknown_fields) is tested against; the URLs the chart computes."""
     documented = documented_mockcloud_config()
     objects, _ = render(VALUE_SETS["production-cloud"])
     config = cloud_config(objects)
-    assert set(config) == set(documented), (config, documented)
+    assert set(config) == set(documented) - {"urls"}, (config, documented)
     assert config["url"] == "https://edge.example.net:8443"
     assert config["caFile"] == "/etc/tandem/cloud-ca/ca.crt"
     config = cloud_config(render()[0])
-    assert set(config) == set(documented) - {"caFile"}
+    assert set(config) == set(documented) - {"urls", "caFile"}
     assert config["url"] == "http://tandem-cloud-mock.tandem-system.svc:8080"
     assert config["tokenFile"] == "/etc/tandem/cloud/token"
+
+
+def test_several_edges_are_the_url_and_the_urls():
+    """An edge cluster: cloud.urls beside cloud.url, or alone; the NOTES name every edge."""
+    edges = ["https://edge2.example.net:8443", "https://edge3.example.net:8443"]
+    both = {"cloudMock": {"enabled": False},
+            "cloud": {"url": "https://edge1.example.net:8443", "urls": edges, "token": "t"}}
+    objects, manifests = render(both)
+    config = cloud_config(objects)
+    assert set(config) <= set(documented_mockcloud_config()), config
+    assert (config["url"], config["urls"]) == ("https://edge1.example.net:8443", edges)
+    notes = next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+    assert "on the edge at https://edge1.example.net:8443, https://edge2.example.net:8443, " in notes
+    alone = {"cloudMock": {"enabled": False}, "cloud": {"urls": edges, "token": "t"}}
+    config = cloud_config(render(alone)[0])
+    assert "url" not in config and config["urls"] == edges
     objects, _ = render()
     assert not [v for v in find(objects, "Deployment", "-controller")["spec"]["template"]["spec"]["volumes"]
                 if v["name"] == "cloud-ca"]

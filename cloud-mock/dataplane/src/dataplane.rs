@@ -14,7 +14,8 @@ use tracing::{info, warn};
 
 use crate::command::{IpCommand, add_address_args, already_gone, delete_address_args};
 use crate::config::{DataPlaneConfig, DataPlaneKind};
-use crate::error::{DataPlaneError, LbFailure, LbFailureReason};
+use crate::error::DataPlaneError;
+use crate::failure::{LbFailure, LbFailureReason};
 use crate::haproxy::{CheckTiming, Haproxy, proxies};
 use crate::health::{HealthTable, ProbeSettings, ProbeTarget, run_checker};
 use crate::metrics::Metrics;

@@ -23,6 +23,7 @@ mod command;
 mod config;
 mod dataplane;
 mod error;
+mod failure;
 mod haproxy;
 mod health;
 mod metrics;
@@ -34,8 +35,9 @@ mod udp;
 
 pub use config::{DataPlaneConfig, DataPlaneKind, HaproxySettings, PassthroughConfig};
 pub use dataplane::DataPlane;
-pub use error::{DataPlaneError, LbFailure, LbFailureReason};
-pub use haproxy::{HaproxyError, Unrenderable};
+pub use error::DataPlaneError;
+pub use failure::{LbFailure, LbFailureReason, Unrenderable};
+pub use haproxy::HaproxyError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Mode {

@@ -6,7 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
 
-use crate::error::{LbFailure, LbFailureReason};
+use crate::failure::{LbFailure, LbFailureReason};
 use crate::health::ProbeTarget;
 use crate::{BackendHealth, HealthCheck, Listener, LoadBalancer, Mode, Protocol, same_family};
 

@@ -1,6 +1,8 @@
-//! The HTTP client: one method per API call, with timeouts, retries and typed errors.
+//! The HTTP client: one method per API call, with timeouts, retries, failover between the
+//! edges that serve one API, and typed errors.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use reqwest::header::{AUTHORIZATION, HeaderMap, RETRY_AFTER};
@@ -11,10 +13,9 @@ use serde::de::DeserializeOwned;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::{self, PemObject};
 
-use crate::error::{Error, TlsError};
-use crate::types::{
-    ErrorBody, Faults, LoadBalancer, LoadBalancerList, LoadBalancerSpec, Pool, PoolList,
-};
+use crate::error::{EdgeFailure, Error, TlsError};
+use crate::ipv4::{LoadBalancer, LoadBalancerList, LoadBalancerSpec};
+use crate::types::{ErrorBody, Faults, Pool, PoolList};
 use crate::{ListFilter, NodePool, NodePoolList, NodePoolSpec, families};
 
 /// Header that makes a create idempotent: a repeated create with the same key returns the
@@ -24,6 +25,12 @@ pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 /// The longest a read of a provisioning load balancer is held by the server
 /// (`GET /v1/loadbalancers/{id}?waitMs=`).
 pub const MAX_PROVISIONING_WAIT: Duration = Duration::from_secs(30);
+
+/// The longest a connection to an edge may take (the TLS handshake included) before the
+/// next edge is tried, when it is shorter than the timeout. A live edge answers in
+/// milliseconds; the host of a dead one may drop the SYN without a word, and a call should
+/// not spend its whole timeout there first.
+const EDGE_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Timeouts and retry policy of a [`Client`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,7 +87,8 @@ fn tls_config(roots_pem: Option<&str>) -> Result<rustls::ClientConfig, TlsError>
     Ok(builder.with_no_client_auth())
 }
 
-/// Typed client of the cloud-mock load-balancer API. Cheap to clone.
+/// Typed client of the cloud-mock load-balancer API, served by one edge or by several
+/// edges of one API (an edge cluster). Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Client {
     inner: Arc<Inner>,
@@ -89,9 +97,19 @@ pub struct Client {
 #[derive(Debug)]
 struct Inner {
     http: reqwest::Client,
-    base_url: Url,
+    /// The base URL of each edge, in the order given.
+    edges: Vec<Url>,
+    /// The edge that took the last connection, where every call starts.
+    current_edge: AtomicUsize,
     authorization: String,
     options: ClientOptions,
+}
+
+/// A request that reached the point of being sent to an edge.
+struct Sent {
+    outcome: Result<reqwest::Response, reqwest::Error>,
+    /// Whether sending it again is safe although its bytes may have reached the server.
+    resendable: bool,
 }
 
 impl Client {
@@ -102,27 +120,40 @@ impl Client {
         token: impl Into<String>,
         options: ClientOptions,
     ) -> Result<Self, Error> {
-        let base_url = Url::parse(base_url).map_err(|err| Error::Invalid {
-            code: None,
-            message: format!("base URL {base_url:?}: {err}"),
-        })?;
-        if base_url.cannot_be_a_base() || !matches!(base_url.scheme(), "http" | "https") {
+        Self::with_edges(&[base_url], token, options)
+    }
+
+    /// A client of the API that each of `base_urls` serves (the edges of one edge cluster,
+    /// with one store behind them). A call goes to the edge that took the last one; when it
+    /// cannot connect there it goes to the next edge, and so on, before any retry: nothing
+    /// was sent, so this is safe for every call.
+    pub fn with_edges(
+        base_urls: &[&str],
+        token: impl Into<String>,
+        options: ClientOptions,
+    ) -> Result<Self, Error> {
+        if base_urls.is_empty() {
             return Err(Error::Invalid {
                 code: None,
-                message: format!("base URL {base_url} is not an http(s) URL"),
+                message: "no base URL: the client needs an edge".to_owned(),
             });
         }
+        let edges = base_urls
+            .iter()
+            .map(|base_url| parse_base_url(base_url))
+            .collect::<Result<Vec<_>, _>>()?;
         let tls = tls_config(options.root_certificates.as_deref())?;
         let http = reqwest::Client::builder()
             .timeout(options.timeout)
-            .connect_timeout(options.timeout)
+            .connect_timeout(options.timeout.min(EDGE_CONNECT_TIMEOUT))
             .tls_backend_preconfigured(tls)
             .build()
             .map_err(Error::Transport)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 http,
-                base_url,
+                edges,
+                current_edge: AtomicUsize::new(0),
                 authorization: format!("Bearer {}", token.into()),
                 options,
             }),
@@ -192,10 +223,9 @@ impl Client {
         idempotency_key: &str,
         id: Option<&str>,
     ) -> Result<T, Error> {
-        let url = self.url(&["v1", "loadbalancers"])?;
         let query: Vec<(&str, &str)> = id.map(|id| ("loadBalancerId", id)).into_iter().collect();
-        self.call(|| {
-            self.request(Method::POST, url.clone())
+        self.call(Method::POST, &["v1", "loadbalancers"], |request| {
+            request
                 .query(&query)
                 .header(IDEMPOTENCY_KEY, idempotency_key)
                 .json(spec)
@@ -204,8 +234,8 @@ impl Client {
     }
 
     async fn get<T: DeserializeOwned>(&self, id: &str) -> Result<T, Error> {
-        let url = self.url(&["v1", "loadbalancers", id])?;
-        self.call(|| self.request(Method::GET, url.clone())).await
+        self.call(Method::GET, &["v1", "loadbalancers", id], |request| request)
+            .await
     }
 
     /// [`Client::get`], held by the server while the LB provisions, up to `wait`; each
@@ -215,23 +245,21 @@ impl Client {
         id: &str,
         wait: Duration,
     ) -> Result<T, Error> {
-        let url = self.url(&["v1", "loadbalancers", id])?;
         let wait = wait.min(MAX_PROVISIONING_WAIT);
         let query = [("waitMs", wait.as_millis().to_string())];
         let timeout = self.inner.options.timeout.saturating_add(wait);
-        self.call(|| {
-            self.request(Method::GET, url.clone())
-                .query(&query)
-                .timeout(timeout)
+        self.call(Method::GET, &["v1", "loadbalancers", id], |request| {
+            request.query(&query).timeout(timeout)
         })
         .await
     }
 
     async fn list<T: DeserializeOwned>(&self, filter: &ListFilter) -> Result<T, Error> {
-        let url = self.url(&["v1", "loadbalancers"])?;
         let query = filter.query_pairs();
-        self.call(|| self.request(Method::GET, url.clone()).query(&query))
-            .await
+        self.call(Method::GET, &["v1", "loadbalancers"], |request| {
+            request.query(&query)
+        })
+        .await
     }
 
     async fn update<T: DeserializeOwned>(
@@ -240,10 +268,9 @@ impl Client {
         spec: &impl Serialize,
         if_match_version: u64,
     ) -> Result<T, Error> {
-        let url = self.url(&["v1", "loadbalancers", id])?;
         let version = if_match_version.to_string();
-        self.call(|| {
-            self.request(Method::PUT, url.clone())
+        self.call(Method::PUT, &["v1", "loadbalancers", id], |request| {
+            request
                 .header(reqwest::header::IF_MATCH, version.as_str())
                 .json(spec)
         })
@@ -253,9 +280,10 @@ impl Client {
     /// Deletes `id`; succeeds when it is already gone.
     #[tracing::instrument(skip(self))]
     pub async fn delete_load_balancer(&self, id: &str) -> Result<(), Error> {
-        let url = self.url(&["v1", "loadbalancers", id])?;
         match self
-            .execute(|| self.request(Method::DELETE, url.clone()))
+            .execute(Method::DELETE, &["v1", "loadbalancers", id], |request| {
+                request
+            })
             .await
         {
             Ok(_) | Err(Error::NotFound { .. }) => Ok(()),
@@ -266,8 +294,9 @@ impl Client {
     /// The VIP pools, by name.
     #[tracing::instrument(skip(self))]
     pub async fn list_pools(&self) -> Result<Vec<Pool>, Error> {
-        let url = self.url(&["v1", "pools"])?;
-        let list: PoolList = self.call(|| self.request(Method::GET, url.clone())).await?;
+        let list: PoolList = self
+            .call(Method::GET, &["v1", "pools"], |request| request)
+            .await?;
         Ok(list.items)
     }
 
@@ -282,10 +311,9 @@ impl Client {
         spec: &NodePoolSpec,
         if_match: Option<u64>,
     ) -> Result<NodePool, Error> {
-        let url = self.url(&["v1", "nodepools", name])?;
         let version = if_match.map(|version| version.to_string());
-        self.call(|| {
-            let request = self.request(Method::PUT, url.clone()).json(spec);
+        self.call(Method::PUT, &["v1", "nodepools", name], |request| {
+            let request = request.json(spec);
             match &version {
                 Some(version) => request.header(reqwest::header::IF_MATCH, version.as_str()),
                 None => request,
@@ -297,18 +325,19 @@ impl Client {
     /// The node pool `name`; [`Error::NotFound`] when there is none.
     #[tracing::instrument(skip(self))]
     pub async fn get_node_pool(&self, name: &str) -> Result<NodePool, Error> {
-        let url = self.url(&["v1", "nodepools", name])?;
-        self.call(|| self.request(Method::GET, url.clone())).await
+        self.call(Method::GET, &["v1", "nodepools", name], |request| request)
+            .await
     }
 
     /// Every node pool that carries all of `filter.tags` and, if given, is named
     /// `filter.name`.
     #[tracing::instrument(skip(self))]
     pub async fn list_node_pools(&self, filter: &ListFilter) -> Result<Vec<NodePool>, Error> {
-        let url = self.url(&["v1", "nodepools"])?;
         let query = filter.query_pairs();
         let list: NodePoolList = self
-            .call(|| self.request(Method::GET, url.clone()).query(&query))
+            .call(Method::GET, &["v1", "nodepools"], |request| {
+                request.query(&query)
+            })
             .await?;
         Ok(list.items)
     }
@@ -318,65 +347,76 @@ impl Client {
     /// retry after a lost answer sees that too).
     #[tracing::instrument(skip(self))]
     pub async fn delete_node_pool(&self, name: &str) -> Result<(), Error> {
-        let url = self.url(&["v1", "nodepools", name])?;
-        self.execute(|| self.request(Method::DELETE, url.clone()))
-            .await
-            .map(drop)
+        self.execute(Method::DELETE, &["v1", "nodepools", name], |request| {
+            request
+        })
+        .await
+        .map(drop)
     }
 
     /// Sets the faults the server injects (tests only). [`Faults::default`] clears them.
     #[tracing::instrument(skip(self))]
     pub async fn set_faults(&self, faults: &Faults) -> Result<(), Error> {
-        let url = self.url(&["v1", "admin", "faults"])?;
-        self.execute(|| self.request(Method::PUT, url.clone()).json(faults))
-            .await
-            .map(drop)
+        self.execute(Method::PUT, &["v1", "admin", "faults"], |request| {
+            request.json(faults)
+        })
+        .await
+        .map(drop)
     }
 
-    fn url(&self, segments: &[&str]) -> Result<Url, Error> {
-        let mut url = self.inner.base_url.clone();
+    /// The URL of `segments` below the edge `base`.
+    fn url(base: &Url, segments: &[&str]) -> Result<Url, Error> {
+        let mut url = base.clone();
         url.path_segments_mut()
             .map_err(|()| Error::Invalid {
                 code: None,
-                message: format!("base URL {} cannot take a path", self.inner.base_url),
+                message: format!("base URL {base} cannot take a path"),
             })?
             .pop_if_empty()
             .extend(segments);
         Ok(url)
     }
 
-    fn request(&self, method: Method, url: Url) -> RequestBuilder {
-        self.inner
-            .http
-            .request(method, url)
-            .header(AUTHORIZATION, &self.inner.authorization)
-    }
-
     async fn call<T: DeserializeOwned>(
         &self,
-        build: impl Fn() -> RequestBuilder,
+        method: Method,
+        segments: &[&str],
+        build: impl Fn(RequestBuilder) -> RequestBuilder,
     ) -> Result<T, Error> {
-        let body = self.execute(build).await?;
+        let body = self.execute(method, segments, build).await?;
         serde_json::from_slice(&body).map_err(Error::Decode)
     }
 
-    /// Sends the request built by `build`, retrying retryable failures with backoff, and
-    /// returns the body of the first successful answer.
-    async fn execute(&self, build: impl Fn() -> RequestBuilder) -> Result<Vec<u8>, Error> {
+    /// Sends the `method` request of `segments` that `build` completes, retrying retryable
+    /// failures with backoff, and returns the body of the first successful answer. Once a
+    /// request may have reached a server, it is sent again only when that is safe: its
+    /// method is idempotent (every one but POST here), or it carries an `Idempotency-Key`
+    /// or an `If-Match`, which make the server answer a repeat as it did the first.
+    async fn execute(
+        &self,
+        method: Method,
+        segments: &[&str],
+        build: impl Fn(RequestBuilder) -> RequestBuilder,
+    ) -> Result<Vec<u8>, Error> {
         let options = &self.inner.options;
         let mut attempt = 0;
         loop {
-            let error = match build().send().await {
-                Ok(response) => {
-                    let status = response.status();
-                    let retry_after = retry_after(response.headers());
-                    let body = response.bytes().await.map_err(Error::Transport)?;
-                    if status.is_success() {
-                        return Ok(body.to_vec());
+            let error = match self.send(&method, segments, &build).await {
+                // No edge took the connection: nothing reached a server.
+                Err(unsent) => unsent,
+                Ok(sent) => {
+                    let error = match sent.outcome {
+                        Ok(response) => match answer(response).await {
+                            Ok(body) => return Ok(body),
+                            Err(error) => error,
+                        },
+                        Err(error) => Error::Transport(error),
+                    };
+                    if !sent.resendable {
+                        return Err(error);
                     }
-                    error_from_response(status, retry_after, &body)
+                    error
                 }
-                Err(err) => Error::Transport(err),
             };
             if !error.is_retryable() || attempt >= options.max_retries {
                 return Err(error);
@@ -387,6 +427,100 @@ impl Client {
             attempt += 1;
         }
     }
+
+    /// One attempt: the request sent to the current edge or, when that edge does not take
+    /// the connection, to each next one in turn; the first that takes it becomes the
+    /// current edge. `Err` when none takes it (nothing was sent): with one edge, its
+    /// [`Error::Transport`]; with several, [`Error::Unreachable`].
+    async fn send(
+        &self,
+        method: &Method,
+        segments: &[&str],
+        build: &impl Fn(RequestBuilder) -> RequestBuilder,
+    ) -> Result<Sent, Error> {
+        let edges = &self.inner.edges;
+        let current = self.inner.current_edge.load(Ordering::Relaxed);
+        let mut refused = Vec::new();
+        for offset in 0..edges.len() {
+            let index = (current + offset) % edges.len();
+            let edge = &edges[index];
+            let request = build(
+                self.inner
+                    .http
+                    .request(method.clone(), Self::url(edge, segments)?)
+                    .header(AUTHORIZATION, &self.inner.authorization),
+            )
+            .build()
+            .map_err(|error| Error::Invalid {
+                code: None,
+                message: format!("the request cannot be built: {error}"),
+            })?;
+            let resendable = resendable(&request);
+            match self.inner.http.execute(request).await {
+                Err(error) if error.is_connect() => {
+                    tracing::debug!(%edge, %error, "cloud edge refused the connection");
+                    refused.push(EdgeFailure {
+                        edge: edge.to_string(),
+                        error,
+                    });
+                }
+                outcome => {
+                    if index != current {
+                        self.inner.current_edge.store(index, Ordering::Relaxed);
+                        let unreachable: Vec<&str> = refused
+                            .iter()
+                            .map(|failure| failure.edge.as_str())
+                            .collect();
+                        tracing::warn!(%edge, ?unreachable, "cloud API calls go to another edge");
+                    }
+                    return Ok(Sent {
+                        outcome,
+                        resendable,
+                    });
+                }
+            }
+        }
+        Err(match refused.len() {
+            1 => Error::Transport(refused.remove(0).error),
+            _ => Error::Unreachable(refused),
+        })
+    }
+}
+
+/// The body of a successful answer, or the typed error of another.
+async fn answer(response: reqwest::Response) -> Result<Vec<u8>, Error> {
+    let status = response.status();
+    let retry_after = retry_after(response.headers());
+    let body = response.bytes().await.map_err(Error::Transport)?;
+    if status.is_success() {
+        Ok(body.to_vec())
+    } else {
+        Err(error_from_response(status, retry_after, &body))
+    }
+}
+
+/// Whether `request` may be sent again after its bytes may have reached the server: its
+/// method is idempotent, or its `Idempotency-Key` or `If-Match` makes the server answer a
+/// repeat as it answered the first.
+fn resendable(request: &reqwest::Request) -> bool {
+    request.method().is_idempotent()
+        || request.headers().contains_key(IDEMPOTENCY_KEY)
+        || request.headers().contains_key(reqwest::header::IF_MATCH)
+}
+
+/// A base URL as given: an `http` or `https` URL that can take a path.
+fn parse_base_url(base_url: &str) -> Result<Url, Error> {
+    let parsed = Url::parse(base_url).map_err(|err| Error::Invalid {
+        code: None,
+        message: format!("base URL {base_url:?}: {err}"),
+    })?;
+    if parsed.cannot_be_a_base() || !matches!(parsed.scheme(), "http" | "https") {
+        return Err(Error::Invalid {
+            code: None,
+            message: format!("base URL {parsed} is not an http(s) URL"),
+        });
+    }
+    Ok(parsed)
 }
 
 /// The load-balancer calls of a [`Client`] with the whole load balancer, of any IP family
@@ -614,16 +748,33 @@ mod tests {
 
     #[test]
     fn urls_escape_ids_and_keep_a_base_path() {
-        let client = Client::new("http://127.0.0.1:9/prefix/", "t", options()).unwrap();
+        let base = parse_base_url("http://127.0.0.1:9/prefix/").unwrap();
         assert_eq!(
-            client
-                .url(&["v1", "loadbalancers", "a/b"])
+            Client::url(&base, &["v1", "loadbalancers", "a/b"])
                 .unwrap()
                 .as_str(),
             "http://127.0.0.1:9/prefix/v1/loadbalancers/a%2Fb"
         );
         assert!(Client::new("not a url", "t", options()).is_err());
         assert!(Client::new("ftp://x", "t", options()).is_err());
+    }
+
+    #[test]
+    fn only_a_request_a_repeat_cannot_harm_is_sent_again() {
+        let url = Url::parse("http://127.0.0.1:9/v1/loadbalancers").unwrap();
+        let request = |method: Method, header: Option<&'static str>| {
+            let mut request = reqwest::Request::new(method, url.clone());
+            if let Some(name) = header {
+                request.headers_mut().insert(name, "1".parse().unwrap());
+            }
+            request
+        };
+        assert!(!resendable(&request(Method::POST, None)));
+        assert!(resendable(&request(Method::POST, Some(IDEMPOTENCY_KEY))));
+        assert!(resendable(&request(Method::POST, Some("if-match"))));
+        for idempotent in [Method::GET, Method::PUT, Method::DELETE] {
+            assert!(resendable(&request(idempotent, None)));
+        }
     }
 
     #[test]

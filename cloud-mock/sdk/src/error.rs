@@ -1,5 +1,6 @@
 //! Typed errors of the client.
 
+use std::fmt;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -25,11 +26,21 @@ pub enum Error {
     },
     #[error("unauthorized: the cloud rejected the token")]
     Unauthorized,
+    /// The request failed below HTTP: no connection (to a client's one edge), a timeout, a
+    /// connection closed before the answer.
     #[error("transport: {0}")]
     Transport(#[source] reqwest::Error),
+    /// None of a client's several edges took the connection; each with why, in the order
+    /// they were tried. Nothing was sent.
+    #[error(
+        "no cloud edge could be reached: {}",
+        .0.iter().map(EdgeFailure::to_string).collect::<Vec<_>>().join(", ")
+    )]
+    Unreachable(Vec<EdgeFailure>),
     #[error("cannot decode the cloud's answer: {0}")]
     Decode(#[source] serde_json::Error),
-    /// The client could not be built: only [`crate::Client::new`] returns it.
+    /// The client could not be built: only [`crate::Client::new`] and
+    /// [`crate::Client::with_edges`] return it.
     #[error("TLS: {0}")]
     Tls(#[from] TlsError),
 }
@@ -41,6 +52,26 @@ pub enum TlsError {
     RootCertificates(#[source] rustls::pki_types::pem::Error),
     #[error("{0}")]
     Rustls(#[from] rustls::Error),
+}
+
+/// An edge that did not take a connection, and why.
+#[derive(Debug)]
+pub struct EdgeFailure {
+    /// The edge's base URL.
+    pub edge: String,
+    pub error: reqwest::Error,
+}
+
+impl fmt::Display for EdgeFailure {
+    /// The edge and the innermost cause (`connection refused`), which reqwest's own message
+    /// (`error sending request for url …`) leaves to its sources.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut cause: &dyn std::error::Error = &self.error;
+        while let Some(source) = cause.source() {
+            cause = source;
+        }
+        write!(f, "{} ({cause})", self.edge)
+    }
 }
 
 /// `code: message`, the way the cloud's JSON error reads, or the message alone.
@@ -62,11 +93,14 @@ impl Error {
     }
 
     /// True for failures that may pass by themselves: rate limits, unavailability and
-    /// transport errors (timeouts, refused connections).
+    /// transport errors (timeouts, refused connections, every edge unreachable).
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            Error::RateLimited { .. } | Error::Unavailable { .. } | Error::Transport(_)
+            Error::RateLimited { .. }
+                | Error::Unavailable { .. }
+                | Error::Transport(_)
+                | Error::Unreachable(_)
         )
     }
 }

@@ -2,8 +2,8 @@
 //!
 //! [`Client`] speaks the REST API described by `cloud-mock/openapi.yaml`: timeouts,
 //! retries with exponential backoff that honour `Retry-After`, an `Idempotency-Key` on
-//! every create, `If-Match` on every update, and typed [`Error`]s. It has no dependency on
-//! the server.
+//! every create, `If-Match` on every update, failover to another edge of the API when one
+//! does not take the connection, and typed [`Error`]s. It has no dependency on the server.
 //!
 //! The types at the crate root are the IPv4 view of a load balancer, unchanged since
 //! before IP families; [`families`] has the whole one (IPv4, IPv6 or dual-stack), which
@@ -12,18 +12,19 @@
 mod client;
 mod error;
 pub mod families;
+mod ipv4;
 mod nodepools;
 mod types;
 
 use std::collections::BTreeMap;
 
 pub use client::{Client, ClientOptions, FamiliesClient, IDEMPOTENCY_KEY, MAX_PROVISIONING_WAIT};
-pub use error::{Error, TlsError};
+pub use error::{EdgeFailure, Error, TlsError};
+pub use ipv4::{Backend, BackendStatus, LoadBalancer, LoadBalancerList, LoadBalancerSpec};
 pub use nodepools::{NodePool, NodePoolList, NodePoolSpec};
 pub use types::{
-    AddressRequest, Backend, BackendHealth, BackendStatus, ErrorBody, ErrorDetail, Faults,
-    HealthCheck, HealthCheckProtocol, IpFamily, Listener, LoadBalancer, LoadBalancerList,
-    LoadBalancerSpec, LostAnswer, Mode, Pool, PoolList, Protocol, State,
+    AddressRequest, BackendHealth, ErrorBody, ErrorDetail, Faults, HealthCheck,
+    HealthCheckProtocol, IpFamily, Listener, LostAnswer, Mode, Pool, PoolList, Protocol, State,
 };
 
 /// Which load balancers (or node pools) a list returns: those carrying every tag in `tags` (and named

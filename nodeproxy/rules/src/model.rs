@@ -567,6 +567,15 @@ pub fn overlaps(a: IpNet, b: IpNet) -> bool {
     a.contains(&b) || b.contains(&a)
 }
 
+/// A sorted copy of `items` without duplicates: the one order the rules write a list of
+/// addresses in, whatever order the API gave it.
+pub(crate) fn sorted_unique<T: Ord + Clone>(items: &[T]) -> Vec<T> {
+    let mut items = items.to_vec();
+    items.sort();
+    items.dedup();
+    items
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,11 +17,11 @@ use crate::chains::{
     KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_PROXY_FIREWALL, KUBE_SERVICES, MASQUERADE_MARK,
 };
 use crate::model::{
-    Endpoint, IpMode, LocalDetector, NodeConfig, NodePortAddresses, ProxyState, ServicePort,
-    overlaps,
+    Endpoint, LocalDetector, NodeConfig, NodePortAddresses, ProxyState, ServicePort, overlaps,
+    sorted_unique,
 };
 use crate::ruleset::{Ruleset, Table};
-pub(crate) use crate::topology::{UsableEndpoint, usable_endpoints};
+use crate::topology::{PortPaths, UsableEndpoint, usable_endpoints};
 
 /// The complete desired ruleset for this node: every chain the node proxy owns in the nat
 /// and filter tables, with all of its rules. Headless Services get no rules; which endpoints
@@ -105,57 +105,6 @@ pub fn port_rules(svc: &ServicePort, endpoints: &[Endpoint], node: &NodeConfig) 
     };
     out.add_service_port(svc, &usable_endpoints(endpoints, node), node);
     out.ruleset
-}
-
-/// Which paths of a Service port exist and which endpoint sets they spread over: the
-/// decisions the iptables and the nftables mode make alike.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct PortPaths {
-    /// Ingress IPs the node captures: `ipMode: Proxy` ones are reached through node
-    /// ports only (KEP-1860), so the node must not short-cut them.
-    pub(crate) vip_ingress: Vec<IpAddr>,
-    /// Reachable other than by the cluster IP: a node port, external or LB IPs.
-    pub(crate) external: bool,
-    /// externalTrafficPolicy Local, where it applies: to node ports, external and LB IPs
-    /// (the API refuses Local on a Service that has none of them).
-    pub(crate) local_policy: bool,
-    /// internalTrafficPolicy Local: the cluster IP leads to this node's endpoints only.
-    pub(crate) internal_local: bool,
-    /// The cluster-wide endpoint set is used: by the cluster IP (internalTrafficPolicy
-    /// Cluster) or by the external paths, whose Cluster policy or Local short-cuts need
-    /// it. kube-proxy's `UsesClusterEndpoints`.
-    pub(crate) uses_cluster: bool,
-    /// This node's endpoint set is used (either policy Local): `UsesLocalEndpoints`.
-    pub(crate) uses_local: bool,
-}
-
-impl PortPaths {
-    pub(crate) fn of(svc: &ServicePort) -> Self {
-        let vip_ingress: Vec<IpAddr> = svc
-            .load_balancer_ingress
-            .iter()
-            .filter(|ingress| ingress.ip_mode == IpMode::Vip)
-            .map(|ingress| ingress.ip)
-            .collect();
-        let vip_ingress = sorted_unique(&vip_ingress);
-        let external =
-            svc.node_port.is_some() || !svc.external_ips.is_empty() || !vip_ingress.is_empty();
-        let local_policy = svc.external_traffic_policy_local && external;
-        let internal_local = svc.internal_traffic_policy_local;
-        Self {
-            vip_ingress,
-            external,
-            local_policy,
-            internal_local,
-            uses_cluster: !internal_local || external,
-            uses_local: local_policy || internal_local,
-        }
-    }
-
-    /// Whether a set the port uses holds `ep`: endpoints of an unused set get no chain.
-    pub(crate) fn spreads_over(&self, ep: &UsableEndpoint) -> bool {
-        (self.uses_cluster && ep.cluster) || (self.uses_local && ep.local)
-    }
 }
 
 /// `--probability` for the i-th of n remaining endpoints (1/n), as `iptables-save` prints
@@ -806,13 +755,6 @@ impl ServiceChains {
             external_local: chains::external_local_chain(&svc.name, svc.protocol),
         }
     }
-}
-
-pub(crate) fn sorted_unique<T: Ord + Clone>(items: &[T]) -> Vec<T> {
-    let mut items = items.to_vec();
-    items.sort();
-    items.dedup();
-    items
 }
 
 #[cfg(test)]

@@ -23,10 +23,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::{self, Write as _};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
-use crate::model::{Endpoint, NodeConfig, ProxyState, ServicePort};
-use crate::rules::PortPaths;
+use crate::model::{Endpoint, IpMode, NodeConfig, ProxyState, ServicePort, sorted_unique};
 use crate::trace::TraceRequest;
 
 /// How the hints narrow this node's cluster-wide endpoint set (kube-proxy's topology mode
@@ -186,13 +185,64 @@ impl fmt::Display for EndpointChoice {
     }
 }
 
+/// Which paths of a Service port exist and which endpoint sets they spread over: the
+/// decisions the iptables and the nftables mode make alike.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PortPaths {
+    /// Ingress IPs the node captures: `ipMode: Proxy` ones are reached through node
+    /// ports only (KEP-1860), so the node must not short-cut them.
+    pub(crate) vip_ingress: Vec<IpAddr>,
+    /// Reachable other than by the cluster IP: a node port, external or LB IPs.
+    pub(crate) external: bool,
+    /// externalTrafficPolicy Local, where it applies: to node ports, external and LB IPs
+    /// (the API refuses Local on a Service that has none of them).
+    pub(crate) local_policy: bool,
+    /// internalTrafficPolicy Local: the cluster IP leads to this node's endpoints only.
+    pub(crate) internal_local: bool,
+    /// The cluster-wide endpoint set is used: by the cluster IP (internalTrafficPolicy
+    /// Cluster) or by the external paths, whose Cluster policy or Local short-cuts need
+    /// it. kube-proxy's `UsesClusterEndpoints`.
+    pub(crate) uses_cluster: bool,
+    /// This node's endpoint set is used (either policy Local): `UsesLocalEndpoints`.
+    pub(crate) uses_local: bool,
+}
+
+impl PortPaths {
+    pub(crate) fn of(svc: &ServicePort) -> Self {
+        let vip_ingress: Vec<IpAddr> = svc
+            .load_balancer_ingress
+            .iter()
+            .filter(|ingress| ingress.ip_mode == IpMode::Vip)
+            .map(|ingress| ingress.ip)
+            .collect();
+        let vip_ingress = sorted_unique(&vip_ingress);
+        let external =
+            svc.node_port.is_some() || !svc.external_ips.is_empty() || !vip_ingress.is_empty();
+        let local_policy = svc.external_traffic_policy_local && external;
+        let internal_local = svc.internal_traffic_policy_local;
+        Self {
+            vip_ingress,
+            external,
+            local_policy,
+            internal_local,
+            uses_cluster: !internal_local || external,
+            uses_local: local_policy || internal_local,
+        }
+    }
+
+    /// Whether a set the port uses holds `ep`: endpoints of an unused set get no chain.
+    pub(crate) fn spreads_over(&self, ep: &UsableEndpoint) -> bool {
+        (self.uses_cluster && ep.cluster) || (self.uses_local && ep.local)
+    }
+}
+
 /// kube-proxy's `CategorizeEndpoints` for one Service port on this node: the cluster-wide
 /// set is the ready endpoints the [`Topology`] admits, or, when none is ready anywhere,
 /// the serving terminating ones; the local set (either traffic policy Local) is this
 /// node's ready endpoints, or, when it has none, its serving terminating ones, so
 /// connections survive a rolling update of the only local pod while the health check
 /// already sends new ones elsewhere. Both sets are returned for every port; which a port
-/// uses is its traffic policies' business ([`crate::rules::PortPaths`]).
+/// uses is its traffic policies' business ([`PortPaths`]).
 pub fn choose_endpoints(endpoints: &[Endpoint], node: &NodeConfig) -> EndpointChoice {
     let topology = Topology::of(endpoints, node);
     let is_local = |ep: &Endpoint| ep.node_name.as_deref() == Some(node.node_name.as_str());

@@ -2,18 +2,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::resources::ResourceType;
-
-/// How strategic merge treats a list field.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ListStrategy {
-    /// The patch list replaces the original (lists without `patchStrategy`).
-    Replace,
-    /// Objects are matched by the merge key and merged; `$patch: delete` removes one.
-    MergeByKey(&'static str),
-    /// A set of scalars: the patch adds missing values (`metadata.finalizers`).
-    MergePrimitives,
-}
+use crate::resources::{ListStrategy, ResourceType};
 
 /// The patch flavour, from the request's `Content-Type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,7 +1,16 @@
 //! The typed registry of served resources: what discovery advertises and how the store,
 //! the patcher and the printer treat each kind.
 
-use crate::patch::ListStrategy;
+/// How strategic merge treats a list field ([`crate::patch`] applies it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListStrategy {
+    /// The patch list replaces the original (lists without `patchStrategy`).
+    Replace,
+    /// Objects are matched by the merge key and merged; `$patch: delete` removes one.
+    MergeByKey(&'static str),
+    /// A set of scalars: the patch adds missing values (`metadata.finalizers`).
+    MergePrimitives,
+}
 
 /// Where objects live. Two API resources may share one storage (the two Event views).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

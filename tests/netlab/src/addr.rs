@@ -78,9 +78,15 @@ const fn net(addr: Ipv4Addr, prefix: u8) -> Ipv4Net {
 
 fn check_node(node: usize) -> Result<u8, NetlabError> {
     if (1..=MAX_NODES).contains(&node) {
-        u8::try_from(node).map_err(|_| NetlabError::NodeOutOfRange(node))
+        u8::try_from(node).map_err(|_| NetlabError::NodeOutOfRange {
+            node,
+            max: MAX_NODES,
+        })
     } else {
-        Err(NetlabError::NodeOutOfRange(node))
+        Err(NetlabError::NodeOutOfRange {
+            node,
+            max: MAX_NODES,
+        })
     }
 }
 
@@ -107,7 +113,10 @@ impl PodNetwork {
     /// A pod network must hold a /24 for every node a topology can have.
     pub fn new(cidr: Ipv4Net) -> Result<Self, NetlabError> {
         if cidr.prefix_len() > MAX_POD_NETWORK_PREFIX {
-            return Err(NetlabError::PodNetworkTooSmall(cidr));
+            return Err(NetlabError::PodNetworkTooSmall {
+                cidr,
+                max_nodes: MAX_NODES,
+            });
         }
         Ok(Self(cidr.trunc()))
     }
@@ -132,7 +141,11 @@ impl PodNetwork {
     /// The address of pod index `index` (1-based) on node N: host 1+index of its /24.
     pub fn pod_ip(self, node: usize, index: u32) -> Result<Ipv4Addr, NetlabError> {
         if !(1..=MAX_POD_INDEX).contains(&index) {
-            return Err(NetlabError::PodIndexOutOfRange { node, index });
+            return Err(NetlabError::PodIndexOutOfRange {
+                node,
+                index,
+                max: MAX_POD_INDEX,
+            });
         }
         Ok(host(self.node_cidr(node)?, index + 1))
     }
@@ -239,7 +252,11 @@ pub mod v6 {
     /// Pod `index` on node N: `fd00:10:244:N::(1+index)`, as its IPv4 address ends.
     pub fn pod_ip(node: usize, index: u32) -> Result<Ipv6Addr, NetlabError> {
         if !(1..=MAX_POD_INDEX).contains(&index) {
-            return Err(NetlabError::PodIndexOutOfRange { node, index });
+            return Err(NetlabError::PodIndexOutOfRange {
+                node,
+                index,
+                max: MAX_POD_INDEX,
+            });
         }
         Ok(with_last(node_pod_cidr(node)?, looks_like(index + 1)))
     }

@@ -7,12 +7,17 @@ use std::path::PathBuf;
 pub enum NetlabError {
     #[error("{host} has no IPv6 address: IPv6 needs a dual-stack topology (TopologyBuilder::ipv6)")]
     NoIpv6 { host: String },
-    #[error("node {0} is outside 1..={max}", max = crate::addr::MAX_NODES)]
-    NodeOutOfRange(usize),
-    #[error("pod index {index} on node {node} is outside 1..={max}", max = crate::addr::MAX_POD_INDEX)]
-    PodIndexOutOfRange { node: usize, index: u32 },
-    #[error("pod network {0} is too small: it needs a /24 for each of up to {max} nodes (a /16 or wider)", max = crate::addr::MAX_NODES)]
-    PodNetworkTooSmall(ipnet::Ipv4Net),
+    #[error("node {node} is outside 1..={max}")]
+    NodeOutOfRange { node: usize, max: usize },
+    #[error("pod index {index} on node {node} is outside 1..={max}")]
+    PodIndexOutOfRange { node: usize, index: u32, max: u32 },
+    #[error(
+        "pod network {cidr} is too small: it needs a /24 for each of up to {max_nodes} nodes (a /16 or wider)"
+    )]
+    PodNetworkTooSmall {
+        cidr: ipnet::Ipv4Net,
+        max_nodes: usize,
+    },
     #[error("the topology has no node {0}")]
     UnknownNode(usize),
     #[error("the topology has no pod {0:?}")]

@@ -182,7 +182,10 @@ impl TopologyBuilder {
     /// On error everything created so far is removed.
     pub fn build(self) -> Result<Topology, NetlabError> {
         if self.nodes == 0 || self.nodes > addr::MAX_NODES {
-            return Err(NetlabError::NodeOutOfRange(self.nodes));
+            return Err(NetlabError::NodeOutOfRange {
+                node: self.nodes,
+                max: addr::MAX_NODES,
+            });
         }
         let pods_per_node = self
             .pods_per_node
@@ -619,11 +622,11 @@ mod tests {
         let build = |b: TopologyBuilder| b.without_echo().build().map(|_| ()).unwrap_err();
         assert!(matches!(
             build(Topology::builder().nodes(0)),
-            NetlabError::NodeOutOfRange(0)
+            NetlabError::NodeOutOfRange { node: 0, .. }
         ));
         assert!(matches!(
             build(Topology::builder().nodes(addr::MAX_NODES + 1)),
-            NetlabError::NodeOutOfRange(_)
+            NetlabError::NodeOutOfRange { .. }
         ));
         assert!(matches!(
             build(Topology::builder().nodes(2).pods_per_node(&[1])),

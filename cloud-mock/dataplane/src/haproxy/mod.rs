@@ -48,7 +48,6 @@ use crate::health::ProbeTarget;
 use crate::metrics::Metrics;
 use crate::{BackendHealth, HealthCheck};
 
-pub use render::Unrenderable;
 pub(crate) use render::{CheckTiming, Proxy, proxies};
 
 /// How long a started or reloaded HAProxy may take to have its new worker.

@@ -15,6 +15,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 
 use crate::HealthCheck;
+use crate::failure::Unrenderable;
 use crate::plan::{ListenerKey, ListenerRoute};
 
 /// Health-check timing every server gets (dynamic servers inherit no `default-server`,
@@ -63,15 +64,6 @@ impl Proxy {
             ..self.clone()
         }
     }
-}
-
-/// Why a listener cannot be given to HAProxy.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum Unrenderable {
-    #[error("id {0:?} is not of the form HAProxy names take ([A-Za-z0-9-], 1 to 64)")]
-    Id(String),
-    #[error("health-check path {0:?} has characters the HAProxy edge does not pass on")]
-    Path(String),
 }
 
 /// The proxies of `listeners` (TCP ones: the caller refuses UDP), each checked; a listener

@@ -39,8 +39,9 @@ use tandem_nftables::{
 use super::slots::{BucketSlot, BucketSlots, Spread};
 use crate::model::{
     Endpoint, NodeConfig, NodePortAddresses, ProxyState, ServicePort, ServicePortName, overlaps,
+    sorted_unique,
 };
-use crate::rules::{PortPaths, UsableEndpoint, sorted_unique, usable_endpoints};
+use crate::topology::{PortPaths, UsableEndpoint, usable_endpoints};
 
 pub const FILTER_PREROUTING_PRE_DNAT: &str = "filter-prerouting-pre-dnat";
 pub const FILTER_OUTPUT_PRE_DNAT: &str = "filter-output-pre-dnat";

@@ -13,6 +13,7 @@
 //! ([`Syncer::take_read_back`]) by the next sync's restore.
 
 pub mod backend;
+mod command;
 pub mod drift;
 mod executor;
 mod readback;
@@ -24,7 +25,8 @@ use tandem_proxy_rules::incremental::IncrementalRuleset;
 use tandem_proxy_rules::model::{NodeConfig, ProxyState, ServicePortName};
 use tandem_proxy_rules::ruleset::{ChangedChains, Table, TableRules};
 
-pub use executor::{SyncError, TableSync, base_jump_deletion, split_rule};
+pub use command::SyncError;
+pub use executor::{TableSync, base_jump_deletion, split_rule};
 pub use readback::{ChainScope, IptablesReadBack, TableRepair, read_back};
 
 use self::backend::{Backend, Tools};

@@ -10,8 +10,8 @@ use tandem_proxy_rules::ruleset::{Ruleset, Table, TableRules};
 use tokio::task::JoinHandle;
 
 use super::backend::{Backend, Tools};
+use super::command::{LOCK_WAIT_SECONDS, SyncError, blocking, run};
 use super::drift::{self, TableDrift, TableReadBack};
-use super::executor::{LOCK_WAIT_SECONDS, SyncError, blocking, run};
 use super::restore::{self, CANARY_CHAIN, TableInspection};
 use super::{IptablesPath, KnownTable, Syncer};
 use crate::datapath::{KernelRead, LOGGED_OBJECTS, ReadBack, count_repairs};

@@ -1,13 +1,15 @@
 //! The mock-cloud provider's configuration file (`--cloud-config`), JSON:
 //!
 //! ```json
-//! {"url": "https://edge.example.net:8443", "tokenFile": "/etc/tandem/cloud/token", "caFile": "/etc/tandem/cloud/ca.crt"}
+//! {"url": "https://edge.example.net:8443", "urls": ["https://edge2.example.net:8443"], "tokenFile": "/etc/tandem/cloud/token", "caFile": "/etc/tandem/cloud/ca.crt"}
 //! ```
 //!
-//! `url` is the edge's API, `tokenFile` holds its bearer token, and `caFile` (optional) the
-//! PEM certificate of the CA that signed the edge's certificate, for an `https` URL.
-//! `--cloud-url` and `--cloud-token-file` are a shortcut for a file with `url` and
-//! `tokenFile` alone.
+//! `url` is the edge's API; `urls`, more edges of the same API (an edge cluster), tried in
+//! turn when one does not take the connection: `url` and `urls` together, in that order,
+//! are the edges, and either may be left out. `tokenFile` holds the bearer token, and
+//! `caFile` (optional) the PEM certificate of the CA that signed the edges' certificates,
+//! for `https` URLs. `--cloud-url` and `--cloud-token-file` are a shortcut for a file with
+//! `url` and `tokenFile` alone.
 
 use std::path::{Path, PathBuf};
 
@@ -16,7 +18,10 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Config {
-    pub url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub urls: Vec<String>,
     pub token_file: PathBuf,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
@@ -39,17 +44,35 @@ pub enum ConfigError {
     },
     #[error("token file {0} is empty")]
     EmptyToken(String),
+    #[error("configuration names no edge: give its API as url (or several as urls)")]
+    NoEdge,
 }
 
 impl Config {
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        Ok(serde_json::from_str(text)?)
+        let config: Self = serde_json::from_str(text)?;
+        if config.edges().is_empty() {
+            return Err(ConfigError::NoEdge);
+        }
+        Ok(config)
+    }
+
+    /// The edges' APIs: `url`, then `urls`, each once.
+    pub fn edges(&self) -> Vec<&str> {
+        let mut edges: Vec<&str> = Vec::new();
+        for url in self.url.iter().chain(&self.urls) {
+            if !edges.contains(&url.as_str()) {
+                edges.push(url);
+            }
+        }
+        edges
     }
 
     /// The file `--cloud-url URL --cloud-token-file FILE` stand for.
     pub fn shortcut(url: &str, token_file: &Path) -> Result<String, ConfigError> {
         let config = Self {
-            url: url.to_owned(),
+            url: Some(url.to_owned()),
+            urls: Vec::new(),
             token_file: token_file.to_path_buf(),
             ca_file: None,
         };
@@ -94,15 +117,54 @@ mod tests {
 
     #[test]
     fn parses_the_documented_file_and_refuses_unknown_fields() {
-        let config = Config::parse(
-            r#"{"url": "https://edge.example.net:8443", "tokenFile": "/t", "caFile": "/ca.crt"}"#,
-        )
-        .unwrap();
-        assert_eq!(config.url, "https://edge.example.net:8443");
-        assert_eq!(config.ca_file.as_deref(), Some(Path::new("/ca.crt")));
+        // The example at the top of this file.
+        let documented = include_str!("config.rs")
+            .split("//! ```json\n//! ")
+            .nth(1)
+            .and_then(|rest| rest.split('\n').next())
+            .unwrap();
+        let config = Config::parse(documented).unwrap();
+        assert_eq!(
+            config.edges(),
+            [
+                "https://edge.example.net:8443",
+                "https://edge2.example.net:8443"
+            ]
+        );
+        assert_eq!(
+            config.ca_file.as_deref(),
+            Some(Path::new("/etc/tandem/cloud/ca.crt"))
+        );
         assert!(Config::parse(r#"{"url": "http://x", "tokenFile": "/t", "token": "s"}"#).is_err());
         assert!(Config::parse(r#"{"url": "http://x"}"#).is_err());
         assert!(Config::parse("url: http://x").is_err());
+    }
+
+    #[test]
+    fn the_edges_are_url_then_urls_each_once() {
+        let edges = |text: &str| Config::parse(text).map(|c| c.edges().join(" "));
+        assert_eq!(
+            edges(r#"{"url": "http://a", "tokenFile": "/t"}"#).unwrap(),
+            "http://a"
+        );
+        assert_eq!(
+            edges(r#"{"urls": ["http://a", "http://b"], "tokenFile": "/t"}"#).unwrap(),
+            "http://a http://b"
+        );
+        assert_eq!(
+            edges(r#"{"url": "http://a", "urls": ["http://b", "http://a"], "tokenFile": "/t"}"#)
+                .unwrap(),
+            "http://a http://b"
+        );
+        for none in [
+            r#"{"tokenFile": "/t"}"#,
+            r#"{"urls": [], "tokenFile": "/t"}"#,
+        ] {
+            assert!(
+                matches!(Config::parse(none), Err(ConfigError::NoEdge)),
+                "{none}"
+            );
+        }
     }
 
     #[test]
@@ -111,7 +173,8 @@ mod tests {
         assert_eq!(
             Config::parse(&text).unwrap(),
             Config {
-                url: "http://127.0.0.1:1".into(),
+                url: Some("http://127.0.0.1:1".into()),
+                urls: Vec::new(),
                 token_file: "/tmp/token".into(),
                 ca_file: None,
             }

@@ -6,12 +6,26 @@ use std::net::IpAddr;
 use cloud_mock_sdk as sdk;
 use cloud_mock_sdk::families;
 use sha2::{Digest, Sha256};
-
-use crate::provider::{
-    DesiredLoadBalancer, DesiredNodePool, HealthCheck, HealthCheckProtocol, IpFamily, Listener,
+use tandem_common::IpFamily;
+use tandem_controller::provider::{
+    DesiredLoadBalancer, DesiredNodePool, HealthCheck, HealthCheckProtocol, Listener,
     LoadBalancerMode, LoadBalancerPhase, ObservedLoadBalancer, ObservedNodePool, Owner, Protocol,
     TAG_CLUSTER_ID, TAG_SERVICE_UID,
 };
+
+fn to_sdk_family(family: IpFamily) -> sdk::IpFamily {
+    match family {
+        IpFamily::V4 => sdk::IpFamily::Ipv4,
+        IpFamily::V6 => sdk::IpFamily::Ipv6,
+    }
+}
+
+fn from_sdk_family(family: sdk::IpFamily) -> IpFamily {
+    match family {
+        sdk::IpFamily::Ipv4 => IpFamily::V4,
+        sdk::IpFamily::Ipv6 => IpFamily::V6,
+    }
+}
 
 fn to_sdk_mode(mode: LoadBalancerMode) -> sdk::Mode {
     match mode {
@@ -88,7 +102,7 @@ pub fn kept_vips(
     }
     vips.iter()
         .copied()
-        .filter(|vip| desired.ip_families.contains(&IpFamily::of(vip)))
+        .filter(|vip| desired.ip_families.contains(&IpFamily::of(*vip)))
         .collect()
 }
 
@@ -100,7 +114,12 @@ pub fn to_sdk_spec(desired: &DesiredLoadBalancer, kept: &[IpAddr]) -> families::
         name: desired.name(),
         tags: desired.owner.tags(),
         mode: to_sdk_mode(desired.mode),
-        ip_families: desired.ip_families.clone(),
+        ip_families: desired
+            .ip_families
+            .iter()
+            .copied()
+            .map(to_sdk_family)
+            .collect(),
         vip: None,
         listeners: desired.listeners.iter().map(to_sdk_listener).collect(),
         // On a node pool the pool carries the backends.
@@ -123,7 +142,7 @@ pub fn to_sdk_spec(desired: &DesiredLoadBalancer, kept: &[IpAddr]) -> families::
                     address.requested_of(*family).or_else(|| {
                         kept.iter()
                             .copied()
-                            .find(|vip| IpFamily::of(vip) == *family)
+                            .find(|vip| IpFamily::of(*vip) == *family)
                     })
                 })
                 .collect(),
@@ -175,7 +194,13 @@ pub fn observe(lb: &families::LoadBalancer) -> ObservedLoadBalancer {
             sdk::State::Active => LoadBalancerPhase::Active,
             sdk::State::Deleting => LoadBalancerPhase::Deleting,
         },
-        ip_families: lb.spec.ip_families.clone(),
+        ip_families: lb
+            .spec
+            .ip_families
+            .iter()
+            .copied()
+            .map(from_sdk_family)
+            .collect(),
         vips: assigned_vips(lb),
         hostname: None,
         pool: lb.spec.address.pool.clone(),
@@ -241,8 +266,8 @@ pub fn belongs_to(lb: &families::LoadBalancer, owner: &Owner) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::AddressRequest;
     use std::collections::BTreeSet;
+    use tandem_controller::provider::AddressRequest;
 
     fn ip(text: &str) -> IpAddr {
         text.parse().unwrap()
@@ -257,7 +282,7 @@ mod tests {
                 uid: "11111111-2222-3333-4444-555555555555".into(),
             },
             mode: LoadBalancerMode::Passthrough,
-            ip_families: vec![IpFamily::Ipv4],
+            ip_families: vec![IpFamily::V4],
             address: AddressRequest {
                 pool: Some("blue".into()),
                 requested: vec![],
@@ -281,7 +306,7 @@ mod tests {
 
     fn dual() -> DesiredLoadBalancer {
         let mut d = desired();
-        d.ip_families = vec![IpFamily::Ipv6, IpFamily::Ipv4];
+        d.ip_families = vec![IpFamily::V6, IpFamily::V4];
         d.backends.insert(ip("2001:db8:18::11"));
         d.source_ranges.push("2001:db8:203::/64".parse().unwrap());
         d
@@ -299,10 +324,10 @@ mod tests {
                     .vips
                     .iter()
                     .copied()
-                    .find(|v| IpFamily::of(v) == *family);
+                    .find(|v| sdk::IpFamily::of(v) == *family);
                 asked.unwrap_or(match family {
-                    IpFamily::Ipv4 => ip("198.51.100.3"),
-                    IpFamily::Ipv6 => ip("2001:db8:51:100::3"),
+                    sdk::IpFamily::Ipv4 => ip("198.51.100.3"),
+                    sdk::IpFamily::Ipv6 => ip("2001:db8:51:100::3"),
                 })
             })
             .collect();
@@ -331,7 +356,7 @@ mod tests {
             let observed = observe(&lb_from(to_sdk_spec(&d, &[])));
             assert!(observed.drift(&d).is_empty(), "{:?}", observed.drift(&d));
             assert_eq!(observed.owner.as_ref(), Some(&d.owner));
-            assert_eq!(observed.vip_of(IpFamily::Ipv4), Some(ip("198.51.100.3")));
+            assert_eq!(observed.vip_of(IpFamily::V4), Some(ip("198.51.100.3")));
             assert_eq!(observed.phase, LoadBalancerPhase::Active);
         }
         let observed = observe(&lb_from(to_sdk_spec(&dual(), &[])));

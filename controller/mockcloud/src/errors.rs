@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use cloud_mock_sdk as sdk;
 
-use crate::provider::{AddressRefusal, Operation, ProviderError};
+use tandem_controller::provider::{AddressRefusal, Operation, ProviderError};
 
 /// The cloud's error code for each address refusal.
 const ADDRESS_REFUSALS: [(&str, AddressRefusal); 7] = [
@@ -92,6 +92,7 @@ pub fn classify(err: &sdk::Error, operation: Operation, id: Option<&str>) -> Pro
         },
         sdk::Error::Unavailable { .. }
         | sdk::Error::Transport(_)
+        | sdk::Error::Unreachable(_)
         | sdk::Error::Decode(_)
         | sdk::Error::Tls(_) => ProviderError::Unavailable {
             operation,
@@ -109,7 +110,8 @@ pub fn outcome(result: &Result<impl Sized, sdk::Error>) -> &'static str {
         Err(sdk::Error::RateLimited { .. }) => "rate_limited",
         Err(sdk::Error::Unauthorized) => "unauthorized",
         Err(sdk::Error::Unavailable { .. }) => "unavailable",
-        Err(sdk::Error::Transport(_)) => "transport",
+        // Every edge refused the connection: a transport failure, as with one edge.
+        Err(sdk::Error::Transport(_) | sdk::Error::Unreachable(_)) => "transport",
         Err(sdk::Error::Decode(_)) => "decode",
         Err(sdk::Error::Tls(_)) => "tls",
     }

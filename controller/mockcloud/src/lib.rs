@@ -1,4 +1,5 @@
-//! The mock-cloud provider, on `cloud-mock-sdk`.
+//! The mock-cloud provider, on `cloud-mock-sdk`: the controller's only code that knows
+//! that cloud. A binary registers it with [`REGISTRATION`].
 //!
 //! Finding an LB: by the id persisted on the Service, else by deterministic name + tags.
 //! Creating: with an `Idempotency-Key` derived from the Service UID and the spec, so a
@@ -12,10 +13,19 @@ mod convert;
 mod errors;
 
 use std::future::Future;
+use std::path::Path;
 use std::time::Duration;
 
 use cloud_mock_sdk as sdk;
 use cloud_mock_sdk::families;
+use tandem_controller::metrics::CloudMetrics;
+use tandem_controller::provider::{
+    Capabilities, ClusterId, DesiredLoadBalancer, DesiredNodePool, LoadBalancerLookup,
+    LoadBalancerProvider, ObservedLoadBalancer, ObservedNodePool, Operation, Profile,
+    ProviderError, TAG_CLUSTER_ID, TAG_SERVICE_UID,
+};
+use tandem_controller::ratelimit::SharedTokenBucket;
+use tandem_controller::registry::{self, DynProvider, Registration, Shared};
 
 pub use config::{Config, ConfigError};
 pub use convert::{
@@ -23,14 +33,8 @@ pub use convert::{
 };
 pub use errors::classify;
 
-use crate::metrics::CloudMetrics;
-use crate::provider::{
-    Capabilities, ClusterId, DesiredLoadBalancer, DesiredNodePool, LoadBalancerLookup,
-    LoadBalancerProvider, ObservedLoadBalancer, ObservedNodePool, Operation, Profile,
-    ProviderError, TAG_CLUSTER_ID, TAG_SERVICE_UID,
-};
-use crate::ratelimit::SharedTokenBucket;
-use crate::registry::{DynProvider, Registration, Shared};
+use convert::{belongs_to, kept_vips};
+use errors::{is_address_refusal, outcome, retry_delay};
 
 pub const PROFILE: Profile = Profile {
     name: "mockcloud",
@@ -41,27 +45,27 @@ pub const PROFILE: Profile = Profile {
 pub const REGISTRATION: Registration = Registration {
     profile: &PROFILE,
     build,
+    from_url_flags: Some(from_url_flags),
 };
 
 /// Builds the provider from its configuration file (see [`Config`]).
-fn build(
-    config: Option<&str>,
-    shared: Shared,
-) -> Result<DynProvider, crate::registry::ConfigError> {
+fn build(config: Option<&str>, shared: Shared) -> Result<DynProvider, registry::ConfigError> {
     let config = Config::parse(config.ok_or(ConfigError::Missing)?)?;
     let options = sdk::ClientOptions {
         root_certificates: config.ca()?,
         ..MockCloudProvider::client_options(shared.timeout)
     };
-    let client = sdk::Client::new(&config.url, config.token()?, options)?;
+    let client = sdk::Client::with_edges(&config.edges(), config.token()?, options)?;
     Ok(DynProvider::new(MockCloudProvider::new(
         client,
         shared.bucket,
         shared.metrics,
     )))
 }
-use convert::{belongs_to, kept_vips};
-use errors::{is_address_refusal, outcome, retry_delay};
+
+fn from_url_flags(url: &str, token_file: &Path) -> Result<String, registry::ConfigError> {
+    Ok(Config::shortcut(url, token_file)?)
+}
 
 /// Attempts per cloud call for retryable failures (429, 503, transport).
 const MAX_ATTEMPTS: u32 = 6;
