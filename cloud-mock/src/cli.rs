@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
-use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind, HaproxySettings};
+use cloud_mock_dataplane::{AnnounceConfig, DataPlaneConfig, DataPlaneKind, HaproxySettings};
 
 pub use tandem_common::{GoDuration, LogFormat};
 
@@ -92,6 +92,18 @@ impl EtcdArgs {
     }
 }
 
+/// A routing table of its own for announcements: not `unspec` (0) and none of the
+/// kernel's `default`, `main` and `local` (253 to 255), whose routes forward packets.
+fn announce_table(text: &str) -> Result<u32, String> {
+    let table: u32 = text.parse().map_err(|error| format!("{text:?}: {error}"))?;
+    match table {
+        0 | 253..=255 => Err(format!(
+            "table {table} is the kernel's own (unspec, default, main or local): give a table of its own"
+        )),
+        table => Ok(table),
+    }
+}
+
 /// This host's name, as the kernel has it.
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -150,6 +162,29 @@ pub struct Args {
     /// Device that managed VIP addresses are added to.
     #[arg(long, env = "CLOUD_MOCK_VIP_DEVICE", default_value = "lo")]
     pub vip_device: String,
+    /// Announce every VIP this edge can forward (its load balancer realised, a backend
+    /// healthy by its own checks) as a route in this kernel routing table, for the host's
+    /// BGP speaker to export (BIRD's kernel protocol with `learn`); withdrawn when it no
+    /// longer can, and before the edge stops.
+    #[arg(long, env = "CLOUD_MOCK_ANNOUNCE_TABLE", value_parser = announce_table)]
+    pub announce_table: Option<u32>,
+    /// The `proto` of the announcement routes (another writer's are never touched).
+    #[arg(
+        long,
+        env = "CLOUD_MOCK_ANNOUNCE_ROUTE_PROTOCOL",
+        default_value_t = 78,
+        requires = "announce_table"
+    )]
+    pub announce_route_protocol: u8,
+    /// How long a stopping edge keeps serving after it withdrew its VIPs: the routers'
+    /// time to move new flows to the other edges.
+    #[arg(
+        long,
+        env = "CLOUD_MOCK_DRAIN_DELAY",
+        default_value = "5s",
+        requires = "announce_table"
+    )]
+    pub drain_delay: GoDuration,
     #[arg(long, env = "CLOUD_MOCK_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     /// Serve the API over HTTPS only, with this PEM certificate chain (server certificate
@@ -194,6 +229,11 @@ impl Args {
                 health_interval: self.health_interval.into(),
                 manage_vip_addresses: self.manage_vip_addresses,
                 vip_device: self.vip_device.clone(),
+                announce: self.announce_table.map(|table| AnnounceConfig {
+                    table,
+                    route_protocol: self.announce_route_protocol,
+                    drain: self.drain_delay.into(),
+                }),
                 ..DataPlaneConfig::default()
             },
         })
@@ -303,6 +343,40 @@ mod tests {
             Err(PoolsError::Overlap { .. })
         ));
         assert!(parse(&["--vip-pool", "Bad=10.0.0.0/8"]).is_err());
+    }
+
+    #[test]
+    fn announcements_go_to_a_table_of_their_own() {
+        let pool = ["--vip-pool", "127.77.0.0/24"];
+        let none = parse(&pool).unwrap().settings().unwrap();
+        assert_eq!(none.dataplane.announce, None);
+        let announce = parse(
+            &[
+                &pool[..],
+                &["--announce-table", "100", "--drain-delay", "2s"],
+            ]
+            .concat(),
+        )
+        .unwrap()
+        .settings()
+        .unwrap()
+        .dataplane
+        .announce
+        .unwrap();
+        assert_eq!(
+            (announce.table, announce.route_protocol, announce.drain),
+            (100, 78, Duration::from_secs(2))
+        );
+        for kernel_table in ["0", "253", "254", "255"] {
+            assert!(
+                parse(&[&pool[..], &["--announce-table", kernel_table]].concat()).is_err(),
+                "{kernel_table}"
+            );
+        }
+        assert!(
+            parse(&[&pool[..], &["--drain-delay", "2s"]].concat()).is_err(),
+            "a drain needs announcements"
+        );
     }
 
     #[test]

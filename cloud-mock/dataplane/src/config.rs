@@ -1,6 +1,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::announce::AnnounceConfig;
+
 /// Whether the data plane realises load balancers at all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DataPlaneKind {
@@ -70,6 +72,8 @@ pub struct DataPlaneConfig {
     pub haproxy: HaproxySettings,
     /// The iproute2 `ip` program.
     pub ip_program: PathBuf,
+    /// Announce the VIPs this edge can forward to a BGP speaker (none: nothing announced).
+    pub announce: Option<AnnounceConfig>,
 }
 
 /// Settings of passthrough-mode kernel routes.
@@ -109,6 +113,7 @@ impl Default for DataPlaneConfig {
             passthrough: PassthroughConfig::default(),
             haproxy: HaproxySettings::default(),
             ip_program: PathBuf::from("ip"),
+            announce: None,
         }
     }
 }

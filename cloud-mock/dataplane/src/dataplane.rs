@@ -2,7 +2,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock, Weak};
+use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 use tokio::net::{TcpListener, UdpSocket};
@@ -12,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::announce::{AnnounceConfig, Announcer, offered};
 use crate::command::{IpCommand, add_address_args, already_gone, delete_address_args};
 use crate::config::{DataPlaneConfig, DataPlaneKind};
 use crate::error::DataPlaneError;
@@ -50,6 +52,63 @@ struct Shared {
     views: RwLock<HashMap<String, LbView>>,
     cancel: CancellationToken,
     running: Mutex<Running>,
+    /// The announcer, when VIPs are announced: stopped (withdrawing) first at shutdown.
+    announcing: std::sync::Mutex<Option<Announcing>>,
+}
+
+struct Announcing {
+    cancel: CancellationToken,
+    task: JoinHandle<()>,
+    drain: Duration,
+}
+
+/// How often the set of VIPs this edge can forward is read again (from memory) for the
+/// announcer: health changes at the probes' pace, so this adds at most this much to a
+/// withdrawal.
+const OFFER_INTERVAL: Duration = Duration::from_millis(100);
+
+impl Shared {
+    /// Health of each backend of `view`: healthy only if healthy under every distinct
+    /// health check of its listeners (no checks: healthy).
+    fn view_health(&self, view: &LbView) -> Vec<(IpAddr, BackendHealth)> {
+        let haproxy = self.haproxy.as_ref();
+        lb_backend_health(view, |target| {
+            haproxy
+                .and_then(|haproxy| haproxy.health(target))
+                .unwrap_or_else(|| self.health.get(target))
+        })
+    }
+
+    /// The VIPs this edge can forward now.
+    fn offered(&self) -> BTreeSet<IpAddr> {
+        let views = self.views.read().unwrap_or_else(PoisonError::into_inner);
+        offered(views.values(), |view| self.view_health(view))
+    }
+}
+
+/// Hands `announced` the VIPs `shared` can forward, as they change, until `cancel` (or
+/// until the data plane is gone).
+async fn offer(
+    shared: Weak<Shared>,
+    announced: watch::Sender<BTreeSet<IpAddr>>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let now = shared.offered();
+        drop(shared);
+        announced.send_if_modified(|current| {
+            let changed = *current != now;
+            *current = now;
+            changed
+        });
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(OFFER_INTERVAL) => {}
+        }
+    }
 }
 
 impl Drop for Shared {
@@ -102,7 +161,8 @@ impl DataPlane {
                 cancel.child_token(),
             )
         });
-        Self {
+        let announce = config.announce.clone();
+        let dataplane = Self {
             shared: Arc::new(Shared {
                 config,
                 ip,
@@ -112,8 +172,38 @@ impl DataPlane {
                 views: RwLock::default(),
                 cancel,
                 running: Mutex::default(),
+                announcing: std::sync::Mutex::default(),
             }),
+        };
+        if let Some(announce) = announce {
+            dataplane.start_announcing(announce);
         }
+        dataplane
+    }
+
+    /// Starts announcing the VIPs this data plane can forward (needs a runtime).
+    fn start_announcing(&self, config: AnnounceConfig) {
+        let cancel = CancellationToken::new();
+        let (announced, offers) = watch::channel(BTreeSet::new());
+        let drain = config.drain;
+        let announcer = Announcer::new(config, self.shared.ip.clone());
+        let shared = Arc::downgrade(&self.shared);
+        let stop = cancel.clone();
+        let task = tokio::spawn(async move {
+            tokio::join!(
+                offer(shared, announced, stop.clone()),
+                announcer.run(offers, stop)
+            );
+        });
+        *self
+            .shared
+            .announcing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Announcing {
+            cancel,
+            task,
+            drain,
+        });
     }
 
     /// The complete desired set; converges idempotently: starts/stops only what changed.
@@ -194,14 +284,9 @@ impl DataPlane {
             .views
             .read()
             .unwrap_or_else(PoisonError::into_inner);
-        let haproxy = self.shared.haproxy.as_ref();
-        views.get(lb_id).map_or_else(Vec::new, |view| {
-            lb_backend_health(view, |target| {
-                haproxy
-                    .and_then(|haproxy| haproxy.health(target))
-                    .unwrap_or_else(|| self.shared.health.get(target))
-            })
-        })
+        views
+            .get(lb_id)
+            .map_or_else(Vec::new, |view| self.shared.view_health(view))
     }
 
     /// Whether proxy-mode load balancers may have UDP listeners (HAProxy serves TCP only).
@@ -213,10 +298,24 @@ impl DataPlane {
         self.shared.metrics.register(registry);
     }
 
-    /// Stops every listener (closing its connections) and probe, removes passthrough
-    /// routes and managed VIP addresses, and refuses further `apply`s.
+    /// Withdraws every announced VIP and keeps serving through the drain, then stops
+    /// every listener (closing its connections) and probe, removes passthrough routes and
+    /// managed VIP addresses, and refuses further `apply`s.
     pub async fn shutdown(&self) {
         let shared = &self.shared;
+        let announcing = shared
+            .announcing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(announcing) = announcing {
+            announcing.cancel.cancel();
+            if let Err(error) = announcing.task.await {
+                warn!(%error, "announcer task failed");
+            }
+            info!(drain = ?announcing.drain, "VIPs withdrawn; serving through the drain");
+            tokio::time::sleep(announcing.drain).await;
+        }
         let mut running = shared.running.lock().await;
         if running.shut_down {
             return;

@@ -10,15 +10,20 @@
 //! Proxy mode is served by our own listeners or, with `DataPlaneKind::Haproxy`, by a real
 //! HAProxy (module `haproxy`).
 //!
-//! Layout: `plan`, `routes` and `haproxy::render` decide (pure functions of the desired
-//! set and the observed health); `tcp`, `udp`, `health`, `command`, `haproxy` and
-//! `dataplane` do (sockets, probes, `ip`, HAProxy).
+//! With `announce`, the VIPs this edge can forward are written into a kernel table that a
+//! BGP speaker exports (module `announce`), and withdrawn before the data plane stops.
+//!
+//! Layout: `plan`, `routes`, `announce::offered` and `haproxy::render` decide (pure
+//! functions of the desired set and the observed health); `tcp`, `udp`, `health`,
+//! `command`, `haproxy`, `announce::Announcer` and `dataplane` do (sockets, probes, `ip`,
+//! HAProxy).
 
 use std::fmt;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
 
+mod announce;
 mod command;
 mod config;
 mod dataplane;
@@ -33,6 +38,7 @@ mod splice;
 mod tcp;
 mod udp;
 
+pub use announce::AnnounceConfig;
 pub use config::{DataPlaneConfig, DataPlaneKind, HaproxySettings, PassthroughConfig};
 pub use dataplane::DataPlane;
 pub use error::DataPlaneError;

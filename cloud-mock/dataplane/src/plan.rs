@@ -44,6 +44,8 @@ pub(crate) struct PassthroughRoute {
 /// What `backend_health` needs to answer for one load balancer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct LbView {
+    /// What the edge announces when it can forward them (see `announce`).
+    pub vips: Vec<IpAddr>,
     /// In the order the load balancer lists them, without duplicates.
     pub backends: Vec<IpAddr>,
     pub checks: Vec<HealthCheck>,
@@ -82,6 +84,7 @@ pub(crate) fn desired_state(lbs: &[LoadBalancer], manage_vip_addresses: bool) ->
             .into_iter()
             .collect();
         let view = LbView {
+            vips: lb.vips.clone(),
             backends: backends_in_order.clone(),
             checks: checks.clone(),
             realised: false,
