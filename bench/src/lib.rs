@@ -5,6 +5,7 @@
 pub mod controller;
 pub mod curves;
 pub mod dataplane;
+pub mod edgecluster;
 pub mod nodeproxy;
 pub mod report;
 

@@ -7,6 +7,8 @@
 pub mod api;
 pub mod cli;
 mod error;
+#[cfg(feature = "test-support")]
+pub mod etcd_cluster;
 mod extract;
 pub mod faults;
 pub mod lifecycle;

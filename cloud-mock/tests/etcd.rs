@@ -5,18 +5,16 @@
 //! compaction; writes without quorum fail cleanly while reads go on; one edge leads, and
 //! another takes over when it goes; a redb store copied into etcd keeps everything.
 
-mod etcd_cluster;
-
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
+use cloud_mock::etcd_cluster::EtcdCluster;
 use cloud_mock::pools::VipPools;
 use cloud_mock::store::{EtcdSettings, Store, StoreError, etcd};
 use cloud_mock::validate::validate_spec;
 use cloud_mock_sdk::families::LoadBalancerSpec;
 use cloud_mock_sdk::{NodePoolSpec, State};
-use etcd_cluster::EtcdCluster;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 

@@ -8,7 +8,7 @@ use tandem_bench::report::machine::Machine;
 use tandem_bench::report::{
     Block, HEADER_BLOCK, Run, block_body, header, markdown, splice, summary,
 };
-use tandem_bench::{BenchOptions, controller, curves, dataplane, nodeproxy};
+use tandem_bench::{BenchOptions, controller, curves, dataplane, edgecluster, nodeproxy};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -43,6 +43,9 @@ enum Which {
     Dataplane,
     /// The scale curves: the node proxy and the controller at more sizes, drawn as SVG.
     Curves,
+    /// The edge cluster's store on a real 3-member etcd: create latency against redb, VIPs
+    /// handed out twice, writes lost through a killed etcd leader, leadership taken over.
+    EdgeCluster,
     /// A node where nothing changes: the node proxy's CPU per hour against kube-proxy
     /// v1.21.2 (TANDEM_KUBE_PROXY), and the repair of someone else's change.
     Idle,
@@ -84,6 +87,12 @@ fn main() -> Result<()> {
         blocks.push(Block {
             name: dataplane::BLOCK,
             sections: dataplane::run(&options).context("data plane benchmark")?,
+        });
+    }
+    if wanted(Which::EdgeCluster) {
+        blocks.push(Block {
+            name: edgecluster::BLOCK,
+            sections: edgecluster::run(&options).context("edge cluster benchmark")?,
         });
     }
     if wanted(Which::Curves) {
@@ -146,7 +155,11 @@ fn write_report(path: &Path, document: &str) -> Result<()> {
 
 /// The command as a reader would type it again.
 fn command_line(cli: &Cli) -> String {
-    let mut command = format!("tandem-bench {}", format!("{:?}", cli.which).to_lowercase());
+    let which = cli
+        .which
+        .to_possible_value()
+        .map_or_else(|| format!("{:?}", cli.which), |value| value.get_name().to_owned());
+    let mut command = format!("tandem-bench {which}");
     if let Some(mode) = cli.proxy_mode {
         command.push_str(&format!(" --proxy-mode {}", mode.as_str()));
     }

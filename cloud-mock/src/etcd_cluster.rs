@@ -1,7 +1,9 @@
-//! A real etcd cluster for tests: Debian's `etcd` (3.4), several members on loopback
-//! ports of their own, each in a temporary data directory; members can be stopped and
-//! started again on their data. Every process is ended by its PID, and the directories
-//! removed, when the cluster is dropped.
+//! A real etcd cluster for tests and benchmarks (feature `test-support`): Debian's `etcd`
+//! (3.4), several members on loopback ports of their own, each in a temporary data
+//! directory; members can be stopped and started again on their data. Every process is
+//! ended by its PID, and the directories removed, when the cluster is dropped. A member
+//! that does not start ends the test that needs it, with the reason.
+#![allow(clippy::expect_used)]
 
 use std::net::{Ipv4Addr, TcpListener};
 use std::path::PathBuf;
