@@ -151,9 +151,17 @@ async fn commit_latencies(
     for n in 0..count {
         let started = Instant::now();
         let txn = Txn::new()
-            .when([Compare::mod_revision(guard.clone(), CompareOp::Equal, revision)])
+            .when([Compare::mod_revision(
+                guard.clone(),
+                CompareOp::Equal,
+                revision,
+            )])
             .and_then([
-                TxnOp::put(format!("/bench-commit/{round}/lb/{n}"), record.clone(), None),
+                TxnOp::put(
+                    format!("/bench-commit/{round}/lb/{n}"),
+                    record.clone(),
+                    None,
+                ),
                 TxnOp::put(format!("/bench-commit/{round}/vip/{n}"), "[\"lb\"]", None),
                 TxnOp::put(format!("/bench-commit/{round}/key/{n}"), "lb", None),
                 TxnOp::put(guard.clone(), format!("bench/{n}"), None),

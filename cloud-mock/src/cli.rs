@@ -4,7 +4,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
-use cloud_mock_dataplane::{AnnounceConfig, DataPlaneConfig, DataPlaneKind, HaproxySettings};
+use cloud_mock_dataplane::{
+    AnnounceConfig, DataPlaneConfig, DataPlaneKind, HaproxySettings, MaglevConfig,
+    PassthroughConfig,
+};
 
 pub use tandem_common::{GoDuration, LogFormat};
 
@@ -31,6 +34,16 @@ pub enum DataPlaneArg {
     Haproxy,
     /// API only: nothing is realised, health stays unknown.
     None,
+}
+
+/// How passthrough flows are spread over a VIP's nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SteeringArg {
+    /// The kernel's route hash over a resilient nexthop group: this host's own spread.
+    Kernel,
+    /// A Maglev table (nftables and a routing table per node) that every edge computes
+    /// alike: a flow the router moves to another edge keeps its node. For edge clusters.
+    Maglev,
 }
 
 /// `cloud-mock copy-store`: copies the embedded store of --data-dir into an empty etcd
@@ -92,9 +105,9 @@ impl EtcdArgs {
     }
 }
 
-/// A routing table of its own for announcements: not `unspec` (0) and none of the
-/// kernel's `default`, `main` and `local` (253 to 255), whose routes forward packets.
-fn announce_table(text: &str) -> Result<u32, String> {
+/// A routing table of ours: not `unspec` (0) and none of the kernel's `default`, `main`
+/// and `local` (253 to 255), whose routes forward packets.
+fn own_table(text: &str) -> Result<u32, String> {
     let table: u32 = text.parse().map_err(|error| format!("{text:?}: {error}"))?;
     match table {
         0 | 253..=255 => Err(format!(
@@ -166,7 +179,7 @@ pub struct Args {
     /// healthy by its own checks) as a route in this kernel routing table, for the host's
     /// BGP speaker to export (BIRD's kernel protocol with `learn`); withdrawn when it no
     /// longer can, and before the edge stops.
-    #[arg(long, env = "CLOUD_MOCK_ANNOUNCE_TABLE", value_parser = announce_table)]
+    #[arg(long, env = "CLOUD_MOCK_ANNOUNCE_TABLE", value_parser = own_table)]
     pub announce_table: Option<u32>,
     /// The `proto` of the announcement routes (another writer's are never touched).
     #[arg(
@@ -185,6 +198,14 @@ pub struct Args {
         requires = "announce_table"
     )]
     pub drain_delay: GoDuration,
+    /// How passthrough flows are spread over a VIP's nodes; every edge of an edge cluster
+    /// needs `maglev`, so that a flow keeps its node on whichever edge it arrives.
+    #[arg(long, env = "CLOUD_MOCK_PASSTHROUGH_STEERING", value_enum, default_value_t = SteeringArg::Kernel)]
+    pub passthrough_steering: SteeringArg,
+    /// The routing table (and packet mark) of the first node of `--passthrough-steering
+    /// maglev`; the next 1,023 are ours too (one per node).
+    #[arg(long, env = "CLOUD_MOCK_MAGLEV_FIRST_TABLE", default_value_t = MaglevConfig::default().first_table, value_parser = own_table)]
+    pub maglev_first_table: u32,
     #[arg(long, env = "CLOUD_MOCK_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     /// Serve the API over HTTPS only, with this PEM certificate chain (server certificate
@@ -229,6 +250,15 @@ impl Args {
                 health_interval: self.health_interval.into(),
                 manage_vip_addresses: self.manage_vip_addresses,
                 vip_device: self.vip_device.clone(),
+                passthrough: PassthroughConfig {
+                    maglev: (self.passthrough_steering == SteeringArg::Maglev).then(|| {
+                        MaglevConfig {
+                            first_table: self.maglev_first_table,
+                            ..MaglevConfig::default()
+                        }
+                    }),
+                    ..PassthroughConfig::default()
+                },
                 announce: self.announce_table.map(|table| AnnounceConfig {
                     table,
                     route_protocol: self.announce_route_protocol,
@@ -377,6 +407,34 @@ mod tests {
             parse(&[&pool[..], &["--drain-delay", "2s"]].concat()).is_err(),
             "a drain needs announcements"
         );
+    }
+
+    #[test]
+    fn maglev_steering_is_asked_for() {
+        let pool = ["--vip-pool", "127.77.0.0/24"];
+        let kernel = parse(&pool).unwrap().settings().unwrap();
+        assert!(kernel.dataplane.passthrough.maglev.is_none());
+        let maglev = parse(
+            &[
+                &pool[..],
+                &[
+                    "--passthrough-steering",
+                    "maglev",
+                    "--maglev-first-table",
+                    "4000",
+                ],
+            ]
+            .concat(),
+        )
+        .unwrap()
+        .settings()
+        .unwrap()
+        .dataplane
+        .passthrough
+        .maglev
+        .unwrap();
+        assert_eq!(maglev.first_table, 4000);
+        assert!(parse(&[&pool[..], &["--maglev-first-table", "254"]].concat()).is_err());
     }
 
     #[test]

@@ -155,10 +155,10 @@ fn write_report(path: &Path, document: &str) -> Result<()> {
 
 /// The command as a reader would type it again.
 fn command_line(cli: &Cli) -> String {
-    let which = cli
-        .which
-        .to_possible_value()
-        .map_or_else(|| format!("{:?}", cli.which), |value| value.get_name().to_owned());
+    let which = cli.which.to_possible_value().map_or_else(
+        || format!("{:?}", cli.which),
+        |value| value.get_name().to_owned(),
+    );
     let mut command = format!("tandem-bench {which}");
     if let Some(mode) = cli.proxy_mode {
         command.push_str(&format!(" --proxy-mode {}", mode.as_str()));

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::BackendHealth;
-use crate::command::{IpCommand, already_gone, family_flag, host_prefix};
+use crate::command::{Program, already_gone, family_flag, host_prefix};
 use crate::plan::LbView;
 
 /// Where announcements go, and how a drain withdraws them.
@@ -100,12 +100,12 @@ fn parse_announced(output: &str) -> BTreeSet<IpAddr> {
 /// Keeps the table equal to the VIPs `offered` says, until `cancel`; then withdraws them
 /// all. Changes are retried until they hold.
 pub struct Announcer {
-    ip: IpCommand,
+    ip: Program,
     config: AnnounceConfig,
 }
 
 impl Announcer {
-    pub(crate) fn new(config: AnnounceConfig, ip: IpCommand) -> Self {
+    pub(crate) fn new(config: AnnounceConfig, ip: Program) -> Self {
         Self { ip, config }
     }
 

@@ -1,4 +1,4 @@
-//! Do: the `ip` program, run without blocking the runtime.
+//! Do: the programs the data plane drives (`ip`, `nft`), run without blocking the runtime.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -6,32 +6,59 @@ use std::process::Stdio;
 
 use tracing::debug;
 
-use crate::error::CommandError;
+use crate::error::{CommandError, DeviceError};
 
 #[derive(Debug, Clone)]
-pub(crate) struct IpCommand {
+pub(crate) struct Program {
     program: PathBuf,
 }
 
-impl IpCommand {
+impl Program {
     pub fn new(program: PathBuf) -> Self {
         Self { program }
     }
 
-    /// Runs `ip ARGS`; its standard output on success.
+    /// Runs `PROGRAM ARGS`; its standard output on success.
     pub async fn run(&self, args: &[String]) -> Result<String, CommandError> {
+        self.run_with_input(args, "").await
+    }
+
+    /// Runs `PROGRAM ARGS` with `input` on its standard input; its standard output on
+    /// success.
+    pub async fn run_with_input(
+        &self,
+        args: &[String],
+        input: &str,
+    ) -> Result<String, CommandError> {
         let command = format!("{} {}", self.program.display(), args.join(" "));
         debug!(%command, "running");
-        let output = tokio::process::Command::new(&self.program)
+        let spawn_error = |source| CommandError::Spawn {
+            command: command.clone(),
+            source,
+        };
+        let mut child = tokio::process::Command::new(&self.program)
             .args(args)
-            .stdin(Stdio::null())
+            .stdin(if input.is_empty() {
+                Stdio::null()
+            } else {
+                Stdio::piped()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
             .kill_on_drop(true)
-            .output()
-            .await
-            .map_err(|source| CommandError::Spawn {
-                command: command.clone(),
-                source,
-            })?;
+            .spawn()
+            .map_err(spawn_error)?;
+        let stdin = child.stdin.take();
+        // Written while the output is read, so that neither side waits on a full pipe;
+        // dropped after writing, so that the program reads to its end. A program that
+        // stops reading early says why on its standard error.
+        let feed = async move {
+            if let Some(mut stdin) = stdin {
+                let _ = tokio::io::AsyncWriteExt::write_all(&mut stdin, input.as_bytes()).await;
+            }
+        };
+        let ((), output) = tokio::join!(feed, child.wait_with_output());
+        let output = output.map_err(spawn_error)?;
         if output.status.success() {
             Ok(String::from_utf8_lossy(&output.stdout).into_owned())
         } else {
@@ -89,6 +116,34 @@ pub(crate) fn already_gone(error: &CommandError) -> bool {
         || stderr.contains("No such file or directory")
 }
 
+/// `ip` arguments asking which way `gateway` is reached.
+pub(crate) fn route_get_args(gateway: IpAddr) -> Vec<String> {
+    [family_flag(gateway), "route", "get", &gateway.to_string()]
+        .map(str::to_owned)
+        .to_vec()
+}
+
+/// The value after `key` among the tokens of a line of `ip` output.
+pub(crate) fn value_of<'a>(tokens: &[&'a str], key: &str) -> Option<&'a str> {
+    tokens
+        .windows(2)
+        .find(|pair| pair[0] == key)
+        .map(|pair| pair[1])
+}
+
+/// The device in `ip route get` output.
+pub(crate) fn parse_route_device(output: &str) -> Option<String> {
+    let tokens: Vec<&str> = output.split_whitespace().collect();
+    value_of(&tokens, "dev").map(str::to_owned)
+}
+
+/// The device `gateway` is reached on (a nexthop object or a route in a table of its own
+/// needs it).
+pub(crate) async fn device_towards(ip: &Program, gateway: IpAddr) -> Result<String, DeviceError> {
+    let output = ip.run(&route_get_args(gateway)).await?;
+    parse_route_device(&output).ok_or(DeviceError::NoDevice { gateway, output })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,13 +191,13 @@ mod tests {
 
     #[tokio::test]
     async fn failures_carry_stderr_and_missing_programs_are_spawn_errors() {
-        let ip = IpCommand::new(PathBuf::from("ip"));
+        let ip = Program::new(PathBuf::from("ip"));
         let error = ip
             .run(&["route".to_owned(), "frobnicate".to_owned()])
             .await
             .unwrap_err();
         assert!(matches!(&error, CommandError::Failed { stderr, .. } if !stderr.is_empty()));
-        let missing = IpCommand::new(PathBuf::from("/nonexistent/ip"));
+        let missing = Program::new(PathBuf::from("/nonexistent/ip"));
         let error = missing.run(&[]).await.unwrap_err();
         assert!(matches!(error, CommandError::Spawn { .. }));
     }

@@ -86,6 +86,34 @@ pub struct PassthroughConfig {
     /// the multipath hash (resilient groups use it too) spreads flows, not just
     /// source/destination pairs, over the backends.
     pub set_multipath_hash_policy: bool,
+    /// Steer TCP and UDP flows by Maglev hashing, the same on every edge of an edge
+    /// cluster (none: the routes' own hash, which is this host's alone).
+    pub maglev: Option<MaglevConfig>,
+}
+
+/// Settings of the Maglev steering of passthrough flows (module `maglev`).
+#[derive(Debug, Clone)]
+pub struct MaglevConfig {
+    /// The routing table (and packet mark) of the first node; node tables are
+    /// `first_table .. first_table + tables`, all ours.
+    pub first_table: u32,
+    /// How many nodes can be steered to; a VIP with more nodes keeps its main-table route.
+    pub tables: u32,
+    /// The priority of the rules from a node's mark to its table: before `main` (32766).
+    pub rule_priority: u32,
+    /// The nftables `nft` program.
+    pub nft_program: PathBuf,
+}
+
+impl Default for MaglevConfig {
+    fn default() -> Self {
+        Self {
+            first_table: 0x7a00,
+            tables: 1024,
+            rule_priority: 100,
+            nft_program: PathBuf::from("nft"),
+        }
+    }
 }
 
 impl Default for PassthroughConfig {
@@ -93,6 +121,7 @@ impl Default for PassthroughConfig {
         Self {
             route_protocol: 77,
             set_multipath_hash_policy: true,
+            maglev: None,
         }
     }
 }

@@ -14,7 +14,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::announce::{AnnounceConfig, Announcer, offered};
-use crate::command::{IpCommand, add_address_args, already_gone, delete_address_args};
+use crate::command::{Program, add_address_args, already_gone, delete_address_args};
 use crate::config::{DataPlaneConfig, DataPlaneKind};
 use crate::error::DataPlaneError;
 use crate::failure::{LbFailure, LbFailureReason};
@@ -43,7 +43,7 @@ pub struct DataPlane {
 
 struct Shared {
     config: DataPlaneConfig,
-    ip: IpCommand,
+    ip: Program,
     health: HealthTable,
     metrics: Metrics,
     /// Serves proxy mode with `DataPlaneKind::Haproxy`.
@@ -143,7 +143,7 @@ struct RunningRoutes {
 
 impl DataPlane {
     pub fn new(config: DataPlaneConfig) -> Self {
-        let ip = IpCommand::new(config.ip_program.clone());
+        let ip = Program::new(config.ip_program.clone());
         let metrics = Metrics::default();
         let cancel = CancellationToken::new();
         let haproxy = (config.mode == DataPlaneKind::Haproxy).then(|| {

@@ -39,6 +39,18 @@ impl CommandError {
     }
 }
 
+/// Why the device towards a gateway is not known.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DeviceError {
+    #[error(transparent)]
+    Command(#[from] CommandError),
+    #[error("no device towards {gateway} in `ip route get`: {output:?}")]
+    NoDevice {
+        gateway: std::net::IpAddr,
+        output: String,
+    },
+}
+
 struct LbFailures<'a>(&'a [LbFailure]);
 
 impl fmt::Display for LbFailures<'_> {

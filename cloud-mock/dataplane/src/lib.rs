@@ -13,10 +13,14 @@
 //! With `announce`, the VIPs this edge can forward are written into a kernel table that a
 //! BGP speaker exports (module `announce`), and withdrawn before the data plane stops.
 //!
-//! Layout: `plan`, `routes`, `announce::offered` and `haproxy::render` decide (pure
-//! functions of the desired set and the observed health); `tcp`, `udp`, `health`,
-//! `command`, `haproxy`, `announce::Announcer` and `dataplane` do (sockets, probes, `ip`,
-//! HAProxy).
+//! With `passthrough.maglev`, passthrough flows are steered to nodes by a Maglev table that
+//! every edge computes alike (module `maglev`), so a flow keeps its node when the router
+//! moves it to another edge.
+//!
+//! Layout: `plan`, `routes`, `maglev`, `announce::offered` and `haproxy::render` decide
+//! (pure functions of the desired set and the observed health); `tcp`, `udp`, `health`,
+//! `command`, `steering`, `haproxy`, `announce::Announcer` and `dataplane` do (sockets,
+//! probes, `ip`, `nft`, HAProxy).
 
 use std::fmt;
 use std::net::IpAddr;
@@ -31,15 +35,19 @@ mod error;
 mod failure;
 mod haproxy;
 mod health;
+mod maglev;
 mod metrics;
 mod plan;
 mod routes;
 mod splice;
+mod steering;
 mod tcp;
 mod udp;
 
 pub use announce::AnnounceConfig;
-pub use config::{DataPlaneConfig, DataPlaneKind, HaproxySettings, PassthroughConfig};
+pub use config::{
+    DataPlaneConfig, DataPlaneKind, HaproxySettings, MaglevConfig, PassthroughConfig,
+};
 pub use dataplane::DataPlane;
 pub use error::DataPlaneError;
 pub use failure::{LbFailure, LbFailureReason, Unrenderable};

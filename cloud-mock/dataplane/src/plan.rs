@@ -10,6 +10,11 @@ use crate::failure::{LbFailure, LbFailureReason};
 use crate::health::ProbeTarget;
 use crate::{BackendHealth, HealthCheck, Listener, LoadBalancer, Mode, Protocol, same_family};
 
+/// Passthrough VIP → the nodes its route leads to (sorted); a desired route always has at
+/// least one. `routes::desired_routes` decides it, the routes and the Maglev steering
+/// realise it.
+pub(crate) type RouteTable = BTreeMap<IpAddr, Vec<IpAddr>>;
+
 /// A socket the proxy binds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct ListenerKey {

@@ -40,15 +40,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::BackendHealth;
-use crate::command::{IpCommand, already_gone, family_flag, host_prefix};
+use crate::command::{Program, already_gone, device_towards, family_flag, host_prefix, value_of};
 use crate::config::PassthroughConfig;
-use crate::error::CommandError;
+use crate::error::DeviceError;
 use crate::health::{HealthTable, ProbeTarget};
 use crate::metrics::Metrics;
-use crate::plan::{PassthroughRoute, combined_health};
-
-/// VIP → nexthops (sorted); a desired route always has at least one.
-pub(crate) type RouteTable = BTreeMap<IpAddr, Vec<IpAddr>>;
+use crate::plan::{PassthroughRoute, RouteTable, combined_health};
+use crate::steering::Steering;
 
 pub(crate) type WantedRoutes = Arc<BTreeMap<IpAddr, Vec<PassthroughRoute>>>;
 
@@ -513,27 +511,6 @@ pub(crate) fn list_nexthops_args(protocol: Option<u8>) -> Vec<String> {
         .collect()
 }
 
-/// `ip` arguments asking which way `gateway` is reached.
-fn route_get_args(gateway: IpAddr) -> Vec<String> {
-    [family_flag(gateway), "route", "get", &gateway.to_string()]
-        .map(str::to_owned)
-        .to_vec()
-}
-
-/// The value after `key` among `tokens`.
-fn value_of<'a>(tokens: &[&'a str], key: &str) -> Option<&'a str> {
-    tokens
-        .windows(2)
-        .find(|pair| pair[0] == key)
-        .map(|pair| pair[1])
-}
-
-/// The device in `ip route get` output.
-pub(crate) fn parse_route_device(output: &str) -> Option<String> {
-    let tokens: Vec<&str> = output.split_whitespace().collect();
-    value_of(&tokens, "dev").map(str::to_owned)
-}
-
 /// Host routes in `ip route show` output (nexthop lines are indented): to a group
 /// (`nhid G`), or anything else (nexthops unknown).
 pub(crate) fn parse_routes(output: &str) -> Vec<(IpAddr, Route)> {
@@ -596,17 +573,8 @@ pub(crate) fn retry_after(base: Duration, failed_rounds: u32) -> Duration {
     base.saturating_mul(factor).min(Duration::from_secs(30))
 }
 
-/// Why one write failed.
-#[derive(Debug, thiserror::Error)]
-enum ChangeError {
-    #[error(transparent)]
-    Command(#[from] CommandError),
-    #[error("no device towards {gateway} in `ip route get`: {output:?}")]
-    NoDevice { gateway: IpAddr, output: String },
-}
-
 pub(crate) struct RouteManager {
-    pub ip: IpCommand,
+    pub ip: Program,
     pub settings: PassthroughConfig,
     pub health: HealthTable,
     pub metrics: Metrics,
@@ -623,6 +591,14 @@ impl RouteManager {
         let style = self.probe(&self.adopt().await).await;
         // Adopted after the probe, so that anything the probe failed to remove goes too.
         let mut installed = self.adopt().await;
+        let mut steering = self
+            .settings
+            .maglev
+            .clone()
+            .map(|config| Steering::new(self.ip.clone(), config, protocol));
+        if let Some(steering) = steering.as_mut() {
+            steering.adopt().await;
+        }
         // The families (by `ip` flag) whose forwarding is prepared.
         let mut prepared: BTreeSet<&'static str> = BTreeSet::new();
         let mut failed_rounds: u32 = 0;
@@ -638,7 +614,10 @@ impl RouteManager {
                     self.prepare_forwarding(sysctls_of(vip)).await;
                 }
             }
-            let failed = !self.execute(&plan, &mut installed).await;
+            let mut failed = !self.execute(&plan, &mut installed).await;
+            if let Some(steering) = steering.as_mut() {
+                failed |= !steering.sync(&desired).await;
+            }
             failed_rounds = if failed {
                 // What failed may have left the kernel other than believed: look again.
                 installed = self.adopt().await;
@@ -652,6 +631,10 @@ impl RouteManager {
                 changed = self.wanted.changed() => if changed.is_err() { break },
                 () = tokio::time::sleep(retry_after(self.retry_delay, failed_rounds)), if failed => {}
             }
+        }
+        // Steering first: no packet is marked for a node whose route is gone.
+        if let Some(steering) = steering.as_mut() {
+            steering.clear().await;
         }
         let cleanup = plan_routes(&installed, &RouteTable::new(), style, protocol);
         self.execute(&cleanup, &mut installed).await;
@@ -746,12 +729,12 @@ impl RouteManager {
         let protocol = self.settings.route_protocol;
         let mut all_done = true;
         for &(id, gateway) in &plan.gateways {
-            let result = match self.device_towards(gateway).await {
+            let result = match device_towards(&self.ip, gateway).await {
                 Ok(device) => self
                     .ip
                     .run(&gateway_args(id, gateway, &device, protocol))
                     .await
-                    .map_err(ChangeError::from),
+                    .map_err(DeviceError::from),
                 Err(error) => Err(error),
             };
             self.metrics.route_change(result.is_ok());
@@ -789,11 +772,6 @@ impl RouteManager {
             }
         }
         all_done
-    }
-
-    async fn device_towards(&self, gateway: IpAddr) -> Result<String, ChangeError> {
-        let output = self.ip.run(&route_get_args(gateway)).await?;
-        parse_route_device(&output).ok_or(ChangeError::NoDevice { gateway, output })
     }
 }
 
@@ -844,6 +822,7 @@ mod tests {
 
     use super::*;
     use crate::HealthCheck;
+    use crate::command::{parse_route_device, route_get_args};
 
     fn ip(last: u8) -> IpAddr {
         Ipv4Addr::new(198, 18, 0, last).into()
