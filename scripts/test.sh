@@ -18,7 +18,7 @@ missing=()
 for need in cc:gcc kubectl:kubectl iptables:iptables ip6tables:iptables nft:nftables \
     conntrack:conntrack ip:iproute2 podman:podman runc:runc \
     mmdebstrap:mmdebstrap promtool:prometheus haproxy:haproxy curl:curl etcd:etcd-server \
-    protoc:protobuf-compiler bird:bird2 birdc:bird2; do
+    protoc:protobuf-compiler bird:bird2 birdc:bird2 arping:arping; do
     command -v "${need%%:*}" >/dev/null || missing+=("${need%%:*} (${need#*:})")
 done
 python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=("python3 -m venv (python3-venv)")

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 use cloud_mock_dataplane::{
-    AnnounceConfig, DataPlaneConfig, DataPlaneKind, HaproxySettings, MaglevConfig,
+    AnnounceConfig, DataPlaneConfig, DataPlaneKind, HaproxySettings, L2Config, MaglevConfig,
     PassthroughConfig,
 };
 
@@ -198,6 +198,25 @@ pub struct Args {
         requires = "announce_table"
     )]
     pub drain_delay: GoDuration,
+    /// The L2 announcement mode, for networks without BGP: this edge claims the VIPs it can
+    /// forward that no other edge owns (an etcd lease each, so it needs `--store etcd`),
+    /// holds them on this device on the clients' network and announces them by gratuitous
+    /// ARP; cut off from etcd it gives them up within the lease (3 s).
+    #[arg(
+        long,
+        env = "CLOUD_MOCK_L2_DEVICE",
+        conflicts_with = "announce_table",
+        requires = "etcd_endpoints"
+    )]
+    pub l2_device: Option<String>,
+    /// The `arping` program (Debian's `arping`) of the L2 mode.
+    #[arg(
+        long,
+        env = "CLOUD_MOCK_ARPING_PROGRAM",
+        default_value = "arping",
+        requires = "l2_device"
+    )]
+    pub arping_program: PathBuf,
     /// How passthrough flows are spread over a VIP's nodes; every edge of an edge cluster
     /// needs `maglev`, so that a flow keeps its node on whichever edge it arrives.
     #[arg(long, env = "CLOUD_MOCK_PASSTHROUGH_STEERING", value_enum, default_value_t = SteeringArg::Kernel)]
@@ -236,6 +255,12 @@ impl Args {
             token: self.token.clone(),
             vip_pools: VipPools::new(self.vip_pool.clone())?,
             provisioning_delay: self.provisioning_delay.into(),
+            l2: self.l2_device.clone().map(|device| L2Config {
+                device,
+                ip_program: PathBuf::from("ip"),
+                arping_program: self.arping_program.clone(),
+                sysctl_program: PathBuf::from("sysctl"),
+            }),
             dataplane: DataPlaneConfig {
                 mode: match self.dataplane {
                     DataPlaneArg::Proxy => DataPlaneKind::Proxy,
@@ -406,6 +431,41 @@ mod tests {
         assert!(
             parse(&[&pool[..], &["--drain-delay", "2s"]].concat()).is_err(),
             "a drain needs announcements"
+        );
+    }
+
+    #[test]
+    fn the_l2_mode_takes_a_device_and_etcd() {
+        let etcd = [
+            "--vip-pool",
+            "127.77.0.0/24",
+            "--store",
+            "etcd",
+            "--etcd-endpoints",
+            "http://127.0.0.1:2379",
+        ];
+        let l2 = parse(&[&etcd[..], &["--l2-device", "eth1"]].concat())
+            .unwrap()
+            .settings()
+            .unwrap()
+            .l2
+            .unwrap();
+        assert_eq!(l2.device, "eth1");
+        assert_eq!(l2.arping_program, PathBuf::from("arping"));
+        assert!(
+            parse(&["--vip-pool", "127.77.0.0/24", "--l2-device", "eth1"]).is_err(),
+            "needs etcd"
+        );
+        assert!(
+            parse(
+                &[
+                    &etcd[..],
+                    &["--l2-device", "eth1", "--announce-table", "100"]
+                ]
+                .concat()
+            )
+            .is_err(),
+            "one way of announcing"
         );
     }
 

@@ -131,6 +131,7 @@ impl From<StoreError> for ApiError {
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
             }
             StoreError::Open { .. }
+            | StoreError::NeedsEtcd { .. }
             | StoreError::Database(_)
             | StoreError::Corrupt { .. }
             | StoreError::Encode { .. }

@@ -11,6 +11,7 @@ mod error;
 pub mod etcd_cluster;
 mod extract;
 pub mod faults;
+pub mod l2;
 pub mod lifecycle;
 mod metrics;
 pub mod model;

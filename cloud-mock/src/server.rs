@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use cloud_mock_dataplane::{DataPlane, DataPlaneConfig};
+use cloud_mock_dataplane::{DataPlane, DataPlaneConfig, L2Config, L2Device};
 use prometheus_client::registry::Registry;
 use tandem_common::tls::{PlainHttp, TlsError, TlsListener};
 use tokio::net::TcpListener;
@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::{AppState, router};
 use crate::faults::FaultState;
+use crate::l2::L2Owner;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
 use crate::pools::VipPools;
@@ -30,6 +31,9 @@ pub struct Settings {
     pub vip_pools: VipPools,
     pub provisioning_delay: Duration,
     pub dataplane: DataPlaneConfig,
+    /// The L2 announcement mode: the device this edge holds the VIPs it owns on (needs
+    /// the etcd store, whose leases decide the owners).
+    pub l2: Option<L2Config>,
 }
 
 /// The API's certificate chain (server certificate first) and private key, PEM files.
@@ -60,6 +64,8 @@ pub enum ServeError {
 pub struct App {
     pub router: Router,
     pub lifecycle: Lifecycle,
+    /// The L2 mode's owner of VIPs (run it with [`L2Owner::run`]).
+    pub l2: Option<L2Owner>,
 }
 
 impl App {
@@ -73,6 +79,19 @@ impl App {
         )
         .await?;
         let dataplane = DataPlane::new(settings.dataplane.clone());
+        let l2 = match (&settings.l2, &settings.store) {
+            (Some(device), StoreSettings::Etcd(etcd)) => Some(L2Owner::new(
+                etcd.clone(),
+                L2Device::new(device.clone()),
+                dataplane.offers(),
+            )),
+            (Some(_), StoreSettings::Redb) => {
+                return Err(StoreError::NeedsEtcd {
+                    what: "the L2 mode (--l2-device)",
+                });
+            }
+            (None, _) => None,
+        };
         let metrics = Metrics::default();
         let mut registry = Registry::default();
         metrics.register(&mut registry);
@@ -88,6 +107,7 @@ impl App {
         Ok(Self {
             router: router(state),
             lifecycle: Lifecycle::new(store, dataplane, settings.provisioning_delay, metrics),
+            l2,
         })
     }
 }
@@ -120,7 +140,11 @@ pub async fn serve_on(
     let acceptor = tls
         .map(|files| tandem_common::tls::acceptor_from_pem_files(&files.cert_file, &files.key_file))
         .transpose()?;
-    let App { router, lifecycle } = App::new(settings, cancel.clone()).await?;
+    let App {
+        router,
+        lifecycle,
+        l2,
+    } = App::new(settings, cancel.clone()).await?;
     let local = listener.local_addr().map_err(ServeError::Serve)?;
     let scheme = if acceptor.is_some() { "https" } else { "http" };
     tracing::info!(
@@ -131,6 +155,7 @@ pub async fn serve_on(
         "cloud-mock listening on {local}"
     );
     let lifecycle_task = tokio::spawn(lifecycle.run(cancel.clone()));
+    let l2_task = l2.map(|owner| tokio::spawn(owner.run(cancel.clone())));
     let shutdown = cancel.clone().cancelled_owned();
     let served = match acceptor {
         Some(acceptor) => {
@@ -153,6 +178,11 @@ pub async fn serve_on(
     cancel.cancel();
     if let Err(error) = lifecycle_task.await {
         tracing::error!(%error, "lifecycle task failed");
+    }
+    if let Some(task) = l2_task
+        && let Err(error) = task.await
+    {
+        tracing::error!(%error, "L2 ownership task failed");
     }
     served
 }

@@ -40,13 +40,16 @@ impl TestApp {
             token: TOKEN.into(),
             vip_pools: pool.parse().unwrap(),
             provisioning_delay,
+            l2: None,
             dataplane: DataPlaneConfig {
                 mode: DataPlaneKind::None,
                 ..DataPlaneConfig::default()
             },
         };
         let cancel = CancellationToken::new();
-        let App { router, lifecycle } = App::new(&settings, cancel.clone()).await.unwrap();
+        let App {
+            router, lifecycle, ..
+        } = App::new(&settings, cancel.clone()).await.unwrap();
         tokio::spawn(lifecycle.run(cancel.clone()));
         Self {
             router,

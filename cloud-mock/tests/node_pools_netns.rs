@@ -70,10 +70,13 @@ impl Edge {
             token: TOKEN.into(),
             vip_pools: "198.51.100.0/24".parse().unwrap(),
             provisioning_delay: Duration::ZERO,
+            l2: None,
             dataplane,
         };
         let cancel = CancellationToken::new();
-        let App { router, lifecycle } = App::new(&settings, cancel.clone()).await.unwrap();
+        let App {
+            router, lifecycle, ..
+        } = App::new(&settings, cancel.clone()).await.unwrap();
         let lifecycle = tokio::spawn(lifecycle.run(cancel.clone()));
         Self {
             router,

@@ -181,6 +181,18 @@ impl DataPlane {
         dataplane
     }
 
+    /// The VIPs this data plane can forward, as they change (needs a runtime), for an
+    /// announcer of the caller's own, such as the L2 mode's owner election.
+    pub fn offers(&self) -> watch::Receiver<BTreeSet<IpAddr>> {
+        let (offered, offers) = watch::channel(BTreeSet::new());
+        tokio::spawn(offer(
+            Arc::downgrade(&self.shared),
+            offered,
+            self.shared.cancel.child_token(),
+        ));
+        offers
+    }
+
     /// Starts announcing the VIPs this data plane can forward (needs a runtime).
     fn start_announcing(&self, config: AnnounceConfig) {
         let cancel = CancellationToken::new();

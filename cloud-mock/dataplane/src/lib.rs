@@ -13,6 +13,10 @@
 //! With `announce`, the VIPs this edge can forward are written into a kernel table that a
 //! BGP speaker exports (module `announce`), and withdrawn before the data plane stops.
 //!
+//! In the L2 mode the edge that owns a VIP holds it on the clients' network and announces
+//! it by gratuitous ARP (module `l2`; who owns which VIP is the caller's to decide, from
+//! [`DataPlane::offers`]).
+//!
 //! With `passthrough.maglev`, passthrough flows are steered to nodes by a Maglev table that
 //! every edge computes alike (module `maglev`), so a flow keeps its node when the router
 //! moves it to another edge.
@@ -35,6 +39,7 @@ mod error;
 mod failure;
 mod haproxy;
 mod health;
+mod l2;
 mod maglev;
 mod metrics;
 mod plan;
@@ -52,6 +57,7 @@ pub use dataplane::DataPlane;
 pub use error::DataPlaneError;
 pub use failure::{LbFailure, LbFailureReason, Unrenderable};
 pub use haproxy::HaproxyError;
+pub use l2::{L2Config, L2Device};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Mode {

@@ -30,7 +30,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::mpsc;
 
-use support::netns::{bind_in, block_on_in_netns, in_netns, ip, is_root};
+use support::netns::{self, bind_in, block_on_in_netns, in_netns, ip, is_root};
 use support::{greet_on, listener, read_line};
 
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 5);
@@ -83,39 +83,17 @@ impl Hosts {
             hosts.sysctl(host, "net.ipv4.conf.all.accept_redirects=0");
         }
         let switch = hosts.name("s");
-        ip(&["-n", &switch, "link", "add", "br0", "type", "bridge"]);
-        ip(&["-n", &switch, "link", "set", "br0", "up"]);
+        netns::switch(&switch);
         let addresses = [("c", CLIENT), ("e1", EDGES[0]), ("e2", EDGES[1])]
             .into_iter()
             .chain(NODE_NAMES.into_iter().zip(NODES));
         for (host, address) in addresses {
-            let port = format!("p{host}");
-            ip(&[
-                "-n",
+            netns::plug(
                 &switch,
-                "link",
-                "add",
-                &port,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
+                &format!("p{host}"),
                 &hosts.name(host),
-            ]);
-            ip(&["-n", &switch, "link", "set", &port, "master", "br0", "up"]);
-            let ns = hosts.name(host);
-            ip(&[
-                "-n",
-                &ns,
-                "addr",
-                "add",
                 &format!("{address}/24"),
-                "dev",
-                "eth0",
-            ]);
-            ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+            );
         }
         for node in NODE_NAMES {
             ip(&[

@@ -226,7 +226,10 @@ pub(crate) struct EtcdBackend {
 
 /// Connects to etcd; requests time out after `timeout` (elections and leases wait
 /// without one).
-async fn connect(settings: &EtcdSettings, timeout: Option<Duration>) -> Result<Client, StoreError> {
+pub(crate) async fn connect(
+    settings: &EtcdSettings,
+    timeout: Option<Duration>,
+) -> Result<Client, StoreError> {
     let mut options = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(3))
         .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))

@@ -59,6 +59,8 @@ pub enum StoreError {
         #[source]
         source: serde_json::Error,
     },
+    #[error("{what} needs the etcd store (--store etcd)")]
+    NeedsEtcd { what: &'static str },
     #[error("load balancer {id} not found")]
     NotFound { id: String },
     #[error("load balancer id {id} is taken (by a create with another Idempotency-Key)")]

@@ -167,6 +167,23 @@ pub async fn wait_for_ip(args: &[&str], what: &str, condition: impl Fn(&str) -> 
     }
 }
 
+/// A switch: a bridge `br0` in namespace `switch` (which exists).
+pub fn switch(switch: &str) {
+    ip(&["-n", switch, "link", "add", "br0", "type", "bridge"]);
+    ip(&["-n", switch, "link", "set", "br0", "up"]);
+}
+
+/// Plugs namespace `host` into `switch` (port `port` there) as `eth0` with `address`
+/// (`ADDRESS/PREFIX`), up.
+pub fn plug(switch: &str, port: &str, host: &str, address: &str) {
+    ip(&[
+        "-n", switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", host,
+    ]);
+    ip(&["-n", switch, "link", "set", port, "master", "br0", "up"]);
+    ip(&["-n", host, "addr", "add", address, "dev", "eth0"]);
+    ip(&["-n", host, "link", "set", "eth0", "up"]);
+}
+
 /// A TCP listener bound inside namespace `netns` at `ip:port`, for a server started
 /// later in another namespace's runtime.
 pub fn bind_in(netns: &str, ip: impl Into<IpAddr>, port: u16) -> std::net::TcpListener {

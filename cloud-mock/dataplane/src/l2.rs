@@ -1,0 +1,157 @@
+//! Do: the kernel side of the L2 announcement mode, for networks without BGP. The edge
+//! that owns a VIP (the cloud-mock crate decides that, with an etcd lease) holds it as an
+//! address of the device on the clients' network, so that it alone answers ARP and
+//! neighbour solicitations for it, and announces it there on takeover and periodically:
+//! a gratuitous ARP (`arping -U`) for IPv4, and for IPv6 the unsolicited neighbour
+//! advertisement the kernel sends when the address is added (`ndisc_notify`).
+//!
+//! Every edge's listeners bind the VIPs on `--vip-device` (loopback) as in one-edge mode;
+//! `arp_ignore=1` on the device keeps an edge from answering ARP for addresses it has only
+//! there, and IPv6 answers solicitations only for addresses of the asking interface.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use tracing::{info, warn};
+
+use crate::command::{Program, add_address_args, already_gone, delete_address_args};
+use crate::error::CommandError;
+
+/// Where the owned VIPs are held, and the programs that do it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct L2Config {
+    /// The device on the clients' network.
+    pub device: String,
+    pub ip_program: PathBuf,
+    /// Thomas Habets' `arping` (Debian's `arping`), which sends the gratuitous ARPs.
+    pub arping_program: PathBuf,
+    /// `sysctl`, which sets the device's ARP and neighbour-discovery settings.
+    pub sysctl_program: PathBuf,
+}
+
+/// The device's settings the mode needs: answer ARP only for the device's own addresses,
+/// source ARP requests from them, and announce new IPv6 addresses unasked.
+fn sysctls(device: &str) -> [String; 3] {
+    [
+        format!("net.ipv4.conf.{device}.arp_ignore=1"),
+        format!("net.ipv4.conf.{device}.arp_announce=2"),
+        format!("net.ipv6.conf.{device}.ndisc_notify=1"),
+    ]
+}
+
+/// `arping` arguments of one gratuitous ARP for `vip` on `device`; `-w 0` ends it once
+/// sent, instead of waiting a second for a reply that never comes.
+fn gratuitous_arp_args(vip: IpAddr, device: &str) -> Vec<String> {
+    let vip = vip.to_string();
+    ["-q", "-U", "-c", "1", "-w", "0", "-i", device, "-S", &vip, &vip]
+        .map(str::to_owned)
+        .to_vec()
+}
+
+/// The VIPs this edge holds on its device.
+pub struct L2Device {
+    config: L2Config,
+    ip: Program,
+    arping: Program,
+    held: BTreeSet<IpAddr>,
+}
+
+impl L2Device {
+    pub fn new(config: L2Config) -> Self {
+        Self {
+            ip: Program::new(config.ip_program.clone()),
+            arping: Program::new(config.arping_program.clone()),
+            config,
+            held: BTreeSet::new(),
+        }
+    }
+
+    /// Sets the device's ARP and neighbour-discovery settings; an edge that cannot would
+    /// answer for VIPs it does not own, so this is an error.
+    pub async fn prepare(&self) -> Result<(), CommandError> {
+        let sysctl = Program::new(self.config.sysctl_program.clone());
+        for setting in sysctls(&self.config.device) {
+            sysctl.run(&["-qw".to_owned(), setting]).await?;
+        }
+        Ok(())
+    }
+
+    /// The VIPs held now.
+    pub fn held(&self) -> &BTreeSet<IpAddr> {
+        &self.held
+    }
+
+    /// Holds exactly `owned`: releases the others first, then takes and announces the new
+    /// ones. What fails is retried by the next call.
+    pub async fn hold(&mut self, owned: &BTreeSet<IpAddr>) {
+        let device = self.config.device.clone();
+        for vip in self.held.clone().difference(owned) {
+            match self.ip.run(&delete_address_args(*vip, &device)).await {
+                Ok(_) => info!(%vip, device, "VIP given up"),
+                Err(error) if already_gone(&error) => {}
+                Err(error) => {
+                    warn!(%error, %vip, "cannot give a VIP up; will retry");
+                    continue;
+                }
+            }
+            self.held.remove(vip);
+        }
+        for &vip in owned.difference(&self.held.clone()) {
+            if let Err(error) = self.ip.run(&add_address_args(vip, &device)).await {
+                warn!(%error, %vip, "cannot take a VIP; will retry");
+                continue;
+            }
+            info!(%vip, device, "VIP taken");
+            self.held.insert(vip);
+            self.announce(vip).await;
+        }
+    }
+
+    /// Announces every held VIP again, so that a client that missed the takeover (or a
+    /// switch that forgot the port) learns where it is.
+    pub async fn announce_held(&self) {
+        for &vip in &self.held {
+            self.announce(vip).await;
+        }
+    }
+
+    async fn announce(&self, vip: IpAddr) {
+        // IPv6: the kernel advertised the address when it was added (`ndisc_notify`).
+        if vip.is_ipv6() {
+            return;
+        }
+        match self
+            .arping
+            .run(&gratuitous_arp_args(vip, &self.config.device))
+            .await
+        {
+            Ok(_) => {}
+            // arping exits 1 when nothing answers, as nothing does an unsolicited ARP.
+            Err(CommandError::Failed { status, stderr, .. })
+                if status.ends_with("exit status: 1") && stderr.is_empty() => {}
+            Err(error) => warn!(%error, %vip, "cannot announce a VIP"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_device_answers_for_its_own_addresses_only() {
+        assert_eq!(
+            sysctls("eth1"),
+            [
+                "net.ipv4.conf.eth1.arp_ignore=1",
+                "net.ipv4.conf.eth1.arp_announce=2",
+                "net.ipv6.conf.eth1.ndisc_notify=1",
+            ]
+        );
+        assert_eq!(
+            gratuitous_arp_args("198.51.100.5".parse().unwrap(), "eth1").join(" "),
+            "-q -U -c 1 -w 0 -i eth1 -S 198.51.100.5 198.51.100.5"
+        );
+    }
+}
