@@ -104,23 +104,43 @@ pub struct Context<P> {
     failures: Mutex<HashMap<ObjectRef<Service>, u32>>,
 }
 
+/// The parts [`Context::new`] builds a [`Context`] from, by name. Each becomes the field of
+/// the same name, but `ingress_fields` (only the first guess: status writes correct it) and
+/// `wake` (starts a reconcile of a Service whose held read answered, see
+/// [`crate::provisioning`]).
+pub struct ContextParts<P> {
+    pub client: kube::Client,
+    pub provider: P,
+    pub cluster_id: ClusterId,
+    pub classes: ClassFilter,
+    pub without_node_ports: WithoutNodePorts,
+    pub default_pool: Option<String>,
+    pub nodes: Store<Node>,
+    pub namespaces: Store<Namespace>,
+    pub recorder: Recorder,
+    pub metrics: Metrics,
+    pub resync: Duration,
+    pub ingress_fields: IngressFields,
+    pub wake: mpsc::UnboundedSender<ObjectRef<Service>>,
+}
+
 impl<P: LoadBalancerProvider> Context<P> {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        client: kube::Client,
-        provider: P,
-        cluster_id: ClusterId,
-        classes: ClassFilter,
-        without_node_ports: WithoutNodePorts,
-        default_pool: Option<String>,
-        nodes: Store<Node>,
-        namespaces: Store<Namespace>,
-        recorder: Recorder,
-        metrics: Metrics,
-        resync: Duration,
-        ingress_fields: IngressFields,
-        wake: mpsc::UnboundedSender<ObjectRef<Service>>,
-    ) -> Self {
+    pub fn new(parts: ContextParts<P>) -> Self {
+        let ContextParts {
+            client,
+            provider,
+            cluster_id,
+            classes,
+            without_node_ports,
+            default_pool,
+            nodes,
+            namespaces,
+            recorder,
+            metrics,
+            resync,
+            ingress_fields,
+            wake,
+        } = parts;
         Self {
             client,
             keys: AnnotationKeys::of(provider.profile()),

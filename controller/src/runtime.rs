@@ -29,7 +29,7 @@ use crate::nodes::eligible_backends;
 use crate::nodesync::NodePoolKeeper;
 use crate::provider::{ClusterId, LoadBalancerProvider, ProviderError};
 use crate::ratelimit::SharedTokenBucket;
-use crate::reconcile::{Context, error_policy, reconcile};
+use crate::reconcile::{Context, ContextParts, error_policy, reconcile};
 use crate::registry::{self, DynProvider, Registration, RegistryError};
 use crate::spec::{AnnotationKeys, ClassFilter, WithoutNodePorts};
 use crate::status::IngressFields;
@@ -561,21 +561,21 @@ async fn run_leader<P: LoadBalancerProvider>(
     // Reconciles started from outside the watches: node sync's failures, held reads'
     // answers.
     let (retry_tx, retry_rx) = mpsc::unbounded_channel();
-    let ctx = Arc::new(Context::new(
-        client.clone(),
+    let ctx = Arc::new(Context::new(ContextParts {
+        client: client.clone(),
         provider,
-        settings.cluster_id.clone(),
-        settings.classes.clone(),
-        settings.without_node_ports,
-        settings.default_pool.clone(),
-        watches.nodes.clone(),
-        watches.namespaces.clone(),
+        cluster_id: settings.cluster_id.clone(),
+        classes: settings.classes.clone(),
+        without_node_ports: settings.without_node_ports,
+        default_pool: settings.default_pool.clone(),
+        nodes: watches.nodes.clone(),
+        namespaces: watches.namespaces.clone(),
         recorder,
         metrics,
-        settings.resync,
+        resync: settings.resync,
         ingress_fields,
-        retry_tx.clone(),
-    ));
+        wake: retry_tx.clone(),
+    }));
     // Decisions need complete lists: every LB would look orphaned, every node set new.
     tokio::select! {
         _ = cancel.cancelled() => return Ok(()),

@@ -27,7 +27,7 @@ use tandem_controller::fake::{Call, FakeProvider};
 use tandem_controller::metrics::Metrics;
 use tandem_controller::plan::FINALIZER;
 use tandem_controller::provider::{AddressRefusal, Capabilities, Operation, ProviderError};
-use tandem_controller::reconcile::{Context, reconcile};
+use tandem_controller::reconcile::{Context, ContextParts, reconcile};
 use tandem_controller::spec::{
     AnnotationKeys, ClassFilter, WithoutNodePorts, desired_load_balancer, owner_of,
 };
@@ -643,24 +643,24 @@ fn context(
             instance: Some("table".into()),
         },
     );
-    Context::new(
-        client.clone(),
-        provider.clone(),
-        CLUSTER.parse().unwrap(),
-        ClassFilter {
+    Context::new(ContextParts {
+        client: client.clone(),
+        provider: provider.clone(),
+        cluster_id: CLUSTER.parse().unwrap(),
+        classes: ClassFilter {
             class: CLASS.into(),
             claim_unclassed: false,
         },
-        row.without_node_ports,
-        row.default_pool.map(str::to_owned),
-        nodes.clone(),
-        namespaces(namespace_pool),
+        without_node_ports: row.without_node_ports,
+        default_pool: row.default_pool.map(str::to_owned),
+        nodes: nodes.clone(),
+        namespaces: namespaces(namespace_pool),
         recorder,
-        Metrics::default(),
-        Duration::from_secs(300),
-        IngressFields::ALL,
+        metrics: Metrics::default(),
+        resync: Duration::from_secs(300),
+        ingress_fields: IngressFields::ALL,
         wake,
-    )
+    })
 }
 
 /// Brings the Service to its starting state through the API, as a user and an earlier

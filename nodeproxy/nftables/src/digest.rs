@@ -162,19 +162,25 @@ fn drift_of<T>(
 }
 
 // Attributes (`linux/netfilter/nf_tables.h`) the reduction reads.
+#[cfg(feature = "netlink")]
 const NFTA_CHAIN_TABLE: u16 = 1;
+#[cfg(feature = "netlink")]
 const NFTA_CHAIN_NAME: u16 = 3;
 const NFTA_CHAIN_HOOK: u16 = 4;
 const NFTA_CHAIN_POLICY: u16 = 5;
 const NFTA_CHAIN_TYPE: u16 = 7;
+#[cfg(feature = "netlink")]
 const NFTA_RULE_CHAIN: u16 = 2;
 const NFTA_RULE_EXPRESSIONS: u16 = 4;
 const NFTA_RULE_USERDATA: u16 = 7;
 const NFTA_EXPR_NAME: u16 = 1;
 const NFTA_EXPR_DATA: u16 = 2;
+#[cfg(feature = "netlink")]
 const NFTA_SET_TABLE: u16 = 1;
+#[cfg(feature = "netlink")]
 const NFTA_SET_NAME: u16 = 2;
 const NFTA_SET_FLAGS: u16 = 3;
+#[cfg(feature = "netlink")]
 const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 /// A set that packets fill (`update @set`): its elements are not ours to compare.
 const NFT_SET_EVAL: u32 = 0x20;
@@ -294,6 +300,7 @@ pub(crate) fn find(bytes: &[u8], kind: u16) -> Option<&[u8]> {
 }
 
 /// A string attribute without its NUL.
+#[cfg(feature = "netlink")]
 pub(crate) fn string(value: &[u8]) -> String {
     let value = value.strip_suffix(&[0]).unwrap_or(value);
     String::from_utf8_lossy(value).into_owned()
@@ -340,6 +347,7 @@ pub(crate) fn chain_declaration(bytes: &[u8]) -> u64 {
 
 /// A listed chain of `table` (a dump of chains lists every table's): its name and
 /// declaration.
+#[cfg(feature = "netlink")]
 pub(crate) fn listed_chain(bytes: &[u8], table: &str) -> Option<(String, u64)> {
     if find(bytes, NFTA_CHAIN_TABLE)? != with_nul(table).as_slice() {
         return None;
@@ -348,6 +356,7 @@ pub(crate) fn listed_chain(bytes: &[u8], table: &str) -> Option<(String, u64)> {
     Some((name, chain_declaration(bytes)))
 }
 
+#[cfg(feature = "netlink")]
 fn with_nul(name: &str) -> Vec<u8> {
     let mut bytes = name.as_bytes().to_vec();
     bytes.push(0);
@@ -382,6 +391,7 @@ pub(crate) fn rule_digest(bytes: &[u8]) -> u64 {
 }
 
 /// A listed rule: its chain and digest.
+#[cfg(feature = "netlink")]
 pub(crate) fn listed_rule(bytes: &[u8]) -> Option<(String, u64)> {
     let chain = string(find(bytes, NFTA_RULE_CHAIN)?);
     Some((chain, rule_digest(bytes)))
@@ -398,6 +408,7 @@ pub(crate) fn set_declaration(bytes: &[u8]) -> (u64, bool) {
 }
 
 /// A listed set of `table`: its name, declaration and whether packets fill it.
+#[cfg(feature = "netlink")]
 pub(crate) fn listed_set(bytes: &[u8], table: &str) -> Option<(String, u64, bool)> {
     if find(bytes, NFTA_SET_TABLE)? != with_nul(table).as_slice() {
         return None;
@@ -408,6 +419,7 @@ pub(crate) fn listed_set(bytes: &[u8], table: &str) -> Option<(String, u64, bool
 }
 
 /// The element entries of one listed element message.
+#[cfg(feature = "netlink")]
 pub(crate) fn listed_elements(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
     attributes(find(bytes, NFTA_SET_ELEM_LIST_ELEMENTS).unwrap_or_default()).map(|(_, e)| e)
 }

@@ -43,13 +43,20 @@ pub(crate) const NFT_MSG_NEWSET: u16 = 9;
 pub(crate) const NFT_MSG_DELSET: u16 = 11;
 pub(crate) const NFT_MSG_NEWSETELEM: u16 = 12;
 pub(crate) const NFT_MSG_DELSETELEM: u16 = 14;
+#[cfg(feature = "netlink")]
 pub(crate) const NFT_MSG_NEWGEN: u16 = 15;
+#[cfg(feature = "netlink")]
 pub(crate) const NFT_MSG_GETGEN: u16 = 16;
 /// Dump requests: the message types that read chains, rules, sets and elements.
+#[cfg(feature = "netlink")]
 pub(crate) const NFT_MSG_GETCHAIN: u16 = 4;
+#[cfg(feature = "netlink")]
 pub(crate) const NFT_MSG_GETRULE: u16 = 7;
+#[cfg(feature = "netlink")]
 pub(crate) const NFT_MSG_GETSET: u16 = 10;
+#[cfg(feature = "netlink")]
 pub(crate) const NFT_MSG_GETSETELEM: u16 = 13;
+#[cfg(feature = "netlink")]
 const NLM_F_DUMP: u16 = 0x300;
 
 // Attributes of tables, chains, rules, sets and element lists.
@@ -402,6 +409,7 @@ pub fn batch_of<O: Borrow<Op>>(
 /// A dump request for `kind` (one of the `NFT_MSG_GET…` types) in the tables of
 /// `family` (`ip` or `ip6`), with the attributes `body` writes (the table, and a chain or
 /// set to narrow it to).
+#[cfg(feature = "netlink")]
 pub(crate) fn dump_request(
     kind: u16,
     seq: u32,
@@ -422,6 +430,7 @@ pub(crate) fn dump_request(
 
 /// A request for the ruleset's generation (`NFT_MSG_GETGEN`), answered with one
 /// `NFT_MSG_NEWGEN` message.
+#[cfg(feature = "netlink")]
 pub(crate) fn generation_request(seq: u32) -> Vec<u8> {
     let mut w = Writer::default();
     w.message(

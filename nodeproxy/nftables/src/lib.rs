@@ -14,12 +14,21 @@
 //!   kernel lists it ([`kernel::Netlink::read_table`]), to find what someone else changed;
 //! - [`monitor`]: the kernel's announcements of every ruleset change, with the netlink
 //!   port that made it, to learn of someone else's change without reading anything back.
+//!
+//! [`kernel`], [`ctnetlink`] and [`monitor`], the crate's only I/O (netlink sockets, with
+//! netlink-sys and nix), come with the `netlink` feature (on by default), and so do the
+//! parts of [`digest`] and [`encode`] only they use (the readers of a listing, the dump and
+//! generation requests). Without it the crate is the pure model and its encodings, as
+//! `tandem-proxy-rules` takes it.
 
+#[cfg(feature = "netlink")]
 pub mod ctnetlink;
 pub mod digest;
 pub mod encode;
+#[cfg(feature = "netlink")]
 pub mod kernel;
 pub mod model;
+#[cfg(feature = "netlink")]
 pub mod monitor;
 pub mod render;
 pub mod transaction;
