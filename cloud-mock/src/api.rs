@@ -41,7 +41,9 @@ const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 pub struct AppState {
     pub store: Store,
     pub dataplane: DataPlane,
-    pub faults: Arc<Mutex<FaultState>>,
+    /// Injected faults, when the edge was started with them (`--fault-injection`); without,
+    /// no route takes this lock and `/v1/admin/faults` does not exist.
+    pub faults: Option<Arc<Mutex<FaultState>>>,
     pub metrics: Metrics,
     pub registry: Arc<Registry>,
     pub token: Arc<str>,
@@ -79,10 +81,10 @@ impl Verb {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
     Public,
-    /// Bearer token required.
-    Token,
     /// Bearer token required; injected faults apply (the load-balancer and node-pool API).
     TokenWithFaults,
+    /// Bearer token required; served only with fault injection on (setting the faults).
+    FaultAdmin,
 }
 
 pub struct Route {
@@ -108,7 +110,7 @@ where
 /// Every route of the API: the router is built from this table, and the OpenAPI test
 /// compares it with `openapi.yaml`.
 pub fn routes() -> Vec<Route> {
-    use Access::{Public, Token, TokenWithFaults};
+    use Access::{FaultAdmin, Public, TokenWithFaults};
     use Verb::{Delete, Get, Post, Put};
     vec![
         route("/healthz", Get, Public, healthz),
@@ -154,8 +156,8 @@ pub fn routes() -> Vec<Route> {
             TokenWithFaults,
             delete_node_pool,
         ),
-        route("/v1/admin/faults", Get, Token, get_faults),
-        route("/v1/admin/faults", Put, Token, set_faults),
+        route("/v1/admin/faults", Get, FaultAdmin, get_faults),
+        route("/v1/admin/faults", Put, FaultAdmin, set_faults),
     ]
 }
 
@@ -168,14 +170,16 @@ pub fn router(state: AppState) -> Router {
         ..
     } in routes()
     {
+        let faults = state.faults.is_some();
+        let token = middleware::from_fn_with_state(state.clone(), require_token);
         let handler = match access {
             Access::Public => handler,
-            Access::Token => {
-                handler.route_layer(middleware::from_fn_with_state(state.clone(), require_token))
-            }
+            Access::FaultAdmin if !faults => continue,
+            Access::FaultAdmin => handler.route_layer(token),
+            Access::TokenWithFaults if !faults => handler.route_layer(token),
             Access::TokenWithFaults => handler
                 .route_layer(middleware::from_fn_with_state(state.clone(), inject_faults))
-                .route_layer(middleware::from_fn_with_state(state.clone(), require_token)),
+                .route_layer(token),
         };
         router = router.route(path, handler);
     }
@@ -251,8 +255,11 @@ async fn require_token(State(state): State<AppState>, request: Request, next: Ne
 }
 
 async fn inject_faults(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let verdict = state
-        .faults
+    // Layered only when fault injection is on.
+    let Some(faults) = state.faults.clone() else {
+        return next.run(request).await;
+    };
+    let verdict = faults
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .admit(Instant::now(), rand::random::<f64>());
@@ -282,8 +289,7 @@ async fn inject_faults(State(state): State<AppState>, request: Request, next: Ne
                 if response.extensions().get::<Committed>().is_none() {
                     return response;
                 }
-                let lost = state
-                    .faults
+                let lost = faults
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .lose_answer(rand::random::<f64>());
@@ -778,15 +784,21 @@ async fn remove_node_pool(
     Ok(committed(StatusCode::NO_CONTENT.into_response()))
 }
 
-async fn get_faults(State(state): State<AppState>) -> Json<Faults> {
-    Json(
-        state
-            .faults
+/// The fault state of an edge with fault injection on (its routes exist only then).
+fn fault_state(state: &AppState) -> Result<&Arc<Mutex<FaultState>>, ApiError> {
+    state.faults.as_ref().ok_or_else(|| {
+        ApiError::not_found("fault injection is off on this edge (--fault-injection)")
+    })
+}
+
+async fn get_faults(State(state): State<AppState>) -> Result<Json<Faults>, ApiError> {
+    Ok(Json(
+        fault_state(&state)?
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .faults()
             .clone(),
-    )
+    ))
 }
 
 async fn set_faults(
@@ -797,8 +809,7 @@ async fn set_faults(
         ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid", err.to_string())
     })?;
     tracing::info!(?faults, "fault injection set");
-    state
-        .faults
+    fault_state(&state)?
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .set(faults.clone(), Instant::now());

@@ -225,6 +225,11 @@ pub struct Args {
     /// maglev`; the next 1,023 are ours too (one per node).
     #[arg(long, env = "CLOUD_MOCK_MAGLEV_FIRST_TABLE", default_value_t = MaglevConfig::default().first_table, value_parser = own_table)]
     pub maglev_first_table: u32,
+    /// Serve `/v1/admin/faults`, with which any holder of the token injects errors,
+    /// latency, lost answers and rate limits into the API: for tests and the lab, never a
+    /// production edge. Off, the API takes no lock for it.
+    #[arg(long, env = "CLOUD_MOCK_FAULT_INJECTION")]
+    pub fault_injection: bool,
     #[arg(long, env = "CLOUD_MOCK_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     /// Serve the API over HTTPS only, with this PEM certificate chain (server certificate
@@ -255,6 +260,7 @@ impl Args {
             token: self.token.clone(),
             vip_pools: VipPools::new(self.vip_pool.clone())?,
             provisioning_delay: self.provisioning_delay.into(),
+            fault_injection: self.fault_injection,
             l2: self.l2_device.clone().map(|device| L2Config {
                 device,
                 ip_program: PathBuf::from("ip"),

@@ -31,6 +31,8 @@ pub struct Settings {
     pub vip_pools: VipPools,
     pub provisioning_delay: Duration,
     pub dataplane: DataPlaneConfig,
+    /// Serve `/v1/admin/faults` and inject the faults it sets (tests and the lab only).
+    pub fault_injection: bool,
     /// The L2 announcement mode: the device this edge holds the VIPs it owns on (needs
     /// the etcd store, whose leases decide the owners).
     pub l2: Option<L2Config>,
@@ -99,7 +101,9 @@ impl App {
         let state = AppState {
             store: store.clone(),
             dataplane: dataplane.clone(),
-            faults: Arc::new(Mutex::new(FaultState::new(Instant::now()))),
+            faults: settings
+                .fault_injection
+                .then(|| Arc::new(Mutex::new(FaultState::new(Instant::now())))),
             metrics: metrics.clone(),
             registry: Arc::new(registry),
             token: settings.token.as_str().into(),

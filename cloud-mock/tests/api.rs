@@ -26,8 +26,13 @@ struct TestApp {
 }
 
 impl TestApp {
-    /// An app on its own data dir and VIP pool, with its lifecycle task running.
+    /// An app on its own data dir and VIP pool, with its lifecycle task running and fault
+    /// injection on.
     async fn start(pool: &str, provisioning_delay: Duration) -> Self {
+        Self::start_with(pool, provisioning_delay, true).await
+    }
+
+    async fn start_with(pool: &str, provisioning_delay: Duration, fault_injection: bool) -> Self {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let data_dir = std::env::temp_dir().join(format!(
             "cloud-mock-api-{}-{}",
@@ -40,6 +45,7 @@ impl TestApp {
             token: TOKEN.into(),
             vip_pools: pool.parse().unwrap(),
             provisioning_delay,
+            fault_injection,
             l2: None,
             dataplane: DataPlaneConfig {
                 mode: DataPlaneKind::None,
@@ -1291,4 +1297,22 @@ async fn a_held_read_answers_when_provisioning_ends() {
             "{junk}: {body}"
         );
     }
+}
+
+#[tokio::test]
+async fn without_fault_injection_there_is_no_fault_api_and_no_fault_applies() {
+    let app = TestApp::start_with("127.77.90.0/24", Duration::ZERO, false).await;
+    for method in [Method::GET, Method::PUT] {
+        let (status, body) = app
+            .call(
+                method.clone(),
+                "/v1/admin/faults",
+                Some(json!({"errorRate": 1.0})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{method}: {body}");
+        assert_eq!(error_code(&body), "no-route", "{method}: {body}");
+    }
+    let (status, _) = app.call(Method::GET, "/v1/loadbalancers", None).await;
+    assert_eq!(status, StatusCode::OK);
 }

@@ -38,7 +38,7 @@ work_dir=$(mktemp -d -t cloud-mock-fuzz.XXXXXX)
 log=$work_dir/server.log
 token=fuzz-$$-$RANDOM
 NO_COLOR=1 "$bin" --listen 127.0.0.1:0 --data-dir "$work_dir/data" --token "$token" \
-    --vip-pool 127.77.240.0/24 --vip-pool 2001:db8:51:100::/64 --dataplane none --provisioning-delay 0ms >"$log" 2>&1 &
+    --vip-pool 127.77.240.0/24 --vip-pool 2001:db8:51:100::/64 --dataplane none --provisioning-delay 0ms --fault-injection >"$log" 2>&1 &
 server_pid=$!
 cleanup() {
     kill "$server_pid" 2>/dev/null || true

@@ -70,6 +70,7 @@ impl Edge {
             token: TOKEN.into(),
             vip_pools: "198.51.100.0/24".parse().unwrap(),
             provisioning_delay: Duration::ZERO,
+            fault_injection: false,
             l2: None,
             dataplane,
         };

@@ -61,7 +61,13 @@ impl Server {
                 "--vip-pool",
                 pool,
             ])
-            .args(["--dataplane", dataplane, "--provisioning-delay", "0ms"])
+            .args([
+                "--dataplane",
+                dataplane,
+                "--provisioning-delay",
+                "0ms",
+                "--fault-injection",
+            ])
             .arg("--data-dir")
             .arg(data_dir)
             .env("NO_COLOR", "1")

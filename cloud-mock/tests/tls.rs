@@ -76,6 +76,7 @@ impl Edge {
             token: TOKEN.into(),
             vip_pools: "127.77.0.0/24".parse().unwrap(),
             provisioning_delay: Duration::ZERO,
+            fault_injection: false,
             l2: None,
             dataplane: DataPlaneConfig {
                 mode: DataPlaneKind::None,

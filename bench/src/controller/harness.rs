@@ -298,6 +298,7 @@ pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
             "none".into(),
             "--provisioning-delay".into(),
             format!("{}ms", scale.provisioning_delay.as_millis()),
+            "--fault-injection".into(),
         ],
         &cloud_log,
     )?;

@@ -306,6 +306,8 @@ impl Lab {
             "--manage-vip-addresses".to_owned(),
             format!("--vip-device={}", edge.vip_interface),
             "--provisioning-delay=200ms".to_owned(),
+            // The lab is where faults are injected by hand and by its tests.
+            "--fault-injection".to_owned(),
         ]);
         let mut cloud = launcher.start(
             &edge.netns,

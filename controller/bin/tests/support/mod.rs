@@ -209,6 +209,7 @@ impl Cloud {
             token: token.clone(),
             vip_pools: pools.parse().unwrap(),
             provisioning_delay: Duration::from_millis(300),
+            fault_injection: true,
             l2: None,
             dataplane: DataPlaneConfig {
                 mode: DataPlaneKind::None,
