@@ -44,9 +44,11 @@ fn sysctls(device: &str) -> [String; 3] {
 /// sent, instead of waiting a second for a reply that never comes.
 fn gratuitous_arp_args(vip: IpAddr, device: &str) -> Vec<String> {
     let vip = vip.to_string();
-    ["-q", "-U", "-c", "1", "-w", "0", "-i", device, "-S", &vip, &vip]
-        .map(str::to_owned)
-        .to_vec()
+    [
+        "-q", "-U", "-c", "1", "-w", "0", "-i", device, "-S", &vip, &vip,
+    ]
+    .map(str::to_owned)
+    .to_vec()
 }
 
 /// The VIPs this edge holds on its device.
