@@ -608,9 +608,10 @@ async fn converge_haproxy(
     }
     if let Err((error, lb_ids)) = haproxy.apply(desired).await {
         warn!(%error, "HAProxy not converged");
+        let detail = error.to_string();
         failures.extend(lb_ids.into_iter().map(|lb_id| LbFailure {
             lb_id,
-            reason: LbFailureReason::Haproxy(error.clone()),
+            reason: LbFailureReason::Haproxy(detail.clone()),
         }));
     }
 }

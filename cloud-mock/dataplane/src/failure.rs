@@ -6,7 +6,6 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 
 use crate::Protocol;
-use crate::haproxy::error::HaproxyError;
 
 /// Why one load balancer is not (fully) realised.
 #[derive(Debug, thiserror::Error)]
@@ -45,9 +44,8 @@ pub enum LbFailureReason {
     ProtocolUnsupported { protocol: Protocol, port: u16 },
     #[error("{0}")]
     Unrenderable(#[from] Unrenderable),
-    /// HAProxy did not take the load balancer's sections: what failed, by kind.
-    #[error(transparent)]
-    Haproxy(HaproxyError),
+    #[error("{0}")]
+    Haproxy(String),
 }
 
 /// Why a listener cannot be given to HAProxy.
