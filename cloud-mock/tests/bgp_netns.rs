@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::netns::{bind_in, block_on_in_netns, ip, is_root};
+use support::netns::{Namespaces, bind_in, block_on_in_netns, ip, is_root};
 use support::{greet_on, tcp_hello};
 
 const VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
@@ -55,27 +55,23 @@ impl Drop for Process {
     }
 }
 
-/// The namespaces of one run, deleted on drop.
+/// The hosts of one run and their files.
 struct Hosts {
-    prefix: String,
+    namespaces: Namespaces,
     dir: PathBuf,
 }
 
 impl Hosts {
     fn name(&self, host: &str) -> String {
-        format!("{}-{host}", self.prefix)
+        self.namespaces.name(host)
     }
 
     fn create() -> Self {
-        let prefix = format!("tbgp{}", std::process::id());
-        let dir = std::env::temp_dir().join(&prefix);
+        let namespaces = Namespaces::create("bgp", &["c", "r", "e1", "e2", "n"]);
+        let dir = std::env::temp_dir().join(namespaces.name("files"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let hosts = Self { prefix, dir };
-        for host in ["c", "r", "e1", "e2", "n"] {
-            ip(&["netns", "add", &hosts.name(host)]);
-            ip(&["-n", &hosts.name(host), "link", "set", "lo", "up"]);
-        }
+        let hosts = Self { namespaces, dir };
         hosts.link("c", "eth0", "203.0.113.10/24", "r", "c0", "203.0.113.1/24");
         hosts.link("e1", "up0", "198.19.1.2/24", "r", "e1", "198.19.1.1/24");
         hosts.link("e2", "up0", "198.19.2.2/24", "r", "e2", "198.19.2.1/24");
@@ -164,10 +160,7 @@ impl Hosts {
     /// A veth pair between two hosts, addressed and up.
     fn link(&self, a: &str, a_dev: &str, a_addr: &str, b: &str, b_dev: &str, b_addr: &str) {
         let (a_ns, b_ns) = (self.name(a), self.name(b));
-        let (tmp_a, tmp_b) = (
-            format!("t{}{a}{b}", self.prefix.len()),
-            format!("u{}{a}{b}", self.prefix.len()),
-        );
+        let (tmp_a, tmp_b) = (format!("t{a}{b}"), format!("u{a}{b}"));
         ip(&[
             "link", "add", &tmp_a, "netns", &a_ns, "type", "veth", "peer", "name", &tmp_b, "netns",
             &b_ns,
@@ -302,12 +295,8 @@ impl Hosts {
 }
 
 impl Drop for Hosts {
+    // The namespaces go with their guard.
     fn drop(&mut self) {
-        for host in ["c", "r", "e1", "e2", "n"] {
-            let _ = Command::new("ip")
-                .args(["netns", "del", &self.name(host)])
-                .status();
-        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -38,13 +38,13 @@ const VIP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 40);
 const EDGES: [&str; 3] = ["e1", "e2", "e3"];
 
 struct Hosts {
-    prefix: String,
+    namespaces: netns::Namespaces,
     dir: PathBuf,
 }
 
 impl Hosts {
     fn name(&self, host: &str) -> String {
-        format!("{}{host}", self.prefix)
+        self.namespaces.name(host)
     }
 
     fn all() -> [&'static str; 5] {
@@ -52,15 +52,11 @@ impl Hosts {
     }
 
     fn create() -> Self {
-        let prefix = format!("tl2{}", std::process::id());
-        let dir = std::env::temp_dir().join(&prefix);
+        let namespaces = netns::Namespaces::create("l2", &Self::all());
+        let dir = std::env::temp_dir().join(namespaces.name("files"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let hosts = Self { prefix, dir };
-        for host in Self::all() {
-            ip(&["netns", "add", &hosts.name(host)]);
-            ip(&["-n", &hosts.name(host), "link", "set", "lo", "up"]);
-        }
+        let hosts = Self { namespaces, dir };
         let switch = hosts.name("s");
         netns::switch(&switch);
         for (host, address) in [
@@ -119,19 +115,21 @@ impl Hosts {
     }
 
     fn holders(&self) -> BTreeSet<&'static str> {
-        holders(&self.prefix)
+        holders(&EDGES.map(|edge| self.name(edge)))
     }
 }
 
-/// The edges (of the hosts named `prefix...`) that hold the VIP on their device now.
-fn holders(prefix: &str) -> BTreeSet<&'static str> {
+/// The edges (`e1` to `e3`, in the namespaces `edges`) that hold the VIP on their device
+/// now.
+fn holders(edges: &[String; 3]) -> BTreeSet<&'static str> {
     EDGES
         .into_iter()
-        .filter(|edge| {
+        .zip(edges)
+        .filter(|(_, namespace)| {
             let output = Command::new("ip")
                 .args([
                     "-n",
-                    &format!("{prefix}{edge}"),
+                    namespace.as_str(),
                     "-4",
                     "addr",
                     "show",
@@ -142,16 +140,13 @@ fn holders(prefix: &str) -> BTreeSet<&'static str> {
                 .unwrap();
             String::from_utf8_lossy(&output.stdout).contains(&format!("{VIP}/32"))
         })
+        .map(|(edge, _)| edge)
         .collect()
 }
 
 impl Drop for Hosts {
+    // The namespaces go with their guard.
     fn drop(&mut self) {
-        for host in Self::all() {
-            let _ = Command::new("ip")
-                .args(["netns", "del", &self.name(host)])
-                .status();
-        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -254,11 +249,11 @@ async fn one_edge_answers_for_a_vip_and_gives_it_up_when_cut_off_from_etcd() {
     // Sampled throughout: never two holders.
     let watching = Arc::new(AtomicBool::new(true));
     let sampler = {
-        let (watching, prefix) = (watching.clone(), hosts.prefix.clone());
+        let (watching, edges) = (watching.clone(), EDGES.map(|edge| hosts.name(edge)));
         std::thread::spawn(move || {
             let mut most = 0;
             while watching.load(Ordering::Relaxed) {
-                most = most.max(holders(&prefix).len());
+                most = most.max(holders(&edges).len());
                 std::thread::sleep(Duration::from_millis(20));
             }
             most

@@ -53,12 +53,12 @@ const LONG_LIVED: std::ops::Range<u16> = 42000..42030;
 
 /// The test's hosts, deleted on drop.
 struct Hosts {
-    prefix: String,
+    namespaces: netns::Namespaces,
 }
 
 impl Hosts {
     fn name(&self, host: &str) -> String {
-        format!("{}{host}", self.prefix)
+        self.namespaces.name(host)
     }
 
     fn all() -> Vec<&'static str> {
@@ -70,11 +70,9 @@ impl Hosts {
 
     fn create() -> Self {
         let hosts = Self {
-            prefix: format!("tmgl{}", std::process::id()),
+            namespaces: netns::Namespaces::create("mgl", &Self::all()),
         };
         for host in Self::all() {
-            ip(&["netns", "add", &hosts.name(host)]);
-            ip(&["-n", &hosts.name(host), "link", "set", "lo", "up"]);
             // The edges forward out of the port packets came in on: no redirects, which
             // would send the client around them.
             hosts.sysctl(host, "net.ipv4.conf.default.send_redirects=0");
@@ -156,16 +154,6 @@ impl Hosts {
             .output()
             .unwrap();
         String::from_utf8_lossy(&output.stdout).contains(text)
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for host in Self::all() {
-            let _ = Command::new("ip")
-                .args(["netns", "del", &self.name(host)])
-                .status();
-        }
     }
 }
 

@@ -87,6 +87,44 @@ impl Drop for Lab {
     }
 }
 
+/// The network namespaces of one test, `tdmdp<pid><tag>-<host>` (`tag` starts with a
+/// letter), each with `lo` up: deleted on drop, also on panic, and by the next test run
+/// when this process was killed (Ctrl-C) before it could drop them.
+pub struct Namespaces {
+    prefix: String,
+    made: Vec<String>,
+}
+
+impl Namespaces {
+    pub fn create(tag: &str, hosts: &[&str]) -> Self {
+        remove_stale_namespaces();
+        let mut namespaces = Self {
+            prefix: format!("{PREFIX}{}{tag}-", std::process::id()),
+            made: Vec::new(),
+        };
+        for host in hosts {
+            let name = namespaces.name(host);
+            ip(&["netns", "add", &name]);
+            namespaces.made.push(name.clone());
+            ip(&["-n", &name, "link", "set", "lo", "up"]);
+        }
+        namespaces
+    }
+
+    /// The namespace of `host`.
+    pub fn name(&self, host: &str) -> String {
+        format!("{}{host}", self.prefix)
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for name in &self.made {
+            let _ = Command::new("ip").args(["netns", "delete", name]).status();
+        }
+    }
+}
+
 /// Namespaces of earlier runs whose process is gone.
 fn remove_stale_namespaces() {
     for line in ip(&["netns", "list"]).lines() {
