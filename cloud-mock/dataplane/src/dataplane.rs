@@ -196,17 +196,9 @@ impl DataPlane {
     /// Starts announcing the VIPs this data plane can forward (needs a runtime).
     fn start_announcing(&self, config: AnnounceConfig) {
         let cancel = CancellationToken::new();
-        let (announced, offers) = watch::channel(BTreeSet::new());
         let drain = config.drain;
         let announcer = Announcer::new(config, self.shared.ip.clone());
-        let shared = Arc::downgrade(&self.shared);
-        let stop = cancel.clone();
-        let task = tokio::spawn(async move {
-            tokio::join!(
-                offer(shared, announced, stop.clone()),
-                announcer.run(offers, stop)
-            );
-        });
+        let task = tokio::spawn(announcer.run(self.offers(), cancel.clone()));
         *self
             .shared
             .announcing
