@@ -98,6 +98,26 @@ async fn until_all_succeed(lab: &Lab, vip: IpAddr, port: u16, bound: Duration) -
     }
 }
 
+/// Waits until requests succeed and each of `pods` pods has answered one of them: every
+/// node proxy has the Service's whole endpoint set, so that a spread measured next is the
+/// rules' own, not the last node's sync still on its way.
+async fn until_every_pod_answers(lab: &Lab, vip: IpAddr, port: u16, pods: usize, bound: Duration) {
+    until_all_succeed(lab, vip, port, bound).await;
+    let start = Instant::now();
+    let mut answered = std::collections::BTreeSet::new();
+    while answered.len() < pods {
+        let spread = lab
+            .http_requests(lab.topology.client_in_range(), vip, port, 10)
+            .await
+            .unwrap();
+        answered.extend(spread.by_pod.into_keys());
+        assert!(
+            start.elapsed() < bound,
+            "after {bound:?} only {answered:?} of {pods} pods answered"
+        );
+    }
+}
+
 #[test]
 fn proxy_mode_spreads_over_nodes_and_every_pod_and_masquerades() {
     with_lab(&[2, 2, 0], |lab| async move {
@@ -786,7 +806,7 @@ fn dual_stack_and_ipv6_services_answer_on_every_vip_in_both_lb_modes() {
                 .unwrap();
             assert!(vips[0].is_ipv4() && vips[1].is_ipv6(), "{mode:?}: {vips:?}");
             for vip in vips {
-                until_all_succeed(&lab, vip, 80, Duration::from_secs(30)).await;
+                until_every_pod_answers(&lab, vip, 80, 4, Duration::from_secs(30)).await;
                 let http = lab.http_requests(&client, vip, 80, 40).await.unwrap();
                 assert_eq!(http.failed, 0, "{mode:?} {vip}: {http:?}");
                 assert_eq!(
