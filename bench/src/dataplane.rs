@@ -280,11 +280,14 @@ async fn measure_in(
     let echo_lb =
         edge::load_balancer_at(&lab.cloud, own_vip(&echo_proxy, ECHO_SERVICE_PORT)?).await?;
     let iperf_lb = edge::load_balancer_at(&lab.cloud, own_vip(&iperf_proxy, IPERF_PORT)?).await?;
-    let (_, haproxy_edge_echo) =
-        edge::create(&haproxy_edge.client, &edge::copy_of(&echo_lb, "bench-echo")).await?;
+    let (_, haproxy_edge_echo) = edge::create(
+        &haproxy_edge.client,
+        &edge::copy_of(&echo_lb, "bench-echo", Edge::Haproxy),
+    )
+    .await?;
     let (_, haproxy_edge_iperf) = edge::create(
         &haproxy_edge.client,
-        &edge::copy_of(&iperf_lb, "bench-iperf"),
+        &edge::copy_of(&iperf_lb, "bench-iperf", Edge::Haproxy),
     )
     .await?;
 
@@ -387,9 +390,19 @@ async fn measure_in(
             which.label(),
             scale.churn
         ));
-        let measured = edge::churn(which, cloud, &bench.client, &echo_lb, steady, scale.churn)
+        let reloads_before = match which {
+            Edge::Haproxy => Some(haproxy_edge.reloads().await?),
+            Edge::Own => None,
+        };
+        let mut measured = edge::churn(which, cloud, &bench.client, &echo_lb, steady, scale.churn)
             .await
             .with_context(|| format!("load-balancer churn on the {}", which.label()))?;
+        if let Some(before) = reloads_before {
+            measured.reloads = Some(analysis::Reloads {
+                before,
+                after: haproxy_edge.reloads().await?,
+            });
+        }
         churn.insert(which, measured);
     }
     Ok(Measurements {

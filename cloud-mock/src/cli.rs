@@ -1,5 +1,6 @@
 //! Command-line flags (each with an environment fallback).
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -276,6 +277,8 @@ impl Args {
                 haproxy: HaproxySettings {
                     program: self.haproxy_program.clone(),
                     state_dir: self.data_dir.join("haproxy"),
+                    // The API's own socket is in the namespace HAProxy binds in.
+                    shared_ports: BTreeSet::from([self.listen.port()]),
                     ..HaproxySettings::default()
                 },
                 health_interval: self.health_interval.into(),

@@ -12,15 +12,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use cloud_mock_sdk::{
-    AddressRequest, Client, ClientOptions, LoadBalancer, LoadBalancerSpec, Protocol,
+    AddressRequest, Client, ClientOptions, Listener, LoadBalancer, LoadBalancerSpec, Protocol,
 };
 use tandem_lab::Lab;
 use tandem_lab::binaries;
 use tandem_netlab::{ChildGuard, Netns};
 
 use super::analysis::{
-    CHURN_ANSWER_BOUND, CHURN_TRY_EVERY, CHURN_TRY_TIMEOUT, ChurnMeasurement, Edge, STEADY_PACE,
-    STEADY_TIMEOUT,
+    CHURN_ANSWER_BOUND, CHURN_TRY_EVERY, CHURN_TRY_TIMEOUT, ChurnMeasurement, Edge,
+    HAPROXY_EDGE_PORT_SHIFT, STEADY_PACE, STEADY_TIMEOUT,
 };
 use super::probe;
 
@@ -39,12 +39,16 @@ const CHURN_BOUND: Duration = Duration::from_secs(600);
 const STEADY_MARGIN: Duration = Duration::from_secs(1);
 /// Tag on every load balancer the benchmark creates itself.
 const TAG: (&str, &str) = ("tandem-bench", "dataplane");
+/// The HAProxy edge's reloads by reason, as its `/metrics` names them.
+const RELOAD_REASONS: &str = "cloud_mock_haproxy_reload_reasons_total";
 
 /// `cloud-mock --dataplane haproxy` in the lab's edge namespace; killed (with the HAProxy
 /// it runs, in its process group) when dropped.
 pub struct HaproxyEdge {
     _process: ChildGuard,
     pub client: Client,
+    /// Its API (and `/metrics`).
+    listen: SocketAddr,
 }
 
 impl HaproxyEdge {
@@ -101,8 +105,33 @@ impl HaproxyEdge {
         Ok(Self {
             _process: process,
             client,
+            listen,
         })
     }
+
+    /// Its HAProxy's reloads so far, by reason.
+    pub async fn reloads(&self) -> Result<BTreeMap<String, u64>> {
+        let (status, page) = tandem_netlab::http::get(self.listen, "/metrics", START_BOUND)
+            .await
+            .context("reading the HAProxy edge's /metrics")?;
+        if status != 200 {
+            bail!("the HAProxy edge's /metrics answered {status}");
+        }
+        Ok(reloads_by_reason(&page))
+    }
+}
+
+/// The `RELOAD_REASONS` counters of a metrics page, by reason.
+fn reloads_by_reason(page: &str) -> BTreeMap<String, u64> {
+    page.lines()
+        .filter_map(|line| {
+            let rest = line
+                .strip_prefix(RELOAD_REASONS)?
+                .strip_prefix("{reason=\"")?;
+            let (reason, count) = rest.split_once("\"} ")?;
+            Some((reason.to_owned(), count.trim().parse().ok()?))
+        })
+        .collect()
 }
 
 /// The load balancer of `cloud` whose VIP is `vip`: the one the controller made, with the
@@ -139,8 +168,13 @@ pub async fn load_balancer_at(cloud: &Client, vip: SocketAddr) -> Result<LoadBal
 
 /// `template`'s TCP listeners (an HAProxy edge refuses UDP in proxy mode; the lab's
 /// Services have both), backends and source ranges under another name and the benchmark's
-/// tag, with a VIP of the edge's default pool.
-pub fn copy_of(template: &LoadBalancer, name: &str) -> LoadBalancerSpec {
+/// tag, with a VIP of `edge`'s default pool; on the HAProxy edge the listener ports are
+/// shifted by [`HAPROXY_EDGE_PORT_SHIFT`].
+pub fn copy_of(template: &LoadBalancer, name: &str, edge: Edge) -> LoadBalancerSpec {
+    let shift = match edge {
+        Edge::Own => 0,
+        Edge::Haproxy => HAPROXY_EDGE_PORT_SHIFT,
+    };
     LoadBalancerSpec {
         name: name.to_owned(),
         tags: BTreeMap::from([(TAG.0.to_owned(), TAG.1.to_owned())]),
@@ -151,7 +185,10 @@ pub fn copy_of(template: &LoadBalancer, name: &str) -> LoadBalancerSpec {
             .listeners
             .iter()
             .filter(|listener| listener.protocol == Protocol::Tcp)
-            .cloned()
+            .map(|listener| Listener {
+                port: listener.port.saturating_add(shift),
+                ..listener.clone()
+            })
             .collect(),
         backends: template.spec.backends.clone(),
         node_pool: None,
@@ -249,7 +286,7 @@ async fn create_all(
                 edge.label()
             );
         }
-        let spec = copy_of(template, &format!("bench-churn-{slug}-{i}"));
+        let spec = copy_of(template, &format!("bench-churn-{slug}-{i}"), edge);
         let since = Instant::now();
         let target = match create(cloud, &spec).await {
             Ok((id, target)) => {
@@ -291,5 +328,25 @@ async fn delete_all(cloud: &Client, ids: &[String]) {
         if let Err(e) = cloud.delete_load_balancer(id).await {
             tracing::warn!(id, error = %e, "cannot delete a churn load balancer");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reloads_are_read_by_reason_from_the_metrics_page() {
+        let page = "# HELP cloud_mock_haproxy_reload_reasons HAProxy reloads by what needed them\n\
+            cloud_mock_haproxy_reload_reasons_total{reason=\"new_frontend\"} 2\n\
+            cloud_mock_haproxy_reload_reasons_total{reason=\"no_spare_backend\"} 1\n\
+            cloud_mock_haproxy_reloads_total{result=\"ok\"} 3\n";
+        assert_eq!(
+            reloads_by_reason(page),
+            BTreeMap::from([
+                ("new_frontend".to_owned(), 2),
+                ("no_spare_backend".to_owned(), 1)
+            ])
+        );
     }
 }

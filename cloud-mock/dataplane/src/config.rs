@@ -1,3 +1,4 @@
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -33,6 +34,10 @@ pub struct HaproxySettings {
     pub state_dir: PathBuf,
     /// Least time between two reloads; changes in between wait and go in one reload.
     pub min_reload_interval: Duration,
+    /// Ports that other sockets of the edge's namespace listen on, on some address (the
+    /// edge's own API): a listener on one binds its VIP alone, since a bind on every
+    /// address would collide with them, and a new VIP on it takes a reload.
+    pub shared_ports: BTreeSet<u16>,
 }
 
 impl Default for HaproxySettings {
@@ -41,6 +46,7 @@ impl Default for HaproxySettings {
             program: PathBuf::from("haproxy"),
             state_dir: PathBuf::from("/var/lib/cloud-mock/haproxy"),
             min_reload_interval: Duration::from_millis(500),
+            shared_ports: BTreeSet::new(),
         }
     }
 }

@@ -591,7 +591,7 @@ async fn converge_haproxy(
             tcp.insert(*key, route.clone());
         }
     }
-    let (desired, refused) = proxies(&tcp);
+    let (desired, refused) = proxies(&tcp, haproxy.shared_ports());
     for (lb_id, reason) in refused {
         failures.push(LbFailure {
             lb_id,
@@ -600,10 +600,9 @@ async fn converge_haproxy(
     }
     if let Err((error, lb_ids)) = haproxy.apply(desired).await {
         warn!(%error, "HAProxy not converged");
-        let detail = error.to_string();
         failures.extend(lb_ids.into_iter().map(|lb_id| LbFailure {
             lb_id,
-            reason: LbFailureReason::Haproxy(detail.clone()),
+            reason: LbFailureReason::Haproxy(error.clone()),
         }));
     }
 }

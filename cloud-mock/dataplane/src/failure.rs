@@ -6,6 +6,7 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 
 use crate::Protocol;
+use crate::haproxy::error::HaproxyError;
 
 /// Why one load balancer is not (fully) realised.
 #[derive(Debug, thiserror::Error)]
@@ -44,8 +45,9 @@ pub enum LbFailureReason {
     ProtocolUnsupported { protocol: Protocol, port: u16 },
     #[error("{0}")]
     Unrenderable(#[from] Unrenderable),
-    #[error("{0}")]
-    Haproxy(String),
+    /// HAProxy did not take the load balancer's sections: what failed, by kind.
+    #[error(transparent)]
+    Haproxy(HaproxyError),
 }
 
 /// Why a listener cannot be given to HAProxy.

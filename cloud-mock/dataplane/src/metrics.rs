@@ -35,6 +35,31 @@ impl Outcome {
     }
 }
 
+/// Why HAProxy was reloaded (decided by `haproxy::layout` and the HAProxy driver).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReloadReason {
+    /// A listener on a port (of a family) that no frontend binds yet.
+    NewFrontend,
+    /// A listener with no empty backend of its kind left.
+    NoSpareBackend,
+    /// An HAProxy that an earlier run of the edge left running, whose sections this run
+    /// does not know.
+    Adopted,
+    /// HAProxy refused a runtime command: the file holds the wanted state, a reload makes it so.
+    RuntimeRefused,
+}
+
+impl ReloadReason {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::NewFrontend => "new_frontend",
+            Self::NoSpareBackend => "no_spare_backend",
+            Self::Adopted => "adopted",
+            Self::RuntimeRefused => "runtime_refused",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ConnectionLabels {
     protocol: &'static str,
@@ -64,6 +89,11 @@ struct ResultLabels {
     result: &'static str,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
 /// Cheap to clone: every field shares its storage.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Metrics {
@@ -73,6 +103,7 @@ pub(crate) struct Metrics {
     health_checks: Family<HealthCheckLabels, Counter>,
     route_changes: Family<ResultLabels, Counter>,
     haproxy_reloads: Family<ResultLabels, Counter>,
+    haproxy_reload_reasons: Family<ReasonLabels, Counter>,
     haproxy_runtime_commands: Family<ResultLabels, Counter>,
     haproxy_restarts: Counter,
 }
@@ -106,8 +137,13 @@ impl Metrics {
         );
         registry.register(
             "cloud_mock_haproxy_reloads",
-            "HAProxy reloads (frontend changes) by result",
+            "HAProxy reloads by result",
             self.haproxy_reloads.clone(),
+        );
+        registry.register(
+            "cloud_mock_haproxy_reload_reasons",
+            "HAProxy reloads by what needed them: new_frontend (a port not bound yet), no_spare_backend, adopted (an earlier edge's HAProxy), runtime_refused",
+            self.haproxy_reload_reasons.clone(),
         );
         registry.register(
             "cloud_mock_haproxy_runtime_commands",
@@ -170,8 +206,13 @@ impl Metrics {
         count_result(&self.route_changes, succeeded);
     }
 
-    pub fn haproxy_reload(&self, succeeded: bool) {
+    pub fn haproxy_reload(&self, reason: ReloadReason, succeeded: bool) {
         count_result(&self.haproxy_reloads, succeeded);
+        self.haproxy_reload_reasons
+            .get_or_create(&ReasonLabels {
+                reason: reason.as_str(),
+            })
+            .inc();
     }
 
     pub fn haproxy_runtime_command(&self, succeeded: bool) {
@@ -214,6 +255,7 @@ mod tests {
         let _other = metrics.open(Protocol::Tcp);
         drop(guard);
         metrics.health_check(&HealthCheck::Tcp { port: 1 }, false);
+        metrics.haproxy_reload(ReloadReason::NewFrontend, true);
         let mut text = String::new();
         encode(&mut text, &registry).unwrap();
         assert!(text.contains(
@@ -231,6 +273,10 @@ mod tests {
             text.contains(
                 r#"cloud_mock_dataplane_health_checks_total{check="tcp",result="fail"} 1"#
             )
+        );
+        assert!(text.contains(r#"cloud_mock_haproxy_reloads_total{result="ok"} 1"#));
+        assert!(
+            text.contains(r#"cloud_mock_haproxy_reload_reasons_total{reason="new_frontend"} 1"#)
         );
     }
 }

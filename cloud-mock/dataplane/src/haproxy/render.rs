@@ -1,262 +1,61 @@
-//! Decide, for HAProxy: from the proxy-mode listeners to HAProxy's configuration text,
-//! and from the running proxies to the runtime commands that converge them. Pure.
+//! Render, for HAProxy: a [`Layout`] as HAProxy's configuration file and the map and ACL
+//! files it reads, and the runtime commands that turn one layout into another. Pure.
 //!
-//! Every name in the configuration is the edge's own (a load balancer id the store made,
-//! a port, a family) and every value a parsed address, prefix or port; the one piece of
-//! free text that reaches HAProxy, an HTTP health-check path, is checked against a narrow
-//! character set. What does not pass is refused here, with a reason, before HAProxy sees it.
+//! The files always hold the whole layout (every server, map entry and source range), so
+//! a reload or a restart rebuilds what the runtime commands built.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ipnet::IpNet;
 
+use super::layout::{Checks, Family, Frontend, Layout, backend_name};
+use super::proxy::{CheckTiming, Proxy};
 use crate::HealthCheck;
-use crate::failure::Unrenderable;
-use crate::plan::{ListenerKey, ListenerRoute};
-
-/// Health-check timing every server gets (dynamic servers inherit no `default-server`,
-/// so the configuration and the runtime commands both spell it out).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct CheckTiming {
-    pub interval: Duration,
-    pub timeout: Duration,
-    pub rise: u32,
-    pub fall: u32,
-}
-
-/// One HAProxy `listen` section: a load balancer's TCP listener on one of its VIPs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Proxy {
-    pub lb_id: String,
-    pub bind: SocketAddr,
-    pub backend_port: u16,
-    pub health_check: Option<HealthCheck>,
-    pub source_ranges: Vec<IpNet>,
-    /// Sorted; the server names are these addresses. A checked section also has, for
-    /// each, a backup server named by [`backup_name`] (see [`Proxy::fail_open`]).
-    pub servers: Vec<IpAddr>,
-}
-
-impl Proxy {
-    /// The section name: unique per (load balancer, port, family), which is unique per
-    /// (VIP, port) because a load balancer has one VIP per family.
-    pub fn name(&self) -> String {
-        let family = if self.bind.is_ipv4() { "v4" } else { "v6" };
-        format!("{}_{}_{family}", self.lb_id, self.bind.port())
-    }
-
-    /// Whether the section fails open: its servers are checked, so each has an unchecked
-    /// backup twin and `option allbackups` spreads over all of them when every checked
-    /// server is DOWN (as cloud load balancers do when no target is healthy). Without a
-    /// check the servers are always up and need no backups.
-    pub fn fail_open(&self) -> bool {
-        self.health_check.is_some()
-    }
-
-    /// Everything but the servers: what only a reload can change.
-    fn frontend(&self) -> Self {
-        Self {
-            servers: Vec::new(),
-            ..self.clone()
-        }
-    }
-}
-
-/// The proxies of `listeners` (TCP ones: the caller refuses UDP), each checked; a listener
-/// that cannot be rendered is returned with its reason instead.
-pub(crate) fn proxies(
-    listeners: &BTreeMap<ListenerKey, ListenerRoute>,
-) -> (BTreeMap<String, Proxy>, Vec<(String, Unrenderable)>) {
-    let mut proxies = BTreeMap::new();
-    let mut refused = Vec::new();
-    for (key, route) in listeners {
-        let proxy = Proxy {
-            lb_id: route.lb_id.clone(),
-            bind: SocketAddr::new(key.vip, key.port),
-            backend_port: route.backend_port,
-            health_check: route.health_check.clone(),
-            source_ranges: route.source_ranges.clone(),
-            servers: route.backends.clone(),
-        };
-        match check(&proxy) {
-            Ok(()) => {
-                proxies.insert(proxy.name(), proxy);
-            }
-            Err(reason) => refused.push((route.lb_id.clone(), reason)),
-        }
-    }
-    (proxies, refused)
-}
-
-fn check(proxy: &Proxy) -> Result<(), Unrenderable> {
-    let id = &proxy.lb_id;
-    let id_ok = !id.is_empty()
-        && id.len() <= 64
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
-    if !id_ok {
-        return Err(Unrenderable::Id(id.clone()));
-    }
-    if let Some(HealthCheck::Http { path, .. }) = &proxy.health_check
-        && !path_is_plain(path)
-    {
-        return Err(Unrenderable::Path(path.clone()));
-    }
-    Ok(())
-}
-
-/// An absolute path of unreserved and a few sub-delimiter characters: nothing HAProxy's
-/// configuration parser reads as a quote, an escape, a comment, a variable or a separator.
-fn path_is_plain(path: &str) -> bool {
-    path.starts_with('/')
-        && path.len() <= 256
-        && path
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"/._~-%=&?:@+,".contains(&b))
-}
-
-/// Whether going from `running` to `desired` needs a reload: any section added, removed
-/// or changed other than in its servers.
-pub(crate) fn needs_reload(
-    running: &BTreeMap<String, Proxy>,
-    desired: &BTreeMap<String, Proxy>,
-) -> bool {
-    running.len() != desired.len()
-        || running
-            .iter()
-            .zip(desired)
-            .any(|((name_a, a), (name_b, b))| name_a != name_b || a.frontend() != b.frontend())
-}
-
-/// The runtime API commands that turn the servers of `running` into those of `desired`,
-/// in two steps with a drain between them (see [`server_commands`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct ServerCommands {
-    /// The servers that go, put in maintenance: they take no new connection, and the
-    /// ones they carry go on.
-    pub drain: Vec<String>,
-    /// The servers that go and can carry sessions, as `(section, address)`: the drain
-    /// waits for their sessions to end.
-    pub draining: Vec<(String, IpAddr)>,
-    /// After the drain: what is left of their sessions shut, the servers deleted, then
-    /// the new servers added.
-    pub then: Vec<String>,
-}
-
-impl ServerCommands {
-    pub fn is_empty(&self) -> bool {
-        self.drain.is_empty() && self.then.is_empty()
-    }
-}
-
-/// Runtime API commands that turn the servers of `running` into those of `desired`, for
-/// sections whose frontends are the same. Removals first: each server is put in
-/// maintenance and drained (a request in flight through it finishes), then what is left
-/// of its sessions is shut and it is deleted (HAProxy deletes only a server without
-/// sessions). Additions come up in maintenance, so their checks are enabled before they
-/// take traffic. In a section that fails open a node's backup server goes and comes with
-/// its checked one, so the running servers are always those of the file (which a reload
-/// starts from).
-pub(crate) fn server_commands(
-    running: &BTreeMap<String, Proxy>,
-    desired: &BTreeMap<String, Proxy>,
-    timing: CheckTiming,
-) -> ServerCommands {
-    let mut commands = ServerCommands::default();
-    let mut additions = Vec::new();
-    for (name, want) in desired {
-        let Some(have) = running.get(name) else {
-            continue;
-        };
-        let have_servers: BTreeSet<IpAddr> = have.servers.iter().copied().collect();
-        let want_servers: BTreeSet<IpAddr> = want.servers.iter().copied().collect();
-        for &gone in have_servers.difference(&want_servers) {
-            let mut servers = vec![format!("{name}/{gone}")];
-            if have.fail_open() {
-                servers.push(format!("{name}/{}", backup_name(gone)));
-            }
-            commands.draining.push((name.clone(), gone));
-            for server in servers {
-                commands.drain.push(format!("disable server {server}"));
-                commands
-                    .then
-                    .push(format!("shutdown sessions server {server}"));
-                commands.then.push(format!("del server {server}"));
-            }
-        }
-        for &new in want_servers.difference(&have_servers) {
-            let server = format!("{name}/{new}");
-            additions.push(format!(
-                "add server {server} {}",
-                server_line(want, new, timing)
-            ));
-            if want.health_check.is_some() {
-                additions.push(format!("enable health {server}"));
-            }
-            additions.push(format!("enable server {server}"));
-            if want.fail_open() {
-                let backup = format!("{name}/{}", backup_name(new));
-                additions.push(format!("add server {backup} {}", backup_line(want, new)));
-                additions.push(format!("enable server {backup}"));
-            }
-        }
-    }
-    commands.then.extend(additions);
-    commands
-}
-
-/// What follows `server NAME` for `ip` in `proxy`: the address and the check.
-fn server_line(proxy: &Proxy, ip: IpAddr, timing: CheckTiming) -> String {
-    let mut line = SocketAddr::new(ip, proxy.backend_port).to_string();
-    if let Some(check) = &proxy.health_check {
-        let port = match check {
-            HealthCheck::Tcp { port } | HealthCheck::Http { port, .. } => port,
-        };
-        let _ = write!(
-            line,
-            " check port {port} inter {} fall {} rise {}",
-            millis(timing.interval),
-            timing.fall.max(1),
-            timing.rise.max(1)
-        );
-    }
-    line
-}
-
-/// The name of `ip`'s backup server in a section that fails open. Not an address, so the
-/// health reader (`socket::parse_stat`) skips it, and distinct from every primary's name.
-fn backup_name(ip: IpAddr) -> String {
-    format!("open-{ip}")
-}
-
-/// What follows `server open-IP` for `ip` in `proxy`: the same address, unchecked (always
-/// up), a backup (takes traffic only while no checked server is up).
-fn backup_line(proxy: &Proxy, ip: IpAddr) -> String {
-    format!("{} backup", SocketAddr::new(ip, proxy.backend_port))
-}
-
-fn millis(duration: Duration) -> String {
-    format!("{}ms", duration.as_millis().max(1))
-}
 
 /// Settings of the configuration that are not load balancers.
 #[derive(Debug, Clone)]
 pub(crate) struct Globals<'a> {
+    /// Where the map and ACL files live (the state directory, a plain path).
+    pub dir: &'a Path,
     /// The runtime API's socket (local to the edge: a Unix socket, mode 600).
     pub runtime_socket: &'a Path,
     pub connect_timeout: Duration,
     pub timing: CheckTiming,
 }
 
-/// The whole configuration file.
-pub(crate) fn render(globals: &Globals<'_>, proxies: &BTreeMap<String, Proxy>) -> String {
+/// A frontend's map: a `VIP backend-N` line for each VIP on it.
+fn map_path(dir: &Path, frontend: Frontend) -> PathBuf {
+    dir.join(format!("{}.map", frontend.name()))
+}
+
+/// A backend's ACL: the source ranges it admits, one a line.
+fn acl_path(dir: &Path, number: u32) -> PathBuf {
+    dir.join(format!("{}.acl", backend_name(number)))
+}
+
+/// The patterns of the ACL of a backend serving `proxy`: its source ranges, or every
+/// source when it names none; an empty backend admits none.
+fn admitted(proxy: Option<&Proxy>) -> BTreeSet<String> {
+    match proxy {
+        None => BTreeSet::new(),
+        Some(proxy) if proxy.source_ranges.is_empty() => {
+            BTreeSet::from(["0.0.0.0/0".to_owned(), "::/0".to_owned()])
+        }
+        Some(proxy) => proxy.source_ranges.iter().map(IpNet::to_string).collect(),
+    }
+}
+
+/// The configuration file of `layout`.
+pub(crate) fn config(globals: &Globals<'_>, layout: &Layout) -> String {
     let mut out = String::new();
     let _ = write!(
         out,
-        "# Rendered by cloud-mock from its store at every change; edits are overwritten.\n\
+        "# Rendered by cloud-mock from its store at every change, with the map and ACL files\n\
+         # beside it; edits are overwritten.\n\
          global\n    \
              stats socket {socket} mode 600 level admin\n    \
              stats timeout 30s\n\
@@ -274,17 +73,29 @@ pub(crate) fn render(globals: &Globals<'_>, proxies: &BTreeMap<String, Proxy>) -
         connect = millis(globals.connect_timeout),
         check = millis(globals.timing.timeout),
     );
-    for (name, proxy) in proxies {
-        let _ = write!(out, "\nlisten {name}\n    bind {}\n", proxy.bind);
-        if !proxy.source_ranges.is_empty() {
-            let ranges: Vec<String> = proxy.source_ranges.iter().map(IpNet::to_string).collect();
-            let _ = writeln!(
-                out,
-                "    tcp-request connection reject unless {{ src {} }}",
-                ranges.join(" ")
-            );
+    for &frontend in &layout.frontends {
+        let bind = match (frontend.vip, frontend.family) {
+            (Some(vip), _) => SocketAddr::new(vip, frontend.port).to_string(),
+            (None, Family::V4) => format!("0.0.0.0:{}", frontend.port),
+            (None, Family::V6) => format!("[::]:{} v6only", frontend.port),
+        };
+        let map = map_path(globals.dir, frontend);
+        let _ = write!(
+            out,
+            "\nfrontend {name}\n    \
+                 bind {bind}\n    \
+                 tcp-request connection reject unless {{ dst,map_ip({map}) -m found }}\n    \
+                 use_backend %[dst,map_ip({map})]\n",
+            name = frontend.name(),
+            map = map.display(),
+        );
+    }
+    for (&number, backend) in &layout.backends {
+        let _ = writeln!(out, "\nbackend {}", backend_name(number));
+        if let Some(proxy) = &backend.proxy {
+            let _ = writeln!(out, "    # {} on {}", proxy.name(), proxy.bind);
         }
-        if let Some(HealthCheck::Http { path, .. }) = &proxy.health_check {
+        if let Checks::Http { path } = &backend.checks {
             let _ = write!(
                 out,
                 "    option httpchk\n    \
@@ -292,9 +103,15 @@ pub(crate) fn render(globals: &Globals<'_>, proxies: &BTreeMap<String, Proxy>) -
                      http-check expect status 200\n"
             );
         }
-        if proxy.fail_open() {
-            out.push_str("    option allbackups\n");
-        }
+        let _ = write!(
+            out,
+            "    option allbackups\n    \
+                 tcp-request content reject unless {{ src -f {} }}\n",
+            acl_path(globals.dir, number).display()
+        );
+        let Some(proxy) = &backend.proxy else {
+            continue;
+        };
         for &server in &proxy.servers {
             let _ = writeln!(
                 out,
@@ -316,6 +133,201 @@ pub(crate) fn render(globals: &Globals<'_>, proxies: &BTreeMap<String, Proxy>) -
     out
 }
 
+/// The map and ACL files the configuration of `layout` reads, by path.
+pub(crate) fn pattern_files(dir: &Path, layout: &Layout) -> BTreeMap<PathBuf, String> {
+    let mut files: BTreeMap<PathBuf, String> = layout
+        .frontends
+        .iter()
+        .map(|&frontend| (map_path(dir, frontend), String::new()))
+        .collect();
+    for ((frontend, vip), number) in layout.routes() {
+        let map = files.entry(map_path(dir, frontend)).or_default();
+        let _ = writeln!(map, "{vip} {}", backend_name(number));
+    }
+    for (&number, backend) in &layout.backends {
+        let patterns = admitted(backend.proxy.as_ref());
+        let text = patterns
+            .iter()
+            .map(|pattern| format!("{pattern}\n"))
+            .collect();
+        files.insert(acl_path(dir, number), text);
+    }
+    files
+}
+
+/// Runtime API commands that turn the running layout into the next, in two steps with a
+/// drain between them (see [`runtime_commands`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct RuntimeCommands {
+    /// New source ranges and servers first, then the map entries that route to them,
+    /// then the map entries and ranges that go, then the servers that go put in
+    /// maintenance: they take no new connection, and the ones they carry go on.
+    pub before_drain: Vec<String>,
+    /// The servers that go and can carry sessions, as `(backend, address)`: the drain
+    /// waits for their sessions to end.
+    pub draining: Vec<(String, IpAddr)>,
+    /// After the drain: what is left of their sessions shut, and the servers deleted.
+    pub after_drain: Vec<String>,
+}
+
+impl RuntimeCommands {
+    pub fn len(&self) -> usize {
+        self.before_drain.len() + self.after_drain.len()
+    }
+}
+
+/// Runtime API commands from `running` to `next`, two layouts with the same frontends and
+/// backends (a plan's run-time step). A backend changes listener only through being
+/// empty; the listener it keeps has the same server lines (see `layout::plan`), so its
+/// servers differ by address alone.
+///
+/// A route appears only once its backend has its servers and source ranges, and goes
+/// before its servers do. A server that goes is put in maintenance and drained (a request
+/// in flight through it finishes), then what is left of its sessions is shut and it is
+/// deleted (HAProxy deletes only a server without sessions). Additions come up in
+/// maintenance, so their checks are enabled before they take traffic. A listener that
+/// fails open has a backup server with each node, added and deleted with it, so the
+/// running servers are always those of the file.
+pub(crate) fn runtime_commands(
+    dir: &Path,
+    running: &Layout,
+    next: &Layout,
+    timing: CheckTiming,
+) -> RuntimeCommands {
+    let mut commands = RuntimeCommands::default();
+    let (mut acl_adds, mut server_adds, mut acl_dels, mut disables) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let occupant = |layout: &'_ Layout, number| {
+        layout
+            .backends
+            .get(&number)
+            .and_then(|backend| backend.proxy.clone())
+    };
+    let numbers: BTreeSet<u32> = running
+        .backends
+        .keys()
+        .chain(next.backends.keys())
+        .copied()
+        .collect();
+    for number in numbers {
+        let (have, want) = (occupant(running, number), occupant(next, number));
+        let acl = acl_path(dir, number);
+        let (had, wanted) = (admitted(have.as_ref()), admitted(want.as_ref()));
+        for pattern in wanted.difference(&had) {
+            acl_adds.push(format!("add acl {} {pattern}", acl.display()));
+        }
+        for pattern in had.difference(&wanted) {
+            acl_dels.push(format!("del acl {} {pattern}", acl.display()));
+        }
+        let servers = |proxy: &Option<Proxy>| -> BTreeSet<IpAddr> {
+            proxy
+                .iter()
+                .flat_map(|p| p.servers.iter().copied())
+                .collect()
+        };
+        let (have_servers, want_servers) = (servers(&have), servers(&want));
+        let backend = backend_name(number);
+        if let Some(have) = &have {
+            for &gone in have_servers.difference(&want_servers) {
+                commands.draining.push((backend.clone(), gone));
+                for server in server_names(&backend, have, gone) {
+                    disables.push(format!("disable server {server}"));
+                    commands
+                        .after_drain
+                        .push(format!("shutdown sessions server {server}"));
+                    commands.after_drain.push(format!("del server {server}"));
+                }
+            }
+        }
+        if let Some(want) = &want {
+            for &new in want_servers.difference(&have_servers) {
+                let server = format!("{backend}/{new}");
+                server_adds.push(format!(
+                    "add server {server} {}",
+                    server_line(want, new, timing)
+                ));
+                if want.health_check.is_some() {
+                    server_adds.push(format!("enable health {server}"));
+                }
+                server_adds.push(format!("enable server {server}"));
+                if want.fail_open() {
+                    let backup = format!("{backend}/{}", backup_name(new));
+                    server_adds.push(format!("add server {backup} {}", backup_line(want, new)));
+                    server_adds.push(format!("enable server {backup}"));
+                }
+            }
+        }
+    }
+    let (have_routes, want_routes) = (running.routes(), next.routes());
+    let mut route_changes = Vec::new();
+    for (&(frontend, vip), &number) in &want_routes {
+        let verb = match have_routes.get(&(frontend, vip)) {
+            Some(&had) if had == number => continue,
+            Some(_) => "set",
+            None => "add",
+        };
+        route_changes.push(format!(
+            "{verb} map {} {vip} {}",
+            map_path(dir, frontend).display(),
+            backend_name(number)
+        ));
+    }
+    for &(frontend, vip) in have_routes.keys() {
+        if !want_routes.contains_key(&(frontend, vip)) {
+            route_changes.push(format!(
+                "del map {} {vip}",
+                map_path(dir, frontend).display()
+            ));
+        }
+    }
+    commands.before_drain = [acl_adds, server_adds, route_changes, acl_dels, disables].concat();
+    commands
+}
+
+/// The runtime names of `ip`'s servers in `backend` serving `proxy`: its own, and its
+/// backup's when `proxy` fails open.
+fn server_names(backend: &str, proxy: &Proxy, ip: IpAddr) -> Vec<String> {
+    let mut names = vec![format!("{backend}/{ip}")];
+    if proxy.fail_open() {
+        names.push(format!("{backend}/{}", backup_name(ip)));
+    }
+    names
+}
+
+/// What follows `server NAME` for `ip` in `proxy`: the address and the check.
+fn server_line(proxy: &Proxy, ip: IpAddr, timing: CheckTiming) -> String {
+    let mut line = SocketAddr::new(ip, proxy.backend_port).to_string();
+    if let Some(check) = &proxy.health_check {
+        let port = match check {
+            HealthCheck::Tcp { port } | HealthCheck::Http { port, .. } => port,
+        };
+        let _ = write!(
+            line,
+            " check port {port} inter {} fall {} rise {}",
+            millis(timing.interval),
+            timing.fall.max(1),
+            timing.rise.max(1)
+        );
+    }
+    line
+}
+
+/// The name of `ip`'s backup server in a listener that fails open. Not an address, so
+/// the health reader (`socket::parse_stat`) skips it, and distinct from every primary's.
+fn backup_name(ip: IpAddr) -> String {
+    format!("open-{ip}")
+}
+
+/// What follows `server open-IP` for `ip` in `proxy`: the same address, unchecked (always
+/// up), a backup (takes traffic only while no checked server is up).
+fn backup_line(proxy: &Proxy, ip: IpAddr) -> String {
+    format!("{} backup", SocketAddr::new(ip, proxy.backend_port))
+}
+
+fn millis(duration: Duration) -> String {
+    format!("{}ms", duration.as_millis().max(1))
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::Ipv4Addr;
@@ -324,6 +336,9 @@ mod tests {
 
     use super::*;
     use crate::Protocol;
+    use crate::haproxy::layout::{self, Backend, SPARE_BACKENDS};
+    use crate::haproxy::proxy::proxies;
+    use crate::plan::{ListenerKey, ListenerRoute};
 
     const TIMING: CheckTiming = CheckTiming {
         interval: Duration::from_secs(1),
@@ -331,6 +346,15 @@ mod tests {
         rise: 2,
         fall: 2,
     };
+
+    fn globals(dir: &Path) -> Globals<'_> {
+        Globals {
+            dir,
+            runtime_socket: Path::new("/run/edge/runtime.sock"),
+            connect_timeout: Duration::from_secs(3),
+            timing: TIMING,
+        }
+    }
 
     fn proxy(servers: &[&str]) -> Proxy {
         Proxy {
@@ -343,226 +367,250 @@ mod tests {
             }),
             source_ranges: vec!["203.0.113.0/24".parse().unwrap()],
             servers: servers.iter().map(|s| s.parse().unwrap()).collect(),
+            bound_alone: false,
         }
     }
 
-    fn one(proxy: Proxy) -> BTreeMap<String, Proxy> {
-        BTreeMap::from([(proxy.name(), proxy)])
+    /// `proxies` in backends 0, 1, … with one empty backend of each's kind after them.
+    fn layout(proxies: &[Proxy]) -> Layout {
+        let mut layout = Layout::default();
+        for proxy in proxies {
+            layout.frontends.insert(Frontend::of(proxy));
+            let number = u32::try_from(layout.backends.len()).unwrap();
+            layout.backends.insert(
+                number,
+                Backend {
+                    checks: Checks::of(proxy),
+                    proxy: Some(proxy.clone()),
+                },
+            );
+        }
+        for proxy in proxies {
+            let number = u32::try_from(layout.backends.len()).unwrap();
+            let checks = Checks::of(proxy);
+            layout.backends.insert(
+                number,
+                Backend {
+                    checks,
+                    proxy: None,
+                },
+            );
+        }
+        layout
+    }
+
+    /// `layout` with backend `number` serving `proxy` (or nothing).
+    fn with(mut layout: Layout, number: u32, proxy: Option<Proxy>) -> Layout {
+        if let Some(backend) = layout.backends.get_mut(&number) {
+            backend.proxy = proxy;
+        }
+        layout
     }
 
     #[test]
-    fn a_listener_renders_as_one_listen_section() {
-        let globals = Globals {
-            runtime_socket: Path::new("/run/edge/runtime.sock"),
-            connect_timeout: Duration::from_secs(3),
-            timing: TIMING,
-        };
-        let text = render(&globals, &one(proxy(&["198.18.0.11", "198.18.0.12"])));
-        let section = text.split_once("\nlisten ").unwrap().1;
+    fn a_port_is_one_frontend_routing_by_vip_and_a_listener_one_backend() {
+        let dir = Path::new("/var/lib/edge");
+        let running = layout(&[proxy(&["198.18.0.11", "198.18.0.12"])]);
+        let text = config(&globals(dir), &running);
+        assert!(text.contains("stats socket /run/edge/runtime.sock mode 600 level admin"));
+        let sections = text.split_once("\nfrontend ").unwrap().1;
         assert_eq!(
-            section,
-            "lb-0000000a_80_v4\n    \
-                 bind 198.51.100.10:80\n    \
-                 tcp-request connection reject unless { src 203.0.113.0/24 }\n    \
+            sections,
+            "port-80-v4\n    \
+                 bind 0.0.0.0:80\n    \
+                 tcp-request connection reject unless { dst,map_ip(/var/lib/edge/port-80-v4.map) -m found }\n    \
+                 use_backend %[dst,map_ip(/var/lib/edge/port-80-v4.map)]\n\
+             \n\
+             backend backend-0\n    \
+                 # lb-0000000a_80_v4 on 198.51.100.10:80\n    \
                  option httpchk\n    \
                  http-check send meth GET uri /healthz\n    \
                  http-check expect status 200\n    \
                  option allbackups\n    \
+                 tcp-request content reject unless { src -f /var/lib/edge/backend-0.acl }\n    \
                  server 198.18.0.11 198.18.0.11:31000 check port 32000 inter 1000ms fall 2 rise 2\n    \
                  server 198.18.0.12 198.18.0.12:31000 check port 32000 inter 1000ms fall 2 rise 2\n    \
                  server open-198.18.0.11 198.18.0.11:31000 backup\n    \
-                 server open-198.18.0.12 198.18.0.12:31000 backup\n"
+                 server open-198.18.0.12 198.18.0.12:31000 backup\n\
+             \n\
+             backend backend-1\n    \
+                 option httpchk\n    \
+                 http-check send meth GET uri /healthz\n    \
+                 http-check expect status 200\n    \
+                 option allbackups\n    \
+                 tcp-request content reject unless { src -f /var/lib/edge/backend-1.acl }\n"
         );
-        assert!(text.contains("stats socket /run/edge/runtime.sock mode 600 level admin"));
+        let mut open = proxy(&["198.18.0.11"]);
+        open.source_ranges.clear();
+        let files = pattern_files(dir, &layout(&[open]));
+        assert_eq!(
+            files,
+            BTreeMap::from([
+                (
+                    PathBuf::from("/var/lib/edge/port-80-v4.map"),
+                    "198.51.100.10 backend-0\n".to_owned()
+                ),
+                (
+                    PathBuf::from("/var/lib/edge/backend-0.acl"),
+                    "0.0.0.0/0\n::/0\n".to_owned()
+                ),
+                (PathBuf::from("/var/lib/edge/backend-1.acl"), String::new()),
+            ]),
+            "no source ranges admit every source; an empty backend none"
+        );
+        assert_eq!(
+            pattern_files(dir, &running)[Path::new("/var/lib/edge/backend-0.acl")],
+            "203.0.113.0/24\n"
+        );
     }
 
     #[test]
-    fn ipv6_binds_and_servers_are_bracketed_and_named_by_family() {
+    fn ipv6_binds_every_address_of_its_own_family_and_servers_are_bracketed() {
         let mut v6 = proxy(&["2001:db8:18::11"]);
         v6.bind = "[2001:db8:51:100::10]:443".parse().unwrap();
         v6.health_check = Some(HealthCheck::Tcp { port: 443 });
-        v6.source_ranges.clear();
-        assert_eq!(v6.name(), "lb-0000000a_443_v6");
-        let globals = Globals {
-            runtime_socket: Path::new("/s"),
-            connect_timeout: Duration::from_secs(3),
-            timing: TIMING,
-        };
-        let text = render(&globals, &one(v6));
-        assert!(text.contains("bind [2001:db8:51:100::10]:443\n"));
+        let dir = Path::new("/s");
+        let layout = layout(&[v6]);
+        let text = config(&globals(dir), &layout);
+        assert!(text.contains("frontend port-443-v6\n    bind [::]:443 v6only\n"));
+        assert!(!text.contains("httpchk"), "{text}");
         assert!(text.contains(
             "server 2001:db8:18::11 [2001:db8:18::11]:31000 check port 443 inter 1000ms"
         ));
         assert!(text.contains("server open-2001:db8:18::11 [2001:db8:18::11]:31000 backup\n"));
-        assert!(!text.contains("reject"));
+        assert_eq!(
+            pattern_files(dir, &layout)[Path::new("/s/port-443-v6.map")],
+            "2001:db8:51:100::10 backend-0\n"
+        );
     }
 
     #[test]
-    fn only_server_changes_go_through_the_runtime_api() {
-        let running = one(proxy(&["198.18.0.11", "198.18.0.12"]));
-        let desired = one(proxy(&["198.18.0.12", "198.18.0.13"]));
-        assert!(!needs_reload(&running, &desired));
-        let commands = server_commands(&running, &desired, TIMING);
+    fn a_new_listener_gets_its_ranges_and_servers_before_its_route_and_loses_them_after() {
+        let dir = Path::new("/d");
+        let empty = layout(&[proxy(&[])]);
+        let empty = with(empty, 0, None);
+        let served = with(empty.clone(), 0, Some(proxy(&["198.18.0.11"])));
+        let arrive = runtime_commands(dir, &empty, &served, TIMING);
         assert_eq!(
-            commands.drain,
-            [
-                "disable server lb-0000000a_80_v4/198.18.0.11",
-                "disable server lb-0000000a_80_v4/open-198.18.0.11",
-            ]
+            arrive,
+            RuntimeCommands {
+                before_drain: vec![
+                    "add acl /d/backend-0.acl 203.0.113.0/24".into(),
+                    "add server backend-0/198.18.0.11 198.18.0.11:31000 check port 32000 inter 1000ms fall 2 rise 2".into(),
+                    "enable health backend-0/198.18.0.11".into(),
+                    "enable server backend-0/198.18.0.11".into(),
+                    "add server backend-0/open-198.18.0.11 198.18.0.11:31000 backup".into(),
+                    "enable server backend-0/open-198.18.0.11".into(),
+                    "add map /d/port-80-v4.map 198.51.100.10 backend-0".into(),
+                ],
+                draining: Vec::new(),
+                after_drain: Vec::new(),
+            }
         );
+        let leave = runtime_commands(dir, &served, &empty, TIMING);
         assert_eq!(
-            commands.draining,
-            [(
-                "lb-0000000a_80_v4".to_owned(),
-                "198.18.0.11".parse().unwrap()
-            )]
+            leave,
+            RuntimeCommands {
+                before_drain: vec![
+                    "del map /d/port-80-v4.map 198.51.100.10".into(),
+                    "del acl /d/backend-0.acl 203.0.113.0/24".into(),
+                    "disable server backend-0/198.18.0.11".into(),
+                    "disable server backend-0/open-198.18.0.11".into(),
+                ],
+                draining: vec![("backend-0".into(), "198.18.0.11".parse().unwrap())],
+                after_drain: vec![
+                    "shutdown sessions server backend-0/198.18.0.11".into(),
+                    "del server backend-0/198.18.0.11".into(),
+                    "shutdown sessions server backend-0/open-198.18.0.11".into(),
+                    "del server backend-0/open-198.18.0.11".into(),
+                ],
+            }
         );
-        assert_eq!(
-            commands.then,
-            [
-                "shutdown sessions server lb-0000000a_80_v4/198.18.0.11",
-                "del server lb-0000000a_80_v4/198.18.0.11",
-                "shutdown sessions server lb-0000000a_80_v4/open-198.18.0.11",
-                "del server lb-0000000a_80_v4/open-198.18.0.11",
-                "add server lb-0000000a_80_v4/198.18.0.13 198.18.0.13:31000 check port 32000 inter 1000ms fall 2 rise 2",
-                "enable health lb-0000000a_80_v4/198.18.0.13",
-                "enable server lb-0000000a_80_v4/198.18.0.13",
-                "add server lb-0000000a_80_v4/open-198.18.0.13 198.18.0.13:31000 backup",
-                "enable server lb-0000000a_80_v4/open-198.18.0.13",
-            ]
+        assert_eq!(runtime_commands(dir, &served, &served, TIMING).len(), 0);
+
+        // A move to another backend: the VIP's entry is set to the new one once it serves.
+        let mut moved = proxy(&["198.18.0.11"]);
+        moved.backend_port = 31001;
+        let there = with(empty, 1, Some(moved));
+        let commands = runtime_commands(dir, &served, &there, TIMING);
+        assert!(
+            commands
+                .before_drain
+                .iter()
+                .position(|c| c.starts_with("add server backend-1/"))
+                < commands
+                    .before_drain
+                    .iter()
+                    .position(|c| c == "set map /d/port-80-v4.map 198.51.100.10 backend-1"),
+            "{commands:?}"
         );
-        assert!(server_commands(&running, &running, TIMING).is_empty());
+        assert_eq!(commands.draining.len(), 1);
     }
 
-    /// Checked sections fail open: every checked server has an unchecked backup twin to
-    /// the same address, and `option allbackups` spreads over all of them once every
-    /// checked server is DOWN (the twins' runtime commands: see
-    /// `only_server_changes_go_through_the_runtime_api`). Unchecked sections (always up)
-    /// have no backups, in the file or at run time.
     #[test]
-    fn checked_sections_fail_open_through_backups_and_unchecked_ones_need_none() {
-        let globals = Globals {
-            runtime_socket: Path::new("/s"),
-            connect_timeout: Duration::from_secs(3),
-            timing: TIMING,
-        };
-        let mut tcp = proxy(&["198.18.0.11", "2001:db8:18::12"]);
-        tcp.health_check = Some(HealthCheck::Tcp { port: 10256 });
-        tcp.source_ranges.clear();
-        let text = render(&globals, &one(tcp.clone()));
-        let section = text.split_once("\nlisten ").unwrap().1;
+    fn nodes_and_source_ranges_change_in_place_and_unchecked_listeners_have_no_backups() {
+        let dir = Path::new("/d");
+        let running = layout(&[proxy(&["198.18.0.11", "198.18.0.12"])]);
+        let mut changed = proxy(&["198.18.0.12", "198.18.0.13"]);
+        changed.source_ranges = vec!["198.51.100.0/24".parse().unwrap()];
+        let next = with(running.clone(), 0, Some(changed));
+        let commands = runtime_commands(dir, &running, &next, TIMING);
         assert_eq!(
-            section,
-            "lb-0000000a_80_v4\n    \
-                 bind 198.51.100.10:80\n    \
-                 option allbackups\n    \
-                 server 198.18.0.11 198.18.0.11:31000 check port 10256 inter 1000ms fall 2 rise 2\n    \
-                 server 2001:db8:18::12 [2001:db8:18::12]:31000 check port 10256 inter 1000ms fall 2 rise 2\n    \
-                 server open-198.18.0.11 198.18.0.11:31000 backup\n    \
-                 server open-2001:db8:18::12 [2001:db8:18::12]:31000 backup\n"
+            commands.before_drain,
+            [
+                "add acl /d/backend-0.acl 198.51.100.0/24",
+                "add server backend-0/198.18.0.13 198.18.0.13:31000 check port 32000 inter 1000ms fall 2 rise 2",
+                "enable health backend-0/198.18.0.13",
+                "enable server backend-0/198.18.0.13",
+                "add server backend-0/open-198.18.0.13 198.18.0.13:31000 backup",
+                "enable server backend-0/open-198.18.0.13",
+                "del acl /d/backend-0.acl 203.0.113.0/24",
+                "disable server backend-0/198.18.0.11",
+                "disable server backend-0/open-198.18.0.11",
+            ],
+            "a source both range sets admit is never refused"
         );
-        // Backup names are not addresses, so they never pass for a node's health, and
-        // are distinct from every primary's name.
-        let names: Vec<&str> = section
-            .lines()
-            .filter_map(|line| line.trim().strip_prefix("server ")?.split(' ').next())
-            .collect();
-        assert_eq!(names.len(), 4);
-        assert_eq!(names.iter().collect::<BTreeSet<_>>().len(), 4);
-        let backups: Vec<&str> = names
-            .iter()
-            .copied()
-            .filter(|n| n.starts_with("open-"))
-            .collect();
-        assert_eq!(backups.len(), 2);
-        assert!(backups.iter().all(|name| name.parse::<IpAddr>().is_err()));
+        assert_eq!(
+            commands.after_drain,
+            [
+                "shutdown sessions server backend-0/198.18.0.11",
+                "del server backend-0/198.18.0.11",
+                "shutdown sessions server backend-0/open-198.18.0.11",
+                "del server backend-0/open-198.18.0.11",
+            ]
+        );
 
-        // Unchecked: no backups, no allbackups.
-        let mut unchecked = tcp.clone();
+        let mut unchecked = proxy(&["198.18.0.11"]);
         unchecked.health_check = None;
-        let text = render(&globals, &one(unchecked.clone()));
-        assert!(!text.contains("backup"), "{text}");
-        let mut more = unchecked.clone();
+        let running = layout(&[unchecked.clone()]);
+        let text = config(&globals(dir), &running);
+        assert!(
+            !text.contains(" backup\n") && !text.contains("open-") && !text.contains("httpchk"),
+            "{text}"
+        );
+        let mut more = unchecked;
         more.servers.push("198.18.0.13".parse().unwrap());
-        let added = server_commands(&one(unchecked.clone()), &one(more.clone()), TIMING);
-        assert!(added.drain.is_empty() && added.draining.is_empty());
+        let with_more = with(running.clone(), 0, Some(more));
+        let added = runtime_commands(dir, &running, &with_more, TIMING);
         assert_eq!(
-            added.then,
+            added.before_drain,
             [
-                "add server lb-0000000a_80_v4/198.18.0.13 198.18.0.13:31000",
-                "enable server lb-0000000a_80_v4/198.18.0.13",
+                "add server backend-0/198.18.0.13 198.18.0.13:31000",
+                "enable server backend-0/198.18.0.13",
             ]
         );
-        let removed = server_commands(&one(more), &one(unchecked), TIMING);
+        let removed = runtime_commands(dir, &with_more, &running, TIMING);
         assert_eq!(
-            removed.drain,
-            ["disable server lb-0000000a_80_v4/198.18.0.13"]
+            removed.before_drain,
+            ["disable server backend-0/198.18.0.13"]
         );
         assert_eq!(
-            removed.then,
+            removed.after_drain,
             [
-                "shutdown sessions server lb-0000000a_80_v4/198.18.0.13",
-                "del server lb-0000000a_80_v4/198.18.0.13",
+                "shutdown sessions server backend-0/198.18.0.13",
+                "del server backend-0/198.18.0.13",
             ]
         );
-    }
-
-    #[test]
-    fn frontend_changes_need_a_reload() {
-        let running = one(proxy(&["198.18.0.11"]));
-        let mut ranges = proxy(&["198.18.0.11"]);
-        ranges.source_ranges.clear();
-        let mut port = proxy(&["198.18.0.11"]);
-        port.backend_port = 31001;
-        let mut check = proxy(&["198.18.0.11"]);
-        check.health_check = None;
-        for changed in [ranges, port, check] {
-            assert!(needs_reload(&running, &one(changed)));
-        }
-        assert!(needs_reload(&running, &BTreeMap::new()));
-        let mut other = running.clone();
-        let mut second = proxy(&[]);
-        second.bind = "198.51.100.10:443".parse().unwrap();
-        other.insert(second.name(), second);
-        assert!(needs_reload(&running, &other));
-    }
-
-    #[test]
-    fn hostile_ids_and_paths_are_refused_before_rendering() {
-        let key = ListenerKey {
-            vip: "198.51.100.10".parse().unwrap(),
-            protocol: Protocol::Tcp,
-            port: 80,
-        };
-        let route = |lb_id: &str, path: &str| ListenerRoute {
-            lb_id: lb_id.into(),
-            backend_port: 31000,
-            backends: Vec::new(),
-            health_check: Some(HealthCheck::Http {
-                port: 1,
-                path: path.into(),
-            }),
-            source_ranges: Vec::new(),
-        };
-        for (id, path, refused) in [
-            (
-                "lb-1\n    bind :22",
-                "/healthz",
-                Unrenderable::Id("lb-1\n    bind :22".into()),
-            ),
-            ("lb 1", "/healthz", Unrenderable::Id("lb 1".into())),
-            ("lb-1", "/x #c", Unrenderable::Path("/x #c".into())),
-            (
-                "lb-1",
-                "/\"${HOME}\"",
-                Unrenderable::Path("/\"${HOME}\"".into()),
-            ),
-            ("lb-1", "healthz", Unrenderable::Path("healthz".into())),
-        ] {
-            let (proxies, rejected) = proxies(&BTreeMap::from([(key, route(id, path))]));
-            assert!(proxies.is_empty());
-            assert_eq!(rejected, vec![(id.to_owned(), refused)]);
-        }
     }
 
     /// Text a Service's author (or a buggy client) could put where the edge's identifiers
@@ -643,31 +691,34 @@ mod tests {
         // Each case runs `haproxy -c` (Debian's haproxy; CI installs it).
         #![proptest_config(ProptestConfig::with_cases(48))]
 
-        /// Whatever reaches the renderer, what it renders HAProxy accepts, and what it
-        /// cannot render safely it refuses by name.
+        /// Whatever reaches the renderer, what it renders HAProxy accepts, with its map
+        /// and ACL files, and what it cannot render safely it refuses by name.
         #[test]
-        fn whatever_is_rendered_haproxy_accepts(listener in listener()) {
+        fn whatever_is_rendered_haproxy_accepts(listener in listener(), shared in any::<bool>()) {
             let listeners = BTreeMap::from([listener.clone()]);
-            let (rendered, refused) = proxies(&listeners);
+            // Bound on every address, or on its VIP alone when its port is shared.
+            let shared_ports = BTreeSet::from_iter(shared.then_some(listener.0.port));
+            let (rendered, refused) = proxies(&listeners, &shared_ports);
             prop_assert_eq!(rendered.len() + refused.len(), 1);
-            let globals = Globals {
-                runtime_socket: Path::new("/run/cloud-mock-test/runtime.sock"),
-                connect_timeout: Duration::from_secs(3),
-                timing: TIMING,
-            };
-            let text = render(&globals, &rendered);
-            let file = std::env::temp_dir().join(format!(
-                "cloud-mock-render-{}-{}.cfg",
+            let dir = std::env::temp_dir().join(format!(
+                "cloud-mock-render-{}-{}",
                 std::process::id(),
                 std::thread::current().name().unwrap_or("t").replace("::", "-")
             ));
+            std::fs::create_dir_all(&dir).unwrap();
+            let layout = layout::fresh(&rendered);
+            let text = config(&globals(&dir), &layout);
+            for (path, contents) in pattern_files(&dir, &layout) {
+                std::fs::write(path, contents).unwrap();
+            }
+            let file = dir.join("haproxy.cfg");
             std::fs::write(&file, &text).unwrap();
             let check = std::process::Command::new("haproxy")
                 .args(["-c", "-q", "-f"])
                 .arg(&file)
                 .output()
                 .expect("haproxy -c runs (install Debian's haproxy)");
-            let _ = std::fs::remove_file(&file);
+            let _ = std::fs::remove_dir_all(&dir);
             prop_assert!(
                 check.status.success(),
                 "haproxy refused:\n{}\n{}",
@@ -678,9 +729,13 @@ mod tests {
             let (_, route) = listener;
             if !rendered.is_empty() {
                 prop_assert!(!text.contains('"') && !text.contains('\\') && !text.contains('$'));
-                prop_assert_eq!(text.lines().filter(|l| l.starts_with("listen ")).count(), 1);
+                prop_assert_eq!(text.lines().filter(|l| l.starts_with("frontend ")).count(), 1);
+                prop_assert_eq!(
+                    text.lines().filter(|l| l.starts_with("backend ")).count(),
+                    1 + SPARE_BACKENDS
+                );
             } else {
-                prop_assert!(!text.contains("\nlisten "), "a refused listener is not rendered");
+                prop_assert!(!text.contains("\nfrontend "), "a refused listener is not rendered");
                 prop_assert_eq!(&refused[0].0, &route.lb_id);
             }
         }
