@@ -22,6 +22,7 @@ use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use tandem_common::is_dns1123_label;
 
+use crate::credentials::{Credentials, TokenSet};
 use crate::error::ApiError;
 use crate::extract::{JsonBody, MAX_BODY_BYTES};
 use crate::faults::{FaultState, MAX_LATENCY_MS, Verdict, validate_faults};
@@ -46,7 +47,7 @@ pub struct AppState {
     pub faults: Option<Arc<Mutex<FaultState>>>,
     pub metrics: Metrics,
     pub registry: Arc<Registry>,
-    pub token: Arc<str>,
+    pub credentials: Credentials,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,21 +224,16 @@ async fn record_request(State(state): State<AppState>, request: Request, next: N
     response
 }
 
-/// Compares in time independent of where the first difference is.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-fn is_authorized(headers: &HeaderMap, token: &str) -> bool {
+fn is_authorized(headers: &HeaderMap, tokens: &TokenSet) -> bool {
     headers
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.strip_prefix("Bearer "))
-        .is_some_and(|given| constant_time_eq(given.trim().as_bytes(), token.as_bytes()))
+        .is_some_and(|given| tokens.accepts(given.trim()))
 }
 
 async fn require_token(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if is_authorized(request.headers(), &state.token) {
+    if is_authorized(request.headers(), &state.credentials.current()) {
         next.run(request).await
     } else {
         let mut response = ApiError::new(
@@ -861,13 +857,14 @@ mod tests {
 
     #[test]
     fn bearer_token_must_match_exactly() {
+        let tokens = TokenSet::single("s3cret");
         let mut headers = HeaderMap::new();
-        assert!(!is_authorized(&headers, "s3cret"));
+        assert!(!is_authorized(&headers, &tokens));
         headers.insert(header::AUTHORIZATION, "Bearer s3cret".parse().unwrap());
-        assert!(is_authorized(&headers, "s3cret"));
+        assert!(is_authorized(&headers, &tokens));
         headers.insert(header::AUTHORIZATION, "Bearer s3cre".parse().unwrap());
-        assert!(!is_authorized(&headers, "s3cret"));
+        assert!(!is_authorized(&headers, &tokens));
         headers.insert(header::AUTHORIZATION, "Basic s3cret".parse().unwrap());
-        assert!(!is_authorized(&headers, "s3cret"));
+        assert!(!is_authorized(&headers, &tokens));
     }
 }

@@ -12,6 +12,7 @@ use cloud_mock_dataplane::{
 
 pub use tandem_common::{GoDuration, LogFormat};
 
+use crate::credentials::TokenSource;
 use crate::pools::{PoolsError, VipPool, VipPools};
 use crate::server::{Settings, TlsFiles};
 use crate::store::etcd::EtcdTls;
@@ -106,6 +107,14 @@ impl EtcdArgs {
     }
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error(transparent)]
+    Pools(#[from] PoolsError),
+    #[error("no bearer token: give --token or --token-file")]
+    NoToken,
+}
+
 /// A routing table of ours: not `unspec` (0) and none of the kernel's `default`, `main`
 /// and `local` (253 to 255), whose routes forward packets.
 fn own_table(text: &str) -> Result<u32, String> {
@@ -143,9 +152,22 @@ pub struct Args {
     pub store: StoreArg,
     #[command(flatten)]
     pub etcd: EtcdArgs,
-    /// Bearer token clients must send.
-    #[arg(long, env = "CLOUD_MOCK_TOKEN", hide_env_values = true)]
-    pub token: String,
+    /// Bearer token clients must send. A restart changes it; --token-file does without.
+    #[arg(
+        long,
+        env = "CLOUD_MOCK_TOKEN",
+        hide_env_values = true,
+        required_unless_present = "token_file",
+        conflicts_with = "token_file"
+    )]
+    pub token: Option<String>,
+    /// A file of the bearer tokens clients may send, one a line: a token, or `sha256:`
+    /// and the 64 hex digits of its SHA-256 (`printf %s "$TOKEN" | sha256sum`); blank
+    /// lines and lines starting with `#` are left out. Read again within about a second
+    /// of a change, so that two lines let a rotation go without a restart; a file that
+    /// becomes unreadable or holds no valid token keeps the tokens read last.
+    #[arg(long, env = "CLOUD_MOCK_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
     /// A VIP pool, NAME=CIDR, IPv4 or IPv6; a bare CIDR is the pool `default` (e.g.
     /// 127.77.0.0/24: loopback, needs no setup). Repeatable; a name may come twice, once
     /// per family, for dual-stack load balancers. The environment variable takes a
@@ -251,14 +273,24 @@ impl Args {
         })
     }
 
-    pub fn settings(&self) -> Result<Settings, PoolsError> {
+    /// Where the tokens come from; `None` only for `Args` not made by clap, which
+    /// requires one of the flags.
+    fn token_source(&self) -> Option<TokenSource> {
+        match (&self.token_file, &self.token) {
+            (Some(path), _) => Some(TokenSource::File(path.clone())),
+            (None, Some(token)) => Some(TokenSource::Token(token.clone())),
+            (None, None) => None,
+        }
+    }
+
+    pub fn settings(&self) -> Result<Settings, SettingsError> {
         Ok(Settings {
             data_dir: self.data_dir.clone(),
             store: match self.store {
                 StoreArg::Redb => StoreSettings::Redb,
                 StoreArg::Etcd => StoreSettings::Etcd(self.etcd.settings()),
             },
-            token: self.token.clone(),
+            token: self.token_source().ok_or(SettingsError::NoToken)?,
             vip_pools: VipPools::new(self.vip_pool.clone())?,
             provisioning_delay: self.provisioning_delay.into(),
             fault_injection: self.fault_injection,
@@ -342,6 +374,35 @@ mod tests {
         assert!(Args::try_parse_from(["cloud-mock", "--token", "t"]).is_err());
     }
 
+    #[test]
+    fn the_token_comes_from_the_flag_or_from_a_file() {
+        let pool = [
+            "cloud-mock",
+            "--data-dir",
+            "/tmp/x",
+            "--vip-pool",
+            "127.77.0.0/24",
+        ];
+        let with = |extra: &[&str]| Args::try_parse_from(pool.iter().chain(extra));
+        assert_eq!(
+            with(&["--token", "t"]).unwrap().settings().unwrap().token,
+            TokenSource::Token("t".into())
+        );
+        assert_eq!(
+            with(&["--token-file", "/etc/tandem/tokens"])
+                .unwrap()
+                .settings()
+                .unwrap()
+                .token,
+            TokenSource::File("/etc/tandem/tokens".into())
+        );
+        assert!(with(&[]).is_err(), "one of them is required");
+        assert!(
+            with(&["--token", "t", "--token-file", "/tokens"]).is_err(),
+            "not both"
+        );
+    }
+
     /// Parses the required flags and `extra`.
     fn parse(extra: &[&'static str]) -> Result<Args, clap::Error> {
         let base = ["cloud-mock", "--data-dir", "/tmp/x", "--token", "t"];
@@ -404,7 +465,7 @@ mod tests {
         let overlapping = parse(&["--vip-pool", "10.0.0.0/16", "--vip-pool", "b=10.0.1.0/24"]);
         assert!(matches!(
             overlapping.unwrap().settings(),
-            Err(PoolsError::Overlap { .. })
+            Err(SettingsError::Pools(PoolsError::Overlap { .. }))
         ));
         assert!(parse(&["--vip-pool", "Bad=10.0.0.0/8"]).is_err());
     }

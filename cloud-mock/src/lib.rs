@@ -2,10 +2,12 @@
 //!
 //! Layout: `validate`, `model`, `faults`, `lifecycle::plan_transitions` and the parsing
 //! helpers in `api`/`extract` decide (pure, unit-tested); `store` (redb), `lifecycle`
-//! (the one task driving the data plane) and `api` (axum) do; `server` wires them.
+//! (the one task driving the data plane) and `api` (axum) do; `credentials` holds the
+//! accepted tokens and re-reads a token file; `server` wires them.
 
 pub mod api;
 pub mod cli;
+pub mod credentials;
 mod error;
 #[cfg(feature = "test-support")]
 pub mod etcd_cluster;

@@ -47,6 +47,30 @@ impl NodePoolWrite {
     }
 }
 
+/// What came of a change of the token file: a bounded label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenFileReload {
+    /// Its tokens replaced the ones accepted before.
+    Applied,
+    /// Refused (the last good tokens stay): the file could not be read,
+    Unreadable,
+    /// held no token,
+    Empty,
+    /// or had a line that is neither a token nor a hash.
+    Invalid,
+}
+
+impl TokenFileReload {
+    const fn label(self) -> &'static str {
+        match self {
+            Self::Applied => "applied",
+            Self::Unreadable => "unreadable",
+            Self::Empty => "empty",
+            Self::Invalid => "invalid",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabels {
     state: &'static str,
@@ -58,6 +82,8 @@ pub struct Metrics {
     requests: Family<RequestLabels, Counter>,
     load_balancers: Family<StateLabels, Gauge>,
     node_pool_writes: Family<OutcomeLabels, Counter>,
+    token_file_reloads: Family<OutcomeLabels, Counter>,
+    tokens: Gauge,
 }
 
 pub const STATES: [State; 3] = [State::Provisioning, State::Active, State::Deleting];
@@ -101,6 +127,28 @@ impl Metrics {
             "Node-pool writes (PUT and DELETE) by outcome",
             self.node_pool_writes.clone(),
         );
+        registry.register(
+            "cloud_mock_token_file_reloads",
+            "Changes of --token-file by outcome (refused ones keep the tokens read last)",
+            self.token_file_reloads.clone(),
+        );
+        registry.register(
+            "cloud_mock_tokens",
+            "Bearer tokens the API accepts (two during a rotation)",
+            self.tokens.clone(),
+        );
+    }
+
+    pub fn token_file_reload(&self, outcome: TokenFileReload) {
+        self.token_file_reloads
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.label(),
+            })
+            .inc();
+    }
+
+    pub fn set_tokens(&self, count: usize) {
+        self.tokens.set(i64::try_from(count).unwrap_or(i64::MAX));
     }
 
     pub fn node_pool_write(&self, outcome: NodePoolWrite) {
@@ -152,6 +200,8 @@ mod tests {
         );
         metrics.set_load_balancers([2, 1, 0]);
         metrics.node_pool_write(NodePoolWrite::Replaced);
+        metrics.token_file_reload(TokenFileReload::Empty);
+        metrics.set_tokens(2);
         let mut text = String::new();
         encode(&mut text, &registry).unwrap();
         assert!(text.contains(
@@ -161,5 +211,7 @@ mod tests {
         assert!(text.contains(r#"cloud_mock_load_balancers{state="provisioning"} 2"#));
         assert!(text.contains(r#"cloud_mock_load_balancers{state="deleting"} 0"#));
         assert!(text.contains(r#"cloud_mock_node_pool_writes_total{outcome="replaced"} 1"#));
+        assert!(text.contains(r#"cloud_mock_token_file_reloads_total{outcome="empty"} 1"#));
+        assert!(text.contains("cloud_mock_tokens 2"));
     }
 }

@@ -14,6 +14,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{AppState, router};
+use crate::credentials::{Credentials, CredentialsError, TokenSource};
 use crate::faults::FaultState;
 use crate::l2::L2Owner;
 use crate::lifecycle::Lifecycle;
@@ -27,7 +28,8 @@ pub struct Settings {
     /// The data directory: the embedded store's file, HAProxy's configuration.
     pub data_dir: PathBuf,
     pub store: StoreSettings,
-    pub token: String,
+    /// The bearer tokens clients must send.
+    pub token: TokenSource,
     pub vip_pools: VipPools,
     pub provisioning_delay: Duration,
     pub dataplane: DataPlaneConfig,
@@ -49,6 +51,8 @@ pub struct TlsFiles {
 pub enum ServeError {
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Credentials(#[from] CredentialsError),
     #[error("TLS: {0}")]
     Tls(#[from] TlsError),
     #[error("binding {addr}: {source}")]
@@ -71,13 +75,16 @@ pub struct App {
 }
 
 impl App {
-    /// Opens the store and builds the router; an etcd store is watched until `cancel`.
-    pub async fn new(settings: &Settings, cancel: CancellationToken) -> Result<Self, StoreError> {
+    /// Reads the tokens, opens the store and builds the router; an etcd store is watched,
+    /// and a token file re-read, until `cancel`.
+    pub async fn new(settings: &Settings, cancel: CancellationToken) -> Result<Self, ServeError> {
+        let metrics = Metrics::default();
+        let (credentials, token_file) = Credentials::load(&settings.token, &metrics).await?;
         let store = Store::open(
             &settings.store,
             &settings.data_dir,
             settings.vip_pools.clone(),
-            cancel,
+            cancel.clone(),
         )
         .await?;
         let dataplane = DataPlane::new(settings.dataplane.clone());
@@ -90,11 +97,14 @@ impl App {
             (Some(_), StoreSettings::Redb) => {
                 return Err(StoreError::NeedsEtcd {
                     what: "the L2 mode (--l2-device)",
-                });
+                }
+                .into());
             }
             (None, _) => None,
         };
-        let metrics = Metrics::default();
+        if let Some(watch) = token_file {
+            tokio::spawn(watch.run(cancel));
+        }
         let mut registry = Registry::default();
         metrics.register(&mut registry);
         dataplane.register_metrics(&mut registry);
@@ -106,7 +116,7 @@ impl App {
                 .then(|| Arc::new(Mutex::new(FaultState::new(Instant::now())))),
             metrics: metrics.clone(),
             registry: Arc::new(registry),
-            token: settings.token.as_str().into(),
+            credentials,
         };
         Ok(Self {
             router: router(state),

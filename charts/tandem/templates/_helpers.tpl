@@ -124,7 +124,10 @@ localhostProfile: {{ required "seccompProfile.localhostProfile is required when 
 {{- default (get $defaults (include "tandem.cloudProvider" .)) .Values.loadBalancerClass }}
 {{- end }}
 
-{{/* Where the controller's pods mount the cloud's token, CA and configuration. */}}
+{{/* Where the controller's pods mount the cloud's token, CA and configuration (the
+     bundled mock its token too). Whole directories, never subPath: the kubelet updates a
+     mounted Secret only then, which is how a rotated token reaches both without a
+     restart. */}}
 {{- define "tandem.cloudTokenDir" -}}/etc/tandem/cloud{{- end }}
 {{- define "tandem.cloudCADir" -}}/etc/tandem/cloud-ca{{- end }}
 {{- define "tandem.cloudConfigFile" -}}/etc/tandem/cloud-config/cloud-config.json{{- end }}

@@ -415,6 +415,22 @@ def test_controller_and_hook_read_the_provider_config_from_what_they_mount(name)
             assert config["caFile"] == mounted_path(workload, "cloud-ca", "ca.crt")
 
 
+def test_the_token_secret_is_mounted_whole_so_that_a_rotation_reaches_the_pods():
+    """The kubelet never updates a Secret mounted with subPath: the controller, the hook and
+    the bundled mock mount the token's Secret as a directory and read the file in it."""
+    objects, _ = render()
+    config = cloud_config(objects)
+    mock = find(objects, "Deployment", "-cloud-mock")
+    for workload in (find(objects, "Deployment", "-controller"), find(objects, "Job", "-release"), mock):
+        mounts = workload["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+        assert not [m for m in mounts if "subPath" in m or "subPathExpr" in m], mounts
+        assert volume_named(workload, "cloud-token")["secret"]["secretName"] == "tandem-cloud"
+    args = container(objects, "Deployment", "-cloud-mock")["args"]
+    assert flag(args, "token-file") == mounted_path(mock, "cloud-token", "token") == config["tokenFile"]
+    assert not [e for e in container(objects, "Deployment", "-cloud-mock").get("env", [])
+                if e["name"] == "CLOUD_MOCK_TOKEN"]
+
+
 def test_provider_config_is_the_mockcloud_providers_format():
     """Keys of the provider's own documented example, which its parser (serde,
     deny_unknown_fields) is tested against; the URLs the chart computes."""

@@ -1,11 +1,11 @@
 //! The HTTP client: one method per API call, with timeouts, retries, failover between the
 //! edges that serve one API, and typed errors.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
-use reqwest::header::{AUTHORIZATION, HeaderMap, RETRY_AFTER};
+use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderValue, RETRY_AFTER};
 use reqwest::{Method, RequestBuilder, StatusCode, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -101,7 +101,8 @@ struct Inner {
     edges: Vec<Url>,
     /// The edge that took the last connection, where every call starts.
     current_edge: AtomicUsize,
-    authorization: String,
+    /// `Bearer TOKEN`, replaced by [`Client::set_token`] when the token is rotated.
+    authorization: RwLock<HeaderValue>,
     options: ClientOptions,
 }
 
@@ -154,10 +155,22 @@ impl Client {
                 http,
                 edges,
                 current_edge: AtomicUsize::new(0),
-                authorization: format!("Bearer {}", token.into()),
+                authorization: RwLock::new(authorization(&token.into())?),
                 options,
             }),
         })
+    }
+
+    /// Sends `token` from the next call on, in this client and its clones (a rotated
+    /// token, with no new client and no connection lost).
+    pub fn set_token(&self, token: &str) -> Result<(), Error> {
+        let authorization = authorization(token)?;
+        *self
+            .inner
+            .authorization
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = authorization;
+        Ok(())
     }
 
     /// Creates a load balancer. `idempotency_key` makes retries and repeats safe: the
@@ -441,6 +454,12 @@ impl Client {
         let edges = &self.inner.edges;
         let current = self.inner.current_edge.load(Ordering::Relaxed);
         let mut refused = Vec::new();
+        let authorization = self
+            .inner
+            .authorization
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         for offset in 0..edges.len() {
             let index = (current + offset) % edges.len();
             let edge = &edges[index];
@@ -448,7 +467,7 @@ impl Client {
                 self.inner
                     .http
                     .request(method.clone(), Self::url(edge, segments)?)
-                    .header(AUTHORIZATION, &self.inner.authorization),
+                    .header(AUTHORIZATION, authorization.clone()),
             )
             .build()
             .map_err(|error| Error::Invalid {
@@ -485,6 +504,17 @@ impl Client {
             _ => Error::Unreachable(refused),
         })
     }
+}
+
+/// The `Authorization` header of `token`, marked sensitive so that no debug output shows it.
+fn authorization(token: &str) -> Result<HeaderValue, Error> {
+    let mut value =
+        HeaderValue::try_from(format!("Bearer {token}")).map_err(|_| Error::Invalid {
+            code: None,
+            message: "the token has characters an HTTP header cannot carry".to_owned(),
+        })?;
+    value.set_sensitive(true);
+    Ok(value)
 }
 
 /// The body of a successful answer, or the typed error of another.
@@ -757,6 +787,29 @@ mod tests {
         );
         assert!(Client::new("not a url", "t", options()).is_err());
         assert!(Client::new("ftp://x", "t", options()).is_err());
+    }
+
+    #[test]
+    fn a_token_is_sent_as_a_sensitive_bearer_header() {
+        let client = Client::new("http://127.0.0.1:9", "first", options()).unwrap();
+        let sent = || {
+            client
+                .inner
+                .authorization
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        };
+        assert_eq!(sent(), "Bearer first");
+        assert!(sent().is_sensitive());
+        client.clone().set_token("second").unwrap();
+        assert_eq!(sent(), "Bearer second", "clones share the token");
+        assert!(matches!(
+            client.set_token("bad\ntoken"),
+            Err(Error::Invalid { .. })
+        ));
+        assert_eq!(sent(), "Bearer second", "a refused token changes nothing");
+        assert!(!format!("{client:?}").contains("second"));
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //!
 //! `url` is the edge's API; `urls`, more edges of the same API (an edge cluster), tried in
 //! turn when one does not take the connection: `url` and `urls` together, in that order,
-//! are the edges, and either may be left out. `tokenFile` holds the bearer token, and
+//! are the edges, and either may be left out. `tokenFile` holds the bearer token (read
+//! again when it changes, so a rotated Secret needs no restart: `token.rs`), and
 //! `caFile` (optional) the PEM certificate of the CA that signed the edges' certificates,
 //! for `https` URLs. `--cloud-url` and `--cloud-token-file` are a shortcut for a file with
 //! `url` and `tokenFile` alone.
@@ -92,23 +93,6 @@ impl Config {
             })
             .transpose()
     }
-
-    /// The bearer token, read from `tokenFile` and trimmed.
-    pub fn token(&self) -> Result<String, ConfigError> {
-        let path = self.token_file.display().to_string();
-        let token = std::fs::read_to_string(&self.token_file)
-            .map_err(|source| ConfigError::File {
-                what: "token file",
-                path: path.clone(),
-                source,
-            })?
-            .trim()
-            .to_owned();
-        if token.is_empty() {
-            return Err(ConfigError::EmptyToken(path));
-        }
-        Ok(token)
-    }
 }
 
 #[cfg(test)]
@@ -179,20 +163,6 @@ mod tests {
                 ca_file: None,
             }
         );
-    }
-
-    #[test]
-    fn token_is_read_and_trimmed() {
-        let dir = std::env::temp_dir().join(format!("tdm-mockcloud-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("token");
-        std::fs::write(&file, "secret\n").unwrap();
-        let config = Config::parse(&Config::shortcut("http://x", &file).unwrap()).unwrap();
-        assert_eq!(config.token().unwrap(), "secret");
-        std::fs::write(&file, " \n").unwrap();
-        assert!(matches!(config.token(), Err(ConfigError::EmptyToken(_))));
-        std::fs::remove_dir_all(&dir).unwrap();
-        assert!(matches!(config.token(), Err(ConfigError::File { .. })));
     }
 
     #[test]

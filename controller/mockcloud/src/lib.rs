@@ -6,14 +6,17 @@
 //! retried or repeated create after a timeout or a crash returns the same LB. Updating:
 //! with `If-Match` on the version the reconcile observed, re-reading only on a conflict.
 //! LBs whose tags name another cluster are never touched. Every call goes through the
-//! shared token bucket; a 429 pauses it for everyone.
+//! shared token bucket; a 429 pauses it for everyone. A token file that changes is read
+//! again (see [`TokenFile`]): a rotated token needs no restart.
 
 mod config;
 mod convert;
 mod errors;
+mod token;
 
 use std::future::Future;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use cloud_mock_sdk as sdk;
@@ -32,6 +35,7 @@ pub use convert::{
     create_request, may_touch, observe, observe_node_pool, to_sdk_node_pool, to_sdk_spec,
 };
 pub use errors::classify;
+pub use token::{LOOK_INTERVAL, TokenFile};
 
 use convert::{belongs_to, kept_vips};
 use errors::{is_address_refusal, outcome, retry_delay};
@@ -55,12 +59,11 @@ fn build(config: Option<&str>, shared: Shared) -> Result<DynProvider, registry::
         root_certificates: config.ca()?,
         ..MockCloudProvider::client_options(shared.timeout)
     };
-    let client = sdk::Client::with_edges(&config.edges(), config.token()?, options)?;
-    Ok(DynProvider::new(MockCloudProvider::new(
-        client,
-        shared.bucket,
-        shared.metrics,
-    )))
+    let (token_file, token) = TokenFile::open(&config.token_file)?;
+    let client = sdk::Client::with_edges(&config.edges(), token, options)?;
+    Ok(DynProvider::new(
+        MockCloudProvider::new(client, shared.bucket, shared.metrics).with_token_file(token_file),
+    ))
 }
 
 fn from_url_flags(url: &str, token_file: &Path) -> Result<String, registry::ConfigError> {
@@ -78,6 +81,7 @@ pub struct MockCloudProvider {
     bucket: SharedTokenBucket,
     metrics: CloudMetrics,
     retry_base: Duration,
+    token_file: Option<Arc<TokenFile>>,
 }
 
 impl MockCloudProvider {
@@ -89,6 +93,37 @@ impl MockCloudProvider {
             bucket,
             metrics,
             retry_base: Duration::from_millis(200),
+            token_file: None,
+        }
+    }
+
+    /// Sends the token of `file` (the one `client` was built with, at first), and the next
+    /// one whenever the file changes.
+    pub fn with_token_file(self, file: TokenFile) -> Self {
+        Self {
+            token_file: Some(Arc::new(file)),
+            ..self
+        }
+    }
+
+    /// Whether the token file holds a new token, which the next call then sends. `now`:
+    /// read it whatever the time since the last read.
+    async fn take_rotated_token(&self, now: bool) -> bool {
+        let Some(file) = &self.token_file else {
+            return false;
+        };
+        let Some(token) = file.changed(now).await else {
+            return false;
+        };
+        match self.client.set_token(&token) {
+            Ok(()) => {
+                tracing::info!("the token file changed: cloud calls carry its new token");
+                true
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the token file's new token cannot be sent; calls keep the one before");
+                false
+            }
         }
     }
 
@@ -107,11 +142,21 @@ impl MockCloudProvider {
         Fut: Future<Output = Result<T, sdk::Error>>,
     {
         let mut attempt = 0;
+        let mut token_retried = false;
         loop {
             self.bucket.acquire().await;
+            self.take_rotated_token(false).await;
             let result = f().await;
             self.metrics.record(operation, outcome(&result));
             match result {
+                // The edge can drop the old token before this file was looked at again:
+                // one retry with the new token. With the same token it would fail alike.
+                Err(sdk::Error::Unauthorized)
+                    if !token_retried && self.take_rotated_token(true).await =>
+                {
+                    tracing::info!(%operation, "cloud refused the token; retrying with the new one");
+                    token_retried = true;
+                }
                 Err(err) if err.is_retryable() && attempt + 1 < MAX_ATTEMPTS => {
                     if let sdk::Error::RateLimited { retry_after } = &err {
                         self.bucket.pause(*retry_after);

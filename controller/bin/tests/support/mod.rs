@@ -206,7 +206,7 @@ impl Cloud {
         let settings = cloud_mock::Settings {
             data_dir: data_dir.to_path_buf(),
             store: cloud_mock::store::StoreSettings::Redb,
-            token: token.clone(),
+            token: token.as_str().into(),
             vip_pools: pools.parse().unwrap(),
             provisioning_delay: Duration::from_millis(300),
             fault_injection: true,
