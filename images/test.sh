@@ -104,6 +104,15 @@ cleans_up_with_nft() {
 
 ip_runs() { run "$1" --entrypoint /usr/sbin/ip -- -brief address; }
 
+# What Maglev steering (nft) and the L2 mode (arping, sysctl) run, each with its libraries.
+steering_and_l2_tools_run() {
+    run "$1" --entrypoint /usr/sbin/nft -- --version || { echo "nft does not run"; return 1; }
+    run "$1" --entrypoint /usr/sbin/arping -- --help 2>&1 | grep '^ARPing 2\.' ||
+        { echo "arping does not run"; return 1; }
+    run "$1" --entrypoint /usr/sbin/sysctl -- -n net.ipv4.conf.lo.arp_ignore ||
+        { echo "sysctl does not run"; return 1; }
+}
+
 # Debian's HAProxy (what --dataplane haproxy runs) starts in the scratch image, as its user.
 haproxy_version() { run "$1" --entrypoint /usr/sbin/haproxy -- -v | grep -E '^HAProxy version 2\.'; }
 
@@ -198,6 +207,7 @@ for ref in "${refs[@]}"; do
         ;;
     cloud-mock)
         check "$name: ip runs in the scratch image" ip_runs "$ref"
+        check "$name: nft, arping and sysctl run in the scratch image" steering_and_l2_tools_run "$ref"
         check "$name: haproxy -v runs in the scratch image" haproxy_version "$ref"
         check "$name: haproxy -c accepts a configuration as the image's user" haproxy_checks_config "$ref"
         check "$name: --dataplane haproxy serves and reloads as the image's user" serves_through_haproxy "$ref"

@@ -22,7 +22,7 @@ CHART=charts/tandem
 DEBIAN_SUITE=bookworm
 # Keep in step with PACKAGES in images/Containerfile: the offline base must already hold
 # them, because nothing can be installed there.
-BASE_PACKAGES=ca-certificates,iptables,nftables,conntrack,iproute2,haproxy
+BASE_PACKAGES=ca-certificates,iptables,nftables,conntrack,iproute2,haproxy,arping,procps
 TARGET_TRIPLE=x86_64-unknown-linux-gnu
 
 usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
