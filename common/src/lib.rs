@@ -22,6 +22,7 @@ pub mod http;
 mod kube_client;
 #[cfg(feature = "kube")]
 mod node;
+pub mod permissions;
 #[cfg(feature = "tls")]
 pub mod tls;
 #[cfg(feature = "kube")]

@@ -18,6 +18,7 @@ pub mod http;
 pub mod metrics;
 pub mod nodes;
 pub mod nodesync;
+pub mod permissions;
 pub mod plan;
 pub mod provider;
 pub mod provisioning;

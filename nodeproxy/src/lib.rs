@@ -14,5 +14,6 @@ pub mod datapath;
 pub mod healthcheck;
 pub mod metrics;
 pub mod observe;
+pub mod permissions;
 pub mod proxier;
 pub mod runtime;

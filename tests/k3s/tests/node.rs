@@ -41,7 +41,7 @@
 //! inside the topology's namespaces; the node, its pods and the namespaces are removed on
 //! success, failure and panic (and a dead run's leftovers at the next start).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
 use std::path::{Path, PathBuf};
@@ -50,6 +50,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::Value;
+use tandem_common::permissions::{Permission, Scope};
 use tandem_k3s::docs::{self, DocCommand, Placeholders};
 use tandem_k3s::node::{K3sNode, NodeConfig, checked, describe, run_name, tail};
 use tandem_netlab::{ChildGuard, Netns, Topology};
@@ -282,6 +283,21 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
         &node,
         &kubelet_rules,
         "with the chart installed (iptables mode)",
+    );
+    steps.check(
+        "each ServiceAccount may do exactly what its code asks for, in its namespace and in another",
+        || {
+            let accounts = [
+                ("controller", tandem_controller::permissions::PERMISSIONS),
+                ("nodeproxy", tandem_nodeproxy::permissions::PERMISSIONS),
+            ];
+            for (component, permissions) in accounts {
+                for namespace in [NAMESPACE, "default"] {
+                    check_granted(&node, component, permissions, namespace)?;
+                }
+            }
+            Ok(())
+        },
     );
     steps.check("node proxy /healthz answers 200 on the node", || {
         let reply = http_get(
@@ -1130,6 +1146,87 @@ fn start_cloud(
 
 /// The values docs/install.md documents for a cluster without kube-proxy and with a cloud
 /// of its own.
+/// What `account` may do in `namespace`, by resource and verb, as the API server answers
+/// `kubectl auth can-i --list` for it (resource rules only: the non-resource URLs are the
+/// discovery every client may read).
+fn granted(node: &K3sNode, account: &str, namespace: &str) -> Result<BTreeSet<(String, String)>> {
+    let table = node.kubectl([
+        "auth",
+        "can-i",
+        "--list",
+        &format!("--as=system:serviceaccount:{NAMESPACE}:{account}"),
+        "-n",
+        namespace,
+    ])?;
+    let mut lines = table.lines();
+    let header = lines.next().context("an empty answer")?;
+    let column = |name: &str| {
+        header
+            .find(name)
+            .with_context(|| format!("no {name:?} column in {header:?}"))
+    };
+    let (urls, names, verbs) = (
+        column("Non-Resource URLs")?,
+        column("Resource Names")?,
+        column("Verbs")?,
+    );
+    let mut granted = BTreeSet::new();
+    for line in lines {
+        let cell = |from: usize, to: usize| line.get(from..to.min(line.len())).unwrap_or("").trim();
+        let resource = cell(0, urls);
+        if resource.is_empty() {
+            continue;
+        }
+        let resource = match cell(names, verbs) {
+            "[]" | "" => resource.to_owned(),
+            names => format!("{resource} {names}"),
+        };
+        let verbs = cell(verbs, line.len());
+        for verb in verbs.trim_matches(['[', ']']).split_whitespace() {
+            granted.insert((resource.clone(), verb.to_owned()));
+        }
+    }
+    Ok(granted)
+}
+
+/// The chart's ServiceAccount of `component` is granted, in `namespace`, exactly what its
+/// code asks for there: beyond what every ServiceAccount has (the namespace's `default`
+/// one, which the chart binds nothing to), nothing more and nothing less.
+fn check_granted(
+    node: &K3sNode,
+    component: &str,
+    permissions: &[Permission],
+    namespace: &str,
+) -> Result<()> {
+    let account = format!("{RELEASE}-{component}");
+    let everyone = granted(node, "default", namespace)?;
+    let granted: BTreeSet<_> = granted(node, &account, namespace)?
+        .difference(&everyone)
+        .cloned()
+        .collect();
+    let wanted: BTreeSet<_> = permissions
+        .iter()
+        .filter(|p| p.scope == Scope::Cluster || namespace == NAMESPACE)
+        .flat_map(|p| {
+            p.verbs
+                .iter()
+                .map(|verb| (p.qualified_resource(), (*verb).to_owned()))
+        })
+        .collect();
+    let more: Vec<_> = granted.difference(&wanted).collect();
+    let less: Vec<_> = wanted.difference(&granted).collect();
+    ensure!(
+        more.is_empty() && less.is_empty(),
+        "{account} in namespace {namespace}: granted beyond what the code asks {more:?}, \
+         asked but not granted {less:?}"
+    );
+    eprintln!(
+        "  {account} in namespace {namespace}: {} grants, exactly the code's",
+        granted.len()
+    );
+    Ok(())
+}
+
 fn install_values(node_ip: Ipv4Addr, cloud_url: &str) -> Vec<String> {
     [
         format!("apiServer.host={node_ip}"),
