@@ -184,9 +184,11 @@ pub struct Args {
     /// The `haproxy` program that `--dataplane haproxy` runs (2.6 or newer).
     #[arg(long, env = "CLOUD_MOCK_HAPROXY_PROGRAM", default_value = "haproxy")]
     pub haproxy_program: PathBuf,
-    /// Time a new load balancer stays provisioning (and a deleted one deleting), like
-    /// `500ms`, `2s`, `1m` (Go duration syntax).
-    #[arg(long, env = "CLOUD_MOCK_PROVISIONING_DELAY", default_value = "1s")]
+    /// Time a new load balancer stays provisioning (and a deleted one deleting) beyond what
+    /// realising it takes, like `500ms`, `2s` (Go duration syntax). None by default: a
+    /// production edge makes a load balancer active once its data plane serves it. The lab
+    /// and the tests set one, so that clients meet a provisioning state as on a cloud.
+    #[arg(long, env = "CLOUD_MOCK_PROVISIONING_DELAY", default_value = "0s")]
     pub provisioning_delay: GoDuration,
     /// Time between two health probes of one backend.
     #[arg(long, env = "CLOUD_MOCK_HEALTH_INTERVAL", default_value = "1s")]
@@ -407,6 +409,12 @@ mod tests {
     fn parse(extra: &[&'static str]) -> Result<Args, clap::Error> {
         let base = ["cloud-mock", "--data-dir", "/tmp/x", "--token", "t"];
         Args::try_parse_from(base.iter().chain(extra))
+    }
+
+    #[test]
+    fn a_production_edge_holds_no_load_balancer_back() {
+        let args = parse(&["--vip-pool", "127.77.0.0/24"]).unwrap();
+        assert_eq!(args.settings().unwrap().provisioning_delay, Duration::ZERO);
     }
 
     #[test]
