@@ -21,6 +21,8 @@ pub mod openapi;
 pub mod pools;
 pub mod server;
 pub mod store;
+#[cfg(feature = "test-support")]
+pub mod test_edge;
 #[cfg(test)]
 mod testutil;
 pub mod validate;

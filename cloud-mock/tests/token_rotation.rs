@@ -3,16 +3,12 @@
 //! is accepted beside the old one, then alone; a file emptied or removed meanwhile keeps
 //! the tokens read last. Each step must take effect within [`WITHIN`].
 
-use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use clap::Parser;
-use cloud_mock::cli::Args;
-use cloud_mock::server::serve_on;
+use cloud_mock::test_edge::serve_token_file;
 use cloud_mock_sdk::{Client, ClientOptions, Error};
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 /// `printf %s token-b | sha256sum`
@@ -41,26 +37,8 @@ impl Edge {
         std::fs::create_dir_all(&dir).unwrap();
         let token_file = dir.join("tokens");
         std::fs::write(&token_file, tokens).unwrap();
-        let args = Args::try_parse_from([
-            "cloud-mock".as_ref(),
-            "--data-dir".as_ref(),
-            dir.join("data").as_os_str(),
-            "--token-file".as_ref(),
-            token_file.as_os_str(),
-            "--vip-pool".as_ref(),
-            "127.77.0.0/24".as_ref(),
-            "--dataplane".as_ref(),
-            "none".as_ref(),
-        ])
-        .unwrap();
-        let settings = args.settings().unwrap();
-        let listener = TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
-            .await
-            .unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
         let cancel = CancellationToken::new();
-        let stop = cancel.clone();
-        tokio::spawn(async move { serve_on(&settings, listener, None, stop).await.unwrap() });
+        let url = serve_token_file(&dir.join("data"), &token_file, cancel.clone()).await;
         Self {
             url,
             tokens: token_file,

@@ -4,12 +4,9 @@
 //! is sent without a restart, within a second of the change, and at once when the edge
 //! refused the token before.
 
-use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
-use cloud_mock::cli::Args;
 use cloud_mock_sdk::{Client, ClientOptions, Error};
 use prometheus_client::registry::Registry;
 use tandem_controller::metrics::Metrics;
@@ -17,7 +14,6 @@ use tandem_controller::provider::{LoadBalancerProvider, ProviderError};
 use tandem_controller::ratelimit::SharedTokenBucket;
 use tandem_controller::registry::{DynProvider, Shared};
 use tandem_provider_mockcloud::{LOOK_INTERVAL, REGISTRATION};
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 const REFUSED_CALLS: &str =
@@ -51,29 +47,12 @@ impl Setup {
         };
         setup.edge_tokens(edge_tokens);
         setup.rotate_secret(secret_token);
-        let args = Args::try_parse_from([
-            "cloud-mock".as_ref(),
-            "--data-dir".as_ref(),
-            setup.dir.join("edge").as_os_str(),
-            "--token-file".as_ref(),
-            setup.dir.join("edge/tokens").as_os_str(),
-            "--vip-pool".as_ref(),
-            "127.77.0.0/24".as_ref(),
-            "--dataplane".as_ref(),
-            "none".as_ref(),
-        ])
-        .unwrap();
-        let settings = args.settings().unwrap();
-        let listener = TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
-            .await
-            .unwrap();
-        setup.url = format!("http://{}", listener.local_addr().unwrap());
-        let stop = setup.cancel.clone();
-        tokio::spawn(async move {
-            cloud_mock::server::serve_on(&settings, listener, None, stop)
-                .await
-                .unwrap();
-        });
+        setup.url = cloud_mock::test_edge::serve_token_file(
+            &setup.dir.join("edge"),
+            &setup.dir.join("edge/tokens"),
+            setup.cancel.clone(),
+        )
+        .await;
         setup
     }
 
