@@ -36,6 +36,10 @@
 //! Helm rendered them) that is not marked as an illustration runs here, placeholders
 //! filled in (`tandem_k3s::docs`), and must succeed.
 //!
+//! Each of the chart's ServiceAccounts is granted, as the API server answers for it, exactly
+//! the API permissions its component's code lists (`permissions.rs` of the controller and
+//! of the node proxy), in the release namespace and in another.
+//!
 //! Every check is a named step; a failed check is reported and the checks that do not
 //! depend on it still run, then the test fails listing every failed step. All traffic stays
 //! inside the topology's namespaces; the node, its pods and the namespaces are removed on
