@@ -92,7 +92,7 @@ async fn create(
     let spec = spec(name)?;
     let placement = validate_spec(&spec, store.pools()).map_err(|error| anyhow!("{error}"))?;
     Ok(store
-        .create(spec, placement, None, key, 0)
+        .create(spec, placement, None, key, None, 0)
         .await
         .map(|created| created.load_balancer.id))
 }

@@ -1,13 +1,19 @@
 //! The HTTP API: a route table (also the source of truth the OpenAPI check compares with),
-//! the handlers, and the auth, fault-injection and metrics middleware.
+//! the handlers, and the auth, fault-injection, metrics and audit middleware.
+//!
+//! Every call is scoped to its caller's tenant (see [`crate::tenants`]): another tenant's
+//! load balancer or node pool answers 404, exactly as one that does not exist.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use axum::Json;
 use axum::Router;
 use axum::extract::rejection::{PathRejection, QueryRejection};
-use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
+use axum::extract::{
+    ConnectInfo, DefaultBodyLimit, Extension, MatchedPath, Path, Query, Request, State,
+};
 use axum::handler::Handler;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -21,15 +27,17 @@ use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use tandem_common::is_dns1123_label;
+use tandem_common::tls::{ClientName, PeerCertificate};
 
-use crate::credentials::{Credentials, TokenSet};
-use crate::error::ApiError;
+use crate::credentials::{Caller, CredentialSet, Credentials};
+use crate::error::{ApiError, ErrorCode};
 use crate::extract::{JsonBody, MAX_BODY_BYTES};
 use crate::faults::{FaultState, MAX_LATENCY_MS, Verdict, validate_faults};
 use crate::lifecycle::now_ms;
 use crate::metrics::{Metrics, NodePoolWrite};
 use crate::model::{StoredLoadBalancer, StoredNodePool, node_pool_to_wire, to_wire, wire_health};
 use crate::store::{Store, Transition, Written};
+use crate::tenants::Tenant;
 use crate::validate::{validate_node_pool, validate_served, validate_spec};
 
 /// The OpenAPI document of this API, served at `/openapi.yaml`.
@@ -82,9 +90,11 @@ impl Verb {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
     Public,
-    /// Bearer token required; injected faults apply (the load-balancer and node-pool API).
+    /// Bearer token required, scoped to its tenant; injected faults apply (the
+    /// load-balancer and node-pool API).
     TokenWithFaults,
-    /// Bearer token required; served only with fault injection on (setting the faults).
+    /// An admin's bearer token required (or the one of an edge without tenants); served
+    /// only with fault injection on (setting the faults).
     FaultAdmin,
 }
 
@@ -176,7 +186,9 @@ pub fn router(state: AppState) -> Router {
         let handler = match access {
             Access::Public => handler,
             Access::FaultAdmin if !faults => continue,
-            Access::FaultAdmin => handler.route_layer(token),
+            Access::FaultAdmin => handler
+                .route_layer(middleware::from_fn(require_admin))
+                .route_layer(token),
             Access::TokenWithFaults if !faults => handler.route_layer(token),
             Access::TokenWithFaults => handler
                 .route_layer(middleware::from_fn_with_state(state.clone(), inject_faults))
@@ -211,42 +223,204 @@ async fn method_not_allowed(method: Method, uri: http::Uri) -> ApiError {
     )
 }
 
+/// The header that names a request in logs: the client's, or one the edge makes.
+const REQUEST_ID: &str = "x-request-id";
+
+/// The client's request id if it is a sane one (1 to 128 visible characters), else a new
+/// one.
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get(REQUEST_ID)
+        .and_then(|value| value.to_str().ok())
+        .filter(|id| !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(|| format!("{:016x}", rand::random::<u64>()), str::to_owned)
+}
+
+/// Counts every request and writes the audit log: one line for every write (the
+/// methods other than GET), whoever sent it and however it ended, under the tracing target
+/// `audit`. The request id goes back in the answer.
 async fn record_request(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let route = request
         .extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_owned(), |path| path.as_str().to_owned());
     let method = request.method().clone();
-    let response = next.run(request).await;
-    state
-        .metrics
-        .request(&route, &method, response.status().as_u16());
+    let path = request.uri().path().to_owned();
+    let id = request_id(request.headers());
+    let mut response = next.run(request).await;
+    let status = response.status();
+    state.metrics.request(&route, &method, status.as_u16());
+    if method != Method::GET {
+        let caller = response.extensions().get::<Caller>();
+        // A create names its object in Location; the other writes in their path.
+        let object = response
+            .headers()
+            .get(header::LOCATION)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or(&path);
+        tracing::info!(
+            target: "audit",
+            request_id = %id,
+            tenant = caller.map_or("-", Caller::name),
+            credential = caller.map_or("-", |caller| &*caller.credential),
+            operation = %format_args!("{method} {route}"),
+            object = object.strip_prefix("/v1/").unwrap_or(object),
+            status = status.as_u16(),
+            result = response.extensions().get::<ErrorCode>().map_or("ok", |code| code.0),
+            "audit"
+        );
+    }
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert(REQUEST_ID, value);
+    }
     response
 }
 
-fn is_authorized(headers: &HeaderMap, tokens: &TokenSet) -> bool {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
+/// The caller whose bearer token the request carries, or else whose verified client
+/// certificate its connection showed (the tenant of its common name). Both together must
+/// name one tenant.
+fn authenticate(
+    headers: &HeaderMap,
+    client: Option<&ClientName>,
+    credentials: &CredentialSet,
+) -> Option<Caller> {
+    let Some(authorization) = headers.get(header::AUTHORIZATION) else {
+        return client.and_then(|client| credentials.certificate(client));
+    };
+    let caller = authorization
+        .to_str()
+        .ok()
         .and_then(|value| value.strip_prefix("Bearer "))
-        .is_some_and(|given| tokens.accepts(given.trim()))
+        .and_then(|given| credentials.accepts(given.trim()))?;
+    match (caller.tenant(), client) {
+        (Some(tenant), Some(client)) if tenant.name != client.common_name => None,
+        _ => Some(caller),
+    }
 }
 
-async fn require_token(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if is_authorized(request.headers(), &state.credentials.current()) {
-        next.run(request).await
-    } else {
+/// Lets through a request with a valid bearer token or client certificate, within its
+/// tenant's rate limit, and hands its [`Caller`] to the handler (and, on the answer, to
+/// the audit log).
+async fn require_token(
+    State(state): State<AppState>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let client = request
+        .extensions()
+        .get::<ConnectInfo<PeerCertificate>>()
+        .and_then(|ConnectInfo(PeerCertificate(client))| client.as_ref());
+    let caller = authenticate(request.headers(), client, &state.credentials.current());
+    let Some(caller) = caller else {
         let mut response = ApiError::new(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
-            "a valid bearer token is required (Authorization: Bearer TOKEN)",
+            "a valid bearer token (Authorization: Bearer TOKEN) or client certificate is required",
         )
         .into_response();
         response.headers_mut().insert(
             header::WWW_AUTHENTICATE,
             HeaderValue::from_static("Bearer realm=\"cloud-mock\""),
         );
-        response
+        return response;
+    };
+    let mut response = match caller.tenant().map(Tenant::admit) {
+        Some(Err(wait)) => {
+            state.metrics.rate_limited(caller.name());
+            // Whole seconds, rounded up: a client that waits that long is let through.
+            let retry_after_secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+            ApiError {
+                retry_after_secs: Some(retry_after_secs),
+                ..ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate-limited",
+                    format!(
+                        "tenant {:?} is over its rate limit; retry after {retry_after_secs} s",
+                        caller.name()
+                    ),
+                )
+            }
+            .into_response()
+        }
+        _ => {
+            request.extensions_mut().insert(caller.clone());
+            next.run(request).await
+        }
+    };
+    response.extensions_mut().insert(caller);
+    response
+}
+
+/// Lets through only an admin (after [`require_token`]).
+async fn require_admin(
+    Extension(caller): Extension<Caller>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if caller.may_administer() {
+        return next.run(request).await;
+    }
+    ApiError::new(
+        StatusCode::FORBIDDEN,
+        "forbidden",
+        format!(
+            "tenant {:?} may not manage the edge: this takes an admin credential",
+            caller.name()
+        ),
+    )
+    .into_response()
+}
+
+/// Whether `caller` sees an object with `tags`.
+fn visible(caller: &Caller, tags: &BTreeMap<String, String>) -> bool {
+    caller.tenant().is_none_or(|tenant| tenant.owns(tags))
+}
+
+/// Refuses a write of an object with `tags` that would not be `caller`'s.
+fn check_writable(caller: &Caller, tags: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    match caller.tenant() {
+        Some(tenant) => Ok(tenant.check_cluster(tags)?),
+        None => Ok(()),
+    }
+}
+
+/// The load balancer `id`, if `caller` may see it.
+fn visible_lb(state: &AppState, caller: &Caller, id: &str) -> Option<StoredLoadBalancer> {
+    state
+        .store
+        .get(id)
+        .filter(|lb| visible(caller, &lb.spec.tags))
+}
+
+fn lb_not_found(id: &str) -> ApiError {
+    ApiError::not_found(format!("load balancer {id} not found"))
+}
+
+/// Refuses a spec naming a node pool that `caller` may not see, as one that does not exist.
+fn check_node_pool_visible(
+    state: &AppState,
+    caller: &Caller,
+    spec: &LoadBalancerSpec,
+) -> Result<(), ApiError> {
+    match &spec.node_pool {
+        Some(name)
+            if state
+                .store
+                .node_pool(name)
+                .is_some_and(|pool| !visible(caller, &pool.spec.tags)) =>
+        {
+            Err(crate::store::StoreError::UnknownNodePool { name: name.clone() }.into())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The idempotency key as the store keeps it: a tenant's keys are its own, so another's
+/// same key neither replays nor reveals its load balancer.
+fn scoped_key(caller: &Caller, key: Option<String>) -> Option<String> {
+    match caller.tenant() {
+        Some(tenant) => key.map(|key| format!("{}/{key}", tenant.name)),
+        None => key,
     }
 }
 
@@ -438,11 +612,7 @@ pub fn matches_filter(lb: &StoredLoadBalancer, filter: &ListFilter) -> bool {
 }
 
 /// True when something named `name` with `tags` passes `filter`.
-fn passes(
-    filter: &ListFilter,
-    name: &str,
-    tags: &std::collections::BTreeMap<String, String>,
-) -> bool {
+fn passes(filter: &ListFilter, name: &str, tags: &BTreeMap<String, String>) -> bool {
     filter.name.as_ref().is_none_or(|wanted| wanted == name)
         && filter
             .tags
@@ -452,6 +622,7 @@ fn passes(
 
 async fn list_load_balancers(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     query: Result<Query<Vec<(String, String)>>, QueryRejection>,
 ) -> Result<Json<LoadBalancerList>, ApiError> {
     let Query(pairs) =
@@ -461,7 +632,7 @@ async fn list_load_balancers(
     let items = all
         .load_balancers
         .iter()
-        .filter(|lb| matches_filter(lb, &filter))
+        .filter(|lb| visible(&caller, &lb.spec.tags) && matches_filter(lb, &filter))
         .map(|lb| answer(&state, lb, all.node_pool_of(lb)))
         .collect();
     Ok(Json(LoadBalancerList { items }))
@@ -526,6 +697,7 @@ struct CreateQuery {
 
 async fn create_load_balancer(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     headers: HeaderMap,
     query: Result<Query<CreateQuery>, QueryRejection>,
     JsonBody(spec): JsonBody<LoadBalancerSpec>,
@@ -540,13 +712,16 @@ async fn create_load_balancer(
             format!("loadBalancerId {id:?} is not a DNS label (a-z, 0-9 and '-', at most 63)"),
         ));
     }
-    let key = idempotency_key(&headers)?;
+    let key = scoped_key(&caller, idempotency_key(&headers)?);
+    check_writable(&caller, &spec.tags)?;
     let placement = validate_spec(&spec, state.store.pools())?;
     validate_served(&spec, state.dataplane.proxies_udp())?;
+    check_node_pool_visible(&state, &caller, &spec)?;
     let now = now_ms();
+    let tenant = caller.tenant_arc();
     let created = state
         .store
-        .create(spec, placement, load_balancer_id, key, now)
+        .create(spec, placement, load_balancer_id, key, tenant, now)
         .await?;
     let lb = created.load_balancer;
     if created.is_new {
@@ -579,6 +754,7 @@ struct GetQuery {
 
 async fn get_load_balancer(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     path: Result<Path<String>, PathRejection>,
     query: Result<Query<GetQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
@@ -599,10 +775,7 @@ async fn get_load_balancer(
     // Subscribed before the first read, so a change between a read and the wait wakes it.
     let mut moved = state.store.subscribe();
     let lb = loop {
-        let lb = state
-            .store
-            .get(&id)
-            .ok_or_else(|| ApiError::not_found(format!("load balancer {id} not found")))?;
+        let lb = visible_lb(&state, &caller, &id).ok_or_else(|| lb_not_found(&id))?;
         if lb.state != cloud_mock_sdk::State::Provisioning
             || tokio::time::Instant::now() >= deadline
         {
@@ -621,15 +794,22 @@ async fn get_load_balancer(
 
 async fn update_load_balancer(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     path: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
     JsonBody(spec): JsonBody<LoadBalancerSpec>,
 ) -> Result<Response, ApiError> {
     let id = path_id(path)?;
+    visible_lb(&state, &caller, &id).ok_or_else(|| lb_not_found(&id))?;
     let version = if_match_version(&headers)?;
+    check_writable(&caller, &spec.tags)?;
     let placement = validate_spec(&spec, state.store.pools())?;
     validate_served(&spec, state.dataplane.proxies_udp())?;
-    let lb = state.store.update(id, spec, placement, version).await?;
+    check_node_pool_visible(&state, &caller, &spec)?;
+    let lb = state
+        .store
+        .update(id, spec, placement, version, caller.tenant_arc())
+        .await?;
     let response = ([etag(lb.version)], Json(answer_one(&state, &lb))).into_response();
     if lb.version == version {
         return Ok(response);
@@ -640,9 +820,14 @@ async fn update_load_balancer(
 
 async fn delete_load_balancer(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let id = path_id(path)?;
+    if state.store.get(&id).is_some() && visible_lb(&state, &caller, &id).is_none() {
+        // Another tenant's: answered as one that is gone.
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
     let now = now_ms();
     let deleting = state.store.mark_deleting(id, now).await?;
     Ok(match deleting {
@@ -662,13 +847,20 @@ async fn delete_load_balancer(
     })
 }
 
-async fn list_pools(State(state): State<AppState>) -> Result<Json<PoolList>, ApiError> {
-    let items = state.store.pool_use();
+async fn list_pools(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+) -> Result<Json<PoolList>, ApiError> {
+    let mut items = state.store.pool_use();
+    if let Some(tenant) = caller.tenant() {
+        items.retain(|pool| tenant.pools.contains(&pool.name));
+    }
     Ok(Json(PoolList { items }))
 }
 
 async fn list_node_pools(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     query: Result<Query<Vec<(String, String)>>, QueryRejection>,
 ) -> Result<Json<NodePoolList>, ApiError> {
     let Query(pairs) =
@@ -677,21 +869,29 @@ async fn list_node_pools(
     let all = state.store.list_node_pools();
     let items = all
         .into_iter()
-        .filter(|(pool, _)| passes(&filter, &pool.name, &pool.spec.tags))
+        .filter(|(pool, _)| {
+            visible(&caller, &pool.spec.tags) && passes(&filter, &pool.name, &pool.spec.tags)
+        })
         .map(|(pool, load_balancers)| node_pool_to_wire(&pool, load_balancers))
         .collect();
     Ok(Json(NodePoolList { items }))
 }
 
+fn node_pool_not_found(name: &str) -> ApiError {
+    ApiError::not_found(format!("node pool {name} not found"))
+}
+
 async fn get_node_pool(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let name = path_id(path)?;
     let (pool, load_balancers) = state
         .store
         .get_node_pool(&name)
-        .ok_or_else(|| ApiError::not_found(format!("node pool {name} not found")))?;
+        .filter(|(pool, _)| visible(&caller, &pool.spec.tags))
+        .ok_or_else(|| node_pool_not_found(&name))?;
     let body: NodePool = node_pool_to_wire(&pool, load_balancers);
     Ok(([etag(pool.version)], Json(body)).into_response())
 }
@@ -707,11 +907,12 @@ fn unwritten(error: &ApiError) -> NodePoolWrite {
 
 async fn put_node_pool(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     path: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
     JsonBody(spec): JsonBody<NodePoolSpec>,
 ) -> Result<Response, ApiError> {
-    let outcome = write_node_pool(&state, path, &headers, spec).await;
+    let outcome = write_node_pool(&state, &caller, path, &headers, spec).await;
     state.metrics.node_pool_write(match &outcome {
         Ok((written, _)) => *written,
         Err(error) => unwritten(error),
@@ -721,13 +922,25 @@ async fn put_node_pool(
 
 async fn write_node_pool(
     state: &AppState,
+    caller: &Caller,
     path: Result<Path<String>, PathRejection>,
     headers: &HeaderMap,
     spec: NodePoolSpec,
 ) -> Result<(NodePoolWrite, Response), ApiError> {
     let name = path_id(path)?;
     let if_match = if_match(headers)?;
+    check_writable(caller, &spec.tags)?;
     validate_node_pool(&name, &spec)?;
+    if let Some(existing) = state.store.node_pool(&name)
+        && !visible(caller, &existing.spec.tags)
+    {
+        // Names are the edge's, not a tenant's: say only that this one is taken.
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "name-taken",
+            format!("node pool name {name} is taken; choose another"),
+        ));
+    }
     let write = state.store.put_node_pool(name, spec, if_match).await?;
     let pool = &write.node_pool;
     let (status, outcome) = match write.written {
@@ -757,9 +970,10 @@ async fn write_node_pool(
 
 async fn delete_node_pool(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
-    let outcome = remove_node_pool(&state, path).await;
+    let outcome = remove_node_pool(&state, &caller, path).await;
     state.metrics.node_pool_write(match &outcome {
         Ok(_) => NodePoolWrite::Deleted,
         Err(error) => unwritten(error),
@@ -769,12 +983,20 @@ async fn delete_node_pool(
 
 async fn remove_node_pool(
     state: &AppState,
+    caller: &Caller,
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let name = path_id(path)?;
+    if state
+        .store
+        .node_pool(&name)
+        .is_some_and(|pool| !visible(caller, &pool.spec.tags))
+    {
+        return Err(node_pool_not_found(&name));
+    }
     let deleted = state.store.delete_node_pool(name.clone()).await?;
     if !deleted {
-        return Err(ApiError::not_found(format!("node pool {name} not found")));
+        return Err(node_pool_not_found(&name));
     }
     tracing::info!(node_pool = %name, "node pool deleted");
     Ok(committed(StatusCode::NO_CONTENT.into_response()))
@@ -857,14 +1079,24 @@ mod tests {
 
     #[test]
     fn bearer_token_must_match_exactly() {
-        let tokens = TokenSet::single("s3cret");
+        let tokens = CredentialSet::single("s3cret");
         let mut headers = HeaderMap::new();
-        assert!(!is_authorized(&headers, &tokens));
+        assert!(authenticate(&headers, None, &tokens).is_none());
         headers.insert(header::AUTHORIZATION, "Bearer s3cret".parse().unwrap());
-        assert!(is_authorized(&headers, &tokens));
+        assert!(authenticate(&headers, None, &tokens).is_some());
         headers.insert(header::AUTHORIZATION, "Bearer s3cre".parse().unwrap());
-        assert!(!is_authorized(&headers, &tokens));
+        assert!(authenticate(&headers, None, &tokens).is_none());
         headers.insert(header::AUTHORIZATION, "Basic s3cret".parse().unwrap());
-        assert!(!is_authorized(&headers, &tokens));
+        assert!(authenticate(&headers, None, &tokens).is_none());
+    }
+
+    #[test]
+    fn a_request_keeps_a_sane_id_of_its_own() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(request_id(&headers).len(), 16);
+        headers.insert(REQUEST_ID, "req-42".parse().unwrap());
+        assert_eq!(request_id(&headers), "req-42");
+        headers.insert(REQUEST_ID, "two words".parse().unwrap());
+        assert_ne!(request_id(&headers), "two words");
     }
 }

@@ -111,7 +111,7 @@ impl EtcdArgs {
 pub enum SettingsError {
     #[error(transparent)]
     Pools(#[from] PoolsError),
-    #[error("no bearer token: give --token or --token-file")]
+    #[error("no bearer token: give --token, --token-file or --tenants-file")]
     NoToken,
 }
 
@@ -157,8 +157,8 @@ pub struct Args {
         long,
         env = "CLOUD_MOCK_TOKEN",
         hide_env_values = true,
-        required_unless_present = "token_file",
-        conflicts_with = "token_file"
+        required_unless_present_any = ["token_file", "tenants_file"],
+        conflicts_with_all = ["token_file", "tenants_file"]
     )]
     pub token: Option<String>,
     /// A file of the bearer tokens clients may send, one a line: a token, or `sha256:`
@@ -166,8 +166,14 @@ pub struct Args {
     /// lines and lines starting with `#` are left out. Read again within about a second
     /// of a change, so that two lines let a rotation go without a restart; a file that
     /// becomes unreadable or holds no valid token keeps the tokens read last.
-    #[arg(long, env = "CLOUD_MOCK_TOKEN_FILE")]
+    #[arg(long, env = "CLOUD_MOCK_TOKEN_FILE", conflicts_with = "tenants_file")]
     pub token_file: Option<PathBuf>,
+    /// A JSON file of the edge's tenants, for an edge that several clusters share: each
+    /// tenant's cluster ids, VIP pools, quotas, rate limit and the SHA-256 of its tokens,
+    /// and the admin's tokens (docs/install.md, "Tenants"). Every call is scoped to its
+    /// tenant. Read again within about a second of a change, as --token-file.
+    #[arg(long, env = "CLOUD_MOCK_TENANTS_FILE")]
+    pub tenants_file: Option<PathBuf>,
     /// A VIP pool, NAME=CIDR, IPv4 or IPv6; a bare CIDR is the pool `default` (e.g.
     /// 127.77.0.0/24: loopback, needs no setup). Repeatable; a name may come twice, once
     /// per family, for dual-stack load balancers. The environment variable takes a
@@ -264,6 +270,16 @@ pub struct Args {
     /// The PEM private key of --tls-cert-file (PKCS#8, PKCS#1 or SEC1).
     #[arg(long, env = "CLOUD_MOCK_TLS_KEY_FILE", requires = "tls_cert_file")]
     pub tls_key_file: Option<PathBuf>,
+    /// Mutual TLS: PEM CA certificates whose client certificates the API verifies. A
+    /// verified certificate whose subject's common name is a tenant of --tenants-file
+    /// authenticates as that tenant, without a token; a client may still show a token
+    /// instead (both must then name one tenant). Needs --tls-cert-file.
+    #[arg(
+        long,
+        env = "CLOUD_MOCK_TLS_CLIENT_CA_FILE",
+        requires = "tls_cert_file"
+    )]
+    pub tls_client_ca_file: Option<PathBuf>,
 }
 
 impl Args {
@@ -272,16 +288,18 @@ impl Args {
         Some(TlsFiles {
             cert_file: self.tls_cert_file.clone()?,
             key_file: self.tls_key_file.clone()?,
+            client_ca_file: self.tls_client_ca_file.clone(),
         })
     }
 
     /// Where the tokens come from; `None` only for `Args` not made by clap, which
     /// requires one of the flags.
     fn token_source(&self) -> Option<TokenSource> {
-        match (&self.token_file, &self.token) {
-            (Some(path), _) => Some(TokenSource::File(path.clone())),
-            (None, Some(token)) => Some(TokenSource::Token(token.clone())),
-            (None, None) => None,
+        match (&self.tenants_file, &self.token_file, &self.token) {
+            (Some(path), _, _) => Some(TokenSource::Tenants(path.clone())),
+            (None, Some(path), _) => Some(TokenSource::File(path.clone())),
+            (None, None, Some(token)) => Some(TokenSource::Token(token.clone())),
+            (None, None, None) => None,
         }
     }
 
@@ -398,6 +416,16 @@ mod tests {
                 .token,
             TokenSource::File("/etc/tandem/tokens".into())
         );
+        assert_eq!(
+            with(&["--tenants-file", "/etc/tandem/tenants.json"])
+                .unwrap()
+                .settings()
+                .unwrap()
+                .token,
+            TokenSource::Tenants("/etc/tandem/tenants.json".into())
+        );
+        assert!(with(&["--tenants-file", "/t", "--token", "t"]).is_err());
+        assert!(with(&["--tenants-file", "/t", "--token-file", "/tokens"]).is_err());
         assert!(with(&[]).is_err(), "one of them is required");
         assert!(
             with(&["--token", "t", "--token-file", "/tokens"]).is_err(),
@@ -429,10 +457,24 @@ mod tests {
             Some(TlsFiles {
                 cert_file: "/c.pem".into(),
                 key_file: "/k.pem".into(),
+                client_ca_file: None,
             })
         );
         assert!(with_pool(&["--tls-cert-file", "/c.pem"]).is_err());
         assert!(with_pool(&["--tls-key-file", "/k.pem"]).is_err());
+        assert!(with_pool(&["--tls-client-ca-file", "/ca.pem"]).is_err());
+        let mutual = with_pool(&[
+            "--tls-cert-file",
+            "/c.pem",
+            "--tls-key-file",
+            "/k.pem",
+            "--tls-client-ca-file",
+            "/ca.pem",
+        ]);
+        assert_eq!(
+            mutual.unwrap().tls().unwrap().client_ca_file,
+            Some("/ca.pem".into())
+        );
     }
 
     #[test]

@@ -7,6 +7,7 @@ use cloud_mock_sdk::{ErrorBody, ErrorDetail};
 use http::{HeaderValue, StatusCode, header};
 
 use crate::store::StoreError;
+use crate::tenants::Refusal;
 use crate::validate::SpecError;
 
 /// The refusal of an address family the pool has no CIDR for (like `unknown-pool`, a
@@ -126,6 +127,7 @@ impl From<StoreError> for ApiError {
                 Self::unavailable("store-unavailable", message)
             }
             StoreError::Contended { .. } => Self::unavailable("store-contended", message),
+            StoreError::Refused(refusal) => refusal.into(),
             StoreError::Poisoned { .. } | StoreError::Etcd(_) => {
                 tracing::error!(error = %message, "store failure");
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
@@ -147,6 +149,23 @@ impl From<StoreError> for ApiError {
     }
 }
 
+impl From<Refusal> for ApiError {
+    /// 403, as the clouds answer a quota (Octavia, GCE) and a resource outside the
+    /// caller's project.
+    fn from(refusal: Refusal) -> Self {
+        let code = match refusal {
+            Refusal::Cluster { .. } => "cluster-not-permitted",
+            Refusal::Pool { .. } => "pool-not-permitted",
+            Refusal::Quota { .. } => "quota-exceeded",
+        };
+        Self::new(StatusCode::FORBIDDEN, code, refusal.to_string())
+    }
+}
+
+/// The error code of an answer, for the audit log.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorCode(pub &'static str);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = ErrorBody {
@@ -156,6 +175,7 @@ impl IntoResponse for ApiError {
             },
         };
         let mut response = (self.status, Json(body)).into_response();
+        response.extensions_mut().insert(ErrorCode(self.code));
         if let Some(secs) = self.retry_after_secs {
             response
                 .headers_mut()

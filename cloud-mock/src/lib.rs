@@ -3,7 +3,8 @@
 //! Layout: `validate`, `model`, `faults`, `lifecycle::plan_transitions` and the parsing
 //! helpers in `api`/`extract` decide (pure, unit-tested); `store` (redb), `lifecycle`
 //! (the one task driving the data plane) and `api` (axum) do; `credentials` holds the
-//! accepted tokens and re-reads a token file; `server` wires them.
+//! accepted tokens and re-reads a token or tenants file; `tenants` says what each tenant
+//! may touch; `server` wires them.
 
 pub mod api;
 pub mod cli;
@@ -21,6 +22,7 @@ pub mod openapi;
 pub mod pools;
 pub mod server;
 pub mod store;
+pub mod tenants;
 #[cfg(feature = "test-support")]
 pub mod test_edge;
 #[cfg(test)]

@@ -15,6 +15,12 @@ struct RequestLabels {
     status: u16,
 }
 
+/// A tenant of the tenants file: bounded by that file.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabels {
+    tenant: String,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
     outcome: &'static str,
@@ -84,6 +90,7 @@ pub struct Metrics {
     node_pool_writes: Family<OutcomeLabels, Counter>,
     token_file_reloads: Family<OutcomeLabels, Counter>,
     tokens: Gauge,
+    rate_limited: Family<TenantLabels, Counter>,
 }
 
 pub const STATES: [State; 3] = [State::Provisioning, State::Active, State::Deleting];
@@ -129,7 +136,7 @@ impl Metrics {
         );
         registry.register(
             "cloud_mock_token_file_reloads",
-            "Changes of --token-file by outcome (refused ones keep the tokens read last)",
+            "Changes of --token-file or --tenants-file by outcome (refused ones keep the tokens read last)",
             self.token_file_reloads.clone(),
         );
         registry.register(
@@ -137,12 +144,25 @@ impl Metrics {
             "Bearer tokens the API accepts (two during a rotation)",
             self.tokens.clone(),
         );
+        registry.register(
+            "cloud_mock_rate_limited_requests",
+            "Requests refused with 429 because their tenant was over its rate limit",
+            self.rate_limited.clone(),
+        );
     }
 
     pub fn token_file_reload(&self, outcome: TokenFileReload) {
         self.token_file_reloads
             .get_or_create(&OutcomeLabels {
                 outcome: outcome.label(),
+            })
+            .inc();
+    }
+
+    pub fn rate_limited(&self, tenant: &str) {
+        self.rate_limited
+            .get_or_create(&TenantLabels {
+                tenant: tenant.to_owned(),
             })
             .inc();
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use cloud_mock_dataplane::{DataPlane, DataPlaneConfig, L2Config, L2Device};
 use prometheus_client::registry::Registry;
-use tandem_common::tls::{PlainHttp, TlsError, TlsListener};
+use tandem_common::tls::{PeerCertificate, PlainHttp, TlsError, TlsListener};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -40,11 +40,13 @@ pub struct Settings {
     pub l2: Option<L2Config>,
 }
 
-/// The API's certificate chain (server certificate first) and private key, PEM files.
+/// The API's certificate chain (server certificate first) and private key, PEM files,
+/// and the CAs whose client certificates name a tenant (mutual TLS), if any.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsFiles {
     pub cert_file: PathBuf,
     pub key_file: PathBuf,
+    pub client_ca_file: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -152,7 +154,13 @@ pub async fn serve_on(
     cancel: CancellationToken,
 ) -> Result<(), ServeError> {
     let acceptor = tls
-        .map(|files| tandem_common::tls::acceptor_from_pem_files(&files.cert_file, &files.key_file))
+        .map(|files| {
+            tandem_common::tls::acceptor_from_pem_files(
+                &files.cert_file,
+                &files.key_file,
+                files.client_ca_file.as_deref(),
+            )
+        })
         .transpose()?;
     let App {
         router,
@@ -175,7 +183,9 @@ pub async fn serve_on(
         Some(acceptor) => {
             match TlsListener::new(listener, acceptor, PlainHttp::Refused, cancel.clone()) {
                 Ok(listener) => {
-                    axum::serve(listener, router)
+                    // Each request learns the client certificate its connection showed.
+                    let service = router.into_make_service_with_connect_info::<PeerCertificate>();
+                    axum::serve(listener, service)
                         .with_graceful_shutdown(shutdown)
                         .await
                 }

@@ -9,9 +9,8 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use cloud_mock::store::StoreSettings;
-use cloud_mock::{App, OPENAPI_YAML, Settings, openapi, routes};
-use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind};
+
+use cloud_mock::{App, OPENAPI_YAML, Settings, openapi, routes, test_edge};
 use http::{Method, Request, StatusCode, header};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -40,17 +39,9 @@ impl TestApp {
             NEXT.fetch_add(1, Ordering::Relaxed)
         ));
         let settings = Settings {
-            data_dir: data_dir.clone(),
-            store: StoreSettings::Redb,
-            token: TOKEN.into(),
-            vip_pools: pool.parse().unwrap(),
             provisioning_delay,
             fault_injection,
-            l2: None,
-            dataplane: DataPlaneConfig {
-                mode: DataPlaneKind::None,
-                ..DataPlaneConfig::default()
-            },
+            ..test_edge::api_only(&data_dir, TOKEN.into(), pool)
         };
         let cancel = CancellationToken::new();
         let App {

@@ -1,7 +1,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 //! The etcd store against a real 3-member etcd cluster (Debian's etcd 3.4 on loopback):
-//! several edges writing at once never hand out one VIP twice or make one load balancer
-//! twice; an edge cut from its member resumes its watch, and lists again after a
+//! several edges writing at once never hand out one VIP twice, make one load balancer
+//! twice or pass a tenant's quota; an edge cut from its member resumes its watch, and lists again after a
 //! compaction; writes without quorum fail cleanly while reads go on; one edge leads, and
 //! another takes over when it goes; a redb store copied into etcd keeps everything.
 
@@ -61,7 +61,7 @@ async fn create(
     let spec = spec(name);
     let placement = validate_spec(&spec, store.pools()).unwrap();
     store
-        .create(spec, placement, None, key.map(str::to_owned), 0)
+        .create(spec, placement, None, key.map(str::to_owned), None, 0)
         .await
 }
 
@@ -79,7 +79,7 @@ fn ids(store: &Store) -> BTreeSet<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn edges_writing_at_once_never_hand_out_a_vip_twice_nor_make_a_key_twice() {
+async fn edges_writing_at_once_never_hand_out_a_vip_twice_make_a_key_twice_or_pass_a_quota() {
     let cluster = EtcdCluster::start(3).await;
     let cancel = CancellationToken::new();
     let endpoints = cluster.endpoints();
@@ -136,6 +136,7 @@ async fn edges_writing_at_once_never_hand_out_a_vip_twice_nor_make_a_key_twice()
             validate_spec(&spec("more"), &pools()).unwrap(),
             None,
             None,
+            None,
             0
         )
         .await
@@ -161,6 +162,47 @@ async fn edges_writing_at_once_never_hand_out_a_vip_twice_nor_make_a_key_twice()
         on_a.is_new != on_b.is_new,
         "one made it, the other replayed it"
     );
+
+    // A tenant's quota holds however many edges create for it at once: 20 creates, 10 on
+    // each edge, for a quota of 5.
+    let tenant = cloud_mock::tenants::parse(
+        r#"{"tenants": [{"name": "t", "clusters": ["c1"], "pools": ["default"],
+            "quotas": {"loadBalancers": 5}, "credentials": []}]}"#,
+    )
+    .unwrap()
+    .remove(0);
+    let mut tasks = tokio::task::JoinSet::new();
+    for n in 0..20 {
+        let store = if n % 2 == 0 { a.clone() } else { b.clone() };
+        let tenant = tenant.clone();
+        tasks.spawn(async move {
+            let mut spec = spec(&format!("t{n}"));
+            spec.tags = [("kubernetes.io/cluster-id".to_owned(), "c1".to_owned())].into();
+            let placement = validate_spec(&spec, store.pools()).unwrap();
+            store
+                .create(spec, placement, None, None, Some(tenant), 0)
+                .await
+        });
+    }
+    let (mut made, mut refused) = (0, 0);
+    while let Some(result) = tasks.join_next().await {
+        match result.unwrap() {
+            Ok(_) => made += 1,
+            Err(StoreError::Refused(_)) => refused += 1,
+            Err(other) => panic!("an unexpected refusal: {other}"),
+        }
+    }
+    assert_eq!((made, refused), (5, 15));
+    eventually(Duration::from_secs(10), "both edges see the five", || {
+        ids(&a) == ids(&b)
+    })
+    .await;
+    let owned = a
+        .list()
+        .into_iter()
+        .filter(|lb| tenant.owns(&lb.spec.tags))
+        .count();
+    assert_eq!(owned, 5, "no edge passed the quota");
     cancel.cancel();
 }
 

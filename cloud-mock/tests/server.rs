@@ -114,7 +114,7 @@ fn quick_options(max_retries: u32) -> ClientOptions {
         max_retries,
         initial_backoff: Duration::from_millis(10),
         max_backoff: Duration::from_millis(100),
-        root_certificates: None,
+        ..ClientOptions::default()
     }
 }
 

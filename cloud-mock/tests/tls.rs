@@ -2,7 +2,7 @@
 //! The edge's API over TLS: an in-process server given a certificate and key (made here by
 //! rcgen, signed by a CA of the test) answers HTTPS to a client that trusts the CA, and
 //! refuses plain HTTP and clients that trust another CA; the SDK given the CA's PEM talks
-//! to it.
+//! to it. With a client CA (mutual TLS) a client certificate names its tenant.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -10,15 +10,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use cloud_mock::Settings;
+use cloud_mock::credentials::TokenSource;
 use cloud_mock::server::{TlsFiles, serve_on};
-use cloud_mock_dataplane::{DataPlaneConfig, DataPlaneKind};
+use cloud_mock::{Settings, test_edge};
 use cloud_mock_sdk::{Client, ClientOptions, Error};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsConnector;
-use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio_rustls::rustls::{self, RootCertStore};
 use tokio_util::sync::CancellationToken;
 
@@ -57,6 +57,12 @@ struct Edge {
 
 impl Edge {
     async fn start(pki: &Pki) -> Self {
+        Self::start_with(pki, None, None).await
+    }
+
+    /// With `tenants` (a tenants file's text) instead of the token, and with `client_ca`
+    /// (PEM), mutual TLS.
+    async fn start_with(pki: &Pki, tenants: Option<&str>, client_ca: Option<&str>) -> Self {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
             "cloud-mock-tls-{}-{}",
@@ -67,21 +73,24 @@ impl Edge {
         let tls = TlsFiles {
             cert_file: dir.join("tls.crt"),
             key_file: dir.join("tls.key"),
+            client_ca_file: client_ca.map(|_| dir.join("client-ca.crt")),
         };
         std::fs::write(&tls.cert_file, &pki.cert_pem).unwrap();
         std::fs::write(&tls.key_file, &pki.key_pem).unwrap();
+        if let (Some(path), Some(pem)) = (&tls.client_ca_file, client_ca) {
+            std::fs::write(path, pem).unwrap();
+        }
+        let token = match tenants {
+            Some(text) => {
+                let path = dir.join("tenants.json");
+                std::fs::write(&path, text).unwrap();
+                TokenSource::Tenants(path)
+            }
+            None => TOKEN.into(),
+        };
         let settings = Settings {
-            data_dir: dir.join("data"),
-            store: cloud_mock::store::StoreSettings::Redb,
-            token: TOKEN.into(),
-            vip_pools: "127.77.0.0/24".parse().unwrap(),
-            provisioning_delay: Duration::ZERO,
             fault_injection: false,
-            l2: None,
-            dataplane: DataPlaneConfig {
-                mode: DataPlaneKind::None,
-                ..DataPlaneConfig::default()
-            },
+            ..test_edge::api_only(&dir.join("data"), token, "127.77.0.0/24")
         };
         let listener = TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
             .await
@@ -209,4 +218,129 @@ async fn the_sdk_trusts_the_ca_it_is_given() {
         .list_pools()
         .await;
     assert!(matches!(plain, Err(Error::Transport(_))), "{plain:?}");
+}
+
+/// A CA for client certificates, and one it signed with `common_name` as the subject.
+fn client_ca() -> CertifiedIssuer<'static, KeyPair> {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
+}
+
+fn client_certificate(
+    ca: &CertifiedIssuer<'static, KeyPair>,
+    common_name: &str,
+) -> (CertificateDer<'static>, PrivateKeyDer<'static>) {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, common_name);
+    let key = KeyPair::generate().unwrap();
+    let cert = params.signed_by(&key, ca).unwrap();
+    (
+        cert.der().clone(),
+        PrivateKeyDer::try_from(key.serialize_der()).unwrap(),
+    )
+}
+
+/// `GET /v1/loadbalancers` over TLS trusting `ca`, showing `identity` and `token` if
+/// given: the status line, or why there was none.
+async fn list_as(
+    edge: &Edge,
+    ca: &CertificateDer<'static>,
+    identity: Option<(CertificateDer<'static>, PrivateKeyDer<'static>)>,
+    token: Option<&str>,
+) -> Result<String, std::io::Error> {
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates({
+        let mut roots = RootCertStore::empty();
+        roots.add(ca.clone()).unwrap();
+        roots
+    });
+    let config = match identity {
+        Some((cert, key)) => builder.with_client_auth_cert(vec![cert], key).unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    let tcp = TcpStream::connect(edge.addr).await?;
+    let mut tls = TlsConnector::from(Arc::new(config))
+        .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
+        .await?;
+    let authorization = token.map_or_else(String::new, |token| {
+        format!("Authorization: Bearer {token}\r\n")
+    });
+    let request = format!(
+        "GET /v1/loadbalancers HTTP/1.1\r\nHost: 127.0.0.1\r\n{authorization}Connection: close\r\n\r\n"
+    );
+    tls.write_all(request.as_bytes()).await?;
+    let mut answer = String::new();
+    tls.read_to_string(&mut answer).await?;
+    Ok(answer.lines().next().unwrap_or_default().to_owned())
+}
+
+#[tokio::test]
+async fn a_client_certificate_of_the_client_ca_names_its_tenant() {
+    let sha256 = |token: &str| {
+        use sha2::Digest;
+        data_encoding::HEXLOWER.encode(&sha2::Sha256::digest(token.as_bytes()))
+    };
+    let tenants = format!(
+        r#"{{"tenants": [
+          {{"name": "team-a", "clusters": ["ca"], "pools": ["default"],
+            "credentials": [{{"id": "a", "sha256": "{}"}}]}},
+          {{"name": "team-b", "clusters": ["cb"], "pools": ["default"],
+            "credentials": [{{"id": "b", "sha256": "{}"}}]}}]}}"#,
+        sha256("a-token"),
+        sha256("b-token")
+    );
+    let pki = pki();
+    let clients = client_ca();
+    let edge = Edge::start_with(&pki, Some(&tenants), Some(&clients.pem())).await;
+    let ok = "HTTP/1.1 200 OK";
+    let refused = "HTTP/1.1 401 Unauthorized";
+    let as_a = || Some(client_certificate(&clients, "team-a"));
+    assert_eq!(list_as(&edge, &pki.ca, as_a(), None).await.unwrap(), ok);
+    assert_eq!(
+        list_as(&edge, &pki.ca, as_a(), Some("a-token"))
+            .await
+            .unwrap(),
+        ok
+    );
+    assert_eq!(
+        list_as(&edge, &pki.ca, as_a(), Some("b-token"))
+            .await
+            .unwrap(),
+        refused,
+        "a certificate and a token of two tenants"
+    );
+    assert_eq!(
+        list_as(
+            &edge,
+            &pki.ca,
+            Some(client_certificate(&clients, "nobody")),
+            None
+        )
+        .await
+        .unwrap(),
+        refused,
+        "no tenant of that name"
+    );
+    assert_eq!(
+        list_as(&edge, &pki.ca, None, Some("b-token"))
+            .await
+            .unwrap(),
+        ok,
+        "a token alone, as without mutual TLS"
+    );
+    assert_eq!(list_as(&edge, &pki.ca, None, None).await.unwrap(), refused);
+    // A certificate of another CA is refused in the handshake (TLS 1.3: at the first read).
+    let forged = Some(client_certificate(&client_ca(), "team-a"));
+    let answer = list_as(&edge, &pki.ca, forged, None).await;
+    assert!(
+        answer.as_ref().is_err() || answer.as_ref().is_ok_and(String::is_empty),
+        "{answer:?}"
+    );
 }

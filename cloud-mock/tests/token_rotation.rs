@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use cloud_mock::test_edge::serve_token_file;
+use cloud_mock::test_edge;
 use cloud_mock_sdk::{Client, ClientOptions, Error};
 use tokio_util::sync::CancellationToken;
 
@@ -38,7 +38,13 @@ impl Edge {
         let token_file = dir.join("tokens");
         std::fs::write(&token_file, tokens).unwrap();
         let cancel = CancellationToken::new();
-        let url = serve_token_file(&dir.join("data"), &token_file, cancel.clone()).await;
+        let url = test_edge::serve(
+            &dir.join("data"),
+            "--token-file",
+            &token_file,
+            cancel.clone(),
+        )
+        .await;
         Self {
             url,
             tokens: token_file,

@@ -1,7 +1,9 @@
 //! Serving HTTPS through `axum::serve`, written once for the mock cloud's API and the API
-//! server stand-in: a rustls acceptor with the ring provider (from PEM files or from DER),
-//! and a listener that completes each handshake in its own task, so a slow or silent
-//! client never holds up the others, and graceful shutdown works as with a `TcpListener`.
+//! server stand-in: a rustls acceptor with the ring provider (from PEM files or from DER,
+//! optionally asking clients for a certificate of a given CA), a listener that completes
+//! each handshake in its own task, so a slow or silent client never holds up the others,
+//! and graceful shutdown works as with a `TcpListener`, and the name of a connection's
+//! verified client certificate for the handlers ([`PeerCertificate`]).
 
 use std::io;
 use std::net::SocketAddr;
@@ -11,6 +13,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use sha2::Digest;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -35,6 +38,12 @@ pub enum TlsError {
     },
     #[error("{path} holds no certificate")]
     NoCertificate { path: PathBuf },
+    #[error("the client CA certificates of {path}: {source}")]
+    ClientRoots {
+        path: PathBuf,
+        #[source]
+        source: rustls::server::VerifierBuilderError,
+    },
     #[error("configuring TLS: {0}")]
     Config(#[from] rustls::Error),
 }
@@ -46,33 +55,133 @@ pub fn acceptor(
     chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
 ) -> Result<TlsAcceptor, TlsError> {
+    server_config(chain, key, None)
+}
+
+fn server_config(
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+    client_verifier: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+) -> Result<TlsAcceptor, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(chain, key)?;
+    let builder = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?;
+    let mut config = match client_verifier {
+        Some(verifier) => builder.with_client_cert_verifier(verifier),
+        None => builder.with_no_client_auth(),
+    }
+    .with_single_cert(chain, key)?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
-/// [`acceptor`] from PEM files: the certificate chain (server certificate first) and its
-/// private key (PKCS#8, PKCS#1 or SEC1).
-pub fn acceptor_from_pem_files(cert_file: &Path, key_file: &Path) -> Result<TlsAcceptor, TlsError> {
-    let pem_error = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| TlsError::Pem { path, source }
+/// The certificates of a PEM file, at least one.
+fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem_error = |source| TlsError::Pem {
+        path: path.to_path_buf(),
+        source,
     };
-    let chain = CertificateDer::pem_file_iter(cert_file)
-        .map_err(pem_error(cert_file))?
+    let certificates = CertificateDer::pem_file_iter(path)
+        .map_err(pem_error)?
         .collect::<Result<Vec<_>, _>>()
-        .map_err(pem_error(cert_file))?;
-    if chain.is_empty() {
+        .map_err(pem_error)?;
+    if certificates.is_empty() {
         return Err(TlsError::NoCertificate {
-            path: cert_file.to_path_buf(),
+            path: path.to_path_buf(),
         });
     }
-    let key = PrivateKeyDer::from_pem_file(key_file).map_err(pem_error(key_file))?;
-    acceptor(chain, key)
+    Ok(certificates)
+}
+
+/// [`acceptor`] from PEM files: the certificate chain (server certificate first) and its
+/// private key (PKCS#8, PKCS#1 or SEC1). With `client_ca_file`, clients are asked for a
+/// certificate: one signed by those CAs is verified and its name handed on
+/// ([`PeerCertificate`]), one signed by another is refused in the handshake, and a client
+/// that shows none is let through (it may prove itself otherwise, with a bearer token).
+pub fn acceptor_from_pem_files(
+    cert_file: &Path,
+    key_file: &Path,
+    client_ca_file: Option<&Path>,
+) -> Result<TlsAcceptor, TlsError> {
+    let chain = certificates(cert_file)?;
+    let key = PrivateKeyDer::from_pem_file(key_file).map_err(|source| TlsError::Pem {
+        path: key_file.to_path_buf(),
+        source,
+    })?;
+    let verifier = client_ca_file
+        .map(|path| {
+            let mut roots = rustls::RootCertStore::empty();
+            for certificate in certificates(path)? {
+                roots.add(certificate)?;
+            }
+            rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                Arc::new(rustls::crypto::ring::default_provider()),
+            )
+            .allow_unauthenticated()
+            .build()
+            .map_err(|source| TlsError::ClientRoots {
+                path: path.to_path_buf(),
+                source,
+            })
+        })
+        .transpose()?;
+    server_config(chain, key, verifier)
+}
+
+/// The verified client certificate of a connection, as [`axum::extract::ConnectInfo`]
+/// (`Router::into_make_service_with_connect_info`): its subject's common name and the
+/// SHA-256 of the certificate, or `None` for a client that showed none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerCertificate(pub Option<ClientName>);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientName {
+    pub common_name: String,
+    pub sha256: [u8; 32],
+}
+
+impl ClientName {
+    /// The name of a DER certificate: its subject's first common name.
+    pub fn of(certificate: &[u8]) -> Option<Self> {
+        let (_, parsed) = x509_parser::parse_x509_certificate(certificate).ok()?;
+        let common_name = parsed
+            .subject()
+            .iter_common_name()
+            .next()?
+            .as_str()
+            .ok()?
+            .to_owned();
+        let sha256 = sha2::Sha256::digest(certificate).into();
+        Some(Self {
+            common_name,
+            sha256,
+        })
+    }
+}
+
+impl Connection {
+    /// The client's certificate, verified in the handshake (rustls keeps only those).
+    fn peer_certificate(&self) -> PeerCertificate {
+        let name = match self {
+            Connection::Plain(_) => None,
+            Connection::Tls(stream) => stream
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|chain| chain.first())
+                .and_then(|certificate| ClientName::of(certificate)),
+        };
+        PeerCertificate(name)
+    }
+}
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, TlsListener>>
+    for PeerCertificate
+{
+    fn connect_info(stream: axum::serve::IncomingStream<'_, TlsListener>) -> Self {
+        stream.io().peer_certificate()
+    }
 }
 
 /// Whether a [`TlsListener`] also takes clients that do not start with a TLS handshake.

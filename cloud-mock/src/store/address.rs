@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::StoreError;
 use crate::model::StoredLoadBalancer;
 use crate::pools::vip_in_pool;
+use crate::tenants::Tenant;
 
 /// What the address logic reads of the store (a transaction's view of it).
 pub(crate) trait Holdings {
@@ -132,8 +133,8 @@ pub(crate) fn may_share(
 }
 
 /// Whether `id` with `spec` may hold `vip` beside `sharers`: nobody else holds it, or
-/// all of them carry the same sharing key, use the same mode and serve none of its
-/// (protocol, port) pairs.
+/// all of them carry the same sharing key, belong to the same cluster, use the same mode
+/// and serve none of its (protocol, port) pairs.
 fn check_sharing(
     txn: &impl Holdings,
     vip: IpAddr,
@@ -162,6 +163,14 @@ fn check_sharing(
         let Some(other) = txn.lb(holder) else {
             continue;
         };
+        // A sharing key is a cluster's own (as MetalLB's): so two tenants, whose clusters
+        // differ, never meet on one VIP.
+        if Tenant::cluster_of(&other.spec.tags) != Tenant::cluster_of(&spec.tags) {
+            return Err(StoreError::VipTaken {
+                vip,
+                holder: holder.clone(),
+            });
+        }
         if other.spec.mode != spec.mode {
             return Err(StoreError::SharingModeMismatch {
                 vip,

@@ -35,6 +35,7 @@ use self::state::{Change, State};
 use self::txn::Txn;
 use crate::model::{StoredLoadBalancer, StoredNodePool};
 use crate::pools::{VipPools, pool_size};
+use crate::tenants::{Refusal, Tenant};
 use crate::validate::Placement;
 
 #[derive(Debug, thiserror::Error)]
@@ -130,6 +131,9 @@ pub enum StoreError {
     Poisoned { key: String, message: String },
     #[error("etcd: {0}")]
     Etcd(String),
+    /// What the caller's tenant may not do (a quota reached).
+    #[error(transparent)]
+    Refused(#[from] Refusal),
 }
 
 /// What a create did.
@@ -449,14 +453,15 @@ impl Store {
         Ok(result)
     }
 
-    /// Creates a load balancer from a validated `spec` placed by `placement` (see
-    /// [`Txn::create`]).
+    /// Creates a load balancer from a validated `spec` placed by `placement`, for
+    /// `tenant` if one (see [`Txn::create`]).
     pub async fn create(
         &self,
         spec: LoadBalancerSpec,
         placement: Placement,
         requested_id: Option<String>,
         idempotency_key: Option<String>,
+        tenant: Option<Arc<Tenant>>,
         now_ms: u64,
     ) -> Result<Created, StoreError> {
         self.write(move |txn| {
@@ -465,22 +470,27 @@ impl Store {
                 &placement,
                 requested_id.as_deref(),
                 idempotency_key.as_deref(),
+                tenant.as_deref(),
                 now_ms,
             )
         })
         .await
     }
 
-    /// Replaces the spec of `id` if it is at `expected_version` (see [`Txn::update`]).
+    /// Replaces the spec of `id` if it is at `expected_version`, for `tenant` if one
+    /// (see [`Txn::update`]).
     pub async fn update(
         &self,
         id: String,
         spec: LoadBalancerSpec,
         placement: Placement,
         expected_version: u64,
+        tenant: Option<Arc<Tenant>>,
     ) -> Result<StoredLoadBalancer, StoreError> {
-        self.write(move |txn| txn.update(&id, &spec, &placement, expected_version))
-            .await
+        self.write(move |txn| {
+            txn.update(&id, &spec, &placement, expected_version, tenant.as_deref())
+        })
+        .await
     }
 
     /// Starts deleting `id`; `None` when there is no such load balancer. Deleting one that

@@ -84,6 +84,7 @@ impl SyncStore {
             placement.clone(),
             id.map(str::to_owned),
             key.map(str::to_owned),
+            None,
             now_ms,
         ))
     }
@@ -95,10 +96,13 @@ impl SyncStore {
         placement: &Placement,
         version: u64,
     ) -> Result<StoredLoadBalancer, StoreError> {
-        self.block(
-            self.store
-                .update(id.to_owned(), spec.clone(), placement.clone(), version),
-        )
+        self.block(self.store.update(
+            id.to_owned(),
+            spec.clone(),
+            placement.clone(),
+            version,
+            None,
+        ))
     }
 
     fn mark_deleting(&self, id: &str, now_ms: u64) -> Result<Option<Transition>, StoreError> {

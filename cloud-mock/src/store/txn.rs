@@ -16,6 +16,7 @@ use super::state::{Change, State};
 use super::{Created, NodePoolWrite, StoreError, Transition, Written};
 use crate::model::{StoredLoadBalancer, StoredNodePool};
 use crate::pools::{DEFAULT_POOL, VipPools, vip_in_pool};
+use crate::tenants::Tenant;
 use crate::validate::Placement;
 
 /// Reads of `base` with the writes made so far on top.
@@ -151,6 +152,46 @@ impl<'a> Txn<'a> {
             })
     }
 
+    /// Calls `visit` with every load balancer of `tenant`, as this transaction sees them.
+    fn for_each_of(&self, tenant: &Tenant, mut visit: impl FnMut(&StoredLoadBalancer)) {
+        for lb in self.base.load_balancers() {
+            if !self.change.load_balancers.contains_key(&lb.id) && tenant.owns(&lb.spec.tags) {
+                visit(lb);
+            }
+        }
+        for lb in self.change.load_balancers.values().flatten() {
+            if tenant.owns(&lb.spec.tags) {
+                visit(lb);
+            }
+        }
+    }
+
+    /// The distinct VIPs of `pool` that `tenant`'s load balancers hold.
+    fn vips_of(&self, tenant: &Tenant, pool: &str) -> BTreeSet<IpAddr> {
+        let mut vips = BTreeSet::new();
+        self.for_each_of(tenant, |lb| {
+            if lb.spec.address.pool.as_deref().unwrap_or(DEFAULT_POOL) == pool {
+                vips.extend(lb.vips());
+            }
+        });
+        vips
+    }
+
+    /// Refuses a write that took `tenant` past its VIP quota of `pool`, held `before` it:
+    /// a tenant over a quota lowered since may still change what holds no new VIP.
+    fn check_vip_quota(
+        &self,
+        tenant: &Tenant,
+        pool: &str,
+        before: &BTreeSet<IpAddr>,
+    ) -> Result<(), StoreError> {
+        let after = self.vips_of(tenant, pool);
+        if after.is_subset(before) {
+            return Ok(());
+        }
+        Ok(tenant.check_vips(pool, after.len() as u64)?)
+    }
+
     /// Refuses a spec that names a node pool the store does not have.
     fn check_node_pool(&self, spec: &LoadBalancerSpec) -> Result<(), StoreError> {
         match &spec.node_pool {
@@ -164,13 +205,14 @@ impl<'a> Txn<'a> {
     /// Creates a load balancer from a validated `spec` placed by `placement`, allocating
     /// a VIP per family (see [`place`]), all or none, under `requested_id` (validated) or
     /// an id of the store's choosing. With an `idempotency_key` already used, returns the
-    /// load balancer that key created instead.
+    /// load balancer that key created instead. For a `tenant`, within its pools and quotas.
     pub fn create(
         &mut self,
         spec: &LoadBalancerSpec,
         placement: &Placement,
         requested_id: Option<&str>,
         idempotency_key: Option<&str>,
+        tenant: Option<&Tenant>,
         now_ms: u64,
     ) -> Result<Created, StoreError> {
         if let Some(existing) = idempotency_key
@@ -196,6 +238,16 @@ impl<'a> Txn<'a> {
             },
         };
         let pool = placement.pool.as_deref().unwrap_or(DEFAULT_POOL);
+        let before = match tenant {
+            Some(tenant) => {
+                tenant.check_pool(pool)?;
+                let mut held = 0;
+                self.for_each_of(tenant, |_| held += 1);
+                tenant.check_load_balancers(held + 1)?;
+                self.vips_of(tenant, pool)
+            }
+            None => BTreeSet::new(),
+        };
         let mut vips = Vec::with_capacity(placement.vips.len());
         for wanted in &placement.vips {
             let cidr = self.cidr(pool, wanted.family)?;
@@ -218,6 +270,9 @@ impl<'a> Txn<'a> {
                 .idempotency_keys
                 .insert(key.to_owned(), Some(id.clone()));
         }
+        if let Some(tenant) = tenant {
+            self.check_vip_quota(tenant, pool, &before)?;
+        }
         Ok(Created {
             load_balancer: lb,
             is_new: true,
@@ -235,6 +290,7 @@ impl<'a> Txn<'a> {
         spec: &LoadBalancerSpec,
         placement: &Placement,
         expected_version: u64,
+        tenant: Option<&Tenant>,
     ) -> Result<StoredLoadBalancer, StoreError> {
         let mut lb = self
             .lb(id)
@@ -259,6 +315,13 @@ impl<'a> Txn<'a> {
             .clone()
             .unwrap_or_else(|| DEFAULT_POOL.to_owned());
         let pool = placement.pool.as_deref().unwrap_or(&current_pool);
+        let before = match tenant {
+            Some(tenant) => {
+                tenant.check_pool(pool)?;
+                self.vips_of(tenant, pool)
+            }
+            None => BTreeSet::new(),
+        };
         let mut vips = Vec::with_capacity(placement.vips.len());
         for wanted in &placement.vips {
             let cidr = self.cidr(pool, wanted.family)?;
@@ -293,6 +356,9 @@ impl<'a> Txn<'a> {
         lb.spec = desired;
         lb.version += 1;
         self.put_lb(lb.clone());
+        if let Some(tenant) = tenant {
+            self.check_vip_quota(tenant, pool, &before)?;
+        }
         Ok(lb)
     }
 

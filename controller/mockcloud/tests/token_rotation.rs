@@ -47,8 +47,9 @@ impl Setup {
         };
         setup.edge_tokens(edge_tokens);
         setup.rotate_secret(secret_token);
-        setup.url = cloud_mock::test_edge::serve_token_file(
+        setup.url = cloud_mock::test_edge::serve(
             &setup.dir.join("edge"),
+            "--token-file",
             &setup.dir.join("edge/tokens"),
             setup.cancel.clone(),
         )

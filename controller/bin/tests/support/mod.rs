@@ -189,6 +189,7 @@ impl Cloud {
             .unwrap();
         std::fs::create_dir_all(data_dir).unwrap();
         let files = cloud_mock::server::TlsFiles {
+            client_ca_file: None,
             cert_file: data_dir.join("tls.crt"),
             key_file: data_dir.join("tls.key"),
         };
