@@ -325,6 +325,8 @@ fn failure_condition(error: &ProviderError) -> DesiredCondition {
         ProviderError::AddressRefused { refusal, .. } => ConditionReason::AddressRefused(*refusal),
         ProviderError::Invalid { .. } => ConditionReason::InvalidConfiguration,
         ProviderError::Unsupported { .. } => ConditionReason::Unsupported,
+        ProviderError::QuotaExceeded { .. } => ConditionReason::QuotaExceeded,
+        ProviderError::Forbidden { .. } => ConditionReason::CloudForbidden,
         _ => ConditionReason::CloudError,
     };
     DesiredCondition {

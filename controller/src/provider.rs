@@ -551,6 +551,9 @@ pub enum AddressRefusal {
     SharingModeMismatch,
     /// The pool has no addresses of a family the LB asks for.
     PoolLacksFamily,
+    /// The pool exists, but our credentials may not draw addresses from it (a cloud whose
+    /// accounts or tenants are each given some pools).
+    PoolNotPermitted,
 }
 
 impl AddressRefusal {
@@ -564,6 +567,7 @@ impl AddressRefusal {
             AddressRefusal::PortConflict => "port_conflict",
             AddressRefusal::SharingModeMismatch => "sharing_mode_mismatch",
             AddressRefusal::PoolLacksFamily => "pool_lacks_family",
+            AddressRefusal::PoolNotPermitted => "pool_not_permitted",
         }
     }
 }
@@ -599,6 +603,17 @@ pub enum ProviderError {
     },
     #[error("the cloud refused our credentials on {operation}: {message}")]
     Unauthorized {
+        operation: Operation,
+        message: String,
+    },
+    /// The create or update would pass a quota of our account; the message is the cloud's
+    /// and names the quota. Raising it or freeing LBs cures it, not a retry soon.
+    #[error("quota exceeded: {message}")]
+    QuotaExceeded { message: String },
+    /// The cloud knows our credentials but does not let them do this (an LB of a cluster
+    /// they are not bound to, a route they may not call); the message is the cloud's.
+    #[error("cloud {operation} forbidden: {message}")]
+    Forbidden {
         operation: Operation,
         message: String,
     },
@@ -640,6 +655,8 @@ impl ProviderError {
             ProviderError::ForeignLoadBalancer { .. } => "foreign_load_balancer",
             ProviderError::RateLimited { .. } => "rate_limited",
             ProviderError::Unauthorized { .. } => "unauthorized",
+            ProviderError::QuotaExceeded { .. } => "quota_exceeded",
+            ProviderError::Forbidden { .. } => "forbidden",
             ProviderError::Conflict { .. } => "conflict",
             ProviderError::NotFound { .. } => "not_found",
             ProviderError::NodePoolMissing { .. } => "node_pool_missing",
@@ -661,6 +678,8 @@ impl ProviderError {
                 | ProviderError::ForeignLoadBalancer { .. }
                 | ProviderError::ForeignNodePool { .. }
                 | ProviderError::Unauthorized { .. }
+                | ProviderError::QuotaExceeded { .. }
+                | ProviderError::Forbidden { .. }
         )
     }
 }

@@ -24,6 +24,10 @@ pub enum ConditionReason {
     /// The cloud refused the address (pool, requested address or sharing).
     AddressRefused(AddressRefusal),
     CloudError,
+    /// A create or update would pass a quota of the cloud account.
+    QuotaExceeded,
+    /// The cloud does not let our credentials do what the Service needs.
+    CloudForbidden,
     InvalidConfiguration,
     /// The Service needs what its provider cannot do.
     Unsupported,
@@ -43,8 +47,11 @@ impl ConditionReason {
                 AddressRefusal::PortConflict => "SharedAddressPortConflict",
                 AddressRefusal::SharingModeMismatch => "SharedAddressModeMismatch",
                 AddressRefusal::PoolLacksFamily => "AddressPoolLacksFamily",
+                AddressRefusal::PoolNotPermitted => "AddressPoolNotPermitted",
             },
             ConditionReason::CloudError => "CloudError",
+            ConditionReason::QuotaExceeded => "QuotaExceeded",
+            ConditionReason::CloudForbidden => "CloudForbidden",
             ConditionReason::InvalidConfiguration => "InvalidConfiguration",
             ConditionReason::Unsupported => "UnsupportedByProvider",
         }
@@ -593,6 +600,8 @@ pub(crate) mod tests {
             ConditionReason::AddressRefused(AddressRefusal::Taken),
             ConditionReason::AddressRefused(AddressRefusal::PortConflict),
             ConditionReason::CloudError,
+            ConditionReason::QuotaExceeded,
+            ConditionReason::CloudForbidden,
             ConditionReason::InvalidConfiguration,
         ])
     }

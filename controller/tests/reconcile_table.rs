@@ -196,15 +196,10 @@ fn rows() -> Vec<Row> {
         lb_families: None,
         backends: None,
     };
-    // The cloud refuses the address: its own condition reason, a Warning Event, no LB.
-    let refused = |name, refusal, reason| Row {
-        fail: Some((
-            Operation::Create,
-            ProviderError::AddressRefused {
-                refusal,
-                message: "refused by the cloud".into(),
-            },
-        )),
+    // The cloud refuses the create (the address, a quota, the credential's permissions):
+    // its own condition reason, a Warning Event, no LB.
+    let refused_by = |name, error, reason| Row {
+        fail: Some((Operation::Create, error)),
         ok: false,
         calls: |_| vec![Call::Create { replaces: None }],
         condition: Some(reason),
@@ -212,6 +207,16 @@ fn rows() -> Vec<Row> {
         id_persisted: false,
         events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
         ..row(name)
+    };
+    let refused = |name, refusal, reason| {
+        refused_by(
+            name,
+            ProviderError::AddressRefused {
+                refusal,
+                message: "refused by the cloud".into(),
+            },
+            reason,
+        )
     };
     // A new Service, created in one call.
     let created = |name| Row {
@@ -267,6 +272,43 @@ fn rows() -> Vec<Row> {
             "refused-shared-mode-mismatch",
             AddressRefusal::SharingModeMismatch,
             "SharedAddressModeMismatch",
+        ),
+        refused(
+            "refused-pool-not-permitted",
+            AddressRefusal::PoolNotPermitted,
+            "AddressPoolNotPermitted",
+        ),
+        refused_by(
+            "refused-quota-exceeded",
+            ProviderError::QuotaExceeded {
+                message: r#"tenant "team-a" reached its quota of 5 load balancers (quota loadBalancers)"#.into(),
+            },
+            "QuotaExceeded",
+        ),
+        Row {
+            // A served Service whose repair would pass a quota keeps its address.
+            service: ServiceStart::Served,
+            cloud: CloudStart::Drifted,
+            fail: Some((
+                Operation::Update,
+                ProviderError::QuotaExceeded {
+                    message: r#"tenant "team-a" reached its quota of 2 VIPs in pool "dmz" (quota vipsPerPool.dmz)"#.into(),
+                },
+            )),
+            ok: false,
+            calls: read_then_update,
+            condition: Some("QuotaExceeded"),
+            events: &["EnsuringLoadBalancer", "SyncLoadBalancerFailed"],
+            ..row("repair-over-quota-keeps-the-address")
+        },
+        refused_by(
+            "refused-forbidden",
+            ProviderError::Forbidden {
+                operation: Operation::Create,
+                message: "cluster-not-permitted: the credential is not bound to cluster table"
+                    .into(),
+            },
+            "CloudForbidden",
         ),
         Row {
             namespace_pool: Some("ns-pool"),

@@ -130,12 +130,14 @@ localhostProfile: {{ required "seccompProfile.localhostProfile is required when 
      restart. */}}
 {{- define "tandem.cloudTokenDir" -}}/etc/tandem/cloud{{- end }}
 {{- define "tandem.cloudCADir" -}}/etc/tandem/cloud-ca{{- end }}
+{{- define "tandem.cloudClientDir" -}}/etc/tandem/cloud-client{{- end }}
 {{- define "tandem.cloudConfigFile" -}}/etc/tandem/cloud-config/cloud-config.json{{- end }}
 
 {{/* The provider's configuration file (`--cloud-config`), in the mockcloud provider's
      format (controller/mockcloud/src/config.rs): the edge's URL and, with cloud.urls, the
-     other edges of its API, the token file and, with cloud.caSecret, the CA that signed
-     the edges' certificates. */}}
+     other edges of its API, the token file, with cloud.caSecret the CA that signed the
+     edges' certificates, and with cloud.clientCertSecret the controller's own certificate
+     and key (mutual TLS). */}}
 {{- define "tandem.cloudConfig" -}}
 {{- $config := dict "tokenFile" (printf "%s/%s" (include "tandem.cloudTokenDir" .) (include "tandem.cloudSecretKey" .)) }}
 {{- with include "tandem.cloudURL" . }}
@@ -147,11 +149,15 @@ localhostProfile: {{ required "seccompProfile.localhostProfile is required when 
 {{- if .Values.cloud.caSecret }}
 {{- $_ := set $config "caFile" (printf "%s/ca.crt" (include "tandem.cloudCADir" .)) }}
 {{- end }}
+{{- if .Values.cloud.clientCertSecret }}
+{{- $_ := set $config "clientCertFile" (printf "%s/tls.crt" (include "tandem.cloudClientDir" .)) }}
+{{- $_ := set $config "clientKeyFile" (printf "%s/tls.key" (include "tandem.cloudClientDir" .)) }}
+{{- end }}
 {{- toPrettyJson $config }}
 {{- end }}
 
 {{/* The controller's pods' volumes and mounts for the cloud: the configuration, the
-     token and the CA. */}}
+     token, the CA and the client certificate. */}}
 {{- define "tandem.cloudVolumeMounts" -}}
 - name: cloud-config
   mountPath: {{ include "tandem.cloudConfigFile" . | dir }}
@@ -162,6 +168,11 @@ localhostProfile: {{ required "seccompProfile.localhostProfile is required when 
 {{- if .Values.cloud.caSecret }}
 - name: cloud-ca
   mountPath: {{ include "tandem.cloudCADir" . }}
+  readOnly: true
+{{- end }}
+{{- if .Values.cloud.clientCertSecret }}
+- name: cloud-client-cert
+  mountPath: {{ include "tandem.cloudClientDir" . }}
   readOnly: true
 {{- end }}
 {{- end }}
@@ -181,6 +192,17 @@ localhostProfile: {{ required "seccompProfile.localhostProfile is required when 
     items:
       - key: ca.crt
         path: ca.crt
+{{- end }}
+{{- with .Values.cloud.clientCertSecret }}
+- name: cloud-client-cert
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0400
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
 {{- end }}
 {{- end }}
 

@@ -23,7 +23,8 @@ VALUE_SETS = {
     "production-cloud": {
         "clusterId": "prod-eu1",
         "cloud": {"url": "https://edge.example.net:8443", "existingSecret": "cloud-creds",
-                  "existingSecretKey": "api-token", "caSecret": "edge-ca"},
+                  "existingSecretKey": "api-token", "caSecret": "edge-ca",
+                  "clientCertSecret": "controller-client-cert"},
         "cloudMock": {"enabled": False},
         "loadBalancerClass": "tandem.example.net/lb",
         "claimUnclassed": False,
@@ -413,6 +414,12 @@ def test_controller_and_hook_read_the_provider_config_from_what_they_mount(name)
             ca = volume_named(workload, "cloud-ca")["secret"]
             assert ca["secretName"] == "edge-ca" and ca["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
             assert config["caFile"] == mounted_path(workload, "cloud-ca", "ca.crt")
+        if "clientCertFile" in config:
+            client = volume_named(workload, "cloud-client-cert")["secret"]
+            assert client["secretName"] == "controller-client-cert"
+            assert client["items"] == [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]
+            assert config["clientCertFile"] == mounted_path(workload, "cloud-client-cert", "tls.crt")
+            assert config["clientKeyFile"] == mounted_path(workload, "cloud-client-cert", "tls.key")
 
 
 def test_the_token_secret_is_mounted_whole_so_that_a_rotation_reaches_the_pods():
@@ -440,8 +447,10 @@ def test_provider_config_is_the_mockcloud_providers_format():
     assert set(config) == set(documented) - {"urls"}, (config, documented)
     assert config["url"] == "https://edge.example.net:8443"
     assert config["caFile"] == "/etc/tandem/cloud-ca/ca.crt"
+    assert config["clientCertFile"] == "/etc/tandem/cloud-client/tls.crt"
+    assert config["clientKeyFile"] == "/etc/tandem/cloud-client/tls.key"
     config = cloud_config(render()[0])
-    assert set(config) == set(documented) - {"urls", "caFile"}
+    assert set(config) == set(documented) - {"urls", "caFile", "clientCertFile", "clientKeyFile"}
     assert config["url"] == "http://tandem-cloud-mock.tandem-system.svc:8080"
     assert config["tokenFile"] == "/etc/tandem/cloud/token"
 
@@ -465,6 +474,26 @@ def test_several_edges_are_the_url_and_the_urls():
                 if v["name"] == "cloud-ca"]
 
 
+def test_a_client_certificate_is_mounted_read_only_only_when_named():
+    """cloud.clientCertSecret, a kubernetes.io/tls Secret: its two keys in a read-only
+    directory of the controller and the hook, never the bundled mock; unset, nothing."""
+    named = {"cloud": {"clientCertSecret": "controller-client-cert"}}
+    objects, _ = render(named)
+    for workload in (find(objects, "Deployment", "-controller"), find(objects, "Job", "-release")):
+        mounts = workload["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+        mount = next(m for m in mounts if m["name"] == "cloud-client-cert")
+        assert mount == {"name": "cloud-client-cert", "mountPath": "/etc/tandem/cloud-client", "readOnly": True}
+        assert volume_named(workload, "cloud-client-cert")["secret"]["defaultMode"] == 0o400
+    mock = find(objects, "Deployment", "-cloud-mock")
+    assert "cloud-client-cert" not in [v["name"] for v in mock["spec"]["template"]["spec"]["volumes"]]
+    objects, _ = render()
+    assert not {"clientCertFile", "clientKeyFile"} & set(cloud_config(objects))
+    for workload in (find(objects, "Deployment", "-controller"), find(objects, "Job", "-release")):
+        spec = workload["spec"]["template"]["spec"]
+        assert "cloud-client-cert" not in [v["name"] for v in spec["volumes"]]
+        assert "cloud-client-cert" not in [m["name"] for m in spec["containers"][0]["volumeMounts"]]
+
+
 def test_a_changed_provider_config_rolls_the_controller():
     """The controller reads its configuration once, at start (as it read the flags, whose
     change rolled the pods by itself)."""
@@ -476,6 +505,7 @@ def test_a_changed_provider_config_rolls_the_controller():
     assert checksum(base) == checksum(base)
     assert checksum(base) != checksum(deep_merge(base, {"cloud": {"url": "https://b.example.net"}}))
     assert checksum(base) != checksum(deep_merge(base, {"cloud": {"caSecret": "edge-ca"}}))
+    assert checksum(base) != checksum(deep_merge(base, {"cloud": {"clientCertSecret": "client-cert"}}))
     # Extra pod annotations still reach the pods beside it.
     deployment = find(render({"controller": {"podAnnotations": {"a": "b"}}})[0], "Deployment", "-controller")
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]

@@ -1,6 +1,7 @@
 //! The HTTP client: one method per API call, with timeouts, retries, failover between the
 //! edges that serve one API, and typed errors.
 
+use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
@@ -10,8 +11,8 @@ use reqwest::{Method, RequestBuilder, StatusCode, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::{self, PemObject};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::error::{EdgeFailure, Error, TlsError};
 use crate::ipv4::{LoadBalancer, LoadBalancerList, LoadBalancerSpec};
@@ -46,6 +47,43 @@ pub struct ClientOptions {
     /// PEM certificates of the CAs an `https` server's certificate must chain to (as
     /// `curl --cacert`); none: the platform's trusted roots. Unused for `http` URLs.
     pub root_certificates: Option<String>,
+    /// The certificate shown to an `https` server that asks for one (mutual TLS).
+    pub client_identity: Option<ClientIdentity>,
+}
+
+/// The certificate a client shows an `https` server that asks for one (mutual TLS, as
+/// `curl --cert --key`): a chain and its private key, PEM, as a `kubernetes.io/tls`
+/// Secret holds them (`tls.crt`, `tls.key`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClientIdentity {
+    /// The client's certificate first, then the intermediates up to the server's CA.
+    pub certificate_chain: String,
+    /// PKCS#8, PKCS#1 (RSA) or SEC1 (EC) private key of the first certificate.
+    pub private_key: String,
+}
+
+impl fmt::Debug for ClientIdentity {
+    /// The chain alone: the key never reaches a log.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientIdentity")
+            .field("certificate_chain", &self.certificate_chain)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClientIdentity {
+    /// The DER chain and key, each refused with its own error when it is not PEM of its kind.
+    fn parse(&self) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
+        let chain = CertificateDer::pem_slice_iter(self.certificate_chain.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(TlsError::ClientCertificate)?;
+        if chain.is_empty() {
+            return Err(TlsError::ClientCertificate(pem::Error::NoItemsFound));
+        }
+        let key = PrivateKeyDer::from_pem_slice(self.private_key.as_bytes())
+            .map_err(TlsError::ClientKey)?;
+        Ok((chain, key))
+    }
 }
 
 impl Default for ClientOptions {
@@ -56,14 +94,18 @@ impl Default for ClientOptions {
             initial_backoff: Duration::from_millis(200),
             max_backoff: Duration::from_secs(10),
             root_certificates: None,
+            client_identity: None,
         }
     }
 }
 
 /// The TLS client configuration: TLS 1.2 or 1.3 with the ring provider (given here, so no
 /// process-wide provider is needed), trusting the CAs of `roots_pem` or else the
-/// platform's roots.
-fn tls_config(roots_pem: Option<&str>) -> Result<rustls::ClientConfig, TlsError> {
+/// platform's roots, and showing `identity` to a server that asks for a certificate.
+fn tls_config(
+    roots_pem: Option<&str>,
+    identity: Option<&ClientIdentity>,
+) -> Result<rustls::ClientConfig, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()?;
@@ -84,7 +126,15 @@ fn tls_config(roots_pem: Option<&str>) -> Result<rustls::ClientConfig, TlsError>
                 provider,
             )?)),
     };
-    Ok(builder.with_no_client_auth())
+    match identity {
+        Some(identity) => {
+            let (chain, key) = identity.parse()?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(TlsError::ClientIdentity)
+        }
+        None => Ok(builder.with_no_client_auth()),
+    }
 }
 
 /// Typed client of the cloud-mock load-balancer API, served by one edge or by several
@@ -143,7 +193,10 @@ impl Client {
             .iter()
             .map(|base_url| parse_base_url(base_url))
             .collect::<Result<Vec<_>, _>>()?;
-        let tls = tls_config(options.root_certificates.as_deref())?;
+        let tls = tls_config(
+            options.root_certificates.as_deref(),
+            options.client_identity.as_ref(),
+        )?;
         let http = reqwest::Client::builder()
             .timeout(options.timeout)
             .connect_timeout(options.timeout.min(EDGE_CONNECT_TIMEOUT))
@@ -646,7 +699,12 @@ pub(crate) fn error_from_response(
     };
     let message = crate::error::coded(&code, &detail);
     match status {
-        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => Error::Unauthorized,
+        StatusCode::UNAUTHORIZED => Error::Unauthorized,
+        // A known credential that may not do this: not a token to rotate.
+        StatusCode::FORBIDDEN => Error::Forbidden {
+            code,
+            message: detail,
+        },
         StatusCode::NOT_FOUND => Error::NotFound { message },
         StatusCode::CONFLICT | StatusCode::PRECONDITION_FAILED => Error::Conflict {
             code,
@@ -694,7 +752,7 @@ mod tests {
             max_retries: 5,
             initial_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_millis(500),
-            root_certificates: None,
+            ..ClientOptions::default()
         }
     }
 
@@ -744,6 +802,25 @@ mod tests {
             error_from_response(StatusCode::UNAUTHORIZED, None, b""),
             Error::Unauthorized
         ));
+        let quota = br#"{"error": {"code": "quota-exceeded", "message": "tenant \"team-a\" reached its quota of 5 load balancers (quota loadBalancers)"}}"#;
+        match error_from_response(StatusCode::FORBIDDEN, None, quota) {
+            forbidden @ Error::Forbidden { .. } => {
+                assert_eq!(forbidden.code(), Some("quota-exceeded"));
+                assert_eq!(
+                    forbidden.to_string(),
+                    r#"forbidden: quota-exceeded: tenant "team-a" reached its quota of 5 load balancers (quota loadBalancers)"#
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        // A 403 without the cloud's JSON is still forbidden, never unauthorized.
+        match error_from_response(StatusCode::FORBIDDEN, None, b"nope") {
+            Error::Forbidden { code, message } => {
+                assert_eq!(code, None);
+                assert_eq!(message, "HTTP 403 Forbidden: nope");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
         assert!(matches!(
             error_from_response(StatusCode::NOT_FOUND, None, b"not json"),
             Error::NotFound { .. }
@@ -850,5 +927,69 @@ mod tests {
         }
         // Without roots of its own the client trusts the platform's, for http and https.
         assert!(Client::new("https://127.0.0.1:9", "t", options()).is_ok());
+    }
+
+    /// A self-signed client certificate and its key.
+    fn identity(name: &str) -> ClientIdentity {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec![name.to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        ClientIdentity {
+            certificate_chain: cert.pem(),
+            private_key: key.serialize_pem(),
+        }
+    }
+
+    #[test]
+    fn a_client_identity_is_a_pem_chain_and_its_own_key() {
+        let build = |identity: &ClientIdentity| {
+            let options = ClientOptions {
+                client_identity: Some(identity.clone()),
+                ..options()
+            };
+            Client::with_edges(&["https://127.0.0.1:9"], "t", options)
+        };
+        let good = identity("tandem-controller");
+        assert!(build(&good).is_ok());
+        assert!(
+            !format!("{good:?}").contains("PRIVATE KEY"),
+            "the key is never shown"
+        );
+
+        let with = |certificate_chain: &str, private_key: &str| ClientIdentity {
+            certificate_chain: certificate_chain.to_owned(),
+            private_key: private_key.to_owned(),
+        };
+        for bad_chain in ["", "not PEM", good.private_key.as_str()] {
+            let refused = build(&with(bad_chain, &good.private_key));
+            assert!(
+                matches!(refused, Err(Error::Tls(TlsError::ClientCertificate(_)))),
+                "{bad_chain:?}: {refused:?}"
+            );
+        }
+        for bad_key in [
+            "",
+            good.certificate_chain.as_str(),
+            "-----BEGIN PRIVATE KEY-----\nnot base64!\n-----END PRIVATE KEY-----\n",
+        ] {
+            let refused = build(&with(&good.certificate_chain, bad_key));
+            assert!(
+                matches!(refused, Err(Error::Tls(TlsError::ClientKey(_)))),
+                "{bad_key:?}: {refused:?}"
+            );
+        }
+        let other = identity("someone-else");
+        let refused = build(&with(&good.certificate_chain, &other.private_key));
+        match refused {
+            Err(error @ Error::Tls(TlsError::ClientIdentity(_))) => assert!(
+                error
+                    .to_string()
+                    .starts_with("TLS: client certificate and key: "),
+                "{error}"
+            ),
+            other => panic!("a key of another certificate: {other:?}"),
+        }
     }
 }

@@ -24,8 +24,17 @@ pub enum Error {
         code: Option<String>,
         message: String,
     },
+    /// 401: the token is missing or not one the cloud knows.
     #[error("unauthorized: the cloud rejected the token")]
     Unauthorized,
+    /// 403: the credential is known but may not do this (its tenant's quota, VIP pools or
+    /// clusters, or an admin route); `code` is the cloud's (`quota-exceeded`,
+    /// `pool-not-permitted`, `cluster-not-permitted`, `forbidden`) when it sent one.
+    #[error("forbidden: {}", coded(.code, .message))]
+    Forbidden {
+        code: Option<String>,
+        message: String,
+    },
     /// The request failed below HTTP: no connection (to a client's one edge), a timeout, a
     /// connection closed before the answer.
     #[error("transport: {0}")]
@@ -50,6 +59,13 @@ pub enum Error {
 pub enum TlsError {
     #[error("root certificates: {0}")]
     RootCertificates(#[source] rustls::pki_types::pem::Error),
+    #[error("client certificate: {0}")]
+    ClientCertificate(#[source] rustls::pki_types::pem::Error),
+    #[error("client key: {0}")]
+    ClientKey(#[source] rustls::pki_types::pem::Error),
+    /// The key is of a kind the provider cannot sign with, or is not the certificate's.
+    #[error("client certificate and key: {0}")]
+    ClientIdentity(#[source] rustls::Error),
     #[error("{0}")]
     Rustls(#[from] rustls::Error),
 }
@@ -83,11 +99,13 @@ pub(crate) fn coded(code: &Option<String>, message: &str) -> String {
 }
 
 impl Error {
-    /// The cloud's error code of a refused request (conflict or invalid), for callers that
-    /// act on the reason rather than the class.
+    /// The cloud's error code of a refused request (conflict, invalid or forbidden), for
+    /// callers that act on the reason rather than the class.
     pub fn code(&self) -> Option<&str> {
         match self {
-            Error::Conflict { code, .. } | Error::Invalid { code, .. } => code.as_deref(),
+            Error::Conflict { code, .. }
+            | Error::Invalid { code, .. }
+            | Error::Forbidden { code, .. } => code.as_deref(),
             _ => None,
         }
     }
@@ -144,5 +162,12 @@ mod tests {
             .is_retryable()
         );
         assert!(!Error::Unauthorized.is_retryable());
+        assert!(
+            !Error::Forbidden {
+                code: Some("quota-exceeded".into()),
+                message: String::new()
+            }
+            .is_retryable()
+        );
     }
 }

@@ -1,7 +1,7 @@
 //! The mock-cloud provider's configuration file (`--cloud-config`), JSON:
 //!
 //! ```json
-//! {"url": "https://edge.example.net:8443", "urls": ["https://edge2.example.net:8443"], "tokenFile": "/etc/tandem/cloud/token", "caFile": "/etc/tandem/cloud/ca.crt"}
+//! {"url": "https://edge.example.net:8443", "urls": ["https://edge2.example.net:8443"], "tokenFile": "/etc/tandem/cloud/token", "caFile": "/etc/tandem/cloud/ca.crt", "clientCertFile": "/etc/tandem/cloud-client/tls.crt", "clientKeyFile": "/etc/tandem/cloud-client/tls.key"}
 //! ```
 //!
 //! `url` is the edge's API; `urls`, more edges of the same API (an edge cluster), tried in
@@ -9,11 +9,15 @@
 //! are the edges, and either may be left out. `tokenFile` holds the bearer token (read
 //! again when it changes, so a rotated Secret needs no restart: `token.rs`), and
 //! `caFile` (optional) the PEM certificate of the CA that signed the edges' certificates,
-//! for `https` URLs. `--cloud-url` and `--cloud-token-file` are a shortcut for a file with
-//! `url` and `tokenFile` alone.
+//! for `https` URLs. `clientCertFile` and `clientKeyFile` (optional, both or neither) hold
+//! the PEM certificate chain and key shown to an edge that asks for a client certificate
+//! (mutual TLS); unlike the token they are read at the start alone, so a renewed
+//! certificate takes a restart. `--cloud-url` and `--cloud-token-file` are a shortcut for a
+//! file with `url` and `tokenFile` alone.
 
 use std::path::{Path, PathBuf};
 
+use cloud_mock_sdk as sdk;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -26,6 +30,10 @@ pub struct Config {
     pub token_file: PathBuf,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert_file: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +55,11 @@ pub enum ConfigError {
     EmptyToken(String),
     #[error("configuration names no edge: give its API as url (or several as urls)")]
     NoEdge,
+    #[error("configuration gives {given} without {missing}: a client certificate needs both")]
+    HalfClientIdentity {
+        given: &'static str,
+        missing: &'static str,
+    },
 }
 
 impl Config {
@@ -55,7 +68,17 @@ impl Config {
         if config.edges().is_empty() {
             return Err(ConfigError::NoEdge);
         }
-        Ok(config)
+        match (&config.client_cert_file, &config.client_key_file) {
+            (Some(_), None) => Err(ConfigError::HalfClientIdentity {
+                given: "clientCertFile",
+                missing: "clientKeyFile",
+            }),
+            (None, Some(_)) => Err(ConfigError::HalfClientIdentity {
+                given: "clientKeyFile",
+                missing: "clientCertFile",
+            }),
+            _ => Ok(config),
+        }
     }
 
     /// The edges' APIs: `url`, then `urls`, each once.
@@ -76,6 +99,8 @@ impl Config {
             urls: Vec::new(),
             token_file: token_file.to_path_buf(),
             ca_file: None,
+            client_cert_file: None,
+            client_key_file: None,
         };
         Ok(serde_json::to_string(&config)?)
     }
@@ -83,16 +108,30 @@ impl Config {
     /// The PEM of `caFile`, if given.
     pub fn ca(&self) -> Result<Option<String>, ConfigError> {
         self.ca_file
-            .as_ref()
-            .map(|path| {
-                std::fs::read_to_string(path).map_err(|source| ConfigError::File {
-                    what: "CA file",
-                    path: path.display().to_string(),
-                    source,
-                })
-            })
+            .as_deref()
+            .map(|path| read_pem("CA file", path))
             .transpose()
     }
+
+    /// The PEM of `clientCertFile` and `clientKeyFile`, if given (both, as
+    /// [`Config::parse`] checked).
+    pub fn client_identity(&self) -> Result<Option<sdk::ClientIdentity>, ConfigError> {
+        let (Some(cert), Some(key)) = (&self.client_cert_file, &self.client_key_file) else {
+            return Ok(None);
+        };
+        Ok(Some(sdk::ClientIdentity {
+            certificate_chain: read_pem("client certificate file", cert)?,
+            private_key: read_pem("client key file", key)?,
+        }))
+    }
+}
+
+fn read_pem(what: &'static str, path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|source| ConfigError::File {
+        what,
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 #[cfg(test)]
@@ -118,6 +157,16 @@ mod tests {
         assert_eq!(
             config.ca_file.as_deref(),
             Some(Path::new("/etc/tandem/cloud/ca.crt"))
+        );
+        assert_eq!(
+            (
+                config.client_cert_file.as_deref(),
+                config.client_key_file.as_deref()
+            ),
+            (
+                Some(Path::new("/etc/tandem/cloud-client/tls.crt")),
+                Some(Path::new("/etc/tandem/cloud-client/tls.key"))
+            )
         );
         assert!(Config::parse(r#"{"url": "http://x", "tokenFile": "/t", "token": "s"}"#).is_err());
         assert!(Config::parse(r#"{"url": "http://x"}"#).is_err());
@@ -161,6 +210,8 @@ mod tests {
                 urls: Vec::new(),
                 token_file: "/tmp/token".into(),
                 ca_file: None,
+                client_cert_file: None,
+                client_key_file: None,
             }
         );
     }
@@ -186,5 +237,52 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn a_client_certificate_comes_with_its_key() {
+        let dir = std::env::temp_dir().join(format!("tdm-mockcloud-client-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tls.crt"), "CERT").unwrap();
+        std::fs::write(dir.join("tls.key"), "KEY").unwrap();
+        let with = |fields: &str| {
+            Config::parse(&format!(
+                r#"{{"url": "https://x", "tokenFile": "/t"{fields}}}"#
+            ))
+        };
+        let both = format!(
+            r#", "clientCertFile": "{0}/tls.crt", "clientKeyFile": "{0}/tls.key""#,
+            dir.display()
+        );
+        let identity = with(&both).unwrap().client_identity().unwrap().unwrap();
+        assert_eq!(
+            (
+                identity.certificate_chain.as_str(),
+                identity.private_key.as_str()
+            ),
+            ("CERT", "KEY")
+        );
+        assert_eq!(with("").unwrap().client_identity().unwrap(), None);
+        let half = with(r#", "clientCertFile": "/c""#).unwrap_err();
+        assert_eq!(
+            half.to_string(),
+            "configuration gives clientCertFile without clientKeyFile: a client certificate needs both"
+        );
+        assert!(matches!(
+            with(r#", "clientKeyFile": "/k""#),
+            Err(ConfigError::HalfClientIdentity {
+                missing: "clientCertFile",
+                ..
+            })
+        ));
+        std::fs::remove_file(dir.join("tls.key")).unwrap();
+        assert!(matches!(
+            with(&both).unwrap().client_identity(),
+            Err(ConfigError::File {
+                what: "client key file",
+                ..
+            })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -7,7 +7,7 @@ use cloud_mock_sdk as sdk;
 use tandem_controller::provider::{AddressRefusal, Operation, ProviderError};
 
 /// The cloud's error code for each address refusal.
-const ADDRESS_REFUSALS: [(&str, AddressRefusal); 7] = [
+const ADDRESS_REFUSALS: [(&str, AddressRefusal); 8] = [
     ("unknown-pool", AddressRefusal::UnknownPool),
     ("pool-exhausted", AddressRefusal::PoolExhausted),
     ("vip-outside-pool", AddressRefusal::OutsidePools),
@@ -15,6 +15,8 @@ const ADDRESS_REFUSALS: [(&str, AddressRefusal); 7] = [
     ("port-conflict", AddressRefusal::PortConflict),
     ("sharing-mode-mismatch", AddressRefusal::SharingModeMismatch),
     ("pool-lacks-family", AddressRefusal::PoolLacksFamily),
+    // 403: the credential's tenant may not draw VIPs from the pool.
+    ("pool-not-permitted", AddressRefusal::PoolNotPermitted),
 ];
 
 /// The cloud's error codes for what its balancer cannot serve (a UDP listener of a proxy-mode
@@ -25,6 +27,8 @@ const UNSUPPORTED: [&str; 1] = ["unsupported-protocol"];
 const NODE_POOL_NOT_FOUND: &str = "node-pool-not-found";
 /// A node pool that LBs still reference cannot be deleted.
 const NODE_POOL_IN_USE: &str = "node-pool-in-use";
+/// A create or update would pass a quota of the credential's tenant (403).
+const QUOTA_EXCEEDED: &str = "quota-exceeded";
 
 /// The address refusal an SDK error carries, by the cloud's error code.
 fn address_refusal(err: &sdk::Error) -> Option<AddressRefusal> {
@@ -41,7 +45,9 @@ pub fn is_address_refusal(err: &sdk::Error) -> bool {
 
 /// The SDK error as a provider error.
 pub fn classify(err: &sdk::Error, operation: Operation, id: Option<&str>) -> ProviderError {
-    if let sdk::Error::Conflict { message, .. } | sdk::Error::Invalid { message, .. } = err
+    if let sdk::Error::Conflict { message, .. }
+    | sdk::Error::Invalid { message, .. }
+    | sdk::Error::Forbidden { message, .. } = err
         && let Some(refusal) = address_refusal(err)
     {
         return ProviderError::AddressRefused {
@@ -90,6 +96,21 @@ pub fn classify(err: &sdk::Error, operation: Operation, id: Option<&str>) -> Pro
             operation,
             message: err.to_string(),
         },
+        sdk::Error::Forbidden { code, message } => match code.as_deref() {
+            Some(QUOTA_EXCEEDED) => ProviderError::QuotaExceeded {
+                message: message.clone(),
+            },
+            // `cluster-not-permitted`, `forbidden`, and codes to come: the code stays in
+            // the message, as the user's clue to what the tenant lacks.
+            Some(code) => ProviderError::Forbidden {
+                operation,
+                message: format!("{code}: {message}"),
+            },
+            None => ProviderError::Forbidden {
+                operation,
+                message: message.clone(),
+            },
+        },
         sdk::Error::Unavailable { .. }
         | sdk::Error::Transport(_)
         | sdk::Error::Unreachable(_)
@@ -109,6 +130,7 @@ pub fn outcome(result: &Result<impl Sized, sdk::Error>) -> &'static str {
         Err(sdk::Error::Invalid { .. }) => "invalid",
         Err(sdk::Error::RateLimited { .. }) => "rate_limited",
         Err(sdk::Error::Unauthorized) => "unauthorized",
+        Err(sdk::Error::Forbidden { .. }) => "forbidden",
         Err(sdk::Error::Unavailable { .. }) => "unavailable",
         // Every edge refused the connection: a transport failure, as with one edge.
         Err(sdk::Error::Transport(_) | sdk::Error::Unreachable(_)) => "transport",
@@ -227,6 +249,82 @@ mod tests {
             )
             .category()
                 == "unavailable"
+        );
+    }
+
+    #[test]
+    fn forbidden_answers_are_told_apart_by_their_code() {
+        let forbidden = |code: Option<&str>, message: &str| sdk::Error::Forbidden {
+            code: code.map(str::to_owned),
+            message: message.to_owned(),
+        };
+        let quota =
+            r#"tenant "team-a" reached its quota of 5 load balancers (quota loadBalancers)"#;
+        let error = classify(
+            &forbidden(Some("quota-exceeded"), quota),
+            Operation::Create,
+            None,
+        );
+        assert_eq!(
+            error,
+            ProviderError::QuotaExceeded {
+                message: quota.into()
+            }
+        );
+        assert_eq!(error.category(), "quota_exceeded");
+        assert!(error.is_permanent());
+
+        let pool = r#"tenant "team-a" may not draw VIPs from pool "dmz" (its pools: default)"#;
+        let error = classify(
+            &forbidden(Some("pool-not-permitted"), pool),
+            Operation::Update,
+            Some("lb-1"),
+        );
+        assert_eq!(
+            error,
+            ProviderError::AddressRefused {
+                refusal: AddressRefusal::PoolNotPermitted,
+                message: pool.into()
+            }
+        );
+        assert_eq!(error.category(), "pool_not_permitted");
+        assert!(is_address_refusal(&forbidden(
+            Some("pool-not-permitted"),
+            pool
+        )));
+
+        for (code, want) in [
+            (
+                Some("cluster-not-permitted"),
+                "cloud create forbidden: cluster-not-permitted: not bound to cluster prod",
+            ),
+            (
+                Some("forbidden"),
+                "cloud create forbidden: forbidden: not bound to cluster prod",
+            ),
+            (None, "cloud create forbidden: not bound to cluster prod"),
+        ] {
+            let error = classify(
+                &forbidden(code, "not bound to cluster prod"),
+                Operation::Create,
+                None,
+            );
+            assert!(
+                matches!(error, ProviderError::Forbidden { .. }),
+                "{code:?}: {error:?}"
+            );
+            assert_eq!(error.to_string(), want);
+            assert_eq!(error.category(), "forbidden");
+            assert!(error.is_permanent());
+        }
+        // A 401 stays unauthorized: the token, not the tenant.
+        assert!(matches!(
+            classify(&sdk::Error::Unauthorized, Operation::Get, None),
+            ProviderError::Unauthorized { .. }
+        ));
+        assert_eq!(
+            outcome(&Err::<(), _>(forbidden(Some("quota-exceeded"), quota))),
+            "forbidden"
         );
     }
 

@@ -7,7 +7,8 @@
 //! with `If-Match` on the version the reconcile observed, re-reading only on a conflict.
 //! LBs whose tags name another cluster are never touched. Every call goes through the
 //! shared token bucket; a 429 pauses it for everyone. A token file that changes is read
-//! again (see [`TokenFile`]): a rotated token needs no restart.
+//! again (see [`TokenFile`]): a rotated token needs no restart. A client certificate (mutual
+//! TLS) is read at the start alone: a renewed one needs a restart.
 
 mod config;
 mod convert;
@@ -57,6 +58,7 @@ fn build(config: Option<&str>, shared: Shared) -> Result<DynProvider, registry::
     let config = Config::parse(config.ok_or(ConfigError::Missing)?)?;
     let options = sdk::ClientOptions {
         root_certificates: config.ca()?,
+        client_identity: config.client_identity()?,
         ..MockCloudProvider::client_options(shared.timeout)
     };
     let (token_file, token) = TokenFile::open(&config.token_file)?;

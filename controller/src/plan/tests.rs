@@ -855,6 +855,43 @@ fn what_the_cloud_cannot_serve_is_unsupported_with_its_message_and_permanent() {
 }
 
 #[test]
+fn a_quota_or_a_permission_refused_has_its_own_reason_and_keeps_what_serves() {
+    let svc = with(finalized);
+    let single = desired(&svc, &[11]);
+    let d = dual_stack(&svc, &["198.18.0.11", "2001:db8:18::11"]);
+    let plan = plan(&svc, Ok(d), Seen::Found(observed_from(&single)));
+    let quota =
+        r#"tenant "team-a" reached its quota of 2 VIPs in pool "dmz" (quota vipsPerPool.dmz)"#;
+    for (refused, want) in [
+        (
+            ProviderError::QuotaExceeded {
+                message: quota.into(),
+            },
+            "QuotaExceeded",
+        ),
+        (
+            ProviderError::Forbidden {
+                operation: crate::provider::Operation::Update,
+                message: "cluster-not-permitted: not bound to cluster prod".into(),
+            },
+            "CloudForbidden",
+        ),
+    ] {
+        let settled = settle(&plan, Err(refused.clone()));
+        assert!(keeps_ingress(&settled), "{want}");
+        let (reason, message) = condition(&settled).unwrap();
+        assert_eq!(reason, want);
+        assert!(message.ends_with(&refused.to_string()), "{message}");
+        assert_eq!(
+            settled.events[0].reason,
+            EventReason::SyncLoadBalancerFailed
+        );
+        assert!(settled.events[0].message.contains(&refused.to_string()));
+        assert!(refused.is_permanent(), "{want}: not hammered");
+    }
+}
+
+#[test]
 fn an_active_lb_without_a_vip_of_a_family_is_a_cloud_fault() {
     let svc = with(finalized);
     let d = dual_stack(&svc, &["198.18.0.11", "2001:db8:18::11"]);
