@@ -785,6 +785,42 @@ async fn pool_from_flag_then_namespace_and_a_namespace_change_re_ensures_at_once
     h.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_over_mutual_tls_sees_its_quota_on_the_service_until_one_is_freed() {
+    let h = Harness::start_with_tenant_cloud("quota", r#"{"loadBalancers": 1}"#).await;
+    two_nodes(&h).await;
+    let _controller = h.controller(&[]);
+    h.create_service(lb_service("first", &[(80, "TCP")])).await;
+    h.wait_served("first").await;
+    h.create_service(lb_service("second", &[(80, "TCP")])).await;
+    let quota = "reached its quota of 1 load balancers (quota loadBalancers)";
+    h.eventually("the quota reported on the Service", WAIT, || async {
+        let svc = h.get_service("second").await?;
+        let named = condition_message(&svc).is_some_and(|message| message.contains(quota));
+        let warned =
+            h.events_for("second").await.iter().any(|(t, r, m)| {
+                t == "Warning" && r == "SyncLoadBalancerFailed" && m.contains(quota)
+            });
+        (condition_reason(&svc).as_deref() == Some("QuotaExceeded") && named && warned)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(h.cloud.all().await.len(), 1, "nothing half-created");
+    // The first one gone, a change of the second is served within the quota.
+    h.delete_service("first").await;
+    h.eventually("the first load balancer gone", WAIT, || async {
+        h.cloud.all().await.is_empty().then_some(())
+    })
+    .await;
+    h.patch_service(
+        "second",
+        json!({"metadata": {"annotations": {"example.com/retry": "now"}}}),
+    )
+    .await;
+    h.wait_served("second").await;
+    h.shutdown().await;
+}
+
 /// Whether the controller's metrics count a cloud call whose answer never came.
 fn an_answer_was_lost(metrics: &str) -> bool {
     ["unavailable", "transport"]

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 
 use k8s_openapi::api::core::v1::{NodeAddress, Service, ServicePort, ServiceSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::ObjectMeta;
 
 /// The stand-in's `--service-cluster-ip-range` for a dual-stack cluster, IPv4 first.
@@ -47,13 +48,20 @@ pub fn internal_ips(ips: &str) -> Vec<NodeAddress> {
 }
 
 pub fn condition_reason(svc: &Service) -> Option<String> {
+    ready_condition(svc).map(|c| c.reason.clone())
+}
+
+pub fn condition_message(svc: &Service) -> Option<String> {
+    ready_condition(svc).map(|c| c.message.clone())
+}
+
+fn ready_condition(svc: &Service) -> Option<&Condition> {
     svc.status
         .as_ref()?
         .conditions
         .as_ref()?
         .iter()
         .find(|c| c.type_ == "LoadBalancerReady")
-        .map(|c| c.reason.clone())
 }
 
 pub fn lb_service(name: &str, ports: &[(i32, &str)]) -> Service {

@@ -148,10 +148,68 @@ fn connect(url: &str, token: &str, ca_pem: Option<&str>) -> sdk::Client {
     sdk::Client::new(url, token.to_owned(), options).unwrap()
 }
 
+/// Who an edge of the test's own lets in, and with which tokens.
+struct Access {
+    source: cloud_mock::credentials::TokenSource,
+    /// The test's own calls'.
+    token: String,
+    /// The controller's.
+    controller_token: String,
+    /// The controller's client certificate and key files, for an edge with mutual TLS.
+    client_identity: Option<(PathBuf, PathBuf)>,
+}
+
+/// The name of the controller's tenant on an edge with tenants.
+const TENANT: &str = "controller";
+
+impl Access {
+    /// One token for everyone; or, for a tenant bound to a cluster id with quotas, a
+    /// tenants file in `data_dir` with the admin's token and the tenant's.
+    fn new(data_dir: &Path, tenant: Option<(&str, &str)>) -> Self {
+        let token = "cloud-token".to_string();
+        let Some((cluster_id, quotas)) = tenant else {
+            return Self {
+                source: token.as_str().into(),
+                controller_token: token.clone(),
+                token,
+                client_identity: None,
+            };
+        };
+        let controller_token = "cloud-tenant-token".to_string();
+        let sha256 = |token: &str| {
+            use sha2::Digest;
+            data_encoding::HEXLOWER.encode(&sha2::Sha256::digest(token.as_bytes()))
+        };
+        let file = json!({
+            "admin": [{"id": "test", "sha256": sha256(&token)}],
+            "tenants": [{
+                "name": TENANT,
+                "clusters": [cluster_id],
+                "pools": ["default"],
+                "quotas": serde_json::from_str::<serde_json::Value>(quotas).unwrap(),
+                "credentials": [{"id": "controller", "sha256": sha256(&controller_token)}],
+            }],
+        });
+        std::fs::create_dir_all(data_dir).unwrap();
+        let path = data_dir.join("tenants.json");
+        std::fs::write(&path, file.to_string()).unwrap();
+        Self {
+            source: cloud_mock::credentials::TokenSource::Tenants(path),
+            token,
+            controller_token,
+            client_identity: None,
+        }
+    }
+}
+
 /// A cloud-mock API: one this test runs (API only), or a shared edge.
 pub struct Cloud {
     pub url: String,
-    pub token: String,
+    /// The token the controller's configuration carries (on an edge with tenants, a
+    /// tenant's; the test's own client has the admin's).
+    controller_token: String,
+    /// The client certificate and key files the controller shows (mutual TLS).
+    client_identity: Option<(PathBuf, PathBuf)>,
     /// The PEM of the CA that signed its certificate, when it serves HTTPS.
     pub ca_pem: Option<String>,
     pub client: sdk::Client,
@@ -175,8 +233,31 @@ impl Cloud {
     /// over HTTPS only, with a certificate for 127.0.0.1 signed by a CA of its own
     /// ([`Self::ca_pem`]), its files in `data_dir`; else over plain HTTP.
     pub async fn start(data_dir: &Path, pools: &str, https: bool) -> Self {
+        Self::start_with(data_dir, pools, https, None).await
+    }
+
+    /// As [`Self::start`] (HTTPS), with tenants: the controller's token is that of a tenant
+    /// bound to `cluster_id` with `quotas` (JSON, as in `--tenants-file`), the test's the
+    /// admin's; and mutual TLS: the controller shows a client certificate naming its
+    /// tenant, of a client CA the edge trusts.
+    pub async fn start_for_tenant(
+        data_dir: &Path,
+        pools: &str,
+        cluster_id: &str,
+        quotas: &str,
+    ) -> Self {
+        Self::start_with(data_dir, pools, true, Some((cluster_id, quotas))).await
+    }
+
+    async fn start_with(
+        data_dir: &Path,
+        pools: &str,
+        https: bool,
+        tenant: Option<(&str, &str)>,
+    ) -> Self {
+        let mut access = Access::new(data_dir, tenant);
         if !https {
-            return Self::serve(data_dir, pools, None).await;
+            return Self::serve(data_dir, pools, None, access).await;
         }
         let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
         ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
@@ -188,26 +269,52 @@ impl Cloud {
             .signed_by(&key, &ca)
             .unwrap();
         std::fs::create_dir_all(data_dir).unwrap();
+        let client_ca_file = tenant.map(|_| {
+            let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            let clients =
+                rcgen::CertifiedIssuer::self_signed(params, rcgen::KeyPair::generate().unwrap())
+                    .unwrap();
+            let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            params
+                .distinguished_name
+                .push(rcgen::DnType::CommonName, TENANT);
+            let key = rcgen::KeyPair::generate().unwrap();
+            let cert = params.signed_by(&key, &clients).unwrap();
+            let identity = (data_dir.join("client.crt"), data_dir.join("client.key"));
+            std::fs::write(&identity.0, cert.pem()).unwrap();
+            std::fs::write(&identity.1, key.serialize_pem()).unwrap();
+            access.client_identity = Some(identity);
+            let path = data_dir.join("client-ca.crt");
+            std::fs::write(&path, clients.pem()).unwrap();
+            path
+        });
         let files = cloud_mock::server::TlsFiles {
-            client_ca_file: None,
+            client_ca_file,
             cert_file: data_dir.join("tls.crt"),
             key_file: data_dir.join("tls.key"),
         };
         std::fs::write(&files.cert_file, cert.pem()).unwrap();
         std::fs::write(&files.key_file, key.serialize_pem()).unwrap();
-        Self::serve(data_dir, pools, Some((files, ca.pem()))).await
+        Self::serve(data_dir, pools, Some((files, ca.pem())), access).await
     }
 
     async fn serve(
         data_dir: &Path,
         pools: &str,
         tls: Option<(cloud_mock::server::TlsFiles, String)>,
+        access: Access,
     ) -> Self {
-        let token = "cloud-token".to_string();
+        let Access {
+            source,
+            token,
+            controller_token,
+            client_identity,
+        } = access;
         let settings = cloud_mock::Settings {
             data_dir: data_dir.to_path_buf(),
             store: cloud_mock::store::StoreSettings::Redb,
-            token: token.as_str().into(),
+            token: source,
             vip_pools: pools.parse().unwrap(),
             provisioning_delay: Duration::from_millis(300),
             fault_injection: true,
@@ -233,7 +340,8 @@ impl Cloud {
         Self {
             client: connect(&url, &token, ca_pem.as_deref()),
             url,
-            token,
+            controller_token,
+            client_identity,
             ca_pem,
             server: CloudServer::Own { cancel, task },
         }
@@ -247,7 +355,8 @@ impl Cloud {
         Self {
             client: connect(&url, &token, ca_pem.as_deref()),
             url,
-            token,
+            controller_token: token,
+            client_identity: None,
             ca_pem,
             server: CloudServer::Shared {
                 cluster_ids: [cluster_id.to_owned(), foreign_cluster_id(cluster_id)],
@@ -265,12 +374,16 @@ impl Cloud {
     /// CA (when it serves HTTPS) in files beside it, into `dir`; returns its path.
     pub fn write_config(&self, dir: &Path) -> PathBuf {
         let token = dir.join("cloud-token");
-        std::fs::write(&token, format!("{}\n", self.token)).unwrap();
+        std::fs::write(&token, format!("{}\n", self.controller_token)).unwrap();
         let mut config = json!({"url": self.url, "tokenFile": token});
         if let Some(pem) = &self.ca_pem {
             let ca = dir.join("cloud-ca.crt");
             std::fs::write(&ca, pem).unwrap();
             config["caFile"] = ca.display().to_string().into();
+        }
+        if let Some((cert, key)) = &self.client_identity {
+            config["clientCertFile"] = cert.display().to_string().into();
+            config["clientKeyFile"] = key.display().to_string().into();
         }
         let path = dir.join("cloud-config.json");
         std::fs::write(&path, config.to_string()).unwrap();
@@ -519,6 +632,9 @@ enum CloudChoice {
     Configured,
     /// Always one of the test's own (its fault injection is the test's alone).
     Own,
+    /// One of the test's own with tenants, the controller's bound to its cluster id with
+    /// these quotas.
+    Tenant(&'static str),
 }
 
 /// A name part unique over runs and tests, so leftovers of a killed run never meet a new
@@ -597,6 +713,13 @@ impl Harness {
     /// cloud misbehave.
     pub async fn start_with_own_cloud(label: &str) -> Self {
         Self::start_with(label, CloudChoice::Own).await
+    }
+
+    /// As [`Self::start_with_own_cloud`], on an edge with tenants: the controller's
+    /// credentials are a tenant's, bound to its cluster id, with `quotas` (JSON, as in
+    /// `--tenants-file`).
+    pub async fn start_with_tenant_cloud(label: &str, quotas: &'static str) -> Self {
+        Self::start_with(label, CloudChoice::Tenant(quotas)).await
     }
 
     async fn start_with(label: &str, choice: CloudChoice) -> Self {
@@ -708,10 +831,13 @@ impl Harness {
         ip_mode: bool,
         (pools, choice): (&str, CloudChoice),
     ) -> Self {
+        let cloud_dir = dir.path().join("cloud");
         let cloud = match (choice, shared_cloud()) {
             (CloudChoice::Configured, Some(shared)) => Cloud::shared(shared, &cluster_id),
+            (CloudChoice::Tenant(quotas), _) => {
+                Cloud::start_for_tenant(&cloud_dir, pools, &cluster_id, quotas).await
+            }
             _ => {
-                let cloud_dir = dir.path().join("cloud");
                 std::fs::create_dir_all(&cloud_dir).unwrap();
                 // Over HTTPS, as an edge on another host serves it.
                 Cloud::start(&cloud_dir, pools, true).await
