@@ -1,7 +1,6 @@
 //! The HTTP client: one method per API call, with timeouts, retries, failover between the
 //! edges that serve one API, and typed errors.
 
-use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
@@ -11,10 +10,11 @@ use reqwest::{Method, RequestBuilder, StatusCode, Url};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::{self, PemObject};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::error::{EdgeFailure, Error, TlsError};
+use crate::identity::{ClientIdentity, ReloadingIdentity};
 use crate::ipv4::{LoadBalancer, LoadBalancerList, LoadBalancerSpec};
 use crate::types::{ErrorBody, Faults, Pool, PoolList};
 use crate::{ListFilter, NodePool, NodePoolList, NodePoolSpec, families};
@@ -49,41 +49,6 @@ pub struct ClientOptions {
     pub root_certificates: Option<String>,
     /// The certificate shown to an `https` server that asks for one (mutual TLS).
     pub client_identity: Option<ClientIdentity>,
-}
-
-/// The certificate a client shows an `https` server that asks for one (mutual TLS, as
-/// `curl --cert --key`): a chain and its private key, PEM, as a `kubernetes.io/tls`
-/// Secret holds them (`tls.crt`, `tls.key`).
-#[derive(Clone, PartialEq, Eq)]
-pub struct ClientIdentity {
-    /// The client's certificate first, then the intermediates up to the server's CA.
-    pub certificate_chain: String,
-    /// PKCS#8, PKCS#1 (RSA) or SEC1 (EC) private key of the first certificate.
-    pub private_key: String,
-}
-
-impl fmt::Debug for ClientIdentity {
-    /// The chain alone: the key never reaches a log.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ClientIdentity")
-            .field("certificate_chain", &self.certificate_chain)
-            .finish_non_exhaustive()
-    }
-}
-
-impl ClientIdentity {
-    /// The DER chain and key, each refused with its own error when it is not PEM of its kind.
-    fn parse(&self) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
-        let chain = CertificateDer::pem_slice_iter(self.certificate_chain.as_bytes())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(TlsError::ClientCertificate)?;
-        if chain.is_empty() {
-            return Err(TlsError::ClientCertificate(pem::Error::NoItemsFound));
-        }
-        let key = PrivateKeyDer::from_pem_slice(self.private_key.as_bytes())
-            .map_err(TlsError::ClientKey)?;
-        Ok((chain, key))
-    }
 }
 
 impl Default for ClientOptions {
@@ -123,15 +88,17 @@ fn tls_config(
         None => builder
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(rustls_platform_verifier::Verifier::new(
-                provider,
+                provider.clone(),
             )?)),
     };
     match identity {
         Some(identity) => {
-            let (chain, key) = identity.parse()?;
-            builder
-                .with_client_auth_cert(chain, key)
-                .map_err(TlsError::ClientIdentity)
+            let resolver = ReloadingIdentity::load(identity, provider)?;
+            let mut config = builder.with_client_cert_resolver(Arc::new(resolver));
+            // A resumed session shows the server the certificate of its first handshake,
+            // not a renewed one; connections are pooled, so full handshakes are few.
+            config.resumption = rustls::client::Resumption::disabled();
+            Ok(config)
         }
         None => Ok(builder.with_no_client_auth()),
     }
@@ -927,69 +894,5 @@ mod tests {
         }
         // Without roots of its own the client trusts the platform's, for http and https.
         assert!(Client::new("https://127.0.0.1:9", "t", options()).is_ok());
-    }
-
-    /// A self-signed client certificate and its key.
-    fn identity(name: &str) -> ClientIdentity {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec![name.to_owned()])
-            .unwrap()
-            .self_signed(&key)
-            .unwrap();
-        ClientIdentity {
-            certificate_chain: cert.pem(),
-            private_key: key.serialize_pem(),
-        }
-    }
-
-    #[test]
-    fn a_client_identity_is_a_pem_chain_and_its_own_key() {
-        let build = |identity: &ClientIdentity| {
-            let options = ClientOptions {
-                client_identity: Some(identity.clone()),
-                ..options()
-            };
-            Client::with_edges(&["https://127.0.0.1:9"], "t", options)
-        };
-        let good = identity("tandem-controller");
-        assert!(build(&good).is_ok());
-        assert!(
-            !format!("{good:?}").contains("PRIVATE KEY"),
-            "the key is never shown"
-        );
-
-        let with = |certificate_chain: &str, private_key: &str| ClientIdentity {
-            certificate_chain: certificate_chain.to_owned(),
-            private_key: private_key.to_owned(),
-        };
-        for bad_chain in ["", "not PEM", good.private_key.as_str()] {
-            let refused = build(&with(bad_chain, &good.private_key));
-            assert!(
-                matches!(refused, Err(Error::Tls(TlsError::ClientCertificate(_)))),
-                "{bad_chain:?}: {refused:?}"
-            );
-        }
-        for bad_key in [
-            "",
-            good.certificate_chain.as_str(),
-            "-----BEGIN PRIVATE KEY-----\nnot base64!\n-----END PRIVATE KEY-----\n",
-        ] {
-            let refused = build(&with(&good.certificate_chain, bad_key));
-            assert!(
-                matches!(refused, Err(Error::Tls(TlsError::ClientKey(_)))),
-                "{bad_key:?}: {refused:?}"
-            );
-        }
-        let other = identity("someone-else");
-        let refused = build(&with(&good.certificate_chain, &other.private_key));
-        match refused {
-            Err(error @ Error::Tls(TlsError::ClientIdentity(_))) => assert!(
-                error
-                    .to_string()
-                    .starts_with("TLS: client certificate and key: "),
-                "{error}"
-            ),
-            other => panic!("a key of another certificate: {other:?}"),
-        }
     }
 }

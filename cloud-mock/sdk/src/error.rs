@@ -63,6 +63,12 @@ pub enum TlsError {
     ClientCertificate(#[source] rustls::pki_types::pem::Error),
     #[error("client key: {0}")]
     ClientKey(#[source] rustls::pki_types::pem::Error),
+    #[error("client certificate or key file {path}: {source}")]
+    ClientIdentityFile {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     /// The key is of a kind the provider cannot sign with, or is not the certificate's.
     #[error("client certificate and key: {0}")]
     ClientIdentity(#[source] rustls::Error),

@@ -12,16 +12,16 @@
 mod client;
 mod error;
 pub mod families;
+mod identity;
 mod ipv4;
 mod nodepools;
 mod types;
 
 use std::collections::BTreeMap;
 
-pub use client::{
-    Client, ClientIdentity, ClientOptions, FamiliesClient, IDEMPOTENCY_KEY, MAX_PROVISIONING_WAIT,
-};
+pub use client::{Client, ClientOptions, FamiliesClient, IDEMPOTENCY_KEY, MAX_PROVISIONING_WAIT};
 pub use error::{EdgeFailure, Error, TlsError};
+pub use identity::ClientIdentity;
 pub use ipv4::{Backend, BackendStatus, LoadBalancer, LoadBalancerList, LoadBalancerSpec};
 pub use nodepools::{NodePool, NodePoolList, NodePoolSpec};
 pub use types::{

@@ -1,9 +1,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 //! Mutual TLS: a server that requires a client certificate signed by its CA (rustls'
 //! `WebPkiClientVerifier`, in process) answers a client given one, and refuses a client
-//! without one or with a certificate of another CA.
+//! without one or with a certificate of another CA; a renewed certificate written over the
+//! files is shown from the next connection a second later.
 
 use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,12 +26,52 @@ fn ca() -> CertifiedIssuer<'static, KeyPair> {
     CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
 }
 
+/// A certificate and its key, PEM.
+struct Pem {
+    certificate_chain: String,
+    private_key: String,
+}
+
+impl Pem {
+    /// Written as `tls.crt` and `tls.key` in `dir`, as a Secret volume holds them.
+    fn write(&self, dir: &Path) -> ClientIdentity {
+        let identity = ClientIdentity {
+            certificate_file: dir.join("tls.crt"),
+            key_file: dir.join("tls.key"),
+        };
+        std::fs::write(&identity.certificate_file, &self.certificate_chain).unwrap();
+        std::fs::write(&identity.key_file, &self.private_key).unwrap();
+        identity
+    }
+
+    fn der(&self) -> CertificateDer<'static> {
+        CertificateDer::from_pem_slice(self.certificate_chain.as_bytes()).unwrap()
+    }
+}
+
+/// A directory of the test's own, removed on drop.
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(label: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("sdk-mtls-{label}-{}", std::process::id()));
+        std::fs::create_dir_all(&path).unwrap();
+        Self(path)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A certificate `ca` signed for `names`, for `purpose`, and its key, PEM.
 fn leaf(
     ca: &CertifiedIssuer<'static, KeyPair>,
     names: &[&str],
     purpose: ExtendedKeyUsagePurpose,
-) -> ClientIdentity {
+) -> Pem {
     let mut params = CertificateParams::new(
         names
             .iter()
@@ -40,7 +82,7 @@ fn leaf(
     params.extended_key_usages = vec![purpose];
     let key = KeyPair::generate().unwrap();
     let cert = params.signed_by(&key, ca).unwrap();
-    ClientIdentity {
+    Pem {
         certificate_chain: cert.pem(),
         private_key: key.serialize_pem(),
     }
@@ -150,29 +192,44 @@ impl Server {
 async fn a_server_that_requires_a_client_certificate_takes_the_one_given() {
     let client_ca = ca();
     let server = Server::start(&client_ca).await;
-    let identity = leaf(
+    let dir = Dir::new("given");
+    let first = leaf(
         &client_ca,
         &["tandem-controller"],
         ExtendedKeyUsagePurpose::ClientAuth,
     );
+    let identity = first.write(&dir.0);
     let client =
         Client::with_edges(&[&server.url()], "t", server.options_showing(&identity)).unwrap();
     assert!(client.list_pools().await.unwrap().is_empty());
-    let shown = CertificateDer::from_pem_slice(identity.certificate_chain.as_bytes()).unwrap();
-    assert_eq!(*server.peers.lock().unwrap(), [shown]);
+    assert_eq!(*server.peers.lock().unwrap(), [first.der()]);
+
+    // Renewed over the same files (cert-manager's way): shown once a second has passed.
+    let renewed = leaf(
+        &client_ca,
+        &["tandem-controller"],
+        ExtendedKeyUsagePurpose::ClientAuth,
+    );
+    renewed.write(&dir.0);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert!(client.list_pools().await.unwrap().is_empty());
+    assert_eq!(
+        server.peers.lock().unwrap().last(),
+        Some(&renewed.der()),
+        "the renewed certificate, without a new client"
+    );
+    server.peers.lock().unwrap().clear();
 
     let anonymous = Client::new(&server.url(), "t", server.options()).unwrap();
     let refused = anonymous.list_pools().await;
     assert!(matches!(refused, Err(Error::Transport(_))), "{refused:?}");
 
+    let stranger_dir = Dir::new("stranger");
     let stranger = leaf(&ca(), &["intruder"], ExtendedKeyUsagePurpose::ClientAuth);
+    let stranger = stranger.write(&stranger_dir.0);
     let stranger =
         Client::with_edges(&[&server.url()], "t", server.options_showing(&stranger)).unwrap();
     let refused = stranger.list_pools().await;
     assert!(matches!(refused, Err(Error::Transport(_))), "{refused:?}");
-    assert_eq!(
-        server.peers.lock().unwrap().len(),
-        1,
-        "only the first was let in"
-    );
+    assert_eq!(server.peers.lock().unwrap().len(), 0, "neither was let in");
 }

@@ -113,16 +113,16 @@ impl Config {
             .transpose()
     }
 
-    /// The PEM of `clientCertFile` and `clientKeyFile`, if given (both, as
-    /// [`Config::parse`] checked).
-    pub fn client_identity(&self) -> Result<Option<sdk::ClientIdentity>, ConfigError> {
+    /// `clientCertFile` and `clientKeyFile`, if given (both, as [`Config::parse`]
+    /// checked); the client reads them, and again when they are renewed.
+    pub fn client_identity(&self) -> Option<sdk::ClientIdentity> {
         let (Some(cert), Some(key)) = (&self.client_cert_file, &self.client_key_file) else {
-            return Ok(None);
+            return None;
         };
-        Ok(Some(sdk::ClientIdentity {
-            certificate_chain: read_pem("client certificate file", cert)?,
-            private_key: read_pem("client key file", key)?,
-        }))
+        Some(sdk::ClientIdentity {
+            certificate_file: cert.clone(),
+            key_file: key.clone(),
+        })
     }
 }
 
@@ -241,28 +241,20 @@ mod tests {
 
     #[test]
     fn a_client_certificate_comes_with_its_key() {
-        let dir = std::env::temp_dir().join(format!("tdm-mockcloud-client-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("tls.crt"), "CERT").unwrap();
-        std::fs::write(dir.join("tls.key"), "KEY").unwrap();
         let with = |fields: &str| {
             Config::parse(&format!(
                 r#"{{"url": "https://x", "tokenFile": "/t"{fields}}}"#
             ))
         };
-        let both = format!(
-            r#", "clientCertFile": "{0}/tls.crt", "clientKeyFile": "{0}/tls.key""#,
-            dir.display()
-        );
-        let identity = with(&both).unwrap().client_identity().unwrap().unwrap();
+        let both = r#", "clientCertFile": "/c/tls.crt", "clientKeyFile": "/c/tls.key""#;
         assert_eq!(
-            (
-                identity.certificate_chain.as_str(),
-                identity.private_key.as_str()
-            ),
-            ("CERT", "KEY")
+            with(both).unwrap().client_identity(),
+            Some(sdk::ClientIdentity {
+                certificate_file: "/c/tls.crt".into(),
+                key_file: "/c/tls.key".into(),
+            })
         );
-        assert_eq!(with("").unwrap().client_identity().unwrap(), None);
+        assert_eq!(with("").unwrap().client_identity(), None);
         let half = with(r#", "clientCertFile": "/c""#).unwrap_err();
         assert_eq!(
             half.to_string(),
@@ -275,14 +267,5 @@ mod tests {
                 ..
             })
         ));
-        std::fs::remove_file(dir.join("tls.key")).unwrap();
-        assert!(matches!(
-            with(&both).unwrap().client_identity(),
-            Err(ConfigError::File {
-                what: "client key file",
-                ..
-            })
-        ));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

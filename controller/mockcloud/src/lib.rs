@@ -58,7 +58,7 @@ fn build(config: Option<&str>, shared: Shared) -> Result<DynProvider, registry::
     let config = Config::parse(config.ok_or(ConfigError::Missing)?)?;
     let options = sdk::ClientOptions {
         root_certificates: config.ca()?,
-        client_identity: config.client_identity()?,
+        client_identity: config.client_identity(),
         ..MockCloudProvider::client_options(shared.timeout)
     };
     let (token_file, token) = TokenFile::open(&config.token_file)?;
