@@ -236,9 +236,9 @@ fn request_id(headers: &HeaderMap) -> String {
         .map_or_else(|| format!("{:016x}", rand::random::<u64>()), str::to_owned)
 }
 
-/// Counts every request and writes the audit log: one line for every write (the
-/// methods other than GET), whoever sent it and however it ended, under the tracing target
-/// `audit`. The request id goes back in the answer.
+/// Counts every request and writes the audit log: one line for every write (any method
+/// but the safe ones: GET, HEAD, OPTIONS, TRACE), whoever sent it and however it ended,
+/// under the tracing target `audit`. The request id goes back in the answer.
 async fn record_request(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let route = request
         .extensions()
@@ -250,7 +250,7 @@ async fn record_request(State(state): State<AppState>, request: Request, next: N
     let mut response = next.run(request).await;
     let status = response.status();
     state.metrics.request(&route, &method, status.as_u16());
-    if method != Method::GET {
+    if !method.is_safe() {
         let caller = response.extensions().get::<Caller>();
         // A create names its object in Location; the other writes in their path.
         let object = response
