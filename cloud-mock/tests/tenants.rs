@@ -436,6 +436,12 @@ async fn pools_and_quotas_are_refused_by_name() {
         body["error"]["message"],
         "tenant \"team-a\" may not draw VIPs from pool \"dmz\" (its pools: default)"
     );
+    // Asking for an address of that pool is asking for the pool.
+    let (status, body) = create("dmz-vip", json!({"vip": "127.77.4.5"})).await;
+    assert_eq!(
+        (status, code(&body)),
+        (StatusCode::FORBIDDEN, "pool-not-permitted")
+    );
     let (status, first) = create("one", json!({"sharingKey": "s"})).await;
     assert_eq!(status, StatusCode::CREATED, "{first}");
     let (status, _) = create("two", json!({})).await;
