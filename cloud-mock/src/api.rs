@@ -37,7 +37,6 @@ use crate::lifecycle::now_ms;
 use crate::metrics::{Metrics, NodePoolWrite};
 use crate::model::{StoredLoadBalancer, StoredNodePool, node_pool_to_wire, to_wire, wire_health};
 use crate::store::{Store, Transition, Written};
-use crate::tenants::Tenant;
 use crate::validate::{validate_node_pool, validate_served, validate_spec};
 
 /// The OpenAPI document of this API, served at `/openapi.yaml`.
@@ -245,12 +244,13 @@ async fn record_request(State(state): State<AppState>, request: Request, next: N
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_owned(), |path| path.as_str().to_owned());
     let method = request.method().clone();
-    let path = request.uri().path().to_owned();
+    // Reads change nothing: only a write's path is kept, for its audit line.
+    let path = (!method.is_safe()).then(|| request.uri().path().to_owned());
     let id = request_id(request.headers());
     let mut response = next.run(request).await;
     let status = response.status();
     state.metrics.request(&route, &method, status.as_u16());
-    if !method.is_safe() {
+    if let Some(path) = path {
         let caller = response.extensions().get::<Caller>();
         // A create names its object in Location; the other writes in their path.
         let object = response
@@ -324,7 +324,7 @@ async fn require_token(
         );
         return response;
     };
-    let mut response = match caller.tenant().map(Tenant::admit) {
+    let mut response = match caller.tenant().map(|tenant| tenant.admit()) {
         Some(Err(wait)) => {
             state.metrics.rate_limited(caller.name());
             // Whole seconds, rounded up: a client that waits that long is let through.
@@ -718,7 +718,7 @@ async fn create_load_balancer(
     validate_served(&spec, state.dataplane.proxies_udp())?;
     check_node_pool_visible(&state, &caller, &spec)?;
     let now = now_ms();
-    let tenant = caller.tenant_arc();
+    let tenant = caller.tenant().cloned();
     let created = state
         .store
         .create(spec, placement, load_balancer_id, key, tenant, now)
@@ -808,7 +808,7 @@ async fn update_load_balancer(
     check_node_pool_visible(&state, &caller, &spec)?;
     let lb = state
         .store
-        .update(id, spec, placement, version, caller.tenant_arc())
+        .update(id, spec, placement, version, caller.tenant().cloned())
         .await?;
     let response = ([etag(lb.version)], Json(answer_one(&state, &lb))).into_response();
     if lb.version == version {
@@ -824,7 +824,11 @@ async fn delete_load_balancer(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let id = path_id(path)?;
-    if state.store.get(&id).is_some() && visible_lb(&state, &caller, &id).is_none() {
+    if state
+        .store
+        .get(&id)
+        .is_some_and(|lb| !visible(&caller, &lb.spec.tags))
+    {
         // Another tenant's: answered as one that is gone.
         return Ok(StatusCode::NO_CONTENT.into_response());
     }

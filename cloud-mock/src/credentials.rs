@@ -168,17 +168,9 @@ pub struct Caller {
 
 impl Caller {
     /// The tenant every call of this caller is scoped to; `None` sees everything.
-    pub fn tenant(&self) -> Option<&Tenant> {
+    pub fn tenant(&self) -> Option<&Arc<Tenant>> {
         match &self.principal {
             Principal::Tenant(tenant) => Some(tenant),
-            Principal::Unscoped | Principal::Admin => None,
-        }
-    }
-
-    /// [`Caller::tenant`], to hand to the store.
-    pub fn tenant_arc(&self) -> Option<Arc<Tenant>> {
-        match &self.principal {
-            Principal::Tenant(tenant) => Some(tenant.clone()),
             Principal::Unscoped | Principal::Admin => None,
         }
     }
