@@ -25,8 +25,8 @@ pub mod store;
 pub mod tenants;
 #[cfg(feature = "test-support")]
 pub mod test_edge;
-#[cfg(test)]
-mod testutil;
+#[cfg(any(test, feature = "test-support"))]
+pub mod testutil;
 pub mod validate;
 
 pub use api::{OPENAPI_YAML, routes};

@@ -39,6 +39,22 @@ pub fn api_only(data_dir: &Path, token: TokenSource, vip_pools: &str) -> Setting
     }
 }
 
+/// The router of an app made from `settings`, its lifecycle task running until `cancel`:
+/// an edge to drive in-process (tower `oneshot`), without a socket.
+///
+/// # Panics
+/// When the app cannot start: a broken test setup.
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+pub async fn router(settings: &Settings, cancel: &CancellationToken) -> axum::Router {
+    let crate::App {
+        router, lifecycle, ..
+    } = crate::App::new(settings, cancel.clone())
+        .await
+        .expect("the app starts");
+    tokio::spawn(lifecycle.run(cancel.clone()));
+    router
+}
+
 /// Starts an edge keeping its data in `data_dir` and accepting the credentials of `file`
 /// given as `flag` (`--token-file`, `--tenants-file`), until `cancel`; its URL.
 ///

@@ -1,4 +1,4 @@
-//! Helpers for unit tests.
+//! Helpers for unit tests and, with the feature `test-support`, the integration tests.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -7,6 +7,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 pub struct TempDir(PathBuf);
 
 impl TempDir {
+    /// # Panics
+    /// When the directory cannot be made: a broken test setup.
+    #[allow(clippy::unwrap_used)]
     pub fn new(label: &str) -> Self {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let path = std::env::temp_dir().join(format!(

@@ -3,14 +3,13 @@
 //! plane off: round trip, idempotency, concurrency control, VIP conflicts, auth, junk
 //! input, and the OpenAPI document against the route table.
 
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
 
-use cloud_mock::{App, OPENAPI_YAML, Settings, openapi, routes, test_edge};
+use cloud_mock::testutil::TempDir;
+use cloud_mock::{OPENAPI_YAML, Settings, openapi, routes, test_edge};
 use http::{Method, Request, StatusCode, header};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -21,7 +20,8 @@ const TOKEN: &str = "test-token";
 struct TestApp {
     router: Router,
     cancel: CancellationToken,
-    data_dir: PathBuf,
+    /// Removed after the app stopped (fields drop after [`Drop::drop`]).
+    _data_dir: TempDir,
 }
 
 impl TestApp {
@@ -32,26 +32,17 @@ impl TestApp {
     }
 
     async fn start_with(pool: &str, provisioning_delay: Duration, fault_injection: bool) -> Self {
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let data_dir = std::env::temp_dir().join(format!(
-            "cloud-mock-api-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
+        let data_dir = TempDir::new("api");
         let settings = Settings {
             provisioning_delay,
             fault_injection,
-            ..test_edge::api_only(&data_dir, TOKEN.into(), pool)
+            ..test_edge::api_only(data_dir.path(), TOKEN.into(), pool)
         };
         let cancel = CancellationToken::new();
-        let App {
-            router, lifecycle, ..
-        } = App::new(&settings, cancel.clone()).await.unwrap();
-        tokio::spawn(lifecycle.run(cancel.clone()));
         Self {
-            router,
+            router: test_edge::router(&settings, &cancel).await,
             cancel,
-            data_dir,
+            _data_dir: data_dir,
         }
     }
 
@@ -80,7 +71,6 @@ impl TestApp {
 impl Drop for TestApp {
     fn drop(&mut self) {
         self.cancel.cancel();
-        let _ = std::fs::remove_dir_all(&self.data_dir);
     }
 }
 

@@ -5,7 +5,7 @@
 //! 429 while another's calls keep their latency (over real HTTP).
 
 use std::io::Write;
-use std::path::PathBuf;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,8 @@ use axum::Router;
 use axum::body::Body;
 use cloud_mock::credentials::TokenSource;
 
-use cloud_mock::{App, test_edge};
+use cloud_mock::test_edge;
+use cloud_mock::testutil::TempDir;
 use http::{Method, Request, StatusCode, header};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -57,40 +58,25 @@ fn tenants_file(extra_a: &str) -> String {
 struct TestApp {
     router: Router,
     cancel: CancellationToken,
-    dir: PathBuf,
-}
-
-fn temp_dir() -> PathBuf {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "cloud-mock-tenants-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    /// Removed after the app stopped (fields drop after [`Drop::drop`]).
+    _dir: TempDir,
 }
 
 impl TestApp {
     async fn start(extra_a: &str) -> Self {
-        let dir = temp_dir();
-        let file = dir.join("tenants.json");
+        let dir = TempDir::new("tenants");
+        let file = dir.path().join("tenants.json");
         std::fs::write(&file, tenants_file(extra_a)).unwrap();
         let settings = test_edge::api_only(
-            &dir.join("data"),
+            &dir.path().join("data"),
             TokenSource::Tenants(file),
             "default=127.77.3.0/28,dmz=127.77.4.0/28",
         );
         let cancel = CancellationToken::new();
-        let App {
-            router, lifecycle, ..
-        } = App::new(&settings, cancel.clone()).await.unwrap();
-        tokio::spawn(lifecycle.run(cancel.clone()));
         Self {
-            router,
+            router: test_edge::router(&settings, &cancel).await,
             cancel,
-            dir,
+            _dir: dir,
         }
     }
 
@@ -162,7 +148,6 @@ impl TestApp {
 impl Drop for TestApp {
     fn drop(&mut self) {
         self.cancel.cancel();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -652,13 +637,17 @@ fn percentiles(samples: &mut [Duration]) -> (u128, u128) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_tenant_gets_429_and_the_others_keep_their_latency() {
-    let dir = temp_dir();
-    let file = dir.join("tenants.json");
+    let dir = TempDir::new("tenants-flood");
+    let file = dir.path().join("tenants.json");
     std::fs::write(&file, tenants_file("")).unwrap();
     let cancel = CancellationToken::new();
-    let url =
-        cloud_mock::test_edge::serve(&dir.join("data"), "--tenants-file", &file, cancel.clone())
-            .await;
+    let url = test_edge::serve(
+        &dir.path().join("data"),
+        "--tenants-file",
+        &file,
+        cancel.clone(),
+    )
+    .await;
     tandem_common::install_crypto_provider();
     let client = reqwest::Client::new();
     let get = |token: &'static str| {
@@ -745,5 +734,4 @@ async fn a_flooding_tenant_gets_429_and_the_others_keep_their_latency() {
         "tenant a's p99 beside the flood: {beside_p99} µs"
     );
     cancel.cancel();
-    let _ = std::fs::remove_dir_all(&dir);
 }
