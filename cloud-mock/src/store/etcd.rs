@@ -82,6 +82,13 @@ pub struct EtcdTls {
 /// How long a write keeps trying to reach etcd before it is refused as unavailable:
 /// longer than an election of a new etcd leader takes (about a second by default).
 const SEND_BUDGET: Duration = Duration::from_secs(6);
+/// How long a write keeps trying on an edge whose lease keep-alives go unanswered: longer
+/// than etcd takes to elect a leader, and short enough that a client has time left to
+/// try another edge.
+const UNREACHABLE_BUDGET: Duration = Duration::from_secs(2);
+/// HTTP/2 pings on a connection with streams open: above etcd's default
+/// `--grpc-keepalive-min-time` (5 s), with room for timer jitter.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(6);
 
 fn unavailable(err: etcd_client::Error) -> StoreError {
     StoreError::Unavailable {
@@ -222,6 +229,9 @@ pub(crate) struct EtcdBackend {
     applied: watch::Receiver<i64>,
     /// This edge's writes take turns: they would only fail each other's compare.
     writer: tokio::sync::Mutex<()>,
+    /// Whether etcd answers this edge's lease keep-alives: an edge cut off from etcd
+    /// refuses writes at once instead of after a whole [`SEND_BUDGET`] each.
+    reachable: watch::Receiver<bool>,
 }
 
 /// Connects to etcd; requests time out after `timeout` (elections and leases wait
@@ -230,10 +240,13 @@ pub(crate) async fn connect(
     settings: &EtcdSettings,
     timeout: Option<Duration>,
 ) -> Result<Client, StoreError> {
+    // etcd's gRPC server closes a connection (GOAWAY "too_many_pings") that pings more
+    // often than its --grpc-keepalive-min-time (5 s by default), or at all without a
+    // stream open: every watch and election then broke every few seconds.
     let mut options = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(3))
-        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
-        .with_keep_alive_while_idle(true);
+        .with_keep_alive(KEEP_ALIVE_INTERVAL, Duration::from_secs(3))
+        .with_keep_alive_while_idle(false);
     if let Some(timeout) = timeout {
         options = options.with_timeout(timeout);
     }
@@ -287,12 +300,17 @@ impl EtcdBackend {
             cancel.clone(),
         ));
         let (leader_tx, leader) = watch::channel(false);
+        // It answered the list just now.
+        let (reachable_tx, reachable) = watch::channel(true);
         let election_client = connect(settings, None).await?;
         tokio::spawn(lead(
             election_client,
             keys.election(),
             settings.edge_name.clone(),
-            leader_tx,
+            Term {
+                leader: leader_tx,
+                reachable: reachable_tx,
+            },
             cancel,
         ));
         Ok((
@@ -302,6 +320,7 @@ impl EtcdBackend {
                 edge_name: settings.edge_name.clone(),
                 applied,
                 writer: tokio::sync::Mutex::new(()),
+                reachable,
             },
             leader,
         ))
@@ -378,18 +397,38 @@ impl EtcdBackend {
     /// Sends `txn` until etcd answers, within [`SEND_BUDGET`]: a member that cannot be
     /// connected to (down, or just back and not yet known so by the client's balancer),
     /// a leader being elected, a request cut off. Sending it again is safe: its compare
-    /// lets it commit at most once, and [`Self::write`] recognises its own commit.
+    /// lets it commit at most once, and [`Self::write`] recognises its own commit. An
+    /// edge whose lease keep-alives go unanswered (cut off from etcd) tries only for
+    /// [`UNREACHABLE_BUDGET`], so that it refuses writes promptly and the caller turns to
+    /// another edge.
     async fn send(&self, txn: EtcdTxn) -> Result<etcd_client::TxnResponse, StoreError> {
-        let deadline = tokio::time::Instant::now() + SEND_BUDGET;
+        let reachable = *self.reachable.borrow();
+        let budget = if reachable {
+            SEND_BUDGET
+        } else {
+            UNREACHABLE_BUDGET
+        };
+        let deadline = tokio::time::Instant::now() + budget;
         let mut backoff = RETRY_MIN;
         loop {
-            match self.client.kv_client().txn(txn.clone()).await {
-                Err(error) if tokio::time::Instant::now() + backoff < deadline => {
+            let mut kv = self.client.kv_client();
+            match tokio::time::timeout_at(deadline, kv.txn(txn.clone())).await {
+                Ok(Err(error)) if tokio::time::Instant::now() + backoff < deadline => {
                     tracing::debug!(%error, "etcd did not answer the write; sending it again");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(RETRY_MAX);
                 }
-                sent => return sent.map_err(unavailable),
+                Ok(sent) => return sent.map_err(unavailable),
+                Err(_) => {
+                    return Err(StoreError::Unavailable {
+                        message: match reachable {
+                            true => format!("etcd did not answer within {budget:?}"),
+                            false => "this edge cannot reach etcd (its lease keep-alives go \
+                                      unanswered): another edge of the cluster takes writes"
+                                .to_owned(),
+                        },
+                    });
+                }
             }
         }
     }
@@ -584,13 +623,14 @@ async fn lead(
     mut client: Client,
     election: String,
     edge_name: String,
-    leader: watch::Sender<bool>,
+    term: Term,
     cancel: CancellationToken,
 ) {
     let mut backoff = RETRY_MIN;
     loop {
-        let ended = campaign(&mut client, &election, &edge_name, &leader, &cancel).await;
-        leader.send_replace(false);
+        let ended = campaign(&mut client, &election, &edge_name, &term, &cancel).await;
+        term.leader.send_replace(false);
+        term.reachable.send_replace(false);
         if cancel.is_cancelled() {
             return;
         }
@@ -603,6 +643,13 @@ async fn lead(
     }
 }
 
+/// What the election says of this edge: whether it leads, and whether etcd answers its
+/// lease keep-alives.
+struct Term {
+    leader: watch::Sender<bool>,
+    reachable: watch::Sender<bool>,
+}
+
 /// One term: a lease, the campaign, leadership until the lease is lost or `cancel`; says
 /// why it ended. The lease is revoked on the way out, so that a stopped edge hands the
 /// election on at once rather than when the lease expires.
@@ -610,13 +657,14 @@ async fn campaign(
     client: &mut Client,
     election: &str,
     edge_name: &str,
-    leader: &watch::Sender<bool>,
+    term: &Term,
     cancel: &CancellationToken,
 ) -> String {
     let lease = match client.lease_grant(LEASE_TTL_SECS, None).await {
         Ok(lease) => lease.id(),
         Err(error) => return format!("granting a lease: {error}"),
     };
+    term.reachable.send_replace(true);
     let (mut keeper, mut answers) = match client.lease_keep_alive(lease).await {
         Ok(pair) => pair,
         Err(error) => return format!("keeping the lease alive: {error}"),
@@ -629,7 +677,9 @@ async fn campaign(
                 answers.message().await
             };
             match tokio::time::timeout(period, round).await {
-                Ok(Ok(Some(answer))) if answer.ttl() > 0 => {}
+                Ok(Ok(Some(answer))) if answer.ttl() > 0 => {
+                    term.reachable.send_replace(true);
+                }
                 Ok(Ok(_)) => return "the lease expired".to_owned(),
                 Ok(Err(error)) => return format!("keeping the lease alive: {error}"),
                 Err(_) => return "a lease keep-alive went unanswered".to_owned(),
@@ -646,7 +696,7 @@ async fn campaign(
             Err(error) => format!("campaigning: {error}"),
             Ok(_) => {
                 tracing::info!(edge = edge_name, "this edge leads the edge cluster");
-                leader.send_replace(true);
+                term.leader.send_replace(true);
                 tokio::select! {
                     ended = &mut keep_alive => ended,
                     () = cancel.cancelled() => "stopping".to_owned(),
@@ -654,7 +704,7 @@ async fn campaign(
             }
         },
     };
-    leader.send_replace(false);
+    term.leader.send_replace(false);
     // Whatever the lease's fate, free the election at once.
     let _ = tokio::time::timeout(period, client.lease_revoke(lease)).await;
     ended
