@@ -55,6 +55,9 @@ pub struct AppState {
     pub metrics: Metrics,
     pub registry: Arc<Registry>,
     pub credentials: Credentials,
+    /// Whether passthrough load balancers can be served: not in the L2 mode, whose owner
+    /// of a VIP takes the VIP's packets itself.
+    pub serves_passthrough: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -715,7 +718,11 @@ async fn create_load_balancer(
     let key = scoped_key(&caller, idempotency_key(&headers)?);
     check_writable(&caller, &spec.tags)?;
     let placement = validate_spec(&spec, state.store.pools())?;
-    validate_served(&spec, state.dataplane.proxies_udp())?;
+    validate_served(
+        &spec,
+        state.dataplane.proxies_udp(),
+        state.serves_passthrough,
+    )?;
     check_node_pool_visible(&state, &caller, &spec)?;
     let now = now_ms();
     let tenant = caller.tenant().cloned();
@@ -804,7 +811,11 @@ async fn update_load_balancer(
     let version = if_match_version(&headers)?;
     check_writable(&caller, &spec.tags)?;
     let placement = validate_spec(&spec, state.store.pools())?;
-    validate_served(&spec, state.dataplane.proxies_udp())?;
+    validate_served(
+        &spec,
+        state.dataplane.proxies_udp(),
+        state.serves_passthrough,
+    )?;
     check_node_pool_visible(&state, &caller, &spec)?;
     let lb = state
         .store

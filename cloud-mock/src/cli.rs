@@ -319,6 +319,7 @@ impl Args {
                 ip_program: PathBuf::from("ip"),
                 arping_program: self.arping_program.clone(),
                 sysctl_program: PathBuf::from("sysctl"),
+                vip_ranges: self.vip_pool.iter().map(|pool| pool.cidr).collect(),
             }),
             dataplane: DataPlaneConfig {
                 mode: match self.dataplane {

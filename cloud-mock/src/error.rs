@@ -77,6 +77,11 @@ impl From<SpecError> for ApiError {
                 "unsupported-protocol",
                 err.to_string(),
             ),
+            SpecError::PassthroughUnserved => Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unsupported-mode",
+                err.to_string(),
+            ),
             SpecError::Invalid { .. } => {
                 Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid", err.to_string())
             }

@@ -119,6 +119,7 @@ impl App {
             metrics: metrics.clone(),
             registry: Arc::new(registry),
             credentials,
+            serves_passthrough: l2.is_none(),
         };
         Ok(Self {
             router: router(state),

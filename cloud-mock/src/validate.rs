@@ -57,11 +57,23 @@ pub enum SpecError {
         "listeners[{index}]: this cloud's proxy-mode load balancers serve TCP only; UDP port {port} cannot be served (passthrough mode routes UDP)"
     )]
     UdpUnserved { index: usize, port: u16 },
+    #[error(
+        "mode: this edge announces its VIPs in the L2 mode, where the VIP's owner takes its packets itself, so it serves proxy-mode load balancers only; passthrough needs the BGP mode (--announce-table)"
+    )]
+    PassthroughUnserved,
 }
 
 /// Refuses what the data plane cannot serve: UDP listeners of proxy-mode load balancers
-/// when it proxies TCP only (HAProxy).
-pub fn validate_served(spec: &LoadBalancerSpec, proxies_udp: bool) -> Result<(), SpecError> {
+/// when it proxies TCP only (HAProxy), and passthrough load balancers without
+/// `serves_passthrough` (the L2 mode).
+pub fn validate_served(
+    spec: &LoadBalancerSpec,
+    proxies_udp: bool,
+    serves_passthrough: bool,
+) -> Result<(), SpecError> {
+    if spec.mode == Mode::Passthrough && !serves_passthrough {
+        return Err(SpecError::PassthroughUnserved);
+    }
     if proxies_udp || spec.mode != Mode::Proxy {
         return Ok(());
     }
@@ -632,16 +644,24 @@ mod tests {
         let mut udp = spec("x");
         udp.listeners[0].protocol = Protocol::Udp;
         udp.listeners[0].port = 53;
-        assert!(validate_served(&udp, true).is_ok());
-        let refused = validate_served(&udp, false).unwrap_err();
+        assert!(validate_served(&udp, true, true).is_ok());
+        let refused = validate_served(&udp, false, true).unwrap_err();
         assert_eq!(refused, SpecError::UdpUnserved { index: 0, port: 53 });
         assert!(refused.to_string().contains("UDP port 53"));
         udp.mode = Mode::Passthrough;
-        assert!(validate_served(&udp, false).is_ok(), "routes carry UDP");
+        assert!(
+            validate_served(&udp, false, true).is_ok(),
+            "routes carry UDP"
+        );
+        assert_eq!(
+            validate_served(&udp, true, false),
+            Err(SpecError::PassthroughUnserved),
+            "the L2 mode's owner takes a VIP's packets itself"
+        );
         let mut tcp = spec("x");
         tcp.listeners
             .retain(|listener| listener.protocol == Protocol::Tcp);
-        assert!(validate_served(&tcp, false).is_ok());
+        assert!(validate_served(&tcp, false, false).is_ok());
     }
 
     #[test]

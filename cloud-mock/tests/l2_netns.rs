@@ -170,6 +170,7 @@ fn owner(
         ip_program: hosts.wrapper(edge, "ip"),
         arping_program: hosts.wrapper(edge, "arping"),
         sysctl_program: hosts.wrapper(edge, "sysctl"),
+        vip_ranges: vec![ipnet::IpNet::from(IpAddr::V4(VIP))],
     });
     L2Owner::new(settings, device, offers)
 }

@@ -13,6 +13,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use ipnet::IpNet;
 use tracing::{info, warn};
 
 use crate::command::{Program, add_address_args, already_gone, delete_address_args};
@@ -28,6 +29,9 @@ pub struct L2Config {
     pub arping_program: PathBuf,
     /// `sysctl`, which sets the device's ARP and neighbour-discovery settings.
     pub sysctl_program: PathBuf,
+    /// The VIP pools' ranges: a single address of theirs on the device at start was left
+    /// by an earlier run of this edge that died without giving it up.
+    pub vip_ranges: Vec<IpNet>,
 }
 
 /// The device's settings the mode needs: answer ARP only for the device's own addresses,
@@ -38,6 +42,21 @@ fn sysctls(device: &str) -> [String; 3] {
         format!("net.ipv4.conf.{device}.arp_announce=2"),
         format!("net.ipv6.conf.{device}.ndisc_notify=1"),
     ]
+}
+
+/// The VIPs that `listing` (`ip -o address show dev DEVICE`) holds as single addresses
+/// inside `ranges`.
+fn vips_held(listing: &str, ranges: &[IpNet]) -> Vec<IpAddr> {
+    listing
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            words.find(|word| *word == "inet" || *word == "inet6")?;
+            let net: IpNet = words.next()?.parse().ok()?;
+            (net.prefix_len() == net.max_prefix_len()).then_some(net.addr())
+        })
+        .filter(|vip| ranges.iter().any(|range| range.contains(vip)))
+        .collect()
 }
 
 /// `arping` arguments of one gratuitous ARP for `vip` on `device`; `-w 0` ends it once
@@ -69,12 +88,25 @@ impl L2Device {
         }
     }
 
-    /// Sets the device's ARP and neighbour-discovery settings; an edge that cannot would
-    /// answer for VIPs it does not own, so this is an error.
+    /// Sets the device's ARP and neighbour-discovery settings, and gives up the VIPs an
+    /// earlier run held there (it died, with SIGKILL or a crash, before it could): this
+    /// edge owns nothing yet, and a VIP left on the device would be answered here as
+    /// well as by its new owner. An edge that cannot would answer for VIPs it does not
+    /// own, so this is an error.
     pub async fn prepare(&self) -> Result<(), CommandError> {
         let sysctl = Program::new(self.config.sysctl_program.clone());
         for setting in sysctls(&self.config.device) {
             sysctl.run(&["-qw".to_owned(), setting]).await?;
+        }
+        let device = &self.config.device;
+        let listing = ["-o", "address", "show", "dev", device].map(str::to_owned);
+        let listing = self.ip.run(&listing).await?;
+        for vip in vips_held(&listing, &self.config.vip_ranges) {
+            match self.ip.run(&delete_address_args(vip, device)).await {
+                Ok(_) => info!(%vip, device, "VIP of an earlier run given up"),
+                Err(error) if already_gone(&error) => {}
+                Err(error) => return Err(error),
+            }
         }
         Ok(())
     }
@@ -154,6 +186,28 @@ mod tests {
         assert_eq!(
             gratuitous_arp_args("198.51.100.5".parse().unwrap(), "eth1").join(" "),
             "-q -U -c 1 -w 0 -i eth1 -S 198.51.100.5 198.51.100.5"
+        );
+    }
+
+    #[test]
+    fn the_vips_an_earlier_run_left_are_the_single_addresses_in_the_pools() {
+        let listing = "\
+3: eth1    inet 198.19.0.11/24 brd 198.19.0.255 scope global eth1\\       valid_lft forever preferred_lft forever
+3: eth1    inet 198.51.100.7/32 scope global eth1\\       valid_lft forever preferred_lft forever
+3: eth1    inet 192.0.2.9/32 scope global eth1\\       valid_lft forever preferred_lft forever
+3: eth1    inet6 2001:db8:51:100::3/128 scope global nodad \\       valid_lft forever preferred_lft forever
+3: eth1    inet6 fe80::1/64 scope link \\       valid_lft forever preferred_lft forever
+";
+        let ranges: Vec<IpNet> = vec![
+            "198.51.100.0/24".parse().unwrap(),
+            "2001:db8:51:100::/120".parse().unwrap(),
+        ];
+        assert_eq!(
+            vips_held(listing, &ranges),
+            [
+                "198.51.100.7".parse::<IpAddr>().unwrap(),
+                "2001:db8:51:100::3".parse().unwrap()
+            ]
         );
     }
 }

@@ -20,8 +20,9 @@ const ADDRESS_REFUSALS: [(&str, AddressRefusal); 8] = [
 ];
 
 /// The cloud's error codes for what its balancer cannot serve (a UDP listener of a proxy-mode
-/// LB on an HAProxy edge), answered with 422 before anything is stored.
-const UNSUPPORTED: [&str; 1] = ["unsupported-protocol"];
+/// LB on an HAProxy edge; a passthrough LB on an edge in the L2 mode), answered with 422
+/// before anything is stored.
+const UNSUPPORTED: [&str; 2] = ["unsupported-protocol", "unsupported-mode"];
 
 /// An LB names a node pool the cloud does not have.
 const NODE_POOL_NOT_FOUND: &str = "node-pool-not-found";
