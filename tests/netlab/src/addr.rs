@@ -65,6 +65,38 @@ pub const CLIENT_IN_RANGE_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 /// Client `c2`, outside any source range.
 pub const CLIENT_OUT_OF_RANGE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
 
+/// The network between the router and the edges of an edge cluster.
+pub const EDGE_LAN: Ipv4Net = net(Ipv4Addr::new(198, 19, 0, 0), 24);
+/// The router's address on [`EDGE_LAN`]: the edges' default gateway and BGP neighbour.
+pub const ROUTER_EDGE_LAN_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 1);
+/// Most edges an edge cluster can have.
+pub const MAX_EDGES: usize = 9;
+/// Members of an edge cluster's etcd.
+pub const ETCD_MEMBERS: usize = 3;
+
+/// Edge E of an edge cluster: 198.18.0.(240+E) on the node network and 198.19.0.(10+E)
+/// on [`EDGE_LAN`].
+pub fn cluster_edge_ips(edge: usize) -> Result<(Ipv4Addr, Ipv4Addr), NetlabError> {
+    let e = u8::try_from(edge)
+        .ok()
+        .filter(|e| (1..=MAX_EDGES as u8).contains(e))
+        .ok_or(NetlabError::EdgesOutOfRange {
+            edges: edge,
+            max: MAX_EDGES,
+        })?;
+    Ok((
+        Ipv4Addr::new(198, 18, 0, 240 + e),
+        Ipv4Addr::new(198, 19, 0, 10 + e),
+    ))
+}
+
+/// Member M (1..=[`ETCD_MEMBERS`]) of an edge cluster's etcd on the node network:
+/// 198.18.0.(250+M).
+pub fn etcd_ip(member: usize) -> Ipv4Addr {
+    // ETCD_MEMBERS is 3: the sum stays below 255.
+    Ipv4Addr::new(198, 18, 0, 250 + (member.min(ETCD_MEMBERS) as u8))
+}
+
 /// Most nodes a topology can have: node N uses 198.18.0.(10+N) and the N-th /24 of the
 /// pod network.
 pub const MAX_NODES: usize = 200;

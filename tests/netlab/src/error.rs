@@ -18,6 +18,10 @@ pub enum NetlabError {
         cidr: ipnet::Ipv4Net,
         max_nodes: usize,
     },
+    #[error("an edge cluster has 1..={max} edges, not {edges}")]
+    EdgesOutOfRange { edges: usize, max: usize },
+    #[error("an edge cluster announces IPv4 VIPs only: build it without ipv6")]
+    EdgeClusterIpv4Only,
     #[error("the topology has no node {0}")]
     UnknownNode(usize),
     #[error("the topology has no pod {0:?}")]

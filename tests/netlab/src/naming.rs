@@ -44,6 +44,18 @@ impl RunPrefix {
     pub fn edge(&self) -> String {
         format!("{}-edge", self.0)
     }
+    /// Edge `edge` of an edge cluster (the single edge is [`RunPrefix::edge`]).
+    pub fn cluster_edge(&self, edge: usize) -> String {
+        format!("{}-e{edge}", self.0)
+    }
+    /// The router in front of an edge cluster.
+    pub fn router(&self) -> String {
+        format!("{}-rt", self.0)
+    }
+    /// Member `member` of an edge cluster's etcd.
+    pub fn etcd(&self, member: usize) -> String {
+        format!("{}-etcd{member}", self.0)
+    }
     pub fn node(&self, node: usize) -> String {
         format!("{}-n{node}", self.0)
     }

@@ -25,6 +25,20 @@ pub mod ifname {
     /// Where the mock cloud puts VIPs in the edge (proxy mode). The loopback: the
     /// `dummy` link type needs a kernel module that may not be loaded.
     pub const EDGE_VIPS: &str = "lo";
+    /// The bridge between the router and the edges of an edge cluster.
+    pub const EDGE_LAN_BRIDGE: &str = "bredges";
+    /// An edge cluster's edge's leg on the edge LAN (the single edge's is its client legs).
+    pub const EDGE_UPLINK: &str = "eth1";
+    /// The switch port of edge `edge`'s leg on the node network.
+    pub fn edge_node_port(edge: usize) -> String {
+        format!("e{edge}")
+    }
+    /// The switch port of edge `edge`'s leg on the edge LAN.
+    pub fn edge_lan_port(edge: usize) -> String {
+        format!("e{edge}up")
+    }
+    /// The router's leg on the edge LAN.
+    pub const ROUTER_EDGE_LAN: &str = "eth3";
     /// The pod bridge on every node.
     pub const POD_BRIDGE: &str = "cni0";
 
@@ -79,13 +93,24 @@ fn switch_port(local: &str, bridge: &str, peer_netns: &str, peer_if: &str) -> Ve
     ]
 }
 
-/// The fixed part of every topology: switch, control plane, edge and the two clients;
-/// with `ipv6`, each of them also gets its address of [`v6`].
-pub fn base(prefix: &RunPrefix, pods: PodNetwork, ipv6: bool) -> Vec<Step> {
+/// The namespace that is the nodes' and the clients' gateway: the single edge, or the
+/// router in front of an edge cluster of `edges`.
+pub fn gateway(prefix: &RunPrefix, edges: usize) -> String {
+    if edges > 1 {
+        prefix.router()
+    } else {
+        prefix.edge()
+    }
+}
+
+/// The fixed part of every topology: switch, control plane, gateway (the edge, or the
+/// router of an edge cluster of `edges`) and the two clients; with `ipv6`, each of them
+/// also gets its address of [`v6`].
+pub fn base(prefix: &RunPrefix, pods: PodNetwork, ipv6: bool, edges: usize) -> Vec<Step> {
     use ifname::*;
     let sw = prefix.switch();
     let cp = prefix.control_plane();
-    let edge = prefix.edge();
+    let edge = gateway(prefix, edges);
     let c1 = prefix.client(1);
     let c2 = prefix.client(2);
     let mut steps: Vec<Step> = [&sw, &cp, &edge, &c1, &c2]
@@ -180,6 +205,96 @@ pub fn base(prefix: &RunPrefix, pods: PodNetwork, ipv6: bool) -> Vec<Step> {
         ),
     ));
     steps
+}
+
+/// An edge cluster of `edges` behind the router [`base`] made the gateway: each edge
+/// with a leg on the node network and one on the edge LAN (its default route the router),
+/// and the [`addr::ETCD_MEMBERS`] etcd members on the node network.
+pub fn edge_cluster(
+    prefix: &RunPrefix,
+    pods: PodNetwork,
+    edges: usize,
+) -> Result<Vec<Step>, NetlabError> {
+    use ifname::*;
+    let router = prefix.router();
+    let mut steps = Vec::new();
+    let mut switch = vec![
+        format!("link add {EDGE_LAN_BRIDGE} type bridge"),
+        format!("link set {EDGE_LAN_BRIDGE} up"),
+    ];
+    switch.extend(switch_port(
+        "rtedges",
+        EDGE_LAN_BRIDGE,
+        &router,
+        ROUTER_EDGE_LAN,
+    ));
+    let mut hosts = Vec::new();
+    for edge in 1..=edges {
+        let name = prefix.cluster_edge(edge);
+        let (node_ip, lan_ip) = addr::cluster_edge_ips(edge)?;
+        steps.push(Step::AddNetns(name.clone()));
+        switch.extend(switch_port(
+            &edge_node_port(edge),
+            NODE_BRIDGE,
+            &name,
+            UPLINK,
+        ));
+        switch.extend(switch_port(
+            &edge_lan_port(edge),
+            EDGE_LAN_BRIDGE,
+            &name,
+            EDGE_UPLINK,
+        ));
+        hosts.push(sysctl(&name, &forwarding(false)));
+        hosts.push(ip(
+            &name,
+            vec![
+                "link set lo up".to_owned(),
+                format!("addr add {node_ip}/24 dev {UPLINK}"),
+                format!("link set {UPLINK} up"),
+                format!("addr add {lan_ip}/24 dev {EDGE_UPLINK}"),
+                format!("link set {EDGE_UPLINK} up"),
+                format!("route add default via {}", addr::ROUTER_EDGE_LAN_IP),
+                format!("route add prohibit {}", pods.cidr()),
+            ],
+        ));
+    }
+    for member in 1..=addr::ETCD_MEMBERS {
+        let name = prefix.etcd(member);
+        steps.push(Step::AddNetns(name.clone()));
+        switch.extend(switch_port(
+            &format!("etcd{member}"),
+            NODE_BRIDGE,
+            &name,
+            UPLINK,
+        ));
+        hosts.push(ip(
+            &name,
+            vec![
+                "link set lo up".to_owned(),
+                format!("addr add {}/24 dev {UPLINK}", addr::etcd_ip(member)),
+                format!("link set {UPLINK} up"),
+            ],
+        ));
+    }
+    steps.push(ip(&prefix.switch(), switch));
+    steps.extend(hosts);
+    // An L4 hash: the router spreads flows, not just client addresses, over the edges.
+    steps.push(sysctl(
+        &router,
+        &[("net.ipv4.fib_multipath_hash_policy", "1")],
+    ));
+    steps.push(ip(
+        &router,
+        vec![
+            format!(
+                "addr add {}/24 dev {ROUTER_EDGE_LAN}",
+                addr::ROUTER_EDGE_LAN_IP
+            ),
+            format!("link set {ROUTER_EDGE_LAN} up"),
+        ],
+    ));
+    Ok(steps)
 }
 
 /// IP forwarding, of IPv6 too with `ipv6`.
@@ -323,7 +438,7 @@ mod tests {
     fn all_steps() -> Vec<Step> {
         let p = RunPrefix::new(4194304, 4000);
         let pods = PodNetwork::DEFAULT;
-        let mut steps = base(&p, pods, true);
+        let mut steps = base(&p, pods, true, 1);
         for n in 1..=3 {
             steps.extend(node(&p, pods, n, 3, true).unwrap());
             steps.extend(pod(&p, pods, n, addr::MAX_POD_INDEX, true).unwrap());
@@ -381,6 +496,51 @@ mod tests {
     }
 
     #[test]
+    fn an_edge_cluster_sits_behind_a_router_that_is_everyones_gateway() {
+        let p = RunPrefix::new(4194304, 4000);
+        let pods = PodNetwork::DEFAULT;
+        let mut steps = base(&p, pods, false, 3);
+        steps.extend(edge_cluster(&p, pods, 3).unwrap());
+        let lines = ip_lines(&steps);
+        assert!(lines.contains(&(p.router(), "addr add 198.18.0.1/24 dev eth0".into())));
+        assert!(lines.contains(&(p.router(), "addr add 198.19.0.1/24 dev eth3".into())));
+        assert!(!steps.contains(&Step::AddNetns(p.edge())));
+        for edge in 1..=3 {
+            let e = p.cluster_edge(edge);
+            assert!(
+                lines.contains(&(e.clone(), format!("addr add 198.18.0.24{edge}/24 dev eth0")))
+            );
+            assert!(lines.contains(&(e.clone(), format!("addr add 198.19.0.1{edge}/24 dev eth1"))));
+            assert!(lines.contains(&(e, "route add default via 198.19.0.1".into())));
+        }
+        assert!(lines.contains(&(p.etcd(3), "addr add 198.18.0.253/24 dev eth0".into())));
+        // The same names and ordering checks as a single edge's topology.
+        let mut created = std::collections::HashSet::new();
+        for step in &steps {
+            match step {
+                Step::AddNetns(n) => assert!(p.owns(n) && created.insert(n.clone()), "{n}"),
+                Step::Ip { netns, commands } => {
+                    assert!(created.contains(netns), "{netns}");
+                    for c in commands {
+                        if let Some(peer) = c.split(" netns ").nth(1) {
+                            assert!(created.contains(peer), "{peer} used before creation");
+                        }
+                        let words: Vec<&str> = c.split_whitespace().collect();
+                        if words.starts_with(&["link", "add"]) {
+                            assert!(words[2].len() <= MAX_IFNAME_LEN, "{c}");
+                        }
+                    }
+                }
+                Step::Sysctl { netns, .. } => assert!(created.contains(netns)),
+            }
+        }
+        assert!(matches!(
+            edge_cluster(&p, pods, addr::MAX_EDGES + 1),
+            Err(NetlabError::EdgesOutOfRange { .. })
+        ));
+    }
+
+    #[test]
     fn nodes_get_host_gw_routes_to_every_other_node() {
         let p = RunPrefix::new(1, 1);
         let lines = ip_lines(&node(&p, PodNetwork::DEFAULT, 2, 3, true).unwrap());
@@ -408,7 +568,7 @@ mod tests {
     #[test]
     fn the_edge_forwards_but_prohibits_pod_addresses() {
         let p = RunPrefix::new(1, 1);
-        let steps = base(&p, PodNetwork::DEFAULT, false);
+        let steps = base(&p, PodNetwork::DEFAULT, false, 1);
         assert!(steps.contains(&Step::Sysctl {
             netns: p.edge(),
             settings: vec![("net.ipv4.ip_forward".into(), "1".into())]
@@ -417,7 +577,7 @@ mod tests {
         assert!(lines.contains(&(p.edge(), "route add prohibit 10.244.0.0/16".into())));
         assert!(lines.contains(&(p.client(1), "route add default via 203.0.113.1".into())));
         assert!(lines.contains(&(p.client(2), "route add default via 192.0.2.1".into())));
-        let lines = ip_lines(&base(&p, PodNetwork::DEFAULT, true));
+        let lines = ip_lines(&base(&p, PodNetwork::DEFAULT, true, 1));
         for (netns, line) in [
             (p.edge(), "route add prohibit fd00:10:244::/48"),
             (p.client(1), "addr add 2001:db8:203::10/64 dev eth0 nodad"),

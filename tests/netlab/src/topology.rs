@@ -54,14 +54,19 @@ impl Pod {
     }
 }
 
-/// The cloud edge: gateway of the node network and of both client networks.
+/// A cloud edge. The single edge is the gateway of the node network and of both client
+/// networks; an edge of an edge cluster sits behind the router, which is.
 #[derive(Debug, Clone)]
 pub struct Edge {
     pub netns: Netns,
-    /// 198.18.0.1, the nodes' default gateway.
+    /// 198.18.0.1 for the single edge (the nodes' default gateway); 198.18.0.(240+E) for
+    /// edge E of a cluster.
     pub node_network_ip: Ipv4Addr,
     /// Interface where the mock cloud puts VIPs in proxy mode (`lo`).
     pub vip_interface: String,
+    /// An edge cluster's edge's leg on the edge LAN (its interface and address): where it
+    /// meets the router, as BGP neighbour or as the L2 owner of a VIP.
+    pub uplink: Option<(String, Ipv4Addr)>,
 }
 
 /// A node namespace.
@@ -113,9 +118,17 @@ pub struct TopologyBuilder {
     udp_port: u16,
     handle_signals: bool,
     ipv6: bool,
+    edges: usize,
 }
 
 impl TopologyBuilder {
+    /// An edge cluster of `edges` behind a router, with a 3-member etcd's namespaces, when
+    /// more than one (default 1: the single edge is the gateway). IPv4 only.
+    pub fn edges(mut self, edges: usize) -> Self {
+        self.edges = edges;
+        self
+    }
+
     /// IPv6 beside IPv4 on every link, host and pod ([`addr::v6`]): a dual-stack
     /// topology (default: IPv4 alone).
     pub fn ipv6(mut self) -> Self {
@@ -187,6 +200,15 @@ impl TopologyBuilder {
                 max: addr::MAX_NODES,
             });
         }
+        if self.edges == 0 || self.edges > addr::MAX_EDGES {
+            return Err(NetlabError::EdgesOutOfRange {
+                edges: self.edges,
+                max: addr::MAX_EDGES,
+            });
+        }
+        if self.edges > 1 && self.ipv6 {
+            return Err(NetlabError::EdgeClusterIpv4Only);
+        }
         let pods_per_node = self
             .pods_per_node
             .clone()
@@ -225,11 +247,9 @@ impl TopologyBuilder {
                 addr::CONTROL_PLANE_IP,
                 v6::CONTROL_PLANE_IP,
             ),
-            edge: Edge {
-                netns: Netns::attach(prefix.edge()),
-                node_network_ip: addr::EDGE_NODE_IP,
-                vip_interface: ifname::EDGE_VIPS.to_owned(),
-            },
+            edges: Vec::new(),
+            router: None,
+            etcd: Vec::new(),
             client_in_range: host(
                 prefix.client(1),
                 addr::CLIENT_IN_RANGE_IP,
@@ -254,7 +274,42 @@ impl TopologyBuilder {
         cleanup::register(&topology.prefix, self.handle_signals);
         tracing::info!(prefix = %topology.prefix, nodes = self.nodes, "building topology");
 
-        run_steps(&plan::base(&topology.prefix, self.pods, ipv6))?;
+        run_steps(&plan::base(&topology.prefix, self.pods, ipv6, self.edges))?;
+        if self.edges == 1 {
+            topology.edges.push(Edge {
+                netns: Netns::attach(topology.prefix.edge()),
+                node_network_ip: addr::EDGE_NODE_IP,
+                vip_interface: ifname::EDGE_VIPS.to_owned(),
+                uplink: None,
+            });
+        } else {
+            run_steps(&plan::edge_cluster(
+                &topology.prefix,
+                self.pods,
+                self.edges,
+            )?)?;
+            topology.router = Some(host(
+                topology.prefix.router(),
+                addr::EDGE_NODE_IP,
+                v6::EDGE_NODE_IP,
+            ));
+            for edge in 1..=self.edges {
+                let (node_network_ip, uplink) = addr::cluster_edge_ips(edge)?;
+                topology.edges.push(Edge {
+                    netns: Netns::attach(topology.prefix.cluster_edge(edge)),
+                    node_network_ip,
+                    vip_interface: ifname::EDGE_VIPS.to_owned(),
+                    uplink: Some((ifname::EDGE_UPLINK.to_owned(), uplink)),
+                });
+            }
+            topology.etcd = (1..=addr::ETCD_MEMBERS)
+                .map(|member| Host {
+                    netns: Netns::attach(topology.prefix.etcd(member)),
+                    ip: addr::etcd_ip(member),
+                    ip6: None,
+                })
+                .collect();
+        }
         for index in 1..=self.nodes {
             run_steps(&plan::node(
                 &topology.prefix,
@@ -388,7 +443,12 @@ pub struct Topology {
     ipv6: bool,
     switch: Netns,
     control_plane: Host,
-    edge: Edge,
+    /// One, or the edge cluster's.
+    edges: Vec<Edge>,
+    /// The router in front of an edge cluster (198.18.0.1, the gateway).
+    router: Option<Host>,
+    /// An edge cluster's etcd members.
+    etcd: Vec<Host>,
     client_in_range: Host,
     client_out_of_range: Host,
     nodes: Vec<Node>,
@@ -411,6 +471,7 @@ impl Topology {
             udp_port: DEFAULT_ECHO_PORT,
             handle_signals: true,
             ipv6: false,
+            edges: 1,
         }
     }
 
@@ -434,9 +495,25 @@ impl Topology {
         &self.control_plane
     }
 
-    /// The cloud edge (198.18.0.1): where the mock cloud runs.
+    /// The cloud edge (198.18.0.1): where the mock cloud runs; an edge cluster's first.
     pub fn edge(&self) -> &Edge {
-        &self.edge
+        // A topology is built with at least one edge.
+        &self.edges[0]
+    }
+
+    /// Every edge: the single one, or the edge cluster's.
+    pub fn edges(&self) -> &[Edge] {
+        &self.edges
+    }
+
+    /// The router in front of an edge cluster: the nodes' and clients' gateway.
+    pub fn router(&self) -> Option<&Host> {
+        self.router.as_ref()
+    }
+
+    /// An edge cluster's etcd members (none for a single edge).
+    pub fn etcd(&self) -> &[Host] {
+        &self.etcd
     }
 
     /// Client `c1`, 203.0.113.10: inside the usual source range.
@@ -482,10 +559,12 @@ impl Topology {
         let mut all = vec![
             &self.switch,
             &self.control_plane.netns,
-            &self.edge.netns,
             &self.client_in_range.netns,
             &self.client_out_of_range.netns,
         ];
+        all.extend(self.edges.iter().map(|e| &e.netns));
+        all.extend(self.router.iter().map(|r| &r.netns));
+        all.extend(self.etcd.iter().map(|m| &m.netns));
         all.extend(self.nodes.iter().map(|n| &n.netns));
         all.extend(self.pods.iter().map(|p| &p.netns));
         all
