@@ -120,6 +120,14 @@ fi
 step "lab day-2 scenarios, nftables mode" env TANDEM_E2E_PROXY_MODE=nftables \
     cargo test -p tandem-lab --locked --test day2
 
+# The edge cluster again (three edges behind a BIRD router, a 3-member etcd), with the node
+# proxies in nftables mode and HAProxy on every edge (the run above used iptables and the
+# edges' own listeners): an edge killed, its cable cut, cut off from etcd, the etcd leader
+# killed, every edge rolled and all restarted, under traffic through both LB modes; and
+# the L2 mode's owner lost and cut off.
+step "lab edge cluster, nftables mode, HAProxy edges" env TANDEM_E2E_PROXY_MODE=nftables \
+    TANDEM_E2E_EDGE_DATAPLANE=haproxy cargo test -p tandem-lab --locked --test edge_cluster
+
 # The mock cloud's API fuzzed from its OpenAPI document (schemathesis in its own venv).
 step "cloud-mock API fuzz" env CLOUD_MOCK_BIN="$PWD/target/debug/cloud-mock" \
     FUZZ_VENV="$PWD/target/pyenv-fuzz" bash cloud-mock/tests/fuzz_openapi.sh

@@ -18,14 +18,15 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use crate::binaries;
 use crate::bridge::RelayThread;
 use crate::components::Component;
-use crate::images::{ContainerRun, Images};
+use crate::edges::{Announce, EdgeSettings, Edges};
+use crate::images::Images;
+use crate::launcher::Launcher;
 use crate::netns;
 use crate::rules;
 use crate::scenario::{LbMode, ServicePlan, Spread};
 use crate::traffic::{Traffic, TrafficArgs};
 
 const API_PORT: u16 = 6443;
-const CLOUD_PORT: u16 = 8080;
 /// The first controller replica's metrics and health ports; replica N adds 10 × N.
 const CONTROLLER_METRICS_PORT: u16 = 10257;
 const CONTROLLER_HEALTH_PORT: u16 = 10258;
@@ -97,6 +98,11 @@ pub struct LabOptions {
     /// Service CIDRs), the pools hold and the node proxies serve. With IPv6 the topology is
     /// dual-stack underneath.
     pub ip_family: ClusterFamilies,
+    /// Cloud edges: one (the gateway), or an edge cluster of this many behind a router,
+    /// with a 3-member etcd (IPv4 only).
+    pub edges: usize,
+    /// How an edge cluster announces its VIPs to the router.
+    pub announce: Announce,
 }
 
 impl Default for LabOptions {
@@ -114,6 +120,8 @@ impl Default for LabOptions {
             controller_replicas: 1,
             sync_period: None,
             ip_family: ClusterFamilies::default(),
+            edges: 1,
+            announce: Announce::default(),
         }
     }
 }
@@ -145,7 +153,9 @@ pub struct Lab {
     node_proxies: Vec<NodeProxy>,
     /// The node proxies' `--sync-period`, when the lab sets it.
     sync_period: Option<Duration>,
-    /// Held for their drop: the API server stand-in and the mock cloud.
+    /// The cloud edges (and an edge cluster's etcd and router).
+    pub edges: Edges,
+    /// Held for its drop: the API server stand-in.
     _components: Vec<Component>,
     launcher: Launcher,
     relay: Option<RelayThread>,
@@ -182,6 +192,7 @@ impl Lab {
             .nodes(options.nodes)
             .pods_per_node(&options.pods_per_node)
             .pod_network(options.pod_network)
+            .edges(options.edges)
             // The lab handles SIGINT/SIGTERM itself: it must stop its processes before the
             // namespaces go, and the topology's own handler would exit without them.
             .handle_signals(false);
@@ -259,17 +270,10 @@ impl Lab {
             }
         });
 
-        progress("starting the mock cloud in the cloud edge");
-        let edge = topology.edge().clone();
-        let cloud_addr = SocketAddr::from((edge.node_network_ip, CLOUD_PORT));
-        let cloud_url = format!("http://{cloud_addr}");
         let token_file = run_dir.join("cloud-token");
         std::fs::write(&token_file, &token).context("writing the cloud token file")?;
-        let cloud_data = run_dir.join("cloud");
         if let Some(images) = &options.images {
             images.check_present(&["cloud-mock", "tandem-nodeproxy", "tandem-controller"])?;
-            // The image's non-root user writes the cloud's database.
-            images.hand_over("cloud-mock", &cloud_data)?;
         }
         let engine_config = match &options.images {
             Some(_) => Some(crate::images::write_engine_config(&run_dir)?),
@@ -281,11 +285,7 @@ impl Lab {
             run_dir: run_dir.clone(),
             logs: logs.clone(),
         };
-        let mut cloud_args = vec![
-            format!("--listen={cloud_addr}"),
-            format!("--data-dir={}", cloud_data.display()),
-            format!("--token={token}"),
-        ];
+        let mut cloud_args = vec![format!("--token={token}")];
         let v4_pools = options
             .ip_family
             .has(IpFamily::V4)
@@ -304,26 +304,28 @@ impl Lab {
         cloud_args.extend([
             format!("--dataplane={}", options.edge_dataplane.as_str()),
             "--manage-vip-addresses".to_owned(),
-            format!("--vip-device={}", edge.vip_interface),
+            format!("--vip-device={}", topology.edge().vip_interface),
             "--provisioning-delay=200ms".to_owned(),
             // The lab is where faults are injected by hand and by its tests.
             "--fault-injection".to_owned(),
         ]);
-        let mut cloud = launcher.start(
-            &edge.netns,
-            "cloud-mock",
-            "cloud-mock",
-            // VIP addresses and passthrough routes in the cloud edge; listeners on the LB
-            // ports (80) as its non-root user.
-            &["NET_ADMIN", "NET_RAW", "NET_BIND_SERVICE"],
-            &cloud_args,
-        )?;
-        cloud
-            .wait_serving(cloud_addr, Duration::from_secs(20))
-            .await?;
-        components.push(cloud);
-        let cloud_client = cloud_mock_sdk::Client::new(
-            &cloud_url,
+        let edges = Edges::start(
+            &topology,
+            EdgeSettings {
+                cloud_args,
+                announce: options.announce,
+                run_dir: &run_dir,
+                logs: &logs,
+            },
+            launcher.clone(),
+            progress,
+        )
+        .await?;
+        let urls = edges.urls();
+        let cloud_url = urls[0].clone();
+        let url_refs: Vec<&str> = urls.iter().map(String::as_str).collect();
+        let cloud_client = cloud_mock_sdk::Client::with_edges(
+            &url_refs,
             token.clone(),
             cloud_mock_sdk::ClientOptions::default(),
         )
@@ -340,12 +342,20 @@ impl Lab {
             })
             .collect();
 
-        let mut controller_args = vec![
-            format!("--kubeconfig={}", kubeconfig.display()),
-            format!("--cloud-url={cloud_url}"),
-            format!("--cloud-token-file={}", token_file.display()),
-            format!("--cluster-id={}", options.cluster_id),
-        ];
+        let mut controller_args = vec![format!("--kubeconfig={}", kubeconfig.display())];
+        if urls.len() == 1 {
+            controller_args.extend([
+                format!("--cloud-url={cloud_url}"),
+                format!("--cloud-token-file={}", token_file.display()),
+            ]);
+        } else {
+            // Every edge's API: a call that cannot connect to one is tried on the next.
+            let config = run_dir.join("cloud-config.json");
+            let text = serde_json::json!({"urls": urls, "tokenFile": token_file});
+            std::fs::write(&config, text.to_string()).context("writing the cloud config")?;
+            controller_args.push(format!("--cloud-config={}", config.display()));
+        }
+        controller_args.push(format!("--cluster-id={}", options.cluster_id));
         if let Some(class) = &load_balancer_class {
             controller_args.extend([
                 format!("--load-balancer-class={class}"),
@@ -369,6 +379,7 @@ impl Lab {
         }
 
         let mut lab = Self {
+            edges,
             _components: components,
             controllers: Vec::new(),
             controllers_started: 0,
@@ -615,6 +626,13 @@ impl Lab {
             let svc = self.service(plan).await?;
             let ips = ingress_ips(&svc);
             if ips.len() >= count {
+                // In front of an edge cluster, a VIP answers once the router can reach it.
+                let remaining = timeout.saturating_sub(start.elapsed());
+                for &vip in &ips {
+                    self.edges
+                        .wait_announced(&self.topology, vip, remaining)
+                        .await?;
+                }
                 return Ok(ips);
             }
             if start.elapsed() > timeout {
@@ -780,6 +798,81 @@ impl Lab {
             .join("logs")
             .join(format!("traffic-{name}.log"));
         Ok(Traffic::start(&client.netns, args, &log).await?)
+    }
+
+    /// Waits until 10 requests in a row from the client inside the source ranges to
+    /// `vip:80` all succeed; returns how long it took.
+    pub async fn serve_within(&self, vip: IpAddr, bound: Duration) -> Result<Duration> {
+        let start = Instant::now();
+        loop {
+            let spread = self
+                .http_requests(self.topology.client_in_range(), vip, 80, 10)
+                .await?;
+            if spread.failed == 0 {
+                return Ok(start.elapsed());
+            }
+            if start.elapsed() > bound {
+                bail!("{vip}:80 still fails requests after {bound:?}: {spread:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// A Service `NAME-MODE` of each of `modes` over every pod, each answering from the
+    /// client inside the source ranges within `within`.
+    pub async fn create_served_services(
+        &self,
+        name: &str,
+        modes: &[LbMode],
+        within: Duration,
+    ) -> Result<Vec<ServedService>> {
+        let mut services = Vec::new();
+        for &mode in modes {
+            let mut plan = ServicePlan::new(&format!("{name}-{}", mode.as_str()), mode);
+            plan.pods = self
+                .topology
+                .pods()
+                .iter()
+                .map(|p| p.name.clone())
+                .collect();
+            self.create_service(&plan).await?;
+            let vip = self.wait_for_ingress(&plan, within).await?;
+            self.serve_within(vip, within).await?;
+            services.push(ServedService { plan, vip });
+        }
+        Ok(services)
+    }
+
+    /// Client traffic from the client inside the source ranges towards each of
+    /// `services`, in their order.
+    pub async fn start_traffic_through(
+        &self,
+        services: &[ServedService],
+        scenario: &str,
+    ) -> Result<Vec<Traffic>> {
+        let mut traffic = Vec::new();
+        for ServedService { plan, vip } in services {
+            let args = TrafficArgs::new(SocketAddr::new(*vip, plan.port));
+            let name = format!("{scenario}-{}", plan.mode.as_str());
+            traffic.push(
+                self.start_traffic(self.topology.client_in_range(), &args, &name)
+                    .await?,
+            );
+        }
+        Ok(traffic)
+    }
+
+    /// A client of edge `index`'s API alone, which tries once: what that edge answers.
+    pub fn edge_client(&self, index: usize) -> Result<cloud_mock_sdk::Client> {
+        let token = std::fs::read_to_string(self.run_dir.join("cloud-token"))
+            .context("reading the cloud token")?;
+        let options = cloud_mock_sdk::ClientOptions {
+            timeout: Duration::from_secs(5),
+            max_retries: 0,
+            ..cloud_mock_sdk::ClientOptions::default()
+        };
+        cloud_mock_sdk::Client::new(&self.edges.url(index)?, token, options)
+            .map_err(|e| anyhow!("a client of edge {index}: {e}"))
     }
 
     /// The mode node `index`'s proxy runs in, or last ran in (nodes in topology order, from 0).
@@ -1136,50 +1229,10 @@ impl Drop for Lab {
     }
 }
 
-/// Starts Tandem's binaries: as processes in the lab's namespaces, or from their images.
-struct Launcher {
-    /// The images and the engine configuration, or `None` for processes.
-    images: Option<(Images, PathBuf)>,
-    prefix: String,
-    run_dir: PathBuf,
-    logs: PathBuf,
-}
-
-impl Launcher {
-    /// Starts `binary args` in `netns` as `name`; a container gets `capabilities` (a
-    /// process runs as root with all of them).
-    fn start(
-        &self,
-        netns: &Netns,
-        name: &str,
-        binary: &str,
-        capabilities: &[&'static str],
-        args: &[String],
-    ) -> Result<Component> {
-        let component = match &self.images {
-            None => Component::start(
-                netns,
-                name,
-                &binaries::locate(binary)?,
-                args,
-                &[],
-                &self.logs,
-            )?,
-            Some((images, config)) => {
-                let run = ContainerRun {
-                    config: config.to_owned(),
-                    name: format!("tandem-lab-{}-{name}", self.prefix),
-                    image: images.reference(binary),
-                    netns: netns.name().to_owned(),
-                    add_capabilities: capabilities.to_vec(),
-                    // Kubeconfig, cloud token and the cloud's data, at the same paths.
-                    mounts: vec![self.run_dir.clone()],
-                };
-                Component::start_container(&run, name, args, &self.logs)?
-            }
-        };
-        Ok(component)
-    }
+/// A Service that answers: its plan and its (first) VIP.
+pub struct ServedService {
+    pub plan: ServicePlan,
+    pub vip: IpAddr,
 }
 
 /// The lab's Nodes as the API sees them: an InternalIP and a pod CIDR per cluster family.

@@ -8,10 +8,13 @@
 pub mod binaries;
 pub mod bridge;
 pub mod components;
+pub mod edges;
 pub mod harness;
 pub mod images;
 pub mod lab;
+pub mod launcher;
 pub mod netns;
+pub mod outcome;
 pub mod report;
 pub mod rules;
 pub mod scenario;

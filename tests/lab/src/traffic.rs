@@ -624,6 +624,15 @@ impl Traffic {
         }
     }
 
+    /// Stops every stream of `all` and returns what their clients saw, in their order.
+    pub async fn stop_all(all: Vec<Self>) -> Result<Vec<Summary>, TrafficError> {
+        let mut summaries = Vec::new();
+        for traffic in all {
+            summaries.push(traffic.stop().await?);
+        }
+        Ok(summaries)
+    }
+
     /// Stops the stream and returns what the client saw.
     pub async fn stop(mut self) -> Result<Summary, TrafficError> {
         // Closing stdin is the generator's signal to stop.

@@ -21,18 +21,18 @@
 //! | one DNAT rule (iptables) or endpoint map element (nftables) of each Service deleted under a running node proxy | back within one `--sync-period` (failures counted) |
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::fmt::Write as _;
-use std::net::{IpAddr, SocketAddr, SocketAddrV4};
+use std::net::{SocketAddr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use nix::sys::signal::Signal;
 use tandem_common::ProxyMode;
 use tandem_lab::harness;
-use tandem_lab::lab::{Lab, controller_leads, node_rules};
+use tandem_lab::lab::{Lab, ServedService, controller_leads, node_rules};
+use tandem_lab::outcome::{self, Outcome};
 use tandem_lab::rules::{self, ServicePort};
 use tandem_lab::scenario::{LbMode, ServicePlan};
-use tandem_lab::traffic::{Summary, Traffic, TrafficArgs};
+use tandem_lab::traffic::Traffic;
 use tandem_netlab::{IpFamily, Netns};
 use tokio_util::sync::CancellationToken;
 
@@ -64,7 +64,15 @@ fn day_two_operations_fail_no_requests() {
     options.sync_period = Some(SYNC_PERIOD);
     harness::run(options, |mut lab| async move {
         let started = Instant::now();
-        let services = create_services(&lab).await;
+        // In LB mode order (proxy, passthrough), both over every pod.
+        let services = lab
+            .create_served_services(
+                "day2",
+                &[LbMode::Proxy, LbMode::Passthrough],
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
         let mut outcomes = Vec::new();
         let mut record = |name: &'static str, result: Result<Outcome>| {
             let outcome = result.unwrap_or_else(|e| Outcome::could_not_run(name, &e));
@@ -90,7 +98,14 @@ fn day_two_operations_fail_no_requests() {
         );
         record(DRIFT, repair_deleted_rules(&mut lab, &services).await);
 
-        println!("{}", table(lab.proxy_mode, &outcomes, started.elapsed()));
+        let title = format!(
+            "Failed requests during day-2 operations, node proxies in {} mode \
+             (20 new connections a second per Service, one long-lived connection each; \
+             the whole run {:.0?})",
+            lab.proxy_mode,
+            started.elapsed()
+        );
+        println!("{}", outcome::table(&title, &outcomes));
         let missed: Vec<String> = outcomes
             .iter()
             .flat_map(|o| o.missed.iter().map(move |m| format!("{}: {m}", o.scenario)))
@@ -113,51 +128,8 @@ const API_OUTAGE_NAME: &str = "the API server unreachable for 60 s";
 const KILLED_AND_FLUSHED: &str = "a node proxy killed (SIGKILL), its rules flushed, started";
 const DRIFT: &str = "a DNAT rule / map element of each Service deleted";
 
-/// A Service under traffic, its LB mode's.
-struct LabService {
-    plan: ServicePlan,
-    vip: IpAddr,
-}
-
-/// The two Services under traffic, in LB mode order (proxy, passthrough), both over every
-/// pod.
-async fn create_services(lab: &Lab) -> Vec<LabService> {
-    let mut services = Vec::new();
-    for mode in [LbMode::Proxy, LbMode::Passthrough] {
-        let mut plan = ServicePlan::new(&format!("day2-{}", mode.as_str()), mode);
-        plan.pods = all_pods(lab);
-        lab.create_service(&plan).await.unwrap();
-        let vip = lab
-            .wait_for_ingress(&plan, Duration::from_secs(60))
-            .await
-            .unwrap();
-        serve_within(lab, vip, Duration::from_secs(20))
-            .await
-            .unwrap();
-        services.push(LabService { plan, vip });
-    }
-    services
-}
-
 fn all_pods(lab: &Lab) -> Vec<String> {
     lab.topology.pods().iter().map(|p| p.name.clone()).collect()
-}
-
-/// Waits until 10 requests in a row to `vip:80` all succeed; returns how long it took.
-async fn serve_within(lab: &Lab, vip: IpAddr, bound: Duration) -> Result<Duration> {
-    let start = Instant::now();
-    loop {
-        let spread = lab
-            .http_requests(lab.topology.client_in_range(), vip, 80, 10)
-            .await?;
-        if spread.failed == 0 {
-            return Ok(start.elapsed());
-        }
-        if start.elapsed() > bound {
-            bail!("{vip}:80 still fails requests after {bound:?}: {spread:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
 }
 
 /// Creates a proxy-mode Service over every pod; says how long until it had its ingress IP
@@ -171,8 +143,7 @@ async fn create_and_serve(lab: &Lab, name: &str) -> Result<String> {
         .wait_for_ingress(&plan, NEW_SERVICE_SERVED_WITHIN)
         .await?;
     let ingress = start.elapsed();
-    serve_within(
-        lab,
+    lab.serve_within(
         vip,
         NEW_SERVICE_SERVED_WITHIN.saturating_sub(start.elapsed()),
     )
@@ -184,157 +155,12 @@ async fn create_and_serve(lab: &Lab, name: &str) -> Result<String> {
     ))
 }
 
-/// Client traffic towards every Service, from the client inside the source ranges.
-async fn start_traffic(lab: &Lab, services: &[LabService], scenario: &str) -> Result<Vec<Traffic>> {
-    let mut traffic = Vec::new();
-    for service in services {
-        let args = TrafficArgs::new(SocketAddr::from((service.vip, service.plan.port)));
-        let name = format!("{scenario}-{}", service.plan.mode.as_str());
-        traffic.push(
-            lab.start_traffic(lab.topology.client_in_range(), &args, &name)
-                .await?,
-        );
-    }
-    Ok(traffic)
-}
-
-async fn stop_traffic(traffic: Vec<Traffic>) -> Result<Vec<Summary>> {
-    let mut summaries = Vec::new();
-    for t in traffic {
-        summaries.push(t.stop().await?);
-    }
-    Ok(summaries)
-}
-
-/// What one scenario measured, and the targets it missed.
-struct Outcome {
-    scenario: &'static str,
-    /// Whether its target is no failed request and the long-lived connections kept (else
-    /// failures are only counted).
-    zero_failures: bool,
-    /// The traffic through each Service, in LB mode order.
-    traffic: Vec<Summary>,
-    notes: Vec<String>,
-    missed: Vec<String>,
-    took: Duration,
-}
-
-impl Outcome {
-    fn new(scenario: &'static str, zero_failures: bool) -> Self {
-        Self {
-            scenario,
-            zero_failures,
-            traffic: Vec::new(),
-            notes: Vec::new(),
-            missed: Vec::new(),
-            took: Duration::ZERO,
-        }
-    }
-
-    fn could_not_run(scenario: &'static str, error: &anyhow::Error) -> Self {
-        let mut outcome = Self::new(scenario, true);
-        outcome.missed.push(format!("could not run: {error:#}"));
-        outcome
-    }
-
-    fn note(&mut self, note: impl Into<String>) {
-        self.notes.push(note.into());
-    }
-
-    /// Records `target` as missed unless `met`.
-    fn check(&mut self, met: bool, target: impl Into<String>) {
-        if !met {
-            self.missed.push(target.into());
-        }
-    }
-
-    /// Records the traffic, and checks it against the target when the scenario has one.
-    fn finish(mut self, traffic: Vec<Summary>, started: Instant) -> Self {
-        if self.zero_failures {
-            for summary in &traffic {
-                self.check(
-                    summary.failed() == 0,
-                    format!("0 failed requests: {}", summary.describe()),
-                );
-                self.check(
-                    summary.long_lived_kept(),
-                    format!("the long-lived connection kept: {}", summary.describe()),
-                );
-            }
-        }
-        self.traffic = traffic;
-        self.took = started.elapsed();
-        self
-    }
-
-    fn describe(&self) -> String {
-        let mut text = format!("=== {} ({:.1?})", self.scenario, self.took);
-        for summary in &self.traffic {
-            let _ = write!(text, "\n  {}", summary.describe());
-        }
-        for note in &self.notes {
-            let _ = write!(text, "\n  {note}");
-        }
-        for missed in &self.missed {
-            let _ = write!(text, "\n  MISSED {missed}");
-        }
-        text
-    }
-}
-
-/// The failed-request table, in Markdown.
-fn table(mode: ProxyMode, outcomes: &[Outcome], took: Duration) -> String {
-    let mut text = format!(
-        "\nFailed requests during day-2 operations, node proxies in {mode} mode \
-         (20 new connections a second per Service, one long-lived connection each; \
-         the whole run {:.0?}):\n\n\
-         | scenario | proxy LB: failed / sent | long-lived | passthrough LB: failed / sent | long-lived | target | met |\n\
-         |---|---|---|---|---|---|---|\n",
-        took
-    );
-    for outcome in outcomes {
-        let mut cells = Vec::new();
-        for summary in &outcome.traffic {
-            cells.push(format!("{} / {}", summary.failed(), summary.sent));
-            cells.push(if summary.long_lived_kept() {
-                "kept".to_owned()
-            } else {
-                "broken".to_owned()
-            });
-        }
-        cells.resize(4, "-".to_owned());
-        let target = if outcome.zero_failures {
-            "0 failed, long-lived kept".to_owned()
-        } else {
-            "counted".to_owned()
-        };
-        let met = if outcome.missed.is_empty() {
-            "yes"
-        } else {
-            "NO"
-        };
-        let _ = writeln!(
-            text,
-            "| {} | {} | {target} | {met} |",
-            outcome.scenario,
-            cells.join(" | ")
-        );
-    }
-    for outcome in outcomes.iter().filter(|o| !o.notes.is_empty()) {
-        let _ = write!(text, "\n{}:", outcome.scenario);
-        for note in &outcome.notes {
-            let _ = write!(text, "\n  {note}");
-        }
-    }
-    text
-}
-
 /// Every node proxy restarted, one node after another, as a DaemonSet's rolling update
 /// does (it waits for each node's readiness, `/healthz`, before the next).
-async fn restart_every_node_proxy(lab: &mut Lab, services: &[LabService]) -> Result<Outcome> {
+async fn restart_every_node_proxy(lab: &mut Lab, services: &[ServedService]) -> Result<Outcome> {
     let started = Instant::now();
     let mut outcome = Outcome::new(RESTART, true);
-    let traffic = start_traffic(lab, services, "restart").await?;
+    let traffic = lab.start_traffic_through(services, "restart").await?;
     let mode = lab.proxy_mode;
     let mut downtimes = Vec::new();
     for index in 0..lab.topology.nodes().len() {
@@ -345,7 +171,7 @@ async fn restart_every_node_proxy(lab: &mut Lab, services: &[LabService]) -> Res
         "each node from SIGTERM to /healthz 200 again: {}",
         durations(&downtimes)
     ));
-    Ok(outcome.finish(stop_traffic(traffic).await?, started))
+    Ok(outcome.finish(Traffic::stop_all(traffic).await?, started))
 }
 
 fn durations(all: &[Duration]) -> String {
@@ -363,7 +189,7 @@ fn other_mode(mode: ProxyMode) -> ProxyMode {
 }
 
 /// Each Service's TCP port and its endpoints.
-fn ports(lab: &Lab, services: &[LabService]) -> Result<Vec<(ServicePort, Vec<SocketAddrV4>)>> {
+fn ports(lab: &Lab, services: &[ServedService]) -> Result<Vec<(ServicePort, Vec<SocketAddrV4>)>> {
     services
         .iter()
         .map(|s| Ok((s.plan.http_port(), lab.endpoints_of(&s.plan)?)))
@@ -473,13 +299,13 @@ fn read_samples(samples: &[Sample]) -> SwitchSamples {
 
 /// Node 1's proxy restarted in the other proxy mode and then back, while its rules are
 /// sampled to show whether a moment ever came with neither mode's rules.
-async fn switch_proxy_mode_and_back(lab: &mut Lab, services: &[LabService]) -> Result<Outcome> {
+async fn switch_proxy_mode_and_back(lab: &mut Lab, services: &[ServedService]) -> Result<Outcome> {
     let started = Instant::now();
     let mut outcome = Outcome::new(MODE_SWITCH, true);
     let ports = ports(lab, services)?;
     let node = lab.topology.nodes()[0].netns.clone();
     let original = lab.node_proxy_mode(0)?;
-    let traffic = start_traffic(lab, services, "mode-switch").await?;
+    let traffic = lab.start_traffic_through(services, "mode-switch").await?;
     for (old, new) in [
         (original, other_mode(original)),
         (other_mode(original), original),
@@ -517,15 +343,15 @@ async fn switch_proxy_mode_and_back(lab: &mut Lab, services: &[LabService]) -> R
         );
         tokio::time::sleep(SETTLE).await;
     }
-    Ok(outcome.finish(stop_traffic(traffic).await?, started))
+    Ok(outcome.finish(Traffic::stop_all(traffic).await?, started))
 }
 
 /// The controller's leader killed: the standby takes the Lease over and a Service created
 /// after the kill is served. The Deployment's replacement replica starts afterwards.
-async fn kill_the_controller_leader(lab: &mut Lab, services: &[LabService]) -> Result<Outcome> {
+async fn kill_the_controller_leader(lab: &mut Lab, services: &[ServedService]) -> Result<Outcome> {
     let started = Instant::now();
     let mut outcome = Outcome::new(LEADER_KILLED, true);
-    let traffic = start_traffic(lab, services, "leader-killed").await?;
+    let traffic = lab.start_traffic_through(services, "leader-killed").await?;
     let replicas = lab.controller_replicas();
     let leader = lab
         .controller_leader()
@@ -563,15 +389,15 @@ async fn kill_the_controller_leader(lab: &mut Lab, services: &[LabService]) -> R
     let replacement = lab.start_controller_replica().await?;
     outcome.note(format!("replacement replica {replacement} started"));
     tokio::time::sleep(SETTLE).await;
-    Ok(outcome.finish(stop_traffic(traffic).await?, started))
+    Ok(outcome.finish(Traffic::stop_all(traffic).await?, started))
 }
 
 /// The API server unreachable from the whole lab for 60 s, then back; a Service created
 /// after that must be served, and at no moment may two controller replicas lead.
-async fn lose_the_api_server(lab: &mut Lab, services: &[LabService]) -> Result<Outcome> {
+async fn lose_the_api_server(lab: &mut Lab, services: &[ServedService]) -> Result<Outcome> {
     let started = Instant::now();
     let mut outcome = Outcome::new(API_OUTAGE_NAME, true);
-    let traffic = start_traffic(lab, services, "api-outage").await?;
+    let traffic = lab.start_traffic_through(services, "api-outage").await?;
     let before = lab.controller_replicas();
     let settled = CancellationToken::new();
     let leaders = tokio::spawn(sample_leaders(
@@ -623,7 +449,7 @@ async fn lose_the_api_server(lab: &mut Lab, services: &[LabService]) -> Result<O
         outcome.note(format!("replacement replica {replacement} started"));
     }
     tokio::time::sleep(SETTLE).await;
-    Ok(outcome.finish(stop_traffic(traffic).await?, started))
+    Ok(outcome.finish(Traffic::stop_all(traffic).await?, started))
 }
 
 /// Which controller replicas say they lead (their leader gauge), every half second, until
@@ -655,13 +481,15 @@ async fn sample_leaders(
 /// Node 1's proxy killed and its rules flushed by someone else while it is down; once
 /// started again it must restore them within a second. Failures while it is down are
 /// counted.
-async fn kill_and_flush_a_node_proxy(lab: &mut Lab, services: &[LabService]) -> Result<Outcome> {
+async fn kill_and_flush_a_node_proxy(lab: &mut Lab, services: &[ServedService]) -> Result<Outcome> {
     let started = Instant::now();
     let mut outcome = Outcome::new(KILLED_AND_FLUSHED, false);
     let ports = ports(lab, services)?;
     let node = lab.topology.nodes()[0].netns.clone();
     let mode = lab.node_proxy_mode(0)?;
-    let traffic = start_traffic(lab, services, "killed-and-flushed").await?;
+    let traffic = lab
+        .start_traffic_through(services, "killed-and-flushed")
+        .await?;
     lab.stop_node_proxy(0, Signal::SIGKILL).await?;
     let flush: &[&str] = match mode {
         ProxyMode::Iptables => &["iptables", "-w", "-t", "nat", "-F"],
@@ -705,7 +533,7 @@ async fn kill_and_flush_a_node_proxy(lab: &mut Lab, services: &[LabService]) -> 
     );
     lab.wait_node_proxy_healthy(0).await?;
     tokio::time::sleep(SETTLE).await;
-    Ok(outcome.finish(stop_traffic(traffic).await?, started))
+    Ok(outcome.finish(Traffic::stop_all(traffic).await?, started))
 }
 
 /// One thing deleted from a node's rules: how to find whether it is back.
@@ -730,12 +558,12 @@ impl Deleted {
 /// Under a running node proxy, one endpoint's DNAT rule (iptables: `iptables -t nat -D`)
 /// or map element (nftables: `nft delete element`) of each Service deleted: it must be
 /// back within one `--sync-period`. Failures until then are counted.
-async fn repair_deleted_rules(lab: &mut Lab, services: &[LabService]) -> Result<Outcome> {
+async fn repair_deleted_rules(lab: &mut Lab, services: &[ServedService]) -> Result<Outcome> {
     let started = Instant::now();
     let mut outcome = Outcome::new(DRIFT, false);
     let node = lab.topology.nodes()[0].netns.clone();
     let mode = lab.node_proxy_mode(0)?;
-    let traffic = start_traffic(lab, services, "drift").await?;
+    let traffic = lab.start_traffic_through(services, "drift").await?;
     let listing = node_rules(&node, mode, IpFamily::V4).await?;
     let mut deleted = Vec::new();
     for (port, endpoints) in ports(lab, services)? {
@@ -799,5 +627,5 @@ async fn repair_deleted_rules(lab: &mut Lab, services: &[LabService]) -> Result<
         format!("back within one --sync-period ({SYNC_PERIOD:?}): {repaired:?}"),
     );
     tokio::time::sleep(SETTLE).await;
-    Ok(outcome.finish(stop_traffic(traffic).await?, started))
+    Ok(outcome.finish(Traffic::stop_all(traffic).await?, started))
 }

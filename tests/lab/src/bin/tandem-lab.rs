@@ -11,6 +11,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 use tandem_common::ProxyMode;
+use tandem_lab::edges::Announce;
 use tandem_lab::images::Images;
 use tandem_lab::lab::{EdgeDataPlane, Lab, LabOptions};
 use tandem_lab::report;
@@ -63,6 +64,15 @@ struct Cli {
     /// node proxies a proxier per family. With `dual` the demo's Services are dual-stack.
     #[arg(long, global = true, env = "TANDEM_LAB_IP_FAMILY", value_enum, default_value_t = ClusterFamilies::Ipv4)]
     ip_family: ClusterFamilies,
+    /// Cloud edges. More than one make an edge cluster behind a router (BIRD): a 3-member
+    /// etcd holds their state and every edge serves the API and the VIPs (IPv4 only;
+    /// needs Debian's etcd-server, bird2 and arping).
+    #[arg(long, global = true, env = "TANDEM_LAB_EDGES", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=addr::MAX_EDGES as i64))]
+    edges: u16,
+    /// How an edge cluster announces its VIPs to the router: BGP with BFD from every edge
+    /// (ECMP), or one owner per VIP answering ARP (l2).
+    #[arg(long, global = true, env = "TANDEM_LAB_ANNOUNCE", value_enum, default_value_t = Announce::Bgp)]
+    announce: Announce,
 }
 
 #[derive(Subcommand, Debug)]
@@ -91,6 +101,12 @@ struct LabState {
     client_in_range: String,
     client_out_of_range: String,
     nodes: Vec<String>,
+    /// The edges' namespaces: one, or an edge cluster's.
+    edges: Vec<String>,
+    /// The router's namespace in front of an edge cluster.
+    router: Option<String>,
+    /// An edge cluster's etcd members' namespaces.
+    etcd: Vec<String>,
     /// (name, its ingress addresses comma-separated)
     services: Vec<(String, String)>,
 }
@@ -148,6 +164,14 @@ fn require_programs(cli: &Cli) -> Result<()> {
     if matches!(cli.command, Command::Demo) {
         needed.push(("kubectl", "kubectl"));
     }
+    if cli.edges > 1 {
+        // The edge cluster's own processes run on the host, from images too.
+        needed.extend([("etcd", "etcd-server"), ("nft", "nftables")]);
+        needed.push(match cli.announce {
+            Announce::Bgp => ("bird", "bird2"),
+            Announce::L2 => ("arping", "arping"),
+        });
+    }
     let path = std::env::var_os("PATH").unwrap_or_default();
     let missing: Vec<_> = needed
         .into_iter()
@@ -184,6 +208,8 @@ fn with_lab(cli: &Cli, body: impl for<'a> FnOnce(&'a mut Lab) -> LabFuture<'a>) 
         proxy_mode: cli.proxy_mode,
         edge_dataplane: cli.edge_dataplane,
         ip_family: cli.ip_family,
+        edges: usize::from(cli.edges),
+        announce: cli.announce,
         ..LabOptions::default()
     };
     progress("building the virtual cluster (network namespaces, bridges, veth pairs, pods)");
@@ -433,6 +459,9 @@ async fn serve(lab: &mut Lab) -> Result<()> {
             .iter()
             .map(|n| n.netns.name().to_owned())
             .collect(),
+        edges: names(lab.topology.edges().iter().map(|e| &e.netns)),
+        router: lab.topology.router().map(|r| r.netns.name().to_owned()),
+        etcd: names(lab.topology.etcd().iter().map(|m| &m.netns)),
         services: vec![(
             plan.name.clone(),
             vips.iter()
@@ -445,6 +474,10 @@ async fn serve(lab: &mut Lab) -> Result<()> {
         .context("writing the lab state file")?;
     // Runs until `down` (SIGTERM) or Ctrl-C; with_lab tears the lab down.
     std::future::pending().await
+}
+
+fn names<'a>(namespaces: impl Iterator<Item = &'a tandem_netlab::Netns>) -> Vec<String> {
+    namespaces.map(|n| n.name().to_owned()).collect()
 }
 
 fn read_state() -> Result<LabState> {
@@ -474,6 +507,8 @@ fn up(cli: &Cli) -> Result<()> {
     cmd.arg("--pod-cidr").arg(cli.pod_cidr.to_string());
     cmd.arg("--proxy-mode").arg(cli.proxy_mode.as_str());
     cmd.arg("--edge-dataplane").arg(cli.edge_dataplane.as_str());
+    cmd.arg("--edges").arg(cli.edges.to_string());
+    cmd.arg("--announce").arg(cli.announce.as_str());
     if let Some(family) = cli.ip_family.to_possible_value() {
         cmd.arg("--ip-family").arg(family.get_name());
     }
@@ -545,6 +580,16 @@ fn print_usage(state: &LabState) {
     );
     for (name, vip) in &state.services {
         println!("  Service default/{name}, LoadBalancer ingress {vip}");
+    }
+    println!("  edges: {}", state.edges.join(", "));
+    if let Some(router) = &state.router {
+        println!("  router: {router}; etcd: {}", state.etcd.join(", "));
+        println!("the router's routes to the VIPs (ECMP over the edges):");
+        println!("  ip -n {router} route show root 198.51.100.0/24");
+        println!(
+            "  birdc -s {} show protocols",
+            state.run_dir.join("bird-router.ctl").display()
+        );
     }
     println!("\nkubectl (from the control-plane namespace):");
     println!(
