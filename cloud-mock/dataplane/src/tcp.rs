@@ -16,6 +16,17 @@ use crate::metrics::{Metrics, Outcome};
 use crate::plan::{ListenerRoute, source_allowed, try_order};
 use crate::splice::forward_both_ways;
 
+/// TCP keep-alive on both sides of a proxied connection: a connection whose other end is
+/// gone without a word (a client whose flow the routers' ECMP moved to another edge when
+/// one left, which reset it there; a client or node that vanished) is probed once idle
+/// for 30 s and closed within 30 s more, instead of being held open forever.
+fn keepalive() -> socket2::TcpKeepalive {
+    socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(30))
+        .with_interval(Duration::from_secs(10))
+        .with_retries(3)
+}
+
 /// What a listener task needs besides its socket.
 #[derive(Debug, Clone)]
 pub(crate) struct ListenerContext {
@@ -120,6 +131,9 @@ async fn forward(
     for stream in [&client, &upstream] {
         if let Err(error) = stream.set_nodelay(true) {
             debug!(%error, "cannot set TCP_NODELAY");
+        }
+        if let Err(error) = socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive()) {
+            debug!(%error, "cannot set TCP keep-alive");
         }
     }
     tokio::select! {

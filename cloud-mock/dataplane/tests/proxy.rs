@@ -539,3 +539,39 @@ async fn unrealisable_load_balancers_are_reported_and_the_rest_converges() {
     assert_eq!(tcp_hello(None, vip, taken_port).await.unwrap().1, "a");
     dataplane.shutdown().await;
 }
+
+#[tokio::test]
+async fn proxied_connections_probe_a_silent_peer() {
+    let (vip, a) = (addr(209, 1), addr(209, 11));
+    let backend_port = free_port(a).await;
+    let _server = tcp_backend(a, backend_port, "a").await;
+    let port = free_port(vip).await;
+    let dataplane = DataPlane::new(fast_config());
+    let only = lb(
+        "lb-keepalive",
+        vip,
+        vec![listener(Protocol::Tcp, port, backend_port, None)],
+        vec![a],
+    );
+    dataplane.apply(vec![only]).await.unwrap();
+    let (_open, greeting) = tcp_hello(None, vip, port).await.unwrap();
+    assert_eq!(greeting, "a");
+    // The edge's two sockets of the connection: the client's, accepted on the VIP, and the
+    // one to the backend. `ss -o` shows each one's keep-alive timer.
+    let sockets = |filter: String| {
+        let out = std::process::Command::new("ss")
+            .args(["-Htno", "state", "established", &filter])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let accepted = sockets(format!("src {vip}:{port}"));
+    let upstream = sockets(format!("dst {a}:{backend_port}"));
+    for (side, listing) in [("client", &accepted), ("backend", &upstream)] {
+        assert!(
+            listing.contains("timer:(keepalive,"),
+            "the {side} side probes its peer: {listing:?}"
+        );
+    }
+    dataplane.shutdown().await;
+}
