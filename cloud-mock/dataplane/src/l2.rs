@@ -2,15 +2,16 @@
 //! that owns a VIP (the cloud-mock crate decides that, with an etcd lease) holds it as an
 //! address of the device on the clients' network, so that it alone answers ARP and
 //! neighbour solicitations for it, and announces it there on takeover and periodically:
-//! a gratuitous ARP (`arping -U`) for IPv4, and for IPv6 the unsolicited neighbour
-//! advertisement the kernel sends when the address is added (`ndisc_notify`).
+//! a gratuitous ARP (`arping -U`) for IPv4, and for IPv6 an unsolicited neighbour
+//! advertisement (RFC 4861 §7.2.6) sent to all nodes from a raw ICMPv6 socket, besides
+//! the one the kernel sends when the address is added (`ndisc_notify`).
 //!
 //! Every edge's listeners bind the VIPs on `--vip-device` (loopback) as in one-edge mode;
 //! `arp_ignore=1` on the device keeps an edge from answering ARP for addresses it has only
 //! there, and IPv6 answers solicitations only for addresses of the asking interface.
 
 use std::collections::BTreeSet;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv6Addr, SocketAddrV6};
 use std::path::PathBuf;
 
 use ipnet::IpNet;
@@ -42,6 +43,54 @@ fn sysctls(device: &str) -> [String; 3] {
         format!("net.ipv4.conf.{device}.arp_announce=2"),
         format!("net.ipv6.conf.{device}.ndisc_notify=1"),
     ]
+}
+
+/// All nodes on the link: where an unsolicited neighbour advertisement goes.
+const ALL_NODES: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1);
+
+/// An unsolicited neighbour advertisement of `vip` at `mac` (RFC 4861 §4.4, §7.2.6):
+/// ICMPv6 type 136 with the override flag, so that neighbours replace the cached
+/// address of the VIP's earlier owner, and the target link-layer address option. The
+/// kernel fills in the checksum of a raw ICMPv6 socket.
+fn unsolicited_advertisement(vip: Ipv6Addr, mac: [u8; 6]) -> [u8; 32] {
+    let mut packet = [0; 32];
+    packet[0] = 136;
+    packet[4] = 0x20;
+    packet[8..24].copy_from_slice(&vip.octets());
+    // Option 2, the target link-layer address, 1 × 8 octets long.
+    packet[24] = 2;
+    packet[25] = 1;
+    packet[26..32].copy_from_slice(&mac);
+    packet
+}
+
+/// The index and the MAC address of the device that `listing` (`ip -o link show dev
+/// DEVICE`) shows.
+fn link_identity(listing: &str) -> Option<(u32, [u8; 6])> {
+    let index = listing.split(':').next()?.trim().parse().ok()?;
+    let mut words = listing.split_whitespace();
+    words.find(|word| *word == "link/ether")?;
+    let mut mac = [0; 6];
+    let mut octets = words.next()?.split(':');
+    for octet in &mut mac {
+        *octet = u8::from_str_radix(octets.next()?, 16).ok()?;
+    }
+    octets.next().is_none().then_some((index, mac))
+}
+
+/// Sends `packet` from `vip` to all nodes on the link of device `index`, with the hop
+/// limit of 255 that neighbour discovery requires.
+fn send_to_all_nodes(vip: Ipv6Addr, index: u32, packet: &[u8]) -> std::io::Result<()> {
+    use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+    let socket = Socket::new(Domain::IPV6, Type::RAW, Some(Protocol::ICMPV6))?;
+    socket.set_multicast_hops_v6(255)?;
+    socket.set_multicast_if_v6(index)?;
+    socket.bind(&SockAddr::from(SocketAddrV6::new(vip, 0, 0, index)))?;
+    socket.send_to(
+        packet,
+        &SockAddr::from(SocketAddrV6::new(ALL_NODES, 0, 0, index)),
+    )?;
+    Ok(())
 }
 
 /// The VIPs that `listing` (`ip -o address show dev DEVICE`) holds as single addresses
@@ -151,10 +200,10 @@ impl L2Device {
     }
 
     async fn announce(&self, vip: IpAddr) {
-        // IPv6: the kernel advertised the address when it was added (`ndisc_notify`).
-        if vip.is_ipv6() {
-            return;
-        }
+        let vip = match vip {
+            IpAddr::V6(vip) => return self.advertise(vip).await,
+            IpAddr::V4(_) => vip,
+        };
         match self
             .arping
             .run(&gratuitous_arp_args(vip, &self.config.device))
@@ -169,9 +218,47 @@ impl L2Device {
     }
 }
 
+impl L2Device {
+    /// An unsolicited neighbour advertisement of `vip` on the device.
+    async fn advertise(&self, vip: Ipv6Addr) {
+        let device = &self.config.device;
+        let listing = ["-o", "link", "show", "dev", device].map(str::to_owned);
+        let identity = match self.ip.run(&listing).await {
+            Ok(listing) => link_identity(&listing),
+            Err(error) => {
+                warn!(%error, %vip, "cannot read the device's address to announce a VIP");
+                return;
+            }
+        };
+        let Some((index, mac)) = identity else {
+            warn!(%vip, device, "the device has no Ethernet address: cannot announce a VIP");
+            return;
+        };
+        if let Err(error) = send_to_all_nodes(vip, index, &unsolicited_advertisement(vip, mac)) {
+            warn!(%error, %vip, "cannot announce a VIP");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unsolicited_advertisement_overrides_and_names_the_owners_address() {
+        let vip: Ipv6Addr = "2001:db8:51:100::7".parse().unwrap();
+        let packet = unsolicited_advertisement(vip, [0x8a, 0, 0x5e, 1, 2, 3]);
+        assert_eq!(packet[0], 136, "a neighbour advertisement");
+        assert_eq!(packet[4], 0x20, "override, not solicited, not a router");
+        assert_eq!(&packet[8..24], &vip.octets());
+        assert_eq!(&packet[24..32], &[2, 1, 0x8a, 0, 0x5e, 1, 2, 3]);
+        let listing = "3: eth1@if12: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 qdisc noqueue state UP mode DEFAULT group default qlen 1000\\    link/ether 8a:00:5e:01:02:03 brd ff:ff:ff:ff:ff:ff link-netns tdm1-sw";
+        assert_eq!(link_identity(listing), Some((3, [0x8a, 0, 0x5e, 1, 2, 3])));
+        assert_eq!(
+            link_identity("1: lo: <LOOPBACK> mtu 65536\\    link/loopback 00:00:00:00:00:00"),
+            None
+        );
+    }
 
     #[test]
     fn the_device_answers_for_its_own_addresses_only() {
