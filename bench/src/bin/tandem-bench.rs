@@ -43,8 +43,10 @@ enum Which {
     Dataplane,
     /// The scale curves: the node proxy and the controller at more sizes, drawn as SVG.
     Curves,
-    /// The edge cluster's store on a real 3-member etcd: create latency against redb, VIPs
-    /// handed out twice, writes lost through a killed etcd leader, leadership taken over.
+    /// The edge cluster: its store on a real 3-member etcd (create latency against redb,
+    /// VIPs handed out twice, writes lost through a killed etcd leader, leadership taken
+    /// over), then the lab's edge cluster losing edges under traffic (BGP with BFD, and
+    /// the L2 mode)
     EdgeCluster,
     /// A node where nothing changes: the node proxy's CPU per hour against kube-proxy
     /// v1.21.2 (TANDEM_KUBE_PROXY), and the repair of someone else's change.

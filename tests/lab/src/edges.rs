@@ -17,6 +17,7 @@
 //! through an etcd lease and answers ARP for it on the edge LAN, where the router reaches
 //! the whole VIP range directly.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -556,40 +557,42 @@ impl Edges {
         )
     }
 
-    /// The edges (1-based) holding a connection from `client` to `vip:port` that stays
-    /// established over three looks 200 ms apart: a long-lived connection, not one of the
-    /// short ones around it.
+    /// The edges (1-based) holding connections from `client` to `vip:port` that stay
+    /// established over three looks 200 ms apart (long-lived connections, not the short
+    /// ones around them), with how many each holds. Only connections the client has open
+    /// too count: an edge may still hold one whose client was reset elsewhere (its flow
+    /// moved to another edge), until its keep-alive probes find that out.
     pub async fn holding_long_lived(
         &self,
-        client: IpAddr,
+        client: &Host,
         vip: IpAddr,
         port: u16,
-    ) -> Result<Vec<usize>> {
-        let mut seen: Vec<std::collections::BTreeSet<String>> = Vec::new();
+    ) -> Result<BTreeMap<usize, usize>> {
+        let service = SocketAddr::new(vip, port).to_string();
+        // The local (Local:Port) or the peer (Peer:Port) column of each connection.
+        let established = |netns: &tandem_netlab::Netns, filter: [&str; 2], column: usize| {
+            let mut args = vec!["ss", "-Htn", "state", "established"];
+            args.extend(filter);
+            netns.exec_checked(args).map(|listing| {
+                listing
+                    .lines()
+                    .filter_map(|line| line.split_whitespace().nth(column).map(str::to_owned))
+                    .collect::<BTreeSet<String>>()
+            })
+        };
+        let client_ip = client.ip.to_string();
+        let mut seen: Vec<BTreeSet<String>> = Vec::new();
         for look in 0..3 {
             if look > 0 {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
+            let open = established(&client.netns, ["dst", &service], 2)?;
             for (position, host) in self.edges.iter().enumerate() {
-                let peers: std::collections::BTreeSet<String> = match host.cloud {
-                    None => Default::default(),
-                    Some(_) => host
-                        .edge
-                        .netns
-                        .exec_checked([
-                            "ss",
-                            "-Htn",
-                            "state",
-                            "established",
-                            "src",
-                            &SocketAddr::new(vip, port).to_string(),
-                            "dst",
-                            &client.to_string(),
-                        ])?
-                        .lines()
-                        .filter_map(|line| line.split_whitespace().last().map(str::to_owned))
-                        .collect(),
+                let mut peers = match host.cloud {
+                    None => BTreeSet::new(),
+                    Some(_) => established(&host.edge.netns, ["src", &service], 3)?,
                 };
+                peers.retain(|peer| peer.starts_with(&client_ip) && open.contains(peer));
                 match seen.get_mut(position) {
                     Some(kept) => kept.retain(|peer| peers.contains(peer)),
                     None => seen.push(peers),
@@ -600,8 +603,51 @@ impl Edges {
             .iter()
             .enumerate()
             .filter(|(_, peers)| !peers.is_empty())
-            .map(|(position, _)| position + 1)
+            .map(|(position, peers)| (position + 1, peers.len()))
             .collect())
+    }
+
+    /// Waits until the router has `hops` next hops for each of `vips`; returns how long
+    /// it took.
+    pub async fn wait_next_hops(
+        &self,
+        topology: &Topology,
+        vips: &[IpAddr],
+        hops: usize,
+        within: Duration,
+    ) -> Result<Duration> {
+        let started = Instant::now();
+        loop {
+            let mut all = Vec::new();
+            for &vip in vips {
+                all.push(self.router_next_hops(topology, vip)?);
+            }
+            if all.iter().all(|&h| h == hops) {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > within {
+                bail!(
+                    "the router has {all:?} next hops for {vips:?}, not {hops}, after {within:?}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Waits (up to 15 s) until an edge other than `old` owns `vip` in the L2 mode;
+    /// returns it.
+    pub async fn wait_l2_owner_other_than(&self, vip: IpAddr, old: usize) -> Result<usize> {
+        let started = Instant::now();
+        loop {
+            let owners = self.l2_owners(vip)?;
+            if let Some(&owner) = owners.iter().find(|&&o| o != old) {
+                return Ok(owner);
+            }
+            if started.elapsed() > Duration::from_secs(15) {
+                bail!("no edge but {old} owned {vip} within 15 s (owners {owners:?})");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// The API URL of edge `index`.
@@ -660,6 +706,39 @@ impl L2Looks {
             }
         }
         Ok(owners)
+    }
+}
+
+impl L2Looks {
+    /// Looks at which edges hold `vip` every 20 ms, on a thread of its own, until
+    /// stopped; an edge whose host is `lost` answers nobody, and does not count.
+    pub fn watch(self, vip: IpAddr, lost: Option<usize>) -> OwnerWatch {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let token = stop.clone();
+        let task = tokio::task::spawn_blocking(move || {
+            let mut most = 0;
+            while !token.is_cancelled() {
+                let owners = self.owners(vip).unwrap_or_default();
+                most = most.max(owners.iter().filter(|&&o| Some(o) != lost).count());
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            most
+        });
+        OwnerWatch { stop, task }
+    }
+}
+
+/// A running [`L2Looks::watch`].
+pub struct OwnerWatch {
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<usize>,
+}
+
+impl OwnerWatch {
+    /// Stops looking; the most edges seen holding the VIP at once.
+    pub async fn stop(self) -> usize {
+        self.stop.cancel();
+        self.task.await.unwrap_or(usize::MAX)
     }
 }
 

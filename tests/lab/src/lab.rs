@@ -862,6 +862,22 @@ impl Lab {
         Ok(traffic)
     }
 
+    /// Every load balancer of the cloud, by id, with its VIP: what must come through an
+    /// edge cluster's failures unchanged.
+    pub async fn load_balancer_vips(
+        &self,
+    ) -> Result<std::collections::BTreeMap<String, Option<std::net::Ipv4Addr>>> {
+        let all = self
+            .cloud
+            .list_load_balancers(&Default::default())
+            .await
+            .context("listing the load balancers")?;
+        Ok(all
+            .into_iter()
+            .map(|lb| (lb.id.clone(), lb.vip()))
+            .collect())
+    }
+
     /// A client of edge `index`'s API alone, which tries once: what that edge answers.
     pub fn edge_client(&self, index: usize) -> Result<cloud_mock_sdk::Client> {
         let token = std::fs::read_to_string(self.run_dir.join("cloud-token"))
