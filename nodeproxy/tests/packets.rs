@@ -449,11 +449,23 @@ fn internal_traffic_policy_local_keeps_cluster_ip_traffic_on_the_node() {
     let backend = Backend::Nft;
     let local_ready = endpoint(local_pod.ip.octets(), POD_PORT, &node1.name);
     let remote_ready = endpoint(remote_pod.ip.octets(), POD_PORT, &node2.name);
+    let cluster_ip = SocketAddr::from((Ipv4Addr::new(10, 43, 35, 197), 80));
     let sync = |endpoints| {
         let state = itp_local_state(endpoints);
         sync_on(node1, backend, &tandem_proxy_rules::build(&state, &config));
+        // As the node proxy does after a sync (conntrack.rs): a UDP flow's entry would
+        // keep its old endpoint, and a request whose random source port an earlier one
+        // used went to node 1's pod after it had left (ECONNREFUSED, 1 CI run in many).
+        // conntrack exits 1 when it deleted nothing.
+        let _ = node1.netns.exec([
+            "conntrack",
+            "-D",
+            "-p",
+            "udp",
+            "--orig-dst",
+            &cluster_ip.ip().to_string(),
+        ]);
     };
-    let cluster_ip = SocketAddr::from((Ipv4Addr::new(10, 43, 35, 197), 80));
     let answers = |netns: &tandem_netlab::Netns| -> Vec<String> {
         (0..REQUESTS)
             .map(|_| ask_udp(netns, cluster_ip).unwrap())
