@@ -173,14 +173,7 @@ async fn losses(lab: &mut Lab, scale: &Scale) -> Result<Vec<Row>> {
         let edge = loss % EDGES + 1;
         let cable = loss % 2 == 1;
         let traffic = start_long_lived(lab, &services, scale.long_lived, "loss").await?;
-        let held = lab
-            .edges
-            .holding_long_lived(
-                lab.topology.client_in_range(),
-                services[0].vip,
-                services[0].plan.port,
-            )
-            .await?;
+        let held = lab.edges_holding_long_lived(&services[0]).await?;
         let lost_at = Instant::now();
         if cable {
             lab.edges.set_uplink(edge, false)?;

@@ -862,6 +862,21 @@ impl Lab {
         Ok(traffic)
     }
 
+    /// The edges holding long-lived connections from the client inside the source ranges
+    /// to `service`, with how many each holds ([`Edges::holding_long_lived`]).
+    pub async fn edges_holding_long_lived(
+        &self,
+        service: &ServedService,
+    ) -> Result<std::collections::BTreeMap<usize, usize>> {
+        self.edges
+            .holding_long_lived(
+                self.topology.client_in_range(),
+                service.vip,
+                service.plan.port,
+            )
+            .await
+    }
+
     /// Every load balancer of the cloud, by id, with its VIP: what must come through an
     /// edge cluster's failures unchanged.
     pub async fn load_balancer_vips(

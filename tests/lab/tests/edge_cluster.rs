@@ -287,14 +287,7 @@ async fn kill_the_edge_of_the_long_lived_connection(
         "routed around within 1 s; only exchanges to the dead edge failed; passthrough long-lived kept",
     );
     let traffic = lab.start_traffic_through(services, "killed").await?;
-    let holding = lab
-        .edges
-        .holding_long_lived(
-            lab.topology.client_in_range(),
-            services[0].vip,
-            services[0].plan.port,
-        )
-        .await?;
+    let holding = lab.edges_holding_long_lived(&services[0]).await?;
     let edge = *holding
         .keys()
         .next()
