@@ -100,17 +100,19 @@ pub fn run(options: &BenchOptions) -> Result<Section> {
         figures: Vec::new(),
         rows,
         notes: vec![
-            "The lab with three edges behind a router (BIRD 2, ECMP with an L4 hash, BFD 3 × 100 ms, no graceful \
-             restart), their state in a 3-member etcd, passthrough flows steered by Maglev; iptables node proxies, the \
+            "The lab with three edges behind a router (BIRD 2, resilient ECMP with an L4 hash, BFD 3 × 100 ms, no \
+             graceful restart), their state in a 3-member etcd, passthrough flows steered by Maglev; iptables node proxies, the \
              edges' own listeners. Edges are lost one after another, a SIGKILL of its cloud-mock and BIRD and a cut \
              cable (its switch port down: only BFD can tell) in turn, each while long-lived connections exchange a \
              message a second through a proxy-mode and a passthrough Service beside 1 new connection a second each; \
              the lost edge is started (or plugged in) again before the next."
                 .to_owned(),
             "Routed around: from the loss until the router has no route left through the lost edge for either VIP. \
-             Proxy-mode connections end where they are proxied: those the lost edge held are lost with it, and the \
-             router's hash-threshold ECMP moves some flows between the remaining edges too when a next hop goes \
-             (Linux multipath routes are not resilient), which ends those as well."
+             Proxy-mode connections end where they are proxied: those the lost edge held are lost with it. The \
+             router installs BIRD's routes as resilient nexthop groups (128 buckets, 5 s idle timer; \
+             tests/lab/src/resilient_ecmp.rs), so a lost next hop moves only its own flows: a hash-threshold multipath \
+             route, as BIRD and FRR install it, would move some flows between the remaining edges too, and end \
+             those as well."
                 .to_owned(),
             "Flows moved by one node joining or leaving the Maglev table (16,381 slots), measured in \
              cloud-mock/dataplane/tests/maglev.rs and its unit tests: the node's own share (1/N) and under 1 % more up \

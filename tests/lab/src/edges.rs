@@ -13,7 +13,8 @@
 //! passthrough flows by Maglev, so every edge sends a flow to the same node. With
 //! `--announce bgp` each edge's BIRD exports the VIPs the edge can forward (its
 //! `--announce-table`) to the router's BIRD, which spreads the flows over the edges by
-//! ECMP and drops a silent edge by BFD. With `--announce l2` one edge owns each VIP
+//! ECMP and drops a silent edge by BFD; its routes go to resilient nexthop groups, so that
+//! only a lost edge's flows move. With `--announce l2` one edge owns each VIP
 //! through an etcd lease and answers ARP for it on the edge LAN, where the router reaches
 //! the whole VIP range directly.
 
@@ -27,6 +28,7 @@ use nix::sys::signal::Signal;
 use tandem_netlab::addr;
 use tandem_netlab::{Edge, Host, Topology};
 
+use crate::binaries;
 use crate::components::Component;
 use crate::launcher::Launcher;
 
@@ -37,6 +39,9 @@ const ETCD_CLIENT_PORT: u16 = 2379;
 const ETCD_PEER_PORT: u16 = 2380;
 /// The kernel table each edge writes the VIPs it can forward into, for its BIRD.
 const ANNOUNCE_TABLE: u32 = 100;
+/// The kernel table the router's BIRD writes its routes into, for its resilient ECMP (see
+/// [`crate::resilient_ecmp`]) to mirror into the main table.
+const ROUTER_BGP_TABLE: u32 = 200;
 /// The router's and the edges' autonomous systems.
 const ROUTER_AS: u32 = 64500;
 const EDGE_AS: u32 = 64512;
@@ -65,13 +70,14 @@ impl Announce {
 }
 
 /// BIRD 2's configuration of the router: a BGP session with BFD to each edge, and ECMP
-/// into the kernel. No graceful restart: a dead edge's routes go with its session.
+/// into a kernel table, whose routes the router's resilient ECMP installs. No graceful
+/// restart: a dead edge's routes go with its session.
 pub fn router_bird_config(edge_lan_ips: &[Ipv4Addr]) -> String {
     let mut config = format!(
         "router id {router};\n\
          protocol device {{ scan time 1; }}\n\
          protocol bfd {{ interface \"*\" {{ min rx interval 100 ms; min tx interval 100 ms; multiplier 3; }}; }}\n\
-         protocol kernel {{ ipv4 {{ import none; export all; }}; merge paths on; }}\n\
+         protocol kernel {{ kernel table {ROUTER_BGP_TABLE}; ipv4 {{ import none; export all; }}; merge paths on; }}\n\
          template bgp edge {{ local {router} as {ROUTER_AS}; bfd on; hold time 3; connect retry time 1; \
          error wait time 1, 10; ipv4 {{ import all; export none; }}; }}\n",
         router = addr::ROUTER_EDGE_LAN_IP,
@@ -157,11 +163,12 @@ pub struct EdgeSettings<'a> {
     pub logs: &'a Path,
 }
 
-/// The running edges, with the etcd and the router's BIRD of an edge cluster.
+/// The running edges, with the etcd and the router of an edge cluster.
 pub struct Edges {
     // Field order is drop order: the edges stop before the etcd they write to.
     edges: Vec<EdgeHost>,
-    router: Option<Component>,
+    /// The router's BIRD and its resilient ECMP.
+    router: Vec<Component>,
     etcd: Vec<EtcdMember>,
     announce: Option<Announce>,
     /// The switch, where each edge's cable to the edge LAN is plugged in.
@@ -183,7 +190,7 @@ impl Edges {
         let cluster = topology.edges().len() > 1;
         let mut edges = Self {
             edges: Vec::new(),
-            router: None,
+            router: Vec::new(),
             etcd: Vec::new(),
             announce: cluster.then_some(settings.announce),
             switch: topology.switch().clone(),
@@ -229,14 +236,24 @@ impl Edges {
                     ])
                     .context("routing the VIP range to the edge LAN")?;
             } else if let Some(router) = topology.router() {
-                progress("starting the router's BGP speaker (BIRD, ECMP and BFD)");
+                progress("starting the router's BGP speaker (BIRD: resilient ECMP, BFD)");
                 let lan_ips: Vec<Ipv4Addr> = topology
                     .edges()
                     .iter()
                     .filter_map(|edge| edge.uplink.as_ref().map(|(_, ip)| *ip))
                     .collect();
-                edges.router =
-                    Some(edges.bird(&router.netns, "router", &router_bird_config(&lan_ips))?);
+                let ecmp = Component::start(
+                    &router.netns,
+                    "resilient-ecmp",
+                    &binaries::locate("tandem-resilient-ecmp")?,
+                    &[format!("--source-table={ROUTER_BGP_TABLE}")],
+                    &[],
+                    &edges.logs,
+                )?;
+                edges.router = vec![
+                    ecmp,
+                    edges.bird(&router.netns, "router", &router_bird_config(&lan_ips))?,
+                ];
             }
         }
         progress(if cluster {
@@ -782,6 +799,7 @@ mod tests {
         assert!(config.contains("protocol bgp edge2 from edge { neighbor 198.19.0.12 as 64512; }"));
         assert!(config.contains("bfd on;"));
         assert!(config.contains("merge paths on"));
+        assert!(config.contains("kernel table 200;"), "{config}");
         assert!(!config.contains("graceful restart"));
         let edge = edge_bird_config(Ipv4Addr::new(198, 19, 0, 12));
         assert!(edge.contains("local 198.19.0.12 as 64512; neighbor 198.19.0.1 as 64500;"));

@@ -16,6 +16,7 @@ pub mod launcher;
 pub mod netns;
 pub mod outcome;
 pub mod report;
+pub mod resilient_ecmp;
 pub mod rules;
 pub mod scenario;
 pub mod traffic;

@@ -309,7 +309,9 @@ async fn kill_the_edge_of_the_long_lived_connection(
     Ok((outcome.finish(summaries, started), edge))
 }
 
-/// Takes edge `edge`'s link to the router down: only BFD tells the router.
+/// Takes edge `edge`'s link to the router down, then up again, under traffic: only BFD
+/// tells the router. The router's resilient ECMP moves no flow of another edge either way,
+/// so a long-lived proxy-mode connection on another edge is kept.
 async fn take_a_link_down(
     lab: &mut Lab,
     services: &[ServedService],
@@ -317,9 +319,10 @@ async fn take_a_link_down(
 ) -> Result<Outcome> {
     let started = Instant::now();
     let mut outcome = Outcome::new(LINK_DOWN, false).with_target(
-        "routed around within 1 s by BFD; only exchanges to that edge failed; passthrough long-lived kept",
+        "routed around within 1 s by BFD; only exchanges to that edge failed, also when it came back; long-lived connections on other edges kept",
     );
     let traffic = lab.start_traffic_through(services, "link-down").await?;
+    let holding = lab.edges_holding_long_lived(&services[0]).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let lost_at_ms = ms_since(&traffic);
     lab.edges.set_uplink(edge, false)?;
@@ -327,14 +330,23 @@ async fn take_a_link_down(
     if routed.is_ok() {
         tokio::time::sleep(SETTLE).await;
     }
-    let summaries = Traffic::stop_all(traffic).await;
-    // Mended once the traffic has stopped, as the killed edge is started again: the
-    // router's ECMP moves flows when the edge's next hop comes back, which resets a
-    // proxy-mode exchange in flight on another edge, and that is no loss of this edge's.
     lab.edges.set_uplink(edge, true)?;
-    let (routed, summaries) = (routed?, summaries?);
+    let back = wait_for_hops(lab, services, EDGES, BACK_WITHIN).await;
+    if back.is_ok() {
+        tokio::time::sleep(SETTLE).await;
+    }
+    let summaries = Traffic::stop_all(traffic).await;
+    let (routed, back, summaries) = (routed?, back?, summaries?);
     check_edge_loss(&mut outcome, &summaries, lost_at_ms, routed);
-    let back = wait_for_hops(lab, services, EDGES, BACK_WITHIN).await?;
+    if !holding.contains_key(&edge) {
+        outcome.check(
+            summaries[0].long_lived_kept(),
+            format!(
+                "the long-lived proxy-mode connection, on edge {holding:?}, kept: {}",
+                summaries[0].describe()
+            ),
+        );
+    }
     outcome.note(format!(
         "edge {edge}'s link down: the router dropped it {routed:.2?} after; up again: back {back:.2?} after"
     ));
