@@ -174,7 +174,8 @@ step "container images: lab end to end" env TANDEM_E2E_IMAGES="$(image_registry)
 # oldest release Tandem supports; any newer release works the same). Against a real
 # control plane in a network namespace: the controller and lab end-to-end tests, both
 # proxy modes. On a real node (kubelet, containerd, runc pods): the chart's images built
-# above, installed by Helm, traffic, upgrade and uninstall. Without TANDEM_K3S these steps
+# above, installed by Helm, traffic, upgrade and uninstall; then a cluster of three real
+# nodes. Without TANDEM_K3S these steps
 # say they are skipped and pass nothing.
 if [ -n "${TANDEM_K3S:-}" ]; then
     k3s=target/debug/tandem-k3s
@@ -200,6 +201,10 @@ if [ -n "${TANDEM_K3S:-}" ]; then
     done
     step "real cluster: the chart on a real node" env TANDEM_K3S_IMAGES=local \
         cargo test -p tandem-k3s --locked --test node -- --ignored --nocapture
+    # Three real nodes (a server and two agents, each a kubelet in a namespace of its own):
+    # pods placed on each, reaching across nodes through a cluster IP and a NodePort.
+    step "real cluster: three nodes, across nodes" \
+        cargo test -p tandem-k3s --locked --test cluster -- --ignored --nocapture
 else
     echo "=== real cluster: skipped (set TANDEM_K3S to a k3s binary to run it)"
 fi

@@ -5,12 +5,14 @@
 //! themselves skipped, never passed. `TANDEM_KUBE_PROXY` names a kube-proxy binary, whose
 //! own rules are the node proxy's reference data (`tests/dual_stack.rs`).
 
+pub mod cluster;
 pub mod control_plane;
 pub mod docs;
 pub mod node;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 /// The environment variable naming the k3s binary.
 pub const K3S_ENV: &str = "TANDEM_K3S";
@@ -56,4 +58,23 @@ pub fn kube_proxy_args(kubeconfig: &Path, hostname: &str, cluster_cidr: &str) ->
 fn binary_named_by(var: &str) -> Option<PathBuf> {
     let path = PathBuf::from(std::env::var_os(var)?);
     path.is_file().then_some(path)
+}
+
+/// Polls `f` every half second until it answers `Ok(Ok(value))`, for at most `timeout`;
+/// `Ok(Err(why))` is "not yet", and an outer `Err` ends the wait at once.
+pub fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> anyhow::Result<anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match f()? {
+            Ok(v) => return Ok(v),
+            Err(why) if Instant::now() > deadline => {
+                anyhow::bail!("{what}: not within {timeout:?}; last: {why:#}")
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    }
 }

@@ -88,12 +88,11 @@ pub enum NodeError {
         log: PathBuf,
         tail: String,
     },
-    #[error(
-        "node {node} was not Ready within {waited:?} (last seen: {last}); last lines of {log}:\n{tail}"
-    )]
+    #[error("node {node} was not {wanted} (last seen: {last}); last lines of {log}:\n{tail}")]
     NotReady {
         node: String,
-        waited: Duration,
+        /// What the node was not, and for how long it was waited for.
+        wanted: String,
         last: String,
         log: PathBuf,
         tail: String,
@@ -105,6 +104,25 @@ fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> NodeError {
     move |source| NodeError::Io { context, source }
 }
 
+/// The secret a cluster's agents join its server with (`--token` of both).
+const CLUSTER_TOKEN: &str = "tandem-k3s-cluster";
+/// The API server's port on the server node.
+const API_PORT: u16 = 6443;
+
+/// What a node runs.
+#[derive(Debug, Clone)]
+pub enum NodeRole {
+    /// `k3s server`: the API server, controller-manager and scheduler beside its own
+    /// kubelet; it writes the admin kubeconfig.
+    Server,
+    /// `k3s agent`: a kubelet and containerd that join the server at `server`, which must
+    /// be running (its admin kubeconfig, `server_kubeconfig`, is written).
+    Agent {
+        server: Ipv4Addr,
+        server_kubeconfig: PathBuf,
+    },
+}
+
 /// What node to start, and where.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -114,6 +132,8 @@ pub struct NodeConfig {
     pub netns: Netns,
     /// The Kubernetes Node name.
     pub name: String,
+    /// A cluster's server, or one of its agents.
+    pub role: NodeRole,
     /// The node's address: API server, kubelet and NodePorts.
     pub ip: Ipv4Addr,
     /// The node's pod subnet, handed out by the CNI bridge plugin (host-local IPAM); its
@@ -121,13 +141,15 @@ pub struct NodeConfig {
     pub pod_subnet: Ipv4Net,
     /// The pod bridge; an existing bridge of that name (with the gateway address) is used.
     pub bridge: String,
-    /// The API server's `--cluster-cidr`; it must contain `pod_subnet`.
+    /// The API server's `--cluster-cidr`; it must contain `pod_subnet` (an agent's is the
+    /// server's).
     pub cluster_cidr: Ipv4Net,
-    /// The API server's `--service-cidr`.
+    /// The API server's `--service-cidr` (not used by an agent).
     pub service_cidr: Ipv4Net,
     /// Docker archives imported into containerd at start; one must hold [`PAUSE_IMAGE`].
     pub images: Vec<PathBuf>,
-    /// More `k3s server` arguments, e.g. `--disable-kube-proxy`.
+    /// More `k3s server` (or `k3s agent`) arguments, e.g. `--disable-kube-proxy` (a
+    /// server's; its agents follow it).
     pub extra_args: Vec<String>,
     /// Parent of the run directories (`<base>/tandem-k3s-<pid>x<seq>`); a dead run's
     /// directory here is removed by [`K3sNode::start`].
@@ -181,6 +203,7 @@ impl K3sNode {
         // From here on a failure drops `node`, which removes what was made so far.
         node.write_files(&data, &cni_dir, &images, &containerd_dir, &sysctl_dir)?;
         create_cgroups(&node.tag)?;
+        node.masquerade_outbound()?;
         node.spawn(&data)?;
         Ok(node)
     }
@@ -213,6 +236,23 @@ impl K3sNode {
             std::os::unix::fs::symlink(&self.config.k3s, &link)
                 .map_err(io(format!("linking {}", link.display())))?;
         }
+        if let NodeRole::Agent {
+            server,
+            server_kubeconfig,
+        } = &self.config.role
+        {
+            // The server's admin kubeconfig names its API server as 127.0.0.1, which is
+            // the server's own namespace only: here it is the server's address.
+            let admin = fs::read_to_string(server_kubeconfig)
+                .map_err(io(format!("reading {}", server_kubeconfig.display())))?;
+            write(
+                self.kubeconfig.clone(),
+                &admin.replace(
+                    &format!("https://127.0.0.1:{API_PORT}"),
+                    &format!("https://{server}:{API_PORT}"),
+                ),
+            )?;
+        }
         for archive in &self.config.images {
             let name = archive.file_name().unwrap_or(OsStr::new("image.tar"));
             let target = images.join(name);
@@ -220,6 +260,38 @@ impl K3sNode {
             if fs::hard_link(archive, &target).is_err() {
                 fs::copy(archive, &target).map_err(io(format!("copying {}", archive.display())))?;
             }
+        }
+        Ok(())
+    }
+
+    /// Pods reaching out of the cluster leave with the node's address, as flannel's
+    /// masquerade has it: outside networks route no pod addresses (the cloud edge refuses
+    /// them). Traffic to the cluster's other pods keeps its source, which the bridge
+    /// plugin's own `ipMasq` would not (it spares only the node's own subnet).
+    fn masquerade_outbound(&self) -> Result<(), NodeError> {
+        let c = &self.config;
+        let (subnet, cluster) = (c.pod_subnet.trunc().to_string(), c.cluster_cidr.to_string());
+        let rule = [
+            "POSTROUTING",
+            "-s",
+            &subnet,
+            "!",
+            "-d",
+            &cluster,
+            "-m",
+            "comment",
+            "--comment",
+            "tandem-k3s: pods reaching out of the cluster",
+            "-j",
+            "MASQUERADE",
+        ];
+        let exists = c
+            .netns
+            .exec_checked([["iptables", "-w", "-t", "nat", "-C"].as_slice(), &rule].concat())
+            .is_ok();
+        if !exists {
+            c.netns
+                .exec_checked([["iptables", "-w", "-t", "nat", "-A"].as_slice(), &rule].concat())?;
         }
         Ok(())
     }
@@ -232,28 +304,37 @@ impl K3sNode {
                 .unwrap_or(1 << 16);
         let kubelet = |arg: &str| format!("--kubelet-arg={arg}");
         let flexvolume = data.join("flexvolume");
-        let mut args = vec![
-            "server".to_owned(),
+        let mut args = match &c.role {
+            NodeRole::Server => vec![
+                "server".to_owned(),
+                format!("--write-kubeconfig={}", self.kubeconfig.display()),
+                format!("--advertise-address={}", c.ip),
+                format!("--cluster-cidr={}", c.cluster_cidr),
+                format!("--service-cidr={}", c.service_cidr),
+                // The CNI configuration above is the pod network; k3s's own add-ons would
+                // need images from the internet. Agents take these from the server.
+                "--flannel-backend=none".to_owned(),
+                "--disable-network-policy".to_owned(),
+                "--disable-cloud-controller".to_owned(),
+                "--disable=traefik,servicelb,metrics-server,local-storage,coredns".to_owned(),
+                format!(
+                    "--kube-controller-manager-arg=flex-volume-plugin-dir={}",
+                    flexvolume.display()
+                ),
+            ],
+            NodeRole::Agent { server, .. } => vec![
+                "agent".to_owned(),
+                format!("--server=https://{server}:{API_PORT}"),
+            ],
+        };
+        args.extend([
+            format!("--token={CLUSTER_TOKEN}"),
             format!("--data-dir={}", data.display()),
-            format!("--write-kubeconfig={}", self.kubeconfig.display()),
             format!("--node-name={}", c.name),
             format!("--node-ip={}", c.ip),
-            format!("--advertise-address={}", c.ip),
-            format!("--cluster-cidr={}", c.cluster_cidr),
-            format!("--service-cidr={}", c.service_cidr),
-            // The CNI configuration above is the pod network; k3s's own add-ons would
-            // need images from the internet.
-            "--flannel-backend=none".to_owned(),
-            "--disable-network-policy".to_owned(),
-            "--disable-cloud-controller".to_owned(),
-            "--disable=traefik,servicelb,metrics-server,local-storage,coredns".to_owned(),
             format!("--pause-image={PAUSE_IMAGE}"),
             kubelet(&format!("root-dir={}", data.join("kubelet").display())),
             kubelet(&format!("volume-plugin-dir={}", flexvolume.display())),
-            format!(
-                "--kube-controller-manager-arg=flex-volume-plugin-dir={}",
-                flexvolume.display()
-            ),
             kubelet("cgroup-driver=cgroupfs"),
             kubelet(&format!("cgroup-root=/{}", self.tag)),
             kubelet("fail-swap-on=false"),
@@ -269,7 +350,7 @@ impl K3sNode {
                  imagefs.inodesFree<0%,nodefs.inodesFree<0%",
             ),
             kubelet("image-gc-high-threshold=100"),
-        ];
+        ]);
         args.extend(c.extra_args.iter().cloned());
 
         let log =
@@ -313,6 +394,11 @@ impl K3sNode {
     /// The node's address.
     pub fn ip(&self) -> Ipv4Addr {
         self.config.ip
+    }
+
+    /// The node's pod subnet.
+    pub fn pod_subnet(&self) -> Ipv4Net {
+        self.config.pod_subnet
     }
 
     /// The node's network namespace.
@@ -389,6 +475,35 @@ impl K3sNode {
     /// Waits until the Node reports Ready. The run directory is always new, so a Ready
     /// condition cannot be stale status of an earlier run.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<Duration, NodeError> {
+        self.wait_for_node(
+            "Ready",
+            r#"{.status.conditions[?(@.type=="Ready")].status}"#,
+            |status| status == "True",
+            timeout,
+        )
+        .map(|_| self.started.elapsed())
+    }
+
+    /// Waits until the kubelet has registered the Node.
+    pub fn wait_registered(&mut self, timeout: Duration) -> Result<(), NodeError> {
+        let name = self.config.name.clone();
+        self.wait_for_node(
+            "registered",
+            "{.metadata.name}",
+            |registered| registered == name,
+            timeout,
+        )
+        .map(drop)
+    }
+
+    /// Waits until the Node's field at `jsonpath` is `accepted`; returns it.
+    fn wait_for_node(
+        &mut self,
+        wanted: &'static str,
+        jsonpath: &str,
+        accepted: impl Fn(&str) -> bool,
+        timeout: Duration,
+    ) -> Result<String, NodeError> {
         let deadline = Instant::now() + timeout;
         let mut last = "no kubeconfig yet".to_owned();
         loop {
@@ -408,17 +523,17 @@ impl K3sNode {
                     "node",
                     &self.config.name,
                     "-o",
-                    r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+                    &format!("jsonpath={jsonpath}"),
                 ]) {
-                    Ok(status) if status.trim() == "True" => return Ok(self.started.elapsed()),
-                    Ok(status) => last = format!("Ready={}", status.trim()),
+                    Ok(value) if accepted(value.trim()) => return Ok(value.trim().to_owned()),
+                    Ok(value) => last = format!("{jsonpath} = {:?}", value.trim()),
                     Err(e) => last = e.to_string(),
                 }
             }
             if Instant::now() > deadline {
                 return Err(NodeError::NotReady {
                     node: self.config.name.clone(),
-                    waited: timeout,
+                    wanted: format!("{wanted} within {timeout:?}"),
                     last,
                     log: self.log.clone(),
                     tail: self.log_tail(30),
@@ -471,11 +586,7 @@ fn containerd_config(data: &Path, cni_dir: &Path) -> String {
 }
 
 /// The CNI configuration: a bridge with host-local addresses from `subnet`, whose first
-/// address is the bridge's.
-///
-/// The bridge plugin's ipMasq: outside networks route no pod addresses (the cloud edge
-/// refuses them), so pods reaching out (the controller calling the cloud API) leave with
-/// the node's address, as flannel's masquerade does.
+/// address is the bridge's (masquerading: [`K3sNode::masquerade_outbound`]).
 fn cni_conflist(bridge: &str, subnet: Ipv4Net, data: &Path) -> String {
     let gateway = subnet.hosts().next().unwrap_or(subnet.addr());
     CNI_CONFLIST

@@ -56,7 +56,8 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::Value;
 use tandem_common::permissions::{Permission, Scope};
 use tandem_k3s::docs::{self, DocCommand, Placeholders};
-use tandem_k3s::node::{K3sNode, NodeConfig, checked, describe, run_name, tail};
+use tandem_k3s::node::{K3sNode, NodeConfig, NodeRole, checked, describe, run_name, tail};
+use tandem_k3s::wait_for;
 use tandem_netlab::{ChildGuard, Netns, Topology};
 
 /// `local`: use the chart's images as podman's store holds them instead of running
@@ -170,6 +171,7 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
             k3s: k3s.to_path_buf(),
             netns: node_ns.netns.clone(),
             name: node_ns.name.clone(),
+            role: NodeRole::Server,
             ip: node_ns.ip,
             pod_subnet: node_ns.pod_cidr,
             bridge: "cni0".to_owned(),
@@ -1464,23 +1466,6 @@ impl Kube<'_> {
 
 /// Retries `f` until it gives `Ok(Ok(v))` or `timeout` passes; `Ok(Err(why))` means "not
 /// yet" (the last `why` is reported), `Err` ends the wait at once.
-fn wait_for<T>(
-    what: &str,
-    timeout: Duration,
-    mut f: impl FnMut() -> Result<Result<T>>,
-) -> Result<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        match f()? {
-            Ok(v) => return Ok(v),
-            Err(why) if Instant::now() > deadline => {
-                bail!("{what}: not within {timeout:?}; last: {why:#}")
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(500)),
-        }
-    }
-}
-
 struct HttpReply {
     status: u16,
     body: String,
