@@ -1,40 +1,53 @@
 //! A real cluster of three nodes (`tandem_k3s::cluster`): a k3s server and two k3s agents,
 //! each a real kubelet with containerd and runc pods in a network namespace of its own on
 //! one node network (tandem_netlab's topology: nodes 198.18.0.11-13, pod subnets
-//! 10.244.0-2.0/24 routed to their nodes), k3s's own kube-proxy serving Services.
+//! 10.244.1-3.0/24 routed to their nodes; outside client c1 at 203.0.113.10).
 //!
-//! What one node cannot show, with real pods placed on each node:
-//! - every node Ready, with the pod CIDR of its place from the real node IPAM;
+//! What one node cannot show, with real pods placed on each node, checked for each proxy
+//! on every node in turn: kube-proxy v1.21.2 (`TANDEM_KUBE_PROXY`, the reference; reported
+//! skipped without it), then Tandem's node proxy in iptables mode, then in nftables mode,
+//! each one cleaned away before the next:
 //! - a pod on node 1 reaching a Service whose endpoints are on nodes 2 and 3 through its
 //!   cluster IP, every endpoint answering, and seeing the client pod's own address (the
 //!   source kept through a cluster IP from another node's pod, which upstream's e2e test
-//!   skips on one node);
-//! - the same Service through its NodePort on node 3, from node 1's pod.
+//!   skips on one node), and through the NodePort of node 3;
+//! - hairpin on every node: a pod reaching a Service whose only endpoint is itself;
+//! - `internalTrafficPolicy: Local`: a pod is served by its own node's endpoint only, and
+//!   not at all where its node has none;
+//! - `externalTrafficPolicy: Local` from outside: only the node with the endpoint answers
+//!   its NodePort, with the client's own address, and the health check node port says
+//!   which node has one (200) and which not (503).
 //!
-//! Needs root, `TANDEM_K3S` naming a k3s binary, Debian's containerd (its runc shim),
-//! runc, containernetworking-plugins, busybox-static, conntrack, iptables and buildah (the
-//! test images). Without `--ignored` it is reported skipped; asked for without
-//! `TANDEM_K3S`, it fails.
+//! Needs root, `TANDEM_K3S` naming a k3s binary, the workspace's binaries built (`cargo
+//! build --workspace --bins`), Debian's containerd (its runc shim), runc,
+//! containernetworking-plugins, busybox-static, conntrack, iptables, nftables, curl and
+//! buildah (the test images). Without `--ignored` it is reported skipped; asked for
+//! without `TANDEM_K3S`, it fails.
 //!
 //! Run: `TANDEM_K3S=/path/to/k3s cargo test -p tandem-k3s --test cluster -- --ignored --nocapture`
 //! (logs under `target/tmp/k3s-cluster/` until the next run).
 
 use std::collections::BTreeSet;
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, ensure};
+use anyhow::{Context, Result, anyhow, bail, ensure};
 use tandem_k3s::cluster::{ClusterConfig, K3sCluster};
 use tandem_k3s::node::{K3sNode, checked};
 use tandem_k3s::wait_for;
-use tandem_netlab::Topology;
+use tandem_netlab::{ChildGuard, Netns, Topology};
 
 const NODES: usize = 3;
 const CLUSTER_CIDR: &str = "10.244.0.0/16";
 const SERVICE_CIDR: &str = "10.43.0.0/16";
-/// Requests from the client pod through each way in: enough for every endpoint to answer.
+/// `internalTrafficPolicy` is alpha in v1.21: the API server drops the field without it.
+const FEATURE_GATES: &str = "ServiceInternalTrafficPolicy=true";
+/// Requests through each way in: enough for every endpoint to answer.
 const REQUESTS: usize = 12;
+/// How long a proxy may take from its start until it serves the cluster's Services.
+const SERVES_WITHIN: Duration = Duration::from_secs(60);
 
 #[test]
 #[ignore = "needs a real k3s: TANDEM_K3S=/path/to/k3s cargo test -p tandem-k3s --test cluster -- --ignored"]
@@ -54,6 +67,7 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
     let work = base.join("work");
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work)?;
+    let nodeproxy = workspace_binary("tandem-nodeproxy")?;
 
     let images = test_images(&repo, &work.join("images"))?;
     let topology = Topology::builder()
@@ -68,16 +82,86 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
         cluster_cidr: CLUSTER_CIDR.parse()?,
         service_cidr: SERVICE_CIDR.parse()?,
         images,
-        server_args: Vec::new(),
+        // The proxies under test serve the Services, one after another.
+        server_args: vec![
+            "--disable-kube-proxy".to_owned(),
+            format!("--kube-apiserver-arg=feature-gates={FEATURE_GATES}"),
+        ],
         base_dir: base.clone(),
     })?;
     eprintln!(
         "{NODES} nodes Ready {took:.1?} after the server started; logs: {}",
         base.display()
     );
+    let pods = start_workloads(&cluster, &work)?;
+    let client = topology.client_in_range();
+
+    let mut proxies: Vec<(String, Proxy)> = Vec::new();
+    match tandem_k3s::kube_proxy_binary() {
+        Some(binary) => proxies.push((
+            "kube-proxy v1.21 (iptables)".to_owned(),
+            Proxy::KubeProxy(binary),
+        )),
+        None => eprintln!(
+            "SKIPPED: the reference run of kube-proxy ({} names no kube-proxy binary)",
+            tandem_k3s::KUBE_PROXY_ENV
+        ),
+    }
+    for mode in ["iptables", "nftables"] {
+        proxies.push((
+            format!("Tandem's node proxy, {mode} mode"),
+            Proxy::Tandem {
+                binary: nodeproxy.clone(),
+                mode,
+            },
+        ));
+    }
+    let mut failed = Vec::new();
+    for (name, proxy) in &proxies {
+        eprintln!("=== {name} on every node");
+        let running = proxy.start_everywhere(&cluster, &work)?;
+        let checks = across_nodes(&cluster, &pods, &client.netns, client.ip);
+        drop(running);
+        for (check, result) in checks {
+            match result {
+                Ok(()) => eprintln!("ok   {check}"),
+                Err(e) => {
+                    eprintln!("FAIL {check}: {e:#}");
+                    failed.push(format!("{name}: {check}: {e:#}"));
+                }
+            }
+        }
+        proxy.clean_everywhere(&cluster)?;
+    }
+    drop(cluster);
+    ensure!(
+        failed.is_empty(),
+        "{} check(s) failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+    let _ = std::fs::remove_dir_all(&work);
+    Ok(())
+}
+
+/// The cluster's pods: by name, their node and address.
+struct Pods(Vec<(String, String, String)>);
+
+impl Pods {
+    fn ip(&self, pod: &str) -> Result<&str> {
+        self.0
+            .iter()
+            .find(|(name, ..)| name == pod)
+            .map(|(_, _, ip)| ip.as_str())
+            .with_context(|| format!("no pod {pod}"))
+    }
+}
+
+/// Applies [`workloads`] and waits until every pod is Ready on its node, with an address
+/// of its node's pod subnet.
+fn start_workloads(cluster: &K3sCluster, work: &Path) -> Result<Pods> {
     let server = cluster.server();
     let names: Vec<&str> = cluster.nodes().iter().map(K3sNode::name).collect();
-
     let manifest = work.join("workloads.yaml");
     std::fs::write(&manifest, workloads(&names))?;
     wait_for(
@@ -91,6 +175,7 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
         },
     )?;
     server.kubectl(["apply", "-f", &manifest.to_string_lossy()])?;
+    let want = NODES + 1;
     let pods = wait_for(
         "every pod Ready on its node",
         Duration::from_secs(120),
@@ -112,7 +197,7 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
                     },
                 )
                 .collect();
-            Ok((ready.len() == NODES)
+            Ok((ready.len() == want)
                 .then_some(ready)
                 .ok_or_else(|| anyhow!("pods:\n{out}")))
         },
@@ -130,68 +215,290 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
             on.pod_subnet()
         );
     }
-    let client_ip = pods
-        .iter()
-        .find(|(pod, ..)| pod == "client")
-        .map(|(_, _, ip)| ip.clone())
-        .context("no client pod")?;
+    Ok(Pods(pods))
+}
 
-    let cluster_ip =
-        server.kubectl(["get", "service", "echo", "-o", "jsonpath={.spec.clusterIP}"])?;
-    let node_port = server.kubectl([
-        "get",
-        "service",
-        "echo",
-        "-o",
-        "jsonpath={.spec.ports[0].nodePort}",
-    ])?;
-    let third = cluster.nodes()[NODES - 1].ip();
-    for (way, target) in [
-        ("the cluster IP", format!("{} 80", cluster_ip.trim())),
-        (
-            "the NodePort on the third node",
-            format!("{third} {}", node_port.trim()),
-        ),
-    ] {
-        let mut answered = BTreeSet::new();
-        for _ in 0..REQUESTS {
-            let out = server.kubectl([
-                "exec",
-                "client",
-                "--",
-                "sh",
-                "-c",
-                // Static busybox's wget crashes (glibc's NSS): a request through nc.
-                &format!(r"printf 'GET /cgi-bin/echo HTTP/1.0\r\n\r\n' | nc -w 3 {target}"),
-            ])?;
-            let answer = out
-                .lines()
-                .find(|line| line.starts_with("pod="))
-                .with_context(|| format!("{way} ({target}) from the client pod: {out:?}"))?;
-            // busybox httpd listens on IPv6 and names an IPv4 client `[::ffff:A.B.C.D]`.
-            let seen = answer
-                .rsplit("client=")
-                .next()
-                .unwrap_or("")
-                .trim_matches(['[', ']'])
-                .trim_start_matches("::ffff:");
-            if way == "the cluster IP" {
+/// A proxy of every node's Services.
+enum Proxy {
+    KubeProxy(PathBuf),
+    Tandem { binary: PathBuf, mode: &'static str },
+}
+
+impl Proxy {
+    fn args(&self, node: &K3sNode) -> Vec<OsString> {
+        match self {
+            Self::KubeProxy(_) => {
+                let mut args = tandem_k3s::kube_proxy_args(
+                    &node.kube_proxy_kubeconfig(),
+                    node.name(),
+                    CLUSTER_CIDR,
+                );
+                args.push(format!("--feature-gates={FEATURE_GATES}").into());
+                args
+            }
+            Self::Tandem { mode, .. } => [
+                format!("--kubeconfig={}", node.kubeconfig().display()),
+                format!("--node-name={}", node.name()),
+                format!("--cluster-cidr={CLUSTER_CIDR}"),
+                format!("--proxy-mode={mode}"),
+                format!("--healthz-bind-address={}:10256", node.ip()),
+            ]
+            .map(OsString::from)
+            .to_vec(),
+        }
+    }
+
+    fn binary(&self) -> &Path {
+        match self {
+            Self::KubeProxy(binary) | Self::Tandem { binary, .. } => binary,
+        }
+    }
+
+    /// Starts it on every node, in the node's own mount namespace (the kubelet's xtables
+    /// lock); each is killed when the returned guards drop.
+    fn start_everywhere(&self, cluster: &K3sCluster, work: &Path) -> Result<Vec<ChildGuard>> {
+        let mut running = Vec::new();
+        for node in cluster.nodes() {
+            let name = self
+                .binary()
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy();
+            let log = std::fs::File::create(work.join(format!("{name}-{}.log", node.name())))?;
+            let mut cmd = node.command_in_node(self.binary())?;
+            cmd.args(self.args(node))
+                .stdout(log.try_clone()?)
+                .stderr(log);
+            running.push(ChildGuard::spawn(cmd)?);
+        }
+        Ok(running)
+    }
+
+    /// Removes what it wrote on every node (`--cleanup`), so the next proxy starts clean:
+    /// no Service chain may be left.
+    fn clean_everywhere(&self, cluster: &K3sCluster) -> Result<()> {
+        for node in cluster.nodes() {
+            let mut cmd = node.command_in_node(self.binary())?;
+            match self {
+                // Its exit status says nothing here: it also removes IPVS's ipsets, and
+                // fails where no `ipset` is installed, after its iptables rules are gone.
+                Self::KubeProxy(_) => {
+                    cmd.arg("--cleanup").stdin(Stdio::null());
+                    tandem_k3s::node::run(&mut cmd)?;
+                }
+                Self::Tandem { mode, .. } => {
+                    cmd.arg(format!("--proxy-mode={mode}"))
+                        .arg("--cleanup")
+                        .stdin(Stdio::null());
+                    checked(cmd).with_context(|| format!("cleaning up on {}", node.name()))?;
+                }
+            }
+            let mut save = node.command_in_node("iptables-save")?;
+            save.stdin(Stdio::null());
+            let rules = checked(save)?;
+            ensure!(
+                !rules.contains(":KUBE-SERVICES") && !rules.contains(":KUBE-SVC-"),
+                "Service chains left on {} after cleanup:\n{rules}",
+                node.name()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The checks one node cannot make, each with its outcome. The first waits for the proxy
+/// to serve.
+fn across_nodes(
+    cluster: &K3sCluster,
+    pods: &Pods,
+    client: &Netns,
+    client_ip: std::net::Ipv4Addr,
+) -> Vec<(&'static str, Result<()>)> {
+    let server = cluster.server();
+    let nodes = cluster.nodes();
+    let service = |name: &str, field: &str| -> Result<String> {
+        Ok(server
+            .kubectl(["get", "service", name, "-o", &format!("jsonpath={field}")])?
+            .trim()
+            .to_owned())
+    };
+    let mut out = Vec::new();
+    out.push((
+        "a pod on node 1 reaches the endpoints on nodes 2 and 3 through the cluster IP, keeping its address",
+        (|| {
+            let cluster_ip = service("remote", "{.spec.clusterIP}")?;
+            wait_for("the proxy serves the cluster IP", SERVES_WITHIN, || {
+                Ok(request_from_pod(server, "client", &cluster_ip, 80).map(drop))
+            })?;
+            let client_pod = pods.ip("client")?;
+            let answered = answers(REQUESTS, || {
+                let (pod, seen) = request_from_pod(server, "client", &cluster_ip, 80)?;
                 ensure!(
-                    seen == client_ip,
-                    "through {way} the echo saw another source than the client pod {client_ip}: {answer}"
+                    seen == client_pod,
+                    "the echo saw {seen}, not the client pod's {client_pod}"
+                );
+                Ok(pod)
+            })?;
+            ensure!(
+                answered == BTreeSet::from(["echo-2".to_owned(), "echo-3".to_owned()]),
+                "answered by {answered:?}"
+            );
+            Ok(())
+        })(),
+    ));
+    out.push((
+        "a pod on node 1 reaches them through the NodePort of node 3",
+        (|| {
+            let port: u16 = service("remote", "{.spec.ports[0].nodePort}")?.parse()?;
+            let third = nodes[NODES - 1].ip().to_string();
+            let answered = answers(REQUESTS, || {
+                Ok(request_from_pod(server, "client", &third, port)?.0)
+            })?;
+            ensure!(answered.len() == 2, "answered by {answered:?}");
+            Ok(())
+        })(),
+    ));
+    out.push((
+        "hairpin on every node: a pod reaches a Service whose only endpoint is itself",
+        (|| {
+            for index in 1..=NODES {
+                let pod = format!("echo-{index}");
+                let cluster_ip = service(&format!("self-{index}"), "{.spec.clusterIP}")?;
+                let (answered, _) = request_from_pod(server, &pod, &cluster_ip, 80)
+                    .with_context(|| format!("{pod} through self-{index}"))?;
+                ensure!(
+                    answered == pod,
+                    "{pod} through self-{index}: answered by {answered}"
                 );
             }
-            answered.insert(answer.split_whitespace().next().unwrap_or("").to_owned());
-        }
-        eprintln!("  {way}: answered by {answered:?}");
-        ensure!(
-            answered.len() == NODES - 1,
-            "through {way} from node 1, both endpoints (on nodes 2 and 3) answer: {answered:?}"
-        );
+            Ok(())
+        })(),
+    ));
+    out.push((
+        "internalTrafficPolicy Local: a pod is served by its own node's endpoint, and not at all on a node without one",
+        (|| {
+            let cluster_ip = service("itp-local", "{.spec.clusterIP}")?;
+            let policy = service("itp-local", "{.spec.internalTrafficPolicy}")?;
+            ensure!(policy == "Local", "the API server kept internalTrafficPolicy {policy:?}");
+            for pod in ["echo-2", "echo-3"] {
+                let answered = answers(4, || Ok(request_from_pod(server, pod, &cluster_ip, 80)?.0))?;
+                ensure!(
+                    answered == BTreeSet::from([pod.to_owned()]),
+                    "{pod} answered by {answered:?}"
+                );
+            }
+            match request_from_pod(server, "client", &cluster_ip, 80) {
+                Ok(answer) => bail!("the client pod on node 1 was answered by {answer:?}"),
+                Err(_) => Ok(()),
+            }
+        })(),
+    ));
+    out.push((
+        "externalTrafficPolicy Local from outside: only node 2's NodePort answers, with the client's address; its health check port says 200, the others 503",
+        (|| {
+            let port = service("etp-local", "{.spec.ports[0].nodePort}")?;
+            let health = service("etp-local", "{.spec.healthCheckNodePort}")?;
+            for node in nodes {
+                let url = format!("http://{}:{port}/cgi-bin/echo", node.ip());
+                let reply = curl(client, &["--max-time", "2", &url]);
+                let code = curl(
+                    client,
+                    &["--max-time", "2", "-o", "/dev/null", "-w", "%{http_code}", &format!("http://{}:{health}/", node.ip())],
+                )?;
+                if node.name() == nodes[1].name() {
+                    let reply = reply.with_context(|| url.clone())?;
+                    ensure!(
+                        reply.contains("pod=echo-2") && reply.contains(&client_ip.to_string()),
+                        "{url} answered {reply:?}, not echo-2 seeing {client_ip}"
+                    );
+                    ensure!(code == "200", "{}'s health check answered {code}", node.name());
+                } else {
+                    ensure!(reply.is_err(), "{url} answered {reply:?}: it has no local endpoint");
+                    ensure!(code == "503", "{}'s health check answered {code}", node.name());
+                }
+            }
+            Ok(())
+        })(),
+    ));
+    out
+}
+
+/// The set of what `count` calls of `request` returned.
+fn answers(count: usize, mut request: impl FnMut() -> Result<String>) -> Result<BTreeSet<String>> {
+    let mut answered = BTreeSet::new();
+    for _ in 0..count {
+        answered.insert(request()?);
     }
-    drop(cluster);
-    let _ = std::fs::remove_dir_all(&work);
-    Ok(())
+    Ok(answered)
+}
+
+/// One GET of the echo at `host:port` from `pod`: the pod that answered and the client
+/// address it saw.
+fn request_from_pod(
+    server: &K3sNode,
+    pod: &str,
+    host: &str,
+    port: u16,
+) -> Result<(String, String)> {
+    let started = Instant::now();
+    let out = server.kubectl([
+        "exec",
+        pod,
+        "--",
+        "sh",
+        "-c",
+        // Static busybox's wget crashes (glibc's NSS): a request through nc.
+        &format!(r"printf 'GET /cgi-bin/echo HTTP/1.0\r\n\r\n' | nc -w 2 {host} {port}"),
+    ])?;
+    let answer = out
+        .lines()
+        .find(|line| line.starts_with("pod="))
+        .with_context(|| {
+            format!(
+                "{pod} to {host}:{port}: no answer after {:.1?} ({out:?})",
+                started.elapsed()
+            )
+        })?;
+    parse_echo(answer)
+}
+
+/// `pod=NAME client=ADDRESS`, as the echo answers; busybox httpd listens on IPv6 and names
+/// an IPv4 client `[::ffff:A.B.C.D]`.
+fn parse_echo(answer: &str) -> Result<(String, String)> {
+    let field = |key: &str| {
+        answer
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix(key))
+            .with_context(|| format!("no {key} in {answer:?}"))
+    };
+    let seen = field("client=")?
+        .trim_matches(['[', ']'])
+        .trim_start_matches("::ffff:");
+    Ok((field("pod=")?.to_owned(), seen.to_owned()))
+}
+
+/// `curl -s ARGS` from `netns`; its output.
+fn curl(netns: &Netns, args: &[&str]) -> Result<String> {
+    let mut argv = vec!["curl", "-s"];
+    argv.extend_from_slice(args);
+    Ok(netns.exec_checked(argv)?)
+}
+
+/// A binary of the workspace's build, beside this test's executable's directory.
+fn workspace_binary(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    // target/debug/deps/cluster-HASH -> target/debug
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|dir| dir.join(name))
+        .ok_or_else(|| anyhow!("no directory above {}", exe.display()))?;
+    ensure!(
+        path.is_file(),
+        "{} is missing: run `cargo build --workspace --bins` first",
+        path.display()
+    );
+    Ok(path)
 }
 
 /// The test images (pause, echo) as docker archives in `dir`.
@@ -202,10 +509,12 @@ fn test_images(repo: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(checked(cmd)?.lines().map(PathBuf::from).collect())
 }
 
-/// An echo pod on each node but the first, a Service over them, and a client pod on the
-/// first.
+/// An echo pod on every node (`echo-N`, with a Service `self-N` over it alone), a client
+/// pod on the first, and the Services the checks use: `remote` over the echo pods of
+/// nodes 2 and 3, `itp-local` over the same with `internalTrafficPolicy: Local`, and
+/// `etp-local` over node 2's alone with `externalTrafficPolicy: Local`.
 fn workloads(nodes: &[&str]) -> String {
-    let pod = |name: &str, node: &str, labels: &str, command: &str| {
+    let pod = |name: &str, node: &str, labels: &str, extra: &str| {
         format!(
             r#"apiVersion: v1
 kind: Pod
@@ -220,7 +529,22 @@ spec:
   containers:
     - name: {name}
       image: localhost/tandem-echo:1
-      imagePullPolicy: Never{command}
+      imagePullPolicy: Never{extra}
+---
+"#
+        )
+    };
+    let service = |name: &str, selector: &str, spec: &str| {
+        format!(
+            r#"apiVersion: v1
+kind: Service
+metadata:
+  name: {name}
+  namespace: default
+spec:
+  selector: {{{selector}}}{spec}
+  ports:
+    - {{name: http, port: 80, targetPort: 8080}}
 ---
 "#
         )
@@ -231,26 +555,31 @@ spec:
         "app: client",
         "\n      command: [/bin/sleep, \"3600\"]",
     );
-    for (index, node) in nodes.iter().enumerate().skip(1) {
+    for (index, node) in nodes.iter().enumerate() {
+        let n = index + 1;
+        let remote = if n > 1 { ", remote: \"true\"" } else { "" };
         out.push_str(&pod(
-            &format!("echo-{}", index + 1),
+            &format!("echo-{n}"),
             node,
-            "app: echo",
+            &format!("app: echo, pod: echo-{n}{remote}"),
             "\n      readinessProbe: {tcpSocket: {port: 8080}, periodSeconds: 1}",
         ));
+        out.push_str(&service(
+            &format!("self-{n}"),
+            &format!("pod: echo-{n}"),
+            "",
+        ));
     }
-    out.push_str(
-        r#"apiVersion: v1
-kind: Service
-metadata:
-  name: echo
-  namespace: default
-spec:
-  type: NodePort
-  selector: {app: echo}
-  ports:
-    - {name: http, port: 80, targetPort: 8080}
-"#,
-    );
+    out.push_str(&service("remote", "remote: \"true\"", "\n  type: NodePort"));
+    out.push_str(&service(
+        "itp-local",
+        "remote: \"true\"",
+        "\n  internalTrafficPolicy: Local",
+    ));
+    out.push_str(&service(
+        "etp-local",
+        "pod: echo-2",
+        "\n  type: LoadBalancer\n  externalTrafficPolicy: Local",
+    ));
     out
 }
