@@ -37,6 +37,7 @@ use tandem_netlab::{ChildGuard, NetlabError, Netns};
 const START_SCRIPT: &str = include_str!("../node/start.sh");
 const CONTAINERD_TEMPLATE: &str = include_str!("../node/containerd-config.toml.tmpl");
 const CNI_CONFLIST: &str = include_str!("../node/cni.conflist");
+const TEST_IMAGES_SCRIPT: &str = include_str!("../node/test-images.sh");
 
 /// The pod sandbox image; `node/test-images.sh` builds it (nothing can be pulled).
 pub const PAUSE_IMAGE: &str = "localhost/pause:3.5";
@@ -594,6 +595,16 @@ fn cni_conflist(bridge: &str, subnet: Ipv4Net, data: &Path) -> String {
         .replace("@POD_SUBNET@", &subnet.trunc().to_string())
         .replace("@POD_GATEWAY@", &gateway.to_string())
         .replace("@DATA_DIR@", &data.to_string_lossy())
+}
+
+/// Builds the test images (`node/test-images.sh`: the pause image and the busybox echo)
+/// and saves them as docker archives into `dir`; returns their paths.
+pub fn build_test_images(dir: &Path) -> Result<Vec<PathBuf>, NodeError> {
+    fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+    let mut cmd = Command::new("bash");
+    cmd.args(["-c", TEST_IMAGES_SCRIPT, "test-images.sh"])
+        .arg(dir);
+    Ok(checked(cmd)?.lines().map(PathBuf::from).collect())
 }
 
 /// Runs `cmd`; its stdout on success, [`NodeError::Command`] with stderr otherwise.

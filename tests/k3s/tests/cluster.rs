@@ -30,12 +30,12 @@
 use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use tandem_k3s::cluster::{ClusterConfig, K3sCluster};
-use tandem_k3s::node::{K3sNode, checked};
+use tandem_k3s::node::{K3sNode, build_test_images, checked};
 use tandem_k3s::wait_for;
 use tandem_netlab::{ChildGuard, Netns, Topology};
 
@@ -62,14 +62,13 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
         nix::unistd::geteuid().is_root(),
         "the real-cluster test needs root (network namespaces, cgroups, mounts)"
     );
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let base = Path::new(env!("CARGO_TARGET_TMPDIR")).join("k3s-cluster");
     let work = base.join("work");
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work)?;
     let nodeproxy = workspace_binary("tandem-nodeproxy")?;
 
-    let images = test_images(&repo, &work.join("images"))?;
+    let images = build_test_images(&work.join("images"))?;
     let topology = Topology::builder()
         .nodes(NODES)
         .pods_per_node(&[0; NODES])
@@ -499,14 +498,6 @@ fn workspace_binary(name: &str) -> Result<PathBuf> {
         path.display()
     );
     Ok(path)
-}
-
-/// The test images (pause, echo) as docker archives in `dir`.
-fn test_images(repo: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
-    std::fs::create_dir_all(dir)?;
-    let mut cmd = Command::new("bash");
-    cmd.arg(repo.join("tests/k3s/node/test-images.sh")).arg(dir);
-    Ok(checked(cmd)?.lines().map(PathBuf::from).collect())
 }
 
 /// An echo pod on every node (`echo-N`, with a Service `self-N` over it alone), a client

@@ -786,10 +786,7 @@ struct SavedImages {
 /// `TANDEM_K3S_IMAGES=local`, taken as podman's store holds them) and saved from the store,
 /// each also under the upgrade's tag (its tag and [`UPGRADE_TAG_SUFFIX`]).
 fn save_images(repo: &Path, dir: &Path) -> Result<SavedImages> {
-    std::fs::create_dir_all(dir)?;
-    let mut cmd = Command::new("bash");
-    cmd.arg(repo.join("tests/k3s/node/test-images.sh")).arg(dir);
-    let mut archives: Vec<PathBuf> = checked(cmd)?.lines().map(PathBuf::from).collect();
+    let mut archives = tandem_k3s::node::build_test_images(dir)?;
     let mut names = Command::new("bash");
     names
         .arg(repo.join("scripts/images.sh"))
