@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use ipnet::Ipv4Net;
+use tandem_netlab::{NetlabError, Topology};
 
 use crate::node::{K3sNode, NodeConfig, NodeError, NodeRole};
 
@@ -19,6 +20,16 @@ use crate::node::{K3sNode, NodeConfig, NodeError, NodeRole};
 const NO_NODE_IPAM: &str = "--kube-controller-manager-arg=allocate-node-cidrs=false";
 /// How long each node may take to register, and to be Ready.
 const NODE_WITHIN: Duration = Duration::from_secs(120);
+
+/// The lab's topology for a cluster of `nodes`: the node namespaces, with no pods of the
+/// lab's own (the kubelets make them), and the outside clients.
+pub fn topology(nodes: usize) -> Result<Topology, NetlabError> {
+    Topology::builder()
+        .nodes(nodes)
+        .pods_per_node(&vec![0; nodes])
+        .without_echo()
+        .build()
+}
 
 /// What cluster to start.
 #[derive(Debug, Clone)]

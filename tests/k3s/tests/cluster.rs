@@ -37,7 +37,7 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use tandem_k3s::cluster::{ClusterConfig, K3sCluster};
 use tandem_k3s::node::{K3sNode, build_test_images, checked};
 use tandem_k3s::wait_for;
-use tandem_netlab::{ChildGuard, Netns, Topology};
+use tandem_netlab::{ChildGuard, Netns};
 
 const NODES: usize = 3;
 const CLUSTER_CIDR: &str = "10.244.0.0/16";
@@ -69,11 +69,7 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
     let nodeproxy = workspace_binary("tandem-nodeproxy")?;
 
     let images = build_test_images(&work.join("images"))?;
-    let topology = Topology::builder()
-        .nodes(NODES)
-        .pods_per_node(&[0; NODES])
-        .without_echo()
-        .build()?;
+    let topology = tandem_k3s::cluster::topology(NODES)?;
     let (cluster, took) = K3sCluster::start(ClusterConfig {
         k3s,
         nodes: topology.nodes().to_vec(),

@@ -218,11 +218,7 @@ async fn cluster(args: ClusterArgs) -> Result<ExitCode> {
     let started = tokio::task::spawn_blocking(move || -> Result<(Topology, K3sCluster)> {
         let mut images = build_test_images(&dir.join("images"))?;
         images.extend(args.images);
-        let topology = Topology::builder()
-            .nodes(nodes)
-            .pods_per_node(&vec![0; nodes])
-            .without_echo()
-            .build()?;
+        let topology = tandem_k3s::cluster::topology(nodes)?;
         let (cluster, took) = K3sCluster::start(ClusterConfig {
             k3s,
             nodes: topology.nodes().to_vec(),
