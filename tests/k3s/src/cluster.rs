@@ -47,6 +47,8 @@ pub struct ClusterConfig {
     /// More `k3s server` arguments; the agents follow the server's choices (kube-proxy,
     /// flannel).
     pub server_args: Vec<String>,
+    /// More kubelet arguments (`NAME=VALUE`), on every node.
+    pub kubelet_args: Vec<String>,
     /// Parent of the nodes' run directories.
     pub base_dir: PathBuf,
 }
@@ -85,13 +87,18 @@ impl K3sCluster {
     pub fn start(config: ClusterConfig) -> Result<(Self, Duration), ClusterError> {
         let started = Instant::now();
         let (server, agents) = config.nodes.split_first().ok_or(ClusterError::NoNodes)?;
+        let kubelet_args = config
+            .kubelet_args
+            .iter()
+            .map(|arg| format!("--kubelet-arg={arg}"));
         let node_config = |node: &tandem_netlab::Node, role: NodeRole| NodeConfig {
             extra_args: match role {
-                NodeRole::Server => {
-                    [config.server_args.clone(), vec![NO_NODE_IPAM.to_owned()]].concat()
-                }
+                NodeRole::Server => [&config.server_args[..], &[NO_NODE_IPAM.to_owned()]].concat(),
                 NodeRole::Agent { .. } => Vec::new(),
-            },
+            }
+            .into_iter()
+            .chain(kubelet_args.clone())
+            .collect(),
             k3s: config.k3s.clone(),
             netns: node.netns.clone(),
             name: node.name.clone(),

@@ -17,6 +17,11 @@
 //! - `externalTrafficPolicy: Local` from outside: only the node with the endpoint answers
 //!   its NodePort, with the client's own address, and the health check node port says
 //!   which node has one (200) and which not (503).
+//! - a node failing: node 3's cable cut while node 1 requests a Service with endpoints on
+//!   nodes 2 and 3. The node lifecycle controller marks it NotReady after the grace
+//!   configured here (12 s, heartbeats every 2 s), which takes its pod's endpoint out: the
+//!   proxy must follow within 3 s, so that no request fails after that, and must take the
+//!   endpoint back once the cable is mended, failing nothing then either.
 //!
 //! Needs root, `TANDEM_K3S` naming a k3s binary, the workspace's binaries built (`cargo
 //! build --workspace --bins`), Debian's containerd (its runc shim), runc,
@@ -46,6 +51,9 @@ const SERVICE_CIDR: &str = "10.43.0.0/16";
 const FEATURE_GATES: &str = "ServiceInternalTrafficPolicy=true";
 /// Requests through each way in: enough for every endpoint to answer.
 const REQUESTS: usize = 12;
+/// The node lifecycle controller's `--node-monitor-grace-period`: a node silent this long
+/// is NotReady.
+const NOT_READY_GRACE: Duration = Duration::from_secs(12);
 /// How long a proxy may take from its start until it serves the cluster's Services.
 const SERVES_WITHIN: Duration = Duration::from_secs(60);
 
@@ -70,6 +78,14 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
 
     let images = build_test_images(&work.join("images"))?;
     let topology = tandem_k3s::cluster::topology(NODES)?;
+    // Heartbeats every 2 s, so that the short grace above stays several of them: the lease
+    // is renewed every quarter of its duration. The lease duration has no flag.
+    let kubelet_config = work.join("kubelet.yaml");
+    std::fs::write(
+        &kubelet_config,
+        "apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\n\
+         nodeStatusUpdateFrequency: 2s\nnodeLeaseDurationSeconds: 8\n",
+    )?;
     let (cluster, took) = K3sCluster::start(ClusterConfig {
         k3s,
         nodes: topology.nodes().to_vec(),
@@ -81,7 +97,13 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
         server_args: vec![
             "--disable-kube-proxy".to_owned(),
             format!("--kube-apiserver-arg=feature-gates={FEATURE_GATES}"),
+            format!(
+                "--kube-controller-manager-arg=node-monitor-grace-period={}s",
+                NOT_READY_GRACE.as_secs()
+            ),
+            "--kube-controller-manager-arg=node-monitor-period=1s".to_owned(),
         ],
+        kubelet_args: vec![format!("config={}", kubelet_config.display())],
         base_dir: base.clone(),
     })?;
     eprintln!(
@@ -115,7 +137,11 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
     for (name, proxy) in &proxies {
         eprintln!("=== {name} on every node");
         let running = proxy.start_everywhere(&cluster, &work)?;
-        let checks = across_nodes(&cluster, &pods, &client.netns, client.ip);
+        let mut checks = across_nodes(&cluster, &pods, &client.netns, client.ip);
+        checks.push((
+            "node 3's link cut, then mended, under requests from node 1: only requests before its endpoint left failed, none after it came back",
+            node_failure(&cluster, &topology, &pods),
+        ));
         drop(running);
         for (check, result) in checks {
             match result {
@@ -416,6 +442,207 @@ fn across_nodes(
         })(),
     ));
     out
+}
+
+/// Cuts node 3's cable (its switch port down) while node 1 requests the `remote` Service
+/// (endpoints on nodes 2 and 3) through its cluster IP, one request after another, then
+/// mends it. The node lifecycle controller marks node 3 NotReady after the grace, which
+/// takes its pod's endpoint out; the proxy must follow, and must take it back in when
+/// node 3 returns. Requests sent to node 3's endpoint before it left fail, as they do
+/// with kube-proxy.
+fn node_failure(
+    cluster: &K3sCluster,
+    topology: &tandem_netlab::Topology,
+    pods: &Pods,
+) -> Result<()> {
+    let server = cluster.server();
+    let lost = &cluster.nodes()[NODES - 1];
+    let lost_pod = pods.ip(&format!("echo-{NODES}"))?.to_owned();
+    let cluster_ip = server
+        .kubectl([
+            "get",
+            "service",
+            "remote",
+            "-o",
+            "jsonpath={.spec.clusterIP}",
+        ])?
+        .trim()
+        .to_owned();
+    let port = tandem_netlab::plan::ifname::node_port(NODES);
+    let cable = |state: &str| {
+        topology
+            .switch()
+            .exec_checked(["ip", "link", "set", &port, state])
+            .map(drop)
+    };
+    let requests = Requests::start(
+        &cluster.nodes()[0],
+        &format!("http://{cluster_ip}/cgi-bin/echo"),
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let cut_at = requests.now_ms();
+    cable("down")?;
+    let outcome = (|| -> Result<(u64, u64, u64, u64)> {
+        let not_ready = wait_for("node 3 NotReady", NOT_READY_GRACE * 3, || {
+            Ok(match node_ready(server, lost.name())? {
+                false => Ok(requests.now_ms()),
+                true => Err(anyhow!("still Ready")),
+            })
+        })?;
+        let gone = wait_for(
+            "its endpoint out of the Service",
+            Duration::from_secs(30),
+            || {
+                Ok(
+                    match ready_endpoints(server, "remote")?.contains(&lost_pod) {
+                        false => Ok(requests.now_ms()),
+                        true => Err(anyhow!("{lost_pod} still ready")),
+                    },
+                )
+            },
+        )?;
+        std::thread::sleep(Duration::from_secs(3));
+        cable("up")?;
+        let mended_at = requests.now_ms();
+        let back = wait_for("its endpoint back in", Duration::from_secs(60), || {
+            Ok(
+                match ready_endpoints(server, "remote")?.contains(&lost_pod) {
+                    true => Ok(requests.now_ms()),
+                    false => Err(anyhow!("{lost_pod} not ready yet")),
+                },
+            )
+        })?;
+        std::thread::sleep(Duration::from_secs(3));
+        Ok((not_ready, gone, mended_at, back))
+    })();
+    // Mended whatever happened, so that the next proxy meets a whole cluster.
+    let mended = cable("up");
+    let sent = requests.stop();
+    let (not_ready, gone, mended_at, back) = outcome?;
+    mended?;
+    let failed: Vec<u64> = sent
+        .iter()
+        .filter(|(_, ok)| !ok)
+        .map(|(at, _)| *at)
+        .collect();
+    // A request in flight when the cable was cut may fail too.
+    let window = cut_at.saturating_sub(REQUEST_TIMEOUT_MS)..=gone + PROXY_FOLLOWS_WITHIN_MS;
+    let late: Vec<u64> = failed
+        .iter()
+        .copied()
+        .filter(|at| !window.contains(at))
+        .collect();
+    let last_failed = failed.last().copied().unwrap_or(cut_at);
+    eprintln!(
+        "  node 3's link cut: NotReady {:.1}s after (grace {NOT_READY_GRACE:?}), its endpoint out {:.1}s after, the last failed request sent {:.1}s after that; {} of {} requests failed; mended: the endpoint back {:.1}s after",
+        secs(not_ready - cut_at),
+        secs(gone - cut_at),
+        secs(last_failed.saturating_sub(gone)),
+        failed.len(),
+        sent.len(),
+        secs(back - mended_at),
+    );
+    ensure!(
+        late.is_empty(),
+        "{} requests failed outside the cut's window ({:.1}s to {:.1}s: from a request's time limit before the cut to {PROXY_FOLLOWS_WITHIN_MS} ms after the endpoint left), the first at {:?} ms",
+        late.len(),
+        secs(*window.start()),
+        secs(*window.end()),
+        &late[..late.len().min(10)]
+    );
+    Ok(())
+}
+
+/// Each request's time limit, in milliseconds.
+const REQUEST_TIMEOUT_MS: u64 = 1_000;
+/// How long a proxy may take to follow an endpoint change, in milliseconds: its minimum
+/// sync period (1 s, Tandem's and kube-proxy's), a sync, and a request's time limit.
+const PROXY_FOLLOWS_WITHIN_MS: u64 = 3_000;
+
+fn secs(ms: u64) -> f64 {
+    ms as f64 / 1000.0
+}
+
+/// Whether the Node's Ready condition is True.
+fn node_ready(server: &K3sNode, node: &str) -> Result<bool> {
+    let status = server.kubectl([
+        "get",
+        "node",
+        node,
+        "-o",
+        r#"jsonpath={.status.conditions[?(@.type=="Ready")].status}"#,
+    ])?;
+    Ok(status.trim() == "True")
+}
+
+/// The addresses of the Service's ready endpoints, as its EndpointSlices say.
+fn ready_endpoints(server: &K3sNode, service: &str) -> Result<BTreeSet<String>> {
+    let out = server.kubectl([
+        "get",
+        "endpointslices",
+        "-l",
+        &format!("kubernetes.io/service-name={service}"),
+        "-o",
+        r#"jsonpath={range .items[*].endpoints[*]}{.addresses[0]} {.conditions.ready}{"\n"}{end}"#,
+    ])?;
+    Ok(out
+        .lines()
+        .filter_map(|line| line.strip_suffix(" true"))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Requests one after another from a node's own network namespace (`curl`, each within
+/// [`REQUEST_TIMEOUT_MS`]), each recorded with when it was sent and whether it was
+/// answered, until stopped.
+struct Requests {
+    started: Instant,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(u64, bool)>>,
+}
+
+impl Requests {
+    fn start(node: &K3sNode, url: &str) -> Self {
+        let started = Instant::now();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (flag, url) = (stop.clone(), url.to_owned());
+        let mut requests = Vec::new();
+        let make = {
+            let netns = node.netns().clone();
+            move || {
+                let mut cmd = netns.command("curl");
+                cmd.args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time"])
+                    .arg(secs(REQUEST_TIMEOUT_MS).to_string())
+                    .arg(&url)
+                    .stdin(Stdio::null());
+                cmd
+            }
+        };
+        let thread = std::thread::spawn(move || {
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                let at = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+                let ok = make().output().is_ok_and(|out| out.stdout == b"200");
+                requests.push((at, ok));
+            }
+            requests
+        });
+        Self {
+            started,
+            stop,
+            thread,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Stops and returns every request: when it was sent (ms from the start), and whether
+    /// it was answered.
+    fn stop(self) -> Vec<(u64, bool)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
+    }
 }
 
 /// The set of what `count` calls of `request` returned.

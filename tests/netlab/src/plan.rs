@@ -29,6 +29,10 @@ pub mod ifname {
     pub const EDGE_LAN_BRIDGE: &str = "bredges";
     /// An edge cluster's edge's leg on the edge LAN (the single edge's is its client legs).
     pub const EDGE_UPLINK: &str = "eth1";
+    /// The switch port of node `node`'s uplink.
+    pub fn node_port(node: usize) -> String {
+        format!("n{node}")
+    }
     /// The switch port of edge `edge`'s leg on the node network.
     pub fn edge_node_port(edge: usize) -> String {
         format!("e{edge}")
@@ -342,7 +346,7 @@ pub fn node(
     use ifname::*;
     let name = prefix.node(node);
     let node_ip = addr::node_ip(node)?;
-    let switch = switch_port(&format!("n{node}"), NODE_BRIDGE, &name, UPLINK);
+    let switch = switch_port(&node_port(node), NODE_BRIDGE, &name, UPLINK);
     let uplink_v6 = match ipv6 {
         true => Some((v6::node_ip(node)?, v6::EDGE_NODE_IP)),
         false => None,

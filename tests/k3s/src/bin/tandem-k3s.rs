@@ -227,6 +227,7 @@ async fn cluster(args: ClusterArgs) -> Result<ExitCode> {
             service_cidr: "10.43.0.0/16".parse()?,
             images,
             server_args: args.server_args,
+            kubelet_args: Vec::new(),
             base_dir: dir,
         })?;
         eprintln!("tandem-k3s: {nodes} nodes Ready in {took:.1?}");
