@@ -202,8 +202,10 @@ if [ -n "${TANDEM_K3S:-}" ]; then
     step "real cluster: the chart on a real node" env TANDEM_K3S_IMAGES=local \
         cargo test -p tandem-k3s --locked --test node -- --ignored --nocapture
     # Three real nodes (a server and two agents, each a kubelet in a namespace of its own):
-    # kube-proxy, then the node proxy in each mode, on every node, across nodes.
-    step "real cluster: three nodes, kube-proxy and both proxy modes across nodes" \
+    # kube-proxy, then the node proxy in each mode, on every node, across nodes; then the
+    # chart on the same nodes, day-2 work under traffic through the edge.
+    step "real cluster: three nodes, kube-proxy, both proxy modes, the chart" \
+        env TANDEM_K3S_IMAGES=local \
         cargo test -p tandem-k3s --locked --test cluster -- --ignored --nocapture
 else
     echo "=== real cluster: skipped (set TANDEM_K3S to a k3s binary to run it)"

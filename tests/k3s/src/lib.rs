@@ -5,6 +5,7 @@
 //! themselves skipped, never passed. `TANDEM_KUBE_PROXY` names a kube-proxy binary, whose
 //! own rules are the node proxy's reference data (`tests/dual_stack.rs`).
 
+pub mod chart;
 pub mod cluster;
 pub mod control_plane;
 pub mod docs;
@@ -14,6 +15,11 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// The pod network of every cluster here: k3s's default.
+pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+/// The Service network of every cluster here: k3s's default.
+pub const SERVICE_CIDR: &str = "10.43.0.0/16";
+
 /// The environment variable naming the k3s binary.
 pub const K3S_ENV: &str = "TANDEM_K3S";
 /// The environment variable naming the kube-proxy binary.
@@ -22,6 +28,18 @@ pub const KUBE_PROXY_ENV: &str = "TANDEM_KUBE_PROXY";
 /// The k3s binary named by [`K3S_ENV`], if set and present.
 pub fn k3s_binary() -> Option<PathBuf> {
     binary_named_by(K3S_ENV)
+}
+
+/// What a real-cluster test needs before anything else: the k3s binary [`K3S_ENV`] names,
+/// and root (network namespaces, cgroups, mounts); `test` says which test asks.
+pub fn k3s_for_test(test: &str) -> anyhow::Result<PathBuf> {
+    let k3s = k3s_binary()
+        .ok_or_else(|| anyhow::anyhow!("{K3S_ENV} must name a k3s binary for the {test}"))?;
+    anyhow::ensure!(
+        nix::unistd::geteuid().is_root(),
+        "the {test} needs root (network namespaces, cgroups, mounts)"
+    );
+    Ok(k3s)
 }
 
 /// The kube-proxy binary named by [`KUBE_PROXY_ENV`], if set and present.

