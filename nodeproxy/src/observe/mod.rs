@@ -216,11 +216,8 @@ pub fn watch(
                 }
                 changed
             };
-            // The Node feeds /healthz and the zone endpoint hints are matched against,
-            // which each sync reads again.
-            let on_node = |event: watcher::Event<Node>| {
-                !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_))
-            };
+            let mut node_changes = NodeChanges::default();
+            let on_node = move |event| node_changes.record(event);
             // The same for the ServiceCIDRs: each sync reads the reflector's CIDRs again.
             let on_service_cidr = |event: watcher::Event<ServiceCIDR>| {
                 !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_))
@@ -251,6 +248,40 @@ pub fn watch(
         },
         run,
     )
+}
+
+/// Which events of this node's Node change what a sync reads of it
+/// ([`convert::SyncedNodeFields`]). Only those start a sync, as kube-proxy's node handler
+/// syncs only for changed labels: the kubelet writes the Node's status every few seconds,
+/// and a sync for each would hold the next endpoint change back by the min sync period.
+#[derive(Debug, Default)]
+struct NodeChanges {
+    /// What the last event left in the store; `None`: no Node.
+    current: Option<convert::SyncedNodeFields>,
+    /// What a relist in progress found; the store takes it at `InitDone`.
+    relisted: Option<convert::SyncedNodeFields>,
+}
+
+impl NodeChanges {
+    /// True when `event` changed what a sync reads.
+    fn record(&mut self, event: watcher::Event<Node>) -> bool {
+        let now = match event {
+            watcher::Event::Init => {
+                self.relisted = None;
+                return false;
+            }
+            watcher::Event::InitApply(node) => {
+                self.relisted = Some(convert::SyncedNodeFields::of(&node));
+                return false;
+            }
+            watcher::Event::InitDone => self.relisted.take(),
+            watcher::Event::Apply(node) => Some(convert::SyncedNodeFields::of(&node)),
+            watcher::Event::Delete(_) => None,
+        };
+        let changed = now != self.current;
+        self.current = now;
+        changed
+    }
 }
 
 /// Hands `event` to the tracker of every family (a copy to all but the last, so a node
@@ -374,7 +405,58 @@ async fn drive<K, S>(
 
 #[cfg(test)]
 mod tests {
+    use k8s_openapi::api::core::v1::{NodeSpec, NodeStatus, Taint};
+    use kube::api::ObjectMeta;
+
     use super::*;
+
+    fn node(zone: Option<&str>, taints: &[&str], heartbeat: &str) -> Node {
+        Node {
+            metadata: ObjectMeta {
+                name: Some("node-1".into()),
+                labels: zone.map(|zone| [(convert::ZONE_LABEL.to_owned(), zone.to_owned())].into()),
+                resource_version: Some(heartbeat.into()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(NodeSpec {
+                taints: Some(
+                    taints
+                        .iter()
+                        .map(|key| Taint {
+                            key: (*key).into(),
+                            effect: "NoSchedule".into(),
+                            ..Taint::default()
+                        })
+                        .collect(),
+                ),
+                ..NodeSpec::default()
+            }),
+            status: Some(NodeStatus::default()),
+        }
+    }
+
+    #[test]
+    fn only_a_change_of_the_zone_or_of_leaving_starts_a_sync() {
+        let mut changes = NodeChanges::default();
+        let leaving = tandem_common::TAINT_TO_BE_DELETED_BY_CLUSTER_AUTOSCALER;
+        assert!(!changes.record(watcher::Event::Init));
+        assert!(!changes.record(watcher::Event::InitApply(node(Some("a"), &[], "1"))));
+        assert!(changes.record(watcher::Event::InitDone), "the first list");
+        // The kubelet's status writes, and taints that do not make it leave.
+        assert!(!changes.record(watcher::Event::Apply(node(Some("a"), &[], "2"))));
+        let cordoned = node(Some("a"), &["node.kubernetes.io/unschedulable"], "3");
+        assert!(!changes.record(watcher::Event::Apply(cordoned)));
+        assert!(changes.record(watcher::Event::Apply(node(Some("b"), &[], "4"))));
+        assert!(changes.record(watcher::Event::Apply(node(Some("b"), &[leaving], "5"))));
+        // A relist that finds the same Node changes nothing; one that finds none does.
+        assert!(!changes.record(watcher::Event::Init));
+        assert!(!changes.record(watcher::Event::InitApply(node(Some("b"), &[leaving], "6"))));
+        assert!(!changes.record(watcher::Event::InitDone));
+        assert!(!changes.record(watcher::Event::Init));
+        assert!(changes.record(watcher::Event::InitDone));
+        assert!(changes.record(watcher::Event::Apply(node(None, &[], "7"))));
+        assert!(changes.record(watcher::Event::Delete(node(None, &[], "8"))));
+    }
 
     /// A client whose server answers every request with `status` and `body`.
     fn answering(status: u16, body: serde_json::Value) -> Client {

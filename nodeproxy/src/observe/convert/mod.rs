@@ -28,7 +28,10 @@ mod state;
 pub use endpointslice::{
     SERVICE_NAME_LABEL, SliceEntry, join_endpoints, port_endpoints, slice_selector,
 };
-pub use node::{NodeFacts, ZONE_LABEL, node_addresses, node_pod_cidr, node_primary_ip, node_zone};
+pub use node::{
+    NodeFacts, SyncedNodeFields, ZONE_LABEL, node_addresses, node_pod_cidr, node_primary_ip,
+    node_zone,
+};
 pub use service::{
     DEFAULT_AFFINITY_TIMEOUT_SECONDS, HEADLESS_LABEL, SERVICE_PROXY_NAME_LABEL, ServiceEntry,
     service_selector,

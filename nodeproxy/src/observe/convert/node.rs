@@ -17,6 +17,24 @@ pub fn node_zone(node: &Node) -> Option<String> {
     node.metadata.labels.as_ref()?.get(ZONE_LABEL).cloned()
 }
 
+/// What a sync reads of this node's Node: its zone ([`node_zone`]) and whether it is
+/// leaving (the `/healthz` answer, [`tandem_common::node_is_leaving`]). The kubelet's
+/// status writes, every `nodeStatusUpdateFrequency`, change neither.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncedNodeFields {
+    pub zone: Option<String>,
+    pub leaving: bool,
+}
+
+impl SyncedNodeFields {
+    pub fn of(node: &Node) -> Self {
+        Self {
+            zone: node_zone(node),
+            leaving: tandem_common::node_is_leaving(node),
+        }
+    }
+}
+
 /// The node's addresses from `status.addresses` (InternalIP and ExternalIP): what
 /// `-m addrtype --dst-type LOCAL` matches on it.
 pub fn node_addresses(node: &Node) -> Vec<IpAddr> {
