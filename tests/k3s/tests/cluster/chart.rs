@@ -310,24 +310,14 @@ impl ChartRun<'_> {
             .iter()
             .map(|vip| self.traffic(*vip))
             .collect::<Result<Vec<_>>>()?;
-        let began = Instant::now();
-        let now_ms = || u64::try_from(began.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let clock = crate::Clock::start();
         std::thread::sleep(Duration::from_secs(2));
-        let cut = now_ms();
+        let cut = clock.ms();
         crate::cable(self.topology, NODES, "down")?;
         let outcome = (|| -> Result<(u64, u64, u64, u64, u64)> {
             self.wait_backend(cloud, vips, lost.ip(), Some("unhealthy"))?;
-            let unhealthy = now_ms();
-            wait_for("node 3 NotReady", crate::NOT_READY_GRACE * 3, || {
-                Ok(
-                    match crate::node_ready(self.cluster.server(), lost.name())? {
-                        false => Ok(now_ms()),
-                        true => Err(anyhow!("still Ready")),
-                    },
-                )
-            })
-            .map(drop)?;
-            let not_ready = now_ms();
+            let unhealthy = clock.ms();
+            let not_ready = crate::wait_not_ready(self.cluster.server(), lost, clock)?;
             wait_for(
                 "no endpoint on node 3 behind web-proxy",
                 Duration::from_secs(30),
@@ -346,12 +336,12 @@ impl ChartRun<'_> {
                         .ok_or_else(|| anyhow!("ready there: {on_lost:?}")))
                 },
             )?;
-            let gone = now_ms();
+            let gone = clock.ms();
             std::thread::sleep(Duration::from_secs(3));
             crate::cable(self.topology, NODES, "up")?;
-            let mended = now_ms();
+            let mended = clock.ms();
             self.wait_backend(cloud, vips, lost.ip(), Some("healthy"))?;
-            let healthy = now_ms();
+            let healthy = clock.ms();
             std::thread::sleep(Duration::from_secs(3));
             Ok((unhealthy, not_ready, gone, mended, healthy))
         })();
@@ -370,18 +360,12 @@ impl ChartRun<'_> {
             crate::secs(gone - cut),
             crate::secs(healthy - mended_at)
         );
-        // A request in flight at the cut may fail, and one sent before the proxies
-        // followed the endpoint out.
         let in_flight = u64::try_from(TRAFFIC_TIMEOUT.as_millis()).unwrap_or(u64::MAX);
-        let window = cut.saturating_sub(in_flight)..=gone + crate::PROXY_FOLLOWS_WITHIN_MS;
         let mut problems = Vec::new();
         for summary in &summaries {
             eprintln!("  {summary}");
-            let late: Vec<u64> = summary
-                .failed_at_ms()
-                .into_iter()
-                .filter(|at| !window.contains(at))
-                .collect();
+            let (window, late) =
+                crate::failed_outside_cut(&summary.failed_at_ms(), cut, gone, in_flight);
             if !late.is_empty() {
                 problems.push(format!(
                     "{}: {} requests failed outside {:.1}s to {:.1}s, the first at {:?} ms",

@@ -480,22 +480,17 @@ fn node_failure(
         &format!("http://{cluster_ip}/cgi-bin/echo"),
     );
     std::thread::sleep(Duration::from_secs(2));
-    let cut_at = requests.now_ms();
+    let cut_at = requests.clock.ms();
     cable("down")?;
     let outcome = (|| -> Result<(u64, u64, u64, u64)> {
-        let not_ready = wait_for("node 3 NotReady", NOT_READY_GRACE * 3, || {
-            Ok(match node_ready(server, lost.name())? {
-                false => Ok(requests.now_ms()),
-                true => Err(anyhow!("still Ready")),
-            })
-        })?;
+        let not_ready = wait_not_ready(server, lost, requests.clock)?;
         let gone = wait_for(
             "its endpoint out of the Service",
             Duration::from_secs(30),
             || {
                 Ok(
                     match ready_endpoints(server, "remote")?.contains(&lost_pod) {
-                        false => Ok(requests.now_ms()),
+                        false => Ok(requests.clock.ms()),
                         true => Err(anyhow!("{lost_pod} still ready")),
                     },
                 )
@@ -503,11 +498,11 @@ fn node_failure(
         )?;
         std::thread::sleep(Duration::from_secs(3));
         cable("up")?;
-        let mended_at = requests.now_ms();
+        let mended_at = requests.clock.ms();
         let back = wait_for("its endpoint back in", Duration::from_secs(60), || {
             Ok(
                 match ready_endpoints(server, "remote")?.contains(&lost_pod) {
-                    true => Ok(requests.now_ms()),
+                    true => Ok(requests.clock.ms()),
                     false => Err(anyhow!("{lost_pod} not ready yet")),
                 },
             )
@@ -525,13 +520,7 @@ fn node_failure(
         .filter(|(_, ok)| !ok)
         .map(|(at, _)| *at)
         .collect();
-    // A request in flight when the cable was cut may fail too.
-    let window = cut_at.saturating_sub(REQUEST_TIMEOUT_MS)..=gone + PROXY_FOLLOWS_WITHIN_MS;
-    let late: Vec<u64> = failed
-        .iter()
-        .copied()
-        .filter(|at| !window.contains(at))
-        .collect();
+    let (window, late) = failed_outside_cut(&failed, cut_at, gone, REQUEST_TIMEOUT_MS);
     let last_failed = failed.last().copied().unwrap_or(cut_at);
     eprintln!(
         "  node 3's link cut: NotReady {:.1}s after (grace {NOT_READY_GRACE:?}), its endpoint out {:.1}s after, the last failed request sent {:.1}s after that; {} of {} requests failed; mended: the endpoint back {:.1}s after",
@@ -567,6 +556,53 @@ const REQUEST_TIMEOUT_MS: u64 = 1_000;
 /// How long a proxy may take to follow an endpoint change, in milliseconds: its minimum
 /// sync period (1 s, Tandem's and kube-proxy's), a sync, and a request's time limit.
 const PROXY_FOLLOWS_WITHIN_MS: u64 = 3_000;
+
+/// Milliseconds since it started: the one clock a scenario's steps and its requests are
+/// timed on.
+#[derive(Debug, Clone, Copy)]
+struct Clock(Instant);
+
+impl Clock {
+    fn start() -> Self {
+        Self(Instant::now())
+    }
+
+    fn ms(self) -> u64 {
+        u64::try_from(self.0.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+/// When `node`, cut off, was NotReady on `clock` (the node lifecycle controller's grace).
+fn wait_not_ready(server: &K3sNode, node: &K3sNode, clock: Clock) -> Result<u64> {
+    wait_for(
+        &format!("{} NotReady", node.name()),
+        NOT_READY_GRACE * 3,
+        || {
+            Ok(match node_ready(server, node.name())? {
+                false => Ok(clock.ms()),
+                true => Err(anyhow!("still Ready")),
+            })
+        },
+    )
+}
+
+/// When a request of a node's cut may fail: from a request's limit (`in_flight_ms`) before
+/// the cut, as one in flight then may, until [`PROXY_FOLLOWS_WITHIN_MS`] after its endpoint
+/// left; and the failures in `failed_at` outside that window.
+fn failed_outside_cut(
+    failed_at: &[u64],
+    cut: u64,
+    gone: u64,
+    in_flight_ms: u64,
+) -> (std::ops::RangeInclusive<u64>, Vec<u64>) {
+    let window = cut.saturating_sub(in_flight_ms)..=gone + PROXY_FOLLOWS_WITHIN_MS;
+    let late = failed_at
+        .iter()
+        .copied()
+        .filter(|at| !window.contains(at))
+        .collect();
+    (window, late)
+}
 
 fn secs(ms: u64) -> f64 {
     ms as f64 / 1000.0
@@ -605,14 +641,14 @@ fn ready_endpoints(server: &K3sNode, service: &str) -> Result<BTreeSet<String>> 
 /// [`REQUEST_TIMEOUT_MS`]), each recorded with when it was sent and whether it was
 /// answered, until stopped.
 struct Requests {
-    started: Instant,
+    clock: Clock,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: std::thread::JoinHandle<Vec<(u64, bool)>>,
 }
 
 impl Requests {
     fn start(node: &K3sNode, url: &str) -> Self {
-        let started = Instant::now();
+        let clock = Clock::start();
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (flag, url) = (stop.clone(), url.to_owned());
         let mut requests = Vec::new();
@@ -629,21 +665,17 @@ impl Requests {
         };
         let thread = std::thread::spawn(move || {
             while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-                let at = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+                let at = clock.ms();
                 let ok = make().output().is_ok_and(|out| out.stdout == b"200");
                 requests.push((at, ok));
             }
             requests
         });
         Self {
-            started,
+            clock,
             stop,
             thread,
         }
-    }
-
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     /// Stops and returns every request: when it was sent (ms from the start), and whether
