@@ -53,11 +53,7 @@ impl Observed {
     /// and the ServiceCIDR objects' CIDRs. The sync loop and `trace` both take them from
     /// here, so a trace sees the rules a sync writes.
     pub fn node_settings(&self) -> NodeSettings {
-        let zone = self
-            .node
-            .state()
-            .iter()
-            .find_map(|node| convert::node_zone(node));
+        let zone = self.synced_node_fields().and_then(|fields| fields.zone);
         let (service_cidrs, skipped) = match &self.service_cidrs {
             Some(store) => {
                 let objects = store.state();
@@ -74,10 +70,16 @@ impl Observed {
     }
 
     pub fn node_draining(&self) -> bool {
+        self.synced_node_fields()
+            .is_some_and(|fields| fields.leaving)
+    }
+
+    /// What a sync reads of this node's Node, from the store; `None`: no Node.
+    fn synced_node_fields(&self) -> Option<convert::SyncedNodeFields> {
         self.node
             .state()
-            .iter()
-            .any(|node| tandem_common::node_is_leaving(node))
+            .first()
+            .map(|node| convert::SyncedNodeFields::of(node))
     }
 
     /// Wait until every watch delivered its first full list (or `shutdown`); false when
