@@ -106,6 +106,10 @@ pub(super) fn seconds(d: Duration) -> Value {
     Value::Seconds(d.as_secs_f64())
 }
 
+pub(super) fn us(d: Duration) -> String {
+    format!("{:.0} µs", d.as_secs_f64() * 1e6)
+}
+
 pub(super) fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }

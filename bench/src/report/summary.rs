@@ -32,7 +32,7 @@ const HEADLINES: &[(&str, &str)] = &[
     ),
     (
         "Node proxy sync — nftables",
-        "one endpoint added, 2,700 LoadBalancer × 10, absolute",
+        "one endpoint added, 2,700 LoadBalancer × 10 (",
     ),
     (
         "Node proxy sync — ",
@@ -45,7 +45,7 @@ const HEADLINES: &[(&str, &str)] = &[
     ("Node proxy sync — ", "peak RSS"),
     (
         "Node proxy sync — nftables",
-        "one endpoint added, 10,000 ClusterIP × 10, absolute",
+        "one endpoint added, 10,000 ClusterIP × 10 (",
     ),
     (
         "Node proxy sync — nftables",
