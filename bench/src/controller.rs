@@ -195,6 +195,37 @@ pub struct Measured {
     /// id and for the LIST by tags the controller looks LBs up with.
     pub cloud_get_mean: Duration,
     pub cloud_list_mean: Duration,
+    /// CPU the create phase took, from the first create sent until the watch saw the
+    /// last ingress IP.
+    pub create_cpu: CreateCpu,
+}
+
+/// CPU seconds used over the create phase, per process.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CreateCpu {
+    pub controller: f64,
+    pub cloud: f64,
+    /// The bench process: the API server stand-in, and the harness's creates and watch.
+    pub apiserver_and_harness: f64,
+    /// The cores the machine offers.
+    pub cores: usize,
+}
+
+impl CreateCpu {
+    pub fn total(&self) -> f64 {
+        self.controller + self.cloud + self.apiserver_and_harness
+    }
+
+    /// How much of `elapsed` the cores were busy with these processes: 1.0 is CPU-bound
+    /// throughout, where a slower CPU lengthens the phase by as much.
+    pub fn busy_share(&self, elapsed: Duration) -> f64 {
+        let available = elapsed.as_secs_f64() * self.cores.max(1) as f64;
+        if available > 0.0 {
+            self.total() / available
+        } else {
+            0.0
+        }
+    }
 }
 
 /// Parses Prometheus text and sums `cloud_mock_http_requests_total` by (route, method).
@@ -444,6 +475,27 @@ pub fn sections(scale: &Scale, m: &Measured) -> Section {
             target: None,
         });
     }
+    let cpu = m.create_cpu;
+    let per_service_ms = |seconds: f64| seconds * 1000.0 / n as f64;
+    let busy = cpu.busy_share(m.create_total);
+    rows.extend([
+        Row {
+            what: "CPU per Service, create path (controller + cloud-mock + API server stand-in)"
+                .into(),
+            ours: Value::Seconds(cpu.total() / n as f64),
+            limit: None,
+            target: None,
+        },
+        Row {
+            what: format!(
+                "CPU-bound share of the create path (CPU seconds ÷ its time × {} cores)",
+                cpu.cores
+            ),
+            ours: Value::Count(busy),
+            limit: None,
+            target: None,
+        },
+    ]);
     let node_breakdown = breakdown(&m.node_add_cloud_calls, 1);
     let mut notes = vec![
         format!(
@@ -459,6 +511,24 @@ pub fn sections(scale: &Scale, m: &Measured) -> Section {
             scale.initial_nodes
         ),
         ideal_note,
+        format!(
+            "CPU over the create path ({:.2} s): the controller {:.2} s ({:.2} ms per \
+             Service), cloud-mock {:.2} s ({:.2} ms), the API server stand-in with the \
+             harness's creates and watch {:.2} s ({:.2} ms); {:.2} s in all on {} cores, a \
+             CPU-bound share of {:.0}%. The ideal counts only the cloud's latency: as the \
+             share nears 100%, the time follows the CPU instead, and a slower machine's \
+             ratio to the ideal grows with it.",
+            m.create_total.as_secs_f64(),
+            cpu.controller,
+            per_service_ms(cpu.controller),
+            cpu.cloud,
+            per_service_ms(cpu.cloud),
+            cpu.apiserver_and_harness,
+            per_service_ms(cpu.apiserver_and_harness),
+            cpu.total(),
+            cpu.cores,
+            busy * 100.0
+        ),
         format!(
             "Cloud calls are every route of cloud-mock's request counter but the harness's \
              own ({}). Create-path cloud calls per Service by route: {}.",
@@ -655,6 +725,12 @@ cloud_mock_load_balancers{state="active"} 10
             controller_peak_rss_mib: 40.0,
             cloud_get_mean: Duration::from_millis(21),
             cloud_list_mean: Duration::from_millis(60),
+            create_cpu: CreateCpu {
+                controller: 4.0,
+                cloud: 2.0,
+                apiserver_and_harness: 2.0,
+                cores: 2,
+            },
         }
     }
 
@@ -687,6 +763,14 @@ cloud_mock_load_balancers{state="active"} 10
         assert_eq!(row(&section, "peak RSS").met(), Some(true));
         assert_eq!(row(&section, "API server writes").met(), Some(false));
         assert!(noted(&section, "5.00 API writes per Service"));
+        // 8 CPU seconds for 2 Services, over 8 s on 2 cores: half of the time.
+        assert_eq!(row(&section, "CPU per Service").ours, Value::Seconds(4.0));
+        assert_eq!(row(&section, "CPU-bound share").ours, Value::Count(0.5));
+        assert!(noted(
+            &section,
+            "the controller 4.00 s (2000.00 ms per Service)"
+        ));
+        assert!(noted(&section, "a CPU-bound share of 50%"));
 
         let mut woken = measured(1.0, 0.0, 2);
         woken.unrelated_writes_cloud_calls =

@@ -3,6 +3,7 @@
 //! run (these machines are noisy), next to the target it is held to.
 
 pub mod controller;
+mod cpu;
 pub mod curves;
 pub mod dataplane;
 pub mod edgecluster;

@@ -21,10 +21,11 @@ use tandem_controller::provider::{TAG_CLUSTER_ID, TAG_SERVICE_UID};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
+use crate::cpu::cpu_seconds;
 use crate::nodeproxy::rss::vm_hwm_kib;
 
 use super::{
-    LB_COLLECTION, LB_ITEM, Measured, RouteCounts, Scale, cloud_calls, counts_delta,
+    CreateCpu, LB_COLLECTION, LB_ITEM, Measured, RouteCounts, Scale, cloud_calls, counts_delta,
     parse_request_counts,
 };
 
@@ -376,6 +377,7 @@ pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
     let rv_before = resource_version()?;
     let events_before = events.list(&ListParams::default()).await?.items.len();
     let names: Vec<String> = (0..scale.services).map(|i| format!("svc-{i:04}")).collect();
+    let cpu_before = cpu_split(&controller, &cloud)?;
     let burst_start = Instant::now();
     let created: Vec<(String, Instant)> = futures::stream::iter(names.iter().cloned())
         .map(|name| {
@@ -400,6 +402,7 @@ pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
                 controller_log.display()
             )
         })???;
+    let cpu_after = cpu_split(&controller, &cloud)?;
     let last_ingress = seen.values().max().copied().unwrap_or(burst_start);
     let time_to_ingress = created
         .iter()
@@ -538,7 +541,25 @@ pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
         controller_peak_rss_mib,
         cloud_get_mean,
         cloud_list_mean,
+        create_cpu: CreateCpu {
+            controller: cpu_after[0] - cpu_before[0],
+            cloud: cpu_after[1] - cpu_before[1],
+            apiserver_and_harness: cpu_after[2] - cpu_before[2],
+            cores: std::thread::available_parallelism().map_or(1, usize::from),
+        },
     })
+}
+
+/// CPU seconds used so far by the controller, by cloud-mock, and by this process (the API
+/// server stand-in and the harness), each apart.
+fn cpu_split(controller: &Child, cloud: &Child) -> anyhow::Result<[f64; 3]> {
+    let of = |child: &Child, what: &str| {
+        cpu_seconds(child.id().with_context(|| format!("{what} has exited"))?)
+    };
+    let (controller, cloud) = (of(controller, "the controller")?, of(cloud, "cloud-mock")?);
+    // This process's tree holds both children.
+    let all = cpu_seconds(std::process::id())?;
+    Ok([controller, cloud, (all - controller - cloud).max(0.0)])
 }
 
 /// LBs of `lbs` whose backends include `ip`: the cloud's `health` list names each backend
