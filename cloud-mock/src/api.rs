@@ -388,7 +388,7 @@ fn check_writable(caller: &Caller, tags: &BTreeMap<String, String>) -> Result<()
 }
 
 /// The load balancer `id`, if `caller` may see it.
-fn visible_lb(state: &AppState, caller: &Caller, id: &str) -> Option<StoredLoadBalancer> {
+fn visible_lb(state: &AppState, caller: &Caller, id: &str) -> Option<Arc<StoredLoadBalancer>> {
     state
         .store
         .get(id)

@@ -8,6 +8,7 @@
 //! stopped. Transitions are conditional in the store, so a former leader that still
 //! makes one changes nothing twice.
 
+use std::borrow::Borrow;
 use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -46,14 +47,14 @@ pub struct Transitions {
 /// Decides which lifecycle changes are due at `now_ms`. Load balancers the data plane
 /// could not realise (`unrealised`) stay provisioning.
 pub fn plan_transitions(
-    lbs: &[StoredLoadBalancer],
+    lbs: &[impl Borrow<StoredLoadBalancer>],
     now_ms: u64,
     delay: Duration,
     unrealised: &BTreeSet<String>,
 ) -> Transitions {
     let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
     let mut plan = Transitions::default();
-    for lb in lbs {
+    for lb in lbs.iter().map(Borrow::borrow) {
         let due = lb.state_since_ms.saturating_add(delay_ms);
         let target = match lb.state {
             State::Provisioning if !unrealised.contains(&lb.id) => &mut plan.activate,
@@ -70,9 +71,13 @@ pub fn plan_transitions(
 }
 
 /// Load balancers per state, in the order of [`STATES`].
-fn count_states(lbs: &[StoredLoadBalancer]) -> [i64; 3] {
+fn count_states(lbs: &[impl Borrow<StoredLoadBalancer>]) -> [i64; 3] {
     STATES.map(|state| {
-        i64::try_from(lbs.iter().filter(|lb| lb.state == state).count()).unwrap_or(i64::MAX)
+        let count = lbs
+            .iter()
+            .filter(|lb| (*lb).borrow().state == state)
+            .count();
+        i64::try_from(count).unwrap_or(i64::MAX)
     })
 }
 

@@ -172,7 +172,7 @@ pub struct NodePoolWrite {
 /// Every load balancer and node pool, read in one transaction.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Snapshot {
-    pub load_balancers: Vec<StoredLoadBalancer>,
+    pub load_balancers: Vec<Arc<StoredLoadBalancer>>,
     pub node_pools: BTreeMap<String, StoredNodePool>,
 }
 
@@ -359,8 +359,10 @@ impl Store {
             .collect()
     }
 
-    pub fn get(&self, id: &str) -> Option<StoredLoadBalancer> {
-        self.state().state.load_balancer(id).cloned()
+    /// The load balancer `id`, shared with the store: held reads take it again on every
+    /// change of the store.
+    pub fn get(&self, id: &str) -> Option<Arc<StoredLoadBalancer>> {
+        self.state().state.shared_load_balancer(id).cloned()
     }
 
     /// Every load balancer, ordered by id.
@@ -372,7 +374,7 @@ impl Store {
     pub fn snapshot(&self) -> Snapshot {
         let cached = self.state();
         Snapshot {
-            load_balancers: cached.state.load_balancers().cloned().collect(),
+            load_balancers: cached.state.shared_load_balancers().cloned().collect(),
             node_pools: cached.state.node_pools().clone(),
         }
     }

@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 
@@ -46,7 +47,10 @@ impl Change {
 /// Every record of the store, and what is derived from them.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct State {
-    load_balancers: BTreeMap<String, StoredLoadBalancer>,
+    /// Shared, so that a snapshot of every load balancer (each lifecycle pass, each
+    /// list) copies pointers, not records: at 10,000 that copy was an eighth of
+    /// cloud-mock's CPU under a create burst.
+    load_balancers: BTreeMap<String, Arc<StoredLoadBalancer>>,
     holders: BTreeMap<IpAddr, VipHolders>,
     idempotency_keys: BTreeMap<String, String>,
     node_pools: BTreeMap<String, StoredNodePool>,
@@ -75,10 +79,19 @@ impl State {
     }
 
     pub fn load_balancer(&self, id: &str) -> Option<&StoredLoadBalancer> {
-        self.load_balancers.get(id)
+        self.load_balancers.get(id).map(AsRef::as_ref)
     }
 
     pub fn load_balancers(&self) -> impl Iterator<Item = &StoredLoadBalancer> {
+        self.load_balancers.values().map(AsRef::as_ref)
+    }
+
+    pub fn shared_load_balancer(&self, id: &str) -> Option<&Arc<StoredLoadBalancer>> {
+        self.load_balancers.get(id)
+    }
+
+    /// Every load balancer, shared with the state.
+    pub fn shared_load_balancers(&self) -> impl Iterator<Item = &Arc<StoredLoadBalancer>> {
         self.load_balancers.values()
     }
 
@@ -124,7 +137,7 @@ impl State {
             load_balancers: self
                 .load_balancers
                 .iter()
-                .map(|(id, lb)| (id.clone(), Some(lb.clone())))
+                .map(|(id, lb)| (id.clone(), Some(StoredLoadBalancer::clone(lb))))
                 .collect(),
             holders: self
                 .holders
@@ -152,11 +165,11 @@ impl State {
                     if let Some(pool) = &lb.spec.node_pool {
                         self.references.insert((pool.clone(), id.clone()));
                     }
-                    self.load_balancers.insert(id.clone(), lb)
+                    self.load_balancers.insert(id.clone(), Arc::new(lb))
                 }
                 None => self.load_balancers.remove(&id),
             };
-            let old_pool = old.and_then(|old| old.spec.node_pool);
+            let old_pool = old.and_then(|old| old.spec.node_pool.clone());
             let new_pool = self
                 .load_balancers
                 .get(&id)

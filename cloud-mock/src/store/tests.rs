@@ -45,7 +45,7 @@ impl SyncStore {
     }
 
     fn get(&self, id: &str) -> Result<Option<StoredLoadBalancer>, StoreError> {
-        Ok(self.store.get(id))
+        Ok(self.store.get(id).as_deref().cloned())
     }
 
     fn list(&self) -> Result<Vec<StoredLoadBalancer>, StoreError> {
