@@ -824,7 +824,7 @@ fn a_new_load_balancer_on_a_bound_port_is_served_without_a_reload_and_rebuilt_fr
 /// the IPv4 one; a second IPv6 VIP on it is a map entry of that frontend.
 #[test]
 fn ipv6_vips_have_a_frontend_of_their_own_family() {
-    in_own_netns('6', "ipv6", |dir| async move {
+    in_own_netns('i', "ipv6", |dir| async move {
         let vips: [IpAddr; 2] = [
             "2001:db8:51:100::7".parse().unwrap(),
             "2001:db8:51:100::8".parse().unwrap(),

@@ -66,7 +66,7 @@ fn proxy_mode_forwards_tcp_and_udp_from_an_ipv6_vip_to_ipv6_backends() {
     if !is_root() {
         return;
     }
-    let lab = Lab::create('6');
+    let lab = Lab::create('v');
     let tcp = [
         bind_in(&lab.node, NODE6_A, 30080),
         bind_in(&lab.node, NODE6_B, 30080),
@@ -181,7 +181,7 @@ fn passthrough_routes_an_ipv6_vip_over_the_nodes_ipv6_addresses() {
     if !is_root() {
         return;
     }
-    let lab = Lab::create('7');
+    let lab = Lab::create('w');
     let vip = vip6(0x21);
     // The node takes the VIP's packets unchanged (as kube-proxy's rules would).
     ip(&[

@@ -41,7 +41,8 @@ pub fn ip(args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-/// An edge and a node namespace joined by a veth; deleted on drop, also on panic.
+/// An edge and a node namespace joined by a veth, `tdmdp<pid><test>e` and `…n`; deleted on
+/// drop, also on panic.
 pub struct Lab {
     pub edge: String,
     pub node: String,
@@ -49,6 +50,12 @@ pub struct Lab {
 
 impl Lab {
     pub fn create(test: char) -> Self {
+        // A digit would read as part of the pid, and another test's sweep of stale
+        // namespaces would delete this one's as a dead process's.
+        assert!(
+            test.is_ascii_alphabetic(),
+            "a test's tag is a letter, not {test:?}"
+        );
         remove_stale_namespaces();
         let pid = std::process::id();
         let lab = Self {
@@ -97,6 +104,10 @@ pub struct Namespaces {
 
 impl Namespaces {
     pub fn create(tag: &str, hosts: &[&str]) -> Self {
+        assert!(
+            tag.starts_with(|c: char| c.is_ascii_alphabetic()),
+            "a test's tag starts with a letter, not {tag:?}"
+        );
         remove_stale_namespaces();
         let mut namespaces = Self {
             prefix: format!("{PREFIX}{}{tag}-", std::process::id()),
