@@ -2,29 +2,50 @@
 
 use anyhow::Context as _;
 
-/// CPU seconds `pid` and its descendants have used: its own and its waited-for
-/// children's (`/proc/PID/stat`'s utime, stime, cutime and cstime), and those of the
-/// descendants still running (a restore in flight has not been waited for yet).
-pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
-    let mut stats = Vec::new();
-    for entry in std::fs::read_dir("/proc").context("listing /proc")? {
-        let Ok(entry) = entry else { continue };
-        if entry.file_name().to_string_lossy().parse::<u32>().is_err() {
-            continue;
+/// Every process's CPU time, read from /proc at one moment.
+pub struct CpuTimes {
+    /// `/proc/PID/stat` lines.
+    stats: Vec<String>,
+    ticks_per_second: f64,
+}
+
+impl CpuTimes {
+    pub fn read() -> anyhow::Result<Self> {
+        let mut stats = Vec::new();
+        for entry in std::fs::read_dir("/proc").context("listing /proc")? {
+            let Ok(entry) = entry else { continue };
+            if entry.file_name().to_string_lossy().parse::<u32>().is_err() {
+                continue;
+            }
+            // A process that exits meanwhile is in its parent's waited-for time, or gone.
+            if let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) {
+                stats.push(stat);
+            }
         }
-        // A process that exits meanwhile is in its parent's waited-for time, or gone.
-        if let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) {
-            stats.push(stat);
-        }
+        let ticks_per_second = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .filter(|ticks| *ticks > 0)
+            .unwrap_or(100);
+        Ok(Self {
+            stats,
+            ticks_per_second: ticks_per_second as f64,
+        })
     }
-    let ticks = tree_ticks(pid, &stats)
-        .with_context(|| format!("/proc/{pid}/stat is gone or malformed"))?;
-    let per_second = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .filter(|ticks| *ticks > 0)
-        .unwrap_or(100);
-    Ok(ticks as f64 / per_second as f64)
+
+    /// CPU seconds `pid` and its descendants had used: its own and its waited-for
+    /// children's (`/proc/PID/stat`'s utime, stime, cutime and cstime), and those of the
+    /// descendants still running (a restore in flight has not been waited for yet).
+    pub fn seconds(&self, pid: u32) -> anyhow::Result<f64> {
+        let ticks = tree_ticks(pid, &self.stats)
+            .with_context(|| format!("/proc/{pid}/stat is gone or malformed"))?;
+        Ok(ticks as f64 / self.ticks_per_second)
+    }
+}
+
+/// [`CpuTimes::seconds`] of `pid`, read now.
+pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    CpuTimes::read()?.seconds(pid)
 }
 
 /// The clock ticks of `root` and its live descendants among `stats` (`/proc/*/stat`

@@ -21,7 +21,7 @@ use tandem_controller::provider::{TAG_CLUSTER_ID, TAG_SERVICE_UID};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
-use crate::cpu::cpu_seconds;
+use crate::cpu::CpuTimes;
 use crate::nodeproxy::rss::vm_hwm_kib;
 
 use super::{
@@ -551,14 +551,15 @@ pub async fn measure(scale: &Scale) -> anyhow::Result<Measured> {
 }
 
 /// CPU seconds used so far by the controller, by cloud-mock, and by this process (the API
-/// server stand-in and the harness), each apart.
+/// server stand-in and the harness), each apart, read at one moment.
 fn cpu_split(controller: &Child, cloud: &Child) -> anyhow::Result<[f64; 3]> {
+    let times = CpuTimes::read()?;
     let of = |child: &Child, what: &str| {
-        cpu_seconds(child.id().with_context(|| format!("{what} has exited"))?)
+        times.seconds(child.id().with_context(|| format!("{what} has exited"))?)
     };
     let (controller, cloud) = (of(controller, "the controller")?, of(cloud, "cloud-mock")?);
     // This process's tree holds both children.
-    let all = cpu_seconds(std::process::id())?;
+    let all = times.seconds(std::process::id())?;
     Ok([controller, cloud, (all - controller - cloud).max(0.0)])
 }
 
