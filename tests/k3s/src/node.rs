@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use ipnet::Ipv4Net;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use tandem_netlab::{ChildGuard, NetlabError, Netns};
+use tandem_netlab::{ChildGuard, NetlabError, Netns, Recipients};
 
 const START_SCRIPT: &str = include_str!("../node/start.sh");
 const CONTAINERD_TEMPLATE: &str = include_str!("../node/containerd-config.toml.tmpl");
@@ -549,7 +549,7 @@ impl K3sNode {
     /// cgroup subtrees and the run directory's data; the logs stay. Idempotent.
     pub fn stop(&mut self) {
         if let Some(mut guard) = self.k3s.take() {
-            if guard.signal(Signal::SIGTERM).is_ok() {
+            if guard.signal(Signal::SIGTERM, Recipients::Group).is_ok() {
                 let deadline = Instant::now() + STOP_GRACE;
                 while Instant::now() < deadline && matches!(guard.try_wait(), Ok(None)) {
                     std::thread::sleep(Duration::from_millis(200));

@@ -7,7 +7,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use tandem_netlab::{ChildGuard, NetlabError, Netns};
+use tandem_netlab::{ChildGuard, NetlabError, Netns, Recipients};
 
 use crate::images::{ContainerGuard, ContainerRun};
 
@@ -133,8 +133,9 @@ impl Component {
         matches!(self.guard.try_wait(), Ok(None))
     }
 
-    /// Sends `signal` and waits up to `grace` for the process to exit; what is left then is
-    /// killed when the component drops. Returns how long the process took to exit, or
+    /// Sends `signal` to the process alone, as a service manager does (its children, such
+    /// as an edge's HAProxy, are its to stop), and waits up to `grace` for it to exit; what
+    /// is left then is killed when the component drops. Returns how long the process took to exit, or
     /// `None` when it did not within `grace`.
     pub async fn stop(
         mut self,
@@ -143,7 +144,7 @@ impl Component {
     ) -> Result<Option<Duration>, ComponentError> {
         let start = Instant::now();
         self.guard
-            .signal(signal)
+            .signal(signal, Recipients::Leader)
             .map_err(|source| ComponentError::Signal {
                 name: self.name.clone(),
                 source,

@@ -48,7 +48,7 @@ pub use cleanup::{list_netns, remove_netns, remove_stale_namespaces};
 pub use echo::{EchoClient, EchoReply, echo_binary, http_get_in, udp_request_in};
 pub use error::NetlabError;
 pub use naming::{RunPrefix, owner_pid};
-pub use netns::{ChildGuard, Netns};
+pub use netns::{ChildGuard, Netns, Recipients};
 pub use relay::{
     ApiBridge, Relay, RelayError, RelayPlan, bridge_api_server, plan_relay, write_kubeconfig,
 };

@@ -6,7 +6,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 
 use nix::sched::CloneFlags;
-use nix::sys::signal::{Signal, killpg};
+use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 
 use crate::error::NetlabError;
@@ -186,6 +186,17 @@ pub(crate) fn checked_stdout(command: String, output: Output) -> Result<String, 
     }
 }
 
+/// Who [`ChildGuard::signal`] reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recipients {
+    /// The started process alone, as a service manager stops a service (kubelet signals a
+    /// container's first process; systemd's `KillMode=mixed` the main one): it stops its
+    /// own children in its own time.
+    Leader,
+    /// Every process of its group.
+    Group,
+}
+
 /// A process started in its own process group; dropping the guard kills the whole group
 /// (SIGKILL) and reaps the process.
 #[derive(Debug)]
@@ -237,15 +248,19 @@ impl ChildGuard {
         Ok(status)
     }
 
-    /// Sends `signal` to the whole process group.
-    pub fn signal(&self, signal: Signal) -> Result<(), NetlabError> {
+    /// Sends `signal` to the leader alone or to its whole process group.
+    pub fn signal(&self, signal: Signal, to: Recipients) -> Result<(), NetlabError> {
         if self.reaped {
             return Err(NetlabError::Sys {
                 context: format!("signalling `{}` after it exited", self.command),
                 source: nix::errno::Errno::ESRCH,
             });
         }
-        killpg(self.pgid(), signal).map_err(|source| NetlabError::Sys {
+        match to {
+            Recipients::Leader => kill(self.pgid(), signal),
+            Recipients::Group => killpg(self.pgid(), signal),
+        }
+        .map_err(|source| NetlabError::Sys {
             context: format!("signalling `{}`", self.command),
             source,
         })
